@@ -1,0 +1,3 @@
+"""pd-transfer: a transfer sidecar for prefill/decode disaggregated LLM serving."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,114 @@
+"""The ``pd-transfer`` command line.
+
+Exit codes are part of the interface:
+
+    0  success (for ``check``: the two configs are reconcilable)
+    1  the configs cannot be reconciled (every mismatch is printed)
+    2  invalid input: unreadable file, unknown preset, bad value (one line per
+       problem, naming the field)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from pd_transfer import __version__
+from pd_transfer.errors import PdTransferError
+from pd_transfer.reports import check_report, plan_report
+from pd_transfer.worker_config import load_worker_config
+
+EXIT_OK = 0
+EXIT_REJECTED = 1
+EXIT_INVALID = 2
+
+_DESCRIPTION = """\
+pd-transfer moves KV cache and Mamba/linear-attention state from prefill
+workers to decode workers, across different tensor-parallel sizes and memory
+layouts, and refuses loudly (before any traffic) when the two sides cannot be
+reconciled.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pd-transfer", description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="exit codes: 0 ok, 1 not reconcilable, 2 invalid input")
+    parser.add_argument("--version", action="version", version=f"pd-transfer {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    check = sub.add_parser(
+        "check", help="reconcile two worker configs offline and print the verdicts",
+        description="Build every rank's registration from a prefill and a decode worker "
+                    "config, reconcile them as the sidecars would, and print for every rank "
+                    "pair that must talk the verdict per pool and the size of the plan for a "
+                    "sample request (descriptors, byte runs, bytes), or every mismatch.",
+        epilog="exit codes: 0 reconcilable, 1 not reconcilable, 2 invalid input")
+    _add_pair_args(check)
+    check.set_defaults(handler=_cmd_check)
+
+    plan = sub.add_parser(
+        "plan", help="print the detailed transfer plan of one rank pair",
+        description="Like check, then print the first descriptors of the plan between one "
+                    "prefill rank and one decode rank.")
+    _add_pair_args(plan)
+    plan.add_argument("--decode-rank", type=int, default=0, metavar="N",
+                      help="decode attention-TP rank to plan for (default 0)")
+    plan.add_argument("--limit", type=int, default=12, metavar="N",
+                      help="descriptors to print per pool (default 12)")
+    plan.set_defaults(handler=_cmd_plan)
+    return parser
+
+
+def _add_pair_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill", required=True, metavar="FILE",
+                        help="prefill worker config (TOML, see configs/)")
+    parser.add_argument("--decode", required=True, metavar="FILE",
+                        help="decode worker config (TOML, see configs/)")
+    parser.add_argument("--tokens", type=_positive_int, default=4096, metavar="N",
+                        help="tokens in the sample request used to size the plan (default 4096)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _load_pair(args: argparse.Namespace):
+    return load_worker_config(args.prefill), load_worker_config(args.decode)
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    prefill, decode = _load_pair(args)
+    text, ok = check_report(prefill, decode, args.tokens)
+    print(text)
+    return EXIT_OK if ok else EXIT_REJECTED
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    prefill, decode = _load_pair(args)
+    text, ok = plan_report(prefill, decode, args.tokens, args.decode_rank, args.limit)
+    print(text)
+    return EXIT_OK if ok else EXIT_REJECTED
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except PdTransferError as err:
+        print(f"pd-transfer: error: {err}", file=sys.stderr)
+        return EXIT_INVALID
+
+
+if __name__ == "__main__":
+    sys.exit(main())

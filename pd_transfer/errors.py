@@ -1,0 +1,146 @@
+"""Exception tree for pd-transfer, with stable reason codes.
+
+Every error the project raises on purpose derives from :class:`PdTransferError`
+and carries a ``code`` from :class:`Reason`. The code is stable: it is the
+``reason`` label on failure metrics and travels on the wire, so renaming one is
+a protocol change.
+
+    PdTransferError                 base; .code, .hint
+    ├── ConfigError                 a config file, preset or CLI value is invalid
+    ├── GeometryError               a registration is malformed on its own
+    │                               (view outside its region, bad shard range)
+    ├── ReconcileError              two registrations cannot be reconciled;
+    │                               .mismatches lists every difference found
+    ├── PlanError                   a transfer request cannot be planned
+    │                               (index counts differ, index out of range)
+    └── LayoutError                 an operation needs a layout the views lack
+                                    (page-granular copies on strided pages)
+
+This module imports nothing from the rest of the package.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+
+class Reason(enum.Enum):
+    """Stable reason codes. The value is what goes on the wire and in metrics."""
+
+    DTYPE_MISMATCH = "dtype_mismatch"
+    INNER_SHAPE_MISMATCH = "inner_shape_mismatch"
+    AXES_MISMATCH = "axes_mismatch"
+    GLOBAL_EXTENT_MISMATCH = "global_extent_mismatch"
+    PAGE_SIZE_MISMATCH = "page_size_mismatch"
+    SHARD_NOT_DIVISIBLE = "shard_not_divisible"
+    SHARD_RANGE_INVALID = "shard_range_invalid"
+    SHARD_GROUPS_MISMATCH = "shard_groups_mismatch"
+    SHARD_GROUPS_MISSING = "shard_groups_missing"
+    SHARD_METADATA_MISSING = "shard_metadata_missing"
+    REPLICATION_MISMATCH = "replication_mismatch"
+    SHARD_UNCOVERED = "shard_uncovered"
+    LAYER_MISSING = "layer_missing"
+    TENSOR_DUPLICATE = "tensor_duplicate"
+    INDEX_COUNT_MISMATCH = "index_count_mismatch"
+    INDEX_OUT_OF_RANGE = "index_out_of_range"
+    INDEX_NOT_PAGE_ALIGNED = "index_not_page_aligned"
+    VIEW_OUT_OF_REGION = "view_out_of_region"
+    UNKNOWN_REGION = "unknown_region"
+    BAD_VIEW = "bad_view"
+    LAYOUT_UNSUPPORTED = "layout_unsupported"
+    INVALID_CONFIG = "invalid_config"
+    UNKNOWN_PRESET = "unknown_preset"
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One difference between two sides, e.g. ``kv.layer[3].k.dtype``."""
+
+    path: str
+    code: Reason
+    prefill: Any
+    decode: Any
+    hint: str = ""
+
+    def render(self) -> str:
+        return f"{self.path}: prefill={_show(self.prefill)} decode={_show(self.decode)}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "code": self.code.value,
+            "prefill": _show(self.prefill),
+            "decode": _show(self.decode),
+            "hint": self.hint,
+        }
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "<missing>"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(str(v) for v in value) + "]"
+    return str(value)
+
+
+class PdTransferError(Exception):
+    """Base class. ``code`` is a :class:`Reason`; ``hint`` says how to fix it."""
+
+    default_code = Reason.INVALID_CONFIG
+
+    def __init__(self, message: str, *, code: Reason | None = None, hint: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code or self.default_code
+        self.hint = hint
+
+    def __str__(self) -> str:
+        if self.hint:
+            return f"{self.message}\n  hint: {self.hint}"
+        return self.message
+
+
+class ConfigError(PdTransferError):
+    default_code = Reason.INVALID_CONFIG
+
+
+class GeometryError(PdTransferError):
+    default_code = Reason.BAD_VIEW
+
+
+class PlanError(PdTransferError):
+    default_code = Reason.INDEX_COUNT_MISMATCH
+
+
+class LayoutError(PdTransferError):
+    default_code = Reason.LAYOUT_UNSUPPORTED
+
+
+class ReconcileError(PdTransferError):
+    """Two registrations cannot be reconciled. Lists *every* mismatch found."""
+
+    default_code = Reason.DTYPE_MISMATCH
+
+    def __init__(self, headline: str, mismatches: list[Mismatch]) -> None:
+        self.headline = headline
+        self.mismatches = list(mismatches)
+        hints = _unique(m.hint for m in self.mismatches if m.hint)
+        lines = [f"{headline}: {len(self.mismatches)} mismatch"
+                 + ("es" if len(self.mismatches) != 1 else "")]
+        lines += [f"  - {m.render()}  [{m.code.value}]" for m in self.mismatches]
+        lines += [f"  hint: {h}" for h in hints]
+        code = self.mismatches[0].code if self.mismatches else self.default_code
+        super().__init__("\n".join(lines), code=code)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _unique(items: Any) -> list[str]:
+    seen: list[str] = []
+    for item in items:
+        if item not in seen:
+            seen.append(item)
+    return seen

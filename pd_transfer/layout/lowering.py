@@ -1,0 +1,203 @@
+"""Lowering block copies to strided descriptors and byte runs, vectorised.
+
+A block copy is ``src_view[src_idx, ..., a:a+n, ...] -> dst_view[dst_idx, ...,
+b:b+n, ...]``: the same logical sub-tensor at two strided places. Lowering:
+
+1. Merge the innermost axes that are contiguous on *both* sides into one run
+   of ``nbytes`` (start from one element; absorb an axis whose stride equals
+   the run length on both sides; repeat).
+2. The next axis (smallest destination stride) becomes the descriptor's
+   ``count`` with its source and destination strides: one descriptor
+   ``(src_offset, dst_offset, nbytes, count, src_stride, dst_stride)`` per
+   remaining position. Engines that take strided descriptors use them as
+   they are; :meth:`RunBatch.byte_runs` expands them to plain byte runs.
+3. Enumerate the remaining axes and the index list with numpy broadcasting,
+   never a Python loop per page or token.
+4. Merge consecutive descriptors that continue each other on both sides
+   (consecutive pages of a contiguous pool become one run).
+
+Units (one tensor pair and one shard piece) with the same structure share one
+computed pattern; each only adds its base offsets. Pure numpy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Iterator
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RunBatch:
+    """Descriptors from one source region to one destination region.
+
+    Descriptor ``i`` copies ``count[i]`` pieces of ``nbytes[i]`` bytes; piece
+    ``j`` goes from ``src_offset[i] + j * src_stride`` to ``dst_offset[i] + j *
+    dst_stride``. Where ``count`` is 1 the strides are unused. Offsets are
+    bytes from the start of the region.
+    """
+
+    src_region: str
+    dst_region: str
+    src_offset: np.ndarray
+    dst_offset: np.ndarray
+    nbytes: np.ndarray
+    count: np.ndarray
+    src_stride: int
+    dst_stride: int
+
+    @property
+    def num_descriptors(self) -> int:
+        return len(self.src_offset)
+
+    @property
+    def num_runs(self) -> int:
+        return int(self.count.sum())
+
+    @property
+    def total_nbytes(self) -> int:
+        return int(np.dot(self.nbytes, self.count))
+
+    def byte_runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Plain ``(src_offset, dst_offset, nbytes)`` runs, one per piece."""
+        if self.num_descriptors == 0 or int(self.count.max()) == 1:
+            return self.src_offset, self.dst_offset, self.nbytes
+        owner = np.repeat(np.arange(self.num_descriptors), self.count)
+        first = np.cumsum(self.count) - self.count
+        step = np.arange(len(owner), dtype=np.int64) - np.repeat(first, self.count)
+        return (self.src_offset[owner] + step * self.src_stride,
+                self.dst_offset[owner] + step * self.dst_stride,
+                self.nbytes[owner])
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """Everything one source rank writes into one destination rank."""
+
+    src_rank: str
+    dst_rank: str
+    batches: tuple[RunBatch, ...]
+
+    @cached_property
+    def num_descriptors(self) -> int:
+        return sum(b.num_descriptors for b in self.batches)
+
+    @cached_property
+    def num_runs(self) -> int:
+        return sum(b.num_runs for b in self.batches)
+
+    @cached_property
+    def total_nbytes(self) -> int:
+        return sum(b.total_nbytes for b in self.batches)
+
+    def byte_runs(self) -> Iterator[tuple[str, str, np.ndarray, np.ndarray, np.ndarray]]:
+        for batch in self.batches:
+            yield (batch.src_region, batch.dst_region) + batch.byte_runs()
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One block copy, minus its index lists.
+
+    ``axes`` holds ``(extent, src_stride, dst_stride)`` for every non-index
+    axis; ``index_strides`` the index axis' strides on both sides.
+    """
+
+    src_region: str
+    dst_region: str
+    src_base: int
+    dst_base: int
+    itemsize: int
+    axes: tuple[tuple[int, int, int], ...]
+    index_strides: tuple[int, int]
+    pool: object
+
+    @property
+    def signature(self) -> tuple:
+        return (self.pool, self.itemsize, self.axes, self.index_strides)
+
+
+@dataclass(frozen=True)
+class _Pattern:
+    rel_src: np.ndarray
+    rel_dst: np.ndarray
+    nbytes: np.ndarray
+    count: np.ndarray
+    src_stride: int
+    dst_stride: int
+
+
+def lower(src_rank: str, dst_rank: str, units: list[Unit],
+          indices: dict[object, tuple[np.ndarray, np.ndarray]]) -> TransferPlan:
+    """Lower ``units`` for the index lists of their pools into a plan."""
+    by_signature: dict[tuple, list[Unit]] = {}
+    for unit in units:
+        by_signature.setdefault(unit.signature, []).append(unit)
+    batches: list[RunBatch] = []
+    for group in by_signature.values():
+        first = group[0]
+        src_idx, dst_idx = indices[first.pool]
+        pattern = _pattern(first, src_idx, dst_idx)
+        src_base = np.fromiter((u.src_base for u in group), np.int64, len(group))
+        dst_base = np.fromiter((u.dst_base for u in group), np.int64, len(group))
+        src_offsets = src_base[:, None] + pattern.rel_src[None, :]
+        dst_offsets = dst_base[:, None] + pattern.rel_dst[None, :]
+        for row, unit in enumerate(group):
+            batches.append(RunBatch(unit.src_region, unit.dst_region, src_offsets[row],
+                                    dst_offsets[row], pattern.nbytes, pattern.count,
+                                    pattern.src_stride, pattern.dst_stride))
+    return TransferPlan(src_rank, dst_rank, tuple(batches))
+
+
+def _pattern(unit: Unit, src_idx: np.ndarray, dst_idx: np.ndarray) -> _Pattern:
+    run_nbytes = unit.itemsize
+    rest = [a for a in unit.axes if a[0] > 1]
+    merged = True
+    while merged:  # absorb axes contiguous on both sides into the run
+        merged = False
+        for axis in rest:
+            if axis[1] == run_nbytes and axis[2] == run_nbytes:
+                run_nbytes *= axis[0]
+                rest.remove(axis)
+                merged = True
+                break
+    if rest:
+        count_axis = min(rest, key=lambda a: (a[2], a[1]))
+        rest.remove(count_axis)
+        count, src_stride, dst_stride = count_axis
+    else:
+        count, src_stride, dst_stride = 1, run_nbytes, run_nbytes
+    combo_src = np.zeros(1, np.int64)
+    combo_dst = np.zeros(1, np.int64)
+    for extent, s_stride, d_stride in sorted(rest, key=lambda a: -a[2]):
+        steps = np.arange(extent, dtype=np.int64)
+        combo_src = (combo_src[:, None] + steps * s_stride).ravel()
+        combo_dst = (combo_dst[:, None] + steps * d_stride).ravel()
+    rel_src = (src_idx * unit.index_strides[0])[:, None] + combo_src[None, :]
+    rel_dst = (dst_idx * unit.index_strides[1])[:, None] + combo_dst[None, :]
+    return _merge(rel_src.ravel(), rel_dst.ravel(), run_nbytes, count, src_stride, dst_stride)
+
+
+def _merge(rel_src: np.ndarray, rel_dst: np.ndarray, run_nbytes: int, count: int,
+           src_stride: int, dst_stride: int) -> _Pattern:
+    """Join descriptors that continue each other on both sides."""
+    n = len(rel_src)
+    if n > 1:
+        breaks = ((rel_src[1:] - rel_src[:-1]) != count * src_stride) \
+            | ((rel_dst[1:] - rel_dst[:-1]) != count * dst_stride)
+        starts = np.flatnonzero(np.concatenate(([True], breaks)))
+    else:
+        starts = np.arange(n)
+    if len(starts) == n:
+        counts = np.full(n, count, np.int64)
+    else:
+        counts = np.diff(np.append(starts, n)) * count
+        rel_src, rel_dst = rel_src[starts], rel_dst[starts]
+    if src_stride == run_nbytes and dst_stride == run_nbytes:
+        # contiguous on both sides: a count of pieces is one longer run
+        return _Pattern(rel_src, rel_dst, counts * run_nbytes, np.ones(len(counts), np.int64),
+                        run_nbytes, run_nbytes)
+    return _Pattern(rel_src, rel_dst, np.full(len(counts), run_nbytes, np.int64), counts,
+                    src_stride, dst_stride)

@@ -1,0 +1,99 @@
+"""Planning one (source rank, destination rank) transfer.
+
+:func:`plan_pair` takes an accepted :class:`Reconciliation`, the two ranks and
+the request's index lists per pool (pages for KV and SWA, slots for Mamba
+state, rows for aux), checks the index lists (equal counts, inside both
+pools: never truncated), turns every tensor pair and shard piece into a block
+copy and lowers them all into one :class:`TransferPlan`.
+
+Pure; no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from pd_transfer.errors import PlanError, Reason
+from pd_transfer.layout.geometry import RankGeometry
+from pd_transfer.layout.lowering import TransferPlan, Unit, lower
+from pd_transfer.layout.reconcile import Reconciliation
+from pd_transfer.layout.sharding import Piece
+from pd_transfer.layout.views import AxisRole, Pool, TensorView
+
+IndexPair = tuple[np.ndarray, np.ndarray]
+
+_ITEM_WORD = {Pool.KV: "page", Pool.SWA: "page", Pool.MAMBA: "slot", Pool.AUX: "row"}
+
+
+def plan_pair(reconciliation: Reconciliation, src: RankGeometry, dst: RankGeometry,
+              requests: Mapping[Pool, IndexPair]) -> TransferPlan:
+    """The plan for what ``src`` writes into ``dst`` for one request."""
+    reconciliation.raise_if_rejected()
+    indices = check_indices(requests, src, dst)
+    units: list[Unit] = []
+    for dst_view in dst.views:
+        if dst_view.pool not in indices:
+            continue
+        src_view = src.view(dst_view.key)
+        if src_view is None:
+            continue
+        for piece in reconciliation.pieces(dst_view.key, dst).get(src.rank_id, ()):
+            units.append(block_unit(src_view, dst_view, piece))
+    return lower(src.rank_id, dst.rank_id, units, indices)
+
+
+def check_indices(requests: Mapping[Pool, IndexPair], src: RankGeometry,
+                  dst: RankGeometry) -> dict[Pool, IndexPair]:
+    """Validate index lists per pool; raise :class:`PlanError` naming the pool."""
+    checked: dict[Pool, IndexPair] = {}
+    for pool, (src_raw, dst_raw) in requests.items():
+        src_idx = np.asarray(src_raw, dtype=np.int64).reshape(-1)
+        dst_idx = np.asarray(dst_raw, dtype=np.int64).reshape(-1)
+        word = _ITEM_WORD.get(pool, "index")
+        if len(src_idx) != len(dst_idx):
+            raise PlanError(
+                f"{pool.value}: prefill sends {len(src_idx)} {word}(s) but decode expects "
+                f"{len(dst_idx)}; the request is refused rather than truncated",
+                code=Reason.INDEX_COUNT_MISMATCH,
+                hint=f"allocate as many destination {word}s as the source sends")
+        for geometry, idx, side in ((src, src_idx, "prefill"), (dst, dst_idx, "decode")):
+            _check_range(pool, geometry, idx, side, word)
+        checked[pool] = (src_idx, dst_idx)
+    return checked
+
+
+def _check_range(pool: Pool, geometry: RankGeometry, idx: np.ndarray, side: str, word: str) -> None:
+    counts = [v.index_count for v in geometry.views if v.pool is pool]
+    if not counts or len(idx) == 0:
+        return
+    limit = min(counts)
+    low, high = int(idx.min()), int(idx.max())
+    if low < 0 or high >= limit:
+        bad = low if low < 0 else high
+        raise PlanError(
+            f"{pool.value}: {side} {word} index {bad} is outside {geometry.rank_id}'s pool "
+            f"of {limit} {word}s", code=Reason.INDEX_OUT_OF_RANGE,
+            hint=f"{word} indices must be in [0, {limit})")
+
+
+def block_unit(src: TensorView, dst: TensorView, piece: Piece) -> Unit:
+    """The block copy of ``piece`` of the shard axis, as a lowering unit."""
+    src_base, dst_base = src.offset_nbytes, dst.offset_nbytes
+    src_shard = src.axis_index(AxisRole.SHARD)
+    if src_shard is not None:
+        src_base += piece.src_start * src.strides_nbytes[src_shard]
+        dst_base += piece.dst_start * dst.strides_nbytes[dst.axis_index(AxisRole.SHARD)]
+    axes = []
+    src_index = src.axis_index(AxisRole.INDEX)
+    for i, axis in enumerate(src.axes):
+        if i == src_index:
+            continue
+        j = dst.axis_named(axis.name)
+        extent = piece.length if i == src_shard else dst.shape[j]
+        axes.append((extent, src.strides_nbytes[i], dst.strides_nbytes[j]))
+    index_strides = (src.strides_nbytes[src_index],
+                     dst.strides_nbytes[dst.axis_index(AxisRole.INDEX)])
+    return Unit(src.region, dst.region, src_base, dst_base, src.itemsize, tuple(axes),
+                index_strides, src.pool)

@@ -1,0 +1,296 @@
+"""Reconciliation: can these prefill ranks feed these decode ranks, and how?
+
+:func:`reconcile` pairs tensors by key ``(pool, layer_id, name)``, never by
+position, compares every pair, and returns a :class:`Reconciliation`: one
+:class:`TensorVerdict` per pair (``direct``, ``sliced``, ``replicated`` or
+``converted``) or, when anything cannot be reconciled, *every* mismatch with
+both sides' values, a stable reason code and a hint. Nothing degrades
+silently: a tensor is never copied as a whole item when its slicing metadata is
+missing and the sizes differ, index lists are never truncated.
+
+Pure; no I/O. Uses :mod:`sharding` for the rank mapping.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from pd_transfer.errors import GeometryError, Mismatch, Reason, ReconcileError
+from pd_transfer.layout.geometry import RankGeometry, check_geometry
+from pd_transfer.layout.sharding import Holder, Piece, assign_pieces
+from pd_transfer.layout.views import AxisRole, Layout, Pool, TensorView, canonical_range
+from pd_transfer.layout import diagnostics
+
+
+class Mode(enum.Enum):
+    DIRECT = "direct"          # identical geometry: copy items as they are
+    SLICED = "sliced"          # different TP on a sharded axis: copy parts of it
+    REPLICATED = "replicated"  # every source rank holds it: one elected writer
+    CONVERTED = "converted"    # same data, different strides or layout
+
+
+@dataclass(frozen=True)
+class TensorVerdict:
+    key: tuple
+    path: str
+    mode: Mode
+    layout_changed: bool
+    prefill_layout: Layout
+    decode_layout: Layout
+
+
+@dataclass(frozen=True)
+class Reconciliation:
+    prefill: tuple[RankGeometry, ...]
+    decode: tuple[RankGeometry, ...]
+    verdicts: tuple[TensorVerdict, ...]
+    mismatches: tuple[Mismatch, ...]
+    _holders: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    @property
+    def headline(self) -> str:
+        return (f"cannot reconcile prefill (attn_tp={_tp(self.prefill)}) with decode "
+                f"(attn_tp={_tp(self.decode)})")
+
+    def error(self) -> ReconcileError:
+        return ReconcileError(self.headline, diagnostics.collapse(list(self.mismatches)))
+
+    def raise_if_rejected(self) -> None:
+        if self.mismatches:
+            raise self.error()
+
+    def pieces(self, key: tuple, dst: RankGeometry) -> dict[str, tuple[Piece, ...]]:
+        """Per source rank id, what of ``key`` it writes into ``dst``."""
+        view = dst.view(key)
+        holders = self._holders.get(key, ())
+        if view is None or not holders:
+            return {}
+        pieces, _ = assign_pieces(holders, view.shard, dst.tp_rank, _local_extent(view))
+        return pieces
+
+    def sources_for(self, dst: RankGeometry) -> list[str]:
+        """Prefill rank ids ``dst`` needs (each writes some piece it needs)."""
+        needed: set[str] = set()
+        for view in dst.views:
+            needed.update(self.pieces(view.key, dst))
+        return [g.rank_id for g in self.prefill if g.rank_id in needed]
+
+    def modes_by_pool(self) -> dict[Pool, dict[Mode, int]]:
+        summary: dict[Pool, dict[Mode, int]] = defaultdict(lambda: defaultdict(int))
+        for verdict in self.verdicts:
+            summary[verdict.key[0]][verdict.mode] += 1
+        return {pool: dict(modes) for pool, modes in summary.items()}
+
+
+def reconcile(prefill: list[RankGeometry] | RankGeometry,
+              decode: list[RankGeometry] | RankGeometry,
+              *, require_all_prefill_layers: bool = True) -> Reconciliation:
+    """Reconcile prefill ranks with decode ranks; see the module docstring.
+
+    ``require_all_prefill_layers`` False skips the check that every prefill
+    tensor has a decode counterpart: a single decode rank of a pipelined
+    decode instance registers only its own stage.
+    """
+    prefill = (prefill,) if isinstance(prefill, RankGeometry) else tuple(prefill)
+    decode = (decode,) if isinstance(decode, RankGeometry) else tuple(decode)
+    mismatches = _geometry_mismatches(prefill, decode)
+    holders = _holders_by_key(prefill)
+    decode_views = _views_by_key(decode)
+    verdicts: list[TensorVerdict] = []
+    for key, views in decode_views.items():
+        if key not in holders:
+            mismatches.append(_missing(views[0], Reason.LAYER_MISSING, decode_side=True))
+            continue
+        src = _view_of(prefill, key, holders[key][0])
+        pair_mismatches = _compare(src, views[0], _tp(prefill), _tp(decode))
+        if not pair_mismatches:
+            pair_mismatches = _coverage(holders[key], views, decode)
+        mismatches += pair_mismatches
+        if not pair_mismatches:
+            verdicts.append(_verdict(src, views[0], _tp(prefill), _tp(decode)))
+    if require_all_prefill_layers:
+        for key, key_holders in holders.items():
+            if key not in decode_views:
+                mismatches.append(_missing(_view_of(prefill, key, key_holders[0]),
+                                           Reason.LAYER_MISSING, decode_side=False))
+    return Reconciliation(prefill, decode, tuple(verdicts), tuple(mismatches), holders)
+
+
+# -- helpers ------------------------------------------------------------------
+
+def _tp(ranks: tuple[RankGeometry, ...]) -> int:
+    return ranks[0].tp_size if ranks else 0
+
+
+def _local_extent(view: TensorView) -> int:
+    extent = view.extent(AxisRole.SHARD)
+    return 1 if extent is None else extent
+
+
+def _geometry_mismatches(prefill, decode) -> list[Mismatch]:
+    found = []
+    for side, ranks in (("prefill", prefill), ("decode", decode)):
+        sizes = {g.tp_size for g in ranks}
+        if len(sizes) > 1:
+            found.append(Mismatch(f"{side}.attn_tp_size", Reason.SHARD_RANGE_INVALID,
+                                  sorted(sizes) if side == "prefill" else "-",
+                                  sorted(sizes) if side == "decode" else "-",
+                                  "every rank of one instance must report the same attn_tp_size"))
+        for geometry in ranks:
+            try:
+                check_geometry(geometry)
+            except GeometryError as err:
+                text = err.message.replace("\n", " ")
+                found.append(Mismatch(geometry.rank_id, err.code,
+                                      text if side == "prefill" else "-",
+                                      text if side == "decode" else "-",
+                                      "fix the worker's registration"))
+    return found
+
+
+def _holders_by_key(prefill) -> dict[tuple, tuple[Holder, ...]]:
+    holders: dict[tuple, list[Holder]] = defaultdict(list)
+    for geometry in prefill:
+        for view in geometry.views:
+            holders[view.key].append(Holder(geometry.rank_id, geometry.tp_rank, view.shard))
+    return {k: tuple(v) for k, v in holders.items()}
+
+
+def _views_by_key(ranks) -> dict[tuple, list[TensorView]]:
+    views: dict[tuple, list[TensorView]] = defaultdict(list)
+    for geometry in ranks:
+        for view in geometry.views:
+            views[view.key].append(view)
+    return dict(views)
+
+
+def _view_of(ranks, key: tuple, holder: Holder) -> TensorView:
+    for geometry in ranks:
+        if geometry.rank_id == holder.rank_id:
+            return geometry.view(key)
+    raise KeyError(holder.rank_id)
+
+
+def _missing(view: TensorView, code: Reason, *, decode_side: bool) -> Mismatch:
+    hint = ("pair instances of the same model; with pipeline parallelism every layer id "
+            "must be registered by exactly one stage on each side")
+    present = f"registered ({view.layout.value})"
+    if decode_side:
+        return Mismatch(view.path, code, None, present, hint)
+    return Mismatch(view.path, code, present, None, hint)
+
+
+def _compare(src: TensorView, dst: TensorView, tp_src: int, tp_dst: int) -> list[Mismatch]:
+    found: list[Mismatch] = []
+    if src.dtype != dst.dtype:
+        found.append(Mismatch(f"{src.path}.dtype", Reason.DTYPE_MISMATCH, src.dtype, dst.dtype,
+                              "configure the same KV/state dtype on prefill and decode"))
+    src_axes = {a.name: a.role for a in src.axes}
+    dst_axes = {a.name: a.role for a in dst.axes}
+    if src_axes != dst_axes:
+        found.append(Mismatch(f"{src.path}.axes", Reason.AXES_MISMATCH,
+                              ",".join(f"{n}:{r.value}" for n, r in src_axes.items()),
+                              ",".join(f"{n}:{r.value}" for n, r in dst_axes.items()),
+                              "both sides must describe the tensor with the same named axes"))
+        return found
+    for i, axis in enumerate(src.axes):
+        j = dst.axis_named(axis.name)
+        if axis.role is AxisRole.TOKEN and src.shape[i] != dst.shape[j]:
+            found.append(Mismatch(f"{src.path}.page_size", Reason.PAGE_SIZE_MISMATCH,
+                                  src.shape[i], dst.shape[j],
+                                  "run prefill and decode with the same --page-size"))
+        elif axis.role in (AxisRole.INNER, AxisRole.OUTER) and src.shape[i] != dst.shape[j]:
+            found.append(Mismatch(f"{src.path}.{axis.name}", Reason.INNER_SHAPE_MISMATCH,
+                                  src.shape[i], dst.shape[j],
+                                  "both sides must serve the same model (same head and state dims)"))
+    if src.is_sharded:
+        found += _compare_shard(src, dst, tp_src, tp_dst)
+    return found
+
+
+def _compare_shard(src: TensorView, dst: TensorView, tp_src: int, tp_dst: int) -> list[Mismatch]:
+    axis = src.axes[src.axis_index(AxisRole.SHARD)].name
+    if src.shard is None or dst.shard is None:
+        same_item = src.item_nbytes == dst.item_nbytes
+        if tp_src == tp_dst and same_item:
+            return []
+        return [Mismatch(f"{src.path}.shard", Reason.SHARD_METADATA_MISSING,
+                         diagnostics.describe_shard(src, axis),
+                         diagnostics.describe_shard(dst, axis),
+                         f"item sizes differ or attention TP differs ({tp_src} vs {tp_dst}), "
+                         f"so '{axis}' must be resliced: register the global extent and the local "
+                         "[start, end) of the sharded axis (per-tensor dim metadata) on both sides, "
+                         "or run both sides with equal attention TP")]
+    found = []
+    if src.shard.global_extent != dst.shard.global_extent:
+        found.append(Mismatch(f"{src.path}.{axis}.global_extent", Reason.GLOBAL_EXTENT_MISMATCH,
+                              src.shard.global_extent, dst.shard.global_extent,
+                              "both sides must serve the same model (same global head/channel count)"))
+        return found
+    sharded = not (src.shard.is_full and dst.shard.is_full)
+    if sharded and (src.shard.groups != dst.shard.groups
+                    or src.shard.declared_groups != dst.shard.declared_groups):
+        code = (Reason.SHARD_GROUPS_MISSING
+                if src.shard.declared_groups != dst.shard.declared_groups
+                else Reason.SHARD_GROUPS_MISMATCH)
+        found.append(Mismatch(
+            f"{src.path}.{axis}.shard_groups", code,
+            list(src.shard.groups) if src.shard.declared_groups else None,
+            list(dst.shard.groups) if dst.shard.declared_groups else None,
+            f"'{axis}' is a concatenation of independently sharded groups: both sides must "
+            "register the same shard groups, or slicing would mix channels of different groups"))
+        return found
+    for tp, spec, side in ((tp_src, src.shard, "prefill"), (tp_dst, dst.shard, "decode")):
+        if spec.is_full:
+            continue
+        for group in spec.groups:
+            try:
+                canonical_range(group, tp, 0)
+            except GeometryError:
+                values = {side: f"{group} over attn_tp {tp}"}
+                found.append(Mismatch(f"{src.path}.{axis}", Reason.SHARD_NOT_DIVISIBLE,
+                                      values.get("prefill", f"attn_tp {tp_src}"),
+                                      values.get("decode", f"attn_tp {tp_dst}"),
+                                      f"choose attention TP sizes that divide {group} (or that "
+                                      f"{group} divides)"))
+    return found
+
+
+def _coverage(holders, dst_views, decode) -> list[Mismatch]:
+    found = []
+    for geometry in decode:
+        view = geometry.view(dst_views[0].key)
+        if view is None:
+            continue
+        _, uncovered = assign_pieces(holders, view.shard, geometry.tp_rank, _local_extent(view))
+        for gap in uncovered:
+            found.append(Mismatch(
+                f"{view.path}.shard", Reason.SHARD_UNCOVERED,
+                f"ranks {[h.rank_id for h in holders]} hold it",
+                f"{geometry.rank_id} needs group {gap.group} [{gap.start},{gap.end})",
+                "every prefill rank must be registered before decode can be planned"))
+    return found
+
+
+def _verdict(src: TensorView, dst: TensorView, tp_src: int, tp_dst: int) -> TensorVerdict:
+    if src.shard is not None and dst.shard is not None \
+            and src.shard.local_extent != dst.shard.local_extent:
+        mode = Mode.SLICED
+    elif tp_src != tp_dst:
+        mode = Mode.REPLICATED
+    else:
+        mode = Mode.DIRECT
+    layout_changed = _strides_by_name(src) != _strides_by_name(dst)
+    if mode is Mode.DIRECT and layout_changed:
+        mode = Mode.CONVERTED
+    return TensorVerdict(src.key, src.path, mode, layout_changed, src.layout, dst.layout)
+
+
+def _strides_by_name(view: TensorView) -> dict[str, int]:
+    return {a.name: s for a, s in zip(view.axes, view.strides_nbytes)}

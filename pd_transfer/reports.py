@@ -1,0 +1,134 @@
+"""Text reports for ``pd-transfer check`` and ``pd-transfer plan``.
+
+Builds both instances' registrations from worker configs, reconciles them,
+plans a sample request for every rank pair that must talk and renders the
+result. Returns text; printing is the CLI's job.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import numpy as np
+
+from pd_transfer.layout.geometry import RankGeometry
+from pd_transfer.layout.planner import IndexPair, plan_pair
+from pd_transfer.layout.reconcile import Reconciliation, reconcile
+from pd_transfer.layout.views import Pool
+from pd_transfer.worker_config import WorkerConfig
+
+
+def sample_requests(prefill: list[RankGeometry], decode: list[RankGeometry],
+                    tokens: int, page_size: int, swa_window: int | None) -> dict[Pool, IndexPair]:
+    """Index lists of one request of ``tokens`` tokens, for pools on both sides."""
+    pools = set().union(*(g.pools() for g in prefill)) & set().union(*(g.pools() for g in decode))
+    capacity = {pool: min(v.index_count for g in prefill + decode for v in g.views if v.pool is pool)
+                for pool in pools}
+    pages = math.ceil(tokens / page_size)
+    requests: dict[Pool, IndexPair] = {}
+    for pool in pools:
+        if pool is Pool.KV:
+            n = min(pages, capacity[pool])
+        elif pool is Pool.SWA:
+            window_pages = math.ceil((swa_window or page_size) / page_size) + 1
+            n = min(pages, window_pages, capacity[pool])
+        else:
+            n = 1
+        idx = np.arange(n, dtype=np.int64)
+        requests[pool] = (idx, idx[::-1].copy())
+    return requests
+
+
+def _instances(prefill: WorkerConfig, decode: WorkerConfig):
+    return prefill.build_ranks(), decode.build_ranks()
+
+
+def _header(prefill: WorkerConfig, decode: WorkerConfig) -> list[str]:
+    return [f"prefill: {prefill.describe()}  ({prefill.source})",
+            f"decode:  {decode.describe()}  ({decode.source})"]
+
+
+def _modes_by_pool(recon: Reconciliation) -> dict[Pool, str]:
+    modes: dict[Pool, set[str]] = defaultdict(set)
+    for verdict in recon.verdicts:
+        label = verdict.mode.value
+        if verdict.layout_changed and verdict.mode.value != "converted":
+            label += "+converted"
+        modes[verdict.key[0]].add(label)
+    return {pool: "/".join(sorted(labels)) for pool, labels in modes.items()}
+
+
+def check_report(prefill: WorkerConfig, decode: WorkerConfig, tokens: int) -> tuple[str, bool]:
+    prefill_ranks, decode_ranks = _instances(prefill, decode)
+    recon = reconcile(prefill_ranks, decode_ranks)
+    lines = _header(prefill, decode)
+    if not recon.ok:
+        lines += ["verdict: REJECTED", str(recon.error())]
+        return "\n".join(lines), False
+    requests = sample_requests(prefill_ranks, decode_ranks, tokens, prefill.page_size,
+                               getattr(prefill.model, "swa_window", None))
+    modes = _modes_by_pool(recon)
+    lines.append("verdict: ACCEPTED")
+    lines.append("sample request: " + ", ".join(
+        f"{pool.value} {len(requests[pool][0])}" for pool in _ordered(requests)))
+    lines.append(f"{'decode rank':<18} {'from prefill rank':<18} {'pool':<6} {'verdict':<22} "
+                 f"{'descriptors':>11} {'runs':>9} {'bytes':>12}")
+    by_rank = {g.rank_id: g for g in prefill_ranks}
+    for dst in decode_ranks:
+        for src_id in recon.sources_for(dst):
+            for pool in _ordered(requests):
+                plan = plan_pair(recon, by_rank[src_id], dst, {pool: requests[pool]})
+                if not plan.batches:
+                    continue
+                lines.append(f"{dst.rank_id:<18} {src_id:<18} {pool.value:<6} {modes[pool]:<22} "
+                             f"{plan.num_descriptors:>11} {plan.num_runs:>9} "
+                             f"{_human_bytes(plan.total_nbytes):>12}")
+    return "\n".join(lines), True
+
+
+def plan_report(prefill: WorkerConfig, decode: WorkerConfig, tokens: int, decode_rank: int,
+                limit: int) -> tuple[str, bool]:
+    text, ok = check_report(prefill, decode, tokens)
+    if not ok:
+        return text, False
+    prefill_ranks, decode_ranks = _instances(prefill, decode)
+    recon = reconcile(prefill_ranks, decode_ranks)
+    targets = [g for g in decode_ranks if g.tp_rank == decode_rank]
+    if not targets:
+        return text + f"\nno decode rank with attn_tp rank {decode_rank}", False
+    requests = sample_requests(prefill_ranks, decode_ranks, tokens, prefill.page_size,
+                               getattr(prefill.model, "swa_window", None))
+    lines = [text, ""]
+    by_rank = {g.rank_id: g for g in prefill_ranks}
+    for dst in targets:
+        for src_id in recon.sources_for(dst):
+            plan = plan_pair(recon, by_rank[src_id], dst, requests)
+            lines.append(f"plan {src_id} -> {dst.rank_id}: {plan.num_descriptors} descriptors, "
+                         f"{plan.num_runs} runs, {_human_bytes(plan.total_nbytes)}")
+            lines.append(f"  {'src region':<16} {'dst region':<16} {'src off':>12} {'dst off':>12} "
+                         f"{'nbytes':>8} {'count':>6} {'src stride':>10} {'dst stride':>10}")
+            shown = 0
+            for batch in plan.batches:
+                for i in range(min(batch.num_descriptors, limit - shown)):
+                    lines.append(
+                        f"  {batch.src_region:<16} {batch.dst_region:<16} {batch.src_offset[i]:>12} "
+                        f"{batch.dst_offset[i]:>12} {batch.nbytes[i]:>8} {batch.count[i]:>6} "
+                        f"{batch.src_stride:>10} {batch.dst_stride:>10}")
+                    shown += 1
+                if shown >= limit:
+                    lines.append(f"  ... ({plan.num_descriptors - shown} more)")
+                    break
+    return "\n".join(lines), True
+
+
+def _ordered(requests: dict[Pool, IndexPair]) -> list[Pool]:
+    return [pool for pool in Pool if pool in requests]
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
