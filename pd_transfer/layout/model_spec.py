@@ -19,7 +19,13 @@ from pd_transfer.errors import ConfigError
 from pd_transfer.layout.pools.attention import AttentionSpec, MlaSpec
 from pd_transfer.layout.pools.checks import require_dtype
 from pd_transfer.layout.pools.state_specs import (
-    GdnSpec, KdaSpec, LinearSpec, Mamba2Spec, SideStateSpec, StateTensor)
+    GdnSpec,
+    KdaSpec,
+    LinearSpec,
+    Mamba2Spec,
+    SideStateSpec,
+    StateTensor,
+)
 
 
 class LayerKind(enum.Enum):

@@ -144,9 +144,11 @@ def _error(source: str, problems: list[str]) -> ConfigError:
 
 def _section_spec(top: _Reader, section: str) -> Any:
     spec_class, required, optional = SECTIONS[section]
-    reader = _Reader(f"model.{section}", top.table[section], top.problems)
-    reader.reject_unknown(tuple(required) + tuple(optional))
     before = len(top.problems)
+    reader = _Reader(f"model.{section}", top.table[section], top.problems)
+    if len(top.problems) > before:
+        return None           # not a table: its fields would only repeat the problem
+    reader.reject_unknown(tuple(required) + tuple(optional))
     values = {key: reader.int(key, minimum) for key, (_, minimum) in required.items()}
     for key, kind in optional.items():
         value = reader.int(key, 1, required=False) if kind == _INT else reader.dtype(key)

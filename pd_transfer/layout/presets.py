@@ -12,8 +12,9 @@ Pure; reads files with ``tomllib`` but imports nothing above the layout layer.
 from __future__ import annotations
 
 import functools
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 from pd_transfer.errors import ConfigError, Reason
 from pd_transfer.layout.model_spec import LINEAR_KINDS, LayerKind, ModelSpec
@@ -41,7 +42,7 @@ def preset_names() -> list[str]:
     return sorted(path.stem for path in directory.glob("*.toml"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_preset(name: str) -> ModelSpec:
     """The :class:`ModelSpec` of preset ``name``, or ConfigError ``unknown_preset``."""
     known = preset_names()

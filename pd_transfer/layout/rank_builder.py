@@ -23,7 +23,13 @@ from pd_transfer.errors import ConfigError, Reason
 from pd_transfer.layout.geometry import RankGeometry, Role, check_geometry
 from pd_transfer.layout.model_spec import LINEAR_KINDS, LayerKind, ModelSpec
 from pd_transfer.layout.pools import (
-    KvPoolShape, PoolViews, build_aux_rows, build_kv_pool, build_mla_pool, build_state_pool)
+    KvPoolShape,
+    PoolViews,
+    build_aux_rows,
+    build_kv_pool,
+    build_mla_pool,
+    build_state_pool,
+)
 from pd_transfer.layout.pools.checks import require_dtype, require_positive
 from pd_transfer.layout.pools.state import STATE_LAYOUTS
 from pd_transfer.layout.views import KV_LAYOUTS, Layout, Pool
@@ -68,11 +74,11 @@ class WorkerShape:
         if self.kv_dtype is not None:
             require_dtype("shape.kv_dtype", self.kv_dtype)
         if self.kv_layout not in KV_LAYOUTS:
-            raise ConfigError(f"shape.kv_layout must be one of {[l.value for l in KV_LAYOUTS]}, "
+            raise ConfigError(f"shape.kv_layout must be one of {[option.value for option in KV_LAYOUTS]}, "
                               f"got {self.kv_layout!r}")
         if self.state_layout is not None and self.state_layout not in STATE_LAYOUTS:
             raise ConfigError(f"shape.state_layout must be one of "
-                              f"{[l.value for l in STATE_LAYOUTS]}, got {self.state_layout!r}")
+                              f"{[option.value for option in STATE_LAYOUTS]}, got {self.state_layout!r}")
 
 
 def _require_index(field_path: str, value: object, size: int, size_name: str) -> None:

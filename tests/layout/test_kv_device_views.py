@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from view_bytes import storage_nbytes, torch_layout, view_layout
 
 from pd_transfer.errors import ConfigError
 from pd_transfer.layout.pools import AttentionSpec, KvPoolShape, MlaSpec, build_kv_pool, build_mla_pool
 from pd_transfer.layout.views import AxisRole, Layout, Pool
-from view_bytes import storage_nbytes, torch_layout, view_layout
 
 P, PS = 5, 4           # pages, tokens per page
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from view_bytes import storage_nbytes, torch_layout, view_layout
 
 from pd_transfer.errors import ConfigError, Reason
 from pd_transfer.layout.pools import AttentionSpec, KvPoolShape, MlaSpec, build_kv_pool, build_mla_pool
 from pd_transfer.layout.views import Layout
-from view_bytes import storage_nbytes, torch_layout, view_layout
 
 P, PS, H, D = 3, 4, 2, 8      # pages, tokens per page, local heads, head dim
 S = P * PS

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from view_bytes import storage_nbytes, torch_layout, view_layout
 
 from pd_transfer.errors import ConfigError, Reason
-from pd_transfer.layout.pools import (
-    GdnSpec, KdaSpec, Mamba2Spec, SideStateSpec, build_state_pool)
+from pd_transfer.layout.pools import GdnSpec, KdaSpec, Mamba2Spec, SideStateSpec, build_state_pool
 from pd_transfer.layout.views import AxisRole, Layout, Pool
-from view_bytes import storage_nbytes, torch_layout, view_layout
 
 SLOTS = 3
 LAYER_IDS = (0, 2, 5, 9)

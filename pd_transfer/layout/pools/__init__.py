@@ -16,7 +16,13 @@ from pd_transfer.layout.pools.kv_pool import build_kv_pool, build_mla_pool
 from pd_transfer.layout.pools.pool_views import PoolViews
 from pd_transfer.layout.pools.state import build_state_pool
 from pd_transfer.layout.pools.state_specs import (
-    GdnSpec, KdaSpec, LinearSpec, Mamba2Spec, SideStateSpec, StateTensor)
+    GdnSpec,
+    KdaSpec,
+    LinearSpec,
+    Mamba2Spec,
+    SideStateSpec,
+    StateTensor,
+)
 
 __all__ = [
     "AttentionSpec", "AuxField", "DEFAULT_AUX_FIELDS", "GdnSpec", "KdaSpec", "KvPoolShape",

@@ -17,7 +17,13 @@ from pd_transfer.errors import ConfigError
 from pd_transfer.layout.geometry import Region
 from pd_transfer.layout.pools.attention import KvPoolShape, KvTensor, buffer_sizes, kv_view
 from pd_transfer.layout.pools.memory_order import (
-    DEVICE_KV_LAYOUTS, HEAD, KV_ORDER, element_strides, num_elements, without)
+    DEVICE_KV_LAYOUTS,
+    HEAD,
+    KV_ORDER,
+    element_strides,
+    num_elements,
+    without,
+)
 from pd_transfer.layout.pools.pool_views import PoolViews
 
 
@@ -25,7 +31,7 @@ def place_device(tensors: Sequence[KvTensor], grid: KvPoolShape, region_prefix: 
     """One region per tensor, each holding one layer's K, V or latent buffer."""
     if grid.layout not in DEVICE_KV_LAYOUTS:
         raise ConfigError(f"kv_layout {grid.layout.value!r} is not a device layout; "
-                          f"device pools accept {[l.value for l in DEVICE_KV_LAYOUTS]}")
+                          f"device pools accept {[option.value for option in DEVICE_KV_LAYOUTS]}")
     views, regions = [], []
     for tensor in tensors:
         order = KV_ORDER[grid.layout]

@@ -28,7 +28,13 @@ from pd_transfer.errors import ConfigError, Reason
 from pd_transfer.layout.geometry import Region
 from pd_transfer.layout.pools.attention import KvPoolShape, KvTensor, buffer_sizes, kv_view
 from pd_transfer.layout.pools.memory_order import (
-    HEAD, KV_ORDER, LAYER, element_strides, num_elements, without)
+    HEAD,
+    KV_ORDER,
+    LAYER,
+    element_strides,
+    num_elements,
+    without,
+)
 from pd_transfer.layout.pools.pool_views import PoolViews
 from pd_transfer.layout.views import HOST_LAYOUTS, Layout
 
@@ -84,11 +90,11 @@ def _place_buffer(groups: tuple[list[KvTensor], ...], grid: KvPoolShape,
 def _check_host_layout(tensors: Sequence[KvTensor], layout: Layout) -> None:
     if layout not in HOST_LAYOUTS:
         raise ConfigError(f"kv_layout {layout.value!r} is not a host layout; host pools "
-                          f"accept {[l.value for l in HOST_LAYOUTS]}")
+                          f"accept {[option.value for option in HOST_LAYOUTS]}")
     is_mla = any(t.shard is None for t in tensors)
     if is_mla and layout not in MLA_HOST_LAYOUTS:
         raise ConfigError(f"kv_layout {layout.value!r} is not supported for an MLA latent pool; "
-                          f"MLA host pools accept {[l.value for l in MLA_HOST_LAYOUTS]}",
+                          f"MLA host pools accept {[option.value for option in MLA_HOST_LAYOUTS]}",
                           code=Reason.LAYOUT_UNSUPPORTED,
                           hint="page_head splits heads and an MLA latent has none; "
                                "use page_first_direct")

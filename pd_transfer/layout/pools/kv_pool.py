@@ -14,7 +14,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pd_transfer.layout.pools.attention import (
-    AttentionSpec, KvPoolShape, KvTensor, MlaSpec, check_layer_ids, kv_head_shard)
+    AttentionSpec,
+    KvPoolShape,
+    KvTensor,
+    MlaSpec,
+    check_layer_ids,
+    kv_head_shard,
+)
 from pd_transfer.layout.pools.kv_device import place_device
 from pd_transfer.layout.pools.kv_host import place_host
 from pd_transfer.layout.pools.pool_views import PoolViews

@@ -41,7 +41,7 @@ def build_state_pool(tensors: Sequence[StateTensor], layer_ids: Sequence[int], *
     require_positive("num_slots", num_slots)
     if layout not in STATE_LAYOUTS:
         raise ConfigError(f"state_layout {layout.value!r} is not supported for state pools; "
-                          f"accepted: {[l.value for l in STATE_LAYOUTS]}",
+                          f"accepted: {[option.value for option in STATE_LAYOUTS]}",
                           code=Reason.LAYOUT_UNSUPPORTED)
     names = [t.name for t in tensors]
     if len(set(names)) != len(names):

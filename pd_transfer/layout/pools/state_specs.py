@@ -27,7 +27,11 @@ from dataclasses import dataclass
 from pd_transfer.errors import ConfigError
 from pd_transfer.layout.dtypes import itemsize
 from pd_transfer.layout.pools.checks import (
-    grouped_shard_for_rank, require_dtype, require_positive, shard_for_rank)
+    grouped_shard_for_rank,
+    require_dtype,
+    require_positive,
+    shard_for_rank,
+)
 from pd_transfer.layout.views import Axis, AxisRole, ShardSpec
 
 CONV = "conv"
