@@ -286,11 +286,15 @@ def _verdict(src: TensorView, dst: TensorView, tp_src: int, tp_dst: int) -> Tens
         mode = Mode.REPLICATED
     else:
         mode = Mode.DIRECT
-    layout_changed = _strides_by_name(src) != _strides_by_name(dst)
+    layout_changed = src.layout is not dst.layout or _memory_order(src, dst) != _memory_order(dst, src)
     if mode is Mode.DIRECT and layout_changed:
         mode = Mode.CONVERTED
     return TensorVerdict(src.key, src.path, mode, layout_changed, src.layout, dst.layout)
 
 
-def _strides_by_name(view: TensorView) -> dict[str, int]:
-    return {a.name: s for a, s in zip(view.axes, view.strides_nbytes)}
+def _memory_order(view: TensorView, other: TensorView) -> list[str]:
+    """Axis names from outermost to innermost in memory, skipping axes of one
+    element on either side (their stride means nothing)."""
+    sized = [(s, a.name) for a, n, s in zip(view.axes, view.shape, view.strides_nbytes)
+             if n > 1 and other.shape[other.axis_named(a.name)] > 1]
+    return [name for _, name in sorted(sized, key=lambda item: -item[0])]
