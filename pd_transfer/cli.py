@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from pd_transfer import __version__
 from pd_transfer.errors import PdTransferError

@@ -22,9 +22,9 @@ computed pattern; each only adds its base offsets. Pure numpy.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterator
 
 import numpy as np
 

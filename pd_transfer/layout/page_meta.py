@@ -15,8 +15,8 @@ one range), so a mislabelled view cannot slip through. Pure numpy.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

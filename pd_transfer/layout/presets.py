@@ -12,9 +12,8 @@ Pure; reads files with ``tomllib`` but imports nothing above the layout layer.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 from pd_transfer.errors import ConfigError, Reason
 from pd_transfer.layout.model_spec import LINEAR_KINDS, LayerKind, ModelSpec

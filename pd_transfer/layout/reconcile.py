@@ -18,10 +18,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from pd_transfer.errors import GeometryError, Mismatch, Reason, ReconcileError
+from pd_transfer.layout import diagnostics
 from pd_transfer.layout.geometry import RankGeometry, check_geometry
 from pd_transfer.layout.sharding import Holder, Piece, assign_pieces
 from pd_transfer.layout.views import AxisRole, Layout, Pool, TensorView, canonical_range
-from pd_transfer.layout import diagnostics
 
 
 class Mode(enum.Enum):

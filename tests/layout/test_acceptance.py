@@ -3,12 +3,11 @@
 import itertools
 
 import pytest
+from transfer_check import instance, transfer_and_verify
 
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.reconcile import Mode, reconcile
 from pd_transfer.layout.views import HOST_LAYOUTS, KV_LAYOUTS, Layout, Pool
-
-from transfer_check import instance, transfer_and_verify
 
 TP_SIZES = (1, 2, 4, 8)
 TP_PAIRS = list(itertools.product(TP_SIZES, TP_SIZES))

@@ -5,6 +5,7 @@ import copy
 
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
+from transfer_check import SMALL_MODELS, transfer_and_verify
 
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import Role
@@ -12,8 +13,6 @@ from pd_transfer.layout.presets import model_from_table
 from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.reconcile import reconcile
 from pd_transfer.layout.views import KV_LAYOUTS
-
-from transfer_check import SMALL_MODELS, transfer_and_verify
 
 KINDS = sorted(SMALL_MODELS)
 
