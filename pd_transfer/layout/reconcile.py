@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from pd_transfer.errors import GeometryError, Mismatch, Reason, ReconcileError
 from pd_transfer.layout import diagnostics
-from pd_transfer.layout.geometry import RankGeometry, check_geometry
+from pd_transfer.layout.geometry import RankGeometry, RegistrationProblem, registration_problems
 from pd_transfer.layout.sharding import Holder, Piece, assign_pieces
 from pd_transfer.layout.views import AxisRole, Layout, Pool, TensorView, canonical_range
 
@@ -71,7 +71,8 @@ class Reconciliation:
         holders = self._holders.get(key, ())
         if view is None or not holders:
             return {}
-        pieces, _ = assign_pieces(holders, view.shard, dst.tp_rank, _local_extent(view))
+        pieces, _ = assign_pieces(holders, view.shard, dst.tp_rank, _local_extent(view),
+                                  src_tp_size=_tp(self.prefill), dst_tp_size=dst.tp_size)
         return pieces
 
     def sources_for(self, dst: RankGeometry) -> list[str]:
@@ -110,7 +111,7 @@ def reconcile(prefill: list[RankGeometry] | RankGeometry,
         src = _view_of(prefill, key, holders[key][0])
         pair_mismatches = _compare(src, views[0], _tp(prefill), _tp(decode))
         if not pair_mismatches:
-            pair_mismatches = _coverage(holders[key], views, decode)
+            pair_mismatches = _coverage(holders[key], views, decode, prefill)
         mismatches += pair_mismatches
         if not pair_mismatches:
             verdicts.append(_verdict(src, views[0], _tp(prefill), _tp(decode)))
@@ -142,15 +143,18 @@ def _geometry_mismatches(prefill, decode) -> list[Mismatch]:
                                   sorted(sizes) if side == "prefill" else "-",
                                   sorted(sizes) if side == "decode" else "-",
                                   "every rank of one instance must report the same attn_tp_size"))
+        # one line per problem, the ranks that share it folded: a view that does not
+        # split over attn_tp 4 is one fact on all four ranks, not four
+        ranks_by_problem: dict[RegistrationProblem, list[RankGeometry]] = defaultdict(list)
         for geometry in ranks:
-            try:
-                check_geometry(geometry)
-            except GeometryError as err:
-                text = err.message.replace("\n", " ")
-                found.append(Mismatch(geometry.rank_id, err.code,
-                                      text if side == "prefill" else "-",
-                                      text if side == "decode" else "-",
-                                      "fix the worker's registration"))
+            for problem in registration_problems(geometry):
+                ranks_by_problem[problem].append(geometry)
+        for problem, holders in ranks_by_problem.items():
+            text = f"{problem.detail} ({diagnostics.describe_ranks(holders)})"
+            found.append(Mismatch(problem.subject or f"{side}.registration", problem.code,
+                                  text if side == "prefill" else "-",
+                                  text if side == "decode" else "-",
+                                  "fix the worker's registration"))
     return found
 
 
@@ -220,13 +224,17 @@ def _compare_shard(src: TensorView, dst: TensorView, tp_src: int, tp_dst: int) -
         same_item = src.item_nbytes == dst.item_nbytes
         if tp_src == tp_dst and same_item:
             return []
+        reasons = [] if same_item else [
+            f"item sizes differ ({src.item_nbytes} B vs {dst.item_nbytes} B)"]
+        if tp_src != tp_dst:
+            reasons.append(f"attention TP differs ({tp_src} vs {tp_dst})")
         return [Mismatch(f"{src.path}.shard", Reason.SHARD_METADATA_MISSING,
                          diagnostics.describe_shard(src, axis),
                          diagnostics.describe_shard(dst, axis),
-                         f"item sizes differ or attention TP differs ({tp_src} vs {tp_dst}), "
-                         f"so '{axis}' must be resliced: register the global extent and the local "
-                         "[start, end) of the sharded axis (per-tensor dim metadata) on both sides, "
-                         "or run both sides with equal attention TP")]
+                         f"{' and '.join(reasons)}, so '{axis}' must be resliced, which needs "
+                         "per-tensor dim metadata on both sides: register the global extent and "
+                         "the local [start, end) of the sharded axis, or run both sides with equal "
+                         "attention TP")]
     found = []
     if src.shard.global_extent != dst.shard.global_extent:
         found.append(Mismatch(f"{src.path}.{axis}.global_extent", Reason.GLOBAL_EXTENT_MISMATCH,
@@ -246,29 +254,37 @@ def _compare_shard(src: TensorView, dst: TensorView, tp_src: int, tp_dst: int) -
             f"'{axis}' is a concatenation of independently sharded groups: both sides must "
             "register the same shard groups, or slicing would mix channels of different groups"))
         return found
-    for tp, spec, side in ((tp_src, src.shard, "prefill"), (tp_dst, dst.shard, "decode")):
-        if spec.is_full:
+    for group in src.shard.groups:
+        # the same group on both sides (global extents and groups are equal here)
+        splits = {side: spec.is_full or _splits(group, tp)
+                  for side, spec, tp in (("prefill", src.shard, tp_src), ("decode", dst.shard, tp_dst))}
+        if all(splits.values()):
             continue
-        for group in spec.groups:
-            try:
-                canonical_range(group, tp, 0)
-            except GeometryError:
-                values = {side: f"{group} over attn_tp {tp}"}
-                found.append(Mismatch(f"{src.path}.{axis}", Reason.SHARD_NOT_DIVISIBLE,
-                                      values.get("prefill", f"attn_tp {tp_src}"),
-                                      values.get("decode", f"attn_tp {tp_dst}"),
-                                      f"choose attention TP sizes that divide {group} (or that "
-                                      f"{group} divides)"))
+        values = {side: f"{group} over attn_tp {tp}" + ("" if splits[side] else " (does not split)")
+                  for side, tp in (("prefill", tp_src), ("decode", tp_dst))}
+        found.append(Mismatch(f"{src.path}.{axis}", Reason.SHARD_NOT_DIVISIBLE,
+                              values["prefill"], values["decode"],
+                              f"choose attention TP sizes that divide {group} (or that "
+                              f"{group} divides)"))
     return found
 
 
-def _coverage(holders, dst_views, decode) -> list[Mismatch]:
+def _splits(extent: int, tp_size: int) -> bool:
+    try:
+        canonical_range(extent, tp_size, 0)
+    except GeometryError:
+        return False
+    return True
+
+
+def _coverage(holders, dst_views, decode, prefill) -> list[Mismatch]:
     found = []
     for geometry in decode:
         view = geometry.view(dst_views[0].key)
         if view is None:
             continue
-        _, uncovered = assign_pieces(holders, view.shard, geometry.tp_rank, _local_extent(view))
+        _, uncovered = assign_pieces(holders, view.shard, geometry.tp_rank, _local_extent(view),
+                                     src_tp_size=_tp(prefill), dst_tp_size=geometry.tp_size)
         for gap in uncovered:
             found.append(Mismatch(
                 f"{view.path}.shard", Reason.SHARD_UNCOVERED,

@@ -3,8 +3,13 @@
 For one tensor and one destination rank, intersect the destination's local
 ranges with every source rank's ranges (per shard group), cut the axis at every
 boundary, and give each elementary interval exactly one writer: among the
-source ranks that hold it, ``holders[dst_tp_rank % len(holders)]``. That one
-rule covers TP slicing both ways, GQA replication on either side (several
+source ranks that hold it, the one "aligned" with the destination rank, i.e.
+whose centre ``tp_rank + 1/2`` (in source TP units) is nearest to the
+destination rank's centre ``(dst_tp_rank + 1/2) * src_tp / dst_tp``, ties to
+the lower rank. Because every tensor of a destination rank uses the same
+target, replicated tensors (aux rows, MLA latents, replicated GQA heads) are
+written by a rank the destination already needs for its sharded tensors, so
+no extra connections appear. That one rule covers TP slicing both ways, GQA replication on either side (several
 source ranks hold the same head), MLA and other replicated tensors (every
 source rank holds everything) and PP spans (only the stage's ranks hold the
 layer).
@@ -53,7 +58,8 @@ class Uncovered:
 
 
 def assign_pieces(holders: tuple[Holder, ...], dst_spec: ShardSpec | None,
-                  dst_tp_rank: int, local_extent: int,
+                  dst_tp_rank: int, local_extent: int, *, src_tp_size: int = 1,
+                  dst_tp_size: int = 1,
                   ) -> tuple[dict[str, tuple[Piece, ...]], tuple[Uncovered, ...]]:
     """Pieces per source rank id for one destination view, plus what nobody holds.
 
@@ -62,13 +68,24 @@ def assign_pieces(holders: tuple[Holder, ...], dst_spec: ShardSpec | None,
     axis (``local_extent`` elements, 1 when the view has no shard axis).
     """
     return _assign_cached(tuple(sorted(holders, key=lambda h: (h.tp_rank, h.rank_id))),
-                          dst_spec, dst_tp_rank, local_extent)
+                          dst_spec, dst_tp_rank, local_extent, src_tp_size, dst_tp_size)
+
+
+def _elect(covering: list[Holder], dst_tp_rank: int, src_tp_size: int, dst_tp_size: int) -> Holder:
+    """The holder whose centre is nearest the destination's centre (ties: lower rank).
+
+    Centres compared in units of 1/(2*src_tp*dst_tp) to stay in integers:
+    prefill tp=4 -> decode tp=2, decode rank 1 targets 3.0; ranks 2 and 3
+    (centres 2.5, 3.5) tie and rank 2 writes.
+    """
+    target = (2 * dst_tp_rank + 1) * src_tp_size
+    return min(covering, key=lambda h: (abs((2 * h.tp_rank + 1) * dst_tp_size - target), h.tp_rank))
 
 
 @lru_cache(maxsize=4096)
-def _assign_cached(holders, dst_spec, dst_tp_rank, local_extent):
+def _assign_cached(holders, dst_spec, dst_tp_rank, local_extent, src_tp_size, dst_tp_size):
     if dst_spec is None or any(h.spec is None for h in holders):
-        return _assign_whole(holders, dst_spec, dst_tp_rank, local_extent)
+        return _assign_whole(holders, dst_spec, dst_tp_rank, local_extent, src_tp_size, dst_tp_size)
     pieces: dict[str, list[Piece]] = {}
     uncovered: list[Uncovered] = []
     dst_base = 0
@@ -83,7 +100,7 @@ def _assign_cached(holders, dst_spec, dst_tp_rank, local_extent):
             if not covering:
                 uncovered.append(Uncovered(g, lo, hi))
                 continue
-            writer = covering[dst_tp_rank % len(covering)]
+            writer = _elect(covering, dst_tp_rank, src_tp_size, dst_tp_size)
             src_local = _group_base(writer.spec, g) + lo - writer.spec.ranges[g][0]
             _append_merged(pieces.setdefault(writer.rank_id, []),
                            Piece(src_local, dst_base + lo - d_start, hi - lo))
@@ -91,7 +108,7 @@ def _assign_cached(holders, dst_spec, dst_tp_rank, local_extent):
     return {k: tuple(v) for k, v in pieces.items()}, tuple(uncovered)
 
 
-def _assign_whole(holders, dst_spec, dst_tp_rank, local_extent):
+def _assign_whole(holders, dst_spec, dst_tp_rank, local_extent, src_tp_size, dst_tp_size):
     """Replicated tensors: one elected writer copies the whole local axis.
 
     Without shard metadata on either side the only safe pairing is the rank
@@ -105,7 +122,7 @@ def _assign_whole(holders, dst_spec, dst_tp_rank, local_extent):
         return {same_rank[0].rank_id: (Piece(0, 0, local_extent),)}, ()
     if not holders:
         return {}, (Uncovered(0, 0, local_extent),)
-    writer = holders[dst_tp_rank % len(holders)]
+    writer = _elect(list(holders), dst_tp_rank, src_tp_size, dst_tp_size)
     return {writer.rank_id: (Piece(0, 0, local_extent),)}, ()
 
 

@@ -1,0 +1,117 @@
+"""The worker <-> sidecar API: typed requests and replies over a local socket.
+
+A GPU worker (or the simulated worker) talks to its own sidecar over ZeroMQ
+``ipc://``: a DEALER in the worker, a ROUTER in the sidecar. Every request is
+one msgpack map ``{"op": ..., "id": n, ...}``; the reply echoes ``id``. This
+module is the contract between :mod:`pd_transfer.client` and the sidecar's
+worker endpoint, and validates every field explicitly (the worker is a
+separate process: its input is untrusted like any other).
+
+Requests (fields beyond ``op`` and ``id``):
+
+    register  geometry (geometry_codec dict), handles {region_id: segment},
+              worker_id
+    send      room, pages [int], swa_pages [int], state_slots [int],
+              aux_row int|None, last bool            (prefill)
+    expect    room, bootstrap "tcp://host:port", pages, swa_pages,
+              state_slots, aux_row                   (decode)
+    layer_ready room, layer_id                       (prefill, streaming)
+    poll      room
+    wait      room, timeout_s   (replies when terminal or on timeout)
+    abort     room              (decode: replies once no write can land)
+
+Replies: ``{"id": n, "ok": True, ...}`` or ``{"id": n, "ok": False,
+"code": reason code, "reason": text}``. ``poll``/``wait`` replies carry
+``status`` (a :class:`RoomStatus` value) and, when failed, ``code`` and
+``reason``; ``abort`` replies carry ``drained`` (True: the destination pages
+are safe to reuse).
+
+Sans-IO: no sockets here.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgpack
+
+from pd_transfer.errors import PdTransferError, Reason
+
+MAX_REQUEST_NBYTES = 64 * 1024 * 1024
+MAX_INDICES = 1 << 22
+
+
+class WorkerOp(enum.Enum):
+    REGISTER = "register"
+    SEND = "send"
+    EXPECT = "expect"
+    LAYER_READY = "layer_ready"
+    POLL = "poll"
+    WAIT = "wait"
+    ABORT = "abort"
+
+
+class WorkerApiError(PdTransferError):
+    """A malformed worker request; the sidecar replies with this reason."""
+
+    default_code = Reason.BAD_FRAME
+
+
+_INDEX_FIELDS = ("pages", "swa_pages", "state_slots")
+
+_REQUIRED: dict[WorkerOp, dict[str, tuple]] = {
+    WorkerOp.REGISTER: {"geometry": (dict,), "handles": (dict,), "worker_id": (str,)},
+    WorkerOp.SEND: {"room": (int,), "last": (bool,)},
+    WorkerOp.EXPECT: {"room": (int,), "bootstrap": (str,)},
+    WorkerOp.LAYER_READY: {"room": (int,), "layer_id": (int,)},
+    WorkerOp.POLL: {"room": (int,)},
+    WorkerOp.WAIT: {"room": (int,), "timeout_s": (int, float)},
+    WorkerOp.ABORT: {"room": (int,)},
+}
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def decode_request(frame: bytes) -> tuple[WorkerOp, dict[str, Any]]:
+    """Parse and validate one request; raise :class:`WorkerApiError` with the field."""
+    if len(frame) > MAX_REQUEST_NBYTES:
+        raise WorkerApiError(f"request of {len(frame)} bytes exceeds {MAX_REQUEST_NBYTES}")
+    try:
+        message = msgpack.unpackb(frame, raw=False, strict_map_key=True,
+                                  max_array_len=MAX_INDICES, max_map_len=1 << 16)
+    except Exception as err:  # msgpack raises several unrelated types
+        raise WorkerApiError(f"request is not valid msgpack: {err}") from None
+    if not isinstance(message, dict):
+        raise WorkerApiError("request must be a map")
+    try:
+        op = WorkerOp(message.get("op"))
+    except ValueError:
+        raise WorkerApiError(f"at $.op: unknown op {message.get('op')!r}; accepted: "
+                             f"{[o.value for o in WorkerOp]}") from None
+    if not isinstance(message.get("id"), int) or isinstance(message.get("id"), bool):
+        raise WorkerApiError("at $.id: expected int")
+    for name, kinds in _REQUIRED[op].items():
+        value = message.get(name)
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            raise WorkerApiError(f"at $.{name}: expected {'/'.join(k.__name__ for k in kinds)}, "
+                                 f"got {type(value).__name__}")
+    for name in _INDEX_FIELDS:
+        value = message.setdefault(name, [])
+        if not isinstance(value, list) or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+            raise WorkerApiError(f"at $.{name}: expected a list of non-negative ints")
+    aux_row = message.setdefault("aux_row", None)
+    if aux_row is not None and (not isinstance(aux_row, int) or isinstance(aux_row, bool) or aux_row < 0):
+        raise WorkerApiError("at $.aux_row: expected a non-negative int or nil")
+    return op, message
+
+
+def ok_reply(request_id: int, **fields: Any) -> bytes:
+    return encode({"id": request_id, "ok": True, **fields})
+
+
+def error_reply(request_id: int, error: PdTransferError) -> bytes:
+    return encode({"id": request_id, "ok": False, "code": error.code.value, "reason": str(error)})
