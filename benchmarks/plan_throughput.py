@@ -22,18 +22,23 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from pd_transfer.layout.geometry import Role
-from pd_transfer.layout.planner import plan_pair
-from pd_transfer.layout.presets import model_from_table
-from pd_transfer.layout.rank_builder import build_instance
-from pd_transfer.layout.reconcile import reconcile
-from pd_transfer.layout.views import Layout, Pool
+# run from a checkout without `pip install -e .`: import the package next to this script
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pd_transfer.layout.geometry import Role  # noqa: E402
+from pd_transfer.layout.planner import plan_pair  # noqa: E402
+from pd_transfer.layout.presets import model_from_table  # noqa: E402
+from pd_transfer.layout.rank_builder import build_instance  # noqa: E402
+from pd_transfer.layout.reconcile import reconcile  # noqa: E402
+from pd_transfer.layout.views import Layout, Pool  # noqa: E402
 
 LLAMA_70B_LIKE = {
     "name": "llama-3.1-70b-like",
@@ -129,8 +134,8 @@ def render(rows: list[Row], repeats: int) -> str:
         lines.append(f"{r.label:<16} {r.verdict:<8} {r.reconcile_ms:>12.1f} {r.plan_ms:>9.1f} "
                      f"{r.num_descriptors:>11} {r.num_runs:>10} {r.total_nbytes / 2**30:>6.2f} "
                      f"{rate:>10.3g} {r.floor_ms:>9.2f} {r.plan_ms / r.floor_ms:>9.1f}x")
-    lines.append(f"floor: numpy allocating and writing the two int64 offset arrays of the "
-                 f"same number of descriptors once")
+    lines.append("floor: numpy allocating and writing the two int64 offset arrays of the "
+                 "same number of descriptors once")
     lines.append(f"target: within {TARGET_RATIO:.0f}x of floor; unsliced under "
                  f"{TARGET_UNSLICED_MS:.0f} ms")
     for r in rows:

@@ -15,7 +15,8 @@ import sys
 from collections.abc import Sequence
 
 from pd_transfer import __version__
-from pd_transfer.errors import PdTransferError
+from pd_transfer.errors import ConfigError, PdTransferError
+from pd_transfer.layout.geometry import Role
 from pd_transfer.reports import check_report, plan_report
 from pd_transfer.worker_config import load_worker_config
 
@@ -83,7 +84,12 @@ def _positive_int(text: str) -> int:
 
 
 def _load_pair(args: argparse.Namespace):
-    return load_worker_config(args.prefill), load_worker_config(args.decode)
+    pair = load_worker_config(args.prefill), load_worker_config(args.decode)
+    for config, role in zip(pair, (Role.PREFILL, Role.DECODE)):
+        if config.role is not role:
+            raise ConfigError(f"{config.source}: worker.role is {config.role.value!r} but the file "
+                              f"was given as --{role.value}; pass a {role.value} worker config")
+    return pair
 
 
 def _cmd_check(args: argparse.Namespace) -> int:

@@ -13,8 +13,14 @@ a protocol change.
     │                               .mismatches lists every difference found
     ├── PlanError                   a transfer request cannot be planned
     │                               (index counts differ, index out of range)
-    └── LayoutError                 an operation needs a layout the views lack
-                                    (page-granular copies on strided pages)
+    ├── LayoutError                 an operation needs a layout the views lack
+    │                               (page-granular copies on strided pages)
+    └── ProtocolError               a frame or message breaks the wire protocol;
+        │                           .path names the field (``$.register...``)
+        ├── LocalProtocolError      we tried to send something illegal (a bug
+        │                           here; nothing was sent)
+        └── RemoteProtocolError     the peer did; .reply is the message to send
+                                    back (Close, Abort or a failed Done)
 
 This module imports nothing from the rest of the package.
 """
@@ -52,6 +58,31 @@ class Reason(enum.Enum):
     LAYOUT_UNSUPPORTED = "layout_unsupported"
     INVALID_CONFIG = "invalid_config"
     UNKNOWN_PRESET = "unknown_preset"
+    # wire protocol (pd_transfer.protocol)
+    BAD_FRAME = "bad_frame"                      # not msgpack, not a map, no envelope
+    FRAME_TOO_LARGE = "frame_too_large"
+    LIMIT_EXCEEDED = "limit_exceeded"            # list, string, map or nesting too big
+    BAD_FIELD = "bad_field"                      # missing field, wrong type or value
+    UNKNOWN_MESSAGE = "unknown_message"          # type tag this version does not know
+    VERSION_UNSUPPORTED = "version_unsupported"  # peer speaks another major version
+    ILLEGAL_MESSAGE = "illegal_message"          # message not allowed in this state
+    ROLE_MISMATCH = "role_mismatch"              # prefill talking to prefill, ...
+    STALE_GENERATION = "stale_generation"        # an older generation of a room
+    BAD_GENERATION = "bad_generation"            # a generation not yet announced
+    DUPLICATE_ROOM = "duplicate_room"            # a room requested twice
+    UNKNOWN_ROOM = "unknown_room"
+    SESSION_CLOSED = "session_closed"
+    SESSION_FAILED = "session_failed"            # used after a protocol error
+    ABORTED = "aborted"
+    UNRECOGNIZED_REASON = "unrecognized_reason"  # a newer peer's code we do not know
+    # runtime: rooms, peers
+    PEER_REJECTED = "peer_rejected"
+    PEER_LOST = "peer_lost"
+    TIMEOUT = "timeout"
+    TRANSPORT_FAILED = "transport_failed"
+    NOT_REGISTERED = "not_registered"
+    BOOTSTRAP_FAILED = "bootstrap_failed"
+    SHUTTING_DOWN = "shutting_down"
 
 
 @dataclass(frozen=True)
@@ -136,6 +167,45 @@ class ReconcileError(PdTransferError):
 
     def __str__(self) -> str:
         return self.message
+
+
+class ProtocolError(PdTransferError):
+    """A frame or message breaks the wire protocol.
+
+    ``path`` locates the offending field msgspec-style (``$.register.geometry
+    .views[2].strides_nbytes``), or is empty when the problem is not a field
+    (an illegal message in a state). The message reads
+    ``at <path>: <problem>``.
+    """
+
+    default_code = Reason.BAD_FRAME
+
+    def __init__(self, problem: str, *, code: Reason | None = None, path: str = "",
+                 hint: str = "") -> None:
+        self.problem = problem
+        self.path = path
+        super().__init__(f"at {path}: {problem}" if path else problem, code=code, hint=hint)
+
+
+class LocalProtocolError(ProtocolError):
+    """We tried to send something the protocol forbids. Nothing was sent."""
+
+    default_code = Reason.ILLEGAL_MESSAGE
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent something the protocol forbids.
+
+    ``reply`` is the message the caller should send back (a protocol message
+    object; typed loosely because this module imports nothing of the package).
+    """
+
+    default_code = Reason.ILLEGAL_MESSAGE
+
+    def __init__(self, problem: str, *, code: Reason | None = None, path: str = "",
+                 hint: str = "", reply: Any = None) -> None:
+        super().__init__(problem, code=code, path=path, hint=hint)
+        self.reply = reply
 
 
 def _unique(items: Any) -> list[str]:

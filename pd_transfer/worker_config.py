@@ -141,4 +141,7 @@ def _model(preset: str, table: Any, source: str) -> ModelSpec:
         return model_from_table(table, source)
     if not preset:
         raise ConfigError("worker.model: required (a preset name) unless a [model] table is given")
-    return load_preset(preset)
+    try:
+        return load_preset(preset)
+    except ConfigError as err:
+        raise ConfigError(f"worker.model: {err.message}", code=err.code, hint=err.hint) from None

@@ -9,9 +9,15 @@ dropped. Pure.
 from __future__ import annotations
 
 import re
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from pd_transfer.errors import Mismatch
 from pd_transfer.layout.views import TensorView
+
+if TYPE_CHECKING:
+    from pd_transfer.layout.geometry import RankGeometry
 
 _LAYER = re.compile(r"\.layer\[(\d+)\]")
 
@@ -21,6 +27,14 @@ def describe_shard(view: TensorView, axis: str) -> str:
         return (f"item {view.item_nbytes} B, <missing: global extent and local range "
                 f"of sharded axis '{axis}'>")
     return f"item {view.item_nbytes} B, '{axis}' {view.shard.describe()}"
+
+
+def describe_ranks(ranks: Iterable[RankGeometry]) -> str:
+    """Rank ids folded per PP stage: four decode ranks of stage 0 -> ``decode[pp0,tp0-3]``."""
+    tps: dict[tuple[str, int], list[int]] = defaultdict(list)
+    for geometry in ranks:
+        tps[(geometry.role.value, geometry.pp_rank)].append(geometry.tp_rank)
+    return ", ".join(f"{role}[pp{pp},tp{format_ranges(ids)}]" for (role, pp), ids in tps.items())
 
 
 def collapse(mismatches: list[Mismatch]) -> list[Mismatch]:

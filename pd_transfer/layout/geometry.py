@@ -3,7 +3,8 @@
 :class:`RankGeometry` is what one worker registers with its sidecar and what
 the sidecar sends to peers. :func:`check_geometry` validates one registration
 on its own (every view inside a known region, no duplicate tensors, shard
-ranges consistent with the rank's TP position) before anything is reconciled.
+ranges consistent with the rank's TP position) before anything is reconciled;
+:func:`registration_problems` returns the same problems as records.
 
 Pure data; no I/O.
 """
@@ -64,39 +65,61 @@ class RankGeometry:
         return {v.pool for v in self.views}
 
 
+@dataclass(frozen=True)
+class RegistrationProblem:
+    """One problem of one registration: a view's path (or "" for the whole rank) and what."""
+
+    code: Reason
+    subject: str
+    detail: str
+
+    def render(self) -> str:
+        return f"{self.subject}: {self.detail}" if self.subject else self.detail
+
+
 def check_geometry(geometry: RankGeometry) -> None:
     """Raise :class:`GeometryError` listing every problem of one registration."""
-    problems: list[tuple[Reason, str]] = []
+    problems = registration_problems(geometry)
+    if problems:
+        lines = [f"invalid registration of {geometry.rank_id}: {len(problems)} problem(s)"]
+        lines += [f"  - {p.render()}  [{p.code.value}]" for p in problems]
+        raise GeometryError("\n".join(lines), code=problems[0].code)
+
+
+def registration_problems(geometry: RankGeometry) -> list[RegistrationProblem]:
+    """Every problem of one registration, in registration order (empty if valid)."""
+    problems: list[RegistrationProblem] = []
     if not 0 <= geometry.tp_rank < geometry.tp_size:
-        problems.append((Reason.SHARD_RANGE_INVALID,
-                         f"tp_rank {geometry.tp_rank} outside tp_size {geometry.tp_size}"))
+        problems.append(RegistrationProblem(
+            Reason.SHARD_RANGE_INVALID, "",
+            f"tp_rank {geometry.tp_rank} outside tp_size {geometry.tp_size}"))
     if geometry.page_size <= 0:
-        problems.append((Reason.BAD_VIEW, f"page_size {geometry.page_size} must be positive"))
+        problems.append(RegistrationProblem(Reason.BAD_VIEW, "",
+                                            f"page_size {geometry.page_size} must be positive"))
     regions = {r.id: r for r in geometry.regions}
     if len(regions) != len(geometry.regions):
-        problems.append((Reason.BAD_VIEW, "region ids repeat"))
+        problems.append(RegistrationProblem(Reason.BAD_VIEW, "", "region ids repeat"))
     seen: set[tuple] = set()
     for view in geometry.views:
         if view.key in seen:
-            problems.append((Reason.TENSOR_DUPLICATE, f"{view.path} is registered twice"))
+            problems.append(RegistrationProblem(Reason.TENSOR_DUPLICATE, view.path,
+                                                "registered twice"))
         seen.add(view.key)
         region = regions.get(view.region)
         if region is None:
-            problems.append((Reason.UNKNOWN_REGION, f"{view.path} names unknown region {view.region!r}"))
+            problems.append(RegistrationProblem(Reason.UNKNOWN_REGION, view.path,
+                                                f"names unknown region {view.region!r}"))
         else:
             first, last = view.span_nbytes()
             if last > region.nbytes:
-                problems.append((Reason.VIEW_OUT_OF_REGION,
-                                 f"{view.path} reaches byte {last} of region {region.id!r} "
-                                 f"which holds {region.nbytes}"))
+                problems.append(RegistrationProblem(
+                    Reason.VIEW_OUT_OF_REGION, view.path,
+                    f"reaches byte {last} of region {region.id!r} which holds {region.nbytes}"))
         problems += _shard_problems(view, geometry)
-    if problems:
-        lines = [f"invalid registration of {geometry.rank_id}: {len(problems)} problem(s)"]
-        lines += [f"  - {text}  [{code.value}]" for code, text in problems]
-        raise GeometryError("\n".join(lines), code=problems[0][0])
+    return problems
 
 
-def _shard_problems(view: TensorView, geometry: RankGeometry) -> list[tuple[Reason, str]]:
+def _shard_problems(view: TensorView, geometry: RankGeometry) -> list[RegistrationProblem]:
     """A sharded view must hold the canonical range of its rank, per group."""
     if view.shard is None:
         return []
@@ -108,12 +131,13 @@ def _shard_problems(view: TensorView, geometry: RankGeometry) -> list[tuple[Reas
         try:
             want = canonical_range(group, tp_size, tp_rank)
         except GeometryError:
-            problems.append((Reason.SHARD_NOT_DIVISIBLE,
-                             f"{view.path}: sharded axis group of {group} does not split over "
-                             f"attn_tp {tp_size}"))
+            problems.append(RegistrationProblem(
+                Reason.SHARD_NOT_DIVISIBLE, view.path,
+                f"sharded axis group of {group} does not split over attn_tp {tp_size}"))
             continue
         if got != want:
-            problems.append((Reason.SHARD_RANGE_INVALID,
-                             f"{view.path}: holds [{got[0]},{got[1]}) of {group} but tp_rank "
-                             f"{tp_rank}/{tp_size} should hold [{want[0]},{want[1]})"))
+            problems.append(RegistrationProblem(
+                Reason.SHARD_RANGE_INVALID, view.path,
+                f"holds [{got[0]},{got[1]}) of {group} but tp_rank {tp_rank}/{tp_size} "
+                f"should hold [{want[0]},{want[1]})"))
     return problems

@@ -5,9 +5,11 @@ tensor group (all layers' K of a host pool, say) to be one contiguous byte
 range. That holds for ``page_first`` and ``page_first_direct`` host pools and
 for nothing else; :func:`page_buffer_meta` returns the ranges or raises a
 :class:`LayoutError` naming the layout and the layouts that would work.
-:func:`require_page_granular` checks the stricter property a page-granular
-("direct", no gather) copy of each layer needs: every layer's page on its own
-is contiguous, which only ``page_first_direct`` gives among host layouts.
+:func:`require_page_granular` checks what a page-granular ("direct", no
+gather) copy of each layer needs instead: every layer's page on its own is
+contiguous. NHD and HND device pools give that, and among host layouts
+``page_first_direct`` and ``layer_first`` (the two SGLang's ``direct`` io
+backend takes), not ``page_first`` or ``page_head``.
 
 Both also check the layout by measurement (the bytes of a page really tile
 one range), so a mislabelled view cannot slip through. Pure numpy.

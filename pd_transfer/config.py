@@ -1,0 +1,130 @@
+"""Sidecar configuration: one frozen record, read from TOML and CLI flags.
+
+``pd-transfer serve --role prefill|decode --config FILE`` reads a ``[sidecar]``
+table; flags override the file; defaults fill the rest. Every bad field is
+reported at once, each naming its path and what is accepted, as one
+:class:`ConfigError` (the CLI turns it into exit code 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pd_transfer.errors import ConfigError
+from pd_transfer.layout.geometry import Role
+
+TRANSPORTS = ("auto", "shm", "tcp")
+
+
+def default_host_id() -> str:
+    """Identifies this machine: sidecars with equal host ids can use shared memory."""
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot_id = ""
+    return f"{socket.gethostname()}/{boot_id[:8]}"
+
+
+@dataclass(frozen=True)
+class SidecarConfig:
+    role: Role
+    agent_id: str = ""
+    host_id: str = field(default_factory=default_host_id)
+    control_host: str = "127.0.0.1"
+    control_port: int = 0                 # 0: any free port (see ready_file)
+    data_host: str = "127.0.0.1"          # tcp transport receiver (decode)
+    data_port: int = 0
+    worker_endpoint: str = ""             # ipc:// path the worker connects to
+    bootstrap: str = ""                   # prefill ranks > 0: rank 0's control address
+    transport: str = "auto"               # auto: shm on the same host, tcp across hosts
+    ready_file: str = ""                  # JSON with the bound addresses, written when serving
+    bootstrap_timeout_s: float = 30.0     # expect(): rank table + verdicts
+    waiting_timeout_s: float = 120.0      # decode waits for prefill's data; prefill for send()
+    transfer_timeout_s: float = 60.0      # one room's bytes once sending started
+    heartbeat_interval_s: float = 0.5
+    heartbeat_misses: int = 4             # silent intervals before a peer is lost
+    abort_drain_timeout_s: float = 10.0   # decode abort waits this long for drain acks
+    room_ttl_s: float = 120.0             # terminal rooms kept for late polls
+    max_rooms: int = 4096
+    max_inflight_nbytes: int = 256 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if not self.agent_id:
+            object.__setattr__(self, "agent_id", f"{self.role.value}-{os.getpid()}")
+        if not self.worker_endpoint:
+            object.__setattr__(self, "worker_endpoint", f"ipc:///tmp/pd-transfer-{self.agent_id}.sock")
+
+    @property
+    def control_address(self) -> str:
+        return f"tcp://{self.control_host}:{self.control_port}"
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(SidecarConfig)}
+
+
+def load_sidecar_config(path: str | None, overrides: dict[str, Any]) -> SidecarConfig:
+    """File values, then ``overrides`` (CLI flags, None meaning unset)."""
+    values: dict[str, Any] = {}
+    source = path or "<flags>"
+    if path:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except OSError as err:
+            raise ConfigError(f"{path}: cannot read config: {err.strerror}") from None
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path}: not valid TOML: {err}") from None
+        table = data.get("sidecar", {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: [sidecar] must be a table")
+        values.update(table)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return sidecar_config_from(values, source)
+
+
+def sidecar_config_from(values: dict[str, Any], source: str) -> SidecarConfig:
+    problems = []
+    unknown = sorted(set(values) - set(_FIELDS))
+    if unknown:
+        problems.append(f"sidecar: unknown key(s) {unknown}; accepted: {', '.join(_FIELDS)}")
+    clean: dict[str, Any] = {}
+    for name, value in values.items():
+        if name not in _FIELDS:
+            continue
+        problem = _check(name, value)
+        if problem:
+            problems.append(f"sidecar.{name}: {problem}")
+        else:
+            clean[name] = Role(value) if name == "role" else value
+    if "role" not in clean and not any(p.startswith("sidecar.role") for p in problems):
+        problems.append("sidecar.role: required (prefill or decode)")
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise ConfigError(f"{source}: invalid sidecar config: {len(problems)} problem(s)\n{lines}")
+    return SidecarConfig(**clean)
+
+
+def _check(name: str, value: Any) -> str:
+    if name == "role":
+        roles = [r.value for r in Role]
+        return "" if value in roles else f"{value!r} is not one of {roles}"
+    if name == "transport":
+        return "" if value in TRANSPORTS else f"{value!r} is not one of {list(TRANSPORTS)}"
+    kind = _FIELDS[name].type
+    if kind in ("int", "float"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                (kind == "int" and not isinstance(value, int)):
+            return f"expected {kind}, got {value!r}"
+        if value < 0 or (value == 0 and name not in ("control_port", "data_port")):
+            return f"must be positive, got {value}"
+        if name.endswith("_port") and value > 65535:
+            return f"must be a port number (0-65535), got {value}"
+        return ""
+    if kind == "str" and not isinstance(value, str):
+        return f"expected a string, got {value!r}"
+    return ""

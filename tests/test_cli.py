@@ -1,0 +1,168 @@
+"""``pd-transfer check``: exit codes and what the operator reads.
+
+0 when the pair reconciles (a per-rank table), 1 when it does not (every
+mismatch with both values), 2 for invalid input (one line naming the field).
+Most cases call :func:`pd_transfer.cli.main` in-process; a few run the real
+``python -m pd_transfer.cli`` to pin the process exit status.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pd_transfer.cli import EXIT_INVALID, EXIT_OK, EXIT_REJECTED, main
+from pd_transfer.layout.presets import preset_names
+from pd_transfer.layout.views import KV_LAYOUTS
+
+REPO = Path(__file__).resolve().parents[1]
+WORKERS = REPO / "configs" / "workers"
+PREFILL_TP2 = str(WORKERS / "llama-3.1-8b.prefill-tp2.toml")
+DECODE_TP4 = str(WORKERS / "llama-3.1-8b.decode-tp4.toml")
+DECODE_TP4_FP8 = str(WORKERS / "llama-3.1-8b.decode-tp4-fp8.toml")
+TOKENS = ["--tokens", "64"]   # 4 pages: enough to size the plan, quick to build
+
+VALID_WORKER = """\
+[worker]
+role = "prefill"
+model = "llama-3.1-8b"
+attn_tp_size = 2
+"""
+
+
+def _check(capsys, prefill: str, decode: str) -> tuple[int, str, str]:
+    code = main(["check", "--prefill", prefill, "--decode", decode, *TOKENS])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_check_accepts_a_reconcilable_pair_with_a_row_per_decode_rank_and_source(capsys):
+    code, out, err = _check(capsys, PREFILL_TP2, DECODE_TP4)
+    assert code == EXIT_OK and err == ""
+    lines = out.splitlines()
+    assert "verdict: ACCEPTED" in lines
+    assert lines[lines.index("verdict: ACCEPTED") + 2].split()[:3] == ["decode", "rank", "from"]
+    kv_rows = [line.split() for line in lines if line.startswith("decode[") and " kv " in line]
+    # decode tp 4 over prefill tp 2: decode ranks 0-1 read prefill rank 0, ranks 2-3 rank 1
+    assert [(row[0], row[1], row[3]) for row in kv_rows] == [
+        ("decode[pp0,tp0]", "prefill[pp0,tp0]", "sliced"),
+        ("decode[pp0,tp1]", "prefill[pp0,tp0]", "sliced"),
+        ("decode[pp0,tp2]", "prefill[pp0,tp1]", "sliced"),
+        ("decode[pp0,tp3]", "prefill[pp0,tp1]", "sliced"),
+    ]
+    # 4 pages x 32 layers x K and V, one strided descriptor of 16 tokens each
+    assert all(row[4:6] == ["256", "4096"] for row in kv_rows)
+
+
+def test_check_rejects_and_lists_every_mismatch_with_both_values(capsys):
+    code, out, err = _check(capsys, PREFILL_TP2, DECODE_TP4_FP8)
+    assert code == EXIT_REJECTED and err == ""
+    lines = out.splitlines()
+    assert "verdict: REJECTED" in lines
+    assert "cannot reconcile prefill (attn_tp=2) with decode (attn_tp=4): 4 mismatches" in lines
+    for tensor in ("k", "v"):
+        assert (f"  - kv.layer[0-31].{tensor}.dtype: prefill=bfloat16 decode=float8_e4m3fn  "
+                "[dtype_mismatch]") in lines
+        assert (f"  - kv.layer[0-31].{tensor}.page_size: prefill=16 decode=32  "
+                "[page_size_mismatch]") in lines
+    assert "decode rank" not in out   # no plan table for a rejected pair
+
+
+def test_check_refuses_a_decode_config_passed_as_prefill(capsys):
+    code, out, err = _check(capsys, DECODE_TP4, PREFILL_TP2)
+    assert code == EXIT_INVALID and out == ""
+    assert err == (f"pd-transfer: error: {DECODE_TP4}: worker.role is 'decode' but the file was "
+                   "given as --prefill; pass a prefill worker config\n")
+
+
+def _problem_line(field: str, text: str) -> str:
+    return f"  - {field}: {text}"
+
+
+MALFORMED = {
+    # name: (file text or None for a missing file, expected stderr after "<path>: ")
+    "unreadable": (None, "cannot read worker config: No such file or directory"),
+    "invalid-toml": ("[worker\nrole = 'prefill'\n",
+                     "not valid TOML: Expected ']' at the end of a table declaration "
+                     "(at line 1, column 8)"),
+    "unknown-preset": (VALID_WORKER.replace("llama-3.1-8b", "llama-9"),
+                       "invalid worker config: 1 problem(s)\n"
+                       + _problem_line("worker.model", "unknown model preset 'llama-9'; known "
+                                       f"presets: {', '.join(preset_names())}")),
+    "bad-kv-layout": (VALID_WORKER + 'kv_layout = "nhd_paged"\n',
+                      "invalid worker config: 1 problem(s)\n"
+                      + _problem_line("worker.kv_layout", "'nhd_paged' is not one of "
+                                      f"{[layout.value for layout in KV_LAYOUTS]}")),
+    "zero-tp": (VALID_WORKER.replace("attn_tp_size = 2", "attn_tp_size = 0"),
+                "invalid worker config: 1 problem(s)\n"
+                + _problem_line("worker.attn_tp_size", "must be a positive integer, got 0")),
+    "negative-tp": (VALID_WORKER.replace("attn_tp_size = 2", "attn_tp_size = -2"),
+                    "invalid worker config: 1 problem(s)\n"
+                    + _problem_line("worker.attn_tp_size", "must be a positive integer, got -2")),
+    "unknown-key": (VALID_WORKER + "tp_size = 2\n",
+                    "invalid worker config: 1 problem(s)\n"
+                    + _problem_line("worker", "unknown key(s) ['tp_size']; accepted: role, model, "
+                                    "attn_tp_size, pp_size, page_size, kv_layout, kv_dtype, "
+                                    "num_pages, num_slots, num_aux_rows")),
+    "missing-role": (VALID_WORKER.replace('role = "prefill"\n', ""),
+                     "invalid worker config: 1 problem(s)\n"
+                     + _problem_line("worker.role", "required")),
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_check_reports_invalid_config_on_one_line_naming_the_field(capsys, tmp_path, name):
+    text, expected = MALFORMED[name]
+    path = tmp_path / f"{name}.toml"
+    if text is not None:
+        path.write_text(text)
+    code, out, err = _check(capsys, str(path), DECODE_TP4)
+    assert code == EXIT_INVALID and out == ""
+    assert err == f"pd-transfer: error: {path}: {expected}\n"
+
+
+def test_unknown_preset_message_lists_every_known_preset(capsys, tmp_path):
+    path = tmp_path / "w.toml"
+    path.write_text(VALID_WORKER.replace("llama-3.1-8b", "llama-9"))
+    _, _, err = _check(capsys, str(path), DECODE_TP4)
+    assert {"llama-3.1-8b", "qwen3-next-80b-a3b", "deepseek-v3"} <= set(preset_names())
+    assert all(name in err for name in preset_names())
+
+
+def test_bad_kv_layout_message_lists_every_accepted_layout(capsys, tmp_path):
+    path = tmp_path / "w.toml"
+    path.write_text(VALID_WORKER + 'kv_layout = "paged"\n')
+    _, _, err = _check(capsys, str(path), DECODE_TP4)
+    for accepted in ("nhd", "hnd", "layer_first", "page_first", "page_first_direct", "page_head"):
+        assert f"'{accepted}'" in err
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--help"], "exit codes: 0 ok, 1 not reconcilable, 2 invalid input"),
+    (["check", "--help"], "exit codes: 0 reconcilable, 1 not reconcilable, 2 invalid input"),
+])
+def test_help_states_the_exit_codes(capsys, argv, expected):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 0
+    assert expected in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("decode,status,marker", [
+    (DECODE_TP4, EXIT_OK, "verdict: ACCEPTED"),
+    (DECODE_TP4_FP8, EXIT_REJECTED, "verdict: REJECTED"),
+    (str(WORKERS / "no-such-worker.toml"), EXIT_INVALID, "cannot read worker config"),
+], ids=["accepted", "rejected", "invalid"])
+def test_module_entry_point_exits_with_the_documented_status(decode, status, marker):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    result = subprocess.run(
+        [sys.executable, "-m", "pd_transfer.cli", "check", "--prefill", PREFILL_TP2,
+         "--decode", decode, *TOKENS],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+    assert result.returncode == status
+    assert marker in (result.stdout if status != EXIT_INVALID else result.stderr)
