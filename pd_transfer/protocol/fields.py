@@ -1,0 +1,315 @@
+"""Field kinds: how one typed value is written to and read from plain msgpack data.
+
+Each kind knows its wire form (``encode``), how to check and convert a value
+a peer sent (``decode``, given the field's path for the error message), and
+a short ``description`` used in errors and generated docs. A :class:`Record`
+is a map of named :class:`Field` s decoded into a frozen dataclass; messages,
+registrations and their parts are all records, so every field of every frame
+is checked the same way and every error names its field msgspec-style:
+
+    at $.register.geometry.views[2].strides_nbytes: expected list of int, got str
+
+Decoding is lenient only where the protocol evolves: unknown map keys are
+ignored (a newer minor version may add fields, always with defaults), and an
+unknown reason code becomes ``unrecognized_reason``. Everything else is
+strict: ``True`` is not an int, ``1.5`` is not an int, a missing field
+without a default is an error.
+
+Pure; imports only the standard library and ``pd_transfer.errors``.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pd_transfer.errors import PdTransferError, ProtocolError, Reason
+
+MISSING: Any = object()
+INT64_MAX = 2**63 - 1
+
+_TYPE_NAMES = {type(None): "nil", bool: "bool", int: "int", float: "float", str: "str",
+               bytes: "bytes", list: "list", dict: "map"}
+
+
+def type_name(value: Any) -> str:
+    """The msgpack name of a decoded value's type (``map``, not ``dict``)."""
+    return _TYPE_NAMES.get(type(value), type(value).__name__)
+
+
+def bad_field(path: str, problem: str, code: Reason = Reason.BAD_FIELD) -> ProtocolError:
+    return ProtocolError(problem, code=code, path=path)
+
+
+class Kind:
+    """Base of all field kinds; subclasses override the three members."""
+
+    description = "value"
+
+    def encode(self, value: Any) -> Any:
+        return value
+
+    def decode(self, raw: Any, path: str) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def expected(self, raw: Any, path: str) -> ProtocolError:
+        return bad_field(path, f"expected {self.description}, got {type_name(raw)}")
+
+
+@dataclass(frozen=True)
+class Int(Kind):
+    lo: int = 0
+    hi: int = INT64_MAX
+
+    description = "int"
+
+    def decode(self, raw: Any, path: str) -> int:
+        if isinstance(raw, bool) or not isinstance(raw, int):
+            raise self.expected(raw, path)
+        if not self.lo <= raw <= self.hi:
+            raise bad_field(path, f"expected int in [{self.lo}, {self.hi}], got {raw}")
+        return raw
+
+
+@dataclass(frozen=True)
+class Float(Kind):
+    """A finite float >= ``lo``; an int is accepted (other encoders write 0 as int)."""
+
+    lo: float = 0.0
+
+    description = "float"
+
+    def decode(self, raw: Any, path: str) -> float:
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+            raise self.expected(raw, path)
+        value = float(raw)
+        if not math.isfinite(value) or value < self.lo:
+            raise bad_field(path, f"expected a finite float >= {self.lo}, got {raw!r}")
+        return value
+
+
+@dataclass(frozen=True)
+class Bool(Kind):
+    description = "bool"
+
+    def decode(self, raw: Any, path: str) -> bool:
+        if not isinstance(raw, bool):
+            raise self.expected(raw, path)
+        return raw
+
+
+@dataclass(frozen=True)
+class Str(Kind):
+    max_len: int = 256
+    min_len: int = 0
+
+    description = "str"
+
+    def decode(self, raw: Any, path: str) -> str:
+        if not isinstance(raw, str):
+            raise self.expected(raw, path)
+        if not self.min_len <= len(raw) <= self.max_len:
+            raise bad_field(path, f"expected str of {self.min_len} to {self.max_len} "
+                                  f"characters, got {len(raw)}")
+        return raw
+
+
+@dataclass(frozen=True)
+class EnumOf(Kind):
+    """An enum member on the wire as its ``.value`` string."""
+
+    cls: type[enum.Enum]
+
+    @property
+    def description(self) -> str:  # type: ignore[override]
+        return f"{self.cls.__name__} str"
+
+    def encode(self, value: enum.Enum) -> Any:
+        return value.value
+
+    def decode(self, raw: Any, path: str) -> enum.Enum:
+        if not isinstance(raw, str):
+            raise self.expected(raw, path)
+        try:
+            return self.cls(raw)
+        except ValueError:
+            known = ", ".join(repr(m.value) for m in self.cls)
+            raise bad_field(path, f"expected one of {known}, got {raw[:64]!r}") from None
+
+
+@dataclass(frozen=True)
+class ReasonCode(Kind):
+    """A :class:`Reason`; a code this version does not know is kept as
+    ``unrecognized_reason`` (a newer minor version may add codes)."""
+
+    description = "reason code str"
+
+    def encode(self, value: Reason) -> Any:
+        return value.value
+
+    def decode(self, raw: Any, path: str) -> Reason:
+        if not isinstance(raw, str) or len(raw) > 64:
+            raise bad_field(path, f"expected a reason code str of at most 64 characters, "
+                                  f"got {type_name(raw)}")
+        try:
+            return Reason(raw)
+        except ValueError:
+            return Reason.UNRECOGNIZED_REASON
+
+
+@dataclass(frozen=True)
+class Optional(Kind):
+    inner: Kind
+
+    @property
+    def description(self) -> str:  # type: ignore[override]
+        return f"{self.inner.description} or nil"
+
+    def encode(self, value: Any) -> Any:
+        return None if value is None else self.inner.encode(value)
+
+    def decode(self, raw: Any, path: str) -> Any:
+        return None if raw is None else self.inner.decode(raw, path)
+
+
+@dataclass(frozen=True)
+class ListOf(Kind):
+    """A list decoded into a tuple, at most ``max_len`` items."""
+
+    item: Kind
+    max_len: int = 1024
+
+    @property
+    def description(self) -> str:  # type: ignore[override]
+        return f"list of {self.item.description}"
+
+    def encode(self, value: Any) -> Any:
+        return [self.item.encode(v) for v in value]
+
+    def decode(self, raw: Any, path: str) -> tuple:
+        if not isinstance(raw, list):
+            raise self.expected(raw, path)
+        if len(raw) > self.max_len:
+            raise bad_field(path, f"expected at most {self.max_len} items, got {len(raw)}",
+                            code=Reason.LIMIT_EXCEEDED)
+        return tuple(self.item.decode(v, f"{path}[{i}]") for i, v in enumerate(raw))
+
+
+@dataclass(frozen=True)
+class TupleOf(Kind):
+    """A fixed-length list of differently typed items, decoded into a tuple."""
+
+    items: tuple[Kind, ...]
+
+    @property
+    def description(self) -> str:  # type: ignore[override]
+        return "[" + ", ".join(k.description for k in self.items) + "]"
+
+    def encode(self, value: Any) -> Any:
+        return [k.encode(v) for k, v in zip(self.items, value)]
+
+    def decode(self, raw: Any, path: str) -> tuple:
+        if not isinstance(raw, list) or len(raw) != len(self.items):
+            raise bad_field(path, f"expected {self.description}, got "
+                                  f"{_shape_of(raw)}")
+        return tuple(k.decode(v, f"{path}[{i}]") for i, (k, v) in enumerate(zip(self.items, raw)))
+
+
+def _shape_of(raw: Any) -> str:
+    return f"list of {len(raw)}" if isinstance(raw, list) else type_name(raw)
+
+
+@dataclass(frozen=True)
+class Indices(Kind):
+    """Page, slot or row indices: a tuple of ints in ``[0, hi]``.
+
+    Encoded as packed little-endian int64 bytes (8 bytes an index, no per-item
+    msgpack header, so 64k pages are 512 KB). A list of ints is accepted too,
+    up to ``max_list_len`` items, for peers that cannot pack.
+    """
+
+    max_len: int = 1 << 22
+    hi: int = 2**40
+
+    description = "list of int or packed int64 bytes"
+
+    def encode(self, value: Any) -> Any:
+        return struct.pack(f"<{len(value)}q", *value)
+
+    def decode(self, raw: Any, path: str) -> tuple[int, ...]:
+        if isinstance(raw, bytes):
+            if len(raw) % 8:
+                raise bad_field(path, f"expected packed int64 bytes, got {len(raw)} bytes "
+                                      f"(not a multiple of 8)")
+            values = struct.unpack(f"<{len(raw) // 8}q", raw)
+        elif isinstance(raw, list):
+            values = ListOf(Int(lo=-INT64_MAX - 1), self.max_len).decode(raw, path)
+        else:
+            raise self.expected(raw, path)
+        if len(values) > self.max_len:
+            raise bad_field(path, f"expected at most {self.max_len} indices, got {len(values)}",
+                            code=Reason.LIMIT_EXCEEDED)
+        if values and not 0 <= min(values) <= max(values) <= self.hi:
+            bad = next(i for i, v in enumerate(values) if not 0 <= v <= self.hi)
+            raise bad_field(f"{path}[{bad}]", f"expected an index in [0, {self.hi}], "
+                                              f"got {values[bad]}")
+        return values
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    kind: Kind
+    default: Any = MISSING
+
+
+Finish = Callable[[dict[str, Any], dict[str, Any], str], None]
+
+
+@dataclass(frozen=True)
+class Record(Kind):
+    """A map of named fields decoded into ``cls(**fields)``.
+
+    ``finish(values, raw, path)`` checks invariants across fields (a failed
+    Done needs a reason) and may adjust ``values`` before construction;
+    ``validate(obj)`` checks the built object as a whole. A
+    :class:`PdTransferError` raised by ``cls`` itself (``TensorView`` checks
+    its own shape) or by ``validate`` becomes a :class:`ProtocolError` at
+    this record's path, keeping its reason code.
+    """
+
+    cls: type
+    fields: tuple[Field, ...]
+    finish: Finish | None = None
+    validate: Callable[[Any], None] | None = None
+
+    description = "map"
+
+    def encode(self, value: Any) -> dict[str, Any]:
+        return {f.name: f.kind.encode(getattr(value, f.name)) for f in self.fields}
+
+    def decode(self, raw: Any, path: str) -> Any:
+        if not isinstance(raw, dict):
+            raise self.expected(raw, path)
+        values = {}
+        for f in self.fields:
+            item = raw.get(f.name, MISSING)
+            if item is MISSING:
+                if f.default is MISSING:
+                    raise bad_field(f"{path}.{f.name}", "missing required field")
+                values[f.name] = f.default
+            else:
+                values[f.name] = f.kind.decode(item, f"{path}.{f.name}")
+        if self.finish is not None:
+            self.finish(values, raw, path)
+        try:
+            built = self.cls(**values)
+            if self.validate is not None:
+                self.validate(built)
+        except PdTransferError as exc:
+            raise ProtocolError(exc.message, code=exc.code, path=path) from None
+        return built

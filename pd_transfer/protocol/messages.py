@@ -1,0 +1,322 @@
+"""The wire messages between a prefill sidecar and a decode sidecar.
+
+Every message is a frozen dataclass with a type tag (``TAG``). On the wire a
+message is a msgpack map ``{"t": tag, "v": [major, minor], <fields by name>}``
+(see :mod:`codec`); nothing is positional. Evolution rules, as in msgspec:
+a MINOR version may add message fields (always with a default) and reason
+codes; a peer ignores fields it does not know. Anything else (removing or
+retyping a field, a new required field, a new message type that a peer must
+understand) is a MAJOR version, and peers of different majors refuse each
+other at the first frame.
+
+Version history:
+    1.0  first version.
+
+Identifiers:
+    room        an int in [0, 2**64), assigned by the router (like SGLang's
+                bootstrap room); unique per request, shared by both sides.
+    generation  an int in [0, 2**64): which attempt of a room a message is
+                about. Decode raises it to re-request a room after an abort;
+                messages of an older generation are stale and dropped.
+
+Pure data; imports the layout layer's value types, nothing with I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pd_transfer.errors import Mismatch, Reason
+from pd_transfer.layout.geometry import RankGeometry, Role
+from pd_transfer.layout.reconcile import Mode
+from pd_transfer.layout.views import Pool
+
+PROTOCOL_VERSION: tuple[int, int] = (1, 0)
+
+#: longest reason text, hint or headline a peer accepts (characters)
+MAX_TEXT_LEN = 4096
+
+
+def clip_text(text: str, limit: int = MAX_TEXT_LEN) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was cut."""
+    if len(text) <= limit:
+        return text
+    marker = f"... ({len(text) - limit + 40} more characters)"
+    return text[:limit - 40] + marker[:40]
+
+
+class Message:
+    """Base of all wire messages. ``TAG`` is the ``"t"`` value on the wire."""
+
+    TAG: ClassVar[str] = ""
+
+
+class DoneStatus(enum.Enum):
+    SUCCESS = "success"
+    FAILED = "failed"
+
+
+# -- connection ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an agent can do. Open sets: a peer ignores names it does not know.
+
+    ``transports`` names data planes (``shm``, ``tcp``, ``mock``, ``mooncake``);
+    ``features`` names optional behaviours (``per_layer_send``, ...).
+    """
+
+    transports: tuple[str, ...] = ()
+    features: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hello(Message):
+    """First frame each way: who I am and what I speak."""
+
+    TAG: ClassVar[str] = "hello"
+    agent_id: str
+    role: Role
+    protocol_version: tuple[int, int] = PROTOCOL_VERSION
+    capabilities: Capabilities = Capabilities()
+
+
+@dataclass(frozen=True)
+class RegionHandle:
+    """How a peer on the same host maps a region: a shared-memory segment name,
+    later a CUDA IPC handle."""
+
+    region: str
+    handle: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Register(Message):
+    """This rank's full geometry: regions, tensor views, TP/PP position, page size.
+
+    ``data_address`` is where a tcp data plane reaches this rank (decode);
+    ``region_handles`` let a writer on the same host (``host_id``) map the
+    regions directly. Both optional (added in 1.0, before any release).
+    """
+
+    TAG: ClassVar[str] = "register"
+    agent_id: str
+    host_id: str
+    geometry: RankGeometry
+    data_address: str = ""
+    region_handles: tuple[RegionHandle, ...] = ()
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """How one pool's tensors of one mode move between this rank pair.
+
+    ``descriptors_per_item`` and ``nbytes_per_item`` count copy descriptors and
+    bytes for one index item (a page, slot or row) of the pool.
+    """
+
+    pool: Pool
+    mode: Mode
+    num_tensors: int
+    descriptors_per_item: int
+    nbytes_per_item: int
+
+
+@dataclass(frozen=True)
+class MismatchRecord:
+    """One reconciliation mismatch as it travels: both sides' values as text."""
+
+    path: str
+    code: Reason
+    prefill: str
+    decode: str
+    hint: str = ""
+
+    @staticmethod
+    def from_mismatch(mismatch: Mismatch) -> MismatchRecord:
+        shown = mismatch.to_dict()
+        return MismatchRecord(path=mismatch.path, code=mismatch.code, prefill=shown["prefill"],
+                              decode=shown["decode"], hint=mismatch.hint)
+
+    def render(self) -> str:
+        return f"{self.path}: prefill={self.prefill} decode={self.decode}  [{self.code.value}]"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Verdict(Message):
+    """Prefill's answer to a registration, before any traffic.
+
+    Accepted: ``plan`` summarises every (pool, mode), ``mismatches`` is empty.
+    Rejected: ``mismatches`` lists every difference, ``headline`` says which
+    sides (``cannot reconcile prefill (attn_tp=2) with decode (attn_tp=4)``).
+    """
+
+    TAG: ClassVar[str] = "verdict"
+    accepted: bool
+    plan: tuple[PoolPlan, ...] = ()
+    headline: str = ""
+    mismatches: tuple[MismatchRecord, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Heartbeat(Message):
+    """Liveness, both ways; ``sent_unix_s`` lets the receiver see clock skew and delay."""
+
+    TAG: ClassVar[str] = "heartbeat"
+    agent_id: str
+    sequence: int
+    sent_unix_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Close(Message):
+    """The sender will send nothing more on this session. ``reason`` None is a
+    normal shutdown; otherwise it says what went wrong (a protocol error)."""
+
+    TAG: ClassVar[str] = "close"
+    reason: Reason | None = None
+    reason_text: str = ""
+
+
+# -- rooms --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PoolIndices:
+    """Destination indices in one pool: pages (kv, swa), state slots (mamba), rows (aux)."""
+
+    pool: Pool
+    indices: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransferRequest(Message):
+    """Decode -> prefill: write room ``room`` into these destination indices.
+
+    ``src_ranks`` lists every prefill rank id (``prefill[pp0,tp1]``) decode
+    expects a Done from for this room, so a prefill rank knows its peers.
+    """
+
+    TAG: ClassVar[str] = "transfer_request"
+    room: int
+    generation: int
+    dst: tuple[PoolIndices, ...]
+    src_ranks: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Progress(Message):
+    """Prefill -> decode: bytes of this room written so far."""
+
+    TAG: ClassVar[str] = "progress"
+    room: int
+    generation: int
+    done_nbytes: int
+    total_nbytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Done(Message):
+    """Prefill -> decode: the room finished. A failure always carries a reason."""
+
+    TAG: ClassVar[str] = "done"
+    room: int
+    generation: int
+    status: DoneStatus
+    reason: Reason | None = None
+    reason_text: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Abort(Message):
+    """Either side: stop this generation of the room. The other side answers
+    with :class:`AbortAck` once no write of the generation can still land."""
+
+    TAG: ClassVar[str] = "abort"
+    room: int
+    generation: int
+    reason: Reason
+    reason_text: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class AbortAck(Message):
+    """Answer to :class:`Abort`. ``drained`` True: no write of this generation is
+    in flight, decode may reuse the destination pages. False: some write may
+    still land (a transfer engine could not be cancelled); keep them fenced."""
+
+    TAG: ClassVar[str] = "abort_ack"
+    room: int
+    generation: int
+    drained: bool
+
+
+# -- bootstrap (prefill rank 0's rank table; not part of a session) -----------
+
+@dataclass(frozen=True)
+class RankEntry:
+    """One prefill rank as the rank table lists it."""
+
+    agent_id: str
+    host_id: str
+    control_address: str
+    pp_size: int
+    geometry: RankGeometry
+
+
+@dataclass(frozen=True, kw_only=True)
+class Announce(Message):
+    """A prefill rank's sidecar -> rank 0's bootstrap: here I am."""
+
+    TAG: ClassVar[str] = "announce"
+    entry: RankEntry
+
+
+@dataclass(frozen=True, kw_only=True)
+class TableRequest(Message):
+    """Anyone -> rank 0's bootstrap: send me the rank table."""
+
+    TAG: ClassVar[str] = "table_request"
+    agent_id: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankTable(Message):
+    """The prefill instance's ranks so far; complete when ``expected`` are listed."""
+
+    TAG: ClassVar[str] = "rank_table"
+    expected: int
+    entries: tuple[RankEntry, ...] = ()
+
+    @property
+    def complete(self) -> bool:
+        return self.expected > 0 and len(self.entries) >= self.expected
+
+
+@dataclass(frozen=True)
+class MessageType:
+    cls: type[Message]
+    description: str
+
+
+MESSAGE_TYPES: dict[str, MessageType] = {t.cls.TAG: t for t in (
+    MessageType(Hello, "first frame each way: agent id, role, protocol version, capabilities"),
+    MessageType(Register, "this rank's full geometry (regions, tensor views, TP/PP, page size)"),
+    MessageType(Verdict, "prefill's explicit accept (with plan summary) or reject (every mismatch)"),
+    MessageType(TransferRequest, "decode asks for a room: destination indices per pool, generation"),
+    MessageType(Progress, "prefill reports bytes written for a room"),
+    MessageType(Done, "prefill reports a room finished: success, or failed with a reason"),
+    MessageType(Abort, "either side stops a room's generation, with a reason"),
+    MessageType(AbortAck, "answer to Abort: whether no write of that generation can still land"),
+    MessageType(Heartbeat, "liveness, both ways, in every live session state"),
+    MessageType(Close, "the sender will send nothing more; a reason if it is an error"),
+)}
+
+BOOTSTRAP_MESSAGE_TYPES: dict[str, MessageType] = {t.cls.TAG: t for t in (
+    MessageType(Announce, "a prefill rank announces itself to rank 0's bootstrap"),
+    MessageType(TableRequest, "ask rank 0's bootstrap for the prefill rank table"),
+    MessageType(RankTable, "the prefill ranks registered so far and how many are expected"),
+)}
+
+ROOM_MESSAGES: tuple[type[Message], ...] = (TransferRequest, Progress, Done, Abort, AbortAck)
