@@ -61,7 +61,51 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--limit", type=int, default=12, metavar="N",
                       help="descriptors to print per pool (default 12)")
     plan.set_defaults(handler=_cmd_plan)
+    _add_serve(sub)
+    _add_demo(sub)
     return parser
+
+
+def _add_serve(sub) -> None:
+    serve = sub.add_parser(
+        "serve", help="run a sidecar next to one GPU worker",
+        description="Run the pd-transfer sidecar of one prefill or decode worker. The worker "
+                    "registers its pools through the client library on --worker-endpoint; "
+                    "prefill rank 0 serves the rank table on --bootstrap, the other prefill "
+                    "ranks announce themselves there, decode finds it from each request. "
+                    "Flags override the [sidecar] table of --config. SIGINT/SIGTERM drains; "
+                    "a second one stops at once.",
+        epilog="exit codes: 0 stopped, 2 invalid config, 3 could not start")
+    serve.add_argument("--role", choices=["prefill", "decode"], help="which side this worker is")
+    serve.add_argument("--config", metavar="FILE", help="TOML file with a [sidecar] table")
+    serve.add_argument("--agent-id", help="name in logs and on the wire (default: role-pid)")
+    serve.add_argument("--worker-endpoint", metavar="ipc://PATH",
+                       help="where the worker connects (default ipc:///tmp/pd-transfer-<id>.sock)")
+    serve.add_argument("--control-host", help="address peers reach this sidecar on (127.0.0.1)")
+    serve.add_argument("--control-port", type=int, help="control port (0: any free port)")
+    serve.add_argument("--bootstrap", metavar="tcp://HOST:PORT",
+                       help="prefill: rank 0 binds here, other ranks announce here")
+    serve.add_argument("--transport", choices=["auto", "shm", "tcp"],
+                       help="data plane (auto: shm on the same host, else tcp)")
+    serve.add_argument("--data-host", help="decode: address the tcp data plane binds")
+    serve.add_argument("--ready-file", metavar="FILE",
+                       help="write the bound addresses as JSON here once serving")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(handler=_cmd_serve)
+
+
+def _add_demo(sub) -> None:
+    from pd_transfer.demo import add_arguments
+    demo = sub.add_parser(
+        "demo", help="run a prefill and a decode instance on this machine and verify every byte",
+        description="Start prefill and decode sidecars plus a simulated worker per rank on this "
+                    "machine (CPU, shared memory, loopback), run requests of a model preset "
+                    "between them, verify every destination byte against the ground truth and "
+                    "print a summary.",
+        epilog="exit codes: 0 every byte verified, 1 a room failed or a byte differed, "
+               "2 invalid arguments")
+    add_arguments(demo)
+    demo.set_defaults(handler=_cmd_demo)
 
 
 def _add_pair_args(parser: argparse.ArgumentParser) -> None:
@@ -104,6 +148,24 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     text, ok = plan_report(prefill, decode, args.tokens, args.decode_rank, args.limit)
     print(text)
     return EXIT_OK if ok else EXIT_REJECTED
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from pd_transfer.config import load_sidecar_config
+    from pd_transfer.server import configure_logging, serve
+    overrides = {"role": args.role, "agent_id": args.agent_id,
+                 "worker_endpoint": args.worker_endpoint, "control_host": args.control_host,
+                 "control_port": args.control_port, "bootstrap": args.bootstrap,
+                 "transport": args.transport, "data_host": args.data_host,
+                 "ready_file": args.ready_file}
+    config = load_sidecar_config(args.config, overrides)
+    configure_logging(args.log_level)
+    return serve(config)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from pd_transfer.demo import run_demo
+    return run_demo(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

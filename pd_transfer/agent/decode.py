@@ -1,0 +1,251 @@
+"""The decode side: bootstrap against a prefill instance, request rooms, drain aborts.
+
+``expect(room, bootstrap, ...)`` resolves the prefill instance once per
+bootstrap address: fetch the rank table, reconcile it with this rank, connect
+to exactly the prefill ranks the plan needs, and wait for each one's Verdict.
+A rejected pair fails its rooms at once with the full diagnostic, never after
+a timeout. Then each needed prefill rank gets a TransferRequest; the room
+succeeds when every one of them reported Done. Abort is fenced: the worker is
+told the pages are safe to reuse only after every prefill rank acknowledged
+that no write of the room's generation can still land.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pd_transfer.errors import PdTransferError, Reason
+from pd_transfer.layout.geometry import Role
+from pd_transfer.layout.reconcile import reconcile
+from pd_transfer.layout.views import Pool
+from pd_transfer.protocol import (
+    Abort,
+    AbortAck,
+    Done,
+    DoneStatus,
+    Heartbeat,
+    Hello,
+    PoolIndices,
+    Progress,
+    Register,
+    RegionHandle,
+    RoomStatus,
+    TransferRequest,
+    Verdict,
+)
+from pd_transfer.agent.bootstrap import fetch_table
+from pd_transfer.agent.channels import OutgoingChannel
+from pd_transfer.agent.rooms import Room
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefillPeer:
+    rank_id: str
+    channel: OutgoingChannel
+    verdict: asyncio.Future
+
+
+@dataclass
+class PrefillInstance:
+    """One bootstrap address resolved: the prefill ranks this decode rank needs."""
+
+    bootstrap: str
+    peers: dict[str, PrefillPeer] = field(default_factory=dict)
+    error: PdTransferError | None = None
+    lost: bool = False
+
+
+@dataclass
+class DecodeRoom(Room):
+    bootstrap: str = ""
+    dst: dict[Pool, np.ndarray] = field(default_factory=dict)
+    sources: list[str] = field(default_factory=list)
+    done_from: set[str] = field(default_factory=set)
+    acks: set[str] = field(default_factory=set)
+    instance: PrefillInstance | None = None
+
+
+class DecodeSide:
+    def __init__(self, sidecar) -> None:
+        self.sidecar = sidecar
+        self.instances: dict[str, asyncio.Task] = {}
+
+    @property
+    def config(self):
+        return self.sidecar.config
+
+    # -- bootstrap --------------------------------------------------------------
+    def _instance(self, bootstrap: str) -> asyncio.Task:
+        task = self.instances.get(bootstrap)
+        if task is not None and task.done() and (task.exception() or task.result().lost):
+            task = None  # failed or lost: resolve again (a restarted prefill comes back)
+        if task is None:
+            task = self.instances[bootstrap] = asyncio.create_task(self._resolve(bootstrap))
+        return task
+
+    async def _resolve(self, bootstrap: str) -> PrefillInstance:
+        sidecar = self.sidecar
+        table = await fetch_table(sidecar.context, bootstrap, self.config.agent_id,
+                                  self.config.bootstrap_timeout_s)
+        geometry = sidecar.geometry
+        recon = reconcile([e.geometry for e in table.entries], [geometry])
+        instance = PrefillInstance(bootstrap)
+        if not recon.ok:
+            error = recon.error()
+            raise PdTransferError(str(error), code=Reason.PEER_REJECTED)
+        by_rank = {e.geometry.rank_id: e for e in table.entries}
+        for rank_id in recon.sources_for(geometry):
+            entry = by_rank[rank_id]
+            channel = OutgoingChannel(sidecar.context, entry.control_address, Role.DECODE,
+                                      f"{rank_id} ({entry.control_address})")
+            peer = PrefillPeer(rank_id, channel, asyncio.get_running_loop().create_future())
+            instance.peers[rank_id] = peer
+            channel.start(lambda ch, msg, p=peer, i=instance: self._on_message(i, p, msg))
+            await channel.send(Hello(agent_id=self.config.agent_id, role=Role.DECODE,
+                                     capabilities=sidecar.capabilities()))
+            sidecar.watch(channel, lambda silent, i=instance, p=peer: self._on_lost(i, p, silent))
+        for peer in instance.peers.values():
+            await self._await_verdict(peer)
+        return instance
+
+    async def _await_verdict(self, peer: PrefillPeer) -> None:
+        try:
+            verdict = await asyncio.wait_for(asyncio.shield(peer.verdict), self.config.bootstrap_timeout_s)
+        except asyncio.TimeoutError:
+            raise PdTransferError(f"no verdict from {peer.rank_id} within "
+                                  f"{self.config.bootstrap_timeout_s:.1f} s",
+                                  code=Reason.BOOTSTRAP_FAILED) from None
+        if not verdict.accepted:
+            lines = [verdict.headline or f"{peer.rank_id} rejected this decode rank"]
+            lines += [f"  - {m.render()}" for m in verdict.mismatches]
+            hints = dict.fromkeys(m.hint for m in verdict.mismatches if m.hint)
+            lines += [f"  hint: {h}" for h in hints]
+            raise PdTransferError("\n".join(lines), code=Reason.PEER_REJECTED)
+
+    async def _on_message(self, instance: PrefillInstance, peer: PrefillPeer, message) -> None:
+        sidecar = self.sidecar
+        if isinstance(message, Hello):
+            await peer.channel.send(Register(
+                agent_id=self.config.agent_id, host_id=self.config.host_id,
+                geometry=sidecar.geometry, data_address=sidecar.dataplane.receive_address(),
+                region_handles=tuple(RegionHandle(r, h) for r, h in sidecar.handles.items())))
+        elif isinstance(message, Verdict):
+            if not peer.verdict.done():
+                peer.verdict.set_result(message)
+        elif isinstance(message, (Done, Progress, AbortAck)):
+            self._on_room_message(peer, message)
+        elif isinstance(message, (Register, Heartbeat)):
+            pass
+
+    # -- rooms --------------------------------------------------------------------
+    async def on_expect(self, request: dict, pools: dict[Pool, np.ndarray]) -> dict:
+        existing = self.sidecar.rooms.get(request["room"])
+        if existing is not None and not existing.terminal:
+            raise PdTransferError(f"room {request['room']} is already expected",
+                                  code=Reason.DUPLICATE_ROOM)
+        room = DecodeRoom(request["room"], self.sidecar.next_generation(), bootstrap=request["bootstrap"], dst=pools)
+        room.deadline_s = time.monotonic() + self.config.bootstrap_timeout_s
+        self.sidecar.rooms.add(room)
+        asyncio.create_task(self._start(room))
+        return room.reply()
+
+    async def _start(self, room: DecodeRoom) -> None:
+        try:
+            instance = await asyncio.shield(self._instance(room.bootstrap))
+        except PdTransferError as err:
+            self._fail(room, err.code, f"room {room.room}: {err.message}", drained=True)
+            return
+        except Exception as err:  # e.g. a bad address: report it on the room
+            self._fail(room, Reason.BOOTSTRAP_FAILED, f"room {room.room}: bootstrap "
+                       f"{room.bootstrap} failed: {err!r}", drained=True)
+            return
+        if room.terminal:
+            return
+        room.instance = instance
+        room.sources = list(instance.peers)
+        request = TransferRequest(room=room.room, generation=room.generation,
+                                  dst=tuple(PoolIndices(p, tuple(int(i) for i in idx))
+                                            for p, idx in room.dst.items()),
+                                  src_ranks=tuple(room.sources))
+        for peer in instance.peers.values():
+            await peer.channel.send(request)
+        room.advance(RoomStatus.WAITING_FOR_INPUT, time.monotonic() + self.config.waiting_timeout_s)
+
+    def _on_room_message(self, peer: PrefillPeer, message) -> None:
+        room = self.sidecar.rooms.get(message.room)
+        if not isinstance(room, DecodeRoom) or message.generation != room.generation:
+            return  # stale: an earlier generation of the room
+        if isinstance(message, Progress):
+            room.advance(RoomStatus.TRANSFERRING, time.monotonic() + self.config.transfer_timeout_s)
+        elif isinstance(message, AbortAck):
+            room.acks.add(peer.rank_id)
+            if room.acks >= set(room.sources):
+                room.drained.set()
+        elif message.status is DoneStatus.SUCCESS:
+            room.done_from.add(peer.rank_id)
+            if room.done_from >= set(room.sources):
+                room.advance(RoomStatus.SUCCESS)
+                room.drained.set()
+                self.sidecar.room_finished(room, "success")
+        else:
+            # this prefill rank wrote nothing more; the others may still be writing
+            room.done_from.add(peer.rank_id)
+            room.acks.add(peer.rank_id)
+            self._fail(room, message.reason, f"room {room.room}: {peer.rank_id}: {message.reason_text}")
+
+    def _fail(self, room: DecodeRoom, reason: Reason, text: str, *, drained: bool = False) -> None:
+        if not room.fail(reason, text):
+            return
+        log.warning("decode: %s", text)
+        self.sidecar.room_finished(room, reason.value)
+        if drained or not room.sources:
+            room.drained.set()
+            return
+        asyncio.create_task(self._abort_sources(room, reason, text))
+
+    async def _abort_sources(self, room: DecodeRoom, reason: Reason, text: str) -> None:
+        """Fence the room: every prefill rank not yet finished must ack the abort."""
+        pending = [p for p in room.instance.peers.values() if p.rank_id not in room.acks]
+        for peer in pending:
+            try:
+                await peer.channel.send(Abort(room=room.room, generation=room.generation,
+                                              reason=reason, reason_text=text[:4000]))
+            except Exception as err:
+                log.warning("decode: cannot send abort of room %d to %s: %s", room.room, peer.rank_id, err)
+        if room.acks >= set(room.sources):
+            room.drained.set()
+
+    async def on_worker_abort(self, room_id: int) -> dict:
+        room = self.sidecar.rooms.get(room_id)
+        if not isinstance(room, DecodeRoom):
+            raise PdTransferError(f"room {room_id} is unknown", code=Reason.UNKNOWN_ROOM)
+        self._fail(room, Reason.ABORTED, f"room {room_id} aborted by the decode worker")
+        try:
+            await asyncio.wait_for(room.drained.wait(), self.config.abort_drain_timeout_s)
+            drained = True
+        except asyncio.TimeoutError:
+            drained = False  # some prefill rank never confirmed: keep the pages fenced
+        return {"drained": drained, **room.reply()}
+
+    def on_timeout(self, room: DecodeRoom) -> None:
+        waiting = {RoomStatus.BOOTSTRAPPING: "prefill peers were not resolved",
+                   RoomStatus.WAITING_FOR_INPUT: "prefill sent no data",
+                   RoomStatus.TRANSFERRING: "the transfer did not finish"}[room.status]
+        self._fail(room, Reason.TIMEOUT, f"room {room.room} timed out in {room.status.value}: {waiting}")
+
+    def _on_lost(self, instance: PrefillInstance, peer: PrefillPeer, silent_s: float) -> None:
+        instance.lost = True
+        text = f"lost prefill peer {peer.channel.label}: no heartbeat for {silent_s:.1f} s"
+        if not peer.verdict.done():
+            peer.verdict.set_exception(PdTransferError(text, code=Reason.PEER_LOST))
+        for room in self.sidecar.rooms.live():
+            if isinstance(room, DecodeRoom) and room.instance is instance and peer.rank_id in room.sources:
+                # not counted as drained: a silent peer might still write (fail closed)
+                self._fail(room, Reason.PEER_LOST, f"room {room.room}: {text}")

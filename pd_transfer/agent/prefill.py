@@ -1,0 +1,351 @@
+"""The prefill side: verdicts for decode peers, and executing rooms' plans.
+
+A decode rank connects, says hello, registers its geometry; once the rank
+table is complete this side reconciles the whole prefill instance with that
+decode rank and answers an explicit Verdict (accepted with the plan summary,
+or every mismatch) before any traffic. For each room it then waits for the
+TransferRequests of every decode rank it feeds and for the worker's chunks,
+and writes each chunk through the transport as soon as both are there. The
+last chunk carries state slots, SWA pages and the aux row (written last: its
+arrival means everything before it landed), then a Done goes out.
+
+Prefill rooms have deadlines in every status, including after
+WaitingForInput, where SGLang waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pd_transfer.errors import PdTransferError, Reason
+from pd_transfer.layout.diagnostics import collapse
+from pd_transfer.layout.fanout import decode_ranks_fed
+from pd_transfer.layout.geometry import RankGeometry, Role
+from pd_transfer.layout.planner import plan_pair
+from pd_transfer.layout.reconcile import Reconciliation, reconcile
+from pd_transfer.layout.views import Pool
+from pd_transfer.protocol import (
+    Abort,
+    AbortAck,
+    Done,
+    DoneStatus,
+    Heartbeat,
+    Hello,
+    MismatchRecord,
+    PoolPlan,
+    Progress,
+    RankTable,
+    Register,
+    RoomStatus,
+    TransferRequest,
+    Verdict,
+)
+from pd_transfer.agent.channels import Channel
+from pd_transfer.agent.rooms import Room
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodePeer:
+    channel: Channel
+    register: Register | None = None
+    reconciliation: Reconciliation | None = None
+    fed: list[int] = field(default_factory=list)
+    link: object = None
+    accepted: bool = False
+
+    @property
+    def rank_id(self) -> str:
+        return self.register.geometry.rank_id if self.register else self.channel.label
+
+
+@dataclass
+class Target:
+    """One decode rank's request for a room."""
+
+    peer: DecodePeer
+    generation: int
+    dst: dict[Pool, np.ndarray]
+    kv_cursor: int = 0
+    chunks_done: int = 0
+    done: bool = False
+    failed: bool = False
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+@dataclass
+class PrefillRoom(Room):
+    chunks: list[dict[Pool, np.ndarray]] = field(default_factory=list)
+    last_received: bool = False
+    targets: dict[int, Target] = field(default_factory=dict)   # by channel id
+    expected_targets: int = 0
+    nbytes: int = 0
+
+
+class PrefillSide:
+    def __init__(self, sidecar) -> None:
+        self.sidecar = sidecar
+        self.peers: dict[int, DecodePeer] = {}
+        self.table: RankTable | None = None
+        self.table_ready = asyncio.Event()
+
+    @property
+    def config(self):
+        return self.sidecar.config
+
+    # -- decode sessions ----------------------------------------------------------
+    async def on_message(self, channel: Channel, message) -> None:
+        peer = self.peers.setdefault(id(channel), DecodePeer(channel))
+        if isinstance(message, Hello):
+            channel.peer_agent_id = message.agent_id
+            await channel.send(Hello(agent_id=self.config.agent_id, role=Role.PREFILL,
+                                     capabilities=self.sidecar.capabilities()))
+        elif isinstance(message, Register):
+            await self._on_register(peer, message)
+        elif isinstance(message, TransferRequest):
+            await self._on_request(peer, message)
+        elif isinstance(message, Abort):
+            await self._on_abort(peer, message)
+        elif isinstance(message, Heartbeat):
+            pass  # last_heard_s is updated by the channel
+        else:
+            log.debug("prefill: ignoring %s from %s", type(message).__name__, peer.rank_id)
+
+    async def _on_register(self, peer: DecodePeer, message: Register) -> None:
+        peer.register = message
+        peer.channel.label = f"{message.geometry.rank_id} ({message.agent_id})"
+        geometry = self.sidecar.geometry
+        if geometry is None:  # worker not registered yet: wait for it, bounded
+            await self.sidecar.wait_registered(self.config.bootstrap_timeout_s)
+            geometry = self.sidecar.geometry
+        await peer.channel.send(Register(agent_id=self.config.agent_id, host_id=self.config.host_id,
+                                         geometry=geometry))
+        asyncio.create_task(self._send_verdict(peer))
+
+    async def _send_verdict(self, peer: DecodePeer) -> None:
+        try:
+            await asyncio.wait_for(self.table_ready.wait(), self.config.bootstrap_timeout_s)
+        except asyncio.TimeoutError:
+            await self._reject(peer, "prefill rank table incomplete", [MismatchRecord(
+                path="prefill.rank_table", code=Reason.BOOTSTRAP_FAILED, prefill="incomplete",
+                decode="-", hint="start every prefill rank's sidecar and worker")])
+            return
+        decode_geometry = peer.register.geometry
+        prefill = [e.geometry for e in self.table.entries]
+        recon = reconcile(prefill, [decode_geometry])
+        if not recon.ok:
+            error = recon.error()
+            await self._reject(peer, error.headline, [MismatchRecord.from_mismatch(m)
+                                                      for m in collapse(list(recon.mismatches))])
+            return
+        peer.reconciliation = recon
+        peer.fed = decode_ranks_fed(recon, self.sidecar.geometry.rank_id, decode_geometry)
+        try:
+            peer.link = await self.sidecar.dataplane.connect(peer.register)
+        except PdTransferError as err:
+            await self._reject(peer, f"no data plane to {peer.rank_id}", [MismatchRecord(
+                path="transport", code=err.code, prefill=self.config.transport,
+                decode=peer.register.data_address or "<no data address>", hint=str(err))])
+            return
+        peer.accepted = True
+        self.sidecar.metrics_verdict(True)
+        log.info("prefill: accepted %s (feeds decode tp ranks %s)", peer.rank_id, peer.fed)
+        await peer.channel.send(Verdict(accepted=True, plan=self._plan_summary(recon, decode_geometry)))
+
+    async def _reject(self, peer: DecodePeer, headline: str, mismatches: list[MismatchRecord]) -> None:
+        self.sidecar.metrics_verdict(False)
+        log.warning("prefill: rejected %s: %s", peer.rank_id,
+                    "; ".join(m.render() for m in mismatches[:8]))
+        await peer.channel.send(Verdict(accepted=False, headline=headline, mismatches=tuple(mismatches)))
+
+    def _plan_summary(self, recon: Reconciliation, decode_geometry: RankGeometry) -> tuple[PoolPlan, ...]:
+        summary = []
+        modes: dict[tuple, int] = {}
+        for verdict in recon.verdicts:
+            modes[(verdict.key[0], verdict.mode)] = modes.get((verdict.key[0], verdict.mode), 0) + 1
+        for (pool, mode), count in modes.items():
+            one = {pool: (np.zeros(1, np.int64), np.zeros(1, np.int64))}
+            try:
+                plan = plan_pair(recon, self.sidecar.geometry, decode_geometry, one)
+            except PdTransferError:
+                continue
+            summary.append(PoolPlan(pool, mode, count, plan.num_descriptors, plan.total_nbytes))
+        return tuple(summary)
+
+    # -- rooms --------------------------------------------------------------------
+    def _room(self, room_id: int) -> PrefillRoom:
+        room = self.sidecar.rooms.get(room_id)
+        if room is None or (room.terminal and not room.targets and not room.chunks):
+            room = PrefillRoom(room_id, 0)
+            room.deadline_s = time.monotonic() + self.config.bootstrap_timeout_s
+            self.sidecar.rooms.add(room)
+        return room
+
+    async def _on_request(self, peer: DecodePeer, message: TransferRequest) -> None:
+        room = self._room(message.room)
+        if not peer.accepted:
+            await peer.channel.send(Done(room=message.room, generation=message.generation,
+                                         status=DoneStatus.FAILED, reason=Reason.PEER_REJECTED,
+                                         reason_text="transfer request before an accepted verdict"))
+            return
+        dst = {d.pool: np.asarray(d.indices, dtype=np.int64) for d in message.dst}
+        room.targets[id(peer.channel)] = Target(peer, message.generation, dst)
+        room.expected_targets = max(room.expected_targets, len(peer.fed))
+        if room.terminal:
+            await self._finish_target(room, room.targets[id(peer.channel)])
+            return
+        if len(room.targets) >= room.expected_targets:
+            room.advance(RoomStatus.WAITING_FOR_INPUT,
+                         time.monotonic() + self.config.waiting_timeout_s)
+        self._pump_all(room)
+
+    async def on_send(self, request: dict, pools: dict[Pool, np.ndarray]) -> dict:
+        room = self._room(request["room"])
+        if room.last_received:
+            raise PdTransferError(f"room {room.room}: send after the last chunk",
+                                  code=Reason.DUPLICATE_ROOM)
+        if room.terminal:
+            return room.reply()
+        room.chunks.append(pools)
+        room.last_received = request["last"]
+        self._pump_all(room)
+        return room.reply()
+
+    def _pump_all(self, room: PrefillRoom) -> None:
+        for target in list(room.targets.values()):
+            asyncio.create_task(self._pump(room, target))
+
+    async def _pump(self, room: PrefillRoom, target: Target) -> None:
+        async with target.lock:
+            while target.chunks_done < len(room.chunks) and not target.failed and not room.terminal:
+                index = target.chunks_done
+                try:
+                    requests = self._chunk_requests(room, target, index)
+                    plan = plan_pair(target.peer.reconciliation, self.sidecar.geometry,
+                                     target.peer.register.geometry, requests)
+                    room.advance(RoomStatus.TRANSFERRING,
+                                 time.monotonic() + self.config.transfer_timeout_s)
+                    nbytes = await self.sidecar.dataplane.write(target.peer.link, plan,
+                                                                room.room, target.generation)
+                except PdTransferError as err:
+                    await self.fail_room(room, err.code, f"room {room.room} -> {target.peer.rank_id}: "
+                                                         f"{err.message}", lock_held=target)
+                    return
+                room.nbytes += nbytes
+                target.kv_cursor += len(room.chunks[index].get(Pool.KV, ()))
+                target.chunks_done += 1
+                await self._send(target, Progress(room=room.room, generation=target.generation,
+                                                  done_nbytes=room.nbytes, total_nbytes=room.nbytes))
+            if room.last_received and target.chunks_done == len(room.chunks) and not target.done \
+                    and not target.failed and not room.terminal:
+                target.done = True
+                await self._send(target, Done(room=room.room, generation=target.generation,
+                                              status=DoneStatus.SUCCESS))
+                self._maybe_succeed(room)
+
+    def _chunk_requests(self, room: PrefillRoom, target: Target, index: int) -> dict:
+        chunk = room.chunks[index]
+        last = room.last_received and index == len(room.chunks) - 1
+        requests = {}
+        src_kv = chunk.get(Pool.KV, np.zeros(0, np.int64))
+        dst_kv = target.dst.get(Pool.KV, np.zeros(0, np.int64))
+        end = target.kv_cursor + len(src_kv)
+        if end > len(dst_kv) or (last and end != len(dst_kv)):
+            raise PdTransferError(f"prefill sends {end if end > len(dst_kv) else end} kv page(s) but "
+                                  f"decode allocated {len(dst_kv)}; refused rather than truncated",
+                                  code=Reason.INDEX_COUNT_MISMATCH)
+        if len(src_kv):
+            requests[Pool.KV] = (src_kv, dst_kv[target.kv_cursor:end])
+        if last:
+            for pool in (Pool.SWA, Pool.MAMBA, Pool.AUX):
+                src, dst = chunk.get(pool), target.dst.get(pool)
+                if src is None and dst is None:
+                    continue
+                if src is None or dst is None or len(src) != len(dst):
+                    raise PdTransferError(
+                        f"{pool.value}: prefill sends {0 if src is None else len(src)} index(es), "
+                        f"decode expects {0 if dst is None else len(dst)}",
+                        code=Reason.INDEX_COUNT_MISMATCH)
+                requests[pool] = (src, dst)
+            # aux goes last: its arrival means everything before it landed
+            if Pool.AUX in requests:
+                requests[Pool.AUX] = requests.pop(Pool.AUX)
+        return requests
+
+    async def _send(self, target: Target, message) -> None:
+        try:
+            await target.peer.channel.send(message)
+        except Exception as err:
+            log.warning("prefill: cannot send %s to %s: %s", type(message).__name__,
+                        target.peer.rank_id, err)
+
+    def _maybe_succeed(self, room: PrefillRoom) -> None:
+        if room.last_received and len(room.targets) >= room.expected_targets > 0 \
+                and all(t.done for t in room.targets.values()):
+            room.advance(RoomStatus.SUCCESS)
+            self.sidecar.room_finished(room, "success")
+
+    async def fail_room(self, room: PrefillRoom, reason: Reason, text: str,
+                        lock_held: Target | None = None) -> None:
+        if not room.fail(reason, text):
+            return
+        log.warning("prefill: room %d failed: %s", room.room, text)
+        self.sidecar.room_finished(room, reason.value)
+        for target in list(room.targets.values()):
+            if target is lock_held:
+                await self._finish_target(room, target)
+            else:
+                async with target.lock:  # no write of this target in flight afterwards
+                    await self._finish_target(room, target)
+        room.drained.set()
+
+    async def _finish_target(self, room: PrefillRoom, target: Target) -> None:
+        if target.done:
+            return
+        target.done = target.failed = True
+        await self._send(target, Done(room=room.room, generation=target.generation,
+                                      status=DoneStatus.FAILED, reason=room.state.reason or Reason.ABORTED,
+                                      reason_text=room.state.reason_text or "room failed"))
+
+    async def _on_abort(self, peer: DecodePeer, message: Abort) -> None:
+        room = self.sidecar.rooms.get(message.room)
+        target = room.targets.get(id(peer.channel)) if room else None
+        if target is not None:
+            target.failed = True
+            async with target.lock:  # wait for the write in flight, if any
+                target.done = True
+            if isinstance(room, PrefillRoom):
+                await self.fail_room(room, Reason.ABORTED,
+                                     f"aborted by decode {peer.rank_id}: {message.reason_text}")
+        await peer.channel.send(AbortAck(room=message.room, generation=message.generation,
+                                         drained=True))
+
+    async def on_worker_abort(self, room_id: int) -> dict:
+        room = self.sidecar.rooms.get(room_id)
+        if room is None:
+            raise PdTransferError(f"room {room_id} is unknown", code=Reason.UNKNOWN_ROOM)
+        await self.fail_room(room, Reason.ABORTED, f"room {room_id} aborted by the prefill worker")
+        return {"drained": True, **room.reply()}
+
+    def on_timeout(self, room: PrefillRoom) -> None:
+        waiting = {RoomStatus.BOOTSTRAPPING: "no transfer request from decode",
+                   RoomStatus.WAITING_FOR_INPUT: "the prefill worker did not send the room's pages",
+                   RoomStatus.TRANSFERRING: "the transfer did not finish"}[room.status]
+        asyncio.create_task(self.fail_room(
+            room, Reason.TIMEOUT,
+            f"room {room.room} timed out in {room.status.value}: {waiting}"))
+
+    def on_peer_lost(self, channel: Channel, silent_s: float) -> None:
+        peer = self.peers.pop(id(channel), None)
+        label = peer.rank_id if peer else channel.label
+        for room in self.sidecar.rooms.live():
+            if isinstance(room, PrefillRoom) and id(channel) in room.targets:
+                asyncio.create_task(self.fail_room(
+                    room, Reason.PEER_LOST,
+                    f"lost decode peer {label}: no heartbeat for {silent_s:.1f} s"))

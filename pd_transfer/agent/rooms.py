@@ -1,0 +1,130 @@
+"""Rooms as the agent tracks them: status, deadline, waiters, index lists.
+
+The status rules (monotonic, Failed sticky with a reason, Success final) are
+:class:`pd_transfer.protocol.RoomState`'s; this module adds what needs a
+clock and an event loop: a deadline per non-terminal status, futures the
+worker's ``wait`` calls sleep on, and a table that forgets terminal rooms
+after a TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from pd_transfer.errors import Reason
+from pd_transfer.layout.views import Pool
+from pd_transfer.protocol import RoomState, RoomStatus
+
+
+@dataclass
+class Room:
+    """One room on one side. Subclassed per role for its bookkeeping."""
+
+    room: int
+    generation: int
+    state: RoomState = field(init=False)
+    created_s: float = field(default_factory=time.monotonic)
+    deadline_s: float = float("inf")
+    finished_s: float = 0.0
+    waiters: list[asyncio.Future] = field(default_factory=list)
+    drained: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.state = RoomState(self.room, self.generation)
+
+    @property
+    def status(self) -> RoomStatus:
+        return self.state.status
+
+    @property
+    def terminal(self) -> bool:
+        return self.state.is_terminal
+
+    def advance(self, status: RoomStatus, deadline_s: float = float("inf")) -> None:
+        before = self.state.status
+        self.state = self.state.advance(status)
+        if self.state.status is not before:
+            self.deadline_s = deadline_s
+            self._settle()
+
+    def fail(self, reason: Reason, text: str) -> bool:
+        """Fail the room; False if it was already terminal (the first outcome stands)."""
+        if self.terminal:
+            return False
+        self.state = self.state.fail(reason, text)
+        self._settle()
+        return True
+
+    def _settle(self) -> None:
+        if self.terminal:
+            self.finished_s = time.monotonic()
+            self.deadline_s = float("inf")
+            for waiter in self.waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+            self.waiters.clear()
+
+    def reply(self) -> dict:
+        reply = {"status": self.state.status.value}
+        if self.state.status is RoomStatus.FAILED:
+            reply.update(code=self.state.reason.value, reason=self.state.reason_text)
+        return reply
+
+    async def wait(self, timeout_s: float) -> None:
+        if self.terminal:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self.waiters.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            if waiter in self.waiters:
+                self.waiters.remove(waiter)
+
+
+class RoomTable:
+    """Live and recently finished rooms; terminal ones are forgotten after ``ttl_s``."""
+
+    def __init__(self, ttl_s: float, max_rooms: int) -> None:
+        self.ttl_s = ttl_s
+        self.max_rooms = max_rooms
+        self.rooms: dict[int, Room] = {}
+
+    def get(self, room: int) -> Room | None:
+        return self.rooms.get(room)
+
+    def add(self, room: Room) -> None:
+        self.rooms[room.room] = room
+
+    def live(self) -> list[Room]:
+        return [r for r in self.rooms.values() if not r.terminal]
+
+    def expire(self, now_s: float, on_timeout: Callable[[Room], None]) -> None:
+        for room in list(self.rooms.values()):
+            if room.terminal:
+                if now_s - room.finished_s > self.ttl_s:
+                    del self.rooms[room.room]
+            elif now_s > room.deadline_s:
+                on_timeout(room)
+
+    def counts(self) -> dict[str, int]:
+        counts = {s.value: 0 for s in RoomStatus}
+        for room in self.rooms.values():
+            counts[room.status.value] += 1
+        return counts
+
+
+def pool_requests(request: dict) -> dict[Pool, np.ndarray]:
+    """Index lists of a worker send/expect request, by pool (empty pools left out)."""
+    lists = {Pool.KV: request.get("pages", []), Pool.SWA: request.get("swa_pages", []),
+             Pool.MAMBA: request.get("state_slots", [])}
+    if request.get("aux_row") is not None:
+        lists[Pool.AUX] = [request["aux_row"]]
+    return {pool: np.asarray(values, dtype=np.int64) for pool, values in lists.items() if len(values)}

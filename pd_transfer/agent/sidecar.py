@@ -1,0 +1,265 @@
+"""The sidecar: one per GPU worker, prefill or decode.
+
+Owns the event loop's tasks (one task group), the sockets (worker endpoint,
+control ROUTER, bootstrap on prefill rank 0), the room table, the worker's
+registration and mapped regions, and the data plane; the role's logic lives
+in :mod:`prefill` and :mod:`decode`. Timers (room deadlines, heartbeats,
+lost peers) run here.
+
+Shutdown: the first stop request drains (new rooms are refused, live rooms
+get ``drain_s`` to finish, then fail with ``shutting_down``); a second one
+stops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import zmq
+import zmq.asyncio
+
+from pd_transfer.config import SidecarConfig
+from pd_transfer.errors import PdTransferError, Reason
+from pd_transfer.layout.geometry import RankGeometry, Role, check_geometry
+from pd_transfer.protocol import Capabilities, Heartbeat, RankEntry, SessionState, geometry_from_data
+from pd_transfer.protocol.worker_api import WorkerOp
+from pd_transfer.agent.bootstrap import BootstrapServer, fetch_table
+from pd_transfer.agent.channels import Channel, IncomingChannels
+from pd_transfer.agent.dataplane import DataPlane
+from pd_transfer.agent.decode import DecodeSide
+from pd_transfer.agent.prefill import PrefillSide
+from pd_transfer.agent.rooms import RoomTable, pool_requests
+from pd_transfer.agent.stats import SidecarStats
+
+log = logging.getLogger(__name__)
+
+_HEARTBEAT_STATES = {SessionState.GREETED, SessionState.REGISTERING, SessionState.REGISTERED,
+                     SessionState.ACCEPTED, SessionState.REJECTED}
+
+
+class Sidecar:
+    def __init__(self, config: SidecarConfig, drain_s: float = 5.0) -> None:
+        self.config = config
+        self.drain_s = drain_s
+        self.context = zmq.asyncio.Context()
+        self.rooms = RoomTable(config.room_ttl_s, config.max_rooms)
+        self.stats = SidecarStats()
+        self.geometry: RankGeometry | None = None
+        self.handles: dict[str, str] = {}
+        self.pp_size = 1
+        self.dataplane = DataPlane(config, self.context)
+        self.side = PrefillSide(self) if config.role is Role.PREFILL else DecodeSide(self)
+        self.control: IncomingChannels | None = None
+        self.bootstrap_server: BootstrapServer | None = None
+        self._registered = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._force = False
+        self._stopping = False
+        self._watched: list[tuple[Channel, Callable[[float], None]]] = []
+        self._heartbeat_seq = itertools.count(1)
+        self._generations = itertools.count(1)
+        self._tasks: list[asyncio.Task] = []
+
+    # -- lifecycle ---------------------------------------------------------------
+    def request_stop(self, *, force: bool) -> None:
+        self._force = self._force or force
+        self._stop.set()
+
+    async def run(self) -> None:
+        from pd_transfer.agent.worker_endpoint import WorkerEndpoint
+        endpoint = WorkerEndpoint(self.context, self.config.worker_endpoint, self.handle_worker)
+        self._spawn(endpoint.serve())
+        if self.config.role is Role.PREFILL:
+            self.control = IncomingChannels(self.context, self.config.control_host,
+                                            self.config.control_port, Role.PREFILL)
+            self._spawn(self.control.serve(self._on_control))
+        self._spawn(self._timers())
+        self._write_ready_file()
+        log.info("%s sidecar %s serving: worker %s, control %s", self.config.role.value,
+                 self.config.agent_id, self.config.worker_endpoint,
+                 self.control.address if self.control else "-")
+        try:
+            await self._stop.wait()
+            if not self._force:
+                await self._drain()
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            endpoint.close()
+            if self.control:
+                self.control.close()
+            if self.bootstrap_server:
+                self.bootstrap_server.close()
+            self.dataplane.close()
+            self.context.destroy(linger=0)
+            log.info("sidecar %s stopped", self.config.agent_id)
+
+    async def _drain(self) -> None:
+        self._stopping = True
+        deadline = time.monotonic() + self.drain_s
+        while self.rooms.live() and time.monotonic() < deadline and not self._force:
+            await asyncio.sleep(0.02)
+        for room in self.rooms.live():
+            text = f"room {room.room}: the sidecar shut down before it finished"
+            if self.config.role is Role.PREFILL:
+                await self.side.fail_room(room, Reason.SHUTTING_DOWN, text)
+            else:
+                self.side._fail(room, Reason.SHUTTING_DOWN, text)
+        await asyncio.sleep(0.05)  # let the failure notices leave
+
+    def _spawn(self, coro) -> None:
+        self._tasks.append(asyncio.create_task(coro))
+
+    def _write_ready_file(self) -> None:
+        if not self.config.ready_file:
+            return
+        info = {"agent_id": self.config.agent_id, "worker_endpoint": self.config.worker_endpoint,
+                "control_address": self.control.address if self.control else "",
+                "data_address": self.dataplane.receive_address()}
+        path = Path(self.config.ready_file)
+        path.with_suffix(".tmp").write_text(json.dumps(info))
+        path.with_suffix(".tmp").replace(path)
+
+    # -- worker API ----------------------------------------------------------------
+    async def handle_worker(self, op: WorkerOp, request: dict[str, Any]) -> dict[str, Any]:
+        if op is WorkerOp.REGISTER:
+            return await self._register(request)
+        if self.geometry is None:
+            raise PdTransferError("the worker has not registered its pools yet",
+                                  code=Reason.NOT_REGISTERED)
+        if op is WorkerOp.POLL:
+            return self._room(request["room"]).reply()
+        if op is WorkerOp.WAIT:
+            room = self._room(request["room"])
+            await room.wait(float(request["timeout_s"]))
+            return room.reply()
+        if op is WorkerOp.ABORT:
+            return await self.side.on_worker_abort(request["room"])
+        if self._stopping:
+            raise PdTransferError("the sidecar is shutting down", code=Reason.SHUTTING_DOWN)
+        pools = pool_requests(request)
+        if op is WorkerOp.SEND and self.config.role is Role.PREFILL:
+            return await self.side.on_send(request, pools)
+        if op is WorkerOp.EXPECT and self.config.role is Role.DECODE:
+            return await self.side.on_expect(request, pools)
+        if op is WorkerOp.LAYER_READY:
+            return {}
+        raise PdTransferError(f"{op.value} is not available on a {self.config.role.value} sidecar",
+                              code=Reason.BAD_FRAME)
+
+    def _room(self, room_id: int):
+        room = self.rooms.get(room_id)
+        if room is None:
+            raise PdTransferError(f"room {room_id} is unknown", code=Reason.UNKNOWN_ROOM)
+        return room
+
+    async def _register(self, request: dict[str, Any]) -> dict[str, Any]:
+        if self.geometry is not None:
+            raise PdTransferError("the worker is already registered; restart the sidecar to change "
+                                  "its pools", code=Reason.DUPLICATE_ROOM)
+        geometry = geometry_from_data(request["geometry"])
+        if geometry.role is not self.config.role:
+            raise PdTransferError(f"a {geometry.role.value} worker registered with a "
+                                  f"{self.config.role.value} sidecar", code=Reason.ROLE_MISMATCH)
+        check_geometry(geometry)
+        handles = {str(k): str(v) for k, v in request["handles"].items()}
+        missing = [r.id for r in geometry.regions if r.id not in handles]
+        if missing:
+            raise PdTransferError(f"no segment handle for region(s) {missing}", code=Reason.BAD_FIELD)
+        self.dataplane.map_local(geometry, handles)
+        self.geometry, self.handles = geometry, handles
+        self.pp_size = int(request.get("pp_size", 1) or 1)
+        self._registered.set()
+        log.info("worker %s registered %s: %d views in %d regions", request["worker_id"],
+                 geometry.rank_id, len(geometry.views), len(geometry.regions))
+        if self.config.role is Role.PREFILL:
+            self._spawn(self._join_prefill_instance())
+        return {"rank_id": geometry.rank_id}
+
+    async def wait_registered(self, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self._registered.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            raise PdTransferError("the worker did not register in time",
+                                  code=Reason.NOT_REGISTERED) from None
+
+    async def _join_prefill_instance(self) -> None:
+        address = self.config.bootstrap
+        if not address:
+            log.error("prefill sidecar has no bootstrap address: decode cannot find this rank")
+            return
+        if self.geometry.tp_rank == 0 and self.geometry.pp_rank == 0:
+            self.bootstrap_server = BootstrapServer(self.context, address)
+            self._spawn(self.bootstrap_server.serve())
+        entry = RankEntry(agent_id=self.config.agent_id, host_id=self.config.host_id,
+                          control_address=self.control.address, pp_size=self.pp_size,
+                          geometry=self.geometry)
+        while True:
+            try:
+                self.side.table = await fetch_table(self.context, address, self.config.agent_id,
+                                                    self.config.bootstrap_timeout_s, announce=entry)
+                self.side.table_ready.set()
+                log.info("prefill: rank table complete (%d ranks)", len(self.side.table.entries))
+                return
+            except PdTransferError as err:
+                log.warning("prefill: %s; retrying", err.message)
+
+    async def _on_control(self, channel: Channel, message) -> None:
+        self.watch_once(channel)
+        await self.side.on_message(channel, message)
+
+    # -- peers and timers ----------------------------------------------------------
+    def capabilities(self) -> Capabilities:
+        return Capabilities(transports=self.dataplane.transport_names(), features=())
+
+    def next_generation(self) -> int:
+        return next(self._generations)
+
+    def watch(self, channel: Channel, on_lost: Callable[[float], None]) -> None:
+        self._watched.append((channel, on_lost))
+
+    def watch_once(self, channel: Channel) -> None:
+        if not any(ch is channel for ch, _ in self._watched):
+            self.watch(channel, lambda silent, ch=channel: self.side.on_peer_lost(ch, silent))
+
+    async def _timers(self) -> None:
+        interval = self.config.heartbeat_interval_s
+        limit = interval * self.config.heartbeat_misses
+        while True:
+            await asyncio.sleep(min(interval, 0.1))
+            now = time.monotonic()
+            self.rooms.expire(now, self.side.on_timeout)
+            for channel, on_lost in list(self._watched):
+                if channel.closed:
+                    self._watched.remove((channel, on_lost))
+                    continue
+                if now - channel.last_heard_s > limit:
+                    self.stats.peers_lost += 1
+                    self._watched.remove((channel, on_lost))
+                    if hasattr(channel, "close"):
+                        channel.close()
+                    channel.closed = True
+                    on_lost(now - channel.last_heard_s)
+                    continue
+                if channel.session.state in _HEARTBEAT_STATES and now - getattr(channel, "_beat_s", 0) >= interval:
+                    channel._beat_s = now
+                    try:
+                        await channel.send(Heartbeat(agent_id=self.config.agent_id,
+                                                     sequence=next(self._heartbeat_seq),
+                                                     sent_unix_s=time.time()))
+                    except Exception as err:
+                        log.debug("heartbeat to %s failed: %s", channel.label, err)
+
+    # -- accounting (Prometheus comes with the operations issue) --------------------
+    def room_finished(self, room, outcome: str) -> None:
+        self.stats.count_room(outcome)
+
+    def metrics_verdict(self, accepted: bool) -> None:
+        self.stats.count_verdict(accepted)

@@ -1,0 +1,73 @@
+"""The worker-facing endpoint: a ROUTER on ``ipc://`` serving the worker API.
+
+Each request is decoded and validated by :mod:`pd_transfer.protocol.worker_api`
+and handed to the role's handler as a task, so a slow request (``wait``,
+``abort`` waiting for a drain) never blocks the others. A malformed request
+gets an error reply with its reason; the endpoint keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Awaitable, Callable
+
+import zmq
+import zmq.asyncio
+
+from pd_transfer.errors import PdTransferError, Reason
+from pd_transfer.protocol import worker_api
+from pd_transfer.protocol.worker_api import WorkerApiError, WorkerOp
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[WorkerOp, dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+class WorkerEndpoint:
+    def __init__(self, context: zmq.asyncio.Context, address: str, handler: Handler) -> None:
+        self._socket = context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(address)
+        self.address = address
+        self._handler = handler
+        self._tasks: set[asyncio.Task] = set()
+        self.bad_requests = 0
+
+    async def serve(self) -> None:
+        while True:
+            frames = await self._socket.recv_multipart()
+            if len(frames) != 2:
+                self.bad_requests += 1
+                log.warning("worker endpoint: dropped a request of %d frames", len(frames))
+                continue
+            identity, frame = frames
+            task = asyncio.create_task(self._answer(identity, frame))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _answer(self, identity: bytes, frame: bytes) -> None:
+        request_id = -1
+        try:
+            op, request = worker_api.decode_request(frame)
+            request_id = request["id"]
+            reply = worker_api.ok_reply(request_id, **(await self._handler(op, request)))
+        except WorkerApiError as err:
+            self.bad_requests += 1
+            log.warning("worker endpoint: bad request: %s", err)
+            reply = worker_api.error_reply(request_id, err)
+        except PdTransferError as err:
+            reply = worker_api.error_reply(request_id, err)
+        except Exception as err:  # a bug must not take the endpoint down
+            log.exception("worker endpoint: request %s failed", request_id)
+            reply = worker_api.error_reply(
+                request_id, PdTransferError(f"internal error: {err!r}", code=Reason.BAD_FRAME))
+        try:
+            await self._socket.send_multipart([identity, reply])
+        except zmq.ZMQError as err:
+            log.warning("worker endpoint: cannot reply to request %s: %s", request_id, err)
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self._socket.close(linger=0)

@@ -1,0 +1,205 @@
+"""``pd-transfer demo``: a prefill and a decode instance on this machine, verified.
+
+Starts one sidecar and one simulated worker per rank (prefill TP 2 and decode
+TP 4 of Llama-3.1-8B by default), all on loopback and shared memory, runs the
+requests, and prints progress while they run and a summary at the end. The
+decode workers check every destination byte against the deterministic ground
+truth (:mod:`pd_transfer.sim.content`); any failed room or differing byte
+makes the demo exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pd_transfer.layout.views import KV_LAYOUTS
+
+EXIT_OK, EXIT_FAILED = 0, 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="llama-3.1-8b", help="model preset (configs/models)")
+    parser.add_argument("--prefill-tp", type=int, default=2, help="prefill attention TP size")
+    parser.add_argument("--decode-tp", type=int, default=4, help="decode attention TP size")
+    parser.add_argument("--requests", type=int, default=24, help="requests to run")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per request")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--kv-layout", default="nhd", choices=[x.value for x in KV_LAYOUTS],
+                        help="KV layout of the decode pools (prefill uses nhd)")
+    parser.add_argument("--transport", default="shm", choices=["shm", "tcp"])
+    parser.add_argument("--window", type=int, default=4, help="rooms in flight at most")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout-s", type=float, default=120.0, help="give up after this long")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, reports)")
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spawn(name: str, args: list[str], workdir: Path) -> Proc:
+    log_path = workdir / f"{name}.log"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    popen = subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL,
+                             stderr=log_path.open("w"), env=env, start_new_session=True)
+    return Proc(name, popen, log_path)
+
+
+def _wait_ready(paths: list[Path], procs: list[Proc], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(p.exists() for p in paths):
+        for proc in procs:
+            if proc.popen.poll() is not None:
+                raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode} while starting; "
+                                   f"see {proc.log_path}:\n{_tail(proc.log_path)}")
+        if time.monotonic() > deadline:
+            raise RuntimeError("sidecars did not become ready in time")
+        time.sleep(0.05)
+
+
+def _tail(path: Path, lines: int = 8) -> str:
+    try:
+        return "\n".join(path.read_text().splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    workdir = Path(tempfile.mkdtemp(prefix="pd-transfer-demo-"))
+    procs: list[Proc] = []
+    try:
+        return _run(args, workdir, procs)
+    except RuntimeError as err:
+        print(f"demo failed: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        for proc in procs:
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+        if args.keep:
+            print(f"work directory kept: {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, workdir: Path, procs: list[Proc]) -> int:
+    pages = math.ceil(args.tokens / args.page_size)
+    num_pages = args.window * pages + 8
+    bootstrap = f"tcp://127.0.0.1:{_free_port()}"
+    print(f"pd-transfer demo: {args.model}, prefill TP {args.prefill_tp} -> decode TP "
+          f"{args.decode_tp}, {args.requests} requests x {args.tokens} tokens, transport "
+          f"{args.transport}, decode kv layout {args.kv_layout}")
+    sides = [("prefill", args.prefill_tp), ("decode", args.decode_tp)]
+    ready = []
+    for role, tp in sides:
+        for rank in range(tp):
+            name = f"{role}{rank}"
+            ready.append(workdir / f"{name}.ready.json")
+            cmd = ["-m", "pd_transfer.cli", "serve", "--role", role, "--agent-id", f"{role}-tp{rank}",
+                   "--worker-endpoint", f"ipc://{workdir}/{name}.sock", "--transport", args.transport,
+                   "--ready-file", str(ready[-1]), "--log-level", "warning"]
+            if role == "prefill":
+                cmd += ["--bootstrap", bootstrap]
+            procs.append(_spawn(f"sidecar-{name}", cmd, workdir))
+    _wait_ready(ready, procs, 60)
+    workers = []
+    for role, tp in sides:
+        for rank in range(tp):
+            name = f"{role}{rank}"
+            cmd = ["-m", "pd_transfer.sim.worker", "--role", role, "--model", args.model,
+                   "--tp-size", str(tp), "--tp-rank", str(rank), "--page-size", str(args.page_size),
+                   "--kv-layout", args.kv_layout if role == "decode" else "nhd",
+                   "--num-pages", str(num_pages), "--endpoint", f"ipc://{workdir}/{name}.sock",
+                   "--requests", str(args.requests), "--tokens", str(args.tokens),
+                   "--seed", str(args.seed), "--window", str(args.window),
+                   "--report", str(workdir / f"{name}.report.json"),
+                   "--progress", str(workdir / f"{name}.progress"), "--log-level", "WARNING"]
+            if role == "decode":
+                cmd += ["--bootstrap", bootstrap]
+            workers.append(_spawn(f"worker-{name}", cmd, workdir))
+    procs += workers
+    started = time.monotonic()
+    _show_progress(args, workdir, workers, started)
+    return _summarise(args, workdir, workers, time.monotonic() - started)
+
+
+def _show_progress(args, workdir: Path, workers: list[Proc], started: float) -> None:
+    decode_progress = [workdir / f"decode{r}.progress" for r in range(args.decode_tp)]
+    total = args.requests * args.decode_tp
+    shown = -1
+    while any(w.popen.poll() is None for w in workers):
+        done = sum(_count_lines(p) for p in decode_progress)
+        if done != shown:
+            shown = done
+            rate = done / max(time.monotonic() - started, 1e-9)
+            print(f"  progress: {done}/{total} decode rank-rooms done  ({rate:.1f}/s)", flush=True)
+        if time.monotonic() - started > args.timeout_s:
+            raise RuntimeError(f"the demo did not finish within {args.timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+def _count_lines(path: Path) -> int:
+    try:
+        return path.read_text().count("\n")
+    except OSError:
+        return 0
+
+
+def _summarise(args, workdir: Path, workers: list[Proc], elapsed_s: float) -> int:
+    reports = []
+    for worker in workers:
+        path = workdir / f"{worker.name.removeprefix('worker-')}.report.json"
+        try:
+            reports.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            print(f"{worker.name}: no report (exit {worker.popen.returncode}); log tail:\n"
+                  f"{_tail(worker.log_path)}", file=sys.stderr)
+            return EXIT_FAILED
+    decode = [r for r in reports if r["role"] == "decode"]
+    failed = [f for r in reports for f in r["failed"]]
+    mismatches = sum(r["num_mismatches"] for r in decode)
+    verified = sum(r["bytes_verified"] for r in decode)
+    latencies = sorted(x for r in decode for x in r["latencies_s"])
+    print()
+    print(f"{'requests':<22}{args.requests}")
+    print(f"{'decode rank-rooms':<22}{sum(r['succeeded'] for r in decode)} succeeded, "
+          f"{len([f for r in decode for f in r['failed']])} failed")
+    print(f"{'bytes verified':<22}{verified / 2**30:.2f} GiB (every destination byte checked)")
+    print(f"{'byte mismatches':<22}{mismatches}")
+    print(f"{'elapsed':<22}{elapsed_s:.1f} s")
+    print(f"{'throughput':<22}{verified / elapsed_s / 1e9:.2f} GB/s (verified bytes / wall time)")
+    if latencies:
+        p50 = latencies[len(latencies) // 2]
+        p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
+        print(f"{'room latency':<22}p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms (expect -> success)")
+    for failure in failed[:10]:
+        print(f"  failed room {failure['room']}: [{failure['code']}] {failure['reason']}")
+    ok = all(r["ok"] for r in reports) and not mismatches and not failed
+    print("result: OK" if ok else "result: FAILED")
+    return EXIT_OK if ok else EXIT_FAILED
