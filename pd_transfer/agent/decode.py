@@ -58,6 +58,7 @@ class PrefillInstance:
 
     bootstrap: str
     peers: dict[str, PrefillPeer] = field(default_factory=dict)
+    sources: list[str] = field(default_factory=list)   # the ranks that write to this rank
     error: PdTransferError | None = None
     lost: bool = False
 
@@ -100,9 +101,11 @@ class DecodeSide:
         if not recon.ok:
             error = recon.error()
             raise PdTransferError(str(error), code=Reason.PEER_REJECTED)
-        by_rank = {e.geometry.rank_id: e for e in table.entries}
-        for rank_id in recon.sources_for(geometry):
-            entry = by_rank[rank_id]
+        instance.sources = recon.sources_for(geometry)
+        # every prefill rank hears about every room, sources or not: a rank that
+        # writes nothing to this decode rank still learns the room is done
+        for entry in table.entries:
+            rank_id = entry.geometry.rank_id
             channel = OutgoingChannel(sidecar.context, entry.control_address, Role.DECODE,
                                       f"{rank_id} ({entry.control_address})")
             peer = PrefillPeer(rank_id, channel, asyncio.get_running_loop().create_future())
@@ -169,7 +172,7 @@ class DecodeSide:
         if room.terminal:
             return
         room.instance = instance
-        room.sources = list(instance.peers)
+        room.sources = list(instance.sources)
         request = TransferRequest(room=room.room, generation=room.generation,
                                   dst=tuple(PoolIndices(p, tuple(int(i) for i in idx))
                                             for p, idx in room.dst.items()),
@@ -212,7 +215,8 @@ class DecodeSide:
 
     async def _abort_sources(self, room: DecodeRoom, reason: Reason, text: str) -> None:
         """Fence the room: every prefill rank not yet finished must ack the abort."""
-        pending = [p for p in room.instance.peers.values() if p.rank_id not in room.acks]
+        pending = [p for p in room.instance.peers.values()
+                   if p.rank_id in room.sources and p.rank_id not in room.acks]
         for peer in pending:
             try:
                 await peer.channel.send(Abort(room=room.room, generation=room.generation,

@@ -72,6 +72,7 @@ class Target:
     peer: DecodePeer
     generation: int
     dst: dict[Pool, np.ndarray]
+    writes: bool = True     # False: this rank writes nothing to that decode rank
     kv_cursor: int = 0
     chunks_done: int = 0
     done: bool = False
@@ -195,8 +196,10 @@ class PrefillSide:
                                          reason_text="transfer request before an accepted verdict"))
             return
         dst = {d.pool: np.asarray(d.indices, dtype=np.int64) for d in message.dst}
-        room.targets[id(peer.channel)] = Target(peer, message.generation, dst)
-        room.expected_targets = max(room.expected_targets, len(peer.fed))
+        writes = self.sidecar.geometry.rank_id in message.src_ranks
+        room.targets[id(peer.channel)] = Target(peer, message.generation, dst, writes=writes)
+        # every rank of the decode instance (PP 1) sends each room's request to every prefill rank
+        room.expected_targets = max(room.expected_targets, peer.register.geometry.tp_size)
         if room.terminal:
             await self._finish_target(room, room.targets[id(peer.channel)])
             return
@@ -223,6 +226,11 @@ class PrefillSide:
 
     async def _pump(self, room: PrefillRoom, target: Target) -> None:
         async with target.lock:
+            if not target.writes:
+                if room.last_received and not target.done and not room.terminal:
+                    target.done = True
+                    self._maybe_succeed(room)
+                return
             while target.chunks_done < len(room.chunks) and not target.failed and not room.terminal:
                 index = target.chunks_done
                 try:
@@ -306,7 +314,8 @@ class PrefillSide:
         room.drained.set()
 
     async def _finish_target(self, room: PrefillRoom, target: Target) -> None:
-        if target.done:
+        if target.done or not target.writes:
+            target.done = True
             return
         target.done = target.failed = True
         await self._send(target, Done(room=room.room, generation=target.generation,

@@ -1,0 +1,180 @@
+"""A real prefill + decode deployment on this machine, for integration tests.
+
+Sidecars run as separate processes (``python -m pd_transfer.cli serve``),
+talking over ZeroMQ on 127.0.0.1 and ``ipc://``; workers are played by the
+test through the real client library, with pools in real shared memory. The
+bytes come from the oracle (:class:`pd_transfer.testing.World`): its prefill
+buffers are copied into the prefill segments, its decode buffers into the
+decode segments, and after the transfer the decode segments are copied back
+and checked by the oracle.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pd_transfer.client import Client, allocate_pools
+from pd_transfer.errors import GeometryError
+from pd_transfer.layout.geometry import RankGeometry
+from pd_transfer.layout.views import Pool
+from pd_transfer.testing import World
+
+_ids = itertools.count()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Sidecar:
+    def __init__(self, workdir: Path, role: str, name: str, config: dict, bootstrap: str = "") -> None:
+        self.name, self.role = name, role
+        self.endpoint = f"ipc://{workdir}/{name}.sock"
+        self.ready = workdir / f"{name}.ready.json"
+        self.log = workdir / f"{name}.log"
+        config_path = workdir / f"{name}.toml"
+        lines = ["[sidecar]"] + [f"{k} = {json.dumps(v)}" for k, v in config.items()]
+        config_path.write_text("\n".join(lines) + "\n")
+        cmd = [sys.executable, "-m", "pd_transfer.cli", "serve", "--role", role, "--agent-id", name,
+               "--worker-endpoint", self.endpoint, "--ready-file", str(self.ready),
+               "--config", str(config_path), "--log-level", "info"]
+        if bootstrap:
+            cmd += ["--bootstrap", bootstrap]
+        self.proc = subprocess.Popen(cmd, stderr=self.log.open("w"), stdout=subprocess.DEVNULL)
+
+    def wait_ready(self, timeout_s: float = 30.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while not self.ready.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: {self.log.read_text()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} not ready: {self.log.read_text()[-2000:]}")
+            time.sleep(0.02)
+        return json.loads(self.ready.read_text())
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class Cluster:
+    """Sidecars + shm pools + clients for the given prefill and decode ranks."""
+
+    def __init__(self, workdir: Path, prefill: list[RankGeometry], decode: list[RankGeometry], *,
+                 transport: str = "shm", config: dict | None = None, seed: int = 0) -> None:
+        self.workdir = workdir
+        self.prefill, self.decode = prefill, decode
+        self.bootstrap = f"tcp://127.0.0.1:{free_port()}"
+        try:
+            self.world = World.build(prefill, decode, seed)
+        except GeometryError:
+            self.world = None  # a pair meant to be rejected: no ground truth to lay out
+        tag = f"{os.getpid()}-{next(_ids)}"
+        base = {"transport": transport, "heartbeat_interval_s": 0.2, "heartbeat_misses": 5,
+                "bootstrap_timeout_s": 10.0, "waiting_timeout_s": 20.0, "transfer_timeout_s": 20.0,
+                "abort_drain_timeout_s": 3.0, **(config or {})}
+        self.sidecars: dict[str, Sidecar] = {}
+        for geometry in prefill + decode:
+            role = geometry.role.value
+            name = f"{role}-pp{geometry.pp_rank}-tp{geometry.tp_rank}-{tag}"
+            self.sidecars[geometry.rank_id] = Sidecar(
+                workdir, role, name, base, self.bootstrap if role == "prefill" else "")
+        self.pools, self.clients = {}, {}
+        try:
+            for sidecar in self.sidecars.values():
+                sidecar.wait_ready()
+            for geometry in prefill + decode:
+                self._attach(geometry, tag)
+        except BaseException:
+            self.close()
+            raise
+
+    def _attach(self, geometry: RankGeometry, tag: str) -> None:
+        rank = geometry.rank_id
+        pools = self.pools[rank] = allocate_pools(geometry, f"t{tag}-{geometry.role.value}"
+                                                            f"{geometry.pp_rank}{geometry.tp_rank}")
+        if self.world is not None:
+            world = (self.world.prefill_buffers if geometry.role.value == "prefill"
+                     else self.world.decode_buffers)[rank]
+            for region_id, array in pools.arrays.items():
+                array[:] = world[region_id]
+        client = self.clients[rank] = Client(self.sidecars[rank].endpoint, rank, timeout_s=20)
+        client.register(geometry, pools.handles)
+
+    # -- driving rooms ------------------------------------------------------------
+    def expect(self, room: int, requests: dict) -> None:
+        for geometry in self.decode:
+            dst = {pool: idx for pool, (_, idx) in requests.items()}
+            self.clients[geometry.rank_id].expect(
+                room, self.bootstrap, dst.get(Pool.KV, []), state_slots=dst.get(Pool.MAMBA, []),
+                aux_row=int(dst[Pool.AUX][0]) if Pool.AUX in dst else None,
+                swa_pages=dst.get(Pool.SWA, []))
+
+    def send(self, room: int, requests: dict, chunk_pages: int = 0) -> None:
+        src = {pool: idx for pool, (idx, _) in requests.items()}
+        pages = list(src.get(Pool.KV, []))
+        chunks = [pages[i:i + chunk_pages] for i in range(0, len(pages), chunk_pages)] \
+            if chunk_pages else [pages]
+        for geometry in self.prefill:
+            client = self.clients[geometry.rank_id]
+            for chunk in chunks[:-1]:
+                client.send(room, chunk, last_chunk=False)
+            client.send(room, chunks[-1], state_slots=src.get(Pool.MAMBA, []),
+                        aux_row=int(src[Pool.AUX][0]) if Pool.AUX in src else None,
+                        swa_pages=src.get(Pool.SWA, []))
+
+    def wait_decode(self, room: int, timeout_s: float = 30.0) -> dict:
+        return {g.rank_id: self.clients[g.rank_id].wait(room, timeout_s) for g in self.decode}
+
+    def verify(self, requests: dict) -> list[str]:
+        for geometry in self.decode:
+            world = self.world.decode_buffers[geometry.rank_id]
+            for region_id, array in self.pools[geometry.rank_id].arrays.items():
+                world[region_id][:] = array
+        return self.world.verify(requests)
+
+    def close(self) -> None:
+        for client in self.clients.values():
+            client.close()
+        for sidecar in self.sidecars.values():
+            sidecar.stop()
+        for pools in self.pools.values():
+            pools.close()
+
+    def logs(self) -> str:
+        return "\n".join(f"== {s.name}\n{s.log.read_text()[-3000:]}" for s in self.sidecars.values())
+
+
+def random_requests(prefill, decode, rng: np.random.Generator, pages: int) -> dict:
+    requests = {}
+    for pool in Pool:
+        src = [v.index_count for g in prefill for v in g.views if v.pool is pool]
+        dst = [v.index_count for g in decode for v in g.views if v.pool is pool]
+        if not src or not dst:
+            continue
+        n = 1 if pool in (Pool.MAMBA, Pool.AUX) else min(pages, min(src), min(dst))
+        if pool is Pool.SWA:
+            n = min(n, 3)
+        requests[pool] = (rng.choice(min(src), n, replace=False), rng.choice(min(dst), n, replace=False))
+    return requests
