@@ -1,0 +1,35 @@
+"""What a GPU worker imports to talk to its pd-transfer sidecar.
+
+    from pd_transfer.client import Client, allocate_pools
+
+    with allocate_pools(geometry, owner_id="prefill-tp0") as pools, \
+            Client("ipc:///run/pd/worker.sock", "prefill-tp0") as client:
+        client.register(geometry, pools.handles)
+        client.send(room, pages[:64], last_chunk=False)
+        client.send(room, pages[64:], state_slots=[slot], aux_row=row)
+        state = client.wait(room, timeout_s=30)
+
+:class:`Client` blocks the calling thread (in ``zmq_poll``, never spinning);
+:class:`AsyncClient` offers the same calls as coroutines for asyncio workers.
+Worker and sidecar talk over ZeroMQ ``ipc://`` with the requests of
+:mod:`pd_transfer.protocol.worker_api`.
+
+Errors (all :class:`~pd_transfer.errors.PdTransferError`)::
+
+    ClientError          a call did not succeed: .op, .code (Reason), .reason (text)
+    ├── Refused          the sidecar answered ok: false (with its code and reason)
+    ├── ReplyTimeout     no reply within the timeout
+    ├── BadReply         a reply that does not follow worker_api
+    └── ClientClosed     the client is closed
+
+May import the layout and protocol layers and shared memory; never the agent.
+"""
+
+from pd_transfer.client.aio import AsyncClient
+from pd_transfer.client.errors import BadReply, ClientClosed, ClientError, Refused, ReplyTimeout
+from pd_transfer.client.pools import Pools, allocate_pools
+from pd_transfer.client.status import RoomState, RoomStatus
+from pd_transfer.client.sync import Client
+
+__all__ = ["AsyncClient", "BadReply", "Client", "ClientClosed", "ClientError", "Pools", "Refused",
+           "ReplyTimeout", "RoomState", "RoomStatus", "allocate_pools"]

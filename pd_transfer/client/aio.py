@@ -1,0 +1,153 @@
+"""The asyncio client: the same calls as :class:`~pd_transfer.client.sync.Client`, awaited.
+
+Many calls may be in flight at once (a decode worker ``wait``s on every room
+of its window concurrently): each request carries a fresh ``id`` and one
+reader task routes every reply to the future of its call. A call whose reply
+does not come within its timeout raises :class:`ReplyTimeout`; its late reply
+is dropped by id.
+
+Uses ``zmq.asyncio`` on the running event loop; no threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from pd_transfer.client import wire
+from pd_transfer.client.errors import ClientClosed, ReplyTimeout
+from pd_transfer.client.status import RoomState
+from pd_transfer.client.sync import DEFAULT_TIMEOUT_S
+from pd_transfer.layout.geometry import RankGeometry
+from pd_transfer.protocol.worker_api import encode
+
+log = logging.getLogger(__name__)
+
+
+class AsyncClient:
+    """A worker's connection to its sidecar, for asyncio workers.
+
+    The contract of every call is that of the blocking
+    :class:`~pd_transfer.client.sync.Client` method of the same name.
+    """
+
+    def __init__(self, endpoint: str, worker_id: str, timeout_s: float = DEFAULT_TIMEOUT_S, *,
+                 context: zmq.asyncio.Context | None = None) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+        self.endpoint = endpoint
+        self.worker_id = worker_id
+        self.timeout_s = float(timeout_s)
+        self._socket = (context or zmq.asyncio.Context.instance()).socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(endpoint)
+        self._next_id = 1
+        self._pending: dict[int, asyncio.Future] = {}
+        self._reader: asyncio.Task | None = None
+        self._closed = False
+
+    # -- calls ----------------------------------------------------------------------
+    async def register(self, geometry: RankGeometry, handles: Mapping[str, str], *,
+                       timeout_s: float | None = None) -> None:
+        await self._call(wire.register_request(geometry, handles, self.worker_id),
+                         timeout_s=timeout_s)
+
+    async def send(self, room: int, pages, *, state_slots=(), aux_row: int | None = None,
+                   last_chunk: bool = True, swa_pages=()) -> None:
+        """Prefill chunk; see :meth:`Client.send <pd_transfer.client.sync.Client.send>`.
+
+        ``send`` may be called per chunk; pages of successive calls are
+        concatenated in order and map positionally onto the decode side's
+        pages. State, SWA pages and aux go with the last chunk.
+        """
+        await self._call(wire.send_request(room, pages, state_slots=state_slots, aux_row=aux_row,
+                                           last_chunk=last_chunk, swa_pages=swa_pages))
+
+    async def expect(self, room: int, bootstrap_addr: str, pages, *, state_slots=(),
+                     aux_row: int | None = None, swa_pages=()) -> None:
+        await self._call(wire.expect_request(room, bootstrap_addr, pages, state_slots=state_slots,
+                                             aux_row=aux_row, swa_pages=swa_pages))
+
+    async def layer_ready(self, room: int, layer_id: int) -> None:
+        await self._call(wire.layer_ready_request(room, layer_id))
+
+    async def poll(self, room: int) -> RoomState:
+        request = wire.poll_request(room)
+        return wire.room_state(request["op"], await self._call(request))
+
+    async def wait(self, room: int, timeout_s: float) -> RoomState:
+        request = wire.wait_request(room, timeout_s)
+        reply = await self._call(request, timeout_s=timeout_s + self.timeout_s)
+        return wire.room_state(request["op"], reply)
+
+    async def abort(self, room: int) -> bool:
+        request = wire.abort_request(room)
+        return wire.drained(request["op"], await self._call(request))
+
+    # -- lifecycle --------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the socket; calls in flight and later calls raise :class:`ClientClosed`."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._reader is not None:
+            self._reader.cancel()
+        for request_id, future in list(self._pending.items()):
+            if not future.done():
+                future.set_exception(ClientClosed(f"call {request_id}"))
+        self._pending.clear()
+        self._socket.close(linger=0)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+        if self._reader is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+
+    # -- plumbing -----------------------------------------------------------------------
+    async def _call(self, request: wire.Request, timeout_s: float | None = None) -> dict[str, Any]:
+        op = request["op"]
+        if self._closed:
+            raise ClientClosed(op)
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read_replies())
+        request_id = self._next_id
+        self._next_id += 1
+        future = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = future
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._socket.send(encode({**request, "id": request_id}))
+                reply = await future
+        except TimeoutError:
+            raise ReplyTimeout(op, timeout_s, self.endpoint) from None
+        except ClientClosed:
+            raise ClientClosed(op) from None
+        finally:
+            self._pending.pop(request_id, None)
+        return wire.checked(op, reply)
+
+    async def _read_replies(self) -> None:
+        """Route every reply to the future of its call, until the client closes."""
+        while not self._closed:
+            try:
+                frames = await self._socket.recv_multipart()
+            except (zmq.ZMQError, asyncio.CancelledError):
+                break
+            got_id, reply = wire.reply_id(frames[-1])
+            future = self._pending.get(got_id) if got_id is not None else None
+            if future is None or future.done():
+                log.debug("worker %s dropped a reply with id %s (no call waits for it)",
+                          self.worker_id, got_id)
+                continue
+            future.set_result(reply)

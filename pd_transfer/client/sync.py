@@ -1,0 +1,149 @@
+"""The blocking client: one worker thread calls its sidecar and waits for the reply.
+
+Every call sends one request on a ZeroMQ DEALER connected to the sidecar's
+``ipc://`` endpoint and blocks in ``zmq_poll`` until the reply with the same
+``id`` arrives or ``timeout_s`` passes (no busy-waiting: the thread sleeps in
+the kernel). A reply that arrives after its call timed out is recognised by
+its id and dropped, so a timeout never shifts later replies onto the wrong
+call.
+
+A :class:`Client` is not thread-safe (nor is a ZeroMQ socket): use one per
+thread, or the :class:`~pd_transfer.client.aio.AsyncClient` for concurrent
+calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import zmq
+
+from pd_transfer.client import wire
+from pd_transfer.client.errors import ClientClosed, ReplyTimeout
+from pd_transfer.client.status import RoomState
+from pd_transfer.layout.geometry import RankGeometry
+from pd_transfer.protocol.worker_api import encode
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 10.0
+
+
+class Client:
+    """A worker's connection to its sidecar. See the module docstring.
+
+    ``timeout_s`` bounds the wait for each reply; :meth:`wait` adds its own
+    ``timeout_s`` to it, since the sidecar holds that reply back on purpose.
+    """
+
+    def __init__(self, endpoint: str, worker_id: str, timeout_s: float = DEFAULT_TIMEOUT_S, *,
+                 context: zmq.Context | None = None) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+        self.endpoint = endpoint
+        self.worker_id = worker_id
+        self.timeout_s = float(timeout_s)
+        self._socket = (context or zmq.Context.instance()).socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(endpoint)
+        self._next_id = 1
+        self._closed = False
+
+    # -- calls ----------------------------------------------------------------------
+    def register(self, geometry: RankGeometry, handles: Mapping[str, str], *,
+                 timeout_s: float | None = None) -> None:
+        """Register this rank's geometry; ``handles`` maps every region id to its shm segment.
+
+        Called once, before any send/expect. Raises :class:`Refused` with
+        the sidecar's diagnostic when it refuses the registration.
+        ``timeout_s`` overrides the reply timeout for this call (a worker
+        started together with its sidecar may give it longer to come up).
+        """
+        self._call(wire.register_request(geometry, handles, self.worker_id), timeout_s=timeout_s)
+
+    def send(self, room: int, pages, *, state_slots=(), aux_row: int | None = None,
+             last_chunk: bool = True, swa_pages=()) -> None:
+        """Prefill: hand the sidecar source pages of ``room`` to transfer.
+
+        ``send`` may be called per chunk; pages of successive calls are
+        concatenated in order and map positionally onto the decode side's
+        pages. State slots, SWA pages and the aux row go with the last chunk
+        (``last_chunk=True``). Returns once the sidecar has accepted the chunk,
+        not when it has been copied: :meth:`wait` for that.
+        """
+        self._call(wire.send_request(room, pages, state_slots=state_slots, aux_row=aux_row,
+                                     last_chunk=last_chunk, swa_pages=swa_pages))
+
+    def expect(self, room: int, bootstrap_addr: str, pages, *, state_slots=(),
+               aux_row: int | None = None, swa_pages=()) -> None:
+        """Decode: announce ``room`` and the destination pages, slots and aux row it fills.
+
+        ``bootstrap_addr`` is the prefill instance's bootstrap address
+        (``tcp://host:port``). The pages must stay reserved until the room is
+        terminal, or until :meth:`abort` returns True.
+        """
+        self._call(wire.expect_request(room, bootstrap_addr, pages, state_slots=state_slots,
+                                       aux_row=aux_row, swa_pages=swa_pages))
+
+    def layer_ready(self, room: int, layer_id: int) -> None:
+        """Prefill, streaming: layer ``layer_id`` of ``room``'s sent pages is computed."""
+        self._call(wire.layer_ready_request(room, layer_id))
+
+    def poll(self, room: int) -> RoomState:
+        """The room's current status, without waiting for it to change."""
+        request = wire.poll_request(room)
+        return wire.room_state(request["op"], self._call(request))
+
+    def wait(self, room: int, timeout_s: float) -> RoomState:
+        """Block until ``room`` is terminal or ``timeout_s`` passes; the status either way."""
+        request = wire.wait_request(room, timeout_s)
+        reply = self._call(request, timeout_s=timeout_s + self.timeout_s)
+        return wire.room_state(request["op"], reply)
+
+    def abort(self, room: int) -> bool:
+        """Abort ``room``. True (drained): no write can land any more, the pages are free."""
+        request = wire.abort_request(room)
+        return wire.drained(request["op"], self._call(request))
+
+    # -- lifecycle --------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the socket; later calls raise :class:`ClientClosed`. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._socket.close(linger=0)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- plumbing -----------------------------------------------------------------------
+    def _call(self, request: wire.Request, timeout_s: float | None = None) -> dict[str, Any]:
+        op = request["op"]
+        if self._closed:
+            raise ClientClosed(op)
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        request_id = self._next_id
+        self._next_id += 1
+        if not self._socket.poll(_ms(deadline), zmq.POLLOUT):
+            raise ReplyTimeout(op, timeout_s, self.endpoint)
+        self._socket.send(encode({**request, "id": request_id}), zmq.NOBLOCK)
+        while True:
+            if not self._socket.poll(_ms(deadline), zmq.POLLIN):
+                raise ReplyTimeout(op, timeout_s, self.endpoint)
+            frames = self._socket.recv_multipart(zmq.NOBLOCK)
+            got_id, reply = wire.reply_id(frames[-1])
+            if got_id == request_id:
+                return wire.checked(op, reply)
+            log.debug("worker %s dropped a reply with id %s while waiting for %s id %d "
+                      "(a call that timed out earlier)", self.worker_id, got_id, op, request_id)
+
+
+def _ms(deadline: float) -> int:
+    """Milliseconds left until ``deadline`` (at least 0), for ``zmq_poll``."""
+    return max(0, int((deadline - time.monotonic()) * 1000 + 0.999))

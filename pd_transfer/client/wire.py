@@ -1,0 +1,176 @@
+"""What each client call puts on the wire, and what it makes of the reply.
+
+Shared by the blocking :class:`~pd_transfer.client.sync.Client` and the
+:class:`~pd_transfer.client.aio.AsyncClient`: both build a request map here,
+add an ``id``, send it with :func:`pd_transfer.protocol.worker_api.encode`,
+and hand the matching reply back here. The request fields are those of
+:mod:`pd_transfer.protocol.worker_api`.
+
+Sans-IO: no sockets, no event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from pd_transfer.client.errors import BadReply, Refused
+from pd_transfer.client.status import RoomState, RoomStatus, reason_of
+from pd_transfer.layout.geometry import RankGeometry
+from pd_transfer.protocol.geometry_codec import geometry_to_data
+from pd_transfer.protocol.worker_api import WorkerOp
+
+Request = dict[str, Any]
+
+
+# -- arguments ------------------------------------------------------------------
+
+def index_list(name: str, values: Iterable[int] | np.ndarray) -> list[int]:
+    """``values`` as a list of non-negative Python ints; raises naming ``name``.
+
+    Accepts lists, tuples, ranges and integer numpy arrays (converted in one
+    vectorised step, not element by element).
+    """
+    array = np.asarray(values if isinstance(values, np.ndarray) else list(values))
+    if array.size == 0:
+        return []
+    if array.ndim != 1:
+        raise ValueError(f"{name}: expected a flat list of indices, got shape {array.shape}")
+    if array.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected integer indices, got {array.dtype}")
+    if int(array.min()) < 0:
+        raise ValueError(f"{name}: index {int(array.min())} is negative")
+    return array.astype(np.int64).tolist()
+
+
+def room_id(room: int) -> int:
+    if isinstance(room, bool) or not isinstance(room, (int, np.integer)):
+        raise TypeError(f"room: expected an int, got {type(room).__name__}")
+    return int(room)
+
+
+def optional_index(name: str, value: int | None) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{name}: expected a non-negative int or None, got {value!r}")
+    return int(value)
+
+
+# -- requests ---------------------------------------------------------------------
+
+def register_request(geometry: RankGeometry, handles: Mapping[str, str], worker_id: str) -> Request:
+    """Register ``geometry``; ``handles`` names the shm segment of every region."""
+    missing = [r.id for r in geometry.regions if r.id not in handles]
+    unknown = sorted(set(handles) - {r.id for r in geometry.regions})
+    if missing or unknown:
+        raise ValueError(f"handles must name exactly the geometry's regions: missing {missing}, "
+                         f"unknown {unknown}")
+    bad = [k for k, v in handles.items() if not isinstance(v, str) or not v]
+    if bad:
+        raise TypeError(f"handles: segment names of regions {bad} are not non-empty strings")
+    return {"op": WorkerOp.REGISTER.value, "geometry": geometry_to_data(geometry),
+            "handles": dict(handles), "worker_id": worker_id}
+
+
+def send_request(room: int, pages, *, state_slots=(), aux_row: int | None = None,
+                 last_chunk: bool = True, swa_pages=()) -> Request:
+    return {"op": WorkerOp.SEND.value, "room": room_id(room), "pages": index_list("pages", pages),
+            "swa_pages": index_list("swa_pages", swa_pages),
+            "state_slots": index_list("state_slots", state_slots),
+            "aux_row": optional_index("aux_row", aux_row), "last": bool(last_chunk)}
+
+
+def expect_request(room: int, bootstrap_addr: str, pages, *, state_slots=(),
+                   aux_row: int | None = None, swa_pages=()) -> Request:
+    if not isinstance(bootstrap_addr, str) or not bootstrap_addr:
+        raise ValueError(f"bootstrap_addr: expected an address like tcp://host:port, "
+                         f"got {bootstrap_addr!r}")
+    return {"op": WorkerOp.EXPECT.value, "room": room_id(room), "bootstrap": bootstrap_addr,
+            "pages": index_list("pages", pages), "swa_pages": index_list("swa_pages", swa_pages),
+            "state_slots": index_list("state_slots", state_slots),
+            "aux_row": optional_index("aux_row", aux_row)}
+
+
+def layer_ready_request(room: int, layer_id: int) -> Request:
+    return {"op": WorkerOp.LAYER_READY.value, "room": room_id(room),
+            "layer_id": optional_index("layer_id", layer_id)}
+
+
+def poll_request(room: int) -> Request:
+    return {"op": WorkerOp.POLL.value, "room": room_id(room)}
+
+
+def wait_request(room: int, timeout_s: float) -> Request:
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s < 0:
+        raise ValueError(f"timeout_s: expected a non-negative number, got {timeout_s!r}")
+    return {"op": WorkerOp.WAIT.value, "room": room_id(room), "timeout_s": float(timeout_s)}
+
+
+def abort_request(room: int) -> Request:
+    return {"op": WorkerOp.ABORT.value, "room": room_id(room)}
+
+
+# -- replies ------------------------------------------------------------------------
+
+def reply_id(frame: bytes) -> tuple[int | None, dict[str, Any] | None]:
+    """``(id, reply)`` of a reply frame, ``(None, None)`` if it has no usable id.
+
+    A frame without an id cannot be matched to a call, so the caller drops it
+    (logging it) rather than failing an unrelated call.
+    """
+    try:
+        reply = msgpack.unpackb(frame, raw=False)
+    except Exception:  # msgpack raises several unrelated types
+        return None, None
+    if not isinstance(reply, dict):
+        return None, None
+    request_id = reply.get("id")
+    if isinstance(request_id, bool) or not isinstance(request_id, int):
+        return None, None
+    return request_id, reply
+
+
+def checked(op: str, reply: dict[str, Any]) -> dict[str, Any]:
+    """The reply if ``ok``; raise :class:`Refused` with the sidecar's code and reason."""
+    ok = reply.get("ok")
+    if ok is True:
+        return reply
+    if ok is not False:
+        raise BadReply(op, f"at $.ok: expected bool, got {type(ok).__name__}")
+    code_text = reply.get("code")
+    reason = reply.get("reason")
+    if not isinstance(code_text, str) or not isinstance(reason, str):
+        raise BadReply(op, "a refusal must carry string 'code' and 'reason'")
+    raise Refused(op, reason, code=reason_of(code_text), code_text=code_text)
+
+
+def room_state(op: str, reply: dict[str, Any]) -> RoomState:
+    """The :class:`RoomState` in a ``poll``/``wait`` reply."""
+    try:
+        status = RoomStatus(reply.get("status"))
+    except ValueError:
+        raise BadReply(op, f"at $.status: unknown status {reply.get('status')!r}; known: "
+                           f"{[s.value for s in RoomStatus]}") from None
+    if status is not RoomStatus.FAILED:
+        return RoomState(status)
+    code_text = reply.get("code")
+    reason = reply.get("reason")
+    code_text = code_text if isinstance(code_text, str) else None
+    return RoomState(status, reason_of(code_text), reason if isinstance(reason, str) else "",
+                     code_text)
+
+
+def drained(op: str, reply: dict[str, Any]) -> bool:
+    value = reply.get("drained")
+    if not isinstance(value, bool):
+        raise BadReply(op, f"at $.drained: expected bool, got {type(value).__name__}")
+    return value
+
+
+__all__ = ["Request", "abort_request", "checked", "drained", "expect_request",
+           "index_list", "layer_ready_request", "poll_request", "register_request", "reply_id",
+           "room_state", "send_request", "wait_request"]
