@@ -171,6 +171,22 @@ def _count_lines(path: Path) -> int:
         return 0
 
 
+def _verdicts(args) -> str:
+    """The per-pool verdicts of this pairing: what every sidecar pair agreed on."""
+    from pd_transfer.layout.geometry import Role
+    from pd_transfer.layout.presets import load_preset
+    from pd_transfer.layout.rank_builder import build_instance
+    from pd_transfer.layout.reconcile import reconcile
+    from pd_transfer.layout.views import Layout
+    spec = load_preset(args.model)
+    shape = {"page_size": args.page_size, "num_pages": 8, "num_slots": 1, "num_aux_rows": 1}
+    prefill = build_instance(spec, Role.PREFILL, args.prefill_tp, kv_layout=Layout.NHD, **shape)
+    decode = build_instance(spec, Role.DECODE, args.decode_tp, kv_layout=Layout(args.kv_layout), **shape)
+    modes = reconcile(prefill, decode).modes_by_pool()
+    return ", ".join(f"{pool.value} " + "/".join(f"{m.value} x{n}" for m, n in by_mode.items())
+                     for pool, by_mode in modes.items())
+
+
 def _summarise(args, workdir: Path, workers: list[Proc], elapsed_s: float) -> int:
     reports = []
     for worker in workers:
@@ -192,6 +208,7 @@ def _summarise(args, workdir: Path, workers: list[Proc], elapsed_s: float) -> in
           f"{len([f for r in decode for f in r['failed']])} failed")
     print(f"{'bytes verified':<22}{verified / 2**30:.2f} GiB (every destination byte checked)")
     print(f"{'byte mismatches':<22}{mismatches}")
+    print(f"{'verdicts':<22}{_verdicts(args)}")
     print(f"{'elapsed':<22}{elapsed_s:.1f} s")
     print(f"{'throughput':<22}{verified / elapsed_s / 1e9:.2f} GB/s (verified bytes / wall time)")
     if latencies:

@@ -15,6 +15,8 @@ a protocol change.
     │                               (index counts differ, index out of range)
     ├── LayoutError                 an operation needs a layout the views lack
     │                               (page-granular copies on strided pages)
+    ├── TransportError              a data plane cannot move bytes (run outside a
+    │                               region, segment missing, peer refused a chunk)
     └── ProtocolError               a frame or message breaks the wire protocol;
         │                           .path names the field (``$.register...``)
         ├── LocalProtocolError      we tried to send something illegal (a bug
@@ -83,6 +85,16 @@ class Reason(enum.Enum):
     NOT_REGISTERED = "not_registered"
     BOOTSTRAP_FAILED = "bootstrap_failed"
     SHUTTING_DOWN = "shutting_down"
+    # data plane (pd_transfer.transport, pd_transfer.shm)
+    RUN_OUT_OF_REGION = "run_out_of_region"          # a byte run outside its region
+    REGION_INVALID = "region_invalid"                # not a contiguous 1-D uint8 CPU tensor
+    SEGMENT_NAME_INVALID = "segment_name_invalid"    # '/', '..' or other unsafe characters
+    SEGMENT_NOT_FOUND = "segment_not_found"
+    SEGMENT_EXISTS = "segment_exists"
+    SEGMENT_TOO_SMALL = "segment_too_small"          # smaller than the region it should hold
+    TRANSFER_INCOMPLETE = "transfer_incomplete"      # the receiver counted other bytes than sent
+    LINK_CLOSED = "link_closed"
+    TRANSPORT_UNSUPPORTED = "transport_unsupported"  # the peer offers no handle for this transport
 
 
 @dataclass(frozen=True)
@@ -147,6 +159,12 @@ class PlanError(PdTransferError):
 
 class LayoutError(PdTransferError):
     default_code = Reason.LAYOUT_UNSUPPORTED
+
+
+class TransportError(PdTransferError):
+    """A data plane could not move (all of) a plan's bytes; ``code`` says why."""
+
+    default_code = Reason.TRANSPORT_FAILED
 
 
 class ReconcileError(PdTransferError):

@@ -1,48 +1,49 @@
 """The sidecar's data plane: maps regions and picks a transport per peer pair.
 
-At worker registration the sidecar maps its own worker's segments. When a
-decode peer is accepted, prefill picks the transport for the pair: ``shm``
-when both sidecars are on the same host (equal ``host_id``) and the peer
-published segment handles, ``tcp`` otherwise (or when configured). Writes
-run the copy engine in a worker thread, so the event loop keeps serving
-heartbeats and other rooms while bytes move.
+At worker registration the sidecar maps its own worker's regions (shared
+memory segments, or CUDA IPC handles on a GPU). A decode sidecar also starts
+a tcp receiver for peers on other hosts. When prefill accepts a decode peer it
+picks the transport for the pair: ``shm`` when both sidecars are on the same
+host (equal ``host_id``) and the peer published its region handles, ``tcp``
+otherwise or when configured. Device (CUDA) regions are copied with torch on
+the device.
 
 Every remote offset and length is bounds-checked against the registered
-region sizes by the copy engine before a byte moves.
+region sizes before a byte moves (by the copy engines, and for tcp again by
+the receiver).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
 
 import zmq.asyncio
 
+from pd_transfer import cuda_ipc
 from pd_transfer.config import SidecarConfig
-from pd_transfer.errors import PdTransferError, Reason
-from pd_transfer.layout.geometry import RankGeometry
+from pd_transfer.errors import PdTransferError, Reason, TransportError
+from pd_transfer.layout.geometry import RankGeometry, Role
 from pd_transfer.protocol import Register
 from pd_transfer.shm import Segment, open_segment
+from pd_transfer.transport.base import Link, PeerEndpoint
+from pd_transfer.transport.device_copy import execute_on_device
+from pd_transfer.transport.shm import ShmTransport
+from pd_transfer.transport.tcp import TcpTransport
+from pd_transfer.transport.tcp_receiver import TcpReceiver
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Link:
-    """A prefill -> decode data path."""
+class DeviceLink:
+    """Same-host link to CUDA regions opened from the peer's IPC handles."""
 
-    transport: str
-    peer: str
-    dst_regions: dict = field(default_factory=dict)   # shm: region id -> tensor
-    segments: list[Segment] = field(default_factory=list)
-    sender: object = None                              # tcp: the transport's link
+    def __init__(self, peer_id: str, regions: dict) -> None:
+        self.peer_id = peer_id
+        self.regions = regions
 
-    def close(self) -> None:
-        for segment in self.segments:
-            segment.close()
-        self.segments.clear()
-        self.dst_regions.clear()
+    async def close(self) -> None:
+        self.regions.clear()
 
 
 class DataPlane:
@@ -50,98 +51,93 @@ class DataPlane:
         self.config = config
         self.context = context
         self.local_regions: dict = {}
-        self._local_segments: list[Segment] = []
-        self._links: list[Link] = []
-        self._tcp = None           # pd_transfer.transport.tcp objects, created lazily
-        self._receiver = None
+        self.on_device = False
+        self._segments: list[Segment] = []
+        self._shm = ShmTransport()
+        self._tcp = TcpTransport(context, window_nbytes=config.max_inflight_nbytes)
+        self._receiver: TcpReceiver | None = None
+        self._device_links: list[DeviceLink] = []
 
     def transport_names(self) -> tuple[str, ...]:
         return ("shm", "tcp")
 
-    # -- local regions --------------------------------------------------------------
-    def map_local(self, geometry: RankGeometry, handles: dict[str, str]) -> None:
-        """Map the worker's segments (refusing any smaller than its registered region)."""
-        segments = []
+    # -- local regions ----------------------------------------------------------------
+    async def map_local(self, geometry: RankGeometry, handles: dict[str, str]) -> None:
+        """Map the worker's regions (refusing any smaller than what it registered)."""
+        regions, segments = {}, []
         try:
             for region in geometry.regions:
-                segments.append(open_segment(handles[region.id], region.nbytes))
+                handle = handles[region.id]
+                if cuda_ipc.is_cuda_handle(handle):
+                    regions[region.id] = cuda_ipc.open_handle(handle, region.nbytes)[: region.nbytes]
+                    self.on_device = True
+                else:
+                    segment = open_segment(handle, region.nbytes)
+                    segments.append(segment)
+                    regions[region.id] = segment.tensor[: region.nbytes]
         except PdTransferError:
             for segment in segments:
                 segment.close()
             raise
-        self._local_segments = segments
-        self.local_regions = {r.id: s.tensor[: r.nbytes] for r, s in zip(geometry.regions, segments)}
-        if self.config.role.value == "decode" and self.config.transport in ("auto", "tcp"):
-            self._start_receiver(geometry)
-
-    def _start_receiver(self, geometry: RankGeometry) -> None:
-        try:
-            from pd_transfer.transport.tcp import TcpReceiver
-        except ImportError:
-            log.warning("tcp transport unavailable: decode accepts shm only")
-            return
-        self._receiver = TcpReceiver(self.config.data_host, self.local_regions, context=self.context)
-        self._receiver.start()
+        self._segments, self.local_regions = segments, regions
+        if geometry.role is Role.DECODE and self.config.transport in ("auto", "tcp") \
+                and not self.on_device:
+            self._receiver = TcpReceiver(self.config.data_host, self.local_regions,
+                                         port=self.config.data_port, context=self.context)
+            await self._receiver.start()
 
     def receive_address(self) -> str:
         return self._receiver.address if self._receiver is not None else ""
 
     # -- links ----------------------------------------------------------------------
-    async def connect(self, register: Register) -> Link:
-        same_host = register.host_id == self.config.host_id and register.region_handles
-        wanted = self.config.transport
-        if wanted == "shm" or (wanted == "auto" and same_host):
-            if not same_host:
-                raise PdTransferError(
-                    f"transport shm needs the decode peer on this host with published segments "
-                    f"(peer host {register.host_id!r}, this host {self.config.host_id!r})",
-                    code=Reason.TRANSPORT_FAILED)
-            return self._link_shm(register)
-        return await self._link_tcp(register)
-
-    def _link_shm(self, register: Register) -> Link:
-        link = Link("shm", register.geometry.rank_id)
+    async def connect(self, register: Register) -> Link | DeviceLink:
         handles = {h.region: h.handle for h in register.region_handles}
+        same_host = register.host_id == self.config.host_id and bool(handles)
+        wanted = self.config.transport
+        use_shm = wanted == "shm" or (wanted == "auto" and same_host)
+        if use_shm and not same_host:
+            raise PdTransferError(
+                f"transport shm needs the decode peer on this host with published region handles "
+                f"(peer host {register.host_id!r}, this host {self.config.host_id!r})",
+                code=Reason.TRANSPORT_FAILED, hint="use --transport tcp or auto across hosts")
+        sizes = {r.id: r.nbytes for r in register.geometry.regions}
+        peer_id = register.geometry.rank_id
         try:
-            for region in register.geometry.regions:
-                if region.id not in handles:
-                    raise PdTransferError(f"decode peer published no segment for region {region.id}",
-                                          code=Reason.TRANSPORT_FAILED)
-                segment = open_segment(handles[region.id], region.nbytes)
-                link.segments.append(segment)
-                link.dst_regions[region.id] = segment.tensor[: region.nbytes]
-        except PdTransferError:
-            link.close()
-            raise
-        self._links.append(link)
-        return link
+            if use_shm and any(cuda_ipc.is_cuda_handle(h) for h in handles.values()):
+                regions = {r: cuda_ipc.open_handle(handles[r], n)[:n] for r, n in sizes.items()}
+                link = DeviceLink(peer_id, regions)
+                self._device_links.append(link)
+                return link
+            if use_shm:
+                return await self._shm.connect(PeerEndpoint.from_maps(peer_id, sizes, handles))
+            return await self._tcp.connect(PeerEndpoint.from_maps(peer_id, sizes, None,
+                                                                  register.data_address))
+        except TransportError as err:
+            raise PdTransferError(f"cannot reach {peer_id}: {err.message}",
+                                  code=Reason.TRANSPORT_FAILED, hint=err.hint) from None
 
-    async def _link_tcp(self, register: Register) -> Link:
-        if not register.data_address:
-            raise PdTransferError("the decode peer offers no tcp data address",
-                                  code=Reason.TRANSPORT_FAILED)
-        from pd_transfer.transport.tcp import TcpSender
-        sender = TcpSender(register.data_address, context=self.context,
-                           max_inflight_nbytes=self.config.max_inflight_nbytes,
-                           region_sizes={r.id: r.nbytes for r in register.geometry.regions})
-        link = Link("tcp", register.geometry.rank_id, sender=sender)
-        self._links.append(link)
-        return link
-
-    async def write(self, link: Link, plan, room: int, generation: int) -> int:
+    async def write(self, link, plan, room: int, generation: int) -> int:
         """Move every byte of ``plan``; returns only when all of it landed."""
-        if link.transport == "shm":
-            from pd_transfer.transport.copy_engine import execute
-            return await asyncio.to_thread(execute, plan, self.local_regions, link.dst_regions)
-        return await link.sender.write(plan, self.local_regions, room=room, generation=generation)
+        try:
+            if isinstance(link, DeviceLink) or self.on_device:
+                dst = link.regions if isinstance(link, DeviceLink) else None
+                if dst is None:
+                    raise PdTransferError("device regions need a same-host peer with CUDA handles",
+                                          code=Reason.TRANSPORT_FAILED)
+                return await asyncio.to_thread(execute_on_device, plan, self.local_regions, dst)
+            transport = link.transport
+            return await transport.write(link, plan, self.local_regions, room=str(room),
+                                         generation=generation)
+        except TransportError as err:
+            raise PdTransferError(err.message, code=err.code, hint=err.hint) from None
 
-    def close(self) -> None:
-        for link in self._links:
-            if link.sender is not None and hasattr(link.sender, "close"):
-                link.sender.close()
-            link.close()
+    async def close(self) -> None:
+        await self._shm.close()
+        await self._tcp.close()
+        for link in self._device_links:
+            await link.close()
         if self._receiver is not None:
-            self._receiver.stop()
-        for segment in self._local_segments:
+            await self._receiver.stop()
+        for segment in self._segments:
             segment.close()
         self.local_regions = {}

@@ -97,7 +97,7 @@ class Sidecar:
                 self.control.close()
             if self.bootstrap_server:
                 self.bootstrap_server.close()
-            self.dataplane.close()
+            await self.dataplane.close()
             self.context.destroy(linger=0)
             log.info("sidecar %s stopped", self.config.agent_id)
 
@@ -173,7 +173,7 @@ class Sidecar:
         missing = [r.id for r in geometry.regions if r.id not in handles]
         if missing:
             raise PdTransferError(f"no segment handle for region(s) {missing}", code=Reason.BAD_FIELD)
-        self.dataplane.map_local(geometry, handles)
+        await self.dataplane.map_local(geometry, handles)
         self.geometry, self.handles = geometry, handles
         self.pp_size = int(request.get("pp_size", 1) or 1)
         self._registered.set()

@@ -11,7 +11,7 @@ from pd_transfer.layout.views import Layout
 
 from cluster import random_requests
 
-TRANSPORTS = ["shm"]
+TRANSPORTS = ["shm", "tcp"]
 
 CASES = [
     ("llama-3.1-8b", 2, 4, Layout.NHD),

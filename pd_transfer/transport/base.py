@@ -1,0 +1,193 @@
+"""The one interface every data plane implements.
+
+A :class:`Transport` moves the bytes of a planned transfer
+(:class:`~pd_transfer.layout.lowering.TransferPlan`) from this process's
+regions into a peer's registered regions. The agent uses it like this::
+
+    transport = ShmTransport()                      # or TcpTransport(), MockTransport(...)
+    link = await transport.connect(peer_endpoint)   # once per peer pair, after the verdict
+    nbytes = await transport.write(link, plan, my_regions, room="r1", generation=0)
+    ...
+    await transport.close()                         # closes every link
+
+Receiving side: ``shm`` needs nothing running (the decode worker publishes
+its segment names as region handles and the writer maps them); ``tcp`` needs
+a :class:`~pd_transfer.transport.tcp_receiver.TcpReceiver` serving the
+decode rank's regions at the address the peer connects to; ``mock`` writes
+into regions registered with it in-process.
+
+Contracts every implementation keeps:
+
+- ``write`` returns only when every byte of the plan has landed in the
+  destination, and returns the number of bytes written;
+- it never blocks the event loop: heavy copies run in ``asyncio.to_thread``;
+- it checks every run against the destination regions before a byte moves
+  (locally for shm and mock, on arrival for tcp) and raises
+  :class:`~pd_transfer.errors.TransportError` with a stable ``code`` on any
+  failure; third-party exceptions (zmq, OSError) are translated at this edge;
+- a write whose caller is cancelled (a room timeout) may still finish in the
+  background: :meth:`Link.drain` waits until nothing this link started can
+  still write, which is what an abort must wait for before it tells decode
+  that its pages are free again.
+
+This layer may import numpy, torch, zmq and asyncio; never ``pd_transfer.agent``
+or ``pd_transfer.protocol``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from pd_transfer.errors import Reason, TransportError
+from pd_transfer.transport.regions import Regions
+
+
+class TransportKind(enum.Enum):
+    SHM = "shm"
+    TCP = "tcp"
+    MOCK = "mock"
+
+
+@dataclass(frozen=True)
+class RegionHandle:
+    """One destination region of a peer: its id, size and, on the same host, its segment."""
+
+    region_id: str
+    nbytes: int
+    segment: str = ""  # shm segment name; empty when the region is not shared memory
+
+
+@dataclass(frozen=True)
+class PeerEndpoint:
+    """Everything a transport needs to reach one destination rank.
+
+    Built by the agent from the peer's registration: ``regions`` from its
+    geometry (sizes) and region handles (segments), ``data_address`` from the
+    address its tcp receiver serves (``tcp://127.0.0.1:5601``).
+    """
+
+    peer_id: str
+    regions: tuple[RegionHandle, ...] = ()
+    data_address: str = ""
+    _by_id: dict[str, RegionHandle] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_id", {r.region_id: r for r in self.regions})
+
+    @classmethod
+    def from_maps(cls, peer_id: str, region_nbytes: Mapping[str, int],
+                  segments: Mapping[str, str] | None = None, data_address: str = "") -> PeerEndpoint:
+        segments = segments or {}
+        return cls(peer_id, tuple(RegionHandle(r, int(n), segments.get(r, ""))
+                                  for r, n in region_nbytes.items()), data_address)
+
+    def region(self, region_id: str) -> RegionHandle | None:
+        return self._by_id.get(region_id)
+
+    @property
+    def region_nbytes(self) -> dict[str, int]:
+        return {r.region_id: r.nbytes for r in self.regions}
+
+
+class Link(ABC):
+    """One connected peer. Created by :meth:`Transport.connect`, closed by :meth:`close`."""
+
+    def __init__(self, transport: Transport, peer: PeerEndpoint) -> None:
+        self.transport = transport
+        self.peer = peer
+        self.nbytes_written = 0
+        self.num_writes = 0
+        self._closed = False
+        self._inflight: set[asyncio.Future] = set()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def close(self) -> None:
+        """Stop using the link; waits for writes still running in threads (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.transport._links.discard(self)
+        await self.drain()
+        await self._release()
+
+    async def drain(self) -> None:
+        """Return when no work this link started can still write a byte."""
+        while self._inflight:
+            await asyncio.gather(*list(self._inflight), return_exceptions=True)
+
+    def run_background(self, work: Awaitable) -> asyncio.Future:
+        """Run ``work`` so that cancelling its awaiter does not cancel it; :meth:`drain` waits."""
+        future = asyncio.ensure_future(work)
+        self._inflight.add(future)
+        future.add_done_callback(self._settled)
+        return asyncio.shield(future)
+
+    def _settled(self, future: asyncio.Future) -> None:
+        self._inflight.discard(future)
+        if not future.cancelled():
+            future.exception()  # retrieved: the awaiter (if still there) re-raises it
+
+    def check_open(self) -> None:
+        if self._closed:
+            raise TransportError(f"link to {self.peer.peer_id} is closed", code=Reason.LINK_CLOSED)
+
+    @abstractmethod
+    async def _release(self) -> None:
+        """Free what the link holds (mappings, sockets)."""
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<{type(self).__name__} to {self.peer.peer_id} {state}>"
+
+
+class Transport(ABC):
+    """A data plane. One instance per sidecar; one :class:`Link` per peer."""
+
+    kind: ClassVar[TransportKind]
+
+    def __init__(self) -> None:
+        self._links: set[Link] = set()
+
+    @property
+    def name(self) -> str:
+        return self.kind.value
+
+    @abstractmethod
+    async def connect(self, peer: PeerEndpoint) -> Link:
+        """Open a link to ``peer``; raises TransportError if it cannot be reached or mapped."""
+
+    @abstractmethod
+    async def write(self, link: Link, plan, src_regions: Regions, *, room: str = "",
+                    generation: int = 0) -> int:
+        """Move every byte of ``plan`` from ``src_regions`` into the peer; return the count.
+
+        Returns only when every byte has landed in the destination. Raises
+        :class:`TransportError` (never a bare zmq or OS error). ``room`` and
+        ``generation`` label the bytes so the receiver can refuse writes of an
+        aborted generation.
+        """
+
+    async def close(self) -> None:
+        """Close every link this transport opened."""
+        links, self._links = list(self._links), set()
+        for link in links:
+            await link.close()
+
+    def _adopt(self, link: Link) -> Link:
+        self._links.add(link)
+        return link
+
+    def _own(self, link: Link, link_type: type) -> Link:
+        if not isinstance(link, link_type) or link.transport is not self:
+            raise TransportError(f"{link!r} was not opened by this {self.name} transport",
+                                 code=Reason.LINK_CLOSED)
+        link.check_open()
+        return link

@@ -1,0 +1,88 @@
+"""Same-host transport: map the peer's shared-memory segments and copy into them.
+
+The decode worker allocates its regions as POSIX shared-memory segments
+(:mod:`pd_transfer.shm`) and publishes one segment name per region. On
+:meth:`ShmTransport.connect` the writer maps each (refusing a segment smaller
+than the region the peer registered); :meth:`ShmTransport.write` then runs
+the copy engine straight from its own regions into the mapped destination: no
+intermediate buffer, no receiver process involved.
+
+The engine bounds-checks every run against the mapped sizes first, so a plan
+that disagrees with the peer's segments fails with RUN_OUT_OF_REGION and
+writes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from pd_transfer.errors import Reason, TransportError
+from pd_transfer.shm import Segment, open_segment
+from pd_transfer.transport.base import Link, PeerEndpoint, Transport, TransportKind
+from pd_transfer.transport.copy_engine import CopyEngine, default_engine
+from pd_transfer.transport.regions import Regions
+
+
+class ShmLink(Link):
+    """The peer's segments, mapped; ``regions`` are views of exactly the registered sizes."""
+
+    def __init__(self, transport: Transport, peer: PeerEndpoint, segments: dict[str, Segment]) -> None:
+        super().__init__(transport, peer)
+        self.segments = segments
+        self.regions: dict[str, torch.Tensor] = {
+            handle.region_id: segments[handle.region_id].tensor[: handle.nbytes]
+            for handle in peer.regions}
+
+    async def _release(self) -> None:
+        self.regions = {}
+        for segment in self.segments.values():
+            segment.close()  # never unlink: the peer owns its segments
+        self.segments = {}
+
+
+class ShmTransport(Transport):
+    kind = TransportKind.SHM
+
+    def __init__(self, engine: CopyEngine | None = None) -> None:
+        super().__init__()
+        self.engine = engine or default_engine()
+
+    async def connect(self, peer: PeerEndpoint) -> ShmLink:
+        """Map every region of ``peer``; raises if one has no segment or a short one."""
+        missing = [h.region_id for h in peer.regions if not h.segment]
+        if missing:
+            raise TransportError(f"peer {peer.peer_id} offers no shared-memory segment for "
+                                 f"region(s) {missing[:5]}", code=Reason.TRANSPORT_UNSUPPORTED,
+                                 hint="use the tcp transport for peers on another host")
+        segments = await asyncio.to_thread(_open_all, peer)
+        return self._adopt(ShmLink(self, peer, segments))
+
+    async def write(self, link: Link, plan, src_regions: Regions, *, room: str = "",
+                    generation: int = 0) -> int:
+        link = self._own(link, ShmLink)
+        where = f"room {room or '-'} gen {generation} plan {plan.src_rank} -> {link.peer.peer_id}"
+        # the copy cannot be interrupted once in its thread; run_background lets
+        # a cancelled caller go while Link.drain still waits for the copy
+        nbytes = await link.run_background(
+            asyncio.to_thread(self.engine.execute, plan, src_regions, link.regions, where=where))
+        link.nbytes_written += nbytes
+        link.num_writes += 1
+        return nbytes
+
+
+def _open_all(peer: PeerEndpoint) -> dict[str, Segment]:
+    opened: dict[str, Segment] = {}
+    try:
+        for handle in peer.regions:
+            try:
+                opened[handle.region_id] = open_segment(handle.segment, min_nbytes=handle.nbytes)
+            except TransportError as err:
+                raise TransportError(f"peer {peer.peer_id} region {handle.region_id!r}: "
+                                     f"{err.message}", code=err.code, hint=err.hint) from None
+    except BaseException:
+        for segment in opened.values():
+            segment.close()
+        raise
+    return opened

@@ -1,0 +1,214 @@
+"""The tcp transport's sending side: gathered chunks over a ZeroMQ DEALER socket.
+
+``write`` cuts the plan into chunks (:func:`~.packing.layout_chunks`),
+gathers each into a fresh buffer in a worker thread while the previous one is
+on the wire, and sends ``[header, payload]`` with ``copy=False`` (zmq sends
+from our buffer; no copy into a message). The receiver
+(:class:`~.tcp_receiver.TcpReceiver`) checks and scatters each chunk and
+acks it; the write returns after the receiver's final ``done``.
+
+Flow control: per link (= per peer) at most ``window_nbytes`` of chunks are
+sent and not yet acked, across all writes sharing the link. A chunk waits for
+credit unless nothing is in flight (so a chunk larger than the window still
+goes, alone). ``TcpLink.max_in_flight_nbytes`` records the high-water mark.
+
+A receiver that stops answering makes ``write`` wait for credit or for its
+``done``: callers bound every write with their room timeout; liveness is the
+agent's heartbeat's job. zmq errors are translated to TransportError here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+
+import zmq
+import zmq.asyncio
+
+from pd_transfer.errors import Reason, TransportError
+from pd_transfer.transport.base import Link, PeerEndpoint, Transport, TransportKind
+from pd_transfer.transport.frames import (
+    Ack,
+    ChunkHeader,
+    Done,
+    EndHeader,
+    Fail,
+    decode_reply,
+    encode,
+)
+from pd_transfer.transport.packing import gather_chunk, layout_chunks
+from pd_transfer.transport.regions import Regions, map_regions
+
+log = logging.getLogger("pd_transfer.transport.tcp")
+
+DEFAULT_CHUNK_NBYTES = 4 << 20
+DEFAULT_WINDOW_NBYTES = 64 << 20
+
+
+class _Xfer:
+    """One write in flight on a link: its unacked chunks and its final answer."""
+
+    def __init__(self, xfer_id: int, room: str) -> None:
+        self.xfer_id = xfer_id
+        self.room = room
+        self.unacked: dict[int, int] = {}  # chunk seq -> nbytes
+        self.result: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+
+class TcpLink(Link):
+    def __init__(self, transport: TcpTransport, peer: PeerEndpoint, socket: zmq.asyncio.Socket,
+                 window_nbytes: int) -> None:
+        super().__init__(transport, peer)
+        self.socket = socket
+        self.window_nbytes = window_nbytes
+        self.in_flight_nbytes = 0
+        self.max_in_flight_nbytes = 0
+        self._credit = asyncio.Condition()
+        self._xfers: dict[int, _Xfer] = {}
+        self._ids = itertools.count(1)
+        self._reader = asyncio.create_task(self._read_replies(), name=f"tcp-replies-{peer.peer_id}")
+
+    def open_xfer(self, room: str) -> _Xfer:
+        xfer = _Xfer(next(self._ids), room)
+        self._xfers[xfer.xfer_id] = xfer
+        return xfer
+
+    async def close_xfer(self, xfer: _Xfer) -> None:
+        """Forget a finished or abandoned write and give back the credit its chunks hold."""
+        self._xfers.pop(xfer.xfer_id, None)
+        if xfer.unacked:
+            await self._give_back(sum(xfer.unacked.values()))
+            xfer.unacked.clear()
+
+    async def acquire(self, nbytes: int) -> None:
+        async with self._credit:
+            await self._credit.wait_for(lambda: self._closed or self.in_flight_nbytes == 0
+                                        or self.in_flight_nbytes + nbytes <= self.window_nbytes)
+            self.check_open()
+            self.in_flight_nbytes += nbytes
+            self.max_in_flight_nbytes = max(self.max_in_flight_nbytes, self.in_flight_nbytes)
+
+    async def _give_back(self, nbytes: int) -> None:
+        async with self._credit:
+            self.in_flight_nbytes -= nbytes
+            self._credit.notify_all()
+
+    async def _read_replies(self) -> None:
+        try:
+            while True:
+                frame = await self.socket.recv()
+                try:
+                    reply = decode_reply(frame)
+                except TransportError as err:
+                    log.warning("link %s: unreadable reply dropped: %s", self.peer.peer_id, err)
+                    continue
+                await self._dispatch(reply)
+        except (asyncio.CancelledError, zmq.ZMQError):
+            pass
+        finally:
+            self._fail_all(TransportError(f"link to {self.peer.peer_id} closed with transfers "
+                                          f"in flight", code=Reason.LINK_CLOSED))
+
+    async def _dispatch(self, reply: Ack | Done | Fail) -> None:
+        xfer = self._xfers.get(reply.xfer)
+        if xfer is None:
+            return  # a reply for a write that was abandoned (its caller timed out)
+        if isinstance(reply, Ack):
+            nbytes = xfer.unacked.pop(reply.seq, None)
+            if nbytes is not None:
+                await self._give_back(nbytes)
+        elif isinstance(reply, Done):
+            if not xfer.result.done():
+                xfer.result.set_result(reply.nbytes)
+        elif not xfer.result.done():
+            xfer.result.set_exception(TransportError(
+                f"{self.peer.peer_id} refused room {xfer.room or '-'}: {reply.text}",
+                code=reply.reason()))
+
+    def _fail_all(self, error: TransportError) -> None:
+        for xfer in self._xfers.values():
+            if not xfer.result.done():
+                xfer.result.set_exception(error)
+
+    async def _release(self) -> None:
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
+        async with self._credit:  # wake writers waiting for credit: they see the link closed
+            self._credit.notify_all()
+        self.socket.close(linger=0)
+
+
+class TcpTransport(Transport):
+    kind = TransportKind.TCP
+
+    def __init__(self, context: zmq.asyncio.Context | None = None, *,
+                 chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
+                 window_nbytes: int = DEFAULT_WINDOW_NBYTES) -> None:
+        super().__init__()
+        self.context = context or zmq.asyncio.Context.instance()
+        self.chunk_nbytes = chunk_nbytes
+        self.window_nbytes = window_nbytes
+
+    async def connect(self, peer: PeerEndpoint) -> TcpLink:
+        if not peer.data_address:
+            raise TransportError(f"peer {peer.peer_id} publishes no data address",
+                                 code=Reason.TRANSPORT_UNSUPPORTED,
+                                 hint="start a TcpReceiver on the decode side and register its address")
+        socket = self.context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        try:
+            socket.connect(peer.data_address)
+        except zmq.ZMQError as err:
+            socket.close(linger=0)
+            raise TransportError(f"cannot connect to {peer.peer_id} at {peer.data_address}: {err}",
+                                 code=Reason.TRANSPORT_FAILED) from None
+        return self._adopt(TcpLink(self, peer, socket, self.window_nbytes))
+
+    async def write(self, link: Link, plan, src_regions: Regions, *, room: str = "",
+                    generation: int = 0) -> int:
+        link = self._own(link, TcpLink)
+        src = map_regions(src_regions, (b.src_region for b in plan.batches), "source")
+        sizes = {region_id: mapped.nbytes for region_id, mapped in src.items()}
+        dst_sizes = link.peer.region_nbytes or None  # checked again by the receiver
+        layouts = await asyncio.to_thread(layout_chunks, plan, sizes, self.chunk_nbytes,
+                                          dst_sizes=dst_sizes)
+        xfer = link.open_xfer(room)
+        pending: asyncio.Future | None = None
+        try:
+            if layouts:
+                pending = asyncio.ensure_future(asyncio.to_thread(gather_chunk, layouts[0], src))
+            for i, layout in enumerate(layouts):
+                payload = await pending
+                # gather the next chunk while this one is on the wire
+                pending = asyncio.ensure_future(asyncio.to_thread(gather_chunk, layouts[i + 1], src)) \
+                    if i + 1 < len(layouts) else None
+                await link.acquire(layout.nbytes)
+                xfer.unacked[layout.seq] = layout.nbytes
+                header = ChunkHeader(xfer.xfer_id, room, generation, layout.seq, layout.wire)
+                await _send(link, [encode(header), payload])
+                if xfer.result.done():
+                    break  # refused mid-way: stop sending, report the receiver's reason
+            total = sum(layout.nbytes for layout in layouts)
+            if not xfer.result.done():
+                await _send(link, [encode(EndHeader(xfer.xfer_id, room, generation, len(layouts),
+                                                    total))])
+            landed = await xfer.result
+        finally:
+            if pending is not None:
+                pending.cancel()
+            await link.close_xfer(xfer)
+        if landed != total:
+            raise TransportError(f"{link.peer.peer_id} acknowledged {landed} of {total} bytes of "
+                                 f"room {room or '-'}", code=Reason.TRANSFER_INCOMPLETE)
+        link.nbytes_written += total
+        link.num_writes += 1
+        return total
+
+
+async def _send(link: TcpLink, frames: list) -> None:
+    try:
+        await link.socket.send_multipart(frames, copy=False)
+    except zmq.ZMQError as err:
+        raise TransportError(f"sending to {link.peer.peer_id} failed: {err}",
+                             code=Reason.TRANSPORT_FAILED) from None

@@ -1,0 +1,260 @@
+"""The tcp transport's receiving side: a ROUTER socket that scatters chunks into regions.
+
+One :class:`TcpReceiver` per decode rank serves every prefill peer. For each
+chunk it decodes the header (:mod:`.frames`), looks the destination regions
+up (``regions_lookup``: region id -> the registered tensor, or None), checks
+every run against them (:func:`~.packing.check_wire`), scatters the payload
+and acks; after a transfer's ``end`` it answers ``done`` if every chunk
+landed. A frame that fails any check is refused with a reason, counted in
+:attr:`TcpReceiver.stats`, and never written; the transfer it belongs to is
+failed (the sender's ``write`` raises with that reason), and the receiver
+keeps serving everyone else.
+
+Frames are handled one at a time, in arrival order: a chunk is fully
+scattered before the next frame is read, so after :meth:`TcpReceiver.fence`
+returns, no chunk of the fenced room generation can still land (abort with
+drain). Big scatters run in ``asyncio.to_thread``; zmq keeps receiving
+meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from pd_transfer.errors import Reason, TransportError
+from pd_transfer.transport.frames import (
+    Ack,
+    ChunkHeader,
+    Done,
+    EndHeader,
+    Fail,
+    decode_data,
+    encode,
+)
+from pd_transfer.transport.packing import check_wire, scatter_chunk
+from pd_transfer.transport.regions import Mapped, RegionMemory, map_one
+
+log = logging.getLogger("pd_transfer.transport.tcp")
+
+RegionLookup = Callable[[str], RegionMemory | None]
+LandedCallback = Callable[[str, int, int], None]  # (room, generation, nbytes)
+
+_MAX_OPEN_XFERS = 4096
+_MAX_REMEMBERED_FAILURES = 4096
+
+
+@dataclass
+class ReceiverStats:
+    chunks_landed: int = 0
+    nbytes_landed: int = 0
+    transfers_done: int = 0
+    refused: Counter = field(default_factory=Counter)  # Reason -> frames refused
+
+    @property
+    def frames_refused(self) -> int:
+        return sum(self.refused.values())
+
+
+@dataclass
+class _Progress:
+    chunks: int = 0
+    nbytes: int = 0
+
+
+class TcpReceiver:
+    """Serve the regions behind ``regions_lookup`` at ``tcp://bind_host:port``.
+
+    ``port=0`` picks a free port; :attr:`address` is the endpoint to publish.
+    ``on_landed(room, generation, nbytes)`` is called after each complete
+    transfer (before ``done`` goes out).
+    """
+
+    def __init__(self, bind_host: str, regions_lookup: RegionLookup | Mapping[str, RegionMemory],
+                 *, port: int = 0, context: zmq.asyncio.Context | None = None,
+                 max_chunk_nbytes: int = 64 << 20, inline_nbytes: int = 256 << 10,
+                 on_landed: LandedCallback | None = None) -> None:
+        self.bind_host = bind_host
+        self.port = port
+        self._lookup: RegionLookup = regions_lookup.get if isinstance(regions_lookup, Mapping) \
+            else regions_lookup
+        self.context = context or zmq.asyncio.Context.instance()
+        self.max_chunk_nbytes = max_chunk_nbytes
+        self.inline_nbytes = inline_nbytes
+        self.on_landed = on_landed
+        self.stats = ReceiverStats()
+        self.address = ""
+        self._socket: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task | None = None
+        self._mapped: dict[str, tuple[RegionMemory, Mapped]] = {}
+        self._open: dict[tuple[bytes, int], _Progress] = {}
+        self._failed: OrderedDict[tuple[bytes, int], None] = OrderedDict()
+        self._fences: dict[str, int] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # -- lifecycle ------------------------------------------------------------------
+    async def start(self) -> str:
+        """Bind and start serving; return the address peers connect to."""
+        socket = self.context.socket(zmq.ROUTER)
+        socket.setsockopt(zmq.LINGER, 0)
+        # a frame larger than a chunk plus its header is dropped by zmq with the connection
+        socket.setsockopt(zmq.MAXMSGSIZE, self.max_chunk_nbytes + (16 << 20))
+        try:
+            socket.bind(f"tcp://{self.bind_host}:{self.port or '*'}")
+        except zmq.ZMQError as err:
+            socket.close(linger=0)
+            raise TransportError(f"tcp receiver cannot bind {self.bind_host}:{self.port}: {err}",
+                                 code=Reason.TRANSPORT_FAILED) from None
+        self._socket = socket
+        self.address = socket.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._task = asyncio.create_task(self._serve(), name=f"tcp-receiver-{self.address}")
+        return self.address
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+
+    async def __aenter__(self) -> TcpReceiver:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def fence(self, room: str, generation: int) -> None:
+        """Refuse every later chunk of ``room`` with a generation <= ``generation``.
+
+        Returns once no chunk of it can still be written (a scatter in
+        progress has finished).
+        """
+        self._fences[room] = max(generation, self._fences.get(room, -1))
+        await self._idle.wait()
+
+    def forget_room(self, room: str) -> None:
+        """Drop the fence of a room that is finished for good."""
+        self._fences.pop(room, None)
+
+    # -- serving ----------------------------------------------------------------------
+    async def _serve(self) -> None:
+        socket = self._socket
+        while socket is not None:
+            frames = await socket.recv_multipart(copy=False)
+            try:
+                await self._handle(frames)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let one frame stop the receiver
+                log.exception("tcp receiver %s: frame handling failed", self.address)
+                self.stats.refused[Reason.TRANSPORT_FAILED] += 1
+
+    async def _handle(self, frames: list) -> None:
+        identity = frames[0].bytes
+        if len(frames) < 2:
+            self.stats.refused[Reason.BAD_FRAME] += 1
+            return
+        try:
+            header = decode_data(frames[1].bytes)
+        except TransportError as err:
+            log.warning("tcp receiver %s: refused a frame: %s", self.address, err.message)
+            self.stats.refused[err.code] += 1
+            return
+        key = (identity, header.xfer)
+        if key in self._failed:
+            self.stats.refused[Reason.TRANSPORT_FAILED] += 1  # rest of a refused transfer
+            return
+        try:
+            if isinstance(header, ChunkHeader):
+                await self._chunk(identity, key, header, frames[2:])
+            else:
+                await self._end(identity, key, header)
+        except TransportError as err:
+            await self._refuse(identity, key, header.room, err)
+
+    async def _chunk(self, identity: bytes, key: tuple[bytes, int], header: ChunkHeader,
+                     payload_frames: list) -> None:
+        if len(payload_frames) != 1:
+            raise TransportError(f"chunk {header.seq} carries {len(payload_frames)} payload "
+                                 f"frames, not 1", code=Reason.BAD_FRAME)
+        self._check_fence(header.room, header.generation)
+        progress = self._open.get(key)
+        if progress is None:
+            if len(self._open) >= _MAX_OPEN_XFERS:
+                raise TransportError(f"more than {_MAX_OPEN_XFERS} transfers open at once",
+                                     code=Reason.LIMIT_EXCEEDED)
+            progress = self._open[key] = _Progress()
+        payload = np.frombuffer(payload_frames[0].buffer, dtype=np.uint8)
+        regions = {region_id: self._region(region_id) for region_id in header.wire.regions}
+        check_wire(header.wire, {r: m.nbytes for r, m in regions.items()}, payload.size)
+        self._idle.clear()
+        try:
+            if payload.size >= self.inline_nbytes:
+                await asyncio.to_thread(scatter_chunk, header.wire, payload, regions)
+            else:
+                scatter_chunk(header.wire, payload, regions)
+        finally:
+            self._idle.set()
+        progress.chunks += 1
+        progress.nbytes += int(payload.size)
+        self.stats.chunks_landed += 1
+        self.stats.nbytes_landed += int(payload.size)
+        await self._reply(identity, Ack(header.xfer, header.seq, int(payload.size)))
+
+    async def _end(self, identity: bytes, key: tuple[bytes, int], header: EndHeader) -> None:
+        self._check_fence(header.room, header.generation)
+        progress = self._open.pop(key, _Progress())
+        if (progress.chunks, progress.nbytes) != (header.num_chunks, header.nbytes):
+            raise TransportError(f"room {header.room}: {progress.chunks} chunk(s) / "
+                                 f"{progress.nbytes} bytes landed, sender sent "
+                                 f"{header.num_chunks} / {header.nbytes}",
+                                 code=Reason.TRANSFER_INCOMPLETE)
+        self.stats.transfers_done += 1
+        if self.on_landed is not None:
+            self.on_landed(header.room, header.generation, header.nbytes)
+        await self._reply(identity, Done(header.xfer, header.nbytes))
+
+    def _check_fence(self, room: str, generation: int) -> None:
+        fence = self._fences.get(room)
+        if fence is not None and generation <= fence:
+            raise TransportError(f"room {room} generation {generation} was aborted "
+                                 f"(fenced at {fence})", code=Reason.STALE_GENERATION)
+
+    def _region(self, region_id: str) -> Mapped:
+        memory = self._lookup(region_id)
+        if memory is None:
+            raise TransportError(f"region {region_id!r} is not registered here",
+                                 code=Reason.UNKNOWN_REGION)
+        cached = self._mapped.get(region_id)
+        if cached is None or cached[0] is not memory:
+            cached = self._mapped[region_id] = (memory, map_one(region_id, memory, "destination"))
+        return cached[1]
+
+    async def _refuse(self, identity: bytes, key: tuple[bytes, int], room: str,
+                      err: TransportError) -> None:
+        log.warning("tcp receiver %s: refused room %s: %s", self.address, room or "-", err.message)
+        self.stats.refused[err.code] += 1
+        self._open.pop(key, None)
+        self._failed[key] = None
+        while len(self._failed) > _MAX_REMEMBERED_FAILURES:
+            self._failed.popitem(last=False)
+        await self._reply(identity, Fail(key[1], err.code.value, err.message))
+
+    async def _reply(self, identity: bytes, message: Ack | Done | Fail) -> None:
+        if self._socket is None:
+            return
+        try:
+            await self._socket.send_multipart([identity, encode(message)])
+        except zmq.ZMQError as err:  # the peer went away; its write will time out
+            log.warning("tcp receiver %s: reply lost: %s", self.address, err)

@@ -1,0 +1,98 @@
+"""The shm transport maps the peer's segments and writes the planned bytes straight in."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pd_transfer.errors import Reason, TransportError
+from pd_transfer.transport import PeerEndpoint, ShmTransport
+
+pytestmark = pytest.mark.asyncio
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shm_writer_child.py")
+
+
+def _endpoint(rank: str, segs: dict, sizes: dict | None = None) -> PeerEndpoint:
+    sizes = sizes or {r: s.nbytes for r, s in segs.items()}
+    return PeerEndpoint.from_maps(rank, sizes, {r: s.name for r, s in segs.items()})
+
+
+def _copy_back(sc, placed: dict) -> None:
+    for rank, segs in placed.items():
+        for region_id, segment in segs.items():
+            sc.world.decode_buffers[rank][region_id][:] = segment.array
+
+
+@pytest.mark.parametrize("case", [("llama", 2, 2), ("llama", 2, 4), ("gdn", 4, 2)],
+                         ids=["direct", "sliced", "gdn"])
+async def test_shm_write_lands_exactly_the_oracle_bytes(scenario, segments, case):
+    sc = scenario(*case)
+    placed = {rank: segments(regions) for rank, regions in sc.world.decode_buffers.items()}
+    transport = ShmTransport()
+    links = {rank: await transport.connect(_endpoint(rank, segs)) for rank, segs in placed.items()}
+    for plan in sc.plans:
+        assert await transport.write(links[plan.dst_rank], plan, sc.src(plan), room="r") \
+            == plan.total_nbytes
+    await transport.close()
+    assert all(link.closed for link in links.values())
+    _copy_back(sc, placed)
+    assert sc.world.verify(sc.requests) == []
+
+
+async def test_shm_write_from_another_process(scenario, segments):
+    args = {"kind": "llama", "prefill_tp": 2, "decode_tp": 4, "seed": 3}
+    sc = scenario(**args)
+    placed = {rank: segments(regions) for rank, regions in sc.world.decode_buffers.items()}
+    names = {rank: {r: s.name for r, s in segs.items()} for rank, segs in placed.items()}
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, CHILD, json.dumps({"scenario": args, "segments": names}), env=env,
+        stderr=subprocess.PIPE)
+    _, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, err.decode()
+    _copy_back(sc, placed)
+    assert sc.world.verify(sc.requests) == []
+
+
+async def test_connect_refuses_a_segment_smaller_than_the_region(segments):
+    segs = segments({"kv": np.zeros(4096, np.uint8)})
+    with pytest.raises(TransportError) as info:
+        await ShmTransport().connect(_endpoint("d0", segs, {"kv": 8192}))
+    assert info.value.code is Reason.SEGMENT_TOO_SMALL and "region 'kv'" in str(info.value)
+
+
+async def test_connect_refuses_a_peer_without_segments():
+    with pytest.raises(TransportError) as info:
+        await ShmTransport().connect(PeerEndpoint.from_maps("d0", {"kv": 64}))
+    assert info.value.code is Reason.TRANSPORT_UNSUPPORTED
+
+
+async def test_plan_outside_the_mapped_region_writes_nothing(scenario, segments):
+    sc = scenario("llama", 2, 2)
+    plan = sc.plans[0]
+    # the peer registered (and mapped) regions half the size the plan assumes
+    halves = {r: b[: b.size // 2] for r, b in sc.dst(plan).items()}
+    segs = segments(halves)
+    transport = ShmTransport()
+    link = await transport.connect(_endpoint(plan.dst_rank, segs))
+    with pytest.raises(TransportError) as info:
+        await transport.write(link, plan, sc.src(plan))
+    assert info.value.code is Reason.RUN_OUT_OF_REGION
+    assert all(np.array_equal(segs[r].array, halves[r]) for r in segs)
+    await transport.close()
+
+
+async def test_write_on_a_closed_link_is_refused(segments):
+    segs = segments({"kv": np.zeros(64, np.uint8)})
+    transport = ShmTransport()
+    link = await transport.connect(_endpoint("d0", segs))
+    await link.close()
+    with pytest.raises(TransportError) as info:
+        await transport.write(link, None, {})
+    assert info.value.code is Reason.LINK_CLOSED

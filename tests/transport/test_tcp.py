@@ -1,0 +1,218 @@
+"""The tcp transport: chunks over loopback land exactly; bad frames are refused, not written."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+
+from pd_transfer.errors import Reason, TransportError
+from pd_transfer.transport import PeerEndpoint, TcpReceiver, TcpTransport
+from pd_transfer.transport.frames import decode_reply
+
+pytestmark = pytest.mark.asyncio
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tcp_receiver_child.py")
+
+
+def _endpoint(rank: str, regions: dict, address: str, *, sizes: bool = True) -> PeerEndpoint:
+    return PeerEndpoint.from_maps(rank, {r: b.size for r, b in regions.items()} if sizes else {},
+                                  data_address=address)
+
+
+class Decode:
+    """One TcpReceiver per decode rank of a scenario."""
+
+    def __init__(self, sc) -> None:
+        self.sc = sc
+        self.receivers = {rank: TcpReceiver("127.0.0.1", regions)
+                          for rank, regions in sc.world.decode_buffers.items()}
+
+    async def __aenter__(self) -> Decode:
+        for receiver in self.receivers.values():
+            await receiver.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for receiver in self.receivers.values():
+            await receiver.stop()
+
+    def endpoint(self, rank: str, **kw) -> PeerEndpoint:
+        return _endpoint(rank, self.sc.world.decode_buffers[rank], self.receivers[rank].address, **kw)
+
+
+@pytest.mark.parametrize("case", [("llama", 2, 2), ("llama", 2, 4), ("llama", 4, 2), ("gdn", 2, 4)],
+                         ids=["direct", "sliced-2-4", "sliced-4-2", "gdn"])
+async def test_tcp_write_lands_exactly_the_oracle_bytes(scenario, case):
+    sc = scenario(*case)
+    transport = TcpTransport(chunk_nbytes=96 << 10)
+    async with Decode(sc) as decode:
+        links = {rank: await transport.connect(decode.endpoint(rank)) for rank in decode.receivers}
+        results = await asyncio.gather(*(
+            transport.write(links[p.dst_rank], p, sc.src(p), room="r1") for p in sc.plans))
+        assert results == [p.total_nbytes for p in sc.plans]
+        assert sum(r.stats.nbytes_landed for r in decode.receivers.values()) == sum(results)
+        assert all(r.stats.frames_refused == 0 for r in decode.receivers.values())
+        await transport.close()
+    assert sc.world.verify(sc.requests) == []
+
+
+async def test_bytes_in_flight_never_exceed_the_window(scenario):
+    sc = scenario("llama", 2, 2, num_pages=40)
+    chunk, window = 32 << 10, 128 << 10
+    transport = TcpTransport(chunk_nbytes=chunk, window_nbytes=window)
+    async with Decode(sc) as decode:
+        links = {rank: await transport.connect(decode.endpoint(rank)) for rank in decode.receivers}
+        link = links[sc.plans[0].dst_rank]
+        seen = []
+        original = link.acquire
+
+        async def watched(nbytes):
+            await original(nbytes)
+            seen.append(link.in_flight_nbytes)
+        link.acquire = watched
+        plan = sc.plans[0]
+        # two rooms writing the same pages (same bytes) on one link share its window
+        await asyncio.gather(transport.write(link, plan, sc.src(plan), room="a"),
+                             transport.write(link, plan, sc.src(plan), room="b"),
+                             *(transport.write(links[p.dst_rank], p, sc.src(p)) for p in sc.plans[1:]))
+        assert plan.total_nbytes > 8 * window  # the window really had to bind
+        assert len(seen) >= 2 * plan.total_nbytes // chunk
+        assert max(seen) <= window and link.max_in_flight_nbytes <= window
+        assert link.max_in_flight_nbytes >= window - chunk  # and it was used, not serialised
+        assert link.in_flight_nbytes == 0
+        await transport.close()
+    assert sc.world.verify(sc.requests) == []
+
+
+async def _raw_dealer(address: str) -> zmq.asyncio.Socket:
+    socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(address)
+    return socket
+
+
+def _chunk_header(xfer: int, runs: list, regions=("kv",), room="evil", gen=0) -> bytes:
+    return msgpack.packb({"v": 1, "t": "chunk", "xfer": xfer, "room": room, "gen": gen, "seq": 0,
+                          "regions": list(regions),
+                          "runs": np.array(runs, "<i8").tobytes()}, use_bin_type=True)
+
+
+async def test_out_of_region_frames_are_refused_and_the_receiver_keeps_serving():
+    region = np.zeros(4096, np.uint8)
+    async with TcpReceiver("127.0.0.1", {"kv": region}) as receiver:
+        peer = await _raw_dealer(receiver.address)
+        await peer.send_multipart([_chunk_header(1, [[0, 4000, 128]]), b"\x01" * 128])
+        reply = decode_reply(await asyncio.wait_for(peer.recv(), 5))
+        assert reply.reason() is Reason.RUN_OUT_OF_REGION and "4000" in reply.text
+        await peer.send_multipart([_chunk_header(2, [[0, 0, 16]], regions=("other",)), b"\x01" * 16])
+        assert decode_reply(await asyncio.wait_for(peer.recv(), 5)).reason() is Reason.UNKNOWN_REGION
+        await peer.send_multipart([b"\xc1 not msgpack", b"x"])  # no xfer to answer: counted only
+        await peer.send_multipart([_chunk_header(3, [[0, 0, 16]]), b"\x01" * 15])
+        assert decode_reply(await asyncio.wait_for(peer.recv(), 5)).reason() is Reason.BAD_FRAME
+        assert not region.any()
+        # still serving: a good chunk lands and is acked
+        await peer.send_multipart([_chunk_header(4, [[0, 64, 16]]), b"\x02" * 16])
+        ack = decode_reply(await asyncio.wait_for(peer.recv(), 5))
+        assert (ack.xfer, ack.nbytes) == (4, 16)
+        assert region[64:80].tolist() == [2] * 16 and int(np.count_nonzero(region)) == 16
+        assert receiver.stats.frames_refused == 4
+        assert receiver.stats.refused[Reason.RUN_OUT_OF_REGION] == 1
+        peer.close(linger=0)
+
+
+async def test_receiver_refusal_fails_the_write_with_its_reason(scenario):
+    sc = scenario("llama", 2, 2)
+    plan = sc.plans[0]
+    small = {r: np.zeros(b.size // 2, np.uint8) for r, b in sc.dst(plan).items()}
+    transport = TcpTransport(chunk_nbytes=64 << 10)
+    async with TcpReceiver("127.0.0.1", small) as receiver:
+        # an endpoint without sizes: the sender cannot pre-check, the receiver must
+        link = await transport.connect(_endpoint(plan.dst_rank, small, receiver.address, sizes=False))
+        with pytest.raises(TransportError) as info:
+            await asyncio.wait_for(transport.write(link, plan, sc.src(plan), room="r"), 10)
+        assert info.value.code is Reason.RUN_OUT_OF_REGION
+        assert receiver.stats.refused[Reason.RUN_OUT_OF_REGION] >= 1
+        await transport.close()
+
+
+async def test_sender_checks_against_the_endpoint_sizes_before_sending(scenario):
+    sc = scenario("llama", 2, 2)
+    plan = sc.plans[0]
+    small = {r: np.zeros(b.size // 2, np.uint8) for r, b in sc.dst(plan).items()}
+    transport = TcpTransport()
+    async with TcpReceiver("127.0.0.1", small) as receiver:
+        link = await transport.connect(_endpoint(plan.dst_rank, small, receiver.address))
+        with pytest.raises(TransportError) as info:
+            await transport.write(link, plan, sc.src(plan))
+        assert info.value.code is Reason.RUN_OUT_OF_REGION
+        assert receiver.stats.chunks_landed == 0 and receiver.stats.frames_refused == 0
+        await transport.close()
+
+
+async def test_fenced_generation_is_refused_and_the_next_one_lands(scenario):
+    sc = scenario("llama", 2, 2)
+    plan = sc.plans[0]
+    transport = TcpTransport()
+    async with Decode(sc) as decode:
+        receiver = decode.receivers[plan.dst_rank]
+        link = await transport.connect(decode.endpoint(plan.dst_rank))
+        await receiver.fence("r", 0)
+        with pytest.raises(TransportError) as info:
+            await transport.write(link, plan, sc.src(plan), room="r", generation=0)
+        assert info.value.code is Reason.STALE_GENERATION
+        assert await transport.write(link, plan, sc.src(plan), room="r", generation=1) \
+            == plan.total_nbytes
+        await transport.close()
+
+
+async def test_write_to_a_silent_peer_waits_for_the_callers_timeout():
+    transport = TcpTransport()
+    link = await transport.connect(PeerEndpoint("d0", data_address="tcp://127.0.0.1:1"))
+    from pd_transfer.layout.lowering import RunBatch, TransferPlan
+    one = np.array([0], np.int64)
+    plan = TransferPlan("p0", "d0", (RunBatch("s", "kv", one, one, np.array([64]), np.array([1]),
+                                              0, 0),))
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(transport.write(link, plan, {"s": np.ones(64, np.uint8)}), 0.3)
+    assert link.in_flight_nbytes == 0  # the abandoned chunk's credit came back
+    await transport.close()
+
+
+async def test_peer_without_data_address_is_refused():
+    with pytest.raises(TransportError) as info:
+        await TcpTransport().connect(PeerEndpoint("d0"))
+    assert info.value.code is Reason.TRANSPORT_UNSUPPORTED
+
+
+async def test_receiver_in_another_process(scenario, segments):
+    sc = scenario("llama", 2, 4, seed=5)
+    placed = {rank: segments(regions) for rank, regions in sc.world.decode_buffers.items()}
+    names = {rank: {r: s.name for r, s in segs.items()} for rank, segs in placed.items()}
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, CHILD, json.dumps(names), stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    transport = TcpTransport(chunk_nbytes=128 << 10)
+    try:
+        addresses = json.loads(await asyncio.wait_for(child.stdout.readline(), 60))
+        for plan in sc.plans:
+            link = await transport.connect(_endpoint(plan.dst_rank, sc.dst(plan),
+                                                     addresses[plan.dst_rank]))
+            assert await asyncio.wait_for(transport.write(link, plan, sc.src(plan), room="x"), 30) \
+                == plan.total_nbytes
+        await transport.close()
+    finally:
+        child.stdin.close()
+        report = await asyncio.wait_for(child.stdout.readline(), 30)
+        await asyncio.wait_for(child.wait(), 30)
+    assert json.loads(report)["refused"] == 0
+    for rank, segs in placed.items():
+        for region_id, segment in segs.items():
+            sc.world.decode_buffers[rank][region_id][:] = segment.array
+    assert sc.world.verify(sc.requests) == []
