@@ -11,9 +11,9 @@ import sys
 
 import zmq
 
-from pd_transfer.config import SidecarConfig
 from pd_transfer.agent.runner import run_until_stopped
 from pd_transfer.agent.sidecar import Sidecar
+from pd_transfer.config import SidecarConfig
 
 EXIT_STARTUP_FAILED = 3
 

@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pd_transfer.agent.bootstrap import fetch_table
+from pd_transfer.agent.channels import OutgoingChannel
+from pd_transfer.agent.rooms import Room
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.reconcile import reconcile
@@ -32,15 +35,12 @@ from pd_transfer.protocol import (
     Hello,
     PoolIndices,
     Progress,
-    Register,
     RegionHandle,
+    Register,
     RoomStatus,
     TransferRequest,
     Verdict,
 )
-from pd_transfer.agent.bootstrap import fetch_table
-from pd_transfer.agent.channels import OutgoingChannel
-from pd_transfer.agent.rooms import Room
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class DecodeSide:
     async def _await_verdict(self, peer: PrefillPeer) -> None:
         try:
             verdict = await asyncio.wait_for(asyncio.shield(peer.verdict), self.config.bootstrap_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise PdTransferError(f"no verdict from {peer.rank_id} within "
                                   f"{self.config.bootstrap_timeout_s:.1f} s",
                                   code=Reason.BOOTSTRAP_FAILED) from None
@@ -234,7 +234,7 @@ class DecodeSide:
         try:
             await asyncio.wait_for(room.drained.wait(), self.config.abort_drain_timeout_s)
             drained = True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             drained = False  # some prefill rank never confirmed: keep the pages fenced
         return {"drained": drained, **room.reply()}
 

@@ -22,11 +22,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pd_transfer.agent.channels import Channel
+from pd_transfer.agent.rooms import Room
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.diagnostics import collapse
 from pd_transfer.layout.fanout import decode_ranks_fed
 from pd_transfer.layout.geometry import RankGeometry, Role
-from pd_transfer.layout.planner import plan_pair
+from pd_transfer.layout.planner import PairPlanner, plan_pair
 from pd_transfer.layout.reconcile import Reconciliation, reconcile
 from pd_transfer.layout.views import Pool
 from pd_transfer.protocol import (
@@ -45,8 +47,6 @@ from pd_transfer.protocol import (
     TransferRequest,
     Verdict,
 )
-from pd_transfer.agent.channels import Channel
-from pd_transfer.agent.rooms import Room
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ class DecodePeer:
     reconciliation: Reconciliation | None = None
     fed: list[int] = field(default_factory=list)
     link: object = None
+    planner: PairPlanner | None = None
     accepted: bool = False
 
     @property
@@ -132,7 +133,7 @@ class PrefillSide:
     async def _send_verdict(self, peer: DecodePeer) -> None:
         try:
             await asyncio.wait_for(self.table_ready.wait(), self.config.bootstrap_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             await self._reject(peer, "prefill rank table incomplete", [MismatchRecord(
                 path="prefill.rank_table", code=Reason.BOOTSTRAP_FAILED, prefill="incomplete",
                 decode="-", hint="start every prefill rank's sidecar and worker")])
@@ -146,6 +147,7 @@ class PrefillSide:
                                                       for m in collapse(list(recon.mismatches))])
             return
         peer.reconciliation = recon
+        peer.planner = PairPlanner(recon, self.sidecar.geometry, decode_geometry)
         peer.fed = decode_ranks_fed(recon, self.sidecar.geometry.rank_id, decode_geometry)
         try:
             peer.link = await self.sidecar.dataplane.connect(peer.register)
@@ -235,8 +237,7 @@ class PrefillSide:
                 index = target.chunks_done
                 try:
                     requests = self._chunk_requests(room, target, index)
-                    plan = plan_pair(target.peer.reconciliation, self.sidecar.geometry,
-                                     target.peer.register.geometry, requests)
+                    plan = target.peer.planner.plan(requests)
                     room.advance(RoomStatus.TRANSFERRING,
                                  time.monotonic() + self.config.transfer_timeout_s)
                     nbytes = await self.sidecar.dataplane.write(target.peer.link, plan,
@@ -248,8 +249,10 @@ class PrefillSide:
                 room.nbytes += nbytes
                 target.kv_cursor += len(room.chunks[index].get(Pool.KV, ()))
                 target.chunks_done += 1
-                await self._send(target, Progress(room=room.room, generation=target.generation,
-                                                  done_nbytes=room.nbytes, total_nbytes=room.nbytes))
+                if not (room.last_received and target.chunks_done == len(room.chunks)):
+                    await self._send(target, Progress(room=room.room, generation=target.generation,
+                                                      done_nbytes=room.nbytes,
+                                                      total_nbytes=room.nbytes))
             if room.last_received and target.chunks_done == len(room.chunks) and not target.done \
                     and not target.failed and not room.terminal:
                 target.done = True

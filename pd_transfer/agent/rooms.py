@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -82,7 +82,7 @@ class Room:
         self.waiters.append(waiter)
         try:
             await asyncio.wait_for(waiter, timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         finally:
             if waiter in self.waiters:

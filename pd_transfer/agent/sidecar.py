@@ -18,17 +18,13 @@ import itertools
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from pd_transfer.config import SidecarConfig
-from pd_transfer.errors import PdTransferError, Reason
-from pd_transfer.layout.geometry import RankGeometry, Role, check_geometry
-from pd_transfer.protocol import Capabilities, Heartbeat, RankEntry, SessionState, geometry_from_data
-from pd_transfer.protocol.worker_api import WorkerOp
 from pd_transfer.agent.bootstrap import BootstrapServer, fetch_table
 from pd_transfer.agent.channels import Channel, IncomingChannels
 from pd_transfer.agent.dataplane import DataPlane
@@ -36,6 +32,11 @@ from pd_transfer.agent.decode import DecodeSide
 from pd_transfer.agent.prefill import PrefillSide
 from pd_transfer.agent.rooms import RoomTable, pool_requests
 from pd_transfer.agent.stats import SidecarStats
+from pd_transfer.config import SidecarConfig
+from pd_transfer.errors import PdTransferError, Reason
+from pd_transfer.layout.geometry import RankGeometry, Role, check_geometry
+from pd_transfer.protocol import Capabilities, Heartbeat, RankEntry, SessionState, geometry_from_data
+from pd_transfer.protocol.worker_api import WorkerOp
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +187,7 @@ class Sidecar:
     async def wait_registered(self, timeout_s: float) -> None:
         try:
             await asyncio.wait_for(self._registered.wait(), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise PdTransferError("the worker did not register in time",
                                   code=Reason.NOT_REGISTERED) from None
 

@@ -129,19 +129,42 @@ class _Pattern:
     dst_stride: int
 
 
-def lower(src_rank: str, dst_rank: str, units: list[Unit],
-          indices: dict[object, tuple[np.ndarray, np.ndarray]]) -> TransferPlan:
-    """Lower ``units`` for the index lists of their pools into a plan."""
+@dataclass(frozen=True)
+class UnitGroup:
+    """Units of one structure: one pattern serves all, each adds its base offsets."""
+
+    units: tuple[Unit, ...]
+    src_base: np.ndarray
+    dst_base: np.ndarray
+
+    @property
+    def pool(self) -> object:
+        return self.units[0].pool
+
+
+def group_units(units: list[Unit]) -> list[UnitGroup]:
     by_signature: dict[tuple, list[Unit]] = {}
     for unit in units:
         by_signature.setdefault(unit.signature, []).append(unit)
+    return [UnitGroup(tuple(group), np.fromiter((u.src_base for u in group), np.int64, len(group)),
+                      np.fromiter((u.dst_base for u in group), np.int64, len(group)))
+            for group in by_signature.values()]
+
+
+def lower(src_rank: str, dst_rank: str, units: list[Unit],
+          indices: dict[object, tuple[np.ndarray, np.ndarray]]) -> TransferPlan:
+    """Lower ``units`` for the index lists of their pools into a plan."""
+    return lower_groups(src_rank, dst_rank, group_units(units), indices)
+
+
+def lower_groups(src_rank: str, dst_rank: str, groups: list[UnitGroup],
+                 indices: dict[object, tuple[np.ndarray, np.ndarray]]) -> TransferPlan:
     batches: list[RunBatch] = []
-    for group in by_signature.values():
+    for grouped in groups:
+        group, src_base, dst_base = grouped.units, grouped.src_base, grouped.dst_base
         first = group[0]
         src_idx, dst_idx = indices[first.pool]
         pattern = _pattern(first, src_idx, dst_idx)
-        src_base = np.fromiter((u.src_base for u in group), np.int64, len(group))
-        dst_base = np.fromiter((u.dst_base for u in group), np.int64, len(group))
         src_offsets = src_base[:, None] + pattern.rel_src[None, :]
         dst_offsets = dst_base[:, None] + pattern.rel_dst[None, :]
         for row, unit in enumerate(group):

@@ -108,3 +108,20 @@ def test_decode_abort_waits_for_the_drain_ack_and_fails_prefill(cluster_factory)
     prefill_state = cluster.clients[prefill[0].rank_id].wait(6, 5)
     assert prefill_state.status is RoomStatus.FAILED and prefill_state.code_text == "aborted"
     assert "aborted by decode" in prefill_state.reason
+
+
+def test_prefill_shutdown_fails_live_rooms_with_a_reason_instead_of_a_hang(cluster_factory):
+    prefill, decode = _ranks(Role.PREFILL, 1), _ranks(Role.DECODE, 1)
+    cluster = cluster_factory(prefill, decode)
+    requests = _requests()
+    cluster.expect(12, requests)
+    client = cluster.clients[decode[0].rank_id]
+    deadline = time.monotonic() + 5
+    while client.poll(12).status is RoomStatus.BOOTSTRAPPING and time.monotonic() < deadline:
+        time.sleep(0.02)
+    cluster.clients[prefill[0].rank_id].send(12, [0], last_chunk=False)  # the room is live
+    cluster.sidecars[prefill[0].rank_id].stop()  # SIGTERM: drain, then fail what is left
+    state = client.wait(12, timeout_s=15)
+    assert state.status is RoomStatus.FAILED
+    assert state.code_text == "shutting_down"
+    assert "shut down" in state.reason

@@ -2,14 +2,13 @@
 
 import numpy as np
 import pytest
+from cluster import random_requests
 
 from pd_transfer.client import RoomStatus
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.presets import load_preset
 from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.views import Layout
-
-from cluster import random_requests
 
 TRANSPORTS = ["shm", "tcp"]
 

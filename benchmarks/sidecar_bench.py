@@ -1,0 +1,211 @@
+"""End-to-end throughput and latency between real sidecar processes.
+
+    python benchmarks/sidecar_bench.py [--tokens 8192] [--repeats 5]
+
+In one run, on the same bytes: a plain contiguous torch copy (the memory
+limit) and a raw loopback TCP stream between two processes (the network
+limit), then pd-transfer moving a Llama-3.1-8B request of ``--tokens`` tokens
+(page size 16, random pages) between sidecar processes: shm direct (TP 1 ->
+1), shm sliced (TP 2 -> 4), tcp direct (TP 1 -> 1); and the p50 latency of a
+1-page room over shm. Each transfer is timed from the prefill worker's send()
+to the decode worker seeing Success (bootstrap excluded: one warm-up room
+first). Medians of ``--repeats``. Prints a table with ratios against the
+floors; no assertion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pd_transfer.client import Client, allocate_pools  # noqa: E402
+from pd_transfer.layout.geometry import Role  # noqa: E402
+from pd_transfer.layout.presets import load_preset  # noqa: E402
+from pd_transfer.layout.rank_builder import build_instance  # noqa: E402
+from pd_transfer.layout.views import Layout  # noqa: E402
+
+PAGE = 16
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def memcpy_gbps(nbytes: int, repeats: int) -> float:
+    import torch
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times[1:]) / 1e9
+
+
+_TCP_SINK = """
+import socket, sys
+srv = socket.socket(); srv.bind(("127.0.0.1", int(sys.argv[1]))); srv.listen(1)
+conn, _ = srv.accept(); buf = bytearray(1 << 20); view = memoryview(buf)
+while True:
+    n = conn.recv_into(view)
+    if n == 0: break
+"""
+
+
+def raw_tcp_gbps(nbytes: int, repeats: int) -> float:
+    rates = []
+    chunk = b"\x00" * (1 << 20)
+    for _ in range(repeats):
+        port = _free_port()
+        sink = subprocess.Popen([sys.executable, "-c", _TCP_SINK, str(port)])
+        for _ in range(200):
+            try:
+                conn = socket.create_connection(("127.0.0.1", port))
+                break
+            except OSError:
+                time.sleep(0.02)
+        start = time.perf_counter()
+        for _ in range(nbytes // len(chunk)):
+            conn.sendall(chunk)
+        conn.close()
+        sink.wait()
+        rates.append(nbytes / (time.perf_counter() - start) / 1e9)
+    return statistics.median(rates)
+
+
+class Deployment:
+    """Sidecars plus in-process workers (pools in shm, real clients)."""
+
+    def __init__(self, workdir: Path, tp_src: int, tp_dst: int, num_pages: int, transport: str) -> None:
+        spec = load_preset("llama-3.1-8b")
+        shape = {"page_size": PAGE, "num_pages": num_pages, "kv_layout": Layout.NHD, "num_aux_rows": 4}
+        self.prefill = build_instance(spec, Role.PREFILL, tp_src, **shape)
+        self.decode = build_instance(spec, Role.DECODE, tp_dst, **shape)
+        self.bootstrap = f"tcp://127.0.0.1:{_free_port()}"
+        self.procs, self.clients, self.pools = [], {}, []
+        for geometry in self.prefill + self.decode:
+            name = f"{geometry.role.value}{geometry.tp_rank}"
+            cmd = [sys.executable, "-m", "pd_transfer.cli", "serve", "--role", geometry.role.value,
+                   "--agent-id", name, "--worker-endpoint", f"ipc://{workdir}/{name}.sock",
+                   "--transport", transport, "--ready-file", str(workdir / f"{name}.json"),
+                   "--log-level", "warning"]
+            if geometry.role is Role.PREFILL:
+                cmd += ["--bootstrap", self.bootstrap]
+            self.procs.append(subprocess.Popen(cmd))
+        for geometry in self.prefill + self.decode:
+            name = f"{geometry.role.value}{geometry.tp_rank}"
+            while not (workdir / f"{name}.json").exists():
+                time.sleep(0.02)
+            pools = allocate_pools(geometry, f"bench-{name}-{transport}")
+            self.pools.append(pools)
+            for array in pools.arrays.values():
+                array[:] = 7
+            client = Client(f"ipc://{workdir}/{name}.sock", name, timeout_s=60)
+            client.register(geometry, pools.handles)
+            self.clients[geometry.rank_id] = client
+
+    def room(self, room: int, src_pages, dst_pages) -> float:
+        for g in self.decode:
+            self.clients[g.rank_id].expect(room, self.bootstrap, dst_pages, aux_row=0)
+        time.sleep(0.05)  # let the requests reach prefill: time the transfer, not the request
+        start = time.perf_counter()
+        for g in self.prefill:
+            self.clients[g.rank_id].send(room, src_pages, aux_row=0)
+        for g in self.decode:
+            state = self.clients[g.rank_id].wait(room, 120)
+            if state.status.value != "success":
+                raise RuntimeError(f"room {room} failed: {state.reason}")
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        for client in self.clients.values():
+            client.close()
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            proc.wait()
+        for pools in self.pools:
+            pools.close()
+
+
+def transfer_case(workdir: Path, tp_src: int, tp_dst: int, transport: str, tokens: int,
+                  repeats: int) -> tuple[float, int]:
+    pages = tokens // PAGE
+    deployment = Deployment(workdir, tp_src, tp_dst, pages + 64, transport)
+    try:
+        rng = np.random.default_rng(0)
+        total = sum(v.item_nbytes * pages for g in deployment.decode for v in g.views
+                    if v.pool.value == "kv")
+        deployment.room(1, list(range(4)), list(range(4)))  # warm-up: bootstrap, verdicts
+        times = []
+        for i in range(repeats):
+            src = rng.choice(pages + 64, pages, replace=False).tolist()
+            dst = rng.choice(pages + 64, pages, replace=False).tolist()
+            times.append(deployment.room(100 + i, src, dst))
+        return statistics.median(times), total
+    finally:
+        deployment.close()
+
+
+def one_page_latency_ms(workdir: Path, rooms: int) -> float:
+    deployment = Deployment(workdir, 1, 1, 64, "shm")
+    try:
+        deployment.room(1, [0], [0])
+        times = [deployment.room(1000 + i, [i % 64], [(i * 7) % 64]) - 0.0 for i in range(rooms)]
+        return statistics.median(times) * 1e3
+    finally:
+        deployment.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="pdt-bench-"))
+    rows = []
+    results = {}
+    for label, tp_src, tp_dst, transport in [("shm direct  TP 1->1", 1, 1, "shm"),
+                                             ("shm sliced  TP 2->4", 2, 4, "shm"),
+                                             ("tcp direct  TP 1->1", 1, 1, "tcp")]:
+        seconds, nbytes = transfer_case(workdir, tp_src, tp_dst, transport, args.tokens, args.repeats)
+        results[label] = (seconds, nbytes)
+    nbytes = next(iter(results.values()))[1]
+    copy = memcpy_gbps(nbytes, args.repeats)
+    tcp = raw_tcp_gbps(nbytes, min(args.repeats, 3))
+    latency = one_page_latency_ms(workdir, 60)
+    print(f"Llama-3.1-8B, {args.tokens} tokens, page {PAGE}, random pages: "
+          f"{nbytes / 2**30:.2f} GiB of KV per request; medians of {args.repeats}")
+    print(f"{'case':<24}{'seconds':>9}{'GB/s':>8}{'ratio':>8}  floor / target")
+    print(f"{'contiguous copy':<24}{nbytes / copy / 1e9:>9.3f}{copy:>8.2f}{1:>8.2f}  memory floor")
+    print(f"{'raw loopback tcp':<24}{nbytes / tcp / 1e9:>9.3f}{tcp:>8.2f}{1:>8.2f}  network floor")
+    targets = {"shm direct  TP 1->1": (copy, 0.6, "copy"), "shm sliced  TP 2->4": (copy, 0.4, "copy"),
+               "tcp direct  TP 1->1": (tcp, 0.6, "raw tcp")}
+    for label, (seconds, moved) in results.items():
+        floor, target, name = targets[label]
+        rate = moved / seconds / 1e9
+        verdict = "met" if rate / floor >= target else "missed"
+        print(f"{'pd-transfer ' + label:<24}{seconds:>9.3f}{rate:>8.2f}{rate / floor:>8.2f}  "
+              f"x {name}; target >= {target} ({verdict})")
+    print(f"{'1-page room latency p50':<24}{latency:>8.3f} ms   target < 1 ms "
+          f"({'met' if latency < 1 else 'missed'}) (send -> decode sees success, shm)")
+    rows.append(results)
+    (workdir / "results.json").write_text(json.dumps({k: v[0] for k, v in results.items()}))
+
+
+if __name__ == "__main__":
+    main()
