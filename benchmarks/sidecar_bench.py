@@ -102,7 +102,7 @@ class Deployment:
             cmd = [sys.executable, "-m", "pd_transfer.cli", "serve", "--role", geometry.role.value,
                    "--agent-id", name, "--worker-endpoint", f"ipc://{workdir}/{name}.sock",
                    "--transport", transport, "--ready-file", str(workdir / f"{name}.json"),
-                   "--log-level", "warning"]
+                   "--http-port", "0", "--log-level", "warning"]
             if geometry.role is Role.PREFILL:
                 cmd += ["--bootstrap", self.bootstrap]
             self.procs.append(subprocess.Popen(cmd))

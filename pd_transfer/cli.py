@@ -88,9 +88,16 @@ def _add_serve(sub) -> None:
     serve.add_argument("--transport", choices=["auto", "shm", "tcp"],
                        help="data plane (auto: shm on the same host, else tcp)")
     serve.add_argument("--data-host", help="decode: address the tcp data plane binds")
+    serve.add_argument("--http-host", help="address of /metrics /healthz /readyz /status (127.0.0.1)")
+    serve.add_argument("--http-port", type=int, help="HTTP port (default 9400, 0: any free port)")
     serve.add_argument("--ready-file", metavar="FILE",
                        help="write the bound addresses as JSON here once serving")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--log-format", default="text", choices=["text", "json"],
+                       help="text: key=value lines; json: one JSON object per line")
+    serve.add_argument("--print-config", action="store_true",
+                       help="print the effective configuration (flags > PD_TRANSFER_* > file > "
+                            "defaults) as TOML and exit")
     serve.set_defaults(handler=_cmd_serve)
 
 
@@ -157,9 +164,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                  "worker_endpoint": args.worker_endpoint, "control_host": args.control_host,
                  "control_port": args.control_port, "bootstrap": args.bootstrap,
                  "transport": args.transport, "data_host": args.data_host,
-                 "ready_file": args.ready_file}
+                 "ready_file": args.ready_file, "http_host": args.http_host,
+                 "http_port": args.http_port}
     config = load_sidecar_config(args.config, overrides)
-    configure_logging(args.log_level)
+    if args.print_config:
+        from pd_transfer.config import render_toml
+        print(render_toml(config), end="")
+        return EXIT_OK
+    configure_logging(args.log_level, args.log_format)
     return serve(config)
 
 

@@ -9,6 +9,7 @@ reported at once, each naming its path and what is accepted, as one
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
 import tomllib
@@ -35,24 +36,27 @@ def default_host_id() -> str:
 class SidecarConfig:
     role: Role
     agent_id: str = ""
-    host_id: str = field(default_factory=default_host_id)
+    host_id: str = field(default_factory=default_host_id)  # equal on two sidecars: shm possible
     control_host: str = "127.0.0.1"
     control_port: int = 0                 # 0: any free port (see ready_file)
     data_host: str = "127.0.0.1"          # tcp transport receiver (decode)
-    data_port: int = 0
+    data_port: int = 0                    # decode: tcp data port (0: any free port)
     worker_endpoint: str = ""             # ipc:// path the worker connects to
-    bootstrap: str = ""                   # prefill ranks > 0: rank 0's control address
+    bootstrap: str = ""                   # prefill: rank 0 binds its rank table here, others announce
     transport: str = "auto"               # auto: shm on the same host, tcp across hosts
     ready_file: str = ""                  # JSON with the bound addresses, written when serving
+    http_host: str = "127.0.0.1"          # /metrics /healthz /readyz /status
+    http_port: int = 9400                 # 0: any free port (see ready_file)
+    prefill_bootstraps: tuple[str, ...] = ()  # decode: prefill instances to resolve eagerly (readyz)
     bootstrap_timeout_s: float = 30.0     # expect(): rank table + verdicts
     waiting_timeout_s: float = 120.0      # decode waits for prefill's data; prefill for send()
     transfer_timeout_s: float = 60.0      # one room's bytes once sending started
-    heartbeat_interval_s: float = 0.5
+    heartbeat_interval_s: float = 0.5     # between heartbeats on every peer session
     heartbeat_misses: int = 4             # silent intervals before a peer is lost
     abort_drain_timeout_s: float = 10.0   # decode abort waits this long for drain acks
     room_ttl_s: float = 120.0             # terminal rooms kept for late polls
-    max_rooms: int = 4096
-    max_inflight_nbytes: int = 256 * 1024 * 1024
+    max_rooms: int = 4096                 # live rooms at most; more are refused
+    max_inflight_nbytes: int = 256 * 1024 * 1024  # tcp: unacknowledged bytes per peer
 
     def __post_init__(self) -> None:
         if not self.agent_id:
@@ -68,8 +72,16 @@ class SidecarConfig:
 _FIELDS = {f.name: f for f in dataclasses.fields(SidecarConfig)}
 
 
-def load_sidecar_config(path: str | None, overrides: dict[str, Any]) -> SidecarConfig:
-    """File values, then ``overrides`` (CLI flags, None meaning unset)."""
+ENV_PREFIX = "PD_TRANSFER_"
+
+
+def load_sidecar_config(path: str | None, overrides: dict[str, Any],
+                        environ: dict[str, str] | None = None) -> SidecarConfig:
+    """Defaults, then the file, then ``PD_TRANSFER_*`` variables, then flags.
+
+    ``overrides`` are CLI flags (None meaning unset). A variable names a field
+    in upper case: ``PD_TRANSFER_CONTROL_PORT=5600``; lists are comma-separated.
+    """
     values: dict[str, Any] = {}
     source = path or "<flags>"
     if path:
@@ -83,8 +95,49 @@ def load_sidecar_config(path: str | None, overrides: dict[str, Any]) -> SidecarC
         if not isinstance(table, dict):
             raise ConfigError(f"{path}: [sidecar] must be a table")
         values.update(table)
+    values.update(_from_environ(os.environ if environ is None else environ))
     values.update({k: v for k, v in overrides.items() if v is not None})
     return sidecar_config_from(values, source)
+
+
+def _from_environ(environ: dict[str, str]) -> dict[str, Any]:
+    """Typed values of the ``PD_TRANSFER_*`` variables naming config fields."""
+    values: dict[str, Any] = {}
+    for key, text in environ.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        name = key[len(ENV_PREFIX):].lower()
+        field_ = _FIELDS.get(name)
+        if field_ is None:
+            # not ours: Kubernetes injects PD_TRANSFER_PORT, PD_TRANSFER_SERVICE_HOST, ...
+            # for a Service named pd-transfer; refusing them would crash-loop the pod
+            continue
+        kind = field_.type
+        try:
+            if kind == "int":
+                values[name] = int(text)
+            elif kind == "float":
+                values[name] = float(text)
+            elif kind.startswith("tuple"):
+                values[name] = [part.strip() for part in text.split(",") if part.strip()]
+            else:
+                values[name] = text
+        except ValueError:
+            values[name] = text  # the type check reports it with the field's path
+    return values
+
+
+def render_toml(config: SidecarConfig) -> str:
+    """The effective configuration as a ``[sidecar]`` table (``--print-config``)."""
+    lines = ["[sidecar]"]
+    for field_ in dataclasses.fields(SidecarConfig):
+        value = getattr(config, field_.name)
+        if isinstance(value, Role):
+            value = value.value
+        if isinstance(value, tuple):
+            value = list(value)
+        lines.append(f"{field_.name} = {json.dumps(value)}")
+    return "\n".join(lines) + "\n"
 
 
 def sidecar_config_from(values: dict[str, Any], source: str) -> SidecarConfig:
@@ -99,8 +152,10 @@ def sidecar_config_from(values: dict[str, Any], source: str) -> SidecarConfig:
         problem = _check(name, value)
         if problem:
             problems.append(f"sidecar.{name}: {problem}")
+        elif name == "role":
+            clean[name] = Role(value)
         else:
-            clean[name] = Role(value) if name == "role" else value
+            clean[name] = tuple(value) if isinstance(value, list) else value
     if "role" not in clean and not any(p.startswith("sidecar.role") for p in problems):
         problems.append("sidecar.role: required (prefill or decode)")
     if problems:
@@ -120,11 +175,14 @@ def _check(name: str, value: Any) -> str:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or \
                 (kind == "int" and not isinstance(value, int)):
             return f"expected {kind}, got {value!r}"
-        if value < 0 or (value == 0 and name not in ("control_port", "data_port")):
+        if value < 0 or (value == 0 and not name.endswith("_port")):
             return f"must be positive, got {value}"
         if name.endswith("_port") and value > 65535:
             return f"must be a port number (0-65535), got {value}"
         return ""
     if kind == "str" and not isinstance(value, str):
         return f"expected a string, got {value!r}"
+    if kind.startswith("tuple") and (not isinstance(value, (list, tuple))
+                                     or not all(isinstance(v, str) and v for v in value)):
+        return f"expected a list of addresses, got {value!r}"
     return ""

@@ -123,7 +123,7 @@ def _run(args: argparse.Namespace, workdir: Path, procs: list[Proc]) -> int:
             ready.append(workdir / f"{name}.ready.json")
             cmd = ["-m", "pd_transfer.cli", "serve", "--role", role, "--agent-id", f"{role}-tp{rank}",
                    "--worker-endpoint", f"ipc://{workdir}/{name}.sock", "--transport", args.transport,
-                   "--ready-file", str(ready[-1]), "--log-level", "warning"]
+                   "--ready-file", str(ready[-1]), "--http-port", "0", "--log-level", "warning"]
             if role == "prefill":
                 cmd += ["--bootstrap", bootstrap]
             procs.append(_spawn(f"sidecar-{name}", cmd, workdir))

@@ -83,6 +83,8 @@ class Reason(enum.Enum):
     TIMEOUT = "timeout"
     TRANSPORT_FAILED = "transport_failed"
     NOT_REGISTERED = "not_registered"
+    ALREADY_REGISTERED = "already_registered"
+    TOO_MANY_ROOMS = "too_many_rooms"
     BOOTSTRAP_FAILED = "bootstrap_failed"
     SHUTTING_DOWN = "shutting_down"
     # data plane (pd_transfer.transport, pd_transfer.shm)

@@ -7,30 +7,24 @@ sidecar cannot start (an address already in use, an unwritable ipc path).
 from __future__ import annotations
 
 import logging
-import sys
 
 import zmq
 
 from pd_transfer.agent.runner import run_until_stopped
 from pd_transfer.agent.sidecar import Sidecar
 from pd_transfer.config import SidecarConfig
+from pd_transfer.logs import configure_logging  # noqa: F401  (re-exported for the CLI)
 
 EXIT_STARTUP_FAILED = 3
 
 log = logging.getLogger(__name__)
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s pid=%(process)d %(message)s")
-
-
 def serve(config: SidecarConfig) -> int:
     sidecar = Sidecar(config)
     try:
         run_until_stopped(sidecar)
-    except zmq.ZMQError as err:
+    except (zmq.ZMQError, OSError) as err:
         log.error("cannot start the %s sidecar: %s", config.role.value, err)
         return EXIT_STARTUP_FAILED
     return 0

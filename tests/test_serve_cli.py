@@ -32,7 +32,7 @@ def test_port_in_use_exits_3(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        result = _serve("--role", "prefill", "--control-port", str(port),
+        result = _serve("--role", "prefill", "--control-port", str(port), "--http-port", "0",
                         "--worker-endpoint", f"ipc://{tmp_path}/w.sock")
     assert result.returncode == 3
     assert "cannot start the prefill sidecar" in result.stderr

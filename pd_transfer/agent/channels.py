@@ -37,6 +37,8 @@ class Channel:
         self.last_heard_s = time.monotonic()
         self.bad_frames = 0
         self.closed = False
+        self.peer_rank = ""           # the peer's rank id once known
+        self.on_bad_frame: Callable[[str], None] = lambda reason: None
 
     async def send(self, message: Message) -> None:
         frame = self.session.send(message)
@@ -51,6 +53,7 @@ class Channel:
             event = self.session.receive_data(frame)
         except RemoteProtocolError as err:
             self.bad_frames += 1
+            self.on_bad_frame(err.code.value)
             log.warning("peer %s: protocol error: %s", self.label, err)
             try:
                 await self._write(self.session.send(err.reply))
@@ -108,7 +111,9 @@ class IncomingChannel(Channel):
 class IncomingChannels:
     """The ROUTER prefill listens on; a session per connecting decode peer."""
 
-    def __init__(self, context: zmq.asyncio.Context, host: str, port: int, role: Role) -> None:
+    def __init__(self, context: zmq.asyncio.Context, host: str, port: int, role: Role, *,
+                 on_bad_frame: Callable[[str], None] = lambda reason: None) -> None:
+        self._on_bad_frame = on_bad_frame
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -130,6 +135,7 @@ class IncomingChannels:
             channel = self.channels.get(identity)
             if channel is None or channel.closed:
                 channel = self.channels[identity] = IncomingChannel(self, identity, self._role)
+                channel.on_bad_frame = self._on_bad_frame
             try:
                 await channel.receive(frame, on_message)
             except Exception:

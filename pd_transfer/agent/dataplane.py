@@ -118,6 +118,11 @@ class DataPlane:
                                          port=self.config.data_port, context=self.context)
             await self._receiver.start()
 
+    async def fence(self, room: int, generation: int) -> None:
+        """Refuse late tcp chunks of ``room`` up to ``generation`` (no-op without a receiver)."""
+        if self._receiver is not None:
+            await self._receiver.fence(str(room), generation)
+
     def receive_address(self) -> str:
         return self._receiver.address if self._receiver is not None else ""
 

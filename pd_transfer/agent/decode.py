@@ -91,23 +91,51 @@ class DecodeSide:
             task = self.instances[bootstrap] = asyncio.create_task(self._resolve(bootstrap))
         return task
 
+    def resolve_configured(self) -> None:
+        """Resolve the configured prefill instances ahead of traffic (and again once lost)."""
+        for address in self.config.prefill_bootstraps:
+            task = self.instances.get(address)
+            if task is None or (task.done() and (task.cancelled() or task.exception()
+                                                  or task.result().lost)):
+                self._instance(address)
+
+    def instance_problem(self, address: str) -> str:
+        """Why ``address`` is not usable right now ('' when every peer accepted)."""
+        task = self.instances.get(address)
+        if task is None or not task.done():
+            return "resolving (rank table, verdicts)"
+        if task.cancelled():
+            return "resolution cancelled"
+        if task.exception() is not None:
+            return str(task.exception())
+        return "a prefill peer was lost; resolving again" if task.result().lost else ""
+
     async def _resolve(self, bootstrap: str) -> PrefillInstance:
+        started = time.monotonic()
+        try:
+            return await self._resolve_once(bootstrap)
+        finally:
+            self.sidecar.observe.bootstrap(time.monotonic() - started)
+
+    async def _resolve_once(self, bootstrap: str) -> PrefillInstance:
         sidecar = self.sidecar
         table = await fetch_table(sidecar.context, bootstrap, self.config.agent_id,
                                   self.config.bootstrap_timeout_s)
         geometry = sidecar.geometry
         recon = reconcile([e.geometry for e in table.entries], [geometry])
         instance = PrefillInstance(bootstrap)
-        if not recon.ok:
-            error = recon.error()
-            raise PdTransferError(str(error), code=Reason.PEER_REJECTED)
-        instance.sources = recon.sources_for(geometry)
+        # even when this side already sees a mismatch, register anyway: prefill's
+        # verdict is the authority, and it counts the rejection for its operators
+        instance.sources = recon.sources_for(geometry) if recon.ok else []
         # every prefill rank hears about every room, sources or not: a rank that
         # writes nothing to this decode rank still learns the room is done
         for entry in table.entries:
             rank_id = entry.geometry.rank_id
             channel = OutgoingChannel(sidecar.context, entry.control_address, Role.DECODE,
                                       f"{rank_id} ({entry.control_address})")
+            channel.peer_rank = rank_id
+            channel.on_bad_frame = sidecar.observe.bad_frame
+            sidecar.observe.peer(rank_id, "connecting", channel=channel)
             peer = PrefillPeer(rank_id, channel, asyncio.get_running_loop().create_future())
             instance.peers[rank_id] = peer
             channel.start(lambda ch, msg, p=peer, i=instance: self._on_message(i, p, msg))
@@ -116,16 +144,25 @@ class DecodeSide:
             sidecar.watch(channel, lambda silent, i=instance, p=peer: self._on_lost(i, p, silent))
         for peer in instance.peers.values():
             await self._await_verdict(peer)
+        if not recon.ok:  # every prefill rank accepted what this side cannot plan: a bug
+            raise PdTransferError(str(recon.error()), code=Reason.PEER_REJECTED)
         return instance
 
     async def _await_verdict(self, peer: PrefillPeer) -> None:
         try:
             verdict = await asyncio.wait_for(asyncio.shield(peer.verdict), self.config.bootstrap_timeout_s)
         except TimeoutError:
+            self.sidecar.observe.peer(peer.rank_id, "rejected", "no verdict in time")
             raise PdTransferError(f"no verdict from {peer.rank_id} within "
                                   f"{self.config.bootstrap_timeout_s:.1f} s",
                                   code=Reason.BOOTSTRAP_FAILED) from None
+        self.sidecar.observe.verdict(verdict.accepted,
+                                     verdict.mismatches[0].code.value if verdict.mismatches else "")
+        if verdict.accepted:
+            self.sidecar.observe.peer(peer.rank_id, "accepted", transport="-",
+                                      modes=[p.mode.value for p in verdict.plan])
         if not verdict.accepted:
+            self.sidecar.observe.peer(peer.rank_id, "rejected", verdict.headline)
             lines = [verdict.headline or f"{peer.rank_id} rejected this decode rank"]
             lines += [f"  - {m.render()}" for m in verdict.mismatches]
             hints = dict.fromkeys(m.hint for m in verdict.mismatches if m.hint)
@@ -154,7 +191,8 @@ class DecodeSide:
             raise PdTransferError(f"room {request['room']} is already expected",
                                   code=Reason.DUPLICATE_ROOM)
         room = DecodeRoom(request["room"], self.sidecar.next_generation(), bootstrap=request["bootstrap"], dst=pools)
-        room.deadline_s = time.monotonic() + self.config.bootstrap_timeout_s
+        # a little longer than resolving may take, so its own, more precise error wins
+        room.deadline_s = time.monotonic() + self.config.bootstrap_timeout_s * 1.25 + 0.5
         self.sidecar.rooms.add(room)
         asyncio.create_task(self._start(room))
         return room.reply()
@@ -196,7 +234,8 @@ class DecodeSide:
             if room.done_from >= set(room.sources):
                 room.advance(RoomStatus.SUCCESS)
                 room.drained.set()
-                self.sidecar.room_finished(room, "success")
+                for source in room.sources:
+                    self.sidecar.observe.transfer_done(source, 0, 0, time.monotonic() - room.created_s)
         else:
             # this prefill rank wrote nothing more; the others may still be writing
             room.done_from.add(peer.rank_id)
@@ -207,7 +246,11 @@ class DecodeSide:
         if not room.fail(reason, text):
             return
         log.warning("decode: %s", text)
-        self.sidecar.room_finished(room, reason.value)
+        for source in room.sources or ["-"]:
+            if source not in room.done_from or reason is not Reason.ABORTED:
+                self.sidecar.observe.transfer_failed(source, reason.value)
+        # tcp: refuse any chunk of this generation that is still on its way
+        asyncio.create_task(self.sidecar.dataplane.fence(room.room, room.generation))
         if drained or not room.sources:
             room.drained.set()
             return
@@ -230,6 +273,8 @@ class DecodeSide:
         room = self.sidecar.rooms.get(room_id)
         if not isinstance(room, DecodeRoom):
             raise PdTransferError(f"room {room_id} is unknown", code=Reason.UNKNOWN_ROOM)
+        if not room.terminal:
+            self.sidecar.observe.abort("decode", Reason.ABORTED.value)
         self._fail(room, Reason.ABORTED, f"room {room_id} aborted by the decode worker")
         try:
             await asyncio.wait_for(room.drained.wait(), self.config.abort_drain_timeout_s)

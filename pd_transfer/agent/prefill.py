@@ -76,7 +76,11 @@ class Target:
     writes: bool = True     # False: this rank writes nothing to that decode rank
     kv_cursor: int = 0
     chunks_done: int = 0
+    nbytes: int = 0
+    descriptors: int = 0
+    started_s: float = field(default_factory=time.monotonic)
     done: bool = False
+    succeeded: bool = False
     failed: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -122,6 +126,8 @@ class PrefillSide:
     async def _on_register(self, peer: DecodePeer, message: Register) -> None:
         peer.register = message
         peer.channel.label = f"{message.geometry.rank_id} ({message.agent_id})"
+        peer.channel.peer_rank = message.geometry.rank_id
+        self.sidecar.observe.peer(message.geometry.rank_id, "connecting", channel=peer.channel)
         geometry = self.sidecar.geometry
         if geometry is None:  # worker not registered yet: wait for it, bounded
             await self.sidecar.wait_registered(self.config.bootstrap_timeout_s)
@@ -157,12 +163,18 @@ class PrefillSide:
                 decode=peer.register.data_address or "<no data address>", hint=str(err))])
             return
         peer.accepted = True
-        self.sidecar.metrics_verdict(True)
+        observe = self.sidecar.observe
+        modes = [v.mode.value for v in recon.verdicts]
+        observe.peer(peer.rank_id, "accepted", transport=type(peer.link).__name__.removesuffix("Link")
+                     .lower() or "-", modes=modes)
+        observe.verdict(True)
+        observe.verdict_modes({m: modes.count(m) for m in set(modes)})
         log.info("prefill: accepted %s (feeds decode tp ranks %s)", peer.rank_id, peer.fed)
         await peer.channel.send(Verdict(accepted=True, plan=self._plan_summary(recon, decode_geometry)))
 
     async def _reject(self, peer: DecodePeer, headline: str, mismatches: list[MismatchRecord]) -> None:
-        self.sidecar.metrics_verdict(False)
+        self.sidecar.observe.peer(peer.rank_id, "rejected", headline)
+        self.sidecar.observe.verdict(False, mismatches[0].code.value if mismatches else "")
         log.warning("prefill: rejected %s: %s", peer.rank_id,
                     "; ".join(m.render() for m in mismatches[:8]))
         await peer.channel.send(Verdict(accepted=False, headline=headline, mismatches=tuple(mismatches)))
@@ -240,8 +252,16 @@ class PrefillSide:
                     plan = target.peer.planner.plan(requests)
                     room.advance(RoomStatus.TRANSFERRING,
                                  time.monotonic() + self.config.transfer_timeout_s)
-                    nbytes = await self.sidecar.dataplane.write(target.peer.link, plan,
-                                                                room.room, target.generation)
+                    gauge = self.sidecar.observe.metrics.inflight_bytes.labels(
+                        "prefill", target.peer.rank_id)
+                    gauge.inc(plan.total_nbytes)
+                    try:
+                        nbytes = await self.sidecar.dataplane.write(target.peer.link, plan,
+                                                                    room.room, target.generation)
+                    finally:
+                        gauge.dec(plan.total_nbytes)
+                    target.nbytes += nbytes
+                    target.descriptors += plan.num_descriptors
                 except PdTransferError as err:
                     await self.fail_room(room, err.code, f"room {room.room} -> {target.peer.rank_id}: "
                                                          f"{err.message}", lock_held=target)
@@ -255,9 +275,12 @@ class PrefillSide:
                                                       total_nbytes=room.nbytes))
             if room.last_received and target.chunks_done == len(room.chunks) and not target.done \
                     and not target.failed and not room.terminal:
-                target.done = True
+                target.done = target.succeeded = True
                 await self._send(target, Done(room=room.room, generation=target.generation,
                                               status=DoneStatus.SUCCESS))
+                self.sidecar.observe.transfer_done(target.peer.rank_id, target.nbytes,
+                                                   target.descriptors,
+                                                   time.monotonic() - target.started_s)
                 self._maybe_succeed(room)
 
     def _chunk_requests(self, room: PrefillRoom, target: Target, index: int) -> dict:
@@ -300,14 +323,15 @@ class PrefillSide:
         if room.last_received and len(room.targets) >= room.expected_targets > 0 \
                 and all(t.done for t in room.targets.values()):
             room.advance(RoomStatus.SUCCESS)
-            self.sidecar.room_finished(room, "success")
 
     async def fail_room(self, room: PrefillRoom, reason: Reason, text: str,
                         lock_held: Target | None = None) -> None:
         if not room.fail(reason, text):
             return
         log.warning("prefill: room %d failed: %s", room.room, text)
-        self.sidecar.room_finished(room, reason.value)
+        for target in room.targets.values():
+            if target.writes and not target.succeeded:
+                self.sidecar.observe.transfer_failed(target.peer.rank_id, reason.value)
         for target in list(room.targets.values()):
             if target is lock_held:
                 await self._finish_target(room, target)
@@ -329,6 +353,7 @@ class PrefillSide:
         room = self.sidecar.rooms.get(message.room)
         target = room.targets.get(id(peer.channel)) if room else None
         if target is not None:
+            self.sidecar.observe.abort("decode", message.reason.value)
             target.failed = True
             async with target.lock:  # wait for the write in flight, if any
                 target.done = True
@@ -342,6 +367,7 @@ class PrefillSide:
         room = self.sidecar.rooms.get(room_id)
         if room is None:
             raise PdTransferError(f"room {room_id} is unknown", code=Reason.UNKNOWN_ROOM)
+        self.sidecar.observe.abort("prefill", Reason.ABORTED.value)
         await self.fail_room(room, Reason.ABORTED, f"room {room_id} aborted by the prefill worker")
         return {"drained": True, **room.reply()}
 

@@ -29,9 +29,10 @@ from pd_transfer.agent.bootstrap import BootstrapServer, fetch_table
 from pd_transfer.agent.channels import Channel, IncomingChannels
 from pd_transfer.agent.dataplane import DataPlane
 from pd_transfer.agent.decode import DecodeSide
+from pd_transfer.agent.http import HttpServer
+from pd_transfer.agent.observe import Observer
 from pd_transfer.agent.prefill import PrefillSide
 from pd_transfer.agent.rooms import RoomTable, pool_requests
-from pd_transfer.agent.stats import SidecarStats
 from pd_transfer.config import SidecarConfig
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import RankGeometry, Role, check_geometry
@@ -50,7 +51,7 @@ class Sidecar:
         self.drain_s = drain_s
         self.context = zmq.asyncio.Context()
         self.rooms = RoomTable(config.room_ttl_s, config.max_rooms)
-        self.stats = SidecarStats()
+        self.observe = Observer(self)
         self.geometry: RankGeometry | None = None
         self.handles: dict[str, str] = {}
         self.pp_size = 1
@@ -63,6 +64,7 @@ class Sidecar:
         self._force = False
         self._stopping = False
         self._watched: list[tuple[Channel, Callable[[float], None]]] = []
+        self.http: HttpServer | None = None
         self._heartbeat_seq = itertools.count(1)
         self._generations = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
@@ -74,12 +76,18 @@ class Sidecar:
 
     async def run(self) -> None:
         from pd_transfer.agent.worker_endpoint import WorkerEndpoint
-        endpoint = WorkerEndpoint(self.context, self.config.worker_endpoint, self.handle_worker)
+        endpoint = WorkerEndpoint(self.context, self.config.worker_endpoint, self.handle_worker,
+                                  on_bad_request=self.observe.bad_frame)
         self._spawn(endpoint.serve())
         if self.config.role is Role.PREFILL:
             self.control = IncomingChannels(self.context, self.config.control_host,
-                                            self.config.control_port, Role.PREFILL)
+                                            self.config.control_port, Role.PREFILL,
+                                            on_bad_frame=self.observe.bad_frame)
             self._spawn(self.control.serve(self._on_control))
+        self.http = HttpServer(self.config.http_host, self.config.http_port,
+                               metrics=self.observe.render, ready=self.observe.ready,
+                               status=self.observe.status)
+        await self.http.start()
         self._spawn(self._timers())
         self._write_ready_file()
         log.info("%s sidecar %s serving: worker %s, control %s", self.config.role.value,
@@ -94,6 +102,8 @@ class Sidecar:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             endpoint.close()
+            if self.http:
+                await self.http.close()
             if self.control:
                 self.control.close()
             if self.bootstrap_server:
@@ -123,7 +133,8 @@ class Sidecar:
             return
         info = {"agent_id": self.config.agent_id, "worker_endpoint": self.config.worker_endpoint,
                 "control_address": self.control.address if self.control else "",
-                "data_address": self.dataplane.receive_address()}
+                "data_address": self.dataplane.receive_address(),
+                "http_address": self.http.address if self.http else ""}
         path = Path(self.config.ready_file)
         path.with_suffix(".tmp").write_text(json.dumps(info))
         path.with_suffix(".tmp").replace(path)
@@ -145,6 +156,11 @@ class Sidecar:
             return await self.side.on_worker_abort(request["room"])
         if self._stopping:
             raise PdTransferError("the sidecar is shutting down", code=Reason.SHUTTING_DOWN)
+        if op in (WorkerOp.SEND, WorkerOp.EXPECT) and self.rooms.get(request["room"]) is None \
+                and len(self.rooms.live()) >= self.config.max_rooms:
+            raise PdTransferError(f"{len(self.rooms.live())} rooms are live, the limit is "
+                                  f"max_rooms={self.config.max_rooms}", code=Reason.TOO_MANY_ROOMS,
+                                  hint="finish or abort rooms, or raise max_rooms")
         pools = pool_requests(request)
         if op is WorkerOp.SEND and self.config.role is Role.PREFILL:
             return await self.side.on_send(request, pools)
@@ -164,7 +180,7 @@ class Sidecar:
     async def _register(self, request: dict[str, Any]) -> dict[str, Any]:
         if self.geometry is not None:
             raise PdTransferError("the worker is already registered; restart the sidecar to change "
-                                  "its pools", code=Reason.DUPLICATE_ROOM)
+                                  "its pools", code=Reason.ALREADY_REGISTERED)
         geometry = geometry_from_data(request["geometry"])
         if geometry.role is not self.config.role:
             raise PdTransferError(f"a {geometry.role.value} worker registered with a "
@@ -176,12 +192,14 @@ class Sidecar:
             raise PdTransferError(f"no segment handle for region(s) {missing}", code=Reason.BAD_FIELD)
         await self.dataplane.map_local(geometry, handles)
         self.geometry, self.handles = geometry, handles
-        self.pp_size = int(request.get("pp_size", 1) or 1)
+        self.pp_size = request["pp_size"]
         self._registered.set()
         log.info("worker %s registered %s: %d views in %d regions", request["worker_id"],
                  geometry.rank_id, len(geometry.views), len(geometry.regions))
         if self.config.role is Role.PREFILL:
             self._spawn(self._join_prefill_instance())
+        else:
+            self.side.resolve_configured()
         return {"rank_id": geometry.rank_id}
 
     async def wait_registered(self, timeout_s: float) -> None:
@@ -230,6 +248,11 @@ class Sidecar:
         if not any(ch is channel for ch, _ in self._watched):
             self.watch(channel, lambda silent, ch=channel: self.side.on_peer_lost(ch, silent))
 
+    def _lost(self, channel: Channel, on_lost: Callable[[float], None], silent_s: float) -> None:
+        self.observe.lost(getattr(channel, "peer_rank", "") or channel.label, silent_s)
+        log.warning("peer %s lost: no heartbeat for %.1f s", channel.label, silent_s)
+        on_lost(silent_s)
+
     async def _timers(self) -> None:
         interval = self.config.heartbeat_interval_s
         limit = interval * self.config.heartbeat_misses
@@ -237,17 +260,18 @@ class Sidecar:
             await asyncio.sleep(min(interval, 0.1))
             now = time.monotonic()
             self.rooms.expire(now, self.side.on_timeout)
+            if self.config.role is Role.DECODE and self.geometry is not None:
+                self.side.resolve_configured()
             for channel, on_lost in list(self._watched):
                 if channel.closed:
                     self._watched.remove((channel, on_lost))
                     continue
                 if now - channel.last_heard_s > limit:
-                    self.stats.peers_lost += 1
                     self._watched.remove((channel, on_lost))
                     if hasattr(channel, "close"):
                         channel.close()
                     channel.closed = True
-                    on_lost(now - channel.last_heard_s)
+                    self._lost(channel, on_lost, now - channel.last_heard_s)
                     continue
                 if channel.session.state in _HEARTBEAT_STATES and now - getattr(channel, "_beat_s", 0) >= interval:
                     channel._beat_s = now
@@ -258,9 +282,3 @@ class Sidecar:
                     except Exception as err:
                         log.debug("heartbeat to %s failed: %s", channel.label, err)
 
-    # -- accounting (Prometheus comes with the operations issue) --------------------
-    def room_finished(self, room, outcome: str) -> None:
-        self.stats.count_room(outcome)
-
-    def metrics_verdict(self, accepted: bool) -> None:
-        self.stats.count_verdict(accepted)

@@ -26,7 +26,9 @@ Handler = Callable[[WorkerOp, dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
 class WorkerEndpoint:
-    def __init__(self, context: zmq.asyncio.Context, address: str, handler: Handler) -> None:
+    def __init__(self, context: zmq.asyncio.Context, address: str, handler: Handler, *,
+                 on_bad_request: Callable[[str], None] = lambda reason: None) -> None:
+        self._on_bad_request = on_bad_request
         self._socket = context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(address)
@@ -55,6 +57,7 @@ class WorkerEndpoint:
             reply = worker_api.ok_reply(request_id, **(await self._handler(op, request)))
         except WorkerApiError as err:
             self.bad_requests += 1
+            self._on_bad_request(err.code.value)
             log.warning("worker endpoint: bad request: %s", err)
             reply = worker_api.error_reply(request_id, err)
         except PdTransferError as err:

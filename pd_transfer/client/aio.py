@@ -54,8 +54,8 @@ class AsyncClient:
 
     # -- calls ----------------------------------------------------------------------
     async def register(self, geometry: RankGeometry, handles: Mapping[str, str], *,
-                       timeout_s: float | None = None) -> None:
-        await self._call(wire.register_request(geometry, handles, self.worker_id),
+                       timeout_s: float | None = None, pp_size: int = 1) -> None:
+        await self._call(wire.register_request(geometry, handles, self.worker_id, pp_size),
                          timeout_s=timeout_s)
 
     async def send(self, room: int, pages, *, state_slots=(), aux_row: int | None = None,

@@ -54,7 +54,7 @@ class Client:
 
     # -- calls ----------------------------------------------------------------------
     def register(self, geometry: RankGeometry, handles: Mapping[str, str], *,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, pp_size: int = 1) -> None:
         """Register this rank's geometry; ``handles`` maps every region id to its shm segment.
 
         Called once, before any send/expect. Raises :class:`Refused` with
@@ -62,7 +62,7 @@ class Client:
         ``timeout_s`` overrides the reply timeout for this call (a worker
         started together with its sidecar may give it longer to come up).
         """
-        self._call(wire.register_request(geometry, handles, self.worker_id), timeout_s=timeout_s)
+        self._call(wire.register_request(geometry, handles, self.worker_id, pp_size), timeout_s=timeout_s)
 
     def send(self, room: int, pages, *, state_slots=(), aux_row: int | None = None,
              last_chunk: bool = True, swa_pages=()) -> None:

@@ -62,8 +62,15 @@ def optional_index(name: str, value: int | None) -> int | None:
 
 # -- requests ---------------------------------------------------------------------
 
-def register_request(geometry: RankGeometry, handles: Mapping[str, str], worker_id: str) -> Request:
-    """Register ``geometry``; ``handles`` names the shm segment of every region."""
+def register_request(geometry: RankGeometry, handles: Mapping[str, str], worker_id: str,
+                     pp_size: int = 1) -> Request:
+    """Register ``geometry``; ``handles`` names the shm segment of every region.
+
+    ``pp_size`` is the instance's pipeline-parallel size: a prefill rank table
+    is complete when ``attn_tp_size * pp_size`` ranks announced themselves.
+    """
+    if not isinstance(pp_size, int) or isinstance(pp_size, bool) or pp_size < 1:
+        raise ValueError(f"pp_size must be a positive int, got {pp_size!r}")
     missing = [r.id for r in geometry.regions if r.id not in handles]
     unknown = sorted(set(handles) - {r.id for r in geometry.regions})
     if missing or unknown:
@@ -73,7 +80,7 @@ def register_request(geometry: RankGeometry, handles: Mapping[str, str], worker_
     if bad:
         raise TypeError(f"handles: segment names of regions {bad} are not non-empty strings")
     return {"op": WorkerOp.REGISTER.value, "geometry": geometry_to_data(geometry),
-            "handles": dict(handles), "worker_id": worker_id}
+            "handles": dict(handles), "worker_id": worker_id, "pp_size": pp_size}
 
 
 def send_request(room: int, pages, *, state_slots=(), aux_row: int | None = None,

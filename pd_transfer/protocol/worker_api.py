@@ -10,7 +10,7 @@ separate process: its input is untrusted like any other).
 Requests (fields beyond ``op`` and ``id``):
 
     register  geometry (geometry_codec dict), handles {region_id: segment},
-              worker_id
+              worker_id, pp_size (optional, default 1)
     send      room, pages [int], swa_pages [int], state_slots [int],
               aux_row int|None, last bool            (prefill)
     expect    room, bootstrap "tcp://host:port", pages, swa_pages,
@@ -103,6 +103,9 @@ def decode_request(frame: bytes) -> tuple[WorkerOp, dict[str, Any]]:
         if not isinstance(value, list) or not all(
                 isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
             raise WorkerApiError(f"at $.{name}: expected a list of non-negative ints")
+    pp_size = message.setdefault("pp_size", 1)
+    if not isinstance(pp_size, int) or isinstance(pp_size, bool) or not 1 <= pp_size <= 1024:
+        raise WorkerApiError("at $.pp_size: expected an int in [1, 1024]")
     aux_row = message.setdefault("aux_row", None)
     if aux_row is not None and (not isinstance(aux_row, int) or isinstance(aux_row, bool) or aux_row < 0):
         raise WorkerApiError("at $.aux_row: expected a non-negative int or nil")

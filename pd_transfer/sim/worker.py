@@ -204,7 +204,8 @@ def run(setup: Setup, pools: Pools, args: argparse.Namespace, report: WorkerRepo
     arrays = pools.arrays
     if setup.role is Role.PREFILL:
         with Client(args.endpoint, setup.worker_id, timeout_s=args.reply_timeout_s) as client:
-            client.register(setup.geometry, pools.handles, timeout_s=args.register_timeout_s)
+            client.register(setup.geometry, pools.handles, timeout_s=args.register_timeout_s,
+                            pp_size=args.pp_size)
             _registered(setup, pools, args)
             run_prefill(client, setup.geometry, arrays, setup.schedule, setup.options, report)
     else:
@@ -220,7 +221,8 @@ def _registered(setup: Setup, pools: Pools, args: argparse.Namespace) -> None:
 async def _run_decode(setup: Setup, pools: Pools, args: argparse.Namespace,
                       report: WorkerReport) -> None:
     async with AsyncClient(args.endpoint, setup.worker_id, timeout_s=args.reply_timeout_s) as client:
-        await client.register(setup.geometry, pools.handles, timeout_s=args.register_timeout_s)
+        await client.register(setup.geometry, pools.handles, timeout_s=args.register_timeout_s,
+                            pp_size=args.pp_size)
         _registered(setup, pools, args)
         await run_decode(client, setup.geometry, pools.arrays, setup.schedule, setup.options, report)
 

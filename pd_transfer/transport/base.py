@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from pd_transfer.errors import Reason, TransportError
-from pd_transfer.transport.regions import Regions
+from pd_transfer.transport.regions import MappedCache, Regions
 
 
 class TransportKind(enum.Enum):
@@ -155,6 +155,7 @@ class Transport(ABC):
 
     def __init__(self) -> None:
         self._links: set[Link] = set()
+        self._sources = MappedCache()  # this sidecar's own regions, validated once
 
     @property
     def name(self) -> str:
@@ -180,6 +181,7 @@ class Transport(ABC):
         links, self._links = list(self._links), set()
         for link in links:
             await link.close()
+        self._sources.clear()
 
     def _adopt(self, link: Link) -> Link:
         self._links.add(link)

@@ -3,118 +3,50 @@
 ``CopyEngine.execute(plan, src_regions, dst_regions)`` first bounds-checks
 *every* piece of the plan against both sides (one vectorised pass over all
 descriptors, :mod:`.runs`); if any piece is out of bounds it raises a
-:class:`TransportError` and copies nothing. Then it copies, choosing per
-group of runs that continue each other in the destination (a *stretch*):
+:class:`TransportError` and copies nothing. Then it copies:
 
-- a stretch of at least ``stretch_nbytes`` is filled in one pass:
-  ``torch.index_select(src_rows, 0, idx, out=dst[stretch])`` (or a plain copy
-  when it is one source run);
-- shorter stretches go through a small bounce buffer, a chunk at a time:
-  ``torch.index_select`` gathers the source rows into it (near copy speed),
-  ``np.put`` on a view of the destination as ``gd``-byte opaque items
-  scatters it (one memmove per row). The buffer is ~1 MiB per worker so it
-  stays in L2 between the two passes.
+- plans of a few hundred runs (a 1-page room) are copied run by run with
+  numpy slices on the calling thread: lowest latency;
+- larger plans are compiled into tasks (:mod:`.copy_tasks`): long destination
+  stretches are filled in one pass, short runs go through a bounce buffer
+  (gather by source rows, scatter by destination rows), about one task per
+  megabyte. Worker threads copy part k of the plan while the calling thread
+  compiles part k+1.
 
-Rows: a batch's source is viewed as rows of ``gs`` bytes, ``gs`` the gcd of
-its source offsets and lengths; its destination as rows of ``gd``, the gcd of
-its stretches' offsets and lengths. Worked example, Llama-3.1-8B K of one
-layer, prefill TP 2 -> decode TP 4: a source page row holds 16 tokens x 4
-heads x 256 B = 16 KiB; decode rank 0 takes heads 0-1 of every token, so the
-pieces are 512 B at a 1 KiB stride (gs = 512) and land back to back in an
-8 KiB destination page (gd = 8 KiB): 16 gathered rows, one scattered row.
+Worked example, Llama-3.1-8B K of one layer, prefill TP 2 -> decode TP 4: a
+source page row holds 16 tokens x 4 heads x 256 B = 16 KiB; decode rank 0
+takes heads 0-1 of every token, so the pieces are 512 B at a 1 KiB stride
+(source rows of 512 B) and land back to back in an 8 KiB destination page
+(destination rows of 8 KiB): 16 rows gathered per row scattered.
 
-Chunks are spread over a few worker threads (C calls that release the GIL).
-Row indices are built with numpy (repeat/cumsum): never a Python loop per run,
-except for plans of a handful of runs, copied directly (lowest latency).
-
-Imports numpy and torch; no asyncio, no zmq.
+Imports numpy only (regions may be torch tensors); no asyncio, no zmq.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
+import queue
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
-import numpy as np
-import torch
-
+from pd_transfer.transport.copy_tasks import Scratch, compile_tasks
 from pd_transfer.transport.regions import Mapped, Regions, map_regions, sizes_of
-from pd_transfer.transport.runs import (
-    Runs,
-    check_bounds,
-    dst_groups,
-    expand,
-    expand_batch,
-    flatten,
-    row_nbytes_for,
-    rows_of,
-)
-
-_ROW_CAP_NBYTES = 1 << 20
-
-
-@dataclass(frozen=True)
-class _Copy:
-    """One source run straight into the destination."""
-
-    src: np.ndarray
-    dst: np.ndarray
-
-    def run(self, scratch: _Scratch) -> None:
-        np.copyto(self.dst, self.src)
-
-
-@dataclass(frozen=True)
-class _GatherInto:
-    """A long destination stretch gathered from source rows in one pass."""
-
-    src_rows: torch.Tensor
-    index: torch.Tensor
-    dst: torch.Tensor  # 2-D view of the stretch
-
-    def run(self, scratch: _Scratch) -> None:
-        torch.index_select(self.src_rows, 0, self.index, out=self.dst)
-
-
-@dataclass(frozen=True)
-class _Bounce:
-    """Gather a chunk of short runs into the bounce buffer, scatter it by rows."""
-
-    src_rows: torch.Tensor
-    src_index: torch.Tensor
-    dst_void: np.ndarray
-    dst_index: np.ndarray
-    nbytes: int
-
-    def run(self, scratch: _Scratch) -> None:
-        gs = self.src_rows.shape[1]
-        torch.index_select(self.src_rows, 0, self.src_index,
-                           out=scratch.tensor[: self.nbytes].view(-1, gs))
-        np.put(self.dst_void, self.dst_index, scratch.array[: self.nbytes].view(self.dst_void.dtype))
-
-
-class _Scratch:
-    """A worker thread's bounce buffer (numpy and torch views of it)."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.array = np.empty(nbytes, np.uint8)
-        self.tensor = torch.from_numpy(self.array)
+from pd_transfer.transport.runs import Flat, Runs, check_bounds, expand, flatten, split_flat
 
 
 class CopyEngine:
     """Executes plans between mapped regions. Thread-safe; share one per process.
 
     ``num_workers`` threads (default: up to 2, the CPUs this process may use)
-    copy chunks of one plan in parallel once the plan holds more than
-    ``inline_nbytes``; smaller plans run in the calling thread.
+    copy the tasks of one plan once it holds more than ``inline_nbytes``,
+    while the calling thread compiles the plan's next ``part_nbytes``; smaller
+    plans run in the calling thread.
     """
 
     def __init__(self, *, num_workers: int | None = None, bounce_nbytes: int = 1 << 20,
-                 stretch_nbytes: int = 256 << 10, inline_nbytes: int = 4 << 20,
-                 direct_max_runs: int = 128) -> None:
+                 stretch_nbytes: int = 128 << 10, inline_nbytes: int = 4 << 20,
+                 direct_max_runs: int = 256, part_nbytes: int = 32 << 20) -> None:
         if num_workers is None:
             num_workers = min(2, len(os.sched_getaffinity(0)))
         self.num_workers = max(1, num_workers)
@@ -122,6 +54,7 @@ class CopyEngine:
         self.stretch_nbytes = stretch_nbytes
         self.inline_nbytes = inline_nbytes
         self.direct_max_runs = direct_max_runs
+        self.part_nbytes = part_nbytes
         self._local = threading.local()
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -142,12 +75,10 @@ class CopyEngine:
         if int(flat.count.sum()) <= self.direct_max_runs:
             _copy_runs_directly(expand(flat), flat.batches, src, dst)
             return flat.total_nbytes
-        tasks: list = []
-        for i, batch in enumerate(flat.batches):
-            runs = expand_batch(batch, i, sort_by_dst=True)
-            if len(runs):
-                tasks += self._compile_batch(runs, src[batch.src_region], dst[batch.dst_region])
-        self._run(tasks, flat.total_nbytes)
+        if self.num_workers == 1 or flat.total_nbytes < self.inline_nbytes:
+            self._drain(iter(self._compile(flat, src, dst)))
+        else:
+            self._pipeline(flat, src, dst)
         return flat.total_nbytes
 
     def close(self) -> None:
@@ -156,76 +87,37 @@ class CopyEngine:
         if pool is not None:
             pool.shutdown(wait=True)
 
-    # -- compile: runs -> tasks -------------------------------------------------------
-    def _compile_batch(self, runs: Runs, src: Mapped, dst: Mapped) -> list:
-        starts = dst_groups(runs)
-        group_nbytes = np.add.reduceat(runs.nbytes, starts)
-        group_runs = np.diff(np.append(starts, len(runs)))
-        long = group_nbytes >= self.stretch_nbytes
-        if not long.any():
-            return self._bounce_tasks(runs, runs.dst_offset[starts], group_nbytes, src, dst)
-        tasks = [self._stretch_task(runs.take(slice(int(starts[g]), int(starts[g] + group_runs[g]))),
-                                    src, dst) for g in np.flatnonzero(long)]
-        if not long.all():
-            short = runs.take(np.repeat(~long, group_runs))
-            tasks += self._bounce_tasks(short, runs.dst_offset[starts[~long]],
-                                        group_nbytes[~long], src, dst)
-        return tasks
-
-    def _stretch_task(self, runs: Runs, src: Mapped, dst: Mapped):
-        first = int(runs.dst_offset[0])
-        total = int(runs.nbytes.sum())
-        if len(runs) == 1:
-            offset = int(runs.src_offset[0])
-            return _Copy(src.array[offset:offset + total], dst.array[first:first + total])
-        gs = row_nbytes_for(runs.src_offset, runs.nbytes, cap=_ROW_CAP_NBYTES)
-        index = torch.from_numpy(rows_of(runs.src_offset, runs.nbytes, gs))
-        return _GatherInto(src.rows(gs), index, dst.tensor[first:first + total].view(-1, gs))
-
-    def _bounce_tasks(self, runs: Runs, group_offset: np.ndarray, group_nbytes: np.ndarray,
-                      src: Mapped, dst: Mapped) -> list:
-        gs = row_nbytes_for(runs.src_offset, runs.nbytes, cap=_ROW_CAP_NBYTES)
-        gd = row_nbytes_for(group_offset, group_nbytes, cap=_ROW_CAP_NBYTES)
-        src_index = torch.from_numpy(rows_of(runs.src_offset, runs.nbytes, gs))
-        dst_index = rows_of(group_offset, group_nbytes, gd)
-        # Chunks end on stretch boundaries, which are row boundaries on both sides;
-        # a chunk takes the stretches starting in its bounce-sized window, so it
-        # holds less than bounce_nbytes + stretch_nbytes.
-        position = np.cumsum(group_nbytes) - group_nbytes
-        window = position // self.bounce_nbytes
-        cuts = np.flatnonzero(np.diff(window)) + 1
-        edges = np.concatenate((position[np.concatenate(([0], cuts))], [int(group_nbytes.sum())]))
-        src_rows, dst_void = src.rows(gs), dst.void_rows(gd)
-        return [_Bounce(src_rows, src_index[a // gs: b // gs], dst_void, dst_index[a // gd: b // gd],
-                        int(b - a)) for a, b in zip(edges[:-1].tolist(), edges[1:].tolist())]
-
     # -- run --------------------------------------------------------------------------
-    def _run(self, tasks: list, total_nbytes: int) -> None:
-        counter = itertools.count()
-        if self.num_workers == 1 or total_nbytes < self.inline_nbytes or len(tasks) < 2:
-            self._drain(tasks, counter)
-            return
+    def _compile(self, flat: Flat, src: dict[str, Mapped], dst: dict[str, Mapped]) -> list:
+        return compile_tasks(flat, src, dst, stretch_nbytes=self.stretch_nbytes,
+                             bounce_nbytes=self.bounce_nbytes)
+
+    def _pipeline(self, flat: Flat, src: dict[str, Mapped], dst: dict[str, Mapped]) -> None:
+        """Compile part k+1 of the plan while the workers copy part k."""
+        work: queue.SimpleQueue = queue.SimpleQueue()
         pool = self._workers()
-        helpers = [pool.submit(self._drain, tasks, counter)
-                   for _ in range(min(self.num_workers, len(tasks)) - 1)]
+        helpers = [pool.submit(self._drain, iter(work.get, None)) for _ in range(self.num_workers)]
         try:
-            self._drain(tasks, counter)
+            for part in split_flat(flat, self.part_nbytes):
+                for task in self._compile(part, src, dst):
+                    work.put(task)
         finally:
+            for _ in helpers:
+                work.put(None)
             for helper in helpers:
                 helper.result()
 
-    def _drain(self, tasks: list, counter: itertools.count) -> None:
+    def _drain(self, tasks: Iterator) -> None:
         scratch = getattr(self._local, "scratch", None)
         if scratch is None:
-            scratch = self._local.scratch = _Scratch(self.bounce_nbytes + self.stretch_nbytes)
-        while (i := next(counter)) < len(tasks):  # next() on a count is atomic under the GIL
-            tasks[i].run(scratch)
+            scratch = self._local.scratch = Scratch(self.bounce_nbytes + self.stretch_nbytes)
+        for task in tasks:
+            task.run(scratch)
 
     def _workers(self) -> ThreadPoolExecutor:
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.num_workers - 1,
-                                                thread_name_prefix="pdt-copy")
+                self._pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="pdt-copy")
             return self._pool
 
 

@@ -139,8 +139,12 @@ class MockTransport(Transport):
             self._count_by_peer[peer_id] if f.peer_id else self._count)
             and f.peer_id in ("", peer_id)]
         kinds = tuple(f.kind for f in faults)
+        src_regions = self._sources.map(src_regions, (b.src_region for b in plan.batches), "source")
         landed = 0
         try:
+            if FaultKind.DROP in kinds:  # nothing will ever land: not background work to drain
+                await asyncio.Event().wait()
+            # a delayed write whose caller gives up still lands later, as a slow peer's would
             landed = await link.run_background(self._apply(link, plan, src_regions, faults))
         finally:
             self.writes.append(WriteRecord(peer_id, room, generation, landed, kinds))
@@ -154,8 +158,6 @@ class MockTransport(Transport):
             if fault.kind is FaultKind.DELAY:
                 await asyncio.sleep(fault.delay_s)
         for fault in faults:
-            if fault.kind is FaultKind.DROP:
-                await asyncio.Event().wait()  # forever; cancelled by the caller's timeout
             if fault.kind is FaultKind.FAIL:
                 raise TransportError(f"{where}: scripted failure", code=fault.reason)
             if fault.kind is FaultKind.PARTIAL:

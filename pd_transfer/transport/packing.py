@@ -16,7 +16,7 @@ Destination runs that continue each other are joined before they go on the
 wire: a sliced TP 2 -> 4 page is 16 pieces of 512 B on the source but one
 8 KiB run at the destination, so the header carries one run, not sixteen.
 
-Imports numpy and torch; no asyncio, no zmq.
+Imports numpy; no asyncio, no zmq.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.regions import Mapped, Regions, map_regions
@@ -136,9 +135,12 @@ def _layout_one(seq: int, runs: Runs, flat: Flat) -> ChunkLayout:
 
 
 def gather_chunk(layout: ChunkLayout, src: Mapping[str, Mapped]) -> np.ndarray:
-    """Pack the chunk's source pieces into a new contiguous uint8 array."""
+    """Pack the chunk's source pieces into a new contiguous uint8 array.
+
+    ``np.take(mode="clip")`` of opaque source rows straight into the payload:
+    numpy, not torch, so no OpenMP team is involved (see :mod:`.copy_tasks`).
+    """
     payload = np.empty(layout.nbytes, np.uint8)
-    out = torch.from_numpy(payload)
     position = 0
     for piece in layout.pieces:
         region = src[piece.src_region]
@@ -150,9 +152,9 @@ def gather_chunk(layout: ChunkLayout, src: Mapping[str, Mapped]) -> np.ndarray:
                 at += n
         else:
             gs = row_nbytes_for(piece.src_offset, piece.nbytes, cap=_ROW_CAP_NBYTES)
-            index = torch.from_numpy(rows_of(piece.src_offset, piece.nbytes, gs))
-            torch.index_select(region.rows(gs), 0, index,
-                               out=out[position:position + total].view(-1, gs))
+            rows = region.void_rows(gs)
+            np.take(rows, rows_of(piece.src_offset, piece.nbytes, gs),
+                    out=payload[position:position + total].view(rows.dtype), mode="clip")
         position += total
     return payload
 

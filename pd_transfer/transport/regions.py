@@ -1,9 +1,10 @@
 """Mapped regions as the data plane sees them: 1-D uint8 CPU memory.
 
-A region is passed around as a torch uint8 tensor (or a numpy uint8 array);
-the engine needs both views of the same bytes: torch for
-``index_select(out=...)`` gathers, numpy for row scatters. :func:`map_regions`
-validates the regions a plan uses and returns both, once per call.
+A region is passed around as a torch uint8 tensor or a numpy uint8 array
+(the same bytes either way); the engines work on numpy views of it, opaque
+rows of ``g`` bytes in particular (:meth:`Mapped.void_rows`).
+:func:`map_regions` validates the regions a plan uses; :class:`MappedCache`
+keeps the result for regions that stay registered.
 """
 
 from __future__ import annotations
@@ -17,38 +18,27 @@ import torch
 from pd_transfer.errors import Reason, TransportError
 
 RegionMemory = torch.Tensor | np.ndarray
-Regions = Mapping[str, RegionMemory]
+Regions = Mapping[str, "RegionMemory | Mapped"]
 
 
 @dataclass
 class Mapped:
-    """One region as a numpy array and a torch tensor over the same bytes."""
+    """One validated region as a flat numpy uint8 array, with cached row views."""
 
     region_id: str
     array: np.ndarray
-    tensor: torch.Tensor
-    _rows: dict[int, torch.Tensor] = field(default_factory=dict)
     _void: dict[int, np.ndarray] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
         return self.array.size
 
-    def rows(self, row_nbytes: int) -> torch.Tensor:
-        """The region as a 2-D tensor of ``row_nbytes``-byte rows (tail bytes left out)."""
-        view = self._rows.get(row_nbytes)
-        if view is None:
-            num_rows = self.nbytes // row_nbytes
-            view = self.tensor[: num_rows * row_nbytes].view(num_rows, row_nbytes)
-            self._rows[row_nbytes] = view
-        return view
-
     def void_rows(self, row_nbytes: int) -> np.ndarray:
         """The region as a 1-D numpy array of ``row_nbytes``-byte opaque items.
 
-        ``np.put`` on such an array is one memmove per item: the fastest
-        row scatter numpy or torch offer on CPU (torch's ``index_copy_``
-        copies element by element and ran at a seventh of it here).
+        ``np.take``/``np.put`` on such an array move one row with one memmove:
+        the fastest row gather and scatter numpy or torch offer on CPU (torch's
+        ``index_copy_`` copies element by element and ran at a seventh of it).
         """
         view = self._void.get(row_nbytes)
         if view is None:
@@ -58,21 +48,24 @@ class Mapped:
         return view
 
 
-def map_one(region_id: str, memory: RegionMemory, side: str) -> Mapped:
-    """Validate one region and pair it with its other view."""
+def map_one(region_id: str, memory: RegionMemory | Mapped, side: str) -> Mapped:
+    """Validate one region and view it as numpy (a Mapped passes through)."""
+    if isinstance(memory, Mapped):
+        return memory
     if isinstance(memory, torch.Tensor):
         if memory.device.type != "cpu":
             raise TransportError(f"{side} region {region_id!r} lives on {memory.device}; this "
                                  f"engine copies CPU memory only", code=Reason.REGION_INVALID)
         _check_shape(region_id, side, memory.dtype == torch.uint8, memory.dim(),
                      memory.is_contiguous(), memory.dtype)
-        return Mapped(region_id, memory.numpy(), memory)
+        return Mapped(region_id, memory.numpy())
     if isinstance(memory, np.ndarray):
         _check_shape(region_id, side, memory.dtype == np.uint8, memory.ndim,
                      memory.flags.c_contiguous, memory.dtype)
-        if not memory.flags.writeable:  # torch wants writable memory; only sources may be read-only
-            return Mapped(region_id, memory, torch.from_numpy(memory.copy()))
-        return Mapped(region_id, memory, torch.from_numpy(memory))
+        if side == "destination" and not memory.flags.writeable:
+            raise TransportError(f"destination region {region_id!r} is read-only",
+                                 code=Reason.REGION_INVALID)
+        return Mapped(region_id, memory)
     raise TransportError(f"{side} region {region_id!r} is a {type(memory).__name__}, not a "
                          f"torch tensor or numpy array", code=Reason.REGION_INVALID)
 
@@ -98,3 +91,36 @@ def map_regions(regions: Regions, region_ids: Iterable[str], side: str) -> dict[
 
 def sizes_of(mapped: Mapping[str, Mapped]) -> dict[str, int]:
     return {region_id: m.nbytes for region_id, m in mapped.items()}
+
+
+class MappedCache:
+    """Mapped views of regions that stay registered, rebuilt only when an entry changes.
+
+    A sidecar passes the same region tensors with every write; validating
+    and re-viewing 128 of them costs more than copying a 1-page room.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[RegionMemory, Mapped]] = {}
+
+    def map(self, regions: Regions, region_ids: Iterable[str], side: str) -> dict[str, Mapped]:
+        out: dict[str, Mapped] = {}
+        missing: list[str] = []
+        for region_id in region_ids:
+            if region_id in out:
+                continue
+            memory = regions.get(region_id)
+            if memory is None:
+                missing.append(region_id)
+                continue
+            entry = self._entries.get(region_id)
+            if entry is None or entry[0] is not memory:
+                entry = self._entries[region_id] = (memory, map_one(region_id, memory, side))
+            out[region_id] = entry[1]
+        if missing:
+            raise TransportError(f"{side} region(s) {sorted(set(missing))} are not mapped "
+                                 f"({len(regions)} region(s) known)", code=Reason.UNKNOWN_REGION)
+        return out
+
+    def clear(self) -> None:
+        self._entries.clear()

@@ -69,23 +69,31 @@ def flatten(plan) -> Flat:
     if not batches:
         empty = np.zeros(0, np.int64)
         return Flat(batches, empty, empty, empty, empty, empty, empty, empty)
+    columns = [np.concatenate([getattr(b, name) for b in batches]).astype(np.int64, copy=False)
+               for name in ("src_offset", "dst_offset", "nbytes", "count")]
     lengths = np.fromiter((len(b.src_offset) for b in batches), np.int64, len(batches))
-    for i, b in enumerate(batches):
-        if not (len(b.dst_offset) == len(b.nbytes) == len(b.count) == lengths[i]):
-            raise TransportError(f"batch {i} ({b.src_region} -> {b.dst_region}): descriptor "
-                                 f"arrays differ in length", code=Reason.BAD_FIELD)
+    if any(c.ndim != 1 or len(c) != int(lengths.sum()) for c in columns):
+        raise TransportError("plan descriptor arrays are not 1-D arrays of one length per batch",
+                             code=Reason.BAD_FIELD)
+    strides = np.array([(b.src_stride, b.dst_stride) for b in batches], np.int64)
+    return Flat(batches, np.repeat(np.arange(len(batches)), lengths), *columns,
+                np.repeat(strides[:, 0], lengths), np.repeat(strides[:, 1], lengths))
 
-    def cat(name: str) -> np.ndarray:
-        return np.concatenate([np.asarray(getattr(b, name), dtype=np.int64).reshape(-1)
-                               for b in batches])
 
-    def per_batch(name: str) -> np.ndarray:
-        values = np.fromiter((int(getattr(b, name)) for b in batches), np.int64, len(batches))
-        return np.repeat(values, lengths)
-
-    return Flat(batches, np.repeat(np.arange(len(batches)), lengths), cat("src_offset"),
-                cat("dst_offset"), cat("nbytes"), cat("count"), per_batch("src_stride"),
-                per_batch("dst_stride"))
+def split_flat(flat: Flat, part_nbytes: int) -> list[Flat]:
+    """Consecutive parts of whole batches, each of about ``part_nbytes`` (or one batch)."""
+    if not len(flat.batch):
+        return [flat]
+    nbytes = flat.nbytes * flat.count
+    batch_end = np.flatnonzero(np.append(flat.batch[1:] != flat.batch[:-1], True)) + 1
+    upto = np.cumsum(nbytes)[batch_end - 1]
+    cuts = batch_end[np.flatnonzero(np.diff(upto // max(1, part_nbytes), prepend=0))]
+    edges = [0] + [int(c) for c in cuts if 0 < c < len(flat.batch)] + [len(flat.batch)]
+    edges = sorted(set(edges))
+    return [Flat(flat.batches, *(a[lo:hi] for a in (flat.batch, flat.src_offset, flat.dst_offset,
+                                                    flat.nbytes, flat.count, flat.src_stride,
+                                                    flat.dst_stride)))
+            for lo, hi in zip(edges[:-1], edges[1:])]
 
 
 def check_bounds(flat: Flat, src_sizes: Mapping[str, int] | None,
@@ -198,11 +206,98 @@ def expand_batch(batch, index: int = 0, *, sort_by_dst: bool = False) -> Runs:
     return expand(flat)
 
 
-def rows_of(offset: np.ndarray, nbytes: np.ndarray, row_nbytes: int) -> np.ndarray:
+@dataclass(frozen=True)
+class Items:
+    """Pieces of a plan grouped so that each item fills consecutive destination bytes.
+
+    Item ``i`` copies ``count[i]`` source pieces of ``piece_nbytes[i]`` bytes
+    (``src_stride[i]`` apart) to ``dst_offset[i]`` onwards, back to back. A
+    descriptor whose pieces are back to back in the destination (a sliced
+    head range filling a decode page) stays one item; any other descriptor is
+    split into one item per piece.
+    """
+
+    batch: np.ndarray
+    src_offset: np.ndarray
+    src_stride: np.ndarray
+    piece_nbytes: np.ndarray
+    count: np.ndarray
+    dst_offset: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.batch)
+
+    @property
+    def nbytes(self) -> np.ndarray:
+        return self.piece_nbytes * self.count
+
+    def take(self, index: np.ndarray | slice) -> Items:
+        return Items(*(a[index] for a in (self.batch, self.src_offset, self.src_stride,
+                                          self.piece_nbytes, self.count, self.dst_offset)))
+
+    def source_offsets(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every source piece as ``(offset, nbytes)``, in item order."""
+        if len(self.count) == 0 or int(self.count.max()) == 1:
+            return self.src_offset, self.piece_nbytes
+        if int(self.count.min()) == int(self.count.max()):
+            steps = np.arange(int(self.count[0]), dtype=np.int64)
+            return ((self.src_offset[:, None] + steps * self.src_stride[:, None]).ravel(),
+                    np.repeat(self.piece_nbytes, int(self.count[0])))
+        owner = np.repeat(np.arange(len(self.count)), self.count)
+        step = np.arange(len(owner), dtype=np.int64) - np.repeat(np.cumsum(self.count) - self.count,
+                                                                 self.count)
+        return self.src_offset[owner] + step * self.src_stride[owner], self.piece_nbytes[owner]
+
+
+def dst_items(flat: Flat) -> Items:
+    """The plan as :class:`Items`, batches in order, each batch's items by destination offset.
+
+    Sorting puts items that fill neighbouring destination bytes (consecutive
+    decode pages) next to each other, where :func:`item_groups` joins them.
+    """
+    arrays = (flat.batch, flat.src_offset, flat.dst_offset, flat.nbytes, flat.count,
+              flat.src_stride, flat.dst_stride)
+    keep = (flat.count > 0) & (flat.nbytes > 0)
+    if not keep.all():
+        arrays = tuple(a[keep] for a in arrays)
+    batch, src_offset, dst_offset, nbytes, count, src_stride, dst_stride = arrays
+    if len(batch) > 1:
+        if int(dst_offset.max()) < (1 << 40) and int(batch.max()) < (1 << 22):
+            order = np.argsort(batch * (1 << 40) + dst_offset)
+        else:
+            order = np.lexsort((dst_offset, batch))
+        batch, src_offset, dst_offset, nbytes, count, src_stride, dst_stride = (
+            a[order] for a in (batch, src_offset, dst_offset, nbytes, count, src_stride, dst_stride))
+    together = (count == 1) | (dst_stride == nbytes)
+    items = Items(batch, src_offset, src_stride, nbytes, count, dst_offset)
+    if together.all():
+        return items
+    apart = expand(Flat(flat.batches, batch[~together], src_offset[~together],
+                        dst_offset[~together], nbytes[~together], count[~together],
+                        src_stride[~together], dst_stride[~together]))
+    ones = np.ones(len(apart), np.int64)
+    merged = Items(*(np.concatenate((a, b)) for a, b in zip(
+        (items.batch[together], items.src_offset[together], items.src_stride[together],
+         items.piece_nbytes[together], items.count[together], items.dst_offset[together]),
+        (apart.batch, apart.src_offset, ones, apart.nbytes, ones, apart.dst_offset))))
+    return merged.take(np.argsort(merged.batch, kind="stable"))
+
+
+def item_groups(items: Items) -> np.ndarray:
+    """Start indices of maximal runs of items of one batch that continue each other."""
+    if len(items) == 0:
+        return np.zeros(0, np.int64)
+    ends = items.dst_offset + items.nbytes
+    joins = (items.batch[1:] == items.batch[:-1]) & (items.dst_offset[1:] == ends[:-1])
+    return np.flatnonzero(np.concatenate(([True], ~joins)))
+
+
+def rows_of(offset: np.ndarray, nbytes: np.ndarray, row_nbytes: int | np.ndarray) -> np.ndarray:
     """Row indices covered by runs, in order, for a region seen as rows of ``row_nbytes``.
 
     Runs ``(offset=32, nbytes=32)`` and ``(offset=0, nbytes=16)`` with 16-byte
-    rows -> ``[2, 3, 0]``. Every offset and length must be a multiple of the row.
+    rows -> ``[2, 3, 0]``. Every offset and length must be a multiple of its
+    row size (one for all runs, or one per run).
     """
     first = offset // row_nbytes
     if len(nbytes) == 0:
@@ -211,11 +306,23 @@ def rows_of(offset: np.ndarray, nbytes: np.ndarray, row_nbytes: int) -> np.ndarr
     low, high = int(per_run.min()), int(per_run.max())
     if high == 1:
         return first
-    if low == high:  # every run the same length: a broadcast sum
+    if low == high:  # every run the same number of rows: a broadcast sum
         return (first[:, None] + np.arange(low, dtype=np.int64)).ravel()
     total = int(per_run.sum())
     first_out = np.cumsum(per_run) - per_run
     return np.repeat(first - first_out, per_run) + np.arange(total, dtype=np.int64)
+
+
+def capped_rows(common: np.ndarray, cap: int) -> np.ndarray:
+    """Per value: the largest divisor of it that is at most ``cap`` (1 for 0)."""
+    out = np.where(common <= 0, 1, common).astype(np.int64)
+    for i in np.flatnonzero(out > cap).tolist():  # rare: runs of megabytes
+        value = int(out[i])
+        divisor = -(-value // cap)
+        while value % divisor:
+            divisor += 1
+        out[i] = value // divisor
+    return out
 
 
 def row_nbytes_for(*arrays: np.ndarray, cap: int) -> int:

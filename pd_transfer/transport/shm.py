@@ -22,7 +22,7 @@ from pd_transfer.errors import Reason, TransportError
 from pd_transfer.shm import Segment, open_segment
 from pd_transfer.transport.base import Link, PeerEndpoint, Transport, TransportKind
 from pd_transfer.transport.copy_engine import CopyEngine, default_engine
-from pd_transfer.transport.regions import Regions
+from pd_transfer.transport.regions import Regions, map_one
 
 
 class ShmLink(Link):
@@ -34,9 +34,11 @@ class ShmLink(Link):
         self.regions: dict[str, torch.Tensor] = {
             handle.region_id: segments[handle.region_id].tensor[: handle.nbytes]
             for handle in peer.regions}
+        self.mapped = {region_id: map_one(region_id, tensor, "destination")
+                       for region_id, tensor in self.regions.items()}
 
     async def _release(self) -> None:
-        self.regions = {}
+        self.regions, self.mapped = {}, {}
         for segment in self.segments.values():
             segment.close()  # never unlink: the peer owns its segments
         self.segments = {}
@@ -45,9 +47,10 @@ class ShmLink(Link):
 class ShmTransport(Transport):
     kind = TransportKind.SHM
 
-    def __init__(self, engine: CopyEngine | None = None) -> None:
+    def __init__(self, engine: CopyEngine | None = None, *, inline_max_runs: int = 256) -> None:
         super().__init__()
         self.engine = engine or default_engine()
+        self.inline_max_runs = inline_max_runs
 
     async def connect(self, peer: PeerEndpoint) -> ShmLink:
         """Map every region of ``peer``; raises if one has no segment or a short one."""
@@ -63,10 +66,16 @@ class ShmTransport(Transport):
                     generation: int = 0) -> int:
         link = self._own(link, ShmLink)
         where = f"room {room or '-'} gen {generation} plan {plan.src_rank} -> {link.peer.peer_id}"
-        # the copy cannot be interrupted once in its thread; run_background lets
-        # a cancelled caller go while Link.drain still waits for the copy
-        nbytes = await link.run_background(
-            asyncio.to_thread(self.engine.execute, plan, src_regions, link.regions, where=where))
+        src = self._sources.map(src_regions, (b.src_region for b in plan.batches), "source")
+        if plan.num_runs <= self.inline_max_runs:
+            # a few pages (a 1-page Llama room is 64 runs, 1 MiB): copying on the loop
+            # takes less time than the thread hop would
+            nbytes = self.engine.execute(plan, src, link.mapped, where=where)
+        else:
+            # the copy cannot be interrupted once in its thread; run_background lets
+            # a cancelled caller go while Link.drain still waits for the copy
+            nbytes = await link.run_background(
+                asyncio.to_thread(self.engine.execute, plan, src, link.mapped, where=where))
         link.nbytes_written += nbytes
         link.num_writes += 1
         return nbytes

@@ -38,7 +38,7 @@ from pd_transfer.transport.frames import (
     encode,
 )
 from pd_transfer.transport.packing import gather_chunk, layout_chunks
-from pd_transfer.transport.regions import Regions, map_regions
+from pd_transfer.transport.regions import Regions
 
 log = logging.getLogger("pd_transfer.transport.tcp")
 
@@ -168,7 +168,7 @@ class TcpTransport(Transport):
     async def write(self, link: Link, plan, src_regions: Regions, *, room: str = "",
                     generation: int = 0) -> int:
         link = self._own(link, TcpLink)
-        src = map_regions(src_regions, (b.src_region for b in plan.batches), "source")
+        src = self._sources.map(src_regions, (b.src_region for b in plan.batches), "source")
         sizes = {region_id: mapped.nbytes for region_id, mapped in src.items()}
         dst_sizes = link.peer.region_nbytes or None  # checked again by the receiver
         layouts = await asyncio.to_thread(layout_chunks, plan, sizes, self.chunk_nbytes,

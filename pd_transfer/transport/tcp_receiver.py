@@ -49,6 +49,7 @@ LandedCallback = Callable[[str, int, int], None]  # (room, generation, nbytes)
 
 _MAX_OPEN_XFERS = 4096
 _MAX_REMEMBERED_FAILURES = 4096
+_MAX_FENCES = 65536
 
 
 @dataclass
@@ -94,9 +95,9 @@ class TcpReceiver:
         self._socket: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task | None = None
         self._mapped: dict[str, tuple[RegionMemory, Mapped]] = {}
-        self._open: dict[tuple[bytes, int], _Progress] = {}
+        self._open: OrderedDict[tuple[bytes, int], _Progress] = OrderedDict()
         self._failed: OrderedDict[tuple[bytes, int], None] = OrderedDict()
-        self._fences: dict[str, int] = {}
+        self._fences: OrderedDict[str, int] = OrderedDict()
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -140,7 +141,9 @@ class TcpReceiver:
         Returns once no chunk of it can still be written (a scatter in
         progress has finished).
         """
-        self._fences[room] = max(generation, self._fences.get(room, -1))
+        self._fences[room] = max(generation, self._fences.pop(room, -1))
+        while len(self._fences) > _MAX_FENCES:  # rooms the agent never forgot: oldest first
+            self._fences.popitem(last=False)
         await self._idle.wait()
 
     def forget_room(self, room: str) -> None:
@@ -192,8 +195,10 @@ class TcpReceiver:
         progress = self._open.get(key)
         if progress is None:
             if len(self._open) >= _MAX_OPEN_XFERS:
-                raise TransportError(f"more than {_MAX_OPEN_XFERS} transfers open at once",
-                                     code=Reason.LIMIT_EXCEEDED)
+                # a sender that vanished mid-transfer never sends its end: forget the
+                # oldest open transfer (should it resume, its end reports it incomplete)
+                stale, _ = self._open.popitem(last=False)
+                log.warning("tcp receiver %s: dropped stale transfer %d", self.address, stale[1])
             progress = self._open[key] = _Progress()
         payload = np.frombuffer(payload_frames[0].buffer, dtype=np.uint8)
         regions = {region_id: self._region(region_id) for region_id in header.wire.regions}

@@ -82,7 +82,8 @@ class Cluster:
     """Sidecars + shm pools + clients for the given prefill and decode ranks."""
 
     def __init__(self, workdir: Path, prefill: list[RankGeometry], decode: list[RankGeometry], *,
-                 transport: str = "shm", config: dict | None = None, seed: int = 0) -> None:
+                 transport: str = "shm", config: dict | None = None, seed: int = 0,
+                 decode_config: dict | None = None, attach: bool = True) -> None:
         self.workdir = workdir
         self.prefill, self.decode = prefill, decode
         self.bootstrap = f"tcp://127.0.0.1:{free_port()}"
@@ -91,24 +92,42 @@ class Cluster:
         except GeometryError:
             self.world = None  # a pair meant to be rejected: no ground truth to lay out
         tag = f"{os.getpid()}-{next(_ids)}"
-        base = {"transport": transport, "heartbeat_interval_s": 0.2, "heartbeat_misses": 5,
+        base = {"transport": transport, "http_port": 0, "heartbeat_interval_s": 0.2, "heartbeat_misses": 5,
                 "bootstrap_timeout_s": 10.0, "waiting_timeout_s": 20.0, "transfer_timeout_s": 20.0,
                 "abort_drain_timeout_s": 3.0, **(config or {})}
         self.sidecars: dict[str, Sidecar] = {}
         for geometry in prefill + decode:
             role = geometry.role.value
             name = f"{role}-pp{geometry.pp_rank}-tp{geometry.tp_rank}-{tag}"
+            config_for = base if role == "prefill" else {**base, **(decode_config or {})}
+            if role == "decode" and config_for.get("prefill_bootstraps") == "this":
+                config_for["prefill_bootstraps"] = [self.bootstrap]
             self.sidecars[geometry.rank_id] = Sidecar(
-                workdir, role, name, base, self.bootstrap if role == "prefill" else "")
+                workdir, role, name, config_for, self.bootstrap if role == "prefill" else "")
         self.pools, self.clients = {}, {}
+        self._tag = tag
         try:
-            for sidecar in self.sidecars.values():
-                sidecar.wait_ready()
-            for geometry in prefill + decode:
-                self._attach(geometry, tag)
+            self.ready = {rank: sidecar.wait_ready() for rank, sidecar in self.sidecars.items()}
+            if attach:
+                self.attach_all()
         except BaseException:
             self.close()
             raise
+
+    def attach_all(self) -> None:
+        """Allocate every worker's pools, fill them and register with the sidecars."""
+        for geometry in self.prefill + self.decode:
+            self._attach(geometry, self._tag)
+
+    def http(self, rank_id: str, path: str) -> tuple[int, str]:
+        import urllib.error
+        import urllib.request
+        url = self.ready[rank_id]["http_address"] + path
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode()
 
     def _attach(self, geometry: RankGeometry, tag: str) -> None:
         rank = geometry.rank_id

@@ -1,12 +1,11 @@
 """A prefill rank knows which decode ranks it feeds from one decode registration."""
 
 import pytest
+from transfer_check import instance
 
 from pd_transfer.layout.fanout import decode_rank_as, decode_ranks_fed
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.reconcile import reconcile
-
-from transfer_check import instance
 
 
 @pytest.mark.parametrize("kind,tp_src,tp_dst", [("gqa", 2, 4), ("gqa", 4, 2), ("gqa2", 2, 8),

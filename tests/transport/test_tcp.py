@@ -216,3 +216,18 @@ async def test_receiver_in_another_process(scenario, segments):
         for region_id, segment in segs.items():
             sc.world.decode_buffers[rank][region_id][:] = segment.array
     assert sc.world.verify(sc.requests) == []
+
+
+async def test_receiver_reports_each_completed_transfer(scenario):
+    sc = scenario("gdn", 2, 2)
+    plan = sc.plans[0]
+    landed = []
+    receiver = TcpReceiver("127.0.0.1", sc.dst(plan), on_landed=lambda *a: landed.append(a))
+    transport = TcpTransport(chunk_nbytes=1024)
+    async with receiver:
+        link = await transport.connect(_endpoint(plan.dst_rank, sc.dst(plan), receiver.address))
+        await transport.write(link, plan, sc.src(plan), room="room-9", generation=4)
+        await transport.close()
+    assert landed == [("room-9", 4, plan.total_nbytes)]
+    assert receiver.stats.transfers_done == 1
+    assert receiver.stats.chunks_landed == -(-plan.total_nbytes // 1024)

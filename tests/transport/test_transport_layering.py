@@ -13,8 +13,9 @@ def test_transport_imports_neither_agent_nor_protocol():
                                                    "pd_transfer.client"))]
 
 
-def test_shm_module_needs_no_event_loop_or_sockets():
+def test_shm_module_needs_no_sockets():
+    # (torch itself imports asyncio, so only zmq and the upper layers are checked)
     code = "import sys, pd_transfer.shm\nprint('\\n'.join(sorted(sys.modules)))"
     loaded = set(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                                 text=True).stdout.split())
-    assert "zmq" not in loaded and "asyncio" not in loaded
+    assert "zmq" not in loaded and not [m for m in loaded if m.startswith("pd_transfer.transport")]

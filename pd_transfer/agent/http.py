@@ -1,0 +1,93 @@
+"""The sidecar's HTTP port: ``/metrics``, ``/healthz``, ``/readyz``, ``/status``.
+
+A deliberately small HTTP/1.1 server on asyncio streams (GET only, one
+request per connection, bounded request size), so the sidecar needs no web
+framework. ``/healthz`` answers from the event loop itself: if it answers,
+the loop is responsive. ``/readyz`` is 200 only when the worker registered and
+every configured peer is accepted; otherwise 503 with the reasons as JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+log = logging.getLogger(__name__)
+
+_MAX_REQUEST_NBYTES = 8192
+
+
+class HttpServer:
+    def __init__(self, host: str, port: int, *, metrics: Callable[[], bytes],
+                 ready: Callable[[], tuple[bool, dict]], status: Callable[[], dict]) -> None:
+        self.host, self.port = host, port
+        self._metrics, self._ready, self._status = metrics, ready, status
+        self._server: asyncio.AbstractServer | None = None
+        self.address = ""
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._handle, self.host, self.port,
+                                                  limit=_MAX_REQUEST_NBYTES)
+        host, port = self._server.sockets[0].getsockname()[:2]
+        self.address = f"http://{host}:{port}"
+        return self.address
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+            method, path = _request_line(head)
+            status, content_type, body = self._route(method, path)
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ValueError):
+            status, content_type, body = 400, "text/plain", b"bad request\n"
+        except Exception:  # a bug must not take the port down
+            log.exception("http: request failed")
+            status, content_type, body = 500, "text/plain", b"internal error\n"
+        reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+                  500: "Internal Server Error", 503: "Service Unavailable"}[status]
+        writer.write(f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n"
+                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        try:
+            await writer.drain()
+        except ConnectionError:
+            pass
+        writer.close()
+
+    def _route(self, method: str, path: str) -> tuple[int, str, bytes]:
+        if method != "GET":
+            return 405, "text/plain", b"only GET\n"
+        path = path.split("?", 1)[0]
+        if path == "/metrics":
+            return 200, CONTENT_TYPE_LATEST, self._metrics()
+        if path == "/healthz":
+            return 200, "application/json", b'{"status": "ok"}\n'
+        if path == "/readyz":
+            ready, detail = self._ready()
+            return (200 if ready else 503), "application/json", _json(detail)
+        if path == "/status":
+            return 200, "application/json", _json(self._status())
+        return 404, "text/plain", b"not found: try /metrics /healthz /readyz /status\n"
+
+
+def _request_line(head: bytes) -> tuple[str, str]:
+    line = head.split(b"\r\n", 1)[0].decode("latin-1")
+    parts = line.split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+        raise ValueError(line)
+    return parts[0], parts[1]
+
+
+def _json(value: dict) -> bytes:
+    return (json.dumps(value, indent=1, sort_keys=True) + "\n").encode()
+
+
+def render_metrics(registry) -> bytes:
+    return generate_latest(registry)

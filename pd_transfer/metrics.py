@@ -1,0 +1,91 @@
+"""Prometheus metrics of one sidecar, on an injected registry.
+
+Nothing is created at import: :class:`SidecarMetrics` registers its metrics
+on the registry it is given (a fresh ``CollectorRegistry`` per sidecar), so
+tests and several sidecars in one process never collide. Names follow
+Prometheus conventions (``pd_transfer_*``, base units); label sets are
+bounded: ``peer`` is a peer rank id (``prefill[pp0,tp1]``), never a room id,
+and ``reason`` is a stable :class:`~pd_transfer.errors.Reason` value.
+
+:data:`METRIC_NAMES` lists every exported family; the deployment tests check
+that every metric the dashboard and the alert rules use is in it.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pd_transfer import __version__
+from pd_transfer.protocol import PROTOCOL_VERSION
+
+_DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 36, 2))
+_RATE_BUCKETS = tuple(float(x) * 1e9 for x in (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32))
+_COUNT_BUCKETS = tuple(float(1 << k) for k in range(0, 24, 2))
+
+
+class SidecarMetrics:
+    def __init__(self, registry: CollectorRegistry, role: str) -> None:
+        self.registry = registry
+        self.role = role
+        r = registry
+        self.transfers = Counter(
+            "pd_transfer_transfers", "Finished transfers (one per room and peer rank pair).",
+            ["role", "peer", "transport", "mode", "outcome"], registry=r)
+        self.failures = Counter(
+            "pd_transfer_transfer_failures", "Failed rooms by stable reason code.",
+            ["role", "peer", "reason"], registry=r)
+        self.duration = Histogram(
+            "pd_transfer_transfer_duration_seconds", "Room duration from request to done.",
+            ["role"], buckets=_DURATION_BUCKETS, registry=r)
+        self.nbytes = Histogram(
+            "pd_transfer_transfer_bytes", "Bytes moved per room and peer pair.",
+            ["role"], buckets=_BYTES_BUCKETS, registry=r)
+        self.throughput = Histogram(
+            "pd_transfer_transfer_throughput_bytes_per_second", "Bytes per second per room.",
+            ["role"], buckets=_RATE_BUCKETS, registry=r)
+        self.descriptors = Histogram(
+            "pd_transfer_transfer_descriptors", "Copy descriptors per room and peer pair.",
+            ["role"], buckets=_COUNT_BUCKETS, registry=r)
+        self.bootstrap = Histogram(
+            "pd_transfer_bootstrap_duration_seconds",
+            "Time to resolve a prefill instance: rank table, sessions, verdicts.",
+            ["role"], buckets=_DURATION_BUCKETS, registry=r)
+        self.rooms = Gauge("pd_transfer_rooms", "Rooms by status.", ["role", "state"], registry=r)
+        self.registered_bytes = Gauge(
+            "pd_transfer_registered_bytes", "Bytes registered by the worker, per pool kind.",
+            ["role", "pool"], registry=r)
+        self.inflight_bytes = Gauge(
+            "pd_transfer_inflight_bytes", "Bytes being written to a peer right now.",
+            ["role", "peer"], registry=r)
+        self.peers = Gauge("pd_transfer_peers", "Peers by state (accepted, rejected, lost).",
+                           ["role", "state"], registry=r)
+        self.heartbeat_age = Gauge(
+            "pd_transfer_peer_heartbeat_age_seconds", "Seconds since the peer was last heard.",
+            ["role", "peer"], registry=r)
+        self.verdicts = Counter("pd_transfer_verdicts", "Verdicts by outcome and reason.",
+                                ["role", "outcome", "reason"], registry=r)
+        self.verdict_modes = Counter("pd_transfer_verdict_tensors",
+                                     "Tensor pairs in accepted verdicts, by mode.",
+                                     ["role", "mode"], registry=r)
+        self.aborts = Counter("pd_transfer_aborts", "Aborts by side that started them and reason.",
+                              ["role", "side", "reason"], registry=r)
+        self.heartbeat_misses = Counter("pd_transfer_heartbeat_misses",
+                                        "Peers declared lost after missed heartbeats.",
+                                        ["role", "peer"], registry=r)
+        self.bad_frames = Counter("pd_transfer_bad_frames", "Bad frames received, by reason.",
+                                  ["role", "reason"], registry=r)
+        self.build_info = Gauge("pd_transfer_build_info", "Version of this sidecar.",
+                                ["version", "protocol_version"], registry=r)
+        self.build_info.labels(__version__, f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}").set(1)
+
+
+METRIC_NAMES = (
+    "pd_transfer_transfers_total", "pd_transfer_transfer_failures_total",
+    "pd_transfer_transfer_duration_seconds", "pd_transfer_transfer_bytes",
+    "pd_transfer_transfer_throughput_bytes_per_second", "pd_transfer_transfer_descriptors",
+    "pd_transfer_bootstrap_duration_seconds", "pd_transfer_rooms", "pd_transfer_registered_bytes",
+    "pd_transfer_inflight_bytes", "pd_transfer_peers", "pd_transfer_peer_heartbeat_age_seconds",
+    "pd_transfer_verdicts_total", "pd_transfer_verdict_tensors_total", "pd_transfer_aborts_total",
+    "pd_transfer_heartbeat_misses_total", "pd_transfer_bad_frames_total", "pd_transfer_build_info",
+)

@@ -1,0 +1,184 @@
+"""Compiling a checked plan into copy tasks for the engine's workers. numpy only.
+
+Runs are grouped into *stretches*: runs of one batch that fill consecutive
+destination bytes. Three kinds of task:
+
+- :class:`CopyRun`: a long stretch that is one source run, one memcpy;
+- :class:`TakeInto`: a long stretch of several source runs, gathered straight
+  into the destination with ``np.take(src_rows, idx, out=dst_stretch)``;
+- :class:`Bounce`: short stretches, a chunk at a time: ``np.take`` gathers
+  their source rows into a bounce buffer (small enough to stay in cache),
+  ``np.put`` scatters the buffer by destination rows.
+
+Rows: a region is viewed as opaque items of ``g`` bytes (numpy void), so one
+take or put moves a whole row with one memmove. ``g`` is per batch: the gcd of
+the batch's source offsets and lengths (``gs``) or of its stretches'
+destination offsets and lengths (``gd``). Everything is computed for all
+batches at once (``np.gcd.reduceat``, repeat/cumsum); Python loops only over
+tasks, about one per megabyte.
+
+Why numpy and not torch: ``torch.index_select`` is as fast on one thread but
+uses OpenMP across cores, and on a busy 2-core host one call of a few hundred
+microseconds then waits milliseconds for a descheduled team thread. numpy's
+take/put run on the calling thread only; the engine spreads tasks over its own
+threads. ``mode="clip"`` on take: the default "raise" copies the output once
+more, and every index was bounds-checked before compiling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pd_transfer.transport.regions import Mapped
+from pd_transfer.transport.runs import Flat, Items, capped_rows, dst_items, item_groups, rows_of
+
+ROW_CAP_NBYTES = 1 << 20
+
+
+class Scratch:
+    """A worker thread's bounce buffer."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.array = np.empty(nbytes, np.uint8)
+
+
+@dataclass(frozen=True)
+class CopyRun:
+    src: np.ndarray
+    dst: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return self.dst.size
+
+    def run(self, scratch: Scratch) -> None:
+        np.copyto(self.dst, self.src)
+
+
+@dataclass(frozen=True)
+class TakeInto:
+    src_rows: np.ndarray
+    index: np.ndarray
+    dst: np.ndarray  # the stretch, as rows of the source row size
+
+    @property
+    def nbytes(self) -> int:
+        return self.dst.nbytes
+
+    def run(self, scratch: Scratch) -> None:
+        np.take(self.src_rows, self.index, out=self.dst, mode="clip")
+
+
+@dataclass(frozen=True)
+class Bounce:
+    src_rows: np.ndarray
+    src_index: np.ndarray
+    dst_rows: np.ndarray
+    dst_index: np.ndarray
+    nbytes: int
+
+    def run(self, scratch: Scratch) -> None:
+        buf = scratch.array[: self.nbytes]
+        np.take(self.src_rows, self.src_index, out=buf.view(self.src_rows.dtype), mode="clip")
+        np.put(self.dst_rows, self.dst_index, buf.view(self.dst_rows.dtype))
+
+
+def compile_tasks(flat: Flat, src: dict[str, Mapped], dst: dict[str, Mapped], *,
+                  stretch_nbytes: int, bounce_nbytes: int) -> list:
+    """Tasks that together copy every piece of ``flat`` (already bounds-checked)."""
+    items = dst_items(flat)
+    if not len(items):
+        return []
+    starts = item_groups(items)
+    group_nbytes = np.add.reduceat(items.nbytes, starts)
+    group_items = np.diff(np.append(starts, len(items)))
+    long = group_nbytes >= stretch_nbytes
+    tasks: list = []
+    if long.any():
+        tasks += _stretch_tasks(items, starts[long], group_items[long], group_nbytes[long],
+                                flat.batches, src, dst)
+    if not long.all():
+        short = items if not long.any() else items.take(np.repeat(~long, group_items))
+        short_starts = np.cumsum(group_items[~long]) - group_items[~long]
+        tasks += _bounce_tasks(short, short_starts, group_nbytes[~long], flat.batches,
+                               src, dst, bounce_nbytes)
+    return tasks
+
+
+def _source_gcd(items: Items) -> np.ndarray:
+    """Per item: the gcd of its source offset, piece length and (for several pieces) stride."""
+    return np.gcd(np.gcd(items.src_offset, items.piece_nbytes),
+                  np.where(items.count > 1, items.src_stride, 0))
+
+
+def _source_rows(items: Items, row: np.ndarray) -> np.ndarray:
+    """Source row indices of every item's pieces, rows of ``row[i]`` bytes for item ``i``."""
+    offsets, nbytes = items.source_offsets()
+    if int(row.min()) == int(row.max()):
+        return rows_of(offsets, nbytes, int(row[0]))
+    return rows_of(offsets, nbytes, np.repeat(row, items.count))
+
+
+def _stretch_tasks(items: Items, starts: np.ndarray, counts: np.ndarray, nbytes: np.ndarray,
+                   batches: tuple, src: dict[str, Mapped], dst: dict[str, Mapped]) -> list:
+    first = np.cumsum(counts) - counts
+    members = np.repeat(starts - first, counts) + np.arange(int(counts.sum()))
+    mine = items.take(members)
+    row = capped_rows(np.gcd.reduceat(_source_gcd(mine), first), ROW_CAP_NBYTES)
+    index = _source_rows(mine, np.repeat(row, counts))
+    index_end = np.cumsum(nbytes // row)
+    tasks = []
+    for g, (start, count) in enumerate(zip(starts.tolist(), counts.tolist())):
+        batch = batches[int(items.batch[start])]
+        s, d = src[batch.src_region], dst[batch.dst_region]
+        at, n = int(items.dst_offset[start]), int(nbytes[g])
+        if count == 1 and int(items.count[start]) == 1:
+            offset = int(items.src_offset[start])
+            tasks.append(CopyRun(s.array[offset:offset + n], d.array[at:at + n]))
+        else:
+            size, stop = int(row[g]), int(index_end[g])
+            tasks.append(TakeInto(s.void_rows(size), index[stop - n // size:stop],
+                                  d.array[at:at + n].view(np.dtype((np.void, size)))))
+    return tasks
+
+
+def _bounce_tasks(items: Items, group_starts: np.ndarray, group_nbytes: np.ndarray,
+                  batches: tuple, src: dict[str, Mapped], dst: dict[str, Mapped],
+                  bounce_nbytes: int) -> list:
+    group_offset = items.dst_offset[group_starts]
+    group_batch = items.batch[group_starts]
+    # per batch: source rows (gs) and destination rows (gd)
+    item_first = np.flatnonzero(np.concatenate(([True], items.batch[1:] != items.batch[:-1])))
+    group_first = np.flatnonzero(np.concatenate(([True], group_batch[1:] != group_batch[:-1])))
+    gs = capped_rows(np.gcd.reduceat(_source_gcd(items), item_first), ROW_CAP_NBYTES)
+    gd = capped_rows(np.gcd.reduceat(np.gcd(group_offset, group_nbytes), group_first),
+                     ROW_CAP_NBYTES)
+    gs_item = np.repeat(gs, np.diff(np.append(item_first, len(items))))
+    gd_group = np.repeat(gd, np.diff(np.append(group_first, len(group_starts))))
+    src_index = _source_rows(items, gs_item)
+    dst_index = rows_of(group_offset, group_nbytes, gd_group)
+    src_before = np.concatenate(([0], np.cumsum(items.nbytes // gs_item)))
+    dst_before = np.concatenate(([0], np.cumsum(group_nbytes // gd_group)))
+    # chunks: the stretches of one batch whose start falls in one bounce-sized
+    # window; a chunk ends on a stretch boundary, a row boundary on both sides
+    end = np.cumsum(group_nbytes)
+    start = end - group_nbytes
+    batch_start = np.repeat(start[group_first], np.diff(np.append(group_first, len(group_starts))))
+    window = (start - batch_start) // bounce_nbytes
+    chunk_first = np.flatnonzero(np.concatenate(
+        ([True], (group_batch[1:] != group_batch[:-1]) | (window[1:] != window[:-1]))))
+    chunk_stop = np.append(chunk_first[1:], len(group_starts))  # one past the last group
+    item_stop = np.append(group_starts, len(items))
+    ordinal = np.searchsorted(group_first, chunk_first, side="right") - 1
+    tasks = []
+    for g0, g1, b in zip(chunk_first.tolist(), chunk_stop.tolist(), ordinal.tolist()):
+        batch = batches[int(group_batch[g0])]
+        tasks.append(Bounce(
+            src[batch.src_region].void_rows(int(gs[b])),
+            src_index[src_before[group_starts[g0]]:src_before[item_stop[g1]]],
+            dst[batch.dst_region].void_rows(int(gd[b])),
+            dst_index[dst_before[g0]:dst_before[g1]],
+            int(end[g1 - 1] - start[g0])))
+    return tasks

@@ -1,0 +1,104 @@
+"""Operators' view: /metrics counters move with the right labels, /readyz follows the peers."""
+
+import json
+import time
+
+import numpy as np
+from cluster import Cluster
+from prometheus_client.parser import text_string_to_metric_families
+
+from pd_transfer.client import RoomStatus
+from pd_transfer.layout.geometry import Role
+from pd_transfer.layout.presets import model_from_table
+from pd_transfer.layout.rank_builder import build_instance
+from pd_transfer.layout.views import Layout, Pool
+from pd_transfer.metrics import METRIC_NAMES
+
+TINY = {"name": "tiny", "num_layers": 2, "layer_cycle": ["attention"],
+        "attention": {"num_kv_heads": 4, "head_dim": 8}}
+
+
+def _ranks(role, tp, **kwargs):
+    shape = {"page_size": 4, "kv_layout": Layout.NHD, "num_pages": 8, "num_aux_rows": 2, **kwargs}
+    return build_instance(model_from_table(dict(TINY), "tiny"), role, tp, **shape)
+
+
+def _samples(text: str) -> list:
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def _value(samples, name, **labels) -> float:
+    return sum(s.value for s in samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def _wait_status(cluster, rank, code, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status, body = cluster.http(rank, "/readyz")
+        if status == code or time.monotonic() > deadline:
+            return status, json.loads(body)
+        time.sleep(0.05)
+
+
+def test_metrics_count_transfers_aborts_and_rejections_with_labels(cluster_factory):
+    prefill, decode = _ranks(Role.PREFILL, 1), _ranks(Role.DECODE, 1)
+    cluster = cluster_factory(prefill, decode)
+    requests = {Pool.KV: (np.array([0, 1]), np.array([2, 3])), Pool.AUX: (np.array([0]), np.array([1]))}
+    for room in (1, 2):
+        cluster.expect(room, requests)
+        cluster.send(room, requests)
+        assert cluster.wait_decode(room)[decode[0].rank_id].status is RoomStatus.SUCCESS
+    client = cluster.clients[decode[0].rank_id]
+    client.expect(3, cluster.bootstrap, [4])
+    while client.poll(3).status is RoomStatus.BOOTSTRAPPING:
+        time.sleep(0.02)
+    assert client.abort(3) is True
+    bad = Cluster(cluster.workdir, [], _ranks(Role.DECODE, 1, kv_dtype="float16"))
+    try:
+        bad.clients[bad.decode[0].rank_id].expect(9, cluster.bootstrap, [0])
+        assert bad.clients[bad.decode[0].rank_id].wait(9, 5).code_text == "peer_rejected"
+    finally:
+        bad.close()
+
+    status, text = cluster.http(prefill[0].rank_id, "/metrics")
+    assert status == 200
+    p = _samples(text)
+    peer = decode[0].rank_id
+    assert _value(p, "pd_transfer_transfers_total", role="prefill", peer=peer, outcome="success",
+                  transport="shm", mode="sliced") == 0  # same TP: not sliced
+    assert _value(p, "pd_transfer_transfers_total", role="prefill", peer=peer, outcome="success",
+                  transport="shm") == 2
+    assert _value(p, "pd_transfer_aborts_total", role="prefill", side="decode", reason="aborted") == 1
+    assert _value(p, "pd_transfer_transfer_failures_total", role="prefill", peer=peer, reason="aborted") == 1
+    assert _value(p, "pd_transfer_verdicts_total", role="prefill", outcome="accepted") == 1
+    assert _value(p, "pd_transfer_verdicts_total", role="prefill", outcome="rejected",
+                  reason="dtype_mismatch") == 1
+    assert _value(p, "pd_transfer_peers", role="prefill", state="rejected") == 1
+    assert _value(p, "pd_transfer_transfer_bytes_count", role="prefill") == 2
+    assert _value(p, "pd_transfer_build_info") == 1
+    families = {f.name for f in text_string_to_metric_families(text)}
+    assert {name.removesuffix("_total") for name in METRIC_NAMES} <= families
+    d = _samples(cluster.http(decode[0].rank_id, "/metrics")[1])
+    assert _value(d, "pd_transfer_aborts_total", role="decode", side="decode") == 1
+    assert _value(d, "pd_transfer_rooms", role="decode", state="success") == 2
+
+
+def test_readyz_turns_ready_when_the_peer_is_accepted_and_back_when_it_is_lost(cluster_factory):
+    prefill, decode = _ranks(Role.PREFILL, 1), _ranks(Role.DECODE, 1)
+    cluster = cluster_factory(prefill, decode, decode_config={"prefill_bootstraps": "this"},
+                              attach=False)
+    status, body = cluster.http(decode[0].rank_id, "/readyz")
+    assert status == 503
+    assert json.loads(body)["reasons"][0] == "the worker has not registered its pools"
+    cluster.attach_all()
+    status, body = _wait_status(cluster, decode[0].rank_id, 200)
+    assert status == 200 and body == {"ready": True, "reasons": []}
+    assert cluster.http(decode[0].rank_id, "/healthz")[0] == 200
+    cluster.sidecars[prefill[0].rank_id].kill()
+    status, body = _wait_status(cluster, decode[0].rank_id, 503)
+    assert status == 503
+    assert any("lost" in r or "no answer" in r or "incomplete" in r for r in body["reasons"]), body
+    status_doc = json.loads(cluster.http(decode[0].rank_id, "/status")[1])
+    assert status_doc["role"] == "decode" and status_doc["ready"] is False
+    assert any(p["peer"] == prefill[0].rank_id and p["state"] == "lost" for p in status_doc["peers"])
