@@ -63,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(handler=_cmd_plan)
     _add_serve(sub)
     _add_demo(sub)
+    status = sub.add_parser(
+        "status", help="print a running sidecar's peers, verdicts and live rooms",
+        description="Read a sidecar's /status endpoint and print it as tables.",
+        epilog="exit codes: 0 ready, 1 not ready, 2 cannot reach the sidecar")
+    status.add_argument("--addr", required=True, metavar="HOST:PORT",
+                        help="the sidecar's HTTP address (http_host:http_port, e.g. 127.0.0.1:9400)")
+    status.add_argument("--json", action="store_true", help="print the raw JSON document")
+    status.set_defaults(handler=_cmd_status)
     return parser
 
 
@@ -173,6 +181,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return EXIT_OK
     configure_logging(args.log_level, args.log_format)
     return serve(config)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    from pd_transfer.status_view import fetch_status, render_status
+    status = fetch_status(args.addr)
+    print(json.dumps(status, indent=1) if args.json else render_status(status))
+    return EXIT_OK if status["ready"] else EXIT_REJECTED
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -245,7 +245,8 @@ class DecodeSide:
     def _fail(self, room: DecodeRoom, reason: Reason, text: str, *, drained: bool = False) -> None:
         if not room.fail(reason, text):
             return
-        log.warning("decode: %s", text)
+        log.warning("decode: %s", text,
+                    extra={"room": room.room, "peer": ",".join(room.sources) or room.bootstrap})
         for source in room.sources or ["-"]:
             if source not in room.done_from or reason is not Reason.ABORTED:
                 self.sidecar.observe.transfer_failed(source, reason.value)

@@ -169,14 +169,15 @@ class PrefillSide:
                      .lower() or "-", modes=modes)
         observe.verdict(True)
         observe.verdict_modes({m: modes.count(m) for m in set(modes)})
-        log.info("prefill: accepted %s (feeds decode tp ranks %s)", peer.rank_id, peer.fed)
+        log.info("prefill: accepted %s (feeds decode tp ranks %s)", peer.rank_id, peer.fed,
+                 extra={"peer": peer.rank_id})
         await peer.channel.send(Verdict(accepted=True, plan=self._plan_summary(recon, decode_geometry)))
 
     async def _reject(self, peer: DecodePeer, headline: str, mismatches: list[MismatchRecord]) -> None:
         self.sidecar.observe.peer(peer.rank_id, "rejected", headline)
         self.sidecar.observe.verdict(False, mismatches[0].code.value if mismatches else "")
         log.warning("prefill: rejected %s: %s", peer.rank_id,
-                    "; ".join(m.render() for m in mismatches[:8]))
+                    "; ".join(m.render() for m in mismatches[:8]), extra={"peer": peer.rank_id})
         await peer.channel.send(Verdict(accepted=False, headline=headline, mismatches=tuple(mismatches)))
 
     def _plan_summary(self, recon: Reconciliation, decode_geometry: RankGeometry) -> tuple[PoolPlan, ...]:
@@ -328,7 +329,9 @@ class PrefillSide:
                         lock_held: Target | None = None) -> None:
         if not room.fail(reason, text):
             return
-        log.warning("prefill: room %d failed: %s", room.room, text)
+        peers = ",".join(t.peer.rank_id for t in room.targets.values()) or "-"
+        log.warning("prefill: room %d failed: %s", room.room, text,
+                    extra={"room": room.room, "peer": peers})
         for target in room.targets.values():
             if target.writes and not target.succeeded:
                 self.sidecar.observe.transfer_failed(target.peer.rank_id, reason.value)

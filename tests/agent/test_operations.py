@@ -102,3 +102,23 @@ def test_readyz_turns_ready_when_the_peer_is_accepted_and_back_when_it_is_lost(c
     status_doc = json.loads(cluster.http(decode[0].rank_id, "/status")[1])
     assert status_doc["role"] == "decode" and status_doc["ready"] is False
     assert any(p["peer"] == prefill[0].rank_id and p["state"] == "lost" for p in status_doc["peers"])
+
+
+def test_status_command_prints_peers_and_rooms(cluster_factory):
+    import subprocess
+    import sys
+    prefill, decode = _ranks(Role.PREFILL, 1), _ranks(Role.DECODE, 1)
+    cluster = cluster_factory(prefill, decode)
+    requests = {Pool.KV: (np.array([0]), np.array([1]))}
+    cluster.expect(4, requests)
+    cluster.send(4, requests)
+    assert cluster.wait_decode(4)[decode[0].rank_id].status is RoomStatus.SUCCESS
+    address = cluster.ready[prefill[0].rank_id]["http_address"].removeprefix("http://")
+    result = subprocess.run([sys.executable, "-m", "pd_transfer.cli", "status", "--addr", address],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert "(prefill, rank prefill[pp0,tp0]): ready" in result.stdout
+    assert "decode[pp0,tp0]" in result.stdout and "accepted" in result.stdout
+    unreachable = subprocess.run([sys.executable, "-m", "pd_transfer.cli", "status", "--addr",
+                                  "127.0.0.1:1"], capture_output=True, text=True, timeout=30)
+    assert unreachable.returncode == 2 and "cannot read http://127.0.0.1:1/status" in unreachable.stderr

@@ -80,7 +80,7 @@ def test_close_with_live_views_keeps_them_readable(name):
     segment.unlink()
     assert int(view[0]) == 9  # the mapping stays until its last view goes; no fault
     with pytest.raises(TransportError):
-        segment.array
+        _ = segment.array
 
 
 def test_a_second_process_writes_into_the_segment_by_name(name):
