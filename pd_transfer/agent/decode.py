@@ -152,17 +152,17 @@ class DecodeSide:
         try:
             verdict = await asyncio.wait_for(asyncio.shield(peer.verdict), self.config.bootstrap_timeout_s)
         except TimeoutError:
-            self.sidecar.observe.peer(peer.rank_id, "rejected", "no verdict in time")
+            self.sidecar.observe.peer(peer.rank_id, "rejected", "no verdict in time", peer.channel)
             raise PdTransferError(f"no verdict from {peer.rank_id} within "
                                   f"{self.config.bootstrap_timeout_s:.1f} s",
                                   code=Reason.BOOTSTRAP_FAILED) from None
         self.sidecar.observe.verdict(verdict.accepted,
                                      verdict.mismatches[0].code.value if verdict.mismatches else "")
         if verdict.accepted:
-            self.sidecar.observe.peer(peer.rank_id, "accepted", transport="-",
+            self.sidecar.observe.peer(peer.rank_id, "accepted", channel=peer.channel, transport="-",
                                       modes=[p.mode.value for p in verdict.plan])
         if not verdict.accepted:
-            self.sidecar.observe.peer(peer.rank_id, "rejected", verdict.headline)
+            self.sidecar.observe.peer(peer.rank_id, "rejected", verdict.headline, peer.channel)
             lines = [verdict.headline or f"{peer.rank_id} rejected this decode rank"]
             lines += [f"  - {m.render()}" for m in verdict.mismatches]
             hints = dict.fromkeys(m.hint for m in verdict.mismatches if m.hint)

@@ -23,7 +23,8 @@ _MODE_ORDER = ("sliced", "replicated", "converted", "direct")
 
 @dataclass
 class PeerRecord:
-    peer: str
+    peer: str                  # the peer's rank id (also the metrics label)
+    key: str = ""              # rank id and agent id: two sidecars may claim one rank id
     state: str = "connecting"
     reason: str = ""
     channel: object = None
@@ -41,8 +42,9 @@ class Observer:
 
     # -- events ---------------------------------------------------------------------
     def peer(self, peer: str, state: str, reason: str = "", channel=None, *, transport: str = "",
-             modes: list[str] | None = None) -> None:
-        record = self.peers.setdefault(peer, PeerRecord(peer))
+             modes: list[str] | None = None, key: str = "") -> None:
+        key = key or (channel.label if channel is not None else "") or self._key_of(peer)
+        record = self.peers.setdefault(key, PeerRecord(peer, key))
         record.state, record.reason = state, reason
         if channel is not None:
             record.channel = channel
@@ -50,6 +52,15 @@ class Observer:
             record.transport = transport
         if modes:
             record.mode = next((m for m in _MODE_ORDER if m in modes), modes[0])
+
+    def _key_of(self, peer: str) -> str:
+        """The record of ``peer`` (a rank id) that was touched last, else the rank id."""
+        matches = [k for k, r in self.peers.items() if r.peer == peer]
+        return matches[-1] if matches else peer
+
+    def _record_of(self, peer: str) -> PeerRecord:
+        accepted = [r for r in self.peers.values() if r.peer == peer and r.state == "accepted"]
+        return accepted[-1] if accepted else self.peers.get(self._key_of(peer), PeerRecord(peer))
 
     def verdict(self, accepted: bool, reason: str = "") -> None:
         self.metrics.verdicts.labels(self.role, "accepted" if accepted else "rejected",
@@ -60,7 +71,7 @@ class Observer:
             self.metrics.verdict_modes.labels(self.role, mode).inc(count)
 
     def transfer_done(self, peer: str, nbytes: int, descriptors: int, seconds: float) -> None:
-        record = self.peers.get(peer, PeerRecord(peer))
+        record = self._record_of(peer)
         m, role = self.metrics, self.role
         m.transfers.labels(role, peer, record.transport or "-", record.mode or "-", "success").inc()
         m.duration.labels(role).observe(seconds)
@@ -72,7 +83,7 @@ class Observer:
             m.throughput.labels(role).observe(nbytes / seconds)
 
     def transfer_failed(self, peer: str, reason: str) -> None:
-        record = self.peers.get(peer, PeerRecord(peer))
+        record = self._record_of(peer)
         self.metrics.transfers.labels(self.role, peer, record.transport or "-", record.mode or "-",
                                       "failed").inc()
         self.metrics.failures.labels(self.role, peer, reason).inc()
@@ -80,12 +91,18 @@ class Observer:
     def abort(self, side: str, reason: str) -> None:
         self.metrics.aborts.labels(self.role, side, reason).inc()
 
-    def lost(self, peer: str, silent_s: float) -> None:
+    def lost(self, peer: str, silent_s: float, channel=None) -> None:
         self.metrics.heartbeat_misses.labels(self.role, peer).inc()
-        self.peer(peer, "lost", f"no heartbeat for {silent_s:.1f} s")
+        key = (channel.label if channel is not None else "") or self._key_of(peer)
+        if key in self.peers and self.peers[key].state == "rejected":
+            return  # a rejected peer that went away stays rejected: that is what to fix
+        self.peer(peer, "lost", f"no heartbeat for {silent_s:.1f} s", channel)
 
     def bad_frame(self, reason: str) -> None:
         self.metrics.bad_frames.labels(self.role, reason).inc()
+
+    def auth_failure(self, reason: str) -> None:
+        self.metrics.auth_failures.labels(self.role, reason).inc()
 
     def bootstrap(self, seconds: float) -> None:
         self.metrics.bootstrap.labels(self.role).observe(seconds)

@@ -165,8 +165,9 @@ class PrefillSide:
         peer.accepted = True
         observe = self.sidecar.observe
         modes = [v.mode.value for v in recon.verdicts]
-        observe.peer(peer.rank_id, "accepted", transport=type(peer.link).__name__.removesuffix("Link")
-                     .lower() or "-", modes=modes)
+        observe.peer(peer.rank_id, "accepted", channel=peer.channel,
+                     transport=type(peer.link).__name__.removesuffix("Link").lower() or "-",
+                     modes=modes)
         observe.verdict(True)
         observe.verdict_modes({m: modes.count(m) for m in set(modes)})
         log.info("prefill: accepted %s (feeds decode tp ranks %s)", peer.rank_id, peer.fed,
@@ -174,7 +175,7 @@ class PrefillSide:
         await peer.channel.send(Verdict(accepted=True, plan=self._plan_summary(recon, decode_geometry)))
 
     async def _reject(self, peer: DecodePeer, headline: str, mismatches: list[MismatchRecord]) -> None:
-        self.sidecar.observe.peer(peer.rank_id, "rejected", headline)
+        self.sidecar.observe.peer(peer.rank_id, "rejected", headline, peer.channel)
         self.sidecar.observe.verdict(False, mismatches[0].code.value if mismatches else "")
         log.warning("prefill: rejected %s: %s", peer.rank_id,
                     "; ".join(m.render() for m in mismatches[:8]), extra={"peer": peer.rank_id})

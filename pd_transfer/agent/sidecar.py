@@ -22,9 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import zmq
-import zmq.asyncio
-
+from pd_transfer.agent.auth import SecureContext, Security
 from pd_transfer.agent.bootstrap import BootstrapServer, fetch_table
 from pd_transfer.agent.channels import Channel, IncomingChannels
 from pd_transfer.agent.dataplane import DataPlane
@@ -46,12 +44,16 @@ _HEARTBEAT_STATES = {SessionState.GREETED, SessionState.REGISTERING, SessionStat
 
 
 class Sidecar:
-    def __init__(self, config: SidecarConfig, drain_s: float = 5.0) -> None:
+    def __init__(self, config: SidecarConfig, drain_s: float = 5.0,
+                 security: Security | None = None) -> None:
         self.config = config
         self.drain_s = drain_s
-        self.context = zmq.asyncio.Context()
+        # every socket made from this context finds the secret and keys (agent/auth.py)
+        self.security = security or Security.from_config(config)
+        self.context = SecureContext(self.security)
         self.rooms = RoomTable(config.room_ttl_s, config.max_rooms)
         self.observe = Observer(self)
+        self.security.on_failure = self.observe.auth_failure
         self.geometry: RankGeometry | None = None
         self.handles: dict[str, str] = {}
         self.pp_size = 1
@@ -90,6 +92,7 @@ class Sidecar:
         await self.http.start()
         self._spawn(self._timers())
         self._write_ready_file()
+        self.security.log_mode()
         log.info("%s sidecar %s serving: worker %s, control %s", self.config.role.value,
                  self.config.agent_id, self.config.worker_endpoint,
                  self.control.address if self.control else "-")
@@ -185,11 +188,10 @@ class Sidecar:
         if geometry.role is not self.config.role:
             raise PdTransferError(f"a {geometry.role.value} worker registered with a "
                                   f"{self.config.role.value} sidecar", code=Reason.ROLE_MISMATCH)
-        check_geometry(geometry)
         handles = {str(k): str(v) for k, v in request["handles"].items()}
-        missing = [r.id for r in geometry.regions if r.id not in handles]
-        if missing:
-            raise PdTransferError(f"no segment handle for region(s) {missing}", code=Reason.BAD_FIELD)
+        # the whole registration, handles included: a missing or shared segment is refused
+        # here, with the field at fault, before a single segment is mapped
+        check_geometry(geometry, handles)
         await self.dataplane.map_local(geometry, handles)
         self.geometry, self.handles = geometry, handles
         self.pp_size = request["pp_size"]
@@ -249,7 +251,7 @@ class Sidecar:
             self.watch(channel, lambda silent, ch=channel: self.side.on_peer_lost(ch, silent))
 
     def _lost(self, channel: Channel, on_lost: Callable[[float], None], silent_s: float) -> None:
-        self.observe.lost(getattr(channel, "peer_rank", "") or channel.label, silent_s)
+        self.observe.lost(getattr(channel, "peer_rank", "") or channel.label, silent_s, channel)
         log.warning("peer %s lost: no heartbeat for %.1f s", channel.label, silent_s)
         on_lost(silent_s)
 
