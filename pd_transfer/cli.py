@@ -63,6 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(handler=_cmd_plan)
     _add_serve(sub)
     _add_demo(sub)
+    keygen = sub.add_parser(
+        "keygen", help="write a CURVE keypair and a shared secret for a deployment",
+        description="Write curve.key (CURVE secret key, Z85), curve.pub (its public key) and "
+                    "secret (a 32-byte shared secret, hex) into DIR, each with mode 0600. Point "
+                    "curve_secret_key_file at curve.key and secret_file at secret on every "
+                    "sidecar; give workers the same secret file (PD_TRANSFER_SECRET_FILE).",
+        epilog="exit codes: 0 written, 2 a file exists (see --force) or DIR is unwritable")
+    keygen.add_argument("--out", required=True, metavar="DIR", help="directory to write the keys to")
+    keygen.add_argument("--force", action="store_true", help="replace existing key files")
+    keygen.set_defaults(handler=_cmd_keygen)
     status = sub.add_parser(
         "status", help="print a running sidecar's peers, verdicts and live rooms",
         description="Read a sidecar's /status endpoint and print it as tables.",
@@ -82,7 +92,12 @@ def _add_serve(sub) -> None:
                     "prefill rank 0 serves the rank table on --bootstrap, the other prefill "
                     "ranks announce themselves there, decode finds it from each request. "
                     "Flags override the [sidecar] table of --config. SIGINT/SIGTERM drains; "
-                    "a second one stops at once.",
+                    "a second one stops at once. "
+                    "Authentication: peers and workers prove a shared secret read from the file "
+                    "secret_file (or PD_TRANSFER_SECRET_FILE) or from PD_TRANSFER_SECRET; there "
+                    "is deliberately no --secret flag, since any user can read a command line. "
+                    "Without a secret, authentication is off (a warning says so); "
+                    "require_auth = true makes that an error.",
         epilog="exit codes: 0 stopped, 2 invalid config, 3 could not start")
     serve.add_argument("--role", choices=["prefill", "decode"], help="which side this worker is")
     serve.add_argument("--config", metavar="FILE", help="TOML file with a [sidecar] table")
@@ -177,10 +192,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = load_sidecar_config(args.config, overrides)
     if args.print_config:
         from pd_transfer.config import render_toml
-        print(render_toml(config), end="")
+        print(render_toml(config), end="")  # secret_file is a path; the secret is never printed
         return EXIT_OK
+    from pd_transfer.agent.auth import Security
+    security = Security.from_config(config)  # an unusable secret or key is invalid config (2)
     configure_logging(args.log_level, args.log_format)
-    return serve(config)
+    return serve(config, security)
+
+
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    from pd_transfer.security.curve import write_keys
+    try:
+        paths = write_keys(args.out, force=args.force)
+    except OSError as err:
+        raise ConfigError(f"keygen: cannot write to {args.out}: {err.strerror}") from None
+    for path in paths:
+        print(path)
+    return EXIT_OK
 
 
 def _cmd_status(args: argparse.Namespace) -> int:

@@ -57,6 +57,10 @@ class SidecarConfig:
     room_ttl_s: float = 120.0             # terminal rooms kept for late polls
     max_rooms: int = 4096                 # live rooms at most; more are refused
     max_inflight_nbytes: int = 256 * 1024 * 1024  # tcp: unacknowledged bytes per peer
+    secret_file: str = ""                 # shared secret of peers and workers (never the secret itself)
+    require_auth: bool = False            # true: refuse to start without a shared secret
+    curve_secret_key_file: str = ""       # CURVE secret key (Z85): encrypts the sockets this sidecar binds
+    curve_server_key: str = ""            # CURVE public key of the sidecars it connects to (default: own)
 
     def __post_init__(self) -> None:
         if not self.agent_id:
@@ -100,6 +104,9 @@ def load_sidecar_config(path: str | None, overrides: dict[str, Any],
     return sidecar_config_from(values, source)
 
 
+_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
 def _from_environ(environ: dict[str, str]) -> dict[str, Any]:
     """Typed values of the ``PD_TRANSFER_*`` variables naming config fields."""
     values: dict[str, Any] = {}
@@ -118,6 +125,8 @@ def _from_environ(environ: dict[str, str]) -> dict[str, Any]:
                 values[name] = int(text)
             elif kind == "float":
                 values[name] = float(text)
+            elif kind == "bool":
+                values[name] = _BOOLS.get(text.strip().lower(), text)
             elif kind.startswith("tuple"):
                 values[name] = [part.strip() for part in text.split(",") if part.strip()]
             else:
@@ -171,6 +180,8 @@ def _check(name: str, value: Any) -> str:
     if name == "transport":
         return "" if value in TRANSPORTS else f"{value!r} is not one of {list(TRANSPORTS)}"
     kind = _FIELDS[name].type
+    if kind == "bool":
+        return "" if isinstance(value, bool) else f"expected true or false, got {value!r}"
     if kind in ("int", "float"):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or \
                 (kind == "int" and not isinstance(value, int)):

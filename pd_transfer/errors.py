@@ -17,6 +17,8 @@ a protocol change.
     │                               (page-granular copies on strided pages)
     ├── TransportError              a data plane cannot move bytes (run outside a
     │                               region, segment missing, peer refused a chunk)
+    ├── AuthError                   a peer or worker failed authentication, or we
+    │                               failed theirs; .reply is the frame to send back
     └── ProtocolError               a frame or message breaks the wire protocol;
         │                           .path names the field (``$.register...``)
         ├── LocalProtocolError      we tried to send something illegal (a bug
@@ -97,6 +99,10 @@ class Reason(enum.Enum):
     TRANSFER_INCOMPLETE = "transfer_incomplete"      # the receiver counted other bytes than sent
     LINK_CLOSED = "link_closed"
     TRANSPORT_UNSUPPORTED = "transport_unsupported"  # the peer offers no handle for this transport
+    # authentication (pd_transfer.security)
+    AUTH_FAILED = "auth_failed"                  # a handshake proof did not verify (wrong key, tampered)
+    AUTH_REPLAYED = "auth_replayed"              # a handshake nonce was used before
+    UNAUTHENTICATED = "unauthenticated"          # a frame before the handshake finished (no key)
 
 
 @dataclass(frozen=True)
@@ -167,6 +173,21 @@ class TransportError(PdTransferError):
     """A data plane could not move (all of) a plan's bytes; ``code`` says why."""
 
     default_code = Reason.TRANSPORT_FAILED
+
+
+class AuthError(PdTransferError):
+    """A handshake failed: wrong key, tampered or replayed proof, or no handshake at all.
+
+    ``reply`` is the frame to send back to the peer (bytes of an auth result
+    that says why), or None when nothing should be sent.
+    """
+
+    default_code = Reason.AUTH_FAILED
+
+    def __init__(self, message: str, *, code: Reason | None = None, hint: str = "",
+                 reply: bytes | None = None) -> None:
+        super().__init__(message, code=code, hint=hint)
+        self.reply = reply
 
 
 class ReconcileError(PdTransferError):

@@ -75,6 +75,9 @@ class SidecarMetrics:
                                         ["role", "peer"], registry=r)
         self.bad_frames = Counter("pd_transfer_bad_frames", "Bad frames received, by reason.",
                                   ["role", "reason"], registry=r)
+        self.auth_failures = Counter(
+            "pd_transfer_auth_failures", "Refused or failed authentication handshakes, and frames "
+            "sent before one, by reason.", ["role", "reason"], registry=r)
         self.build_info = Gauge("pd_transfer_build_info", "Version of this sidecar.",
                                 ["version", "protocol_version"], registry=r)
         self.build_info.labels(__version__, f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}").set(1)
@@ -87,5 +90,6 @@ METRIC_NAMES = (
     "pd_transfer_bootstrap_duration_seconds", "pd_transfer_rooms", "pd_transfer_registered_bytes",
     "pd_transfer_inflight_bytes", "pd_transfer_peers", "pd_transfer_peer_heartbeat_age_seconds",
     "pd_transfer_verdicts_total", "pd_transfer_verdict_tensors_total", "pd_transfer_aborts_total",
-    "pd_transfer_heartbeat_misses_total", "pd_transfer_bad_frames_total", "pd_transfer_build_info",
+    "pd_transfer_heartbeat_misses_total", "pd_transfer_bad_frames_total",
+    "pd_transfer_auth_failures_total", "pd_transfer_build_info",
 )

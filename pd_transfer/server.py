@@ -10,6 +10,7 @@ import logging
 
 import zmq
 
+from pd_transfer.agent.auth import Security
 from pd_transfer.agent.runner import run_until_stopped
 from pd_transfer.agent.sidecar import Sidecar
 from pd_transfer.config import SidecarConfig
@@ -20,8 +21,8 @@ EXIT_STARTUP_FAILED = 3
 log = logging.getLogger(__name__)
 
 
-def serve(config: SidecarConfig) -> int:
-    sidecar = Sidecar(config)
+def serve(config: SidecarConfig, security: Security | None = None) -> int:
+    sidecar = Sidecar(config, security=security)
     try:
         run_until_stopped(sidecar)
     except (zmq.ZMQError, OSError) as err:

@@ -6,6 +6,10 @@ themselves, ask for the table and get it back, with how many ranks are
 expected; callers retry until it is complete or their deadline passes.
 An announcement from a rank already listed replaces it (a restarted sidecar
 comes back with a new address), so nobody keeps a stale endpoint.
+
+With authentication on, both ends run the handshake first
+(:mod:`pd_transfer.agent.auth`); the server answers a request sent without it
+with a Close, which :func:`fetch_table` turns into an error at once.
 """
 
 from __future__ import annotations
@@ -17,8 +21,17 @@ import time
 import zmq
 import zmq.asyncio
 
-from pd_transfer.errors import PdTransferError, ProtocolError, Reason
-from pd_transfer.protocol import Announce, RankEntry, RankTable, TableRequest, decode, encode
+from pd_transfer.agent.auth import (
+    REFUSAL_LINGER_MS,
+    Doorman,
+    Security,
+    authenticate,
+    close_reply,
+    security_of,
+)
+from pd_transfer.errors import AuthError, PdTransferError, ProtocolError, Reason
+from pd_transfer.protocol import Announce, Close, RankEntry, RankTable, TableRequest, decode, encode
+from pd_transfer.protocol.messages import clip_text
 
 log = logging.getLogger(__name__)
 
@@ -27,13 +40,20 @@ class BootstrapServer:
     """Rank 0's table of prefill ranks, served on its own ROUTER."""
 
     def __init__(self, context: zmq.asyncio.Context, address: str) -> None:
+        security = security_of(context)
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        security.listening(self.socket)
         self.socket.bind(address)
         self.address = self.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.entries: dict[tuple[int, int], RankEntry] = {}
         self.expected = 0
         self.bad_frames = 0
+        self._doorman = Doorman(self.socket, security, f"bootstrap {self.address}", close_reply,
+                                on_bad_frame=self._count_bad_frame)
+
+    def _count_bad_frame(self, reason: str) -> None:
+        self.bad_frames += 1
 
     def add(self, entry: RankEntry) -> None:
         key = (entry.geometry.pp_rank, entry.geometry.tp_rank)
@@ -51,11 +71,16 @@ class BootstrapServer:
                 self.bad_frames += 1
                 continue
             identity, frame = frames
+            if not await self._doorman.admit(identity, frame):
+                continue
             try:
                 message = decode(frame)
             except ProtocolError as err:
                 self.bad_frames += 1
                 log.warning("bootstrap: bad frame: %s", err)
+                if err.code is Reason.UNKNOWN_MESSAGE:  # e.g. a handshake, with auth off here
+                    await self.socket.send_multipart([identity, encode(Close(
+                        reason=err.code, reason_text=clip_text(err.message)))])
                 continue
             if isinstance(message, Announce):
                 self.add(message.entry)
@@ -76,11 +101,15 @@ async def fetch_table(context: zmq.asyncio.Context, address: str, agent_id: str,
                       poll_interval_s: float = 0.05) -> RankTable:
     """Ask ``address`` for the rank table until it is complete or ``timeout_s`` passes."""
     deadline = time.monotonic() + timeout_s
+    security = security_of(context)
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
+    security.connecting(socket)
     socket.connect(address)
     last = RankTable(expected=0)
     try:
+        if security.enabled:
+            await _authenticate(socket, security, address, deadline, timeout_s)
         request = Announce(entry=announce) if announce else TableRequest(agent_id=agent_id)
         while True:
             await socket.send(encode(request))
@@ -93,6 +122,10 @@ async def fetch_table(context: zmq.asyncio.Context, address: str, agent_id: str,
                 except ProtocolError as err:
                     raise PdTransferError(f"bootstrap {address} sent a bad frame: {err}",
                                           code=Reason.BOOTSTRAP_FAILED) from None
+                if isinstance(reply, Close):
+                    raise PdTransferError(f"bootstrap {address} refused the request: "
+                                          f"{reply.reason_text or 'no reason given'}",
+                                          code=reply.reason or Reason.BOOTSTRAP_FAILED)
                 if isinstance(reply, RankTable):
                     last = reply
                     if reply.complete:
@@ -103,10 +136,26 @@ async def fetch_table(context: zmq.asyncio.Context, address: str, agent_id: str,
                 break
     finally:
         socket.close(linger=0)
+    raise _incomplete(address, timeout_s, last)
+
+
+async def _authenticate(socket: zmq.asyncio.Socket, security: Security, address: str,
+                        deadline: float, timeout_s: float) -> None:
+    try:
+        await authenticate(socket, security, f"bootstrap {address}",
+                           max(0.0, deadline - time.monotonic()))
+    except AuthError:
+        socket.close(linger=REFUSAL_LINGER_MS)  # let our refusal, if any, reach the listener
+        raise
+    except PdTransferError:  # no answer (yet): the same error as an unanswered request
+        raise _incomplete(address, timeout_s, RankTable(expected=0)) from None
+
+
+def _incomplete(address: str, timeout_s: float, last: RankTable) -> PdTransferError:
     if last.expected:
         detail = f"{len(last.entries)} of {last.expected} prefill ranks registered"
     else:
         detail = "no answer" if not last.entries else "the table is empty"
-    raise PdTransferError(f"bootstrap {address}: rank table incomplete after {timeout_s:.1f} s "
-                          f"({detail})", code=Reason.BOOTSTRAP_FAILED,
-                          hint="check that every prefill rank's sidecar and worker are running")
+    return PdTransferError(f"bootstrap {address}: rank table incomplete after {timeout_s:.1f} s "
+                           f"({detail})", code=Reason.BOOTSTRAP_FAILED,
+                           hint="check that every prefill rank's sidecar and worker are running")

@@ -6,6 +6,12 @@ Decode (and a prefill rank announcing itself) *connects*: a DEALER per peer,
 received message to a callback, answer protocol violations with the reply the
 session prepares (a Close, or a room-level Done/Abort), and never let a bad
 frame stop the loop.
+
+With authentication on (:mod:`pd_transfer.agent.auth`), an outgoing channel
+runs the handshake before its first frame leaves, and the ROUTER lets a frame
+reach a session only from an identity that completed it: a frame sent before
+is dropped, counted (``bad_frames{reason="unauthenticated"}``) and answered
+with a Close, and no session is created for it.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from collections.abc import Awaitable, Callable
 import zmq
 import zmq.asyncio
 
-from pd_transfer.errors import RemoteProtocolError
+from pd_transfer.agent.auth import REFUSAL_LINGER_MS, Doorman, authenticate, close_reply, security_of
+from pd_transfer.errors import PdTransferError, Reason, RemoteProtocolError
 from pd_transfer.layout.geometry import Role
 from pd_transfer.protocol import Close, Dropped, Message, Session
 
@@ -72,18 +79,41 @@ class OutgoingChannel(Channel):
     def __init__(self, context: zmq.asyncio.Context, address: str, role: Role, label: str) -> None:
         super().__init__(Session(role), label)
         self.address = address
+        self._security = security_of(context)
         self._socket = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._security.connecting(self._socket)
         self._socket.connect(address)
         self._reader: asyncio.Task | None = None
+        # set when frames may flow: at once without authentication, else once
+        # the handshake (run by the reader) succeeded or failed (auth_error)
+        self._authenticated = asyncio.Event()
+        self.auth_error: PdTransferError | None = None
+        if not self._security.enabled:
+            self._authenticated.set()
 
     async def _write(self, frame: bytes) -> None:
+        if not self._authenticated.is_set():
+            if self._reader is None:
+                raise PdTransferError(f"peer {self.label}: send before start()",
+                                      code=Reason.SESSION_CLOSED)
+            await self._authenticated.wait()
+        if self.auth_error is not None:
+            raise self.auth_error
         await self._socket.send(frame)
 
     def start(self, on_message: OnMessage) -> None:
         self._reader = asyncio.create_task(self._read(on_message))
 
     async def _read(self, on_message: OnMessage) -> None:
+        if not self._authenticated.is_set():
+            try:
+                await authenticate(self._socket, self._security, f"peer {self.label}")
+            except PdTransferError as err:
+                self.auth_error, self.closed = err, True
+                self._socket.close(linger=REFUSAL_LINGER_MS)
+            finally:
+                self._authenticated.set()
         while not self.closed:
             frame = await self._socket.recv()
             try:
@@ -93,6 +123,10 @@ class OutgoingChannel(Channel):
 
     def close(self) -> None:
         self.closed = True
+        if not self._authenticated.is_set():  # release senders waiting for the handshake
+            self.auth_error = PdTransferError(f"peer {self.label}: closed before authenticating",
+                                              code=Reason.SESSION_CLOSED)
+            self._authenticated.set()
         if self._reader is not None:
             self._reader.cancel()
         self._socket.close(linger=0)
@@ -114,14 +148,18 @@ class IncomingChannels:
     def __init__(self, context: zmq.asyncio.Context, host: str, port: int, role: Role, *,
                  on_bad_frame: Callable[[str], None] = lambda reason: None) -> None:
         self._on_bad_frame = on_bad_frame
+        security = security_of(context)
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        security.listening(self.socket)
         if port:
             self.socket.bind(f"tcp://{host}:{port}")
         else:
             port = self.socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
+        self._doorman = Doorman(self.socket, security, f"control {self.address}", close_reply,
+                                on_bad_frame=on_bad_frame)
         self._role = role
         self.channels: dict[bytes, IncomingChannel] = {}
 
@@ -132,6 +170,8 @@ class IncomingChannels:
                 log.warning("control socket: dropped a message of %d frames", len(frames))
                 continue
             identity, frame = frames
+            if not await self._doorman.admit(identity, frame):
+                continue
             channel = self.channels.get(identity)
             if channel is None or channel.closed:
                 channel = self.channels[identity] = IncomingChannel(self, identity, self._role)

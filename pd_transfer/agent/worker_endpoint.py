@@ -4,6 +4,10 @@ Each request is decoded and validated by :mod:`pd_transfer.protocol.worker_api`
 and handed to the role's handler as a task, so a slow request (``wait``,
 ``abort`` waiting for a drain) never blocks the others. A malformed request
 gets an error reply with its reason; the endpoint keeps serving.
+
+With authentication on, a worker's client runs the handshake first
+(:mod:`pd_transfer.agent.auth`); a request sent without it gets an error
+reply with the code ``unauthenticated`` and never reaches the handler.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from pd_transfer.errors import PdTransferError, Reason
+from pd_transfer.agent.auth import Doorman, security_of
+from pd_transfer.errors import AuthError, PdTransferError, Reason
 from pd_transfer.protocol import worker_api
 from pd_transfer.protocol.worker_api import WorkerApiError, WorkerOp
 
@@ -36,6 +41,12 @@ class WorkerEndpoint:
         self._handler = handler
         self._tasks: set[asyncio.Task] = set()
         self.bad_requests = 0
+        self._doorman = Doorman(self._socket, security_of(context), "worker endpoint",
+                                _refusal_reply, on_bad_frame=self._count_bad_request)
+
+    def _count_bad_request(self, reason: str) -> None:
+        self.bad_requests += 1
+        self._on_bad_request(reason)
 
     async def serve(self) -> None:
         while True:
@@ -45,6 +56,8 @@ class WorkerEndpoint:
                 log.warning("worker endpoint: dropped a request of %d frames", len(frames))
                 continue
             identity, frame = frames
+            if not await self._doorman.admit(identity, frame):
+                continue
             task = asyncio.create_task(self._answer(identity, frame))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -75,3 +88,13 @@ class WorkerEndpoint:
         for task in self._tasks:
             task.cancel()
         self._socket.close(linger=0)
+
+
+def _refusal_reply(frame: bytes, error: AuthError) -> bytes:
+    """An error reply to a request sent before the handshake, with the request's id
+    when it has one, so the worker's call fails with the reason instead of timing out."""
+    try:
+        request_id = worker_api.decode_request(frame)[1]["id"]
+    except WorkerApiError:
+        request_id = -1
+    return worker_api.error_reply(request_id, error)

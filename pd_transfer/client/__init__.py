@@ -12,7 +12,9 @@
 :class:`Client` blocks the calling thread (in ``zmq_poll``, never spinning);
 :class:`AsyncClient` offers the same calls as coroutines for asyncio workers.
 Worker and sidecar talk over ZeroMQ ``ipc://`` with the requests of
-:mod:`pd_transfer.protocol.worker_api`.
+:mod:`pd_transfer.protocol.worker_api`. When the sidecar requires
+authentication, give the client the same shared secret (``secret=`` or
+``secret_file=``, or ``PD_TRANSFER_SECRET_FILE`` / ``PD_TRANSFER_SECRET``).
 
 Errors (all :class:`~pd_transfer.errors.PdTransferError`)::
 
@@ -20,16 +22,17 @@ Errors (all :class:`~pd_transfer.errors.PdTransferError`)::
     ├── Refused          the sidecar answered ok: false (with its code and reason)
     ├── ReplyTimeout     no reply within the timeout
     ├── BadReply         a reply that does not follow worker_api
+    ├── AuthFailed       the worker and the sidecar could not authenticate each other
     └── ClientClosed     the client is closed
 
-May import the layout and protocol layers and shared memory; never the agent.
+May import the layout, protocol and security layers and shared memory; never the agent.
 """
 
 from pd_transfer.client.aio import AsyncClient
-from pd_transfer.client.errors import BadReply, ClientClosed, ClientError, Refused, ReplyTimeout
+from pd_transfer.client.errors import AuthFailed, BadReply, ClientClosed, ClientError, Refused, ReplyTimeout
 from pd_transfer.client.pools import Pools, allocate_pools
 from pd_transfer.client.status import RoomState, RoomStatus
 from pd_transfer.client.sync import Client
 
-__all__ = ["AsyncClient", "BadReply", "Client", "ClientClosed", "ClientError", "Pools", "Refused",
+__all__ = ["AsyncClient", "AuthFailed", "BadReply", "Client", "ClientClosed", "ClientError", "Pools", "Refused",
            "ReplyTimeout", "RoomState", "RoomStatus", "allocate_pools"]

@@ -4,7 +4,8 @@ Many calls may be in flight at once (a decode worker ``wait``s on every room
 of its window concurrently): each request carries a fresh ``id`` and one
 reader task routes every reply to the future of its call. A call whose reply
 does not come within its timeout raises :class:`ReplyTimeout`; its late reply
-is dropped by id.
+is dropped by id. With a shared secret, the first call runs the
+authentication handshake (once, however many calls start together).
 
 Uses ``zmq.asyncio`` on the running event loop; no threads.
 """
@@ -20,12 +21,14 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from pd_transfer.client import wire
+from pd_transfer.client import auth, wire
 from pd_transfer.client.errors import ClientClosed, ReplyTimeout
 from pd_transfer.client.status import RoomState
 from pd_transfer.client.sync import DEFAULT_TIMEOUT_S
+from pd_transfer.errors import AuthError, Reason
 from pd_transfer.layout.geometry import RankGeometry
 from pd_transfer.protocol.worker_api import encode
+from pd_transfer.security import ClientHandshake, new_routing_id
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +41,19 @@ class AsyncClient:
     """
 
     def __init__(self, endpoint: str, worker_id: str, timeout_s: float = DEFAULT_TIMEOUT_S, *,
-                 context: zmq.asyncio.Context | None = None) -> None:
+                 context: zmq.asyncio.Context | None = None, secret: bytes | str | None = None,
+                 secret_file: str = "") -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         self.endpoint = endpoint
         self.worker_id = worker_id
         self.timeout_s = float(timeout_s)
-        self._socket = (context or zmq.asyncio.Context.instance()).socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.connect(endpoint)
+        self._secret = auth.client_secret(secret, secret_file)
+        self._authenticated = self._secret is None
+        self._auth_lock = asyncio.Lock()
+        self._handshake_frames: asyncio.Queue[bytes] | None = None  # while a handshake runs
+        self._context = context or zmq.asyncio.Context.instance()
+        self._connect()
         self._next_id = 1
         self._pending: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
@@ -119,7 +126,7 @@ class AsyncClient:
         if self._closed:
             raise ClientClosed(op)
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        if self._reader is None:
+        if self._reader is None or self._reader.done():
             self._reader = asyncio.get_running_loop().create_task(self._read_replies())
         request_id = self._next_id
         self._next_id += 1
@@ -127,6 +134,8 @@ class AsyncClient:
         self._pending[request_id] = future
         try:
             async with asyncio.timeout(timeout_s):
+                if not self._authenticated:
+                    await self._authenticate(op)
                 await self._socket.send(encode({**request, "id": request_id}))
                 reply = await future
         except TimeoutError:
@@ -135,7 +144,47 @@ class AsyncClient:
             raise ClientClosed(op) from None
         finally:
             self._pending.pop(request_id, None)
+        if self._secret is not None and reply.get("code") == Reason.UNAUTHENTICATED.value:
+            self._authenticated = False  # the sidecar restarted: the next call proves again
         return wire.checked(op, reply)
+
+    def _connect(self) -> None:
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        if self._secret is not None:
+            self._socket.setsockopt(zmq.ROUTING_ID, new_routing_id())
+        self._socket.connect(self.endpoint)
+
+    async def _authenticate(self, op: str) -> None:
+        async with self._auth_lock:
+            if self._authenticated:
+                return  # another call did it while this one waited
+            handshake = ClientHandshake(self._secret, self.worker_id,
+                                        peer=f"the sidecar at {self.endpoint}")
+            self._handshake_frames = asyncio.Queue()
+            try:
+                outgoing = handshake.hello()
+                while not handshake.done:
+                    if outgoing is not None:
+                        await self._socket.send(outgoing)
+                    try:
+                        outgoing = auth.step(handshake, await self._handshake_frames.get())
+                    except AuthError as err:
+                        if err.reply is not None:
+                            await self._socket.send(err.reply)
+                        raise auth.failed(op, err) from None
+            except asyncio.CancelledError:
+                # timed out: a late answer would derail the next handshake, so that one
+                # starts on a new connection, with a new reader
+                if self._reader is not None:
+                    self._reader.cancel()
+                    self._reader = None
+                self._socket.close(linger=0)
+                self._connect()
+                raise
+            finally:
+                self._handshake_frames = None
+            self._authenticated = True
 
     async def _read_replies(self) -> None:
         """Route every reply to the future of its call, until the client closes."""
@@ -145,6 +194,9 @@ class AsyncClient:
             except (zmq.ZMQError, asyncio.CancelledError):
                 break
             got_id, reply = wire.reply_id(frames[-1])
+            if self._handshake_frames is not None and (got_id is None or got_id < 0):
+                self._handshake_frames.put_nowait(frames[-1])
+                continue
             future = self._pending.get(got_id) if got_id is not None else None
             if future is None or future.done():
                 log.debug("worker %s dropped a reply with id %s (no call waits for it)",

@@ -6,6 +6,8 @@
         │                    call (this room) is refused, the connection is fine
         ├── ReplyTimeout     no reply within the call's timeout (code ``timeout``)
         ├── BadReply         the reply is not a well-formed worker_api reply (``bad_frame``)
+        ├── AuthFailed       this worker and the sidecar could not authenticate each other
+        │                    (``auth_failed``, ``auth_replayed``: a wrong or missing secret)
         └── ClientClosed     the client was closed before or during the call
                              (``shutting_down``)
 
@@ -65,6 +67,12 @@ class BadReply(ClientError):
 
     def __init__(self, op: str, problem: str) -> None:
         super().__init__(op, f"malformed reply from the sidecar: {problem}")
+
+
+class AuthFailed(ClientError):
+    """The handshake with the sidecar failed; no request was served. ``code`` says why."""
+
+    default_code = Reason.AUTH_FAILED
 
 
 class ClientClosed(ClientError):

@@ -7,6 +7,10 @@ the kernel). A reply that arrives after its call timed out is recognised by
 its id and dropped, so a timeout never shifts later replies onto the wrong
 call.
 
+With a shared secret (see :mod:`pd_transfer.client.auth`) the first call
+runs the authentication handshake before its request, within the call's
+timeout; a failed handshake raises :class:`AuthFailed`.
+
 A :class:`Client` is not thread-safe (nor is a ZeroMQ socket): use one per
 thread, or the :class:`~pd_transfer.client.aio.AsyncClient` for concurrent
 calls.
@@ -21,11 +25,13 @@ from typing import Any
 
 import zmq
 
-from pd_transfer.client import wire
+from pd_transfer.client import auth, wire
 from pd_transfer.client.errors import ClientClosed, ReplyTimeout
 from pd_transfer.client.status import RoomState
+from pd_transfer.errors import AuthError, Reason
 from pd_transfer.layout.geometry import RankGeometry
 from pd_transfer.protocol.worker_api import encode
+from pd_transfer.security import ClientHandshake, new_routing_id
 
 log = logging.getLogger(__name__)
 
@@ -37,18 +43,23 @@ class Client:
 
     ``timeout_s`` bounds the wait for each reply; :meth:`wait` adds its own
     ``timeout_s`` to it, since the sidecar holds that reply back on purpose.
+    ``secret`` (bytes or str, hex or raw) or ``secret_file`` authenticate the
+    worker; without them ``PD_TRANSFER_SECRET_FILE`` or ``PD_TRANSFER_SECRET``
+    do, if set.
     """
 
     def __init__(self, endpoint: str, worker_id: str, timeout_s: float = DEFAULT_TIMEOUT_S, *,
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None, secret: bytes | str | None = None,
+                 secret_file: str = "") -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         self.endpoint = endpoint
         self.worker_id = worker_id
         self.timeout_s = float(timeout_s)
-        self._socket = (context or zmq.Context.instance()).socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.connect(endpoint)
+        self._secret = auth.client_secret(secret, secret_file)
+        self._authenticated = self._secret is None
+        self._context = context or zmq.Context.instance()
+        self._connect()
         self._next_id = 1
         self._closed = False
 
@@ -130,18 +141,58 @@ class Client:
         deadline = time.monotonic() + timeout_s
         request_id = self._next_id
         self._next_id += 1
-        if not self._socket.poll(_ms(deadline), zmq.POLLOUT):
-            raise ReplyTimeout(op, timeout_s, self.endpoint)
-        self._socket.send(encode({**request, "id": request_id}), zmq.NOBLOCK)
+        if not self._authenticated:
+            self._authenticate(op, deadline, timeout_s)
+        self._send(encode({**request, "id": request_id}), op, deadline, timeout_s)
         while True:
-            if not self._socket.poll(_ms(deadline), zmq.POLLIN):
-                raise ReplyTimeout(op, timeout_s, self.endpoint)
-            frames = self._socket.recv_multipart(zmq.NOBLOCK)
+            frames = self._receive(op, deadline, timeout_s)
             got_id, reply = wire.reply_id(frames[-1])
             if got_id == request_id:
+                if self._secret is not None and reply.get("code") == Reason.UNAUTHENTICATED.value:
+                    self._authenticated = False  # the sidecar restarted: the next call proves again
                 return wire.checked(op, reply)
             log.debug("worker %s dropped a reply with id %s while waiting for %s id %d "
                       "(a call that timed out earlier)", self.worker_id, got_id, op, request_id)
+
+
+    def _connect(self) -> None:
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        if self._secret is not None:
+            self._socket.setsockopt(zmq.ROUTING_ID, new_routing_id())
+        self._socket.connect(self.endpoint)
+
+    def _authenticate(self, op: str, deadline: float, timeout_s: float) -> None:
+        handshake = ClientHandshake(self._secret, self.worker_id,
+                                    peer=f"the sidecar at {self.endpoint}")
+        outgoing = handshake.hello()
+        try:
+            while not handshake.done:
+                if outgoing is not None:
+                    self._send(outgoing, op, deadline, timeout_s)
+                frame = self._receive(op, deadline, timeout_s)[-1]
+                try:
+                    outgoing = auth.step(handshake, frame)
+                except AuthError as err:
+                    if err.reply is not None:
+                        self._socket.send(err.reply, zmq.NOBLOCK)
+                    raise auth.failed(op, err) from None
+        except ReplyTimeout:
+            # a late answer to this handshake would derail the next one: retry on a new connection
+            self._socket.close(linger=0)
+            self._connect()
+            raise
+        self._authenticated = True
+
+    def _send(self, frame: bytes, op: str, deadline: float, timeout_s: float) -> None:
+        if not self._socket.poll(_ms(deadline), zmq.POLLOUT):
+            raise ReplyTimeout(op, timeout_s, self.endpoint)
+        self._socket.send(frame, zmq.NOBLOCK)
+
+    def _receive(self, op: str, deadline: float, timeout_s: float) -> list[bytes]:
+        if not self._socket.poll(_ms(deadline), zmq.POLLIN):
+            raise ReplyTimeout(op, timeout_s, self.endpoint)
+        return self._socket.recv_multipart(zmq.NOBLOCK)
 
 
 def _ms(deadline: float) -> int:

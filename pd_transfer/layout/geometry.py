@@ -3,8 +3,12 @@
 :class:`RankGeometry` is what one worker registers with its sidecar and what
 the sidecar sends to peers. :func:`check_geometry` validates one registration
 on its own (every view inside a known region, no duplicate tensors, shard
-ranges consistent with the rank's TP position) before anything is reconciled;
-:func:`registration_problems` returns the same problems as records.
+ranges consistent with the rank's TP position, regions of sane sizes and, when
+the segment handles are given, no two regions over the same segment) before
+anything is reconciled; :func:`registration_problems` returns the same
+problems as records. A registration comes from another process (the worker)
+or another host (a peer's Register): every limit here is a refusal with a
+reason code and the field at fault, never an ``assert``.
 
 Pure data; no I/O.
 """
@@ -12,10 +16,16 @@ Pure data; no I/O.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pd_transfer.errors import GeometryError, Reason
 from pd_transfer.layout.views import Pool, TensorView, canonical_range
+
+# A worker registers at most a few TiB; 2**46 (64 TiB) leaves room for every host
+# pool we know of and refuses sizes that only a corrupt or hostile frame carries.
+MAX_REGION_NBYTES = 2**46
+MAX_VIEWS = 100_000     # DeepSeek-V3 registers 64 views per rank
 
 
 class Role(enum.Enum):
@@ -77,9 +87,15 @@ class RegistrationProblem:
         return f"{self.subject}: {self.detail}" if self.subject else self.detail
 
 
-def check_geometry(geometry: RankGeometry) -> None:
-    """Raise :class:`GeometryError` listing every problem of one registration."""
+def check_geometry(geometry: RankGeometry, handles: Mapping[str, str] | None = None) -> None:
+    """Raise :class:`GeometryError` listing every problem of one registration.
+
+    ``handles`` (region id -> segment name or CUDA IPC handle), when given,
+    is checked against the regions too: see :func:`handle_problems`.
+    """
     problems = registration_problems(geometry)
+    if handles is not None:
+        problems += handle_problems(geometry, handles)
     if problems:
         lines = [f"invalid registration of {geometry.rank_id}: {len(problems)} problem(s)"]
         lines += [f"  - {p.render()}  [{p.code.value}]" for p in problems]
@@ -96,9 +112,14 @@ def registration_problems(geometry: RankGeometry) -> list[RegistrationProblem]:
     if geometry.page_size <= 0:
         problems.append(RegistrationProblem(Reason.BAD_VIEW, "",
                                             f"page_size {geometry.page_size} must be positive"))
+    problems += _region_problems(geometry)
+    if len(geometry.views) > MAX_VIEWS:
+        # checking each of millions of views would be the attack; refuse the count alone
+        problems.append(RegistrationProblem(
+            Reason.LIMIT_EXCEEDED, "views",
+            f"{len(geometry.views)} views registered, at most {MAX_VIEWS} are accepted"))
+        return problems
     regions = {r.id: r for r in geometry.regions}
-    if len(regions) != len(geometry.regions):
-        problems.append(RegistrationProblem(Reason.BAD_VIEW, "", "region ids repeat"))
     seen: set[tuple] = set()
     for view in geometry.views:
         if view.key in seen:
@@ -116,6 +137,60 @@ def registration_problems(geometry: RankGeometry) -> list[RegistrationProblem]:
                     Reason.VIEW_OUT_OF_REGION, view.path,
                     f"reaches byte {last} of region {region.id!r} which holds {region.nbytes}"))
         problems += _shard_problems(view, geometry)
+    return problems
+
+
+def _region_problems(geometry: RankGeometry) -> list[RegistrationProblem]:
+    """Each region once, with a size in [1, MAX_REGION_NBYTES]."""
+    problems: list[RegistrationProblem] = []
+    first_index: dict[str, int] = {}
+    for i, region in enumerate(geometry.regions):
+        if region.id in first_index:
+            problems.append(RegistrationProblem(
+                Reason.BAD_VIEW, f"regions[{i}].id",
+                f"region ids repeat: {region.id!r} is also regions[{first_index[region.id]}]"))
+        first_index.setdefault(region.id, i)
+        if isinstance(region.nbytes, bool) or not isinstance(region.nbytes, int) \
+                or region.nbytes <= 0:
+            problems.append(RegistrationProblem(
+                Reason.REGION_INVALID, f"regions[{i}].nbytes",
+                f"region {region.id!r} holds {region.nbytes!r} bytes; a region holds at least 1"))
+        elif region.nbytes > MAX_REGION_NBYTES:
+            problems.append(RegistrationProblem(
+                Reason.LIMIT_EXCEEDED, f"regions[{i}].nbytes",
+                f"region {region.id!r} claims {region.nbytes} bytes, more than the "
+                f"{MAX_REGION_NBYTES} (2**46) any worker registers"))
+    return problems
+
+
+def handle_problems(geometry: RankGeometry, handles: Mapping[str, str]) -> list[RegistrationProblem]:
+    """Problems of the segment handles of a registration (region id -> handle).
+
+    Every region needs a handle, every handle a region, and no two regions may
+    share one: a region is the whole segment from byte 0, so two regions over
+    one segment overlap (``kv`` of 8192 bytes and ``aux`` of 4096 bytes on
+    segment ``pdt-w0`` share bytes [0, 4096)), and a write into one would land
+    in the other.
+    """
+    problems: list[RegistrationProblem] = []
+    regions = {r.id: r for r in geometry.regions}
+    for region_id in regions:
+        if region_id not in handles:
+            problems.append(RegistrationProblem(Reason.BAD_FIELD, f"handles[{region_id!r}]",
+                                                f"no segment handle for region {region_id!r}"))
+    owner_of: dict[str, str] = {}
+    for region_id, handle in handles.items():
+        if region_id not in regions:
+            problems.append(RegistrationProblem(Reason.UNKNOWN_REGION, f"handles[{region_id!r}]",
+                                                f"names unknown region {region_id!r}"))
+            continue
+        other = owner_of.setdefault(handle, region_id)
+        if other != region_id:
+            shared = min(regions[other].nbytes, regions[region_id].nbytes)
+            problems.append(RegistrationProblem(
+                Reason.REGION_INVALID, f"handles[{region_id!r}]",
+                f"regions {other!r} and {region_id!r} both map segment {handle[:80]!r}: their "
+                f"byte ranges overlap in [0, {shared})"))
     return problems
 
 

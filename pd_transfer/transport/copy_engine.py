@@ -10,8 +10,7 @@ descriptors, :mod:`.runs`); if any piece is out of bounds it raises a
 - larger plans are compiled into tasks (:mod:`.copy_tasks`): long destination
   stretches are filled in one pass, short runs go through a bounce buffer
   (gather by source rows, scatter by destination rows), about one task per
-  megabyte. Worker threads copy part k of the plan while the calling thread
-  compiles part k+1.
+  megabyte, taken in turn by the calling thread and the engine's workers.
 
 Worked example, Llama-3.1-8B K of one layer, prefill TP 2 -> decode TP 4: a
 source page row holds 16 tokens x 4 heads x 256 B = 16 KiB; decode rank 0
@@ -25,28 +24,26 @@ Imports numpy only (regions may be torch tensors); no asyncio, no zmq.
 from __future__ import annotations
 
 import os
-import queue
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from pd_transfer.transport.copy_tasks import Scratch, compile_tasks
 from pd_transfer.transport.regions import Mapped, Regions, map_regions, sizes_of
-from pd_transfer.transport.runs import Flat, Runs, check_bounds, expand, flatten, split_flat
+from pd_transfer.transport.runs import Runs, check_bounds, expand, flatten
 
 
 class CopyEngine:
     """Executes plans between mapped regions. Thread-safe; share one per process.
 
-    ``num_workers`` threads (default: up to 2, the CPUs this process may use)
-    copy the tasks of one plan once it holds more than ``inline_nbytes``,
-    while the calling thread compiles the plan's next ``part_nbytes``; smaller
-    plans run in the calling thread.
+    ``num_workers`` threads (default: up to 2, the CPUs this process may use;
+    the calling thread counts as one) copy the tasks of a plan of more than
+    ``inline_nbytes``; smaller plans run in the calling thread alone.
     """
 
     def __init__(self, *, num_workers: int | None = None, bounce_nbytes: int = 1 << 20,
                  stretch_nbytes: int = 128 << 10, inline_nbytes: int = 4 << 20,
-                 direct_max_runs: int = 256, part_nbytes: int = 32 << 20) -> None:
+                 direct_max_runs: int = 256) -> None:
         if num_workers is None:
             num_workers = min(2, len(os.sched_getaffinity(0)))
         self.num_workers = max(1, num_workers)
@@ -54,7 +51,6 @@ class CopyEngine:
         self.stretch_nbytes = stretch_nbytes
         self.inline_nbytes = inline_nbytes
         self.direct_max_runs = direct_max_runs
-        self.part_nbytes = part_nbytes
         self._local = threading.local()
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -75,10 +71,12 @@ class CopyEngine:
         if int(flat.count.sum()) <= self.direct_max_runs:
             _copy_runs_directly(expand(flat), flat.batches, src, dst)
             return flat.total_nbytes
-        if self.num_workers == 1 or flat.total_nbytes < self.inline_nbytes:
-            self._drain(iter(self._compile(flat, src, dst)))
+        tasks = compile_tasks(flat, src, dst, stretch_nbytes=self.stretch_nbytes,
+                              bounce_nbytes=self.bounce_nbytes)
+        if self.num_workers == 1 or flat.total_nbytes < self.inline_nbytes or len(tasks) < 2:
+            self._drain(iter(tasks))
         else:
-            self._pipeline(flat, src, dst)
+            self._parallel(tasks)
         return flat.total_nbytes
 
     def close(self) -> None:
@@ -88,22 +86,14 @@ class CopyEngine:
             pool.shutdown(wait=True)
 
     # -- run --------------------------------------------------------------------------
-    def _compile(self, flat: Flat, src: dict[str, Mapped], dst: dict[str, Mapped]) -> list:
-        return compile_tasks(flat, src, dst, stretch_nbytes=self.stretch_nbytes,
-                             bounce_nbytes=self.bounce_nbytes)
-
-    def _pipeline(self, flat: Flat, src: dict[str, Mapped], dst: dict[str, Mapped]) -> None:
-        """Compile part k+1 of the plan while the workers copy part k."""
-        work: queue.SimpleQueue = queue.SimpleQueue()
+    def _parallel(self, tasks: list) -> None:
+        """The calling thread and ``num_workers - 1`` pool threads take tasks in turn."""
+        shared = iter(tasks)  # next() on a list iterator is atomic under the GIL
         pool = self._workers()
-        helpers = [pool.submit(self._drain, iter(work.get, None)) for _ in range(self.num_workers)]
+        helpers = [pool.submit(self._drain, shared) for _ in range(self.num_workers - 1)]
         try:
-            for part in split_flat(flat, self.part_nbytes):
-                for task in self._compile(part, src, dst):
-                    work.put(task)
+            self._drain(shared)
         finally:
-            for _ in helpers:
-                work.put(None)
             for helper in helpers:
                 helper.result()
 
@@ -117,7 +107,8 @@ class CopyEngine:
     def _workers(self) -> ThreadPoolExecutor:
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="pdt-copy")
+                self._pool = ThreadPoolExecutor(self.num_workers - 1,
+                                                thread_name_prefix="pdt-copy")
             return self._pool
 
 

@@ -1,7 +1,8 @@
 """Compiling a checked plan into copy tasks for the engine's workers. numpy only.
 
-Runs are grouped into *stretches*: runs of one batch that fill consecutive
-destination bytes. Three kinds of task:
+Pieces are grouped into *stretches*: pieces of one batch that fill consecutive
+destination bytes (descriptors are sorted by destination first, so
+neighbouring decode pages join). Three kinds of task:
 
 - :class:`CopyRun`: a long stretch that is one source run, one memcpy;
 - :class:`TakeInto`: a long stretch of several source runs, gathered straight
@@ -14,8 +15,8 @@ Rows: a region is viewed as opaque items of ``g`` bytes (numpy void), so one
 take or put moves a whole row with one memmove. ``g`` is per batch: the gcd of
 the batch's source offsets and lengths (``gs``) or of its stretches'
 destination offsets and lengths (``gd``). Everything is computed for all
-batches at once (``np.gcd.reduceat``, repeat/cumsum); Python loops only over
-tasks, about one per megabyte.
+batches at once (``np.gcd.reduceat``, broadcast sums); Python loops only over
+tasks: one per long stretch, one per bounce buffer of short ones.
 
 Why numpy and not torch: ``torch.index_select`` is as fast on one thread but
 uses OpenMP across cores, and on a busy 2-core host one call of a few hundred
@@ -27,7 +28,7 @@ more, and every index was bounds-checked before compiling.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -37,6 +38,17 @@ from pd_transfer.transport.runs import Flat, Items, capped_rows, dst_items, item
 ROW_CAP_NBYTES = 1 << 20
 
 
+_VOID_DTYPES: dict[int, np.dtype] = {}
+
+
+def void_dtype(nbytes: int) -> np.dtype:
+    """The (cached) numpy dtype of an opaque ``nbytes``-byte item."""
+    dtype = _VOID_DTYPES.get(nbytes)
+    if dtype is None:
+        dtype = _VOID_DTYPES[nbytes] = np.dtype((np.void, nbytes))
+    return dtype
+
+
 class Scratch:
     """A worker thread's bounce buffer."""
 
@@ -44,8 +56,7 @@ class Scratch:
         self.array = np.empty(nbytes, np.uint8)
 
 
-@dataclass(frozen=True)
-class CopyRun:
+class CopyRun(NamedTuple):  # NamedTuples: a plan makes thousands, and they build fastest
     src: np.ndarray
     dst: np.ndarray
 
@@ -57,8 +68,7 @@ class CopyRun:
         np.copyto(self.dst, self.src)
 
 
-@dataclass(frozen=True)
-class TakeInto:
+class TakeInto(NamedTuple):
     src_rows: np.ndarray
     index: np.ndarray
     dst: np.ndarray  # the stretch, as rows of the source row size
@@ -71,8 +81,7 @@ class TakeInto:
         np.take(self.src_rows, self.index, out=self.dst, mode="clip")
 
 
-@dataclass(frozen=True)
-class Bounce:
+class Bounce(NamedTuple):
     src_rows: np.ndarray
     src_index: np.ndarray
     dst_rows: np.ndarray
@@ -114,10 +123,25 @@ def _source_gcd(items: Items) -> np.ndarray:
 
 
 def _source_rows(items: Items, row: np.ndarray) -> np.ndarray:
-    """Source row indices of every item's pieces, rows of ``row[i]`` bytes for item ``i``."""
+    """Source row indices of every item's pieces, rows of ``row[i]`` bytes for item ``i``.
+
+    When every item has the same row size, piece count and rows per piece (a
+    sliced batch: 16 pieces of one 512 B row each), the indices are one
+    broadcast sum in row units: ``base[i] + j * stride_rows[i] + k``.
+    """
+    size = int(row[0])
+    per_piece = items.piece_nbytes // size
+    if (int(row.min()) == size == int(row.max()) and len(items)
+            and int(items.count.min()) == int(items.count.max())
+            and int(per_piece.min()) == int(per_piece.max())):
+        count, rows = int(items.count[0]), int(per_piece[0])
+        base = items.src_offset // size
+        stride = items.src_stride // size if count > 1 else np.zeros_like(base)
+        grid = base[:, None] + stride[:, None] * np.arange(count, dtype=np.int64)
+        if rows > 1:
+            grid = grid[:, :, None] + np.arange(rows, dtype=np.int64)
+        return grid.ravel()
     offsets, nbytes = items.source_offsets()
-    if int(row.min()) == int(row.max()):
-        return rows_of(offsets, nbytes, int(row[0]))
     return rows_of(offsets, nbytes, np.repeat(row, items.count))
 
 
@@ -128,19 +152,19 @@ def _stretch_tasks(items: Items, starts: np.ndarray, counts: np.ndarray, nbytes:
     mine = items.take(members)
     row = capped_rows(np.gcd.reduceat(_source_gcd(mine), first), ROW_CAP_NBYTES)
     index = _source_rows(mine, np.repeat(row, counts))
-    index_end = np.cumsum(nbytes // row)
+    index_end = np.cumsum(nbytes // row).tolist()
     tasks = []
-    for g, (start, count) in enumerate(zip(starts.tolist(), counts.tolist())):
-        batch = batches[int(items.batch[start])]
+    for batch_index, at, n, count, pieces, offset, size, stop in zip(
+            items.batch[starts].tolist(), items.dst_offset[starts].tolist(), nbytes.tolist(),
+            counts.tolist(), items.count[starts].tolist(), items.src_offset[starts].tolist(),
+            row.tolist(), index_end):
+        batch = batches[batch_index]
         s, d = src[batch.src_region], dst[batch.dst_region]
-        at, n = int(items.dst_offset[start]), int(nbytes[g])
-        if count == 1 and int(items.count[start]) == 1:
-            offset = int(items.src_offset[start])
+        if count == 1 and pieces == 1:
             tasks.append(CopyRun(s.array[offset:offset + n], d.array[at:at + n]))
         else:
-            size, stop = int(row[g]), int(index_end[g])
             tasks.append(TakeInto(s.void_rows(size), index[stop - n // size:stop],
-                                  d.array[at:at + n].view(np.dtype((np.void, size)))))
+                                  d.array[at:at + n].view(void_dtype(size))))
     return tasks
 
 

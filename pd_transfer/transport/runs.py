@@ -80,22 +80,6 @@ def flatten(plan) -> Flat:
                 np.repeat(strides[:, 0], lengths), np.repeat(strides[:, 1], lengths))
 
 
-def split_flat(flat: Flat, part_nbytes: int) -> list[Flat]:
-    """Consecutive parts of whole batches, each of about ``part_nbytes`` (or one batch)."""
-    if not len(flat.batch):
-        return [flat]
-    nbytes = flat.nbytes * flat.count
-    batch_end = np.flatnonzero(np.append(flat.batch[1:] != flat.batch[:-1], True)) + 1
-    upto = np.cumsum(nbytes)[batch_end - 1]
-    cuts = batch_end[np.flatnonzero(np.diff(upto // max(1, part_nbytes), prepend=0))]
-    edges = [0] + [int(c) for c in cuts if 0 < c < len(flat.batch)] + [len(flat.batch)]
-    edges = sorted(set(edges))
-    return [Flat(flat.batches, *(a[lo:hi] for a in (flat.batch, flat.src_offset, flat.dst_offset,
-                                                    flat.nbytes, flat.count, flat.src_stride,
-                                                    flat.dst_stride)))
-            for lo, hi in zip(edges[:-1], edges[1:])]
-
-
 def check_bounds(flat: Flat, src_sizes: Mapping[str, int] | None,
                  dst_sizes: Mapping[str, int] | None, where: str = "plan") -> None:
     """Raise :class:`TransportError` unless every piece lies inside its regions.

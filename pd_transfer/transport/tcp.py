@@ -22,7 +22,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections import deque
 
+import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -174,29 +176,23 @@ class TcpTransport(Transport):
         layouts = await asyncio.to_thread(layout_chunks, plan, sizes, self.chunk_nbytes,
                                           dst_sizes=dst_sizes)
         xfer = link.open_xfer(room)
-        pending: asyncio.Future | None = None
+        gathered = _Prefetch(layouts, src, depth=2)  # gathers run ahead while chunks are on the wire
+        total = sum(layout.nbytes for layout in layouts)
         try:
-            if layouts:
-                pending = asyncio.ensure_future(asyncio.to_thread(gather_chunk, layouts[0], src))
-            for i, layout in enumerate(layouts):
-                payload = await pending
-                # gather the next chunk while this one is on the wire
-                pending = asyncio.ensure_future(asyncio.to_thread(gather_chunk, layouts[i + 1], src)) \
-                    if i + 1 < len(layouts) else None
+            for layout in layouts:
+                payload = await gathered.next()
                 await link.acquire(layout.nbytes)
                 xfer.unacked[layout.seq] = layout.nbytes
                 header = ChunkHeader(xfer.xfer_id, room, generation, layout.seq, layout.wire)
                 await _send(link, [encode(header), payload])
                 if xfer.result.done():
                     break  # refused mid-way: stop sending, report the receiver's reason
-            total = sum(layout.nbytes for layout in layouts)
             if not xfer.result.done():
                 await _send(link, [encode(EndHeader(xfer.xfer_id, room, generation, len(layouts),
                                                     total))])
             landed = await xfer.result
         finally:
-            if pending is not None:
-                pending.cancel()
+            gathered.cancel()
             await link.close_xfer(xfer)
         if landed != total:
             raise TransportError(f"{link.peer.peer_id} acknowledged {landed} of {total} bytes of "
@@ -204,6 +200,33 @@ class TcpTransport(Transport):
         link.nbytes_written += total
         link.num_writes += 1
         return total
+
+
+class _Prefetch:
+    """Gathers of the next ``depth`` chunks, each in a worker thread, in order."""
+
+    def __init__(self, layouts: list, src: dict, depth: int) -> None:
+        self._layouts, self._src, self._depth = layouts, src, depth
+        self._next = 0
+        self._pending: deque[asyncio.Future] = deque()
+
+    async def next(self) -> np.ndarray:
+        self._top_up()
+        payload = await self._pending.popleft()
+        self._top_up()
+        return payload
+
+    def _top_up(self) -> None:
+        while self._next < len(self._layouts) and len(self._pending) < self._depth:
+            layout = self._layouts[self._next]
+            self._pending.append(asyncio.ensure_future(
+                asyncio.to_thread(gather_chunk, layout, self._src)))
+            self._next += 1
+
+    def cancel(self) -> None:
+        for future in self._pending:
+            future.cancel()
+        self._pending.clear()
 
 
 async def _send(link: TcpLink, frames: list) -> None:

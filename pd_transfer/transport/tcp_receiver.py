@@ -10,11 +10,13 @@ landed. A frame that fails any check is refused with a reason, counted in
 failed (the sender's ``write`` raises with that reason), and the receiver
 keeps serving everyone else.
 
-Frames are handled one at a time, in arrival order: a chunk is fully
-scattered before the next frame is read, so after :meth:`TcpReceiver.fence`
-returns, no chunk of the fenced room generation can still land (abort with
-drain). Big scatters run in ``asyncio.to_thread``; zmq keeps receiving
-meanwhile.
+Frames are read one at a time, in arrival order, and checked before anything
+else happens; chunks of ``inline_nbytes`` or more are then scattered in
+worker threads, at most ``max_scatters`` at once, while the next frames are
+read (acks may go out of order; the sender matches them by sequence number).
+A transfer's ``end`` waits for its chunks still landing. After
+:meth:`TcpReceiver.fence` returns, no chunk of the fenced room generation can
+still land (abort with drain).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class ReceiverStats:
 class _Progress:
     chunks: int = 0
     nbytes: int = 0
+    landing: set = field(default_factory=set)  # scatters of this transfer still running
 
 
 class TcpReceiver:
@@ -81,7 +84,7 @@ class TcpReceiver:
     def __init__(self, bind_host: str, regions_lookup: RegionLookup | Mapping[str, RegionMemory],
                  *, port: int = 0, context: zmq.asyncio.Context | None = None,
                  max_chunk_nbytes: int = 64 << 20, inline_nbytes: int = 256 << 10,
-                 on_landed: LandedCallback | None = None) -> None:
+                 max_scatters: int = 2, on_landed: LandedCallback | None = None) -> None:
         self.bind_host = bind_host
         self.port = port
         self._lookup: RegionLookup = regions_lookup.get if isinstance(regions_lookup, Mapping) \
@@ -98,8 +101,8 @@ class TcpReceiver:
         self._open: OrderedDict[tuple[bytes, int], _Progress] = OrderedDict()
         self._failed: OrderedDict[tuple[bytes, int], None] = OrderedDict()
         self._fences: OrderedDict[str, int] = OrderedDict()
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._landing: set[asyncio.Future] = set()
+        self._slots = asyncio.Semaphore(max_scatters)
 
     # -- lifecycle ------------------------------------------------------------------
     async def start(self) -> str:
@@ -124,6 +127,8 @@ class TcpReceiver:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        if self._landing:  # let writes already in threads finish before the socket goes
+            await asyncio.gather(*list(self._landing), return_exceptions=True)
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None
@@ -144,7 +149,8 @@ class TcpReceiver:
         self._fences[room] = max(generation, self._fences.pop(room, -1))
         while len(self._fences) > _MAX_FENCES:  # rooms the agent never forgot: oldest first
             self._fences.popitem(last=False)
-        await self._idle.wait()
+        if self._landing:  # chunks accepted before the fence may still be writing
+            await asyncio.gather(*list(self._landing), return_exceptions=True)
 
     def forget_room(self, room: str) -> None:
         """Drop the fence of a room that is finished for good."""
@@ -203,23 +209,49 @@ class TcpReceiver:
         payload = np.frombuffer(payload_frames[0].buffer, dtype=np.uint8)
         regions = {region_id: self._region(region_id) for region_id in header.wire.regions}
         check_wire(header.wire, {r: m.nbytes for r, m in regions.items()}, payload.size)
-        self._idle.clear()
+        if payload.size < self.inline_nbytes:
+            scatter_chunk(header.wire, payload, regions)
+            await self._landed(identity, header, progress, int(payload.size))
+            return
+        # big chunks scatter in threads, a few at a time, while the next frames are read
+        await self._slots.acquire()
         try:
-            if payload.size >= self.inline_nbytes:
-                await asyncio.to_thread(scatter_chunk, header.wire, payload, regions)
-            else:
-                scatter_chunk(header.wire, payload, regions)
-        finally:
-            self._idle.set()
+            self._check_fence(header.room, header.generation)  # a fence may have come meanwhile
+        except TransportError:
+            self._slots.release()
+            raise
+        task = asyncio.ensure_future(self._land(identity, key, header, payload, regions, progress))
+        progress.landing.add(task)
+        self._landing.add(task)
+        task.add_done_callback(lambda done: (progress.landing.discard(done),
+                                             self._landing.discard(done), self._slots.release()))
+
+    async def _land(self, identity: bytes, key: tuple[bytes, int], header: ChunkHeader,
+                    payload: np.ndarray, regions: dict[str, Mapped], progress: _Progress) -> None:
+        try:
+            await asyncio.to_thread(scatter_chunk, header.wire, payload, regions)
+        except Exception as err:  # checked before; a failure here is a bug, not the peer's
+            log.exception("tcp receiver %s: scatter failed", self.address)
+            await self._refuse(identity, key, header.room, TransportError(
+                f"chunk {header.seq} could not be written: {err}", code=Reason.TRANSPORT_FAILED))
+            return
+        await self._landed(identity, header, progress, int(payload.size))
+
+    async def _landed(self, identity: bytes, header: ChunkHeader, progress: _Progress,
+                      nbytes: int) -> None:
         progress.chunks += 1
-        progress.nbytes += int(payload.size)
+        progress.nbytes += nbytes
         self.stats.chunks_landed += 1
-        self.stats.nbytes_landed += int(payload.size)
-        await self._reply(identity, Ack(header.xfer, header.seq, int(payload.size)))
+        self.stats.nbytes_landed += nbytes
+        await self._reply(identity, Ack(header.xfer, header.seq, nbytes))
 
     async def _end(self, identity: bytes, key: tuple[bytes, int], header: EndHeader) -> None:
         self._check_fence(header.room, header.generation)
         progress = self._open.pop(key, _Progress())
+        if progress.landing:  # chunks still being written in threads
+            await asyncio.gather(*list(progress.landing), return_exceptions=True)
+            if key in self._failed:
+                return  # one of them failed; the refusal was sent
         if (progress.chunks, progress.nbytes) != (header.num_chunks, header.nbytes):
             raise TransportError(f"room {header.room}: {progress.chunks} chunk(s) / "
                                  f"{progress.nbytes} bytes landed, sender sent "

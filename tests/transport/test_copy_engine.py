@@ -22,8 +22,8 @@ ENGINES = {
     "stretch": dict(direct_max_runs=0, stretch_nbytes=512),
     "bounce-2-workers": dict(direct_max_runs=0, stretch_nbytes=1 << 30, bounce_nbytes=32 << 10,
                              inline_nbytes=0, num_workers=2),
-    "pipelined-small-parts": dict(direct_max_runs=0, inline_nbytes=0, num_workers=2,
-                                  part_nbytes=4096, stretch_nbytes=4096),
+    "3-workers-small-stretches": dict(direct_max_runs=0, inline_nbytes=0, num_workers=3,
+                                      stretch_nbytes=4096, bounce_nbytes=8192),
     "default": dict(),
 }
 

@@ -29,9 +29,9 @@ def _endpoint(rank: str, regions: dict, address: str, *, sizes: bool = True) -> 
 class Decode:
     """One TcpReceiver per decode rank of a scenario."""
 
-    def __init__(self, sc) -> None:
+    def __init__(self, sc, **options) -> None:
         self.sc = sc
-        self.receivers = {rank: TcpReceiver("127.0.0.1", regions)
+        self.receivers = {rank: TcpReceiver("127.0.0.1", regions, **options)
                           for rank, regions in sc.world.decode_buffers.items()}
 
     async def __aenter__(self) -> Decode:
@@ -47,12 +47,13 @@ class Decode:
         return _endpoint(rank, self.sc.world.decode_buffers[rank], self.receivers[rank].address, **kw)
 
 
+@pytest.mark.parametrize("inline_nbytes", [256 << 10, 0], ids=["inline", "threaded-scatter"])
 @pytest.mark.parametrize("case", [("llama", 2, 2), ("llama", 2, 4), ("llama", 4, 2), ("gdn", 2, 4)],
                          ids=["direct", "sliced-2-4", "sliced-4-2", "gdn"])
-async def test_tcp_write_lands_exactly_the_oracle_bytes(scenario, case):
+async def test_tcp_write_lands_exactly_the_oracle_bytes(scenario, case, inline_nbytes):
     sc = scenario(*case)
     transport = TcpTransport(chunk_nbytes=96 << 10)
-    async with Decode(sc) as decode:
+    async with Decode(sc, inline_nbytes=inline_nbytes) as decode:
         links = {rank: await transport.connect(decode.endpoint(rank)) for rank in decode.receivers}
         results = await asyncio.gather(*(
             transport.write(links[p.dst_rank], p, sc.src(p), room="r1") for p in sc.plans))
@@ -159,8 +160,8 @@ async def test_sender_checks_against_the_endpoint_sizes_before_sending(scenario)
 async def test_fenced_generation_is_refused_and_the_next_one_lands(scenario):
     sc = scenario("llama", 2, 2)
     plan = sc.plans[0]
-    transport = TcpTransport()
-    async with Decode(sc) as decode:
+    transport = TcpTransport(chunk_nbytes=64 << 10)
+    async with Decode(sc, inline_nbytes=0) as decode:
         receiver = decode.receivers[plan.dst_rank]
         link = await transport.connect(decode.endpoint(plan.dst_rank))
         await receiver.fence("r", 0)

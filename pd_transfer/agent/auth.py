@@ -1,0 +1,180 @@
+"""Authentication on the sidecar's sockets: the handshake driven over ZeroMQ.
+
+The sidecar's ZeroMQ context is a :class:`SecureContext` carrying its
+:class:`Security`, so every piece that opens a socket from it (a decode's
+control channel, a rank-table request, the listening sockets) finds the
+secret and the CURVE keys there, without passing them through each caller.
+A plain context means security off, which is what unit tests use.
+
+Listening sockets (ROUTER) put a :class:`Doorman` in front of their loop: it
+answers handshake frames itself and lets a frame through only from an
+identity that completed the handshake; anything else is counted and
+answered in the socket's own protocol. Connecting sockets (DEALER) call
+:func:`authenticate` before their first frame.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from pd_transfer.errors import AuthError, PdTransferError, Reason
+from pd_transfer.protocol import Close, encode
+from pd_transfer.protocol.messages import clip_text
+from pd_transfer.security import ClientHandshake, Decision, Gate, NonceBook, SecuritySettings, new_routing_id
+
+log = logging.getLogger(__name__)
+
+#: after a refused handshake, how long a closed socket may still try to deliver the
+#: refusal (closing with linger 0 would drop it, and the listener would not count it)
+REFUSAL_LINGER_MS = 250
+
+
+@dataclass
+class Security:
+    """One sidecar's security: settings, the nonce book its gates share, a failure counter."""
+
+    settings: SecuritySettings = field(default_factory=SecuritySettings)
+    agent_id: str = ""
+    handshake_timeout_s: float = 10.0
+    nonces: NonceBook = field(default_factory=NonceBook)
+    on_failure: Callable[[str], None] = lambda reason: None   # reason code -> metrics
+
+    @classmethod
+    def from_config(cls, config) -> Security:
+        """ConfigError (exit code 2) for an unusable secret or key; see SecuritySettings."""
+        return cls(SecuritySettings.from_config(config), config.agent_id, config.bootstrap_timeout_s)
+
+    @property
+    def enabled(self) -> bool:
+        return self.settings.auth_enabled
+
+    def gate(self) -> Gate:
+        return Gate(self.settings.secret, self.agent_id, self.nonces)
+
+    def log_mode(self) -> None:
+        if self.enabled:
+            log.info("security: %s", self.settings.describe())
+        else:
+            log.warning("security: %s: any process that reaches this sidecar's ports may use it; "
+                        "set secret_file or PD_TRANSFER_SECRET_FILE (require_auth = true makes "
+                        "a missing secret an error)", self.settings.describe())
+
+    def failed(self, error: PdTransferError, where: str = "") -> None:
+        """Count and log a failed handshake (``where``: the listening socket and peer)."""
+        self.on_failure(error.code.value)
+        log.warning("%sauthentication failed [%s]: %s", f"{where}: " if where else "",
+                    error.code.value, error.message)
+
+    # -- sockets ------------------------------------------------------------------------
+    def listening(self, socket: zmq.Socket) -> None:
+        """CURVE server options for a socket about to bind (no-op without a key)."""
+        keypair = self.settings.curve_keypair
+        if keypair is not None:
+            socket.curve_secretkey = keypair.secret.encode()
+            socket.curve_publickey = keypair.public.encode()
+            socket.curve_server = True
+
+    def connecting(self, socket: zmq.Socket) -> None:
+        """A random routing id (see :mod:`pd_transfer.security.gate`) and CURVE client
+        options for a socket about to connect (no-op with both off)."""
+        if self.enabled:
+            socket.setsockopt(zmq.ROUTING_ID, new_routing_id())
+        if self.settings.curve_server_key:
+            public, secret = zmq.curve_keypair()   # throwaway: CURVE does not say who connects
+            socket.curve_publickey, socket.curve_secretkey = public, secret
+            socket.curve_serverkey = self.settings.curve_server_key.encode()
+
+
+DISABLED = Security()
+
+
+class SecureContext(zmq.asyncio.Context):
+    """The sidecar's context: sockets made from it find the sidecar's :class:`Security`."""
+
+    security: Security = DISABLED   # pyzmq contexts keep attributes declared on the class
+
+    def __init__(self, security: Security) -> None:
+        super().__init__()
+        self.security = security
+
+
+def security_of(context: zmq.asyncio.Context) -> Security:
+    return getattr(context, "security", DISABLED)
+
+
+async def authenticate(socket: zmq.asyncio.Socket, security: Security, peer: str,
+                       timeout_s: float | None = None) -> None:
+    """Run the connecting side's handshake on ``socket`` (a DEALER).
+
+    Raises AuthError when either side refuses (counted), PdTransferError
+    ``timeout`` when no answer comes within ``timeout_s``.
+    """
+    timeout_s = security.handshake_timeout_s if timeout_s is None else timeout_s
+    handshake = ClientHandshake(security.settings.secret, security.agent_id, peer=peer)
+    deadline = time.monotonic() + timeout_s
+    await socket.send(handshake.hello())
+    while not handshake.done:
+        remaining_ms = (deadline - time.monotonic()) * 1000
+        if remaining_ms <= 0 or not await socket.poll(remaining_ms):
+            raise PdTransferError(f"{peer}: no answer to the authentication handshake within "
+                                  f"{timeout_s:.1f} s", code=Reason.TIMEOUT)
+        try:
+            reply = handshake.receive(await socket.recv())
+        except AuthError as err:
+            if err.reply is not None:
+                await socket.send(err.reply)   # tell the listener why: it counts it too
+            security.failed(err)   # its message names the peer
+            raise
+        if reply is not None:
+            await socket.send(reply)
+
+
+UnauthenticatedReply = Callable[[bytes, AuthError], bytes]
+
+
+class Doorman:
+    """Stands before one listening socket: ``await admit(identity, frame)`` says
+    whether the frame may be handled; everything else it answers itself.
+
+    ``unauthenticated_reply(frame, error)`` builds the answer to a frame sent
+    before the handshake, in the socket's own protocol.
+    """
+
+    def __init__(self, socket: zmq.asyncio.Socket, security: Security, where: str,
+                 unauthenticated_reply: UnauthenticatedReply, *,
+                 on_bad_frame: Callable[[str], None] = lambda reason: None) -> None:
+        self._socket = socket
+        self._security = security
+        self._gate = security.gate()
+        self._where = where
+        self._unauthenticated_reply = unauthenticated_reply
+        self._on_bad_frame = on_bad_frame
+
+    async def admit(self, identity: bytes, frame: bytes) -> bool:
+        admission = self._gate.admit(identity, frame)
+        if admission.decision is Decision.PASS:
+            return True
+        reply = admission.reply
+        if admission.decision is not Decision.ANSWER:
+            error = admission.error
+            self._security.failed(error, f"{self._where}: peer {identity.hex()[:12]}")
+            if admission.decision is Decision.UNAUTHENTICATED:
+                self._on_bad_frame(Reason.UNAUTHENTICATED.value)
+                reply = self._unauthenticated_reply(frame, error)
+        if reply is not None:
+            try:
+                await self._socket.send_multipart([identity, reply])
+            except zmq.ZMQError as err:
+                log.debug("%s: cannot answer peer %s: %s", self._where, identity.hex()[:12], err)
+        return False
+
+
+def close_reply(frame: bytes, error: AuthError) -> bytes:
+    """The answer of a control or bootstrap socket to a frame sent before the handshake."""
+    return encode(Close(reason=error.code, reason_text=clip_text(str(error))))

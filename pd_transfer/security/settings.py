@@ -1,0 +1,58 @@
+"""What a sidecar's security amounts to, resolved once at startup from its config.
+
+:meth:`SecuritySettings.from_config` reads the shared secret and the CURVE
+keys the config points to, and turns every problem into a
+:class:`~pd_transfer.errors.ConfigError` (exit code 2): an unreadable or
+short secret, a malformed key, or ``require_auth = true`` without a secret.
+No secret configured means authentication is off; the sidecar says so in a
+warning when it starts.
+
+Pure: reads files and the environment mapping it is given.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pd_transfer.errors import ConfigError
+from pd_transfer.security.curve import CurveKeypair, check_key, read_secret_key
+from pd_transfer.security.secret import SECRET_ENV, SECRET_FILE_ENV, SharedSecret, load_secret
+
+
+@dataclass(frozen=True)
+class SecuritySettings:
+    secret: SharedSecret | None = None          # None: authentication off
+    curve_keypair: CurveKeypair | None = None   # encrypts the sockets this sidecar binds
+    curve_server_key: str = ""                  # expected of the sockets it connects to
+
+    @property
+    def auth_enabled(self) -> bool:
+        return self.secret is not None
+
+    @classmethod
+    def from_config(cls, config: Any, environ: Mapping[str, str] | None = None) -> SecuritySettings:
+        """``config`` is a :class:`~pd_transfer.config.SidecarConfig` (its auth fields)."""
+        environ = os.environ if environ is None else environ
+        secret = load_secret(config.secret_file, environ)
+        if secret is None and config.require_auth:
+            raise ConfigError("sidecar.require_auth is true but no shared secret is configured",
+                              hint=f"set secret_file, {SECRET_FILE_ENV} or {SECRET_ENV}")
+        keypair = read_secret_key(config.curve_secret_key_file) if config.curve_secret_key_file else None
+        server_key = (check_key(config.curve_server_key, "sidecar.curve_server_key")
+                      if config.curve_server_key else "")
+        if not server_key and keypair is not None:
+            server_key = keypair.public  # one keypair for the whole deployment
+        return cls(secret=secret, curve_keypair=keypair, curve_server_key=server_key)
+
+    def describe(self) -> str:
+        """One line for the startup log: what is on, never any key material."""
+        auth = "shared-secret authentication on" if self.auth_enabled else "authentication OFF"
+        curve = []
+        if self.curve_keypair is not None:
+            curve.append(f"CURVE server key {self.curve_keypair.public[:8]}...")
+        if self.curve_server_key:
+            curve.append(f"expects CURVE server key {self.curve_server_key[:8]}...")
+        return ", ".join([auth] + curve) if curve else f"{auth}, CURVE off"
