@@ -28,42 +28,11 @@ from pd_transfer.protocol import Register
 from pd_transfer.shm import Segment, open_segment
 from pd_transfer.transport.base import Link, PeerEndpoint
 from pd_transfer.transport.device_copy import execute_on_device
-from pd_transfer.transport.shm import ShmLink, ShmTransport
+from pd_transfer.transport.shm import ShmTransport
 from pd_transfer.transport.tcp import TcpTransport
 from pd_transfer.transport.tcp_receiver import TcpReceiver
 
 log = logging.getLogger(__name__)
-
-# Plans this small (a few pages) are copied on the event loop: a thread hop and
-# the engine's set-up cost more than the copy (a 1-page Llama room is 65 runs).
-_INLINE_RUNS = 512
-
-
-def _inline_copy(plan, src_regions: dict, dst_regions: dict) -> int:
-    """Bounds-check every run (nothing moves if one is out), then copy with numpy slices.
-
-    ``src_regions``/``dst_regions`` map region ids to numpy uint8 arrays.
-    """
-    runs = []
-    for batch in plan.batches:
-        src, dst = src_regions.get(batch.src_region), dst_regions.get(batch.dst_region)
-        if src is None or dst is None:
-            raise TransportError(f"plan names unknown region {batch.src_region!r} or "
-                                 f"{batch.dst_region!r}", code=Reason.UNKNOWN_REGION)
-        src_limit, dst_limit = src.size, dst.size
-        for s, d, n in zip(*(a.tolist() for a in batch.byte_runs())):
-            if s < 0 or d < 0 or n < 0 or s + n > src_limit or d + n > dst_limit:
-                raise TransportError(
-                    f"run of {n} bytes from {batch.src_region}@{s} to {batch.dst_region}@{d} "
-                    f"leaves a region ({src_limit} / {dst_limit} bytes); nothing was copied",
-                    code=Reason.VIEW_OUT_OF_REGION)
-            runs.append((src, dst, s, d, n))
-    total = 0
-    for src, dst, s, d, n in runs:
-        dst[d:d + n] = src[s:s + n]
-        total += n
-    return total
-
 
 class DeviceLink:
     """Same-host link to CUDA regions opened from the peer's IPC handles."""
@@ -81,7 +50,6 @@ class DataPlane:
         self.config = config
         self.context = context
         self.local_regions: dict = {}
-        self.local_numpy: dict = {}
         self.on_device = False
         self._segments: list[Segment] = []
         self._shm = ShmTransport()
@@ -111,7 +79,6 @@ class DataPlane:
                 segment.close()
             raise
         self._segments, self.local_regions = segments, regions
-        self.local_numpy = {k: v.numpy() for k, v in regions.items() if not v.is_cuda}
         if geometry.role is Role.DECODE and self.config.transport in ("auto", "tcp") \
                 and not self.on_device:
             self._receiver = TcpReceiver(self.config.data_host, self.local_regions,
@@ -162,10 +129,6 @@ class DataPlane:
                     raise PdTransferError("device regions need a same-host peer with CUDA handles",
                                           code=Reason.TRANSPORT_FAILED)
                 return await asyncio.to_thread(execute_on_device, plan, self.local_regions, dst)
-            if isinstance(link, ShmLink) and plan.num_runs <= _INLINE_RUNS:
-                if not hasattr(link, "numpy_regions"):
-                    link.numpy_regions = {k: v.numpy() for k, v in link.regions.items()}
-                return _inline_copy(plan, self.local_numpy, link.numpy_regions)
             transport = link.transport
             return await transport.write(link, plan, self.local_regions, room=str(room),
                                          generation=generation)

@@ -279,6 +279,9 @@ class DecodeSide:
         self._fail(room, Reason.ABORTED, f"room {room_id} aborted by the decode worker")
         try:
             await asyncio.wait_for(room.drained.wait(), self.config.abort_drain_timeout_s)
+            # tcp chunks zmq had already queued must not land after we say "drained"
+            await asyncio.wait_for(self.sidecar.dataplane.fence(room.room, room.generation),
+                                   self.config.abort_drain_timeout_s)
             drained = True
         except TimeoutError:
             drained = False  # some prefill rank never confirmed: keep the pages fenced
