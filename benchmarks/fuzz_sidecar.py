@@ -99,9 +99,9 @@ def run(seconds: float, seed: int) -> int:
             failures.append(f"worker endpoint answered {len(worker.replies)} of {wanted} requests")
         internal = [r for r in (msgpack.unpackb(x, raw=False) for x in worker.replies)
                     if not r.get("ok") and str(r.get("reason", "")).startswith("internal error")]
-        if internal:
-            failures.append(f"{len(internal)} worker requests hit an internal error, e.g. "
-                            f"{internal[0]['reason'][:200]}")
+        kinds = Counter(r["reason"][:100] for r in internal)
+        for reason, count in kinds.most_common():
+            failures.append(f"{count} worker requests hit an internal error: {reason}")
         bootstrap.drain_until(bootstrap.kinds["table_request"], 30)
         bootstrap.drain(0.5)
         real = cluster.ready[rank]["control_address"]

@@ -80,6 +80,13 @@ class Security:
             socket.curve_publickey = keypair.public.encode()
             socket.curve_server = True
 
+    def curve_client(self, socket: zmq.Socket) -> None:
+        """CURVE client options only (data sockets: no HMAC handshake runs on them)."""
+        if self.settings.curve_server_key:
+            public, secret = zmq.curve_keypair()
+            socket.curve_publickey, socket.curve_secretkey = public, secret
+            socket.curve_serverkey = self.settings.curve_server_key.encode()
+
     def connecting(self, socket: zmq.Socket) -> None:
         """A random routing id (see :mod:`pd_transfer.security.gate`) and CURVE client
         options for a socket about to connect (no-op with both off)."""

@@ -21,6 +21,7 @@ import logging
 import zmq.asyncio
 
 from pd_transfer import cuda_ipc
+from pd_transfer.agent.auth import security_of
 from pd_transfer.config import SidecarConfig
 from pd_transfer.errors import PdTransferError, Reason, TransportError
 from pd_transfer.layout.geometry import RankGeometry, Role
@@ -53,7 +54,10 @@ class DataPlane:
         self.on_device = False
         self._segments: list[Segment] = []
         self._shm = ShmTransport()
-        self._tcp = TcpTransport(context, window_nbytes=config.max_inflight_nbytes)
+        security = security_of(context)
+        # CURVE (when configured) covers the data sockets too, not only control
+        self._tcp = TcpTransport(context, window_nbytes=config.max_inflight_nbytes,
+                                 socket_options=security.curve_client)
         self._receiver: TcpReceiver | None = None
         self._device_links: list[DeviceLink] = []
 
@@ -82,7 +86,8 @@ class DataPlane:
         if geometry.role is Role.DECODE and self.config.transport in ("auto", "tcp") \
                 and not self.on_device:
             self._receiver = TcpReceiver(self.config.data_host, self.local_regions,
-                                         port=self.config.data_port, context=self.context)
+                                         port=self.config.data_port, context=self.context,
+                                         socket_options=security_of(self.context).listening)
             await self._receiver.start()
 
     async def fence(self, room: int, generation: int) -> None:

@@ -23,6 +23,7 @@ import asyncio
 import itertools
 import logging
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 import zmq
@@ -146,8 +147,11 @@ class TcpTransport(Transport):
 
     def __init__(self, context: zmq.asyncio.Context | None = None, *,
                  chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
-                 window_nbytes: int = DEFAULT_WINDOW_NBYTES) -> None:
+                 window_nbytes: int = DEFAULT_WINDOW_NBYTES,
+                 socket_options: Callable[[zmq.Socket], None] | None = None) -> None:
         super().__init__()
+        # e.g. CURVE client keys: the agent knows them, this layer does not
+        self.socket_options = socket_options
         self.context = context or zmq.asyncio.Context.instance()
         self.chunk_nbytes = chunk_nbytes
         self.window_nbytes = window_nbytes
@@ -159,6 +163,8 @@ class TcpTransport(Transport):
                                  hint="start a TcpReceiver on the decode side and register its address")
         socket = self.context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
+        if self.socket_options is not None:
+            self.socket_options(socket)
         try:
             socket.connect(peer.data_address)
         except zmq.ZMQError as err:

@@ -84,7 +84,9 @@ class TcpReceiver:
     def __init__(self, bind_host: str, regions_lookup: RegionLookup | Mapping[str, RegionMemory],
                  *, port: int = 0, context: zmq.asyncio.Context | None = None,
                  max_chunk_nbytes: int = 64 << 20, inline_nbytes: int = 256 << 10,
-                 max_scatters: int = 2, on_landed: LandedCallback | None = None) -> None:
+                 max_scatters: int = 2, on_landed: LandedCallback | None = None,
+                 socket_options: Callable[[zmq.Socket], None] | None = None) -> None:
+        self.socket_options = socket_options  # e.g. CURVE server keys, set by the agent
         self.bind_host = bind_host
         self.port = port
         self._lookup: RegionLookup = regions_lookup.get if isinstance(regions_lookup, Mapping) \
@@ -109,6 +111,8 @@ class TcpReceiver:
         """Bind and start serving; return the address peers connect to."""
         socket = self.context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
+        if self.socket_options is not None:
+            self.socket_options(socket)
         # a frame larger than a chunk plus its header is dropped by zmq with the connection
         socket.setsockopt(zmq.MAXMSGSIZE, self.max_chunk_nbytes + (16 << 20))
         try:

@@ -2,11 +2,14 @@
 
 Prefill TP 1 and decode TP 1 over the tcp data plane: the decode sidecar runs
 a receiver that scatters chunks into its worker's regions. The tests run in
-file order on one deployment; the last one shuts it down.
+file order on one deployment; the last two shut it down. The late chunks are
+sent by the test straight to the receiver's data port: a chunk that was on
+its way when the room was aborted looks exactly like that.
 """
 
 import os
 import signal
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +31,12 @@ def cluster(module_deployment):
     return module_deployment(tiny_ranks(Role.PREFILL, 1), tiny_ranks(Role.DECODE, 1), transport="tcp",
                              decode_config={"data_port": free_port()})
 
+
+
+def _data_address(cluster) -> str:
+    name = cluster.sidecars[cluster.decode[0].rank_id].name
+    config = tomllib.loads((cluster.workdir / f"{name}.toml").read_text())["sidecar"]
+    return f"tcp://127.0.0.1:{config['data_port']}"
 
 
 def _late_chunk(address: str, room: int, generation: int, region: str, offset: int, nbytes: int):
@@ -58,9 +67,7 @@ def test_a_chunk_arriving_after_the_abort_is_refused_and_writes_nothing(cluster)
     # a chunk of room 1 (generation 1: the first room of this decode sidecar) turns up late,
     # aimed at page 0 of the first KV view
     view = decode.views[0]
-    config = (cluster.workdir / f"{cluster.sidecars[decode.rank_id].name}.toml").read_text()
-    port = next(line.split("=")[1].strip() for line in config.splitlines() if line.startswith("data_port"))
-    reply = _late_chunk(f"tcp://127.0.0.1:{port}", 1, 1, view.region,
+    reply = _late_chunk(_data_address(cluster), 1, 1, view.region,
                         view.offset_nbytes, view.item_nbytes)
     assert isinstance(reply, Fail) and reply.code == "stale_generation", reply
     assert "room 1 generation 1 was aborted" in reply.text
@@ -84,9 +91,7 @@ def test_a_chunk_of_a_room_decode_never_expected_is_refused(cluster):
     decode = cluster.decode[0]
     before = snapshot(cluster, Role.DECODE)
     view = decode.views[0]
-    config = (cluster.workdir / f"{cluster.sidecars[decode.rank_id].name}.toml").read_text()
-    port = next(line.split("=")[1].strip() for line in config.splitlines() if line.startswith("data_port"))
-    reply = _late_chunk(f"tcp://127.0.0.1:{port}", 999, 1, view.region,
+    reply = _late_chunk(_data_address(cluster), 999, 1, view.region,
                         view.offset_nbytes + 15 * view.item_nbytes, view.item_nbytes)
     written = changed_regions(cluster, before)
     for (rank, region), old in before.items():  # undo it: later tests verify these bytes

@@ -10,7 +10,7 @@ for helper_dir in ("agent", "faults", "protocol"):
 
 import pytest  # noqa: E402
 from fault_tools import Deployments  # noqa: E402
-from fuzz_frames import FRAMES_SENT as SIDECAR_FRAMES  # noqa: E402
+from fuzz_frames import FRAMES_SENT, FRAMES_SKIPPED  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +22,9 @@ def module_deployment():
 
 
 def pytest_terminal_summary(terminalreporter):
-    if SIDECAR_FRAMES:
-        parts = ", ".join(f"{name} {count}" for name, count in sorted(SIDECAR_FRAMES.items()))
+    if FRAMES_SENT:
+        parts = ", ".join(f"{name} {count}" for name, count in sorted(FRAMES_SENT.items()))
+        skipped = "".join(f"; not sent: {count} {why}" for why, count in FRAMES_SKIPPED.items())
         terminalreporter.write_line(
-            f"sidecar fuzz: {sum(SIDECAR_FRAMES.values())} frames sent to a live prefill sidecar "
-            f"({parts}); it stayed up, answered or counted them, and then moved a room byte-exact")
+            f"sidecar fuzz: {sum(FRAMES_SENT.values())} frames sent to a live prefill sidecar "
+            f"({parts}){skipped}")

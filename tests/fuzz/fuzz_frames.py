@@ -32,6 +32,7 @@ from pd_transfer.protocol.worker_api import encode as encode_request
 
 BYTE_OPS = ("flip", "delete", "insert", "truncate", "duplicate")
 FRAMES_SENT: Counter = Counter()   # socket -> frames sent by the tests (terminal summary)
+FRAMES_SKIPPED: Counter = Counter()  # what the tests drew but did not send, and why
 
 
 # -- seeds ------------------------------------------------------------------------------
@@ -254,6 +255,8 @@ class FreshSessions:
         self.kinds: Counter = Counter()
         self.replies: list = []
         self._context = zmq.Context.instance()
+        # each frame's socket lingers until its frames left: allow many at once
+        self._context.set(zmq.MAX_SOCKETS, max(self._context.get(zmq.MAX_SOCKETS), 16384))
 
     @property
     def sent(self) -> int:
@@ -263,7 +266,7 @@ class FreshSessions:
         outcome = control_outcome(frame, after_hello)
         self.kinds[outcome] += 1
         socket = self._context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 2000)   # let the frames leave after close()
+        socket.setsockopt(zmq.LINGER, 1000)   # let the frames leave after close()
         socket.connect(self.address)
         if after_hello:
             socket.send(HELLO)
