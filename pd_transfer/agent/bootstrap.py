@@ -39,7 +39,9 @@ log = logging.getLogger(__name__)
 class BootstrapServer:
     """Rank 0's table of prefill ranks, served on its own ROUTER."""
 
-    def __init__(self, context: zmq.asyncio.Context, address: str) -> None:
+    def __init__(self, context: zmq.asyncio.Context, address: str,
+                 on_bad_frame=lambda reason: None) -> None:
+        self._on_bad_frame = on_bad_frame
         security = security_of(context)
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -54,6 +56,7 @@ class BootstrapServer:
 
     def _count_bad_frame(self, reason: str) -> None:
         self.bad_frames += 1
+        self._on_bad_frame(reason)
 
     def add(self, entry: RankEntry) -> None:
         key = (entry.geometry.pp_rank, entry.geometry.tp_rank)
@@ -68,7 +71,7 @@ class BootstrapServer:
         while True:
             frames = await self.socket.recv_multipart()
             if len(frames) != 2:
-                self.bad_frames += 1
+                self._count_bad_frame(Reason.BAD_FRAME.value)
                 continue
             identity, frame = frames
             if not await self._doorman.admit(identity, frame):
@@ -76,7 +79,7 @@ class BootstrapServer:
             try:
                 message = decode(frame)
             except ProtocolError as err:
-                self.bad_frames += 1
+                self._count_bad_frame(err.code.value)
                 log.warning("bootstrap: bad frame: %s", err)
                 if err.code is Reason.UNKNOWN_MESSAGE:  # e.g. a handshake, with auth off here
                     await self.socket.send_multipart([identity, encode(Close(
@@ -88,7 +91,7 @@ class BootstrapServer:
                          message.entry.geometry.rank_id, message.entry.control_address,
                          len(self.entries), self.expected)
             elif not isinstance(message, TableRequest):
-                self.bad_frames += 1
+                self._count_bad_frame(Reason.ILLEGAL_MESSAGE.value)
                 continue
             await self.socket.send_multipart([identity, encode(self.table())])
 
@@ -98,8 +101,12 @@ class BootstrapServer:
 
 async def fetch_table(context: zmq.asyncio.Context, address: str, agent_id: str,
                       timeout_s: float, announce: RankEntry | None = None,
-                      poll_interval_s: float = 0.05) -> RankTable:
-    """Ask ``address`` for the rank table until it is complete or ``timeout_s`` passes."""
+                      poll_interval_s: float = 0.05, until_complete: bool = True) -> RankTable:
+    """Ask ``address`` for the rank table until it is complete or ``timeout_s`` passes.
+
+    ``until_complete`` False returns the first table: with ``announce``, proof
+    that rank 0 has recorded this rank.
+    """
     deadline = time.monotonic() + timeout_s
     security = security_of(context)
     socket = context.socket(zmq.DEALER)
@@ -128,7 +135,7 @@ async def fetch_table(context: zmq.asyncio.Context, address: str, agent_id: str,
                                           code=reply.reason or Reason.BOOTSTRAP_FAILED)
                 if isinstance(reply, RankTable):
                     last = reply
-                    if reply.complete:
+                    if reply.complete or not until_complete:
                         return reply
                 request = TableRequest(agent_id=agent_id)
             await asyncio.sleep(min(poll_interval_s, max(0.0, deadline - time.monotonic())))

@@ -25,9 +25,9 @@ import zmq
 import zmq.asyncio
 
 from pd_transfer.agent.auth import REFUSAL_LINGER_MS, Doorman, authenticate, close_reply, security_of
-from pd_transfer.errors import PdTransferError, Reason, RemoteProtocolError
+from pd_transfer.errors import PdTransferError, ProtocolError, Reason, RemoteProtocolError
 from pd_transfer.layout.geometry import Role
-from pd_transfer.protocol import Close, Dropped, Message, Session
+from pd_transfer.protocol import Close, Dropped, Message, Session, encode
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,17 @@ class Channel:
                 log.debug("peer %s: could not send the error reply", self.label)
             if isinstance(err.reply, Close):
                 self.closed = True
+            return
+        except ProtocolError as err:
+            # a frame the codec knows but no session may carry (a bootstrap message
+            # on the control socket): refuse it like any other bad frame
+            self.bad_frames += 1
+            self.on_bad_frame(err.code.value)
+            log.warning("peer %s: frame refused: %s", self.label, err)
+            try:
+                await self._write(encode(Close(reason=err.code, reason_text=str(err)[:4000])))
+            except Exception:
+                log.debug("peer %s: could not send the refusal", self.label)
             return
         if isinstance(event, Dropped):
             log.info("peer %s: dropped %s: %s", self.label, event.code.value, event.text)
@@ -167,6 +178,7 @@ class IncomingChannels:
         while True:
             frames = await self.socket.recv_multipart()
             if len(frames) != 2:
+                self._on_bad_frame(Reason.BAD_FRAME.value)
                 log.warning("control socket: dropped a message of %d frames", len(frames))
                 continue
             identity, frame = frames

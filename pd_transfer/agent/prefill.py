@@ -27,7 +27,7 @@ from pd_transfer.agent.rooms import Room
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.diagnostics import collapse
 from pd_transfer.layout.fanout import decode_ranks_fed
-from pd_transfer.layout.geometry import RankGeometry, Role
+from pd_transfer.layout.geometry import RankGeometry, Role, handle_problems
 from pd_transfer.layout.planner import PairPlanner, plan_pair
 from pd_transfer.layout.reconcile import Reconciliation, reconcile
 from pd_transfer.layout.views import Pool
@@ -145,6 +145,13 @@ class PrefillSide:
                 decode="-", hint="start every prefill rank's sidecar and worker")])
             return
         decode_geometry = peer.register.geometry
+        handles = {h.region: h.handle for h in peer.register.region_handles}
+        problems = handle_problems(decode_geometry, handles) if handles else []
+        if problems:
+            await self._reject(peer, f"invalid registration of {peer.rank_id}", [MismatchRecord(
+                path=f"decode.{p.subject or 'handles'}", code=p.code, prefill="-", decode=p.detail,
+                hint="each region needs its own segment") for p in problems])
+            return
         prefill = [e.geometry for e in self.table.entries]
         recon = reconcile(prefill, [decode_geometry])
         if not recon.ok:
@@ -210,6 +217,18 @@ class PrefillSide:
             await peer.channel.send(Done(room=message.room, generation=message.generation,
                                          status=DoneStatus.FAILED, reason=Reason.PEER_REJECTED,
                                          reason_text="transfer request before an accepted verdict"))
+            return
+        rank = peer.register.geometry.rank_id
+        if any(t.peer.register.geometry.rank_id == rank and t.peer is not peer
+               for t in room.targets.values()) or (
+                room.expected_targets and len(room.targets) >= room.expected_targets
+                and id(peer.channel) not in room.targets):
+            # another peer already asked for this room as that rank (or every rank did):
+            # a second decode instance must not receive this room's bytes
+            await peer.channel.send(Done(room=message.room, generation=message.generation,
+                                         status=DoneStatus.FAILED, reason=Reason.DUPLICATE_ROOM,
+                                         reason_text=f"room {message.room} already belongs to "
+                                                     f"another decode peer as {rank}"))
             return
         dst = {d.pool: np.asarray(d.indices, dtype=np.int64) for d in message.dst}
         writes = self.sidecar.geometry.rank_id in message.src_ranks

@@ -199,6 +199,7 @@ class Sidecar:
         log.info("worker %s registered %s: %d views in %d regions", request["worker_id"],
                  geometry.rank_id, len(geometry.views), len(geometry.regions))
         if self.config.role is Role.PREFILL:
+            await self._announce_first()
             self._spawn(self._join_prefill_instance())
         else:
             self.side.resolve_configured()
@@ -211,24 +212,45 @@ class Sidecar:
             raise PdTransferError("the worker did not register in time",
                                   code=Reason.NOT_REGISTERED) from None
 
-    async def _join_prefill_instance(self) -> None:
+    def _rank_entry(self) -> RankEntry:
+        return RankEntry(agent_id=self.config.agent_id, host_id=self.config.host_id,
+                         control_address=self.control.address, pp_size=self.pp_size,
+                         geometry=self.geometry)
+
+    async def _announce_first(self) -> None:
+        """Serve the rank table (rank 0), then announce this rank once before the
+        worker's register returns, so a restarted rank is in the table before any
+        new room can look it up (rank 0 may still be starting: then later)."""
         address = self.config.bootstrap
         if not address:
             log.error("prefill sidecar has no bootstrap address: decode cannot find this rank")
             return
         if self.geometry.tp_rank == 0 and self.geometry.pp_rank == 0:
-            self.bootstrap_server = BootstrapServer(self.context, address)
+            self.bootstrap_server = BootstrapServer(self.context, address,
+                                                    on_bad_frame=self.observe.bad_frame)
             self._spawn(self.bootstrap_server.serve())
-        entry = RankEntry(agent_id=self.config.agent_id, host_id=self.config.host_id,
-                          control_address=self.control.address, pp_size=self.pp_size,
-                          geometry=self.geometry)
+        try:
+            await fetch_table(self.context, address, self.config.agent_id,
+                              min(2.0, self.config.bootstrap_timeout_s),
+                              announce=self._rank_entry(), until_complete=False)
+        except PdTransferError as err:
+            log.warning("prefill: first announcement failed (%s); retrying in the background",
+                        err.message)
+
+    async def _join_prefill_instance(self) -> None:
+        address = self.config.bootstrap
+        if not address:
+            return
+        entry = self._rank_entry()
         while True:
             try:
                 self.side.table = await fetch_table(self.context, address, self.config.agent_id,
                                                     self.config.bootstrap_timeout_s, announce=entry)
+                if not self.side.table_ready.is_set():
+                    log.info("prefill: rank table complete (%d ranks)", len(self.side.table.entries))
                 self.side.table_ready.set()
-                log.info("prefill: rank table complete (%d ranks)", len(self.side.table.entries))
-                return
+                # keep announcing: a restarted rank 0 rebuilds its table from these
+                await asyncio.sleep(self.config.heartbeat_interval_s * self.config.heartbeat_misses)
             except PdTransferError as err:
                 log.warning("prefill: %s; retrying", err.message)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -53,6 +54,7 @@ class WorkerEndpoint:
             frames = await self._socket.recv_multipart()
             if len(frames) != 2:
                 self.bad_requests += 1
+                self._on_bad_request(Reason.BAD_FRAME.value)
                 log.warning("worker endpoint: dropped a request of %d frames", len(frames))
                 continue
             identity, frame = frames
@@ -72,7 +74,7 @@ class WorkerEndpoint:
             self.bad_requests += 1
             self._on_bad_request(err.code.value)
             log.warning("worker endpoint: bad request: %s", err)
-            reply = worker_api.error_reply(request_id, err)
+            reply = worker_api.error_reply(getattr(err, "request_id", request_id), err)
         except PdTransferError as err:
             reply = worker_api.error_reply(request_id, err)
         except Exception as err:  # a bug must not take the endpoint down
@@ -88,6 +90,11 @@ class WorkerEndpoint:
         for task in self._tasks:
             task.cancel()
         self._socket.close(linger=0)
+        if self.address.startswith("ipc://"):  # libzmq leaves the socket file behind
+            try:
+                os.unlink(self.address[len("ipc://"):])
+            except OSError:
+                pass
 
 
 def _refusal_reply(frame: bytes, error: AuthError) -> bytes:

@@ -40,6 +40,8 @@ from pd_transfer.errors import PdTransferError, Reason
 
 MAX_REQUEST_NBYTES = 64 * 1024 * 1024
 MAX_INDICES = 1 << 22
+MAX_INDEX = (1 << 62) - 1      # page, slot and row indices (int64 arithmetic stays exact)
+MAX_ROOM = (1 << 64) - 1       # room ids are unsigned 64-bit, as on the wire
 
 
 class WorkerOp(enum.Enum):
@@ -93,23 +95,37 @@ def decode_request(frame: bytes) -> tuple[WorkerOp, dict[str, Any]]:
                              f"{[o.value for o in WorkerOp]}") from None
     if not isinstance(message.get("id"), int) or isinstance(message.get("id"), bool):
         raise WorkerApiError("at $.id: expected int")
+    try:
+        return op, _validated(op, message)
+    except WorkerApiError as err:
+        err.request_id = message["id"]  # so the refusal reaches the call that made it
+        raise
+
+
+def _validated(op: WorkerOp, message: dict[str, Any]) -> dict[str, Any]:
     for name, kinds in _REQUIRED[op].items():
         value = message.get(name)
         if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
             raise WorkerApiError(f"at $.{name}: expected {'/'.join(k.__name__ for k in kinds)}, "
                                  f"got {type(value).__name__}")
+    if "room" in message and not 0 <= message["room"] <= MAX_ROOM:
+        raise WorkerApiError(f"at $.room: expected an int in [0, 2**64), got {message['room']}",
+                             code=Reason.BAD_FIELD)
     for name in _INDEX_FIELDS:
         value = message.setdefault(name, [])
         if not isinstance(value, list) or not all(
-                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
-            raise WorkerApiError(f"at $.{name}: expected a list of non-negative ints")
+                isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_INDEX
+                for v in value):
+            raise WorkerApiError(f"at $.{name}: expected a list of ints in [0, 2**62)",
+                                 code=Reason.BAD_FIELD)
     pp_size = message.setdefault("pp_size", 1)
     if not isinstance(pp_size, int) or isinstance(pp_size, bool) or not 1 <= pp_size <= 1024:
         raise WorkerApiError("at $.pp_size: expected an int in [1, 1024]")
     aux_row = message.setdefault("aux_row", None)
-    if aux_row is not None and (not isinstance(aux_row, int) or isinstance(aux_row, bool) or aux_row < 0):
+    if aux_row is not None and (not isinstance(aux_row, int) or isinstance(aux_row, bool)
+                                or not 0 <= aux_row <= MAX_INDEX):
         raise WorkerApiError("at $.aux_row: expected a non-negative int or nil")
-    return op, message
+    return message
 
 
 def ok_reply(request_id: int, **fields: Any) -> bytes:

@@ -157,11 +157,6 @@ class Intruder:
         self.socket.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a peer Register's region_handles are not checked: prefill (agent/prefill.py _on_register -> "
-    "agent/dataplane.py connect) maps two decode regions onto one segment and accepts the peer; "
-    "the Register record (protocol/schema.py) or _on_register should run "
-    "layout.geometry.handle_problems and reject with region_invalid"))
 def test_peer_register_with_regions_sharing_a_segment_is_rejected(cluster):
     rank = cluster.decode[0]
     segments = cluster.pools[rank.rank_id].handles
@@ -177,11 +172,6 @@ def test_peer_register_with_regions_sharing_a_segment_is_rejected(cluster):
     assert verdict.mismatches[0].code is Reason.REGION_INVALID
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "prefill keys rooms by room id alone: agent/prefill.py _on_request (~line 207-215) adds any "
-    "accepted peer's TransferRequest for a live room of another decode instance as one more "
-    "target, and the room's pages are written into the intruder's segments too; it should "
-    "refuse it (Done failed, duplicate_room) and keep the room to the instance that asked first"))
 def test_a_peer_cannot_join_the_room_of_another_peer(cluster):
     rank, prefill_rank = cluster.decode[0], cluster.prefill[0].rank_id
     own = allocate_pools(rank, f"t{cluster._tag}-intruder")

@@ -155,11 +155,10 @@ HELLO = encode(Hello(agent_id="fuzz-decode", role=Role.DECODE))
 def control_outcome(frame: bytes, after_hello: bool) -> str:
     """What a fresh prefill session does with ``frame``.
 
-    'counted': a RemoteProtocolError, a bad frame the sidecar must count and
-    answer; 'dropped' or 'accepted'; 'not_session' for a frame the codec
-    accepts that is no session message at all (a bootstrap frame), which the
-    session refuses with a LocalProtocolError (see the xfail test
-    ``test_a_bootstrap_frame_on_the_control_socket_is_counted``).
+    'counted': a bad frame the sidecar must count and answer: a
+    RemoteProtocolError, or a frame the codec accepts that is no session
+    message at all (a bootstrap frame), which the session refuses with a
+    LocalProtocolError; 'dropped' or 'accepted'.
     Mirrors the sidecar's session for one frame on a new connection
     (optionally after a Hello, which the sidecar answers before reading on).
     """
@@ -172,7 +171,7 @@ def control_outcome(frame: bytes, after_hello: bool) -> str:
     except RemoteProtocolError:
         return "counted"
     except LocalProtocolError:
-        return "not_session"
+        return "counted"
     return "dropped" if isinstance(event, Dropped) else "accepted"
 
 

@@ -199,11 +199,6 @@ def _raw(address: str, *messages, parts=1, wait_s: float = 0.5) -> list[bytes]:
         socket.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "protocol/session.py Session.receive -> transitions.trigger_of raises LocalProtocolError for "
-    "a frame the codec accepts but the session table does not know (TableRequest, Announce, "
-    "RankTable); agent/channels.py Channel.receive catches only RemoteProtocolError, so the "
-    "frame ends in IncomingChannels.serve's 'handler failed' log: neither answered nor counted"))
 def test_a_bootstrap_frame_on_the_control_socket_is_counted_and_answered(cluster):
     before = _bad_frames(cluster)
     replies = _raw(cluster.ready[_prefill(cluster)]["control_address"],
@@ -212,28 +207,18 @@ def test_a_bootstrap_frame_on_the_control_socket_is_counted_and_answered(cluster
     assert [type(decode(r)).__name__ for r in replies] == ["Close"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "agent/channels.py IncomingChannels.serve drops a message of other than 2 frames with a log "
-    "line only (no bad_frames count, no reply)"))
 def test_a_multipart_message_on_the_control_socket_is_counted(cluster):
     before = _bad_frames(cluster)
     _raw(cluster.ready[_prefill(cluster)]["control_address"], HELLO, parts=2, wait_s=0.1)
     wait_for(lambda: _bad_frames(cluster) - before == 1, 0.3, "the 2-part message counted")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "agent/bootstrap.py BootstrapServer counts bad frames in its own attribute only (no hook "
-    "to the Observer, unlike the control socket and the worker endpoint), so "
-    "pd_transfer_bad_frames_total never shows them (and answers only unknown_message ones)"))
 def test_bad_frames_on_the_bootstrap_socket_are_counted_in_metrics(cluster):
     before = _bad_frames(cluster)
     _raw(cluster.bootstrap, b"\x81\xa1t\xa3bad", parts=1, wait_s=0.1)
     wait_for(lambda: _bad_frames(cluster) - before == 1, 0.3, "the bootstrap bad frame counted")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "agent/worker_endpoint.py WorkerEndpoint.serve drops a request of other than 2 frames: "
-    "self.bad_requests += 1 but not on_bad_request (no metric), and no reply"))
 def test_a_multipart_worker_request_is_counted(cluster):
     before = _bad_frames(cluster)
     request = worker_seeds(cluster.prefill[0], cluster.pools[_prefill(cluster)].handles)[5]
@@ -241,10 +226,6 @@ def test_a_multipart_worker_request_is_counted(cluster):
     wait_for(lambda: _bad_frames(cluster) - before == 1, 0.3, "the 2-part request counted")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "protocol/worker_api.py decode_request accepts any non-negative int as a page/slot/aux index "
-    "(no upper bound); agent/rooms.py pool_requests then overflows np.int64 and the endpoint "
-    "answers 'internal error: OverflowError' instead of a bad_field refusal naming the field"))
 def test_a_page_index_beyond_int64_is_refused_naming_the_field(cluster):
     client = cluster.clients[_prefill(cluster)]
     with pytest.raises(Refused) as err:
@@ -252,11 +233,6 @@ def test_a_page_index_beyond_int64_is_refused_naming_the_field(cluster):
     assert err.value.code_text == "bad_field" and "$.pages" in err.value.reason
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "protocol/worker_api.py accepts a negative room id (room: any int; client/wire.py room_id "
-    "too); agent/decode.py _start (await peer.channel.send(request), ~line 219) then raises "
-    "LocalProtocolError in a task nobody awaits, and the room only fails at its bootstrap "
-    "deadline with the wrong reason ('prefill peers were not resolved')"))
 def test_a_negative_room_id_is_refused_at_expect(cluster):
     client = cluster.clients[cluster.decode[0].rank_id]
     with pytest.raises(Refused) as err:
