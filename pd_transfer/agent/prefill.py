@@ -24,11 +24,12 @@ import numpy as np
 
 from pd_transfer.agent.channels import Channel
 from pd_transfer.agent.rooms import Room
+from pd_transfer.agent.verdicts import plan_summary
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.diagnostics import collapse
 from pd_transfer.layout.fanout import decode_ranks_fed
-from pd_transfer.layout.geometry import RankGeometry, Role, handle_problems
-from pd_transfer.layout.planner import PairPlanner, plan_pair
+from pd_transfer.layout.geometry import Role, handle_problems
+from pd_transfer.layout.planner import PairPlanner
 from pd_transfer.layout.reconcile import Reconciliation, reconcile
 from pd_transfer.layout.views import Pool
 from pd_transfer.protocol import (
@@ -39,7 +40,6 @@ from pd_transfer.protocol import (
     Heartbeat,
     Hello,
     MismatchRecord,
-    PoolPlan,
     Progress,
     RankTable,
     Register,
@@ -179,7 +179,7 @@ class PrefillSide:
         observe.verdict_modes({m: modes.count(m) for m in set(modes)})
         log.info("prefill: accepted %s (feeds decode tp ranks %s)", peer.rank_id, peer.fed,
                  extra={"peer": peer.rank_id})
-        await peer.channel.send(Verdict(accepted=True, plan=self._plan_summary(recon, decode_geometry)))
+        await peer.channel.send(Verdict(accepted=True, plan=plan_summary(recon, peer.planner)))
 
     async def _reject(self, peer: DecodePeer, headline: str, mismatches: list[MismatchRecord]) -> None:
         self.sidecar.observe.peer(peer.rank_id, "rejected", headline, peer.channel)
@@ -187,20 +187,6 @@ class PrefillSide:
         log.warning("prefill: rejected %s: %s", peer.rank_id,
                     "; ".join(m.render() for m in mismatches[:8]), extra={"peer": peer.rank_id})
         await peer.channel.send(Verdict(accepted=False, headline=headline, mismatches=tuple(mismatches)))
-
-    def _plan_summary(self, recon: Reconciliation, decode_geometry: RankGeometry) -> tuple[PoolPlan, ...]:
-        summary = []
-        modes: dict[tuple, int] = {}
-        for verdict in recon.verdicts:
-            modes[(verdict.key[0], verdict.mode)] = modes.get((verdict.key[0], verdict.mode), 0) + 1
-        for (pool, mode), count in modes.items():
-            one = {pool: (np.zeros(1, np.int64), np.zeros(1, np.int64))}
-            try:
-                plan = plan_pair(recon, self.sidecar.geometry, decode_geometry, one)
-            except PdTransferError:
-                continue
-            summary.append(PoolPlan(pool, mode, count, plan.num_descriptors, plan.total_nbytes))
-        return tuple(summary)
 
     # -- rooms --------------------------------------------------------------------
     def _room(self, room_id: int) -> PrefillRoom:

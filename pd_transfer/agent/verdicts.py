@@ -1,0 +1,29 @@
+"""The plan summary an accepted Verdict carries: per pool and mode, the cost of one item."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from pd_transfer.errors import PdTransferError
+from pd_transfer.layout.planner import PairPlanner
+from pd_transfer.layout.reconcile import Reconciliation
+from pd_transfer.protocol import PoolPlan
+
+
+def plan_summary(recon: Reconciliation, planner: PairPlanner) -> tuple[PoolPlan, ...]:
+    """Tensors per (pool, mode), with descriptors and bytes of one page, slot or row."""
+    one_item = (np.zeros(1, np.int64), np.zeros(1, np.int64))
+    plans: dict = {}
+    summary = []
+    for (pool, mode), count in Counter((v.key[0], v.mode) for v in recon.verdicts).items():
+        if pool not in plans:
+            try:
+                plans[pool] = planner.plan({pool: one_item})
+            except PdTransferError:  # an empty pool on one side: nothing to summarise
+                plans[pool] = None
+        if plans[pool] is not None:
+            summary.append(PoolPlan(pool, mode, count, plans[pool].num_descriptors,
+                                    plans[pool].total_nbytes))
+    return tuple(summary)
