@@ -13,7 +13,7 @@ from collections import defaultdict
 import numpy as np
 
 from pd_transfer.layout.geometry import RankGeometry
-from pd_transfer.layout.planner import IndexPair, plan_pair
+from pd_transfer.layout.planner import IndexPair, PairPlanner, plan_pair
 from pd_transfer.layout.reconcile import Reconciliation, reconcile
 from pd_transfer.layout.views import Pool
 from pd_transfer.worker_config import WorkerConfig
@@ -77,8 +77,9 @@ def check_report(prefill: WorkerConfig, decode: WorkerConfig, tokens: int) -> tu
     by_rank = {g.rank_id: g for g in prefill_ranks}
     for dst in decode_ranks:
         for src_id in recon.sources_for(dst):
+            planner = PairPlanner(recon, by_rank[src_id], dst)  # once per pair, as the sidecar does
             for pool in _ordered(requests):
-                plan = plan_pair(recon, by_rank[src_id], dst, {pool: requests[pool]})
+                plan = planner.plan({pool: requests[pool]})
                 if not plan.batches:
                     continue
                 lines.append(f"{dst.rank_id:<18} {src_id:<18} {pool.value:<6} {modes[pool]:<22} "
