@@ -6,20 +6,21 @@ distinct pages of a 600-page pool on both sides, NHD pools, rank pair 0 -> 0):
   shm direct   prefill TP 2 -> decode TP 2: 64 layers x K/V, 16 KiB page runs (512 MiB)
   shm sliced   prefill TP 2 -> decode TP 4: each page row splits into 16 strided
                512-byte pieces (2 of the 4 KV heads per token), 256 MiB
-  tcp direct   the direct plan through TcpTransport into a TcpReceiver running in
-               another process (loopback)
+beside a plain contiguous torch ``dst.copy_(src)`` of the same bytes (the
+memory limit); and three tcp cases (:mod:`tcp_cases`: one 256 MiB block,
+16,384 runs of 16 KiB at random pages, 65,536 pieces of 2 KiB of TP 2 -> 4
+head slices), each through TcpTransport into a TcpReceiver in another
+process, beside a raw loopback socket moving the same bytes between the same
+two processes (``sendall`` of 1 MiB writes, ``recv_into`` a 4 MiB buffer: the
+loopback limit). The pages case also goes through the ZeroMQ variant
+(ZmqTcpTransport, the CURVE-capable path) for comparison.
 
-beside the floors, on the same bytes, in the same run:
-
-  copy_        a plain contiguous torch ``dst.copy_(src)`` (the memory limit)
-  raw socket   a plain Python TCP stream between two processes on 127.0.0.1,
-               ``sendall`` of 1 MiB writes, ``recv_into`` on the other side
-               (the loopback limit)
-
-Each figure is the median of ``--repeats`` runs; copy_ and the engine are timed
-alternately so drift on a shared machine hits both. Targets: shm direct >= 0.6x
-copy_, shm sliced >= 0.4x copy_, tcp >= 0.6x raw socket. Also printed: the p50
-time of a 1-page room over shm (write call to return).
+Each figure is the median of ``--repeats`` runs; floor and case are timed
+alternately so drift on a shared machine hits both, and a tcp ratio is the
+median of the ratios of each floor run to the case run right after it.
+Targets: shm direct >= 0.6x copy_, shm sliced >= 0.4x copy_, each tcp case
+>= 0.7x raw socket. Also printed: the p50 time of a 1-page room over shm
+(write call to return).
 
 Run: ``python benchmarks/transport_bench.py [--repeats N]``. Needs ~4 GiB of
 /dev/shm. No assertions: tests check correctness, this reports speed (after a
@@ -30,9 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
@@ -50,17 +49,15 @@ from pd_transfer.layout.presets import load_preset  # noqa: E402
 from pd_transfer.layout.rank_builder import build_instance  # noqa: E402
 from pd_transfer.layout.reconcile import reconcile  # noqa: E402
 from pd_transfer.layout.views import Layout, Pool  # noqa: E402
-from pd_transfer.shm import Segment, create_segment, open_segment  # noqa: E402
-from pd_transfer.transport import (  # noqa: E402
-    PeerEndpoint,
-    ShmTransport,
-    TcpReceiver,
-    TcpTransport,
-)
+from pd_transfer.shm import Segment, create_segment  # noqa: E402
+from pd_transfer.transport import PeerEndpoint, ShmTransport  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tcp_cases  # noqa: E402
 
 TOKENS, PAGE_SIZE, POOL_PAGES = 8192, 16, 600
 MIB = 1 << 20
-RAW_WRITE_NBYTES = 1 * MIB
+TCP_TARGET = 0.7
 
 
 # -- set-up ------------------------------------------------------------------------------
@@ -120,88 +117,6 @@ def alternate(floor_fn, case_fn, repeats: int) -> tuple[float, float]:
     return statistics.median(floors), statistics.median(cases)
 
 
-# -- raw loopback socket floor --------------------------------------------------------------
-def _raw_receiver(port_queue, total_nbytes: int, repeats: int) -> None:
-    server = socket.create_server(("127.0.0.1", 0))
-    port_queue.put(server.getsockname()[1])
-    conn, _ = server.accept()
-    buf = memoryview(bytearray(4 * MIB))
-    for _ in range(repeats + 1):
-        left = total_nbytes
-        while left:
-            got = conn.recv_into(buf, min(left, len(buf)))
-            if not got:
-                return
-            left -= got
-        conn.sendall(b"k")
-    conn.close()
-
-
-def raw_socket_seconds(total_nbytes: int, repeats: int) -> float:
-    ctx = mp.get_context("spawn")
-    ports = ctx.Queue()
-    child = ctx.Process(target=_raw_receiver, args=(ports, total_nbytes, repeats), daemon=True)
-    child.start()
-    conn = socket.create_connection(("127.0.0.1", ports.get(timeout=60)))
-    chunk = memoryview(np.random.default_rng(0).integers(0, 256, RAW_WRITE_NBYTES, np.uint8))
-
-    def once() -> None:
-        left = total_nbytes
-        while left:
-            n = min(left, RAW_WRITE_NBYTES)
-            conn.sendall(chunk[:n])
-            left -= n
-        if conn.recv(1) != b"k":
-            raise SystemExit("raw socket receiver went away")
-
-    once()
-    seconds = statistics.median(timed(once) for _ in range(repeats))
-    conn.close()
-    child.join(10)
-    return seconds
-
-
-# -- tcp transport into a receiver process ---------------------------------------------------
-def _tcp_receiver(names: dict[str, str], pipe) -> None:
-    async def serve() -> None:
-        regions = {r: open_segment(name).tensor for r, name in names.items()}
-        receiver = TcpReceiver("127.0.0.1", regions)
-        pipe.send(await receiver.start())
-        await asyncio.get_running_loop().run_in_executor(None, pipe.recv)  # stop signal
-        pipe.send((receiver.stats.chunks_landed, receiver.stats.frames_refused))
-        await receiver.stop()
-    asyncio.run(serve())
-
-
-def tcp_seconds(plan, src: dict[str, Segment], dst: dict[str, Segment], repeats: int) -> float:
-    ctx = mp.get_context("spawn")
-    parent_end, child_end = ctx.Pipe()
-    child = ctx.Process(target=_tcp_receiver, args=({r: s.name for r, s in dst.items()}, child_end),
-                        daemon=True)
-    child.start()
-    address = parent_end.recv()
-
-    async def run() -> list[float]:
-        transport = TcpTransport()
-        link = await transport.connect(PeerEndpoint.from_maps(
-            plan.dst_rank, {r: s.nbytes for r, s in dst.items()}, data_address=address))
-        times = []
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            await transport.write(link, plan, regions_of(src), room="bench")
-            times.append(time.perf_counter() - start)
-        await transport.close()
-        return times[1:]
-
-    times = asyncio.run(run())
-    parent_end.send("stop")
-    _, refused = parent_end.recv()
-    child.join(10)
-    if refused:
-        raise SystemExit(f"tcp receiver refused {refused} frames")
-    return statistics.median(times)
-
-
 # -- shm -----------------------------------------------------------------------------------
 def shm_writer(plan, src: dict[str, Segment], dst: dict[str, Segment]):
     transport = ShmTransport()
@@ -237,7 +152,43 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--only", choices=("all", "shm", "tcp"), default="all",
                         help="run one part (for iterating on it)")
+    parser.add_argument("--zmq", choices=("pages", "all", "none"), default="pages",
+                        help="tcp cases also run over the ZeroMQ variant (before/after)")
     args = parser.parse_args()
+    print(f"median of {args.repeats}, {os.cpu_count()} CPUs; floor and case timed in turns "
+          f"(tcp ratio: median of the per-turn ratios)")
+    print(f"{'case':<44} {'bytes':>11} {'ms':>9} {'GB/s':>7}  {'ratio':>10} {'target':>8}")
+    if args.only in ("all", "tcp"):
+        print("\n".join(tcp_report(args.repeats, args.zmq)), flush=True)
+    if args.only in ("all", "shm"):
+        shm_main(args.repeats)
+
+
+def tcp_report(repeats: int, zmq: str = "pages") -> list[str]:
+    tag = uuid.uuid4().hex[:6]
+    bench = tcp_cases.Bench(tcp_cases.cases(), tag)
+    lines = []
+    try:
+        for name, case in bench.cases.items():
+            raw_s, tcp_s, ratio = bench.alternate(name, repeats)
+            bench.spot_check(name)
+            n = case.plan.total_nbytes
+            lines.append(row(f"floor: raw loopback socket, {n // MIB} MiB", n, raw_s))
+            lines.append(row(f"tcp {case.label}", n, tcp_s, f"{ratio:.2f}x raw",
+                             f">= {TCP_TARGET}x", "met" if ratio >= TCP_TARGET else "MISSED"))
+            if zmq == "all" or zmq == name:  # timed in turns with a floor of its own
+                raw_s, zmq_s, zmq_ratio = bench.alternate(name, repeats, "zmq")
+                lines.append(row("  floor again, in turns with the ZeroMQ row", n, raw_s))
+                lines.append(row("  same over ZeroMQ (the CURVE variant)", n, zmq_s,
+                                 f"{zmq_ratio:.2f}x raw", "-", "(reference)"))
+    finally:
+        refused = bench.close()
+    if refused:
+        raise SystemExit(f"tcp receivers refused {refused} frames")
+    return lines
+
+
+def shm_main(repeats: int) -> None:
     rng = np.random.default_rng(0)
     pages = TOKENS // PAGE_SIZE
     src_pages, dst_pages = rng.permutation(POOL_PAGES)[:pages], rng.permutation(POOL_PAGES)[:pages]
@@ -249,9 +200,8 @@ def main() -> None:
         src = make_segments(prefill0, f"{tag}-src", "pattern")
         dst_direct = make_segments(decode_direct, f"{tag}-dd", "zero")
         dst_sliced = make_segments(decode_sliced, f"{tag}-ds", "zero")
-        dst_tcp = make_segments(decode_direct, f"{tag}-dt", "zero")
-        made += [src, dst_direct, dst_sliced, dst_tcp]
-        report(args.repeats, args.only, direct, sliced, src, dst_direct, dst_sliced, dst_tcp)
+        made += [src, dst_direct, dst_sliced]
+        shm_report(repeats, direct, sliced, src, dst_direct, dst_sliced)
     finally:
         for segments in made:
             for segment in segments.values():
@@ -259,13 +209,13 @@ def main() -> None:
                 segment.unlink()
 
 
-def report(repeats: int, only: str, direct, sliced, src, dst_direct, dst_sliced, dst_tcp) -> None:
+def shm_report(repeats: int, direct, sliced, src, dst_direct, dst_sliced) -> None:
     floor_src = torch.empty(direct.total_nbytes, dtype=torch.uint8).fill_(1)
     floor_dst = torch.zeros(direct.total_nbytes, dtype=torch.uint8)
     lines = []
     shm_cases = (("shm direct  TP 2->2 (16 KiB page runs)", direct, dst_direct, 0.6),
                  ("shm sliced  TP 2->4 (512 B strided pieces)", sliced, dst_sliced, 0.4))
-    for label, plan, dst, target in shm_cases if only in ("all", "shm") else ():
+    for label, plan, dst, target in shm_cases:
         n = plan.total_nbytes
         write, done = shm_writer(plan, src, dst)
         floor_s, case_s = alternate(lambda n=n: floor_dst[:n].copy_(floor_src[:n]), write, repeats)
@@ -275,20 +225,9 @@ def report(repeats: int, only: str, direct, sliced, src, dst_direct, dst_sliced,
         lines.append(row(f"floor: torch copy_ (contiguous) {n // MIB} MiB", n, floor_s))
         lines.append(row(label, n, case_s, f"{ratio:.2f}x copy", f">= {target}x",
                          "met" if ratio >= target else "MISSED"))
-    if only in ("all", "tcp"):
-        raw_s = raw_socket_seconds(direct.total_nbytes, repeats)
-        tcp_s = tcp_seconds(direct, src, dst_tcp, repeats)
-        spot_check(direct, src, dst_tcp, "tcp")
-        tcp_ratio = raw_s / tcp_s
-        lines.append(row("floor: raw loopback socket (1 MiB sendall)", direct.total_nbytes, raw_s))
-        lines.append(row("tcp direct  TP 2->2 (receiver process)", direct.total_nbytes, tcp_s,
-                         f"{tcp_ratio:.2f}x raw", ">= 0.6x",
-                         "met" if tcp_ratio >= 0.6 else "MISSED"))
     latency = one_page_latency_us(src, dst_direct)
     print(f"Llama-3.1-8B, {TOKENS} tokens = {TOKENS // PAGE_SIZE} pages of {PAGE_SIZE}, random "
-          f"distinct pages of a {POOL_PAGES}-page pool, rank pair 0 -> 0, median of {repeats}, "
-          f"{os.cpu_count()} CPUs")
-    print(f"{'case':<44} {'bytes':>11} {'ms':>9} {'GB/s':>7}  {'ratio':>10} {'target':>8}")
+          f"distinct pages of a {POOL_PAGES}-page pool, rank pair 0 -> 0")
     print("\n".join(lines))
     print(f"shm 1-page room (64 runs of 16 KiB), write() p50: {latency:.0f} us")
 

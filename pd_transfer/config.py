@@ -18,9 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from pd_transfer.errors import ConfigError
+from pd_transfer.extras import ENGINES, engine_missing
 from pd_transfer.layout.geometry import Role
 
-TRANSPORTS = ("auto", "shm", "tcp")
+TRANSPORTS = ("auto", "shm", "tcp", *ENGINES)
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
+STRATEGIES = ("auto", "direct", "staged")  # transport.strategy.StrategyMode's values
 
 
 def default_host_id() -> str:
@@ -39,11 +42,15 @@ class SidecarConfig:
     host_id: str = field(default_factory=default_host_id)  # equal on two sidecars: shm possible
     control_host: str = "127.0.0.1"
     control_port: int = 0                 # 0: any free port (see ready_file)
-    data_host: str = "127.0.0.1"          # tcp transport receiver (decode)
+    data_host: str = "127.0.0.1"          # decode: where the tcp receiver or mooncake engine listens
     data_port: int = 0                    # decode: tcp data port (0: any free port)
     worker_endpoint: str = ""             # ipc:// path the worker connects to
     bootstrap: str = ""                   # prefill: rank 0 binds its rank table here, others announce
-    transport: str = "auto"               # auto: shm on the same host, tcp across hosts
+    transport: str = "auto"               # auto: shm on the same host, tcp across hosts; mooncake, nixl: engine extras
+    mooncake_protocol: str = "tcp"        # transport mooncake: tcp, or rdma where RDMA NICs exist
+    strategy: str = "auto"                # engine transports: direct runs, staged, or auto (chosen per peer and pool)
+    staging_slots: int = 16               # decode, engine transports: staging slots registered with the engine (4 a prefill peer)
+    staging_slot_nbytes: int = 4 * 1024 * 1024  # decode, engine transports: bytes of one staging slot
     ready_file: str = ""                  # JSON with the bound addresses, written when serving
     http_host: str = "127.0.0.1"          # /metrics /healthz /readyz /status
     http_port: int = 9400                 # 0: any free port (see ready_file)
@@ -55,12 +62,19 @@ class SidecarConfig:
     heartbeat_misses: int = 4             # silent intervals before a peer is lost
     abort_drain_timeout_s: float = 10.0   # decode abort waits this long for drain acks
     room_ttl_s: float = 120.0             # terminal rooms kept for late polls
-    max_rooms: int = 4096                 # live rooms at most; more are refused
-    max_inflight_nbytes: int = 256 * 1024 * 1024  # tcp: unacknowledged bytes per peer
+    max_rooms: int = 4096                 # live rooms at most; more are refused at once
+    max_rooms_per_peer: int = 1024        # live rooms with one peer; more wait (admission_wait_s)
+    max_inflight_nbytes: int = 256 * 1024 * 1024  # prefill: bytes being written to one peer (tcp window)
+    max_inflight_nbytes_total: int = 1024 * 1024 * 1024  # prefill: bytes being written to all peers
+    admission_wait_s: float = 5.0         # a room or chunk over a limit waits this long, then fails
+    max_worker_requests: int = 8192       # worker API requests in progress; more are refused at once
+    max_chunks_per_room: int = 4096       # prefill: send() calls per room; more fail the room
     secret_file: str = ""                 # shared secret of peers and workers (never the secret itself)
     require_auth: bool = False            # true: refuse to start without a shared secret
     curve_secret_key_file: str = ""       # CURVE secret key (Z85): encrypts the sockets this sidecar binds
     curve_server_key: str = ""            # CURVE public key of the sidecars it connects to (default: own)
+    integrity: bool = False               # crc32 every block sent; decode verifies (when both sides enable it)
+    fault_corrupt_nth: int = 0            # TEST ONLY: flip a byte of this sidecar's nth data write (0: never)
 
     def __post_init__(self) -> None:
         if not self.agent_id:
@@ -178,7 +192,16 @@ def _check(name: str, value: Any) -> str:
         roles = [r.value for r in Role]
         return "" if value in roles else f"{value!r} is not one of {roles}"
     if name == "transport":
-        return "" if value in TRANSPORTS else f"{value!r} is not one of {list(TRANSPORTS)}"
+        if value not in TRANSPORTS:
+            return f"{value!r} is not one of {list(TRANSPORTS)}"
+        return engine_missing(value) if value in ENGINES else ""
+    if name == "strategy":
+        return "" if value in STRATEGIES else f"{value!r} is not one of {list(STRATEGIES)}"
+    if name == "staging_slot_nbytes" and isinstance(value, int) and 0 < value < 4096:
+        return f"must be at least 4096, got {value}"
+    if name == "mooncake_protocol":
+        return "" if value in MOONCAKE_PROTOCOLS else \
+            f"{value!r} is not one of {list(MOONCAKE_PROTOCOLS)}"
     kind = _FIELDS[name].type
     if kind == "bool":
         return "" if isinstance(value, bool) else f"expected true or false, got {value!r}"
@@ -186,7 +209,7 @@ def _check(name: str, value: Any) -> str:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or \
                 (kind == "int" and not isinstance(value, int)):
             return f"expected {kind}, got {value!r}"
-        if value < 0 or (value == 0 and not name.endswith("_port")):
+        if value < 0 or (value == 0 and not name.endswith("_port") and not name.startswith("fault_")):
             return f"must be positive, got {value}"
         if name.endswith("_port") and value > 65535:
             return f"must be a port number (0-65535), got {value}"

@@ -87,6 +87,8 @@ class Reason(enum.Enum):
     NOT_REGISTERED = "not_registered"
     ALREADY_REGISTERED = "already_registered"
     TOO_MANY_ROOMS = "too_many_rooms"
+    BACKPRESSURE_TIMEOUT = "backpressure_timeout"  # waited admission_wait_s under a limit (agent/admission.py)
+    OVER_LIMIT = "over_limit"                    # refused at once: a bounded queue is full
     BOOTSTRAP_FAILED = "bootstrap_failed"
     SHUTTING_DOWN = "shutting_down"
     # data plane (pd_transfer.transport, pd_transfer.shm)
@@ -99,6 +101,7 @@ class Reason(enum.Enum):
     TRANSFER_INCOMPLETE = "transfer_incomplete"      # the receiver counted other bytes than sent
     LINK_CLOSED = "link_closed"
     TRANSPORT_UNSUPPORTED = "transport_unsupported"  # the peer offers no handle for this transport
+    INTEGRITY_MISMATCH = "integrity_mismatch"        # landed bytes differ from the checksums sent
     # authentication (pd_transfer.security)
     AUTH_FAILED = "auth_failed"                  # a handshake proof did not verify (wrong key, tampered)
     AUTH_REPLAYED = "auth_replayed"              # a handshake nonce was used before

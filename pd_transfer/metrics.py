@@ -58,6 +58,22 @@ class SidecarMetrics:
         self.inflight_bytes = Gauge(
             "pd_transfer_inflight_bytes", "Bytes being written to a peer right now.",
             ["role", "peer"], registry=r)
+        self.admission_in_use = Gauge(
+            "pd_transfer_admission_in_use", "Admitted under the limits now, summed over peers: "
+            "rooms holding a per-peer slot, or bytes being written (resource).",
+            ["role", "resource"], registry=r)
+        self.admission_peak = Gauge(
+            "pd_transfer_admission_peak", "Highest pd_transfer_admission_in_use since the start.",
+            ["role", "resource"], registry=r)
+        self.admission_waiting = Gauge(
+            "pd_transfer_admission_waiting", "Rooms or chunk writes waiting for admission now.",
+            ["role", "resource"], registry=r)
+        self.admission_wait = Histogram(
+            "pd_transfer_admission_wait_seconds", "Time from asking to admission (0: at once).",
+            ["role", "resource"], buckets=_DURATION_BUCKETS, registry=r)
+        self.limit_rejections = Counter(
+            "pd_transfer_limit_rejections", "Requests failed by a limit (config key): waited "
+            "admission_wait_s in vain, or refused at once.", ["role", "limit"], registry=r)
         self.peers = Gauge("pd_transfer_peers", "Peers by state (accepted, rejected, lost).",
                            ["role", "state"], registry=r)
         self.heartbeat_age = Gauge(
@@ -68,6 +84,11 @@ class SidecarMetrics:
         self.verdict_modes = Counter("pd_transfer_verdict_tensors",
                                      "Tensor pairs in accepted verdicts, by mode.",
                                      ["role", "mode"], registry=r)
+        self.strategy = Gauge(
+            "pd_transfer_strategy", "How prefill moves each pool to each decode peer: 1 for the "
+            "strategy in use (direct: a descriptor per run; staged: runs gathered into bulk "
+            "transfers and scattered on arrival), 0 for the other.",
+            ["role", "peer", "pool", "strategy"], registry=r)
         self.aborts = Counter("pd_transfer_aborts", "Aborts by side that started them and reason.",
                               ["role", "side", "reason"], registry=r)
         self.heartbeat_misses = Counter("pd_transfer_heartbeat_misses",
@@ -88,8 +109,11 @@ METRIC_NAMES = (
     "pd_transfer_transfer_duration_seconds", "pd_transfer_transfer_bytes",
     "pd_transfer_transfer_throughput_bytes_per_second", "pd_transfer_transfer_descriptors",
     "pd_transfer_bootstrap_duration_seconds", "pd_transfer_rooms", "pd_transfer_registered_bytes",
-    "pd_transfer_inflight_bytes", "pd_transfer_peers", "pd_transfer_peer_heartbeat_age_seconds",
-    "pd_transfer_verdicts_total", "pd_transfer_verdict_tensors_total", "pd_transfer_aborts_total",
+    "pd_transfer_inflight_bytes", "pd_transfer_admission_in_use", "pd_transfer_admission_peak",
+    "pd_transfer_admission_waiting", "pd_transfer_admission_wait_seconds",
+    "pd_transfer_limit_rejections_total", "pd_transfer_peers", "pd_transfer_peer_heartbeat_age_seconds",
+    "pd_transfer_verdicts_total", "pd_transfer_verdict_tensors_total", "pd_transfer_strategy",
+    "pd_transfer_aborts_total",
     "pd_transfer_heartbeat_misses_total", "pd_transfer_bad_frames_total",
     "pd_transfer_auth_failures_total", "pd_transfer_build_info",
 )

@@ -2,6 +2,7 @@
 
 import pytest
 
+from pd_transfer import extras
 from pd_transfer.config import load_sidecar_config, render_toml
 from pd_transfer.errors import ConfigError
 from pd_transfer.layout.geometry import Role
@@ -38,10 +39,38 @@ def test_every_bad_field_is_reported_at_once_with_its_path_and_accepted_values(t
     text = str(err.value)
     assert "5 problem(s)" in text
     assert "sidecar.role: 'middle' is not one of ['prefill', 'decode']" in text
-    assert "sidecar.transport: 'ib' is not one of ['auto', 'shm', 'tcp']" in text
+    assert "sidecar.transport: 'ib' is not one of ['auto', 'shm', 'tcp', 'mooncake', 'nixl']" \
+        in text
     assert "sidecar.heartbeat_misses: must be positive, got 0" in text
     assert "sidecar.control_port: expected int, got 'eighty'" in text
     assert "unknown key(s) ['colour']" in text
+
+
+def test_an_engine_transport_without_its_package_names_the_pip_extra(monkeypatch):
+    monkeypatch.setitem(extras._MODULES, "nixl", ("pd_transfer_no_such_module",))
+    with pytest.raises(ConfigError) as err:
+        load_sidecar_config(None, {"role": "decode", "transport": "nixl"}, {})
+    assert "sidecar.transport: the nixl engine is not installed: pip install " \
+           "'pd-transfer[nixl]'" in str(err.value)
+
+
+def test_strategy_is_auto_direct_or_staged_and_slots_hold_a_page():
+    config = load_sidecar_config(None, {"role": "prefill"}, {"PD_TRANSFER_STRATEGY": "staged"})
+    assert (config.strategy, config.staging_slots, config.staging_slot_nbytes) == \
+        ("staged", 16, 4 << 20)
+    assert load_sidecar_config(None, {"role": "decode"}, {}).strategy == "auto"
+    with pytest.raises(ConfigError) as err:
+        load_sidecar_config(None, {"role": "decode", "strategy": "gathered",
+                                   "staging_slot_nbytes": 512}, {})
+    assert "sidecar.strategy: 'gathered' is not one of ['auto', 'direct', 'staged']" \
+        in str(err.value)
+    assert "sidecar.staging_slot_nbytes: must be at least 4096, got 512" in str(err.value)
+
+
+def test_mooncake_protocol_is_tcp_or_rdma():
+    with pytest.raises(ConfigError) as err:
+        load_sidecar_config(None, {"role": "decode"}, {"PD_TRANSFER_MOONCAKE_PROTOCOL": "ib"})
+    assert "sidecar.mooncake_protocol: 'ib' is not one of ['tcp', 'rdma']" in str(err.value)
 
 
 def test_print_config_round_trips(tmp_path):
@@ -49,3 +78,21 @@ def test_print_config_round_trips(tmp_path):
     path = tmp_path / "printed.toml"
     path.write_text(render_toml(config))
     assert load_sidecar_config(str(path), {}, {}) == config
+
+
+def test_limits_come_from_the_file_the_environment_and_flags(tmp_path, capsys):
+    path = _file(tmp_path, 'role = "prefill"\nmax_rooms_per_peer = 8\nmax_inflight_nbytes_total = 4096\n')
+    config = load_sidecar_config(path, {"admission_wait_s": 0.25},
+                                 {"PD_TRANSFER_MAX_WORKER_REQUESTS": "64",
+                                  "PD_TRANSFER_MAX_CHUNKS_PER_ROOM": "16"})
+    assert (config.max_rooms_per_peer, config.max_inflight_nbytes_total) == (8, 4096)
+    assert (config.admission_wait_s, config.max_worker_requests, config.max_chunks_per_room) == \
+        (0.25, 64, 16)
+    with pytest.raises(ConfigError, match="sidecar.admission_wait_s: must be positive, got 0"):
+        load_sidecar_config(path, {"admission_wait_s": 0}, {})
+    from pd_transfer.cli import main
+    assert main(["serve", "--role", "decode", "--max-rooms-per-peer", "3", "--admission-wait-s", "1.5",
+                 "--max-inflight-nbytes-total", "65536", "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert "max_rooms_per_peer = 3\n" in printed and "admission_wait_s = 1.5\n" in printed
+    assert "max_inflight_nbytes_total = 65536\n" in printed

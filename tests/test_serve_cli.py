@@ -16,7 +16,8 @@ def test_invalid_config_names_every_bad_field_and_exits_2(tmp_path):
                       'heartbeat_interval_s = -1\nbogus = 1\n')
     result = _serve("--config", str(config))
     assert result.returncode == 2
-    assert "sidecar.transport: 'carrier-pigeon' is not one of ['auto', 'shm', 'tcp']" in result.stderr
+    assert ("sidecar.transport: 'carrier-pigeon' is not one of ['auto', 'shm', 'tcp', "
+            "'mooncake', 'nixl']") in result.stderr
     assert "sidecar.heartbeat_interval_s: must be positive, got -1" in result.stderr
     assert "unknown key(s) ['bogus']" in result.stderr
 

@@ -132,7 +132,8 @@ class OutgoingChannel(Channel):
             except Exception:
                 log.exception("peer %s: handler failed", self.label)
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Stop the session; ``linger_ms`` lets frames already sent (a Close) leave first."""
         self.closed = True
         if not self._authenticated.is_set():  # release senders waiting for the handshake
             self.auth_error = PdTransferError(f"peer {self.label}: closed before authenticating",
@@ -140,7 +141,7 @@ class OutgoingChannel(Channel):
             self._authenticated.set()
         if self._reader is not None:
             self._reader.cancel()
-        self._socket.close(linger=0)
+        self._socket.close(linger=linger_ms)
 
 
 class IncomingChannel(Channel):
@@ -151,6 +152,13 @@ class IncomingChannel(Channel):
 
     async def _write(self, frame: bytes) -> None:
         await self._router.socket.send_multipart([self.identity, frame])
+
+    def close(self) -> None:
+        """Forget the session (the peer closed it or was lost); a new frame from the
+        same identity starts a new one."""
+        self.closed = True
+        if self._router.channels.get(self.identity) is self:
+            del self._router.channels[self.identity]
 
 
 class IncomingChannels:

@@ -6,7 +6,9 @@ a tcp receiver for peers on other hosts. When prefill accepts a decode peer it
 picks the transport for the pair: ``shm`` when both sidecars are on the same
 host (equal ``host_id``) and the peer published its region handles, ``tcp``
 otherwise or when configured. Device (CUDA) regions are copied with torch on
-the device.
+the device. With an engine transport (mooncake, nixl) the pair's link also
+decides per pool between direct runs and staging (:mod:`.strategies`), and a
+decode sidecar publishes a staging area with its engine address.
 
 Every remote offset and length is bounds-checked against the registered
 region sizes before a byte moves (by the copy engines, and for tcp again by
@@ -21,17 +23,20 @@ import logging
 import zmq.asyncio
 
 from pd_transfer import cuda_ipc
-from pd_transfer.agent.auth import security_of
+from pd_transfer.agent.strategies import choose_strategies, receiver_staging, staging_options
+from pd_transfer.agent.tcp_plane import tcp_receiver, tcp_transport
 from pd_transfer.config import SidecarConfig
 from pd_transfer.errors import PdTransferError, Reason, TransportError
 from pd_transfer.layout.geometry import RankGeometry, Role
 from pd_transfer.protocol import Register
 from pd_transfer.shm import Segment, open_segment
+from pd_transfer.transport.admission import item_ranges
 from pd_transfer.transport.base import Link, PeerEndpoint
 from pd_transfer.transport.device_copy import execute_on_device
-from pd_transfer.transport.shm import ShmTransport
-from pd_transfer.transport.tcp import TcpTransport
-from pd_transfer.transport.tcp_receiver import TcpReceiver
+from pd_transfer.transport.engines import ENGINES, make_receiver, make_transport
+from pd_transfer.transport.mock import CorruptNth
+from pd_transfer.transport.shm import ShmLink, ShmTransport
+from pd_transfer.transport.strategy import StrategyMode
 
 log = logging.getLogger(__name__)
 
@@ -54,15 +59,23 @@ class DataPlane:
         self.on_device = False
         self._segments: list[Segment] = []
         self._shm = ShmTransport()
-        security = security_of(context)
-        # CURVE (when configured) covers the data sockets too, not only control
-        self._tcp = TcpTransport(context, window_nbytes=config.max_inflight_nbytes,
-                                 socket_options=security.curve_client)
-        self._receiver: TcpReceiver | None = None
+        # test only (fault_corrupt_nth): shm flips a byte after landing, tcp in the payload
+        self._corrupt = CorruptNth(config.fault_corrupt_nth) if config.fault_corrupt_nth else None
+        # plain sockets, or ZeroMQ when CURVE is configured (it encrypts): see tcp_plane
+        self._tcp = tcp_transport(config, context,
+                                  self._corrupt.payload if self._corrupt else None)
+        self._receiver = None   # TcpReceiver or ZmqTcpReceiver (decode)
+        self._geometry: RankGeometry | None = None
         self._device_links: list[DeviceLink] = []
+        # transport mooncake or nixl: the engine writes (prefill) or receives (decode) everything
+        self._engine = make_transport(config.transport, host=config.data_host,
+                                      port=config.data_port, protocol=config.mooncake_protocol,
+                                      staging=staging_options(config, context)) \
+            if config.transport in ENGINES else None
+        self._engine_receiver = None
 
     def transport_names(self) -> tuple[str, ...]:
-        return ("shm", "tcp")
+        return ("shm", "tcp") + ((self.config.transport,) if self._engine is not None else ())
 
     # -- local regions ----------------------------------------------------------------
     async def map_local(self, geometry: RankGeometry, handles: dict[str, str]) -> None:
@@ -85,17 +98,46 @@ class DataPlane:
         self._segments, self.local_regions = segments, regions
         if geometry.role is Role.DECODE and self.config.transport in ("auto", "tcp") \
                 and not self.on_device:
-            self._receiver = TcpReceiver(self.config.data_host, self.local_regions,
-                                         port=self.config.data_port, context=self.context,
-                                         socket_options=security_of(self.context).listening)
+            self._receiver = tcp_receiver(self.config, self.local_regions, self.context)
+            self._geometry = geometry
             await self._receiver.start()
+        if geometry.role is Role.DECODE and self._engine is not None and not self.on_device:
+            if self._engine_receiver is not None:  # re-registered: the old regions go
+                await self._engine_receiver.stop()
+            self._engine_receiver = make_receiver(
+                self.config.transport, self.local_regions, host=self.config.data_host,
+                port=self.config.data_port, protocol=self.config.mooncake_protocol,
+                transport=self._engine,  # one engine per sidecar, started before serving
+                staging=receiver_staging(self.config, self.context))
+            await self._engine_receiver.start()
 
     async def fence(self, room: int, generation: int) -> None:
         """Refuse late tcp chunks of ``room`` up to ``generation`` (no-op without a receiver)."""
         if self._receiver is not None:
             await self._receiver.fence(str(room), generation)
+        if self._engine_receiver is not None:  # staged chunks (engine writes: prefill drains)
+            await self._engine_receiver.fence(str(room), generation)
+
+    async def expect(self, room: int, generation: int, dst: dict) -> None:
+        """Tell the tcp receiver ``room`` may write its pages ``dst`` (no-op without one);
+        a chunk of a room it was not told about, or outside them, is refused."""
+        if self._receiver is None or self._geometry is None:
+            return
+        views = self._geometry.views
+        if sum(len(i) for i in dst.values()) * len(views) > 100_000:  # big rooms: off the loop
+            ranges = await asyncio.to_thread(item_ranges, views, dst)
+        else:
+            ranges = item_ranges(views, dst)
+        self._receiver.expect(str(room), generation, ranges)
+
+    def forget(self, room: int) -> None:
+        """``room`` landed: the tcp receiver refuses its later chunks."""
+        if self._receiver is not None:
+            self._receiver.forget(str(room))
 
     def receive_address(self) -> str:
+        if self._engine_receiver is not None:  # the engine's address and region table
+            return self._engine_receiver.address
         return self._receiver.address if self._receiver is not None else ""
 
     # -- links ----------------------------------------------------------------------
@@ -112,6 +154,9 @@ class DataPlane:
         sizes = {r.id: r.nbytes for r in register.geometry.regions}
         peer_id = register.geometry.rank_id
         try:
+            if self._engine is not None:
+                return await self._engine.connect(PeerEndpoint.from_maps(peer_id, sizes, None,
+                                                                         register.data_address))
             if use_shm and any(cuda_ipc.is_cuda_handle(h) for h in handles.values()):
                 regions = {r: cuda_ipc.open_handle(handles[r], n)[:n] for r, n in sizes.items()}
                 link = DeviceLink(peer_id, regions)
@@ -125,6 +170,13 @@ class DataPlane:
             raise PdTransferError(f"cannot reach {peer_id}: {err.message}",
                                   code=Reason.TRANSPORT_FAILED, hint=err.hint) from None
 
+    def strategies(self, link, planner) -> dict:
+        """``{pool: Decision}``: how each pool moves over ``link`` (set on engine links);
+        see :mod:`.strategies`. Report it in the verdict, metrics and log."""
+        kind = "device" if isinstance(link, DeviceLink) else \
+            getattr(getattr(link, "transport", None), "name", "")
+        return choose_strategies(link, planner, StrategyMode(self.config.strategy), kind)
+
     async def write(self, link, plan, room: int, generation: int) -> int:
         """Move every byte of ``plan``; returns only when all of it landed."""
         try:
@@ -135,14 +187,28 @@ class DataPlane:
                                           code=Reason.TRANSPORT_FAILED)
                 return await asyncio.to_thread(execute_on_device, plan, self.local_regions, dst)
             transport = link.transport
-            return await transport.write(link, plan, self.local_regions, room=str(room),
-                                         generation=generation)
+            nbytes = await transport.write(link, plan, self.local_regions, room=str(room),
+                                           generation=generation)
+            if self._corrupt is not None and isinstance(link, ShmLink):
+                self._corrupt.landed(plan, link.mapped)
+            return nbytes
         except TransportError as err:
             raise PdTransferError(err.message, code=err.code, hint=err.hint) from None
+
+    async def release(self, link) -> None:
+        """Close one peer's link (its session was lost or closed): unmaps what it mapped,
+        after the writes it started (Link.drain)."""
+        if link in self._device_links:
+            self._device_links.remove(link)
+        await link.close()
 
     async def close(self) -> None:
         await self._shm.close()
         await self._tcp.close()
+        if self._engine is not None:
+            await self._engine.close()
+        if self._engine_receiver is not None:
+            await self._engine_receiver.stop()
         for link in self._device_links:
             await link.close()
         if self._receiver is not None:

@@ -8,6 +8,10 @@ a timeout. Then each needed prefill rank gets a TransferRequest; the room
 succeeds when every one of them reported Done. Abort is fenced: the worker is
 told the pages are safe to reuse only after every prefill rank acknowledged
 that no write of the room's generation can still land.
+
+Sessions are released, never only replaced (:mod:`retire`). A room waits for
+a slot under ``max_rooms_per_peer`` (per prefill instance,
+:mod:`pd_transfer.agent.admission`) before its requests go out.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pd_transfer.agent import integrity, retire
 from pd_transfer.agent.bootstrap import fetch_table
 from pd_transfer.agent.channels import OutgoingChannel
 from pd_transfer.agent.rooms import Room
@@ -50,6 +55,7 @@ class PrefillPeer:
     rank_id: str
     channel: OutgoingChannel
     verdict: asyncio.Future
+    integrity: object = None   # BlockLayout when its Done checksums are verified
 
 
 @dataclass
@@ -61,6 +67,9 @@ class PrefillInstance:
     sources: list[str] = field(default_factory=list)   # the ranks that write to this rank
     error: PdTransferError | None = None
     lost: bool = False
+    lost_s: float = 0.0                                  # when the first rank was lost
+    lost_ranks: set[str] = field(default_factory=set)
+    resolving: bool = True    # its resolution owns the sessions until it ends
 
 
 @dataclass
@@ -77,6 +86,7 @@ class DecodeSide:
     def __init__(self, sidecar) -> None:
         self.sidecar = sidecar
         self.instances: dict[str, asyncio.Task] = {}
+        self.retired: list[PrefillInstance] = []   # lost: sessions to close once quiet
 
     @property
     def config(self):
@@ -127,6 +137,21 @@ class DecodeSide:
         # even when this side already sees a mismatch, register anyway: prefill's
         # verdict is the authority, and it counts the rejection for its operators
         instance.sources = recon.sources_for(geometry) if recon.ok else []
+        try:
+            await self._connect_all(instance, table)
+        except BaseException:
+            asyncio.create_task(retire.close_sessions(instance))  # none left open behind
+            raise
+        finally:
+            instance.resolving = False
+        if not recon.ok:  # every prefill rank accepted what this side cannot plan: a bug
+            asyncio.create_task(retire.close_sessions(instance))
+            raise PdTransferError(str(recon.error()), code=Reason.PEER_REJECTED)
+        integrity.attach_decode(self.sidecar, instance, recon, table)
+        return instance
+
+    async def _connect_all(self, instance: PrefillInstance, table) -> None:
+        sidecar = self.sidecar
         # every prefill rank hears about every room, sources or not: a rank that
         # writes nothing to this decode rank still learns the room is done
         for entry in table.entries:
@@ -144,9 +169,10 @@ class DecodeSide:
             sidecar.watch(channel, lambda silent, i=instance, p=peer: self._on_lost(i, p, silent))
         for peer in instance.peers.values():
             await self._await_verdict(peer)
-        if not recon.ok:  # every prefill rank accepted what this side cannot plan: a bug
-            raise PdTransferError(str(recon.error()), code=Reason.PEER_REJECTED)
-        return instance
+
+    def release_retired(self, now_s: float) -> None:
+        """Close the sessions of lost instances once quiet (timer tick; agent/retire.py)."""
+        retire.release_retired(self, now_s)
 
     async def _await_verdict(self, peer: PrefillPeer) -> None:
         try:
@@ -161,6 +187,7 @@ class DecodeSide:
         if verdict.accepted:
             self.sidecar.observe.peer(peer.rank_id, "accepted", channel=peer.channel, transport="-",
                                       modes=[p.mode.value for p in verdict.plan])
+            self.sidecar.observe.verdict_strategies(peer.rank_id, verdict.plan)
         if not verdict.accepted:
             self.sidecar.observe.peer(peer.rank_id, "rejected", verdict.headline, peer.channel)
             lines = [verdict.headline or f"{peer.rank_id} rejected this decode rank"]
@@ -211,6 +238,15 @@ class DecodeSide:
             return
         room.instance = instance
         room.sources = list(instance.sources)
+        try:  # nothing was requested yet: a room that cannot get a slot fails drained
+            await self.sidecar.admission.admit_room(f"prefill instance {room.bootstrap}", room)
+        except PdTransferError as err:
+            self._fail(room, err.code, f"room {room.room}: {err.message}", drained=True)
+            return
+        # tcp: the receiver admits this room's chunks, only into its pages, before prefill hears
+        await self.sidecar.dataplane.expect(room.room, room.generation, room.dst)
+        if room.terminal:
+            return
         request = TransferRequest(room=room.room, generation=room.generation,
                                   dst=tuple(PoolIndices(p, tuple(int(i) for i in idx))
                                             for p, idx in room.dst.items()),
@@ -229,18 +265,36 @@ class DecodeSide:
             room.acks.add(peer.rank_id)
             if room.acks >= set(room.sources):
                 room.drained.set()
+        elif message.status is DoneStatus.SUCCESS and peer.integrity is not None:
+            asyncio.create_task(self._verify(room, peer, message))
         elif message.status is DoneStatus.SUCCESS:
-            room.done_from.add(peer.rank_id)
-            if room.done_from >= set(room.sources):
-                room.advance(RoomStatus.SUCCESS)
-                room.drained.set()
-                for source in room.sources:
-                    self.sidecar.observe.transfer_done(source, 0, 0, time.monotonic() - room.created_s)
+            self._source_done(room, peer.rank_id)
         else:
             # this prefill rank wrote nothing more; the others may still be writing
             room.done_from.add(peer.rank_id)
             room.acks.add(peer.rank_id)
             self._fail(room, message.reason, f"room {room.room}: {peer.rank_id}: {message.reason_text}")
+
+    def _source_done(self, room: DecodeRoom, rank_id: str) -> None:
+        room.done_from.add(rank_id)
+        if room.done_from >= set(room.sources):
+            room.advance(RoomStatus.SUCCESS)
+            self.sidecar.dataplane.forget(room.room)  # tcp: its later chunks are refused
+            room.drained.set()
+            for source in room.sources:
+                self.sidecar.observe.transfer_done(source, 0, 0, time.monotonic() - room.created_s)
+
+    async def _verify(self, room: DecodeRoom, peer: PrefillPeer, message: Done) -> None:
+        """Count a source done only once what it wrote matches its checksums."""
+        problem = await integrity.verify(peer.integrity, room.dst, message.checksums,
+                                         self.sidecar.dataplane.local_regions)
+        if not problem or room.terminal:
+            self._source_done(room, peer.rank_id)
+            return
+        room.done_from.add(peer.rank_id)
+        room.acks.add(peer.rank_id)  # it wrote all it will: nothing of it to drain
+        self._fail(room, Reason.INTEGRITY_MISMATCH,
+                   f"room {room.room}: integrity mismatch in what {peer.rank_id} wrote: {problem}")
 
     def _fail(self, room: DecodeRoom, reason: Reason, text: str, *, drained: bool = False) -> None:
         if not room.fail(reason, text):
@@ -294,7 +348,10 @@ class DecodeSide:
         self._fail(room, Reason.TIMEOUT, f"room {room.room} timed out in {room.status.value}: {waiting}")
 
     def _on_lost(self, instance: PrefillInstance, peer: PrefillPeer, silent_s: float) -> None:
-        instance.lost = True
+        if not instance.lost:
+            instance.lost, instance.lost_s = True, time.monotonic()
+            self.retired.append(instance)
+        instance.lost_ranks.add(peer.rank_id)
         text = f"lost prefill peer {peer.channel.label}: no heartbeat for {silent_s:.1f} s"
         if not peer.verdict.done():
             peer.verdict.set_exception(PdTransferError(text, code=Reason.PEER_LOST))

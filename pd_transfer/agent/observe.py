@@ -19,6 +19,7 @@ from pd_transfer.protocol import RoomStatus
 
 PEER_STATES = ("connecting", "accepted", "rejected", "lost")
 _MODE_ORDER = ("sliced", "replicated", "converted", "direct")
+STRATEGIES = ("direct", "staged")  # transport.strategy.Strategy's values
 
 
 @dataclass
@@ -70,6 +71,23 @@ class Observer:
         for mode, count in modes.items():
             self.metrics.verdict_modes.labels(self.role, mode).inc(count)
 
+    def strategies(self, peer: str, decisions: dict) -> None:
+        """``{pool: Decision}`` chosen for ``peer`` (agent/strategies.py): 1 for the one in use."""
+        for pool, decision in decisions.items():
+            self._strategy(peer, pool.value, decision.strategy.value)
+
+    def verdict_strategies(self, peer: str, plan) -> None:
+        """Decode: the strategies an accepted Verdict's plan summary reports."""
+        for pool_plan in plan:
+            self._strategy(peer, pool_plan.pool.value, pool_plan.strategy)
+
+    def _strategy(self, peer: str, pool: str, chosen: str) -> None:
+        if chosen not in STRATEGIES:  # not reported, or a newer peer's: labels stay bounded
+            return
+        for strategy in STRATEGIES:
+            self.metrics.strategy.labels(self.role, peer, pool, strategy).set(
+                1 if strategy == chosen else 0)
+
     def transfer_done(self, peer: str, nbytes: int, descriptors: int, seconds: float) -> None:
         record = self._record_of(peer)
         m, role = self.metrics, self.role
@@ -96,6 +114,8 @@ class Observer:
         key = (channel.label if channel is not None else "") or self._key_of(peer)
         if key in self.peers and self.peers[key].state == "rejected":
             return  # a rejected peer that went away stays rejected: that is what to fix
+        if channel is not None and self.peers.get(key, PeerRecord(peer)).channel not in (None, channel):
+            return  # an old session of a peer whose new session owns the record now
         self.peer(peer, "lost", f"no heartbeat for {silent_s:.1f} s", channel)
 
     def bad_frame(self, reason: str) -> None:
@@ -106,6 +126,17 @@ class Observer:
 
     def bootstrap(self, seconds: float) -> None:
         self.metrics.bootstrap.labels(self.role).observe(seconds)
+
+    def watch_admission(self, admission) -> None:
+        """Count admission waits and timeouts of the sidecar's limiters (agent/admission.py)."""
+        for limiter in admission.limiters():
+            limiter.on_admitted = lambda resource, waited_s: \
+                self.metrics.admission_wait.labels(self.role, resource).observe(waited_s)
+            limiter.on_timeout = lambda resource, limit, waited_s: self.limit_refused(limit)
+
+    def limit_refused(self, limit: str) -> None:
+        """A request failed by the limit named by its config key (``max_rooms_per_peer``)."""
+        self.metrics.limit_rejections.labels(self.role, limit).inc()
 
     # -- scrape-time views ----------------------------------------------------------
     def render(self) -> bytes:
@@ -118,6 +149,10 @@ class Observer:
             m.rooms.labels(role, state).set(count)
         for state in PEER_STATES:
             m.peers.labels(role, state).set(sum(p.state == state for p in self.peers.values()))
+        for limiter in self.sidecar.admission.limiters():
+            m.admission_in_use.labels(role, limiter.resource).set(limiter.in_use_total)
+            m.admission_peak.labels(role, limiter.resource).set(limiter.peak)
+            m.admission_waiting.labels(role, limiter.resource).set(limiter.num_waiting)
         for record in self.peers.values():
             if record.channel is not None:
                 m.heartbeat_age.labels(role, record.peer).set(now - record.channel.last_heard_s)

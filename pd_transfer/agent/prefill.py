@@ -10,7 +10,8 @@ last chunk carries state slots, SWA pages and the aux row (written last: its
 arrival means everything before it landed), then a Done goes out.
 
 Prefill rooms have deadlines in every status, including after
-WaitingForInput, where SGLang waits forever.
+WaitingForInput, where SGLang waits forever. Writes are admitted by :mod:`flow`.
+A decode peer lost or sending Close fails its rooms and its link is closed.
 """
 
 from __future__ import annotations
@@ -22,30 +23,31 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pd_transfer.agent import integrity
+from pd_transfer.agent.acceptance import send_verdict
 from pd_transfer.agent.channels import Channel
+from pd_transfer.agent.chunks import chunk_refusal, chunk_requests
+from pd_transfer.agent.flow import peer_key, refuse_new_room, write_chunk
 from pd_transfer.agent.rooms import Room
-from pd_transfer.agent.verdicts import plan_summary
+from pd_transfer.agent.streaming import ChunkLayers, chunk_plan, latest_streamed, span_of
 from pd_transfer.errors import PdTransferError, Reason
-from pd_transfer.layout.diagnostics import collapse
-from pd_transfer.layout.fanout import decode_ranks_fed
-from pd_transfer.layout.geometry import Role, handle_problems
+from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.planner import PairPlanner
-from pd_transfer.layout.reconcile import Reconciliation, reconcile
+from pd_transfer.layout.reconcile import Reconciliation
 from pd_transfer.layout.views import Pool
 from pd_transfer.protocol import (
     Abort,
     AbortAck,
+    Close,
     Done,
     DoneStatus,
     Heartbeat,
     Hello,
-    MismatchRecord,
     Progress,
     RankTable,
     Register,
     RoomStatus,
     TransferRequest,
-    Verdict,
 )
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,8 @@ class DecodePeer:
     link: object = None
     planner: PairPlanner | None = None
     accepted: bool = False
+    features: tuple[str, ...] = ()   # decode's Hello features
+    integrity: object = None         # BlockLayout when both sides check integrity
 
     @property
     def rank_id(self) -> str:
@@ -82,12 +86,16 @@ class Target:
     done: bool = False
     succeeded: bool = False
     failed: bool = False
+    admitted: bool = False  # holds a room slot with the peer (agent/flow.py)
+    layers_sent: set = field(default_factory=set)  # of the streamed chunk being written
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    sums: object = None     # RoomDigest of what was sent, when the pair checks integrity
 
 
 @dataclass
 class PrefillRoom(Room):
     chunks: list[dict[Pool, np.ndarray]] = field(default_factory=list)
+    layers: list[ChunkLayers | None] = field(default_factory=list)  # per chunk; None: not streamed
     last_received: bool = False
     targets: dict[int, Target] = field(default_factory=dict)   # by channel id
     expected_targets: int = 0
@@ -109,7 +117,7 @@ class PrefillSide:
     async def on_message(self, channel: Channel, message) -> None:
         peer = self.peers.setdefault(id(channel), DecodePeer(channel))
         if isinstance(message, Hello):
-            channel.peer_agent_id = message.agent_id
+            channel.peer_agent_id, peer.features = message.agent_id, message.capabilities.features
             await channel.send(Hello(agent_id=self.config.agent_id, role=Role.PREFILL,
                                      capabilities=self.sidecar.capabilities()))
         elif isinstance(message, Register):
@@ -120,6 +128,8 @@ class PrefillSide:
             await self._on_abort(peer, message)
         elif isinstance(message, Heartbeat):
             pass  # last_heard_s is updated by the channel
+        elif isinstance(message, Close):
+            self.release_peer(channel, Reason.SESSION_CLOSED, "decode peer {} closed its session")
         else:
             log.debug("prefill: ignoring %s from %s", type(message).__name__, peer.rank_id)
 
@@ -134,59 +144,7 @@ class PrefillSide:
             geometry = self.sidecar.geometry
         await peer.channel.send(Register(agent_id=self.config.agent_id, host_id=self.config.host_id,
                                          geometry=geometry))
-        asyncio.create_task(self._send_verdict(peer))
-
-    async def _send_verdict(self, peer: DecodePeer) -> None:
-        try:
-            await asyncio.wait_for(self.table_ready.wait(), self.config.bootstrap_timeout_s)
-        except TimeoutError:
-            await self._reject(peer, "prefill rank table incomplete", [MismatchRecord(
-                path="prefill.rank_table", code=Reason.BOOTSTRAP_FAILED, prefill="incomplete",
-                decode="-", hint="start every prefill rank's sidecar and worker")])
-            return
-        decode_geometry = peer.register.geometry
-        handles = {h.region: h.handle for h in peer.register.region_handles}
-        problems = handle_problems(decode_geometry, handles) if handles else []
-        if problems:
-            await self._reject(peer, f"invalid registration of {peer.rank_id}", [MismatchRecord(
-                path=f"decode.{p.subject or 'handles'}", code=p.code, prefill="-", decode=p.detail,
-                hint="each region needs its own segment") for p in problems])
-            return
-        prefill = [e.geometry for e in self.table.entries]
-        recon = reconcile(prefill, [decode_geometry])
-        if not recon.ok:
-            error = recon.error()
-            await self._reject(peer, error.headline, [MismatchRecord.from_mismatch(m)
-                                                      for m in collapse(list(recon.mismatches))])
-            return
-        peer.reconciliation = recon
-        peer.planner = PairPlanner(recon, self.sidecar.geometry, decode_geometry)
-        peer.fed = decode_ranks_fed(recon, self.sidecar.geometry.rank_id, decode_geometry)
-        try:
-            peer.link = await self.sidecar.dataplane.connect(peer.register)
-        except PdTransferError as err:
-            await self._reject(peer, f"no data plane to {peer.rank_id}", [MismatchRecord(
-                path="transport", code=err.code, prefill=self.config.transport,
-                decode=peer.register.data_address or "<no data address>", hint=str(err))])
-            return
-        peer.accepted = True
-        observe = self.sidecar.observe
-        modes = [v.mode.value for v in recon.verdicts]
-        observe.peer(peer.rank_id, "accepted", channel=peer.channel,
-                     transport=type(peer.link).__name__.removesuffix("Link").lower() or "-",
-                     modes=modes)
-        observe.verdict(True)
-        observe.verdict_modes({m: modes.count(m) for m in set(modes)})
-        log.info("prefill: accepted %s (feeds decode tp ranks %s)", peer.rank_id, peer.fed,
-                 extra={"peer": peer.rank_id})
-        await peer.channel.send(Verdict(accepted=True, plan=plan_summary(recon, peer.planner)))
-
-    async def _reject(self, peer: DecodePeer, headline: str, mismatches: list[MismatchRecord]) -> None:
-        self.sidecar.observe.peer(peer.rank_id, "rejected", headline, peer.channel)
-        self.sidecar.observe.verdict(False, mismatches[0].code.value if mismatches else "")
-        log.warning("prefill: rejected %s: %s", peer.rank_id,
-                    "; ".join(m.render() for m in mismatches[:8]), extra={"peer": peer.rank_id})
-        await peer.channel.send(Verdict(accepted=False, headline=headline, mismatches=tuple(mismatches)))
+        asyncio.create_task(send_verdict(self, peer))
 
     # -- rooms --------------------------------------------------------------------
     def _room(self, room_id: int) -> PrefillRoom:
@@ -198,6 +156,8 @@ class PrefillSide:
         return room
 
     async def _on_request(self, peer: DecodePeer, message: TransferRequest) -> None:
+        if await refuse_new_room(self.sidecar, peer.channel, message):
+            return
         room = self._room(message.room)
         if not peer.accepted:
             await peer.channel.send(Done(room=message.room, generation=message.generation,
@@ -236,9 +196,24 @@ class PrefillSide:
                                   code=Reason.DUPLICATE_ROOM)
         if room.terminal:
             return room.reply()
+        if chunk_refusal(self.config, room):
+            self.sidecar.observe.limit_refused("max_chunks_per_room")
+            await self.fail_room(room, Reason.OVER_LIMIT, chunk_refusal(self.config, room))
+            return room.reply()
         room.chunks.append(pools)
+        room.layers.append(ChunkLayers(span_of(self.sidecar.geometry)) if request["stream"]
+                           else None)
         room.last_received = request["last"]
         self._pump_all(room)
+        return room.reply()
+
+    async def on_layer_ready(self, request: dict) -> dict:
+        room = self.sidecar.rooms.get(request["room"])
+        if not isinstance(room, PrefillRoom):
+            raise PdTransferError(f"room {request['room']} is unknown", code=Reason.UNKNOWN_ROOM)
+        if not room.terminal:
+            latest_streamed(room.layers, room.room).announce(room.room, request["layer_id"])
+            self._pump_all(room)
         return room.reply()
 
     def _pump_all(self, room: PrefillRoom) -> None:
@@ -255,71 +230,40 @@ class PrefillSide:
             while target.chunks_done < len(room.chunks) and not target.failed and not room.terminal:
                 index = target.chunks_done
                 try:
-                    requests = self._chunk_requests(room, target, index)
-                    plan = target.peer.planner.plan(requests)
+                    requests = chunk_requests(room, target, index)
+                    plan = await chunk_plan(self, room, target, index, requests)
+                    if plan is None:
+                        return  # streamed: the next layer_ready pumps again
                     room.advance(RoomStatus.TRANSFERRING,
                                  time.monotonic() + self.config.transfer_timeout_s)
-                    gauge = self.sidecar.observe.metrics.inflight_bytes.labels(
-                        "prefill", target.peer.rank_id)
-                    gauge.inc(plan.total_nbytes)
-                    try:
-                        nbytes = await self.sidecar.dataplane.write(target.peer.link, plan,
-                                                                    room.room, target.generation)
-                    finally:
-                        gauge.dec(plan.total_nbytes)
+                    nbytes = await write_chunk(self.sidecar, room, target, plan)
                     target.nbytes += nbytes
                     target.descriptors += plan.num_descriptors
+                    await integrity.sum_chunk(target, requests, self.sidecar.dataplane.local_regions)
                 except PdTransferError as err:
-                    await self.fail_room(room, err.code, f"room {room.room} -> {target.peer.rank_id}: "
-                                                         f"{err.message}", lock_held=target)
+                    if not target.failed:  # else the abort of this target fails the room itself
+                        await self.fail_room(room, err.code, f"room {room.room} -> {target.peer.rank_id}: "
+                                                             f"{err.message}", lock_held=target)
                     return
                 room.nbytes += nbytes
                 target.kv_cursor += len(room.chunks[index].get(Pool.KV, ()))
-                target.chunks_done += 1
+                target.chunks_done, target.layers_sent = target.chunks_done + 1, set()
                 if not (room.last_received and target.chunks_done == len(room.chunks)):
-                    await self._send(target, Progress(room=room.room, generation=target.generation,
+                    await self.send_quietly(target, Progress(room=room.room, generation=target.generation,
                                                       done_nbytes=room.nbytes,
                                                       total_nbytes=room.nbytes))
             if room.last_received and target.chunks_done == len(room.chunks) and not target.done \
                     and not target.failed and not room.terminal:
                 target.done = target.succeeded = True
-                await self._send(target, Done(room=room.room, generation=target.generation,
-                                              status=DoneStatus.SUCCESS))
+                await self.send_quietly(target, Done(room=room.room, generation=target.generation,
+                                              status=DoneStatus.SUCCESS,
+                                              checksums=integrity.checksums(target)))
                 self.sidecar.observe.transfer_done(target.peer.rank_id, target.nbytes,
                                                    target.descriptors,
                                                    time.monotonic() - target.started_s)
                 self._maybe_succeed(room)
 
-    def _chunk_requests(self, room: PrefillRoom, target: Target, index: int) -> dict:
-        chunk = room.chunks[index]
-        last = room.last_received and index == len(room.chunks) - 1
-        requests = {}
-        src_kv = chunk.get(Pool.KV, np.zeros(0, np.int64))
-        dst_kv = target.dst.get(Pool.KV, np.zeros(0, np.int64))
-        end = target.kv_cursor + len(src_kv)
-        if end > len(dst_kv) or (last and end != len(dst_kv)):
-            raise PdTransferError(f"prefill sends {end if end > len(dst_kv) else end} kv page(s) but "
-                                  f"decode allocated {len(dst_kv)}; refused rather than truncated",
-                                  code=Reason.INDEX_COUNT_MISMATCH)
-        if len(src_kv):
-            requests[Pool.KV] = (src_kv, dst_kv[target.kv_cursor:end])
-        if last:
-            for pool in (Pool.SWA, Pool.MAMBA, Pool.AUX):
-                src, dst = chunk.get(pool), target.dst.get(pool)
-                if src is None and dst is None:
-                    continue
-                if src is None or dst is None or len(src) != len(dst):
-                    raise PdTransferError(
-                        f"{pool.value}: prefill sends {0 if src is None else len(src)} index(es), "
-                        f"decode expects {0 if dst is None else len(dst)}",
-                        code=Reason.INDEX_COUNT_MISMATCH)
-                requests[pool] = (src, dst)
-            # aux goes last: its arrival means everything before it landed
-            if Pool.AUX in requests:
-                requests[Pool.AUX] = requests.pop(Pool.AUX)
-        return requests
-
-    async def _send(self, target: Target, message) -> None:
+    async def send_quietly(self, target: Target, message) -> None:
         try:
             await target.peer.channel.send(message)
         except Exception as err:
@@ -354,7 +298,7 @@ class PrefillSide:
             target.done = True
             return
         target.done = target.failed = True
-        await self._send(target, Done(room=room.room, generation=target.generation,
+        await self.send_quietly(target, Done(room=room.room, generation=target.generation,
                                       status=DoneStatus.FAILED, reason=room.state.reason or Reason.ABORTED,
                                       reason_text=room.state.reason_text or "room failed"))
 
@@ -364,6 +308,7 @@ class PrefillSide:
         if target is not None:
             self.sidecar.observe.abort("decode", message.reason.value)
             target.failed = True
+            self.sidecar.admission.withdraw(room, peer_key(target))  # a queued write gives up now
             async with target.lock:  # wait for the write in flight, if any
                 target.done = True
             if isinstance(room, PrefillRoom):
@@ -389,10 +334,22 @@ class PrefillSide:
             f"room {room.room} timed out in {room.status.value}: {waiting}"))
 
     def on_peer_lost(self, channel: Channel, silent_s: float) -> None:
+        self.release_peer(channel, Reason.PEER_LOST,
+                          f"lost decode peer {{}}: no heartbeat for {silent_s:.1f} s")
+
+    def release_peer(self, channel: Channel, reason: Reason, text: str) -> None:
+        """Forget a decode peer's session: its rooms fail with ``text`` (``{}``: the peer),
+        and its link closes once their writes stopped."""
         peer = self.peers.pop(id(channel), None)
-        label = peer.rank_id if peer else channel.label
-        for room in self.sidecar.rooms.live():
-            if isinstance(room, PrefillRoom) and id(channel) in room.targets:
-                asyncio.create_task(self.fail_room(
-                    room, Reason.PEER_LOST,
-                    f"lost decode peer {label}: no heartbeat for {silent_s:.1f} s"))
+        channel.close()
+        text = text.format(peer.rank_id if peer else channel.label)
+        fails = [asyncio.create_task(self.fail_room(room, reason, text))
+                 for room in self.sidecar.rooms.live()
+                 if isinstance(room, PrefillRoom) and id(channel) in room.targets]
+        if peer is not None and peer.link is not None:
+            link, peer.link = peer.link, None
+            asyncio.create_task(self._close_link(link, fails))
+
+    async def _close_link(self, link, fails: list[asyncio.Task]) -> None:
+        await asyncio.gather(*fails, return_exceptions=True)
+        await self.sidecar.dataplane.release(link)

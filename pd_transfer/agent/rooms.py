@@ -33,6 +33,7 @@ class Room:
     finished_s: float = 0.0
     waiters: list[asyncio.Future] = field(default_factory=list)
     drained: asyncio.Event = field(default_factory=asyncio.Event)
+    on_end: list[Callable[[Room], None]] = field(default_factory=list)  # called once, when terminal
 
     def __post_init__(self) -> None:
         self.state = RoomState(self.room, self.generation)
@@ -68,6 +69,9 @@ class Room:
                 if not waiter.done():
                     waiter.set_result(None)
             self.waiters.clear()
+            hooks, self.on_end = self.on_end, []
+            for hook in hooks:   # e.g. admission slots go back (agent/admission.py)
+                hook(self)
 
     def reply(self) -> dict:
         reply = {"status": self.state.status.value}
@@ -90,7 +94,12 @@ class Room:
 
 
 class RoomTable:
-    """Live and recently finished rooms; terminal ones are forgotten after ``ttl_s``."""
+    """Live and recently finished rooms; terminal ones are forgotten after ``ttl_s``.
+
+    Bounded: at most ``max_rooms`` live rooms (the sidecar refuses more), and
+    at most ``max_rooms`` terminal ones (the oldest finished are forgotten
+    first, even before ``ttl_s``, when rooms finish faster than that).
+    """
 
     def __init__(self, ttl_s: float, max_rooms: int) -> None:
         self.ttl_s = ttl_s
@@ -102,9 +111,22 @@ class RoomTable:
 
     def add(self, room: Room) -> None:
         self.rooms[room.room] = room
+        if len(self.rooms) > 2 * self.max_rooms:
+            finished = sorted((r for r in self.rooms.values() if r.terminal),
+                              key=lambda r: r.finished_s)
+            for old in finished[:len(self.rooms) - 2 * self.max_rooms + self.max_rooms // 8 + 1]:
+                del self.rooms[old.room]
 
     def live(self) -> list[Room]:
         return [r for r in self.rooms.values() if not r.terminal]
+
+    def refusal(self, room: int) -> str:
+        """Why a new ``room`` may not be added ('' when it may): ``max_rooms`` are live."""
+        if room in self.rooms and not self.rooms[room].terminal:
+            return ""
+        live = len(self.live())
+        return "" if live < self.max_rooms else \
+            f"{live} rooms are live, the limit is max_rooms={self.max_rooms}"
 
     def expire(self, now_s: float, on_timeout: Callable[[Room], None]) -> None:
         for room in list(self.rooms.values()):

@@ -2,17 +2,25 @@
 
 uvloop when installed (asyncio otherwise). The first SIGINT/SIGTERM asks the
 sidecar to drain: in-flight rooms finish or fail with a reason; a second one
-forces the exit.
+forces the exit. Neither can hang: once the service returns (or a forced stop
+was asked for) a watchdog ends the process if it has not exited within
+``EXIT_GRACE_S`` (a thread stuck in a socket call would otherwise hold the
+interpreter's exit).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import threading
 from typing import Protocol
 
 log = logging.getLogger(__name__)
+
+EXIT_GRACE_S = 10.0
+EXIT_STUCK = 3
 
 
 class Stoppable(Protocol):
@@ -40,6 +48,8 @@ def run_until_stopped(service: Stoppable) -> None:
         log.info("signal %s: %s", signal.Signals(signum).name,
                  "forcing exit" if force else "draining (send again to force)")
         service.request_stop(force=force)
+        if force:
+            _watchdog(EXIT_STUCK)
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, on_signal, signum)
@@ -48,3 +58,16 @@ def run_until_stopped(service: Stoppable) -> None:
     finally:
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
+        _watchdog(0)  # the service is done: exiting must not wait on stuck threads
+
+
+def _watchdog(code: int) -> None:
+    def expire() -> None:
+        log.warning("exit did not complete within %.0f s; ending the process (code %d)",
+                    EXIT_GRACE_S, code)
+        logging.shutdown()
+        os._exit(code)
+
+    timer = threading.Timer(EXIT_GRACE_S, expire)
+    timer.daemon = True
+    timer.start()

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pd_transfer.agent import integrity
+from pd_transfer.agent.admission import Admission
 from pd_transfer.agent.auth import SecureContext, Security
 from pd_transfer.agent.bootstrap import BootstrapServer, fetch_table
 from pd_transfer.agent.channels import Channel, IncomingChannels
@@ -52,7 +54,9 @@ class Sidecar:
         self.security = security or Security.from_config(config)
         self.context = SecureContext(self.security)
         self.rooms = RoomTable(config.room_ttl_s, config.max_rooms)
+        self.admission = Admission(config)   # rooms per peer, bytes in flight (agent/admission.py)
         self.observe = Observer(self)
+        self.observe.watch_admission(self.admission)
         self.security.on_failure = self.observe.auth_failure
         self.geometry: RankGeometry | None = None
         self.handles: dict[str, str] = {}
@@ -79,7 +83,9 @@ class Sidecar:
     async def run(self) -> None:
         from pd_transfer.agent.worker_endpoint import WorkerEndpoint
         endpoint = WorkerEndpoint(self.context, self.config.worker_endpoint, self.handle_worker,
-                                  on_bad_request=self.observe.bad_frame)
+                                  on_bad_request=self.observe.bad_frame,
+                                  max_requests=self.config.max_worker_requests,
+                                  on_over_limit=lambda: self.observe.limit_refused("max_worker_requests"))
         self._spawn(endpoint.serve())
         if self.config.role is Role.PREFILL:
             self.control = IncomingChannels(self.context, self.config.control_host,
@@ -103,15 +109,15 @@ class Sidecar:
         finally:
             for task in self._tasks:
                 task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await _bounded(asyncio.gather(*self._tasks, return_exceptions=True), "stopping tasks")
             endpoint.close()
             if self.http:
-                await self.http.close()
+                await _bounded(self.http.close(), "closing the http server")
             if self.control:
                 self.control.close()
             if self.bootstrap_server:
                 self.bootstrap_server.close()
-            await self.dataplane.close()
+            await _bounded(self.dataplane.close(), "closing the data plane")
             self.context.destroy(linger=0)
             log.info("sidecar %s stopped", self.config.agent_id)
 
@@ -159,18 +165,18 @@ class Sidecar:
             return await self.side.on_worker_abort(request["room"])
         if self._stopping:
             raise PdTransferError("the sidecar is shutting down", code=Reason.SHUTTING_DOWN)
-        if op in (WorkerOp.SEND, WorkerOp.EXPECT) and self.rooms.get(request["room"]) is None \
-                and len(self.rooms.live()) >= self.config.max_rooms:
-            raise PdTransferError(f"{len(self.rooms.live())} rooms are live, the limit is "
-                                  f"max_rooms={self.config.max_rooms}", code=Reason.TOO_MANY_ROOMS,
+        refusal = self.rooms.refusal(request["room"]) if op in (WorkerOp.SEND, WorkerOp.EXPECT) else ""
+        if refusal:  # the hard bound of the room table: refused at once, never queued
+            self.observe.limit_refused("max_rooms")
+            raise PdTransferError(refusal, code=Reason.TOO_MANY_ROOMS,
                                   hint="finish or abort rooms, or raise max_rooms")
         pools = pool_requests(request)
         if op is WorkerOp.SEND and self.config.role is Role.PREFILL:
             return await self.side.on_send(request, pools)
         if op is WorkerOp.EXPECT and self.config.role is Role.DECODE:
             return await self.side.on_expect(request, pools)
-        if op is WorkerOp.LAYER_READY:
-            return {}
+        if op is WorkerOp.LAYER_READY and self.config.role is Role.PREFILL:
+            return await self.side.on_layer_ready(request)
         raise PdTransferError(f"{op.value} is not available on a {self.config.role.value} sidecar",
                               code=Reason.BAD_FRAME)
 
@@ -260,7 +266,8 @@ class Sidecar:
 
     # -- peers and timers ----------------------------------------------------------
     def capabilities(self) -> Capabilities:
-        return Capabilities(transports=self.dataplane.transport_names(), features=())
+        return Capabilities(transports=self.dataplane.transport_names(),
+                            features=integrity.features(self.config, self.dataplane.on_device))
 
     def next_generation(self) -> int:
         return next(self._generations)
@@ -286,6 +293,7 @@ class Sidecar:
             self.rooms.expire(now, self.side.on_timeout)
             if self.config.role is Role.DECODE and self.geometry is not None:
                 self.side.resolve_configured()
+                self.side.release_retired(now)
             for channel, on_lost in list(self._watched):
                 if channel.closed:
                     self._watched.remove((channel, on_lost))
@@ -300,9 +308,18 @@ class Sidecar:
                 if channel.session.state in _HEARTBEAT_STATES and now - getattr(channel, "_beat_s", 0) >= interval:
                     channel._beat_s = now
                     try:
-                        await channel.send(Heartbeat(agent_id=self.config.agent_id,
-                                                     sequence=next(self._heartbeat_seq),
-                                                     sent_unix_s=time.time()))
+                        # bounded: a peer that stops reading fills ZeroMQ's send queue;
+                        # its heartbeat is skipped (and it is soon lost), the timers go on
+                        await asyncio.wait_for(channel.send(Heartbeat(
+                            agent_id=self.config.agent_id, sequence=next(self._heartbeat_seq),
+                            sent_unix_s=time.time())), interval)
                     except Exception as err:
                         log.debug("heartbeat to %s failed: %s", channel.label, err)
 
+
+async def _bounded(step, what: str, timeout_s: float = 5.0) -> None:
+    """Shutdown never hangs on one step: past ``timeout_s`` it is logged and left behind."""
+    try:
+        await asyncio.wait_for(step, timeout_s)
+    except TimeoutError:
+        log.warning("shutdown: %s did not finish within %.0f s; exiting anyway", what, timeout_s)

@@ -1,8 +1,10 @@
-"""The plan summary an accepted Verdict carries: per pool and mode, the cost of one item."""
+"""The plan summary an accepted Verdict carries: per pool and mode, the cost of one item,
+and how the pool moves (``strategy``: direct or staged, see :mod:`.strategies`)."""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -12,8 +14,13 @@ from pd_transfer.layout.reconcile import Reconciliation
 from pd_transfer.protocol import PoolPlan
 
 
-def plan_summary(recon: Reconciliation, planner: PairPlanner) -> tuple[PoolPlan, ...]:
-    """Tensors per (pool, mode), with descriptors and bytes of one page, slot or row."""
+def plan_summary(recon: Reconciliation, planner: PairPlanner,
+                 strategies: Mapping | None = None) -> tuple[PoolPlan, ...]:
+    """Tensors per (pool, mode), with descriptors and bytes of one page, slot or row.
+
+    ``strategies``: ``{pool: Decision}`` (:func:`.strategies.choose_strategies`).
+    """
+    strategies = strategies or {}
     one_item = (np.zeros(1, np.int64), np.zeros(1, np.int64))
     plans: dict = {}
     summary = []
@@ -24,6 +31,8 @@ def plan_summary(recon: Reconciliation, planner: PairPlanner) -> tuple[PoolPlan,
             except PdTransferError:  # an empty pool on one side: nothing to summarise
                 plans[pool] = None
         if plans[pool] is not None:
+            decision = strategies.get(pool)
             summary.append(PoolPlan(pool, mode, count, plans[pool].num_descriptors,
-                                    plans[pool].total_nbytes))
+                                    plans[pool].total_nbytes,
+                                    decision.strategy.value if decision is not None else ""))
     return tuple(summary)

@@ -5,6 +5,12 @@ and handed to the role's handler as a task, so a slow request (``wait``,
 ``abort`` waiting for a drain) never blocks the others. A malformed request
 gets an error reply with its reason; the endpoint keeps serving.
 
+Bounded: at most ``max_requests`` requests are in progress at once (a
+``wait`` counts until it returns); one more is answered at once with
+``over_limit`` instead of becoming another task. Frames not yet read wait in
+ZeroMQ's receive queue, bounded by its high-water mark (1000 per worker
+connection by default), and then hold the worker's own send.
+
 With authentication on, a worker's client runs the handshake first
 (:mod:`pd_transfer.agent.auth`); a request sent without it gets an error
 reply with the code ``unauthenticated`` and never reaches the handler.
@@ -33,8 +39,12 @@ Handler = Callable[[WorkerOp, dict[str, Any]], Awaitable[dict[str, Any]]]
 
 class WorkerEndpoint:
     def __init__(self, context: zmq.asyncio.Context, address: str, handler: Handler, *,
-                 on_bad_request: Callable[[str], None] = lambda reason: None) -> None:
+                 on_bad_request: Callable[[str], None] = lambda reason: None,
+                 max_requests: int = 8192,
+                 on_over_limit: Callable[[], None] = lambda: None) -> None:
         self._on_bad_request = on_bad_request
+        self.max_requests = max_requests
+        self._on_over_limit = on_over_limit
         self._socket = context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(address)
@@ -59,6 +69,9 @@ class WorkerEndpoint:
                 continue
             identity, frame = frames
             if not await self._doorman.admit(identity, frame):
+                continue
+            if len(self._tasks) >= self.max_requests:
+                await self._refuse_busy(identity, frame)
                 continue
             task = asyncio.create_task(self._answer(identity, frame))
             self._tasks.add(task)
@@ -86,6 +99,18 @@ class WorkerEndpoint:
         except zmq.ZMQError as err:
             log.warning("worker endpoint: cannot reply to request %s: %s", request_id, err)
 
+    async def _refuse_busy(self, identity: bytes, frame: bytes) -> None:
+        self._on_over_limit()
+        error = PdTransferError(f"{len(self._tasks)} worker requests are in progress, the limit is "
+                                f"max_worker_requests={self.max_requests}", code=Reason.OVER_LIMIT,
+                                hint="poll instead of keeping many waits open, or raise "
+                                     "max_worker_requests")
+        log.warning("worker endpoint: %s", error.message)
+        try:
+            await self._socket.send_multipart([identity, _refusal_reply(frame, error)])
+        except zmq.ZMQError as err:
+            log.warning("worker endpoint: cannot refuse a request: %s", err)
+
     def close(self) -> None:
         for task in self._tasks:
             task.cancel()
@@ -97,9 +122,10 @@ class WorkerEndpoint:
                 pass
 
 
-def _refusal_reply(frame: bytes, error: AuthError) -> bytes:
-    """An error reply to a request sent before the handshake, with the request's id
-    when it has one, so the worker's call fails with the reason instead of timing out."""
+def _refusal_reply(frame: bytes, error: AuthError | PdTransferError) -> bytes:
+    """An error reply to a request refused unread (before the handshake, or over the
+    limit), with the request's id when it has one, so the worker's call fails with
+    the reason instead of timing out."""
     try:
         request_id = worker_api.decode_request(frame)[1]["id"]
     except WorkerApiError:

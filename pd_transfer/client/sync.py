@@ -76,7 +76,7 @@ class Client:
         self._call(wire.register_request(geometry, handles, self.worker_id, pp_size), timeout_s=timeout_s)
 
     def send(self, room: int, pages, *, state_slots=(), aux_row: int | None = None,
-             last_chunk: bool = True, swa_pages=()) -> None:
+             last_chunk: bool = True, swa_pages=(), stream: bool = False) -> None:
         """Prefill: hand the sidecar source pages of ``room`` to transfer.
 
         ``send`` may be called per chunk; pages of successive calls are
@@ -84,9 +84,15 @@ class Client:
         pages. State slots, SWA pages and the aux row go with the last chunk
         (``last_chunk=True``). Returns once the sidecar has accepted the chunk,
         not when it has been copied: :meth:`wait` for that.
+
+        ``stream=True`` sends the chunk before its KV is computed: the sidecar
+        moves each layer once :meth:`layer_ready` announces it, so the
+        transfer overlaps the forward pass. Announce every layer of this
+        rank's span for every streamed chunk; state slots, SWA pages and aux
+        move after the last chunk's last layer.
         """
         self._call(wire.send_request(room, pages, state_slots=state_slots, aux_row=aux_row,
-                                     last_chunk=last_chunk, swa_pages=swa_pages))
+                                     last_chunk=last_chunk, swa_pages=swa_pages, stream=stream))
 
     def expect(self, room: int, bootstrap_addr: str, pages, *, state_slots=(),
                aux_row: int | None = None, swa_pages=()) -> None:
@@ -100,7 +106,11 @@ class Client:
                                        aux_row=aux_row, swa_pages=swa_pages))
 
     def layer_ready(self, room: int, layer_id: int) -> None:
-        """Prefill, streaming: layer ``layer_id`` of ``room``'s sent pages is computed."""
+        """Prefill, streaming: layer ``layer_id`` of ``room``'s latest streamed chunk is written.
+
+        Layers may be announced in any order; an id outside this rank's
+        layers, or a room with no streamed chunk waiting, is refused.
+        """
         self._call(wire.layer_ready_request(room, layer_id))
 
     def poll(self, room: int) -> RoomState:

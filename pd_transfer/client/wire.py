@@ -84,11 +84,14 @@ def register_request(geometry: RankGeometry, handles: Mapping[str, str], worker_
 
 
 def send_request(room: int, pages, *, state_slots=(), aux_row: int | None = None,
-                 last_chunk: bool = True, swa_pages=()) -> Request:
-    return {"op": WorkerOp.SEND.value, "room": room_id(room), "pages": index_list("pages", pages),
-            "swa_pages": index_list("swa_pages", swa_pages),
-            "state_slots": index_list("state_slots", state_slots),
-            "aux_row": optional_index("aux_row", aux_row), "last": bool(last_chunk)}
+                 last_chunk: bool = True, swa_pages=(), stream: bool = False) -> Request:
+    request = {"op": WorkerOp.SEND.value, "room": room_id(room),
+               "pages": index_list("pages", pages), "swa_pages": index_list("swa_pages", swa_pages),
+               "state_slots": index_list("state_slots", state_slots),
+               "aux_row": optional_index("aux_row", aux_row), "last": bool(last_chunk)}
+    if stream:  # absent means False: older sidecars keep accepting the request
+        request["stream"] = True
+    return request
 
 
 def expect_request(room: int, bootstrap_addr: str, pages, *, state_slots=(),

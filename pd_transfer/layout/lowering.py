@@ -113,6 +113,7 @@ class Unit:
     axes: tuple[tuple[int, int, int], ...]
     index_strides: tuple[int, int]
     pool: object
+    layer: int | None = None   # the source tensor's layer id (None: not per layer)
 
     @property
     def signature(self) -> tuple:
@@ -140,6 +141,23 @@ class UnitGroup:
     @property
     def pool(self) -> object:
         return self.units[0].pool
+
+    @cached_property
+    def layers(self) -> np.ndarray:
+        """Each unit's layer id (-1 where the tensor has none)."""
+        return np.fromiter((-1 if u.layer is None else u.layer for u in self.units), np.int64,
+                           len(self.units))
+
+    def only_layers(self, layers: np.ndarray) -> UnitGroup | None:
+        """The units of ``layers`` only (None when there are none)."""
+        keep = np.isin(self.layers, layers)
+        if keep.all():
+            return self
+        if not keep.any():
+            return None
+        rows = np.flatnonzero(keep)
+        return UnitGroup(tuple(self.units[i] for i in rows), self.src_base[rows],
+                         self.dst_base[rows])
 
 
 def group_units(units: list[Unit]) -> list[UnitGroup]:

@@ -11,13 +11,13 @@ Pure; no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import numpy as np
 
 from pd_transfer.errors import PlanError, Reason
 from pd_transfer.layout.geometry import RankGeometry
-from pd_transfer.layout.lowering import TransferPlan, Unit, group_units, lower_groups
+from pd_transfer.layout.lowering import TransferPlan, Unit, UnitGroup, group_units, lower_groups
 from pd_transfer.layout.reconcile import Reconciliation
 from pd_transfer.layout.sharding import Piece
 from pd_transfer.layout.views import AxisRole, Pool, TensorView
@@ -55,10 +55,23 @@ class PairPlanner:
         self._limits = {side: _index_limits(geometry)
                         for side, geometry in (("prefill", src), ("decode", dst))}
 
-    def plan(self, requests: Mapping[Pool, IndexPair]) -> TransferPlan:
+    def plan(self, requests: Mapping[Pool, IndexPair],
+             layers: Collection[int] | None = None) -> TransferPlan:
+        """The plan for ``requests``; with ``layers``, only the tensors of those layer ids.
+
+        Layer-wise streaming plans a chunk's KV one batch of ready layers at a
+        time; the union over all layers is exactly the plan without ``layers``.
+        """
         indices = check_indices(requests, self.src, self.dst, self._limits)
         groups = [g for pool in indices for g in self._groups.get(pool, ())]
+        if layers is not None:
+            wanted = np.fromiter(layers, np.int64)
+            groups = [g for g in (group.only_layers(wanted) for group in groups) if g is not None]
         return lower_groups(self.src.rank_id, self.dst.rank_id, groups, indices)
+
+    def unit_groups(self, pool: Pool) -> tuple[UnitGroup, ...]:
+        """The block copies :meth:`plan` lowers for ``pool``, grouped by structure."""
+        return tuple(self._groups.get(pool, ()))
 
 
 def _index_limits(geometry: RankGeometry) -> dict[Pool, int]:
@@ -120,4 +133,4 @@ def block_unit(src: TensorView, dst: TensorView, piece: Piece) -> Unit:
     index_strides = (src.strides_nbytes[src_index],
                      dst.strides_nbytes[dst.axis_index(AxisRole.INDEX)])
     return Unit(src.region, dst.region, src_base, dst_base, src.itemsize, tuple(axes),
-                index_strides, src.pool)
+                index_strides, src.pool, src.layer_id)

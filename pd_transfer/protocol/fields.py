@@ -261,6 +261,32 @@ class Indices(Kind):
 
 
 @dataclass(frozen=True)
+class Checksums(Kind):
+    """CRC32 values: a tuple of ints in ``[0, 2**32)``, packed little-endian
+    uint32 bytes on the wire (4 bytes each), at most ``max_len``."""
+
+    max_len: int = 1 << 16
+
+    @property
+    def description(self) -> str:  # type: ignore[override]
+        return f"packed little-endian uint32 bytes, at most {self.max_len} values"
+
+    def encode(self, value: Any) -> Any:
+        return struct.pack(f"<{len(value)}I", *value)
+
+    def decode(self, raw: Any, path: str) -> tuple[int, ...]:
+        if not isinstance(raw, bytes):
+            raise self.expected(raw, path)
+        if len(raw) % 4:
+            raise bad_field(path, f"expected packed uint32 bytes, got {len(raw)} bytes "
+                                  f"(not a multiple of 4)")
+        if len(raw) // 4 > self.max_len:
+            raise bad_field(path, f"expected at most {self.max_len} checksums, got "
+                                  f"{len(raw) // 4}", code=Reason.LIMIT_EXCEEDED)
+        return struct.unpack(f"<{len(raw) // 4}I", raw)
+
+
+@dataclass(frozen=True)
 class Field:
     name: str
     kind: Kind

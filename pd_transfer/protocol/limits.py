@@ -50,6 +50,11 @@ class Limits:
 
 DEFAULT_LIMITS = Limits()
 
+#: integrity checksums in one Done, per pool: one per destination index (as
+#: many as a request may name) and one per tensor piece
+MAX_CHECKSUM_ITEMS = 1 << 22
+MAX_CHECKSUM_TENSORS = 1 << 16
+
 
 def check_depth(value: Any, max_depth: int) -> None:
     """Raise ``limit_exceeded`` if ``value`` nests lists/maps deeper than ``max_depth``.

@@ -96,7 +96,9 @@ class RegionHandle:
 class Register(Message):
     """This rank's full geometry: regions, tensor views, TP/PP position, page size.
 
-    ``data_address`` is where a tcp data plane reaches this rank (decode);
+    ``data_address`` is where a tcp data plane reaches this rank (decode),
+    or, for the mooncake and nixl transports, the engine's address with the
+    addresses of the registered regions (``transport/engine_address.py``);
     ``region_handles`` let a writer on the same host (``host_id``) map the
     regions directly. Both optional (added in 1.0, before any release).
     """
@@ -114,7 +116,11 @@ class PoolPlan:
     """How one pool's tensors of one mode move between this rank pair.
 
     ``descriptors_per_item`` and ``nbytes_per_item`` count copy descriptors and
-    bytes for one index item (a page, slot or row) of the pool.
+    bytes for one index item (a page, slot or row) of the pool. ``strategy``
+    says how prefill moves the pool to this rank: ``direct`` (one descriptor
+    per run), ``staged`` (gathered into bulk transfers, scattered on arrival),
+    or empty where not reported (added in 1.0, before any release; a value
+    this version does not know is kept as text).
     """
 
     pool: Pool
@@ -122,6 +128,7 @@ class PoolPlan:
     num_tensors: int
     descriptors_per_item: int
     nbytes_per_item: int
+    strategy: str = ""
 
 
 @dataclass(frozen=True)
@@ -158,6 +165,9 @@ class Verdict(Message):
     plan: tuple[PoolPlan, ...] = ()
     headline: str = ""
     mismatches: tuple[MismatchRecord, ...] = ()
+    # True: both sides enabled integrity, every successful Done carries checksums
+    # (added in 1.0, before any release)
+    integrity: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -216,9 +226,27 @@ class Progress(Message):
     total_nbytes: int
 
 
+@dataclass(frozen=True)
+class PoolChecksums:
+    """CRC32 summary of what one prefill rank wrote into one pool of a room.
+
+    ``items[k]`` covers every block of the k-th destination index (page, slot,
+    row), ``tensors[u]`` every block of unit ``u`` (a tensor and shard piece);
+    see :mod:`pd_transfer.transport.integrity`.
+    """
+
+    pool: Pool
+    items: tuple[int, ...]
+    tensors: tuple[int, ...]
+
+
 @dataclass(frozen=True, kw_only=True)
 class Done(Message):
-    """Prefill -> decode: the room finished. A failure always carries a reason."""
+    """Prefill -> decode: the room finished. A failure always carries a reason.
+
+    ``checksums`` (success only, when the Verdict said ``integrity``) lets
+    decode verify what landed; added in 1.0, before any release.
+    """
 
     TAG: ClassVar[str] = "done"
     room: int
@@ -226,6 +254,7 @@ class Done(Message):
     status: DoneStatus
     reason: Reason | None = None
     reason_text: str = ""
+    checksums: tuple[PoolChecksums, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

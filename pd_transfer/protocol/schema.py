@@ -5,7 +5,8 @@ encodes and decodes it. This is the one place that says what a frame of each
 type holds; docs can be generated from it (each field's ``kind.description``).
 Cross-field invariants are checked here too, on decode:
 
-- a failed Done carries a reason code and text; a successful one neither;
+- a failed Done carries a reason code and text and no checksums; a successful
+  one no reason; checksums name each pool once;
 - a rejected Verdict lists at least one mismatch and no plan; an accepted
   one lists no mismatch;
 - Progress never reports more bytes done than in total;
@@ -24,6 +25,7 @@ from pd_transfer.layout.reconcile import Mode
 from pd_transfer.layout.views import Pool
 from pd_transfer.protocol.fields import (
     Bool,
+    Checksums,
     EnumOf,
     Field,
     Float,
@@ -38,6 +40,7 @@ from pd_transfer.protocol.fields import (
     bad_field,
 )
 from pd_transfer.protocol.geometry_codec import GEOMETRY
+from pd_transfer.protocol.limits import MAX_CHECKSUM_ITEMS, MAX_CHECKSUM_TENSORS
 from pd_transfer.protocol.messages import (
     MAX_TEXT_LEN,
     Abort,
@@ -51,6 +54,7 @@ from pd_transfer.protocol.messages import (
     Hello,
     Message,
     MismatchRecord,
+    PoolChecksums,
     PoolIndices,
     PoolPlan,
     Progress,
@@ -81,6 +85,11 @@ def _check_done(values: dict[str, Any], raw: dict[str, Any], path: str) -> None:
         raise bad_field(f"{path}.reason", "a failed Done must carry a reason code and text")
     if not failed and values["reason"] is not None:
         raise bad_field(f"{path}.reason", "a successful Done carries no reason")
+    if failed and values["checksums"]:
+        raise bad_field(f"{path}.checksums", "a failed Done carries no checksums")
+    pools = [c.pool for c in values["checksums"]]
+    if len(set(pools)) != len(pools):
+        raise bad_field(f"{path}.checksums", f"pools repeat: {[p.value for p in pools]}")
     _note_unknown_reason(values, raw, path)
 
 
@@ -117,6 +126,7 @@ POOL_PLAN = Record(PoolPlan, (
     Field("num_tensors", Int(hi=1 << 20)),
     Field("descriptors_per_item", Int(hi=1 << 32)),
     Field("nbytes_per_item", Int(hi=2**48)),
+    Field("strategy", Str(max_len=32), default=""),
 ))
 
 MISMATCH = Record(MismatchRecord, (
@@ -125,6 +135,12 @@ MISMATCH = Record(MismatchRecord, (
     Field("prefill", TEXT),
     Field("decode", TEXT),
     Field("hint", TEXT, default=""),
+))
+
+POOL_CHECKSUMS = Record(PoolChecksums, (
+    Field("pool", EnumOf(Pool)),
+    Field("items", Checksums(MAX_CHECKSUM_ITEMS)),
+    Field("tensors", Checksums(MAX_CHECKSUM_TENSORS)),
 ))
 
 POOL_INDICES = Record(PoolIndices, (Field("pool", EnumOf(Pool)), Field("indices", Indices())))
@@ -150,7 +166,8 @@ RECORDS: dict[type[Message], Record] = {
         Field("agent_id", ID),
         Field("host_id", ID),
         Field("geometry", GEOMETRY),
-        Field("data_address", ADDRESS, default=""),
+        # tcp://host:port, or an engine's address with its region table (engine_address.py)
+        Field("data_address", Str(max_len=8192), default=""),
         Field("region_handles", ListOf(REGION_HANDLE, 65536), default=()),
     )),
     Verdict: Record(Verdict, (
@@ -158,6 +175,7 @@ RECORDS: dict[type[Message], Record] = {
         Field("plan", ListOf(POOL_PLAN, 64), default=()),
         Field("headline", TEXT, default=""),
         Field("mismatches", ListOf(MISMATCH, 4096), default=()),
+        Field("integrity", Bool(), default=False),
     ), finish=_check_verdict),
     TransferRequest: Record(TransferRequest, (
         *_ROOM,
@@ -172,6 +190,7 @@ RECORDS: dict[type[Message], Record] = {
         Field("status", EnumOf(DoneStatus)),
         Field("reason", Optional(ReasonCode()), default=None),
         Field("reason_text", TEXT, default=""),
+        Field("checksums", ListOf(POOL_CHECKSUMS, 8), default=()),
     ), finish=_check_done),
     Abort: Record(Abort, (
         *_ROOM, Field("reason", ReasonCode()), Field("reason_text", Str(max_len=MAX_TEXT_LEN, min_len=1)),

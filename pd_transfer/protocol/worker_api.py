@@ -12,7 +12,9 @@ Requests (fields beyond ``op`` and ``id``):
     register  geometry (geometry_codec dict), handles {region_id: segment},
               worker_id, pp_size (optional, default 1)
     send      room, pages [int], swa_pages [int], state_slots [int],
-              aux_row int|None, last bool            (prefill)
+              aux_row int|None, last bool, stream bool (optional,
+              default false: the chunk moves once layer_ready
+              announced each of the rank's layers)   (prefill)
     expect    room, bootstrap "tcp://host:port", pages, swa_pages,
               state_slots, aux_row                   (decode)
     layer_ready room, layer_id                       (prefill, streaming)
@@ -121,6 +123,8 @@ def _validated(op: WorkerOp, message: dict[str, Any]) -> dict[str, Any]:
     pp_size = message.setdefault("pp_size", 1)
     if not isinstance(pp_size, int) or isinstance(pp_size, bool) or not 1 <= pp_size <= 1024:
         raise WorkerApiError("at $.pp_size: expected an int in [1, 1024]")
+    if not isinstance(message.setdefault("stream", False), bool):
+        raise WorkerApiError("at $.stream: expected bool")
     aux_row = message.setdefault("aux_row", None)
     if aux_row is not None and (not isinstance(aux_row, int) or isinstance(aux_row, bool)
                                 or not 0 <= aux_row <= MAX_INDEX):

@@ -1,7 +1,9 @@
 """Byte movers behind one interface (:class:`Transport`).
 
     shm    same host: map the peer's shared-memory segments, copy in place
-    tcp    ZeroMQ data sockets: gathered chunks out, checked scatters in
+    tcp    plain TCP sockets: payloads sent from and received into the regions
+           themselves (sendmsg / recvmsg_into), each chunk checked first
+    zmq    the tcp data plane over ZeroMQ sockets, for CURVE encryption
     mock   in-process, scripted faults, for tests
 
 Every transport runs plans through :mod:`.copy_engine` (or its gather and
@@ -12,6 +14,7 @@ Layering: may import ``pd_transfer.layout``, ``pd_transfer.shm``, numpy,
 torch, zmq and asyncio; never ``pd_transfer.agent`` or ``pd_transfer.protocol``.
 """
 
+from pd_transfer.transport.admission import ByteRanges, RoomAdmission, RoomPolicy, item_ranges
 from pd_transfer.transport.base import Link, PeerEndpoint, RegionHandle, Transport, TransportKind
 from pd_transfer.transport.copy_engine import CopyEngine, default_engine
 from pd_transfer.transport.mock import Fault, FaultKind, MockTransport
@@ -19,9 +22,12 @@ from pd_transfer.transport.packing import WireRuns, check_wire, gather, scatter,
 from pd_transfer.transport.shm import ShmTransport
 from pd_transfer.transport.tcp import TcpTransport
 from pd_transfer.transport.tcp_receiver import ReceiverStats, TcpReceiver
+from pd_transfer.transport.zmq_receiver import ZmqTcpReceiver
+from pd_transfer.transport.zmq_tcp import ZmqTcpTransport
 
 __all__ = [
-    "CopyEngine", "Fault", "FaultKind", "Link", "MockTransport", "PeerEndpoint", "ReceiverStats",
-    "RegionHandle", "ShmTransport", "TcpReceiver", "TcpTransport", "Transport", "TransportKind",
-    "WireRuns", "check_wire", "default_engine", "gather", "scatter", "scatter_chunk",
+    "ByteRanges", "CopyEngine", "Fault", "FaultKind", "Link", "MockTransport", "PeerEndpoint",
+    "ReceiverStats", "RegionHandle", "RoomAdmission", "RoomPolicy", "ShmTransport", "TcpReceiver",
+    "TcpTransport", "Transport", "TransportKind", "WireRuns", "ZmqTcpReceiver", "ZmqTcpTransport",
+    "check_wire", "default_engine", "gather", "item_ranges", "scatter", "scatter_chunk",
 ]

@@ -14,7 +14,9 @@ Receiving side: ``shm`` needs nothing running (the decode worker publishes
 its segment names as region handles and the writer maps them); ``tcp`` needs
 a :class:`~pd_transfer.transport.tcp_receiver.TcpReceiver` serving the
 decode rank's regions at the address the peer connects to; ``mock`` writes
-into regions registered with it in-process.
+into regions registered with it in-process; ``mooncake`` and ``nixl`` need a
+receiver (:mod:`.mooncake`, :mod:`.nixl`) that registers the decode rank's
+regions with the engine and publishes them as the ``data_address``.
 
 Contracts every implementation keeps:
 
@@ -51,6 +53,8 @@ class TransportKind(enum.Enum):
     SHM = "shm"
     TCP = "tcp"
     MOCK = "mock"
+    MOONCAKE = "mooncake"   # optional extra: Mooncake Transfer Engine
+    NIXL = "nixl"           # optional extra: NIXL (UCX)
 
 
 @dataclass(frozen=True)

@@ -134,29 +134,34 @@ def _layout_one(seq: int, runs: Runs, flat: Flat) -> ChunkLayout:
     return ChunkLayout(seq, int(runs.nbytes.sum()), WireRuns(table, wire), pieces)
 
 
-def gather_chunk(layout: ChunkLayout, src: Mapping[str, Mapped]) -> np.ndarray:
-    """Pack the chunk's source pieces into a new contiguous uint8 array.
+def gather_chunk(layout: ChunkLayout, src: Mapping[str, Mapped],
+                 out: np.ndarray | None = None) -> np.ndarray:
+    """Pack the chunk's source pieces into ``out`` (default: a new contiguous uint8 array).
 
     ``np.take(mode="clip")`` of opaque source rows straight into the payload:
     numpy, not torch, so no OpenMP team is involved (see :mod:`.copy_tasks`).
     """
-    payload = np.empty(layout.nbytes, np.uint8)
+    payload = np.empty(layout.nbytes, np.uint8) if out is None else out[:layout.nbytes]
     position = 0
     for piece in layout.pieces:
-        region = src[piece.src_region]
         total = int(piece.nbytes.sum())
-        if len(piece.nbytes) < _LOOP_MAX_RUNS:
-            at = position
-            for offset, n in zip(piece.src_offset.tolist(), piece.nbytes.tolist()):
-                payload[at:at + n] = region.array[offset:offset + n]
-                at += n
-        else:
-            gs = row_nbytes_for(piece.src_offset, piece.nbytes, cap=_ROW_CAP_NBYTES)
-            rows = region.void_rows(gs)
-            np.take(rows, rows_of(piece.src_offset, piece.nbytes, gs),
-                    out=payload[position:position + total].view(rows.dtype), mode="clip")
+        gather_pieces(src[piece.src_region], piece.src_offset, piece.nbytes,
+                      payload[position:position + total])
         position += total
     return payload
+
+
+def gather_pieces(region: Mapped, offset: np.ndarray, nbytes: np.ndarray, out: np.ndarray) -> None:
+    """Copy the runs ``(offset, nbytes)`` of ``region`` back to back into ``out``."""
+    if len(nbytes) < _LOOP_MAX_RUNS:
+        at = 0
+        for o, n in zip(offset.tolist(), nbytes.tolist()):
+            out[at:at + n] = region.array[o:o + n]
+            at += n
+        return
+    gs = row_nbytes_for(offset, nbytes, cap=_ROW_CAP_NBYTES)
+    rows = region.void_rows(gs)
+    np.take(rows, rows_of(offset, nbytes, gs), out=out.view(rows.dtype), mode="clip")
 
 
 def gather(plan, src_regions: Regions, chunk_nbytes: int = 4 << 20
@@ -165,6 +170,20 @@ def gather(plan, src_regions: Regions, chunk_nbytes: int = 4 << 20
     src = map_regions(src_regions, (b.src_region for b in plan.batches), "source")
     for layout in layout_chunks(plan, {k: m.nbytes for k, m in src.items()}, chunk_nbytes):
         yield layout.wire, gather_chunk(layout, src)
+
+
+def scatter_pieces(region: Mapped, offset: np.ndarray, nbytes: np.ndarray,
+                   payload: np.ndarray) -> None:
+    """Copy ``payload`` (the runs back to back) into the runs ``(offset, nbytes)`` of ``region``."""
+    if len(nbytes) < _LOOP_MAX_RUNS:
+        at = 0
+        for o, n in zip(offset.tolist(), nbytes.tolist()):
+            region.array[o:o + n] = payload[at:at + n]
+            at += n
+        return
+    gd = row_nbytes_for(offset, nbytes, cap=_ROW_CAP_NBYTES)
+    rows = region.void_rows(gd)
+    np.put(rows, rows_of(offset, nbytes, gd), payload.view(rows.dtype))
 
 
 def check_wire(wire: WireRuns, dst_sizes: Mapping[str, int], payload_nbytes: int) -> None:
@@ -218,17 +237,8 @@ def scatter_chunk(wire: WireRuns, payload: np.ndarray, dst: Mapping[str, Mapped]
     cuts = np.flatnonzero(np.diff(runs[:, 0])) + 1
     edges = np.concatenate(([0], cuts, [len(runs)])).tolist()
     for a, b in zip(edges[:-1], edges[1:]):
-        region = dst[wire.regions[int(runs[a, 0])]]
-        offset, nbytes = runs[a:b, 1], runs[a:b, 2]
         start = int(position[a])
-        total = int(nbytes.sum())
-        if b - a < _LOOP_MAX_RUNS:
-            at = start
-            for o, n in zip(offset.tolist(), nbytes.tolist()):
-                region.array[o:o + n] = payload[at:at + n]
-                at += n
-            continue
-        gd = row_nbytes_for(offset, nbytes, cap=_ROW_CAP_NBYTES)
-        rows = region.void_rows(gd)
-        np.put(rows, rows_of(offset, nbytes, gd), payload[start:start + total].view(rows.dtype))
+        total = int(runs[a:b, 2].sum())
+        scatter_pieces(dst[wire.regions[int(runs[a, 0])]], runs[a:b, 1], runs[a:b, 2],
+                       payload[start:start + total])
     return int(position[-1] + runs[-1, 2])

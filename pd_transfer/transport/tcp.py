@@ -1,177 +1,94 @@
-"""The tcp transport's sending side: gathered chunks over a ZeroMQ DEALER socket.
+"""The tcp transport's sending side: chunks over a plain TCP connection, no copies of ours.
 
-``write`` cuts the plan into chunks (:func:`~.packing.layout_chunks`),
-gathers each into a fresh buffer in a worker thread while the previous one is
-on the wire, and sends ``[header, payload]`` with ``copy=False`` (zmq sends
-from our buffer; no copy into a message). The receiver
-(:class:`~.tcp_receiver.TcpReceiver`) checks and scatters each chunk and
-acks it; the write returns after the receiver's final ``done``.
+``write`` cuts the plan into chunks (:func:`~.packing.layout_chunks`) and
+queues them on the link (:class:`~.tcp_link.TcpLink`), whose sender thread
+sends each as one frame (:mod:`.sockets`): a msgpack header naming the
+destination runs, then the payload, handed to ``sendmsg`` as memoryviews of
+the source regions. Pieces shorter than ``direct_min_nbytes`` on average are
+gathered into a staging buffer first (:mod:`.iovecs`). The receiver
+(:class:`~.tcp_receiver.TcpReceiver`) checks each chunk's runs before it
+receives the payload straight into the destination pages, and acks it; the
+write returns after the receiver's final ``done``.
 
 Flow control: per link (= per peer) at most ``window_nbytes`` of chunks are
 sent and not yet acked, across all writes sharing the link. A chunk waits for
 credit unless nothing is in flight (so a chunk larger than the window still
 goes, alone). ``TcpLink.max_in_flight_nbytes`` records the high-water mark.
 
+Authentication: with an ``auth`` hook (the agent builds it from the shared
+secret, :mod:`pd_transfer.agent.data_auth`) every connection runs the
+mutual HMAC handshake before its first chunk; a refused handshake fails the
+write with the refusal's code (``auth_failed``, ...). Encryption: this
+transport sends the bytes in the clear. A deployment with CURVE keys uses
+:class:`~.zmq_tcp.ZmqTcpTransport` instead (ZeroMQ CURVE, the older, slower
+data path with the same contracts); the agent picks it
+(:mod:`pd_transfer.agent.dataplane`).
+
+Threads: this layer's only exception to "one event loop, no threads" (see
+STYLE.md). Blocking ``sendmsg``/``recvmsg_into`` in one thread per
+connection, with the GIL released, ran faster than asyncio's non-blocking
+socket calls, which copy through Python per call.
+
 A receiver that stops answering makes ``write`` wait for credit or for its
-``done``: callers bound every write with their room timeout; liveness is the
-agent's heartbeat's job. zmq errors are translated to TransportError here.
+``done``; a peer not listening makes it wait while the link reconnects.
+Callers bound every write with their room timeout; liveness is the agent's
+heartbeat's job. OS errors are translated to TransportError here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import logging
-from collections import deque
 from collections.abc import Callable
-
-import numpy as np
-import zmq
-import zmq.asyncio
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.base import Link, PeerEndpoint, Transport, TransportKind
-from pd_transfer.transport.frames import (
-    Ack,
-    ChunkHeader,
-    Done,
-    EndHeader,
-    Fail,
-    decode_reply,
-    encode,
-)
-from pd_transfer.transport.packing import gather_chunk, layout_chunks
+from pd_transfer.transport.frames import EndHeader
+from pd_transfer.transport.iovecs import DIRECT_MIN_NBYTES
+from pd_transfer.transport.packing import layout_chunks
 from pd_transfer.transport.regions import Regions
+from pd_transfer.transport.sockets import Authenticator, parse_address
+from pd_transfer.transport.tcp_link import LinkOptions, TcpLink
 
-log = logging.getLogger("pd_transfer.transport.tcp")
-
-DEFAULT_CHUNK_NBYTES = 4 << 20
+DEFAULT_CHUNK_NBYTES = 16 << 20
 DEFAULT_WINDOW_NBYTES = 64 << 20
-
-
-class _Xfer:
-    """One write in flight on a link: its unacked chunks and its final answer."""
-
-    def __init__(self, xfer_id: int, room: str) -> None:
-        self.xfer_id = xfer_id
-        self.room = room
-        self.unacked: dict[int, int] = {}  # chunk seq -> nbytes
-        self.result: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-
-
-class TcpLink(Link):
-    def __init__(self, transport: TcpTransport, peer: PeerEndpoint, socket: zmq.asyncio.Socket,
-                 window_nbytes: int) -> None:
-        super().__init__(transport, peer)
-        self.socket = socket
-        self.window_nbytes = window_nbytes
-        self.in_flight_nbytes = 0
-        self.max_in_flight_nbytes = 0
-        self._credit = asyncio.Condition()
-        self._xfers: dict[int, _Xfer] = {}
-        self._ids = itertools.count(1)
-        self._reader = asyncio.create_task(self._read_replies(), name=f"tcp-replies-{peer.peer_id}")
-
-    def open_xfer(self, room: str) -> _Xfer:
-        xfer = _Xfer(next(self._ids), room)
-        self._xfers[xfer.xfer_id] = xfer
-        return xfer
-
-    async def close_xfer(self, xfer: _Xfer) -> None:
-        """Forget a finished or abandoned write and give back the credit its chunks hold."""
-        self._xfers.pop(xfer.xfer_id, None)
-        if xfer.unacked:
-            await self._give_back(sum(xfer.unacked.values()))
-            xfer.unacked.clear()
-
-    async def acquire(self, nbytes: int) -> None:
-        async with self._credit:
-            await self._credit.wait_for(lambda: self._closed or self.in_flight_nbytes == 0
-                                        or self.in_flight_nbytes + nbytes <= self.window_nbytes)
-            self.check_open()
-            self.in_flight_nbytes += nbytes
-            self.max_in_flight_nbytes = max(self.max_in_flight_nbytes, self.in_flight_nbytes)
-
-    async def _give_back(self, nbytes: int) -> None:
-        async with self._credit:
-            self.in_flight_nbytes -= nbytes
-            self._credit.notify_all()
-
-    async def _read_replies(self) -> None:
-        try:
-            while True:
-                frame = await self.socket.recv()
-                try:
-                    reply = decode_reply(frame)
-                except TransportError as err:
-                    log.warning("link %s: unreadable reply dropped: %s", self.peer.peer_id, err)
-                    continue
-                await self._dispatch(reply)
-        except (asyncio.CancelledError, zmq.ZMQError):
-            pass
-        finally:
-            self._fail_all(TransportError(f"link to {self.peer.peer_id} closed with transfers "
-                                          f"in flight", code=Reason.LINK_CLOSED))
-
-    async def _dispatch(self, reply: Ack | Done | Fail) -> None:
-        xfer = self._xfers.get(reply.xfer)
-        if xfer is None:
-            return  # a reply for a write that was abandoned (its caller timed out)
-        if isinstance(reply, Ack):
-            nbytes = xfer.unacked.pop(reply.seq, None)
-            if nbytes is not None:
-                await self._give_back(nbytes)
-        elif isinstance(reply, Done):
-            if not xfer.result.done():
-                xfer.result.set_result(reply.nbytes)
-        elif not xfer.result.done():
-            xfer.result.set_exception(TransportError(
-                f"{self.peer.peer_id} refused room {xfer.room or '-'}: {reply.text}",
-                code=reply.reason()))
-
-    def _fail_all(self, error: TransportError) -> None:
-        for xfer in self._xfers.values():
-            if not xfer.result.done():
-                xfer.result.set_exception(error)
-
-    async def _release(self) -> None:
-        self._reader.cancel()
-        await asyncio.gather(self._reader, return_exceptions=True)
-        async with self._credit:  # wake writers waiting for credit: they see the link closed
-            self._credit.notify_all()
-        self.socket.close(linger=0)
+_INLINE_LAYOUT_RUNS = 4096  # plans of fewer runs are cut on the loop (a thread hop costs more)
 
 
 class TcpTransport(Transport):
+    """Plain-socket tcp data plane.
+
+    ``auth``: the connection handshake (None: authentication off).
+    ``corrupt_payload``: test-only fault injection, called with a copy of
+    each outgoing chunk's payload to damage (the source is never touched);
+    None costs nothing.
+    """
+
     kind = TransportKind.TCP
 
-    def __init__(self, context: zmq.asyncio.Context | None = None, *,
-                 chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
+    def __init__(self, *, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
                  window_nbytes: int = DEFAULT_WINDOW_NBYTES,
-                 socket_options: Callable[[zmq.Socket], None] | None = None) -> None:
+                 auth: Authenticator | None = None,
+                 direct_min_nbytes: int = DIRECT_MIN_NBYTES,
+                 connect_timeout_s: float = 5.0, handshake_timeout_s: float = 10.0,
+                 corrupt_payload: Callable[[memoryview], None] | None = None) -> None:
         super().__init__()
-        # e.g. CURVE client keys: the agent knows them, this layer does not
-        self.socket_options = socket_options
-        self.context = context or zmq.asyncio.Context.instance()
+        if chunk_nbytes <= 0 or window_nbytes <= 0:
+            raise ValueError("chunk_nbytes and window_nbytes must be positive")
         self.chunk_nbytes = chunk_nbytes
         self.window_nbytes = window_nbytes
+        self.options = LinkOptions(connect_timeout_s=connect_timeout_s,
+                                   handshake_timeout_s=handshake_timeout_s,
+                                   direct_min_nbytes=direct_min_nbytes, auth=auth,
+                                   corrupt_payload=corrupt_payload)
 
     async def connect(self, peer: PeerEndpoint) -> TcpLink:
+        """A link to ``peer``; it connects in the background (and reconnects when needed)."""
         if not peer.data_address:
             raise TransportError(f"peer {peer.peer_id} publishes no data address",
                                  code=Reason.TRANSPORT_UNSUPPORTED,
                                  hint="start a TcpReceiver on the decode side and register its address")
-        socket = self.context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 0)
-        if self.socket_options is not None:
-            self.socket_options(socket)
-        try:
-            socket.connect(peer.data_address)
-        except zmq.ZMQError as err:
-            socket.close(linger=0)
-            raise TransportError(f"cannot connect to {peer.peer_id} at {peer.data_address}: {err}",
-                                 code=Reason.TRANSPORT_FAILED) from None
-        return self._adopt(TcpLink(self, peer, socket, self.window_nbytes))
+        address = parse_address(peer.data_address)
+        return self._adopt(TcpLink(self, peer, address, self.window_nbytes, self.options))
 
     async def write(self, link: Link, plan, src_regions: Regions, *, room: str = "",
                     generation: int = 0) -> int:
@@ -179,65 +96,28 @@ class TcpTransport(Transport):
         src = self._sources.map(src_regions, (b.src_region for b in plan.batches), "source")
         sizes = {region_id: mapped.nbytes for region_id, mapped in src.items()}
         dst_sizes = link.peer.region_nbytes or None  # checked again by the receiver
-        layouts = await asyncio.to_thread(layout_chunks, plan, sizes, self.chunk_nbytes,
-                                          dst_sizes=dst_sizes)
-        xfer = link.open_xfer(room)
-        gathered = _Prefetch(layouts, src, depth=2)  # gathers run ahead while chunks are on the wire
+        if plan.num_runs < _INLINE_LAYOUT_RUNS:
+            layouts = layout_chunks(plan, sizes, self.chunk_nbytes, dst_sizes=dst_sizes)
+        else:
+            layouts = await asyncio.to_thread(layout_chunks, plan, sizes, self.chunk_nbytes,
+                                              dst_sizes=dst_sizes)
         total = sum(layout.nbytes for layout in layouts)
+        xfer = link.open_xfer(room, generation)
         try:
             for layout in layouts:
-                payload = await gathered.next()
-                await link.acquire(layout.nbytes)
-                xfer.unacked[layout.seq] = layout.nbytes
-                header = ChunkHeader(xfer.xfer_id, room, generation, layout.seq, layout.wire)
-                await _send(link, [encode(header), payload])
                 if xfer.result.done():
                     break  # refused mid-way: stop sending, report the receiver's reason
+                await link.acquire(layout.nbytes)
+                link.submit_chunk(xfer, layout, src)
             if not xfer.result.done():
-                await _send(link, [encode(EndHeader(xfer.xfer_id, room, generation, len(layouts),
-                                                    total))])
+                link.submit_end(xfer, EndHeader(xfer.xfer_id, room, generation, len(layouts),
+                                                total))
             landed = await xfer.result
         finally:
-            gathered.cancel()
-            await link.close_xfer(xfer)
+            link.close_xfer(xfer)
         if landed != total:
             raise TransportError(f"{link.peer.peer_id} acknowledged {landed} of {total} bytes of "
                                  f"room {room or '-'}", code=Reason.TRANSFER_INCOMPLETE)
         link.nbytes_written += total
         link.num_writes += 1
         return total
-
-
-class _Prefetch:
-    """Gathers of the next ``depth`` chunks, each in a worker thread, in order."""
-
-    def __init__(self, layouts: list, src: dict, depth: int) -> None:
-        self._layouts, self._src, self._depth = layouts, src, depth
-        self._next = 0
-        self._pending: deque[asyncio.Future] = deque()
-
-    async def next(self) -> np.ndarray:
-        self._top_up()
-        payload = await self._pending.popleft()
-        self._top_up()
-        return payload
-
-    def _top_up(self) -> None:
-        while self._next < len(self._layouts) and len(self._pending) < self._depth:
-            layout = self._layouts[self._next]
-            self._pending.append(asyncio.ensure_future(
-                asyncio.to_thread(gather_chunk, layout, self._src)))
-            self._next += 1
-
-    def cancel(self) -> None:
-        for future in self._pending:
-            future.cancel()
-        self._pending.clear()
-
-
-async def _send(link: TcpLink, frames: list) -> None:
-    try:
-        await link.socket.send_multipart(frames, copy=False)
-    except zmq.ZMQError as err:
-        raise TransportError(f"sending to {link.peer.peer_id} failed: {err}",
-                             code=Reason.TRANSPORT_FAILED) from None

@@ -1,57 +1,53 @@
-"""The tcp transport's receiving side: a ROUTER socket that scatters chunks into regions.
+"""The tcp transport's receiving side: a listening socket, one thread per peer connection.
 
-One :class:`TcpReceiver` per decode rank serves every prefill peer. For each
-chunk it decodes the header (:mod:`.frames`), looks the destination regions
-up (``regions_lookup``: region id -> the registered tensor, or None), checks
-every run against them (:func:`~.packing.check_wire`), scatters the payload
-and acks; after a transfer's ``end`` it answers ``done`` if every chunk
-landed. A frame that fails any check is refused with a reason, counted in
-:attr:`TcpReceiver.stats`, and never written; the transfer it belongs to is
-failed (the sender's ``write`` raises with that reason), and the receiver
-keeps serving everyone else.
+One :class:`TcpReceiver` per decode rank serves every prefill peer. It
+accepts connections on the event loop and serves each in its own thread
+(:class:`~.tcp_connection.Connection`): the handshake first when ``auth`` is
+set, then frames in arrival order, each chunk checked before its payload is
+received straight into the destination regions. A frame that fails any check
+is refused with a reason, counted in :attr:`TcpReceiver.stats`, and never
+written; the transfer it belongs to is failed (the sender's ``write`` raises
+with that reason), and the receiver keeps serving everyone else.
 
-Frames are read one at a time, in arrival order, and checked before anything
-else happens; chunks of ``inline_nbytes`` or more are then scattered in
-worker threads, at most ``max_scatters`` at once, while the next frames are
-read (acks may go out of order; the sender matches them by sequence number).
-A transfer's ``end`` waits for its chunks still landing. After
-:meth:`TcpReceiver.fence` returns, no chunk of the fenced room generation can
-still land (abort with drain).
+Which rooms may write where is the :class:`~.admission.RoomAdmission`'s
+call. The decode agent runs the receiver with
+``policy=RoomPolicy.EXPECTED``: it announces each room's generation and
+destination byte ranges with :meth:`TcpReceiver.expect` before asking
+prefill for it, and :meth:`forget`-s it once done; a chunk of any other room,
+or outside the room's pages, is refused. The default (ANY) admits any room
+not fenced, within the registered regions: for standalone use (tests,
+benchmarks).
+
+After :meth:`TcpReceiver.fence` returns, no chunk of the fenced room
+generation can still land: chunks arriving later are refused, a chunk that
+was already landing is waited for (and after ``fence_grace_s`` its
+connection is shut down, so a stalled peer cannot hold the fence open).
+
+Threads: see :mod:`.tcp` for why this layer uses them. Encryption: none; see
+:mod:`.zmq_receiver` for the CURVE variant.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter, OrderedDict
+import socket
+import threading
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-import numpy as np
-import zmq
-import zmq.asyncio
-
 from pd_transfer.errors import Reason, TransportError
-from pd_transfer.transport.frames import (
-    Ack,
-    ChunkHeader,
-    Done,
-    EndHeader,
-    Fail,
-    decode_data,
-    encode,
-)
-from pd_transfer.transport.packing import check_wire, scatter_chunk
+from pd_transfer.transport.admission import ByteRanges, RoomAdmission, RoomPolicy
+from pd_transfer.transport.iovecs import DIRECT_MIN_NBYTES
 from pd_transfer.transport.regions import Mapped, RegionMemory, map_one
+from pd_transfer.transport.sockets import Authenticator, configure, format_address
+from pd_transfer.transport.tcp_connection import Connection
 
 log = logging.getLogger("pd_transfer.transport.tcp")
 
 RegionLookup = Callable[[str], RegionMemory | None]
 LandedCallback = Callable[[str, int, int], None]  # (room, generation, nbytes)
-
-_MAX_OPEN_XFERS = 4096
-_MAX_REMEMBERED_FAILURES = 4096
-_MAX_FENCES = 65536
 
 
 @dataclass
@@ -66,76 +62,73 @@ class ReceiverStats:
         return sum(self.refused.values())
 
 
-@dataclass
-class _Progress:
-    chunks: int = 0
-    nbytes: int = 0
-    landing: set = field(default_factory=set)  # scatters of this transfer still running
-
-
 class TcpReceiver:
     """Serve the regions behind ``regions_lookup`` at ``tcp://bind_host:port``.
 
     ``port=0`` picks a free port; :attr:`address` is the endpoint to publish.
-    ``on_landed(room, generation, nbytes)`` is called after each complete
-    transfer (before ``done`` goes out).
+    ``on_landed(room, generation, nbytes)`` is called on the event loop after
+    each complete transfer (before ``done`` goes out). Chunks smaller than
+    ``inline_nbytes`` are received whole and scattered with numpy; larger ones
+    straight into place (runs of ``direct_min_nbytes`` or more on average).
     """
 
     def __init__(self, bind_host: str, regions_lookup: RegionLookup | Mapping[str, RegionMemory],
-                 *, port: int = 0, context: zmq.asyncio.Context | None = None,
-                 max_chunk_nbytes: int = 64 << 20, inline_nbytes: int = 256 << 10,
-                 max_scatters: int = 2, on_landed: LandedCallback | None = None,
-                 socket_options: Callable[[zmq.Socket], None] | None = None) -> None:
-        self.socket_options = socket_options  # e.g. CURVE server keys, set by the agent
+                 *, port: int = 0, max_chunk_nbytes: int = 64 << 20,
+                 inline_nbytes: int = 256 << 10, direct_min_nbytes: int = DIRECT_MIN_NBYTES,
+                 on_landed: LandedCallback | None = None, auth: Authenticator | None = None,
+                 policy: RoomPolicy = RoomPolicy.ANY, handshake_timeout_s: float = 10.0,
+                 fence_grace_s: float = 2.0, max_connections: int = 1024) -> None:
         self.bind_host = bind_host
         self.port = port
         self._lookup: RegionLookup = regions_lookup.get if isinstance(regions_lookup, Mapping) \
             else regions_lookup
-        self.context = context or zmq.asyncio.Context.instance()
         self.max_chunk_nbytes = max_chunk_nbytes
         self.inline_nbytes = inline_nbytes
+        self.direct_min_nbytes = direct_min_nbytes
         self.on_landed = on_landed
+        self.auth = auth
+        self.handshake_timeout_s = handshake_timeout_s
+        self.fence_grace_s = fence_grace_s
+        self.max_connections = max_connections
+        self.admission = RoomAdmission(policy)
         self.stats = ReceiverStats()
         self.address = ""
-        self._socket: zmq.asyncio.Socket | None = None
-        self._task: asyncio.Task | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task | None = None
+        self._connections: dict[Connection, threading.Thread] = {}
         self._mapped: dict[str, tuple[RegionMemory, Mapped]] = {}
-        self._open: OrderedDict[tuple[bytes, int], _Progress] = OrderedDict()
-        self._failed: OrderedDict[tuple[bytes, int], None] = OrderedDict()
-        self._fences: OrderedDict[str, int] = OrderedDict()
-        self._landing: set[asyncio.Future] = set()
-        self._slots = asyncio.Semaphore(max_scatters)
+        self._stats_lock = threading.Lock()
 
     # -- lifecycle ------------------------------------------------------------------
     async def start(self) -> str:
         """Bind and start serving; return the address peers connect to."""
-        socket = self.context.socket(zmq.ROUTER)
-        socket.setsockopt(zmq.LINGER, 0)
-        if self.socket_options is not None:
-            self.socket_options(socket)
-        # a frame larger than a chunk plus its header is dropped by zmq with the connection
-        socket.setsockopt(zmq.MAXMSGSIZE, self.max_chunk_nbytes + (16 << 20))
+        self.loop = asyncio.get_running_loop()
         try:
-            socket.bind(f"tcp://{self.bind_host}:{self.port or '*'}")
-        except zmq.ZMQError as err:
-            socket.close(linger=0)
+            listener = socket.create_server((self.bind_host, self.port), backlog=128,
+                                            family=socket.AF_INET6 if ":" in self.bind_host
+                                            else socket.AF_INET)
+        except OSError as err:
             raise TransportError(f"tcp receiver cannot bind {self.bind_host}:{self.port}: {err}",
                                  code=Reason.TRANSPORT_FAILED) from None
-        self._socket = socket
-        self.address = socket.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self._task = asyncio.create_task(self._serve(), name=f"tcp-receiver-{self.address}")
+        listener.setblocking(False)
+        self._listener = listener
+        self.address = format_address(self.bind_host, listener.getsockname()[1])
+        self._accepting = asyncio.create_task(self._accept(), name=f"tcp-receiver-{self.address}")
         return self.address
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-        if self._landing:  # let writes already in threads finish before the socket goes
-            await asyncio.gather(*list(self._landing), return_exceptions=True)
-        if self._socket is not None:
-            self._socket.close(linger=0)
-            self._socket = None
+        if self._accepting is not None:
+            self._accepting.cancel()
+            await asyncio.gather(self._accepting, return_exceptions=True)
+            self._accepting = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        connections = list(self._connections.items())
+        for connection, _ in connections:
+            connection.shutdown()
+        await asyncio.to_thread(lambda: [thread.join() for _, thread in connections])
 
     async def __aenter__(self) -> TcpReceiver:
         await self.start()
@@ -144,135 +137,39 @@ class TcpReceiver:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
+    # -- rooms (see RoomAdmission) ------------------------------------------------------
+    def expect(self, room: str, generation: int, ranges: Mapping[str, ByteRanges]) -> None:
+        """Admit chunks of ``room`` at ``generation``, only inside ``ranges`` (per region)."""
+        self.admission.expect(room, generation, ranges)
+
+    def forget(self, room: str) -> None:
+        """The room is finished: refuse its later chunks."""
+        self.admission.forget(room)
+
+    def forget_room(self, room: str) -> None:
+        """Drop the fence and expectation of a room that is finished for good."""
+        self.admission.forget_room(room)
+
     async def fence(self, room: str, generation: int) -> None:
         """Refuse every later chunk of ``room`` with a generation <= ``generation``.
 
-        Returns once no chunk of it can still be written (a scatter in
-        progress has finished).
+        Returns once no chunk of it can still be written.
         """
-        self._fences[room] = max(generation, self._fences.pop(room, -1))
-        while len(self._fences) > _MAX_FENCES:  # rooms the agent never forgot: oldest first
-            self._fences.popitem(last=False)
-        if self._landing:  # chunks accepted before the fence may still be writing
-            await asyncio.gather(*list(self._landing), return_exceptions=True)
-
-    def forget_room(self, room: str) -> None:
-        """Drop the fence of a room that is finished for good."""
-        self._fences.pop(room, None)
-
-    # -- serving ----------------------------------------------------------------------
-    async def _serve(self) -> None:
-        socket = self._socket
-        while socket is not None:
-            frames = await socket.recv_multipart(copy=False)
-            try:
-                await self._handle(frames)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # never let one frame stop the receiver
-                log.exception("tcp receiver %s: frame handling failed", self.address)
-                self.stats.refused[Reason.TRANSPORT_FAILED] += 1
-
-    async def _handle(self, frames: list) -> None:
-        identity = frames[0].bytes
-        if len(frames) < 2:
-            self.stats.refused[Reason.BAD_FRAME] += 1
+        self.admission.fence(room, generation)
+        if not self.admission.busy(room, generation):
             return
-        try:
-            header = decode_data(frames[1].bytes)
-        except TransportError as err:
-            log.warning("tcp receiver %s: refused a frame: %s", self.address, err.message)
-            self.stats.refused[err.code] += 1
+        if await asyncio.to_thread(self.admission.wait_idle, room, generation, self.fence_grace_s):
             return
-        key = (identity, header.xfer)
-        if key in self._failed:
-            self.stats.refused[Reason.TRANSPORT_FAILED] += 1  # rest of a refused transfer
-            return
-        try:
-            if isinstance(header, ChunkHeader):
-                await self._chunk(identity, key, header, frames[2:])
-            else:
-                await self._end(identity, key, header)
-        except TransportError as err:
-            await self._refuse(identity, key, header.room, err)
+        for connection in list(self._connections):  # a chunk stalled mid-payload: cut it off
+            ticket = connection.landing
+            if ticket is not None and ticket.room == room and ticket.generation <= generation:
+                log.warning("tcp receiver %s: closing %s: its chunk of fenced room %s is stalled",
+                            self.address, connection.where, room)
+                connection.shutdown()
+        await asyncio.to_thread(self.admission.wait_idle, room, generation, None)
 
-    async def _chunk(self, identity: bytes, key: tuple[bytes, int], header: ChunkHeader,
-                     payload_frames: list) -> None:
-        if len(payload_frames) != 1:
-            raise TransportError(f"chunk {header.seq} carries {len(payload_frames)} payload "
-                                 f"frames, not 1", code=Reason.BAD_FRAME)
-        self._check_fence(header.room, header.generation)
-        progress = self._open.get(key)
-        if progress is None:
-            if len(self._open) >= _MAX_OPEN_XFERS:
-                # a sender that vanished mid-transfer never sends its end: forget the
-                # oldest open transfer (should it resume, its end reports it incomplete)
-                stale, _ = self._open.popitem(last=False)
-                log.warning("tcp receiver %s: dropped stale transfer %d", self.address, stale[1])
-            progress = self._open[key] = _Progress()
-        payload = np.frombuffer(payload_frames[0].buffer, dtype=np.uint8)
-        regions = {region_id: self._region(region_id) for region_id in header.wire.regions}
-        check_wire(header.wire, {r: m.nbytes for r, m in regions.items()}, payload.size)
-        if payload.size < self.inline_nbytes:
-            scatter_chunk(header.wire, payload, regions)
-            await self._landed(identity, header, progress, int(payload.size))
-            return
-        # big chunks scatter in threads, a few at a time, while the next frames are read
-        await self._slots.acquire()
-        try:
-            self._check_fence(header.room, header.generation)  # a fence may have come meanwhile
-        except TransportError:
-            self._slots.release()
-            raise
-        task = asyncio.ensure_future(self._land(identity, key, header, payload, regions, progress))
-        progress.landing.add(task)
-        self._landing.add(task)
-        task.add_done_callback(lambda done: (progress.landing.discard(done),
-                                             self._landing.discard(done), self._slots.release()))
-
-    async def _land(self, identity: bytes, key: tuple[bytes, int], header: ChunkHeader,
-                    payload: np.ndarray, regions: dict[str, Mapped], progress: _Progress) -> None:
-        try:
-            await asyncio.to_thread(scatter_chunk, header.wire, payload, regions)
-        except Exception as err:  # checked before; a failure here is a bug, not the peer's
-            log.exception("tcp receiver %s: scatter failed", self.address)
-            await self._refuse(identity, key, header.room, TransportError(
-                f"chunk {header.seq} could not be written: {err}", code=Reason.TRANSPORT_FAILED))
-            return
-        await self._landed(identity, header, progress, int(payload.size))
-
-    async def _landed(self, identity: bytes, header: ChunkHeader, progress: _Progress,
-                      nbytes: int) -> None:
-        progress.chunks += 1
-        progress.nbytes += nbytes
-        self.stats.chunks_landed += 1
-        self.stats.nbytes_landed += nbytes
-        await self._reply(identity, Ack(header.xfer, header.seq, nbytes))
-
-    async def _end(self, identity: bytes, key: tuple[bytes, int], header: EndHeader) -> None:
-        self._check_fence(header.room, header.generation)
-        progress = self._open.pop(key, _Progress())
-        if progress.landing:  # chunks still being written in threads
-            await asyncio.gather(*list(progress.landing), return_exceptions=True)
-            if key in self._failed:
-                return  # one of them failed; the refusal was sent
-        if (progress.chunks, progress.nbytes) != (header.num_chunks, header.nbytes):
-            raise TransportError(f"room {header.room}: {progress.chunks} chunk(s) / "
-                                 f"{progress.nbytes} bytes landed, sender sent "
-                                 f"{header.num_chunks} / {header.nbytes}",
-                                 code=Reason.TRANSFER_INCOMPLETE)
-        self.stats.transfers_done += 1
-        if self.on_landed is not None:
-            self.on_landed(header.room, header.generation, header.nbytes)
-        await self._reply(identity, Done(header.xfer, header.nbytes))
-
-    def _check_fence(self, room: str, generation: int) -> None:
-        fence = self._fences.get(room)
-        if fence is not None and generation <= fence:
-            raise TransportError(f"room {room} generation {generation} was aborted "
-                                 f"(fenced at {fence})", code=Reason.STALE_GENERATION)
-
-    def _region(self, region_id: str) -> Mapped:
+    # -- for the connections ----------------------------------------------------------
+    def region(self, region_id: str) -> Mapped:
         memory = self._lookup(region_id)
         if memory is None:
             raise TransportError(f"region {region_id!r} is not registered here",
@@ -282,20 +179,48 @@ class TcpReceiver:
             cached = self._mapped[region_id] = (memory, map_one(region_id, memory, "destination"))
         return cached[1]
 
-    async def _refuse(self, identity: bytes, key: tuple[bytes, int], room: str,
-                      err: TransportError) -> None:
-        log.warning("tcp receiver %s: refused room %s: %s", self.address, room or "-", err.message)
-        self.stats.refused[err.code] += 1
-        self._open.pop(key, None)
-        self._failed[key] = None
-        while len(self._failed) > _MAX_REMEMBERED_FAILURES:
-            self._failed.popitem(last=False)
-        await self._reply(identity, Fail(key[1], err.code.value, err.message))
+    def count(self, code: Reason) -> None:
+        with self._stats_lock:
+            self.stats.refused[code] += 1
 
-    async def _reply(self, identity: bytes, message: Ack | Done | Fail) -> None:
-        if self._socket is None:
-            return
+    def landed(self, nbytes: int) -> None:
+        with self._stats_lock:
+            self.stats.chunks_landed += 1
+            self.stats.nbytes_landed += nbytes
+
+    def transfer_done(self) -> None:
+        with self._stats_lock:
+            self.stats.transfers_done += 1
+
+    # -- accepting ----------------------------------------------------------------------
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, peer = await loop.sock_accept(self._listener)
+            except OSError as err:  # e.g. out of descriptors: keep serving the others
+                log.warning("tcp receiver %s: accept failed: %s", self.address, err)
+                await asyncio.sleep(0.1)
+                continue
+            if len(self._connections) >= self.max_connections:
+                log.warning("tcp receiver %s: refused %s: %d connections already",
+                            self.address, peer, len(self._connections))
+                self.count(Reason.LIMIT_EXCEEDED)
+                sock.close()
+                continue
+            sock.setblocking(True)
+            configure(sock)
+            connection = Connection(self, sock, f"peer {peer[0]}:{peer[1]}")
+            thread = threading.Thread(target=self._serve, args=(connection,), daemon=True,
+                                      name=f"pdt-tcp-recv-{peer[1]}")
+            self._connections[connection] = thread
+            thread.start()
+
+    def _serve(self, connection: Connection) -> None:
         try:
-            await self._socket.send_multipart([identity, encode(message)])
-        except zmq.ZMQError as err:  # the peer went away; its write will time out
-            log.warning("tcp receiver %s: reply lost: %s", self.address, err)
+            connection.serve()
+        finally:
+            try:
+                self.loop.call_soon_threadsafe(self._connections.pop, connection, None)
+            except RuntimeError:
+                pass  # the loop is gone

@@ -81,6 +81,18 @@ def test_layer_ready_names_room_and_layer(sidecar, client):
     assert sidecar.requests[0][1]["layer_id"] == 17
 
 
+def test_send_marks_a_streamed_chunk_and_defaults_to_not_streamed(sidecar, client):
+    client.send(4, [1], stream=True)
+    client.send(5, [2])
+    assert [message["stream"] for _, message in sidecar.requests] == [True, False]
+
+
+def test_a_stream_flag_that_is_not_a_bool_is_refused_naming_the_field():
+    request = {"op": "send", "id": 1, "room": 2, "last": True, "stream": 1}
+    with pytest.raises(worker_api.WorkerApiError, match=r"\$\.stream: expected bool"):
+        worker_api.decode_request(worker_api.encode(request))
+
+
 def test_negative_page_is_refused_before_sending(sidecar, client):
     with pytest.raises(ValueError, match="pages: index -1 is negative"):
         client.send(1, [0, -1])

@@ -109,13 +109,6 @@ def test_killed_decode_sidecar_fails_the_prefill_rooms_and_a_restart_serves_new_
     _room_lands(cluster, 4, range(48, 56), range(8, 16))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "sessions replaced after a restart are never released: agent/decode.py re-resolves a lost "
-    "instance with new channels to every prefill rank but leaves the old instance's channels to "
-    "the surviving ranks open (heartbeating forever), and agent/prefill.py on_peer_lost pops the "
-    "DecodePeer without closing peer.link, which the transport keeps in its _links until "
-    "shutdown: every restart on either side maps all decode segments into the surviving prefill "
-    "sidecars once more (RssShmem grows by the decode pools' size per restart)"))
 def test_restarts_leave_each_decode_segment_mapped_once_per_prefill_sidecar(cluster):
     segments = {name for g in cluster.decode for name in cluster.pools[g.rank_id].handles.values()}
     for geometry in cluster.prefill:

@@ -22,6 +22,7 @@ from pd_transfer.protocol import (
     Hello,
     Message,
     MismatchRecord,
+    PoolChecksums,
     PoolIndices,
     PoolPlan,
     Progress,
@@ -73,9 +74,11 @@ def bootstrap_messages() -> list[Message]:
 
 
 ACCEPTED = Verdict(accepted=True, plan=(
-    PoolPlan(Pool.KV, Mode.DIRECT, num_tensors=64, descriptors_per_item=64, nbytes_per_item=131072),
+    PoolPlan(Pool.KV, Mode.DIRECT, num_tensors=64, descriptors_per_item=64, nbytes_per_item=131072,
+             strategy="staged"),
     PoolPlan(Pool.AUX, Mode.REPLICATED, num_tensors=3, descriptors_per_item=1, nbytes_per_item=136),
 ))
+ACCEPTED_CHECKED = Verdict(accepted=True, plan=ACCEPTED.plan, integrity=True)
 REJECTED = Verdict(accepted=False, headline="cannot reconcile prefill (attn_tp=1) with decode (attn_tp=1)",
                    mismatches=(MismatchRecord("kv.layer[3].k.dtype", Reason.DTYPE_MISMATCH,
                                               "bfloat16", "float8_e4m3fn", "use one kv dtype"),))
@@ -93,6 +96,12 @@ def progress(room: int = ROOM, generation: int = GENERATION) -> Progress:
 
 def done(room: int = ROOM, generation: int = GENERATION) -> Done:
     return Done(room=room, generation=generation, status=DoneStatus.SUCCESS)
+
+
+def done_with_checksums(room: int = ROOM, generation: int = GENERATION) -> Done:
+    return Done(room=room, generation=generation, status=DoneStatus.SUCCESS, checksums=(
+        PoolChecksums(Pool.KV, items=(0, 2**32 - 1), tensors=(7, 8, 9)),
+        PoolChecksums(Pool.AUX, items=(3,), tensors=(4,))))
 
 
 def failed_done(room: int = ROOM, generation: int = GENERATION) -> Done:
@@ -133,8 +142,9 @@ def message_for(trigger: Trigger, sender: Role) -> Message:
 
 def every_message() -> list[Message]:
     """At least one message of every type, with non-default field values."""
-    return [hello(Role.DECODE), register(Role.PREFILL), register(Role.DECODE), ACCEPTED, REJECTED,
-            transfer_request(), progress(), done(), failed_done(), abort(), abort_ack(),
+    return [hello(Role.DECODE), register(Role.PREFILL), register(Role.DECODE), ACCEPTED,
+            ACCEPTED_CHECKED, REJECTED, transfer_request(), progress(), done(),
+            done_with_checksums(), failed_done(), abort(), abort_ack(),
             heartbeat(Role.PREFILL), Close(), Close(reason=Reason.ILLEGAL_MESSAGE, reason_text="done sent twice")]
 
 

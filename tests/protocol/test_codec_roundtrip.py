@@ -75,3 +75,13 @@ def test_rejection_carries_every_mismatch_of_a_real_reconciliation():
     assert len(back.mismatches) == len(error.mismatches) >= 1
     assert back.mismatches[0].render().endswith(
         ".k.dtype: prefill=bfloat16 decode=float8_e4m3fn  [dtype_mismatch]")
+
+
+def test_a_verdict_plan_without_a_strategy_decodes_and_an_unknown_one_is_kept():
+    from protocol_samples import ACCEPTED
+    raw = msgpack.unpackb(encode(ACCEPTED))
+    assert raw["plan"][0]["strategy"] == "staged"
+    del raw["plan"][0]["strategy"]               # a peer from before the field
+    raw["plan"][1]["strategy"] = "teleported"    # a newer peer's strategy
+    plan = decode(msgpack.packb(raw)).plan
+    assert (plan[0].strategy, plan[1].strategy) == ("", "teleported")

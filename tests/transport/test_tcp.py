@@ -10,12 +10,11 @@ import sys
 import msgpack
 import numpy as np
 import pytest
-import zmq
-import zmq.asyncio
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport import PeerEndpoint, TcpReceiver, TcpTransport
 from pd_transfer.transport.frames import decode_reply
+from pd_transfer.transport.sockets import PREFIX, Kind, parse_address, prefix
 
 pytestmark = pytest.mark.asyncio
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tcp_receiver_child.py")
@@ -92,11 +91,26 @@ async def test_bytes_in_flight_never_exceed_the_window(scenario):
     assert sc.world.verify(sc.requests) == []
 
 
-async def _raw_dealer(address: str) -> zmq.asyncio.Socket:
-    socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(address)
-    return socket
+class RawPeer:
+    """A hand-driven data connection: frames of our choosing, replies read back."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, address: str) -> RawPeer:
+        return cls(*await asyncio.open_connection(*parse_address(address)))
+
+    async def send(self, header: bytes, payload: bytes = b"", kind: Kind = Kind.DATA) -> None:
+        self.writer.write(prefix(kind, len(header), len(payload)) + header + payload)
+        await self.writer.drain()
+
+    async def recv(self):
+        head = await asyncio.wait_for(self.reader.readexactly(PREFIX.size), 5)
+        return decode_reply(await self.reader.readexactly(PREFIX.unpack(head)[4]))
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def _chunk_header(xfer: int, runs: list, regions=("kv",), room="evil", gen=0) -> bytes:
@@ -108,24 +122,24 @@ def _chunk_header(xfer: int, runs: list, regions=("kv",), room="evil", gen=0) ->
 async def test_out_of_region_frames_are_refused_and_the_receiver_keeps_serving():
     region = np.zeros(4096, np.uint8)
     async with TcpReceiver("127.0.0.1", {"kv": region}) as receiver:
-        peer = await _raw_dealer(receiver.address)
-        await peer.send_multipart([_chunk_header(1, [[0, 4000, 128]]), b"\x01" * 128])
-        reply = decode_reply(await asyncio.wait_for(peer.recv(), 5))
+        peer = await RawPeer.open(receiver.address)
+        await peer.send(_chunk_header(1, [[0, 4000, 128]]), b"\x01" * 128)
+        reply = await peer.recv()
         assert reply.reason() is Reason.RUN_OUT_OF_REGION and "4000" in reply.text
-        await peer.send_multipart([_chunk_header(2, [[0, 0, 16]], regions=("other",)), b"\x01" * 16])
-        assert decode_reply(await asyncio.wait_for(peer.recv(), 5)).reason() is Reason.UNKNOWN_REGION
-        await peer.send_multipart([b"\xc1 not msgpack", b"x"])  # no xfer to answer: counted only
-        await peer.send_multipart([_chunk_header(3, [[0, 0, 16]]), b"\x01" * 15])
-        assert decode_reply(await asyncio.wait_for(peer.recv(), 5)).reason() is Reason.BAD_FRAME
+        await peer.send(_chunk_header(2, [[0, 0, 16]], regions=("other",)), b"\x01" * 16)
+        assert (await peer.recv()).reason() is Reason.UNKNOWN_REGION
+        await peer.send(b"\xc1 not msgpack", b"x")  # no xfer to answer: counted only
+        await peer.send(_chunk_header(3, [[0, 0, 16]]), b"\x01" * 15)
+        assert (await peer.recv()).reason() is Reason.BAD_FRAME
         assert not region.any()
         # still serving: a good chunk lands and is acked
-        await peer.send_multipart([_chunk_header(4, [[0, 64, 16]]), b"\x02" * 16])
-        ack = decode_reply(await asyncio.wait_for(peer.recv(), 5))
+        await peer.send(_chunk_header(4, [[0, 64, 16]]), b"\x02" * 16)
+        ack = await peer.recv()
         assert (ack.xfer, ack.nbytes) == (4, 16)
         assert region[64:80].tolist() == [2] * 16 and int(np.count_nonzero(region)) == 16
         assert receiver.stats.frames_refused == 4
         assert receiver.stats.refused[Reason.RUN_OUT_OF_REGION] == 1
-        peer.close(linger=0)
+        peer.close()
 
 
 async def test_receiver_refusal_fails_the_write_with_its_reason(scenario):

@@ -1,0 +1,359 @@
+"""Engine transports beside the machine's limits and the engines alone, on the same bytes.
+
+Three descriptor sets, each moved from a 256 MiB source buffer into a 512 MiB
+destination pool (shared memory, mapped by a receiver process):
+
+  (a) one 256 MiB block
+  (b) 16,384 runs of 16 KiB, random source pages -> random destination pages
+  (c) 65,536 runs of 2 KiB, random source slots -> random destination slots
+
+and for each, in one run:
+
+  torch copy_       contiguous copy of the same number of bytes (memory limit)
+  raw tcp           Python sockets on 127.0.0.1, 1 MiB ``sendall`` into a
+                    receiver process (the loopback limit)
+  mooncake TE       Mooncake's engine alone (tcp, P2P handshake), the same
+                    descriptors via ``batch_transfer_sync_write``, 1,024 a batch
+  nixl UCX tcp/shm  NIXL alone (UCX_TLS=tcp, then UCX_TLS=shm): descriptors
+                    prepared once, one prepped transfer per repeat
+  pd-transfer ...   the same descriptors as a plan through MooncakeTransport /
+                    NixlTransport (bounds checks, joining, batching included)
+                    with ``strategy = auto``: each write goes as direct runs or
+                    staged (gathered into 4 MiB slots, one descriptor each,
+                    scattered by the receiver) by the crossover the link
+                    measured at connect; the row says which was chosen
+
+Each engine runs between two fresh processes (a receiver that registers the
+destination, and a sender running the engine alone and pd-transfer in turns),
+so each UCX setting gets its own processes. The parent
+checks the destination bytes after every case. Figures are medians of
+``--repeats`` runs; GB/s is 10^9 bytes per second. Rows whose engine is not
+installed say so. Run: ``python benchmarks/engines_bench.py [--repeats 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pd_transfer.shm import create_segment, open_segment  # noqa: E402
+
+MIB = 1 << 20
+SRC_NBYTES, DST_NBYTES = 256 * MIB, 512 * MIB
+CASES = {"a": ("(a) 1 x 256 MiB", 256 * MIB, 1), "b": ("(b) 16,384 x 16 KiB", 16 * 1024, 16384),
+         "c": ("(c) 65,536 x 2 KiB", 2048, 65536)}
+MODES = [("mooncake TE tcp (engine alone)", "mooncake-raw", {}),
+         ("pd-transfer mooncake (tcp)", "mooncake-pd", {}),
+         ("nixl UCX tcp (engine alone)", "nixl-raw", {"UCX_TLS": "tcp"}),
+         ("pd-transfer nixl (UCX tcp)", "nixl-pd", {"UCX_TLS": "tcp"}),
+         ("nixl UCX shm (engine alone)", "nixl-raw", {"UCX_TLS": "shm"}),
+         ("pd-transfer nixl (UCX shm)", "nixl-pd", {"UCX_TLS": "shm"})]
+
+
+def descriptors(case: str, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    _, run, count = CASES[case]
+    if count == 1:
+        return np.zeros(1, np.int64), np.zeros(1, np.int64), np.full(1, run, np.int64)
+    src = rng.permutation(SRC_NBYTES // run)[:count].astype(np.int64) * run
+    dst = rng.permutation(DST_NBYTES // run)[:count].astype(np.int64) * run
+    return src, dst, np.full(count, run, np.int64)
+
+
+# -- children ---------------------------------------------------------------------------
+def receiver_main(args: dict) -> None:
+    from pd_transfer.transport.engines import make_receiver
+    segment = open_segment(args["dst"])
+
+    async def serve() -> None:
+        receiver = make_receiver(args["kind"], {"dst": segment.tensor})
+        print(json.dumps({"address": await receiver.start()}), flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        await receiver.stop()
+    asyncio.run(serve())
+
+
+def sender_main(args: dict) -> None:
+    src = open_segment(args["src"]).tensor
+    sets = np.load(args["sets"])
+    address, repeats = args["address"], args["repeats"]
+    states: dict[str, dict] = {}
+    for line in sys.stdin:
+        case, mode = line.split()
+        run_case = {"mooncake-raw": _mooncake_raw, "nixl-raw": _nixl_raw}.get(mode, _pd_transport)
+        s, d, n = sets[f"{case}_src"], sets[f"{case}_dst"], sets[f"{case}_n"]
+        state = states.setdefault(mode, {})
+        times = run_case(state, mode, address, src, s, d, n, repeats)
+        print(json.dumps({"seconds": statistics.median(times), **_chosen(state)}), flush=True)
+    for state in states.values():
+        if "close" in state:
+            state["close"]()
+
+
+def _chosen(state: dict) -> dict:
+    """What the pd-transfer link chose for its last write, and its measured crossover."""
+    link = state.get("link")
+    if link is None:
+        return {}
+    chosen = "+".join(sorted(s.value for s in link.last_strategies)) or "-"
+    crossover = link.staging.crossover_nbytes if link.staging is not None else 0.0
+    return {"strategy": chosen, "crossover": crossover}
+
+
+def _timed(fn, repeats: int, budget_s: float = 6.0) -> list[float]:
+    """Seconds of ``repeats`` runs after a warm-up (connections, registrations, prepared
+    lists); a slow path (mooncake with 65,536 small runs: seconds each) stops after the
+    first run past ``budget_s``, to keep the whole bench near three minutes."""
+    fn()
+    out: list[float] = []
+    while len(out) < repeats and sum(out) < budget_s:
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def _mooncake_raw(state, mode, address, src, s, d, n, repeats) -> list[float]:
+    from pd_transfer.transport.engine_address import EngineAddress
+    from pd_transfer.transport.mooncake import MooncakeEngine
+    peer = EngineAddress.parse(address, "mooncake")
+    if "engine" not in state:
+        state["engine"] = MooncakeEngine()
+        state["engine"].register({"src": (src.data_ptr(), src.numel())})
+    engine = state["engine"].engine
+    src_addr, dst_addr = (s + src.data_ptr()).tolist(), (d + peer.regions["dst"][0]).tolist()
+    lengths = n.tolist()
+
+    def once() -> None:
+        for i in range(0, len(lengths), 1024):
+            if engine.batch_transfer_sync_write(peer.session, src_addr[i:i + 1024],
+                                                dst_addr[i:i + 1024], lengths[i:i + 1024]):
+                raise SystemExit("mooncake engine failed a batch")
+    return _timed(once, repeats)
+
+
+def _nixl_raw(state, mode, address, src, s, d, n, repeats) -> list[float]:
+    from pd_transfer.transport.engine_address import EngineAddress
+    from pd_transfer.transport.nixl import NixlEngine
+    peer = EngineAddress.parse(address, "nixl")
+    if "engine" not in state:
+        state["engine"] = NixlEngine("bench")
+        state["engine"].register({"src": (src.data_ptr(), src.numel())})
+        state["engine"].agent.add_remote_agent(peer.metadata)
+    engine = state["engine"]
+    agent = engine.agent
+    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", _table(s + src.data_ptr(), n), "DRAM")
+    remote = agent.prep_xfer_dlist(peer.session, _table(d + peer.regions["dst"][0], n), "DRAM")
+    index = np.arange(len(n), dtype=np.int32)
+
+    def once() -> None:
+        handle = agent.make_prepped_xfer("WRITE", local, index, remote, index)
+        if engine.run(handle, time.monotonic() + 120) != "DONE":
+            raise SystemExit("nixl transfer failed")
+    return _timed(once, repeats)
+
+
+def _table(addresses: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    table = np.zeros((len(nbytes), 3), np.uint64)
+    table[:, 0], table[:, 1] = addresses, nbytes
+    return table
+
+
+def _pd_transport(state, mode, address, src, s, d, n, repeats) -> list[float]:
+    from pd_transfer.layout.lowering import RunBatch, TransferPlan
+    from pd_transfer.transport import PeerEndpoint
+    from pd_transfer.transport.engines import make_transport
+    loop = state.setdefault("loop", asyncio.new_event_loop())
+    if "transport" not in state:
+        state["transport"] = make_transport(mode.split("-")[0])
+        state["link"] = loop.run_until_complete(state["transport"].connect(
+            PeerEndpoint.from_maps("d", {"dst": DST_NBYTES}, data_address=address)))
+        state["close"] = lambda: loop.run_until_complete(state["transport"].close())
+    plan = TransferPlan("p", "d", (RunBatch("src", "dst", s, d, n, np.ones(len(n), np.int64), 0, 0),))
+    regions = {"src": src}
+    return _timed(lambda: loop.run_until_complete(
+        state["transport"].write(state["link"], plan, regions)), repeats)
+
+
+# -- floors ------------------------------------------------------------------------------
+def _raw_receiver(port_queue, sizes: list[int], repeats: int) -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    port_queue.put(server.getsockname()[1])
+    conn, _ = server.accept()
+    buf = memoryview(bytearray(4 * MIB))
+    for total in sizes:
+        for _ in range(repeats + 1):
+            left = total
+            while left:
+                left -= conn.recv_into(buf, min(left, len(buf))) or left
+            conn.sendall(b"k")
+
+
+def raw_tcp_seconds(sizes: list[int], repeats: int) -> dict[int, float]:
+    ctx = mp.get_context("spawn")
+    ports = ctx.Queue()
+    child = ctx.Process(target=_raw_receiver, args=(ports, sizes, repeats), daemon=True)
+    child.start()
+    conn = socket.create_connection(("127.0.0.1", ports.get(timeout=60)))
+    chunk = memoryview(np.random.default_rng(0).integers(0, 256, MIB, np.uint8))
+    out = {}
+    for total in sizes:
+        def once(total=total) -> None:
+            for start in range(0, total, MIB):
+                conn.sendall(chunk[: min(MIB, total - start)])
+            if conn.recv(1) != b"k":
+                raise SystemExit("raw tcp receiver went away")
+        out[total] = statistics.median(_timed(once, repeats))
+    conn.close()
+    child.join(10)
+    return out
+
+
+def copy_seconds(nbytes: int, repeats: int) -> float:
+    a, b = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    return statistics.median(_timed(lambda: b.copy_(a), repeats))
+
+
+# -- orchestration ---------------------------------------------------------------------------
+def run_group(modes: list[tuple[str, str]], env: dict, names: dict, sets_path: str, dst, src,
+              sets, repeats: int) -> dict[str, dict]:
+    """One receiver and one sender process (one UCX setting) for the engine-alone and the
+    pd-transfer mode of one engine; seconds (or why not) per mode and case."""
+    kind = modes[0][1].split("-")[0]
+    from pd_transfer.transport.engines import engine_unusable
+    problem = engine_unusable(kind)
+    if problem:
+        return {label: {case: problem for case in CASES} for label, _ in modes}
+    child_env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), **env)
+    child_env.setdefault("UCX_MODULES", "^ib")
+    me = [sys.executable, __file__]
+    receiver = subprocess.Popen(me + ["--child", json.dumps({"role": "receiver", "kind": kind,
+                                                             "dst": names["dst"]})],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                env=child_env, stderr=subprocess.DEVNULL)
+    address = json.loads(receiver.stdout.readline())["address"]
+    sender = subprocess.Popen(me + ["--child", json.dumps({
+        "role": "sender", "src": names["src"], "sets": sets_path, "address": address,
+        "repeats": repeats})], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env=child_env, stderr=subprocess.DEVNULL)
+    out: dict[str, dict] = {label: {} for label, _ in modes}  # and "chosen": pd-transfer's picks
+    try:
+        for case in CASES:
+            for label, mode in modes:
+                dst.array[:] = 0
+                sender.stdin.write(f"{case} {mode}\n")
+                sender.stdin.flush()
+                line = sender.stdout.readline()
+                if not line:
+                    out[label][case] = "sender failed"
+                    return out
+                answer = json.loads(line)
+                out[label][case] = answer["seconds"]
+                if "strategy" in answer:
+                    out.setdefault("chosen", {})[(label, case)] = answer
+                check(case, src, dst, sets)
+    finally:
+        for child in (sender, receiver):
+            child.stdin.close()
+            child.wait(60)
+    return out
+
+
+def check(case: str, src, dst, sets) -> None:
+    s, d, n = sets[f"{case}_src"], sets[f"{case}_dst"], sets[f"{case}_n"]
+    run = int(n[0])
+    if len(n) == 1:
+        same = np.array_equal(src.array[:run], dst.array[:run])
+    else:
+        rows = np.dtype((np.void, run))
+        same = np.array_equal(src.array.view(rows)[s // run], dst.array.view(rows)[d // run])
+    if not same:
+        raise SystemExit(f"case {case}: destination bytes are wrong")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child = json.loads(args.child)
+        (receiver_main if child["role"] == "receiver" else sender_main)(child)
+        return
+    rng = np.random.default_rng(0)
+    sets = {}
+    for case in CASES:
+        sets[f"{case}_src"], sets[f"{case}_dst"], sets[f"{case}_n"] = descriptors(case, rng)
+    tag = uuid.uuid4().hex[:6]
+    src, dst = create_segment(f"pdt-ebench-{tag}-src", SRC_NBYTES), \
+        create_segment(f"pdt-ebench-{tag}-dst", DST_NBYTES)
+    try:
+        src.array[:] = np.frombuffer(rng.bytes(SRC_NBYTES), np.uint8)
+        with tempfile.TemporaryDirectory() as tmp:
+            sets_path = os.path.join(tmp, "sets.npz")
+            np.savez(sets_path, **sets)
+            names = {"src": src.name, "dst": dst.name}
+            report(args.repeats, names, sets_path, src, dst, sets)
+    finally:
+        for segment in (src, dst):
+            segment.close()
+            segment.unlink()
+
+
+def report(repeats: int, names: dict, sets_path: str, src, dst, sets) -> None:
+    totals = {case: int(sets[f"{case}_n"].sum()) for case in CASES}
+    copy = {n: copy_seconds(n, repeats) for n in set(totals.values())}
+    raw = raw_tcp_seconds(sorted(set(totals.values())), repeats)
+    results: dict[str, dict] = {}
+    chosen: dict = {}
+    for index in range(0, len(MODES), 2):  # (engine alone, pd-transfer) pairs, one env each
+        pair = MODES[index:index + 2]
+        group = run_group([(label, mode) for label, mode, _ in pair], pair[0][2], names,
+                          sets_path, dst, src, sets, repeats)
+        chosen.update(group.pop("chosen", {}))
+        results.update(group)
+    print(f"engines bench: median of up to {repeats} (fewer past 6 s), {os.cpu_count()} CPUs, GB/s = 1e9 B/s; "
+          f"ratios: x copy_ / x raw tcp / x the engine alone; pd-transfer rows: strategy auto, "
+          f"[the strategy it chose]")
+    print(f"{'case':<22}{'path':<44}{'ms':>9}{'GB/s':>8}{'x copy':>8}{'x tcp':>7}{'x alone':>9}")
+    for case, (title, _, _) in CASES.items():
+        total = totals[case]
+        rows = [("torch copy_ (contiguous)", copy[total]), ("raw tcp (1 MiB sendall)", raw[total])]
+        rows += [(label, results[label][case]) for label, _, _ in MODES]
+        for i, (label, seconds) in enumerate(rows):
+            first = title if i == 0 else ""
+            shown = label + (f" [{chosen[(label, case)]['strategy']}]"
+                             if (label, case) in chosen else "")
+            if not isinstance(seconds, float):
+                print(f"{first:<22}{shown:<44}  {seconds}")
+                continue
+            alone = ""
+            if label.startswith("pd-transfer"):
+                engine = MODES[[m[0] for m in MODES].index(label) - 1][0]
+                base = results[engine][case]
+                alone = f"{base / seconds:.2f}" if isinstance(base, float) else "-"
+            print(f"{first:<22}{shown:<44}{seconds * 1e3:>9.1f}{total / seconds / 1e9:>8.2f}"
+                  f"{copy[total] / seconds:>8.2f}{raw[total] / seconds:>7.2f}{alone:>9}")
+    crossovers = {label: answer["crossover"] for (label, _), answer in chosen.items()}
+    print("staged below a mean run of: " + ", ".join(
+        f"{label.removeprefix('pd-transfer ')} {value / 1024:.1f} KiB"
+        for label, value in crossovers.items()) + " (measured by each link at connect)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The prefill side's verdict on a decode peer, decided before any traffic.
+
+Once the rank table is complete, the whole prefill instance is reconciled
+with the decode rank that registered; its region handles are checked, its
+data plane is connected, and the transfer strategy per pool is chosen
+(:mod:`.strategies`). The Verdict says accepted (with the plan summary) or
+rejected (with every mismatch, both sides' values, a code and a hint);
+either way it is counted and logged for operators.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from pd_transfer.agent import integrity
+from pd_transfer.agent.verdicts import plan_summary
+from pd_transfer.errors import PdTransferError, Reason
+from pd_transfer.layout.diagnostics import collapse
+from pd_transfer.layout.fanout import decode_ranks_fed
+from pd_transfer.layout.geometry import handle_problems
+from pd_transfer.layout.planner import PairPlanner
+from pd_transfer.layout.reconcile import reconcile
+from pd_transfer.protocol import MismatchRecord, Verdict
+
+log = logging.getLogger("pd_transfer.agent.prefill")
+
+
+async def send_verdict(side, peer) -> None:
+    """Reconcile the prefill instance with ``peer``, connect its data plane, answer the Verdict."""
+    try:
+        await asyncio.wait_for(side.table_ready.wait(), side.config.bootstrap_timeout_s)
+    except TimeoutError:
+        await _reject(side, peer, "prefill rank table incomplete", [MismatchRecord(
+            path="prefill.rank_table", code=Reason.BOOTSTRAP_FAILED, prefill="incomplete",
+            decode="-", hint="start every prefill rank's sidecar and worker")])
+        return
+    decode_geometry = peer.register.geometry
+    handles = {h.region: h.handle for h in peer.register.region_handles}
+    problems = handle_problems(decode_geometry, handles) if handles else []
+    if problems:
+        await _reject(side, peer, f"invalid registration of {peer.rank_id}", [MismatchRecord(
+            path=f"decode.{p.subject or 'handles'}", code=p.code, prefill="-", decode=p.detail,
+            hint="each region needs its own segment") for p in problems])
+        return
+    prefill = [e.geometry for e in side.table.entries]
+    recon = reconcile(prefill, [decode_geometry])
+    if not recon.ok:
+        error = recon.error()
+        await _reject(side, peer, error.headline, [MismatchRecord.from_mismatch(m)
+                                                  for m in collapse(list(recon.mismatches))])
+        return
+    peer.reconciliation = recon
+    peer.planner = PairPlanner(recon, side.sidecar.geometry, decode_geometry)
+    peer.fed = decode_ranks_fed(recon, side.sidecar.geometry.rank_id, decode_geometry)
+    try:
+        peer.link = await side.sidecar.dataplane.connect(peer.register)
+    except PdTransferError as err:
+        await _reject(side, peer, f"no data plane to {peer.rank_id}", [MismatchRecord(
+            path="transport", code=err.code, prefill=side.config.transport,
+            decode=peer.register.data_address or "<no data address>", hint=str(err))])
+        return
+    peer.accepted = True
+    observe = side.sidecar.observe
+    modes = [v.mode.value for v in recon.verdicts]
+    observe.peer(peer.rank_id, "accepted", channel=peer.channel,
+                 transport=type(peer.link).__name__.removesuffix("Link").lower() or "-",
+                 modes=modes)
+    observe.verdict(True)
+    observe.verdict_modes({m: modes.count(m) for m in set(modes)})
+    strategies = side.sidecar.dataplane.strategies(peer.link, peer.planner)
+    observe.strategies(peer.rank_id, strategies)
+    log.info("prefill: accepted %s (feeds decode tp ranks %s)", peer.rank_id, peer.fed,
+             extra={"peer": peer.rank_id})
+    peer.integrity = integrity.prefill_layout(side.sidecar, peer.planner, peer.features, peer.rank_id)
+    await peer.channel.send(Verdict(accepted=True, integrity=peer.integrity is not None,
+                                    plan=plan_summary(recon, peer.planner, strategies)))
+
+
+async def _reject(side, peer, headline: str, mismatches: list[MismatchRecord]) -> None:
+    side.sidecar.observe.peer(peer.rank_id, "rejected", headline, peer.channel)
+    side.sidecar.observe.verdict(False, mismatches[0].code.value if mismatches else "")
+    log.warning("prefill: rejected %s: %s", peer.rank_id,
+                "; ".join(m.render() for m in mismatches[:8]), extra={"peer": peer.rank_id})
+    await peer.channel.send(Verdict(accepted=False, headline=headline, mismatches=tuple(mismatches)))

@@ -1,0 +1,116 @@
+"""Integrity checks of rooms as the sidecars run them; the checksums are in
+:mod:`pd_transfer.transport.integrity`.
+
+Who checks. A sidecar with ``integrity = true`` advertises the ``integrity``
+feature in its Hello (only while its regions are host memory: the sums are
+computed on the CPU). At verdict time prefill turns checking on for a decode
+peer when both sides have it, and says so in the Verdict (``integrity``).
+From then on every successful Done to that peer carries the room's
+checksums, and decode verifies them against its own memory before it counts
+the source as done. A mismatch fails the room with ``integrity_mismatch``,
+naming the first bad block (pool, index, region, offset) and the source rank.
+
+Only one side enabled: rooms go ahead unchecked, and the enabled side logs
+that once per peer. A Done without the checksums its Verdict promised fails
+the room (fail closed).
+
+Sums are computed off the event loop (``asyncio.to_thread``): prefill after
+each chunk is written, from its source bytes; decode once a source's Done
+arrives, from the landed bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import numpy as np
+
+from pd_transfer.config import SidecarConfig
+from pd_transfer.errors import TransportError
+from pd_transfer.layout.planner import PairPlanner
+from pd_transfer.layout.views import Pool
+from pd_transfer.protocol import PoolChecksums
+from pd_transfer.transport.integrity import BlockLayout, RoomDigest, compare, landed_digest
+
+log = logging.getLogger(__name__)
+
+FEATURE = "integrity"
+
+
+def features(config: SidecarConfig, on_device: bool) -> tuple[str, ...]:
+    """The Hello features this sidecar offers."""
+    return (FEATURE,) if config.integrity and not on_device else ()
+
+
+# -- prefill ------------------------------------------------------------------------
+
+def prefill_layout(sidecar, planner: PairPlanner, decode_features: tuple[str, ...],
+                   peer: str) -> BlockLayout | None:
+    """The blocks to sum for a decode peer, or None when the pair does not check."""
+    ours = FEATURE in features(sidecar.config, sidecar.dataplane.on_device)
+    theirs = FEATURE in decode_features
+    if ours and theirs:
+        return BlockLayout(planner)
+    if sidecar.config.integrity:
+        log.warning("integrity: rooms to %s are not checked: %s", peer,
+                    "its regions are device memory" if not ours else
+                    "the decode sidecar does not check integrity", extra={"peer": peer})
+    return None
+
+
+async def sum_chunk(target, requests: dict, regions: dict) -> None:
+    """Fold one chunk's source bytes into the target's digest (before ``kv_cursor`` moves)."""
+    layout = target.peer.integrity
+    if layout is None:
+        return
+    if target.sums is None:
+        target.sums = RoomDigest(layout, {pool: len(idx) for pool, idx in target.dst.items()})
+    await asyncio.to_thread(target.sums.add_sent, requests, {Pool.KV: target.kv_cursor}, regions)
+
+
+def checksums(target) -> tuple[PoolChecksums, ...]:
+    """What a successful Done to this target carries (empty when the pair does not check)."""
+    layout = target.peer.integrity
+    if layout is None:
+        return ()
+    if target.sums is None:
+        target.sums = RoomDigest(layout, {pool: len(idx) for pool, idx in target.dst.items()})
+    return tuple(PoolChecksums(pool, tuple(d.items.tolist()), tuple(d.tensors.tolist()))
+                 for pool, d in target.sums.pools.items())
+
+
+# -- decode -------------------------------------------------------------------------
+
+def attach_decode(sidecar, instance, recon, table) -> None:
+    """Give each source whose Verdict promised checksums the blocks to verify."""
+    ours = FEATURE in features(sidecar.config, sidecar.dataplane.on_device)
+    geometries = {e.geometry.rank_id: e.geometry for e in table.entries}
+    for peer in instance.peers.values():
+        if peer.rank_id not in instance.sources:
+            continue
+        promised = peer.verdict.result().integrity
+        if ours and promised:
+            peer.integrity = BlockLayout(PairPlanner(recon, geometries[peer.rank_id],
+                                                     sidecar.geometry))
+        elif sidecar.config.integrity:
+            log.warning("integrity: rooms from %s are not verified: %s", peer.rank_id,
+                        "this sidecar's regions are device memory" if not ours else
+                        "the prefill sidecar does not send checksums", extra={"peer": peer.rank_id})
+
+
+async def verify(layout: BlockLayout, dst: dict, sent: tuple[PoolChecksums, ...],
+                 regions: dict) -> str:
+    """'' when what landed matches ``sent``; otherwise what differs."""
+    if not sent:
+        return "the Done carries no checksums although the Verdict promised them"
+    by_pool = {c.pool: (np.asarray(c.items, np.uint32), np.asarray(c.tensors, np.uint32))
+               for c in sent}
+
+    def check() -> str:
+        return compare(layout, dst, by_pool, landed_digest(layout, dst, regions))
+
+    try:
+        return await asyncio.to_thread(check)
+    except TransportError as err:
+        return f"cannot read the landed bytes: {err.message}"

@@ -1,0 +1,74 @@
+"""Decode: closing the sessions of prefill instances that are no longer used.
+
+Sessions are released, never only replaced. A failed resolution (a
+rejection, no verdict in time, a rank lost meanwhile) closes the sessions it
+opened at once; until it ends, they are its own. A lost
+instance (one of its ranks went silent) is resolved anew on the next
+``expect``, with new sessions to every rank; its old sessions to the
+surviving ranks stay open only while something can still arrive on them:
+while a room that used the instance is live, and until each surviving source
+of an ended room answered (Done or AbortAck) or ``abort_drain_timeout_s``
+passed since the loss. Then each gets a Close, on which the prefill rank
+releases that session's link (unmapping the decode segments it mapped); a
+Close that gets lost ends the same way, once prefill misses its heartbeats.
+
+Called from the sidecar's timer tick; the role logic stays in :mod:`decode`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from pd_transfer.agent.auth import REFUSAL_LINGER_MS
+from pd_transfer.protocol import Close
+
+log = logging.getLogger(__name__)
+
+CLOSE_SEND_TIMEOUT_S = 1.0
+
+
+async def close_sessions(instance) -> None:
+    """Close every session of ``instance`` still open, saying so first."""
+    for peer in instance.peers.values():
+        if peer.channel.closed:
+            continue
+        try:
+            await asyncio.wait_for(peer.channel.send(Close(reason_text="decode released this "
+                                                           "session")), CLOSE_SEND_TIMEOUT_S)
+        except Exception as err:  # unreachable or never authenticated: close anyway
+            log.debug("decode: no Close to %s: %s", peer.rank_id, err)
+        peer.channel.close(linger_ms=REFUSAL_LINGER_MS)   # let the Close leave first
+
+
+def release_retired(side, now_s: float) -> None:
+    """Close the sessions of lost instances nothing can still arrive on."""
+    for instance in list(side.retired):
+        if instance.resolving:
+            continue   # a rank lost while resolving: the resolution fails and closes them
+        state = rooms_state(side.sidecar.rooms.rooms.values(), instance)
+        if state == "live" or (state == "pending"
+                               and now_s - instance.lost_s < side.config.abort_drain_timeout_s):
+            continue
+        side.retired.remove(instance)
+        log.info("decode: closing the sessions of lost prefill instance %s", instance.bootstrap)
+        asyncio.create_task(close_sessions(instance))
+    for address, task in list(side.instances.items()):
+        # failed or lost resolutions of unconfigured addresses: the next expect resolves again
+        if task.done() and address not in side.config.prefill_bootstraps and (
+                task.cancelled() or task.exception() or task.result().lost):
+            del side.instances[address]
+
+
+def rooms_state(rooms, instance) -> str:
+    """'live' while a room uses ``instance``; 'pending' while a surviving source of an
+    ended room has not answered (Done or AbortAck); else 'quiet'."""
+    state = "quiet"
+    for room in rooms:
+        if getattr(room, "instance", None) is not instance:
+            continue
+        if not room.terminal:
+            return "live"
+        if not set(room.sources) - instance.lost_ranks <= room.acks | room.done_from:
+            state = "pending"
+    return state

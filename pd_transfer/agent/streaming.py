@@ -1,0 +1,115 @@
+"""Layer-wise streaming on the prefill side: which layers of a chunk may move now.
+
+A prefill worker may hand a chunk over before its forward pass has written
+the KV (``send(..., stream=True)``) and then announce each layer as it is
+computed (``layer_ready(room, layer_id)``). The sidecar moves a streamed
+chunk's KV one batch of ready layers at a time, so the transfer overlaps
+compute; what is left when the last layer is announced is one layer's
+bytes, not the whole request's.
+
+Rules, per streamed chunk:
+
+- the layers to announce are every layer id of this rank's span (from its
+  registered geometry, attention or not); any order; repeats are harmless;
+- KV moves per announced layer; SWA pages, Mamba/linear-attention state and
+  the aux row (which go with the last chunk) move only once every layer of
+  that chunk is announced, aux last as always;
+- ``layer_ready`` names the room's latest chunk, which must be streamed; an
+  id outside the span, or a room whose latest chunk is not streamed, is
+  refused with a reason (never silently ignored: a lost announcement would
+  hang the room until its deadline).
+
+Decode's Success is unchanged: the Done goes out after the final write.
+The bookkeeping is pure; :func:`chunk_plan` is the one step that writes
+(a streamed chunk's ready layers, through the admitted writes of :mod:`.flow`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pd_transfer.agent.flow import write_chunk
+from pd_transfer.errors import PdTransferError, Reason
+from pd_transfer.layout.views import Pool
+from pd_transfer.protocol import Progress, RoomStatus
+
+
+@dataclass
+class ChunkLayers:
+    """The announcement state of one streamed chunk."""
+
+    span: frozenset[int]                        # every layer id of this rank
+    ready: set[int] = field(default_factory=set)
+
+    @property
+    def complete(self) -> bool:
+        return self.ready >= self.span
+
+    def announce(self, room: int, layer_id: int) -> None:
+        if layer_id not in self.span:
+            low, high = min(self.span, default=0), max(self.span, default=-1)
+            raise PdTransferError(
+                f"room {room}: layer {layer_id} is not one of this rank's layers "
+                f"({len(self.span)} layers, ids {low}..{high})", code=Reason.BAD_FIELD,
+                hint="announce the layer ids of this rank's pipeline span")
+        self.ready.add(layer_id)
+
+    def pending(self, sent: set[int]) -> list[int]:
+        """Announced layers not yet sent to one decode target, in layer order."""
+        return sorted(self.ready - sent)
+
+
+def span_of(geometry) -> frozenset[int]:
+    """Every layer id a rank's registered views carry (its pipeline span)."""
+    return frozenset(v.layer_id for v in geometry.views if v.layer_id is not None)
+
+
+def latest_streamed(chunks: list[ChunkLayers | None], room: int) -> ChunkLayers:
+    """The chunk a ``layer_ready`` refers to: the room's latest streamed chunk."""
+    if chunks and chunks[-1] is not None:
+        return chunks[-1]
+    raise PdTransferError(f"room {room}: layer_ready without a streamed chunk to announce",
+                          code=Reason.UNKNOWN_ROOM,
+                          hint="call send(..., stream=True) for the chunk first")
+
+
+async def write_ready_layers(side, room, target, requests: dict, layers: ChunkLayers) -> bool:
+    """Write the chunk's KV of every announced layer not yet sent to ``target``.
+
+    Loops while layers keep arriving during the writes; a Progress after each
+    batch keeps decode's deadline moving. Returns True once every layer of the
+    chunk is announced and sent (the caller then writes the chunk's final
+    pools), False while some are still to come.
+    """
+    while pending := layers.pending(target.layers_sent):
+        if Pool.KV in requests:
+            plan = target.peer.planner.plan({Pool.KV: requests[Pool.KV]}, layers=pending)
+            room.advance(RoomStatus.TRANSFERRING,
+                         time.monotonic() + side.config.transfer_timeout_s)
+            nbytes = await write_chunk(side.sidecar, room, target, plan)
+            target.nbytes += nbytes
+            target.descriptors += plan.num_descriptors
+            room.nbytes += nbytes
+            await side.send_quietly(target, Progress(room=room.room, generation=target.generation,
+                                                     done_nbytes=room.nbytes,
+                                                     total_nbytes=room.nbytes))
+        target.layers_sent.update(pending)
+        if room.terminal or target.failed:
+            return False
+    return layers.complete
+
+
+async def chunk_plan(side, room, target, index: int, requests: dict):
+    """What is left to write of chunk ``index`` for ``target`` (None: wait for layers).
+
+    A chunk that is not streamed: its whole plan. A streamed one: its ready
+    layers are written here first; once every layer is sent, the plan of its
+    other pools (SWA pages, state, aux; possibly empty).
+    """
+    layers = room.layers[index]
+    if layers is None:
+        return target.peer.planner.plan(requests)
+    if not await write_ready_layers(side, room, target, requests, layers):
+        return None
+    return target.peer.planner.plan({p: r for p, r in requests.items() if p is not Pool.KV})

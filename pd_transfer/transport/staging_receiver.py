@@ -1,0 +1,325 @@
+"""Staged engine writes, decode side: the staging area and the control channel that scatters it.
+
+A decode rank running an engine transport registers, besides its regions, one
+:class:`StagingArea` with its engine (default 16 slots of 4 MiB) and
+publishes it with its engine address. Prefill writes gathered chunks into
+slots of it with the engine and then says, on a control connection served by
+:class:`StagingReceiver`, which slot holds which destination runs
+(:mod:`.staging_wire`). For each such request the receiver
+
+- checks that the slot belongs to this connection's ring and the byte count
+  fits the slot,
+- checks every run against the regions registered here
+  (:func:`~pd_transfer.transport.packing.check_wire`) and the room against
+  fences (:class:`~.admission.RoomAdmission`),
+- only then scatters the slot into place and acknowledges; a refused chunk is
+  answered with a reason and nothing of it is written.
+
+Slots are leased as rings, one per connection (``open``), and come back when
+the connection ends, so memory is bounded by the area whatever the number of
+prefill peers; a peer that finds no slot free is told so and writes directly.
+
+Connections: one thread per connection, as :class:`~.tcp_receiver.TcpReceiver`
+(blocking socket I/O and numpy scatters, which release the GIL), the same
+framing (:mod:`.sockets`) and, when ``auth`` is set, the same HMAC handshake
+before the first frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+
+import numpy as np
+
+from pd_transfer.errors import Reason, TransportError
+from pd_transfer.transport.admission import RoomAdmission, RoomPolicy
+from pd_transfer.transport.frames import Ack, Fail
+from pd_transfer.transport.frames import encode as encode_reply
+from pd_transfer.transport.packing import check_wire, scatter_chunk
+from pd_transfer.transport.regions import Mapped, Regions, map_one
+from pd_transfer.transport.sockets import (
+    Authenticator,
+    FrameChannel,
+    Kind,
+    PeerClosed,
+    configure,
+    format_address,
+    read_prefix,
+    recv_exact,
+    send_frame,
+)
+from pd_transfer.transport.staging_wire import (
+    MAX_HEADER_NBYTES,
+    OpenRing,
+    Ring,
+    Staged,
+    decode_request,
+)
+from pd_transfer.transport.staging_wire import encode as encode_staging
+from pd_transfer.transport.tcp_receiver import ReceiverStats
+
+log = logging.getLogger(__name__)
+
+DEFAULT_AREA_SLOTS = 16
+DEFAULT_SLOT_NBYTES = 4 << 20
+
+
+class StagingArea:
+    """``num_slots`` slots of ``slot_nbytes`` in one buffer, leased out as rings."""
+
+    def __init__(self, num_slots: int = DEFAULT_AREA_SLOTS,
+                 slot_nbytes: int = DEFAULT_SLOT_NBYTES) -> None:
+        if num_slots < 1 or slot_nbytes < 4096:
+            raise TransportError(f"a staging area needs at least one slot of 4096 bytes or more, "
+                                 f"got {num_slots} x {slot_nbytes}", code=Reason.INVALID_CONFIG)
+        self.num_slots, self.slot_nbytes = num_slots, slot_nbytes
+        self.buffer = np.zeros(num_slots * slot_nbytes, np.uint8)
+        self._free = list(range(num_slots))
+        self._lock = threading.Lock()
+
+    @property
+    def address(self) -> int:
+        return int(self.buffer.ctypes.data)
+
+    @property
+    def published(self) -> tuple[int, int, int]:
+        """``(address, nbytes, slot_nbytes)``, as the engine address carries it."""
+        return self.address, self.buffer.nbytes, self.slot_nbytes
+
+    @property
+    def num_free(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def lease(self, wanted: int) -> tuple[int, ...]:
+        with self._lock:
+            granted, self._free = self._free[:wanted], self._free[wanted:]
+            return tuple(granted)
+
+    def give_back(self, slots: tuple[int, ...]) -> None:
+        with self._lock:
+            self._free.extend(slots)
+
+    def slot(self, index: int, nbytes: int) -> np.ndarray:
+        start = index * self.slot_nbytes
+        return self.buffer[start:start + nbytes]
+
+
+class StagingReceiver:
+    """Serve staged-chunk requests for ``regions`` out of ``area`` at ``tcp://bind_host:port``."""
+
+    def __init__(self, regions: Regions, area: StagingArea, *, bind_host: str = "127.0.0.1",
+                 port: int = 0, auth: Authenticator | None = None,
+                 handshake_timeout_s: float = 10.0, max_connections: int = 256) -> None:
+        self.area = area
+        self.bind_host, self.port = bind_host, port
+        self.auth = auth
+        self.handshake_timeout_s = handshake_timeout_s
+        self.max_connections = max_connections
+        self.admission = RoomAdmission(RoomPolicy.ANY)
+        self.stats = ReceiverStats()
+        self.address = ""
+        self._regions: dict[str, Mapped] = {r: map_one(r, m, "destination")
+                                            for r, m in regions.items()}
+        self._sizes = {r: m.nbytes for r, m in self._regions.items()}
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task | None = None
+        self._connections: dict[_Connection, threading.Thread] = {}
+        self._stats_lock = threading.Lock()
+
+    async def start(self) -> str:
+        try:
+            listener = socket.create_server((self.bind_host, self.port), backlog=128,
+                                            family=socket.AF_INET6 if ":" in self.bind_host
+                                            else socket.AF_INET)
+        except OSError as err:
+            raise TransportError(f"staging receiver cannot bind {self.bind_host}:{self.port}: "
+                                 f"{err}", code=Reason.TRANSPORT_FAILED) from None
+        listener.setblocking(False)
+        self._listener = listener
+        self.address = format_address(self.bind_host, listener.getsockname()[1])
+        self._accepting = asyncio.create_task(self._accept(), name=f"staging-{self.address}")
+        return self.address
+
+    async def stop(self) -> None:
+        if self._accepting is not None:
+            self._accepting.cancel()
+            await asyncio.gather(self._accepting, return_exceptions=True)
+            self._accepting = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        connections = list(self._connections.items())
+        for connection, _ in connections:
+            connection.shutdown()
+        await asyncio.to_thread(lambda: [thread.join() for _, thread in connections])
+
+    async def fence(self, room: str, generation: int) -> None:
+        """Refuse later chunks of ``room`` up to ``generation``; return once none is landing."""
+        self.admission.fence(room, generation)
+        if self.admission.busy(room, generation):
+            await asyncio.to_thread(self.admission.wait_idle, room, generation, None)
+
+    def count(self, code: Reason) -> None:
+        with self._stats_lock:
+            self.stats.refused[code] += 1
+
+    def landed(self, nbytes: int) -> None:
+        with self._stats_lock:
+            self.stats.chunks_landed += 1
+            self.stats.nbytes_landed += nbytes
+
+    def scatter(self, ring: tuple[int, ...], request: Staged) -> None:
+        """Check one staged chunk completely, then scatter it; raises before any byte moves."""
+        chunk = request.chunk
+        if request.slot not in ring:
+            raise TransportError(f"slot {request.slot} is not one of this connection's staging "
+                                 f"slots {list(ring)}", code=Reason.RUN_OUT_OF_REGION)
+        if request.nbytes > self.area.slot_nbytes:
+            raise TransportError(f"a staged chunk of {request.nbytes} bytes does not fit a slot "
+                                 f"of {self.area.slot_nbytes}", code=Reason.RUN_OUT_OF_REGION)
+        unknown = [r for r in chunk.wire.regions if r not in self._sizes]
+        if unknown:
+            raise TransportError(f"chunk names unregistered region(s) {unknown[:5]}",
+                                 code=Reason.UNKNOWN_REGION)
+        check_wire(chunk.wire, self._sizes, request.nbytes)
+        ticket = self.admission.admit(chunk.room, chunk.generation, chunk.wire.regions,
+                                      chunk.wire.runs)
+        try:
+            scatter_chunk(chunk.wire, self.area.slot(request.slot, request.nbytes),
+                          {r: self._regions[r] for r in chunk.wire.regions})
+        finally:
+            self.admission.release(ticket)
+        self.landed(request.nbytes)
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, peer = await loop.sock_accept(self._listener)
+            except OSError as err:
+                log.warning("staging receiver %s: accept failed: %s", self.address, err)
+                await asyncio.sleep(0.1)
+                continue
+            if len(self._connections) >= self.max_connections:
+                self.count(Reason.LIMIT_EXCEEDED)
+                sock.close()
+                continue
+            sock.setblocking(True)
+            configure(sock)
+            connection = _Connection(self, sock, f"peer {peer[0]}:{peer[1]}")
+            thread = threading.Thread(target=self._serve, args=(connection, loop), daemon=True,
+                                      name=f"pdt-staging-{peer[1]}")
+            self._connections[connection] = thread
+            thread.start()
+
+    def _serve(self, connection: _Connection, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            connection.serve()
+        finally:
+            try:
+                loop.call_soon_threadsafe(self._connections.pop, connection, None)
+            except RuntimeError:
+                pass  # the loop is gone
+
+
+class _Connection:
+    """One prefill peer's control connection (its own thread)."""
+
+    def __init__(self, receiver: StagingReceiver, sock: socket.socket, where: str) -> None:
+        self.receiver, self.sock, self.where = receiver, sock, where
+        self.ring: tuple[int, ...] = ()
+        self._failed: set[int] = set()   # transfers refused: their later chunks are too
+
+    def shutdown(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def serve(self) -> None:
+        receiver = self.receiver
+        try:
+            if receiver.auth is not None and not self._authenticate():
+                return
+            while (head := read_prefix(self.sock, max_header_nbytes=MAX_HEADER_NBYTES,
+                                       max_payload_nbytes=0)) is not None:
+                header = recv_exact(self.sock, head.header_nbytes)
+                if head.kind is not Kind.DATA:
+                    receiver.count(Reason.BAD_FRAME)
+                    return
+                self._request(header)
+        except TransportError as err:  # a prefix that is not ours: the stream is lost
+            log.warning("staging receiver %s: closing %s: %s", receiver.address, self.where,
+                        err.message)
+            receiver.count(err.code)
+        except (PeerClosed, OSError) as err:
+            log.info("staging receiver %s: %s: %s", receiver.address, self.where, err)
+        except Exception:  # never let a bug of ours kill the thread silently
+            log.exception("staging receiver %s: %s: request failed", receiver.address, self.where)
+            receiver.count(Reason.TRANSPORT_FAILED)
+        finally:
+            receiver.area.give_back(self.ring)
+            self.ring = ()
+            self.shutdown()
+            self.sock.close()
+
+    def _authenticate(self) -> bool:
+        receiver = self.receiver
+        self.sock.settimeout(receiver.handshake_timeout_s)
+        try:
+            head = read_prefix(self.sock, max_header_nbytes=4096, max_payload_nbytes=0)
+            if head is None:
+                return False
+            first = recv_exact(self.sock, head.header_nbytes)
+            if head.kind is not Kind.HANDSHAKE:
+                receiver.count(Reason.UNAUTHENTICATED)
+                receiver.auth.unauthenticated(f"{receiver.address}: {self.where}")
+                self._reply(encode_reply(Fail(-1, Reason.UNAUTHENTICATED.value,
+                                              "this staging channel requires authentication")))
+                return False
+            receiver.auth.server(first, FrameChannel(self.sock),
+                                 f"{receiver.address}: {self.where}")
+        except TransportError as err:
+            receiver.count(err.code)
+            return False
+        except TimeoutError:
+            receiver.count(Reason.TIMEOUT)
+            return False
+        self.sock.settimeout(None)
+        return True
+
+    def _request(self, raw: bytes) -> None:
+        receiver = self.receiver
+        try:
+            request = decode_request(raw)
+        except TransportError as err:  # answered all the same: one answer per request
+            receiver.count(err.code)
+            self._reply(encode_reply(Fail(-1, err.code.value, err.message)))
+            return
+        if isinstance(request, OpenRing):
+            if not self.ring:
+                self.ring = receiver.area.lease(request.slots)
+            self._reply(encode_staging(Ring(self.ring, receiver.area.slot_nbytes)))
+            return
+        xfer = request.chunk.xfer
+        try:
+            if xfer in self._failed:
+                raise TransportError("the rest of a refused transfer", code=Reason.TRANSPORT_FAILED)
+            receiver.scatter(self.ring, request)
+        except TransportError as err:
+            log.warning("staging receiver %s: refused room %s from %s: %s", receiver.address,
+                        request.chunk.room or "-", self.where, err.message)
+            receiver.count(err.code)
+            self._failed.add(xfer)
+            if len(self._failed) > 1024:
+                self._failed = {xfer}
+            self._reply(encode_reply(Fail(xfer, err.code.value, err.message)))
+            return
+        self._reply(encode_reply(Ack(xfer, request.chunk.seq, request.nbytes)))
+
+    def _reply(self, header: bytes) -> None:
+        send_frame(self.sock, Kind.REPLY, header)

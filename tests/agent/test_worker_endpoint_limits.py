@@ -1,0 +1,46 @@
+"""The worker endpoint keeps at most max_worker_requests in progress; one more is refused at once."""
+
+import asyncio
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from pd_transfer.agent.auth import SecureContext, Security
+from pd_transfer.agent.worker_endpoint import WorkerEndpoint
+from pd_transfer.protocol import worker_api
+
+pytestmark = pytest.mark.asyncio
+
+
+async def test_a_request_over_max_worker_requests_is_refused_with_over_limit_and_the_rest_served(tmp_path):
+    context = SecureContext(Security())
+    release = asyncio.Event()
+    refused = []
+
+    async def handler(op, request):
+        await release.wait()            # e.g. a worker's wait() that has not returned yet
+        return {"status": "success"}
+
+    endpoint = WorkerEndpoint(context, f"ipc://{tmp_path}/w.sock", handler, max_requests=2,
+                              on_over_limit=lambda: refused.append(1))
+    server = asyncio.create_task(endpoint.serve())
+    worker = context.socket(zmq.DEALER)
+    worker.connect(endpoint.address)
+    try:
+        for request_id in (1, 2, 3):
+            await worker.send(worker_api.encode({"op": "poll", "id": request_id, "room": 7}))
+        reply = msgpack.unpackb(await asyncio.wait_for(worker.recv(), 10), raw=False)
+        assert reply["id"] == 3 and reply["ok"] is False and reply["code"] == "over_limit"
+        assert "2 worker requests are in progress, the limit is max_worker_requests=2" in reply["reason"]
+        assert refused == [1]
+        release.set()                   # the two in progress finish normally
+        replies = [msgpack.unpackb(await asyncio.wait_for(worker.recv(), 10), raw=False)
+                   for _ in range(2)]
+        assert sorted(r["id"] for r in replies) == [1, 2] and all(r["ok"] for r in replies)
+    finally:
+        worker.close(linger=0)
+        server.cancel()
+        endpoint.close()
+        context.destroy(linger=0)

@@ -1,0 +1,151 @@
+"""The mooncake transport writes into a receiver in another process, byte-exact.
+
+Runs only where Mooncake's transfer engine is installed
+(``pip install 'pd-transfer[mooncake]'``); skipped with that reason elsewhere.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import pytest_asyncio
+from engine_harness import ReceiverProcess, copy_back, expected_scatter, scattered_plan
+
+from pd_transfer.errors import Reason, TransportError
+from pd_transfer.transport.engine_link import Recovery
+from pd_transfer.transport.engine_staging import StagingOptions
+from pd_transfer.transport.engines import engine_unusable
+from pd_transfer.transport.strategy import StrategyMode
+
+pytestmark = [pytest.mark.asyncio,
+              pytest.mark.skipif(bool(engine_unusable("mooncake")),
+                                 reason=engine_unusable("mooncake") or "-")]
+
+FAST = Recovery(settle_s=0.05, probe_attempts=2, probe_backoff_s=0.05)
+
+
+def _transport(**kwargs):
+    # these tests pin the direct path (one descriptor per run); test_engine_staging
+    # covers staged writes and the choice between the two
+    from pd_transfer.transport.mooncake import MooncakeTransport
+    kwargs.setdefault("staging", StagingOptions(mode=StrategyMode.DIRECT))
+    return MooncakeTransport(**kwargs)
+
+
+@pytest_asyncio.fixture
+async def receivers():
+    made = []
+
+    async def start(placed: dict) -> ReceiverProcess:
+        process = await ReceiverProcess("mooncake", placed).start()
+        made.append(process)
+        return process
+
+    yield start
+    for process in made:
+        await process.stop()
+
+
+@pytest.mark.parametrize("case", [("llama", 2, 2), ("llama", 2, 4), ("gdn", 4, 2)],
+                         ids=["direct", "sliced", "gdn"])
+async def test_mooncake_write_lands_exactly_the_oracle_bytes(scenario, segments, receivers, case):
+    sc = scenario(*case)
+    placed = {rank: segments(regions) for rank, regions in sc.world.decode_buffers.items()}
+    peer = await receivers(placed)
+    transport = _transport()
+    links = {rank: await transport.connect(peer.endpoint(rank)) for rank in placed}
+    for plan in sc.plans:
+        assert await transport.write(links[plan.dst_rank], plan, sc.src(plan), room="r") \
+            == plan.total_nbytes
+    await transport.close()
+    copy_back(sc, placed)
+    assert sc.world.verify(sc.requests) == []
+
+
+async def test_a_plan_larger_than_the_engine_queue_goes_in_capped_batches(segments, receivers):
+    # 5,000 scattered 2 KiB runs: one batch this size overflows the engine's
+    # per-peer queue (~2,048) and leaves the peer refusing; capped batches do not
+    plan = scattered_plan("kv", 5000, 2048)
+    src = np.random.default_rng(1).integers(0, 256, 2 * 5000 * 2048, np.uint8)
+    before = np.random.default_rng(2).integers(0, 256, 4 * 5000 * 2048, np.uint8)
+    segs = segments({"kv": before})
+    peer = await receivers({"d0": segs})
+    transport = _transport(max_batch_descriptors=1024)
+    link = await transport.connect(peer.endpoint("d0"))
+    for _ in range(2):  # and the peer still takes the next write
+        assert await transport.write(link, plan, {"kv": src}) == 5000 * 2048
+    assert link.num_batches == 10 and link.max_batch_descriptors == 1024
+    assert np.array_equal(segs["kv"].array, expected_scatter(plan, src, before))
+    await transport.close()
+
+
+async def test_batches_above_half_the_engine_queue_are_refused_at_construction():
+    with pytest.raises(TransportError) as info:
+        _transport(max_batch_descriptors=4096)
+    assert info.value.code is Reason.INVALID_CONFIG and "2048" in str(info.value)
+
+
+async def test_a_run_out_of_bounds_is_refused_before_submission(scenario, segments, receivers):
+    sc = scenario("llama", 2, 2)
+    plan = sc.plans[0]
+    placed = {plan.dst_rank: segments(sc.dst(plan))}
+    peer = await receivers(placed)
+    transport = _transport()
+    # the peer's geometry says half of what its engine registered: the plan overruns it
+    halves = {r: s.nbytes // 2 for r, s in placed[plan.dst_rank].items()}
+    link = await transport.connect(peer.endpoint(plan.dst_rank, halves))
+    with pytest.raises(TransportError) as info:
+        await transport.write(link, plan, sc.src(plan))
+    assert info.value.code is Reason.RUN_OUT_OF_REGION and link.num_batches == 0
+    assert all(np.array_equal(s.array, sc.dst(plan)[r]) for r, s in placed[plan.dst_rank].items())
+    await transport.close()
+
+
+async def test_connect_refuses_a_peer_whose_engine_holds_less_than_its_geometry(segments,
+                                                                                receivers):
+    segs = segments({"kv": np.zeros(4096, np.uint8)})
+    peer = await receivers({"d0": segs})
+    with pytest.raises(TransportError) as info:
+        await _transport().connect(peer.endpoint("d0", {"kv": 8192}))
+    assert info.value.code is Reason.SEGMENT_TOO_SMALL
+
+
+async def test_connect_refuses_a_peer_without_a_mooncake_address():
+    from pd_transfer.transport import PeerEndpoint
+    with pytest.raises(TransportError) as info:
+        await _transport().connect(PeerEndpoint.from_maps("d0", {"kv": 64},
+                                                          data_address="tcp://127.0.0.1:1"))
+    assert info.value.code is Reason.TRANSPORT_UNSUPPORTED
+
+
+async def test_an_engine_error_fails_the_write_and_the_link_stays_usable(segments, receivers):
+    plan_a, plan_b = scattered_plan("a", 64, 512), scattered_plan("b", 64, 512)
+    src = np.random.default_rng(3).integers(0, 256, 2 * 64 * 512, np.uint8)
+    segs = segments({"a": np.zeros(4 * 64 * 512, np.uint8), "b": np.zeros(4 * 64 * 512, np.uint8)})
+    peer = await receivers({"d0": segs})
+    transport = _transport(recovery=FAST)
+    link = await transport.connect(peer.endpoint("d0"))
+    await peer.unregister("d0", "b")  # the peer's engine now refuses writes into b
+    with pytest.raises(TransportError) as info:
+        await transport.write(link, plan_b, {"b": src})
+    assert info.value.code is Reason.TRANSPORT_FAILED and "stays usable" in str(info.value)
+    assert await transport.write(link, plan_a, {"a": src}) == 64 * 512
+    assert np.array_equal(segs["a"].array, expected_scatter(plan_a, src, np.zeros_like(segs["a"].array)))
+    await transport.close()
+
+
+async def test_a_dead_peer_fails_the_write_and_the_link_is_then_refused(segments, receivers):
+    plan = scattered_plan("kv", 64, 512)
+    src = np.random.default_rng(4).integers(0, 256, 2 * 64 * 512, np.uint8)
+    segs = segments({"kv": np.zeros(4 * 64 * 512, np.uint8)})
+    peer = await receivers({"d0": segs})
+    transport = _transport(recovery=FAST)
+    link = await transport.connect(peer.endpoint("d0"))
+    await peer.kill()
+    with pytest.raises(TransportError) as info:
+        await transport.write(link, plan, {"kv": src})
+    assert info.value.code is Reason.PEER_LOST
+    with pytest.raises(TransportError) as again:
+        await transport.write(link, plan, {"kv": src})
+    assert again.value.code is Reason.PEER_LOST and "failed earlier" in str(again.value)
+    await transport.close()
