@@ -1,4 +1,5 @@
-"""Shared by test_mooncake and test_nixl: a receiver process over the parent's shm segments."""
+"""Shared by test_mooncake and test_nixl: a receiver process over the parent's shm segments,
+the engine's transport pinned to direct writes, and the byte-exact write check."""
 
 from __future__ import annotations
 
@@ -9,9 +10,68 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
+import pytest_asyncio
 
 from pd_transfer.layout.lowering import RunBatch, TransferPlan
 from pd_transfer.transport import PeerEndpoint
+from pd_transfer.transport.engine_link import Recovery
+from pd_transfer.transport.engine_staging import StagingOptions
+from pd_transfer.transport.engines import engine_unusable
+from pd_transfer.transport.strategy import StrategyMode
+
+FAST = Recovery(settle_s=0.05, probe_attempts=2, probe_backoff_s=0.05)
+ORACLE_CASES = pytest.mark.parametrize("case", [("llama", 2, 2), ("llama", 2, 4), ("gdn", 4, 2)],
+                                       ids=["direct", "sliced", "gdn"])
+
+
+def engine_marks(kind: str) -> list:
+    """asyncio, and skipped (naming the pip extra) where the engine is not installed."""
+    return [pytest.mark.asyncio,
+            pytest.mark.skipif(bool(engine_unusable(kind)), reason=engine_unusable(kind) or "-")]
+
+
+def direct_transport(kind: str, **kwargs):
+    """The engine's transport pinned to the direct path (one descriptor per run);
+    test_engine_staging covers staged writes and the choice between the two."""
+    if kind == "mooncake":
+        from pd_transfer.transport.mooncake import MooncakeTransport as transport_type
+    else:
+        from pd_transfer.transport.nixl import NixlTransport as transport_type
+    kwargs.setdefault("staging", StagingOptions(mode=StrategyMode.DIRECT))
+    return transport_type(**kwargs)
+
+
+def receivers_fixture(kind: str):
+    """A fixture starting receiver processes of ``kind`` (stopped after the test)."""
+    @pytest_asyncio.fixture
+    async def receivers():
+        made = []
+
+        async def start(placed: dict) -> ReceiverProcess:
+            process = await ReceiverProcess(kind, placed).start()
+            made.append(process)
+            return process
+
+        yield start
+        for process in made:
+            await process.stop()
+    return receivers
+
+
+async def write_and_verify(transport, scenario, segments, receivers, case) -> None:
+    """Every plan of the scenario through ``transport`` into a receiver process; the
+    oracle then checks every destination byte."""
+    sc = scenario(*case)
+    placed = {rank: segments(regions) for rank, regions in sc.world.decode_buffers.items()}
+    peer = await receivers(placed)
+    links = {rank: await transport.connect(peer.endpoint(rank)) for rank in placed}
+    for plan in sc.plans:
+        assert await transport.write(links[plan.dst_rank], plan, sc.src(plan), room="r") \
+            == plan.total_nbytes
+    await transport.close()
+    copy_back(sc, placed)
+    assert sc.world.verify(sc.requests) == []
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_receiver_child.py")
 

@@ -8,58 +8,30 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import pytest_asyncio
-from engine_harness import ReceiverProcess, copy_back, expected_scatter, scattered_plan
+from engine_harness import (
+    FAST,
+    ORACLE_CASES,
+    direct_transport,
+    engine_marks,
+    expected_scatter,
+    receivers_fixture,
+    scattered_plan,
+    write_and_verify,
+)
 
 from pd_transfer.errors import Reason, TransportError
-from pd_transfer.transport.engine_link import Recovery
-from pd_transfer.transport.engine_staging import StagingOptions
-from pd_transfer.transport.engines import engine_unusable
-from pd_transfer.transport.strategy import StrategyMode
 
-pytestmark = [pytest.mark.asyncio,
-              pytest.mark.skipif(bool(engine_unusable("mooncake")),
-                                 reason=engine_unusable("mooncake") or "-")]
-
-FAST = Recovery(settle_s=0.05, probe_attempts=2, probe_backoff_s=0.05)
+pytestmark = engine_marks("mooncake")
+receivers = receivers_fixture("mooncake")
 
 
 def _transport(**kwargs):
-    # these tests pin the direct path (one descriptor per run); test_engine_staging
-    # covers staged writes and the choice between the two
-    from pd_transfer.transport.mooncake import MooncakeTransport
-    kwargs.setdefault("staging", StagingOptions(mode=StrategyMode.DIRECT))
-    return MooncakeTransport(**kwargs)
+    return direct_transport("mooncake", **kwargs)
 
 
-@pytest_asyncio.fixture
-async def receivers():
-    made = []
-
-    async def start(placed: dict) -> ReceiverProcess:
-        process = await ReceiverProcess("mooncake", placed).start()
-        made.append(process)
-        return process
-
-    yield start
-    for process in made:
-        await process.stop()
-
-
-@pytest.mark.parametrize("case", [("llama", 2, 2), ("llama", 2, 4), ("gdn", 4, 2)],
-                         ids=["direct", "sliced", "gdn"])
+@ORACLE_CASES
 async def test_mooncake_write_lands_exactly_the_oracle_bytes(scenario, segments, receivers, case):
-    sc = scenario(*case)
-    placed = {rank: segments(regions) for rank, regions in sc.world.decode_buffers.items()}
-    peer = await receivers(placed)
-    transport = _transport()
-    links = {rank: await transport.connect(peer.endpoint(rank)) for rank in placed}
-    for plan in sc.plans:
-        assert await transport.write(links[plan.dst_rank], plan, sc.src(plan), room="r") \
-            == plan.total_nbytes
-    await transport.close()
-    copy_back(sc, placed)
-    assert sc.world.verify(sc.requests) == []
+    await write_and_verify(_transport(), scenario, segments, receivers, case)
 
 
 async def test_a_plan_larger_than_the_engine_queue_goes_in_capped_batches(segments, receivers):
