@@ -16,6 +16,9 @@ and for each, in one run:
                     descriptors via ``batch_transfer_sync_write``, 1,024 a batch
   nixl UCX tcp/shm  NIXL alone (UCX_TLS=tcp, then UCX_TLS=shm): descriptors
                     prepared once, one prepped transfer per repeat
+  pd-transfer tcp/shm  the same descriptors as a plan through the built-in
+                    transports: TcpTransport into a TcpReceiver in the
+                    receiver process, ShmTransport mapping the destination
   pd-transfer ...   the same descriptors as a plan through MooncakeTransport /
                     NixlTransport (bounds checks, joining, batching included)
                     with ``strategy = auto``: each write goes as direct runs or
@@ -58,7 +61,9 @@ MIB = 1 << 20
 SRC_NBYTES, DST_NBYTES = 256 * MIB, 512 * MIB
 CASES = {"a": ("(a) 1 x 256 MiB", 256 * MIB, 1), "b": ("(b) 16,384 x 16 KiB", 16 * 1024, 16384),
          "c": ("(c) 65,536 x 2 KiB", 2048, 65536)}
-MODES = [("mooncake TE tcp (engine alone)", "mooncake-raw", {}),
+MODES = [("pd-transfer tcp", "builtin-tcp", {}),
+         ("pd-transfer shm", "builtin-shm", {}),
+         ("mooncake TE tcp (engine alone)", "mooncake-raw", {}),
          ("pd-transfer mooncake (tcp)", "mooncake-pd", {}),
          ("nixl UCX tcp (engine alone)", "nixl-raw", {"UCX_TLS": "tcp"}),
          ("pd-transfer nixl (UCX tcp)", "nixl-pd", {"UCX_TLS": "tcp"}),
@@ -78,11 +83,18 @@ def descriptors(case: str, rng: np.random.Generator) -> tuple[np.ndarray, np.nda
 # -- children ---------------------------------------------------------------------------
 def receiver_main(args: dict) -> None:
     from pd_transfer.transport.engines import make_receiver
+    from pd_transfer.transport.tcp_receiver import TcpReceiver
     segment = open_segment(args["dst"])
 
     async def serve() -> None:
-        receiver = make_receiver(args["kind"], {"dst": segment.tensor})
-        print(json.dumps({"address": await receiver.start()}), flush=True)
+        if args["kind"] == "builtin":  # tcp into this process; shm needs nobody here
+            receiver = TcpReceiver("127.0.0.1", {"dst": segment.tensor})
+            await receiver.start()
+            address = receiver.address
+        else:
+            receiver = make_receiver(args["kind"], {"dst": segment.tensor})
+            address = await receiver.start()
+        print(json.dumps({"address": address}), flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
         await receiver.stop()
     asyncio.run(serve())
@@ -96,6 +108,7 @@ def sender_main(args: dict) -> None:
     for line in sys.stdin:
         case, mode = line.split()
         run_case = {"mooncake-raw": _mooncake_raw, "nixl-raw": _nixl_raw}.get(mode, _pd_transport)
+        address = args["dst"] if mode == "builtin-shm" else args["address"]
         s, d, n = sets[f"{case}_src"], sets[f"{case}_dst"], sets[f"{case}_n"]
         state = states.setdefault(mode, {})
         times = run_case(state, mode, address, src, s, d, n, repeats)
@@ -108,7 +121,7 @@ def sender_main(args: dict) -> None:
 def _chosen(state: dict) -> dict:
     """What the pd-transfer link chose for its last write, and its measured crossover."""
     link = state.get("link")
-    if link is None:
+    if link is None or not hasattr(link, "last_strategies"):  # built-in tcp/shm links
         return {}
     chosen = "+".join(sorted(s.value for s in link.last_strategies)) or "-"
     crossover = link.staging.crossover_nbytes if link.staging is not None else 0.0
@@ -176,18 +189,25 @@ def _table(addresses: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
 
 def _pd_transport(state, mode, address, src, s, d, n, repeats) -> list[float]:
     from pd_transfer.layout.lowering import RunBatch, TransferPlan
-    from pd_transfer.transport import PeerEndpoint
     from pd_transfer.transport.engines import make_transport
     loop = state.setdefault("loop", asyncio.new_event_loop())
     if "transport" not in state:
-        state["transport"] = make_transport(mode.split("-")[0])
-        state["link"] = loop.run_until_complete(state["transport"].connect(
-            PeerEndpoint.from_maps("d", {"dst": DST_NBYTES}, data_address=address)))
+        state["transport"], peer = _pd_peer(mode, address, make_transport)
+        state["link"] = loop.run_until_complete(state["transport"].connect(peer))
         state["close"] = lambda: loop.run_until_complete(state["transport"].close())
     plan = TransferPlan("p", "d", (RunBatch("src", "dst", s, d, n, np.ones(len(n), np.int64), 0, 0),))
     regions = {"src": src}
     return _timed(lambda: loop.run_until_complete(
         state["transport"].write(state["link"], plan, regions)), repeats)
+
+
+def _pd_peer(mode: str, address: str, make_transport):
+    """The transport of ``mode`` and the destination it connects to (shm: the segment)."""
+    from pd_transfer.transport import PeerEndpoint, ShmTransport, TcpTransport
+    if mode == "builtin-shm":
+        return ShmTransport(), PeerEndpoint.from_maps("d", {"dst": DST_NBYTES}, {"dst": address})
+    transport = TcpTransport() if mode == "builtin-tcp" else make_transport(mode.split("-")[0])
+    return transport, PeerEndpoint.from_maps("d", {"dst": DST_NBYTES}, data_address=address)
 
 
 # -- floors ------------------------------------------------------------------------------
@@ -236,7 +256,7 @@ def run_group(modes: list[tuple[str, str]], env: dict, names: dict, sets_path: s
     pd-transfer mode of one engine; seconds (or why not) per mode and case."""
     kind = modes[0][1].split("-")[0]
     from pd_transfer.transport.engines import engine_unusable
-    problem = engine_unusable(kind)
+    problem = engine_unusable(kind) if kind != "builtin" else ""
     if problem:
         return {label: {case: problem for case in CASES} for label, _ in modes}
     child_env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), **env)
@@ -248,7 +268,8 @@ def run_group(modes: list[tuple[str, str]], env: dict, names: dict, sets_path: s
                                 env=child_env, stderr=subprocess.DEVNULL)
     address = json.loads(receiver.stdout.readline())["address"]
     sender = subprocess.Popen(me + ["--child", json.dumps({
-        "role": "sender", "src": names["src"], "sets": sets_path, "address": address,
+        "role": "sender", "src": names["src"], "dst": names["dst"], "sets": sets_path,
+        "address": address,
         "repeats": repeats})], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         env=child_env, stderr=subprocess.DEVNULL)
     out: dict[str, dict] = {label: {} for label, _ in modes}  # and "chosen": pd-transfer's picks
@@ -343,16 +364,44 @@ def report(repeats: int, names: dict, sets_path: str, src, dst, sets) -> None:
                 print(f"{first:<22}{shown:<44}  {seconds}")
                 continue
             alone = ""
-            if label.startswith("pd-transfer"):
+            if label.startswith("pd-transfer") and "(" in label:
                 engine = MODES[[m[0] for m in MODES].index(label) - 1][0]
                 base = results[engine][case]
                 alone = f"{base / seconds:.2f}" if isinstance(base, float) else "-"
             print(f"{first:<22}{shown:<44}{seconds * 1e3:>9.1f}{total / seconds / 1e9:>8.2f}"
                   f"{copy[total] / seconds:>8.2f}{raw[total] / seconds:>7.2f}{alone:>9}")
-    crossovers = {label: answer["crossover"] for (label, _), answer in chosen.items()}
+    targets(results, copy, raw, totals)
+    crossovers = {label: answer["crossover"] for (label, _), answer in chosen.items()
+                  if "(" in label}
     print("staged below a mean run of: " + ", ".join(
         f"{label.removeprefix('pd-transfer ')} {value / 1024:.1f} KiB"
         for label, value in crossovers.items()) + " (measured by each link at connect)")
+
+
+
+def targets(results: dict, copy: dict, raw: dict, totals: dict) -> None:
+    """The issue's targets, as ratios of this run's rows (missing rows: not measured)."""
+    def ratio(label: str, case: str, base: str) -> float | None:
+        mine, other = results.get(label, {}).get(case), results.get(base, {}).get(case)
+        return other / mine if isinstance(mine, float) and isinstance(other, float) else None
+
+    tcp, shm = "pd-transfer tcp", "pd-transfer shm"
+    checks = [(f"tcp x raw tcp, case {c}", raw[totals[c]] / results[tcp][c], 0.7)
+              for c in CASES if isinstance(results[tcp][c], float)]
+    checks += [("tcp x mooncake TE tcp, 16 KiB", ratio(tcp, "b", MODES[2][0]), 4.0),
+               ("tcp x nixl UCX tcp, 16 KiB", ratio(tcp, "b", MODES[4][0]), 1.5),
+               ("tcp x mooncake TE tcp, 2 KiB", ratio(tcp, "c", MODES[2][0]), 20.0),
+               ("tcp x nixl UCX tcp, 2 KiB", ratio(tcp, "c", MODES[4][0]), 6.0)]
+    peers = [results[m[0]]["a"] for m in (MODES[2], MODES[4])  # the engines over tcp
+             if isinstance(results[m[0]]["a"], float)]
+    if peers and isinstance(results[tcp]["a"], float):
+        checks.append(("tcp x best tcp engine, 256 MiB block", min(peers) / results[tcp]["a"], 0.8))
+    checks += [(f"shm x copy_, case {c}", copy[totals[c]] / results[shm][c], floor)
+               for c, floor in (("b", 0.6), ("c", 0.3)) if isinstance(results[shm][c], float)]
+    for name, value, floor in checks:
+        verdict = "not measured" if value is None else ("met" if value >= floor else "MISSED")
+        shown = "-" if value is None else f"{value:.2f}x"
+        print(f"target {name:<42} {shown:>8}  >= {floor:g}x  {verdict}")
 
 
 if __name__ == "__main__":
