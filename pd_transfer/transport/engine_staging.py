@@ -208,3 +208,37 @@ class ReceiverStaging:
         if self.area is not None and unregister is not None:
             unregister(self.area.address)
         self.area = None
+
+
+class EngineReceiver:
+    """What the mooncake and nixl receivers share once started: fencing staged chunks,
+    and stopping (unregistering their regions, closing the engine when they own it).
+
+    Subclasses set ``engine``, ``staging``, ``_owns_engine`` and ``_bases``.
+    """
+
+    engine = None
+    staging: ReceiverStaging
+    _owns_engine: bool
+    _bases: dict[str, tuple[int, int]]
+
+    async def fence(self, room: str, generation: int) -> None:
+        """Refuse later staged chunks of ``room`` up to ``generation`` (direct writes are
+        the writer's to drain)."""
+        await self.staging.fence(room, generation)
+
+    def unregister(self, address: int) -> None:
+        """Take one region away from the engine (tests: make the engine fail a write)."""
+        if self.engine is not None:
+            self.engine.unregister(address)
+
+    async def stop(self) -> None:
+        engine, self.engine = self.engine, None
+        if engine is None:
+            return
+        await self.staging.stop(engine.unregister)
+        if self._owns_engine:
+            await asyncio.to_thread(engine.close)
+        else:
+            for address, _ in self._bases.values():
+                engine.unregister(address)

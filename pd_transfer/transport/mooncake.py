@@ -47,6 +47,7 @@ from pd_transfer.transport.engine_runs import (
     split_long,
 )
 from pd_transfer.transport.engine_staging import (
+    EngineReceiver,
     ReceiverStaging,
     StagingOptions,
     attach,
@@ -132,7 +133,7 @@ class MooncakeEngine:
             self._registered.clear()
 
 
-class MooncakeReceiver:
+class MooncakeReceiver(EngineReceiver):
     """The decode side: registers the rank's regions once and publishes them.
 
     ``engine``: share a started engine (the sidecar's own transport's, see
@@ -161,27 +162,6 @@ class MooncakeReceiver:
         self.address = EngineAddress("mooncake", self.engine.session, self._bases,
                                      control=control, staging=area).encode()
         return self.address
-
-    async def fence(self, room: str, generation: int) -> None:
-        """Refuse later staged chunks of ``room`` up to ``generation`` (direct writes are
-        the writer's to drain)."""
-        await self.staging.fence(room, generation)
-
-    def unregister(self, address: int) -> None:
-        """Take one region away from the engine (tests: make the engine fail a write)."""
-        if self.engine is not None:
-            self.engine.unregister(address)
-
-    async def stop(self) -> None:
-        engine, self.engine = self.engine, None
-        if engine is None:
-            return
-        await self.staging.stop(engine.unregister)
-        if self._owns_engine:
-            await asyncio.to_thread(engine.close)
-        else:
-            for address, _ in self._bases.values():
-                engine.unregister(address)
 
 
 class MooncakeLink(EngineLink):

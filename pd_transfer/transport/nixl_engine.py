@@ -24,7 +24,7 @@ import numpy as np
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.engine_address import EngineAddress
 from pd_transfer.transport.engine_runs import region_bases
-from pd_transfer.transport.engine_staging import ReceiverStaging
+from pd_transfer.transport.engine_staging import EngineReceiver, ReceiverStaging
 from pd_transfer.transport.regions import Regions
 
 _API_MODULES = ("nixl_cu12", "nixl_cu13", "nixl._api")
@@ -153,7 +153,7 @@ class NixlEngine:
             self.unregister(address)
 
 
-class NixlReceiver:
+class NixlReceiver(EngineReceiver):
     """The decode side: registers the rank's regions once and publishes agent metadata.
 
     ``engine``: share a started agent (the sidecar's own transport's, see
@@ -181,23 +181,3 @@ class NixlReceiver:
                                      self.engine.metadata(), control=control,
                                      staging=area).encode()
         return self.address
-
-    async def fence(self, room: str, generation: int) -> None:
-        """Refuse later staged chunks of ``room`` up to ``generation``."""
-        await self.staging.fence(room, generation)
-
-    def unregister(self, address: int) -> None:
-        """Take one region away from the agent (tests)."""
-        if self.engine is not None:
-            self.engine.unregister(address)
-
-    async def stop(self) -> None:
-        engine, self.engine = self.engine, None
-        if engine is None:
-            return
-        await self.staging.stop(engine.unregister)
-        if self._owns_engine:
-            await asyncio.to_thread(engine.close)
-        else:
-            for address, _ in self._bases.values():
-                engine.unregister(address)
