@@ -45,8 +45,8 @@ from pd_transfer.transport.engine_staging import (
     StagingOptions,
     attach,
     run_staged,
-    segments,
     staged_layouts,
+    write_parts,
 )
 from pd_transfer.transport.nixl_engine import NixlEngine, NixlReceiver, load_api
 from pd_transfer.transport.regions import Regions
@@ -160,18 +160,8 @@ class NixlTransport(Transport):
                     generation: int = 0) -> int:
         link = self._own(link, NixlLink)
         link.check_usable()
-        where = f"room {room or '-'} gen {generation} plan {plan.src_rank} -> {link.peer.peer_id}"
         engine = self.engine()
-        src = self._sources.map(src_regions, (b.src_region for b in plan.batches), "source")
-        bases = {r: (int(m.array.ctypes.data), m.nbytes) for r, m in src.items()}
-        if engine.unregistered(bases):  # first write from these regions: pinning may take a while
-            await asyncio.to_thread(engine.register, bases)
-        parts = segments(plan, link, self.staging.mode)
-        nbytes = await link.run_background(asyncio.to_thread(
-            self._submit_all, engine, link, parts, bases, src, where, room, generation))
-        link.nbytes_written += nbytes
-        link.num_writes += 1
-        return nbytes
+        return await write_parts(self, link, engine, plan, src_regions, room, generation)
 
     def _submit_all(self, engine: NixlEngine, link: NixlLink, parts: list, bases: dict,
                     src: dict, where: str, room: str, generation: int) -> int:
