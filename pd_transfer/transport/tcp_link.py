@@ -244,7 +244,16 @@ class TcpLink(Link):
             else:
                 self._send_chunk(sock, xfer, job.layout, job.src, staging)
         except OSError as err:
+            self._hear_out(sock)
             self._lost(self._conn_id, sock, f"sending to {self.peer.peer_id} failed: {err}")
+
+    def _hear_out(self, sock: socket.socket, timeout_s: float = 1.0) -> None:
+        """A receiver that refuses a connection says why before closing it: give that
+        socket's reader a moment to deliver the reason (unauthenticated, a refused room)
+        before the broken pipe fails the transfers with a bare transport_failed."""
+        for reader_sock, reader in list(self._readers):
+            if reader_sock is sock:
+                reader.join(timeout_s)
 
     def _send_chunk(self, sock: socket.socket, xfer: Xfer, layout: ChunkLayout,
                     src: Mapping[str, Mapped], staging: Staging) -> None:
