@@ -26,6 +26,7 @@ where they release the GIL. Sans asyncio; imports only the standard library.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import socket
 import struct
@@ -243,3 +244,23 @@ class Authenticator(Protocol):
 
     def unauthenticated(self, where: str) -> None:
         """Count a connection that sent data before the handshake (it is closed)."""
+
+
+async def stop_serving(server) -> None:
+    """Stop a threaded connection server (the tcp receiver, the staging receiver): no
+    more accepts, the listener closed, every connection shut and its thread joined.
+
+    ``server`` has ``_accepting`` (the accept task), ``_listener`` and ``_connections``
+    (connection -> its thread).
+    """
+    if server._accepting is not None:
+        server._accepting.cancel()
+        await asyncio.gather(server._accepting, return_exceptions=True)
+        server._accepting = None
+    if server._listener is not None:
+        server._listener.close()
+        server._listener = None
+    connections = list(server._connections.items())
+    for connection, _ in connections:
+        connection.shutdown()
+    await asyncio.to_thread(lambda: [thread.join() for _, thread in connections])

@@ -50,6 +50,7 @@ from pd_transfer.transport.sockets import (
     read_prefix,
     recv_exact,
     send_frame,
+    stop_serving,
 )
 from pd_transfer.transport.staging_wire import (
     MAX_HEADER_NBYTES,
@@ -145,17 +146,7 @@ class StagingReceiver:
         return self.address
 
     async def stop(self) -> None:
-        if self._accepting is not None:
-            self._accepting.cancel()
-            await asyncio.gather(self._accepting, return_exceptions=True)
-            self._accepting = None
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
-        connections = list(self._connections.items())
-        for connection, _ in connections:
-            connection.shutdown()
-        await asyncio.to_thread(lambda: [thread.join() for _, thread in connections])
+        await stop_serving(self)
 
     async def fence(self, room: str, generation: int) -> None:
         """Refuse later chunks of ``room`` up to ``generation``; return once none is landing."""

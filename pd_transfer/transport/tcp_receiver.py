@@ -41,7 +41,12 @@ from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.admission import ByteRanges, RoomAdmission, RoomPolicy
 from pd_transfer.transport.iovecs import DIRECT_MIN_NBYTES
 from pd_transfer.transport.regions import Mapped, RegionMemory, map_one
-from pd_transfer.transport.sockets import Authenticator, configure, format_address
+from pd_transfer.transport.sockets import (
+    Authenticator,
+    configure,
+    format_address,
+    stop_serving,
+)
 from pd_transfer.transport.tcp_connection import Connection
 
 log = logging.getLogger("pd_transfer.transport.tcp")
@@ -118,17 +123,7 @@ class TcpReceiver:
         return self.address
 
     async def stop(self) -> None:
-        if self._accepting is not None:
-            self._accepting.cancel()
-            await asyncio.gather(self._accepting, return_exceptions=True)
-            self._accepting = None
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
-        connections = list(self._connections.items())
-        for connection, _ in connections:
-            connection.shutdown()
-        await asyncio.to_thread(lambda: [thread.join() for _, thread in connections])
+        await stop_serving(self)
 
     async def __aenter__(self) -> TcpReceiver:
         await self.start()
