@@ -87,15 +87,20 @@ def test_rooms_waiting_past_admission_wait_s_fail_with_backpressure_timeout(clus
     cluster = cluster_factory(prefill, decode, decode_config={"max_rooms_per_peer": 2,
                                                               "admission_wait_s": 0.5})
     client, rank = cluster.clients[decode[0].rank_id], decode[0].rank_id
-    stalled, excess = [1, 2], list(range(3, 11))
-    for room in stalled + excess:   # prefill's worker sends nothing yet: the peer is stalled
+    rooms = list(range(1, 11))
+    for room in rooms:   # prefill's worker sends nothing yet: the peer is stalled
         cluster.expect(room, _room_requests(room))
+    # which two rooms get the slots depends on when each resumed after the bootstrap
+    # (rooms expected once it resolved go straight to admission): any two, never more
+    states = {room: client.wait(room, timeout_s=3) for room in rooms}
+    stalled = [r for r, state in states.items() if state.status is RoomStatus.WAITING_FOR_INPUT]
+    excess = [r for r in rooms if r not in stalled]
+    assert len(stalled) == 2, states
     for room in excess:
-        state = client.wait(room, timeout_s=10)
+        state = states[room]
         assert state.status is RoomStatus.FAILED and state.code_text == "backpressure_timeout"
         assert "max_rooms_per_peer=2" in state.reason
         assert "raise max_rooms_per_peer or admission_wait_s" in state.reason
-    assert _statuses(client, stalled) == [RoomStatus.WAITING_FOR_INPUT] * 2
     # nothing is left queued, and the limit's refusals are counted
     assert _metric(cluster, rank, "pd_transfer_admission_waiting", resource="rooms") == 0
     assert _metric(cluster, rank, "pd_transfer_limit_rejections_total",
