@@ -1,6 +1,6 @@
 """End-to-end throughput and latency between real sidecar processes.
 
-    python benchmarks/sidecar_bench.py [--tokens 8192] [--repeats 5]
+    python benchmarks/sidecar_bench.py [--tokens 8192] [--repeats 5] [--device cuda]
 
 In one run, on the same bytes: a plain contiguous torch copy (the memory
 limit) and a raw loopback TCP stream between two processes (the network
@@ -12,6 +12,11 @@ moving a Llama-3.1-8B request of ``--tokens`` tokens
 to the decode worker seeing Success (bootstrap excluded: one warm-up room
 first). Medians of ``--repeats``. Prints a table with ratios against the
 floors; no assertion.
+
+``--device cuda`` (on a GPU host): the workers' pools are CUDA tensors shared
+through CUDA IPC; the shm cases become device-to-device copies between the
+sidecars, the floor is a contiguous copy on the GPU, and the tcp case is
+left out (CUDA pools move between sidecars of one host only).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pd_transfer.client import Client, allocate_pools  # noqa: E402
+from pd_transfer.client.cuda_pools import allocate_cuda_pools  # noqa: E402
 from pd_transfer.layout.geometry import Role  # noqa: E402
 from pd_transfer.layout.presets import load_preset  # noqa: E402
 from pd_transfer.layout.rank_builder import build_instance  # noqa: E402
@@ -46,14 +52,16 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def memcpy_gbps(nbytes: int, repeats: int) -> float:
+def memcpy_gbps(nbytes: int, repeats: int, device: str = "cpu") -> float:
     import torch
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
         dst.copy_(src)
+        if device != "cpu":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return nbytes / statistics.median(times[1:]) / 1e9
 
@@ -92,7 +100,8 @@ def raw_tcp_gbps(nbytes: int, repeats: int) -> float:
 class Deployment:
     """Sidecars plus in-process workers (pools in shm, real clients)."""
 
-    def __init__(self, workdir: Path, tp_src: int, tp_dst: int, num_pages: int, transport: str) -> None:
+    def __init__(self, workdir: Path, tp_src: int, tp_dst: int, num_pages: int, transport: str,
+                 device: str = "cpu") -> None:
         spec = load_preset("llama-3.1-8b")
         shape = {"page_size": PAGE, "num_pages": num_pages, "kv_layout": Layout.NHD, "num_aux_rows": 4}
         self.prefill = build_instance(spec, Role.PREFILL, tp_src, **shape)
@@ -112,10 +121,13 @@ class Deployment:
             name = f"{geometry.role.value}{geometry.tp_rank}"
             while not (workdir / f"{name}.json").exists():
                 time.sleep(0.02)
-            pools = allocate_pools(geometry, f"bench-{name}-{transport}")
+            if device == "cuda":
+                pools = allocate_cuda_pools(geometry)
+            else:
+                pools = allocate_pools(geometry, f"bench-{name}-{transport}")
             self.pools.append(pools)
-            for array in pools.arrays.values():
-                array[:] = 7
+            for tensor in pools.tensors.values():
+                tensor.fill_(7)
             client = Client(f"ipc://{workdir}/{name}.sock", name, timeout_s=60)
             client.register(geometry, pools.handles)
             self.clients[geometry.rank_id] = client
@@ -145,9 +157,9 @@ class Deployment:
 
 
 def transfer_case(workdir: Path, tp_src: int, tp_dst: int, transport: str, tokens: int,
-                  repeats: int) -> tuple[float, int]:
+                  repeats: int, device: str = "cpu") -> tuple[float, int]:
     pages = tokens // PAGE
-    deployment = Deployment(workdir, tp_src, tp_dst, pages + 64, transport)
+    deployment = Deployment(workdir, tp_src, tp_dst, pages + 64, transport, device)
     try:
         rng = np.random.default_rng(0)
         total = sum(v.item_nbytes * pages for g in deployment.decode for v in g.views
@@ -163,8 +175,8 @@ def transfer_case(workdir: Path, tp_src: int, tp_dst: int, transport: str, token
         deployment.close()
 
 
-def one_page_latency_ms(workdir: Path, rooms: int) -> float:
-    deployment = Deployment(workdir, 1, 1, 64, "shm")
+def one_page_latency_ms(workdir: Path, rooms: int, device: str = "cpu") -> float:
+    deployment = Deployment(workdir, 1, 1, 64, "shm", device)
     try:
         deployment.room(1, [0], [0])
         times = [deployment.room(1000 + i, [i % 64], [(i * 7) % 64]) - 0.0 for i in range(rooms)]
@@ -179,7 +191,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--only", choices=("all", "shm", "tcp"), default="all",
                         help="run the shm cases or the tcp case alone (and its floor)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the workers' pools live (cuda: CUDA IPC, no tcp case)")
     args = parser.parse_args()
+    if args.device == "cuda":
+        args.only = "shm"
     workdir = Path(tempfile.mkdtemp(prefix="pdt-bench-"))
     rows = []
     results = {}
@@ -191,16 +207,18 @@ def main() -> None:
             continue
         if transport == "tcp":  # the network floor right before and after the case
             tcp_rates.append(raw_tcp_gbps(args.tokens * KV_NBYTES_PER_TOKEN, 3))
-        seconds, nbytes = transfer_case(workdir, tp_src, tp_dst, transport, args.tokens, args.repeats)
+        seconds, nbytes = transfer_case(workdir, tp_src, tp_dst, transport, args.tokens, args.repeats,
+                                        args.device)
         results[label] = (seconds, nbytes)
         if transport == "tcp":
             tcp_rates.append(raw_tcp_gbps(nbytes, 3))
     nbytes = next(iter(results.values()))[1]
-    copy = memcpy_gbps(nbytes, args.repeats)
+    copy = memcpy_gbps(nbytes, args.repeats, args.device)
     tcp = statistics.median(tcp_rates) if tcp_rates else raw_tcp_gbps(nbytes, 3)
-    latency = one_page_latency_ms(workdir, 60) if args.only != "tcp" else None
+    latency = one_page_latency_ms(workdir, 60, args.device) if args.only != "tcp" else None
     print(f"Llama-3.1-8B, {args.tokens} tokens, page {PAGE}, random pages: "
-          f"{nbytes / 2**30:.2f} GiB of KV per request; medians of {args.repeats}")
+          f"{nbytes / 2**30:.2f} GiB of KV per request; medians of {args.repeats}; "
+          f"pools on {args.device}")
     print(f"{'case':<24}{'seconds':>9}{'GB/s':>8}{'ratio':>8}  floor / target")
     print(f"{'contiguous copy':<24}{nbytes / copy / 1e9:>9.3f}{copy:>8.2f}{1:>8.2f}  memory floor")
     print(f"{'raw loopback tcp':<24}{nbytes / tcp / 1e9:>9.3f}{tcp:>8.2f}{1:>8.2f}  network floor")

@@ -153,6 +153,13 @@ class DataPlane:
                 code=Reason.TRANSPORT_FAILED, hint="use --transport tcp or auto across hosts")
         sizes = {r.id: r.nbytes for r in register.geometry.regions}
         peer_id = register.geometry.rank_id
+        if self.on_device and (self._engine is not None or not use_shm):
+            raise PdTransferError(
+                f"this sidecar's regions are CUDA memory, which only same-host copies move "
+                f"(peer {peer_id}: transport {'shm' if use_shm else wanted}, "
+                f"peer host {register.host_id!r}, this host {self.config.host_id!r})",
+                code=Reason.TRANSPORT_UNSUPPORTED,
+                hint="run the peers on one host with transport shm or auto, or register host pools")
         try:
             if self._engine is not None:
                 return await self._engine.connect(PeerEndpoint.from_maps(peer_id, sizes, None,
@@ -181,11 +188,10 @@ class DataPlane:
         """Move every byte of ``plan``; returns only when all of it landed."""
         try:
             if isinstance(link, DeviceLink) or self.on_device:
-                dst = link.regions if isinstance(link, DeviceLink) else None
-                if dst is None:
-                    raise PdTransferError("device regions need a same-host peer with CUDA handles",
-                                          code=Reason.TRANSPORT_FAILED)
-                return await asyncio.to_thread(execute_on_device, plan, self.local_regions, dst)
+                # CUDA on either side: torch copies (device to device, or to / from the
+                # peer's shared memory, which a ShmLink maps as host tensors)
+                return await asyncio.to_thread(execute_on_device, plan, self.local_regions,
+                                               link.regions)
             transport = link.transport
             nbytes = await transport.write(link, plan, self.local_regions, room=str(room),
                                            generation=generation)

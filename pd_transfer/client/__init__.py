@@ -9,6 +9,11 @@
         client.send(room, pages[64:], state_slots=[slot], aux_row=row)
         state = client.wait(room, timeout_s=30)
 
+On a GPU, :func:`allocate_cuda_pools` gives CUDA tensors whose ``handles`` are
+CUDA IPC handles; the sidecars then copy device to device (same host). Make
+the pages' writes visible (``torch.cuda.synchronize()`` or an event) before
+``send``: the sidecar reads them from its own CUDA stream.
+
 :class:`Client` blocks the calling thread (in ``zmq_poll``, never spinning);
 :class:`AsyncClient` offers the same calls as coroutines for asyncio workers.
 Worker and sidecar talk over ZeroMQ ``ipc://`` with the requests of
@@ -29,10 +34,12 @@ May import the layout, protocol and security layers and shared memory; never the
 """
 
 from pd_transfer.client.aio import AsyncClient
+from pd_transfer.client.cuda_pools import CudaPools, allocate_cuda_pools
 from pd_transfer.client.errors import AuthFailed, BadReply, ClientClosed, ClientError, Refused, ReplyTimeout
 from pd_transfer.client.pools import Pools, allocate_pools
 from pd_transfer.client.status import RoomState, RoomStatus
 from pd_transfer.client.sync import Client
 
-__all__ = ["AsyncClient", "AuthFailed", "BadReply", "Client", "ClientClosed", "ClientError", "Pools", "Refused",
-           "ReplyTimeout", "RoomState", "RoomStatus", "allocate_pools"]
+__all__ = ["AsyncClient", "AuthFailed", "BadReply", "Client", "ClientClosed", "ClientError", "CudaPools",
+           "Pools", "Refused", "ReplyTimeout", "RoomState", "RoomStatus", "allocate_cuda_pools",
+           "allocate_pools"]

@@ -5,6 +5,10 @@ both regions as rows of the largest size dividing every offset and length,
 gather the source rows with ``index_select`` and scatter them with
 ``index_copy_`` on the device, chunk by chunk. Every run is bounds-checked
 against both regions first (nothing moves if one is out of bounds).
+
+CUDA kernels run asynchronously: the executor synchronizes every device it
+wrote to before returning, so "returned" means "landed" (decode may report
+Success and its worker read the pages at once).
 """
 
 from __future__ import annotations
@@ -39,4 +43,11 @@ def execute_on_device(plan, src_regions: dict, dst_regions: dict) -> int:
             d = torch.from_numpy(np.ascontiguousarray(dst_idx[start:start + _CHUNK_ROWS])).to(dst.device)
             dst_rows.index_copy_(0, d, src_rows.index_select(0, s).to(dst.device))
         total += int(runs.nbytes.sum())
+    _synchronize(dst_regions)
     return total
+
+
+def _synchronize(regions: dict) -> None:
+    import torch
+    for device in {t.device for t in regions.values() if t.is_cuda}:
+        torch.cuda.synchronize(device)

@@ -22,8 +22,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from pd_transfer.client import Client, allocate_pools
+from pd_transfer.client.cuda_pools import allocate_cuda_pools
 from pd_transfer.errors import GeometryError
 from pd_transfer.layout.geometry import RankGeometry
 from pd_transfer.layout.views import Pool
@@ -83,8 +85,11 @@ class Cluster:
 
     def __init__(self, workdir: Path, prefill: list[RankGeometry], decode: list[RankGeometry], *,
                  transport: str = "shm", config: dict | None = None, seed: int = 0,
-                 decode_config: dict | None = None, attach: bool = True) -> None:
+                 decode_config: dict | None = None, attach: bool = True, device: str = "cpu",
+                 decode_device: str | None = None) -> None:
         self.workdir = workdir
+        # "cuda": pools are CUDA tensors shared through CUDA IPC handles
+        self.devices = {"prefill": device, "decode": decode_device or device}
         self.prefill, self.decode = prefill, decode
         self.bootstrap = f"tcp://127.0.0.1:{free_port()}"
         try:
@@ -131,13 +136,19 @@ class Cluster:
 
     def _attach(self, geometry: RankGeometry, tag: str) -> None:
         rank = geometry.rank_id
-        pools = self.pools[rank] = allocate_pools(geometry, f"t{tag}-{geometry.role.value}"
-                                                            f"{geometry.pp_rank}{geometry.tp_rank}")
+        on_gpu = self.devices[geometry.role.value] == "cuda"
+        if on_gpu:
+            pools = self.pools[rank] = allocate_cuda_pools(geometry)
+        else:
+            pools = self.pools[rank] = allocate_pools(geometry, f"t{tag}-{geometry.role.value}"
+                                                                f"{geometry.pp_rank}{geometry.tp_rank}")
         if self.world is not None:
             world = (self.world.prefill_buffers if geometry.role.value == "prefill"
                      else self.world.decode_buffers)[rank]
-            for region_id, array in pools.arrays.items():
-                array[:] = world[region_id]
+            for region_id, tensor in pools.tensors.items():
+                tensor.copy_(torch.from_numpy(world[region_id]))
+            if on_gpu:  # the worker's writes are done before its sidecar reads
+                torch.cuda.synchronize()
         client = self.clients[rank] = Client(self.sidecars[rank].endpoint, rank, timeout_s=20)
         client.register(geometry, pools.handles)
 
@@ -169,8 +180,8 @@ class Cluster:
     def verify(self, requests: dict) -> list[str]:
         for geometry in self.decode:
             world = self.world.decode_buffers[geometry.rank_id]
-            for region_id, array in self.pools[geometry.rank_id].arrays.items():
-                world[region_id][:] = array
+            for region_id, tensor in self.pools[geometry.rank_id].tensors.items():
+                world[region_id][:] = tensor.cpu().numpy()
         return self.world.verify(requests)
 
     def close(self) -> None:

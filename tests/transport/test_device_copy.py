@@ -1,9 +1,10 @@
-"""The torch (device) executor moves plans byte-exact; here on CPU tensors, on GPU in tests/gpu."""
+"""The torch (device) executor moves plans byte-exact; on CPU tensors, and on CUDA tensors where a GPU is present."""
 
 import numpy as np
 import pytest
 import torch
 
+from pd_transfer.cuda_ipc import cuda_available
 from pd_transfer.errors import TransportError
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.planner import plan_pair
@@ -14,11 +15,15 @@ from pd_transfer.layout.views import Layout, Pool
 from pd_transfer.testing import World
 from pd_transfer.transport.device_copy import execute_on_device
 
+ON_GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not cuda_available(), reason="no CUDA device on this machine")])
 
+
+@pytest.mark.parametrize("device", ["cpu", ON_GPU])
 @pytest.mark.parametrize("model,tp_src,tp_dst,layout", [
     ("llama-3.1-8b", 2, 4, Layout.NHD), ("llama-3.1-8b", 4, 1, Layout.PAGE_FIRST),
     ("qwen3-next-80b-a3b", 2, 4, Layout.HND)])
-def test_device_executor_is_byte_exact(model, tp_src, tp_dst, layout):
+def test_device_executor_is_byte_exact(model, tp_src, tp_dst, layout, device):
     spec = load_preset(model)
     shape = {"page_size": 16, "num_pages": 5, "num_slots": 2, "num_aux_rows": 2}
     prefill = build_instance(spec, Role.PREFILL, tp_src, kv_layout=Layout.NHD, **shape)
@@ -28,14 +33,17 @@ def test_device_executor_is_byte_exact(model, tp_src, tp_dst, layout):
     requests = {Pool.KV: (np.array([4, 0, 2]), np.array([1, 3, 0])), Pool.AUX: (np.array([1]), np.array([0]))}
     if any(v.pool is Pool.MAMBA for v in prefill[0].views):
         requests[Pool.MAMBA] = (np.array([1]), np.array([0]))
-    src = {g.rank_id: {k: torch.from_numpy(v) for k, v in world.prefill_buffers[g.rank_id].items()}
+    src = {g.rank_id: {k: torch.from_numpy(v).to(device) for k, v in world.prefill_buffers[g.rank_id].items()}
            for g in prefill}
-    dst = {g.rank_id: {k: torch.from_numpy(v) for k, v in world.decode_buffers[g.rank_id].items()}
+    dst = {g.rank_id: {k: torch.from_numpy(v).to(device) for k, v in world.decode_buffers[g.rank_id].items()}
            for g in decode}
     by_id = {g.rank_id: g for g in prefill}
     for d in decode:
         for s in recon.sources_for(d):
             execute_on_device(plan_pair(recon, by_id[s], d, requests), src[s], dst[d.rank_id])
+    for d in decode:  # on GPU: back to the oracle's buffers (returned means landed: no sync here)
+        for k, tensor in dst[d.rank_id].items():
+            world.decode_buffers[d.rank_id][k][:] = tensor.cpu().numpy()
     assert world.verify(requests) == []
 
 
