@@ -49,7 +49,13 @@ def open_handle(handle: str, min_nbytes: int) -> Any:
     """A uint8 CUDA tensor over the memory behind ``handle`` (checked, never unpickled)."""
     import torch
     fields = _decode(handle)
-    storage = torch.UntypedStorage._new_shared_cuda(*fields)
+    torch.cuda.init()  # opening a handle before CUDA is initialized crashes the process
+    try:
+        storage = torch.UntypedStorage._new_shared_cuda(*fields)
+    except RuntimeError as err:
+        raise PdTransferError(f"cannot open CUDA IPC handle: {err}".splitlines()[0],
+                              code=Reason.REGION_INVALID,
+                              hint="the peer must be on this host and keep its tensors alive") from None
     if storage.nbytes() < min_nbytes:
         raise PdTransferError(f"CUDA IPC region holds {storage.nbytes()} bytes but {min_nbytes} "
                               "are registered", code=Reason.REGION_INVALID)

@@ -105,26 +105,39 @@ class RoomTable:
         self.ttl_s = ttl_s
         self.max_rooms = max_rooms
         self.rooms: dict[int, Room] = {}
+        # the live rooms, kept as they start and end: the limit check on every send or
+        # expect must not scan the whole table (up to 2 x max_rooms rooms)
+        self._live: dict[int, Room] = {}
 
     def get(self, room: int) -> Room | None:
         return self.rooms.get(room)
 
     def add(self, room: Room) -> None:
+        replaced = self.rooms.get(room.room)
+        if replaced is not None and self._live.get(room.room) is replaced:
+            del self._live[room.room]
         self.rooms[room.room] = room
+        if not room.terminal:
+            self._live[room.room] = room
+            room.on_end.append(self._ended)
         if len(self.rooms) > 2 * self.max_rooms:
             finished = sorted((r for r in self.rooms.values() if r.terminal),
                               key=lambda r: r.finished_s)
             for old in finished[:len(self.rooms) - 2 * self.max_rooms + self.max_rooms // 8 + 1]:
                 del self.rooms[old.room]
 
+    def _ended(self, room: Room) -> None:
+        if self._live.get(room.room) is room:
+            del self._live[room.room]
+
     def live(self) -> list[Room]:
-        return [r for r in self.rooms.values() if not r.terminal]
+        return list(self._live.values())
 
     def refusal(self, room: int) -> str:
         """Why a new ``room`` may not be added ('' when it may): ``max_rooms`` are live."""
-        if room in self.rooms and not self.rooms[room].terminal:
+        if room in self._live:
             return ""
-        live = len(self.live())
+        live = len(self._live)
         return "" if live < self.max_rooms else \
             f"{live} rooms are live, the limit is max_rooms={self.max_rooms}"
 
