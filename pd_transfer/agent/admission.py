@@ -118,6 +118,8 @@ class Limiter:
                       what: str) -> Grant:
         """Wait for ``amount`` under both limits; raises ``backpressure_timeout`` at
         ``deadline_s`` (time.monotonic), or ``aborted`` if :meth:`end_room` ends ``room``."""
+        if not self._waiting and self._fits_peer(peer, amount) and self._fits_total(amount):
+            return self._take(peer, amount, room, time.monotonic())  # nobody waits: no queue
         loop = asyncio.get_running_loop()
         waiter = _Waiter(peer, amount, room, what, loop.create_future())
         self._waiting.setdefault(peer, deque()).append(waiter)
@@ -193,14 +195,18 @@ class Limiter:
     def _grant(self, waiter: _Waiter) -> None:
         if waiter.timer is not None:
             waiter.timer.cancel()
-        grant = waiter.grant = Grant(self, waiter.peer, waiter.amount, waiter.room)
         self._forget(waiter.room, waiter)
-        self._by_room.setdefault(waiter.room, set()).add(grant)
-        self._in_use[waiter.peer] = self._in_use.get(waiter.peer, 0) + waiter.amount
-        self.in_use_total += waiter.amount
+        waiter.grant = self._take(waiter.peer, waiter.amount, waiter.room, waiter.since_s)
+        waiter.future.set_result(waiter.grant)
+
+    def _take(self, peer: str, amount: int, room: int, since_s: float) -> Grant:
+        grant = Grant(self, peer, amount, room)
+        self._by_room.setdefault(room, set()).add(grant)
+        self._in_use[peer] = self._in_use.get(peer, 0) + amount
+        self.in_use_total += amount
         self.peak = max(self.peak, self.in_use_total)
-        self.on_admitted(self.resource, time.monotonic() - waiter.since_s)
-        waiter.future.set_result(grant)
+        self.on_admitted(self.resource, time.monotonic() - since_s)
+        return grant
 
     def _withdraw(self, waiter: _Waiter, *, dispatch: bool = True) -> bool:
         """Take a waiter out of its queue; False if it was not waiting any more."""
