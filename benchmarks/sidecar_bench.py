@@ -8,7 +8,10 @@ limit; measured right before and after the tcp case), then pd-transfer
 moving a Llama-3.1-8B request of ``--tokens`` tokens
 (page size 16, random pages) between sidecar processes: shm direct (TP 1 ->
 1), shm sliced (TP 2 -> 4), tcp direct (TP 1 -> 1); and the p50 latency of a
-1-page room over shm. Each transfer is timed from the prefill worker's send()
+1-page room over shm (decode's wait called after the send returned, and already
+in flight), beside the round trip of one ZeroMQ ipc message to a process idle
+as long (the messaging floor; a room needs at least two). Each transfer is
+timed from the prefill worker's send()
 to the decode worker seeing Success (bootstrap excluded: one warm-up room
 first). Medians of ``--repeats``. Prints a table with ratios against the
 floors; no assertion.
@@ -28,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -44,6 +48,7 @@ from pd_transfer.layout.views import Layout  # noqa: E402
 
 PAGE = 16
 KV_NBYTES_PER_TOKEN = 128 << 10  # Llama-3.1-8B: 32 layers x K, V x 8 heads x 128 x bf16
+IDLE_S = 0.05  # between a room's expect and its send: the sidecars are idle when it starts
 
 
 def _free_port() -> int:
@@ -97,6 +102,42 @@ def raw_tcp_gbps(nbytes: int, repeats: int) -> float:
     return statistics.median(rates)
 
 
+_ZMQ_ECHO = """
+import sys, zmq
+sock = zmq.Context().socket(zmq.ROUTER); sock.bind(sys.argv[1])
+while True:
+    frames = sock.recv_multipart()
+    if frames[1] == b"stop": break
+    sock.send_multipart(frames)
+"""
+
+
+def zmq_idle_rtt_ms(workdir: Path, pings: int, idle_s: float = IDLE_S) -> float:
+    """p50 round trip of one tiny ZeroMQ ipc message to another process that was idle for
+    ``idle_s`` (as the sidecars are between the 1-page rooms): the messaging floor. A room
+    crosses three such hops (worker -> prefill -> decode -> worker) plus its reply legs."""
+    import zmq
+    address = f"ipc://{workdir}/echo.sock"
+    echo = subprocess.Popen([sys.executable, "-c", _ZMQ_ECHO, address])
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(address)
+    try:
+        sock.send(b"warm-up")
+        sock.recv()
+        times = []
+        for _ in range(pings):
+            time.sleep(idle_s)
+            start = time.perf_counter()
+            sock.send(b"ping")
+            sock.recv()
+            times.append(time.perf_counter() - start)
+        sock.send(b"stop")
+    finally:
+        sock.close(linger=0)
+        echo.wait()
+    return statistics.median(times) * 1e3
+
+
 class Deployment:
     """Sidecars plus in-process workers (pools in shm, real clients)."""
 
@@ -132,18 +173,37 @@ class Deployment:
             client.register(geometry, pools.handles)
             self.clients[geometry.rank_id] = client
 
-    def room(self, room: int, src_pages, dst_pages) -> float:
+    def room(self, room: int, src_pages, dst_pages, *, waiting: bool = False) -> float:
+        """Seconds from the prefill worker's send() to every decode worker seeing Success.
+
+        ``waiting``: each decode worker's ``wait`` is already in flight when the send
+        goes (as an engine waits on its rooms), instead of being called after send()
+        returned; the clock still stops when the last decode worker has the answer.
+        """
         for g in self.decode:
             self.clients[g.rank_id].expect(room, self.bootstrap, dst_pages, aux_row=0)
-        time.sleep(0.05)  # let the requests reach prefill: time the transfer, not the request
+        seen: dict[str, tuple] = {}
+
+        def wait(rank_id: str) -> None:
+            seen[rank_id] = (self.clients[rank_id].wait(room, 120), time.perf_counter())
+
+        waiters = [threading.Thread(target=wait, args=(g.rank_id,)) for g in self.decode] \
+            if waiting else []
+        for thread in waiters:
+            thread.start()
+        time.sleep(IDLE_S)  # let the requests reach prefill: time the transfer, not the request
         start = time.perf_counter()
         for g in self.prefill:
             self.clients[g.rank_id].send(room, src_pages, aux_row=0)
-        for g in self.decode:
-            state = self.clients[g.rank_id].wait(room, 120)
+        for thread in waiters:
+            thread.join()
+        if not waiting:
+            for g in self.decode:
+                wait(g.rank_id)
+        for state, _ in seen.values():
             if state.status.value != "success":
                 raise RuntimeError(f"room {room} failed: {state.reason}")
-        return time.perf_counter() - start
+        return max(t for _, t in seen.values()) - start
 
     def close(self) -> None:
         for client in self.clients.values():
@@ -175,12 +235,15 @@ def transfer_case(workdir: Path, tp_src: int, tp_dst: int, transport: str, token
         deployment.close()
 
 
-def one_page_latency_ms(workdir: Path, rooms: int, device: str = "cpu") -> float:
+def one_page_latency_ms(workdir: Path, rooms: int, device: str = "cpu") -> tuple[float, float]:
+    """p50 ms of a 1-page room: decode's wait called after send returned, and in flight."""
     deployment = Deployment(workdir, 1, 1, 64, "shm", device)
     try:
         deployment.room(1, [0], [0])
-        times = [deployment.room(1000 + i, [i % 64], [(i * 7) % 64]) - 0.0 for i in range(rooms)]
-        return statistics.median(times) * 1e3
+        after = [deployment.room(1000 + i, [i % 64], [(i * 7) % 64]) for i in range(rooms)]
+        during = [deployment.room(3000 + i, [i % 64], [(i * 5) % 64], waiting=True)
+                  for i in range(rooms)]
+        return statistics.median(after) * 1e3, statistics.median(during) * 1e3
     finally:
         deployment.close()
 
@@ -216,6 +279,7 @@ def main() -> None:
     copy = memcpy_gbps(nbytes, args.repeats, args.device)
     tcp = statistics.median(tcp_rates) if tcp_rates else raw_tcp_gbps(nbytes, 3)
     latency = one_page_latency_ms(workdir, 60, args.device) if args.only != "tcp" else None
+    rtt = zmq_idle_rtt_ms(workdir, 60) if latency is not None else None
     print(f"Llama-3.1-8B, {args.tokens} tokens, page {PAGE}, random pages: "
           f"{nbytes / 2**30:.2f} GiB of KV per request; medians of {args.repeats}; "
           f"pools on {args.device}")
@@ -231,8 +295,11 @@ def main() -> None:
         print(f"{'pd-transfer ' + label:<24}{seconds:>9.3f}{rate:>8.2f}{rate / floor:>8.2f}  "
               f"x {name}; target >= {target} ({verdict})")
     if latency is not None:
-        print(f"{'1-page room latency p50':<24}{latency:>8.3f} ms   target < 1 ms "
-              f"({'met' if latency < 1 else 'missed'}) (send -> decode sees success, shm)")
+        for label, value in zip(("wait after send", "wait in flight"), latency):
+            print(f"{'1-page room p50':<16}{label:<16}{value:>8.3f} ms   target < 1 ms "
+                  f"({'met' if value < 1 else 'missed'}) (send -> decode sees success, shm)")
+        print(f"{'zmq ipc RTT, idle peer':<24}{rtt:>8.3f} ms   messaging floor per hop pair; a room "
+              f"needs >= 2 ({2 * rtt:.3f} ms): send + reply, Done, wait + reply")
     rows.append(results)
     (workdir / "results.json").write_text(json.dumps({k: v[0] for k, v in results.items()}))
 
