@@ -44,7 +44,7 @@ from pd_transfer.client.cuda_pools import allocate_cuda_pools  # noqa: E402
 from pd_transfer.layout.geometry import Role  # noqa: E402
 from pd_transfer.layout.presets import load_preset  # noqa: E402
 from pd_transfer.layout.rank_builder import build_instance  # noqa: E402
-from pd_transfer.layout.views import Layout  # noqa: E402
+from pd_transfer.layout.views import Layout, Pool  # noqa: E402
 
 PAGE = 16
 KV_NBYTES_PER_TOKEN = 128 << 10  # Llama-3.1-8B: 32 layers x K, V x 8 heads x 128 x bf16
@@ -142,11 +142,14 @@ class Deployment:
     """Sidecars plus in-process workers (pools in shm, real clients)."""
 
     def __init__(self, workdir: Path, tp_src: int, tp_dst: int, num_pages: int, transport: str,
-                 device: str = "cpu") -> None:
-        spec = load_preset("llama-3.1-8b")
-        shape = {"page_size": PAGE, "num_pages": num_pages, "kv_layout": Layout.NHD, "num_aux_rows": 4}
+                 device: str = "cpu", model: str = "llama-3.1-8b") -> None:
+        spec = load_preset(model)
+        shape = {"page_size": PAGE, "num_pages": num_pages, "kv_layout": Layout.NHD, "num_aux_rows": 4,
+                 "num_slots": 4}
         self.prefill = build_instance(spec, Role.PREFILL, tp_src, **shape)
         self.decode = build_instance(spec, Role.DECODE, tp_dst, **shape)
+        # a hybrid model (Mamba / GDN state) sends one state slot with the last chunk
+        self.state = [1] if any(v.pool is Pool.MAMBA for v in self.decode[0].views) else []
         self.bootstrap = f"tcp://127.0.0.1:{_free_port()}"
         self.procs, self.clients, self.pools = [], {}, []
         for geometry in self.prefill + self.decode:
@@ -181,7 +184,8 @@ class Deployment:
         returned; the clock still stops when the last decode worker has the answer.
         """
         for g in self.decode:
-            self.clients[g.rank_id].expect(room, self.bootstrap, dst_pages, aux_row=0)
+            self.clients[g.rank_id].expect(room, self.bootstrap, dst_pages, aux_row=0,
+                                           state_slots=self.state)
         seen: dict[str, tuple] = {}
 
         def wait(rank_id: str) -> None:
@@ -194,7 +198,7 @@ class Deployment:
         time.sleep(IDLE_S)  # let the requests reach prefill: time the transfer, not the request
         start = time.perf_counter()
         for g in self.prefill:
-            self.clients[g.rank_id].send(room, src_pages, aux_row=0)
+            self.clients[g.rank_id].send(room, src_pages, aux_row=0, state_slots=self.state)
         for thread in waiters:
             thread.join()
         if not waiting:
@@ -217,13 +221,14 @@ class Deployment:
 
 
 def transfer_case(workdir: Path, tp_src: int, tp_dst: int, transport: str, tokens: int,
-                  repeats: int, device: str = "cpu") -> tuple[float, int]:
+                  repeats: int, device: str = "cpu", model: str = "llama-3.1-8b") -> tuple[float, int]:
+    """Median seconds of a ``tokens`` request and the bytes it lands (KV, state, aux)."""
     pages = tokens // PAGE
-    deployment = Deployment(workdir, tp_src, tp_dst, pages + 64, transport, device)
+    deployment = Deployment(workdir, tp_src, tp_dst, pages + 64, transport, device, model)
     try:
         rng = np.random.default_rng(0)
-        total = sum(v.item_nbytes * pages for g in deployment.decode for v in g.views
-                    if v.pool.value == "kv")
+        items = {Pool.KV: pages, Pool.MAMBA: len(deployment.state), Pool.AUX: 1}
+        total = sum(v.item_nbytes * items.get(v.pool, 0) for g in deployment.decode for v in g.views)
         deployment.room(1, list(range(4)), list(range(4)))  # warm-up: bootstrap, verdicts
         times = []
         for i in range(repeats):
