@@ -201,6 +201,24 @@ async def test_the_room_table_keeps_at_most_max_rooms_finished_rooms():
     assert table.refusal(1000) == ""                     # an existing live room is no new room
 
 
+async def test_the_room_table_counts_live_rooms_as_they_start_end_and_are_replaced():
+    table = RoomTable(ttl_s=3600, max_rooms=2)
+    first, second = Room(1, 0), Room(2, 0)
+    table.add(first)
+    table.add(second)
+    assert "2 rooms are live, the limit is max_rooms=2" in table.refusal(3)
+    first.advance(RoomStatus.SUCCESS)
+    assert table.refusal(3) == "" and table.live() == [second]
+    again = Room(2, 1)                 # room 2 started over (a new generation) while live
+    table.add(again)
+    second.fail(Reason.ABORTED, "the old generation ends after its replacement")
+    assert table.live() == [again]     # the old one's end does not drop the new one
+    table.add(Room(4, 0))
+    assert table.refusal(5) != "" and table.refusal(4) == ""
+    again.fail(Reason.TIMEOUT, "timed out")
+    assert [r.room for r in table.live()] == [4] and table.refusal(5) == ""
+
+
 async def test_a_waiter_cancelled_just_before_its_grant_is_skipped_not_granted():
     limiter = _rooms(1)
     held = await limiter.acquire("d0", 1, 1, LATER, what="x")
