@@ -26,9 +26,10 @@ and for each, in one run:
                     scattered by the receiver) by the crossover the link
                     measured at connect; the row says which was chosen
 
-Each engine runs between two fresh processes (a receiver that registers the
-destination, and a sender running the engine alone and pd-transfer in turns),
-so each UCX setting gets its own processes. The parent
+Each engine runs between fresh processes: a receiver that registers the
+destination (one per engine and UCX setting), and one sender process for the
+engine alone and another for pd-transfer, so neither runs beside the other's
+threads. The parent
 checks the destination bytes after every case. Figures are medians of
 ``--repeats`` runs; GB/s is 10^9 bytes per second. Rows whose engine is not
 installed say so. Run: ``python benchmarks/engines_bench.py [--repeats 3]``.
@@ -252,8 +253,9 @@ def copy_seconds(nbytes: int, repeats: int) -> float:
 # -- orchestration ---------------------------------------------------------------------------
 def run_group(modes: list[tuple[str, str]], env: dict, names: dict, sets_path: str, dst, src,
               sets, repeats: int) -> dict[str, dict]:
-    """One receiver and one sender process (one UCX setting) for the engine-alone and the
-    pd-transfer mode of one engine; seconds (or why not) per mode and case."""
+    """One receiver process (one UCX setting) and a sender process per mode, for the
+    engine-alone and the pd-transfer mode of one engine; seconds (or why not) per mode
+    and case."""
     kind = modes[0][1].split("-")[0]
     from pd_transfer.transport.engines import engine_unusable
     problem = engine_unusable(kind) if kind != "builtin" else ""
@@ -267,31 +269,40 @@ def run_group(modes: list[tuple[str, str]], env: dict, names: dict, sets_path: s
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                 env=child_env, stderr=subprocess.DEVNULL)
     address = json.loads(receiver.stdout.readline())["address"]
-    sender = subprocess.Popen(me + ["--child", json.dumps({
-        "role": "sender", "src": names["src"], "dst": names["dst"], "sets": sets_path,
-        "address": address,
-        "repeats": repeats})], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        env=child_env, stderr=subprocess.DEVNULL)
+
+    def start_sender() -> subprocess.Popen:
+        return subprocess.Popen(me + ["--child", json.dumps({
+            "role": "sender", "src": names["src"], "dst": names["dst"], "sets": sets_path,
+            "address": address, "repeats": repeats})], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, env=child_env, stderr=subprocess.DEVNULL)
+
     out: dict[str, dict] = {label: {} for label, _ in modes}  # and "chosen": pd-transfer's picks
     try:
-        for case in CASES:
-            for label, mode in modes:
-                dst.array[:] = 0
-                sender.stdin.write(f"{case} {mode}\n")
-                sender.stdin.flush()
-                line = sender.stdout.readline()
-                if not line:
-                    out[label][case] = "sender failed"
-                    return out
-                answer = json.loads(line)
-                out[label][case] = answer["seconds"]
-                if "strategy" in answer:
-                    out.setdefault("chosen", {})[(label, case)] = answer
-                check(case, src, dst, sets)
+        # one sender process per mode: an engine's threads (NIXL's progress thread, UCX's)
+        # live as long as its agent, and an agent left from the mode before slowed the
+        # next one down (whichever ran second measured 0.5-0.7x of the first)
+        for label, mode in modes:
+            sender = start_sender()
+            try:
+                for case in CASES:
+                    dst.array[:] = 0
+                    sender.stdin.write(f"{case} {mode}\n")
+                    sender.stdin.flush()
+                    line = sender.stdout.readline()
+                    if not line:
+                        out[label][case] = "sender failed"
+                        break
+                    answer = json.loads(line)
+                    out[label][case] = answer["seconds"]
+                    if "strategy" in answer:
+                        out.setdefault("chosen", {})[(label, case)] = answer
+                    check(case, src, dst, sets)
+            finally:
+                sender.stdin.close()
+                sender.wait(60)
     finally:
-        for child in (sender, receiver):
-            child.stdin.close()
-            child.wait(60)
+        receiver.stdin.close()
+        receiver.wait(60)
     return out
 
 
