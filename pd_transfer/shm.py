@@ -17,11 +17,12 @@ with ``torch.frombuffer``: ``frombuffer`` holds no buffer export, so
 ``mmap.close()`` would succeed under it and the next access would fault. With
 the array in between, a mapping stays alive as long as any view of it does.
 
-A sidecar maps a segment with ``MAP_POPULATE``: its page tables are filled
-once, at registration, instead of by a page fault on the first copy into or
-out of each 4 KiB page (about 1,000 faults, 2-4 ms, for one 2 MiB page of
-Llama KV). The pages are the worker's, already touched when it filled its
-pools; a sparse segment gets its pages allocated here.
+A sidecar maps a segment whose pages all exist (the worker filled its
+pools) with ``MAP_POPULATE``: its page tables are filled once, at
+registration, instead of by a page fault on the first copy into or out of
+each 4 KiB page (about 1,000 faults, 2-4 ms, for one 2 MiB page of Llama
+KV). A sparse segment is mapped lazily: populating it would allocate all of
+it, charged to the sidecar.
 
 Imports numpy and torch only; no asyncio, no zmq.
 """
@@ -201,7 +202,10 @@ def open_segment(name: str, min_nbytes: int = 1) -> Segment:
                 f"segment {name} holds {info.st_size} bytes but {min_nbytes} are needed",
                 code=Reason.SEGMENT_TOO_SMALL,
                 hint="the peer registered a region larger than the segment it published")
-        mapping = mmap.mmap(fd, info.st_size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        # fill the page tables now, only where the worker's pages all exist: populating a
+        # sparse segment would allocate it, charged to this process
+        populate = mmap.MAP_POPULATE if info.st_blocks * 512 >= info.st_size else 0
+        mapping = mmap.mmap(fd, info.st_size, flags=mmap.MAP_SHARED | populate)
     finally:
         os.close(fd)
     return Segment(name, mapping, info.st_size, owner=False)

@@ -98,3 +98,17 @@ def test_a_second_process_writes_into_the_segment_by_name(name):
         assert segment.array[1:4].tolist() == [7, 7, 7]
         assert int(np.count_nonzero(segment.array)) == 256 + 3
         assert os.path.exists(segment.path)  # the child only opened it: its exit unlinks nothing
+
+
+def test_opening_a_sparse_segment_allocates_none_of_it(name):
+    """A sidecar pre-faults a segment only where the worker's pages exist: mapping a
+    sparse one (a worker that never filled its pool) must not allocate it."""
+    with create_segment(name, 64 << 20) as created:
+        opened = open_segment(name)
+        try:
+            assert os.stat(os.path.join(SEGMENT_DIR, name)).st_blocks == 0
+            created.array[:4096] = 1            # the worker touches one page
+            assert opened.array[:4096].sum() == 4096
+            assert os.stat(os.path.join(SEGMENT_DIR, name)).st_blocks * 512 <= 1 << 20
+        finally:
+            opened.close()
