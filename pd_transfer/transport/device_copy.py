@@ -3,8 +3,10 @@
 The CPU copy engine scatters with numpy; device memory needs torch: view
 both regions as rows of the largest size dividing every offset and length,
 gather the source rows with ``index_select`` and scatter them with
-``index_copy_`` on the device, chunk by chunk. Every run is bounds-checked
-against both regions first (nothing moves if one is out of bounds).
+``index_copy_`` on the device, chunk by chunk. A plan of a few hundred runs
+(a 1-page room) is copied run by run instead, one slice ``copy_`` (a
+device memcpy) each. Every run is bounds-checked against both regions first
+(nothing moves if one is out of bounds).
 
 CUDA kernels run asynchronously: the executor synchronizes every device it
 wrote to before returning, so "returned" means "landed" (decode may report
@@ -19,14 +21,22 @@ from pd_transfer.transport.runs import check_bounds, expand_batch, flatten, row_
 
 _ROW_CAP = 1 << 16
 _CHUNK_ROWS = 1 << 16
+# up to this many runs (a 1-page room is 64), one slice copy each: a device-to-device
+# memcpy per run costs less than the index uploads and two kernels per batch below
+_PER_RUN_MAX = 256
 
 
-def execute_on_device(plan, src_regions: dict, dst_regions: dict) -> int:
+def execute_on_device(plan, src_regions: dict, dst_regions: dict, *,
+                      per_run_max: int = _PER_RUN_MAX) -> int:
     """Copy every run of ``plan``; returns the bytes copied."""
     import torch
     flat = flatten(plan)
     check_bounds(flat, {k: int(v.numel()) for k, v in src_regions.items()},
                  {k: int(v.numel()) for k, v in dst_regions.items()})
+    if int(flat.count.sum()) <= per_run_max:
+        total = _copy_each_run(plan, src_regions, dst_regions)
+        _synchronize(dst_regions)
+        return total
     total = 0
     for index, batch in enumerate(plan.batches):
         runs = expand_batch(batch, index)
@@ -44,6 +54,17 @@ def execute_on_device(plan, src_regions: dict, dst_regions: dict) -> int:
             dst_rows.index_copy_(0, d, src_rows.index_select(0, s).to(dst.device))
         total += int(runs.nbytes.sum())
     _synchronize(dst_regions)
+    return total
+
+
+def _copy_each_run(plan, src_regions: dict, dst_regions: dict) -> int:
+    total = 0
+    for index, batch in enumerate(plan.batches):
+        runs = expand_batch(batch, index)
+        src, dst = src_regions[batch.src_region], dst_regions[batch.dst_region]
+        for s, d, n in zip(runs.src_offset.tolist(), runs.dst_offset.tolist(), runs.nbytes.tolist()):
+            dst[d:d + n].copy_(src[s:s + n])
+            total += n
     return total
 
 

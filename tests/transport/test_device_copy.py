@@ -19,11 +19,12 @@ ON_GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not cuda_available(), reason="no CUDA device on this machine")])
 
 
+@pytest.mark.parametrize("per_run_max", [0, 1 << 20], ids=["rows", "per-run"])
 @pytest.mark.parametrize("device", ["cpu", ON_GPU])
 @pytest.mark.parametrize("model,tp_src,tp_dst,layout", [
     ("llama-3.1-8b", 2, 4, Layout.NHD), ("llama-3.1-8b", 4, 1, Layout.PAGE_FIRST),
     ("qwen3-next-80b-a3b", 2, 4, Layout.HND)])
-def test_device_executor_is_byte_exact(model, tp_src, tp_dst, layout, device):
+def test_device_executor_is_byte_exact(model, tp_src, tp_dst, layout, device, per_run_max):
     spec = load_preset(model)
     shape = {"page_size": 16, "num_pages": 5, "num_slots": 2, "num_aux_rows": 2}
     prefill = build_instance(spec, Role.PREFILL, tp_src, kv_layout=Layout.NHD, **shape)
@@ -40,7 +41,8 @@ def test_device_executor_is_byte_exact(model, tp_src, tp_dst, layout, device):
     by_id = {g.rank_id: g for g in prefill}
     for d in decode:
         for s in recon.sources_for(d):
-            execute_on_device(plan_pair(recon, by_id[s], d, requests), src[s], dst[d.rank_id])
+            execute_on_device(plan_pair(recon, by_id[s], d, requests), src[s], dst[d.rank_id],
+                              per_run_max=per_run_max)
     for d in decode:  # on GPU: back to the oracle's buffers (returned means landed: no sync here)
         for k, tensor in dst[d.rank_id].items():
             world.decode_buffers[d.rank_id][k][:] = tensor.cpu().numpy()
