@@ -27,8 +27,10 @@ import torch
 from pd_transfer.client import Client, allocate_pools
 from pd_transfer.client.cuda_pools import allocate_cuda_pools
 from pd_transfer.errors import GeometryError
-from pd_transfer.layout.geometry import RankGeometry
-from pd_transfer.layout.views import Pool
+from pd_transfer.layout.geometry import RankGeometry, Role
+from pd_transfer.layout.presets import load_preset
+from pd_transfer.layout.rank_builder import build_instance
+from pd_transfer.layout.views import Layout, Pool
 from pd_transfer.testing import World
 
 _ids = itertools.count()
@@ -194,6 +196,14 @@ class Cluster:
 
     def logs(self) -> str:
         return "\n".join(f"== {s.name}\n{s.log.read_text()[-3000:]}" for s in self.sidecars.values())
+
+
+def small_instances(model: str, tp_src: int, tp_dst: int, layout: Layout = Layout.NHD):
+    """A prefill (NHD) and a decode instance of a preset with small pools (6 pages, 2 slots)."""
+    spec = load_preset(model)
+    common = dict(page_size=16, num_pages=6, num_slots=2, num_aux_rows=2)
+    return (build_instance(spec, Role.PREFILL, tp_src, kv_layout=Layout.NHD, **common),
+            build_instance(spec, Role.DECODE, tp_dst, kv_layout=layout, **common))
 
 
 def random_requests(prefill, decode, rng: np.random.Generator, pages: int) -> dict:

@@ -8,13 +8,10 @@ host memory are covered by test_transfers.
 
 import numpy as np
 import pytest
-from cluster import random_requests
+from cluster import random_requests, small_instances
 
 from pd_transfer.client import RoomStatus
 from pd_transfer.cuda_ipc import cuda_available
-from pd_transfer.layout.geometry import Role
-from pd_transfer.layout.presets import load_preset
-from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.views import Layout
 
 pytestmark = [pytest.mark.gpu,
@@ -26,12 +23,6 @@ CASES = [
     ("qwen3-next-80b-a3b", 2, 4, Layout.HND),
 ]
 
-
-def _instances(model, tp_src, tp_dst, layout):
-    spec = load_preset(model)
-    common = dict(page_size=16, num_pages=6, num_slots=2, num_aux_rows=2)
-    return (build_instance(spec, Role.PREFILL, tp_src, kv_layout=Layout.NHD, **common),
-            build_instance(spec, Role.DECODE, tp_dst, kv_layout=layout, **common))
 
 
 def _move_and_check(cluster, prefill, decode, seed):
@@ -46,7 +37,7 @@ def _move_and_check(cluster, prefill, decode, seed):
 @pytest.mark.parametrize("model,tp_src,tp_dst,layout", CASES,
                          ids=[f"{m}-tp{a}to{b}-{lay.value}" for m, a, b, lay in CASES])
 def test_cuda_pools_move_byte_exact_between_sidecars(cluster_factory, model, tp_src, tp_dst, layout):
-    prefill, decode = _instances(model, tp_src, tp_dst, layout)
+    prefill, decode = small_instances(model, tp_src, tp_dst, layout)
     cluster = cluster_factory(prefill, decode, transport="auto", device="cuda")
     _move_and_check(cluster, prefill, decode, tp_src * 7 + tp_dst)
     status, text = cluster.http(prefill[0].rank_id, "/metrics")
@@ -55,14 +46,14 @@ def test_cuda_pools_move_byte_exact_between_sidecars(cluster_factory, model, tp_
 
 @pytest.mark.parametrize("prefill_device,decode_device", [("cuda", "cpu"), ("cpu", "cuda")])
 def test_cuda_pools_and_host_pools_exchange_on_one_host(cluster_factory, prefill_device, decode_device):
-    prefill, decode = _instances("llama-3.1-8b", 2, 4, Layout.NHD)
+    prefill, decode = small_instances("llama-3.1-8b", 2, 4, Layout.NHD)
     cluster = cluster_factory(prefill, decode, transport="auto", device=prefill_device,
                               decode_device=decode_device)
     _move_and_check(cluster, prefill, decode, 5)
 
 
 def test_cuda_pools_over_tcp_are_rejected_at_registration_with_the_reason(cluster_factory):
-    prefill, decode = _instances("llama-3.1-8b", 2, 2, Layout.NHD)
+    prefill, decode = small_instances("llama-3.1-8b", 2, 2, Layout.NHD)
     cluster = cluster_factory(prefill, decode, transport="tcp", device="cuda")
     requests = random_requests(prefill, decode, np.random.default_rng(1), pages=2)
     cluster.expect(22, requests)

@@ -2,12 +2,9 @@
 
 import numpy as np
 import pytest
-from cluster import random_requests
+from cluster import random_requests, small_instances
 
 from pd_transfer.client import RoomStatus
-from pd_transfer.layout.geometry import Role
-from pd_transfer.layout.presets import load_preset
-from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.views import Layout
 
 TRANSPORTS = ["shm", "tcp"]
@@ -22,18 +19,12 @@ CASES = [
 ]
 
 
-def _instances(model, tp_src, tp_dst, layout):
-    spec = load_preset(model)
-    common = dict(page_size=16, num_pages=6, num_slots=2, num_aux_rows=2)
-    return (build_instance(spec, Role.PREFILL, tp_src, kv_layout=Layout.NHD, **common),
-            build_instance(spec, Role.DECODE, tp_dst, kv_layout=layout, **common))
-
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("model,tp_src,tp_dst,layout", CASES,
                          ids=[f"{m}-tp{a}to{b}-{lay.value}" for m, a, b, lay in CASES])
 def test_sidecars_move_a_room_byte_exact(cluster_factory, model, tp_src, tp_dst, layout, transport):
-    prefill, decode = _instances(model, tp_src, tp_dst, layout)
+    prefill, decode = small_instances(model, tp_src, tp_dst, layout)
     cluster = cluster_factory(prefill, decode, transport=transport)
     requests = random_requests(prefill, decode, np.random.default_rng(tp_src * 7 + tp_dst), pages=4)
     cluster.expect(11, requests)
