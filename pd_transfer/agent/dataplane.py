@@ -79,23 +79,13 @@ class DataPlane:
 
     # -- local regions ----------------------------------------------------------------
     async def map_local(self, geometry: RankGeometry, handles: dict[str, str]) -> None:
-        """Map the worker's regions (refusing any smaller than what it registered)."""
-        regions, segments = {}, []
-        try:
-            for region in geometry.regions:
-                handle = handles[region.id]
-                if cuda_ipc.is_cuda_handle(handle):
-                    regions[region.id] = cuda_ipc.open_handle(handle, region.nbytes)[: region.nbytes]
-                    self.on_device = True
-                else:
-                    segment = open_segment(handle, region.nbytes)
-                    segments.append(segment)
-                    regions[region.id] = segment.tensor[: region.nbytes]
-        except PdTransferError:
-            for segment in segments:
-                segment.close()
-            raise
+        """Map the worker's regions (refusing any smaller than what it registered).
+
+        In a thread: pre-faulting GiBs of pool pages, or initializing CUDA for the
+        first handle, takes long enough to starve the loop's heartbeats."""
+        regions, segments, on_device = await asyncio.to_thread(_open_local, geometry, handles)
         self._segments, self.local_regions = segments, regions
+        self.on_device = self.on_device or on_device
         if geometry.role is Role.DECODE and self.config.transport in ("auto", "tcp") \
                 and not self.on_device:
             self._receiver = tcp_receiver(self.config, self.local_regions, self.context)
@@ -165,7 +155,8 @@ class DataPlane:
                 return await self._engine.connect(PeerEndpoint.from_maps(peer_id, sizes, None,
                                                                          register.data_address))
             if use_shm and any(cuda_ipc.is_cuda_handle(h) for h in handles.values()):
-                regions = {r: cuda_ipc.open_handle(handles[r], n)[:n] for r, n in sizes.items()}
+                regions = await asyncio.to_thread(  # the first handle initializes CUDA
+                    lambda: {r: cuda_ipc.open_handle(handles[r], n)[:n] for r, n in sizes.items()})
                 link = DeviceLink(peer_id, regions)
                 self._device_links.append(link)
                 return link
@@ -222,3 +213,24 @@ class DataPlane:
         for segment in self._segments:
             segment.close()
         self.local_regions = {}
+
+
+def _open_local(geometry: RankGeometry, handles: dict[str, str]) -> tuple[dict, list, bool]:
+    """``(regions, segments, on_device)``: each region opened from its handle (a CUDA IPC
+    handle or a shared-memory segment); on a failure the segments opened so far close."""
+    regions, segments, on_device = {}, [], False
+    try:
+        for region in geometry.regions:
+            handle = handles[region.id]
+            if cuda_ipc.is_cuda_handle(handle):
+                regions[region.id] = cuda_ipc.open_handle(handle, region.nbytes)[: region.nbytes]
+                on_device = True
+            else:
+                segment = open_segment(handle, region.nbytes)
+                segments.append(segment)
+                regions[region.id] = segment.tensor[: region.nbytes]
+    except PdTransferError:
+        for segment in segments:
+            segment.close()
+        raise
+    return regions, segments, on_device
