@@ -35,6 +35,11 @@ def default_host_id() -> str:
     return f"{socket.gethostname()}/{boot_id[:8]}"
 
 
+def default_copy_threads() -> int:
+    """2, or 1 where this process may use one CPU: a sidecar shares its host with a worker."""
+    return min(2, len(os.sched_getaffinity(0)))
+
+
 @dataclass(frozen=True)
 class SidecarConfig:
     role: Role
@@ -74,6 +79,7 @@ class SidecarConfig:
     curve_secret_key_file: str = ""       # CURVE secret key (Z85): encrypts the sockets this sidecar binds
     curve_server_key: str = ""            # CURVE public key of the sidecars it connects to (default: own)
     integrity: bool = False               # crc32 every block sent; decode verifies (when both sides enable it)
+    copy_threads: int = field(default_factory=default_copy_threads)  # threads per shm write (raise it on a host with cores to spare)
     fault_corrupt_nth: int = 0            # TEST ONLY: flip a byte of this sidecar's nth data write (0: never)
 
     def __post_init__(self) -> None:

@@ -67,6 +67,25 @@ def test_strategy_is_auto_direct_or_staged_and_slots_hold_a_page():
     assert "sidecar.staging_slot_nbytes: must be at least 4096, got 512" in str(err.value)
 
 
+def test_copy_threads_default_to_two_and_reach_the_shm_copy_engine():
+    import os
+
+    import zmq.asyncio
+
+    from pd_transfer.agent.dataplane import DataPlane
+    default = load_sidecar_config(None, {"role": "prefill"}, {})
+    assert default.copy_threads == min(2, len(os.sched_getaffinity(0)))
+    config = load_sidecar_config(None, {"role": "prefill"}, {"PD_TRANSFER_COPY_THREADS": "6"})
+    context = zmq.asyncio.Context()
+    try:
+        assert DataPlane(config, context)._shm.engine.num_workers == 6
+    finally:
+        context.term()
+    with pytest.raises(ConfigError) as err:
+        load_sidecar_config(None, {"role": "prefill", "copy_threads": 0}, {})
+    assert "sidecar.copy_threads: must be positive, got 0" in str(err.value)
+
+
 def test_mooncake_protocol_is_tcp_or_rdma():
     with pytest.raises(ConfigError) as err:
         load_sidecar_config(None, {"role": "decode"}, {"PD_TRANSFER_MOONCAKE_PROTOCOL": "ib"})

@@ -32,6 +32,7 @@ from pd_transfer.protocol import Register
 from pd_transfer.shm import Segment, open_segment
 from pd_transfer.transport.admission import item_ranges
 from pd_transfer.transport.base import Link, PeerEndpoint
+from pd_transfer.transport.copy_engine import CopyEngine
 from pd_transfer.transport.device_copy import execute_on_device
 from pd_transfer.transport.engines import ENGINES, make_receiver, make_transport
 from pd_transfer.transport.mock import CorruptNth
@@ -58,7 +59,7 @@ class DataPlane:
         self.local_regions: dict = {}
         self.on_device = False
         self._segments: list[Segment] = []
-        self._shm = ShmTransport()
+        self._shm = ShmTransport(CopyEngine(num_workers=config.copy_threads))
         # test only (fault_corrupt_nth): shm flips a byte after landing, tcp in the payload
         self._corrupt = CorruptNth(config.fault_corrupt_nth) if config.fault_corrupt_nth else None
         # plain sockets, or ZeroMQ when CURVE is configured (it encrypts): see tcp_plane
