@@ -178,6 +178,7 @@ def lower(src_rank: str, dst_rank: str, units: list[Unit],
 def lower_groups(src_rank: str, dst_rank: str, groups: list[UnitGroup],
                  indices: dict[object, tuple[np.ndarray, np.ndarray]]) -> TransferPlan:
     batches: list[RunBatch] = []
+    num_descriptors = num_runs = total_nbytes = 0
     for grouped in groups:
         group, src_base, dst_base = grouped.units, grouped.src_base, grouped.dst_base
         first = group[0]
@@ -189,7 +190,15 @@ def lower_groups(src_rank: str, dst_rank: str, groups: list[UnitGroup],
             batches.append(RunBatch(unit.src_region, unit.dst_region, src_offsets[row],
                                     dst_offsets[row], pattern.nbytes, pattern.count,
                                     pattern.src_stride, pattern.dst_stride))
-    return TransferPlan(src_rank, dst_rank, tuple(batches))
+        # every batch of a group shares the pattern: its sums once, times the units
+        num_descriptors += len(group) * len(pattern.nbytes)
+        num_runs += len(group) * int(pattern.count.sum())
+        total_nbytes += len(group) * int(np.dot(pattern.nbytes, pattern.count))
+    plan = TransferPlan(src_rank, dst_rank, tuple(batches))
+    # the cached properties, filled here (a 1-page room of 64 tensors: 64 batches to sum)
+    plan.__dict__.update(num_descriptors=num_descriptors, num_runs=num_runs,
+                         total_nbytes=total_nbytes)
+    return plan
 
 
 def _pattern(unit: Unit, src_idx: np.ndarray, dst_idx: np.ndarray) -> _Pattern:

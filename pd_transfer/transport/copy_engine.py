@@ -130,8 +130,13 @@ def _small_copies(plan, src_regions: Regions, dst_regions: Regions) -> list | No
         src = map_one(batch.src_region, src, "source").array
         dst = map_one(batch.dst_region, dst, "destination").array
         s_size, d_size, s_stride, d_stride = src.size, dst.size, batch.src_stride, batch.dst_stride
-        for s, d, n, c in zip(batch.src_offset.tolist(), batch.dst_offset.tolist(),
-                              batch.nbytes.tolist(), batch.count.tolist()):
+        if len(batch.src_offset) == 1:   # one descriptor (a page of one layer): no lists
+            pieces = ((int(batch.src_offset[0]), int(batch.dst_offset[0]), int(batch.nbytes[0]),
+                       int(batch.count[0])),)
+        else:
+            pieces = zip(batch.src_offset.tolist(), batch.dst_offset.tolist(),
+                         batch.nbytes.tolist(), batch.count.tolist())
+        for s, d, n, c in pieces:
             if n < 0 or c < 0:
                 return None
             for k in range(c) if n else ():

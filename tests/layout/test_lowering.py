@@ -96,3 +96,19 @@ def test_lowering_head_slice_becomes_one_strided_descriptor_per_page():
     assert (batch.src_stride, batch.dst_stride) == (1024, 256)
     assert batch.src_offset.tolist() == [512 + 3 * 16 * 1024, 512 + 9 * 16 * 1024]
     assert plan.num_runs == 32
+
+
+@settings(max_examples=60, deadline=None)
+@given(first=units(), second=units(), data=st.data())
+def test_a_plans_totals_equal_the_sums_over_its_batches(first, second, data):
+    """The plan's counts are filled by the lowering from the shared patterns; they must
+    equal what summing every batch gives (they size admission grants and metrics)."""
+    count = data.draw(st.integers(1, 5))
+    src_idx = np.array(data.draw(st.lists(st.integers(0, 7), min_size=count, max_size=count)))
+    dst_idx = np.array(data.draw(st.lists(st.integers(0, 7), min_size=count, max_size=count,
+                                          unique=True)))
+    other = Unit("rs2", "rd2", 0, 0, first.itemsize, first.axes, first.index_strides, Pool.KV)
+    plan = lower("p", "d", [first, other, second], {Pool.KV: (src_idx, dst_idx)})
+    assert plan.num_descriptors == sum(len(b.src_offset) for b in plan.batches)
+    assert plan.num_runs == sum(int(b.count.sum()) for b in plan.batches)
+    assert plan.total_nbytes == sum(int((b.nbytes * b.count).sum()) for b in plan.batches)
