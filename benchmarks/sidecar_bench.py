@@ -139,7 +139,7 @@ def zmq_idle_rtt_ms(workdir: Path, pings: int, idle_s: float = IDLE_S) -> float:
 
 
 class Deployment:
-    """Sidecars plus in-process workers (pools in shm, real clients)."""
+    """Sidecars plus in-process workers (pools in shm, or CUDA tensors; real clients)."""
 
     def __init__(self, workdir: Path, tp_src: int, tp_dst: int, num_pages: int, transport: str,
                  device: str = "cpu", model: str = "llama-3.1-8b") -> None:
