@@ -146,15 +146,19 @@ class NixlTransport(Transport):
 
     def _write_descs(self, engine: NixlEngine, link: NixlLink, src: list, dst: list,
                      nbytes: list) -> str:
+        return engine.run(self._descs_request(engine, link, src, dst, nbytes),
+                          time.monotonic() + self.timeout_s)
+
+    @staticmethod
+    def _descs_request(engine: NixlEngine, link: NixlLink, src: list, dst: list, nbytes: list):
         lengths = np.array(nbytes, np.int64)
         try:
-            handle = engine.agent.initialize_xfer(
+            return engine.agent.initialize_xfer(
                 "WRITE", engine.descs(np.array(src, np.uint64), lengths),
                 engine.descs(np.array(dst, np.uint64), lengths), link.remote)
         except Exception as err:
             raise TransportError(f"nixl refused a staged write: {err}",
                                  code=Reason.TRANSPORT_FAILED) from None
-        return engine.run(handle, time.monotonic() + self.timeout_s)
 
     async def write(self, link: Link, plan, src_regions: Regions, *, room: str = "",
                     generation: int = 0) -> int:
@@ -203,11 +207,18 @@ class NixlTransport(Transport):
         return total
 
     def _bulk(self, engine: NixlEngine, link: NixlLink, where: str):
-        """One staged slot, one descriptor; an engine error settles the link as a request's does."""
-        def bulk(local: int, remote: int, nbytes: int) -> None:
+        """One staged slot, one descriptor, posted: the returned waiter ends it (several are
+        kept in flight); an engine error settles the link as a request's does."""
+        def bulk(local: int, remote: int, nbytes: int):
             link.counted(1)
-            state = self._write_descs(engine, link, [local], [remote], [nbytes])
-            self._finish(engine, link, state, f"{where}: nixl staged write of {nbytes} bytes")
+            handle = self._descs_request(engine, link, [local], [remote], [nbytes])
+            deadline_s = time.monotonic() + self.timeout_s
+            state = engine.post(handle)
+
+            def wait() -> None:
+                self._finish(engine, link, engine.wait(handle, state, deadline_s),
+                             f"{where}: nixl staged write of {nbytes} bytes")
+            return wait
         return bulk
 
     def _finish(self, engine: NixlEngine, link: NixlLink, state: str, what: str) -> None:

@@ -116,8 +116,18 @@ class NixlEngine:
 
     def run(self, handle, deadline_s: float) -> str:
         """Post ``handle`` and wait: "DONE", "TIMEOUT", or "ERR: <why>" (handle then released)."""
+        return self.wait(handle, self.post(handle), deadline_s)
+
+    def post(self, handle) -> str:
+        """Start ``handle``; its first state ("PROC" while it runs). Then :meth:`wait`, once."""
         try:
-            state = self.agent.transfer(handle)
+            return self.agent.transfer(handle)
+        except Exception as err:  # e.g. nixlRemoteDisconnectError: the peer went away
+            return f"ERR: {type(err).__name__}: {err}"
+
+    def wait(self, handle, state: str, deadline_s: float) -> str:
+        """Wait for a posted ``handle``: "DONE", "TIMEOUT", or "ERR: <why>" (then released)."""
+        try:
             pause = 0.0
             while state == "PROC":
                 if time.monotonic() > deadline_s:

@@ -6,7 +6,8 @@ few large descriptors instead::
 
     prefill                                          decode
     gather runs -> local slot i  (numpy)
-    engine: local slot i -> remote slot ring[i]  (one descriptor, sync)
+    engine: local slot i -> remote slot ring[i]  (one descriptor; posted, then
+            waited for, while the next slots are gathered and posted)
     "staged": slot ring[i] holds these runs  ---->   check every run against the
                                                      registered regions, scatter
                                         <----  ack   (or fail: nothing scattered)
@@ -17,8 +18,9 @@ and a ring of slots granted by it (4 x 4 MiB by default), mirrored by a local
 buffer registered with this side's engine. Flow control: the chunk for ring
 slot ``i`` is written only once the previous chunk in that slot was
 answered; answers come in order, one per chunk, so a ring of ``R`` slots
-keeps at most ``R`` chunks in flight and memory is bounded on both sides.
-While decode scatters chunk ``k``, prefill gathers and writes chunk ``k+1``.
+keeps at most ``R`` chunks in flight (being written, or announced and being
+scattered) and memory is bounded on both sides. While decode scatters chunk
+``k``, prefill gathers and writes chunk ``k+1``.
 
 :func:`write_staged` returns only when decode acknowledged every chunk (every
 byte landed). A refused chunk fails the write with decode's reason; the
@@ -69,7 +71,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_RING_SLOTS = 4
 Submit = Callable[[list[int], list[int], list[int]], None]  # engine write; raises TransportError
-Bulk = Callable[[int, int, int], None]  # (local address, remote address, nbytes); raises
+# (local address, remote address, nbytes) -> None once the write is done, or a callable
+# that waits for it (an engine that posts asynchronously); either raises the engine's error
+Bulk = Callable[[int, int, int], "Callable[[], None] | None"]
 
 
 @dataclass
@@ -202,9 +206,24 @@ def _ring_or_refusal(frame: bytes, peer_id: str):
         raise
 
 
+@dataclass
+class _Flight:
+    """A slot's bulk write, posted and not yet announced to decode."""
+
+    wait: Callable[[], None] | None
+    slot: int
+    layout: ChunkLayout
+
+
 def write_staged(channel: StagingChannel, layouts: list[ChunkLayout], src: Mapping[str, Mapped],
                  bulk: Bulk, *, room: str = "", generation: int = 0) -> int:
     """Gather, bulk-write and have decode scatter every chunk; return the bytes acked.
+
+    An engine that posts writes asynchronously (``bulk`` returns a waiter)
+    keeps several slots' writes in flight while the next slot is gathered:
+    over UCX tcp a 4 MiB write costs a few milliseconds before its first byte
+    moves, which writes in flight hide. Each chunk is announced to decode, in
+    order, only once its write has finished.
 
     Raises the first refusal (after reading every answer still due), the
     engine's error from ``bulk``, or the channel's break.
@@ -213,23 +232,50 @@ def write_staged(channel: StagingChannel, layouts: list[ChunkLayout], src: Mappi
         raise channel.broken
     xfer = next(channel._ids)
     ring = len(channel.slots)
-    pending: deque[tuple[int, int]] = deque()   # (seq, nbytes) sent, not answered
+    flights: deque[_Flight] = deque()           # posted, not announced
+    pending: deque[tuple[int, int]] = deque()   # (seq, nbytes) announced, not answered
     refused: TransportError | None = None
     acked = 0
+
+    def land() -> None:  # the oldest write finished: announce it
+        flight = flights.popleft()
+        if flight.wait is not None:
+            flight.wait()
+        layout = flight.layout
+        channel.send(Staged(channel.slots[flight.slot], layout.nbytes,
+                            ChunkHeader(xfer, room, generation, layout.seq, layout.wire)))
+        pending.append((layout.seq, layout.nbytes))
+
     try:
         for layout in layouts:
             i = layout.seq % ring
+            while any(f.slot == i for f in flights):  # local slot i: its write must be done
+                land()
             out = channel.local[i * channel.slot_nbytes:(i + 1) * channel.slot_nbytes]
-            gather_chunk(layout, src, out=out)   # local slot i is free: its last bulk write is done
-            while len(pending) >= ring:          # remote slot i is free once its chunk is answered
-                refused, acked = _settle(channel, xfer, pending, refused, acked)
+            gather_chunk(layout, src, out=out)
+            while len(flights) + len(pending) >= ring:  # remote slot i is free once answered
+                if pending:
+                    refused, acked = _settle(channel, xfer, pending, refused, acked)
+                else:
+                    land()
             if refused is not None:
                 break
-            bulk(channel.local_addr(i), channel.remote_addr(i), layout.nbytes)
-            channel.send(Staged(channel.slots[i], layout.nbytes,
-                                ChunkHeader(xfer, room, generation, layout.seq, layout.wire)))
-            pending.append((layout.seq, layout.nbytes))
+            flights.append(_Flight(bulk(channel.local_addr(i), channel.remote_addr(i),
+                                        layout.nbytes), i, layout))
+            # a write already done is announced at once; of posted ones, at most half the
+            # ring stays in flight (the other slots: chunks decode is scattering)
+            while flights and (flights[0].wait is None or len(flights) > max(1, ring // 2)):
+                land()
+        while flights and refused is None:
+            land()
     finally:
+        for flight in flights:   # an error left writes posted: let them end, never announce
+            if flight.wait is not None:
+                try:
+                    flight.wait()
+                except TransportError:
+                    pass
+        flights.clear()
         while pending and channel.broken is None:  # keep the stream in step, even on errors
             refused, acked = _settle(channel, xfer, pending, refused, acked)
     if refused is not None:
