@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import time
 
 import numpy as np
 import pytest
@@ -84,6 +85,48 @@ async def test_staged_writes_land_exactly_the_oracle_bytes(scenario, case):
     assert sc.world.verify(sc.requests) == []
     landed = sum(d.receiver.stats.nbytes_landed for d in decodes.values())
     assert landed == sum(p.total_nbytes for p in sc.plans)
+
+
+class _Posted:
+    """A bulk that posts: the bytes move only when its waiter runs (as an asynchronous
+    engine's may, any time before), so a chunk announced before its wait would scatter
+    the slot's old bytes. Counts the writes in flight at once."""
+
+    def __init__(self) -> None:
+        self.in_flight = self.most_in_flight = 0
+
+    def __call__(self, local: int, remote: int, nbytes: int):
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+
+        def wait() -> None:
+            time.sleep(0.002)   # long enough for decode to scatter a chunk announced early
+            ctypes.memmove(remote, local, nbytes)
+            self.in_flight -= 1
+        return wait
+
+
+async def test_posted_writes_overlap_and_every_chunk_is_announced_after_its_write(scenario):
+    sc = scenario("llama", 2, 4)
+    bulk = _Posted()
+    decodes = {rank: Decode(regions) for rank, regions in sc.world.decode_buffers.items()}
+    for decode in decodes.values():
+        await decode.__aenter__()
+    try:
+        for plan in sc.plans:
+            channel = await decodes[plan.dst_rank].channel(ring_slots=4)
+            src = map_regions(sc.src(plan), (b.src_region for b in plan.batches), "source")
+            # small chunks: many per plan, so the ring turns over several times
+            layouts = layout_chunks(plan, {r: m.nbytes for r, m in src.items()}, 4096)
+            assert await asyncio.to_thread(write_staged, channel, layouts, src, bulk,
+                                           room="r") == plan.total_nbytes
+            channel.close()
+    finally:
+        for decode in decodes.values():
+            await decode.__aexit__()
+    assert sc.world.verify(sc.requests) == []
+    # half the ring of 4 kept in flight, plus the write just posted; all waited for
+    assert bulk.most_in_flight == 3 and bulk.in_flight == 0
 
 
 def _plan(runs: list[tuple[int, int, int]], region: str = "kv") -> TransferPlan:
