@@ -251,16 +251,23 @@ class MooncakeTransport(Transport):
             return sum(written.values())
 
     def _bulk(self, engine: MooncakeEngine, link: MooncakeLink, where: str):
-        """One staged slot, one descriptor; an engine error settles the link as a batch's does."""
-        def bulk(local: int, remote: int, nbytes: int) -> None:
-            rc = engine.engine.batch_transfer_sync_write(link.address.session, [local], [remote],
-                                                         [nbytes])
+        """One staged slot, one descriptor, submitted: the returned waiter ends it (several
+        are kept in flight); an engine error settles the link as a batch's does."""
+        def bulk(local: int, remote: int, nbytes: int):
+            batch = engine.engine.batch_transfer_async_write(link.address.session, [local],
+                                                             [remote], [nbytes])
             link.counted(1)
-            if rc != 0:
-                first = next(iter(link.dst_bases.values()))[0]
-                recover(link, self.recovery, lambda: engine.probe(link.address.session, first),
-                        f"{where}: mooncake engine failed a staged write of {nbytes} bytes "
-                        f"(rc {rc})")
+
+            def wait() -> None:
+                # blocks until the batch ends (0: every byte written), and frees it
+                rc = engine.engine.get_batch_transfer_status([batch]) if batch else -1
+                if rc != 0:
+                    first = next(iter(link.dst_bases.values()))[0]
+                    recover(link, self.recovery,
+                            lambda: engine.probe(link.address.session, first),
+                            f"{where}: mooncake engine failed a staged write of {nbytes} bytes "
+                            f"(rc {rc})")
+            return wait
         return bulk
 
     def _submit(self, engine: MooncakeEngine, link: MooncakeLink, runs: AddressRuns,
