@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
+from pd_transfer.errors import Reason, TransportError
 from pd_transfer.layout.lowering import RunBatch, TransferPlan
 from pd_transfer.transport import PeerEndpoint
 from pd_transfer.transport.engine_link import Recovery
@@ -144,3 +145,22 @@ def expected_scatter(plan: TransferPlan, src: np.ndarray, dst_before: np.ndarray
     for s, d, n in zip(*plan.batches[0].byte_runs()):
         out[d:d + n] = src[s:s + n]
     return out
+
+
+async def dead_peer_fails_then_refuses(transport, receivers, segments, spawn, seed: int) -> None:
+    """A peer killed after connect: the write fails with peer_lost, and so does the next,
+    refused at once ("failed earlier") instead of trying the dead peer again.
+    ``spawn(receivers, segs)`` starts the receiver process for ``segs``."""
+    plan = scattered_plan("kv", 64, 512)
+    src = np.random.default_rng(seed).integers(0, 256, 2 * 64 * 512, np.uint8)
+    segs = segments({"kv": np.zeros(4 * 64 * 512, np.uint8)})
+    peer = await spawn(receivers, {"d0": segs})
+    link = await transport.connect(peer.endpoint("d0"))
+    await peer.kill()
+    with pytest.raises(TransportError) as info:
+        await transport.write(link, plan, {"kv": src})
+    assert info.value.code is Reason.PEER_LOST
+    with pytest.raises(TransportError) as again:
+        await transport.write(link, plan, {"kv": src})
+    assert again.value.code is Reason.PEER_LOST and "failed earlier" in str(again.value)
+    await transport.close()

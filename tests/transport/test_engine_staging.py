@@ -11,7 +11,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import pytest_asyncio
-from engine_harness import ReceiverProcess, copy_back, expected_scatter, scattered_plan
+from engine_harness import (
+    ReceiverProcess,
+    copy_back,
+    dead_peer_fails_then_refuses,
+    expected_scatter,
+    scattered_plan,
+)
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.layout.lowering import RunBatch, TransferPlan
@@ -161,20 +167,8 @@ async def test_direct_mode_opens_no_staging_channel(segments, receivers, kind):
 @pytest.mark.parametrize("kind", KINDS)
 async def test_a_dead_peer_fails_a_staged_write_and_the_link_is_then_refused(segments, receivers,
                                                                              kind):
-    plan = scattered_plan("kv", 64, 512)
-    src = np.random.default_rng(7).integers(0, 256, 2 * 64 * 512, np.uint8)
-    segs = segments({"kv": np.zeros(4 * 64 * 512, np.uint8)})
-    peer = await receivers(kind, {"d0": segs})
-    transport = _transport(kind, recovery=FAST)
-    link = await transport.connect(peer.endpoint("d0"))
-    await peer.kill()
-    with pytest.raises(TransportError) as info:
-        await transport.write(link, plan, {"kv": src})
-    assert info.value.code is Reason.PEER_LOST
-    with pytest.raises(TransportError) as again:
-        await transport.write(link, plan, {"kv": src})
-    assert again.value.code is Reason.PEER_LOST and "failed earlier" in str(again.value)
-    await transport.close()
+    await dead_peer_fails_then_refuses(_transport(kind, recovery=FAST), receivers, segments,
+                                       lambda spawn, segs: spawn(kind, segs), seed=7)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -11,6 +11,7 @@ import pytest
 from engine_harness import (
     FAST,
     ORACLE_CASES,
+    dead_peer_fails_then_refuses,
     direct_transport,
     engine_marks,
     expected_scatter,
@@ -111,17 +112,5 @@ async def test_a_request_nixl_refuses_fails_the_write_and_the_link_stays_usable(
 
 
 async def test_a_dead_peer_fails_the_write_and_the_link_is_then_refused(segments, receivers):
-    plan = scattered_plan("kv", 64, 512)
-    src = np.random.default_rng(4).integers(0, 256, 2 * 64 * 512, np.uint8)
-    segs = segments({"kv": np.zeros(4 * 64 * 512, np.uint8)})
-    peer = await receivers({"d0": segs})
-    transport = _transport(recovery=FAST)
-    link = await transport.connect(peer.endpoint("d0"))
-    await peer.kill()
-    with pytest.raises(TransportError) as info:
-        await transport.write(link, plan, {"kv": src})
-    assert info.value.code is Reason.PEER_LOST
-    with pytest.raises(TransportError) as again:
-        await transport.write(link, plan, {"kv": src})
-    assert again.value.code is Reason.PEER_LOST and "failed earlier" in str(again.value)
-    await transport.close()
+    await dead_peer_fails_then_refuses(_transport(recovery=FAST), receivers, segments,
+                                       lambda spawn, segs: spawn(segs), seed=4)
