@@ -8,9 +8,12 @@ limit; measured right before and after the tcp case), then pd-transfer
 moving a Llama-3.1-8B request of ``--tokens`` tokens
 (page size 16, random pages) between sidecar processes: shm direct (TP 1 ->
 1), shm sliced (TP 2 -> 4), tcp direct (TP 1 -> 1); and the p50 latency of a
-1-page room over shm (decode's wait called after the send returned, and already
-in flight), beside the round trip of one ZeroMQ ipc message to a process idle
-as long (the messaging floor; a room needs at least two). Each transfer is
+1-page room over shm (decode's wait called after the send returned; already in
+flight; in flight with the processes still warm, 2 ms between rooms instead of
+50), beside the round trip of one ZeroMQ ipc message to a process idle as long
+(the messaging floor; a room needs at least two) and what 50 ms of idle time
+alone costs one planning call in one process (the host's cold-cache penalty,
+which every hop of an idle room pays). Each transfer is
 timed from the prefill worker's send()
 to the decode worker seeing Success (bootstrap excluded: one warm-up room
 first). Medians of ``--repeats``. Prints a table with ratios against the
@@ -176,7 +179,8 @@ class Deployment:
             client.register(geometry, pools.handles)
             self.clients[geometry.rank_id] = client
 
-    def room(self, room: int, src_pages, dst_pages, *, waiting: bool = False) -> float:
+    def room(self, room: int, src_pages, dst_pages, *, waiting: bool = False,
+             idle_s: float = IDLE_S) -> float:
         """Seconds from the prefill worker's send() to every decode worker seeing Success.
 
         ``waiting``: each decode worker's ``wait`` is already in flight when the send
@@ -195,7 +199,7 @@ class Deployment:
             if waiting else []
         for thread in waiters:
             thread.start()
-        time.sleep(IDLE_S)  # let the requests reach prefill: time the transfer, not the request
+        time.sleep(idle_s)  # let the requests reach prefill: time the transfer, not the request
         start = time.perf_counter()
         for g in self.prefill:
             self.clients[g.rank_id].send(room, src_pages, aux_row=0, state_slots=self.state)
@@ -240,17 +244,53 @@ def transfer_case(workdir: Path, tp_src: int, tp_dst: int, transport: str, token
         deployment.close()
 
 
-def one_page_latency_ms(workdir: Path, rooms: int, device: str = "cpu") -> tuple[float, float]:
-    """p50 ms of a 1-page room: decode's wait called after send returned, and in flight."""
+LATENCY_MODES = ("wait after send", "wait in flight", "back to back")
+
+
+def one_page_latency_ms(workdir: Path, rooms: int, device: str = "cpu") -> tuple[float, ...]:
+    """p50 ms of a 1-page room, per :data:`LATENCY_MODES`: decode's wait called after
+    send returned; already in flight; in flight with 2 ms (not 50) between a room's
+    expect and its send, so that the processes are still warm."""
     deployment = Deployment(workdir, 1, 1, 64, "shm", device)
     try:
         deployment.room(1, [0], [0])
         after = [deployment.room(1000 + i, [i % 64], [(i * 7) % 64]) for i in range(rooms)]
         during = [deployment.room(3000 + i, [i % 64], [(i * 5) % 64], waiting=True)
                   for i in range(rooms)]
-        return statistics.median(after) * 1e3, statistics.median(during) * 1e3
+        warm = [deployment.room(5000 + i, [i % 64], [(i * 3) % 64], waiting=True, idle_s=0.002)
+                for i in range(rooms)]
+        return tuple(statistics.median(t) * 1e3 for t in (after, during, warm))
     finally:
         deployment.close()
+
+
+def idle_penalty_us(samples: int = 40, idle_s: float = IDLE_S) -> tuple[float, float]:
+    """p50 microseconds of planning one 1-page Llama room in this process, back to back
+    and after ``idle_s`` of sleep: what idle time alone costs the same code on this host
+    (caches and TLBs refilled), with no message and no other process involved."""
+    from pd_transfer.layout.planner import PairPlanner
+    from pd_transfer.layout.reconcile import reconcile
+    spec = load_preset("llama-3.1-8b")
+    shape = {"page_size": PAGE, "num_pages": 64, "kv_layout": Layout.NHD, "num_aux_rows": 4}
+    prefill = build_instance(spec, Role.PREFILL, 1, **shape)
+    decode = build_instance(spec, Role.DECODE, 1, **shape)
+    planner = PairPlanner(reconcile(prefill, decode), prefill[0], decode[0])
+
+    def once(i: int) -> float:
+        request = {Pool.KV: (np.array([i % 64]), np.array([(i * 7) % 64])),
+                   Pool.AUX: (np.array([0]), np.array([0]))}
+        start = time.perf_counter()
+        planner.plan(request)
+        return time.perf_counter() - start
+
+    for i in range(samples):
+        once(i)
+    warm = statistics.median(once(i) for i in range(samples))
+    cold = []
+    for i in range(samples):
+        time.sleep(idle_s)
+        cold.append(once(i))
+    return warm * 1e6, statistics.median(cold) * 1e6
 
 
 def main() -> None:
@@ -285,6 +325,7 @@ def main() -> None:
     tcp = statistics.median(tcp_rates) if tcp_rates else raw_tcp_gbps(nbytes, 3)
     latency = one_page_latency_ms(workdir, 60, args.device) if args.only != "tcp" else None
     rtt = zmq_idle_rtt_ms(workdir, 60) if latency is not None else None
+    penalty = idle_penalty_us() if latency is not None else None
     print(f"Llama-3.1-8B, {args.tokens} tokens, page {PAGE}, random pages: "
           f"{nbytes / 2**30:.2f} GiB of KV per request; medians of {args.repeats}; "
           f"pools on {args.device}")
@@ -300,11 +341,14 @@ def main() -> None:
         print(f"{'pd-transfer ' + label:<24}{seconds:>9.3f}{rate:>8.2f}{rate / floor:>8.2f}  "
               f"x {name}; target >= {target} ({verdict})")
     if latency is not None:
-        for label, value in zip(("wait after send", "wait in flight"), latency):
+        for label, value in zip(LATENCY_MODES, latency):
             print(f"{'1-page room p50':<16}{label:<16}{value:>8.3f} ms   target < 1 ms "
                   f"({'met' if value < 1 else 'missed'}) (send -> decode sees success, shm)")
         print(f"{'zmq ipc RTT, idle peer':<24}{rtt:>8.3f} ms   messaging floor per hop pair; a room "
               f"needs >= 2 ({2 * rtt:.3f} ms): send + reply, Done, wait + reply")
+        warm, cold = penalty
+        print(f"{'idle penalty':<24}{cold / warm:>8.1f} x    one 1-page plan in one process: "
+              f"{warm:.0f} us back to back, {cold:.0f} us after {IDLE_S * 1e3:.0f} ms idle")
     rows.append(results)
     (workdir / "results.json").write_text(json.dumps({k: v[0] for k, v in results.items()}))
 
