@@ -10,6 +10,7 @@ after a TTL.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -108,27 +109,38 @@ class RoomTable:
         # the live rooms, kept as they start and end: the limit check on every send or
         # expect must not scan the whole table (up to 2 x max_rooms rooms)
         self._live: dict[int, Room] = {}
+        # the terminal ones in the order they finished (oldest first): the sweep every
+        # 100 ms and the eviction over the bound take them from the front, never scan
+        self._finished: dict[int, Room] = {}
 
     def get(self, room: int) -> Room | None:
         return self.rooms.get(room)
 
     def add(self, room: Room) -> None:
         replaced = self.rooms.get(room.room)
-        if replaced is not None and self._live.get(room.room) is replaced:
-            del self._live[room.room]
+        if replaced is not None:
+            if self._live.get(room.room) is replaced:
+                del self._live[room.room]
+            if self._finished.get(room.room) is replaced:
+                del self._finished[room.room]
         self.rooms[room.room] = room
-        if not room.terminal:
+        if room.terminal:
+            self._finished[room.room] = room
+        else:
             self._live[room.room] = room
             room.on_end.append(self._ended)
         if len(self.rooms) > 2 * self.max_rooms:
-            finished = sorted((r for r in self.rooms.values() if r.terminal),
-                              key=lambda r: r.finished_s)
-            for old in finished[:len(self.rooms) - 2 * self.max_rooms + self.max_rooms // 8 + 1]:
-                del self.rooms[old.room]
+            self._forget_oldest(len(self.rooms) - 2 * self.max_rooms + self.max_rooms // 8 + 1)
 
     def _ended(self, room: Room) -> None:
         if self._live.get(room.room) is room:
             del self._live[room.room]
+            self._finished[room.room] = room
+
+    def _forget_oldest(self, count: int) -> None:
+        for room_id in list(itertools.islice(self._finished, count)):
+            del self._finished[room_id]
+            del self.rooms[room_id]
 
     def live(self) -> list[Room]:
         return list(self._live.values())
@@ -142,12 +154,19 @@ class RoomTable:
             f"{live} rooms are live, the limit is max_rooms={self.max_rooms}"
 
     def expire(self, now_s: float, on_timeout: Callable[[Room], None]) -> None:
-        for room in list(self.rooms.values()):
-            if room.terminal:
-                if now_s - room.finished_s > self.ttl_s:
-                    del self.rooms[room.room]
-            elif now_s > room.deadline_s:
-                on_timeout(room)
+        """Time out live rooms past their deadline; forget rooms finished over ``ttl_s`` ago.
+
+        Costs the live rooms plus the expired ones, not the whole table.
+        """
+        for room in [r for r in self._live.values() if now_s > r.deadline_s]:
+            on_timeout(room)
+        stale = 0
+        for room in self._finished.values():
+            if now_s - room.finished_s <= self.ttl_s:
+                break
+            stale += 1
+        if stale:
+            self._forget_oldest(stale)
 
     def counts(self) -> dict[str, int]:
         counts = {s.value: 0 for s in RoomStatus}

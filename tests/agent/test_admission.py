@@ -201,6 +201,38 @@ async def test_the_room_table_keeps_at_most_max_rooms_finished_rooms():
     assert table.refusal(1000) == ""                     # an existing live room is no new room
 
 
+async def test_the_room_table_sweep_times_out_late_live_rooms_and_forgets_old_finished_ones():
+    table = RoomTable(ttl_s=10, max_rooms=64)
+    old, recent = Room(1, 0), Room(2, 0)
+    late, on_time = Room(3, 0), Room(4, 0)
+    for room in (old, recent, late, on_time):
+        table.add(room)
+    old.advance(RoomStatus.SUCCESS)
+    recent.fail(Reason.ABORTED, "aborted")
+    late.advance(RoomStatus.WAITING_FOR_INPUT, deadline_s=50.0)
+    on_time.advance(RoomStatus.WAITING_FOR_INPUT, deadline_s=500.0)
+    old.finished_s, recent.finished_s = 100.0, 195.0
+    timed_out = []
+
+    def on_timeout(room):
+        timed_out.append(room.room)
+        room.fail(Reason.TIMEOUT, "deadline passed")
+
+    table.expire(200.0, on_timeout)
+    assert timed_out == [3]                        # finished rooms are never timed out
+    assert sorted(table.rooms) == [2, 3, 4]        # 1 finished 100 s ago (ttl 10 s): gone
+    assert late.status is RoomStatus.FAILED and [r.room for r in table.live()] == [4]
+    late.finished_s = 200.0
+    table.expire(211.0, on_timeout)                # the room that timed out ages out too
+    assert sorted(table.rooms) == [4] and timed_out == [3]
+    replaced = Room(4, 1)                          # a live room started over, then finished
+    table.add(replaced)
+    replaced.advance(RoomStatus.SUCCESS)
+    replaced.finished_s = 300.0
+    table.expire(311.0, on_timeout)
+    assert table.rooms == {} and table.live() == [] and timed_out == [3]
+
+
 async def test_the_room_table_counts_live_rooms_as_they_start_end_and_are_replaced():
     table = RoomTable(ttl_s=3600, max_rooms=2)
     first, second = Room(1, 0), Room(2, 0)
