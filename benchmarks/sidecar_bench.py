@@ -9,8 +9,8 @@ moving a Llama-3.1-8B request of ``--tokens`` tokens
 (page size 16, random pages) between sidecar processes: shm direct (TP 1 ->
 1), shm sliced (TP 2 -> 4), tcp direct (TP 1 -> 1); and the p50 latency of a
 1-page room over shm (decode's wait called after the send returned; already in
-flight; in flight with the processes still warm, 2 ms between rooms instead of
-50), beside the round trip of one ZeroMQ ipc message to a process idle as long
+flight; in flight with the processes kept warm, rooms back to back instead of 50
+ms apart), beside the round trip of one ZeroMQ ipc message to a process idle as long
 (the messaging floor; a room needs at least two) and what 50 ms of idle time
 alone costs one planning call in one process (the host's cold-cache penalty,
 which every hop of an idle room pays). Each transfer is
@@ -249,15 +249,15 @@ LATENCY_MODES = ("wait after send", "wait in flight", "back to back")
 
 def one_page_latency_ms(workdir: Path, rooms: int, device: str = "cpu") -> tuple[float, ...]:
     """p50 ms of a 1-page room, per :data:`LATENCY_MODES`: decode's wait called after
-    send returned; already in flight; in flight with 2 ms (not 50) between a room's
-    expect and its send, so that the processes are still warm."""
+    send returned; already in flight; in flight with no pause between a room's expect
+    and its send (nor between rooms), so that the processes stay warm."""
     deployment = Deployment(workdir, 1, 1, 64, "shm", device)
     try:
         deployment.room(1, [0], [0])
         after = [deployment.room(1000 + i, [i % 64], [(i * 7) % 64]) for i in range(rooms)]
         during = [deployment.room(3000 + i, [i % 64], [(i * 5) % 64], waiting=True)
                   for i in range(rooms)]
-        warm = [deployment.room(5000 + i, [i % 64], [(i * 3) % 64], waiting=True, idle_s=0.002)
+        warm = [deployment.room(5000 + i, [i % 64], [(i * 3) % 64], waiting=True, idle_s=0.0)
                 for i in range(rooms)]
         return tuple(statistics.median(t) * 1e3 for t in (after, during, warm))
     finally:
