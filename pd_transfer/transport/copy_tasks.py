@@ -36,6 +36,7 @@ from pd_transfer.transport.regions import Mapped
 from pd_transfer.transport.runs import Flat, Items, capped_rows, dst_items, item_groups, rows_of
 
 ROW_CAP_NBYTES = 1 << 20
+SMALL_PIECE_NBYTES = 4 << 10
 
 
 _VOID_DTYPES: dict[int, np.dtype] = {}
@@ -103,7 +104,13 @@ def compile_tasks(flat: Flat, src: dict[str, Mapped], dst: dict[str, Mapped], *,
     starts = item_groups(items)
     group_nbytes = np.add.reduceat(items.nbytes, starts)
     group_items = np.diff(np.append(starts, len(items)))
-    long = group_nbytes >= stretch_nbytes
+    # a stretch of small source pieces (head slices) is gathered straight into the
+    # destination from half the length: its bounce would be a second pass over the
+    # bytes, and one take call per 64 KiB costs less than that (TP 2 -> 4 of
+    # Llama-3.1-8B, 512 B pieces: 4.5 -> 5.2 GB/s); page-sized pieces keep the bounce
+    threshold = np.where(items.piece_nbytes[starts] < SMALL_PIECE_NBYTES, stretch_nbytes // 2,
+                         stretch_nbytes)
+    long = group_nbytes >= threshold
     tasks: list = []
     if long.any():
         tasks += _stretch_tasks(items, starts[long], group_items[long], group_nbytes[long],

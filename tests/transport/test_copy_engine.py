@@ -247,3 +247,31 @@ def test_engine_equals_naive_copy_for_strided_descriptors(case, engine_name):
                 expected[z:z + n] = src[a:a + n]
     CopyEngine(**ENGINES[engine_name]).execute(_plan(*batches), {"s": src}, {"d": dst})
     assert np.array_equal(dst, expected)
+
+
+@pytest.mark.parametrize("piece_nbytes, kind", [(512, "TakeInto"), (16 << 10, "Bounce")])
+def test_a_mid_length_stretch_of_small_pieces_is_gathered_in_place_and_of_pages_bounced(
+        piece_nbytes, kind):
+    """A 96 KiB destination stretch (under the 128 KiB stretch length, over half of it):
+    512-byte head slices go straight into the destination (no second pass through a
+    bounce buffer), 16 KiB page runs through the bounce buffer; both copy exactly."""
+    from pd_transfer.transport.copy_tasks import compile_tasks
+    from pd_transfer.transport.regions import map_regions
+    from pd_transfer.transport.runs import flatten
+    count = (96 << 10) // piece_nbytes
+    # source pieces at twice their length apart (every other slice), destination packed
+    batch = _batch([0], [4096], [piece_nbytes], [count], src_stride=2 * piece_nbytes,
+                   dst_stride=piece_nbytes)
+    rng = np.random.default_rng(piece_nbytes)
+    src = rng.integers(0, 256, 2 * count * piece_nbytes, dtype=np.uint8)
+    dst = np.zeros(4096 + count * piece_nbytes + 4096, np.uint8)
+    mapped_src, mapped_dst = map_regions({"s": src}, ["s"], "source"), \
+        map_regions({"d": dst}, ["d"], "destination")
+    engine = CopyEngine(direct_max_runs=0)
+    tasks = compile_tasks(flatten(_plan(batch)), mapped_src, mapped_dst,
+                          stretch_nbytes=engine.stretch_nbytes, bounce_nbytes=engine.bounce_nbytes)
+    assert [type(task).__name__ for task in tasks] == [kind]
+    engine.execute(_plan(batch), {"s": src}, {"d": dst})
+    expected = src.reshape(count, 2 * piece_nbytes)[:, :piece_nbytes].ravel()
+    assert np.array_equal(dst[4096:4096 + count * piece_nbytes], expected)
+    assert not dst[:4096].any() and not dst[4096 + count * piece_nbytes:].any()
