@@ -107,7 +107,7 @@ def compile_tasks(flat: Flat, src: dict[str, Mapped], dst: dict[str, Mapped], *,
     # a stretch of small source pieces (head slices) is gathered straight into the
     # destination from half the length: its bounce would be a second pass over the
     # bytes, and one take call per 64 KiB costs less than that (TP 2 -> 4 of
-    # Llama-3.1-8B, 512 B pieces: 4.5 -> 5.2 GB/s); page-sized pieces keep the bounce
+    # Llama-3.1-8B, 512 B pieces: 4.15 -> 4.75 GB/s); page-sized pieces keep the bounce
     threshold = np.where(items.piece_nbytes[starts] < SMALL_PIECE_NBYTES, stretch_nbytes // 2,
                          stretch_nbytes)
     long = group_nbytes >= threshold
