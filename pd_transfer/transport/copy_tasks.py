@@ -2,14 +2,22 @@
 
 Pieces are grouped into *stretches*: pieces of one batch that fill consecutive
 destination bytes (descriptors are sorted by destination first, so
-neighbouring decode pages join). Three kinds of task:
+neighbouring decode pages join). Four kinds of task:
 
 - :class:`CopyRun`: a long stretch that is one source run, one memcpy;
 - :class:`TakeInto`: a long stretch of several source runs, gathered straight
   into the destination with ``np.take(src_rows, idx, out=dst_stretch)``;
-- :class:`Bounce`: short stretches, a chunk at a time: ``np.take`` gathers
-  their source rows into a bounce buffer (small enough to stay in cache),
+- :class:`PutFrom`: the mirror image, for what is left: pieces that read
+  consecutive *source* bytes (a prefill request on fresh pages, landing on
+  scattered decode pages) are scattered straight from the source with
+  ``np.put(dst_rows, idx, src_stretch)``;
+- :class:`Bounce`: the rest, a chunk at a time: ``np.take`` gathers their
+  source rows into a bounce buffer (small enough to stay in cache),
   ``np.put`` scatters the buffer by destination rows.
+
+Every task but a bounce passes over its bytes once. Tasks longer than
+``split_nbytes`` are cut into pieces of about that length, so that the
+engine's threads share one long stretch (a single 256 MiB run included).
 
 Rows: a region is viewed as opaque items of ``g`` bytes (numpy void), so one
 take or put moves a whole row with one memmove. ``g`` is per batch: the gcd of
@@ -33,10 +41,22 @@ from typing import NamedTuple
 import numpy as np
 
 from pd_transfer.transport.regions import Mapped
-from pd_transfer.transport.runs import Flat, Items, capped_rows, dst_items, item_groups, rows_of
+from pd_transfer.transport.runs import (
+    Flat,
+    Items,
+    batch_order,
+    capped_rows,
+    dst_items,
+    item_groups,
+    rows_of,
+)
 
 ROW_CAP_NBYTES = 1 << 20
 SMALL_PIECE_NBYTES = 4 << 10
+SPLIT_NBYTES = 4 << 20
+PUT_MIN_ROWS = 512
+# sorting by source pays only where the pieces fill most of the source bytes they span
+SOURCE_FILL_MIN = 2 / 3
 
 
 _VOID_DTYPES: dict[int, np.dtype] = {}
@@ -82,6 +102,19 @@ class TakeInto(NamedTuple):
         np.take(self.src_rows, self.index, out=self.dst, mode="clip")
 
 
+class PutFrom(NamedTuple):
+    dst_rows: np.ndarray
+    index: np.ndarray
+    src: np.ndarray  # the source stretch, as rows of the destination row size
+
+    @property
+    def nbytes(self) -> int:
+        return self.src.nbytes
+
+    def run(self, scratch: Scratch) -> None:
+        np.put(self.dst_rows, self.index, self.src)
+
+
 class Bounce(NamedTuple):
     src_rows: np.ndarray
     src_index: np.ndarray
@@ -96,37 +129,58 @@ class Bounce(NamedTuple):
 
 
 def compile_tasks(flat: Flat, src: dict[str, Mapped], dst: dict[str, Mapped], *,
-                  stretch_nbytes: int, bounce_nbytes: int) -> list:
-    """Tasks that together copy every piece of ``flat`` (already bounds-checked)."""
+                  stretch_nbytes: int, bounce_nbytes: int,
+                  split_nbytes: int = SPLIT_NBYTES) -> list:
+    """Tasks that together copy every piece of ``flat`` (already bounds-checked).
+
+    Stretches are taken from the side whose pieces lie closer together first (the
+    destination unless the source is fuller), then from the other side among the
+    pieces left; the rest is bounced.
+    """
     items = dst_items(flat)
     if not len(items):
         return []
-    starts = item_groups(items)
-    group_nbytes = np.add.reduceat(items.nbytes, starts)
-    group_items = np.diff(np.append(starts, len(items)))
-    # a stretch of small source pieces (head slices) is gathered straight into the
-    # destination from half the length: its bounce would be a second pass over the
-    # bytes, and one take call per 64 KiB costs less than that (TP 2 -> 4 of
-    # Llama-3.1-8B, 512 B pieces: 4.15 -> 4.75 GB/s); page-sized pieces keep the bounce
-    threshold = np.where(items.piece_nbytes[starts] < SMALL_PIECE_NBYTES, stretch_nbytes // 2,
-                         stretch_nbytes)
-    long = group_nbytes >= threshold
     tasks: list = []
-    if long.any():
-        tasks += _stretch_tasks(items, starts[long], group_items[long], group_nbytes[long],
-                                flat.batches, src, dst)
-    if not long.all():
-        short = items if not long.any() else items.take(np.repeat(~long, group_items))
-        short_starts = np.cumsum(group_items[~long]) - group_items[~long]
-        tasks += _bounce_tasks(short, short_starts, group_nbytes[~long], flat.batches,
-                               src, dst, bounce_nbytes)
-    return tasks
+    single = np.flatnonzero(items.count == 1)
+    src_fill = _fill(items, single, items.src_offset) if len(single) > 1 else 0.0
+    source_first = src_fill > SOURCE_FILL_MIN and src_fill > _fill(items, single,
+                                                                   items.dst_offset)
+    if source_first:
+        put, items = _source_stretch_tasks(items, flat.batches, src, dst, stretch_nbytes)
+        tasks += put
+    if len(items):
+        starts = item_groups(items)
+        group_nbytes = np.add.reduceat(items.nbytes, starts)
+        group_items = np.diff(np.append(starts, len(items)))
+        long = group_nbytes >= _long_from(items.piece_nbytes[starts], stretch_nbytes)
+        if long.any():
+            tasks += _stretch_tasks(items, starts[long], group_items[long], group_nbytes[long],
+                                    flat.batches, src, dst)
+            items = items.take(np.repeat(~long, group_items))
+    if not source_first and src_fill >= SOURCE_FILL_MIN and (items.count == 1).sum() > 1:
+        put, items = _source_stretch_tasks(items, flat.batches, src, dst, stretch_nbytes)
+        tasks += put
+    if len(items):
+        starts = item_groups(items)
+        tasks += _bounce_tasks(items, starts, np.add.reduceat(items.nbytes, starts),
+                               flat.batches, src, dst, bounce_nbytes)
+    return _split(tasks, split_nbytes)
+
+
+def _long_from(piece_nbytes: np.ndarray, stretch_nbytes: int) -> np.ndarray:
+    """The length from which a stretch starting with pieces of ``piece_nbytes`` skips the
+    bounce buffer. Small pieces (head slices) from half the length: their bounce would be
+    a second pass over the bytes, and one numpy call per 64 KiB costs less than that
+    (TP 2 -> 4 of Llama-3.1-8B, 512 B pieces: 4.15 -> 4.75 GB/s)."""
+    return np.where(piece_nbytes < SMALL_PIECE_NBYTES, stretch_nbytes // 2, stretch_nbytes)
 
 
 def _source_gcd(items: Items) -> np.ndarray:
     """Per item: the gcd of its source offset, piece length and (for several pieces) stride."""
-    return np.gcd(np.gcd(items.src_offset, items.piece_nbytes),
-                  np.where(items.count > 1, items.src_stride, 0))
+    common = np.gcd(items.src_offset, items.piece_nbytes)
+    if int(items.count.max()) == 1:
+        return common
+    return np.gcd(common, np.where(items.count > 1, items.src_stride, 0))
 
 
 def _source_rows(items: Items, row: np.ndarray) -> np.ndarray:
@@ -173,6 +227,74 @@ def _stretch_tasks(items: Items, starts: np.ndarray, counts: np.ndarray, nbytes:
             tasks.append(TakeInto(s.void_rows(size), index[stop - n // size:stop],
                                   d.array[at:at + n].view(void_dtype(size))))
     return tasks
+
+
+def _source_stretch_tasks(items: Items, batches: tuple, src: dict[str, Mapped],
+                          dst: dict[str, Mapped], stretch_nbytes: int) -> tuple[list, Items]:
+    """:class:`PutFrom` tasks for the single-piece items that continue each other in the
+    source over a long stretch, and the items left (still by batch and destination)."""
+    single = np.flatnonzero(items.count == 1)
+    order = batch_order(items.batch[single], items.src_offset[single])
+    candidates = single if order is None else single[order]
+    batch, offset = items.batch[candidates], items.src_offset[candidates]
+    nbytes = items.piece_nbytes[candidates]
+    joins = (batch[1:] == batch[:-1]) & (offset[1:] == offset[:-1] + nbytes[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    counts = np.diff(np.append(starts, len(candidates)))
+    group_nbytes = np.add.reduceat(nbytes, starts)
+    long = (counts > 1) & (group_nbytes >= _long_from(nbytes[starts], stretch_nbytes))
+    if not long.any():
+        return [], items
+    used = candidates[np.repeat(long, counts)]
+    counts, group_nbytes = counts[long], group_nbytes[long]
+    first = np.cumsum(counts) - counts
+    dst_offset, piece = items.dst_offset[used], items.piece_nbytes[used]
+    row = capped_rows(np.gcd.reduceat(np.gcd(dst_offset, piece), first), ROW_CAP_NBYTES)
+    index = rows_of(dst_offset, piece, np.repeat(row, counts))
+    index_end = np.cumsum(group_nbytes // row).tolist()
+    tasks = []
+    for batch_index, at, n, size, stop in zip(items.batch[used[first]].tolist(),
+                                              items.src_offset[used[first]].tolist(),
+                                              group_nbytes.tolist(), row.tolist(), index_end):
+        b = batches[batch_index]
+        tasks.append(PutFrom(dst[b.dst_region].void_rows(size), index[stop - n // size:stop],
+                             src[b.src_region].array[at:at + n].view(void_dtype(size))))
+    left = np.ones(len(items), bool)
+    left[used] = False
+    return tasks, items.take(left)
+
+
+def _fill(items: Items, rows: np.ndarray, offset: np.ndarray) -> float:
+    """How much of the bytes they span, batch by batch, the pieces ``rows`` fill on the
+    side of ``offset`` (1.0: back to back; random 2 KiB pieces of a pool twice their
+    size: about 0.5, not worth a sort)."""
+    batch = items.batch[rows]
+    first = np.flatnonzero(np.concatenate(([True], batch[1:] != batch[:-1])))
+    offset, nbytes = offset[rows], items.piece_nbytes[rows]
+    span = np.maximum.reduceat(offset + nbytes, first) - np.minimum.reduceat(offset, first)
+    return int(nbytes.sum()) / max(1, int(span.sum()))
+
+
+def _split(tasks: list, split_nbytes: int) -> list:
+    """Tasks of more than ``split_nbytes`` cut into consecutive pieces of about that length."""
+    if not any(task.nbytes > split_nbytes for task in tasks):
+        return tasks
+    out = []
+    for task in tasks:
+        if task.nbytes <= split_nbytes or isinstance(task, Bounce):
+            out.append(task)
+        elif isinstance(task, CopyRun):
+            out += [CopyRun(task.src[a:a + split_nbytes], task.dst[a:a + split_nbytes])
+                    for a in range(0, task.nbytes, split_nbytes)]
+        elif isinstance(task, TakeInto):
+            step = max(1, split_nbytes // task.dst.itemsize)
+            out += [TakeInto(task.src_rows, task.index[a:a + step], task.dst[a:a + step])
+                    for a in range(0, len(task.index), step)]
+        else:  # numpy lets go of the GIL in a put of more than 500 rows only
+            step = max(PUT_MIN_ROWS, split_nbytes // task.src.itemsize)
+            out += [PutFrom(task.dst_rows, task.index[a:a + step], task.src[a:a + step])
+                    for a in range(0, len(task.index), step)]
+    return out
 
 
 def _bounce_tasks(items: Items, group_starts: np.ndarray, group_nbytes: np.ndarray,

@@ -108,6 +108,10 @@ def check_bounds(flat: Flat, src_sizes: Mapping[str, int] | None,
 def _out_of_bounds(offset: np.ndarray, nbytes: np.ndarray, count: np.ndarray,
                    stride: np.ndarray, size: np.ndarray) -> np.ndarray:
     """Per descriptor: does any of its pieces leave ``[0, size)``?"""
+    if len(count) and int(count.min()) == 1 == int(count.max()):
+        # one piece each (a page run): no stride to overflow; ``size - offset`` cannot
+        # overflow once offset is in [0, size]
+        return (offset < 0) | (nbytes < 0) | (offset > size) | (nbytes > size - offset)
     span = (count.astype(np.float64) - 1) * stride
     lo_f = offset + np.minimum(span, 0)
     hi_f = offset + np.maximum(span, 0) + nbytes
@@ -245,13 +249,11 @@ def dst_items(flat: Flat) -> Items:
     if not keep.all():
         arrays = tuple(a[keep] for a in arrays)
     batch, src_offset, dst_offset, nbytes, count, src_stride, dst_stride = arrays
-    if len(batch) > 1:
-        if int(dst_offset.max()) < (1 << 40) and int(batch.max()) < (1 << 22):
-            order = np.argsort(batch * (1 << 40) + dst_offset)
-        else:
-            order = np.lexsort((dst_offset, batch))
+    order = batch_order(batch, dst_offset)
+    if order is not None:
         batch, src_offset, dst_offset, nbytes, count, src_stride, dst_stride = (
-            a[order] for a in (batch, src_offset, dst_offset, nbytes, count, src_stride, dst_stride))
+            np.take(a, order) for a in (batch, src_offset, dst_offset, nbytes, count,
+                                        src_stride, dst_stride))
     together = (count == 1) | (dst_stride == nbytes)
     items = Items(batch, src_offset, src_stride, nbytes, count, dst_offset)
     if together.all():
@@ -265,6 +267,54 @@ def dst_items(flat: Flat) -> Items:
          items.piece_nbytes[together], items.count[together], items.dst_offset[together]),
         (apart.batch, apart.src_offset, ones, apart.nbytes, ones, apart.dst_offset))))
     return merged.take(np.argsort(merged.batch, kind="stable"))
+
+
+def batch_order(batch: np.ndarray, offset: np.ndarray) -> np.ndarray | None:
+    """The permutation that sorts by batch, then offset; None when already in that order.
+
+    ``batch`` comes in order (a flattened plan is); within a batch the offsets of
+    pieces are usually distinct multiples of a common row size spread over not
+    much more than the pieces themselves (pages of a pool), where a bucket pass
+    (every piece put in its row's slot, the empty slots dropped) costs a fraction
+    of a comparison sort (65,536 random 2 KiB pieces: 1.3 ms instead of 3.5).
+    Equal offsets (overlapping sources are legal) fall back to the sort.
+    """
+    n = len(offset)
+    if n < 2:
+        return None
+    if int(offset.max()) < (1 << 40) and int(offset.min()) >= 0 and int(batch.max()) < (1 << 22):
+        key = batch * (1 << 40) + offset
+        if bool((key[1:] >= key[:-1]).all()):
+            return None
+        order = _bucket_order(batch, offset) if n >= _BUCKET_MIN else None
+        return order if order is not None else np.argsort(key)
+    return np.lexsort((offset, batch))
+
+
+_BUCKET_MIN = 4096
+_BUCKET_SPREAD = 4  # slots per piece, at most
+
+
+def _bucket_order(batch: np.ndarray, offset: np.ndarray) -> np.ndarray | None:
+    if bool((batch[1:] < batch[:-1]).any()) or len(offset) >= (1 << 31):
+        return None
+    row = max(1, int(np.gcd.reduce(offset)))
+    first = np.flatnonzero(np.concatenate(([True], batch[1:] != batch[:-1])))
+    low = np.minimum.reduceat(offset, first)
+    slots = (np.maximum.reduceat(offset, first) - low) // row + 1
+    total = int(slots.sum())
+    if total > _BUCKET_SPREAD * len(offset):
+        return None
+    if len(first) == 1:
+        key = offset - int(low[0])
+    else:
+        lengths = np.diff(np.append(first, len(offset)))
+        key = offset - np.repeat(low - (np.cumsum(slots) - slots) * row, lengths)
+    key = key >> (row.bit_length() - 1) if row & (row - 1) == 0 else key // row
+    table = np.full(total, -1, np.int32)
+    table[key] = np.arange(len(offset), dtype=np.int32)
+    order = table[table >= 0].astype(np.intp)
+    return order if len(order) == len(offset) else None  # equal offsets: sort instead
 
 
 def item_groups(items: Items) -> np.ndarray:

@@ -275,3 +275,109 @@ def test_a_mid_length_stretch_of_small_pieces_is_gathered_in_place_and_of_pages_
     expected = src.reshape(count, 2 * piece_nbytes)[:, :piece_nbytes].ravel()
     assert np.array_equal(dst[4096:4096 + count * piece_nbytes], expected)
     assert not dst[:4096].any() and not dst[4096 + count * piece_nbytes:].any()
+
+
+# -- stretches in the source, long tasks split, the sort ----------------------------------
+def _task_kinds(plan, src, dst, **engine_kwargs):
+    from pd_transfer.transport.copy_tasks import compile_tasks
+    from pd_transfer.transport.regions import map_regions
+    from pd_transfer.transport.runs import flatten
+    engine = CopyEngine(direct_max_runs=0, **engine_kwargs)
+    tasks = compile_tasks(flatten(plan), map_regions(src, list(src), "source"),
+                          map_regions(dst, list(dst), "destination"),
+                          stretch_nbytes=engine.stretch_nbytes, bounce_nbytes=engine.bounce_nbytes)
+    return [type(task).__name__ for task in tasks]
+
+
+def test_pages_back_to_back_in_the_source_are_scattered_straight_from_it():
+    """A request on fresh prefill pages (one 4 MiB source stretch) landing on scattered
+    decode pages: put from the source in one pass, no bounce; exact bytes."""
+    page, n = 16 << 10, 256
+    rng = np.random.default_rng(3)
+    dst_pages = rng.permutation(4 * n)[:n]
+    plan = _plan(_batch(np.arange(n) * page, dst_pages * page, [page] * n))
+    src = rng.integers(0, 256, n * page, dtype=np.uint8)
+    dst = np.zeros(4 * n * page, np.uint8)
+    assert set(_task_kinds(plan, {"s": src}, {"d": dst})) == {"PutFrom"}
+    CopyEngine(direct_max_runs=0, inline_nbytes=0).execute(plan, {"s": src}, {"d": dst})
+    expected = np.zeros_like(dst)
+    for i, p in enumerate(dst_pages.tolist()):
+        expected[p * page:(p + 1) * page] = src[i * page:(i + 1) * page]
+    assert np.array_equal(dst, expected)
+
+
+def test_random_pieces_of_a_sparse_source_are_bounced_not_sorted_by_source():
+    page, n = 2048, 512
+    rng = np.random.default_rng(4)
+    plan = _plan(_batch(rng.permutation(4 * n)[:n] * page, rng.permutation(4 * n)[:n] * page,
+                        [page] * n))
+    kinds = _task_kinds(plan, {"s": np.zeros(4 * n * page, np.uint8)},
+                        {"d": np.zeros(4 * n * page, np.uint8)})
+    assert set(kinds) == {"Bounce"}
+
+
+def test_a_long_run_is_cut_into_tasks_the_threads_share():
+    nbytes = (10 << 20) + 5
+    src = np.random.default_rng(5).integers(0, 256, nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes + 3, np.uint8)
+    plan = _plan(_batch([0], [3], [nbytes]))
+    assert _task_kinds(plan, {"s": src}, {"d": dst}) == ["CopyRun"] * 3
+    CopyEngine(direct_max_runs=0, inline_nbytes=0).execute(plan, {"s": src}, {"d": dst})
+    assert np.array_equal(dst[3:], src) and not dst[:3].any()
+
+
+@st.composite
+def source_stretches(draw):
+    """Pieces back to back in the source (a few stretches), destinations disjoint and
+    shuffled, some pieces strided: every task kind in one plan."""
+    align = draw(st.sampled_from([1, 8, 64]))
+    lengths = draw(st.lists(st.integers(1, 6), min_size=2, max_size=40))
+    slots = sum(lengths) * 2
+    size = slots * align
+    order = draw(st.permutations(range(len(lengths))))
+    # destination: each piece its own slot range, in shuffled order
+    starts, cursor = [0] * len(lengths), 0
+    for i in order:
+        starts[i] = cursor
+        cursor += lengths[i] + draw(st.integers(0, 1))
+    src_offsets, at = [], draw(st.integers(0, 3))
+    for length in lengths:
+        src_offsets.append(at * align)
+        at += length + (1 if draw(st.integers(0, 5)) == 0 else 0)  # now and then a gap
+    return ([o for o in src_offsets], [s * align for s in starts],
+            [n * align for n in lengths]), max(size, (at + 1) * align, (cursor + 1) * align)
+
+
+@settings(max_examples=60, deadline=None)
+@given(source_stretches(), st.sampled_from([16, 64, 512]))
+def test_engine_equals_naive_copy_for_pieces_back_to_back_in_the_source(case, stretch):
+    (s, d, n), size = case
+    src = np.random.default_rng(len(s)).integers(0, 256, size, dtype=np.uint8)
+    dst = np.zeros(size, np.uint8)
+    expected = dst.copy()
+    for a, z, k in zip(s, d, n):
+        expected[z:z + k] = src[a:a + k]
+    CopyEngine(direct_max_runs=0, stretch_nbytes=stretch, bounce_nbytes=64, inline_nbytes=0,
+               num_workers=2).execute(_plan(_batch(s, d, n)), {"s": src}, {"d": dst})
+    assert np.array_equal(dst, expected)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5000)), min_size=0, max_size=300),
+       st.sampled_from([1, 3, 512, 2048]), st.booleans())
+def test_batch_order_sorts_by_batch_then_offset(pairs, row, many):
+    from pd_transfer.transport.runs import _BUCKET_MIN, batch_order
+    if many:  # past the bucket pass's minimum size: two batches of distinct offsets
+        rng = np.random.default_rng(len(pairs))    # spread over twice as many slots,
+        n = _BUCKET_MIN + len(pairs)               # with a few duplicates now and then
+        offsets = [rng.permutation(2 * n)[:n] for _ in range(2)]
+        offsets[1][: len(pairs) // 100] = offsets[1][-1]
+        pairs = [(b, int(o)) for b in range(2) for o in offsets[b]]
+    pairs.sort(key=lambda p: p[0])  # batches arrive in order, offsets in any order
+    batch = np.array([p[0] for p in pairs], np.int64)
+    offset = np.array([p[1] * row for p in pairs], np.int64)
+    order = batch_order(batch, offset)
+    got = np.arange(len(batch)) if order is None else np.asarray(order)
+    assert sorted(got.tolist()) == list(range(len(batch)))
+    assert list(zip(batch[got].tolist(), offset[got].tolist())) == sorted(
+        zip(batch.tolist(), offset.tolist()))
