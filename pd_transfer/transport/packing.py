@@ -119,11 +119,14 @@ def _layout_one(seq: int, runs: Runs, flat: Flat) -> ChunkLayout:
     # destination side: join runs that continue each other, index regions in a table
     starts = dst_groups(runs)
     group_nbytes = np.add.reduceat(runs.nbytes, starts)
-    dst_ids = [batches[b].dst_region for b in runs.batch[starts].tolist()]
-    table = tuple(dict.fromkeys(dst_ids))
+    group_batch = runs.batch[starts]
+    batch_ids = np.unique(group_batch)  # a chunk's batches: a handful, not one per run
+    region_of = [batches[b].dst_region for b in batch_ids.tolist()]
+    table = tuple(dict.fromkeys(region_of))
     slot = {region_id: i for i, region_id in enumerate(table)}
     wire = np.empty((len(starts), 3), np.int64)
-    wire[:, 0] = [slot[r] for r in dst_ids]
+    wire[:, 0] = np.array([slot[r] for r in region_of], np.int64)[
+        np.searchsorted(batch_ids, group_batch)]
     wire[:, 1] = runs.dst_offset[starts]
     wire[:, 2] = group_nbytes
     # source side: one piece list per stretch of runs from the same batch
