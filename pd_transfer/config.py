@@ -70,6 +70,7 @@ class SidecarConfig:
     max_rooms: int = 4096                 # live rooms at most; more are refused at once
     max_rooms_per_peer: int = 1024        # live rooms with one peer; more wait (admission_wait_s)
     max_inflight_nbytes: int = 256 * 1024 * 1024  # prefill: bytes being written to one peer (tcp window)
+    tcp_streams: int = 2                  # prefill, tcp: connections to each peer; a long write is striped over them, the window shared out
     max_inflight_nbytes_total: int = 1024 * 1024 * 1024  # prefill: bytes being written to all peers
     admission_wait_s: float = 5.0         # a room or chunk over a limit waits this long, then fails
     max_worker_requests: int = 8192       # worker API requests in progress; more are refused at once

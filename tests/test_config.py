@@ -115,3 +115,19 @@ def test_limits_come_from_the_file_the_environment_and_flags(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "max_rooms_per_peer = 3\n" in printed and "admission_wait_s = 1.5\n" in printed
     assert "max_inflight_nbytes_total = 65536\n" in printed
+
+
+def test_tcp_streams_reach_the_tcp_transport():
+    import zmq.asyncio
+
+    from pd_transfer.agent.tcp_plane import tcp_transport
+    assert load_sidecar_config(None, {"role": "prefill"}, {}).tcp_streams == 2
+    config = load_sidecar_config(None, {"role": "prefill"}, {"PD_TRANSFER_TCP_STREAMS": "4"})
+    context = zmq.asyncio.Context()
+    try:
+        assert tcp_transport(config, context).streams == 4
+    finally:
+        context.term()
+    with pytest.raises(ConfigError) as err:
+        load_sidecar_config(None, {"role": "prefill", "tcp_streams": 0}, {})
+    assert "sidecar.tcp_streams: must be positive, got 0" in str(err.value)

@@ -52,7 +52,7 @@ def tcp_transport(config, context: zmq.asyncio.Context,
         return ZmqTcpTransport(context, window_nbytes=config.max_inflight_nbytes,
                                socket_options=security.curve_client,
                                corrupt_payload=corrupt_payload)
-    return TcpTransport(window_nbytes=config.max_inflight_nbytes,
+    return TcpTransport(window_nbytes=config.max_inflight_nbytes, streams=config.tcp_streams,
                         auth=DataAuth(security) if security.enabled else None,
                         handshake_timeout_s=security.handshake_timeout_s,
                         corrupt_payload=corrupt_payload)

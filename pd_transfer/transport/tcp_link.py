@@ -114,6 +114,7 @@ class TcpLink(Link):
         self._conn_id = 0
         self._auth_error: tuple[float, TransportError] | None = None
         self._readers: list[tuple[socket.socket, threading.Thread]] = []
+        self.lanes: list[TcpLink] = [self]  # this link's connections: itself, then the others
         self._sender = self._start_thread(self._send_loop, f"pdt-tcp-send-{peer.peer_id}")
 
     # -- the loop's side ----------------------------------------------------------------
@@ -189,6 +190,9 @@ class TcpLink(Link):
                 candidate.result.set_exception(error)
 
     async def _release(self) -> None:
+        for lane in self.lanes[1:]:  # the link's other connections go with it
+            lane._closed = True
+            await lane._release()
         self._stopping.set()
         self._jobs.put(None)
         with self._lock:

@@ -66,7 +66,7 @@ async def test_tcp_write_lands_exactly_the_oracle_bytes(scenario, case, inline_n
 async def test_bytes_in_flight_never_exceed_the_window(scenario):
     sc = scenario("llama", 2, 2, num_pages=40)
     chunk, window = 32 << 10, 128 << 10
-    transport = TcpTransport(chunk_nbytes=chunk, window_nbytes=window)
+    transport = TcpTransport(chunk_nbytes=chunk, window_nbytes=window, streams=1)
     async with Decode(sc) as decode:
         links = {rank: await transport.connect(decode.endpoint(rank)) for rank in decode.receivers}
         link = links[sc.plans[0].dst_rank]
@@ -89,6 +89,61 @@ async def test_bytes_in_flight_never_exceed_the_window(scenario):
         assert link.in_flight_nbytes == 0
         await transport.close()
     assert sc.world.verify(sc.requests) == []
+
+
+async def test_a_long_write_is_striped_over_the_streams_within_one_window(scenario):
+    """Three connections to the peer: a plan of many chunks goes over all three at once
+    (each its own transfer), lands exactly, and the three together never hold more than
+    the link's window; a one-chunk write takes the least busy connection."""
+    sc = scenario("llama", 2, 4, num_pages=40)
+    chunk, window = 32 << 10, 192 << 10
+    transport = TcpTransport(chunk_nbytes=chunk, window_nbytes=window, streams=3)
+    async with Decode(sc, inline_nbytes=0) as decode:
+        links = {rank: await transport.connect(decode.endpoint(rank)) for rank in decode.receivers}
+        plan = max(sc.plans, key=lambda p: p.total_nbytes)
+        link = links[plan.dst_rank]
+        assert len(link.lanes) == 3 and all(lane.window_nbytes == window // 3 for lane in link.lanes)
+        together, per_lane = [], {id(lane): 0 for lane in link.lanes}
+        for lane in link.lanes:
+            def watch(lane=lane, original=lane.acquire):
+                async def watched(nbytes):
+                    await original(nbytes)
+                    per_lane[id(lane)] += 1
+                    together.append(sum(other.in_flight_nbytes for other in link.lanes))
+                lane.acquire = watched
+            watch()
+        results = await asyncio.gather(*(transport.write(links[p.dst_rank], p, sc.src(p), room="r")
+                                         for p in sc.plans))
+        assert results == [p.total_nbytes for p in sc.plans]
+        receiver = decode.receivers[plan.dst_rank]
+        assert plan.total_nbytes > 8 * window
+        assert min(per_lane.values()) >= plan.total_nbytes // chunk // 3  # every lane sent its third
+        assert max(together) <= window and max(together) > window // 3  # overlapped, bounded
+        assert receiver.stats.transfers_done == 3  # one transfer per lane
+        assert all(lane.in_flight_nbytes == 0 for lane in link.lanes)
+        await transport.close()
+    assert sc.world.verify(sc.requests) == []
+
+
+async def test_a_one_chunk_write_takes_the_least_busy_stream():
+    region = np.zeros(4096, np.uint8)
+    src = {"s": np.arange(4096, dtype=np.uint16).astype(np.uint8)}
+    from pd_transfer.layout.lowering import RunBatch, TransferPlan
+    zero = np.array([0], np.int64)
+    plan = TransferPlan("p0", "d0", (RunBatch("s", "kv", zero, zero, np.array([4096]),
+                                              np.array([1]), 0, 0),))
+    transport = TcpTransport(streams=2)
+    async with TcpReceiver("127.0.0.1", {"kv": region}) as receiver:
+        link = await transport.connect(PeerEndpoint("d0", data_address=receiver.address))
+        first, second = link.lanes
+        first.in_flight_nbytes = 1  # as if another write's chunk were out on it
+        try:
+            assert await transport.write(link, plan, src, room="small") == 4096
+        finally:
+            first.in_flight_nbytes = 0
+        assert (first._conn_id, second._conn_id) == (0, 1)  # only the idle lane connected
+        assert np.array_equal(region, src["s"])
+        await transport.close()
 
 
 class RawPeer:
@@ -238,7 +293,7 @@ async def test_receiver_reports_each_completed_transfer(scenario):
     plan = sc.plans[0]
     landed = []
     receiver = TcpReceiver("127.0.0.1", sc.dst(plan), on_landed=lambda *a: landed.append(a))
-    transport = TcpTransport(chunk_nbytes=1024)
+    transport = TcpTransport(chunk_nbytes=1024, streams=1)  # one transfer: one report
     async with receiver:
         link = await transport.connect(_endpoint(plan.dst_rank, sc.dst(plan), receiver.address))
         await transport.write(link, plan, sc.src(plan), room="room-9", generation=4)
