@@ -96,6 +96,26 @@ class TransferPlan:
         for batch in self.batches:
             yield (batch.src_region, batch.dst_region) + batch.byte_runs()
 
+    def split_last(self, max_nbytes: int) -> tuple[TransferPlan, TransferPlan] | None:
+        """``(this plan without its last descriptor, that descriptor alone)`` when that
+        descriptor moves at most ``max_nbytes``, else None. A room's last chunk ends with
+        its aux row; writers that move a plan in parallel move this part after the rest,
+        so that it still lands last."""
+        last = self.batches[-1] if self.batches else None
+        if last is None or not len(last.src_offset):
+            return None
+        i = len(last.src_offset) - 1
+        if int(last.nbytes[i]) * int(last.count[i]) > max_nbytes:
+            return None
+
+        def part(rows: slice) -> RunBatch:
+            return RunBatch(last.src_region, last.dst_region, last.src_offset[rows],
+                            last.dst_offset[rows], last.nbytes[rows], last.count[rows],
+                            last.src_stride, last.dst_stride)
+        body = self.batches[:-1] + ((part(slice(0, i)),) if i else ())
+        return (TransferPlan(self.src_rank, self.dst_rank, body),
+                TransferPlan(self.src_rank, self.dst_rank, (part(slice(i, i + 1)),)))
+
 
 @dataclass(frozen=True)
 class Unit:

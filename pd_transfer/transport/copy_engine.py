@@ -12,7 +12,9 @@ descriptors, :mod:`.runs`); if any piece is out of bounds it raises a
   stretches (from 128 KiB; from 64 KiB when gathered from pieces under 4 KiB)
   are filled in one pass, short runs go through a bounce buffer
   (gather by source rows, scatter by destination rows), about one task per
-  megabyte, taken in turn by the calling thread and the engine's workers.
+  megabyte, taken in turn by the calling thread and the engine's workers;
+  the plan's last run, when small (a room's aux row), is copied after all
+  of them, so that it lands last.
 
 Worked example, Llama-3.1-8B K of one layer, prefill TP 2 -> decode TP 4: a
 source page row holds 16 tokens x 4 heads x 256 B = 16 KiB; decode rank 0
@@ -33,6 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pd_transfer.transport.copy_tasks import Scratch, compile_tasks
 from pd_transfer.transport.regions import Regions, map_one, map_regions, sizes_of
 from pd_transfer.transport.runs import check_bounds, flatten
+
+LAST_RUN_NBYTES = 1 << 20  # a last run up to this size is copied after the others
 
 
 class CopyEngine:
@@ -77,12 +81,17 @@ class CopyEngine:
         src = map_regions(src_regions, (b.src_region for b in flat.batches), "source")
         dst = map_regions(dst_regions, (b.dst_region for b in flat.batches), "destination")
         check_bounds(flat, sizes_of(src), sizes_of(dst), where)
-        tasks = compile_tasks(flat, src, dst, stretch_nbytes=self.stretch_nbytes,
-                              bounce_nbytes=self.bounce_nbytes)
-        if self.num_workers == 1 or flat.total_nbytes < self.inline_nbytes or len(tasks) < 2:
+        parallel = self.num_workers > 1 and flat.total_nbytes >= self.inline_nbytes
+        # threads finish in any order: the plan's last run (a room's aux row) is copied
+        # after the rest, so that it still lands last
+        split = plan.split_last(LAST_RUN_NBYTES) if parallel else None
+        tasks = self._compile(flatten(split[0]) if split else flat, src, dst)
+        if not parallel or len(tasks) < 2:
             self._drain(iter(tasks))
         else:
             self._parallel(tasks)
+        if split:
+            self._drain(iter(self._compile(flatten(split[1]), src, dst)))
         return flat.total_nbytes
 
     def close(self) -> None:
@@ -92,6 +101,10 @@ class CopyEngine:
             pool.shutdown(wait=True)
 
     # -- run --------------------------------------------------------------------------
+    def _compile(self, flat, src, dst) -> list:
+        return compile_tasks(flat, src, dst, stretch_nbytes=self.stretch_nbytes,
+                             bounce_nbytes=self.bounce_nbytes)
+
     def _parallel(self, tasks: list) -> None:
         """The calling thread and ``num_workers - 1`` pool threads take tasks in turn."""
         shared = iter(tasks)  # next() on a list iterator is atomic under the GIL

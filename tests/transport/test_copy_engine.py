@@ -381,3 +381,46 @@ def test_batch_order_sorts_by_batch_then_offset(pairs, row, many):
     assert sorted(got.tolist()) == list(range(len(batch)))
     assert list(zip(batch[got].tolist(), offset[got].tolist())) == sorted(
         zip(batch.tolist(), offset.tolist()))
+
+
+def test_the_last_small_run_is_copied_after_every_other_task(monkeypatch):
+    """Threads finish in any order: a parallel copy holds the plan's last run (a room's
+    aux row) back until every other task has finished, then copies it."""
+    import time as clock
+
+    import pd_transfer.transport.copy_engine as engine_module
+    spans, compiled = [], []
+
+    class Timed:
+        def __init__(self, task, call):
+            self.task, self.call = task, call
+
+        def run(self, scratch):
+            start = clock.perf_counter()
+            self.task.run(scratch)
+            clock.sleep(0.001)  # long enough for the other thread to overlap
+            spans.append((self.call, start, clock.perf_counter()))
+
+    real = engine_module.compile_tasks
+
+    def recording(flat, *args, **kwargs):
+        compiled.append(flat.total_nbytes)
+        call = len(compiled)
+        return [Timed(task, call) for task in real(flat, *args, **kwargs)]
+    monkeypatch.setattr(engine_module, "compile_tasks", recording)
+    n, page = 64, 4096
+    rng = np.random.default_rng(9)
+    src = rng.integers(0, 256, 2 * n * page + 64, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    src_pages, dst_pages = rng.permutation(2 * n)[:n], rng.permutation(2 * n)[:n]
+    plan = _plan(_batch(src_pages * page, dst_pages * page, [page] * n),
+                 _batch([2 * n * page], [2 * n * page], [64]))
+    CopyEngine(direct_max_runs=0, inline_nbytes=0, num_workers=2, stretch_nbytes=1 << 30,
+               bounce_nbytes=8192).execute(plan, {"s": src}, {"d": dst})
+    assert compiled == [n * page, 64]  # the body, then the last run alone
+    body = [span for span in spans if span[0] == 1]
+    (_, tail_start, _), = [span for span in spans if span[0] == 2]
+    assert len(body) > 2 and tail_start >= max(end for _, _, end in body)
+    assert np.array_equal(dst[2 * n * page:], src[2 * n * page:])
+    assert all(np.array_equal(dst[d * page:(d + 1) * page], src[s * page:(s + 1) * page])
+               for s, d in zip(src_pages.tolist(), dst_pages.tolist()))

@@ -119,10 +119,41 @@ async def test_a_long_write_is_striped_over_the_streams_within_one_window(scenar
         assert plan.total_nbytes > 8 * window
         assert min(per_lane.values()) >= plan.total_nbytes // chunk // 3  # every lane sent its third
         assert max(together) <= window and max(together) > window // 3  # overlapped, bounded
-        assert receiver.stats.transfers_done == 3  # one transfer per lane
+        assert receiver.stats.transfers_done == 4  # one transfer per lane, then the last run
         assert all(lane.in_flight_nbytes == 0 for lane in link.lanes)
         await transport.close()
     assert sc.world.verify(sc.requests) == []
+
+
+@pytest.mark.parametrize("tail_nbytes, alone", [(64, True), (40 << 10, False)],
+                         ids=["small-last-run-alone", "large-last-run-in-the-last-chunk"])
+async def test_a_striped_write_lands_its_last_run_last(tail_nbytes, alone):
+    """As on one connection, the plan's last run (a room's aux row) lands after every
+    other byte: sent on its own once the striped rest has landed, or, when it is large,
+    inside the last chunk sent after the others."""
+    from pd_transfer.layout.lowering import RunBatch, TransferPlan
+    chunk, body = 16 << 10, 20
+    src = {"s": np.random.default_rng(1).integers(0, 256, (body << 12) + tail_nbytes, np.uint8)}
+    region = np.zeros(src["s"].size, np.uint8)
+    pages = np.arange(body, dtype=np.int64) << 12
+    plan = TransferPlan("p0", "d0", (
+        RunBatch("s", "kv", pages, pages[::-1].copy(), np.full(body, 4096), np.ones(body, np.int64),
+                 0, 0),
+        RunBatch("s", "kv", np.array([body << 12]), np.array([body << 12]),
+                 np.array([tail_nbytes]), np.array([1]), 0, 0)))
+    landed = []
+    transport = TcpTransport(chunk_nbytes=chunk, streams=2)
+    async with TcpReceiver("127.0.0.1", {"kv": region},
+                           on_landed=lambda room, gen, n: landed.append(n)) as receiver:
+        link = await transport.connect(PeerEndpoint("d0", data_address=receiver.address))
+        assert await transport.write(link, plan, src, room="r") == plan.total_nbytes
+        await transport.close()
+    last_chunk = plan.total_nbytes - (plan.total_nbytes - 1) // chunk * chunk
+    assert landed[-1] == (tail_nbytes if alone else last_chunk)
+    assert len(landed) == 3 and sum(landed) == plan.total_nbytes  # two striped shares first
+    expected = src["s"].copy()
+    expected[:body << 12] = src["s"][:body << 12].reshape(body, 4096)[::-1].ravel()
+    assert np.array_equal(region, expected)
 
 
 async def test_a_one_chunk_write_takes_the_least_busy_stream():
