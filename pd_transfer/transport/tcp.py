@@ -19,9 +19,10 @@ share that fails (the others are abandoned). The plan's last run (a room's
 aux row) is sent only once the rest has landed, so that it still lands last,
 as it does on one connection: on its own when it is small, else with the
 last chunk. A write of one chunk takes the lane with the fewest bytes in
-flight, so a small room is not queued behind a large one. One sender thread spends most of its time in ``sendmsg``, the
-kernel reading the source pages: with 65,536 pieces of 2 KiB, two lanes
-moved them in 57-65 ms where one took 66-81 ms (loopback, 2 cores).
+flight, so a small room is not queued behind a large one. One sender thread
+spends most of its time in ``sendmsg``, the kernel reading the source pages:
+with 65,536 pieces of 2 KiB, two lanes moved them in 55-69 ms where one took
+66-81 ms (loopback, 2 cores).
 
 Flow control: per link (= per peer) at most ``window_nbytes`` of chunks are
 sent and not yet acked, across all writes sharing the link: each lane holds
@@ -137,7 +138,6 @@ class TcpTransport(Transport):
         link.nbytes_written += total
         link.num_writes += 1
         return total
-
 
     async def _layout(self, plan, sizes: dict, dst_sizes: dict | None) -> list[ChunkLayout]:
         if plan.num_runs < _INLINE_LAYOUT_RUNS:
