@@ -328,8 +328,8 @@ def test_a_long_run_is_cut_into_tasks_the_threads_share():
 
 @st.composite
 def source_stretches(draw):
-    """Pieces back to back in the source (a few stretches), destinations disjoint and
-    shuffled, some pieces strided: every task kind in one plan."""
+    """Pieces back to back in the source (a few stretches, now and then a gap),
+    destinations disjoint and shuffled: put, gather and bounce tasks in one plan."""
     align = draw(st.sampled_from([1, 8, 64]))
     lengths = draw(st.lists(st.integers(1, 6), min_size=2, max_size=40))
     slots = sum(lengths) * 2
@@ -344,7 +344,7 @@ def source_stretches(draw):
     for length in lengths:
         src_offsets.append(at * align)
         at += length + (1 if draw(st.integers(0, 5)) == 0 else 0)  # now and then a gap
-    return ([o for o in src_offsets], [s * align for s in starts],
+    return (src_offsets, [s * align for s in starts],
             [n * align for n in lengths]), max(size, (at + 1) * align, (cursor + 1) * align)
 
 

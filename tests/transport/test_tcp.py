@@ -94,7 +94,7 @@ async def test_bytes_in_flight_never_exceed_the_window(scenario):
 async def test_a_long_write_is_striped_over_the_streams_within_one_window(scenario):
     """Three connections to the peer: a plan of many chunks goes over all three at once
     (each its own transfer), lands exactly, and the three together never hold more than
-    the link's window; a one-chunk write takes the least busy connection."""
+    the link's window."""
     sc = scenario("llama", 2, 4, num_pages=40)
     chunk, window = 32 << 10, 192 << 10
     transport = TcpTransport(chunk_nbytes=chunk, window_nbytes=window, streams=3)
