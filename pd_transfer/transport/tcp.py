@@ -133,7 +133,7 @@ class TcpTransport(Transport):
             await _all([_write_share(lane, share, src, room, generation)
                         for lane, share in shares])
         if tail:  # the plan's last run lands after all the others, as on one connection
-            await _write_share(*_stripe([replace(tail[0], seq=0)], link.lanes)[0], src, room,
+            await _write_share(_least_busy(link.lanes), [replace(tail[0], seq=0)], src, room,
                                generation)
         link.nbytes_written += total
         link.num_writes += 1
@@ -150,10 +150,14 @@ def _stripe(layouts: list[ChunkLayout], lanes: list[TcpLink]) -> list[tuple]:
     """``(lane, its chunks)`` pairs: chunks dealt out in turn, renumbered per lane; a
     write of one chunk (or none) on the lane with the fewest bytes in flight."""
     if len(layouts) < 2 or len(lanes) < 2:
-        return [(min(lanes, key=lambda lane: lane.in_flight_nbytes), layouts)]
+        return [(_least_busy(lanes), layouts)]
     n = min(len(lanes), len(layouts))
     return [(lanes[i], [replace(layout, seq=seq) for seq, layout in enumerate(layouts[i::n])])
             for i in range(n)]
+
+
+def _least_busy(lanes: list[TcpLink]) -> TcpLink:
+    return min(lanes, key=lambda lane: lane.in_flight_nbytes)
 
 
 async def _write_share(lane: TcpLink, layouts: list[ChunkLayout], src, room: str,
