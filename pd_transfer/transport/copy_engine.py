@@ -81,18 +81,21 @@ class CopyEngine:
         src = map_regions(src_regions, (b.src_region for b in flat.batches), "source")
         dst = map_regions(dst_regions, (b.dst_region for b in flat.batches), "destination")
         check_bounds(flat, sizes_of(src), sizes_of(dst), where)
-        parallel = self.num_workers > 1 and flat.total_nbytes >= self.inline_nbytes
+        total = flat.total_nbytes
+        parallel = self.num_workers > 1 and total >= self.inline_nbytes
         # threads finish in any order: the plan's last run (a room's aux row) is copied
         # after the rest, so that it still lands last
-        split = plan.split_last(LAST_RUN_NBYTES) if parallel else None
-        tasks = self._compile(flatten(split[0]) if split else flat, src, dst)
+        last = len(flat.nbytes) - 1
+        tail = parallel and last > 0 and int(flat.nbytes[last]) * int(flat.count[last]) \
+            <= LAST_RUN_NBYTES
+        tasks = self._compile(flat.rows(slice(0, last)) if tail else flat, src, dst)
         if not parallel or len(tasks) < 2:
             self._drain(iter(tasks))
         else:
             self._parallel(tasks)
-        if split:
-            self._drain(iter(self._compile(flatten(split[1]), src, dst)))
-        return flat.total_nbytes
+        if tail:
+            self._drain(iter(self._compile(flat.rows(slice(last, None)), src, dst)))
+        return total
 
     def close(self) -> None:
         with self._pool_lock:

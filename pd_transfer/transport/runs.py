@@ -45,6 +45,13 @@ class Flat:
     def total_nbytes(self) -> int:
         return int(np.dot(self.nbytes, self.count))
 
+    def rows(self, index: slice) -> Flat:
+        """The descriptors ``index`` (views; ``batch`` still indexes the same batches)."""
+        return Flat(self.batches, *(getattr(self, name)[index] for name in _COLUMNS))
+
+
+_COLUMNS = ("batch", "src_offset", "dst_offset", "nbytes", "count", "src_stride", "dst_stride")
+
 
 @dataclass(frozen=True)
 class Runs:
@@ -69,13 +76,22 @@ def flatten(plan) -> Flat:
     if not batches:
         empty = np.zeros(0, np.int64)
         return Flat(batches, empty, empty, empty, empty, empty, empty, empty)
-    columns = [np.concatenate([getattr(b, name) for b in batches]).astype(np.int64, copy=False)
-               for name in ("src_offset", "dst_offset", "nbytes", "count")]
+    names = ("src_offset", "dst_offset", "nbytes", "count")
+    if len(batches) == 1:  # one batch (an engine's descriptor list): no copies
+        columns = [np.asarray(getattr(batches[0], name)).astype(np.int64, copy=False)
+                   for name in names]
+    else:
+        columns = [np.concatenate([getattr(b, name) for b in batches]).astype(np.int64, copy=False)
+                   for name in names]
     lengths = np.fromiter((len(b.src_offset) for b in batches), np.int64, len(batches))
     if any(c.ndim != 1 or len(c) != int(lengths.sum()) for c in columns):
         raise TransportError("plan descriptor arrays are not 1-D arrays of one length per batch",
                              code=Reason.BAD_FIELD)
     strides = np.array([(b.src_stride, b.dst_stride) for b in batches], np.int64)
+    if len(batches) == 1:  # read-only views, a stride of 0
+        n = int(lengths[0])
+        return Flat(batches, np.broadcast_to(np.int64(0), n), *columns,
+                    np.broadcast_to(strides[0, 0], n), np.broadcast_to(strides[0, 1], n))
     return Flat(batches, np.repeat(np.arange(len(batches)), lengths), *columns,
                 np.repeat(strides[:, 0], lengths), np.repeat(strides[:, 1], lengths))
 
@@ -96,8 +112,9 @@ def check_bounds(flat: Flat, src_sizes: Mapping[str, int] | None,
         if missing:
             raise TransportError(f"{where}: {side} region(s) {missing} are not mapped "
                                  f"(known: {len(sizes)} regions)", code=Reason.UNKNOWN_REGION)
-        size = np.array([sizes[r] for r in region_ids], np.int64)[flat.batch] \
-            if len(flat.batch) else np.zeros(0, np.int64)
+        size = np.array([sizes[r] for r in region_ids], np.int64)
+        # one region size for all (one batch, or one pool's layers): compare to a scalar
+        size = size[0] if len(size) and int(size.min()) == int(size.max()) else size[flat.batch]
         offset = flat.src_offset if side == "source" else flat.dst_offset
         stride = flat.src_stride if side == "source" else flat.dst_stride
         bad = _out_of_bounds(offset, flat.nbytes, flat.count, stride, size)
@@ -126,7 +143,7 @@ def _out_of_bounds(offset: np.ndarray, nbytes: np.ndarray, count: np.ndarray,
 
 
 def _raise_out_of_bounds(flat: Flat, bad: np.ndarray, side: str, region_ids: list[str],
-                         size: np.ndarray, where: str) -> None:
+                         size: np.ndarray | np.int64, where: str) -> None:
     i = int(bad[0])
     b = int(flat.batch[i])
     first = i - int(np.searchsorted(flat.batch, b))
@@ -138,7 +155,7 @@ def _raise_out_of_bounds(flat: Flat, bad: np.ndarray, side: str, region_ids: lis
         piece += f", stride {stride} (last piece ends at {offset + (count - 1) * stride + nbytes})"
     raise TransportError(
         f"{where}: batch {b} descriptor {first}: {piece} is outside {side} region "
-        f"{region_ids[b]!r} of {int(size[i])} bytes; {len(bad)} descriptor(s) out of bounds, "
+        f"{region_ids[b]!r} of {int(np.broadcast_to(size, flat.batch.shape)[i])} bytes; {len(bad)} descriptor(s) out of bounds, "
         f"nothing was copied", code=Reason.RUN_OUT_OF_REGION,
         hint="the plan and the registered regions disagree: re-register, or the peer's "
              "geometry is stale")
@@ -272,49 +289,24 @@ def dst_items(flat: Flat) -> Items:
 def batch_order(batch: np.ndarray, offset: np.ndarray) -> np.ndarray | None:
     """The permutation that sorts by batch, then offset; None when already in that order.
 
-    ``batch`` comes in order (a flattened plan is); within a batch the offsets of
-    pieces are usually distinct multiples of a common row size spread over not
-    much more than the pieces themselves (pages of a pool), where a bucket pass
-    (every piece put in its row's slot, the empty slots dropped) costs a fraction
-    of a comparison sort (65,536 random 2 KiB pieces: 1.3 ms instead of 3.5).
-    Equal offsets (overlapping sources are legal) fall back to the sort.
+    Where the keys leave room (they nearly always do), each
+    key is packed with its position into one int64 and the packed values are sorted
+    (a value sort, vectorised in numpy, about twice as fast as ``argsort``: 65,536
+    random 2 KiB pieces 0.4 ms instead of 0.8); the positions are the low bits.
     """
     n = len(offset)
     if n < 2:
         return None
-    if int(offset.max()) < (1 << 40) and int(offset.min()) >= 0 and int(batch.max()) < (1 << 22):
-        key = batch * (1 << 40) + offset
+    high, low, last = int(offset.max()), int(offset.min()), int(batch.max())
+    if low >= 0 and high < (1 << 40) and last < (1 << 22):
+        key = batch * (high + 1) + offset if last else offset
         if bool((key[1:] >= key[:-1]).all()):
             return None
-        order = _bucket_order(batch, offset) if n >= _BUCKET_MIN else None
-        return order if order is not None else np.argsort(key)
+        bits = n.bit_length()
+        if (last + 1) * (high + 1) < (1 << (63 - bits)):
+            return np.sort((key << bits) | np.arange(n)) & ((1 << bits) - 1)
+        return np.argsort(key)
     return np.lexsort((offset, batch))
-
-
-_BUCKET_MIN = 4096
-_BUCKET_SPREAD = 4  # slots per piece, at most
-
-
-def _bucket_order(batch: np.ndarray, offset: np.ndarray) -> np.ndarray | None:
-    if bool((batch[1:] < batch[:-1]).any()) or len(offset) >= (1 << 31):
-        return None
-    row = max(1, int(np.gcd.reduce(offset)))
-    first = np.flatnonzero(np.concatenate(([True], batch[1:] != batch[:-1])))
-    low = np.minimum.reduceat(offset, first)
-    slots = (np.maximum.reduceat(offset, first) - low) // row + 1
-    total = int(slots.sum())
-    if total > _BUCKET_SPREAD * len(offset):
-        return None
-    if len(first) == 1:
-        key = offset - int(low[0])
-    else:
-        lengths = np.diff(np.append(first, len(offset)))
-        key = offset - np.repeat(low - (np.cumsum(slots) - slots) * row, lengths)
-    key = key >> (row.bit_length() - 1) if row & (row - 1) == 0 else key // row
-    table = np.full(total, -1, np.int32)
-    table[key] = np.arange(len(offset), dtype=np.int32)
-    order = table[table >= 0].astype(np.intp)
-    return order if len(order) == len(offset) else None  # equal offsets: sort instead
 
 
 def item_groups(items: Items) -> np.ndarray:

@@ -316,6 +316,66 @@ def test_random_pieces_of_a_sparse_source_are_bounced_not_sorted_by_source():
     assert set(kinds) == {"Bounce"}
 
 
+@st.composite
+def scattered_pieces(draw):
+    """Pieces of one power-of-two size at random distinct slots of one or two destination
+    regions, some of them in runs of consecutive slots; the source as sparse or as
+    dense as drawn."""
+    size = draw(st.sampled_from([1, 64, 512, 2048]))
+    slots = 64
+    batches, used_src = [], draw(st.integers(8, 48))
+    src_slots = draw(st.permutations(range(slots)))[:used_src]
+    at = 0
+    for region in ("d", "e")[:draw(st.integers(1, 2))]:
+        n = min(draw(st.integers(2, 24)), used_src - at)
+        if n < 2:
+            break
+        free = draw(st.permutations(range(slots)))
+        dst_slots = list(free[:n])
+        run = draw(st.integers(0, 6))  # a run of consecutive destination slots at the start
+        dst_slots[:min(run, n)] = range(40, 40 + min(run, n))
+        dst_slots = list(dict.fromkeys(dst_slots))  # distinct, the run first
+        dst_slots += [x for x in free if x not in dst_slots][:n - len(dst_slots)]
+        order = draw(st.permutations(range(n)))
+        batches.append(_batch([src_slots[at + i] * size for i in order],
+                              [dst_slots[i] * size for i in order], [size] * n, dst=region))
+        at += n
+    return batches, size, slots
+
+
+@settings(max_examples=80, deadline=None)
+@given(scattered_pieces(), st.booleans())
+def test_scattered_pieces_of_one_size_are_bounced_by_the_shortcut_exactly(case, two_workers):
+    """Same-size pieces one per descriptor: the shortcut bounces them when the source is
+    sparse and no destination run is long enough to fill in place, and leaves every
+    other plan to the general compiler; either way the bytes are the oracle's."""
+    from pd_transfer.transport.copy_tasks import SOURCE_FILL_MIN, _uniform_bounce
+    from pd_transfer.transport.regions import map_regions
+    from pd_transfer.transport.runs import flatten
+    batches, size, slots = case
+    stretch = 8 * size
+    src = np.random.default_rng(size).integers(0, 256, slots * size, dtype=np.uint8)
+    dst = {r: np.zeros(slots * size, np.uint8) for r in ("d", "e")}
+    expected = {r: a.copy() for r, a in dst.items()}
+    for b in batches:
+        for s, d in zip(b.src_offset.tolist(), b.dst_offset.tolist()):
+            expected[b.dst_region][d:d + size] = src[s:s + size]
+    plan = _plan(*batches)
+    flat = flatten(plan)
+    shortcut = _uniform_bounce(flat, map_regions({"s": src}, ["s"], "source"),
+                               map_regions(dst, list(dst), "destination"), stretch, 1 << 20)
+    spans = [(b.src_offset.max() - b.src_offset.min() + size) for b in batches]
+    sparse = sum(len(b.src_offset) * size for b in batches) / sum(spans) <= SOURCE_FILL_MIN
+    k = (stretch // 2 if size < 4096 else stretch) // size  # rows of a stretch filled in place
+    long_run = any(any(set(range(x, x + k)) <= set((b.dst_offset // size).tolist())
+                       for x in (b.dst_offset // size).tolist()) for b in batches)
+    assert (shortcut is not None) == (sparse and not long_run)
+    CopyEngine(direct_max_runs=0, inline_nbytes=0, num_workers=2 if two_workers else 1,
+               stretch_nbytes=stretch, bounce_nbytes=4 * size).execute(plan, {"s": src}, dst)
+    for region in dst:
+        assert np.array_equal(dst[region], expected[region])
+
+
 def test_a_long_run_is_cut_into_tasks_the_threads_share():
     nbytes = (10 << 20) + 5
     src = np.random.default_rng(5).integers(0, 256, nbytes, dtype=np.uint8)
@@ -366,10 +426,10 @@ def test_engine_equals_naive_copy_for_pieces_back_to_back_in_the_source(case, st
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5000)), min_size=0, max_size=300),
        st.sampled_from([1, 3, 512, 2048]), st.booleans())
 def test_batch_order_sorts_by_batch_then_offset(pairs, row, many):
-    from pd_transfer.transport.runs import _BUCKET_MIN, batch_order
-    if many:  # past the bucket pass's minimum size: two batches of distinct offsets
+    from pd_transfer.transport.runs import batch_order
+    if many:  # many pieces: two batches of distinct offsets
         rng = np.random.default_rng(len(pairs))    # spread over twice as many slots,
-        n = _BUCKET_MIN + len(pairs)               # with a few duplicates now and then
+        n = 4096 + len(pairs)                      # with a few duplicates now and then
         offsets = [rng.permutation(2 * n)[:n] for _ in range(2)]
         offsets[1][: len(pairs) // 100] = offsets[1][-1]
         pairs = [(b, int(o)) for b in range(2) for o in offsets[b]]
