@@ -18,6 +18,9 @@ neighbouring decode pages join). Four kinds of task:
 Every task but a bounce passes over its bytes once. Tasks longer than
 ``split_nbytes`` are cut into pieces of about that length, so that the
 engine's threads share one long stretch (a single 256 MiB run included).
+A plan of scattered pieces of one power-of-two size that would all be
+bounced anyway (random 2 KiB head slices) takes a shortcut to its bounce
+tasks: a shift, a sort and a slice per buffer (:func:`_uniform_bounce`).
 
 Rows: a region is viewed as opaque items of ``g`` bytes (numpy void), so one
 take or put moves a whole row with one memmove. ``g`` is per batch: the gcd of
