@@ -341,7 +341,7 @@ class TcpLink(Link):
 
     # -- the reader threads --------------------------------------------------------------
     def _read_loop(self, sock: socket.socket, conn_id: int) -> None:
-        why = "closed by the receiver"
+        why, clean = "closed by the receiver", True
         try:
             while (head := read_prefix(sock, max_header_nbytes=MAX_REPLY_NBYTES,
                                        max_payload_nbytes=0)) is not None:
@@ -357,10 +357,11 @@ class TcpLink(Link):
                     continue
                 self._call(self._dispatch, reply)
         except (OSError, TransportError) as err:
-            why = str(err) if not isinstance(err, PeerClosed) else why
-        self._lost(conn_id, sock, f"connection to {self.peer.peer_id} lost: {why}")
+            if not isinstance(err, PeerClosed):
+                why, clean = str(err), False
+        self._lost(conn_id, sock, f"connection to {self.peer.peer_id} lost: {why}", clean)
 
-    def _lost(self, conn_id: int, sock: socket.socket, text: str) -> None:
+    def _lost(self, conn_id: int, sock: socket.socket, text: str, clean: bool = False) -> None:
         with self._lock:
             current = self._sock is sock
             if current:
@@ -370,7 +371,12 @@ class TcpLink(Link):
         _shutdown(sock)  # wakes the other thread; the sender thread closes it later
         code = Reason.LINK_CLOSED if self._stopping.is_set() else Reason.TRANSPORT_FAILED
         if code is Reason.TRANSPORT_FAILED:
-            log.warning("link %s: %s", self.peer.peer_id, text)
+            # an idle connection the receiver closed cleanly (its sidecar stopped) is news:
+            # nothing was lost, the next write reconnects, and the control channel reports
+            # a peer that stays away; bytes in flight or a broken socket are an alarm
+            idle = clean and self.in_flight_nbytes == 0
+            log.log(logging.INFO if idle else logging.WARNING, "link %s: %s%s", self.peer.peer_id,
+                    text, " (idle; the next write reconnects)" if idle else "")
         self._call(self._fail, TransportError(text, code=code), conn_id)
 
     def _call(self, fn, *args) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import msgpack
 import numpy as np
@@ -134,8 +135,15 @@ def _one_run_plan(nbytes: int):
                                               np.array([1]), 0, 0),))
 
 
+def _lost_records(caplog, level: int) -> list:
+    return [r for r in caplog.records if "lost" in r.getMessage() and r.levelno == level
+            and r.name == "pd_transfer.transport.tcp"]
+
+
 @pytest.mark.asyncio
-async def test_a_connection_lost_mid_transfer_fails_the_write():
+async def test_a_connection_lost_mid_transfer_fails_the_write(caplog):
+    caplog.set_level(logging.INFO, logger="pd_transfer.transport.tcp")
+
     async def hang_up(reader, writer):
         await reader.readexactly(PREFIX.size)  # the first chunk starts: drop the connection
         writer.close()
@@ -150,12 +158,38 @@ async def test_a_connection_lost_mid_transfer_fails_the_write():
     assert info.value.code is Reason.TRANSPORT_FAILED
     assert len(link.lanes) == 2  # the write was striped: both connections broke, both gave back
     assert all(lane.in_flight_nbytes == 0 for lane in link.lanes)
+    assert _lost_records(caplog, logging.WARNING)  # bytes were in flight: an alarm
     await transport.close()
     server.close()
 
 
 @pytest.mark.asyncio
-async def test_the_link_reconnects_when_the_receiver_is_back():
+async def test_a_receiver_that_hangs_up_on_unacknowledged_bytes_is_an_alarm(caplog):
+    """A clean close (FIN, every byte read) with a chunk not acknowledged yet: the write
+    fails and the log says so as a warning, unlike the close of an idle connection."""
+    caplog.set_level(logging.INFO, logger="pd_transfer.transport.tcp")
+
+    async def read_then_hang_up(reader, writer):
+        head = PREFIX.unpack(await reader.readexactly(PREFIX.size))
+        await reader.readexactly(head[4] + head[5])  # header and payload, then goodbye
+        writer.close()
+
+    server = await asyncio.start_server(read_then_hang_up, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    transport = TcpTransport(chunk_nbytes=4096)
+    link = await transport.connect(PeerEndpoint("d0", data_address=f"tcp://127.0.0.1:{port}"))
+    with pytest.raises(TransportError) as info:
+        await asyncio.wait_for(transport.write(link, _one_run_plan(4096),
+                                               {"s": np.ones(4096, np.uint8)}), 5)
+    assert info.value.code is Reason.TRANSPORT_FAILED
+    assert _lost_records(caplog, logging.WARNING) and not _lost_records(caplog, logging.INFO)
+    await transport.close()
+    server.close()
+
+
+@pytest.mark.asyncio
+async def test_the_link_reconnects_when_the_receiver_is_back(caplog):
+    caplog.set_level(logging.INFO, logger="pd_transfer.transport.tcp")
     region = np.zeros(1 << 16, np.uint8)
     src = {"s": np.arange(1 << 16, dtype=np.uint64).astype(np.uint8)}
     plan = _one_run_plan(1 << 16)
@@ -166,6 +200,11 @@ async def test_the_link_reconnects_when_the_receiver_is_back():
     link = await transport.connect(PeerEndpoint("d0", data_address=receiver.address))
     assert await transport.write(link, plan, src, room="a") == 1 << 16
     await receiver.stop()
+    for _ in range(100):  # the idle connection, closed by the receiver: news, not an alarm
+        if _lost_records(caplog, logging.INFO):
+            break
+        await asyncio.sleep(0.02)
+    assert _lost_records(caplog, logging.INFO) and not _lost_records(caplog, logging.WARNING)
     with pytest.raises(asyncio.TimeoutError):  # nobody listens: it waits, as for a silent peer
         await asyncio.wait_for(transport.write(link, plan, src, room="b"), 0.5)
     region[:] = 0
