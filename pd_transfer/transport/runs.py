@@ -153,9 +153,10 @@ def _raise_out_of_bounds(flat: Flat, bad: np.ndarray, side: str, region_ids: lis
     piece = f"{count} piece(s) of {nbytes} bytes at offset {offset}"
     if count > 1:
         piece += f", stride {stride} (last piece ends at {offset + (count - 1) * stride + nbytes})"
+    region_nbytes = int(np.broadcast_to(size, flat.batch.shape)[i])
     raise TransportError(
         f"{where}: batch {b} descriptor {first}: {piece} is outside {side} region "
-        f"{region_ids[b]!r} of {int(np.broadcast_to(size, flat.batch.shape)[i])} bytes; {len(bad)} descriptor(s) out of bounds, "
+        f"{region_ids[b]!r} of {region_nbytes} bytes; {len(bad)} descriptor(s) out of bounds, "
         f"nothing was copied", code=Reason.RUN_OUT_OF_REGION,
         hint="the plan and the registered regions disagree: re-register, or the peer's "
              "geometry is stale")
@@ -289,10 +290,10 @@ def dst_items(flat: Flat) -> Items:
 def batch_order(batch: np.ndarray, offset: np.ndarray) -> np.ndarray | None:
     """The permutation that sorts by batch, then offset; None when already in that order.
 
-    Where the keys leave room (they nearly always do), each
-    key is packed with its position into one int64 and the packed values are sorted
-    (a value sort, vectorised in numpy, about twice as fast as ``argsort``: 65,536
-    random 2 KiB pieces 0.4 ms instead of 0.8); the positions are the low bits.
+    Where the keys leave room (they nearly always do), each key is packed with its
+    position into one int64 and the packed values are sorted (a value sort,
+    vectorised in numpy, about twice as fast as ``argsort``: 65,536 random 2 KiB
+    pieces 0.4 ms instead of 0.8); the positions are the low bits.
     """
     n = len(offset)
     if n < 2:
