@@ -140,6 +140,27 @@ def _lost_records(caplog, level: int) -> list:
             and r.name == "pd_transfer.transport.tcp"]
 
 
+async def _write_to_failing_peer(serve, nbytes: int):
+    """Write ``nbytes`` to a fake receiver running ``serve`` (which hangs up); the error
+    raised, the link (still open) and what closes the transport and the server."""
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    transport = TcpTransport(chunk_nbytes=4096)
+    link = await transport.connect(PeerEndpoint("d0", data_address=f"tcp://127.0.0.1:{port}"))
+
+    async def close() -> None:
+        await transport.close()
+        server.close()
+    try:
+        with pytest.raises(TransportError) as info:
+            await asyncio.wait_for(transport.write(link, _one_run_plan(nbytes),
+                                                   {"s": np.ones(nbytes, np.uint8)}), 5)
+    except BaseException:  # the test fails: do not leave the link's threads behind
+        await close()
+        raise
+    return info.value, link, close
+
+
 @pytest.mark.asyncio
 async def test_a_connection_lost_mid_transfer_fails_the_write(caplog):
     caplog.set_level(logging.INFO, logger="pd_transfer.transport.tcp")
@@ -148,19 +169,12 @@ async def test_a_connection_lost_mid_transfer_fails_the_write(caplog):
         await reader.readexactly(PREFIX.size)  # the first chunk starts: drop the connection
         writer.close()
 
-    server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    transport = TcpTransport(chunk_nbytes=4096)
-    link = await transport.connect(PeerEndpoint("d0", data_address=f"tcp://127.0.0.1:{port}"))
-    with pytest.raises(TransportError) as info:
-        await asyncio.wait_for(transport.write(link, _one_run_plan(1 << 20),
-                                               {"s": np.ones(1 << 20, np.uint8)}), 5)
-    assert info.value.code is Reason.TRANSPORT_FAILED
+    error, link, close = await _write_to_failing_peer(hang_up, 1 << 20)
+    assert error.code is Reason.TRANSPORT_FAILED
     assert len(link.lanes) == 2  # the write was striped: both connections broke, both gave back
     assert all(lane.in_flight_nbytes == 0 for lane in link.lanes)
     assert _lost_records(caplog, logging.WARNING)  # bytes were in flight: an alarm
-    await transport.close()
-    server.close()
+    await close()
 
 
 @pytest.mark.asyncio
@@ -174,17 +188,10 @@ async def test_a_receiver_that_hangs_up_on_unacknowledged_bytes_is_an_alarm(capl
         await reader.readexactly(head[4] + head[5])  # header and payload, then goodbye
         writer.close()
 
-    server = await asyncio.start_server(read_then_hang_up, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    transport = TcpTransport(chunk_nbytes=4096)
-    link = await transport.connect(PeerEndpoint("d0", data_address=f"tcp://127.0.0.1:{port}"))
-    with pytest.raises(TransportError) as info:
-        await asyncio.wait_for(transport.write(link, _one_run_plan(4096),
-                                               {"s": np.ones(4096, np.uint8)}), 5)
-    assert info.value.code is Reason.TRANSPORT_FAILED
+    error, _, close = await _write_to_failing_peer(read_then_hang_up, 4096)
+    assert error.code is Reason.TRANSPORT_FAILED
     assert _lost_records(caplog, logging.WARNING) and not _lost_records(caplog, logging.INFO)
-    await transport.close()
-    server.close()
+    await close()
 
 
 @pytest.mark.asyncio
