@@ -93,6 +93,7 @@ def choose_strategies(link, planner: PairPlanner, mode: StrategyMode,
         slot_nbytes = staging.channel.slot_nbytes if staging is not None else DEFAULT_SLOT_NBYTES
         decision = choose(profile, staging.cost if staging is not None else None, mode,
                           slot_nbytes=slot_nbytes, staging=staging is not None,
+                          ring_slots=len(staging.channel.slots) if staging is not None else 1,
                           # Mooncake submits 1,024 a batch; NIXL one request whatever its size
                           batch_descriptors=getattr(link.transport, "max_batch_descriptors",
                                                     1 << 30))

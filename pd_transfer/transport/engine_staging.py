@@ -118,7 +118,8 @@ async def attach(link, address: EngineAddress, options: StagingOptions, *, submi
                     err.message, extra={"peer": peer_id})
         return
     crossover = crossover_nbytes(cost, slot_nbytes=channel.slot_nbytes,
-                                 batch_descriptors=batch_descriptors)
+                                 batch_descriptors=batch_descriptors,
+                                 ring_slots=len(channel.slots))
     link.staging = LinkStaging(channel, cost, crossover)
     log.info("staging to %s: %d slots of %d B; %s; staged below a mean run of %.0f B", peer_id,
              len(channel.slots), channel.slot_nbytes, cost.describe(), crossover,

@@ -301,15 +301,17 @@ _COPY_NBYTES = 4 << 20
 _GATHER_RUN_NBYTES = 2048
 
 
-def measure_path(channel: StagingChannel, submit: Submit, *, repeats: int = 2) -> PathCost:
+def measure_path(channel: StagingChannel, submit: Submit, *, repeats: int = 5) -> PathCost:
     """Time the engine path to our own remote slots, a local gather and a round trip.
 
     Tens of milliseconds, once per link: one tiny descriptor (the fixed
     cost); 256 runs of 4 KiB against one run of the same bytes (the cost of
     a descriptor, bandwidth aside); every ring slot written whole, one
     descriptor each, as staged writes go (the bulk bandwidth); an empty staged
-    chunk (the round trip). Minimum of ``repeats`` each. Decode scatters
-    nothing of it: it was not told about any run.
+    chunk (the round trip). Minimum of ``repeats`` each (of 2 for the whole
+    ring): links probe while their sidecars start, all at once, and one
+    sample in two came out several times too slow on a busy 2-core host.
+    Decode scatters nothing of it: it was not told about any run.
     """
     local, remote = channel.local_addr(0), channel.remote_addr(0)
     num = max(2, min(_MAX_PROBE_RUNS, channel.slot_nbytes // (2 * _RUN_NBYTES)))
@@ -319,8 +321,9 @@ def measure_path(channel: StagingChannel, submit: Submit, *, repeats: int = 2) -
                                          [remote + o for o in offsets], [_RUN_NBYTES] * num))
     same = _best(repeats, lambda: submit([local], [remote], [num * _RUN_NBYTES]))
     ring = range(len(channel.slots))
-    bulk = _best(repeats, lambda: [submit([channel.local_addr(i)], [channel.remote_addr(i)],
-                                          [channel.slot_nbytes]) for i in ring])
+    bulk = _best(min(repeats, 2), lambda: [submit([channel.local_addr(i)],
+                                                  [channel.remote_addr(i)],
+                                                  [channel.slot_nbytes]) for i in ring])
     bulk_nbytes = len(ring) * channel.slot_nbytes
     copy_bps, per_run = copy_cost()
     round_trip = _best(repeats, lambda: _empty_round_trip(channel))

@@ -14,14 +14,19 @@ connect (:func:`~pd_transfer.transport.staging.measure_path`) fills a
 
     direct  per_descriptor_s / m + fixed_s / (batch_descriptors * m) + 1 / engine_bytes_per_s
     staged  2 * (copy_per_run_s / m + 1 / copy_bytes_per_s)            # gather + scatter
-            + (fixed_s + round_trip_s) / slot_nbytes + 1 / engine_bytes_per_s
+            + (fixed_s + round_trip_s / ring_slots) / slot_nbytes + 1 / engine_bytes_per_s
 
-for a mean run of ``m`` bytes. Both are linear in ``1 / m``, so there is one
-**crossover** run size below which staging wins. Worked example (Mooncake tcp
-on loopback): 80 us a descriptor, 2 us fixed, copies at 4 GB/s and 40 ns a
-run, a 300 us round trip per 4 MiB slot: crossover = (80 + 0.002 - 0.08) us /
-(0.5 ns + 0.072 ns) per byte, about 140 KB: 2 KiB and 16 KiB runs go staged,
-256 MiB blocks direct.
+for a mean run of ``m`` bytes. A chunk's round trip (decode told, decode
+scattered and answered) overlaps the next chunks of the ring: with ``R`` slots
+in flight each chunk waits for a share ``1 / R`` of it. Both are linear in
+``1 / m``, so there is one **crossover** run size below which staging wins.
+Worked example (Mooncake tcp on loopback): 80 us a descriptor, 2 us fixed,
+copies at 4 GB/s and 40 ns a run, a 300 us round trip per 4 MiB slot, one
+slot: crossover = (80 + 0.002 - 0.08) us / (0.5 ns + 0.072 ns) per byte,
+about 140 KB (154 KB with the default ring of 4): 2 KiB and 16 KiB runs go
+staged, 256 MiB blocks direct. The round trip is the noisiest term of the
+probe (on a busy host, or while every sidecar probes its peers at once:
+0.15 to 16 ms within one start-up), which is why it is shared out.
 
 The pool's runs are profiled once at verdict time from a sample plan
 (:class:`RunProfile`); an operator can force either way (``strategy =
@@ -142,30 +147,33 @@ def joined_runs(plan) -> tuple[np.ndarray, np.ndarray]:
     return runs.batch[starts], np.add.reduceat(runs.nbytes, starts)
 
 
-def crossover_nbytes(cost: PathCost, *, slot_nbytes: int, batch_descriptors: int) -> float:
+def crossover_nbytes(cost: PathCost, *, slot_nbytes: int, batch_descriptors: int,
+                     ring_slots: int = 1) -> float:
     """The mean run size below which staging is estimated faster (0: never)."""
     saved_per_run = cost.per_descriptor_s + cost.fixed_s / batch_descriptors \
         - 2 * cost.copy_per_run_s
-    added_per_byte = 2 / cost.copy_bytes_per_s + (cost.fixed_s + cost.round_trip_s) / slot_nbytes
+    added_per_byte = 2 / cost.copy_bytes_per_s \
+        + (cost.fixed_s + cost.round_trip_s / max(1, ring_slots)) / slot_nbytes
     if saved_per_run <= 0:
         return 0.0
     return saved_per_run / added_per_byte
 
 
 def estimate_s(profile: RunProfile, cost: PathCost, strategy: Strategy, *, slot_nbytes: int,
-               batch_descriptors: int) -> float:
+               batch_descriptors: int, ring_slots: int = 1) -> float:
     """Estimated seconds to move ``profile`` one way (for logs and benchmarks)."""
     n, total = profile.num_runs, profile.total_nbytes
     wire = total / cost.engine_bytes_per_s
     if strategy is Strategy.DIRECT:
         return -(-n // batch_descriptors) * cost.fixed_s + n * cost.per_descriptor_s + wire
     chunks = -(-total // slot_nbytes)
-    return chunks * (cost.fixed_s + cost.round_trip_s) + wire \
+    return chunks * (cost.fixed_s + cost.round_trip_s / max(1, ring_slots)) + wire \
         + 2 * (total / cost.copy_bytes_per_s + n * cost.copy_per_run_s)
 
 
 def choose(profile: RunProfile, cost: PathCost | None, mode: StrategyMode = StrategyMode.AUTO,
-           *, slot_nbytes: int, batch_descriptors: int, staging: bool = True) -> Decision:
+           *, slot_nbytes: int, batch_descriptors: int, staging: bool = True,
+           ring_slots: int = 1) -> Decision:
     """Direct or staged for runs like ``profile`` over a path costing ``cost``.
 
     ``staging`` False (the peer offers no staging area, or it is full)
@@ -183,7 +191,7 @@ def choose(profile: RunProfile, cost: PathCost | None, mode: StrategyMode = Stra
     if not profile.num_runs:
         return Decision(Strategy.DIRECT, "no runs", profile)
     crossover = crossover_nbytes(cost, slot_nbytes=slot_nbytes,
-                                 batch_descriptors=batch_descriptors)
+                                 batch_descriptors=batch_descriptors, ring_slots=ring_slots)
     staged = profile.mean_nbytes < crossover
     return Decision(Strategy.STAGED if staged else Strategy.DIRECT,
                     f"mean run {profile.mean_nbytes:.0f} B {'<' if staged else '>='} crossover "
