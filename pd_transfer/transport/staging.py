@@ -298,7 +298,9 @@ _RUN_NBYTES = 4096
 _MAX_PROBE_RUNS = 256
 _COPY_SOURCE_NBYTES = 48 << 20    # 12 windows of 4 MiB, larger than most last-level caches
 _COPY_NBYTES = 4 << 20
+_WARM_NBYTES = 512 << 10
 _GATHER_RUN_NBYTES = 2048
+_LARGE_RUN_NBYTES = 64 << 10
 
 
 def measure_path(channel: StagingChannel, submit: Submit, *, repeats: int = 5) -> PathCost:
@@ -345,21 +347,28 @@ def _best(repeats: int, fn: Callable[[], object]) -> float:
 def copy_cost() -> tuple[float, float]:
     """This host's gather bandwidth (bytes/s) and the extra cost of one gathered run (s).
 
-    Measured once per process: 4 MiB gathered as 2,048 runs of 2 KiB and as 64
-    runs of 64 KiB, from shared memory larger than the caches (KV pools are
-    shared memory, in 4 KiB pages), each time from a part not read before.
-    The difference is the cost of the runs; the rest is bandwidth.
+    Measured once per process. Bandwidth: 4 MiB gathered as 64 runs of 64 KiB
+    from shared memory larger than the caches (KV pools are shared memory, in
+    4 KiB pages), each time from a part not read before. Per run: 512 KiB
+    gathered as 256 runs of 2 KiB and as 8 of 64 KiB from one part read again
+    and again, the difference over the difference in runs: the work numpy does
+    per run. A run's cache and TLB misses are left out on purpose: an engine
+    moving the same run direct pays them too, and with them the figure swung
+    from 20 to 400 ns between processes started together on a busy host
+    (warm: 43-55 ns), enough to flip the choice for 512-byte head slices.
     """
     with mmap.mmap(-1, _COPY_SOURCE_NBYTES) as shared:
         source = np.frombuffer(shared, np.uint8)
         source[:] = 1
         out = np.empty(_COPY_NBYTES, np.uint8)
-        small = _gather_time(source, out, _GATHER_RUN_NBYTES, windows=(0, 4, 8))
-        large = _gather_time(source, out, 64 << 10, windows=(2, 6, 10))
+        large = _gather_time(source, out, _LARGE_RUN_NBYTES, windows=(2, 6, 10))
+        warm = out[:_WARM_NBYTES]
+        small_warm = _gather_time(source, warm, _GATHER_RUN_NBYTES, windows=(0,) * 5)
+        large_warm = _gather_time(source, warm, _LARGE_RUN_NBYTES, windows=(0,) * 5)
         del source
-    num_small, num_large = _COPY_NBYTES // _GATHER_RUN_NBYTES, _COPY_NBYTES // (64 << 10)
-    per_run = max(small - large, 0.0) / (num_small - num_large)
-    copy_bps = _COPY_NBYTES / max(large - num_large * per_run, 1e-6)
+    num_small, num_large = _WARM_NBYTES // _GATHER_RUN_NBYTES, _WARM_NBYTES // _LARGE_RUN_NBYTES
+    per_run = max(small_warm - large_warm, 0.0) / (num_small - num_large)
+    copy_bps = _COPY_NBYTES / max(large - _COPY_NBYTES // _LARGE_RUN_NBYTES * per_run, 1e-6)
     return copy_bps, per_run
 
 

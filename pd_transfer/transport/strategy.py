@@ -72,7 +72,9 @@ class PathCost:
     ``per_descriptor_s``: each further descriptor in a submission;
     ``engine_bytes_per_s``: bulk bandwidth of one large descriptor;
     ``copy_bytes_per_s`` / ``copy_per_run_s``: a numpy gather on this host
-    (decode's scatter is assumed to cost the same);
+    (decode's scatter is assumed to cost the same), the bandwidth from memory
+    out of cache, the cost per run with the caches warm (a run's misses cost
+    the direct way as much);
     ``round_trip_s``: one staged chunk's notification and acknowledgement.
     """
 
