@@ -120,7 +120,9 @@ def _layout_one(seq: int, runs: Runs, flat: Flat) -> ChunkLayout:
     starts = dst_groups(runs)
     group_nbytes = np.add.reduceat(runs.nbytes, starts)
     group_batch = runs.batch[starts]
-    batch_ids = np.unique(group_batch)  # a chunk's batches: a handful, not one per run
+    # a chunk's batches: a handful, in plan order (where the batch changes; no np.unique,
+    # whose hashing cost a tenth of a millisecond per chunk of 8,192 runs)
+    batch_ids = group_batch[np.concatenate(([True], group_batch[1:] != group_batch[:-1]))]
     region_of = [batches[b].dst_region for b in batch_ids.tolist()]
     table = tuple(dict.fromkeys(region_of))
     slot = {region_id: i for i, region_id in enumerate(table)}
