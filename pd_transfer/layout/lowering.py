@@ -163,6 +163,11 @@ class UnitGroup:
         return self.units[0].pool
 
     @cached_property
+    def shape(self) -> _Shape:
+        """What every unit's pattern shares, whatever the index lists."""
+        return _shape(self.units[0])
+
+    @cached_property
     def layers(self) -> np.ndarray:
         """Each unit's layer id (-1 where the tensor has none)."""
         return np.fromiter((-1 if u.layer is None else u.layer for u in self.units), np.int64,
@@ -176,8 +181,10 @@ class UnitGroup:
         if not keep.any():
             return None
         rows = np.flatnonzero(keep)
-        return UnitGroup(tuple(self.units[i] for i in rows), self.src_base[rows],
+        part = UnitGroup(tuple(self.units[i] for i in rows), self.src_base[rows],
                          self.dst_base[rows])
+        part.__dict__["shape"] = self.shape  # same structure: reuse the computed part
+        return part
 
 
 def group_units(units: list[Unit]) -> list[UnitGroup]:
@@ -195,6 +202,9 @@ def lower(src_rank: str, dst_rank: str, units: list[Unit],
     return lower_groups(src_rank, dst_rank, group_units(units), indices)
 
 
+_new = object.__new__
+
+
 def lower_groups(src_rank: str, dst_rank: str, groups: list[UnitGroup],
                  indices: dict[object, tuple[np.ndarray, np.ndarray]]) -> TransferPlan:
     batches: list[RunBatch] = []
@@ -203,13 +213,17 @@ def lower_groups(src_rank: str, dst_rank: str, groups: list[UnitGroup],
         group, src_base, dst_base = grouped.units, grouped.src_base, grouped.dst_base
         first = group[0]
         src_idx, dst_idx = indices[first.pool]
-        pattern = _pattern(first, src_idx, dst_idx)
+        pattern = _pattern(grouped.shape, src_idx, dst_idx)
         src_offsets = src_base[:, None] + pattern.rel_src[None, :]
         dst_offsets = dst_base[:, None] + pattern.rel_dst[None, :]
-        for row, unit in enumerate(group):
-            batches.append(RunBatch(unit.src_region, unit.dst_region, src_offsets[row],
-                                    dst_offsets[row], pattern.nbytes, pattern.count,
-                                    pattern.src_stride, pattern.dst_stride))
+        nbytes, count, src_stride, dst_stride = (pattern.nbytes, pattern.count,
+                                                 pattern.src_stride, pattern.dst_stride)
+        for unit, src_row, dst_row in zip(group, src_offsets, dst_offsets):
+            batch = _new(RunBatch)   # the frozen __init__, without its eight object.__setattr__
+            batch.__dict__.update(src_region=unit.src_region, dst_region=unit.dst_region,
+                                  src_offset=src_row, dst_offset=dst_row, nbytes=nbytes,
+                                  count=count, src_stride=src_stride, dst_stride=dst_stride)
+            batches.append(batch)
         # every batch of a group shares the pattern: its sums once, times the units
         num_descriptors += len(group) * len(pattern.nbytes)
         num_runs += len(group) * int(pattern.count.sum())
@@ -221,7 +235,22 @@ def lower_groups(src_rank: str, dst_rank: str, groups: list[UnitGroup],
     return plan
 
 
-def _pattern(unit: Unit, src_idx: np.ndarray, dst_idx: np.ndarray) -> _Pattern:
+@dataclass(frozen=True)
+class _Shape:
+    """The part of a unit's pattern that does not depend on the index lists: the run,
+    the descriptor's count and strides, and every remaining axis enumerated as
+    relative offsets (computed once per group, at the planner's start)."""
+
+    run_nbytes: int
+    count: int
+    src_stride: int
+    dst_stride: int
+    combo_src: np.ndarray
+    combo_dst: np.ndarray
+    index_strides: tuple[int, int]
+
+
+def _shape(unit: Unit) -> _Shape:
     run_nbytes = unit.itemsize
     rest = [a for a in unit.axes if a[0] > 1]
     merged = True
@@ -245,9 +274,28 @@ def _pattern(unit: Unit, src_idx: np.ndarray, dst_idx: np.ndarray) -> _Pattern:
         steps = np.arange(extent, dtype=np.int64)
         combo_src = (combo_src[:, None] + steps * s_stride).ravel()
         combo_dst = (combo_dst[:, None] + steps * d_stride).ravel()
-    rel_src = (src_idx * unit.index_strides[0])[:, None] + combo_src[None, :]
-    rel_dst = (dst_idx * unit.index_strides[1])[:, None] + combo_dst[None, :]
-    return _merge(rel_src.ravel(), rel_dst.ravel(), run_nbytes, count, src_stride, dst_stride)
+    return _Shape(run_nbytes, count, src_stride, dst_stride, combo_src, combo_dst,
+                  unit.index_strides)
+
+
+def _pattern(shape: _Shape, src_idx: np.ndarray, dst_idx: np.ndarray) -> _Pattern:
+    if len(shape.combo_src) == 1 and len(src_idx) == 1:
+        # one descriptor (a 1-page room of a page-contiguous pool): no broadcasting
+        rel_src = src_idx * shape.index_strides[0] + shape.combo_src
+        rel_dst = dst_idx * shape.index_strides[1] + shape.combo_dst
+        if shape.src_stride == shape.run_nbytes and shape.dst_stride == shape.run_nbytes:
+            return _Pattern(rel_src, rel_dst, np.array([shape.count * shape.run_nbytes]),
+                            _ONE, shape.run_nbytes, shape.run_nbytes)
+        return _Pattern(rel_src, rel_dst, np.array([shape.run_nbytes]),
+                        np.array([shape.count]), shape.src_stride, shape.dst_stride)
+    rel_src = (src_idx * shape.index_strides[0])[:, None] + shape.combo_src[None, :]
+    rel_dst = (dst_idx * shape.index_strides[1])[:, None] + shape.combo_dst[None, :]
+    return _merge(rel_src.ravel(), rel_dst.ravel(), shape.run_nbytes, shape.count,
+                  shape.src_stride, shape.dst_stride)
+
+
+_ONE = np.ones(1, np.int64)
+_ONE.flags.writeable = False
 
 
 def _merge(rel_src: np.ndarray, rel_dst: np.ndarray, run_nbytes: int, count: int,

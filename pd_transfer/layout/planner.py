@@ -106,7 +106,11 @@ def _check_range(pool: Pool, geometry: RankGeometry, idx: np.ndarray, side: str,
                  limit: int | None) -> None:
     if limit is None or len(idx) == 0:
         return
-    low, high = int(idx.min()), int(idx.max())
+    if len(idx) <= 64:  # a few pages: plain Python beats two numpy reductions
+        values = idx.tolist()
+        low, high = min(values), max(values)
+    else:
+        low, high = int(idx.min()), int(idx.max())
     if low < 0 or high >= limit:
         bad = low if low < 0 else high
         raise PlanError(

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from pd_transfer.transport.copy_tasks import Scratch, compile_tasks
-from pd_transfer.transport.regions import Regions, map_one, map_regions, sizes_of
+from pd_transfer.transport.regions import Mapped, Regions, map_one, map_regions, sizes_of
 from pd_transfer.transport.runs import check_bounds, flatten
 
 LAST_RUN_NBYTES = 1 << 20  # a last run up to this size is copied after the others
@@ -140,27 +140,37 @@ def _small_copies(plan, src_regions: Regions, dst_regions: Regions) -> list | No
     calls cost more than the copy); None when a piece is out of bounds or a region
     is missing (the caller's full check raises with the details)."""
     copies = []
+    append = copies.append
     for batch in plan.batches:
         src, dst = src_regions.get(batch.src_region), dst_regions.get(batch.dst_region)
         if src is None or dst is None:
             return None
-        src = map_one(batch.src_region, src, "source").array
-        dst = map_one(batch.dst_region, dst, "destination").array
-        s_size, d_size, s_stride, d_stride = src.size, dst.size, batch.src_stride, batch.dst_stride
+        if src.__class__ is not Mapped:
+            src = map_one(batch.src_region, src, "source")
+        if dst.__class__ is not Mapped:
+            dst = map_one(batch.dst_region, dst, "destination")
+        src, dst = src.array, dst.array
         if len(batch.src_offset) == 1:   # one descriptor (a page of one layer): no lists
-            pieces = ((int(batch.src_offset[0]), int(batch.dst_offset[0]), int(batch.nbytes[0]),
-                       int(batch.count[0])),)
+            pieces = ((batch.src_offset.item(), batch.dst_offset.item(), batch.nbytes.item(),
+                       batch.count.item()),)
         else:
             pieces = zip(batch.src_offset.tolist(), batch.dst_offset.tolist(),
                          batch.nbytes.tolist(), batch.count.tolist())
+        s_size, d_size = src.size, dst.size
         for s, d, n, c in pieces:
             if n < 0 or c < 0:
                 return None
+            if c == 1 and n:
+                if s < 0 or d < 0 or s + n > s_size or d + n > d_size:
+                    return None
+                append((dst, d, src, s, n))
+                continue
+            s_stride, d_stride = batch.src_stride, batch.dst_stride
             for k in range(c) if n else ():
                 s_k, d_k = s + k * s_stride, d + k * d_stride
                 if s_k < 0 or d_k < 0 or s_k + n > s_size or d_k + n > d_size:
                     return None
-                copies.append((dst, d_k, src, s_k, n))
+                append((dst, d_k, src, s_k, n))
     return copies
 
 
