@@ -187,6 +187,25 @@ async def test_a_room_runs_its_end_hooks_once():
     assert calls == [7]
 
 
+async def test_a_wait_ends_at_its_timeout_or_when_the_room_ends_and_leaves_no_waiter():
+    room = Room(3, 0)
+    room.advance(RoomStatus.WAITING_FOR_INPUT)
+    start = time.monotonic()
+    await asyncio.wait_for(room.wait(0.05), 5)     # nothing happens: back at its timeout
+    assert time.monotonic() - start >= 0.04 and not room.terminal and room.waiters == []
+    waiting = asyncio.ensure_future(room.wait(60))
+    await _settle()
+    assert not waiting.done() and len(room.waiters) == 1
+    room.advance(RoomStatus.SUCCESS)                # the room ends: the wait returns now
+    await asyncio.wait_for(waiting, 1)
+    assert room.waiters == []
+    cancelled = asyncio.ensure_future(Room(4, 0).wait(60))
+    await _settle()
+    cancelled.cancel()                              # the worker went away
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+
+
 async def test_the_room_table_keeps_at_most_max_rooms_finished_rooms():
     table = RoomTable(ttl_s=3600, max_rooms=8)
     for room_id in range(100):
