@@ -92,7 +92,8 @@ class SidecarMetrics:
         self.aborts = Counter("pd_transfer_aborts", "Aborts by side that started them and reason.",
                               ["role", "side", "reason"], registry=r)
         self.heartbeat_misses = Counter("pd_transfer_heartbeat_misses",
-                                        "Peers declared lost after missed heartbeats.",
+                                        "Peers declared lost (missed heartbeats, or a connection "
+                                        "that closed and did not come back).",
                                         ["role", "peer"], registry=r)
         self.bad_frames = Counter("pd_transfer_bad_frames", "Bad frames received, by reason.",
                                   ["role", "reason"], registry=r)

@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from pd_transfer.agent.auth import REFUSAL_LINGER_MS, Doorman, authenticate, close_reply, security_of
 from pd_transfer.errors import PdTransferError, ProtocolError, Reason, RemoteProtocolError
@@ -45,6 +46,9 @@ class Channel:
         self.bad_frames = 0
         self.closed = False
         self.peer_rank = ""           # the peer's rank id once known
+        # since when (time.monotonic) ZeroMQ reports the connection down; None while it is
+        # up, and always on the listening side (a ROUTER's events do not name the peer)
+        self.disconnected_s: float | None = None
         self.on_bad_frame: Callable[[str], None] = lambda reason: None
 
     async def send(self, message: Message) -> None:
@@ -96,6 +100,7 @@ class OutgoingChannel(Channel):
         self._security.connecting(self._socket)
         self._socket.connect(address)
         self._reader: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
         # set when frames may flow: at once without authentication, else once
         # the handshake (run by the reader) succeeded or failed (auth_error)
         self._authenticated = asyncio.Event()
@@ -115,6 +120,23 @@ class OutgoingChannel(Channel):
 
     def start(self, on_message: OnMessage) -> None:
         self._reader = asyncio.create_task(self._read(on_message))
+        self._watcher = asyncio.create_task(self._watch_connection())
+
+    async def _watch_connection(self) -> None:
+        """Follow the connection's ups and downs (``disconnected_s``): a peer process that
+        dies closes its sockets, and the agent need not wait for its heartbeats to stop."""
+        monitor = self._socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        try:
+            while not self.closed:
+                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                if event == zmq.EVENT_DISCONNECTED:
+                    self.disconnected_s = self.disconnected_s or time.monotonic()
+                elif event == zmq.EVENT_CONNECTED:
+                    self.disconnected_s = None
+        except zmq.ZMQError as err:  # the socket closed under the monitor
+            log.debug("peer %s: connection monitor stopped: %s", self.label, err)
+        finally:
+            monitor.close(linger=0)
 
     async def _read(self, on_message: OnMessage) -> None:
         if not self._authenticated.is_set():
@@ -139,8 +161,9 @@ class OutgoingChannel(Channel):
             self.auth_error = PdTransferError(f"peer {self.label}: closed before authenticating",
                                               code=Reason.SESSION_CLOSED)
             self._authenticated.set()
-        if self._reader is not None:
-            self._reader.cancel()
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
         self._socket.close(linger=linger_ms)
 
 

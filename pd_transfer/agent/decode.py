@@ -166,7 +166,7 @@ class DecodeSide:
             channel.start(lambda ch, msg, p=peer, i=instance: self._on_message(i, p, msg))
             await channel.send(Hello(agent_id=self.config.agent_id, role=Role.DECODE,
                                      capabilities=sidecar.capabilities()))
-            sidecar.watch(channel, lambda silent, i=instance, p=peer: self._on_lost(i, p, silent))
+            sidecar.watch(channel, lambda why, i=instance, p=peer: self._on_lost(i, p, why))
         for peer in instance.peers.values():
             await self._await_verdict(peer)
 
@@ -347,12 +347,12 @@ class DecodeSide:
                    RoomStatus.TRANSFERRING: "the transfer did not finish"}[room.status]
         self._fail(room, Reason.TIMEOUT, f"room {room.room} timed out in {room.status.value}: {waiting}")
 
-    def _on_lost(self, instance: PrefillInstance, peer: PrefillPeer, silent_s: float) -> None:
+    def _on_lost(self, instance: PrefillInstance, peer: PrefillPeer, why: str) -> None:
         if not instance.lost:
             instance.lost, instance.lost_s = True, time.monotonic()
             self.retired.append(instance)
         instance.lost_ranks.add(peer.rank_id)
-        text = f"lost prefill peer {peer.channel.label}: no heartbeat for {silent_s:.1f} s"
+        text = f"lost prefill peer {peer.channel.label}: {why}"
         if not peer.verdict.done():
             peer.verdict.set_exception(PdTransferError(text, code=Reason.PEER_LOST))
         for room in self.sidecar.rooms.live():

@@ -109,14 +109,14 @@ class Observer:
     def abort(self, side: str, reason: str) -> None:
         self.metrics.aborts.labels(self.role, side, reason).inc()
 
-    def lost(self, peer: str, silent_s: float, channel=None) -> None:
+    def lost(self, peer: str, why: str, channel=None) -> None:
         self.metrics.heartbeat_misses.labels(self.role, peer).inc()
         key = (channel.label if channel is not None else "") or self._key_of(peer)
         if key in self.peers and self.peers[key].state == "rejected":
             return  # a rejected peer that went away stays rejected: that is what to fix
         if channel is not None and self.peers.get(key, PeerRecord(peer)).channel not in (None, channel):
             return  # an old session of a peer whose new session owns the record now
-        self.peer(peer, "lost", f"no heartbeat for {silent_s:.1f} s", channel)
+        self.peer(peer, "lost", why, channel)
 
     def bad_frame(self, reason: str) -> None:
         self.metrics.bad_frames.labels(self.role, reason).inc()

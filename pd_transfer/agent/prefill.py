@@ -333,9 +333,8 @@ class PrefillSide:
             room, Reason.TIMEOUT,
             f"room {room.room} timed out in {room.status.value}: {waiting}"))
 
-    def on_peer_lost(self, channel: Channel, silent_s: float) -> None:
-        self.release_peer(channel, Reason.PEER_LOST,
-                          f"lost decode peer {{}}: no heartbeat for {silent_s:.1f} s")
+    def on_peer_lost(self, channel: Channel, why: str) -> None:
+        self.release_peer(channel, Reason.PEER_LOST, f"lost decode peer {{}}: {why}")
 
     def release_peer(self, channel: Channel, reason: Reason, text: str) -> None:
         """Forget a decode peer's session: its rooms fail with ``text`` (``{}``: the peer),

@@ -272,17 +272,20 @@ class Sidecar:
     def next_generation(self) -> int:
         return next(self._generations)
 
-    def watch(self, channel: Channel, on_lost: Callable[[float], None]) -> None:
+    def watch(self, channel: Channel, on_lost: Callable[[str], None]) -> None:
+        """Call ``on_lost(why)`` once ``channel``'s peer is lost: silent for
+        ``heartbeat_misses`` heartbeat intervals, or its connection down (a peer process
+        that died closed it) for longer than one interval without coming back."""
         self._watched.append((channel, on_lost))
 
     def watch_once(self, channel: Channel) -> None:
         if not any(ch is channel for ch, _ in self._watched):
-            self.watch(channel, lambda silent, ch=channel: self.side.on_peer_lost(ch, silent))
+            self.watch(channel, lambda why, ch=channel: self.side.on_peer_lost(ch, why))
 
-    def _lost(self, channel: Channel, on_lost: Callable[[float], None], silent_s: float) -> None:
-        self.observe.lost(getattr(channel, "peer_rank", "") or channel.label, silent_s, channel)
-        log.warning("peer %s lost: no heartbeat for %.1f s", channel.label, silent_s)
-        on_lost(silent_s)
+    def _lost(self, channel: Channel, on_lost: Callable[[str], None], why: str) -> None:
+        self.observe.lost(getattr(channel, "peer_rank", "") or channel.label, why, channel)
+        log.warning("peer %s lost: %s", channel.label, why)
+        on_lost(why)
 
     async def _timers(self) -> None:
         interval = self.config.heartbeat_interval_s
@@ -298,12 +301,13 @@ class Sidecar:
                 if channel.closed:
                     self._watched.remove((channel, on_lost))
                     continue
-                if now - channel.last_heard_s > limit:
+                why = _why_lost(channel, now, interval, limit)
+                if why:
                     self._watched.remove((channel, on_lost))
                     if hasattr(channel, "close"):
                         channel.close()
                     channel.closed = True
-                    self._lost(channel, on_lost, now - channel.last_heard_s)
+                    self._lost(channel, on_lost, why)
                     continue
                 if channel.session.state in _HEARTBEAT_STATES and now - getattr(channel, "_beat_s", 0) >= interval:
                     channel._beat_s = now
@@ -315,6 +319,16 @@ class Sidecar:
                             sent_unix_s=time.time())), interval)
                     except Exception as err:
                         log.debug("heartbeat to %s failed: %s", channel.label, err)
+
+
+def _why_lost(channel: Channel, now: float, interval_s: float, limit_s: float) -> str:
+    """Why ``channel``'s peer counts as lost now ("" while it does not)."""
+    if channel.disconnected_s is not None and now - channel.disconnected_s > interval_s:
+        return (f"its connection closed {now - channel.disconnected_s:.1f} s ago and did not "
+                f"come back (the peer process stopped or its host is unreachable)")
+    if now - channel.last_heard_s > limit_s:
+        return f"no heartbeat for {now - channel.last_heard_s:.1f} s"
+    return ""
 
 
 async def _bounded(step, what: str, timeout_s: float = 5.0) -> None:

@@ -4,7 +4,8 @@ One prefill TP 2 / decode TP 1 deployment (each prefill rank writes half of
 every page's heads). Each kill comes while a room is Transferring: both
 prefill ranks sent the first of two chunks and the second is not sent yet.
 Heartbeats are 0.2 s with 5 misses: a lost peer is declared after about a
-second. A restarted sidecar gets the old one's worker endpoint, bootstrap
+second (a dead prefill rank, seen from decode, after about 0.2 s: its
+connection closes; see test_dropped_connections.py). A restarted sidecar gets the old one's worker endpoint, bootstrap
 address and config; its worker (still alive: these are sidecar faults)
 registers again, and a new room must succeed without restarting the other
 side. Bytes are checked against the sim's content (pd_transfer.sim.content),
