@@ -58,6 +58,12 @@ class PrefillPeer:
     integrity: object = None   # BlockLayout when its Done checksums are verified
 
 
+# a new room and a prefill connection that is down: how often to look, and how long
+# past one heartbeat interval to wait for the timer tick that declares the rank lost
+_DOWN_POLL_S = 0.02
+_DOWN_SLACK_S = 0.25
+
+
 @dataclass
 class PrefillInstance:
     """One bootstrap address resolved: the prefill ranks this decode rank needs."""
@@ -100,6 +106,24 @@ class DecodeSide:
         if task is None:
             task = self.instances[bootstrap] = asyncio.create_task(self._resolve(bootstrap))
         return task
+
+    async def _usable_instance(self, bootstrap: str) -> PrefillInstance:
+        """The resolved instance for a new room, never one with a connection known to be down.
+
+        A connection to a prefill rank that closed (its process died, say) makes
+        the rank lost after ``heartbeat_interval_s`` unless it comes back. A room
+        started meanwhile would be sent into the dead session and fail with it; it
+        waits for the outcome instead (polled, at most an interval and a tick) and,
+        if the instance was lost, goes to its new resolution.
+        """
+        instance = await asyncio.shield(self._instance(bootstrap))
+        deadline = time.monotonic() + self.config.heartbeat_interval_s + _DOWN_SLACK_S
+        while (not instance.lost and time.monotonic() < deadline
+               and any(p.channel.disconnected_s is not None for p in instance.peers.values())):
+            await asyncio.sleep(_DOWN_POLL_S)
+        if instance.lost:
+            instance = await asyncio.shield(self._instance(bootstrap))
+        return instance
 
     def resolve_configured(self) -> None:
         """Resolve the configured prefill instances ahead of traffic (and again once lost)."""
@@ -226,7 +250,7 @@ class DecodeSide:
 
     async def _start(self, room: DecodeRoom) -> None:
         try:
-            instance = await asyncio.shield(self._instance(room.bootstrap))
+            instance = await self._usable_instance(room.bootstrap)
         except PdTransferError as err:
             self._fail(room, err.code, f"room {room.room}: {err.message}", drained=True)
             return

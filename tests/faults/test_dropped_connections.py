@@ -4,8 +4,11 @@ Heartbeats here are 0.5 s with 20 misses: by heartbeats alone a dead peer
 would be declared lost after 10 s. The decode sidecar watches its ZeroMQ
 connection to each prefill rank; a killed process closes its sockets at once,
 so the room in flight must fail with ``peer_lost`` after about one interval,
-with a reason that says the connection closed. A restarted prefill sidecar
-then serves a new room, bytes checked against the sim's content.
+with a reason that says the connection closed. A room expected while the
+connection is down, before the loss is declared, is not sent into the dead
+session: it waits for the outcome, resolves the instance again, and lands
+once a restarted prefill sidecar serves it (bytes checked against the sim's
+content).
 """
 
 import time
@@ -42,6 +45,9 @@ def test_a_killed_prefill_sidecar_fails_the_room_when_its_connection_closes(clus
 
     cluster.sidecars[prefill.rank_id].kill()
     started = time.monotonic()
+    time.sleep(0.05)   # the closed connection reaches decode in about a millisecond
+    requests = kv_requests(range(8, 16), range(0, 8))
+    cluster.expect(2, requests)   # the peer is down, not yet declared lost
     state = decode_client.wait(1, timeout_s=LOST_BY_HEARTBEATS_S + 5)
     elapsed = time.monotonic() - started
     assert state.status is RoomStatus.FAILED and state.code_text == "peer_lost", state.reason
@@ -55,8 +61,6 @@ def test_a_killed_prefill_sidecar_fails_the_room_when_its_connection_closes(clus
     client = cluster.clients[prefill.rank_id] = Client(cluster.sidecars[prefill.rank_id].endpoint,
                                                       prefill.rank_id, timeout_s=20)
     client.register(prefill, cluster.pools[prefill.rank_id].handles)
-    requests = kv_requests(range(8, 16), range(0, 8))
-    cluster.expect(2, requests)
     cluster.send(2, requests)
     state = decode_client.wait(2, timeout_s=15)
     assert state.status is RoomStatus.SUCCESS, state.reason
