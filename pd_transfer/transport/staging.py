@@ -307,21 +307,27 @@ def measure_path(channel: StagingChannel, submit: Submit, *, repeats: int = 5) -
     """Time the engine path to our own remote slots, a local gather and a round trip.
 
     Tens of milliseconds, once per link: one tiny descriptor (the fixed
-    cost); 256 runs of 4 KiB against one run of the same bytes (the cost of
-    a descriptor, bandwidth aside); every ring slot written whole, one
-    descriptor each, as staged writes go (the bulk bandwidth); an empty staged
-    chunk (the round trip). Minimum of ``repeats`` each (of 2 for the whole
-    ring): links probe while their sidecars start, all at once, and one
-    sample in two came out several times too slow on a busy 2-core host.
-    Decode scatters nothing of it: it was not told about any run.
+    cost); the cost of each further descriptor, measured two ways (below);
+    every ring slot written whole, one descriptor each, as staged writes go
+    (the bulk bandwidth); an empty staged chunk (the round trip). Minimum of
+    ``repeats`` each (of 2 for the whole ring): links probe while their
+    sidecars start, all at once, and one sample in two came out several
+    times too slow on a busy 2-core host. Decode scatters nothing of it: it
+    was not told about any run.
+
+    A descriptor's cost is the larger of: 256 tiny descriptors in one
+    submission against one (their 16 KiB take no time worth counting), and
+    256 runs of 4 KiB against one run of the same 1 MiB (what a run of a few
+    KiB costs beyond its bytes). Each alone misled on one engine. Over
+    Mooncake tcp (0.2 GB/s here) the second is a small difference of two
+    times that both carry the bandwidth, and it came out at 0 on one link in
+    eight, which sent 512-byte head slices direct at 7 s a request. Over NIXL
+    UCX the first is 0.5-1 us, while a 2 KiB run costs several times that.
     """
     local, remote = channel.local_addr(0), channel.remote_addr(0)
-    num = max(2, min(_MAX_PROBE_RUNS, channel.slot_nbytes // (2 * _RUN_NBYTES)))
-    offsets = [k * 2 * _RUN_NBYTES for k in range(num)]   # every other run: nothing joins
     one = _best(repeats, lambda: submit([local], [remote], [_TINY_NBYTES]))
-    many = _best(repeats, lambda: submit([local + o for o in offsets],
-                                         [remote + o for o in offsets], [_RUN_NBYTES] * num))
-    same = _best(repeats, lambda: submit([local], [remote], [num * _RUN_NBYTES]))
+    per_descriptor = max(_descriptor_cost(channel, submit, run_nbytes, repeats, one)
+                         for run_nbytes in (_TINY_NBYTES, _RUN_NBYTES))
     ring = range(len(channel.slots))
     bulk = _best(min(repeats, 2), lambda: [submit([channel.local_addr(i)],
                                                   [channel.remote_addr(i)],
@@ -329,9 +335,23 @@ def measure_path(channel: StagingChannel, submit: Submit, *, repeats: int = 5) -
     bulk_nbytes = len(ring) * channel.slot_nbytes
     copy_bps, per_run = copy_cost()
     round_trip = _best(repeats, lambda: _empty_round_trip(channel))
-    return PathCost(fixed_s=one, per_descriptor_s=max(many - same, 0.0) / (num - 1),
+    return PathCost(fixed_s=one, per_descriptor_s=per_descriptor,
                     engine_bytes_per_s=bulk_nbytes / max(bulk - len(ring) * one, bulk / 2, 1e-6),
                     copy_bytes_per_s=copy_bps, copy_per_run_s=per_run, round_trip_s=round_trip)
+
+
+def _descriptor_cost(channel: StagingChannel, submit: Submit, run_nbytes: int, repeats: int,
+                     one_tiny_s: float) -> float:
+    """Seconds each further descriptor of ``run_nbytes`` adds to a submission: many such
+    runs against their bytes as one run (tiny runs: against one tiny descriptor)."""
+    local, remote = channel.local_addr(0), channel.remote_addr(0)
+    num = max(2, min(_MAX_PROBE_RUNS, channel.slot_nbytes // (2 * run_nbytes)))
+    offsets = [k * 2 * run_nbytes for k in range(num)]   # every other run: nothing joins
+    many = _best(repeats, lambda: submit([local + o for o in offsets],
+                                         [remote + o for o in offsets], [run_nbytes] * num))
+    same = one_tiny_s if run_nbytes == _TINY_NBYTES else \
+        _best(repeats, lambda: submit([local], [remote], [num * run_nbytes]))
+    return max(many - same, 0.0) / (num - 1)
 
 
 def _best(repeats: int, fn: Callable[[], object]) -> float:

@@ -25,6 +25,7 @@ from pd_transfer.transport.regions import map_regions
 from pd_transfer.transport.sockets import Kind, read_prefix, recv_exact, send_frame
 from pd_transfer.transport.staging import measure_path, open_channel, write_staged
 from pd_transfer.transport.staging_receiver import StagingArea, StagingReceiver
+from pd_transfer.transport.strategy import RunProfile, Strategy, choose
 
 pytestmark = pytest.mark.asyncio
 SLOT = 64 << 10
@@ -227,6 +228,36 @@ async def test_the_probe_measures_every_cost_on_the_path():
     assert cost.engine_bytes_per_s > 0 and cost.copy_bytes_per_s > 0
     assert min(cost.fixed_s, cost.per_descriptor_s, cost.copy_per_run_s, cost.round_trip_s) >= 0
     assert decode.receiver.stats.refused == {}
+
+
+def _engine_like(per_tiny_s: float, per_run_s: float, bytes_per_s: float):
+    """A submit that takes the time an engine would and moves nothing: ``per_tiny_s`` for
+    each descriptor of 64 B or less beyond the first, ``per_run_s`` for each larger one,
+    the bytes at ``bytes_per_s``."""
+    def submit(src: list, dst: list, nbytes: list) -> None:
+        extra = [per_tiny_s if n <= 64 else per_run_s for n in nbytes[1:]]
+        time.sleep(sum(extra) + sum(nbytes) / bytes_per_s)
+    return submit
+
+
+@pytest.mark.parametrize("per_tiny_s, per_run_s, floor_s", [
+    # Mooncake tcp-like: runs of 4 KiB go out in parallel, and 256 of them take no longer
+    # than their bytes as one run; each descriptor still costs tens of us
+    (40e-6, 0.0, 20e-6),
+    # NIXL UCX-like: a tiny descriptor costs next to nothing, a run of a few KiB does
+    (0.5e-6, 60e-6, 20e-6),
+])
+async def test_the_probe_prices_a_descriptor_by_whichever_way_shows_its_cost(
+        per_tiny_s, per_run_s, floor_s):
+    async with Decode({"kv": np.zeros(4096, np.uint8)}) as decode:
+        channel = await decode.channel()
+        cost = await asyncio.to_thread(measure_path, channel,
+                                       _engine_like(per_tiny_s, per_run_s, 0.2e9), repeats=3)
+        channel.close()
+    assert cost.per_descriptor_s >= floor_s, cost.describe()
+    # so 512-byte head slices are staged (over Mooncake they went direct at 7 s a request)
+    assert choose(RunProfile.of(np.full(1024, 512)), cost, slot_nbytes=SLOT,
+                  batch_descriptors=2048, ring_slots=4).strategy is Strategy.STAGED
 
 
 class TokenAuth:
