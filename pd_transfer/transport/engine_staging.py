@@ -29,13 +29,13 @@ from pd_transfer.errors import Reason, TransportError
 from pd_transfer.layout.lowering import TransferPlan
 from pd_transfer.transport.engine_address import EngineAddress
 from pd_transfer.transport.packing import layout_chunks
+from pd_transfer.transport.path_probe import measure_path
 from pd_transfer.transport.sockets import Authenticator
 from pd_transfer.transport.staging import (
     DEFAULT_RING_SLOTS,
     Bulk,
     StagingChannel,
     Submit,
-    measure_path,
     open_channel,
     write_staged,
 )

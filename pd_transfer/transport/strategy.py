@@ -9,7 +9,7 @@ An engine transport (Mooncake, NIXL) can move a plan two ways:
   registered, and let decode scatter it into place (:mod:`.staging`).
 
 Which is faster depends on the run sizes and on the path. A short probe at
-connect (:func:`~pd_transfer.transport.staging.measure_path`) fills a
+connect (:func:`~pd_transfer.transport.path_probe.measure_path`) fills a
 :class:`PathCost`; per run and per byte the two ways then cost::
 
     direct  per_descriptor_s / m + fixed_s / (batch_descriptors * m) + 1 / engine_bytes_per_s

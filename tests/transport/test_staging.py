@@ -21,9 +21,10 @@ from pd_transfer.errors import Reason, TransportError
 from pd_transfer.layout.lowering import RunBatch, TransferPlan
 from pd_transfer.transport.frames import Fail, decode_reply
 from pd_transfer.transport.packing import layout_chunks
+from pd_transfer.transport.path_probe import measure_path
 from pd_transfer.transport.regions import map_regions
 from pd_transfer.transport.sockets import Kind, read_prefix, recv_exact, send_frame
-from pd_transfer.transport.staging import measure_path, open_channel, write_staged
+from pd_transfer.transport.staging import open_channel, write_staged
 from pd_transfer.transport.staging_receiver import StagingArea, StagingReceiver
 from pd_transfer.transport.strategy import RunProfile, Strategy, choose
 
