@@ -211,8 +211,7 @@ def lower_groups(src_rank: str, dst_rank: str, groups: list[UnitGroup],
     num_descriptors = num_runs = total_nbytes = 0
     for grouped in groups:
         group, src_base, dst_base = grouped.units, grouped.src_base, grouped.dst_base
-        first = group[0]
-        src_idx, dst_idx = indices[first.pool]
+        src_idx, dst_idx = indices[grouped.pool]
         pattern = _pattern(grouped.shape, src_idx, dst_idx)
         src_offsets = src_base[:, None] + pattern.rel_src[None, :]
         dst_offsets = dst_base[:, None] + pattern.rel_dst[None, :]
@@ -279,23 +278,10 @@ def _shape(unit: Unit) -> _Shape:
 
 
 def _pattern(shape: _Shape, src_idx: np.ndarray, dst_idx: np.ndarray) -> _Pattern:
-    if len(shape.combo_src) == 1 and len(src_idx) == 1:
-        # one descriptor (a 1-page room of a page-contiguous pool): no broadcasting
-        rel_src = src_idx * shape.index_strides[0] + shape.combo_src
-        rel_dst = dst_idx * shape.index_strides[1] + shape.combo_dst
-        if shape.src_stride == shape.run_nbytes and shape.dst_stride == shape.run_nbytes:
-            return _Pattern(rel_src, rel_dst, np.array([shape.count * shape.run_nbytes]),
-                            _ONE, shape.run_nbytes, shape.run_nbytes)
-        return _Pattern(rel_src, rel_dst, np.array([shape.run_nbytes]),
-                        np.array([shape.count]), shape.src_stride, shape.dst_stride)
     rel_src = (src_idx * shape.index_strides[0])[:, None] + shape.combo_src[None, :]
     rel_dst = (dst_idx * shape.index_strides[1])[:, None] + shape.combo_dst[None, :]
     return _merge(rel_src.ravel(), rel_dst.ravel(), shape.run_nbytes, shape.count,
                   shape.src_stride, shape.dst_stride)
-
-
-_ONE = np.ones(1, np.int64)
-_ONE.flags.writeable = False
 
 
 def _merge(rel_src: np.ndarray, rel_dst: np.ndarray, run_nbytes: int, count: int,
