@@ -80,6 +80,7 @@ class SidecarConfig:
     curve_secret_key_file: str = ""       # CURVE secret key (Z85): encrypts the sockets this sidecar binds
     curve_server_key: str = ""            # CURVE public key of the sidecars it connects to (default: own)
     integrity: bool = False               # crc32 every block sent; decode verifies (when both sides enable it)
+    doorbell: bool = True                 # same-host rooms also end through a shared-memory doorbell the worker's wait sleeps on (decode offers it, prefill rings it)
     copy_threads: int = field(default_factory=default_copy_threads)  # threads per shm write (raise it on a host with cores to spare)
     fault_corrupt_nth: int = 0            # TEST ONLY: flip a byte of this sidecar's nth data write (0: never)
 

@@ -73,7 +73,9 @@ async def send_verdict(side, peer) -> None:
     log.info("prefill: accepted %s (feeds decode tp ranks %s)", peer.rank_id, peer.fed,
              extra={"peer": peer.rank_id})
     peer.integrity = integrity.prefill_layout(side.sidecar, peer.planner, peer.features, peer.rank_id)
+    peer.bells = side.sidecar.dataplane.doorbells(peer.link, peer.register.doorbell)
     await peer.channel.send(Verdict(accepted=True, integrity=peer.integrity is not None,
+                                    doorbell=peer.bells is not None,
                                     plan=plan_summary(recon, peer.planner, strategies)))
 
 

@@ -30,6 +30,8 @@ from pd_transfer.errors import PdTransferError, Reason, TransportError
 from pd_transfer.layout.geometry import RankGeometry, Role
 from pd_transfer.protocol import Register
 from pd_transfer.shm import Segment, open_segment
+from pd_transfer.doorbell import AVAILABLE as DOORBELLS_AVAILABLE
+from pd_transfer.doorbell import Doorbells
 from pd_transfer.transport.admission import item_ranges
 from pd_transfer.transport.base import Link, PeerEndpoint
 from pd_transfer.transport.copy_engine import CopyEngine
@@ -168,6 +170,19 @@ class DataPlane:
         except TransportError as err:
             raise PdTransferError(f"cannot reach {peer_id}: {err.message}",
                                   code=Reason.TRANSPORT_FAILED, hint=err.hint) from None
+
+    def doorbells(self, link, name: str) -> Doorbells | None:
+        """The decode peer's doorbells (named in its Register), mapped when this link writes
+        into its memory in place (shm, CUDA IPC) and doorbells are on; else None."""
+        if not (name and self.config.doorbell and DOORBELLS_AVAILABLE
+                and isinstance(link, (ShmLink, DeviceLink))):
+            return None
+        try:
+            return Doorbells.open(name)
+        except PdTransferError as err:  # not fatal: its rooms end through Done alone
+            log.warning("cannot map the doorbells of %s: %s", link.peer_id if isinstance(
+                link, DeviceLink) else link.peer.peer_id, err.message)
+            return None
 
     def strategies(self, link, planner) -> dict:
         """``{pool: Decision}``: how each pool moves over ``link`` (set on engine links);

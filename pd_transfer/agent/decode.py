@@ -9,6 +9,12 @@ succeeds when every one of them reported Done. Abort is fenced: the worker is
 told the pages are safe to reuse only after every prefill rank acknowledged
 that no write of the room's generation can still land.
 
+Same-host rooms end through a doorbell (:mod:`pd_transfer.doorbell`) as well
+as through Done: each room gets a slot, every prefill rank that writes it
+over shm rings the slot once its bytes landed, and the worker's ``wait``
+returns on the ring. The sidecar counts a rung room successful too, and
+closes the slot whenever it decides a room itself, so that both agree.
+
 Sessions are released, never only replaced (:mod:`retire`). A room waits for
 a slot under ``max_rooms_per_peer`` (per prefill instance,
 :mod:`pd_transfer.agent.admission`) before its requests go out.
@@ -17,6 +23,7 @@ a slot under ``max_rooms_per_peer`` (per prefill instance,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -27,6 +34,8 @@ from pd_transfer.agent import integrity, retire
 from pd_transfer.agent.bootstrap import fetch_table
 from pd_transfer.agent.channels import OutgoingChannel
 from pd_transfer.agent.rooms import Room
+from pd_transfer.doorbell import AVAILABLE as DOORBELLS_AVAILABLE
+from pd_transfer.doorbell import MAX_WRITERS, Doorbells
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.reconcile import reconcile
@@ -56,6 +65,7 @@ class PrefillPeer:
     channel: OutgoingChannel
     verdict: asyncio.Future
     integrity: object = None   # BlockLayout when its Done checksums are verified
+    rings: bool = False        # its verdict: it rings this rank's doorbells
 
 
 # a new room and a prefill connection that is down: how often to look, and how long
@@ -86,6 +96,7 @@ class DecodeRoom(Room):
     done_from: set[str] = field(default_factory=set)
     acks: set[str] = field(default_factory=set)
     instance: PrefillInstance | None = None
+    bell: tuple[int, int] | None = None   # doorbell (slot, token)
 
 
 class DecodeSide:
@@ -93,6 +104,7 @@ class DecodeSide:
         self.sidecar = sidecar
         self.instances: dict[str, asyncio.Task] = {}
         self.retired: list[PrefillInstance] = []   # lost: sessions to close once quiet
+        self.bells = _doorbells(sidecar.config)
 
     @property
     def config(self):
@@ -226,9 +238,11 @@ class DecodeSide:
             await peer.channel.send(Register(
                 agent_id=self.config.agent_id, host_id=self.config.host_id,
                 geometry=sidecar.geometry, data_address=sidecar.dataplane.receive_address(),
-                region_handles=tuple(RegionHandle(r, h) for r, h in sidecar.handles.items())))
+                region_handles=tuple(RegionHandle(r, h) for r, h in sidecar.handles.items()),
+                doorbell=self.bells.name if self.bells is not None else ""))
         elif isinstance(message, Verdict):
             if not peer.verdict.done():
+                peer.rings = message.doorbell and self.bells is not None
                 peer.verdict.set_result(message)
         elif isinstance(message, (Done, Progress, AbortAck)):
             self._on_room_message(peer, message)
@@ -245,8 +259,14 @@ class DecodeSide:
         # a little longer than resolving may take, so its own, more precise error wins
         room.deadline_s = time.monotonic() + self.config.bootstrap_timeout_s * 1.25 + 0.5
         self.sidecar.rooms.add(room)
+        reply = room.reply()
+        if self.bells is not None:
+            room.bell = self.bells.arm()
+            room.on_end.append(self._close_bell)  # whichever way it ends, the worker wakes
+            reply["doorbell"] = {"segment": self.bells.name, "slot": room.bell[0],
+                                 "token": room.bell[1]}
         asyncio.create_task(self._start(room))
-        return room.reply()
+        return reply
 
     async def _start(self, room: DecodeRoom) -> None:
         try:
@@ -275,8 +295,11 @@ class DecodeSide:
                                   dst=tuple(PoolIndices(p, tuple(int(i) for i in idx))
                                             for p, idx in room.dst.items()),
                                   src_ranks=tuple(room.sources))
+        writers = self._bell_writers(room, instance)
         for peer in instance.peers.values():
-            await peer.channel.send(request)
+            writer = writers.get(peer.rank_id)
+            await peer.channel.send(request if writer is None else
+                                    dataclasses.replace(request, doorbell=(*room.bell, writer)))
         room.advance(RoomStatus.WAITING_FOR_INPUT, time.monotonic() + self.config.waiting_timeout_s)
 
     def _on_room_message(self, peer: PrefillPeer, message) -> None:
@@ -302,11 +325,47 @@ class DecodeSide:
     def _source_done(self, room: DecodeRoom, rank_id: str) -> None:
         room.done_from.add(rank_id)
         if room.done_from >= set(room.sources):
-            room.advance(RoomStatus.SUCCESS)
-            self.sidecar.dataplane.forget(room.room)  # tcp: its later chunks are refused
-            room.drained.set()
-            for source in room.sources:
-                self.sidecar.observe.transfer_done(source, 0, 0, time.monotonic() - room.created_s)
+            self._succeed(room)
+
+    def _succeed(self, room: DecodeRoom) -> None:
+        if room.terminal:
+            return
+        room.advance(RoomStatus.SUCCESS)
+        self.sidecar.dataplane.forget(room.room)  # tcp: its later chunks are refused
+        room.drained.set()
+        for source in room.sources:
+            self.sidecar.observe.transfer_done(source, 0, 0, time.monotonic() - room.created_s)
+
+    # -- doorbells ------------------------------------------------------------------
+    def _bell_writers(self, room: DecodeRoom, instance: PrefillInstance) -> dict[str, int]:
+        """``{rank id: writer number}`` when every source of ``room`` rings its doorbell;
+        otherwise none, and the slot is closed (the worker then asks this sidecar)."""
+        if room.bell is None:
+            return {}
+        peers = [instance.peers.get(rank) for rank in room.sources]
+        if not 0 < len(peers) <= MAX_WRITERS or \
+                not all(p is not None and p.rings and p.integrity is None for p in peers):
+            self.bells.close_slot(*room.bell)
+            return {}
+        self.bells.set_writers(*room.bell, len(peers))
+        return {rank: k for k, rank in enumerate(room.sources)}
+
+    def check_bell(self, room: Room) -> None:
+        """A poll or wait of the worker: a room every writer rang has succeeded, Done or not."""
+        if isinstance(room, DecodeRoom) and room.bell is not None and not room.terminal \
+                and self.bells.rung(*room.bell):
+            self._succeed(room)
+
+    def _close_bell(self, room: Room) -> None:
+        if room.status is RoomStatus.SUCCESS and self.bells.rung(*room.bell):
+            return  # the worker sees the ring itself
+        self.bells.close_slot(*room.bell)
+
+    def close(self) -> None:
+        if self.bells is not None:
+            self.bells.segment.unlink()
+            self.bells.close()
+            self.bells = None
 
     async def _verify(self, room: DecodeRoom, peer: PrefillPeer, message: Done) -> None:
         """Count a source done only once what it wrote matches its checksums."""
@@ -321,6 +380,11 @@ class DecodeSide:
                    f"room {room.room}: integrity mismatch in what {peer.rank_id} wrote: {problem}")
 
     def _fail(self, room: DecodeRoom, reason: Reason, text: str, *, drained: bool = False) -> None:
+        if room.bell is not None and not room.terminal and self.bells.close_slot(*room.bell):
+            # every writer rang before this verdict: the bytes landed, and the worker
+            # may have been told so already
+            self._succeed(room)
+            return
         if not room.fail(reason, text):
             return
         log.warning("decode: %s", text,
@@ -383,3 +447,14 @@ class DecodeSide:
             if isinstance(room, DecodeRoom) and room.instance is instance and peer.rank_id in room.sources:
                 # not counted as drained: a silent peer might still write (fail closed)
                 self._fail(room, Reason.PEER_LOST, f"room {room.room}: {text}")
+
+
+def _doorbells(config) -> Doorbells | None:
+    """This decode sidecar's doorbell segment (None when off or unsupported here)."""
+    if not (config.doorbell and DOORBELLS_AVAILABLE):
+        return None
+    try:
+        return Doorbells.create(config.agent_id)
+    except (OSError, PdTransferError) as err:
+        log.warning("decode: no doorbells (rooms end through messages only): %s", err)
+        return None

@@ -30,6 +30,7 @@ from pd_transfer.agent.chunks import chunk_refusal, chunk_requests
 from pd_transfer.agent.flow import peer_key, refuse_new_room, write_chunk
 from pd_transfer.agent.rooms import Room
 from pd_transfer.agent.streaming import ChunkLayers, chunk_plan, latest_streamed, span_of
+from pd_transfer.doorbell import Doorbells
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.planner import PairPlanner
@@ -64,6 +65,7 @@ class DecodePeer:
     accepted: bool = False
     features: tuple[str, ...] = ()   # decode's Hello features
     integrity: object = None         # BlockLayout when both sides check integrity
+    bells: Doorbells | None = None   # its doorbells, mapped (same host, shm)
 
     @property
     def rank_id(self) -> str:
@@ -90,6 +92,7 @@ class Target:
     layers_sent: set = field(default_factory=set)  # of the streamed chunk being written
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     sums: object = None     # RoomDigest of what was sent, when the pair checks integrity
+    bell: tuple[int, int, int] | None = None  # (slot, token, writer) to ring once all landed
 
 
 @dataclass
@@ -178,7 +181,9 @@ class PrefillSide:
             return
         dst = {d.pool: np.asarray(d.indices, dtype=np.int64) for d in message.dst}
         writes = self.sidecar.geometry.rank_id in message.src_ranks
-        room.targets[id(peer.channel)] = Target(peer, message.generation, dst, writes=writes)
+        room.targets[id(peer.channel)] = Target(
+            peer, message.generation, dst, writes=writes,
+            bell=message.doorbell if writes and peer.bells is not None else None)
         # every rank of the decode instance (PP 1) sends each room's request to every prefill rank
         room.expected_targets = max(room.expected_targets, peer.register.geometry.tp_size)
         if room.terminal:
@@ -255,6 +260,9 @@ class PrefillSide:
             if room.last_received and target.chunks_done == len(room.chunks) and not target.done \
                     and not target.failed and not room.terminal:
                 target.done = target.succeeded = True
+                bells = target.peer.bells
+                if target.bell is not None and bells is not None:
+                    bells.ring(*target.bell)  # the worker learns it here, Done tells its sidecar
                 await self.send_quietly(target, Done(room=room.room, generation=target.generation,
                                               status=DoneStatus.SUCCESS,
                                               checksums=integrity.checksums(target)))
@@ -347,8 +355,11 @@ class PrefillSide:
                  if isinstance(room, PrefillRoom) and id(channel) in room.targets]
         if peer is not None and peer.link is not None:
             link, peer.link = peer.link, None
-            asyncio.create_task(self._close_link(link, fails))
+            asyncio.create_task(self._close_link(link, fails, peer))
 
-    async def _close_link(self, link, fails: list[asyncio.Task]) -> None:
+    async def _close_link(self, link, fails: list[asyncio.Task], peer: DecodePeer) -> None:
         await asyncio.gather(*fails, return_exceptions=True)
+        if peer.bells is not None:  # no write of its rooms is left to ring
+            bells, peer.bells = peer.bells, None
+            bells.close()
         await self.sidecar.dataplane.release(link)

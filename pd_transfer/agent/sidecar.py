@@ -118,6 +118,8 @@ class Sidecar:
             if self.bootstrap_server:
                 self.bootstrap_server.close()
             await _bounded(self.dataplane.close(), "closing the data plane")
+            if self.config.role is Role.DECODE:
+                self.side.close()
             self.context.destroy(linger=0)
             log.info("sidecar %s stopped", self.config.agent_id)
 
@@ -156,9 +158,12 @@ class Sidecar:
             raise PdTransferError("the worker has not registered its pools yet",
                                   code=Reason.NOT_REGISTERED)
         if op is WorkerOp.POLL:
-            return self._room(request["room"]).reply()
+            room = self._room(request["room"])
+            self._check_bell(room)
+            return room.reply()
         if op is WorkerOp.WAIT:
             room = self._room(request["room"])
+            self._check_bell(room)
             await room.wait(float(request["timeout_s"]))
             return room.reply()
         if op is WorkerOp.ABORT:
@@ -179,6 +184,10 @@ class Sidecar:
             return await self.side.on_layer_ready(request)
         raise PdTransferError(f"{op.value} is not available on a {self.config.role.value} sidecar",
                               code=Reason.BAD_FRAME)
+
+    def _check_bell(self, room) -> None:
+        if self.config.role is Role.DECODE:
+            self.side.check_bell(room)
 
     def _room(self, room_id: int):
         room = self.rooms.get(room_id)

@@ -27,7 +27,9 @@ import zmq
 
 from pd_transfer.client import auth, wire
 from pd_transfer.client.errors import ClientClosed, ReplyTimeout
-from pd_transfer.client.status import RoomState
+from pd_transfer.client.bells import RoomBells
+from pd_transfer.client.status import RoomState, RoomStatus
+from pd_transfer.doorbell import Outcome
 from pd_transfer.errors import AuthError, Reason
 from pd_transfer.layout.geometry import RankGeometry
 from pd_transfer.protocol.worker_api import encode
@@ -62,6 +64,7 @@ class Client:
         self._connect()
         self._next_id = 1
         self._closed = False
+        self._bells = RoomBells()
 
     # -- calls ----------------------------------------------------------------------
     def register(self, geometry: RankGeometry, handles: Mapping[str, str], *,
@@ -102,8 +105,9 @@ class Client:
         (``tcp://host:port``). The pages must stay reserved until the room is
         terminal, or until :meth:`abort` returns True.
         """
-        self._call(wire.expect_request(room, bootstrap_addr, pages, state_slots=state_slots,
-                                       aux_row=aux_row, swa_pages=swa_pages))
+        reply = self._call(wire.expect_request(room, bootstrap_addr, pages, state_slots=state_slots,
+                                               aux_row=aux_row, swa_pages=swa_pages))
+        self._bells.note(room, reply)
 
     def layer_ready(self, room: int, layer_id: int) -> None:
         """Prefill, streaming: layer ``layer_id`` of ``room``'s latest streamed chunk is written.
@@ -116,17 +120,34 @@ class Client:
     def poll(self, room: int) -> RoomState:
         """The room's current status, without waiting for it to change."""
         request = wire.poll_request(room)
-        return wire.room_state(request["op"], self._call(request))
+        return self._seen(room, wire.room_state(request["op"], self._call(request)))
 
     def wait(self, room: int, timeout_s: float) -> RoomState:
-        """Block until ``room`` is terminal or ``timeout_s`` passes; the status either way."""
+        """Block until ``room`` is terminal or ``timeout_s`` passes; the status either way.
+
+        A room with a doorbell (same host, see :mod:`pd_transfer.client.bells`)
+        is waited for on it first: Success then comes without a message.
+        """
+        wire.wait_request(room, timeout_s)  # the arguments checked before any sleep
+        deadline = time.monotonic() + timeout_s
+        outcome = self._bells.wait(room, timeout_s)
+        if outcome is Outcome.RUNG:
+            return RoomState(RoomStatus.SUCCESS)
+        if outcome is not None:  # closed or timed out: the sidecar has the rest of the time
+            timeout_s = max(0.0, deadline - time.monotonic())
         request = wire.wait_request(room, timeout_s)
         reply = self._call(request, timeout_s=timeout_s + self.timeout_s)
-        return wire.room_state(request["op"], reply)
+        return self._seen(room, wire.room_state(request["op"], reply))
+
+    def _seen(self, room: int, state: RoomState) -> RoomState:
+        if state.is_terminal:
+            self._bells.forget(room)
+        return state
 
     def abort(self, room: int) -> bool:
         """Abort ``room``. True (drained): no write can land any more, the pages are free."""
         request = wire.abort_request(room)
+        self._bells.forget(room)
         return wire.drained(request["op"], self._call(request))
 
     # -- lifecycle --------------------------------------------------------------------
@@ -135,6 +156,7 @@ class Client:
         if not self._closed:
             self._closed = True
             self._socket.close(linger=0)
+            self._bells.close()
 
     def __enter__(self) -> Client:
         return self

@@ -101,6 +101,9 @@ class Register(Message):
     addresses of the registered regions (``transport/engine_address.py``);
     ``region_handles`` let a writer on the same host (``host_id``) map the
     regions directly. Both optional (added in 1.0, before any release).
+    ``doorbell`` (decode, optional, same release): the shared-memory segment
+    of its doorbells (:mod:`pd_transfer.doorbell`), which a writer on the same
+    host rings when a room's bytes have landed.
     """
 
     TAG: ClassVar[str] = "register"
@@ -109,6 +112,7 @@ class Register(Message):
     geometry: RankGeometry
     data_address: str = ""
     region_handles: tuple[RegionHandle, ...] = ()
+    doorbell: str = ""
 
 
 @dataclass(frozen=True)
@@ -168,6 +172,8 @@ class Verdict(Message):
     # True: both sides enabled integrity, every successful Done carries checksums
     # (added in 1.0, before any release)
     integrity: bool = False
+    # True: prefill mapped decode's doorbells and rings them (same host, shm; same release)
+    doorbell: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,6 +212,9 @@ class TransferRequest(Message):
 
     ``src_ranks`` lists every prefill rank id (``prefill[pp0,tp1]``) decode
     expects a Done from for this room, so a prefill rank knows its peers.
+    ``doorbell`` ``(slot, token, writer)``: ring that doorbell as writer
+    number ``writer`` once every byte of the room has landed, before Done
+    (optional; only to a rank whose Verdict said it rings).
     """
 
     TAG: ClassVar[str] = "transfer_request"
@@ -213,6 +222,7 @@ class TransferRequest(Message):
     generation: int
     dst: tuple[PoolIndices, ...]
     src_ranks: tuple[str, ...] = ()
+    doorbell: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -68,6 +68,7 @@ from pd_transfer.protocol.messages import (
 )
 
 U64 = Int(hi=2**64 - 1)
+U32 = Int(hi=2**32 - 1)
 ID = Str(max_len=256, min_len=1)
 TEXT = Str(max_len=MAX_TEXT_LEN)
 NAMES = ListOf(Str(max_len=64, min_len=1), 64)
@@ -169,6 +170,7 @@ RECORDS: dict[type[Message], Record] = {
         # tcp://host:port, or an engine's address with its region table (engine_address.py)
         Field("data_address", Str(max_len=8192), default=""),
         Field("region_handles", ListOf(REGION_HANDLE, 65536), default=()),
+        Field("doorbell", Str(max_len=256), default=""),
     )),
     Verdict: Record(Verdict, (
         Field("accepted", Bool()),
@@ -176,11 +178,13 @@ RECORDS: dict[type[Message], Record] = {
         Field("headline", TEXT, default=""),
         Field("mismatches", ListOf(MISMATCH, 4096), default=()),
         Field("integrity", Bool(), default=False),
+        Field("doorbell", Bool(), default=False),
     ), finish=_check_verdict),
     TransferRequest: Record(TransferRequest, (
         *_ROOM,
         Field("dst", ListOf(POOL_INDICES, 8)),
         Field("src_ranks", ListOf(ID, 4096), default=()),
+        Field("doorbell", Optional(TupleOf((U32, U32, Int(hi=255)))), default=None),
     ), finish=_check_request),
     Progress: Record(Progress, (
         *_ROOM, Field("done_nbytes", U64), Field("total_nbytes", U64),

@@ -60,7 +60,8 @@ def register_with_handles() -> Register:
     g = geometry(Role.DECODE)
     return Register(agent_id="decode-0", host_id="host-a", geometry=g,
                     data_address="tcp://127.0.0.1:5601",
-                    region_handles=tuple(RegionHandle(r.id, f"pdt-w0-{i}") for i, r in enumerate(g.regions)))
+                    region_handles=tuple(RegionHandle(r.id, f"pdt-w0-{i}") for i, r in enumerate(g.regions)),
+                    doorbell="pdt-decode-0-doorbells-1f0c2a9b7d3e")
 
 
 def rank_entry() -> RankEntry:
@@ -78,7 +79,7 @@ ACCEPTED = Verdict(accepted=True, plan=(
              strategy="staged"),
     PoolPlan(Pool.AUX, Mode.REPLICATED, num_tensors=3, descriptors_per_item=1, nbytes_per_item=136),
 ))
-ACCEPTED_CHECKED = Verdict(accepted=True, plan=ACCEPTED.plan, integrity=True)
+ACCEPTED_CHECKED = Verdict(accepted=True, plan=ACCEPTED.plan, integrity=True, doorbell=True)
 REJECTED = Verdict(accepted=False, headline="cannot reconcile prefill (attn_tp=1) with decode (attn_tp=1)",
                    mismatches=(MismatchRecord("kv.layer[3].k.dtype", Reason.DTYPE_MISMATCH,
                                               "bfloat16", "float8_e4m3fn", "use one kv dtype"),))
@@ -87,7 +88,7 @@ REJECTED = Verdict(accepted=False, headline="cannot reconcile prefill (attn_tp=1
 def transfer_request(room: int = ROOM, generation: int = GENERATION) -> TransferRequest:
     return TransferRequest(room=room, generation=generation,
                            dst=(PoolIndices(Pool.KV, (0, 1)), PoolIndices(Pool.AUX, (5,))),
-                           src_ranks=("prefill[pp0,tp0]",))
+                           src_ranks=("prefill[pp0,tp0]",), doorbell=(17, 4_000_000_000, 1))
 
 
 def progress(room: int = ROOM, generation: int = GENERATION) -> Progress:

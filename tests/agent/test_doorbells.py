@@ -1,0 +1,73 @@
+"""Same-host rooms end through the decode sidecar's doorbells, and both sides agree.
+
+The decode sidecar is stopped (SIGSTOP) once the room's requests went out:
+the decode worker's ``wait`` can then only learn of the room's end from the
+doorbell the prefill sidecar rings, never from its own sidecar.
+"""
+
+import signal
+import time
+
+import numpy as np
+import pytest
+from cluster import random_requests, small_instances
+
+from pd_transfer import doorbell
+from pd_transfer.client import RoomStatus
+from pd_transfer.errors import Reason
+
+pytestmark = pytest.mark.skipif(not doorbell.AVAILABLE, reason="doorbells need Linux on x86-64")
+
+
+def _until(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("model,tp_src,tp_dst", [("llama-3.1-8b", 1, 1), ("llama-3.1-8b", 4, 2)])
+def test_the_worker_learns_of_landed_bytes_while_its_sidecar_is_stopped(cluster_factory, model,
+                                                                        tp_src, tp_dst):
+    prefill, decode = small_instances(model, tp_src, tp_dst)   # 4 -> 2: two writers a room
+    cluster = cluster_factory(prefill, decode)
+    requests = random_requests(prefill, decode, np.random.default_rng(5), pages=3)
+    cluster.expect(21, requests)
+    for g in decode:
+        client = cluster.clients[g.rank_id]
+        _until(lambda c=client: c.poll(21).status is RoomStatus.WAITING_FOR_INPUT)
+    stopped = [cluster.sidecars[g.rank_id].proc for g in decode]
+    for proc in stopped:
+        proc.send_signal(signal.SIGSTOP)
+    try:
+        cluster.send(21, requests)
+        states = cluster.wait_decode(21, timeout_s=15)
+    finally:
+        for proc in stopped:
+            proc.send_signal(signal.SIGCONT)
+    assert all(s.status is RoomStatus.SUCCESS for s in states.values()), (states, cluster.logs())
+    assert cluster.verify(requests) == []
+    for g in decode:  # its sidecar, running again, tells the same
+        assert cluster.clients[g.rank_id].poll(21).status is RoomStatus.SUCCESS
+
+
+def test_a_room_without_doorbells_ends_through_messages(cluster_factory):
+    prefill, decode = small_instances("llama-3.1-8b", 2, 4)
+    cluster = cluster_factory(prefill, decode, decode_config={"doorbell": False})
+    requests = random_requests(prefill, decode, np.random.default_rng(6), pages=3)
+    cluster.expect(22, requests)
+    cluster.send(22, requests)
+    states = cluster.wait_decode(22)
+    assert all(s.status is RoomStatus.SUCCESS for s in states.values()), (states, cluster.logs())
+    assert cluster.verify(requests) == []
+
+
+def test_a_failed_room_wakes_the_waiting_worker_with_its_reason(cluster_factory):
+    prefill, decode = small_instances("llama-3.1-8b", 1, 1)
+    cluster = cluster_factory(prefill, decode, config={"waiting_timeout_s": 1.0})
+    requests = random_requests(prefill, decode, np.random.default_rng(7), pages=2)
+    cluster.expect(23, requests)   # prefill never sends: the room times out waiting for input
+    started = time.monotonic()
+    state = cluster.clients[decode[0].rank_id].wait(23, 30)
+    assert state.status is RoomStatus.FAILED and state.code is Reason.TIMEOUT, state
+    assert time.monotonic() - started < 10
