@@ -89,6 +89,11 @@ class SidecarMetrics:
             "strategy in use (direct: a descriptor per run; staged: runs gathered into bulk "
             "transfers and scattered on arrival), 0 for the other.",
             ["role", "peer", "pool", "strategy"], registry=r)
+        self.doorbells = Counter(
+            "pd_transfer_doorbells", "Same-host rooms and their doorbells. Prefill: rang (its bytes "
+            "of a room landed), stale (the slot had moved on). Decode, when a room ends: rung (every "
+            "writer rang, the worker needed no message), closed (this sidecar ended it: failed, or "
+            "not every writer rings).", ["role", "event"], registry=r)
         self.aborts = Counter("pd_transfer_aborts", "Aborts by side that started them and reason.",
                               ["role", "side", "reason"], registry=r)
         self.heartbeat_misses = Counter("pd_transfer_heartbeat_misses",
@@ -114,7 +119,7 @@ METRIC_NAMES = (
     "pd_transfer_admission_waiting", "pd_transfer_admission_wait_seconds",
     "pd_transfer_limit_rejections_total", "pd_transfer_peers", "pd_transfer_peer_heartbeat_age_seconds",
     "pd_transfer_verdicts_total", "pd_transfer_verdict_tensors_total", "pd_transfer_strategy",
-    "pd_transfer_aborts_total",
+    "pd_transfer_doorbells_total", "pd_transfer_aborts_total",
     "pd_transfer_heartbeat_misses_total", "pd_transfer_bad_frames_total",
     "pd_transfer_auth_failures_total", "pd_transfer_build_info",
 )

@@ -358,8 +358,10 @@ class DecodeSide:
 
     def _close_bell(self, room: Room) -> None:
         if room.status is RoomStatus.SUCCESS and self.bells.rung(*room.bell):
-            return  # the worker sees the ring itself
+            self.sidecar.observe.doorbell("rung")  # the worker sees the ring itself
+            return
         self.bells.close_slot(*room.bell)
+        self.sidecar.observe.doorbell("closed")
 
     def close(self) -> None:
         if self.bells is not None:

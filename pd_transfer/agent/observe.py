@@ -106,6 +106,9 @@ class Observer:
                                       "failed").inc()
         self.metrics.failures.labels(self.role, peer, reason).inc()
 
+    def doorbell(self, event: str) -> None:
+        self.metrics.doorbells.labels(self.role, event).inc()
+
     def abort(self, side: str, reason: str) -> None:
         self.metrics.aborts.labels(self.role, side, reason).inc()
 

@@ -262,7 +262,8 @@ class PrefillSide:
                 target.done = target.succeeded = True
                 bells = target.peer.bells
                 if target.bell is not None and bells is not None:
-                    bells.ring(*target.bell)  # the worker learns it here, Done tells its sidecar
+                    # the worker learns it here, Done tells its sidecar
+                    self.sidecar.observe.doorbell("rang" if bells.ring(*target.bell) else "stale")
                 await self.send_quietly(target, Done(room=room.room, generation=target.generation,
                                               status=DoneStatus.SUCCESS,
                                               checksums=integrity.checksums(target)))

@@ -7,7 +7,9 @@ does not come within its timeout raises :class:`ReplyTimeout`; its late reply
 is dropped by id. With a shared secret, the first call runs the
 authentication handshake (once, however many calls start together).
 
-Uses ``zmq.asyncio`` on the running event loop; no threads.
+Uses ``zmq.asyncio`` on the running event loop; no threads. So ``wait`` always
+asks the sidecar, doorbell or not (sleeping on a doorbell's futex would take
+a thread per waiting room; see :mod:`pd_transfer.client.bells`).
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ the kernel). A reply that arrives after its call timed out is recognised by
 its id and dropped, so a timeout never shifts later replies onto the wrong
 call.
 
+``wait`` on a room with a doorbell (same host, see
+:mod:`pd_transfer.client.bells`) sleeps on its futex word first, and returns
+Success without a message when every source rang it.
+
 With a shared secret (see :mod:`pd_transfer.client.auth`) the first call
 runs the authentication handshake before its request, within the call's
 timeout; a failed handshake raises :class:`AuthFailed`.
@@ -118,8 +122,11 @@ class Client:
         self._call(wire.layer_ready_request(room, layer_id))
 
     def poll(self, room: int) -> RoomState:
-        """The room's current status, without waiting for it to change."""
+        """The room's current status, without waiting for it to change (a rung
+        doorbell answers without a message)."""
         request = wire.poll_request(room)
+        if self._bells.wait(room, 0.0) is Outcome.RUNG:
+            return RoomState(RoomStatus.SUCCESS)
         return self._seen(room, wire.room_state(request["op"], self._call(request)))
 
     def wait(self, room: int, timeout_s: float) -> RoomState:

@@ -26,9 +26,11 @@ def _until(predicate, timeout_s: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-@pytest.mark.parametrize("model,tp_src,tp_dst", [("llama-3.1-8b", 1, 1), ("llama-3.1-8b", 4, 2)])
+@pytest.mark.parametrize("model,tp_src,tp_dst,call", [("llama-3.1-8b", 1, 1, "wait"),
+                                                      ("llama-3.1-8b", 4, 2, "wait"),
+                                                      ("llama-3.1-8b", 4, 2, "poll")])
 def test_the_worker_learns_of_landed_bytes_while_its_sidecar_is_stopped(cluster_factory, model,
-                                                                        tp_src, tp_dst):
+                                                                        tp_src, tp_dst, call):
     prefill, decode = small_instances(model, tp_src, tp_dst)   # 4 -> 2: two writers a room
     cluster = cluster_factory(prefill, decode)
     requests = random_requests(prefill, decode, np.random.default_rng(5), pages=3)
@@ -41,14 +43,31 @@ def test_the_worker_learns_of_landed_bytes_while_its_sidecar_is_stopped(cluster_
         proc.send_signal(signal.SIGSTOP)
     try:
         cluster.send(21, requests)
-        states = cluster.wait_decode(21, timeout_s=15)
+        if call == "wait":
+            states = cluster.wait_decode(21, timeout_s=15)
+        else:  # prefill finished (rang, then Done): a poll answers from the doorbell, where
+            # asking the stopped sidecar would time out
+            for g in prefill:
+                assert cluster.clients[g.rank_id].wait(21, 15).status is RoomStatus.SUCCESS
+            states = {g.rank_id: cluster.clients[g.rank_id].poll(21) for g in decode}
     finally:
         for proc in stopped:
             proc.send_signal(signal.SIGCONT)
     assert all(s.status is RoomStatus.SUCCESS for s in states.values()), (states, cluster.logs())
     assert cluster.verify(requests) == []
-    for g in decode:  # its sidecar, running again, tells the same
+    for g in decode:  # its sidecar, running again, tells the same, and counts the ring
         assert cluster.clients[g.rank_id].poll(21).status is RoomStatus.SUCCESS
+        assert _count(cluster, g.rank_id, "decode", "rung") == 1
+    for g in prefill:  # 1 -> 1 and 4 -> 2: every prefill rank writes one decode rank
+        assert _count(cluster, g.rank_id, "prefill", "rang") == 1
+
+
+def _count(cluster, rank_id: str, role: str, event: str) -> float:
+    status, text = cluster.http(rank_id, "/metrics")
+    assert status == 200
+    line = f'pd_transfer_doorbells_total{{event="{event}",role="{role}"}} '
+    values = [float(x.split()[-1]) for x in text.splitlines() if x.startswith(line)]
+    return values[0] if values else 0.0
 
 
 def test_a_room_without_doorbells_ends_through_messages(cluster_factory):
@@ -71,3 +90,4 @@ def test_a_failed_room_wakes_the_waiting_worker_with_its_reason(cluster_factory)
     state = cluster.clients[decode[0].rank_id].wait(23, 30)
     assert state.status is RoomStatus.FAILED and state.code is Reason.TIMEOUT, state
     assert time.monotonic() - started < 10
+    assert _count(cluster, decode[0].rank_id, "decode", "closed") == 1
