@@ -18,6 +18,10 @@ sidecars of that host map. A slot holds 32-bit words:
 - one word per writer, which that writer sets to the token once all of its
   bytes for the room have landed.
 
+Slot 0 is never armed: its ``bell`` moves with every other slot's, so that
+one thread can sleep on all the rooms of a segment at once (the asyncio
+client's watcher).
+
 The room succeeded, as far as the doorbell tells, when every writer word
 holds the token and ``closed`` does not: the worker reads the writer words
 first and ``closed`` second, and the sidecar stores ``closed`` first and
@@ -43,7 +47,6 @@ import os
 import platform
 import secrets
 import sys
-import threading
 import time
 
 import numpy as np
@@ -91,7 +94,6 @@ class Outcome(enum.Enum):
     RUNG = "rung"          # every writer's bytes landed: the room succeeded
     CLOSED = "closed"      # the sidecar decided first (or the slot moved on): ask it
     TIMEOUT = "timeout"    # nothing within the time given
-    CANCELLED = "cancelled"
 
 
 class Doorbells:
@@ -128,7 +130,7 @@ class Doorbells:
         """A fresh ``(slot, token)`` for a new room, its words cleared."""
         token = self._next
         self._next = token % _TOKEN_MASK + 1
-        slot = token % self.slots
+        slot = 1 + token % (self.slots - 1)   # slot 0: the segment's own bell
         words = self.words[slot]
         words[_OWNER] = 0           # a writer still ringing an older room finds no owner
         words[_CLOSED:] = 0
@@ -167,50 +169,62 @@ class Doorbells:
 
         False (nothing written) when the slot is out of range or no longer
         armed for ``token``; the decode sidecar's Done path then ends the room."""
-        if not (0 <= slot < self.slots and 0 <= writer < MAX_WRITERS) \
+        if not (0 < slot < self.slots and 0 <= writer < MAX_WRITERS) \
                 or int(self.words[slot, _OWNER]) != token:
             return False
-        self._bump(slot)            # a barrier: the room's bytes before the word below
+        self._bump(slot, everyone=False)  # a barrier: the room's bytes before the word below
         self.words[slot, _FIRST + writer] = token
         self._bump(slot)
         return True
 
     # -- the decode worker ---------------------------------------------------------------
-    def wait(self, slot: int, token: int, timeout_s: float,
-             cancelled: threading.Event | None = None) -> Outcome:
+    def wait(self, slot: int, token: int, timeout_s: float) -> Outcome:
         """Sleep until the room armed as ``(slot, token)`` is rung or closed, at most ``timeout_s``."""
         deadline = time.monotonic() + max(0.0, timeout_s)
-        words = self.words[slot]
-        address = ctypes.c_void_p(self._base + slot * SLOT_WORDS * 4)
         while True:
-            bell = int(words[_BELL])
-            if int(words[_OWNER]) != token:
-                return Outcome.CLOSED
-            if self.rung(slot, token) and int(words[_CLOSED]) != token:
-                return Outcome.RUNG
-            if int(words[_CLOSED]) == token:
-                return Outcome.CLOSED
-            if cancelled is not None and cancelled.is_set():
-                return Outcome.CANCELLED
+            bell = self.bell(slot)
+            outcome = self.peek(slot, token)
+            if outcome is not None:
+                return outcome
             left = deadline - time.monotonic()
             if left <= 0:
                 return Outcome.TIMEOUT
-            spec = _Timespec(int(left), int((left % 1.0) * 1e9))
-            if _syscall(_SYS_FUTEX, address, _FUTEX_WAIT, ctypes.c_long(bell),
-                        ctypes.byref(spec), None, ctypes.c_long(0)) < 0:
-                code = ctypes.get_errno()
-                if code not in (errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT):
-                    raise OSError(code, os.strerror(code))
+            self.sleep(slot, bell, left)
+
+    def peek(self, slot: int, token: int) -> Outcome | None:
+        """RUNG or CLOSED as :meth:`wait` would return them, or None (not yet); no sleep."""
+        words = self.words[slot]
+        if int(words[_OWNER]) != token:
+            return Outcome.CLOSED
+        if self.rung(slot, token) and int(words[_CLOSED]) != token:  # writers first, then closed
+            return Outcome.RUNG
+        return Outcome.CLOSED if int(words[_CLOSED]) == token else None
+
+    def bell(self, slot: int = 0) -> int:
+        """The bell counter of ``slot`` (0: the whole segment's); read it before looking."""
+        return int(self.words[slot, _BELL])
+
+    def sleep(self, slot: int, bell: int, timeout_s: float) -> None:
+        """Sleep until ``slot``'s bell (0: any) moves on from ``bell``, at most ``timeout_s``."""
+        address = ctypes.c_void_p(self._base + slot * SLOT_WORDS * 4)
+        spec = _Timespec(int(timeout_s), int((timeout_s % 1.0) * 1e9))
+        if _syscall(_SYS_FUTEX, address, _FUTEX_WAIT, ctypes.c_long(bell),
+                    ctypes.byref(spec), None, ctypes.c_long(0)) < 0:
+            code = ctypes.get_errno()
+            if code not in (errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT):
+                raise OSError(code, os.strerror(code))
 
     def interrupt(self, slot: int) -> None:
-        """Wake every waiter of ``slot`` (a cancelled wait's thread), changing nothing else."""
+        """Wake every waiter of ``slot`` (0: of the segment), changing nothing else."""
         self._bump(slot)
 
-    def _bump(self, slot: int) -> None:
-        address = ctypes.c_void_p(self._base + slot * SLOT_WORDS * 4)
-        if _syscall(_SYS_FUTEX, address, _FUTEX_WAKE_OP, _WAKE_ALL, None, address, _ADD_ONE) < 0:
-            code = ctypes.get_errno()
-            raise OSError(code, f"futex wake: {os.strerror(code)}")
+    def _bump(self, slot: int, *, everyone: bool = True) -> None:
+        for target in (slot, 0) if everyone and slot else (slot,):
+            address = ctypes.c_void_p(self._base + target * SLOT_WORDS * 4)
+            if _syscall(_SYS_FUTEX, address, _FUTEX_WAKE_OP, _WAKE_ALL, None, address,
+                        _ADD_ONE) < 0:
+                code = ctypes.get_errno()
+                raise OSError(code, f"futex wake: {os.strerror(code)}")
 
 
 __all__ = ["AVAILABLE", "DEFAULT_SLOTS", "MAX_WRITERS", "Doorbells", "Outcome"]

@@ -7,9 +7,9 @@ does not come within its timeout raises :class:`ReplyTimeout`; its late reply
 is dropped by id. With a shared secret, the first call runs the
 authentication handshake (once, however many calls start together).
 
-Uses ``zmq.asyncio`` on the running event loop; no threads. So ``wait`` always
-asks the sidecar, doorbell or not (sleeping on a doorbell's futex would take
-a thread per waiting room; see :mod:`pd_transfer.client.bells`).
+Uses ``zmq.asyncio`` on the running event loop. The one thread: a room with
+a doorbell (same host) is awaited through a watcher thread per doorbell
+segment that sleeps on all of them at once (:mod:`pd_transfer.client.bells`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,8 +26,10 @@ import zmq.asyncio
 
 from pd_transfer.client import auth, wire
 from pd_transfer.client.errors import ClientClosed, ReplyTimeout
-from pd_transfer.client.status import RoomState
+from pd_transfer.client.bells import RoomBells
+from pd_transfer.client.status import RoomState, RoomStatus
 from pd_transfer.client.sync import DEFAULT_TIMEOUT_S
+from pd_transfer.doorbell import Outcome
 from pd_transfer.errors import AuthError, Reason
 from pd_transfer.layout.geometry import RankGeometry
 from pd_transfer.protocol.worker_api import encode
@@ -60,6 +63,7 @@ class AsyncClient:
         self._pending: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
         self._closed = False
+        self._bells = RoomBells()
 
     # -- calls ----------------------------------------------------------------------
     async def register(self, geometry: RankGeometry, handles: Mapping[str, str], *,
@@ -81,24 +85,41 @@ class AsyncClient:
 
     async def expect(self, room: int, bootstrap_addr: str, pages, *, state_slots=(),
                      aux_row: int | None = None, swa_pages=()) -> None:
-        await self._call(wire.expect_request(room, bootstrap_addr, pages, state_slots=state_slots,
-                                             aux_row=aux_row, swa_pages=swa_pages))
+        reply = await self._call(wire.expect_request(room, bootstrap_addr, pages,
+                                                     state_slots=state_slots, aux_row=aux_row,
+                                                     swa_pages=swa_pages))
+        self._bells.note(room, reply)
 
     async def layer_ready(self, room: int, layer_id: int) -> None:
         await self._call(wire.layer_ready_request(room, layer_id))
 
     async def poll(self, room: int) -> RoomState:
         request = wire.poll_request(room)
-        return wire.room_state(request["op"], await self._call(request))
+        if self._bells.wait(room, 0.0) is Outcome.RUNG:
+            return RoomState(RoomStatus.SUCCESS)
+        return self._seen(room, wire.room_state(request["op"], await self._call(request)))
 
     async def wait(self, room: int, timeout_s: float) -> RoomState:
+        wire.wait_request(room, timeout_s)  # the arguments checked before any sleep
+        deadline = time.monotonic() + timeout_s
+        outcome = await self._bells.wait_async(room, timeout_s)
+        if outcome is Outcome.RUNG:
+            return RoomState(RoomStatus.SUCCESS)
+        if outcome is not None:  # closed or timed out: the sidecar has the rest of the time
+            timeout_s = max(0.0, deadline - time.monotonic())
         request = wire.wait_request(room, timeout_s)
         reply = await self._call(request, timeout_s=timeout_s + self.timeout_s)
-        return wire.room_state(request["op"], reply)
+        return self._seen(room, wire.room_state(request["op"], reply))
 
     async def abort(self, room: int) -> bool:
         request = wire.abort_request(room)
+        self._bells.forget(room)
         return wire.drained(request["op"], await self._call(request))
+
+    def _seen(self, room: int, state: RoomState) -> RoomState:
+        if state.is_terminal:
+            self._bells.forget(room)
+        return state
 
     # -- lifecycle --------------------------------------------------------------------
     def close(self) -> None:
@@ -113,6 +134,7 @@ class AsyncClient:
                 future.set_exception(ClientClosed(f"call {request_id}"))
         self._pending.clear()
         self._socket.close(linger=0)
+        self._bells.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self

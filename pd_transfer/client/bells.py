@@ -8,11 +8,18 @@ room has landed: ``wait`` returns Success without a message. Anything else
 or the room has no doorbell) goes to the sidecar as before, which then
 answers at once or waits out what is left of the timeout.
 
-No asyncio, no zmq: used by both clients.
+The blocking client sleeps on the room's slot in the calling thread. The
+asyncio client cannot spend a thread per waiting room: one watcher thread per
+segment sleeps on the segment's own bell (slot 0, which moves with every
+slot), looks at the rooms awaited when it moves, and settles their futures
+on their event loop.
+
+No zmq; asyncio only for the futures the watcher settles.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from typing import Any
@@ -29,6 +36,7 @@ class RoomBells:
     def __init__(self) -> None:
         self._segments: dict[str, Doorbells] = {}
         self._rooms: dict[int, tuple[Doorbells, int, int]] = {}
+        self._watchers: dict[str, _Watcher] = {}
 
     def note(self, room: int, reply: dict[str, Any]) -> None:
         """Remember ``room``'s doorbell from the sidecar's ``expect`` reply (if it has one)."""
@@ -48,38 +56,112 @@ class RoomBells:
                 log.warning("room %d: cannot map the sidecar's doorbells (%s); waiting through "
                             "messages", room, err.message)
                 return
-        if not 0 <= slot < segment.slots:
+        if not 0 < slot < segment.slots:
             log.warning("room %d: doorbell slot %d out of range", room, slot)
             return
         if len(self._rooms) >= MAX_ROOMS:
             del self._rooms[next(iter(self._rooms))]
         self._rooms[room] = (segment, slot, token)
 
-    def wait(self, room: int, timeout_s: float, cancelled: threading.Event | None = None) -> Outcome | None:
+    def wait(self, room: int, timeout_s: float) -> Outcome | None:
         """Sleep on ``room``'s doorbell (None: it has none). RUNG forgets the room."""
         entry = self._rooms.get(room)
         if entry is None:
             return None
         segment, slot, token = entry
-        outcome = segment.wait(slot, token, timeout_s, cancelled)
+        outcome = segment.wait(slot, token, timeout_s)
         if outcome is Outcome.RUNG:
             self._rooms.pop(room, None)
         return outcome
 
-    def interrupt(self, room: int) -> None:
-        """Wake a thread sleeping in :meth:`wait` for ``room`` (its wait was cancelled)."""
+    async def wait_async(self, room: int, timeout_s: float) -> Outcome | None:
+        """:meth:`wait` for an event loop: the segment's watcher thread does the sleeping."""
         entry = self._rooms.get(room)
-        if entry is not None:
-            entry[0].interrupt(entry[1])
+        if entry is None:
+            return None
+        segment, slot, token = entry
+        outcome = segment.peek(slot, token)
+        if outcome is None:
+            watcher = self._watchers.get(segment.name)
+            if watcher is None:
+                watcher = self._watchers[segment.name] = _Watcher(segment)
+            future = asyncio.get_running_loop().create_future()
+            watcher.add(future, slot, token)
+            try:
+                async with asyncio.timeout(timeout_s):
+                    outcome = await future
+            except TimeoutError:
+                outcome = Outcome.TIMEOUT
+            finally:
+                watcher.remove(future)
+        if outcome is Outcome.RUNG:
+            self._rooms.pop(room, None)
+        return outcome
 
     def forget(self, room: int) -> None:
         self._rooms.pop(room, None)
 
     def close(self) -> None:
         self._rooms.clear()
+        for watcher in self._watchers.values():
+            watcher.close()
+        self._watchers.clear()
         for segment in self._segments.values():
             segment.close()
         self._segments.clear()
+
+
+class _Watcher:
+    """A thread that sleeps on one segment's bell for the futures of the rooms awaited."""
+
+    def __init__(self, segment: Doorbells) -> None:
+        self.segment = segment
+        self._lock = threading.Lock()
+        self._waits: dict[asyncio.Future, tuple[int, int, asyncio.AbstractEventLoop]] = {}
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def add(self, future: asyncio.Future, slot: int, token: int) -> None:
+        with self._lock:
+            self._waits[future] = (slot, token, future.get_loop())
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name=f"pdt-bells-{self.segment.name[-12:]}")
+                self._thread.start()
+        self.segment.interrupt(0)   # look again, with this one
+
+    def remove(self, future: asyncio.Future) -> None:
+        with self._lock:
+            self._waits.pop(future, None)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._waits.clear()
+        self.segment.interrupt(0)
+
+    def _run(self) -> None:
+        while True:
+            bell = self.segment.bell()   # before looking: a change after it ends the sleep
+            with self._lock:
+                if self._closed:
+                    return
+                waits = list(self._waits.items())
+            for future, (slot, token, loop) in waits:
+                outcome = self.segment.peek(slot, token)
+                if outcome is None:
+                    continue
+                self.remove(future)
+                try:
+                    loop.call_soon_threadsafe(_settle, future, outcome)
+                except RuntimeError:   # its loop is closed: nobody is waiting any more
+                    pass
+            self.segment.sleep(0, bell, 1.0)
+
+
+def _settle(future: asyncio.Future, outcome: Outcome) -> None:
+    if not future.done():
+        future.set_result(outcome)
 
 
 __all__ = ["RoomBells"]

@@ -5,6 +5,7 @@ the decode worker's ``wait`` can then only learn of the room's end from the
 doorbell the prefill sidecar rings, never from its own sidecar.
 """
 
+import asyncio
 import signal
 import time
 
@@ -13,8 +14,9 @@ import pytest
 from cluster import random_requests, small_instances
 
 from pd_transfer import doorbell
-from pd_transfer.client import RoomStatus
+from pd_transfer.client import AsyncClient, RoomStatus
 from pd_transfer.errors import Reason
+from pd_transfer.layout.views import Pool
 
 pytestmark = pytest.mark.skipif(not doorbell.AVAILABLE, reason="doorbells need Linux on x86-64")
 
@@ -91,3 +93,40 @@ def test_a_failed_room_wakes_the_waiting_worker_with_its_reason(cluster_factory)
     assert state.status is RoomStatus.FAILED and state.code is Reason.TIMEOUT, state
     assert time.monotonic() - started < 10
     assert _count(cluster, decode[0].rank_id, "decode", "closed") == 1
+
+
+def test_an_asyncio_worker_learns_of_landed_bytes_while_its_sidecar_is_stopped(cluster_factory):
+    prefill, decode = small_instances("llama-3.1-8b", 4, 2)
+    cluster = cluster_factory(prefill, decode)
+    requests = random_requests(prefill, decode, np.random.default_rng(8), pages=3)
+    dst = {pool: idx for pool, (_, idx) in requests.items()}
+    procs = [cluster.sidecars[g.rank_id].proc for g in decode]
+
+    async def run() -> list:
+        clients = [AsyncClient(cluster.sidecars[g.rank_id].endpoint, g.rank_id, timeout_s=20)
+                   for g in decode]
+        try:
+            for client in clients:
+                await client.expect(24, cluster.bootstrap, dst[Pool.KV],
+                                    aux_row=int(dst[Pool.AUX][0]))
+            for client in clients:
+                while (await client.poll(24)).status is not RoomStatus.WAITING_FOR_INPUT:
+                    await asyncio.sleep(0.02)
+            for proc in procs:
+                proc.send_signal(signal.SIGSTOP)
+            # many waits at once, one of them cancelled on the way: one watcher thread serves them
+            waits = [asyncio.create_task(c.wait(24, 15)) for c in clients for _ in range(3)]
+            doomed = asyncio.create_task(clients[0].wait(24, 15))
+            await asyncio.sleep(0.1)
+            doomed.cancel()
+            cluster.send(24, requests)
+            return await asyncio.gather(*waits)
+        finally:
+            for proc in procs:
+                proc.send_signal(signal.SIGCONT)
+            for client in clients:
+                client.close()
+
+    states = asyncio.run(run())
+    assert all(s.status is RoomStatus.SUCCESS for s in states), (states, cluster.logs())
+    assert cluster.verify(requests) == []
