@@ -51,6 +51,7 @@ import time
 
 import numpy as np
 
+from pd_transfer.errors import Reason, TransportError
 from pd_transfer.shm import Segment, create_segment, open_segment, segment_name
 
 SLOT_WORDS = 16                  # 64 bytes a slot
@@ -58,6 +59,7 @@ MAX_WRITERS = SLOT_WORDS - 4     # prefill ranks writing one decode rank's room
 DEFAULT_SLOTS = 4096
 _BELL, _OWNER, _CLOSED, _WRITERS, _FIRST = 0, 1, 2, 3, 4
 _TOKEN_MASK = 0xFFFF_FFFF
+_DOORBELL_NAME = "-doorbells-"
 
 # syscall(2) is variadic: every argument goes as a full 64-bit long
 _SYS_FUTEX = ctypes.c_long(202)  # x86-64
@@ -115,12 +117,19 @@ class Doorbells:
     def create(cls, owner_id: str, slots: int = DEFAULT_SLOTS) -> Doorbells:
         """A new segment for ``owner_id`` (a decode sidecar); unlink it when done."""
         name = segment_name(owner_id, f"doorbells-{os.getpid()}-{secrets.token_hex(4)}")
-        return cls(create_segment(name, slots * SLOT_WORDS * 4))
+        return cls(create_segment(name, max(2, slots) * SLOT_WORDS * 4))
 
     @classmethod
     def open(cls, name: str) -> Doorbells:
-        """Map the segment a decode sidecar published (refuses unsafe names, short files)."""
-        return cls(open_segment(name, min_nbytes=SLOT_WORDS * 4))
+        """Map the segment a decode sidecar published.
+
+        Refuses unsafe names and short files (:func:`~pd_transfer.shm.open_segment`),
+        and any name :meth:`create` would not have made: a peer must not get a
+        pool segment of some worker of this host taken for its doorbells."""
+        if not isinstance(name, str) or _DOORBELL_NAME not in name:
+            raise TransportError(f"{name!r} is not the name of a doorbell segment "
+                                 f"(no {_DOORBELL_NAME!r} in it)", code=Reason.SEGMENT_NAME_INVALID)
+        return cls(open_segment(name, min_nbytes=2 * SLOT_WORDS * 4))
 
     def close(self) -> None:
         self.segment.close()
@@ -169,7 +178,7 @@ class Doorbells:
 
         False (nothing written) when the slot is out of range or no longer
         armed for ``token``; the decode sidecar's Done path then ends the room."""
-        if not (0 < slot < self.slots and 0 <= writer < MAX_WRITERS) \
+        if not (0 < slot < self.slots and 0 <= writer < MAX_WRITERS and token > 0) \
                 or int(self.words[slot, _OWNER]) != token:
             return False
         self._bump(slot, everyone=False)  # a barrier: the room's bytes before the word below

@@ -184,7 +184,9 @@ RECORDS: dict[type[Message], Record] = {
         *_ROOM,
         Field("dst", ListOf(POOL_INDICES, 8)),
         Field("src_ranks", ListOf(ID, 4096), default=()),
-        Field("doorbell", Optional(TupleOf((U32, U32, Int(hi=255)))), default=None),
+        # (slot, token, writer); tokens start at 1: a zeroed word is never a room's
+        Field("doorbell", Optional(TupleOf((U32, Int(lo=1, hi=2**32 - 1), Int(hi=255)))),
+              default=None),
     ), finish=_check_request),
     Progress: Record(Progress, (
         *_ROOM, Field("done_nbytes", U64), Field("total_nbytes", U64),

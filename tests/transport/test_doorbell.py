@@ -9,6 +9,8 @@ import pytest
 
 from pd_transfer import doorbell
 from pd_transfer.doorbell import MAX_WRITERS, Doorbells, Outcome
+from pd_transfer.errors import Reason, TransportError
+from pd_transfer.shm import create_segment, segment_name
 
 pytestmark = pytest.mark.skipif(not doorbell.AVAILABLE, reason="doorbells need Linux on x86-64")
 
@@ -134,3 +136,18 @@ def test_no_writer_count_yet_is_never_rung(bells):
     assert not bells.rung(slot, token)   # how many write this room is not known yet
     bells.set_writers(slot, token, 1)
     assert bells.rung(slot, token)
+
+
+def test_only_a_doorbell_segment_is_mapped_as_one(bells):
+    pool = create_segment(segment_name("test-worker", "kv.k.L0"), 1 << 16)  # zeroed, like a fresh pool
+    try:
+        with pytest.raises(TransportError) as caught:
+            Doorbells.open(pool.name)
+        assert caught.value.code is Reason.SEGMENT_NAME_INVALID and "doorbell" in str(caught.value)
+        # and a zeroed slot (owner 0) never takes a ring: tokens start at 1
+        as_bells = Doorbells(pool)
+        assert not as_bells.ring(1, 0, 0)
+        assert not pool.array.any()
+    finally:
+        pool.unlink()
+        pool.close()
