@@ -75,8 +75,7 @@ class _Timespec(ctypes.Structure):
 
 
 def _load_syscall():
-    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64") \
-            or os.environ.get("PD_TRANSFER_NO_DOORBELL"):
+    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
         return None
     try:
         call = ctypes.CDLL(None, use_errno=True).syscall

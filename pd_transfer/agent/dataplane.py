@@ -26,12 +26,12 @@ from pd_transfer import cuda_ipc
 from pd_transfer.agent.strategies import choose_strategies, receiver_staging, staging_options
 from pd_transfer.agent.tcp_plane import tcp_receiver, tcp_transport
 from pd_transfer.config import SidecarConfig
+from pd_transfer.doorbell import AVAILABLE as DOORBELLS_AVAILABLE
+from pd_transfer.doorbell import Doorbells
 from pd_transfer.errors import PdTransferError, Reason, TransportError
 from pd_transfer.layout.geometry import RankGeometry, Role
 from pd_transfer.protocol import Register
 from pd_transfer.shm import Segment, open_segment
-from pd_transfer.doorbell import AVAILABLE as DOORBELLS_AVAILABLE
-from pd_transfer.doorbell import Doorbells
 from pd_transfer.transport.admission import item_ranges
 from pd_transfer.transport.base import Link, PeerEndpoint
 from pd_transfer.transport.copy_engine import CopyEngine

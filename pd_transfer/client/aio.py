@@ -25,8 +25,8 @@ import zmq
 import zmq.asyncio
 
 from pd_transfer.client import auth, wire
-from pd_transfer.client.errors import ClientClosed, ReplyTimeout
 from pd_transfer.client.bells import RoomBells
+from pd_transfer.client.errors import ClientClosed, ReplyTimeout
 from pd_transfer.client.status import RoomState, RoomStatus
 from pd_transfer.client.sync import DEFAULT_TIMEOUT_S
 from pd_transfer.doorbell import Outcome

@@ -30,8 +30,8 @@ from typing import Any
 import zmq
 
 from pd_transfer.client import auth, wire
-from pd_transfer.client.errors import ClientClosed, ReplyTimeout
 from pd_transfer.client.bells import RoomBells
+from pd_transfer.client.errors import ClientClosed, ReplyTimeout
 from pd_transfer.client.status import RoomState, RoomStatus
 from pd_transfer.doorbell import Outcome
 from pd_transfer.errors import AuthError, Reason
