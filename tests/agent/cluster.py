@@ -31,6 +31,7 @@ from pd_transfer.layout.geometry import RankGeometry, Role
 from pd_transfer.layout.presets import load_preset
 from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.views import Layout, Pool
+from pd_transfer.shm import SEGMENT_DIR, SEGMENT_PREFIX
 from pd_transfer.testing import World
 
 _ids = itertools.count()
@@ -193,6 +194,9 @@ class Cluster:
             sidecar.stop()
         for pools in self.pools.values():
             pools.close()
+        for sidecar in self.sidecars.values():  # a killed decode sidecar leaves its doorbells
+            for path in Path(SEGMENT_DIR).glob(f"{SEGMENT_PREFIX}{sidecar.name}-doorbells-*"):
+                path.unlink(missing_ok=True)
 
     def logs(self) -> str:
         return "\n".join(f"== {s.name}\n{s.log.read_text()[-3000:]}" for s in self.sidecars.values())
