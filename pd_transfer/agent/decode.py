@@ -9,11 +9,8 @@ succeeds when every one of them reported Done. Abort is fenced: the worker is
 told the pages are safe to reuse only after every prefill rank acknowledged
 that no write of the room's generation can still land.
 
-Same-host rooms end through a doorbell (:mod:`pd_transfer.doorbell`) as well
-as through Done: each room gets a slot, every prefill rank that writes it
-over shm rings the slot once its bytes landed, and the worker's ``wait``
-returns on the ring. The sidecar counts a rung room successful too, and
-closes the slot whenever it decides a room itself, so that both agree.
+Same-host rooms also end through a doorbell the sources ring, which the
+worker's ``wait`` sleeps on (:mod:`pd_transfer.agent.room_bells`).
 
 Sessions are released, never only replaced (:mod:`retire`). A room waits for
 a slot under ``max_rooms_per_peer`` (per prefill instance,
@@ -33,9 +30,8 @@ import numpy as np
 from pd_transfer.agent import integrity, retire
 from pd_transfer.agent.bootstrap import fetch_table
 from pd_transfer.agent.channels import OutgoingChannel
+from pd_transfer.agent.room_bells import RoomBells
 from pd_transfer.agent.rooms import Room
-from pd_transfer.doorbell import AVAILABLE as DOORBELLS_AVAILABLE
-from pd_transfer.doorbell import MAX_WRITERS, Doorbells
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.reconcile import reconcile
@@ -104,7 +100,7 @@ class DecodeSide:
         self.sidecar = sidecar
         self.instances: dict[str, asyncio.Task] = {}
         self.retired: list[PrefillInstance] = []   # lost: sessions to close once quiet
-        self.bells = _doorbells(sidecar.config)
+        self.bells = RoomBells(sidecar.config, sidecar.observe)
 
     @property
     def config(self):
@@ -239,10 +235,10 @@ class DecodeSide:
                 agent_id=self.config.agent_id, host_id=self.config.host_id,
                 geometry=sidecar.geometry, data_address=sidecar.dataplane.receive_address(),
                 region_handles=tuple(RegionHandle(r, h) for r, h in sidecar.handles.items()),
-                doorbell=self.bells.name if self.bells is not None else ""))
+                doorbell=self.bells.name))
         elif isinstance(message, Verdict):
             if not peer.verdict.done():
-                peer.rings = message.doorbell and self.bells is not None
+                peer.rings = message.doorbell and bool(self.bells.name)
                 peer.verdict.set_result(message)
         elif isinstance(message, (Done, Progress, AbortAck)):
             self._on_room_message(peer, message)
@@ -260,11 +256,9 @@ class DecodeSide:
         room.deadline_s = time.monotonic() + self.config.bootstrap_timeout_s * 1.25 + 0.5
         self.sidecar.rooms.add(room)
         reply = room.reply()
-        if self.bells is not None:
-            room.bell = self.bells.arm()
-            room.on_end.append(self._close_bell)  # whichever way it ends, the worker wakes
-            reply["doorbell"] = {"segment": self.bells.name, "slot": room.bell[0],
-                                 "token": room.bell[1]}
+        doorbell = self.bells.arm(room)
+        if doorbell is not None:
+            reply["doorbell"] = doorbell
         asyncio.create_task(self._start(room))
         return reply
 
@@ -295,7 +289,7 @@ class DecodeSide:
                                   dst=tuple(PoolIndices(p, tuple(int(i) for i in idx))
                                             for p, idx in room.dst.items()),
                                   src_ranks=tuple(room.sources))
-        writers = self._bell_writers(room, instance)
+        writers = self.bells.writers(room, [instance.peers.get(rank) for rank in room.sources])
         for peer in instance.peers.values():
             writer = writers.get(peer.rank_id)
             await peer.channel.send(request if writer is None else
@@ -336,38 +330,13 @@ class DecodeSide:
         for source in room.sources:
             self.sidecar.observe.transfer_done(source, 0, 0, time.monotonic() - room.created_s)
 
-    # -- doorbells ------------------------------------------------------------------
-    def _bell_writers(self, room: DecodeRoom, instance: PrefillInstance) -> dict[str, int]:
-        """``{rank id: writer number}`` when every source of ``room`` rings its doorbell;
-        otherwise none, and the slot is closed (the worker then asks this sidecar)."""
-        if room.bell is None:
-            return {}
-        peers = [instance.peers.get(rank) for rank in room.sources]
-        if not 0 < len(peers) <= MAX_WRITERS or \
-                not all(p is not None and p.rings and p.integrity is None for p in peers):
-            self.bells.close_slot(*room.bell)
-            return {}
-        self.bells.set_writers(*room.bell, len(peers))
-        return {rank: k for k, rank in enumerate(room.sources)}
-
     def check_bell(self, room: Room) -> None:
         """A poll or wait of the worker: a room every writer rang has succeeded, Done or not."""
-        if isinstance(room, DecodeRoom) and room.bell is not None and not room.terminal \
-                and self.bells.rung(*room.bell):
+        if self.bells.rung(room):
             self._succeed(room)
 
-    def _close_bell(self, room: Room) -> None:
-        if room.status is RoomStatus.SUCCESS and self.bells.rung(*room.bell):
-            self.sidecar.observe.doorbell("rung")  # the worker sees the ring itself
-            return
-        self.bells.close_slot(*room.bell)
-        self.sidecar.observe.doorbell("closed")
-
     def close(self) -> None:
-        if self.bells is not None:
-            self.bells.segment.unlink()
-            self.bells.close()
-            self.bells = None
+        self.bells.close()
 
     async def _verify(self, room: DecodeRoom, peer: PrefillPeer, message: Done) -> None:
         """Count a source done only once what it wrote matches its checksums."""
@@ -382,7 +351,7 @@ class DecodeSide:
                    f"room {room.room}: integrity mismatch in what {peer.rank_id} wrote: {problem}")
 
     def _fail(self, room: DecodeRoom, reason: Reason, text: str, *, drained: bool = False) -> None:
-        if room.bell is not None and not room.terminal and self.bells.close_slot(*room.bell):
+        if self.bells.landed(room):
             # every writer rang before this verdict: the bytes landed, and the worker
             # may have been told so already
             self._succeed(room)
@@ -450,13 +419,3 @@ class DecodeSide:
                 # not counted as drained: a silent peer might still write (fail closed)
                 self._fail(room, Reason.PEER_LOST, f"room {room.room}: {text}")
 
-
-def _doorbells(config) -> Doorbells | None:
-    """This decode sidecar's doorbell segment (None when off or unsupported here)."""
-    if not (config.doorbell and DOORBELLS_AVAILABLE):
-        return None
-    try:
-        return Doorbells.create(config.agent_id)
-    except (OSError, PdTransferError) as err:
-        log.warning("decode: no doorbells (rooms end through messages only): %s", err)
-        return None

@@ -1,0 +1,90 @@
+"""The decode sidecar's doorbells: one slot per room, and the rules that keep the
+worker and this sidecar agreeing on how the room ended.
+
+- ``arm``: at ``expect``, a slot and token for the room, returned to the worker;
+  whichever way the room ends, :meth:`ended` runs (a room hook) and wakes it.
+- ``writers``: once the sources are known, their writer numbers when every one
+  of them rings this rank's doorbells (Verdict ``doorbell``, no integrity
+  checksums to verify first); else the slot closes and the room ends through
+  messages.
+- ``landed``: before this sidecar fails a room it closes the slot, then looks:
+  every writer having rung means the bytes landed, and the room succeeded.
+- ``rung``: a poll or wait that reaches the sidecar counts a rung room
+  successful before its Done arrives.
+
+See :mod:`pd_transfer.doorbell` for the slot and its memory order.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pd_transfer.doorbell import AVAILABLE, MAX_WRITERS, Doorbells
+from pd_transfer.errors import PdTransferError
+from pd_transfer.protocol import RoomStatus
+
+log = logging.getLogger("pd_transfer.agent.decode")
+
+
+class RoomBells:
+    def __init__(self, config, observe) -> None:
+        self.observe = observe
+        self.segment: Doorbells | None = None
+        if config.doorbell and AVAILABLE:
+            try:
+                self.segment = Doorbells.create(config.agent_id)
+            except (OSError, PdTransferError) as err:
+                log.warning("decode: no doorbells (rooms end through messages only): %s", err)
+
+    @property
+    def name(self) -> str:
+        """The segment's name, for Register ('' without doorbells)."""
+        return self.segment.name if self.segment is not None else ""
+
+    def arm(self, room) -> dict | None:
+        """Give ``room`` a slot; the ``doorbell`` entry of the worker's expect reply."""
+        if self.segment is None:
+            return None
+        room.bell = self.segment.arm()
+        room.on_end.append(self.ended)
+        return {"segment": self.segment.name, "slot": room.bell[0], "token": room.bell[1]}
+
+    def writers(self, room, peers: list) -> dict[str, int]:
+        """``{rank id: writer number}`` for ``room``'s source ``peers`` (PrefillPeer) when
+        every one rings; otherwise none, and the slot closes at once."""
+        if room.bell is None:
+            return {}
+        if not 0 < len(peers) <= MAX_WRITERS or \
+                not all(p is not None and p.rings and p.integrity is None for p in peers):
+            self.segment.close_slot(*room.bell)
+            return {}
+        self.segment.set_writers(*room.bell, len(peers))
+        return {p.rank_id: k for k, p in enumerate(peers)}
+
+    def landed(self, room) -> bool:
+        """This sidecar is about to fail ``room``: close its slot; True when every writer
+        had rung first (the bytes landed, the worker may know it: the room succeeded)."""
+        return self._live(room) and self.segment.close_slot(*room.bell)
+
+    def rung(self, room) -> bool:
+        """Every writer of live ``room`` rang (it succeeded, Done or not)."""
+        return self._live(room) and self.segment.rung(*room.bell)
+
+    def _live(self, room) -> bool:
+        return getattr(room, "bell", None) is not None and not room.terminal \
+            and self.segment is not None
+
+    def ended(self, room) -> None:
+        if self.segment is None:
+            return
+        if room.status is RoomStatus.SUCCESS and self.segment.rung(*room.bell):
+            self.observe.doorbell("rung")  # the worker sees the ring itself
+            return
+        self.segment.close_slot(*room.bell)
+        self.observe.doorbell("closed")
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.segment.segment.unlink()
+            self.segment.close()
+            self.segment = None
