@@ -34,7 +34,7 @@ MAX_ROOMS = 65536   # rooms remembered at most (the oldest go first): waits past
 
 class RoomBells:
     def __init__(self) -> None:
-        self._segments: dict[str, Doorbells] = {}
+        self._segments: dict[str, Doorbells | None] = {}   # None: could not be mapped
         self._rooms: dict[int, tuple[Doorbells, int, int]] = {}
         self._watchers: dict[str, _Watcher] = {}
 
@@ -48,14 +48,16 @@ class RoomBells:
         if not (isinstance(name, str) and type(slot) is int and type(token) is int):
             log.warning("room %d: ignoring a malformed doorbell in the expect reply: %r", room, bell)
             return
-        segment = self._segments.get(name)
-        if segment is None:
+        if name not in self._segments:
             try:
-                segment = self._segments[name] = Doorbells.open(name)
-            except PdTransferError as err:
-                log.warning("room %d: cannot map the sidecar's doorbells (%s); waiting through "
-                            "messages", room, err.message)
-                return
+                self._segments[name] = Doorbells.open(name)
+            except PdTransferError as err:   # said once; its rooms wait through messages
+                self._segments[name] = None
+                log.warning("cannot map the sidecar's doorbells (%s); rooms are waited for "
+                            "through messages", err.message)
+        segment = self._segments[name]
+        if segment is None:
+            return
         if not 0 < slot < segment.slots:
             log.warning("room %d: doorbell slot %d out of range", room, slot)
             return
@@ -107,7 +109,8 @@ class RoomBells:
             watcher.close()
         self._watchers.clear()
         for segment in self._segments.values():
-            segment.close()
+            if segment is not None:
+                segment.close()
         self._segments.clear()
 
 
