@@ -11,7 +11,7 @@ sidecars of that host map. A slot holds 32-bit words:
   the futex waiters on it, so a waiter that read it before the change never
   sleeps through the change;
 - ``owner``: the token of the room the slot is armed for (tokens are unique
-  per segment; a slot is reused only 4,096 rooms later);
+  per segment; a slot is reused only 4,095 rooms later);
 - ``closed``: the decode sidecar's own verdict came first (the room failed,
   or succeeded over another transport): the worker must ask the sidecar;
 - ``writers``: how many prefill ranks write this room (0 until known);
