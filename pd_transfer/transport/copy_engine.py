@@ -6,9 +6,12 @@ descriptors, :mod:`.runs`); if any piece is out of bounds it raises a
 :class:`TransportError` and copies nothing. Then it copies:
 
 - plans of a few hundred runs (a 1-page room) are checked piece by piece in
-  Python, then copied run by run with numpy slices on the calling thread:
-  lowest latency (a vectorised pass costs more than it saves there);
-- larger plans are compiled into tasks (:mod:`.copy_tasks`): long destination
+  Python, then copied on the calling thread: lowest latency (a vectorised
+  pass costs more than it saves there);
+- with the native copy loop (:mod:`.native_copy`, built at install), every
+  other plan is copied by C in byte ranges, one per thread, non-temporal
+  stores for pieces of 1 KiB and more;
+- without it, larger plans are compiled into numpy tasks (:mod:`.copy_tasks`): long destination
   stretches (from 128 KiB; from 64 KiB when gathered from pieces under 4 KiB)
   are filled in one pass, short runs go through a bounce buffer
   (gather by source rows, scatter by destination rows), about one task per
@@ -32,6 +35,7 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+from pd_transfer.transport import native_copy
 from pd_transfer.transport.copy_tasks import Scratch, compile_tasks
 from pd_transfer.transport.regions import Mapped, Regions, map_one, map_regions, sizes_of
 from pd_transfer.transport.runs import check_bounds, flatten
@@ -45,11 +49,15 @@ class CopyEngine:
     ``num_workers`` threads (default: up to 2, the CPUs this process may use;
     the calling thread counts as one) copy the tasks of a plan of more than
     ``inline_nbytes``; smaller plans run in the calling thread alone.
+    ``native`` (default: when it is built) copies with the native loop.
     """
 
     def __init__(self, *, num_workers: int | None = None, bounce_nbytes: int = 1 << 20,
                  stretch_nbytes: int = 128 << 10, inline_nbytes: int = 4 << 20,
-                 direct_max_runs: int = 256) -> None:
+                 direct_max_runs: int = 256, native: bool | None = None) -> None:
+        if native and not native_copy.AVAILABLE:
+            raise ValueError(f"the native copy loop is unavailable: {native_copy.UNAVAILABLE_WHY}")
+        self.native = native_copy.AVAILABLE if native is None else native
         if num_workers is None:
             num_workers = min(2, len(os.sched_getaffinity(0)))
         self.num_workers = max(1, num_workers)
@@ -73,8 +81,11 @@ class CopyEngine:
         if plan.num_runs <= self.direct_max_runs:
             copies = _small_copies(plan, src_regions, dst_regions)
             if copies is not None:
-                for dst, d, src, s, n in copies:
-                    dst[d:d + n] = src[s:s + n]
+                if self.native:
+                    native_copy.copy_list(copies)
+                else:
+                    for dst, d, src, s, n in copies:
+                        dst[d:d + n] = src[s:s + n]
                 return plan.total_nbytes
             # a piece out of bounds: the vectorised check below names it and raises
         flat = flatten(plan)
@@ -88,6 +99,11 @@ class CopyEngine:
         last = len(flat.nbytes) - 1
         tail = parallel and last > 0 and int(flat.nbytes[last]) * int(flat.count[last]) \
             <= LAST_RUN_NBYTES
+        if self.native:
+            self._native(flat.rows(slice(0, last)) if tail else flat, src, dst, parallel)
+            if tail:
+                self._native(flat.rows(slice(last, None)), src, dst, False)
+            return total
         tasks = self._compile(flat.rows(slice(0, last)) if tail else flat, src, dst)
         if not parallel or len(tasks) < 2:
             self._drain(iter(tasks))
@@ -107,6 +123,20 @@ class CopyEngine:
     def _compile(self, flat, src, dst) -> list:
         return compile_tasks(flat, src, dst, stretch_nbytes=self.stretch_nbytes,
                              bounce_nbytes=self.bounce_nbytes)
+
+    def _native(self, flat, src, dst, parallel: bool) -> None:
+        pieces = native_copy.Pieces(flat, src, dst)
+        if not parallel:
+            pieces.copy()
+            return
+        first, *rest = pieces.ranges(self.num_workers)
+        pool = self._workers()
+        helpers = [pool.submit(pieces.copy, *part) for part in rest]
+        try:
+            pieces.copy(*first)
+        finally:
+            for helper in helpers:
+                helper.result()
 
     def _parallel(self, tasks: list) -> None:
         """The calling thread and ``num_workers - 1`` pool threads take tasks in turn."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pd_transfer.errors import Reason, TransportError
+from pd_transfer.transport import native_copy
 from pd_transfer.transport.regions import Mapped, Regions, map_regions
 from pd_transfer.transport.runs import (
     Flat,
@@ -158,6 +159,9 @@ def gather_chunk(layout: ChunkLayout, src: Mapping[str, Mapped],
 
 def gather_pieces(region: Mapped, offset: np.ndarray, nbytes: np.ndarray, out: np.ndarray) -> None:
     """Copy the runs ``(offset, nbytes)`` of ``region`` back to back into ``out``."""
+    if native_copy.AVAILABLE and len(nbytes) >= _LOOP_MAX_RUNS:
+        native_copy.gather_runs(region.array, offset, nbytes, out)
+        return
     if len(nbytes) < _LOOP_MAX_RUNS:
         at = 0
         for o, n in zip(offset.tolist(), nbytes.tolist()):
@@ -180,6 +184,9 @@ def gather(plan, src_regions: Regions, chunk_nbytes: int = 4 << 20
 def scatter_pieces(region: Mapped, offset: np.ndarray, nbytes: np.ndarray,
                    payload: np.ndarray) -> None:
     """Copy ``payload`` (the runs back to back) into the runs ``(offset, nbytes)`` of ``region``."""
+    if native_copy.AVAILABLE and len(nbytes) >= _LOOP_MAX_RUNS:
+        native_copy.scatter_runs(region.array, offset, nbytes, payload)
+        return
     if len(nbytes) < _LOOP_MAX_RUNS:
         at = 0
         for o, n in zip(offset.tolist(), nbytes.tolist()):

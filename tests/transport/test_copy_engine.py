@@ -11,21 +11,29 @@ from hypothesis import strategies as st
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.layout.lowering import RunBatch, TransferPlan
 from pd_transfer.layout.views import Layout
+from pd_transfer.transport import native_copy
 from pd_transfer.transport.copy_engine import CopyEngine
 from pd_transfer.transport.runs import row_nbytes_for, rows_of
 
-# Each engine configuration forces one copy path through the same plans.
+# Each engine configuration forces one copy path through the same plans: numpy's
+# (native=False) and, where it is built, the native copy loop's.
 ENGINES = {
-    "direct-runs": dict(direct_max_runs=1 << 30),
+    "direct-runs": dict(direct_max_runs=1 << 30, native=False),
     "bounce": dict(direct_max_runs=0, stretch_nbytes=1 << 30, bounce_nbytes=64 << 10,
-                   num_workers=1),
-    "stretch": dict(direct_max_runs=0, stretch_nbytes=512),
+                   num_workers=1, native=False),
+    "stretch": dict(direct_max_runs=0, stretch_nbytes=512, native=False),
     "bounce-2-workers": dict(direct_max_runs=0, stretch_nbytes=1 << 30, bounce_nbytes=32 << 10,
-                             inline_nbytes=0, num_workers=2),
+                             inline_nbytes=0, num_workers=2, native=False),
     "3-workers-small-stretches": dict(direct_max_runs=0, inline_nbytes=0, num_workers=3,
-                                      stretch_nbytes=4096, bounce_nbytes=8192),
+                                      stretch_nbytes=4096, bounce_nbytes=8192, native=False),
     "default": dict(),
 }
+if native_copy.AVAILABLE:
+    ENGINES.update({
+        "native-direct-runs": dict(direct_max_runs=1 << 30, native=True),
+        "native-1-worker": dict(direct_max_runs=0, num_workers=1, native=True),
+        "native-3-workers": dict(direct_max_runs=0, inline_nbytes=0, num_workers=3, native=True),
+    })
 
 CASES = {
     "direct tp2->2": dict(kind="llama", prefill_tp=2, decode_tp=2),
@@ -65,7 +73,7 @@ def test_engine_accepts_torch_tensors_and_returns_bytes(scenario):
     for plan in sc.plans:
         src = {k: torch.from_numpy(v) for k, v in sc.src(plan).items()}
         dst = {k: torch.from_numpy(v) for k, v in sc.dst(plan).items()}
-        assert CopyEngine(direct_max_runs=0).execute(plan, src, dst) == plan.total_nbytes
+        assert CopyEngine(native=False, direct_max_runs=0).execute(plan, src, dst) == plan.total_nbytes
     assert sc.world.verify(sc.requests) == []
 
 
@@ -151,7 +159,7 @@ def test_engine_guards_with_its_bounce_path_as_well():
     runs = _batch(offsets, np.arange(n) * 64, [64] * n)
     bad = _batch([0], [n * 64 - 32], [64])
     with pytest.raises(TransportError):
-        CopyEngine(direct_max_runs=0, inline_nbytes=0).execute(_plan(runs, bad), {"s": src},
+        CopyEngine(native=False, direct_max_runs=0, inline_nbytes=0).execute(_plan(runs, bad), {"s": src},
                                                                 {"d": dst})
     assert not whole[GUARD:-GUARD].any() and (whole[:GUARD] == 0xAB).all()
 
@@ -267,7 +275,7 @@ def test_a_mid_length_stretch_of_small_pieces_is_gathered_in_place_and_of_pages_
     dst = np.zeros(4096 + count * piece_nbytes + 4096, np.uint8)
     mapped_src, mapped_dst = map_regions({"s": src}, ["s"], "source"), \
         map_regions({"d": dst}, ["d"], "destination")
-    engine = CopyEngine(direct_max_runs=0)
+    engine = CopyEngine(native=False, direct_max_runs=0)
     tasks = compile_tasks(flatten(_plan(batch)), mapped_src, mapped_dst,
                           stretch_nbytes=engine.stretch_nbytes, bounce_nbytes=engine.bounce_nbytes)
     assert [type(task).__name__ for task in tasks] == [kind]
@@ -282,7 +290,7 @@ def _task_kinds(plan, src, dst, **engine_kwargs):
     from pd_transfer.transport.copy_tasks import compile_tasks
     from pd_transfer.transport.regions import map_regions
     from pd_transfer.transport.runs import flatten
-    engine = CopyEngine(direct_max_runs=0, **engine_kwargs)
+    engine = CopyEngine(native=False, direct_max_runs=0, **engine_kwargs)
     tasks = compile_tasks(flatten(plan), map_regions(src, list(src), "source"),
                           map_regions(dst, list(dst), "destination"),
                           stretch_nbytes=engine.stretch_nbytes, bounce_nbytes=engine.bounce_nbytes)
@@ -299,7 +307,7 @@ def test_pages_back_to_back_in_the_source_are_scattered_straight_from_it():
     src = rng.integers(0, 256, n * page, dtype=np.uint8)
     dst = np.zeros(4 * n * page, np.uint8)
     assert set(_task_kinds(plan, {"s": src}, {"d": dst})) == {"PutFrom"}
-    CopyEngine(direct_max_runs=0, inline_nbytes=0).execute(plan, {"s": src}, {"d": dst})
+    CopyEngine(native=False, direct_max_runs=0, inline_nbytes=0).execute(plan, {"s": src}, {"d": dst})
     expected = np.zeros_like(dst)
     for i, p in enumerate(dst_pages.tolist()):
         expected[p * page:(p + 1) * page] = src[i * page:(i + 1) * page]
@@ -370,7 +378,7 @@ def test_scattered_pieces_of_one_size_are_bounced_by_the_shortcut_exactly(case, 
     long_run = any(any(set(range(x, x + k)) <= set((b.dst_offset // size).tolist())
                        for x in (b.dst_offset // size).tolist()) for b in batches)
     assert (shortcut is not None) == (sparse and not long_run)
-    CopyEngine(direct_max_runs=0, inline_nbytes=0, num_workers=2 if two_workers else 1,
+    CopyEngine(native=False, direct_max_runs=0, inline_nbytes=0, num_workers=2 if two_workers else 1,
                stretch_nbytes=stretch, bounce_nbytes=4 * size).execute(plan, {"s": src}, dst)
     for region in dst:
         assert np.array_equal(dst[region], expected[region])
@@ -382,7 +390,7 @@ def test_a_long_run_is_cut_into_tasks_the_threads_share():
     dst = np.zeros(nbytes + 3, np.uint8)
     plan = _plan(_batch([0], [3], [nbytes]))
     assert _task_kinds(plan, {"s": src}, {"d": dst}) == ["CopyRun"] * 3
-    CopyEngine(direct_max_runs=0, inline_nbytes=0).execute(plan, {"s": src}, {"d": dst})
+    CopyEngine(native=False, direct_max_runs=0, inline_nbytes=0).execute(plan, {"s": src}, {"d": dst})
     assert np.array_equal(dst[3:], src) and not dst[:3].any()
 
 
@@ -417,7 +425,7 @@ def test_engine_equals_naive_copy_for_pieces_back_to_back_in_the_source(case, st
     expected = dst.copy()
     for a, z, k in zip(s, d, n):
         expected[z:z + k] = src[a:a + k]
-    CopyEngine(direct_max_runs=0, stretch_nbytes=stretch, bounce_nbytes=64, inline_nbytes=0,
+    CopyEngine(native=False, direct_max_runs=0, stretch_nbytes=stretch, bounce_nbytes=64, inline_nbytes=0,
                num_workers=2).execute(_plan(_batch(s, d, n)), {"s": src}, {"d": dst})
     assert np.array_equal(dst, expected)
 
@@ -475,7 +483,7 @@ def test_the_last_small_run_is_copied_after_every_other_task(monkeypatch):
     src_pages, dst_pages = rng.permutation(2 * n)[:n], rng.permutation(2 * n)[:n]
     plan = _plan(_batch(src_pages * page, dst_pages * page, [page] * n),
                  _batch([2 * n * page], [2 * n * page], [64]))
-    CopyEngine(direct_max_runs=0, inline_nbytes=0, num_workers=2, stretch_nbytes=1 << 30,
+    CopyEngine(native=False, direct_max_runs=0, inline_nbytes=0, num_workers=2, stretch_nbytes=1 << 30,
                bounce_nbytes=8192).execute(plan, {"s": src}, {"d": dst})
     assert compiled == [n * page, 64]  # the body, then the last run alone
     body = [span for span in spans if span[0] == 1]
