@@ -79,7 +79,7 @@ class CopyEngine:
         """
         where = where or f"plan {plan.src_rank} -> {plan.dst_rank}"
         if plan.num_runs <= self.direct_max_runs:
-            copies = _small_copies(plan, src_regions, dst_regions)
+            copies = _small_copies(plan, src_regions, dst_regions, self.native)
             if copies is not None:
                 if self.native:
                     native_copy.copy_list(copies)
@@ -164,13 +164,16 @@ class CopyEngine:
             return self._pool
 
 
-def _small_copies(plan, src_regions: Regions, dst_regions: Regions) -> list | None:
+def _small_copies(plan, src_regions: Regions, dst_regions: Regions,
+                  addresses: bool = False) -> list | None:
     """The copies of a plan of a few hundred runs, each bounds-checked in Python (a
     1-page room: 64 runs in 64 batches, where the vectorised path's per-batch numpy
-    calls cost more than the copy); None when a piece is out of bounds or a region
-    is missing (the caller's full check raises with the details)."""
+    calls cost more than the copy), as ``(dst, dst_offset, src, src_offset, nbytes)``
+    with arrays, or with ``addresses`` as ``dst_address, src_address, nbytes`` flat; None
+    when a piece is out of bounds or a region is missing (the caller's full check
+    raises with the details)."""
     copies = []
-    append = copies.append
+    append = copies.extend if addresses else copies.append
     for batch in plan.batches:
         src, dst = src_regions.get(batch.src_region), dst_regions.get(batch.dst_region)
         if src is None or dst is None:
@@ -179,6 +182,7 @@ def _small_copies(plan, src_regions: Regions, dst_regions: Regions) -> list | No
             src = map_one(batch.src_region, src, "source")
         if dst.__class__ is not Mapped:
             dst = map_one(batch.dst_region, dst, "destination")
+        base = (dst.address, src.address) if addresses else None
         src, dst = src.array, dst.array
         if len(batch.src_offset) == 1:   # one descriptor (a page of one layer): no lists
             pieces = ((batch.src_offset.item(), batch.dst_offset.item(), batch.nbytes.item(),
@@ -193,14 +197,14 @@ def _small_copies(plan, src_regions: Regions, dst_regions: Regions) -> list | No
             if c == 1 and n:
                 if s < 0 or d < 0 or s + n > s_size or d + n > d_size:
                     return None
-                append((dst, d, src, s, n))
+                append((base[0] + d, base[1] + s, n) if base else (dst, d, src, s, n))
                 continue
             s_stride, d_stride = batch.src_stride, batch.dst_stride
             for k in range(c) if n else ():
                 s_k, d_k = s + k * s_stride, d + k * d_stride
                 if s_k < 0 or d_k < 0 or s_k + n > s_size or d_k + n > d_size:
                     return None
-                append((dst, d_k, src, s_k, n))
+                append((base[0] + d_k, base[1] + s_k, n) if base else (dst, d_k, src, s_k, n))
     return copies
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from array import array
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,7 @@ import numpy as np
 from pd_transfer.transport.regions import Mapped
 from pd_transfer.transport.runs import Flat
 
-ABI = 1
+ABI = 2
 LIBRARY_NAME = "_copy_runs.so"  # native/build.py builds it (stdlib only, so not imported here)
 STREAM_MIN_NBYTES = 1024
 # plans smaller than this stay in the cache (memcpy): the reader is often about to touch them
@@ -56,6 +57,8 @@ def _load(path: Path = LIBRARY_PATH) -> tuple[ctypes.CDLL | None, str]:
         return None, f"{path} is ABI {abi}, this pd-transfer needs {ABI}: rebuild it"
     lib.pdt_copy_range.restype = ctypes.c_int64
     lib.pdt_copy_range.argtypes = [ctypes.c_int64, *[_I64P] * 6, *[ctypes.c_int64] * 4]
+    lib.pdt_copy_list.restype = ctypes.c_int64
+    lib.pdt_copy_list.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
     return lib, ""
 
 
@@ -69,9 +72,9 @@ class Pieces:
 
     def __init__(self, flat: Flat, src: dict[str, Mapped], dst: dict[str, Mapped], *,
                  stream_min: int | None = None) -> None:
-        src_base = np.fromiter((_address(src[b.src_region]) for b in flat.batches), np.int64,
+        src_base = np.fromiter((src[b.src_region].address for b in flat.batches), np.int64,
                                len(flat.batches))
-        dst_base = np.fromiter((_address(dst[b.dst_region]) for b in flat.batches), np.int64,
+        dst_base = np.fromiter((dst[b.dst_region].address for b in flat.batches), np.int64,
                                len(flat.batches))
         batch = np.asarray(flat.batch)
         self.columns = [np.ascontiguousarray(a, np.int64) for a in (
@@ -103,23 +106,15 @@ class Pieces:
         return done
 
 
-def _address(mapped: Mapped) -> int:
-    return _array_address(mapped.array)
-
-
-def copy_list(copies: list) -> None:
-    """Copy ``(dst_array, dst_offset, src_array, src_offset, nbytes)`` runs, each
-    already bounds-checked, in one call (a 1-page room's few dozen runs)."""
-    n = len(copies)
-    columns = np.empty((6, n), np.int64)
-    columns[0] = [_array_address(src) + s for _, _, src, s, _ in copies]
-    columns[1] = [_array_address(dst) + d for dst, d, _, _, _ in copies]
-    columns[2] = [c[4] for c in copies]
-    columns[3] = 1
-    columns[4:] = 0
-    total = int(columns[2].sum())
-    pointers = [columns[i].ctypes.data_as(_I64P) for i in range(6)]
-    done = _LIB.pdt_copy_range(n, *pointers, 0, 0, total, _stream_min(total))
+def copy_list(runs: list[int]) -> None:
+    """Copy the runs ``runs`` lists flat as ``dst_address, src_address, nbytes, ...``,
+    each already bounds-checked, in one call. For a 1-page room's few dozen runs:
+    little code between the request and the copy, since on an idle host every
+    instruction before it runs several times slower than when warm."""
+    table = array("q", runs)
+    address, length = table.buffer_info()
+    total = sum(runs[2::3])
+    done = _LIB.pdt_copy_list(length // 3, address, _stream_min(total))
     if done != total:
         raise RuntimeError(f"native copy moved {done} of {total} bytes")
 

@@ -28,6 +28,10 @@ class Mapped:
     region_id: str
     array: np.ndarray
     _void: dict[int, np.ndarray] = field(default_factory=dict)
+    address: int = field(init=False)  # of the first byte (the native copy loop's base)
+
+    def __post_init__(self) -> None:
+        self.address = self.array.__array_interface__["data"][0]
 
     @property
     def nbytes(self) -> int:

@@ -121,9 +121,12 @@ def test_the_last_small_run_is_copied_after_every_range(monkeypatch):
 
 
 @needs_library
-def test_a_one_page_room_copies_its_runs_in_one_call():
+def test_a_one_page_room_copies_its_runs_in_one_call(monkeypatch):
     """The small-plan path (a few dozen runs, each checked in Python) hands them all to
     one native call; large enough, they are streamed."""
+    calls = []
+    real = native_copy.copy_list
+    monkeypatch.setattr(native_copy, "copy_list", lambda runs: (calls.append(len(runs)), real(runs)))
     rng = np.random.default_rng(4)
     src = rng.integers(0, 256, 4 << 20, dtype=np.uint8)
     dst = np.zeros(4 << 20, np.uint8)
@@ -131,6 +134,7 @@ def test_a_one_page_room_copies_its_runs_in_one_call():
     batches = tuple(_batch([int(o)], [int(o) + 1], [32768 - 1], [1]) for o in offsets)
     plan = TransferPlan("p0", "d0", batches)
     assert CopyEngine(native=True).execute(plan, {"s": src}, {"d": dst}) == plan.total_nbytes
+    assert calls == [3 * 64]  # one call, (dst, src, nbytes) per run
     assert np.array_equal(dst, _naive(plan, src, np.zeros_like(dst)))
 
 

@@ -25,7 +25,7 @@
 #define PDT_STREAM 1
 #endif
 
-#define PDT_ABI 1
+#define PDT_ABI 2
 #define PREFETCH_AHEAD 2        /* descriptors */
 #define PREFETCH_NBYTES 256     /* of each: the hardware prefetcher follows the rest */
 
@@ -100,6 +100,30 @@ int64_t pdt_copy_range(int64_t n, const int64_t *src, const int64_t *dst, const 
     }
 #ifdef PDT_STREAM
     _mm_sfence();  /* the streamed bytes are visible before the caller reports them landed */
+#endif
+    return done;
+}
+
+/* Copy n runs given as (dst, src, nbytes) triples, each already checked: a
+ * 1-page room's few dozen runs, with as little work around them as possible. */
+int64_t pdt_copy_list(int64_t n, const int64_t *runs, int64_t stream_min) {
+    int64_t done = 0;
+    for (int64_t i = 0; i < n; i++) {
+        char *d = (char *)(intptr_t)runs[3 * i];
+        const char *s = (const char *)(intptr_t)runs[3 * i + 1];
+        int64_t m = runs[3 * i + 2];
+        if (i + PREFETCH_AHEAD < n)
+            __builtin_prefetch((const char *)(intptr_t)runs[3 * (i + PREFETCH_AHEAD) + 1], 0, 0);
+        if (m <= 0)
+            continue;
+        if (m >= stream_min)
+            stream_copy(d, s, (size_t)m);
+        else
+            memcpy(d, s, (size_t)m);
+        done += m;
+    }
+#ifdef PDT_STREAM
+    _mm_sfence();
 #endif
     return done;
 }
