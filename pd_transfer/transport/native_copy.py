@@ -29,7 +29,7 @@ import numpy as np
 from pd_transfer.transport.regions import Mapped
 from pd_transfer.transport.runs import Flat
 
-ABI = 2
+ABI = 3
 LIBRARY_NAME = "_copy_runs.so"  # native/build.py builds it (stdlib only, so not imported here)
 STREAM_MIN_NBYTES = 1024
 # plans smaller than this stay in the cache (memcpy): the reader is often about to touch them
@@ -59,6 +59,8 @@ def _load(path: Path = LIBRARY_PATH) -> tuple[ctypes.CDLL | None, str]:
     lib.pdt_copy_range.argtypes = [ctypes.c_int64, *[_I64P] * 6, *[ctypes.c_int64] * 4]
     lib.pdt_copy_list.restype = ctypes.c_int64
     lib.pdt_copy_list.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+    lib.pdt_pack.restype = ctypes.c_int64
+    lib.pdt_pack.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 4]
     return lib, ""
 
 
@@ -142,19 +144,12 @@ def scatter_runs(region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray,
 
 def _packed(offset: np.ndarray, nbytes: np.ndarray, region: int, buffer: np.ndarray, *,
             gather: bool) -> None:
-    n = len(nbytes)
-    columns = np.empty((6, n), np.int64)
-    np.cumsum(nbytes, out=columns[2])
-    total = int(columns[2, -1]) if n else 0
+    offset = np.ascontiguousarray(offset, np.int64)
+    nbytes = np.ascontiguousarray(nbytes, np.int64)
+    total = int(nbytes.sum())
     if total > buffer.nbytes:
         raise ValueError(f"{total} bytes of runs do not fit a buffer of {buffer.nbytes}")
-    at = columns[2] - nbytes + _array_address(buffer)  # where each run sits in the buffer
-    columns[0 if gather else 1] = offset + region
-    columns[1 if gather else 0] = at
-    columns[2] = nbytes
-    columns[3] = 1
-    columns[4:] = 0
-    pointers = [columns[i].ctypes.data_as(_I64P) for i in range(6)]
-    done = _LIB.pdt_copy_range(n, *pointers, 0, 0, total, _NEVER if gather else _stream_min(total))
+    done = _LIB.pdt_pack(len(nbytes), _array_address(offset), _array_address(nbytes), region,
+                         _array_address(buffer), int(gather), _NEVER if gather else _stream_min(total))
     if done != total:
         raise RuntimeError(f"native copy moved {done} of {total} bytes")

@@ -25,7 +25,7 @@
 #define PDT_STREAM 1
 #endif
 
-#define PDT_ABI 2
+#define PDT_ABI 3
 #define PREFETCH_AHEAD 2        /* descriptors */
 #define PREFETCH_NBYTES 256     /* of each: the hardware prefetcher follows the rest */
 
@@ -83,8 +83,12 @@ int64_t pdt_copy_range(int64_t n, const int64_t *src, const int64_t *dst, const 
             skip = 0;
             continue;
         }
-        int64_t k = skip / len, off = skip % len;
-        skip = 0;
+        int64_t k = 0, off = 0;
+        if (skip) {  /* a range starting inside this descriptor (64-bit division: rare) */
+            k = skip / len;
+            off = skip % len;
+            skip = 0;
+        }
         for (; k < count[i] && done < take; k++, off = 0) {
             int64_t m = len - off;
             if (m > take - done)
@@ -126,4 +130,31 @@ int64_t pdt_copy_list(int64_t n, const int64_t *runs, int64_t stream_min) {
     _mm_sfence();
 #endif
     return done;
+}
+
+/* Gather (gather != 0) the runs (offset[i], nbytes[i]) of the region at `region` back
+ * to back into `packed`, or scatter `packed` into them. Returns the bytes copied. */
+int64_t pdt_pack(int64_t n, const int64_t *offset, const int64_t *nbytes, int64_t region,
+                 int64_t packed, int64_t gather, int64_t stream_min) {
+    int64_t at = 0;
+    for (int64_t i = 0; i < n; i++) {
+        char *run = (char *)(intptr_t)(region + offset[i]);
+        char *buf = (char *)(intptr_t)(packed + at);
+        int64_t m = nbytes[i];
+        if (gather && i + PREFETCH_AHEAD < n && m >= PREFETCH_NBYTES)
+            __builtin_prefetch(run + offset[i + PREFETCH_AHEAD] - offset[i], 0, 0);
+        if (m <= 0)
+            continue;
+        char *d = gather ? buf : run;
+        const char *s = gather ? run : buf;
+        if (m >= stream_min)
+            stream_copy(d, s, (size_t)m);
+        else
+            memcpy(d, s, (size_t)m);
+        at += m;
+    }
+#ifdef PDT_STREAM
+    _mm_sfence();
+#endif
+    return at;
 }
