@@ -32,6 +32,7 @@ from pd_transfer.errors import PdTransferError, Reason, TransportError
 from pd_transfer.layout.geometry import RankGeometry, Role
 from pd_transfer.protocol import Register
 from pd_transfer.shm import Segment, open_segment
+from pd_transfer.transport import native_copy
 from pd_transfer.transport.admission import item_ranges
 from pd_transfer.transport.base import Link, PeerEndpoint
 from pd_transfer.transport.copy_engine import CopyEngine
@@ -76,6 +77,11 @@ class DataPlane:
                                       staging=staging_options(config, context)) \
             if config.transport in ENGINES else None
         self._engine_receiver = None
+
+    @property
+    def copies(self) -> str:
+        """How shm copies run here: the native loop, or numpy and why."""
+        return native_copy.describe(self._shm.engine.native)
 
     def transport_names(self) -> tuple[str, ...]:
         return ("shm", "tcp") + ((self.config.transport,) if self._engine is not None else ())

@@ -192,5 +192,6 @@ class Observer:
                  for p in self.peers.values()]
         return {"agent_id": sidecar.config.agent_id, "role": self.role,
                 "rank": geometry.rank_id if geometry else None,
-                "ready": self.ready()[0], "peers": peers, "rooms_by_status": sidecar.rooms.counts(),
+                "ready": self.ready()[0], "copies": sidecar.dataplane.copies,
+                "peers": peers, "rooms_by_status": sidecar.rooms.counts(),
                 "rooms": rooms}

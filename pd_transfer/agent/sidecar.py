@@ -99,6 +99,9 @@ class Sidecar:
         self._spawn(self._timers())
         self._write_ready_file()
         self.security.log_mode()
+        if not self.dataplane.copies.startswith("native"):
+            log.warning("shm copies run through numpy, about half as fast as the native loop: %s",
+                        self.dataplane.copies)
         log.info("%s sidecar %s serving: worker %s, control %s", self.config.role.value,
                  self.config.agent_id, self.config.worker_endpoint,
                  self.control.address if self.control else "-")

@@ -69,6 +69,13 @@ AVAILABLE = _LIB is not None
 STREAMS = bool(_LIB.pdt_streams()) if _LIB is not None else False
 
 
+def describe(native: bool) -> str:
+    """How an engine with ``native`` on (or off) copies, for logs and /status."""
+    if native:
+        return "native loop" + (", non-temporal stores" if STREAMS else "")
+    return f"numpy ({UNAVAILABLE_WHY or 'native loop turned off'})"
+
+
 class Pieces:
     """A plan's descriptors as absolute addresses, ready for :meth:`copy`."""
 

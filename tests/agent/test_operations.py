@@ -119,6 +119,25 @@ def test_status_command_prints_peers_and_rooms(cluster_factory):
     assert result.returncode == 0, result.stderr
     assert "(prefill, rank prefill[pp0,tp0]): ready" in result.stdout
     assert "decode[pp0,tp0]" in result.stdout and "accepted" in result.stdout
+    from pd_transfer.transport import native_copy
+    assert f"copies: {native_copy.describe(native_copy.AVAILABLE)}" in result.stdout
     unreachable = subprocess.run([sys.executable, "-m", "pd_transfer.cli", "status", "--addr",
                                   "127.0.0.1:1"], capture_output=True, text=True, timeout=30)
     assert unreachable.returncode == 2 and "cannot read http://127.0.0.1:1/status" in unreachable.stderr
+
+
+def test_without_the_native_copy_loop_a_sidecar_warns_copies_with_numpy_and_says_so(
+        cluster_factory, monkeypatch):
+    monkeypatch.setenv("PD_TRANSFER_NATIVE_COPY", "0")  # the sidecars inherit it
+    prefill, decode = _ranks(Role.PREFILL, 2), _ranks(Role.DECODE, 1, num_pages=8)
+    cluster = cluster_factory(prefill, decode)
+    rng = np.random.default_rng(8)
+    requests = {Pool.KV: (rng.permutation(8)[:5], rng.permutation(8)[:5]),
+                Pool.AUX: (np.array([1]), np.array([0]))}
+    cluster.expect(9, requests)
+    cluster.send(9, requests)
+    assert cluster.wait_decode(9)[decode[0].rank_id].status is RoomStatus.SUCCESS
+    assert cluster.verify(requests) == []
+    status = json.loads(cluster.http(prefill[0].rank_id, "/status")[1])
+    assert status["copies"] == "numpy (turned off by PD_TRANSFER_NATIVE_COPY)"
+    assert "shm copies run through numpy" in cluster.logs()
