@@ -3,9 +3,10 @@
 One ctypes call copies every piece of a byte range of the plan; the engine's
 threads each take a range (ctypes releases the GIL for the call). Pieces of
 ``STREAM_MIN_NBYTES`` or more are written with non-temporal stores where the
-CPU has them: a scattered copy of 16 KiB pages then runs at about the speed of
-one contiguous copy, twice what memcpy reaches (and 2 KiB head slices three
-times what numpy's gathers did).
+CPU has them, which skips reading each destination line before writing it:
+scattered 16 KiB pages then move at about the speed of one contiguous copy
+(1.2-1.3x what the numpy tasks or a memcpy loop reach on this 2-core host),
+2 KiB head slices at about twice numpy's rate (see docs/performance.md).
 
 :data:`AVAILABLE` is False, with the reason in :data:`UNAVAILABLE_WHY`, when
 the library was not built (no C compiler at install time), does not load, or
@@ -29,16 +30,14 @@ import numpy as np
 from pd_transfer.transport.regions import Mapped
 from pd_transfer.transport.runs import Flat
 
-ABI = 3
+ABI = 3  # pdt_abi() of the library this module calls (copy_runs.c's PDT_ABI)
 LIBRARY_NAME = "_copy_runs.so"  # native/build.py builds it (stdlib only, so not imported here)
+LIBRARY_PATH = Path(__file__).resolve().parent / "native" / LIBRARY_NAME
 STREAM_MIN_NBYTES = 1024
 # plans smaller than this stay in the cache (memcpy): the reader is often about to touch them
 STREAM_PLAN_MIN_NBYTES = 256 << 10
 _NEVER = 1 << 62
 _I64P = ctypes.POINTER(ctypes.c_int64)
-
-
-LIBRARY_PATH = Path(__file__).resolve().parent / "native" / LIBRARY_NAME
 
 
 def _load(path: Path = LIBRARY_PATH) -> tuple[ctypes.CDLL | None, str]:
@@ -132,8 +131,8 @@ def _stream_min(total_nbytes: int) -> int:
     return STREAM_MIN_NBYTES if total_nbytes >= STREAM_PLAN_MIN_NBYTES else _NEVER
 
 
-def _array_address(array: np.ndarray) -> int:
-    return array.__array_interface__["data"][0]
+def _array_address(buffer: np.ndarray) -> int:
+    return buffer.__array_interface__["data"][0]
 
 
 def gather_runs(region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray, out: np.ndarray) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -193,3 +194,24 @@ def test_gather_and_scatter_runs_round_trip_and_refuse_a_short_buffer():
         native_copy.gather_runs(region, offset, nbytes, packed[:-1])
     with pytest.raises(ValueError, match="do not fit"):
         native_copy.scatter_runs(landed, offset, nbytes, packed[:-1])
+
+
+@pytest.mark.skipif(not shutil.which(os.environ.get("CC", "cc")), reason="no C compiler here")
+def test_the_build_compiles_a_library_the_loader_accepts(tmp_path):
+    from pd_transfer.transport.native import build
+    library = build.build(tmp_path, quiet=True)
+    assert library == tmp_path / build.LIBRARY_NAME
+    lib, why = native_copy._load(library)
+    assert lib is not None, why
+    assert lib.pdt_abi() == native_copy.ABI
+
+
+def test_a_failing_compiler_is_named_with_its_output(tmp_path, monkeypatch):
+    from pd_transfer.transport.native import build
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with pytest.raises(RuntimeError, match="cannot run the C compiler '/nonexistent/cc'"):
+        build.build(tmp_path, quiet=True)
+    monkeypatch.setenv("CC", f"{sys.executable} -c 'import sys; sys.exit(\"broken compiler\")'")
+    with pytest.raises(RuntimeError, match=r"(?s)failed \(1\):.*broken compiler"):
+        build.build(tmp_path, quiet=True)
+    assert not (tmp_path / build.LIBRARY_NAME).exists()
