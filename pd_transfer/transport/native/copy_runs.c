@@ -64,6 +64,23 @@ static void stream_copy(char *d, const char *s, size_t n) {
 #endif
 }
 
+/* One piece: streamed from stream_min bytes on, else memcpy. */
+static inline void copy_piece(char *d, const char *s, int64_t m, int64_t stream_min) {
+    if (m >= stream_min)
+        stream_copy(d, s, (size_t)m);
+    else
+        memcpy(d, s, (size_t)m);
+}
+
+/* Every call ends here: the streamed bytes are visible to other threads and
+ * processes before the caller reports them landed (a doorbell, a Done). */
+static inline int64_t landed(int64_t nbytes) {
+#ifdef PDT_STREAM
+    _mm_sfence();
+#endif
+    return nbytes;
+}
+
 /* Copy `take` bytes of the plan, starting `skip` bytes into descriptor
  * `first` (bytes counted in piece order). Returns the bytes copied. */
 int64_t pdt_copy_range(int64_t n, const int64_t *src, const int64_t *dst, const int64_t *nbytes,
@@ -95,17 +112,11 @@ int64_t pdt_copy_range(int64_t n, const int64_t *src, const int64_t *dst, const 
                 m = take - done;
             char *d = (char *)(intptr_t)(dst[i] + k * dst_stride[i] + off);
             const char *s = (const char *)(intptr_t)(src[i] + k * src_stride[i] + off);
-            if (m >= stream_min)
-                stream_copy(d, s, (size_t)m);
-            else
-                memcpy(d, s, (size_t)m);
+            copy_piece(d, s, m, stream_min);
             done += m;
         }
     }
-#ifdef PDT_STREAM
-    _mm_sfence();  /* the streamed bytes are visible before the caller reports them landed */
-#endif
-    return done;
+    return landed(done);
 }
 
 /* Copy n runs given as (dst, src, nbytes) triples, each already checked: a
@@ -120,16 +131,10 @@ int64_t pdt_copy_list(int64_t n, const int64_t *runs, int64_t stream_min) {
             __builtin_prefetch((const char *)(intptr_t)runs[3 * (i + PREFETCH_AHEAD) + 1], 0, 0);
         if (m <= 0)
             continue;
-        if (m >= stream_min)
-            stream_copy(d, s, (size_t)m);
-        else
-            memcpy(d, s, (size_t)m);
+        copy_piece(d, s, m, stream_min);
         done += m;
     }
-#ifdef PDT_STREAM
-    _mm_sfence();
-#endif
-    return done;
+    return landed(done);
 }
 
 /* Gather (gather != 0) the runs (offset[i], nbytes[i]) of the region at `region` back
@@ -145,16 +150,11 @@ int64_t pdt_pack(int64_t n, const int64_t *offset, const int64_t *nbytes, int64_
             __builtin_prefetch(run + offset[i + PREFETCH_AHEAD] - offset[i], 0, 0);
         if (m <= 0)
             continue;
-        char *d = gather ? buf : run;
-        const char *s = gather ? run : buf;
-        if (m >= stream_min)
-            stream_copy(d, s, (size_t)m);
+        if (gather)
+            copy_piece(buf, run, m, stream_min);
         else
-            memcpy(d, s, (size_t)m);
+            copy_piece(run, buf, m, stream_min);
         at += m;
     }
-#ifdef PDT_STREAM
-    _mm_sfence();
-#endif
-    return at;
+    return landed(at);
 }
