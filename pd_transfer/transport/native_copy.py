@@ -138,24 +138,31 @@ def _array_address(buffer: np.ndarray) -> int:
 def gather_runs(region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray, out: np.ndarray) -> None:
     """Copy the runs ``(offset, nbytes)`` of ``region`` back to back into ``out`` (checked
     by the caller); plain stores, since ``out`` is about to be read (a staging buffer)."""
-    _packed(offset, nbytes, _array_address(region), out, gather=True)
+    _packed(offset, nbytes, region, out, gather=True)
 
 
 def scatter_runs(region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray,
                  payload: np.ndarray) -> None:
     """Copy ``payload`` (the runs back to back) into the runs ``(offset, nbytes)`` of
     ``region`` (checked by the caller)."""
-    _packed(offset, nbytes, _array_address(region), payload, gather=False)
+    _packed(offset, nbytes, region, payload, gather=False)
 
 
-def _packed(offset: np.ndarray, nbytes: np.ndarray, region: int, buffer: np.ndarray, *,
+def _packed(offset: np.ndarray, nbytes: np.ndarray, region: np.ndarray, buffer: np.ndarray, *,
             gather: bool) -> None:
     offset = np.ascontiguousarray(offset, np.int64)
     nbytes = np.ascontiguousarray(nbytes, np.int64)
     total = int(nbytes.sum())
     if total > buffer.nbytes:
         raise ValueError(f"{total} bytes of runs do not fit a buffer of {buffer.nbytes}")
-    done = _LIB.pdt_pack(len(nbytes), _array_address(offset), _array_address(nbytes), region,
-                         _array_address(buffer), int(gather), _NEVER if gather else _stream_min(total))
+    # the callers checked every run (plans, check_wire); C trusts addresses, so once more
+    # here, cheaply, rather than write outside the region on a bug
+    if len(offset) != len(nbytes) or (len(offset) and (
+            int(offset.min()) < 0 or int(nbytes.min()) < 0
+            or int((offset + nbytes).max()) > region.nbytes)):
+        raise ValueError(f"runs outside the region of {region.nbytes} bytes")
+    done = _LIB.pdt_pack(len(nbytes), _array_address(offset), _array_address(nbytes),
+                         _array_address(region), _array_address(buffer), int(gather),
+                         _NEVER if gather else _stream_min(total))
     if done != total:
         raise RuntimeError(f"native copy moved {done} of {total} bytes")

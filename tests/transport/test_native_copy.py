@@ -194,6 +194,12 @@ def test_gather_and_scatter_runs_round_trip_and_refuse_a_short_buffer():
         native_copy.gather_runs(region, offset, nbytes, packed[:-1])
     with pytest.raises(ValueError, match="do not fit"):
         native_copy.scatter_runs(landed, offset, nbytes, packed[:-1])
+    # runs past the region's end or before its start: refused, nothing written
+    before = landed.copy()
+    for bad in (offset + (1 << 20), offset - int(offset.min()) - 1):
+        with pytest.raises(ValueError, match="outside the region"):
+            native_copy.scatter_runs(landed, bad, nbytes, packed)
+    assert np.array_equal(landed, before)
 
 
 @pytest.mark.skipif(not shutil.which(os.environ.get("CC", "cc")), reason="no C compiler here")
