@@ -73,7 +73,9 @@ def test_engine_accepts_torch_tensors_and_returns_bytes(scenario):
     for plan in sc.plans:
         src = {k: torch.from_numpy(v) for k, v in sc.src(plan).items()}
         dst = {k: torch.from_numpy(v) for k, v in sc.dst(plan).items()}
-        assert CopyEngine(native=False, direct_max_runs=0).execute(plan, src, dst) == plan.total_nbytes
+        for native in {False, native_copy.AVAILABLE}:
+            engine = CopyEngine(native=native, direct_max_runs=0)
+            assert engine.execute(plan, src, dst) == plan.total_nbytes
     assert sc.world.verify(sc.requests) == []
 
 
@@ -159,8 +161,8 @@ def test_engine_guards_with_its_bounce_path_as_well():
     runs = _batch(offsets, np.arange(n) * 64, [64] * n)
     bad = _batch([0], [n * 64 - 32], [64])
     with pytest.raises(TransportError):
-        CopyEngine(native=False, direct_max_runs=0, inline_nbytes=0).execute(_plan(runs, bad), {"s": src},
-                                                                {"d": dst})
+        CopyEngine(native=False, direct_max_runs=0, inline_nbytes=0).execute(
+            _plan(runs, bad), {"s": src}, {"d": dst})
     assert not whole[GUARD:-GUARD].any() and (whole[:GUARD] == 0xAB).all()
 
 
