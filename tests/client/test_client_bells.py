@@ -6,17 +6,14 @@ import pytest
 
 from pd_transfer import doorbell
 from pd_transfer.client.bells import RoomBells
-from pd_transfer.doorbell import Doorbells, Outcome
+from pd_transfer.doorbell import Outcome
 
 pytestmark = pytest.mark.skipif(not doorbell.AVAILABLE, reason="doorbells need Linux on x86-64")
 
 
 @pytest.fixture
-def segment():
-    owned = Doorbells.create("test-client", slots=16)
-    yield owned
-    owned.segment.unlink()
-    owned.close()
+def segment(owned_doorbells):
+    return owned_doorbells("test-client", 16)
 
 
 def test_a_room_offered_a_doorbell_is_waited_for_on_it(segment):

@@ -16,11 +16,8 @@ pytestmark = pytest.mark.skipif(not doorbell.AVAILABLE, reason="doorbells need L
 
 
 @pytest.fixture
-def bells():
-    owned = Doorbells.create("test-decode", slots=64)
-    yield owned
-    owned.segment.unlink()
-    owned.close()
+def bells(owned_doorbells):
+    return owned_doorbells("test-decode", 64)
 
 
 def _ring_from_another_process(name: str, slot: int, token: int, writer: int, delay_s: float = 0.0):
