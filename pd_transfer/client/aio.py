@@ -97,7 +97,7 @@ class AsyncClient:
         request = wire.poll_request(room)
         if self._bells.wait(room, 0.0) is Outcome.RUNG:
             return RoomState(RoomStatus.SUCCESS)
-        return self._seen(room, wire.room_state(request["op"], await self._call(request)))
+        return self._bells.seen(room, wire.room_state(request["op"], await self._call(request)))
 
     async def wait(self, room: int, timeout_s: float) -> RoomState:
         wire.wait_request(room, timeout_s)  # the arguments checked before any sleep
@@ -109,17 +109,12 @@ class AsyncClient:
             timeout_s = max(0.0, deadline - time.monotonic())
         request = wire.wait_request(room, timeout_s)
         reply = await self._call(request, timeout_s=timeout_s + self.timeout_s)
-        return self._seen(room, wire.room_state(request["op"], reply))
+        return self._bells.seen(room, wire.room_state(request["op"], reply))
 
     async def abort(self, room: int) -> bool:
         request = wire.abort_request(room)
         self._bells.forget(room)
         return wire.drained(request["op"], await self._call(request))
-
-    def _seen(self, room: int, state: RoomState) -> RoomState:
-        if state.is_terminal:
-            self._bells.forget(room)
-        return state
 
     # -- lifecycle --------------------------------------------------------------------
     def close(self) -> None:

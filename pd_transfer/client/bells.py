@@ -24,6 +24,7 @@ import logging
 import threading
 from typing import Any
 
+from pd_transfer.client.status import RoomState
 from pd_transfer.doorbell import AVAILABLE, Doorbells, Outcome
 from pd_transfer.errors import PdTransferError
 
@@ -102,6 +103,12 @@ class RoomBells:
 
     def forget(self, room: int) -> None:
         self._rooms.pop(room, None)
+
+    def seen(self, room: int, state: RoomState) -> RoomState:
+        """``state``, the sidecar's answer for ``room``; a terminal one forgets the room."""
+        if state.is_terminal:
+            self.forget(room)
+        return state
 
     def close(self) -> None:
         self._rooms.clear()

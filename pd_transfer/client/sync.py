@@ -127,7 +127,7 @@ class Client:
         request = wire.poll_request(room)
         if self._bells.wait(room, 0.0) is Outcome.RUNG:
             return RoomState(RoomStatus.SUCCESS)
-        return self._seen(room, wire.room_state(request["op"], self._call(request)))
+        return self._bells.seen(room, wire.room_state(request["op"], self._call(request)))
 
     def wait(self, room: int, timeout_s: float) -> RoomState:
         """Block until ``room`` is terminal or ``timeout_s`` passes; the status either way.
@@ -144,12 +144,7 @@ class Client:
             timeout_s = max(0.0, deadline - time.monotonic())
         request = wire.wait_request(room, timeout_s)
         reply = self._call(request, timeout_s=timeout_s + self.timeout_s)
-        return self._seen(room, wire.room_state(request["op"], reply))
-
-    def _seen(self, room: int, state: RoomState) -> RoomState:
-        if state.is_terminal:
-            self._bells.forget(room)
-        return state
+        return self._bells.seen(room, wire.room_state(request["op"], reply))
 
     def abort(self, room: int) -> bool:
         """Abort ``room``. True (drained): no write can land any more, the pages are free."""
