@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.admission import ByteRanges, RoomAdmission, RoomPolicy
-from pd_transfer.transport.iovecs import DIRECT_MIN_NBYTES
+from pd_transfer.transport.iovecs import RECEIVE_DIRECT_MIN_NBYTES
 from pd_transfer.transport.regions import Mapped, RegionMemory, map_one
 from pd_transfer.transport.sockets import (
     Authenticator,
@@ -79,7 +79,7 @@ class TcpReceiver:
 
     def __init__(self, bind_host: str, regions_lookup: RegionLookup | Mapping[str, RegionMemory],
                  *, port: int = 0, max_chunk_nbytes: int = 64 << 20,
-                 inline_nbytes: int = 256 << 10, direct_min_nbytes: int = DIRECT_MIN_NBYTES,
+                 inline_nbytes: int = 256 << 10, direct_min_nbytes: int = RECEIVE_DIRECT_MIN_NBYTES,
                  on_landed: LandedCallback | None = None, auth: Authenticator | None = None,
                  policy: RoomPolicy = RoomPolicy.ANY, handshake_timeout_s: float = 10.0,
                  fence_grace_s: float = 2.0, max_connections: int = 1024) -> None:

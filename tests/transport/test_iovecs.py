@@ -59,3 +59,32 @@ def test_parts_carry_exactly_the_payload(scenario, case, direct_min, stage_nbyte
             scatter_chunk(layout.wire, payload, want_dst)
         for region_id, mapped in got_dst.items():
             assert np.array_equal(mapped.array, expected_dst[region_id]), region_id
+
+
+def _wire_of(run_nbytes: int, count: int = 64):
+    """One chunk of ``count`` runs of ``run_nbytes`` at scattered offsets, both sides."""
+    from pd_transfer.layout.lowering import RunBatch, TransferPlan
+    offsets = np.arange(count, dtype=np.int64)[::-1] * 2 * run_nbytes
+    plan = TransferPlan("p", "d", (RunBatch("src", "dst", offsets, offsets,
+                                            np.full(count, run_nbytes, np.int64),
+                                            np.ones(count, np.int64), 0, 0),))
+    size = 2 * run_nbytes * count
+    return layout_chunks(plan, {"src": size}, 8 << 20)[0], size
+
+
+@pytest.mark.parametrize("run_nbytes, staged_in, staged_out",
+                         [(2048, True, False), (4096, False, False), (512, True, True)])
+def test_default_thresholds_stage_small_runs_on_receipt_first(run_nbytes, staged_in, staged_out):
+    """Sending, the kernel reads 2 KiB runs in place; receiving, they are staged and
+    scattered (the kernel's writes into small scattered runs cost more than its reads);
+    from 4 KiB both sides go in place, below 1 KiB both stage."""
+    from pd_transfer.transport import native_io
+    if not native_io.AVAILABLE:
+        pytest.skip("the thresholds under test are those of the native iovec path")
+    layout, size = _wire_of(run_nbytes)
+    src = {"src": map_one("src", np.zeros(size, np.uint8), "source")}
+    dst = {"dst": map_one("dst", np.zeros(size, np.uint8), "destination")}
+    out = list(source_parts(layout, src, Staging()))
+    into = list(destination_parts(layout.wire, dst, Staging()))
+    assert any(part.staged_nbytes for part in out) is staged_out
+    assert any(part.staged for part in into) is staged_in
