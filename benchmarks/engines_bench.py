@@ -12,6 +12,11 @@ and for each, in one run:
   torch copy_       contiguous copy of the same number of bytes (memory limit)
   raw tcp           Python sockets on 127.0.0.1, 1 MiB ``sendall`` into a
                     receiver process (the loopback limit)
+  raw tcp, iovecs   the case's own pieces through two bare sockets (as many
+                    as pd-transfer's tcp streams), half each: ``sendmsg`` from
+                    the source runs, ``recvmsg`` into the destination runs
+                    (1,024 iovecs a call), no framing or checks: what the
+                    kernel alone charges for scattered pieces (not a target)
   mooncake TE       Mooncake's engine alone (tcp, P2P handshake), the same
                     descriptors via ``batch_transfer_sync_write``, 1,024 a batch
   nixl UCX tcp/shm  NIXL alone (UCX_TLS=tcp, then UCX_TLS=shm): descriptors
@@ -47,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -57,11 +63,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pd_transfer.shm import create_segment, open_segment  # noqa: E402
+from pd_transfer.transport.tcp import DEFAULT_STREAMS  # noqa: E402
 
 MIB = 1 << 20
 SRC_NBYTES, DST_NBYTES = 256 * MIB, 512 * MIB
 CASES = {"a": ("(a) 1 x 256 MiB", 256 * MIB, 1), "b": ("(b) 16,384 x 16 KiB", 16 * 1024, 16384),
          "c": ("(c) 65,536 x 2 KiB", 2048, 65536)}
+RAW_IOV_STREAMS = DEFAULT_STREAMS  # as many sockets as pd-transfer's tcp links have
 MODES = [("pd-transfer tcp", "builtin-tcp", {}),
          ("pd-transfer shm", "builtin-shm", {}),
          ("mooncake TE tcp (engine alone)", "mooncake-raw", {}),
@@ -245,6 +253,71 @@ def raw_tcp_seconds(sizes: list[int], repeats: int) -> dict[int, float]:
     return out
 
 
+def _raw_iov_receiver(port_queue, names: dict, sets_path: str, repeats: int) -> None:
+    from pd_transfer.transport.native_io import recv_iov
+    dst, sets = open_segment(names["dst"]), np.load(sets_path)
+    server = socket.create_server(("127.0.0.1", 0))
+    port_queue.put(server.getsockname()[1])
+    conns = [server.accept()[0] for _ in range(RAW_IOV_STREAMS)]
+    for case in CASES:
+        halves = _halves(_iov(dst.array, sets[f"{case}_dst"], sets[f"{case}_n"]))
+        for _ in range(repeats + 1):
+            _both(recv_iov, conns, halves)
+            conns[0].sendall(b"k")
+
+
+def _iov(region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    iov = np.empty((len(offset), 2), np.uint64)
+    iov[:, 0], iov[:, 1] = offset + region.__array_interface__["data"][0], nbytes
+    return iov
+
+
+def _halves(iov: np.ndarray) -> list[np.ndarray]:
+    """The pieces cut into one share per stream (a single piece: all on the first)."""
+    return np.array_split(iov, RAW_IOV_STREAMS) if len(iov) > 1 else [iov]
+
+
+def _both(call, conns: list[socket.socket], shares: list[np.ndarray]) -> None:
+    """``call(conn, share)`` on every stream at once, one thread each (the GIL is released)."""
+    threads = [threading.Thread(target=call, args=(conn, share))
+               for conn, share in zip(conns[1:], shares[1:])]
+    for thread in threads:
+        thread.start()
+    call(conns[0], shares[0])
+    for thread in threads:
+        thread.join()
+
+
+def raw_iov_seconds(names: dict, sets_path: str, src, dst, repeats: int) -> dict[str, float]:
+    """Per case: the case's pieces through bare loopback sockets (as many as pd-transfer's
+    tcp streams), straight from the source runs into the destination runs."""
+    from pd_transfer.transport.native_io import AVAILABLE, send_iov
+    if not AVAILABLE:
+        return {}
+    ctx = mp.get_context("spawn")
+    ports = ctx.Queue()
+    child = ctx.Process(target=_raw_iov_receiver, args=(ports, names, sets_path, repeats),
+                        daemon=True)
+    child.start()
+    port = ports.get(timeout=60)
+    conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(RAW_IOV_STREAMS)]
+    sets, out = np.load(sets_path), {}
+    for case in CASES:
+        halves = _halves(_iov(src.array, sets[f"{case}_src"], sets[f"{case}_n"]))
+        dst.array[:] = 0
+
+        def once(halves=halves) -> None:
+            _both(send_iov, conns, halves)
+            if conns[0].recv(1) != b"k":
+                raise SystemExit("raw iovec receiver went away")
+        out[case] = statistics.median(_timed(once, repeats, budget_s=1e9))
+        check(case, src, dst, sets)
+    for conn in conns:
+        conn.close()
+    child.join(10)
+    return out
+
+
 def copy_seconds(nbytes: int, repeats: int) -> float:
     a, b = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
     return statistics.median(_timed(lambda: b.copy_(a), repeats))
@@ -351,6 +424,7 @@ def report(repeats: int, names: dict, sets_path: str, src, dst, sets) -> None:
     totals = {case: int(sets[f"{case}_n"].sum()) for case in CASES}
     copy = {n: copy_seconds(n, repeats) for n in set(totals.values())}
     raw = raw_tcp_seconds(sorted(set(totals.values())), repeats)
+    raw_iov = raw_iov_seconds(names, sets_path, src, dst, repeats)
     results: dict[str, dict] = {}
     chosen: dict = {}
     for index in range(0, len(MODES), 2):  # (engine alone, pd-transfer) pairs, one env each
@@ -366,6 +440,8 @@ def report(repeats: int, names: dict, sets_path: str, src, dst, sets) -> None:
     for case, (title, _, _) in CASES.items():
         total = totals[case]
         rows = [("torch copy_ (contiguous)", copy[total]), ("raw tcp (1 MiB sendall)", raw[total])]
+        if case in raw_iov:
+            rows.append(("raw tcp, 2 sockets, the case's iovecs", raw_iov[case]))
         rows += [(label, results[label][case]) for label, _, _ in MODES]
         for i, (label, seconds) in enumerate(rows):
             first = title if i == 0 else ""
