@@ -21,7 +21,7 @@ from pd_transfer.client.errors import BadReply, Refused
 from pd_transfer.client.status import RoomState, RoomStatus, reason_of
 from pd_transfer.layout.geometry import RankGeometry
 from pd_transfer.protocol.geometry_codec import geometry_to_data
-from pd_transfer.protocol.worker_api import WorkerOp
+from pd_transfer.protocol.worker_api import MAX_WAIT_S, WorkerOp
 
 Request = dict[str, Any]
 
@@ -115,8 +115,9 @@ def poll_request(room: int) -> Request:
 
 
 def wait_request(room: int, timeout_s: float) -> Request:
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s < 0:
-        raise ValueError(f"timeout_s: expected a non-negative number, got {timeout_s!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+            or not 0 <= timeout_s <= MAX_WAIT_S:  # (NaN compares False)
+        raise ValueError(f"timeout_s: expected seconds in [0, {MAX_WAIT_S:.0f}], got {timeout_s!r}")
     return {"op": WorkerOp.WAIT.value, "room": room_id(room), "timeout_s": float(timeout_s)}
 
 

@@ -34,6 +34,7 @@ Sans-IO: no sockets here.
 from __future__ import annotations
 
 import enum
+import math
 from typing import Any
 
 import msgpack
@@ -44,6 +45,7 @@ MAX_REQUEST_NBYTES = 64 * 1024 * 1024
 MAX_INDICES = 1 << 22
 MAX_INDEX = (1 << 62) - 1      # page, slot and row indices (int64 arithmetic stays exact)
 MAX_ROOM = (1 << 64) - 1       # room ids are unsigned 64-bit, as on the wire
+MAX_WAIT_S = 86400.0           # one wait's timeout (rooms time out long before)
 
 
 class WorkerOp(enum.Enum):
@@ -113,6 +115,10 @@ def _validated(op: WorkerOp, message: dict[str, Any]) -> dict[str, Any]:
     if "room" in message and not 0 <= message["room"] <= MAX_ROOM:
         raise WorkerApiError(f"at $.room: expected an int in [0, 2**64), got {message['room']}",
                              code=Reason.BAD_FIELD)
+    timeout_s = message.get("timeout_s")
+    if op is WorkerOp.WAIT and not (math.isfinite(timeout_s) and 0 <= timeout_s <= MAX_WAIT_S):
+        raise WorkerApiError(f"at $.timeout_s: expected seconds in [0, {MAX_WAIT_S:.0f}], got "
+                             f"{timeout_s!r}", code=Reason.BAD_FIELD)
     for name in _INDEX_FIELDS:
         value = message.setdefault(name, [])
         if not isinstance(value, list) or not all(

@@ -101,6 +101,13 @@ def test_negative_page_is_refused_before_sending(sidecar, client):
     assert sidecar.requests == []
 
 
+@pytest.mark.parametrize("timeout_s", [float("nan"), float("inf"), -0.5, 1e9])
+def test_a_wait_timeout_that_is_no_duration_is_refused_before_sending(sidecar, client, timeout_s):
+    with pytest.raises(ValueError, match=r"timeout_s: expected seconds in \[0, 86400\]"):
+        client.wait(1, timeout_s)
+    assert sidecar.requests == []
+
+
 def test_poll_returns_the_status_and_a_failure_reason(sidecar, client):
     sidecar.script = lambda op, m: {"ok": True, "status": "failed", "code": "peer_lost",
                                     "reason": "prefill peer prefill[pp0,tp1] lost"}

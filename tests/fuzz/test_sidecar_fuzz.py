@@ -240,6 +240,16 @@ def test_a_negative_room_id_is_refused_at_expect(cluster):
     assert err.value.code_text == "bad_field" and "$.room" in err.value.reason
 
 
+@pytest.mark.parametrize("timeout_s", [float("nan"), float("inf"), -1.0, 1e300])
+def test_a_wait_timeout_that_is_no_duration_is_refused_naming_the_field(cluster, timeout_s):
+    """NaN once reached the room's timer as an internal error (found by fuzz_sidecar.py)."""
+    client = cluster.clients[_prefill(cluster)]
+    with pytest.raises(Refused) as err:
+        client._call({"op": "wait", "room": 6, "timeout_s": timeout_s})
+    assert err.value.code_text == "bad_field" and "$.timeout_s" in err.value.reason
+    _alive(cluster)
+
+
 def test_after_the_fuzz_a_room_between_the_same_sidecars_is_byte_exact(cluster):
     _alive(cluster)
     requests = kv_requests([0, 5, 9, 15], [3, 2, 1, 0])
