@@ -98,7 +98,8 @@ class SidecarMetrics:
                               ["role", "side", "reason"], registry=r)
         self.heartbeat_misses = Counter("pd_transfer_heartbeat_misses",
                                         "Peers declared lost (missed heartbeats, or a connection "
-                                        "that closed and did not come back).",
+                                        "that closed and did not come back); `peer=\"-\"`: "
+                                        "sessions lost before they registered.",
                                         ["role", "peer"], registry=r)
         self.bad_frames = Counter("pd_transfer_bad_frames", "Bad frames received, by reason.",
                                   ["role", "reason"], registry=r)

@@ -50,6 +50,8 @@ class Channel:
         # up, and always on the listening side (a ROUTER's events do not name the peer)
         self.disconnected_s: float | None = None
         self.on_bad_frame: Callable[[str], None] = lambda reason: None
+        # why this side ended the session (it sent the peer a Close), None otherwise
+        self.refusal: PdTransferError | None = None
 
     async def send(self, message: Message) -> None:
         frame = self.session.send(message)
@@ -71,7 +73,7 @@ class Channel:
             except Exception:  # the session may refuse once failed; the peer is gone anyway
                 log.debug("peer %s: could not send the error reply", self.label)
             if isinstance(err.reply, Close):
-                self.closed = True
+                self.closed, self.refusal = True, err
             return
         except ProtocolError as err:
             # a frame the codec knows but no session may carry (a bootstrap message
@@ -83,6 +85,7 @@ class Channel:
                 await self._write(encode(Close(reason=err.code, reason_text=str(err)[:4000])))
             except Exception:
                 log.debug("peer %s: could not send the refusal", self.label)
+            self.closed, self.refusal = True, err  # the peer was sent a Close: the session is over
             return
         if isinstance(event, Dropped):
             log.info("peer %s: dropped %s: %s", self.label, event.code.value, event.text)
@@ -188,8 +191,10 @@ class IncomingChannels:
     """The ROUTER prefill listens on; a session per connecting decode peer."""
 
     def __init__(self, context: zmq.asyncio.Context, host: str, port: int, role: Role, *,
-                 on_bad_frame: Callable[[str], None] = lambda reason: None) -> None:
+                 on_bad_frame: Callable[[str], None] = lambda reason: None,
+                 on_refused: Callable[[IncomingChannel], None] = lambda channel: None) -> None:
         self._on_bad_frame = on_bad_frame
+        self._on_refused = on_refused
         security = security_of(context)
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -223,6 +228,9 @@ class IncomingChannels:
                 await channel.receive(frame, on_message)
             except Exception:
                 log.exception("peer %s: handler failed", channel.label)
+            if channel.refusal is not None:  # this side sent a Close: forget the session (a
+                channel.close()                 # peer sending bad frames, each from a new
+                self._on_refused(channel)       # identity, must not pile sessions up)
 
     def close(self) -> None:
         self.socket.close(linger=0)

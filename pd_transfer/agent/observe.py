@@ -18,6 +18,8 @@ from pd_transfer.metrics import SidecarMetrics
 from pd_transfer.protocol import RoomStatus
 
 PEER_STATES = ("connecting", "accepted", "rejected", "lost")
+MAX_PAST_PEERS = 64    # records of peers rejected or lost, kept for /status (oldest go first)
+UNREGISTERED = "-"     # the peer label of a session lost before it registered
 _MODE_ORDER = ("sliced", "replicated", "converted", "direct")
 STRATEGIES = ("direct", "staged")  # transport.strategy.Strategy's values
 
@@ -53,6 +55,20 @@ class Observer:
             record.transport = transport
         if modes:
             record.mode = next((m for m in _MODE_ORDER if m in modes), modes[0])
+        if state in ("rejected", "lost"):
+            self._prune()
+
+    def _prune(self) -> None:
+        """Keep the newest :data:`MAX_PAST_PEERS` records of past peers: peers that come
+        and go (restarts, or a stream of bogus sessions) must not grow the book forever."""
+        past = [key for key, record in self.peers.items() if record.state in ("rejected", "lost")]
+        for key in past[:max(0, len(past) - MAX_PAST_PEERS)]:
+            record = self.peers.pop(key)
+            if not any(r.peer == record.peer for r in self.peers.values()):
+                try:
+                    self.metrics.heartbeat_age.remove(self.role, record.peer)
+                except KeyError:
+                    pass  # never scraped
 
     def _key_of(self, peer: str) -> str:
         """The record of ``peer`` (a rank id) that was touched last, else the rank id."""
@@ -112,10 +128,18 @@ class Observer:
     def abort(self, side: str, reason: str) -> None:
         self.metrics.aborts.labels(self.role, side, reason).inc()
 
-    def lost(self, peer: str, why: str, channel=None) -> None:
-        self.metrics.heartbeat_misses.labels(self.role, peer).inc()
+    def lost(self, peer: str, why: str, channel=None, *, missed: bool = True) -> None:
+        """``peer``'s session is gone: silent or disconnected (``missed``), or closed by
+        this side over a bad frame. A session that never registered has no record: only
+        the count, under the label ``-``."""
         key = (channel.label if channel is not None else "") or self._key_of(peer)
-        if key in self.peers and self.peers[key].state == "rejected":
+        if key not in self.peers:
+            if missed:
+                self.metrics.heartbeat_misses.labels(self.role, UNREGISTERED).inc()
+            return
+        if missed:
+            self.metrics.heartbeat_misses.labels(self.role, peer).inc()
+        if self.peers[key].state == "rejected":
             return  # a rejected peer that went away stays rejected: that is what to fix
         if channel is not None and self.peers.get(key, PeerRecord(peer)).channel not in (None, channel):
             return  # an old session of a peer whose new session owns the record now
@@ -193,5 +217,6 @@ class Observer:
         return {"agent_id": sidecar.config.agent_id, "role": self.role,
                 "rank": geometry.rank_id if geometry else None,
                 "ready": self.ready()[0], "copies": sidecar.dataplane.copies,
+                "control_sessions": len(sidecar.control.channels) if sidecar.control else None,
                 "peers": peers, "rooms_by_status": sidecar.rooms.counts(),
                 "rooms": rooms}

@@ -90,7 +90,8 @@ class Sidecar:
         if self.config.role is Role.PREFILL:
             self.control = IncomingChannels(self.context, self.config.control_host,
                                             self.config.control_port, Role.PREFILL,
-                                            on_bad_frame=self.observe.bad_frame)
+                                            on_bad_frame=self.observe.bad_frame,
+                                            on_refused=self._on_control_refused)
             self._spawn(self.control.serve(self._on_control))
         self.http = HttpServer(self.config.http_host, self.config.http_port,
                                metrics=self.observe.render, ready=self.observe.ready,
@@ -275,6 +276,16 @@ class Sidecar:
     async def _on_control(self, channel: Channel, message) -> None:
         self.watch_once(channel)
         await self.side.on_message(channel, message)
+
+    def _on_control_refused(self, channel: Channel) -> None:
+        """This sidecar closed a decode peer's session over a bad frame: its rooms fail
+        with that reason now (not at their timeout), and nothing of it is kept."""
+        refusal = channel.refusal
+        self.observe.lost(channel.peer_rank or channel.label,
+                          f"session closed after a bad frame: {refusal}", channel, missed=False)
+        text = str(refusal).replace("{", "{{").replace("}", "}}")
+        self.side.release_peer(channel, refusal.code,
+                               f"decode peer {{}}: session closed after a bad frame: {text}")
 
     # -- peers and timers ----------------------------------------------------------
     def capabilities(self) -> Capabilities:

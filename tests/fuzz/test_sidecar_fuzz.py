@@ -11,6 +11,7 @@ sidecars is byte-exact (oracle). The frames sent are printed in the terminal
 summary ("sidecar fuzz: ...") and recorded as the ``frames_sent`` property.
 """
 
+import json
 import time
 
 import msgpack
@@ -238,6 +239,28 @@ def test_a_negative_room_id_is_refused_at_expect(cluster):
     with pytest.raises(Refused) as err:
         client._call({"op": "expect", "room": -5, "bootstrap": cluster.bootstrap, "pages": [0]})
     assert err.value.code_text == "bad_field" and "$.room" in err.value.reason
+
+
+def test_sessions_refused_or_gone_silent_leave_nothing_behind(cluster):
+    """Each session the sidecar closes over a bad frame, and each that said Hello and went
+    silent, is forgotten: fuzz_sidecar.py once grew the prefill sidecar by 1 GB a minute
+    (every refused session kept, with its peer entry and the errors' tracebacks)."""
+    prefill = _prefill(cluster)
+
+    def held() -> tuple[int, int]:
+        status = json.loads(cluster.http(prefill, "/status")[1])
+        return status["control_sessions"], len(status["peers"])
+
+    wait_for(lambda: held()[0] <= 1, 5, "the earlier tests' sessions gone")  # the decode peer's
+    before = held()
+    sessions = FreshSessions("control", cluster.ready[prefill]["control_address"])
+    for i in range(150):  # Hello, then a frame the session refuses with a Close
+        bad = encode(TableRequest(agent_id=f"lost-{i}")) if i % 2 else b"\xc1" * (i % 7 + 1)
+        assert sessions.send(bad, after_hello=True) == "counted"
+    for _ in range(20):   # Hello, then silence: lost after 5 heartbeats of 0.2 s
+        assert sessions.send(HELLO, after_hello=False) == "accepted"
+    wait_for(lambda: held() == before, 10, f"sessions and peers back to {before}")
+    _alive(cluster)
 
 
 @pytest.mark.parametrize("timeout_s", [float("nan"), float("inf"), -1.0, 1e300])
