@@ -13,6 +13,7 @@ prefill checks a peer's region handles and binds a room to the decode
 instance that asked for it first (issue 5, item 2).
 """
 
+import json
 import time
 
 import numpy as np
@@ -196,6 +197,35 @@ def test_a_peer_cannot_join_the_room_of_another_peer(cluster):
         written = {r: int(np.count_nonzero(a)) for r, a in own.arrays.items() if np.any(a)}
         assert written == {}, f"the victim's room was written into the intruder's regions: {written}"
         assert done is not None and done.reason is Reason.DUPLICATE_ROOM
+    finally:
+        intruder.close()
+        own.close()
+
+
+def test_a_peer_refused_over_a_bad_frame_fails_its_rooms_at_once(cluster):
+    """Prefill answers a bad frame with a Close: the session is over, and the rooms it
+    asked for fail right then with the refusal, instead of at their timeout."""
+    rank, prefill_rank = cluster.decode[0], cluster.prefill[0].rank_id
+    prefill = cluster.clients[prefill_rank]
+    own = allocate_pools(rank, f"t{cluster._tag}-refused")
+    intruder = Intruder(cluster.ready[prefill_rank]["control_address"])
+    try:
+        verdict = intruder.join(Register(
+            agent_id="refused-0", host_id=default_host_id(), geometry=rank,
+            region_handles=tuple(RegionHandle(r, h) for r, h in own.handles.items())))
+        assert verdict is not None and verdict.accepted
+        intruder.send(TransferRequest(room=21, generation=1, dst=(PoolIndices(Pool.KV, (1, 2)),),
+                                      src_ranks=(prefill_rank,)))
+        # (bootstrapping: prefill waits for the other decode rank's request too)
+        wait_status(prefill, 21, [RoomStatus.BOOTSTRAPPING, RoomStatus.WAITING_FOR_INPUT], 5)
+        intruder.socket.send(b"\xc1")  # no msgpack at all
+        state = wait_status(prefill, 21, TERMINAL, timeout_s=2)
+        assert state.status is RoomStatus.FAILED and state.code_text == "bad_frame"
+        assert "session closed after a bad frame" in state.reason
+        status = json.loads(cluster.http(prefill_rank, "/status")[1])
+        record = next(p for p in status["peers"] if p["peer"] == rank.rank_id
+                      and "bad frame" in p["reason"])
+        assert record["state"] == "lost"
     finally:
         intruder.close()
         own.close()
