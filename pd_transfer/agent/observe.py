@@ -141,7 +141,7 @@ class Observer:
             self.metrics.heartbeat_misses.labels(self.role, peer).inc()
         if self.peers[key].state == "rejected":
             return  # a rejected peer that went away stays rejected: that is what to fix
-        if channel is not None and self.peers.get(key, PeerRecord(peer)).channel not in (None, channel):
+        if channel is not None and self.peers[key].channel not in (None, channel):
             return  # an old session of a peer whose new session owns the record now
         self.peer(peer, "lost", why, channel)
 

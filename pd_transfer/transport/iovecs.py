@@ -8,8 +8,8 @@ are gathered into a staging buffer first (small iovecs cost more than a copy).
 
 Receiver, :func:`destination_parts`: the same rule per stretch of a checked
 chunk's runs (:class:`~.packing.WireRuns`) of one region, with a higher
-threshold (4 KiB natively, against 1 KiB sending: the kernel writes small
-scattered runs worse than it reads them): long runs are received in place,
+threshold (4 KiB with the native copy loop, against 1 KiB sending: the kernel
+writes small scattered runs worse than it reads them): long runs are received in place,
 short ones into the staging buffer and then scattered (:func:`finish`).
 
 Both yield the payload in *parts* (:class:`Part`: one ``sendmsg`` or
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pd_transfer.transport import native_io
+from pd_transfer.transport import native_copy, native_io
 from pd_transfer.transport.native_io import IOV_MAX
 from pd_transfer.transport.packing import ChunkLayout, WireRuns, gather_pieces, scatter_pieces
 from pd_transfer.transport.regions import Mapped
@@ -45,8 +45,8 @@ from pd_transfer.transport.regions import Mapped
 DIRECT_MIN_NBYTES = 1024 if native_io.AVAILABLE else 4096
 # receiving, the kernel's copy into scattered 2 KiB runs reads each destination line before
 # writing it; received into the staging buffer and scattered with streaming stores
-# (:mod:`.native_copy`), 65,536 random 2 KiB runs landed 5-15% sooner (2 streams, loopback)
-RECEIVE_DIRECT_MIN_NBYTES = 4096
+# (:mod:`.native_copy`), 65,536 random 2 KiB runs landed 4-14% sooner (2 streams, loopback)
+RECEIVE_DIRECT_MIN_NBYTES = 4096 if native_copy.AVAILABLE else DIRECT_MIN_NBYTES
 STAGE_NBYTES = 2 << 20
 
 

@@ -78,9 +78,9 @@ def test_default_thresholds_stage_small_runs_on_receipt_first(run_nbytes, staged
     """Sending, the kernel reads 2 KiB runs in place; receiving, they are staged and
     scattered (the kernel's writes into small scattered runs cost more than its reads);
     from 4 KiB both sides go in place, below 1 KiB both stage."""
-    from pd_transfer.transport import native_io
-    if not native_io.AVAILABLE:
-        pytest.skip("the thresholds under test are those of the native iovec path")
+    from pd_transfer.transport import native_copy, native_io
+    if not (native_io.AVAILABLE and native_copy.AVAILABLE):
+        pytest.skip("the thresholds under test are those of the native iovec path and copy loop")
     layout, size = _wire_of(run_nbytes)
     src = {"src": map_one("src", np.zeros(size, np.uint8), "source")}
     dst = {"dst": map_one("dst", np.zeros(size, np.uint8), "destination")}
