@@ -142,6 +142,12 @@ class Intruder:
         self.socket.send(encode(register))
         return self.until(Verdict, 5.0)
 
+    def join_with(self, agent_id: str, rank, pools) -> Verdict | None:
+        """Register ``rank``'s geometry over pools of the intruder's own."""
+        return self.join(Register(
+            agent_id=agent_id, host_id=default_host_id(), geometry=rank,
+            region_handles=tuple(RegionHandle(r, h) for r, h in pools.handles.items())))
+
     def until(self, kind, timeout_s: float):
         deadline = time.monotonic() + timeout_s
         while self.socket.poll(max(0, int((deadline - time.monotonic()) * 1000))):
@@ -178,9 +184,7 @@ def test_a_peer_cannot_join_the_room_of_another_peer(cluster):
     own = allocate_pools(rank, f"t{cluster._tag}-intruder")
     intruder = Intruder(cluster.ready[prefill_rank]["control_address"])
     try:
-        verdict = intruder.join(Register(
-            agent_id="intruder-1", host_id=default_host_id(), geometry=rank,
-            region_handles=tuple(RegionHandle(r, h) for r, h in own.handles.items())))
+        verdict = intruder.join_with("intruder-1", rank, own)
         assert verdict is not None and verdict.accepted  # a well-formed peer: accepted
         requests = kv_requests([1, 2, 3], [4, 5, 6])
         cluster.expect(9, requests)
@@ -210,9 +214,7 @@ def test_a_peer_refused_over_a_bad_frame_fails_its_rooms_at_once(cluster):
     own = allocate_pools(rank, f"t{cluster._tag}-refused")
     intruder = Intruder(cluster.ready[prefill_rank]["control_address"])
     try:
-        verdict = intruder.join(Register(
-            agent_id="refused-0", host_id=default_host_id(), geometry=rank,
-            region_handles=tuple(RegionHandle(r, h) for r, h in own.handles.items())))
+        verdict = intruder.join_with("refused-0", rank, own)
         assert verdict is not None and verdict.accepted
         intruder.send(TransferRequest(room=21, generation=1, dst=(PoolIndices(Pool.KV, (1, 2)),),
                                       src_ranks=(prefill_rank,)))
