@@ -280,6 +280,8 @@ class Sidecar:
     def _on_control_refused(self, channel: Channel) -> None:
         """This sidecar closed a decode peer's session over a bad frame: its rooms fail
         with that reason now (not at their timeout), and nothing of it is kept."""
+        if id(channel) not in self.side.peers:
+            return  # refused at its first frame: it holds nothing (and rooms need no scan)
         refusal = channel.refusal
         self.observe.lost(channel.peer_rank or channel.label,
                           f"session closed after a bad frame: {refusal}", channel, missed=False)
