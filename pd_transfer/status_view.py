@@ -28,6 +28,8 @@ def render_status(status: dict) -> str:
                  if any(status["rooms_by_status"].values()) else "rooms: none")
     if status.get("copies"):  # absent from sidecars before it was reported
         lines.append(f"copies: {status['copies']}")
+    if status.get("control_sessions") is not None:  # prefill only (and newer sidecars)
+        lines.append(f"control sessions: {status['control_sessions']}")
     lines += ["", f"{'peer':<22}{'state':<12}{'transport':<11}{'mode':<12}{'heard':>8}  reason"]
     for peer in status["peers"] or []:
         heard = "-" if peer["last_heard_s"] is None else f"{peer['last_heard_s']:.1f}s"

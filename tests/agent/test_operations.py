@@ -121,6 +121,7 @@ def test_status_command_prints_peers_and_rooms(cluster_factory):
     assert "decode[pp0,tp0]" in result.stdout and "accepted" in result.stdout
     from pd_transfer.transport import native_copy
     assert f"copies: {native_copy.describe(native_copy.AVAILABLE)}" in result.stdout
+    assert "control sessions: 1" in result.stdout  # the decode peer's
     unreachable = subprocess.run([sys.executable, "-m", "pd_transfer.cli", "status", "--addr",
                                   "127.0.0.1:1"], capture_output=True, text=True, timeout=30)
     assert unreachable.returncode == 2 and "cannot read http://127.0.0.1:1/status" in unreachable.stderr
