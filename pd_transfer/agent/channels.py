@@ -50,8 +50,10 @@ class Channel:
         # up, and always on the listening side (a ROUTER's events do not name the peer)
         self.disconnected_s: float | None = None
         self.on_bad_frame: Callable[[str], None] = lambda reason: None
-        # why this side ended the session (it sent the peer a Close), None otherwise
+        # why this side ended the session (it sent the peer a Close), None otherwise; an
+        # outgoing channel then calls on_refused(channel) once its reader stops
         self.refusal: PdTransferError | None = None
+        self.on_refused: Callable[[Channel], None] = lambda channel: None
 
     async def send(self, message: Message) -> None:
         frame = self.session.send(message)
@@ -156,6 +158,8 @@ class OutgoingChannel(Channel):
                 await self.receive(frame, on_message)
             except Exception:
                 log.exception("peer %s: handler failed", self.label)
+        if self.refusal is not None:
+            self.on_refused(self)
 
     def close(self, linger_ms: int = 0) -> None:
         """Stop the session; ``linger_ms`` lets frames already sent (a Close) leave first."""

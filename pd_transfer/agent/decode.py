@@ -239,8 +239,9 @@ class DecodeSide:
                    RoomStatus.TRANSFERRING: "the transfer did not finish"}[room.status]
         self._fail(room, Reason.TIMEOUT, f"room {room.room} timed out in {room.status.value}: {waiting}")
 
-    def _on_peer_lost(self, instance: PrefillInstance, peer: PrefillPeer, text: str) -> None:
+    def _on_peer_lost(self, instance: PrefillInstance, peer: PrefillPeer, text: str,
+                      code: Reason = Reason.PEER_LOST) -> None:
         for room in self.sidecar.rooms.live():
             if isinstance(room, DecodeRoom) and room.instance is instance and peer.rank_id in room.sources:
                 # not counted as drained: a silent peer might still write (fail closed)
-                self._fail(room, Reason.PEER_LOST, f"room {room.room}: {text}")
+                self._fail(room, code, f"room {room.room}: {text}")

@@ -72,7 +72,7 @@ class PrefillInstances:
 
     def __init__(self, sidecar, bells: RoomBells,
                  on_room_message: Callable[[PrefillPeer, object], None],
-                 on_peer_lost: Callable[[PrefillInstance, PrefillPeer, str], None]) -> None:
+                 on_peer_lost: Callable[[PrefillInstance, PrefillPeer, str, Reason], None]) -> None:
         self.sidecar = sidecar
         self.bells = bells
         self.instances: dict[str, asyncio.Task] = {}
@@ -174,6 +174,7 @@ class PrefillInstances:
             sidecar.observe.peer(rank_id, "connecting", channel=channel)
             peer = PrefillPeer(rank_id, channel, asyncio.get_running_loop().create_future())
             instance.peers[rank_id] = peer
+            channel.on_refused = lambda ch, i=instance, p=peer: self._on_refused(i, p)
             channel.start(lambda ch, msg, p=peer, i=instance: self._on_message(i, p, msg))
             await channel.send(Hello(agent_id=self.config.agent_id, role=Role.DECODE,
                                      capabilities=sidecar.capabilities()))
@@ -224,13 +225,24 @@ class PrefillInstances:
         elif isinstance(message, (Register, Heartbeat)):
             pass
 
-    def _on_lost(self, instance: PrefillInstance, peer: PrefillPeer, why: str) -> None:
+    def _on_lost(self, instance: PrefillInstance, peer: PrefillPeer, why: str, *,
+                 code: Reason = Reason.PEER_LOST, text: str = "") -> None:
         if not instance.lost:
             instance.lost, instance.lost_s = True, time.monotonic()
             self.retired.append(instance)
         instance.lost_ranks.add(peer.rank_id)
-        text = f"lost prefill peer {peer.channel.label}: {why}"
+        text = text or f"lost prefill peer {peer.channel.label}: {why}"
         if not peer.verdict.done():
-            peer.verdict.set_exception(PdTransferError(text, code=Reason.PEER_LOST))
-        self._on_peer_lost(instance, peer, text)
+            peer.verdict.set_exception(PdTransferError(text, code=code))
+        self._on_peer_lost(instance, peer, text, code)
+
+    def _on_refused(self, instance: PrefillInstance, peer: PrefillPeer) -> None:
+        """This side closed the session over a bad frame from ``peer``: its rooms (and a
+        verdict still awaited) fail now with that reason, and the instance is resolved
+        afresh for the next room, as for a lost peer."""
+        refusal = peer.channel.refusal
+        why = f"session closed after a bad frame from it: {refusal}"
+        self.sidecar.observe.lost(peer.rank_id, why, peer.channel, missed=False)
+        self._on_lost(instance, peer, why, code=refusal.code,
+                      text=f"prefill peer {peer.channel.label}: {why}")
 
