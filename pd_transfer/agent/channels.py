@@ -158,7 +158,8 @@ class OutgoingChannel(Channel):
                 await self.receive(frame, on_message)
             except Exception:
                 log.exception("peer %s: handler failed", self.label)
-        if self.refusal is not None:
+        if self.refusal is not None:  # this side sent a Close: let it leave, read no more
+            self.close(linger_ms=REFUSAL_LINGER_MS)
             self.on_refused(self)
 
     def close(self, linger_ms: int = 0) -> None:

@@ -8,6 +8,7 @@ room that asked for the instance must fail at once with the refusal, not at
 the bootstrap timeout, and the next room must find a fresh session.
 """
 
+import os
 import threading
 import time
 
@@ -82,5 +83,30 @@ def test_a_room_fails_at_once_when_decode_refuses_its_prefill_peer(deployment, f
             assert state.status is RoomStatus.FAILED and state.code_text == code
             assert "session closed after a bad frame from it" in state.reason
         assert fake.heard.count("Close") == 2  # decode said so on both sessions
+    finally:
+        fake.close()
+
+
+def test_refused_sessions_leave_no_socket_open(deployment):
+    """Each refused session's socket is closed: a prefill that keeps sending bad frames
+    must not run a decode sidecar out of descriptors (or ZeroMQ sockets)."""
+    cluster = deployment(tiny_ranks(Role.PREFILL, 1), tiny_ranks(Role.DECODE, 1))
+    decode_rank = cluster.decode[0].rank_id
+    client, pid = cluster.clients[decode_rank], cluster.sidecars[decode_rank].proc.pid
+    fake = FakePrefill(cluster.prefill[0], b"\xc1")
+
+    def open_fds() -> int:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+
+    try:
+        client.expect(40, fake.address, [1])
+        assert client.wait(40, 5).status is RoomStatus.FAILED
+        time.sleep(0.5)  # the Close's linger
+        before = open_fds()
+        for room in range(41, 61):
+            client.expect(room, fake.address, [1])
+            assert client.wait(room, 5).code_text == "bad_frame"
+        time.sleep(0.5)
+        assert open_fds() - before < 10, f"{open_fds() - before} descriptors more after 20 sessions"
     finally:
         fake.close()
