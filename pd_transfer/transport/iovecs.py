@@ -45,7 +45,7 @@ from pd_transfer.transport.regions import Mapped
 DIRECT_MIN_NBYTES = 1024 if native_io.AVAILABLE else 4096
 # receiving, the kernel's copy into scattered 2 KiB runs reads each destination line before
 # writing it; received into the staging buffer and scattered with streaming stores
-# (:mod:`.native_copy`), 65,536 random 2 KiB runs landed 4-14% sooner (2 streams, loopback)
+# (:mod:`.native_copy`), 65,536 random 2 KiB runs landed 4-13% sooner (2 streams, loopback)
 RECEIVE_DIRECT_MIN_NBYTES = 4096 if native_copy.AVAILABLE else DIRECT_MIN_NBYTES
 STAGE_NBYTES = 2 << 20
 
