@@ -50,8 +50,8 @@ class Channel:
         # up, and always on the listening side (a ROUTER's events do not name the peer)
         self.disconnected_s: float | None = None
         self.on_bad_frame: Callable[[str], None] = lambda reason: None
-        # why this side ended the session (it sent the peer a Close), None otherwise; an
-        # outgoing channel then calls on_refused(channel) once its reader stops
+        # why this side ended the session (it sent the peer a Close), None otherwise;
+        # on_refused(channel) is called then, once the session is dropped
         self.refusal: PdTransferError | None = None
         self.on_refused: Callable[[Channel], None] = lambda channel: None
 
@@ -228,14 +228,14 @@ class IncomingChannels:
             channel = self.channels.get(identity)
             if channel is None or channel.closed:
                 channel = self.channels[identity] = IncomingChannel(self, identity, self._role)
-                channel.on_bad_frame = self._on_bad_frame
+                channel.on_bad_frame, channel.on_refused = self._on_bad_frame, self._on_refused
             try:
                 await channel.receive(frame, on_message)
             except Exception:
                 log.exception("peer %s: handler failed", channel.label)
             if channel.refusal is not None:  # this side sent a Close: forget the session (a
                 channel.close()                 # peer sending bad frames, each from a new
-                self._on_refused(channel)       # identity, must not pile sessions up)
+                channel.on_refused(channel)     # identity, must not pile sessions up)
 
     def close(self) -> None:
         self.socket.close(linger=0)

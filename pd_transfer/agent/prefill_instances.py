@@ -225,16 +225,8 @@ class PrefillInstances:
         elif isinstance(message, (Register, Heartbeat)):
             pass
 
-    def _on_lost(self, instance: PrefillInstance, peer: PrefillPeer, why: str, *,
-                 code: Reason = Reason.PEER_LOST, text: str = "") -> None:
-        if not instance.lost:
-            instance.lost, instance.lost_s = True, time.monotonic()
-            self.retired.append(instance)
-        instance.lost_ranks.add(peer.rank_id)
-        text = text or f"lost prefill peer {peer.channel.label}: {why}"
-        if not peer.verdict.done():
-            peer.verdict.set_exception(PdTransferError(text, code=code))
-        self._on_peer_lost(instance, peer, text, code)
+    def _on_lost(self, instance: PrefillInstance, peer: PrefillPeer, why: str) -> None:
+        self._end(instance, peer, f"lost prefill peer {peer.channel.label}: {why}", Reason.PEER_LOST)
 
     def _on_refused(self, instance: PrefillInstance, peer: PrefillPeer) -> None:
         """This side closed the session over a bad frame from ``peer``: its rooms (and a
@@ -243,6 +235,16 @@ class PrefillInstances:
         refusal = peer.channel.refusal
         why = f"session closed after a bad frame from it: {refusal}"
         self.sidecar.observe.lost(peer.rank_id, why, peer.channel, missed=False)
-        self._on_lost(instance, peer, why, code=refusal.code,
-                      text=f"prefill peer {peer.channel.label}: {why}")
+        self._end(instance, peer, f"prefill peer {peer.channel.label}: {why}", refusal.code)
+
+    def _end(self, instance: PrefillInstance, peer: PrefillPeer, text: str, code: Reason) -> None:
+        """``peer``'s session is over: the instance counts as lost (resolved again for
+        the next room), and what waited on the peer fails with ``code`` and ``text``."""
+        if not instance.lost:
+            instance.lost, instance.lost_s = True, time.monotonic()
+            self.retired.append(instance)
+        instance.lost_ranks.add(peer.rank_id)
+        if not peer.verdict.done():
+            peer.verdict.set_exception(PdTransferError(text, code=code))
+        self._on_peer_lost(instance, peer, text, code)
 
