@@ -69,7 +69,7 @@ class Cluster:
 
     def _spawn(self, name: str, geometry: RankGeometry, transport: str,
                extra_args: tuple[str, ...]) -> None:
-        endpoint = f"ipc://{self.workdir}/{name}.sock"
+        endpoint = f"unix://{self.workdir}/{name}.sock"
         cmd = [sys.executable, "-m", "pd_transfer.cli", "serve", "--role", geometry.role.value,
                "--agent-id", name, "--worker-endpoint", endpoint, "--transport", transport,
                "--ready-file", str(self.workdir / f"{name}.json"), "--http-port", "0",

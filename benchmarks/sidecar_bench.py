@@ -10,8 +10,9 @@ moving a Llama-3.1-8B request of ``--tokens`` tokens
 1), shm sliced (TP 2 -> 4), tcp direct (TP 1 -> 1); and the p50 latency of a
 1-page room over shm (decode's wait called after the send returned; already in
 flight; in flight with the processes kept warm, rooms back to back instead of 50
-ms apart), beside the round trip of one ZeroMQ ipc message to a process idle as long
-(the messaging floor; a same-host room needs one hop, the send, since the
+ms apart), beside the round trip of one message to a process idle as long, over a Unix
+socket (the workers' endpoints) and ZeroMQ ipc (the messaging floor; a same-host room
+needs one hop, the send, since the
 prefill sidecar rings the decode worker's doorbell) and what 50 ms of idle time
 alone costs one planning call in one process (the host's cold-cache penalty,
 which every hop of an idle room pays). Each transfer is
@@ -115,29 +116,49 @@ while True:
     sock.send_multipart(frames)
 """
 
+_UNIX_ECHO = """
+import os, socket, sys
+listener = socket.socket(socket.AF_UNIX); listener.bind(sys.argv[1]); listener.listen(1)
+conn, _ = listener.accept()
+while True:
+    data = conn.recv(64)
+    if not data or data == b"stop": break
+    conn.sendall(data)
+os.unlink(sys.argv[1])
+"""
 
-def zmq_idle_rtt_ms(workdir: Path, pings: int, idle_s: float = IDLE_S) -> float:
-    """p50 round trip of one tiny ZeroMQ ipc message to another process that was idle for
-    ``idle_s`` (as the sidecars are between the 1-page rooms): the messaging floor. A room
-    crosses three such hops (worker -> prefill -> decode -> worker) plus its reply legs."""
+
+def idle_rtt_ms(workdir: Path, pings: int, kind: str, idle_s: float = IDLE_S) -> float:
+    """p50 round trip of one tiny message to another process that was idle for ``idle_s``
+    (as the sidecars are between the 1-page rooms), over a ZeroMQ ``ipc://`` socket
+    (``kind="zmq"``) or a plain Unix socket (``"unix"``, what the worker endpoint is by
+    default): the messaging floor of a hop."""
     import zmq
-    address = f"ipc://{workdir}/echo.sock"
-    echo = subprocess.Popen([sys.executable, "-c", _ZMQ_ECHO, address])
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.connect(address)
+    path = workdir / f"echo-{kind}.sock"
+    if kind == "zmq":
+        echo = subprocess.Popen([sys.executable, "-c", _ZMQ_ECHO, f"ipc://{path}"])
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.connect(f"ipc://{path}")
+        send, receive, close = sock.send, sock.recv, lambda: sock.close(linger=0)
+    else:
+        echo = subprocess.Popen([sys.executable, "-c", _UNIX_ECHO, str(path)])
+        sock = socket.socket(socket.AF_UNIX)
+        while sock.connect_ex(str(path)) != 0:
+            time.sleep(0.01)
+        send, receive, close = sock.sendall, lambda: sock.recv(64), sock.close
     try:
-        sock.send(b"warm-up")
-        sock.recv()
+        send(b"warm-up")
+        receive()
         times = []
         for _ in range(pings):
             time.sleep(idle_s)
             start = time.perf_counter()
-            sock.send(b"ping")
-            sock.recv()
+            send(b"ping")
+            receive()
             times.append(time.perf_counter() - start)
-        sock.send(b"stop")
+        send(b"stop")
     finally:
-        sock.close(linger=0)
+        close()
         echo.wait()
     return statistics.median(times) * 1e3
 
@@ -159,7 +180,7 @@ class Deployment:
         for geometry in self.prefill + self.decode:
             name = f"{geometry.role.value}{geometry.tp_rank}"
             cmd = [sys.executable, "-m", "pd_transfer.cli", "serve", "--role", geometry.role.value,
-                   "--agent-id", name, "--worker-endpoint", f"ipc://{workdir}/{name}.sock",
+                   "--agent-id", name, "--worker-endpoint", f"unix://{workdir}/{name}.sock",
                    "--transport", transport, "--ready-file", str(workdir / f"{name}.json"),
                    "--http-port", "0", "--log-level", "warning"]
             if geometry.role is Role.PREFILL:
@@ -176,7 +197,7 @@ class Deployment:
             self.pools.append(pools)
             for tensor in pools.tensors.values():
                 tensor.fill_(7)
-            client = Client(f"ipc://{workdir}/{name}.sock", name, timeout_s=60)
+            client = Client(f"unix://{workdir}/{name}.sock", name, timeout_s=60)
             client.register(geometry, pools.handles)
             self.clients[geometry.rank_id] = client
 
@@ -325,7 +346,8 @@ def main() -> None:
     copy = memcpy_gbps(nbytes, args.repeats, args.device)
     tcp = statistics.median(tcp_rates) if tcp_rates else raw_tcp_gbps(nbytes, 3)
     latency = one_page_latency_ms(workdir, 200, args.device) if args.only != "tcp" else None
-    rtt = zmq_idle_rtt_ms(workdir, 60) if latency is not None else None
+    rtt = {kind: idle_rtt_ms(workdir, 60, kind) for kind in ("unix", "zmq")} \
+        if latency is not None else None
     penalty = idle_penalty_us() if latency is not None else None
     print(f"Llama-3.1-8B, {args.tokens} tokens, page {PAGE}, random pages: "
           f"{nbytes / 2**30:.2f} GiB of KV per request; medians of {args.repeats}; "
@@ -345,9 +367,9 @@ def main() -> None:
         for label, value in zip(LATENCY_MODES, latency):
             print(f"{'1-page room p50':<16}{label:<16}{value:>8.3f} ms   target < 1 ms "
                   f"({'met' if value < 1 else 'missed'}) (send -> decode sees success, shm)")
-        print(f"{'zmq ipc RTT, idle peer':<24}{rtt:>8.3f} ms   messaging floor: a same-host room "
-              f"needs one hop, the send ({rtt / 2:.3f} ms; the doorbell tells decode's worker), "
-              f"without doorbells three (Done, the wait's reply)")
+        print(f"{'unix socket RTT, idle':<24}{rtt['unix']:>8.3f} ms   messaging floor: a same-host room "
+              f"needs one hop, the send ({rtt['unix'] / 2:.3f} ms; the doorbell tells decode's "
+              f"worker); a ZeroMQ ipc round trip: {rtt['zmq']:.3f} ms")
         warm, cold = penalty
         print(f"{'idle penalty':<24}{cold / warm:>8.1f} x    one 1-page plan in one process: "
               f"{warm:.0f} us back to back, {cold:.0f} us after {IDLE_S * 1e3:.0f} ms idle")

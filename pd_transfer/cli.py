@@ -102,8 +102,10 @@ def _add_serve(sub) -> None:
     serve.add_argument("--role", choices=["prefill", "decode"], help="which side this worker is")
     serve.add_argument("--config", metavar="FILE", help="TOML file with a [sidecar] table")
     serve.add_argument("--agent-id", help="name in logs and on the wire (default: role-pid)")
-    serve.add_argument("--worker-endpoint", metavar="ipc://PATH",
-                       help="where the worker connects (default ipc:///tmp/pd-transfer-<id>.sock)")
+    serve.add_argument("--worker-endpoint", metavar="unix://PATH",
+                       help="where the worker connects: unix://PATH, a plain Unix socket (the "
+                            "default, unix:///tmp/pd-transfer-<id>.sock), or ipc://PATH, ZeroMQ "
+                            "(slower per call)")
     serve.add_argument("--control-host", help="address peers reach this sidecar on (127.0.0.1)")
     serve.add_argument("--control-port", type=int, help="control port (0: any free port)")
     serve.add_argument("--bootstrap", metavar="tcp://HOST:PORT",

@@ -20,6 +20,7 @@ from typing import Any
 from pd_transfer.errors import ConfigError
 from pd_transfer.extras import ENGINES, engine_missing
 from pd_transfer.layout.geometry import Role
+from pd_transfer.protocol.stream_frames import unix_path
 
 TRANSPORTS = ("auto", "shm", "tcp", *ENGINES)
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
@@ -49,7 +50,7 @@ class SidecarConfig:
     control_port: int = 0                 # 0: any free port (see ready_file)
     data_host: str = "127.0.0.1"          # decode: where the tcp receiver or mooncake engine listens
     data_port: int = 0                    # decode: tcp data port (0: any free port)
-    worker_endpoint: str = ""             # ipc:// path the worker connects to
+    worker_endpoint: str = ""             # where the worker connects: unix://PATH (plain Unix socket, fastest) or ipc://PATH (ZeroMQ)
     bootstrap: str = ""                   # prefill: rank 0 binds its rank table here, others announce
     transport: str = "auto"               # auto: shm on the same host, tcp across hosts; mooncake, nixl: engine extras
     mooncake_protocol: str = "tcp"        # transport mooncake: tcp, or rdma where RDMA NICs exist
@@ -88,7 +89,7 @@ class SidecarConfig:
         if not self.agent_id:
             object.__setattr__(self, "agent_id", f"{self.role.value}-{os.getpid()}")
         if not self.worker_endpoint:
-            object.__setattr__(self, "worker_endpoint", f"ipc:///tmp/pd-transfer-{self.agent_id}.sock")
+            object.__setattr__(self, "worker_endpoint", f"unix:///tmp/pd-transfer-{self.agent_id}.sock")
 
     @property
     def control_address(self) -> str:
@@ -207,6 +208,8 @@ def _check(name: str, value: Any) -> str:
         return "" if value in STRATEGIES else f"{value!r} is not one of {list(STRATEGIES)}"
     if name == "staging_slot_nbytes" and isinstance(value, int) and 0 < value < 4096:
         return f"must be at least 4096, got {value}"
+    if name == "worker_endpoint" and isinstance(value, str) and value:
+        return _endpoint_problem(value)
     if name == "mooncake_protocol":
         return "" if value in MOONCAKE_PROTOCOLS else \
             f"{value!r} is not one of {list(MOONCAKE_PROTOCOLS)}"
@@ -227,4 +230,17 @@ def _check(name: str, value: Any) -> str:
     if kind.startswith("tuple") and (not isinstance(value, (list, tuple))
                                      or not all(isinstance(v, str) and v for v in value)):
         return f"expected a list of addresses, got {value!r}"
+    return ""
+
+
+WORKER_SCHEMES = ("unix://", "ipc://", "tcp://")
+
+
+def _endpoint_problem(value: str) -> str:
+    if not value.startswith(WORKER_SCHEMES):
+        return f"{value!r} is not a unix://PATH, ipc://PATH or tcp://HOST:PORT address"
+    try:
+        unix_path(value)
+    except ValueError as err:
+        return str(err)
     return ""

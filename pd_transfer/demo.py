@@ -122,7 +122,7 @@ def _run(args: argparse.Namespace, workdir: Path, procs: list[Proc]) -> int:
             name = f"{role}{rank}"
             ready.append(workdir / f"{name}.ready.json")
             cmd = ["-m", "pd_transfer.cli", "serve", "--role", role, "--agent-id", f"{role}-tp{rank}",
-                   "--worker-endpoint", f"ipc://{workdir}/{name}.sock", "--transport", args.transport,
+                   "--worker-endpoint", f"unix://{workdir}/{name}.sock", "--transport", args.transport,
                    "--ready-file", str(ready[-1]), "--http-port", "0", "--log-level", "warning"]
             if role == "prefill":
                 cmd += ["--bootstrap", bootstrap]
@@ -135,7 +135,7 @@ def _run(args: argparse.Namespace, workdir: Path, procs: list[Proc]) -> int:
             cmd = ["-m", "pd_transfer.sim.worker", "--role", role, "--model", args.model,
                    "--tp-size", str(tp), "--tp-rank", str(rank), "--page-size", str(args.page_size),
                    "--kv-layout", args.kv_layout if role == "decode" else "nhd",
-                   "--num-pages", str(num_pages), "--endpoint", f"ipc://{workdir}/{name}.sock",
+                   "--num-pages", str(num_pages), "--endpoint", f"unix://{workdir}/{name}.sock",
                    "--requests", str(args.requests), "--tokens", str(args.tokens),
                    "--seed", str(args.seed), "--window", str(args.window),
                    "--report", str(workdir / f"{name}.report.json"),

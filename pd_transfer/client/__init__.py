@@ -3,7 +3,7 @@
     from pd_transfer.client import Client, allocate_pools
 
     with allocate_pools(geometry, owner_id="prefill-tp0") as pools, \
-            Client("ipc:///run/pd/worker.sock", "prefill-tp0") as client:
+            Client("unix:///run/pd/worker.sock", "prefill-tp0") as client:
         client.register(geometry, pools.handles)
         client.send(room, pages[:64], last_chunk=False)
         client.send(room, pages[64:], state_slots=[slot], aux_row=row)
@@ -14,10 +14,10 @@ CUDA IPC handles; the sidecars then copy device to device (same host). Make
 the pages' writes visible (``torch.cuda.synchronize()`` or an event) before
 ``send``: the sidecar reads them from its own CUDA stream.
 
-:class:`Client` blocks the calling thread (in ``zmq_poll``, never spinning);
+:class:`Client` blocks the calling thread (in ``poll``, never spinning);
 :class:`AsyncClient` offers the same calls as coroutines for asyncio workers.
-Worker and sidecar talk over ZeroMQ ``ipc://`` with the requests of
-:mod:`pd_transfer.protocol.worker_api`. When the sidecar requires
+Worker and sidecar talk over a plain Unix socket (``unix://``; or ZeroMQ,
+``ipc://``) with the requests of :mod:`pd_transfer.protocol.worker_api`. When the sidecar requires
 authentication, give the client the same shared secret (``secret=`` or
 ``secret_file=``, or ``PD_TRANSFER_SECRET_FILE`` / ``PD_TRANSFER_SECRET``).
 
@@ -28,6 +28,7 @@ Errors (all :class:`~pd_transfer.errors.PdTransferError`)::
     ├── ReplyTimeout     no reply within the timeout
     ├── BadReply         a reply that does not follow worker_api
     ├── AuthFailed       the worker and the sidecar could not authenticate each other
+    ├── SidecarLost      a unix:// connection closed during the call
     └── ClientClosed     the client is closed
 
 May import the layout, protocol and security layers and shared memory; never the agent.
@@ -35,11 +36,19 @@ May import the layout, protocol and security layers and shared memory; never the
 
 from pd_transfer.client.aio import AsyncClient
 from pd_transfer.client.cuda_pools import CudaPools, allocate_cuda_pools
-from pd_transfer.client.errors import AuthFailed, BadReply, ClientClosed, ClientError, Refused, ReplyTimeout
+from pd_transfer.client.errors import (
+           AuthFailed,
+           BadReply,
+           ClientClosed,
+           ClientError,
+           Refused,
+           ReplyTimeout,
+           SidecarLost,
+)
 from pd_transfer.client.pools import Pools, allocate_pools
 from pd_transfer.client.status import RoomState, RoomStatus
 from pd_transfer.client.sync import Client
 
 __all__ = ["AsyncClient", "AuthFailed", "BadReply", "Client", "ClientClosed", "ClientError", "CudaPools",
-           "Pools", "Refused", "ReplyTimeout", "RoomState", "RoomStatus", "allocate_cuda_pools",
-           "allocate_pools"]
+           "Pools", "Refused", "ReplyTimeout", "RoomState", "RoomStatus", "SidecarLost",
+           "allocate_cuda_pools", "allocate_pools"]

@@ -7,7 +7,8 @@ does not come within its timeout raises :class:`ReplyTimeout`; its late reply
 is dropped by id. With a shared secret, the first call runs the
 authentication handshake (once, however many calls start together).
 
-Uses ``zmq.asyncio`` on the running event loop. The one thread: a room with
+Uses ``zmq.asyncio`` (``ipc://``) or asyncio streams (``unix://``) on the
+running event loop; see :mod:`pd_transfer.client.links`. The one thread: a room with
 a doorbell (same host) is awaited through a watcher thread per doorbell
 segment that sleeps on all of them at once (:mod:`pd_transfer.client.bells`).
 """
@@ -26,14 +27,15 @@ import zmq.asyncio
 
 from pd_transfer.client import auth, wire
 from pd_transfer.client.bells import RoomBells
-from pd_transfer.client.errors import ClientClosed, ReplyTimeout
+from pd_transfer.client.errors import ClientClosed, ReplyTimeout, SidecarLost
+from pd_transfer.client.links import open_async_link
 from pd_transfer.client.status import RoomState, RoomStatus
 from pd_transfer.client.sync import DEFAULT_TIMEOUT_S
 from pd_transfer.doorbell import Outcome
 from pd_transfer.errors import AuthError, Reason
 from pd_transfer.layout.geometry import RankGeometry
 from pd_transfer.protocol.worker_api import encode
-from pd_transfer.security import ClientHandshake, new_routing_id
+from pd_transfer.security import ClientHandshake
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +59,8 @@ class AsyncClient:
         self._authenticated = self._secret is None
         self._auth_lock = asyncio.Lock()
         self._handshake_frames: asyncio.Queue[bytes] | None = None  # while a handshake runs
-        self._context = context or zmq.asyncio.Context.instance()
-        self._connect()
+        self._link = open_async_link(endpoint, context or zmq.asyncio.Context.instance(),
+                                     random_id=self._secret is not None)
         self._next_id = 1
         self._pending: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
@@ -128,7 +130,7 @@ class AsyncClient:
             if not future.done():
                 future.set_exception(ClientClosed(f"call {request_id}"))
         self._pending.clear()
-        self._socket.close(linger=0)
+        self._link.close()
         self._bells.close()
 
     async def __aenter__(self) -> AsyncClient:
@@ -156,10 +158,12 @@ class AsyncClient:
             async with asyncio.timeout(timeout_s):
                 if not self._authenticated:
                     await self._authenticate(op)
-                await self._socket.send(encode({**request, "id": request_id}))
+                await self._link.send(encode({**request, "id": request_id}))
                 reply = await future
         except TimeoutError:
             raise ReplyTimeout(op, timeout_s, self.endpoint) from None
+        except ConnectionError as err:
+            raise self._lost(op, err) from None
         except ClientClosed:
             raise ClientClosed(op) from None
         finally:
@@ -167,13 +171,6 @@ class AsyncClient:
         if self._secret is not None and reply.get("code") == Reason.UNAUTHENTICATED.value:
             self._authenticated = False  # the sidecar restarted: the next call proves again
         return wire.checked(op, reply)
-
-    def _connect(self) -> None:
-        self._socket = self._context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        if self._secret is not None:
-            self._socket.setsockopt(zmq.ROUTING_ID, new_routing_id())
-        self._socket.connect(self.endpoint)
 
     async def _authenticate(self, op: str) -> None:
         async with self._auth_lock:
@@ -186,12 +183,12 @@ class AsyncClient:
                 outgoing = handshake.hello()
                 while not handshake.done:
                     if outgoing is not None:
-                        await self._socket.send(outgoing)
+                        await self._link.send(outgoing)
                     try:
                         outgoing = auth.step(handshake, await self._handshake_frames.get())
                     except AuthError as err:
                         if err.reply is not None:
-                            await self._socket.send(err.reply)
+                            await self._link.send(err.reply)
                         raise auth.failed(op, err) from None
             except asyncio.CancelledError:
                 # timed out: a late answer would derail the next handshake, so that one
@@ -199,23 +196,29 @@ class AsyncClient:
                 if self._reader is not None:
                     self._reader.cancel()
                     self._reader = None
-                self._socket.close(linger=0)
-                self._connect()
+                self._link.reset()
                 raise
             finally:
                 self._handshake_frames = None
             self._authenticated = True
 
     async def _read_replies(self) -> None:
-        """Route every reply to the future of its call, until the client closes."""
+        """Route every reply to the future of its call, until the client closes (or a
+        ``unix://`` connection is lost: every call in flight then fails with SidecarLost)."""
         while not self._closed:
             try:
-                frames = await self._socket.recv_multipart()
-            except (zmq.ZMQError, asyncio.CancelledError):
+                frame = await self._link.receive()
+            except asyncio.CancelledError:
                 break
-            got_id, reply = wire.reply_id(frames[-1])
+            except ConnectionError as err:
+                self._authenticated = self._secret is None   # a new connection proves itself again
+                for future in list(self._pending.values()):
+                    if not future.done():
+                        future.set_exception(err)
+                break
+            got_id, reply = wire.reply_id(frame)
             if self._handshake_frames is not None and (got_id is None or got_id < 0):
-                self._handshake_frames.put_nowait(frames[-1])
+                self._handshake_frames.put_nowait(frame)
                 continue
             future = self._pending.get(got_id) if got_id is not None else None
             if future is None or future.done():
@@ -223,3 +226,7 @@ class AsyncClient:
                           self.worker_id, got_id)
                 continue
             future.set_result(reply)
+
+    def _lost(self, op: str, err: ConnectionError) -> SidecarLost:
+        self._authenticated = self._secret is None
+        return SidecarLost(op, str(err))

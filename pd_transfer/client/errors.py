@@ -8,6 +8,8 @@
         ├── BadReply         the reply is not a well-formed worker_api reply (``bad_frame``)
         ├── AuthFailed       this worker and the sidecar could not authenticate each other
         │                    (``auth_failed``, ``auth_replayed``: a wrong or missing secret)
+        ├── SidecarLost      a ``unix://`` connection closed during the call (``peer_lost``):
+        │                    the sidecar stopped or restarted; the next call connects again
         └── ClientClosed     the client was closed before or during the call
                              (``shutting_down``)
 
@@ -73,6 +75,17 @@ class AuthFailed(ClientError):
     """The handshake with the sidecar failed; no request was served. ``code`` says why."""
 
     default_code = Reason.AUTH_FAILED
+
+
+class SidecarLost(ClientError):
+    """The sidecar closed a ``unix://`` connection during the call; whether it handled the
+    request is unknown (poll the room to learn). The next call connects again."""
+
+    default_code = Reason.PEER_LOST
+
+    def __init__(self, op: str, why: str) -> None:
+        super().__init__(op, why, hint="is `pd-transfer serve` still running? the next call "
+                                       "connects again")
 
 
 class ClientClosed(ClientError):

@@ -1,11 +1,13 @@
 """The blocking client: one worker thread calls its sidecar and waits for the reply.
 
-Every call sends one request on a ZeroMQ DEALER connected to the sidecar's
-``ipc://`` endpoint and blocks in ``zmq_poll`` until the reply with the same
-``id`` arrives or ``timeout_s`` passes (no busy-waiting: the thread sleeps in
-the kernel). A reply that arrives after its call timed out is recognised by
-its id and dropped, so a timeout never shifts later replies onto the wrong
-call.
+Every call sends one request to the sidecar's worker endpoint (a ZeroMQ
+DEALER for ``ipc://``, a plain Unix socket for ``unix://``; see
+:mod:`pd_transfer.client.links`) and blocks in ``poll`` until the reply with
+the same ``id`` arrives or ``timeout_s`` passes (no busy-waiting: the thread
+sleeps in the kernel). A reply that arrives after its call timed out is
+recognised by its id and dropped, so a timeout never shifts later replies
+onto the wrong call. On ``unix://``, a connection the sidecar closes fails
+the call in progress with :class:`SidecarLost` at once.
 
 ``wait`` on a room with a doorbell (same host, see
 :mod:`pd_transfer.client.bells`) sleeps on its futex word first, and returns
@@ -31,13 +33,14 @@ import zmq
 
 from pd_transfer.client import auth, wire
 from pd_transfer.client.bells import RoomBells
-from pd_transfer.client.errors import ClientClosed, ReplyTimeout
+from pd_transfer.client.errors import ClientClosed, ReplyTimeout, SidecarLost
+from pd_transfer.client.links import open_link
 from pd_transfer.client.status import RoomState, RoomStatus
 from pd_transfer.doorbell import Outcome
 from pd_transfer.errors import AuthError, Reason
 from pd_transfer.layout.geometry import RankGeometry
 from pd_transfer.protocol.worker_api import encode
-from pd_transfer.security import ClientHandshake, new_routing_id
+from pd_transfer.security import ClientHandshake
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +67,8 @@ class Client:
         self.timeout_s = float(timeout_s)
         self._secret = auth.client_secret(secret, secret_file)
         self._authenticated = self._secret is None
-        self._context = context or zmq.Context.instance()
-        self._connect()
+        self._link = open_link(endpoint, context or zmq.Context.instance(),
+                               random_id=self._secret is not None)
         self._next_id = 1
         self._closed = False
         self._bells = RoomBells()
@@ -157,7 +160,7 @@ class Client:
         """Close the socket; later calls raise :class:`ClientClosed`. Idempotent."""
         if not self._closed:
             self._closed = True
-            self._socket.close(linger=0)
+            self._link.close()
             self._bells.close()
 
     def __enter__(self) -> Client:
@@ -175,12 +178,12 @@ class Client:
         deadline = time.monotonic() + timeout_s
         request_id = self._next_id
         self._next_id += 1
+        self._prepare(op, deadline, timeout_s)
         if not self._authenticated:
             self._authenticate(op, deadline, timeout_s)
         self._send(encode({**request, "id": request_id}), op, deadline, timeout_s)
         while True:
-            frames = self._receive(op, deadline, timeout_s)
-            got_id, reply = wire.reply_id(frames[-1])
+            got_id, reply = wire.reply_id(self._receive(op, deadline, timeout_s))
             if got_id == request_id:
                 if self._secret is not None and reply.get("code") == Reason.UNAUTHENTICATED.value:
                     self._authenticated = False  # the sidecar restarted: the next call proves again
@@ -188,13 +191,6 @@ class Client:
             log.debug("worker %s dropped a reply with id %s while waiting for %s id %d "
                       "(a call that timed out earlier)", self.worker_id, got_id, op, request_id)
 
-
-    def _connect(self) -> None:
-        self._socket = self._context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        if self._secret is not None:
-            self._socket.setsockopt(zmq.ROUTING_ID, new_routing_id())
-        self._socket.connect(self.endpoint)
 
     def _authenticate(self, op: str, deadline: float, timeout_s: float) -> None:
         handshake = ClientHandshake(self._secret, self.worker_id,
@@ -204,31 +200,46 @@ class Client:
             while not handshake.done:
                 if outgoing is not None:
                     self._send(outgoing, op, deadline, timeout_s)
-                frame = self._receive(op, deadline, timeout_s)[-1]
+                frame = self._receive(op, deadline, timeout_s)
                 try:
                     outgoing = auth.step(handshake, frame)
                 except AuthError as err:
                     if err.reply is not None:
-                        self._socket.send(err.reply, zmq.NOBLOCK)
+                        self._link.send_nowait(err.reply)
                     raise auth.failed(op, err) from None
         except ReplyTimeout:
             # a late answer to this handshake would derail the next one: retry on a new connection
-            self._socket.close(linger=0)
-            self._connect()
+            self._link.reset()
             raise
         self._authenticated = True
 
+    def _prepare(self, op: str, deadline: float, timeout_s: float) -> None:
+        try:
+            fresh = self._link.prepare(deadline)
+        except ConnectionError as err:
+            raise self._lost(op, err) from None
+        if fresh is None:
+            raise ReplyTimeout(op, timeout_s, self.endpoint)
+        if fresh:
+            self._authenticated = self._secret is None
+
     def _send(self, frame: bytes, op: str, deadline: float, timeout_s: float) -> None:
-        if not self._socket.poll(_ms(deadline), zmq.POLLOUT):
+        try:
+            sent = self._link.send(frame, deadline)
+        except ConnectionError as err:
+            raise self._lost(op, err) from None
+        if not sent:
             raise ReplyTimeout(op, timeout_s, self.endpoint)
-        self._socket.send(frame, zmq.NOBLOCK)
 
-    def _receive(self, op: str, deadline: float, timeout_s: float) -> list[bytes]:
-        if not self._socket.poll(_ms(deadline), zmq.POLLIN):
+    def _receive(self, op: str, deadline: float, timeout_s: float) -> bytes:
+        try:
+            frame = self._link.receive(deadline)
+        except ConnectionError as err:
+            raise self._lost(op, err) from None
+        if frame is None:
             raise ReplyTimeout(op, timeout_s, self.endpoint)
-        return self._socket.recv_multipart(zmq.NOBLOCK)
+        return frame
 
-
-def _ms(deadline: float) -> int:
-    """Milliseconds left until ``deadline`` (at least 0), for ``zmq_poll``."""
-    return max(0, int((deadline - time.monotonic()) * 1000 + 0.999))
+    def _lost(self, op: str, err: ConnectionError) -> SidecarLost:
+        self._authenticated = self._secret is None   # a new connection proves itself again
+        return SidecarLost(op, str(err))

@@ -1,7 +1,8 @@
 """The worker <-> sidecar API: typed requests and replies over a local socket.
 
-A GPU worker (or the simulated worker) talks to its own sidecar over ZeroMQ
-``ipc://``: a DEALER in the worker, a ROUTER in the sidecar. Every request is
+A GPU worker (or the simulated worker) talks to its own sidecar over a plain
+Unix stream socket (``unix://``, frames of :mod:`.stream_frames`) or ZeroMQ
+``ipc://`` (a DEALER in the worker, a ROUTER in the sidecar). Every request is
 one msgpack map ``{"op": ..., "id": n, ...}``; the reply echoes ``id``. This
 module is the contract between :mod:`pd_transfer.client` and the sidecar's
 worker endpoint, and validates every field explicitly (the worker is a

@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
              "the schedule from both sizes")
     add("--peer-num-swa-pages", type=_positive, default=None,
         help="SWA pages of the other side (default: --peer-num-pages)")
-    add("--endpoint", required=True, help="the sidecar's worker endpoint, ipc://PATH")
+    add("--endpoint", required=True, help="the sidecar's worker endpoint, unix://PATH or ipc://PATH")
     add("--bootstrap", default="", help="the prefill instance's bootstrap address (decode)")
     add("--worker-id", default=None, help="default: ROLE-ppP-tpT")
     add("--requests", type=_positive, default=16)
@@ -166,8 +166,8 @@ def make_setup(args: argparse.Namespace) -> Setup:
     if role is Role.DECODE and not args.bootstrap:
         raise ConfigError("--bootstrap is required for --role decode (tcp://HOST:PORT of the "
                           "prefill instance's bootstrap)")
-    if not args.endpoint.startswith("ipc://"):
-        raise ConfigError(f"--endpoint must be an ipc:// address, got {args.endpoint!r}")
+    if not args.endpoint.startswith(("unix://", "ipc://")):
+        raise ConfigError(f"--endpoint must be a unix:// or ipc:// address, got {args.endpoint!r}")
     spec = load_model(args.model)
     num_slots = args.num_slots or args.window
     num_aux_rows = args.num_aux_rows or args.window

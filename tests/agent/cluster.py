@@ -1,7 +1,8 @@
 """A real prefill + decode deployment on this machine, for integration tests.
 
 Sidecars run as separate processes (``python -m pd_transfer.cli serve``),
-talking over ZeroMQ on 127.0.0.1 and ``ipc://``; workers are played by the
+talking over ZeroMQ on 127.0.0.1, each serving its worker on ``unix://`` (or
+``ipc://``: ``worker_scheme``); workers are played by the
 test through the real client library, with pools in real shared memory. The
 bytes come from the oracle (:class:`pd_transfer.testing.World`): its prefill
 buffers are copied into the prefill segments, its decode buffers into the
@@ -44,9 +45,10 @@ def free_port() -> int:
 
 
 class Sidecar:
-    def __init__(self, workdir: Path, role: str, name: str, config: dict, bootstrap: str = "") -> None:
+    def __init__(self, workdir: Path, role: str, name: str, config: dict, bootstrap: str = "",
+                 worker_scheme: str = "unix") -> None:
         self.name, self.role = name, role
-        self.endpoint = f"ipc://{workdir}/{name}.sock"
+        self.endpoint = f"{worker_scheme}://{workdir}/{name}.sock"
         self.ready = workdir / f"{name}.ready.json"
         self.log = workdir / f"{name}.log"
         config_path = workdir / f"{name}.toml"
@@ -89,7 +91,7 @@ class Cluster:
     def __init__(self, workdir: Path, prefill: list[RankGeometry], decode: list[RankGeometry], *,
                  transport: str = "shm", config: dict | None = None, seed: int = 0,
                  decode_config: dict | None = None, attach: bool = True, device: str = "cpu",
-                 decode_device: str | None = None) -> None:
+                 decode_device: str | None = None, worker_scheme: str = "unix") -> None:
         self.workdir = workdir
         # "cuda": pools are CUDA tensors shared through CUDA IPC handles
         self.devices = {"prefill": device, "decode": decode_device or device}
@@ -111,7 +113,8 @@ class Cluster:
             if role == "decode" and config_for.get("prefill_bootstraps") == "this":
                 config_for["prefill_bootstraps"] = [self.bootstrap]
             self.sidecars[geometry.rank_id] = Sidecar(
-                workdir, role, name, config_for, self.bootstrap if role == "prefill" else "")
+                workdir, role, name, config_for, self.bootstrap if role == "prefill" else "",
+                worker_scheme)
         self.pools, self.clients = {}, {}
         self._tag = tag
         try:

@@ -114,7 +114,7 @@ def restart_sidecar(cluster: Cluster, rank_id: str) -> Sidecar:
     old.log = saved_log
     retired.append(old)
     new = Sidecar(cluster.workdir, old.role, old.name, config,
-                  cluster.bootstrap if old.role == "prefill" else "")
+                  cluster.bootstrap if old.role == "prefill" else "", old.endpoint.split("://")[0])
     cluster.sidecars[rank_id] = new
     cluster.ready[rank_id] = new.wait_ready()
     return new

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import msgpack
 import zmq
 
+from pd_transfer.client.links import StreamLink
 from pd_transfer.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from pd_transfer.layout.geometry import RankGeometry, Role
 from pd_transfer.protocol import Announce, Dropped, Hello, Session, TableRequest, decode, encode
@@ -201,15 +202,20 @@ def worker_kind(frame: bytes) -> str:
 
 @dataclass
 class Target:
-    """A raw DEALER on one sidecar socket; counts frames by kind and replies."""
+    """A raw DEALER on one sidecar socket (or, for a ``unix://`` worker endpoint, a
+    raw Unix stream with length headers); counts frames by kind and replies."""
 
     name: str
     address: str
     kinds: Counter = field(default_factory=Counter)
     replies: list = field(default_factory=list)
     socket: zmq.Socket | None = None
+    stream: StreamLink | None = None
 
     def __post_init__(self) -> None:
+        if self.address.startswith("unix://"):
+            self.stream = StreamLink(self.address.removeprefix("unix://"))
+            return
         self.socket = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SNDHWM, 100_000)
@@ -221,12 +227,21 @@ class Target:
 
     def send(self, frame: bytes, kind: str, parts: tuple[bytes, ...] = ()) -> None:
         self.kinds[kind] += 1
-        self.socket.send_multipart([frame, *parts])
+        if self.stream is not None:
+            if parts:
+                raise ValueError("a unix:// stream carries no multipart frames")
+            self.stream.send(frame, time.monotonic() + 10)
+        else:
+            self.socket.send_multipart([frame, *parts])
         self.drain(0)
 
     def drain(self, timeout_s: float) -> int:
         """Collect replies for up to ``timeout_s`` (0: only those already here)."""
         deadline = time.monotonic() + timeout_s
+        if self.stream is not None:
+            while (reply := self.stream.receive(deadline)) is not None:
+                self.replies.append(reply)
+            return len(self.replies)
         while self.socket.poll(max(0, int((deadline - time.monotonic()) * 1000))):
             self.replies.append(self.socket.recv_multipart()[-1])
         return len(self.replies)
@@ -238,7 +253,10 @@ class Target:
         return len(self.replies)
 
     def close(self) -> None:
-        self.socket.close(linger=0)
+        if self.stream is not None:
+            self.stream.close()
+        else:
+            self.socket.close(linger=0)
 
 
 class FreshSessions:
