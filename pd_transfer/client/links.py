@@ -48,7 +48,8 @@ def open_async_link(endpoint: str, context: zmq.asyncio.Context, *,
 
 
 def _ms(deadline: float) -> int:
-    return max(0, int((deadline - time.monotonic()) * 1000))
+    """Milliseconds left until ``deadline`` (at least 0), rounded up: never wake early."""
+    return max(0, int((deadline - time.monotonic()) * 1000 + 0.999))
 
 
 class ZmqLink:

@@ -200,16 +200,33 @@ def metric_by_label(text: str, name: str, label: str) -> dict[str, float]:
 # -- a worker in its own process, to be killed --------------------------------------
 
 _CHILD_WORKER = r"""
-import sys, zmq, msgpack
+import socket, struct, sys, zmq, msgpack
 endpoint, path = sys.argv[1], sys.argv[2]
-socket = zmq.Context.instance().socket(zmq.DEALER)
-socket.connect(endpoint)
+if endpoint.startswith("unix://"):   # a plain stream: length-prefixed frames
+    stream = socket.socket(socket.AF_UNIX)
+    stream.settimeout(20)
+    stream.connect(endpoint[len("unix://"):])
+    def exchange(frame):
+        stream.sendall(struct.pack("<I", len(frame)) + frame)
+        data = b""
+        while len(data) < 4 or len(data) < 4 + struct.unpack("<I", data[:4])[0]:
+            chunk = stream.recv(65536)
+            if not chunk:
+                print("closed", flush=True)
+                sys.exit(3)
+            data += chunk
+        return data[4:]
+else:
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    def exchange(frame):
+        dealer.send(frame)
+        if not dealer.poll(20000):
+            print("no reply", flush=True)
+            sys.exit(3)
+        return dealer.recv()
 for frame in msgpack.unpackb(open(path, "rb").read()):
-    socket.send(frame)
-    if not socket.poll(20000):
-        print("no reply", flush=True)
-        sys.exit(3)
-    reply = msgpack.unpackb(socket.recv(), raw=False)
+    reply = msgpack.unpackb(exchange(frame), raw=False)
     if not reply.get("ok"):
         print("refused", reply, flush=True)
         sys.exit(4)

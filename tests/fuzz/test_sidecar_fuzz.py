@@ -12,11 +12,16 @@ summary ("sidecar fuzz: ...") and recorded as the ``frames_sent`` property.
 """
 
 import json
+import shutil
+import tempfile
 import time
+import urllib.request
+from pathlib import Path
 
 import msgpack
 import pytest
 import zmq
+from cluster import Sidecar
 from fault_tools import kv_requests, metric_by_label, metric_total, tiny_ranks, wait_for
 from fuzz_frames import (
     BYTE_OPS,
@@ -221,10 +226,22 @@ def test_bad_frames_on_the_bootstrap_socket_are_counted_in_metrics(cluster):
 
 
 def test_a_multipart_worker_request_is_counted(cluster):
-    before = _bad_frames(cluster)
-    request = worker_seeds(cluster.prefill[0], cluster.pools[_prefill(cluster)].handles)[5]
-    _raw(cluster.sidecars[_prefill(cluster)].endpoint, request, parts=2, wait_s=0.1)
-    wait_for(lambda: _bad_frames(cluster) - before == 1, 0.3, "the 2-part request counted")
+    # multipart messages exist on a ZeroMQ ipc:// endpoint only (a unix:// stream has none)
+    workdir = Path(tempfile.mkdtemp(prefix="pdt-"))
+    sidecar = Sidecar(workdir, "prefill", "p-ipc", {"http_port": 0}, worker_scheme="ipc")
+    try:
+        ready = sidecar.wait_ready()
+
+        def bad_frames() -> float:
+            with urllib.request.urlopen(ready["http_address"] + "/metrics", timeout=5) as response:
+                return metric_total(response.read().decode(), "pd_transfer_bad_frames_total")
+
+        request = worker_seeds(cluster.prefill[0], cluster.pools[_prefill(cluster)].handles)[5]
+        _raw(sidecar.endpoint, request, parts=2, wait_s=0.1)
+        wait_for(lambda: bad_frames() == 1, 0.3, "the 2-part request counted")
+    finally:
+        sidecar.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def test_a_page_index_beyond_int64_is_refused_naming_the_field(cluster):
