@@ -82,31 +82,33 @@ class Sidecar:
 
     async def run(self) -> None:
         from pd_transfer.agent.worker_endpoint import WorkerEndpoint
-        endpoint = WorkerEndpoint(self.context, self.config.worker_endpoint, self.handle_worker,
-                                  on_bad_request=self.observe.bad_frame,
-                                  max_requests=self.config.max_worker_requests,
-                                  on_over_limit=lambda: self.observe.limit_refused("max_worker_requests"))
-        self._spawn(endpoint.serve())
-        if self.config.role is Role.PREFILL:
-            self.control = IncomingChannels(self.context, self.config.control_host,
-                                            self.config.control_port, Role.PREFILL,
-                                            on_bad_frame=self.observe.bad_frame,
-                                            on_refused=self._on_control_refused)
-            self._spawn(self.control.serve(self._on_control))
-        self.http = HttpServer(self.config.http_host, self.config.http_port,
-                               metrics=self.observe.render, ready=self.observe.ready,
-                               status=self.observe.status)
-        await self.http.start()
-        self._spawn(self._timers())
-        self._write_ready_file()
-        self.security.log_mode()
-        if not self.dataplane.copies.startswith("native"):
-            log.warning("shm copies run through numpy, about half as fast as the native loop: %s",
-                        self.dataplane.copies)
-        log.info("%s sidecar %s serving: worker %s, control %s", self.config.role.value,
-                 self.config.agent_id, self.config.worker_endpoint,
-                 self.control.address if self.control else "-")
-        try:
+        endpoint = None
+        try:   # a failed start (an address in use) still removes what was made: doorbells
+            endpoint = WorkerEndpoint(self.context, self.config.worker_endpoint, self.handle_worker,
+                                      on_bad_request=self.observe.bad_frame,
+                                      max_requests=self.config.max_worker_requests,
+                                      on_over_limit=lambda: self.observe.limit_refused(
+                                          "max_worker_requests"))
+            self._spawn(endpoint.serve())
+            if self.config.role is Role.PREFILL:
+                self.control = IncomingChannels(self.context, self.config.control_host,
+                                                self.config.control_port, Role.PREFILL,
+                                                on_bad_frame=self.observe.bad_frame,
+                                                on_refused=self._on_control_refused)
+                self._spawn(self.control.serve(self._on_control))
+            self.http = HttpServer(self.config.http_host, self.config.http_port,
+                                   metrics=self.observe.render, ready=self.observe.ready,
+                                   status=self.observe.status)
+            await self.http.start()
+            self._spawn(self._timers())
+            self._write_ready_file()
+            self.security.log_mode()
+            if not self.dataplane.copies.startswith("native"):
+                log.warning("shm copies run through numpy, about half as fast as the native loop: %s",
+                            self.dataplane.copies)
+            log.info("%s sidecar %s serving: worker %s, control %s", self.config.role.value,
+                     self.config.agent_id, self.config.worker_endpoint,
+                     self.control.address if self.control else "-")
             await self._stop.wait()
             if not self._force:
                 await self._drain()
@@ -114,7 +116,8 @@ class Sidecar:
             for task in self._tasks:
                 task.cancel()
             await _bounded(asyncio.gather(*self._tasks, return_exceptions=True), "stopping tasks")
-            endpoint.close()
+            if endpoint is not None:
+                endpoint.close()
             if self.http:
                 await _bounded(self.http.close(), "closing the http server")
             if self.control:

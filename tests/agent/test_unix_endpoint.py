@@ -164,7 +164,12 @@ def test_a_second_sidecar_on_a_served_path_refuses_to_start(lone):
     second = Sidecar(workdir, "decode", "d0", {"http_port": 0})   # the same endpoint path
     assert second.proc.wait(timeout=30) == 3
     assert "another process serves the worker endpoint" in second.log.read_text()
+    assert _doorbells_of(second) == []   # a failed start removes what it made
     _serves(sidecar)
+
+
+def _doorbells_of(sidecar) -> list[str]:
+    return [name for name in os.listdir("/dev/shm") if f"-doorbells-{sidecar.proc.pid}-" in name]
 
 
 def test_a_file_that_is_not_a_socket_is_left_alone():
@@ -174,6 +179,7 @@ def test_a_file_that_is_not_a_socket_is_left_alone():
         sidecar = Sidecar(workdir, "decode", "d1", {"http_port": 0})
         assert sidecar.proc.wait(timeout=30) == 3
         assert "exists and is not a socket" in sidecar.log.read_text()
+        assert _doorbells_of(sidecar) == []
         assert (workdir / "d1.sock").read_text() == "not a socket\n"
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
