@@ -64,6 +64,7 @@ class AsyncClient:
         self._next_id = 1
         self._pending: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
+        self._gone: asyncio.Future | None = None   # resolved once the reader loses the connection
         self._closed = False
         self._bells = RoomBells()
 
@@ -104,7 +105,10 @@ class AsyncClient:
     async def wait(self, room: int, timeout_s: float) -> RoomState:
         wire.wait_request(room, timeout_s)  # the arguments checked before any sleep
         deadline = time.monotonic() + timeout_s
-        outcome = await self._bells.wait_async(room, timeout_s)
+        try:
+            outcome = await self._bells.wait_async(room, timeout_s, gone=self._gone)
+        except ConnectionError as err:
+            raise self._lost("wait", err) from None
         if outcome is Outcome.RUNG:
             return RoomState(RoomStatus.SUCCESS)
         if outcome is not None:  # closed or timed out: the sidecar has the rest of the time
@@ -149,6 +153,7 @@ class AsyncClient:
             raise ClientClosed(op)
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if self._reader is None or self._reader.done():
+            self._gone = asyncio.get_running_loop().create_future()
             self._reader = asyncio.get_running_loop().create_task(self._read_replies())
         request_id = self._next_id
         self._next_id += 1
@@ -212,6 +217,8 @@ class AsyncClient:
                 break
             except ConnectionError as err:
                 self._authenticated = self._secret is None   # a new connection proves itself again
+                if self._gone is not None and not self._gone.done():
+                    self._gone.set_result(err)
                 for future in list(self._pending.values()):
                     if not future.done():
                         future.set_exception(err)

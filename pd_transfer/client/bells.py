@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from pd_transfer.client.status import RoomState
@@ -31,6 +33,7 @@ from pd_transfer.errors import PdTransferError
 log = logging.getLogger(__name__)
 
 MAX_ROOMS = 65536   # rooms remembered at most (the oldest go first): waits past it ask the sidecar
+LIVENESS_CHECK_S = 0.25   # a blocking wait on a doorbell looks at the sidecar's connection this often
 
 
 class RoomBells:
@@ -66,19 +69,38 @@ class RoomBells:
             del self._rooms[next(iter(self._rooms))]
         self._rooms[room] = (segment, slot, token)
 
-    def wait(self, room: int, timeout_s: float) -> Outcome | None:
-        """Sleep on ``room``'s doorbell (None: it has none). RUNG forgets the room."""
+    def wait(self, room: int, timeout_s: float,
+             alive: Callable[[], bool] | None = None) -> Outcome | None:
+        """Sleep on ``room``'s doorbell (None: it has none). RUNG forgets the room.
+
+        ``alive``, asked every :data:`LIVENESS_CHECK_S` while nothing rang: False
+        (the sidecar closed the worker's connection) raises ConnectionError, since
+        a dead sidecar closes no slot and the sleep would last the whole timeout.
+        """
         entry = self._rooms.get(room)
         if entry is None:
             return None
         segment, slot, token = entry
-        outcome = segment.wait(slot, token, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            outcome = segment.wait(slot, token, left if alive is None else min(left, LIVENESS_CHECK_S))
+            if outcome is not Outcome.TIMEOUT or time.monotonic() >= deadline:
+                break
+            if not alive():
+                raise ConnectionError(f"the sidecar closed the connection while room {room} "
+                                      f"waited on its doorbell")
         if outcome is Outcome.RUNG:
             self._rooms.pop(room, None)
         return outcome
 
-    async def wait_async(self, room: int, timeout_s: float) -> Outcome | None:
-        """:meth:`wait` for an event loop: the segment's watcher thread does the sleeping."""
+    async def wait_async(self, room: int, timeout_s: float,
+                         gone: asyncio.Future | None = None) -> Outcome | None:
+        """:meth:`wait` for an event loop: the segment's watcher thread does the sleeping.
+
+        ``gone`` resolves (to a ConnectionError) when the sidecar closes the worker's
+        connection: the wait then raises it instead of sleeping out its timeout.
+        """
         entry = self._rooms.get(room)
         if entry is None:
             return None
@@ -92,6 +114,10 @@ class RoomBells:
             watcher.add(future, slot, token)
             try:
                 async with asyncio.timeout(timeout_s):
+                    if gone is not None:
+                        await asyncio.wait((future, gone), return_when=asyncio.FIRST_COMPLETED)
+                        if not future.done():
+                            raise gone.result()
                     outcome = await future
             except TimeoutError:
                 outcome = Outcome.TIMEOUT

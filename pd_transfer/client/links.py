@@ -73,6 +73,10 @@ class ZmqLink:
         underneath, and a restarted sidecar answers ``unauthenticated`` instead)."""
         return False
 
+    def alive(self) -> bool:
+        """Whether the sidecar may still be there (ZeroMQ cannot tell: always True)."""
+        return True
+
     def send(self, frame: bytes, deadline: float) -> bool:
         """False when the frame could not leave before ``deadline``."""
         if not self._socket.poll(_ms(deadline), zmq.POLLOUT):
@@ -140,6 +144,10 @@ class StreamLink:
             self.reset()
         fresh = self._sock is None
         return None if self._connected(deadline) is None else fresh
+
+    def alive(self) -> bool:
+        """False once the sidecar closed this connection (late replies are kept)."""
+        return self._sock is None or not self._closed_by_peer(self._sock)
 
     def _closed_by_peer(self, sock: socket.socket) -> bool:
         while self._ready(sock, select.POLLIN, 0.0):

@@ -140,7 +140,10 @@ class Client:
         """
         wire.wait_request(room, timeout_s)  # the arguments checked before any sleep
         deadline = time.monotonic() + timeout_s
-        outcome = self._bells.wait(room, timeout_s)
+        try:
+            outcome = self._bells.wait(room, timeout_s, alive=self._link.alive)
+        except ConnectionError as err:
+            raise self._lost("wait", err) from None
         if outcome is Outcome.RUNG:
             return RoomState(RoomStatus.SUCCESS)
         if outcome is not None:  # closed or timed out: the sidecar has the rest of the time

@@ -277,6 +277,44 @@ def test_a_sidecar_killed_during_an_asyncio_wait_fails_it_at_once(cluster_factor
     assert asyncio.run(waiting()) < 5
 
 
+def _decode_waiting_on_its_doorbell(cluster_factory):
+    """A decode room expected, never sent: its worker's wait sleeps on the doorbell."""
+    cluster, requests = _pair(cluster_factory)
+    rank = cluster.decode[0].rank_id
+    cluster.clients[rank].expect(8, cluster.bootstrap, requests[Pool.KV][1],
+                                 aux_row=int(requests[Pool.AUX][1][0]))
+    assert 8 in cluster.clients[rank]._bells._rooms, "the room has no doorbell to sleep on"
+    return cluster, rank
+
+
+def test_a_decode_sidecar_killed_while_its_worker_sleeps_on_a_doorbell_fails_the_wait(cluster_factory):
+    cluster, rank = _decode_waiting_on_its_doorbell(cluster_factory)
+    threading.Timer(0.5, cluster.sidecars[rank].kill).start()
+    started = time.monotonic()
+    with pytest.raises(SidecarLost, match="room 8 waited on its doorbell"):
+        cluster.clients[rank].wait(8, 30)
+    assert time.monotonic() - started < 3
+
+
+def test_the_same_for_an_asyncio_wait_on_a_doorbell(cluster_factory):
+    cluster, rank = _decode_waiting_on_its_doorbell(cluster_factory)
+    cluster.clients[rank].close()   # the asyncio client below is this rank's worker now
+    requests = random_requests(cluster.prefill, cluster.decode, np.random.default_rng(3), pages=4)
+
+    async def waiting():
+        async with AsyncClient(cluster.sidecars[rank].endpoint, "aio-decode") as client:
+            await client.expect(9, cluster.bootstrap, requests[Pool.KV][1],
+                                aux_row=int(requests[Pool.AUX][1][0]))
+            assert 9 in client._bells._rooms
+            asyncio.get_running_loop().call_later(0.5, cluster.sidecars[rank].kill)
+            started = time.monotonic()
+            with pytest.raises(SidecarLost, match="closed the connection"):
+                await client.wait(9, 30)
+            return time.monotonic() - started
+
+    assert asyncio.run(waiting()) < 3
+
+
 def test_an_idle_client_reaches_its_restarted_sidecar_on_the_next_call(cluster_factory):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
     from fault_tools import restart_sidecar
