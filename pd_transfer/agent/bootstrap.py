@@ -46,7 +46,11 @@ class BootstrapServer:
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         security.listening(self.socket)
-        self.socket.bind(address)
+        try:
+            self.socket.bind(address)
+        except zmq.ZMQError:
+            self.socket.close(linger=0)
+            raise
         self.address = self.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.entries: dict[tuple[int, int], RankEntry] = {}
         self.expected = 0

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import zmq
+
 from pd_transfer.agent import integrity
 from pd_transfer.agent.admission import Admission
 from pd_transfer.agent.auth import SecureContext, Security
@@ -214,7 +216,16 @@ class Sidecar:
         # the whole registration, handles included: a missing or shared segment is refused
         # here, with the field at fault, before a single segment is mapped
         check_geometry(geometry, handles)
-        await self.dataplane.map_local(geometry, handles)
+        table = self._rank_table_server(geometry)   # bound before anything is committed
+        try:
+            await self.dataplane.map_local(geometry, handles)
+        except BaseException:
+            if table is not None:
+                table.close()
+            raise
+        if table is not None:
+            self.bootstrap_server = table
+            self._spawn(table.serve())
         self.geometry, self.handles = geometry, handles
         self.pp_size = request["pp_size"]
         self._registered.set()
@@ -239,6 +250,23 @@ class Sidecar:
                          control_address=self.control.address, pp_size=self.pp_size,
                          geometry=self.geometry)
 
+    def _rank_table_server(self, geometry) -> BootstrapServer | None:
+        """Prefill rank 0 serves its instance's rank table at the bootstrap address. A
+        bind that fails refuses the registration (the worker may try again), rather
+        than leaving a registered rank 0 whose instance no decode can find."""
+        if self.config.role is not Role.PREFILL or not self.config.bootstrap \
+                or (geometry.tp_rank, geometry.pp_rank) != (0, 0):
+            return None
+        try:
+            return BootstrapServer(self.context, self.config.bootstrap,
+                                   on_bad_frame=self.observe.bad_frame)
+        except zmq.ZMQError as err:
+            raise PdTransferError(
+                f"prefill rank 0 cannot serve the rank table at {self.config.bootstrap}: "
+                f"{err.strerror}", code=Reason.BOOTSTRAP_FAILED,
+                hint="another process holds that address (another instance's rank 0?); give "
+                     "each prefill instance its own bootstrap address") from None
+
     async def _announce_first(self) -> None:
         """Serve the rank table (rank 0), then announce this rank once before the
         worker's register returns, so a restarted rank is in the table before any
@@ -247,10 +275,6 @@ class Sidecar:
         if not address:
             log.error("prefill sidecar has no bootstrap address: decode cannot find this rank")
             return
-        if self.geometry.tp_rank == 0 and self.geometry.pp_rank == 0:
-            self.bootstrap_server = BootstrapServer(self.context, address,
-                                                    on_bad_frame=self.observe.bad_frame)
-            self._spawn(self.bootstrap_server.serve())
         try:
             await fetch_table(self.context, address, self.config.agent_id,
                               min(2.0, self.config.bootstrap_timeout_s),

@@ -327,3 +327,4 @@ def test_an_idle_client_reaches_its_restarted_sidecar_on_the_next_call(cluster_f
     with pytest.raises(Refused, match="not_registered"):   # answered by the new sidecar
         client.poll(1)
     client.register(cluster.decode[0], cluster.pools[rank].handles)
+
