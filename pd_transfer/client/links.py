@@ -52,7 +52,7 @@ def _ms(deadline: float) -> int:
     return max(0, int((deadline - time.monotonic()) * 1000 + 0.999))
 
 
-class ZmqLink:
+class _Dealer:
     """A DEALER; with ``random_id`` (authentication on) a fresh random routing id."""
 
     def __init__(self, endpoint: str, context: zmq.Context, random_id: bool) -> None:
@@ -68,6 +68,16 @@ class ZmqLink:
             self._socket.setsockopt(zmq.ROUTING_ID, new_routing_id())
         self._socket.connect(self.endpoint)
 
+    def reset(self) -> None:
+        """A new connection: nothing of the old one (a late answer) reaches the next call."""
+        self._socket.close(linger=0)
+        self._connect()
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+
+
+class ZmqLink(_Dealer):
     def prepare(self, deadline: float) -> bool:
         """Before a call: True when it runs on a new connection (never: ZeroMQ reconnects
         underneath, and a restarted sidecar answers ``unauthenticated`` instead)."""
@@ -77,10 +87,10 @@ class ZmqLink:
         """Whether the sidecar may still be there (ZeroMQ cannot tell: always True)."""
         return True
 
-    def send(self, frame: bytes, deadline: float) -> bool:
-        """False when the frame could not leave before ``deadline``."""
+    def send(self, frame: bytes, deadline: float) -> bool | None:
+        """True once the frame left, None when it could not before ``deadline``."""
         if not self._socket.poll(_ms(deadline), zmq.POLLOUT):
-            return False
+            return None
         self._socket.send(frame, zmq.NOBLOCK)
         return True
 
@@ -95,14 +105,6 @@ class ZmqLink:
         if not self._socket.poll(_ms(deadline), zmq.POLLIN):
             return None
         return self._socket.recv_multipart(zmq.NOBLOCK)[-1]
-
-    def reset(self) -> None:
-        """A new connection: nothing of the old one (a late answer) reaches the next call."""
-        self._socket.close(linger=0)
-        self._connect()
-
-    def close(self) -> None:
-        self._socket.close(linger=0)
 
 
 class StreamLink:
@@ -162,10 +164,10 @@ class StreamLink:
             self._buffer += chunk   # late replies: dropped by id later
         return False
 
-    def send(self, frame: bytes, deadline: float) -> bool:
+    def send(self, frame: bytes, deadline: float) -> bool | None:
         sock = self._connected(deadline)
         if sock is None:
-            return False
+            return None
         data = memoryview(pack(frame))
         while data:
             try:
@@ -173,7 +175,7 @@ class StreamLink:
             except BlockingIOError:
                 if not self._ready(sock, select.POLLOUT, deadline):
                     self.reset()   # part of a frame left: the stream cannot carry another
-                    return False
+                    return None
             except OSError as err:
                 self.reset()
                 raise ConnectionError(f"the connection to {self.path} failed: {err.strerror}") from None
@@ -232,20 +234,7 @@ class StreamLink:
         self.reset()
 
 
-class AsyncZmqLink:
-    def __init__(self, endpoint: str, context: zmq.asyncio.Context, random_id: bool) -> None:
-        self.endpoint = endpoint
-        self._context = context
-        self._random_id = random_id
-        self._connect()
-
-    def _connect(self) -> None:
-        self._socket = self._context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        if self._random_id:
-            self._socket.setsockopt(zmq.ROUTING_ID, new_routing_id())
-        self._socket.connect(self.endpoint)
-
+class AsyncZmqLink(_Dealer):
     async def send(self, frame: bytes) -> None:
         await self._socket.send(frame)
 
@@ -255,13 +244,6 @@ class AsyncZmqLink:
             return (await self._socket.recv_multipart())[-1]
         except zmq.ZMQError as err:
             raise ConnectionError(str(err)) from None
-
-    def reset(self) -> None:
-        self._socket.close(linger=0)
-        self._connect()
-
-    def close(self) -> None:
-        self._socket.close(linger=0)
 
 
 class AsyncStreamLink:

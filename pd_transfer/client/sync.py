@@ -217,31 +217,25 @@ class Client:
         self._authenticated = True
 
     def _prepare(self, op: str, deadline: float, timeout_s: float) -> None:
-        try:
-            fresh = self._link.prepare(deadline)
-        except ConnectionError as err:
-            raise self._lost(op, err) from None
-        if fresh is None:
-            raise ReplyTimeout(op, timeout_s, self.endpoint)
-        if fresh:
-            self._authenticated = self._secret is None
+        if self._on_link(self._link.prepare, op, deadline, timeout_s):
+            self._authenticated = self._secret is None   # a new connection proves itself again
 
     def _send(self, frame: bytes, op: str, deadline: float, timeout_s: float) -> None:
-        try:
-            sent = self._link.send(frame, deadline)
-        except ConnectionError as err:
-            raise self._lost(op, err) from None
-        if not sent:
-            raise ReplyTimeout(op, timeout_s, self.endpoint)
+        self._on_link(lambda until: self._link.send(frame, until), op, deadline, timeout_s)
 
     def _receive(self, op: str, deadline: float, timeout_s: float) -> bytes:
+        return self._on_link(self._link.receive, op, deadline, timeout_s)
+
+    def _on_link(self, step, op: str, deadline: float, timeout_s: float):
+        """``step(deadline)`` on the link: SidecarLost if the connection is lost,
+        ReplyTimeout if it returns None (nothing before the deadline)."""
         try:
-            frame = self._link.receive(deadline)
+            result = step(deadline)
         except ConnectionError as err:
             raise self._lost(op, err) from None
-        if frame is None:
+        if result is None:
             raise ReplyTimeout(op, timeout_s, self.endpoint)
-        return frame
+        return result
 
     def _lost(self, op: str, err: ConnectionError) -> SidecarLost:
         self._authenticated = self._secret is None   # a new connection proves itself again
