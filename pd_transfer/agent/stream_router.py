@@ -57,10 +57,6 @@ class StreamRouter:
         self._writers: dict[bytes, asyncio.StreamWriter] = {}
         self._server: asyncio.AbstractServer | None = None
 
-    @property
-    def connections(self) -> int:
-        return len(self._writers)
-
     async def start(self) -> None:
         self._server = await asyncio.start_unix_server(self._serve_connection, sock=self._listener)
 
