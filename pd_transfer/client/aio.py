@@ -128,11 +128,11 @@ class AsyncClient:
         if self._closed:
             return
         self._closed = True
-        if self._reader is not None:
-            self._reader.cancel()
-        for request_id, future in list(self._pending.items()):
-            if not future.done():
-                future.set_exception(ClientClosed(f"call {request_id}"))
+        if self._reader is not None and not self._reader.get_loop().is_closed():
+            self._reader.cancel()   # (after its loop closed, nothing runs or awaits it any more)
+            for request_id, future in list(self._pending.items()):
+                if not future.done():
+                    future.set_exception(ClientClosed(f"call {request_id}"))
         self._pending.clear()
         self._link.close()
         self._bells.close()

@@ -293,7 +293,10 @@ class AsyncStreamLink:
 
     def _drop(self, streams) -> None:
         """Forget ``streams`` unless a newer connection replaced them already."""
-        streams[1].close()
+        try:
+            streams[1].close()
+        except RuntimeError:   # closed after its event loop: the socket goes with the transport
+            pass
         if self._streams is streams:
             self._streams = None
 

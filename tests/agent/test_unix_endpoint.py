@@ -328,3 +328,13 @@ def test_an_idle_client_reaches_its_restarted_sidecar_on_the_next_call(cluster_f
         client.poll(1)
     client.register(cluster.decode[0], cluster.pools[rank].handles)
 
+
+
+def test_an_asyncio_client_closed_after_its_event_loop_closes_quietly(lone):
+    sidecar, _ = lone
+    client = AsyncClient(sidecar.endpoint, "late-close", timeout_s=5)
+    loop = asyncio.new_event_loop()
+    with pytest.raises(Refused, match="not_registered"):
+        loop.run_until_complete(client.poll(1))   # connected: there is a transport to close
+    loop.close()
+    client.close()
