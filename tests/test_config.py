@@ -131,3 +131,16 @@ def test_tcp_streams_reach_the_tcp_transport():
     with pytest.raises(ConfigError) as err:
         load_sidecar_config(None, {"role": "prefill", "tcp_streams": 0}, {})
     assert "sidecar.tcp_streams: must be positive, got 0" in str(err.value)
+
+
+def test_the_worker_endpoint_is_unix_by_default_and_a_unix_ipc_or_tcp_address():
+    config = load_sidecar_config(None, {"role": "decode", "agent_id": "d7"}, environ={})
+    assert config.worker_endpoint == "unix:///tmp/pd-transfer-d7.sock"
+    for good in ("unix:///run/pd/w.sock", "ipc:///run/pd/w.sock", "tcp://127.0.0.1:5555"):
+        assert load_sidecar_config(None, {"role": "decode", "worker_endpoint": good},
+                                   environ={}).worker_endpoint == good
+    for bad, says in (("http://x", "not a unix://PATH"), ("unix://", "needs a path"),
+                      ("unix:///" + "p" * 120, "107")):
+        with pytest.raises(ConfigError, match=says) as err:
+            load_sidecar_config(None, {"role": "decode", "worker_endpoint": bad}, environ={})
+        assert "sidecar.worker_endpoint" in str(err.value)
