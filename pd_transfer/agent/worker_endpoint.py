@@ -51,8 +51,9 @@ class WorkerEndpoint:
         self._on_bad_request = on_bad_request
         self.max_requests = max_requests
         self._on_over_limit = on_over_limit
-        if unix_path(address) is not None:
-            self._socket = StreamRouter(unix_path(address), on_bad_frame=self._count_bad_request)
+        path = unix_path(address)
+        if path is not None:
+            self._socket = StreamRouter(path, on_bad_frame=self._count_bad_request)
         else:
             self._socket = context.socket(zmq.ROUTER)
             self._socket.setsockopt(zmq.LINGER, 0)

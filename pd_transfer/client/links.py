@@ -47,6 +47,16 @@ def open_async_link(endpoint: str, context: zmq.asyncio.Context, *,
     return AsyncStreamLink(path) if path is not None else AsyncZmqLink(endpoint, context, random_id)
 
 
+def _broken(path: str, err: BaseException | None = None) -> ConnectionError:
+    """The ConnectionError a ``unix://`` link raises once its connection is unusable
+    (``err``: what broke it; None or an incomplete read: the sidecar closed it)."""
+    if err is None or isinstance(err, asyncio.IncompleteReadError):
+        return ConnectionError(f"the sidecar closed the connection at {path}")
+    if isinstance(err, WorkerApiError):
+        return ConnectionError(f"the sidecar at {path} sent a bad frame: {err.message}")
+    return ConnectionError(f"the connection to {path} failed: {getattr(err, 'strerror', None) or err}")
+
+
 def _ms(deadline: float) -> int:
     """Milliseconds left until ``deadline`` (at least 0), rounded up: never wake early."""
     return max(0, int((deadline - time.monotonic()) * 1000 + 0.999))
@@ -178,7 +188,7 @@ class StreamLink:
                     return None
             except OSError as err:
                 self.reset()
-                raise ConnectionError(f"the connection to {self.path} failed: {err.strerror}") from None
+                raise _broken(self.path, err) from None
         return True
 
     def send_nowait(self, frame: bytes) -> None:
@@ -204,10 +214,10 @@ class StreamLink:
                 continue
             except OSError as err:
                 self.reset()
-                raise ConnectionError(f"the connection to {self.path} failed: {err.strerror}") from None
+                raise _broken(self.path, err) from None
             if not chunk:
                 self.reset()
-                raise ConnectionError(f"the sidecar closed the connection at {self.path}")
+                raise _broken(self.path)
             self._buffer += chunk
 
     def _take(self) -> bytes | None:
@@ -217,7 +227,7 @@ class StreamLink:
             nbytes = frame_length(bytes(self._buffer[:HEADER.size]))
         except WorkerApiError as err:
             self.reset()
-            raise ConnectionError(f"the sidecar at {self.path} sent a bad frame: {err.message}") from None
+            raise _broken(self.path, err) from None
         end = HEADER.size + nbytes
         if len(self._buffer) < end:
             return None
@@ -274,22 +284,16 @@ class AsyncStreamLink:
             await streams[1].drain()
         except OSError as err:
             self._drop(streams)
-            raise ConnectionError(f"the connection to {self.path} failed: {err}") from None
+            raise _broken(self.path, err) from None
 
     async def receive(self) -> bytes:
         streams = await self._connected()
         reader = streams[0]
         try:
             return await reader.readexactly(frame_length(await reader.readexactly(HEADER.size)))
-        except asyncio.IncompleteReadError:
+        except (asyncio.IncompleteReadError, WorkerApiError, OSError) as err:
             self._drop(streams)
-            raise ConnectionError(f"the sidecar closed the connection at {self.path}") from None
-        except WorkerApiError as err:
-            self._drop(streams)
-            raise ConnectionError(f"the sidecar at {self.path} sent a bad frame: {err.message}") from None
-        except OSError as err:
-            self._drop(streams)
-            raise ConnectionError(f"the connection to {self.path} failed: {err}") from None
+            raise _broken(self.path, err) from None
 
     def _drop(self, streams) -> None:
         """Forget ``streams`` unless a newer connection replaced them already."""
