@@ -210,6 +210,11 @@ class PrefillSide:
                            else None)
         room.last_received = request["last"]
         self._pump_all(room)
+        # the writes start before the reply goes: a small room (copied on the loop) is
+        # copied and rung first. Replying first woke the worker, which on a busy host
+        # took the CPU from this loop for a few hundred microseconds mid-room. A large
+        # room's copy leaves for its thread at once, and the reply follows.
+        await asyncio.sleep(0)
         return room.reply()
 
     async def on_layer_ready(self, request: dict) -> dict:
@@ -250,6 +255,14 @@ class PrefillSide:
                         await self.fail_room(room, err.code, f"room {room.room} -> {target.peer.rank_id}: "
                                                              f"{err.message}", lock_held=target)
                     return
+                except Exception as err:  # a bug here: fail the room now, not at its timeout
+                    log.exception("prefill: room %s -> %s: internal error", room.room,
+                                  target.peer.rank_id)
+                    if not target.failed:
+                        await self.fail_room(room, Reason.TRANSPORT_FAILED,
+                                             f"room {room.room} -> {target.peer.rank_id}: internal "
+                                             f"error in the prefill sidecar: {err!r}", lock_held=target)
+                    return
                 room.nbytes += nbytes
                 target.kv_cursor += len(room.chunks[index].get(Pool.KV, ()))
                 target.chunks_done, target.layers_sent = target.chunks_done + 1, set()
@@ -264,6 +277,7 @@ class PrefillSide:
                 if target.bell is not None and bells is not None:
                     # the worker learns it here, Done tells its sidecar
                     self.sidecar.observe.doorbell("rang" if bells.ring(*target.bell) else "stale")
+                    await asyncio.sleep(0)   # a send waiting on this copy replies before Done
                 await self.send_quietly(target, Done(room=room.room, generation=target.generation,
                                               status=DoneStatus.SUCCESS,
                                               checksums=integrity.checksums(target)))

@@ -109,7 +109,9 @@ async def chunk_plan(side, room, target, index: int, requests: dict):
     """
     layers = room.layers[index]
     if layers is None:
-        return target.peer.planner.plan(requests)
+        # a link that copies small plans as grids (shm, native loop) gets them unlowered
+        return target.peer.planner.plan(
+            requests, grid_max_runs=getattr(target.peer.link, "grid_max_runs", 0))
     if not await write_ready_layers(side, room, target, requests, layers):
         return None
     return target.peer.planner.plan({p: r for p, r in requests.items() if p is not Pool.KV})

@@ -28,21 +28,39 @@ Request = dict[str, Any]
 
 # -- arguments ------------------------------------------------------------------
 
+_PLAIN_MAX = 64   # index lists up to this long are checked without numpy
+_INDEX_MAX = 2 ** 63 - 1
+
+
 def index_list(name: str, values: Iterable[int] | np.ndarray) -> list[int]:
     """``values`` as a list of non-negative Python ints; raises naming ``name``.
 
     Accepts lists, tuples, ranges and integer numpy arrays (converted in one
     vectorised step, not element by element).
     """
-    array = np.asarray(values if isinstance(values, np.ndarray) else list(values))
+    plain = None if isinstance(values, np.ndarray) else list(values)
+    if plain is not None and len(plain) <= _PLAIN_MAX and all(type(v) is int for v in plain):
+        # a few pages (a 1-page room): plain Python, where numpy's conversions and
+        # reductions would cost a worker woken from idle more than the whole check
+        if plain and min(plain) < 0:
+            raise ValueError(f"{name}: index {min(plain)} is negative")
+        if plain and max(plain) > _INDEX_MAX:
+            raise ValueError(f"{name}: index {max(plain)} is beyond any pool")
+        return plain
+    array = np.asarray(values if plain is None else plain)
     if array.size == 0:
         return []
     if array.ndim != 1:
         raise ValueError(f"{name}: expected a flat list of indices, got shape {array.shape}")
     if array.dtype.kind not in "iu":
+        huge = [v for v in plain or () if type(v) is int and v > _INDEX_MAX]
+        if huge:   # numpy made floats or objects of them
+            raise ValueError(f"{name}: index {huge[0]} is beyond any pool")
         raise TypeError(f"{name}: expected integer indices, got {array.dtype}")
     if int(array.min()) < 0:
         raise ValueError(f"{name}: index {int(array.min())} is negative")
+    if int(array.max()) > _INDEX_MAX:   # (uint64 would wrap to negative in int64)
+        raise ValueError(f"{name}: index {int(array.max())} is beyond any pool")
     return array.astype(np.int64).tolist()
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from pd_transfer.errors import PlanError, Reason
 from pd_transfer.layout.geometry import RankGeometry
+from pd_transfer.layout.grids import Grid, GridPlan
 from pd_transfer.layout.lowering import TransferPlan, Unit, UnitGroup, group_units, lower_groups
 from pd_transfer.layout.reconcile import Reconciliation
 from pd_transfer.layout.sharding import Piece
@@ -56,14 +57,20 @@ class PairPlanner:
                         for side, geometry in (("prefill", src), ("decode", dst))}
 
     def plan(self, requests: Mapping[Pool, IndexPair],
-             layers: Collection[int] | None = None) -> TransferPlan:
+             layers: Collection[int] | None = None, *, grid_max_runs: int = 0) -> TransferPlan:
         """The plan for ``requests``; with ``layers``, only the tensors of those layer ids.
 
         Layer-wise streaming plans a chunk's KV one batch of ready layers at a
         time; the union over all layers is exactly the plan without ``layers``.
+        A plan of at most ``grid_max_runs`` runs comes as a :class:`GridPlan`
+        (not lowered; for a writer that copies grids, such as a 1-page room's).
         """
         indices = check_indices(requests, self.src, self.dst, self._limits)
         groups = [g for pool in indices for g in self._groups.get(pool, ())]
+        if grid_max_runs and layers is None:
+            grids = tuple(Grid(group, *indices[group.pool]) for group in groups)
+            if sum(grid.num_runs for grid in grids) <= grid_max_runs:
+                return GridPlan(self.src.rank_id, self.dst.rank_id, grids)
         if layers is not None:
             wanted = np.fromiter(layers, np.int64)
             groups = [g for g in (group.only_layers(wanted) for group in groups) if g is not None]

@@ -5,9 +5,12 @@
 descriptors, :mod:`.runs`); if any piece is out of bounds it raises a
 :class:`TransportError` and copies nothing. Then it copies:
 
-- plans of a few hundred runs (a 1-page room) are checked piece by piece in
-  Python, then copied on the calling thread: lowest latency (a vectorised
-  pass costs more than it saves there);
+- a grid plan (a 1-page room, :mod:`pd_transfer.layout.grids`) is checked per
+  grid and copied by the native loop in one call per grid, on the calling
+  thread (:mod:`.grid_copy`);
+- plans of a few hundred runs are checked piece by piece in Python, then
+  copied on the calling thread: lowest latency (a vectorised pass costs more
+  than it saves there);
 - with the native copy loop (:mod:`.native_copy`, built at install), every
   other plan is copied by C in byte ranges, one per thread, non-temporal
   stores for pieces of 1 KiB and more;
@@ -35,7 +38,8 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-from pd_transfer.transport import native_copy
+from pd_transfer.layout.grids import GridPlan
+from pd_transfer.transport import grid_copy, native_copy
 from pd_transfer.transport.copy_tasks import Scratch, compile_tasks
 from pd_transfer.transport.regions import Mapped, Regions, map_one, map_regions, sizes_of
 from pd_transfer.transport.runs import check_bounds, flatten
@@ -71,13 +75,19 @@ class CopyEngine:
 
     # -- public ---------------------------------------------------------------------
     def execute(self, plan, src_regions: Regions, dst_regions: Regions, *,
-                where: str = "") -> int:
+                where: str = "", programs: dict | None = None) -> int:
         """Copy every byte of ``plan``; return the number of bytes copied.
 
         Raises :class:`TransportError` (UNKNOWN_REGION, REGION_INVALID,
-        RUN_OUT_OF_REGION) before a single byte moves.
+        RUN_OUT_OF_REGION) before a single byte moves. A :class:`GridPlan` is
+        copied grid by grid with the native loop (:mod:`.grid_copy`), its
+        programs kept in ``programs`` (a link's, across rooms) when given.
         """
         where = where or f"plan {plan.src_rank} -> {plan.dst_rank}"
+        if self.native and isinstance(plan, GridPlan):
+            if grid_copy.copy(plan, src_regions, dst_regions, {} if programs is None else programs):
+                return plan.total_nbytes
+            # a piece out of bounds: the full check below lowers the plan, names it and raises
         if plan.num_runs <= self.direct_max_runs:
             copies = _small_copies(plan, src_regions, dst_regions, self.native)
             if copies is not None:

@@ -30,7 +30,7 @@ import numpy as np
 from pd_transfer.transport.regions import Mapped
 from pd_transfer.transport.runs import Flat
 
-ABI = 3  # pdt_abi() of the library this module calls (copy_runs.c's PDT_ABI)
+ABI = 4  # pdt_abi() of the library this module calls (copy_runs.c's PDT_ABI)
 LIBRARY_NAME = "_copy_runs.so"  # native/build.py builds it (stdlib only, so not imported here)
 LIBRARY_PATH = Path(__file__).resolve().parent / "native" / LIBRARY_NAME
 STREAM_MIN_NBYTES = 1024
@@ -58,6 +58,11 @@ def _load(path: Path = LIBRARY_PATH) -> tuple[ctypes.CDLL | None, str]:
     lib.pdt_copy_range.argtypes = [ctypes.c_int64, *[_I64P] * 6, *[ctypes.c_int64] * 4]
     lib.pdt_copy_list.restype = ctypes.c_int64
     lib.pdt_copy_list.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+    lib.pdt_copy_grid.restype = ctypes.c_int64
+    lib.pdt_copy_grid.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                  *[ctypes.c_int64] * 5]
     lib.pdt_pack.restype = ctypes.c_int64
     lib.pdt_pack.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 4]
     return lib, ""
@@ -125,6 +130,26 @@ def copy_list(runs: list[int]) -> None:
     done = _LIB.pdt_copy_list(length // 3, address, _stream_min(total))
     if done != total:
         raise RuntimeError(f"native copy moved {done} of {total} bytes")
+
+
+def copy_grid(src_unit: np.ndarray, dst_unit: np.ndarray, src_index: array, dst_index: array,
+              shape, total_nbytes: int) -> None:
+    """Copy one grid (:class:`~pd_transfer.layout.grids.Grid`) in one call: unit base
+    addresses (int64 arrays), the index lists' byte offsets (``array("q")``, as long as
+    each other) and the group's shape (run, count, strides, positions), every extreme
+    already checked (:mod:`.grid_copy`). ``total_nbytes``: the whole plan's, which
+    decides the stores."""
+    if not len(src_index):
+        return
+    combo_src, combo_dst = shape.combo_src, shape.combo_dst
+    expected = len(src_unit) * len(src_index) * len(combo_src) * shape.count * shape.run_nbytes
+    done = _LIB.pdt_copy_grid(len(src_unit), src_unit.ctypes.data, dst_unit.ctypes.data,
+                              len(src_index), src_index.buffer_info()[0],
+                              dst_index.buffer_info()[0], len(combo_src), combo_src.ctypes.data,
+                              combo_dst.ctypes.data, shape.run_nbytes, shape.count,
+                              shape.src_stride, shape.dst_stride, _stream_min(total_nbytes))
+    if done != expected:
+        raise RuntimeError(f"native copy moved {done} of {expected} bytes")
 
 
 def _stream_min(total_nbytes: int) -> int:

@@ -19,6 +19,7 @@ import asyncio
 import torch
 
 from pd_transfer.errors import Reason, TransportError
+from pd_transfer.layout.grids import GridPlan
 from pd_transfer.shm import Segment, open_segment
 from pd_transfer.transport.base import Link, PeerEndpoint, Transport, TransportKind
 from pd_transfer.transport.copy_engine import CopyEngine, default_engine
@@ -36,9 +37,12 @@ class ShmLink(Link):
             for handle in peer.regions}
         self.mapped = {region_id: map_one(region_id, tensor, "destination")
                        for region_id, tensor in self.regions.items()}
+        self.programs: dict = {}   # the copy engine's grid programs into these regions
+        # rooms this small come as grid plans when the engine copies them natively
+        self.grid_max_runs = transport.inline_max_runs if transport.engine.native else 0
 
     async def _release(self) -> None:
-        self.regions, self.mapped = {}, {}
+        self.regions, self.mapped, self.programs = {}, {}, {}
         for segment in self.segments.values():
             segment.close()  # never unlink: the peer owns its segments
         self.segments = {}
@@ -66,12 +70,16 @@ class ShmTransport(Transport):
                     generation: int = 0) -> int:
         link = self._own(link, ShmLink)
         where = f"room {room or '-'} gen {generation} plan {plan.src_rank} -> {link.peer.peer_id}"
-        src = self._sources.map(src_regions, (b.src_region for b in plan.batches), "source")
         if plan.num_runs <= self.inline_max_runs:
-            # a few pages (a 1-page Llama room is 64 runs, 1 MiB): copying on the loop
-            # takes less time than the thread hop would
-            nbytes = self.engine.execute(plan, src, link.mapped, where=where)
+            # a few pages (a 1-page Llama room is 64 runs, 2 MiB): copying on the loop
+            # takes less time than the thread hop would; a grid plan needs no source
+            # mapping here (the engine's grid programs keep the addresses, per link)
+            src = src_regions if isinstance(plan, GridPlan) else \
+                self._sources.map(src_regions, (b.src_region for b in plan.batches), "source")
+            nbytes = self.engine.execute(plan, src, link.mapped, where=where,
+                                         programs=link.programs)
         else:
+            src = self._sources.map(src_regions, (b.src_region for b in plan.batches), "source")
             # the copy cannot be interrupted once in its thread; run_background lets
             # a cancelled caller go while Link.drain still waits for the copy
             nbytes = await link.run_background(

@@ -101,6 +101,31 @@ def test_negative_page_is_refused_before_sending(sidecar, client):
     assert sidecar.requests == []
 
 
+@pytest.mark.parametrize("pages", [[0, 2 ** 63], np.array([2 ** 63], np.uint64),
+                                   list(range(100)) + [2 ** 63]],
+                         ids=["short list", "uint64 array", "long list"])
+def test_a_page_beyond_int64_is_refused_not_wrapped(sidecar, client, pages):
+    # numpy once turned uint64 2**63 into int64 -2**63 on the way to the wire
+    with pytest.raises(ValueError, match=r"pages: index 9223372036854775808 is beyond any pool"):
+        client.send(1, pages)
+    assert sidecar.requests == []
+
+
+@pytest.mark.parametrize("pages", [[3, 1], (3, 1), range(3, 0, -2), np.array([3, 1]),
+                                   [np.int64(3), 1], list(range(200))[3:0:-2]])
+def test_pages_of_any_integer_kind_reach_the_sidecar_as_plain_ints(sidecar, client, pages):
+    client.send(1, pages)
+    (_, message), = sidecar.requests
+    assert message["pages"] == [3, 1] and all(type(p) is int for p in message["pages"])
+
+
+@pytest.mark.parametrize("pages", [[True], [1, 2.0], [None]])
+def test_pages_that_are_not_integers_are_refused(sidecar, client, pages):
+    with pytest.raises(TypeError, match="pages: expected integer indices"):
+        client.send(1, pages)
+    assert sidecar.requests == []
+
+
 @pytest.mark.parametrize("timeout_s", [float("nan"), float("inf"), -0.5, 1e9])
 def test_a_wait_timeout_that_is_no_duration_is_refused_before_sending(sidecar, client, timeout_s):
     with pytest.raises(ValueError, match=r"timeout_s: expected seconds in \[0, 86400\]"):

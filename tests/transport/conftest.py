@@ -88,6 +88,12 @@ def scenario():
 
 
 @pytest.fixture
+def ranks():
+    """``ranks(kind, role, tp, layout, num_pages)`` -> every rank's geometry of one instance."""
+    return instance
+
+
+@pytest.fixture
 def segments():
     """``segments(regions)`` copies regions into fresh shm segments: ``{region: Segment}``.
 

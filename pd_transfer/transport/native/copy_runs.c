@@ -25,7 +25,7 @@
 #define PDT_STREAM 1
 #endif
 
-#define PDT_ABI 3
+#define PDT_ABI 4
 #define PREFETCH_AHEAD 2        /* descriptors */
 #define PREFETCH_NBYTES 256     /* of each: the hardware prefetcher follows the rest */
 
@@ -133,6 +133,38 @@ int64_t pdt_copy_list(int64_t n, const int64_t *runs, int64_t stream_min) {
             continue;
         copy_piece(d, s, m, stream_min);
         done += m;
+    }
+    return landed(done);
+}
+
+/* Copy a grid (pd_transfer/layout/grids.py) in its order: for each unit u, index
+ * pair i, position c and k < count, run bytes from
+ *   src_unit[u] + src_index[i] + combo_src[c] + k * src_stride
+ * to the same on the destination side (absolute unit addresses, byte offsets of the
+ * index lists). The caller checked the extremes of every unit's pieces against its
+ * regions. A 1-page room's whole copy is one call, with no descriptor list built. */
+int64_t pdt_copy_grid(int64_t num_units, const int64_t *src_unit, const int64_t *dst_unit,
+                      int64_t num_index, const int64_t *src_index, const int64_t *dst_index,
+                      int64_t num_combo, const int64_t *combo_src, const int64_t *combo_dst,
+                      int64_t run, int64_t count, int64_t src_stride, int64_t dst_stride,
+                      int64_t stream_min) {
+    int64_t done = 0;
+    if (run <= 0 || count <= 0)
+        return landed(0);
+    for (int64_t u = 0; u < num_units; u++) {
+        for (int64_t i = 0; i < num_index; i++) {
+            const char *s0 = (const char *)(intptr_t)(src_unit[u] + src_index[i]);
+            char *d0 = (char *)(intptr_t)(dst_unit[u] + dst_index[i]);
+            if (u + 1 < num_units)  /* the next unit's first piece: another tensor */
+                __builtin_prefetch((const char *)(intptr_t)(src_unit[u + 1] + src_index[i]), 0, 0);
+            for (int64_t c = 0; c < num_combo; c++) {
+                const char *s = s0 + combo_src[c];
+                char *d = d0 + combo_dst[c];
+                for (int64_t k = 0; k < count; k++, s += src_stride, d += dst_stride)
+                    copy_piece(d, s, run, stream_min);
+                done += run * count;
+            }
+        }
     }
     return landed(done);
 }
