@@ -29,7 +29,8 @@ log = logging.getLogger("pd_transfer.agent.prefill")
 async def send_verdict(side, peer) -> None:
     """Reconcile the prefill instance with ``peer``, connect its data plane, answer the Verdict."""
     try:
-        await asyncio.wait_for(side.table_ready.wait(), side.config.bootstrap_timeout_s)
+        async with asyncio.timeout(side.config.bootstrap_timeout_s):
+            await side.table_ready.wait()
     except TimeoutError:
         await _reject(side, peer, "prefill rank table incomplete", [MismatchRecord(
             path="prefill.rank_table", code=Reason.BOOTSTRAP_FAILED, prefill="incomplete",

@@ -224,10 +224,11 @@ class DecodeSide:
             self.sidecar.observe.abort("decode", Reason.ABORTED.value)
         self._fail(room, Reason.ABORTED, f"room {room_id} aborted by the decode worker")
         try:
-            await asyncio.wait_for(room.drained.wait(), self.config.abort_drain_timeout_s)
+            async with asyncio.timeout(self.config.abort_drain_timeout_s):
+                await room.drained.wait()
             # tcp chunks zmq had already queued must not land after we say "drained"
-            await asyncio.wait_for(self.sidecar.dataplane.fence(room.room, room.generation),
-                                   self.config.abort_drain_timeout_s)
+            async with asyncio.timeout(self.config.abort_drain_timeout_s):
+                await self.sidecar.dataplane.fence(room.room, room.generation)
             drained = True
         except TimeoutError:
             drained = False  # some prefill rank never confirmed: keep the pages fenced

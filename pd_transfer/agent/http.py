@@ -43,7 +43,8 @@ class HttpServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+            async with asyncio.timeout(5.0):
+                head = await reader.readuntil(b"\r\n\r\n")
             method, path = _request_line(head)
             status, content_type, body = self._route(method, path)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ValueError):

@@ -188,7 +188,8 @@ class PrefillInstances:
 
     async def _await_verdict(self, peer: PrefillPeer) -> None:
         try:
-            verdict = await asyncio.wait_for(asyncio.shield(peer.verdict), self.config.bootstrap_timeout_s)
+            async with asyncio.timeout(self.config.bootstrap_timeout_s):
+                verdict = await asyncio.shield(peer.verdict)
         except TimeoutError:
             self.sidecar.observe.peer(peer.rank_id, "rejected", "no verdict in time", peer.channel)
             raise PdTransferError(f"no verdict from {peer.rank_id} within "

@@ -34,8 +34,8 @@ async def close_sessions(instance) -> None:
         if peer.channel.closed:
             continue
         try:
-            await asyncio.wait_for(peer.channel.send(Close(reason_text="decode released this "
-                                                           "session")), CLOSE_SEND_TIMEOUT_S)
+            async with asyncio.timeout(CLOSE_SEND_TIMEOUT_S):
+                await peer.channel.send(Close(reason_text="decode released this session"))
         except Exception as err:  # unreachable or never authenticated: close anyway
             log.debug("decode: no Close to %s: %s", peer.rank_id, err)
         peer.channel.close(linger_ms=REFUSAL_LINGER_MS)   # let the Close leave first

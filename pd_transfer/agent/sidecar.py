@@ -240,7 +240,8 @@ class Sidecar:
 
     async def wait_registered(self, timeout_s: float) -> None:
         try:
-            await asyncio.wait_for(self._registered.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._registered.wait()
         except TimeoutError:
             raise PdTransferError("the worker did not register in time",
                                   code=Reason.NOT_REGISTERED) from None
@@ -366,9 +367,10 @@ class Sidecar:
                     try:
                         # bounded: a peer that stops reading fills ZeroMQ's send queue;
                         # its heartbeat is skipped (and it is soon lost), the timers go on
-                        await asyncio.wait_for(channel.send(Heartbeat(
-                            agent_id=self.config.agent_id, sequence=next(self._heartbeat_seq),
-                            sent_unix_s=time.time())), interval)
+                        async with asyncio.timeout(interval):
+                            await channel.send(Heartbeat(
+                                agent_id=self.config.agent_id, sequence=next(self._heartbeat_seq),
+                                sent_unix_s=time.time()))
                     except Exception as err:
                         log.debug("heartbeat to %s failed: %s", channel.label, err)
 
@@ -386,6 +388,7 @@ def _why_lost(channel: Channel, now: float, interval_s: float, limit_s: float) -
 async def _bounded(step, what: str, timeout_s: float = 5.0) -> None:
     """Shutdown never hangs on one step: past ``timeout_s`` it is logged and left behind."""
     try:
-        await asyncio.wait_for(step, timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await step
     except TimeoutError:
         log.warning("shutdown: %s did not finish within %.0f s; exiting anyway", what, timeout_s)
