@@ -54,11 +54,6 @@ class Grid:
     def total_nbytes(self) -> int:
         return self.num_runs * self.group.shape.run_nbytes
 
-    def index_offsets(self) -> tuple[np.ndarray, np.ndarray]:
-        """Byte offsets of the index lists along the index axis, source and destination."""
-        src_stride, dst_stride = self.group.shape.index_strides
-        return self.src_idx * src_stride, self.dst_idx * dst_stride
-
 
 class GridPlan(TransferPlan):
     """A plan of grids, in order (a room's aux row last); ``batches`` lowered on demand."""
