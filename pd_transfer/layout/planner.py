@@ -68,9 +68,10 @@ class PairPlanner:
         indices = check_indices(requests, self.src, self.dst, self._limits)
         groups = [g for pool in indices for g in self._groups.get(pool, ())]
         if grid_max_runs and layers is None:
-            grids = tuple(Grid(group, *indices[group.pool]) for group in groups)
-            if sum(grid.num_runs for grid in grids) <= grid_max_runs:
-                return GridPlan(self.src.rank_id, self.dst.rank_id, grids)
+            small = GridPlan(self.src.rank_id, self.dst.rank_id,
+                             tuple(Grid(group, *indices[group.pool]) for group in groups))
+            if small.num_runs <= grid_max_runs:   # (cached: the writer reads it again)
+                return small
         if layers is not None:
             wanted = np.fromiter(layers, np.int64)
             groups = [g for g in (group.only_layers(wanted) for group in groups) if g is not None]

@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pd_transfer.client import Client, allocate_pools
+from pd_transfer.client import Client, Refused, allocate_pools
 from pd_transfer.client.cuda_pools import allocate_cuda_pools
-from pd_transfer.errors import GeometryError
+from pd_transfer.errors import GeometryError, Reason
 from pd_transfer.layout.geometry import RankGeometry, Role
 from pd_transfer.layout.presets import load_preset
 from pd_transfer.layout.rank_builder import build_instance
@@ -203,6 +203,17 @@ class Cluster:
 
     def logs(self) -> str:
         return "\n".join(f"== {s.name}\n{s.log.read_text()[-3000:]}" for s in self.sidecars.values())
+
+
+def poll_known(client, room: int):
+    """``client.poll(room)``, or None while the sidecar does not know ``room`` yet (the
+    request that makes it is still on its way, over another socket)."""
+    try:
+        return client.poll(room)
+    except Refused as err:
+        if err.code is Reason.UNKNOWN_ROOM:
+            return None
+        raise
 
 
 def small_instances(model: str, tp_src: int, tp_dst: int, layout: Layout = Layout.NHD):

@@ -5,10 +5,9 @@ two vCPUs)."""
 import time
 
 import numpy as np
-from cluster import small_instances
+from cluster import poll_known, small_instances
 
-from pd_transfer.client import Refused, RoomStatus
-from pd_transfer.errors import Reason
+from pd_transfer.client import RoomStatus
 from pd_transfer.layout.views import Pool
 
 
@@ -32,11 +31,8 @@ def test_a_one_page_room_has_landed_when_send_returns(cluster_factory):
 def _wait_for_input(client, room: int, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            if client.poll(room).status is RoomStatus.WAITING_FOR_INPUT:
-                return
-        except Refused as err:   # not known yet: the request is still on its way
-            if err.code is not Reason.UNKNOWN_ROOM:
-                raise
+        state = poll_known(client, room)
+        if state is not None and state.status is RoomStatus.WAITING_FOR_INPUT:
+            return
         time.sleep(0.005)
     raise AssertionError(f"room {room} never waited for input at prefill")

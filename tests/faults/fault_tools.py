@@ -20,10 +20,9 @@ from pathlib import Path
 
 import msgpack
 import numpy as np
-from cluster import Cluster, Sidecar
+from cluster import Cluster, Sidecar, poll_known
 
-from pd_transfer.client import Refused, RoomStatus
-from pd_transfer.errors import Reason
+from pd_transfer.client import RoomStatus
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.presets import model_from_table
 from pd_transfer.layout.rank_builder import build_instance
@@ -137,17 +136,8 @@ def wait_status(client, room: int, statuses, timeout_s: float = 10.0):
     """Poll until ``room`` is in one of ``statuses``; a room the sidecar does not know
     yet (its request still on the way, over another socket) is polled again."""
     statuses = tuple(statuses)
-
-    def reached():
-        try:
-            state = client.poll(room)
-        except Refused as err:
-            if err.code is Reason.UNKNOWN_ROOM:
-                return None
-            raise
-        return state.status in statuses and state
-
-    return wait_for(reached, timeout_s, f"room {room} reaching {[s.value for s in statuses]}")
+    return wait_for(lambda: (s := poll_known(client, room)) is not None and s.status in statuses
+                    and s, timeout_s, f"room {room} reaching {[s.value for s in statuses]}")
 
 
 def snapshot(cluster: Cluster, role: Role) -> dict[tuple[str, str], np.ndarray]:
