@@ -9,7 +9,6 @@ the tests' and the demo's job).
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -20,14 +19,10 @@ from pd_transfer.layout.geometry import RankGeometry, Role
 from pd_transfer.layout.presets import load_preset
 from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.views import Layout
+from pd_transfer.ports import spare_port
 
 PAGE = 16
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def peak_rss_mib(pid: int) -> float:
@@ -54,7 +49,7 @@ class Cluster:
         self.prefill = build_instance(spec, Role.PREFILL, tp_src, **shape)
         self.decodes = [build_instance(spec, Role.DECODE, tp_dst, **shape)
                         for _ in range(num_decode)]
-        self.bootstrap = f"tcp://127.0.0.1:{free_port()}"
+        self.bootstrap = f"tcp://127.0.0.1:{spare_port()}"
         self.workdir = workdir
         self.procs: dict[str, subprocess.Popen] = {}
         self.clients: dict[str, Client] = {}

@@ -50,16 +50,12 @@ from pd_transfer.layout.geometry import Role  # noqa: E402
 from pd_transfer.layout.presets import load_preset  # noqa: E402
 from pd_transfer.layout.rank_builder import build_instance  # noqa: E402
 from pd_transfer.layout.views import Layout, Pool  # noqa: E402
+from pd_transfer.ports import spare_port  # noqa: E402
 
 PAGE = 16
 KV_NBYTES_PER_TOKEN = 128 << 10  # Llama-3.1-8B: 32 layers x K, V x 8 heads x 128 x bf16
 IDLE_S = 0.05  # between a room's expect and its send: the sidecars are idle when it starts
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def memcpy_gbps(nbytes: int, repeats: int, device: str = "cpu") -> float:
@@ -90,7 +86,7 @@ def raw_tcp_gbps(nbytes: int, repeats: int) -> float:
     rates = []
     chunk = b"\x00" * (1 << 20)
     for _ in range(repeats):
-        port = _free_port()
+        port = spare_port()
         sink = subprocess.Popen([sys.executable, "-c", _TCP_SINK, str(port)])
         for _ in range(200):
             try:
@@ -175,7 +171,7 @@ class Deployment:
         self.decode = build_instance(spec, Role.DECODE, tp_dst, **shape)
         # a hybrid model (Mamba / GDN state) sends one state slot with the last chunk
         self.state = [1] if any(v.pool is Pool.MAMBA for v in self.decode[0].views) else []
-        self.bootstrap = f"tcp://127.0.0.1:{_free_port()}"
+        self.bootstrap = f"tcp://127.0.0.1:{spare_port()}"
         self.procs, self.clients, self.pools = [], {}, []
         for geometry in self.prefill + self.decode:
             name = f"{geometry.role.value}{geometry.tp_rank}"

@@ -45,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), *(str(ROOT / "tests" / d) for d in ("agent", "faults", "fuzz", "protocol"))]
 
-from cluster import Sidecar, free_port  # noqa: E402
+from cluster import Sidecar  # noqa: E402
 from fuzz_frames import FreshSessions, control_seeds, random_mutation  # noqa: E402
 from protocol_samples import every_frame_type  # noqa: E402
 
@@ -54,6 +54,7 @@ from pd_transfer.layout.geometry import Role  # noqa: E402
 from pd_transfer.layout.presets import load_preset  # noqa: E402
 from pd_transfer.layout.rank_builder import build_instance  # noqa: E402
 from pd_transfer.layout.views import Layout, Pool  # noqa: E402
+from pd_transfer.ports import spare_port  # noqa: E402
 from pd_transfer.shm import SEGMENT_DIR  # noqa: E402
 from pd_transfer.sim.content import fill_source, verify_destination  # noqa: E402
 
@@ -109,7 +110,7 @@ class Soak:
                  "num_aux_rows": NUM_AUX_ROWS}
         self.prefill = build_instance(spec, Role.PREFILL, 2, **shape)
         self.decode = build_instance(spec, Role.DECODE, 2, **shape)
-        self.bootstrap = f"tcp://127.0.0.1:{free_port()}"
+        self.bootstrap = f"tcp://127.0.0.1:{spare_port()}"
         self.config = {**CONFIG, "transport": args.transport}
         self.sidecars: dict[str, Sidecar] = {}
         self.peaks: dict[str, int] = {}          # sidecar process label -> VmHWM KiB

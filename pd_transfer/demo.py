@@ -16,7 +16,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pd_transfer.layout.views import KV_LAYOUTS
+from pd_transfer.ports import spare_port
 
 EXIT_OK, EXIT_FAILED = 0, 1
 
@@ -51,11 +51,6 @@ class Proc:
     popen: subprocess.Popen
     log_path: Path
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _spawn(name: str, args: list[str], workdir: Path) -> Proc:
@@ -111,7 +106,7 @@ def run_demo(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, workdir: Path, procs: list[Proc]) -> int:
     pages = math.ceil(args.tokens / args.page_size)
     num_pages = args.window * pages + 8
-    bootstrap = f"tcp://127.0.0.1:{_free_port()}"
+    bootstrap = f"tcp://127.0.0.1:{spare_port()}"
     print(f"pd-transfer demo: {args.model}, prefill TP {args.prefill_tp} -> decode TP "
           f"{args.decode_tp}, {args.requests} requests x {args.tokens} tokens, transport "
           f"{args.transport}, decode kv layout {args.kv_layout}")

@@ -16,7 +16,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,16 +31,12 @@ from pd_transfer.layout.geometry import RankGeometry, Role
 from pd_transfer.layout.presets import load_preset
 from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.views import Layout, Pool
+from pd_transfer.ports import spare_port
 from pd_transfer.shm import SEGMENT_DIR, SEGMENT_PREFIX
 from pd_transfer.testing import World
 
 _ids = itertools.count()
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Sidecar:
@@ -96,7 +91,7 @@ class Cluster:
         # "cuda": pools are CUDA tensors shared through CUDA IPC handles
         self.devices = {"prefill": device, "decode": decode_device or device}
         self.prefill, self.decode = prefill, decode
-        self.bootstrap = f"tcp://127.0.0.1:{free_port()}"
+        self.bootstrap = f"tcp://127.0.0.1:{spare_port()}"
         try:
             self.world = World.build(prefill, decode, seed)
         except GeometryError:

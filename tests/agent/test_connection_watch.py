@@ -2,7 +2,6 @@
 up again when a peer listens at the address once more (agent/channels.py)."""
 
 import asyncio
-import socket
 
 import pytest
 import zmq
@@ -10,14 +9,10 @@ import zmq.asyncio
 
 from pd_transfer.agent.channels import OutgoingChannel
 from pd_transfer.layout.geometry import Role
+from pd_transfer.ports import spare_port
 
 pytestmark = pytest.mark.asyncio
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _until(predicate, what: str, timeout_s: float = 5.0) -> None:
@@ -34,7 +29,7 @@ async def _nothing(channel, message) -> None:
 
 async def test_a_channel_is_down_while_its_peer_is_gone_and_up_when_it_is_back():
     context = zmq.asyncio.Context()
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{spare_port()}"
     peer = context.socket(zmq.ROUTER)
     peer.bind(address)
     channel = OutgoingChannel(context, address, Role.DECODE, "prefill 0")

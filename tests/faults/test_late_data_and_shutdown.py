@@ -15,11 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cluster import free_port
 from fault_tools import changed_regions, kv_requests, segments_of, snapshot, tiny_ranks, wait_status
 
 from pd_transfer.client import RoomStatus
 from pd_transfer.layout.geometry import Role
+from pd_transfer.ports import spare_port
 from pd_transfer.transport.frames import ChunkHeader, Fail, decode_reply, encode
 from pd_transfer.transport.packing import WireRuns
 from pd_transfer.transport.sockets import PREFIX, Kind, parse_address, prefix
@@ -30,7 +30,7 @@ def cluster(module_deployment):
     # a fixed data port: the ready file is written before the worker registers, when the
     # receiver (started at registration) has no address yet
     return module_deployment(tiny_ranks(Role.PREFILL, 1), tiny_ranks(Role.DECODE, 1), transport="tcp",
-                             decode_config={"data_port": free_port()})
+                             decode_config={"data_port": spare_port()})
 
 
 

@@ -137,9 +137,15 @@ def test_sigterm_exits_143_and_unlinks_the_segments(tmp_path, model_file, pair_f
     procs = {role: _worker(tmp_path, model_file, role, 1, 0, rank.endpoint, tag)
              for role, rank in (("prefill", pair.prefill[0]), ("decode", pair.decode[0]))}
     deadline = time.monotonic() + 20
-    while (len(pair.rooms) < 3 or not pair.rooms[SEED * ROOM_STRIDE].expected) \
-            and time.monotonic() < deadline:
-        time.sleep(0.05)    # both registered, rooms under way
+    first = SEED * ROOM_STRIDE
+
+    def both_under_way():   # a send proves prefill's handler is in place (it is set before the pools)
+        room = pair.rooms.get(first)
+        return room is not None and room.sent and room.expected
+
+    while not both_under_way() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert both_under_way(), "both workers should have reached the first room within 20 s"
     time.sleep(0.2)         # now both block waiting on rooms that never finish
     assert _segments(tag), "the workers should hold their segments while running"
     for proc in procs.values():
