@@ -101,6 +101,10 @@ class SidecarMetrics:
                                         "that closed and did not come back); `peer=\"-\"`: "
                                         "sessions lost before they registered.",
                                         ["role", "peer"], registry=r)
+        self.loop_stalls = Counter(
+            "pd_transfer_loop_stall_seconds", "Seconds this sidecar's event loop woke later than a "
+            "timer tick allows (starved of CPU, or blocked by a long call); peers' silence in them is "
+            "not counted against their heartbeats.", ["role"], registry=r)
         self.bad_frames = Counter("pd_transfer_bad_frames", "Bad frames received, by reason.",
                                   ["role", "reason"], registry=r)
         self.auth_failures = Counter(
@@ -121,6 +125,7 @@ METRIC_NAMES = (
     "pd_transfer_limit_rejections_total", "pd_transfer_peers", "pd_transfer_peer_heartbeat_age_seconds",
     "pd_transfer_verdicts_total", "pd_transfer_verdict_tensors_total", "pd_transfer_strategy",
     "pd_transfer_doorbells_total", "pd_transfer_aborts_total",
-    "pd_transfer_heartbeat_misses_total", "pd_transfer_bad_frames_total",
+    "pd_transfer_heartbeat_misses_total", "pd_transfer_loop_stall_seconds_total",
+    "pd_transfer_bad_frames_total",
     "pd_transfer_auth_failures_total", "pd_transfer_build_info",
 )

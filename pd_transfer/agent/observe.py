@@ -148,6 +148,9 @@ class Observer:
     def bad_frame(self, reason: str) -> None:
         self.metrics.bad_frames.labels(self.role, reason).inc()
 
+    def loop_stalled(self, seconds: float) -> None:
+        self.metrics.loop_stalls.labels(self.role).inc(seconds)
+
     def auth_failure(self, reason: str) -> None:
         self.metrics.auth_failures.labels(self.role, reason).inc()
 

@@ -32,6 +32,7 @@ from pd_transfer.agent.channels import Channel, IncomingChannels
 from pd_transfer.agent.dataplane import DataPlane
 from pd_transfer.agent.decode import DecodeSide
 from pd_transfer.agent.http import HttpServer
+from pd_transfer.agent.liveness import LoopStalls, why_lost
 from pd_transfer.agent.observe import Observer
 from pd_transfer.agent.prefill import PrefillSide
 from pd_transfer.agent.rooms import RoomTable, pool_requests
@@ -74,6 +75,9 @@ class Sidecar:
         self._watched: list[tuple[Channel, Callable[[float], None]]] = []
         self.http: HttpServer | None = None
         self._heartbeat_seq = itertools.count(1)
+        interval = config.heartbeat_interval_s   # the timers tick at min(interval, 0.1 s)
+        self.stalls = LoopStalls(tick_s=min(interval, 0.1), warn_s=max(interval, 0.5),
+                                 keep_s=2 * interval * config.heartbeat_misses + 1.0)
         self._generations = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
 
@@ -343,9 +347,14 @@ class Sidecar:
     async def _timers(self) -> None:
         interval = self.config.heartbeat_interval_s
         limit = interval * self.config.heartbeat_misses
+        tick = min(interval, 0.1)
+        now = time.monotonic()
         while True:
-            await asyncio.sleep(min(interval, 0.1))
-            now = time.monotonic()
+            await asyncio.sleep(tick)
+            now, slept_from = time.monotonic(), now
+            stalled = self.stalls.tick(slept_from, now)
+            if stalled:
+                self.observe.loop_stalled(stalled)
             self.rooms.expire(now, self.side.on_timeout)
             if self.config.role is Role.DECODE and self.geometry is not None:
                 self.side.resolve_configured()
@@ -354,7 +363,7 @@ class Sidecar:
                 if channel.closed:
                     self._watched.remove((channel, on_lost))
                     continue
-                why = _why_lost(channel, now, interval, limit)
+                why = why_lost(channel, now, interval, limit, self.stalls)
                 if why:
                     self._watched.remove((channel, on_lost))
                     if hasattr(channel, "close"):
@@ -373,16 +382,6 @@ class Sidecar:
                                 sent_unix_s=time.time()))
                     except Exception as err:
                         log.debug("heartbeat to %s failed: %s", channel.label, err)
-
-
-def _why_lost(channel: Channel, now: float, interval_s: float, limit_s: float) -> str:
-    """Why ``channel``'s peer counts as lost now ("" while it does not)."""
-    if channel.disconnected_s is not None and now - channel.disconnected_s > interval_s:
-        return (f"its connection closed {now - channel.disconnected_s:.1f} s ago and did not "
-                f"come back (the peer process stopped or its host is unreachable)")
-    if now - channel.last_heard_s > limit_s:
-        return f"no heartbeat for {now - channel.last_heard_s:.1f} s"
-    return ""
 
 
 async def _bounded(step, what: str, timeout_s: float = 5.0) -> None:

@@ -6,7 +6,9 @@ Python logger, which prints INFO lines to stdout, is routed into ours at
 WARNING. The UCX backend starts with ``ucx_error_handling_mode=none``: the
 default ``peer`` mode rules out UCX's shared-memory transports; a dead peer
 is then found by the write deadline and the probe of :mod:`.engine_link`,
-and by the sidecars' heartbeats. Every call into NIXL that can raise is
+and by the sidecars' heartbeats. The agent's progress thread pauses 1 ms
+between polls of an idle worker (:func:`_new_agent`); NIXL's wrapper would
+have it spin. Every call into NIXL that can raise is
 translated into :class:`TransportError` here or in :mod:`.nixl`.
 """
 
@@ -16,6 +18,8 @@ import asyncio
 import importlib
 import logging
 import os
+import sys
+import threading
 import time
 import uuid
 
@@ -26,6 +30,8 @@ from pd_transfer.transport.engine_address import EngineAddress
 from pd_transfer.transport.engine_runs import region_bases
 from pd_transfer.transport.engine_staging import EngineReceiver, ReceiverStaging
 from pd_transfer.transport.regions import Regions
+
+log = logging.getLogger(__name__)
 
 _API_MODULES = ("nixl_cu12", "nixl_cu13", "nixl._api")
 
@@ -67,6 +73,45 @@ def _quiet_logging() -> None:
         nixl_log.setLevel(logging.WARNING)
 
 
+PROGRESS_DELAY_US = 1000   # the agent's progress thread, between polls of an idle UCX worker
+_MAKING = threading.Lock()
+
+
+def _new_agent(api, name: str, config, delay_us: int):
+    """``api.nixl_agent(name, config)`` whose progress thread pauses ``delay_us`` between polls.
+
+    NIXL's Python wrapper sets that delay to 0, and the thread then polls UCX
+    in a loop with ``sched_yield``: a whole core per agent, idle or not (0.99
+    of a CPU per idle agent, measured here). A few sidecars on a small host
+    then starve each other's event loops and miss heartbeats. With 1 ms the
+    idle agent costs 0.01-0.03 of a CPU and transfers ran as fast over UCX
+    tcp and shm. The wrapper builds its config from the bindings' class; while
+    the agent is made, that class is swapped for one that keeps our delay.
+    """
+    wrapper = sys.modules.get(getattr(api.nixl_agent, "__module__", ""))
+    bindings = getattr(wrapper, "nixlBind", None)
+    base = getattr(bindings, "nixlAgentConfig", None)
+    if base is None or not hasattr(base, "pthrDelay"):
+        log.warning("this NIXL has no progress-thread delay to set; its agent may keep a core busy")
+        return api.nixl_agent(name, config)
+
+    class Paced(base):
+        @property
+        def pthrDelay(self):
+            return base.pthrDelay.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, _ignored):
+            base.pthrDelay.__set__(self, delay_us)
+
+    with _MAKING:
+        bindings.nixlAgentConfig = Paced
+        try:
+            return api.nixl_agent(name, config)
+        finally:
+            bindings.nixlAgentConfig = base
+
+
 class NixlEngine:
     """One NIXL agent with the UCX backend, and the memory registered with it."""
 
@@ -76,8 +121,8 @@ class NixlEngine:
         try:
             # STRICT: the agent is used from several worker threads (one write per link)
             sync = api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
-            self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=[],
-                                                                         sync_mode=sync))
+            self.agent = _new_agent(api, self.name, api.nixl_agent_config(backends=[], sync_mode=sync),
+                                    PROGRESS_DELAY_US)
             self.agent.create_backend("UCX", {"ucx_error_handling_mode": error_handling_mode})
         except Exception as err:  # the bindings raise their own error types
             raise TransportError(f"nixl agent did not start: {err}",

@@ -135,6 +135,14 @@ class Cluster:
         except urllib.error.HTTPError as err:
             return err.code, err.read().decode()
 
+    def metric(self, rank_id: str, name: str, **labels) -> float:
+        """The sum of ``name``'s samples with ``labels`` in a scrape of ``rank_id``'s /metrics."""
+        from prometheus_client.parser import text_string_to_metric_families
+        status, text = self.http(rank_id, "/metrics")
+        assert status == 200
+        return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
     def _attach(self, geometry: RankGeometry, tag: str) -> None:
         rank = geometry.rank_id
         on_gpu = self.devices[geometry.role.value] == "cuda"

@@ -7,7 +7,6 @@ Waits are bounded (a few seconds at most); nothing asserts how fast a transfer i
 import time
 
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
 from pd_transfer.client import RoomStatus
 from pd_transfer.layout.geometry import Role
@@ -39,10 +38,7 @@ def _merged(*requests: dict) -> dict:
 
 
 def _metric(cluster, rank_id: str, name: str, **labels) -> float:
-    status, text = cluster.http(rank_id, "/metrics")
-    assert status == 200
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return cluster.metric(rank_id, name, **labels)
 
 
 def _wait_for(predicate, timeout_s: float, what: str):

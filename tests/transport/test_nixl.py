@@ -114,3 +114,29 @@ async def test_a_request_nixl_refuses_fails_the_write_and_the_link_stays_usable(
 async def test_a_dead_peer_fails_the_write_and_the_link_is_then_refused(segments, receivers):
     await dead_peer_fails_then_refuses(_transport(recovery=FAST), receivers, segments,
                                        lambda spawn, segs: spawn(segs), seed=4)
+
+
+IDLE_AGENT = """
+import os, time
+from pd_transfer.transport.nixl_engine import NixlEngine
+engine = NixlEngine("recv")
+time.sleep(0.3)
+before, start = os.times(), time.monotonic()
+time.sleep(1.5)
+after = os.times()
+print((after.user + after.system - before.user - before.system) / (time.monotonic() - start))
+"""
+
+
+async def test_an_idle_agent_leaves_the_cpu_alone():
+    # NIXL's wrapper would start the agent's progress thread with no pause between
+    # polls: a whole core per idle agent, which starved sidecars' event loops in CI
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", IDLE_AGENT], capture_output=True, text=True,
+                         timeout=60, cwd=root, env={**os.environ, "PYTHONPATH": root})
+    assert out.returncode == 0, out.stderr
+    share = float(out.stdout.strip().splitlines()[-1])
+    assert share < 0.3, f"an idle NIXL agent used {share:.2f} of a CPU"

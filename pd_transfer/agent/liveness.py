@@ -1,0 +1,74 @@
+"""When a peer counts as lost, and why a stall of our own never makes it so.
+
+A peer is lost when nothing was heard from it for ``heartbeat_misses``
+intervals, or when its connection closed and stayed closed for longer than
+one interval. Silence is measured in time this process could listen: while
+our own event loop was stalled (starved of CPU, or blocked by a long call),
+the peer's heartbeats wait unread in the socket, and that stretch is not
+counted against it. Without this, a sidecar that stalled for longer than the
+heartbeat limit declared every peer lost the moment it woke up.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+
+class Heard(Protocol):
+    last_heard_s: float
+    disconnected_s: float | None
+
+
+class LoopStalls:
+    """The stretches in which this loop ran later than it asked to, over the recent past.
+
+    The timer task calls :meth:`tick` after each sleep of ``tick_s``; anything
+    beyond the expected wake-up by more than ``tick_s`` is a stall. Lateness
+    below that is ordinary scheduling noise and is not recorded, so a loop
+    that is merely busy does not slow the detection of a dead peer.
+    """
+
+    def __init__(self, tick_s: float, keep_s: float, warn_s: float) -> None:
+        self.tick_s, self.keep_s, self.warn_s = tick_s, keep_s, warn_s
+        self._stalls: deque[tuple[float, float]] = deque()   # (start, end), oldest first
+        self.total_s = 0.0
+
+    def tick(self, slept_from: float, now: float) -> float:
+        """Record the stall in ``[slept_from + tick_s, now]`` if long enough; its length."""
+        expected = slept_from + self.tick_s
+        late = now - expected
+        while self._stalls and self._stalls[0][1] < now - self.keep_s:
+            self._stalls.popleft()
+        if late <= self.tick_s:
+            return 0.0
+        self._stalls.append((expected, now))
+        self.total_s += late
+        if late >= self.warn_s:
+            log.warning("this sidecar's event loop stalled for %.2f s (starved of CPU or blocked); "
+                        "peers' silence during the stall is not counted against them", late)
+        return late
+
+    def within(self, start: float, end: float) -> float:
+        """Seconds of recorded stalls inside ``[start, end]``."""
+        return sum(max(0.0, min(b, end) - max(a, start)) for a, b in self._stalls)
+
+
+def why_lost(peer: Heard, now: float, interval_s: float, limit_s: float,
+             stalls: LoopStalls | None = None) -> str:
+    """Why ``peer`` counts as lost now ("" while it does not)."""
+    def unseen(since: float) -> float:   # seconds since ``since`` that this loop was awake
+        return now - since - (stalls.within(since, now) if stalls is not None else 0.0)
+
+    if peer.disconnected_s is not None and unseen(peer.disconnected_s) > interval_s:
+        return (f"its connection closed {now - peer.disconnected_s:.1f} s ago and did not "
+                f"come back (the peer process stopped or its host is unreachable)")
+    quiet = now - peer.last_heard_s
+    blind = quiet - unseen(peer.last_heard_s)
+    if quiet - blind > limit_s:
+        stalled = f", {blind:.1f} s of it while this sidecar was stalled" if blind >= 0.05 else ""
+        return f"no heartbeat for {quiet:.1f} s{stalled}"
+    return ""
