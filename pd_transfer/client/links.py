@@ -6,7 +6,9 @@ endpoint's scheme:
 
 ``ipc://PATH`` (or ``tcp://``)
     a ZeroMQ DEALER; it connects in the background and reconnects by itself,
-    so a call to a sidecar that is not up yet simply waits.
+    so a call to a sidecar that is not up yet simply waits. The blocking link
+    watches the socket's monitor, so a doorbell wait learns that the sidecar's
+    end closed.
 ``unix://PATH``
     a plain Unix stream socket, frames with a length header
     (:mod:`pd_transfer.protocol.stream_frames`). No I/O thread between the
@@ -26,6 +28,7 @@ import time
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
 from pd_transfer.protocol.stream_frames import HEADER, frame_length, pack, unix_path
 from pd_transfer.protocol.worker_api import WorkerApiError
@@ -80,7 +83,7 @@ class _Dealer:
 
     def reset(self) -> None:
         """A new connection: nothing of the old one (a late answer) reaches the next call."""
-        self._socket.close(linger=0)
+        self.close()
         self._connect()
 
     def close(self) -> None:
@@ -88,14 +91,34 @@ class _Dealer:
 
 
 class ZmqLink(_Dealer):
+    """The blocking ZeroMQ link. Its socket's monitor tells :meth:`alive` when a
+    connection it had was dropped: the sidecar's end closed, as when its process ends."""
+
+    def _connect(self) -> None:
+        super()._connect()
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._dropped = False
+
+    def close(self) -> None:
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
+        super().close()
+
     def prepare(self, deadline: float) -> bool:
         """Before a call: True when it runs on a new connection (never: ZeroMQ reconnects
         underneath, and a restarted sidecar answers ``unauthenticated`` instead)."""
         return False
 
     def alive(self) -> bool:
-        """Whether the sidecar may still be there (ZeroMQ cannot tell: always True)."""
-        return True
+        """False once the connection to the sidecar was dropped (a sidecar that comes back
+        at the same path is a new one, which knows none of this link's rooms)."""
+        while not self._dropped:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._dropped = event["event"] == zmq.EVENT_DISCONNECTED
+        return not self._dropped
 
     def send(self, frame: bytes, deadline: float) -> bool | None:
         """True once the frame left, None when it could not before ``deadline``."""

@@ -277,9 +277,9 @@ def test_a_sidecar_killed_during_an_asyncio_wait_fails_it_at_once(cluster_factor
     assert asyncio.run(waiting()) < 5
 
 
-def _decode_waiting_on_its_doorbell(cluster_factory):
+def _decode_waiting_on_its_doorbell(cluster_factory, scheme="unix"):
     """A decode room expected, never sent: its worker's wait sleeps on the doorbell."""
-    cluster, requests = _pair(cluster_factory)
+    cluster, requests = _pair(cluster_factory, worker_scheme=scheme)
     rank = cluster.decode[0].rank_id
     cluster.clients[rank].expect(8, cluster.bootstrap, requests[Pool.KV][1],
                                  aux_row=int(requests[Pool.AUX][1][0]))
@@ -287,8 +287,10 @@ def _decode_waiting_on_its_doorbell(cluster_factory):
     return cluster, rank
 
 
-def test_a_decode_sidecar_killed_while_its_worker_sleeps_on_a_doorbell_fails_the_wait(cluster_factory):
-    cluster, rank = _decode_waiting_on_its_doorbell(cluster_factory)
+@pytest.mark.parametrize("scheme", ["unix", "ipc"])
+def test_a_decode_sidecar_killed_while_its_worker_sleeps_on_a_doorbell_fails_the_wait(
+        cluster_factory, scheme):
+    cluster, rank = _decode_waiting_on_its_doorbell(cluster_factory, scheme)
     threading.Timer(0.5, cluster.sidecars[rank].kill).start()
     started = time.monotonic()
     with pytest.raises(SidecarLost, match="room 8 waited on its doorbell"):
