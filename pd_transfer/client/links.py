@@ -100,7 +100,8 @@ class ZmqLink(_Dealer):
         self._dropped = False
 
     def close(self) -> None:
-        self._socket.disable_monitor()
+        if not self._socket.closed:   # closing twice is harmless, as for the socket alone
+            self._socket.disable_monitor()
         self._monitor.close(linger=0)
         super().close()
 
