@@ -209,7 +209,7 @@ class AsyncClient:
 
     async def _read_replies(self) -> None:
         """Route every reply to the future of its call, until the client closes (or a
-        ``unix://`` connection is lost: every call in flight then fails with SidecarLost)."""
+        connection is lost: every call in flight then fails with SidecarLost)."""
         while not self._closed:
             try:
                 frame = await self._link.receive()

@@ -8,7 +8,7 @@
         ├── BadReply         the reply is not a well-formed worker_api reply (``bad_frame``)
         ├── AuthFailed       this worker and the sidecar could not authenticate each other
         │                    (``auth_failed``, ``auth_replayed``: a wrong or missing secret)
-        ├── SidecarLost      a ``unix://`` connection closed during the call (``peer_lost``):
+        ├── SidecarLost      the connection closed or dropped during the call (``peer_lost``):
         │                    the sidecar stopped or restarted; the next call connects again
         └── ClientClosed     the client was closed before or during the call
                              (``shutting_down``)
@@ -78,7 +78,7 @@ class AuthFailed(ClientError):
 
 
 class SidecarLost(ClientError):
-    """The sidecar closed a ``unix://`` connection during the call; whether it handled the
+    """The sidecar's connection closed or dropped during the call; whether it handled the
     request is unknown (poll the room to learn). The next call connects again."""
 
     default_code = Reason.PEER_LOST

@@ -6,9 +6,10 @@ endpoint's scheme:
 
 ``ipc://PATH`` (or ``tcp://``)
     a ZeroMQ DEALER; it connects in the background and reconnects by itself,
-    so a call to a sidecar that is not up yet simply waits. The blocking link
-    watches the socket's monitor, so a doorbell wait learns that the sidecar's
-    end closed.
+    so a call to a sidecar that is not up yet simply waits. Its monitor tells
+    when a connection it had was dropped (the sidecar's process ended): the
+    call in flight, or a doorbell wait, raises ``ConnectionError``, and the
+    next call runs on a new connection.
 ``unix://PATH``
     a plain Unix stream socket, frames with a length header
     (:mod:`pd_transfer.protocol.stream_frames`). No I/O thread between the
@@ -28,7 +29,7 @@ import time
 
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import recv_monitor_message
+from zmq.utils.monitor import parse_monitor_message
 
 from pd_transfer.protocol.stream_frames import HEADER, frame_length, pack, unix_path
 from pd_transfer.protocol.worker_api import WorkerApiError
@@ -90,9 +91,11 @@ class _Dealer:
         self._socket.close(linger=0)
 
 
-class ZmqLink(_Dealer):
-    """The blocking ZeroMQ link. Its socket's monitor tells :meth:`alive` when a
-    connection it had was dropped: the sidecar's end closed, as when its process ends."""
+class _Watched(_Dealer):
+    """A DEALER whose monitor tells when a connection it had was dropped: the
+    sidecar's end closed, as when its process ends. A sidecar that comes back at
+    the same path is a new one, which knows none of this link's rooms, so a
+    dropped link stays dropped until :meth:`reset`."""
 
     def _connect(self) -> None:
         super()._connect()
@@ -105,20 +108,35 @@ class ZmqLink(_Dealer):
         self._monitor.close(linger=0)
         super().close()
 
+    def _note(self, frames: list[bytes]) -> None:
+        self._dropped = self._dropped or parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED
+
+    def _gone(self) -> ConnectionError:
+        return ConnectionError(f"the sidecar closed the connection at {self.endpoint}")
+
+
+class ZmqLink(_Watched):
+    def _connect(self) -> None:
+        super()._connect()
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+
     def prepare(self, deadline: float) -> bool:
-        """Before a call: True when it runs on a new connection (never: ZeroMQ reconnects
-        underneath, and a restarted sidecar answers ``unauthenticated`` instead)."""
-        return False
+        """Before a call: True when it runs on a new connection, as it does after the
+        last one was dropped (otherwise ZeroMQ reconnects underneath)."""
+        if self.alive():
+            return False
+        self.reset()
+        return True
 
     def alive(self) -> bool:
-        """False once the connection to the sidecar was dropped (a sidecar that comes back
-        at the same path is a new one, which knows none of this link's rooms)."""
+        """False once the connection to the sidecar was dropped."""
         while not self._dropped:
             try:
-                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+                self._note(self._monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 break
-            self._dropped = event["event"] == zmq.EVENT_DISCONNECTED
         return not self._dropped
 
     def send(self, frame: bytes, deadline: float) -> bool | None:
@@ -135,10 +153,16 @@ class ZmqLink(_Dealer):
             pass
 
     def receive(self, deadline: float) -> bytes | None:
-        """The next frame, or None when none came before ``deadline``."""
-        if not self._socket.poll(_ms(deadline), zmq.POLLIN):
-            return None
-        return self._socket.recv_multipart(zmq.NOBLOCK)[-1]
+        """The next frame, or None when none came before ``deadline``; ConnectionError
+        once the connection is dropped."""
+        while True:
+            ready = dict(self._poller.poll(_ms(deadline)))
+            if self._socket in ready:
+                return self._socket.recv_multipart(zmq.NOBLOCK)[-1]
+            if self._monitor not in ready:
+                return None
+            if not self.alive():
+                raise self._gone()
 
 
 class StreamLink:
@@ -268,14 +292,29 @@ class StreamLink:
         self.reset()
 
 
-class AsyncZmqLink(_Dealer):
+class AsyncZmqLink(_Watched):
+    def _connect(self) -> None:
+        super()._connect()
+        self._poller = zmq.asyncio.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+
     async def send(self, frame: bytes) -> None:
+        if self._dropped:   # the next call after a drop runs on a new connection
+            self.reset()
         await self._socket.send(frame)
 
     async def receive(self) -> bytes:
-        """The next frame; ConnectionError once the link is closed."""
+        """The next frame; ConnectionError once the link is closed or its connection dropped."""
         try:
-            return (await self._socket.recv_multipart())[-1]
+            while True:
+                ready = dict(await self._poller.poll())
+                if self._socket in ready:
+                    return (await self._socket.recv_multipart())[-1]
+                if self._monitor in ready:
+                    self._note(await self._monitor.recv_multipart())
+                    if self._dropped:
+                        raise self._gone()
         except zmq.ZMQError as err:
             raise ConnectionError(str(err)) from None
 

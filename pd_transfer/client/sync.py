@@ -6,8 +6,8 @@ DEALER for ``ipc://``, a plain Unix socket for ``unix://``; see
 the same ``id`` arrives or ``timeout_s`` passes (no busy-waiting: the thread
 sleeps in the kernel). A reply that arrives after its call timed out is
 recognised by its id and dropped, so a timeout never shifts later replies
-onto the wrong call. On ``unix://``, a connection the sidecar closes fails
-the call in progress with :class:`SidecarLost` at once.
+onto the wrong call. A connection the sidecar closes (``unix://``) or drops
+(``ipc://``) fails the call in progress with :class:`SidecarLost` at once.
 
 ``wait`` on a room with a doorbell (same host, see
 :mod:`pd_transfer.client.bells`) sleeps on its futex word first, and returns

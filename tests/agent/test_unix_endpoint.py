@@ -245,16 +245,17 @@ def test_an_asyncio_call_to_no_sidecar_times_out_with_the_endpoint_named():
     assert time.monotonic() - started < 3
 
 
-def _held_prefill_wait(cluster_factory):
+def _held_prefill_wait(cluster_factory, scheme="unix"):
     """A prefill room that waits for its decode side, which never asks: its wait is held."""
-    cluster, requests = _pair(cluster_factory)
+    cluster, requests = _pair(cluster_factory, worker_scheme=scheme)
     rank = cluster.prefill[0].rank_id
     cluster.clients[rank].send(9, list(requests[Pool.KV][0]), aux_row=int(requests[Pool.AUX][0][0]))
     return cluster, rank
 
 
-def test_a_sidecar_killed_during_a_wait_fails_the_wait_at_once(cluster_factory):
-    cluster, rank = _held_prefill_wait(cluster_factory)
+@pytest.mark.parametrize("scheme", ["unix", "ipc"])
+def test_a_sidecar_killed_during_a_wait_fails_the_wait_at_once(cluster_factory, scheme):
+    cluster, rank = _held_prefill_wait(cluster_factory, scheme)
     threading.Timer(0.5, cluster.sidecars[rank].kill).start()
     started = time.monotonic()
     with pytest.raises(SidecarLost, match="closed the connection") as caught:
@@ -263,8 +264,9 @@ def test_a_sidecar_killed_during_a_wait_fails_the_wait_at_once(cluster_factory):
     assert caught.value.code.value == "peer_lost"
 
 
-def test_a_sidecar_killed_during_an_asyncio_wait_fails_it_at_once(cluster_factory):
-    cluster, rank = _held_prefill_wait(cluster_factory)
+@pytest.mark.parametrize("scheme", ["unix", "ipc"])
+def test_a_sidecar_killed_during_an_asyncio_wait_fails_it_at_once(cluster_factory, scheme):
+    cluster, rank = _held_prefill_wait(cluster_factory, scheme)
 
     async def waiting():
         async with AsyncClient(cluster.sidecars[rank].endpoint, "aio-prefill") as client:
@@ -298,8 +300,9 @@ def test_a_decode_sidecar_killed_while_its_worker_sleeps_on_a_doorbell_fails_the
     assert time.monotonic() - started < 3
 
 
-def test_the_same_for_an_asyncio_wait_on_a_doorbell(cluster_factory):
-    cluster, rank = _decode_waiting_on_its_doorbell(cluster_factory)
+@pytest.mark.parametrize("scheme", ["unix", "ipc"])
+def test_the_same_for_an_asyncio_wait_on_a_doorbell(cluster_factory, scheme):
+    cluster, rank = _decode_waiting_on_its_doorbell(cluster_factory, scheme)
     cluster.clients[rank].close()   # the asyncio client below is this rank's worker now
     requests = random_requests(cluster.prefill, cluster.decode, np.random.default_rng(3), pages=4)
 
@@ -317,11 +320,12 @@ def test_the_same_for_an_asyncio_wait_on_a_doorbell(cluster_factory):
     assert asyncio.run(waiting()) < 3
 
 
-def test_an_idle_client_reaches_its_restarted_sidecar_on_the_next_call(cluster_factory):
+@pytest.mark.parametrize("scheme", ["unix", "ipc"])
+def test_an_idle_client_reaches_its_restarted_sidecar_on_the_next_call(cluster_factory, scheme):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
     from fault_tools import restart_sidecar
 
-    cluster, _ = _pair(cluster_factory)
+    cluster, _ = _pair(cluster_factory, worker_scheme=scheme)
     rank = cluster.decode[0].rank_id
     client = cluster.clients[rank]
     cluster.sidecars[rank].kill()
