@@ -97,10 +97,15 @@ class _Watched(_Dealer):
     the same path is a new one, which knows none of this link's rooms, so a
     dropped link stays dropped until :meth:`reset`."""
 
+    _poller_type: type = zmq.Poller
+
     def _connect(self) -> None:
         super()._connect()
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._dropped = False
+        self._poller = self._poller_type()   # a frame or a monitor event, whichever comes
+        self._poller.register(self._socket, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
 
     def close(self) -> None:
         if not self._socket.closed:   # closing twice is harmless, as for the socket alone
@@ -116,12 +121,6 @@ class _Watched(_Dealer):
 
 
 class ZmqLink(_Watched):
-    def _connect(self) -> None:
-        super()._connect()
-        self._poller = zmq.Poller()
-        self._poller.register(self._socket, zmq.POLLIN)
-        self._poller.register(self._monitor, zmq.POLLIN)
-
     def prepare(self, deadline: float) -> bool:
         """Before a call: True when it runs on a new connection, as it does after the
         last one was dropped (otherwise ZeroMQ reconnects underneath)."""
@@ -293,11 +292,7 @@ class StreamLink:
 
 
 class AsyncZmqLink(_Watched):
-    def _connect(self) -> None:
-        super()._connect()
-        self._poller = zmq.asyncio.Poller()
-        self._poller.register(self._socket, zmq.POLLIN)
-        self._poller.register(self._monitor, zmq.POLLIN)
+    _poller_type = zmq.asyncio.Poller
 
     async def send(self, frame: bytes) -> None:
         if self._dropped:   # the next call after a drop runs on a new connection

@@ -6,6 +6,11 @@ Runs only where NIXL is installed
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from engine_harness import (
@@ -131,10 +136,7 @@ print((after.user + after.system - before.user - before.system) / (time.monotoni
 async def test_an_idle_agent_leaves_the_cpu_alone():
     # NIXL's wrapper would start the agent's progress thread with no pause between
     # polls: a whole core per idle agent, which starved sidecars' event loops in CI
-    import os
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = str(Path(__file__).resolve().parents[2])
     out = subprocess.run([sys.executable, "-c", IDLE_AGENT], capture_output=True, text=True,
                          timeout=60, cwd=root, env={**os.environ, "PYTHONPATH": root})
     assert out.returncode == 0, out.stderr
