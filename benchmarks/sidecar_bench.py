@@ -13,9 +13,9 @@ flight; in flight with the processes kept warm, rooms back to back instead of 50
 ms apart), beside the round trip of one message to a process idle as long, over a Unix
 socket (the workers' endpoints) and ZeroMQ ipc (the messaging floor; a same-host room
 needs one hop, the send, since the
-prefill sidecar rings the decode worker's doorbell) and what 50 ms of idle time
-alone costs one planning call in one process (the host's cold-cache penalty,
-which every hop of an idle room pays). Each transfer is
+prefill sidecar rings the decode worker's doorbell) and what 50 ms of idle time,
+or of other work, alone costs one planning call in one process (the host's
+cold-cache penalty, which every hop of an idle room pays). Each transfer is
 timed from the prefill worker's send()
 to the decode worker seeing Success (bootstrap excluded: one warm-up room
 first). Medians of ``--repeats``. Prints a table with ratios against the
@@ -282,10 +282,12 @@ def one_page_latency_ms(workdir: Path, rooms: int, device: str = "cpu") -> tuple
         deployment.close()
 
 
-def idle_penalty_us(samples: int = 40, idle_s: float = IDLE_S) -> tuple[float, float]:
-    """p50 microseconds of planning one 1-page Llama room in this process, back to back
-    and after ``idle_s`` of sleep: what idle time alone costs the same code on this host
-    (caches and TLBs refilled), with no message and no other process involved."""
+def idle_penalty_us(samples: int = 40, idle_s: float = IDLE_S) -> tuple[float, float, float]:
+    """p50 microseconds of planning one 1-page Llama room in this process: back to back,
+    after ``idle_s`` of sleep, and after ``idle_s`` of other work (a busy loop, the CPU never
+    idle): what time away alone costs the same code on this host (caches, TLBs and branch
+    predictors refilled), with no message and no other process involved. The third figure
+    tells a sleeping CPU (wake-up, clock) from a working set pushed out of the caches."""
     from pd_transfer.layout.planner import PairPlanner
     from pd_transfer.layout.reconcile import reconcile
     spec = load_preset("llama-3.1-8b")
@@ -304,11 +306,15 @@ def idle_penalty_us(samples: int = 40, idle_s: float = IDLE_S) -> tuple[float, f
     for i in range(samples):
         once(i)
     warm = statistics.median(once(i) for i in range(samples))
-    cold = []
+    cold, busy = [], []
     for i in range(samples):
         time.sleep(idle_s)
         cold.append(once(i))
-    return warm * 1e6, statistics.median(cold) * 1e6
+        end = time.perf_counter() + idle_s
+        while time.perf_counter() < end:
+            pass
+        busy.append(once(i))
+    return warm * 1e6, statistics.median(cold) * 1e6, statistics.median(busy) * 1e6
 
 
 def main() -> None:
@@ -366,9 +372,10 @@ def main() -> None:
         print(f"{'unix socket RTT, idle':<24}{rtt['unix']:>8.3f} ms   messaging floor: a same-host room "
               f"needs one hop, the send ({rtt['unix'] / 2:.3f} ms; the doorbell tells decode's "
               f"worker); a ZeroMQ ipc round trip: {rtt['zmq']:.3f} ms")
-        warm, cold = penalty
+        warm, cold, busy = penalty
         print(f"{'idle penalty':<24}{cold / warm:>8.1f} x    one 1-page plan in one process: "
-              f"{warm:.0f} us back to back, {cold:.0f} us after {IDLE_S * 1e3:.0f} ms idle")
+              f"{warm:.0f} us back to back, {cold:.0f} us after {IDLE_S * 1e3:.0f} ms idle, "
+              f"{busy:.0f} us after {IDLE_S * 1e3:.0f} ms of a busy loop")
     rows.append(results)
     (workdir / "results.json").write_text(json.dumps({k: v[0] for k, v in results.items()}))
 

@@ -24,7 +24,8 @@ each 4 KiB page (about 1,000 faults, 2-4 ms, for one 2 MiB page of Llama
 KV). A sparse segment is mapped lazily: populating it would allocate all of
 it, charged to the sidecar.
 
-Imports numpy and torch only; no asyncio, no zmq.
+Imports numpy, and torch only when :attr:`Segment.tensor` is first asked for
+(a sidecar copying between host pools never loads it); no asyncio, no zmq.
 """
 
 from __future__ import annotations
@@ -34,11 +35,14 @@ import mmap
 import os
 import re
 import stat
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from pd_transfer.errors import Reason, TransportError
+
+if TYPE_CHECKING:
+    import torch
 
 SEGMENT_DIR = "/dev/shm"
 SEGMENT_PREFIX = "pdt-"
@@ -110,6 +114,7 @@ class Segment:
     def tensor(self) -> torch.Tensor:
         """The whole segment as a 1-D torch uint8 tensor (shares memory with :attr:`array`)."""
         if self._tensor is None:
+            import torch
             self._tensor = torch.from_numpy(self.array)
         return self._tensor
 

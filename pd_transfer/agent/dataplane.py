@@ -202,9 +202,10 @@ class DataPlane:
         try:
             if isinstance(link, DeviceLink) or self.on_device:
                 # CUDA on either side: torch copies (device to device, or to / from the
-                # peer's shared memory, which a ShmLink maps as host tensors)
-                return await asyncio.to_thread(execute_on_device, plan, self.local_regions,
-                                               link.regions)
+                # peer's shared memory, which a ShmLink also offers as host tensors)
+                return await asyncio.to_thread(
+                    execute_on_device, plan, self.local_regions,
+                    link.tensors if isinstance(link, ShmLink) else link.regions)
             transport = link.transport
             nbytes = await transport.write(link, plan, self.local_regions, room=str(room),
                                            generation=generation)
@@ -240,17 +241,19 @@ class DataPlane:
 def _open_local(geometry: RankGeometry, handles: dict[str, str]) -> tuple[dict, list, bool]:
     """``(regions, segments, on_device)``: each region opened from its handle (a CUDA IPC
     handle or a shared-memory segment); on a failure the segments opened so far close."""
-    regions, segments, on_device = {}, [], False
+    regions, segments = {}, []
+    # host regions are numpy views; torch tensors only beside CUDA ones (torch copies them)
+    on_device = any(cuda_ipc.is_cuda_handle(handles[region.id]) for region in geometry.regions)
     try:
         for region in geometry.regions:
             handle = handles[region.id]
             if cuda_ipc.is_cuda_handle(handle):
                 regions[region.id] = cuda_ipc.open_handle(handle, region.nbytes)[: region.nbytes]
-                on_device = True
             else:
                 segment = open_segment(handle, region.nbytes)
                 segments.append(segment)
-                regions[region.id] = segment.tensor[: region.nbytes]
+                memory = segment.tensor if on_device else segment.array
+                regions[region.id] = memory[: region.nbytes]
     except PdTransferError:
         for segment in segments:
             segment.close()

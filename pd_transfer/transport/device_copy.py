@@ -6,7 +6,9 @@ gather the source rows with ``index_select`` and scatter them with
 ``index_copy_`` on the device, chunk by chunk. A plan of a few hundred runs
 (a 1-page room) is copied run by run instead, one slice ``copy_`` (a
 device memcpy) each. Every run is bounds-checked against both regions first
-(nothing moves if one is out of bounds).
+(nothing moves if one is out of bounds). A region may also come as a numpy
+array (host memory a sidecar mapped without torch): it is viewed as a
+tensor, not copied.
 
 CUDA kernels run asynchronously: the executor synchronizes every device it
 wrote to before returning, so "returned" means "landed" (decode may report
@@ -30,6 +32,7 @@ def execute_on_device(plan, src_regions: dict, dst_regions: dict, *,
                       per_run_max: int = _PER_RUN_MAX) -> int:
     """Copy every run of ``plan``; returns the bytes copied."""
     import torch
+    src_regions, dst_regions = _as_tensors(src_regions), _as_tensors(dst_regions)
     flat = flatten(plan)
     check_bounds(flat, {k: int(v.numel()) for k, v in src_regions.items()},
                  {k: int(v.numel()) for k, v in dst_regions.items()})
@@ -55,6 +58,15 @@ def execute_on_device(plan, src_regions: dict, dst_regions: dict, *,
         total += int(runs.nbytes.sum())
     _synchronize(dst_regions)
     return total
+
+
+def _as_tensors(regions: dict) -> dict:
+    """``regions`` with every numpy array viewed as a torch tensor (same memory)."""
+    if not any(isinstance(memory, np.ndarray) for memory in regions.values()):
+        return regions
+    import torch
+    return {region_id: torch.from_numpy(memory) if isinstance(memory, np.ndarray) else memory
+            for region_id, memory in regions.items()}
 
 
 def _copy_each_run(plan, src_regions: dict, dst_regions: dict) -> int:

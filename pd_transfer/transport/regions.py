@@ -1,7 +1,8 @@
 """Mapped regions as the data plane sees them: 1-D uint8 CPU memory.
 
 A region is passed around as a torch uint8 tensor or a numpy uint8 array
-(the same bytes either way); the engines work on numpy views of it, opaque
+(the same bytes either way; torch is never imported here, a tensor can only
+exist once its caller loaded it); the engines work on numpy views of it, opaque
 rows of ``g`` bytes in particular (:meth:`Mapped.void_rows`).
 :func:`map_regions` validates the regions a plan uses; :class:`MappedCache`
 keeps the result for regions that stay registered.
@@ -9,15 +10,19 @@ keeps the result for regions that stay registered.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Union
 
 import numpy as np
-import torch
 
 from pd_transfer.errors import Reason, TransportError
 
-RegionMemory = torch.Tensor | np.ndarray
+if TYPE_CHECKING:
+    import torch
+
+RegionMemory = Union["torch.Tensor", np.ndarray]
 Regions = Mapping[str, "RegionMemory | Mapped"]
 
 
@@ -56,7 +61,8 @@ def map_one(region_id: str, memory: RegionMemory | Mapped, side: str) -> Mapped:
     """Validate one region and view it as numpy (a Mapped passes through)."""
     if isinstance(memory, Mapped):
         return memory
-    if isinstance(memory, torch.Tensor):
+    torch = sys.modules.get("torch")  # a torch tensor exists only once torch is loaded
+    if torch is not None and isinstance(memory, torch.Tensor):
         if memory.device.type != "cpu":
             raise TransportError(f"{side} region {region_id!r} lives on {memory.device}; this "
                                  f"engine copies CPU memory only", code=Reason.REGION_INVALID)

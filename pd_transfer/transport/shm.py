@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import asyncio
 
-import torch
-
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.layout.grids import GridPlan
 from pd_transfer.shm import Segment, open_segment
@@ -27,22 +25,33 @@ from pd_transfer.transport.regions import Regions, map_one
 
 
 class ShmLink(Link):
-    """The peer's segments, mapped; ``regions`` are views of exactly the registered sizes."""
+    """The peer's segments, mapped; ``regions`` are numpy views of exactly the registered
+    sizes, ``tensors`` the same as torch tensors (for torch's device copies; made on first
+    use, so that a sidecar copying between host pools never loads torch)."""
 
     def __init__(self, transport: Transport, peer: PeerEndpoint, segments: dict[str, Segment]) -> None:
         super().__init__(transport, peer)
         self.segments = segments
-        self.regions: dict[str, torch.Tensor] = {
-            handle.region_id: segments[handle.region_id].tensor[: handle.nbytes]
-            for handle in peer.regions}
-        self.mapped = {region_id: map_one(region_id, tensor, "destination")
-                       for region_id, tensor in self.regions.items()}
+        self.regions = {handle.region_id: segments[handle.region_id].array[: handle.nbytes]
+                        for handle in peer.regions}
+        self.mapped = {region_id: map_one(region_id, array, "destination")
+                       for region_id, array in self.regions.items()}
+        self._tensors: dict | None = None
         self.programs: dict = {}   # the copy engine's grid programs into these regions
         # rooms this small come as grid plans when the engine copies them natively
         self.grid_max_runs = transport.inline_max_runs if transport.engine.native else 0
 
+    @property
+    def tensors(self) -> dict:
+        """``regions`` as torch uint8 tensors on the same memory."""
+        if self._tensors is None:
+            import torch
+            self._tensors = {region_id: torch.from_numpy(array)
+                             for region_id, array in self.regions.items()}
+        return self._tensors
+
     async def _release(self) -> None:
-        self.regions, self.mapped, self.programs = {}, {}, {}
+        self.regions, self.mapped, self.programs, self._tensors = {}, {}, {}, None
         for segment in self.segments.values():
             segment.close()  # never unlink: the peer owns its segments
         self.segments = {}

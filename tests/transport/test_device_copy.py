@@ -49,6 +49,39 @@ def test_device_executor_is_byte_exact(model, tp_src, tp_dst, layout, device, pe
     assert world.verify(requests) == []
 
 
+@pytest.mark.parametrize("per_run_max", [0, 1 << 20], ids=["rows", "per-run"])
+@pytest.mark.parametrize("device", ["cpu", ON_GPU])
+@pytest.mark.parametrize("host_side", ["source", "destination"])
+def test_host_regions_as_numpy_arrays_meet_tensors_byte_exact(host_side, device, per_run_max):
+    """A sidecar maps host pools as numpy arrays (it loads torch only for CUDA): the device
+    executor views them as tensors, on either side of a copy."""
+    spec = load_preset("llama-3.1-8b")
+    shape = {"page_size": 16, "num_pages": 5, "num_aux_rows": 2}
+    prefill = build_instance(spec, Role.PREFILL, 2, kv_layout=Layout.NHD, **shape)
+    decode = build_instance(spec, Role.DECODE, 4, kv_layout=Layout.HND, **shape)
+    recon = reconcile(prefill, decode)
+    world = World.build(prefill, decode, 5)
+    requests = {Pool.KV: (np.array([3, 1]), np.array([0, 4])), Pool.AUX: (np.array([0]), np.array([1]))}
+
+    def regions(buffers, host):
+        return {k: v if host else torch.from_numpy(v.copy()).to(device) for k, v in buffers.items()}
+
+    src = {g.rank_id: regions(world.prefill_buffers[g.rank_id], host_side == "source")
+           for g in prefill}
+    dst = {g.rank_id: regions(world.decode_buffers[g.rank_id], host_side == "destination")
+           for g in decode}
+    by_id = {g.rank_id: g for g in prefill}
+    for d in decode:
+        for s in recon.sources_for(d):
+            execute_on_device(plan_pair(recon, by_id[s], d, requests), src[s], dst[d.rank_id],
+                              per_run_max=per_run_max)
+    if host_side == "source":   # the tensors are copies: bring what landed back to the oracle
+        for d in decode:
+            for k, tensor in dst[d.rank_id].items():
+                world.decode_buffers[d.rank_id][k][:] = tensor.cpu().numpy()
+    assert world.verify(requests) == []
+
+
 def test_device_executor_refuses_out_of_bounds_runs_before_moving_anything():
     from pd_transfer.layout.lowering import RunBatch, TransferPlan
     src = torch.arange(64, dtype=torch.uint8)
