@@ -164,3 +164,36 @@ async def dead_peer_fails_then_refuses(transport, receivers, segments, spawn, se
         await transport.write(link, plan, {"kv": src})
     assert again.value.code is Reason.PEER_LOST and "failed earlier" in str(again.value)
     await transport.close()
+
+
+async def overrun_refused_before_submission(transport, scenario, segments, receivers) -> None:
+    """The peer's geometry says half of what its engine registered, so the plan overruns it:
+    refused by our bounds check before any batch goes to the engine; nothing lands."""
+    sc = scenario("llama", 2, 2)
+    plan = sc.plans[0]
+    placed = {plan.dst_rank: segments(sc.dst(plan))}
+    peer = await receivers(placed)
+    halves = {r: s.nbytes // 2 for r, s in placed[plan.dst_rank].items()}
+    link = await transport.connect(peer.endpoint(plan.dst_rank, halves))
+    with pytest.raises(TransportError) as info:
+        await transport.write(link, plan, sc.src(plan))
+    assert info.value.code is Reason.RUN_OUT_OF_REGION and link.num_batches == 0
+    assert all(np.array_equal(s.array, sc.dst(plan)[r]) for r, s in placed[plan.dst_rank].items())
+    await transport.close()
+
+
+async def short_engine_region_refused_at_connect(transport, segments, receivers) -> None:
+    """A peer whose engine registered 4 KiB for a region its geometry says is 8 KiB."""
+    segs = segments({"kv": np.zeros(4096, np.uint8)})
+    peer = await receivers({"d0": segs})
+    with pytest.raises(TransportError) as info:
+        await transport.connect(peer.endpoint("d0", {"kv": 8192}))
+    assert info.value.code is Reason.SEGMENT_TOO_SMALL
+
+
+async def missing_engine_address_refused_at_connect(transport) -> None:
+    """A peer that published only a plain tcp data address, none for this engine."""
+    with pytest.raises(TransportError) as info:
+        await transport.connect(PeerEndpoint.from_maps("d0", {"kv": 64},
+                                                       data_address="tcp://127.0.0.1:1"))
+    assert info.value.code is Reason.TRANSPORT_UNSUPPORTED

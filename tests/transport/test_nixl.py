@@ -20,8 +20,11 @@ from engine_harness import (
     direct_transport,
     engine_marks,
     expected_scatter,
+    missing_engine_address_refused_at_connect,
+    overrun_refused_before_submission,
     receivers_fixture,
     scattered_plan,
+    short_engine_region_refused_at_connect,
     write_and_verify,
 )
 
@@ -62,36 +65,16 @@ async def test_many_scattered_runs_land_and_prepared_rows_are_reused(segments, r
 
 
 async def test_a_run_out_of_bounds_is_refused_before_submission(scenario, segments, receivers):
-    sc = scenario("llama", 2, 2)
-    plan = sc.plans[0]
-    placed = {plan.dst_rank: segments(sc.dst(plan))}
-    peer = await receivers(placed)
-    transport = _transport()
-    # the peer's geometry says half of what its engine registered: the plan overruns it
-    halves = {r: s.nbytes // 2 for r, s in placed[plan.dst_rank].items()}
-    link = await transport.connect(peer.endpoint(plan.dst_rank, halves))
-    with pytest.raises(TransportError) as info:
-        await transport.write(link, plan, sc.src(plan))
-    assert info.value.code is Reason.RUN_OUT_OF_REGION and link.num_batches == 0
-    assert all(np.array_equal(s.array, sc.dst(plan)[r]) for r, s in placed[plan.dst_rank].items())
-    await transport.close()
+    await overrun_refused_before_submission(_transport(), scenario, segments, receivers)
 
 
 async def test_connect_refuses_a_peer_whose_engine_holds_less_than_its_geometry(segments,
                                                                                 receivers):
-    segs = segments({"kv": np.zeros(4096, np.uint8)})
-    peer = await receivers({"d0": segs})
-    with pytest.raises(TransportError) as info:
-        await _transport().connect(peer.endpoint("d0", {"kv": 8192}))
-    assert info.value.code is Reason.SEGMENT_TOO_SMALL
+    await short_engine_region_refused_at_connect(_transport(), segments, receivers)
 
 
 async def test_connect_refuses_a_peer_without_a_nixl_address():
-    from pd_transfer.transport import PeerEndpoint
-    with pytest.raises(TransportError) as info:
-        await _transport().connect(PeerEndpoint.from_maps("d0", {"kv": 64},
-                                                          data_address="tcp://127.0.0.1:1"))
-    assert info.value.code is Reason.TRANSPORT_UNSUPPORTED
+    await missing_engine_address_refused_at_connect(_transport())
 
 
 async def test_a_request_nixl_refuses_fails_the_write_and_the_link_stays_usable(segments,
