@@ -45,6 +45,28 @@ async def test_shm_write_lands_exactly_the_oracle_bytes(scenario, segments, case
     assert sc.world.verify(sc.requests) == []
 
 
+async def test_torch_copies_land_through_the_links_tensor_views(scenario, segments):
+    """A CUDA prefill writing into host pools copies with torch into ``link.tensors``
+    (here from CPU tensors): views of the mapped segments, made on first use, same memory
+    as the numpy ``regions`` the host copies use."""
+    import torch
+
+    from pd_transfer.transport.device_copy import execute_on_device
+    sc = scenario("llama", 2, 4)
+    placed = {rank: segments(regions) for rank, regions in sc.world.decode_buffers.items()}
+    transport = ShmTransport()
+    links = {rank: await transport.connect(_endpoint(rank, segs)) for rank, segs in placed.items()}
+    for plan in sc.plans:
+        link = links[plan.dst_rank]
+        assert all(isinstance(r, np.ndarray) for r in link.regions.values())
+        src = {r: torch.from_numpy(a.copy()) for r, a in sc.src(plan).items()}
+        assert execute_on_device(plan, src, link.tensors) == plan.total_nbytes
+        assert all(t.data_ptr() == link.regions[r].ctypes.data for r, t in link.tensors.items())
+    await transport.close()
+    _copy_back(sc, placed)
+    assert sc.world.verify(sc.requests) == []
+
+
 async def test_shm_write_from_another_process(scenario, segments):
     args = {"kind": "llama", "prefill_tp": 2, "decode_tp": 4, "seed": 3}
     sc = scenario(**args)
