@@ -38,15 +38,7 @@ def test_device_executor_is_byte_exact(model, tp_src, tp_dst, layout, device, pe
            for g in prefill}
     dst = {g.rank_id: {k: torch.from_numpy(v).to(device) for k, v in world.decode_buffers[g.rank_id].items()}
            for g in decode}
-    by_id = {g.rank_id: g for g in prefill}
-    for d in decode:
-        for s in recon.sources_for(d):
-            execute_on_device(plan_pair(recon, by_id[s], d, requests), src[s], dst[d.rank_id],
-                              per_run_max=per_run_max)
-    for d in decode:  # on GPU: back to the oracle's buffers (returned means landed: no sync here)
-        for k, tensor in dst[d.rank_id].items():
-            world.decode_buffers[d.rank_id][k][:] = tensor.cpu().numpy()
-    assert world.verify(requests) == []
+    assert _execute_all(world, recon, requests, src, dst, per_run_max) == []
 
 
 @pytest.mark.parametrize("per_run_max", [0, 1 << 20], ids=["rows", "per-run"])
@@ -70,16 +62,22 @@ def test_host_regions_as_numpy_arrays_meet_tensors_byte_exact(host_side, device,
            for g in prefill}
     dst = {g.rank_id: regions(world.decode_buffers[g.rank_id], host_side == "destination")
            for g in decode}
-    by_id = {g.rank_id: g for g in prefill}
-    for d in decode:
+    assert _execute_all(world, recon, requests, src, dst, per_run_max) == []
+
+
+def _execute_all(world, recon, requests, src: dict, dst: dict, per_run_max: int) -> list[str]:
+    """Every rank pair's plan through the device executor; what landed in tensors goes back
+    into the oracle's decode buffers (returned means landed: no sync here); the verdict."""
+    prefill = {g.rank_id: g for g in recon.prefill}
+    for d in recon.decode:
         for s in recon.sources_for(d):
-            execute_on_device(plan_pair(recon, by_id[s], d, requests), src[s], dst[d.rank_id],
+            execute_on_device(plan_pair(recon, prefill[s], d, requests), src[s], dst[d.rank_id],
                               per_run_max=per_run_max)
-    if host_side == "source":   # the tensors are copies: bring what landed back to the oracle
-        for d in decode:
-            for k, tensor in dst[d.rank_id].items():
-                world.decode_buffers[d.rank_id][k][:] = tensor.cpu().numpy()
-    assert world.verify(requests) == []
+    for d in recon.decode:
+        for k, memory in dst[d.rank_id].items():
+            if isinstance(memory, torch.Tensor):
+                world.decode_buffers[d.rank_id][k][:] = memory.cpu().numpy()
+    return world.verify(requests)
 
 
 def test_device_executor_refuses_out_of_bounds_runs_before_moving_anything():
