@@ -23,10 +23,11 @@ terminal status by the end) and wrong bytes (must be 0), the peak RSS
 a sidecar died on its own, or something leaked. Stops by itself: the run,
 then at most ~30 s of draining.
 
-Only prefill ranks other than 0 are killed by default: a restarted rank 0
-(it serves the rank table) never hears from the other ranks again (see the
-xfail test in tests/faults/test_killed_sidecars.py); ``--kill-rank-0``
-includes it.
+Only prefill ranks other than 0 are killed by default; ``--kill-rank-0``
+includes rank 0, which serves the rank table: a restarted rank 0 learns the
+other ranks again without their restarting (pinned by
+``test_restarted_prefill_rank_0_serves_new_rooms_without_restarting_the_others``
+in tests/faults/test_killed_sidecars.py).
 """
 
 from __future__ import annotations

@@ -140,11 +140,7 @@ def test_worker_endpoint_answers_every_fuzzed_request(cluster, record_property):
         refused = [r for r in replies if not r["ok"]]
         assert all(isinstance(r["code"], str) and r["reason"] for r in refused)
         internal = [r["reason"] for r in refused if r["reason"].startswith("internal error")]
-        # known, and pinned by the xfail test below: indices >= 2**63 overflow int64
-        unknown = [r for r in internal if "OverflowError" not in r]
-        assert unknown == [], f"requests that reached a bug instead of a check: {unknown[:5]}"
-        if internal:
-            print(f"\n{len(internal)} requests hit the known index overflow")
+        assert internal == [], f"requests that reached a bug instead of a check: {internal[:5]}"
         # each malformed request is counted once (by the time its reply left); refusals
         # of well-formed ones (unknown room, already registered) are not bad frames
         assert _bad_frames(cluster) - before == target.kinds["bad"]
