@@ -20,15 +20,15 @@ TERMINAL = (RoomStatus.SUCCESS, RoomStatus.FAILED)
 
 
 def _ranks(role, tp, **kwargs):
-    shape = {"page_size": 4, "kv_layout": Layout.NHD, "num_pages": 48, "num_aux_rows": 8, **kwargs}
+    shape = {"page_size": 4, "kv_layout": Layout.NHD, "num_pages": 48, "num_aux_rows": 16, **kwargs}
     return build_instance(model_from_table(dict(TINY), "tiny"), role, tp, **shape)
 
 
 def _room_requests(room: int, pages: int = 2) -> dict:
-    """Distinct pages per room (rooms run at once), its own aux row."""
+    """Distinct pages per room (rooms run at once), its own aux row (rooms 0-15 never share one)."""
     first = room * pages
     return {Pool.KV: (np.arange(first, first + pages), np.arange(first, first + pages)[::-1].copy()),
-            Pool.AUX: (np.array([room % 8]), np.array([room % 8]))}
+            Pool.AUX: (np.array([room % 16]), np.array([room % 16]))}
 
 
 def _merged(*requests: dict) -> dict:
