@@ -71,13 +71,20 @@ class Sidecar:
         self.proc.wait()
 
     def stop(self) -> None:
+        self.terminate()
+        self.wait_stopped()
+
+    def terminate(self) -> None:
+        """SIGTERM (the sidecar drains and exits), without waiting."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+
+    def wait_stopped(self, timeout_s: float = 15.0) -> None:
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 class Cluster:
@@ -196,8 +203,10 @@ class Cluster:
     def close(self) -> None:
         for client in self.clients.values():
             client.close()
+        for sidecar in self.sidecars.values():  # all at once: each drains on its own
+            sidecar.terminate()
         for sidecar in self.sidecars.values():
-            sidecar.stop()
+            sidecar.wait_stopped()
         for pools in self.pools.values():
             pools.close()
         for sidecar in self.sidecars.values():  # a killed decode sidecar leaves its doorbells
