@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from cluster import random_requests, small_instances
+from cluster import poll_known, random_requests, small_instances
 
 from pd_transfer import doorbell
 from pd_transfer.client import AsyncClient, RoomStatus
@@ -28,6 +28,16 @@ def _until(predicate, timeout_s: float = 10.0) -> None:
         time.sleep(0.02)
 
 
+def _requests_reached_prefill(cluster, room: int) -> None:
+    """Every prefill rank holds every decode rank's request for ``room`` (it waits for
+    input). Decode's status moves on once its requests are queued on its sockets, not
+    once they left: stopping decode earlier can hold one in its ZeroMQ I/O thread."""
+    for g in cluster.prefill:
+        client = cluster.clients[g.rank_id]
+        _until(lambda c=client: getattr(poll_known(c, room), "status", None)
+               is RoomStatus.WAITING_FOR_INPUT)
+
+
 @pytest.mark.parametrize("model,tp_src,tp_dst,call", [("llama-3.1-8b", 1, 1, "wait"),
                                                       ("llama-3.1-8b", 4, 2, "wait"),
                                                       ("llama-3.1-8b", 4, 2, "poll")])
@@ -40,6 +50,7 @@ def test_the_worker_learns_of_landed_bytes_while_its_sidecar_is_stopped(cluster_
     for g in decode:
         client = cluster.clients[g.rank_id]
         _until(lambda c=client: c.poll(21).status is RoomStatus.WAITING_FOR_INPUT)
+    _requests_reached_prefill(cluster, 21)
     stopped = [cluster.sidecars[g.rank_id].proc for g in decode]
     for proc in stopped:
         proc.send_signal(signal.SIGSTOP)
@@ -112,6 +123,7 @@ def test_an_asyncio_worker_learns_of_landed_bytes_while_its_sidecar_is_stopped(c
             for client in clients:
                 while (await client.poll(24)).status is not RoomStatus.WAITING_FOR_INPUT:
                     await asyncio.sleep(0.02)
+            await asyncio.to_thread(_requests_reached_prefill, cluster, 24)
             for proc in procs:
                 proc.send_signal(signal.SIGSTOP)
             # many waits at once, one of them cancelled on the way: one watcher thread serves them
