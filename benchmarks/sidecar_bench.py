@@ -10,10 +10,9 @@ moving a Llama-3.1-8B request of ``--tokens`` tokens
 1), shm sliced (TP 2 -> 4), tcp direct (TP 1 -> 1); and the p50 latency of a
 1-page room over shm (decode's wait called after the send returned; already in
 flight; in flight with the processes kept warm, rooms back to back instead of 50
-ms apart), beside the round trip of one message to a process idle as long, over a Unix
-socket (the workers' endpoints) and ZeroMQ ipc (the messaging floor; a same-host room
-needs one hop, the send, since the
-prefill sidecar rings the decode worker's doorbell) and what 50 ms of idle time,
+ms apart), each beside the floor of such a room on this host (``room_floor.py``:
+the same processes, hops, copy and doorbell with no protocol, planning or checks),
+and what 50 ms of idle time,
 or of other work, alone costs one planning call in one process (the host's
 cold-cache penalty, which every hop of an idle room pays). Each transfer is
 timed from the prefill worker's send()
@@ -44,6 +43,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import room_floor  # noqa: E402
 from pd_transfer.client import Client, allocate_pools  # noqa: E402
 from pd_transfer.client.cuda_pools import allocate_cuda_pools  # noqa: E402
 from pd_transfer.layout.geometry import Role  # noqa: E402
@@ -101,62 +101,6 @@ def raw_tcp_gbps(nbytes: int, repeats: int) -> float:
         sink.wait()
         rates.append(nbytes / (time.perf_counter() - start) / 1e9)
     return statistics.median(rates)
-
-
-_ZMQ_ECHO = """
-import sys, zmq
-sock = zmq.Context().socket(zmq.ROUTER); sock.bind(sys.argv[1])
-while True:
-    frames = sock.recv_multipart()
-    if frames[1] == b"stop": break
-    sock.send_multipart(frames)
-"""
-
-_UNIX_ECHO = """
-import os, socket, sys
-listener = socket.socket(socket.AF_UNIX); listener.bind(sys.argv[1]); listener.listen(1)
-conn, _ = listener.accept()
-while True:
-    data = conn.recv(64)
-    if not data or data == b"stop": break
-    conn.sendall(data)
-os.unlink(sys.argv[1])
-"""
-
-
-def idle_rtt_ms(workdir: Path, pings: int, kind: str, idle_s: float = IDLE_S) -> float:
-    """p50 round trip of one tiny message to another process that was idle for ``idle_s``
-    (as the sidecars are between the 1-page rooms), over a ZeroMQ ``ipc://`` socket
-    (``kind="zmq"``) or a plain Unix socket (``"unix"``, what the worker endpoint is by
-    default): the messaging floor of a hop."""
-    import zmq
-    path = workdir / f"echo-{kind}.sock"
-    if kind == "zmq":
-        echo = subprocess.Popen([sys.executable, "-c", _ZMQ_ECHO, f"ipc://{path}"])
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.connect(f"ipc://{path}")
-        send, receive, close = sock.send, sock.recv, lambda: sock.close(linger=0)
-    else:
-        echo = subprocess.Popen([sys.executable, "-c", _UNIX_ECHO, str(path)])
-        sock = socket.socket(socket.AF_UNIX)
-        while sock.connect_ex(str(path)) != 0:
-            time.sleep(0.01)
-        send, receive, close = sock.sendall, lambda: sock.recv(64), sock.close
-    try:
-        send(b"warm-up")
-        receive()
-        times = []
-        for _ in range(pings):
-            time.sleep(idle_s)
-            start = time.perf_counter()
-            send(b"ping")
-            receive()
-            times.append(time.perf_counter() - start)
-        send(b"stop")
-    finally:
-        close()
-        echo.wait()
-    return statistics.median(times) * 1e3
 
 
 class Deployment:
@@ -348,8 +292,8 @@ def main() -> None:
     copy = memcpy_gbps(nbytes, args.repeats, args.device)
     tcp = statistics.median(tcp_rates) if tcp_rates else raw_tcp_gbps(nbytes, 3)
     latency = one_page_latency_ms(workdir, 200, args.device) if args.only != "tcp" else None
-    rtt = {kind: idle_rtt_ms(workdir, 60, kind) for kind in ("unix", "zmq")} \
-        if latency is not None else None
+    bare = room_floor.measure(workdir, 200) if latency is not None and args.device == "cpu" \
+        else None
     penalty = idle_penalty_us() if latency is not None else None
     print(f"Llama-3.1-8B, {args.tokens} tokens, page {PAGE}, random pages: "
           f"{nbytes / 2**30:.2f} GiB of KV per request; medians of {args.repeats}; "
@@ -366,12 +310,14 @@ def main() -> None:
         print(f"{'pd-transfer ' + label:<24}{seconds:>9.3f}{rate:>8.2f}{rate / floor:>8.2f}  "
               f"x {name}; target >= {target} ({verdict})")
     if latency is not None:
-        for label, value in zip(LATENCY_MODES, latency):
+        for i, (label, value) in enumerate(zip(LATENCY_MODES, latency)):
+            beside = f"; {value / bare[i]:.1f} x the bare room, {bare[i]:.3f} ms" if bare else ""
             print(f"{'1-page room p50':<16}{label:<16}{value:>8.3f} ms   target < 1 ms "
-                  f"({'met' if value < 1 else 'missed'}) (send -> decode sees success, shm)")
-        print(f"{'unix socket RTT, idle':<24}{rtt['unix']:>8.3f} ms   messaging floor: a same-host room "
-              f"needs one hop, the send ({rtt['unix'] / 2:.3f} ms; the doorbell tells decode's "
-              f"worker); a ZeroMQ ipc round trip: {rtt['zmq']:.3f} ms")
+                  f"({'met' if value < 1 else 'missed'}) (send -> decode sees success, shm{beside})")
+        if bare:
+            print(f"{'bare room floor':<24}{bare[0]:>8.3f} ms   the same hops, copy and doorbell "
+                  f"between processes, no protocol (room_floor.py); "
+                  f"{bare[1]:.3f} in flight, {bare[2]:.3f} back to back")
         warm, cold, busy = penalty
         print(f"{'idle penalty':<24}{cold / warm:>8.1f} x    one 1-page plan in one process: "
               f"{warm:.0f} us back to back, {cold:.0f} us after {IDLE_S * 1e3:.0f} ms idle, "
