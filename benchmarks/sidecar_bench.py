@@ -292,8 +292,12 @@ def main() -> None:
     copy = memcpy_gbps(nbytes, args.repeats, args.device)
     tcp = statistics.median(tcp_rates) if tcp_rates else raw_tcp_gbps(nbytes, 3)
     latency = one_page_latency_ms(workdir, 200, args.device) if args.only != "tcp" else None
-    bare = room_floor.measure(workdir, 200) if latency is not None and args.device == "cpu" \
-        else None
+    bare, no_floor = None, "pools on cuda"
+    if latency is not None and args.device == "cpu":
+        try:
+            bare, no_floor = room_floor.measure(workdir, 200), ""
+        except RuntimeError as err:
+            no_floor = str(err)
     penalty = idle_penalty_us() if latency is not None else None
     print(f"Llama-3.1-8B, {args.tokens} tokens, page {PAGE}, random pages: "
           f"{nbytes / 2**30:.2f} GiB of KV per request; medians of {args.repeats}; "
@@ -318,6 +322,8 @@ def main() -> None:
             print(f"{'bare room floor':<24}{bare[0]:>8.3f} ms   the same hops, copy and doorbell "
                   f"between processes, no protocol (room_floor.py); "
                   f"{bare[1]:.3f} in flight, {bare[2]:.3f} back to back")
+        else:
+            print(f"{'bare room floor':<24}{'-':>8}      not measured: {no_floor}")
         warm, cold, busy = penalty
         print(f"{'idle penalty':<24}{cold / warm:>8.1f} x    one 1-page plan in one process: "
               f"{warm:.0f} us back to back, {cold:.0f} us after {IDLE_S * 1e3:.0f} ms idle, "
