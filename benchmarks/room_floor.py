@@ -16,7 +16,9 @@ left is what the host charges for the hops and the bytes.
 
 Timed as ``sidecar_bench.py`` times its 1-page rooms, in the same three modes
 (:data:`MODES`): from the request's write to the waiting thread seeing the
-ring. ``sidecar_bench.py`` prints each mode beside the sidecars' room.
+ring. Afterwards every destination page is checked against the source page
+last copied into it. ``sidecar_bench.py`` prints each mode beside the
+sidecars' room.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -106,7 +110,12 @@ def measure(workdir: Path, rooms: int, pieces: int = 64, pages: int = 64,
     src = create_segment(segment_name("floor", f"src-{tag}"), nbytes)
     dst = create_segment(segment_name("floor", f"dst-{tag}"), nbytes)
     bells = Doorbells.create(f"floor{tag}")
-    src.array[:] = 7   # touched, as pools a worker filled
+    # every page of every region its own bytes (touched, as pools a worker filled), so
+    # that a piece copied from or to the wrong place shows; the destination zeroed
+    page_of = (np.arange(pieces * pages, dtype=np.uint32) * 37 % 251 + 1).astype(np.uint8)
+    ramp = (np.arange(page_nbytes) % 253).astype(np.uint8)
+    src_pages = src.array.reshape(pieces, pages, page_nbytes)
+    np.add(page_of.reshape(pieces, pages, 1), ramp, out=src_pages)
     dst.array[:] = 0
     path = str(workdir / f"floor-{tag}.sock")
     relay = subprocess.Popen([sys.executable, __file__, "--relay", path, src.name, dst.name,
@@ -118,12 +127,14 @@ def measure(workdir: Path, rooms: int, pieces: int = 64, pages: int = 64,
                 raise RuntimeError(f"the relay process exited with {relay.returncode}")
             time.sleep(0.01)
         sock.connect(path)
-        results = []
+        results, landed = [], {}
         for mode in MODES:
             pause = 0.0 if mode == "back to back" else idle_s
-            times = [_room(sock, bells, i, pages, waiting=mode != "wait after send", pause=pause)
+            times = [_room(sock, bells, i, pages, landed, waiting=mode != "wait after send",
+                           pause=pause)
                      for i in range(rooms + 1)][1:]   # the first one maps pages: not timed
             results.append(statistics.median(times) * 1e3)
+        _check(src_pages, dst.array.reshape(pieces, pages, page_nbytes), landed)
         return tuple(results)
     finally:
         sock.close()
@@ -136,8 +147,18 @@ def measure(workdir: Path, rooms: int, pieces: int = 64, pages: int = 64,
                 os.unlink(leftover)
 
 
-def _room(sock: socket.socket, bells: Doorbells, i: int, pages: int, *, waiting: bool,
-          pause: float) -> float:
+def _check(src: np.ndarray, dst: np.ndarray, landed: dict[int, int]) -> None:
+    """Every destination page holds the source page last copied into it, every other
+    one is still zero: the floor moved the room's bytes, and only those."""
+    for page in range(dst.shape[1]):
+        expected = src[:, landed[page]] if page in landed else 0
+        if not np.array_equal(dst[:, page], np.broadcast_to(expected, dst[:, page].shape)):
+            raise RuntimeError(f"the bare room's destination page {page} does not hold "
+                               f"what was copied into it")
+
+
+def _room(sock: socket.socket, bells: Doorbells, i: int, pages: int, landed: dict[int, int], *,
+          waiting: bool, pause: float) -> float:
     slot, token = bells.arm()
     bells.set_writers(slot, token, 1)
     seen: list[tuple[Outcome, float]] = []
@@ -151,6 +172,7 @@ def _room(sock: socket.socket, bells: Doorbells, i: int, pages: int, *, waiting:
     time.sleep(pause)
     start = time.perf_counter()
     sock.sendall(REQUEST.pack(i % pages, (i * 7) % pages, slot, token))
+    landed[(i * 7) % pages] = i % pages
     if sock.recv(len(REPLY)) != REPLY:
         raise RuntimeError("the relay process did not answer")
     if waiter is None:
