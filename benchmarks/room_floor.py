@@ -7,7 +7,7 @@ its sidecar over a Unix socket; the sidecar, woken, copies the room's pieces
 from the worker's shared memory into the decode pool's; it rings the decode
 worker's doorbell (a futex); the decode worker's waiting thread wakes. This
 measures exactly that, between real processes: a relay process (uvloop, as
-the sidecar) reading a 20-byte request, copying the pieces with pd-transfer's
+the sidecar) reading a 32-byte request, copying the pieces with pd-transfer's
 native loop between two shared-memory segments of the sidecar bench's size,
 ringing a :class:`~pd_transfer.doorbell.Doorbells` slot and replying (numpy
 copies where the native loop is not built, as the sidecars then copy). No
@@ -137,8 +137,12 @@ def measure(workdir: Path, rooms: int, pieces: int = 64, pages: int = 64,
         _check(src_pages, dst.array.reshape(pieces, pages, page_nbytes), landed)
         return tuple(results)
     finally:
-        sock.close()
-        relay.wait(timeout=10)
+        sock.close()   # the relay's cue to exit
+        try:
+            relay.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            relay.kill()
+            relay.wait()
         for segment in (src, dst, bells.segment):
             segment.close()
             segment.unlink()
