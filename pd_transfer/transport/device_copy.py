@@ -32,7 +32,7 @@ def execute_on_device(plan, src_regions: dict, dst_regions: dict, *,
                       per_run_max: int = _PER_RUN_MAX) -> int:
     """Copy every run of ``plan``; returns the bytes copied."""
     import torch
-    src_regions, dst_regions = _as_tensors(src_regions), _as_tensors(dst_regions)
+    src_regions, dst_regions = as_tensors(src_regions), as_tensors(dst_regions)
     flat = flatten(plan)
     check_bounds(flat, {k: int(v.numel()) for k, v in src_regions.items()},
                  {k: int(v.numel()) for k, v in dst_regions.items()})
@@ -60,7 +60,7 @@ def execute_on_device(plan, src_regions: dict, dst_regions: dict, *,
     return total
 
 
-def _as_tensors(regions: dict) -> dict:
+def as_tensors(regions: dict) -> dict:
     """``regions`` with every numpy array viewed as a torch tensor (same memory)."""
     if not any(isinstance(memory, np.ndarray) for memory in regions.values()):
         return regions

@@ -21,6 +21,7 @@ from pd_transfer.layout.grids import GridPlan
 from pd_transfer.shm import Segment, open_segment
 from pd_transfer.transport.base import Link, PeerEndpoint, Transport, TransportKind
 from pd_transfer.transport.copy_engine import CopyEngine, default_engine
+from pd_transfer.transport.device_copy import as_tensors
 from pd_transfer.transport.regions import Regions, map_one
 
 
@@ -45,9 +46,7 @@ class ShmLink(Link):
     def tensors(self) -> dict:
         """``regions`` as torch uint8 tensors on the same memory."""
         if self._tensors is None:
-            import torch
-            self._tensors = {region_id: torch.from_numpy(array)
-                             for region_id, array in self.regions.items()}
+            self._tensors = as_tensors(self.regions)
         return self._tensors
 
     async def _release(self) -> None:
