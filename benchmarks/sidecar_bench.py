@@ -8,9 +8,10 @@ limit; measured right before and after the tcp case), then pd-transfer
 moving a Llama-3.1-8B request of ``--tokens`` tokens
 (page size 16, random pages) between sidecar processes: shm direct (TP 1 ->
 1), shm sliced (TP 2 -> 4), tcp direct (TP 1 -> 1); and the p50 latency of a
-1-page room over shm (decode's wait called after the send returned; already in
-flight; in flight with the processes kept warm, rooms back to back instead of 50
-ms apart), each beside the floor of such a room on this host (``room_floor.py``:
+1-page room over shm (50 ms after decode's expect, decode's wait called after the
+send returned, or already in flight; and paced as an engine paces it, the prefill
+worker polling until decode's request has arrived and then sending at once, decode's
+wait in flight, the processes warm), each beside the floor of such a room on this host (``room_floor.py``:
 the same processes, hops, copy and doorbell with no protocol, planning or checks),
 and what 50 ms of idle time,
 or of other work, alone costs one planning call in one process (the host's
@@ -44,8 +45,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import room_floor  # noqa: E402
-from pd_transfer.client import Client, allocate_pools  # noqa: E402
+from pd_transfer.client import Client, Refused, RoomStatus, allocate_pools  # noqa: E402
 from pd_transfer.client.cuda_pools import allocate_cuda_pools  # noqa: E402
+from pd_transfer.errors import Reason  # noqa: E402
 from pd_transfer.layout.geometry import Role  # noqa: E402
 from pd_transfer.layout.presets import load_preset  # noqa: E402
 from pd_transfer.layout.rank_builder import build_instance  # noqa: E402
@@ -142,12 +144,15 @@ class Deployment:
             self.clients[geometry.rank_id] = client
 
     def room(self, room: int, src_pages, dst_pages, *, waiting: bool = False,
-             idle_s: float = IDLE_S) -> float:
+             idle_s: float = IDLE_S, paced: bool = False) -> float:
         """Seconds from the prefill worker's send() to every decode worker seeing Success.
 
         ``waiting``: each decode worker's ``wait`` is already in flight when the send
         goes (as an engine waits on its rooms), instead of being called after send()
         returned; the clock still stops when the last decode worker has the answer.
+        ``paced``: instead of sleeping ``idle_s``, each prefill worker polls the room
+        until its sidecar reports it waiting for input (decode's request has arrived),
+        then sends, as an engine's prefill scheduler does before it runs a request.
         """
         for g in self.decode:
             self.clients[g.rank_id].expect(room, self.bootstrap, dst_pages, aux_row=0,
@@ -161,7 +166,10 @@ class Deployment:
             if waiting else []
         for thread in waiters:
             thread.start()
-        time.sleep(idle_s)  # let the requests reach prefill: time the transfer, not the request
+        if paced:
+            self._until_requested(room)
+        else:
+            time.sleep(idle_s)  # let the requests reach prefill: time the transfer, not the request
         start = time.perf_counter()
         for g in self.prefill:
             self.clients[g.rank_id].send(room, src_pages, aux_row=0, state_slots=self.state)
@@ -174,6 +182,26 @@ class Deployment:
             if state.status.value != "success":
                 raise RuntimeError(f"room {room} failed: {state.reason}")
         return max(t for _, t in seen.values()) - start
+
+    def _until_requested(self, room: int, timeout_s: float = 10.0) -> None:
+        """Poll every prefill rank until ``room`` is waiting for input (200 us apart)."""
+        deadline = time.monotonic() + timeout_s
+        for g in self.prefill:
+            while True:
+                try:
+                    state = self.clients[g.rank_id].poll(room)
+                except Refused as err:  # decode's request has not reached this rank yet
+                    if err.code is not Reason.UNKNOWN_ROOM:
+                        raise
+                else:
+                    if state.status is RoomStatus.WAITING_FOR_INPUT:
+                        break
+                    if state.status.is_terminal:
+                        raise RuntimeError(f"room {room} ended before its send: {state.reason}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"room {room}: decode's request did not reach {g.rank_id} "
+                                       f"in {timeout_s:.0f} s")
+                time.sleep(0.0002)
 
     def close(self) -> None:
         for client in self.clients.values():
@@ -206,22 +234,23 @@ def transfer_case(workdir: Path, tp_src: int, tp_dst: int, transport: str, token
         deployment.close()
 
 
-LATENCY_MODES = ("wait after send", "wait in flight", "back to back")
+LATENCY_MODES = ("wait after send", "wait in flight", "paced")
 
 
 def one_page_latency_ms(workdir: Path, rooms: int, device: str = "cpu") -> tuple[float, ...]:
-    """p50 ms of a 1-page room, per :data:`LATENCY_MODES`: decode's wait called after
-    send returned; already in flight; in flight with no pause between a room's expect
-    and its send (nor between rooms), so that the processes stay warm."""
+    """p50 ms of a 1-page room, per :data:`LATENCY_MODES`: 50 ms after its expect, decode's
+    wait called after send returned; the same with the wait already in flight; paced as an
+    engine paces it, with no pause: the prefill worker polls until decode's request has
+    arrived, then sends, decode's wait in flight (the processes stay warm)."""
     deployment = Deployment(workdir, 1, 1, 64, "shm", device)
     try:
         deployment.room(1, [0], [0])
         after = [deployment.room(1000 + i, [i % 64], [(i * 7) % 64]) for i in range(rooms)]
         during = [deployment.room(3000 + i, [i % 64], [(i * 5) % 64], waiting=True)
                   for i in range(rooms)]
-        warm = [deployment.room(5000 + i, [i % 64], [(i * 3) % 64], waiting=True, idle_s=0.0)
-                for i in range(rooms)]
-        return tuple(statistics.median(t) * 1e3 for t in (after, during, warm))
+        paced = [deployment.room(5000 + i, [i % 64], [(i * 3) % 64], waiting=True, paced=True)
+                 for i in range(rooms)]
+        return tuple(statistics.median(t) * 1e3 for t in (after, during, paced))
     finally:
         deployment.close()
 
