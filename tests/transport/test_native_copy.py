@@ -66,7 +66,8 @@ def test_any_split_into_ranges_copies_exactly_the_naive_bytes(case):
     batch, parts, stream_min = case
     plan = TransferPlan("p0", "d0", (batch,))
     rng = np.random.default_rng(len(batch.src_offset))
-    src = rng.integers(0, 256, 6000, dtype=np.uint8)
+    # the farthest source byte: offset 5000 + 2 strides of 400 + a 300-byte piece
+    src = rng.integers(0, 256, 5000 + 2 * 400 + 300, dtype=np.uint8)
     dst = rng.integers(0, 256, int(batch.dst_offset.max()) + 4 * 400, dtype=np.uint8)
     want = _naive(plan, src, dst)
     pieces = _pieces(plan, src, dst, stream_min=stream_min)
