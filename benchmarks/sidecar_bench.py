@@ -11,15 +11,14 @@ moving a Llama-3.1-8B request of ``--tokens`` tokens
 1-page room over shm (50 ms after decode's expect, decode's wait called after the
 send returned, or already in flight; and paced as an engine paces it, the prefill
 worker polling until decode's request has arrived and then sending at once, decode's
-wait in flight, the processes warm), each beside the floor of such a room on this host (``room_floor.py``:
-the same processes, hops, copy and doorbell with no protocol, planning or checks),
-and what 50 ms of idle time,
-or of other work, alone costs one planning call in one process (the host's
-cold-cache penalty, which every hop of an idle room pays). Each transfer is
-timed from the prefill worker's send()
-to the decode worker seeing Success (bootstrap excluded: one warm-up room
-first). Medians of ``--repeats``. Prints a table with ratios against the
-floors; no assertion.
+wait in flight, the processes warm), each beside the floor of such a room on this
+host (``room_floor.py``: the same processes, hops, copy and doorbell with no
+protocol, planning or checks), and what 50 ms of idle time, or of other work, alone
+costs one planning call in one process (the host's cold-cache penalty, which every
+hop of an idle room pays). Each transfer is timed from the prefill worker's
+send() to the decode worker seeing Success (bootstrap excluded: one warm-up room
+first). Medians of ``--repeats``. Prints a table with ratios against the floors;
+no assertion.
 
 ``--device cuda`` (on a GPU host): the workers' pools are CUDA tensors shared
 through CUDA IPC; the shm cases become device-to-device copies between the
@@ -162,12 +161,13 @@ class Deployment:
         def wait(rank_id: str) -> None:
             seen[rank_id] = (self.clients[rank_id].wait(room, 120), time.perf_counter())
 
-        waiters = [threading.Thread(target=wait, args=(g.rank_id,)) for g in self.decode] \
-            if waiting else []
+        # daemons: a room that fails before its send leaves them waiting, not the process
+        waiters = [threading.Thread(target=wait, args=(g.rank_id,), daemon=True)
+                   for g in self.decode] if waiting else []
         for thread in waiters:
             thread.start()
         if paced:
-            self._until_requested(room)
+            self.until_requested(room)
         else:
             time.sleep(idle_s)  # let the requests reach prefill: time the transfer, not the request
         start = time.perf_counter()
@@ -183,7 +183,7 @@ class Deployment:
                 raise RuntimeError(f"room {room} failed: {state.reason}")
         return max(t for _, t in seen.values()) - start
 
-    def _until_requested(self, room: int, timeout_s: float = 10.0) -> None:
+    def until_requested(self, room: int, timeout_s: float = 10.0) -> None:
         """Poll every prefill rank until ``room`` is waiting for input (200 us apart)."""
         deadline = time.monotonic() + timeout_s
         for g in self.prefill:
