@@ -7,6 +7,15 @@ Prometheus conventions (``pd_transfer_*``, base units); label sets are
 bounded: ``peer`` is a peer rank id (``prefill[pp0,tp1]``), never a room id,
 and ``reason`` is a stable :class:`~pd_transfer.errors.Reason` value.
 
+A labelled counter has no series until its first increment, and Prometheus's
+``increase()`` cannot see the step from "absent" to 1: the first bad frame
+would not fire an alert, and a panel would show "No data" where 0 is meant.
+So every label combination known ahead is exported at 0 from the start: the
+bounded reason codes, limits and events below, per role; and, through
+:meth:`SidecarMetrics.peer_accepted`, the per-peer series of each peer once
+accepted. (The alert rules also count a series born at its first event, for
+the labels that cannot be known ahead.)
+
 :data:`METRIC_NAMES` lists every exported family; the deployment tests check
 that every metric the dashboard and the alert rules use is in it.
 """
@@ -16,12 +25,28 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pd_transfer import __version__
+from pd_transfer.errors import Reason
 from pd_transfer.protocol import PROTOCOL_VERSION
 
 _DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 36, 2))
 _RATE_BUCKETS = tuple(float(x) * 1e9 for x in (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32))
 _COUNT_BUCKETS = tuple(float(1 << k) for k in range(0, 24, 2))
+
+# label values exported at 0 from the start (see the module docstring)
+BAD_FRAME_REASONS = tuple(r.value for r in (
+    Reason.BAD_FRAME, Reason.FRAME_TOO_LARGE, Reason.LIMIT_EXCEEDED, Reason.BAD_FIELD,
+    Reason.UNKNOWN_MESSAGE, Reason.VERSION_UNSUPPORTED, Reason.ILLEGAL_MESSAGE,
+    Reason.ROLE_MISMATCH, Reason.STALE_GENERATION, Reason.BAD_GENERATION, Reason.DUPLICATE_ROOM,
+    Reason.UNKNOWN_ROOM, Reason.UNAUTHENTICATED))
+AUTH_FAILURE_REASONS = tuple(r.value for r in (
+    Reason.AUTH_FAILED, Reason.AUTH_REPLAYED, Reason.UNAUTHENTICATED))
+# the config keys whose limits fail requests (pd_transfer_limit_rejections_total{limit})
+LIMITS = ("max_rooms", "max_rooms_per_peer", "max_chunks_per_room", "max_inflight_nbytes",
+          "max_inflight_nbytes_total", "max_worker_requests")
+ADMISSION_RESOURCES = ("rooms", "bytes")
+DOORBELL_EVENTS = {"prefill": ("rang", "stale"), "decode": ("rung", "closed")}
+UNREGISTERED_PEER = "-"   # the peer label of a session lost before it registered
 
 
 class SidecarMetrics:
@@ -113,6 +138,34 @@ class SidecarMetrics:
         self.build_info = Gauge("pd_transfer_build_info", "Version of this sidecar.",
                                 ["version", "protocol_version"], registry=r)
         self.build_info.labels(__version__, f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}").set(1)
+        self._export_known_series()
+
+    def _export_known_series(self) -> None:
+        """Every series whose labels are known before any event, at 0."""
+        role = self.role
+        for reason in BAD_FRAME_REASONS:
+            self.bad_frames.labels(role, reason)
+        for reason in AUTH_FAILURE_REASONS:
+            self.auth_failures.labels(role, reason)
+        for limit in LIMITS:
+            self.limit_rejections.labels(role, limit)
+        for resource in ADMISSION_RESOURCES:
+            self.admission_wait.labels(role, resource)
+        for event in DOORBELL_EVENTS.get(role, ()):
+            self.doorbells.labels(role, event)
+        for histogram in (self.duration, self.nbytes, self.throughput, self.descriptors,
+                          self.bootstrap):
+            histogram.labels(role)
+        self.heartbeat_misses.labels(role, UNREGISTERED_PEER)
+        self.loop_stalls.labels(role)
+        self.verdicts.labels(role, "accepted", "none")
+
+    def peer_accepted(self, peer: str, transport: str, mode: str) -> None:
+        """Export ``peer``'s series at 0 once it is accepted: its first lost heartbeat and its
+        first transfer, success or failure, are then a step from 0."""
+        self.heartbeat_misses.labels(self.role, peer)
+        for outcome in ("success", "failed"):
+            self.transfers.labels(self.role, peer, transport, mode, outcome)
 
 
 METRIC_NAMES = (

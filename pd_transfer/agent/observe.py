@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, generate_latest
 
 from pd_transfer.layout.geometry import Role
-from pd_transfer.metrics import SidecarMetrics
+from pd_transfer.metrics import UNREGISTERED_PEER, SidecarMetrics
 from pd_transfer.protocol import RoomStatus
 
 PEER_STATES = ("connecting", "accepted", "rejected", "lost")
 MAX_PAST_PEERS = 64    # records of peers rejected or lost, kept for /status (oldest go first)
-UNREGISTERED = "-"     # the peer label of a session lost before it registered
+UNREGISTERED = UNREGISTERED_PEER   # the peer label of a session lost before it registered
 _MODE_ORDER = ("sliced", "replicated", "converted", "direct")
 STRATEGIES = ("direct", "staged")  # transport.strategy.Strategy's values
 
@@ -55,6 +55,8 @@ class Observer:
             record.transport = transport
         if modes:
             record.mode = next((m for m in _MODE_ORDER if m in modes), modes[0])
+        if state == "accepted":
+            self.metrics.peer_accepted(peer, record.transport or "-", record.mode or "-")
         if state in ("rejected", "lost"):
             self._prune()
 

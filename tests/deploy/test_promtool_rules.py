@@ -1,0 +1,73 @@
+"""deploy/prometheus/alerts.yml under promtool: the rules load, and every alert fires on the
+series an operator meets (counters born at their first event) and stays quiet otherwise.
+
+The cases are tests/deploy/promtool/alerts_test.yml, plain promtool unit tests; the runbook
+links are not repeated there: each expected alert gets its rule's ``runbook_url`` here, so a
+moved runbook needs no second edit. promtool comes with Debian's ``prometheus`` package
+(``.ci/run`` installs it where it can); without it these tests skip and say so.
+"""
+
+import shutil
+import subprocess
+
+import pytest
+import yaml
+from deploy_files import KUBERNETES, PROMETHEUS, ROOT
+
+CASES = ROOT / "tests" / "deploy" / "promtool" / "alerts_test.yml"
+PROMTOOL = shutil.which("promtool")
+needs_promtool = pytest.mark.skipif(
+    PROMTOOL is None, reason="promtool is not installed (Debian: apt-get install prometheus)")
+
+
+def _rules() -> dict[str, dict]:
+    groups = yaml.safe_load((PROMETHEUS / "alerts.yml").read_text())["groups"]
+    return {rule["alert"]: rule for group in groups for rule in group["rules"]}
+
+
+def _cases() -> dict:
+    return yaml.safe_load(CASES.read_text())
+
+
+def test_every_alert_has_a_firing_and_a_quiet_promtool_case():
+    firing, quiet = set(), set()
+    for test in _cases()["tests"]:
+        for case in test["alert_rule_test"]:
+            (firing if case.get("exp_alerts") else quiet).add(case["alertname"])
+    assert set(_rules()) - firing == set(), "alerts no case sees firing"
+    assert set(_rules()) - quiet == set(), "alerts no case sees quiet"
+    assert firing | quiet <= set(_rules()), "cases of alerts that do not exist"
+
+
+def test_the_cases_test_the_shipped_rules_file():
+    assert [(CASES.parent / f).resolve() for f in _cases()["rule_files"]] == \
+        [(PROMETHEUS / "alerts.yml").resolve()]
+
+
+@needs_promtool
+@pytest.mark.parametrize("path", [PROMETHEUS / "alerts.yml", KUBERNETES / "prometheusrule.yaml"])
+def test_promtool_checks_the_rules(path, tmp_path):
+    if path.suffix == ".yaml":  # the PrometheusRule's spec is a rules file
+        rules = tmp_path / "rules.yml"
+        rules.write_text(yaml.safe_dump({"groups": yaml.safe_load(path.read_text())["spec"]["groups"]}))
+        path = rules
+    result = subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@needs_promtool
+def test_promtool_unit_tests_of_every_alert_pass(tmp_path):
+    cases, rules = _cases(), _rules()
+    cases["rule_files"] = [str((PROMETHEUS / "alerts.yml").resolve())]
+    for test in cases["tests"]:
+        for case in test["alert_rule_test"]:
+            for alert in case.get("exp_alerts") or []:
+                alert["exp_annotations"]["runbook_url"] = \
+                    rules[case["alertname"]]["annotations"]["runbook_url"]
+    path = tmp_path / "alerts_test.yml"
+    path.write_text(yaml.safe_dump(cases, sort_keys=False, width=10000))
+    result = subprocess.run([PROMTOOL, "test", "rules", str(path)], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout + result.stderr
