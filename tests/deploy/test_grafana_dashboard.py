@@ -79,3 +79,13 @@ def test_failures_are_broken_down_by_reason(dashboard):
     exprs = [e for p in _panels(dashboard) for e in _exprs(p)
              if "pd_transfer_transfer_failures_total" in e]
     assert any("by (role, reason)" in e for e in exprs)
+
+
+def test_panels_over_counters_show_zero_rather_than_no_data(dashboard):
+    # a counter series is absent until its first event on some sidecars (a failure reason,
+    # say): the panel says 0 then, not "No data"; a ratio says there is nothing to divide
+    for panel in _panels(dashboard):
+        if any("_total" in expr for expr in _exprs(panel)):
+            no_value = panel["fieldConfig"]["defaults"].get("noValue")
+            assert no_value == ("no transfers" if panel["title"] == "Transfer success (1h)"
+                                else "0"), panel["title"]
