@@ -67,6 +67,16 @@ class BootstrapServer:
         self.entries[key] = entry
         self.expected = entry.geometry.tp_size * entry.pp_size
 
+    def _announced(self, entry: RankEntry) -> None:
+        """Ranks announce themselves every few seconds: a new or changed entry is news
+        (info), the same one again is not (debug)."""
+        known = self.entries.get((entry.geometry.pp_rank, entry.geometry.tp_rank))
+        self.add(entry)
+        level = logging.DEBUG if known == entry else logging.INFO
+        log.log(level, "bootstrap: %s %s at %s (%d/%d ranks)", entry.geometry.rank_id,
+                "announced" if known is None else "announced again" if known == entry
+                else "changed", entry.control_address, len(self.entries), self.expected)
+
     def table(self) -> RankTable:
         entries = tuple(self.entries[k] for k in sorted(self.entries))
         return RankTable(expected=self.expected, entries=entries)
@@ -90,10 +100,7 @@ class BootstrapServer:
                         reason=err.code, reason_text=clip_text(err.message)))])
                 continue
             if isinstance(message, Announce):
-                self.add(message.entry)
-                log.info("bootstrap: %s announced at %s (%d/%d ranks)",
-                         message.entry.geometry.rank_id, message.entry.control_address,
-                         len(self.entries), self.expected)
+                self._announced(message.entry)
             elif not isinstance(message, TableRequest):
                 self._count_bad_frame(Reason.ILLEGAL_MESSAGE.value)
                 continue

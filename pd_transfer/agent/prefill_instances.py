@@ -6,7 +6,10 @@ or not), register, and wait for each one's Verdict. A rejection fails with
 the full diagnostic, never after a timeout. A resolved instance is reused
 by every room with its address until one of its ranks is lost; the next
 room then resolves it anew, and the lost one's sessions are retired
-(:mod:`retire`).
+(:mod:`retire`). A resolution that failed (rejected, or no rank table) is
+tried again after a backoff (:mod:`retry`), not at every timer tick or room:
+until then rooms fail with its error, and the readiness reason says when the
+next try is.
 
 Room messages (Done, Progress, AbortAck) and a lost rank's rooms are the
 decode side's (:mod:`decode`), handed over through two callbacks.
@@ -15,6 +18,7 @@ decode side's (:mod:`decode`), handed over through two callbacks.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 from pd_transfer.agent import integrity, retire
 from pd_transfer.agent.bootstrap import fetch_table
 from pd_transfer.agent.channels import OutgoingChannel
+from pd_transfer.agent.retry import Backoff
 from pd_transfer.agent.room_bells import RoomBells
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import Role
@@ -36,6 +41,8 @@ from pd_transfer.protocol import (
     Register,
     Verdict,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -76,6 +83,7 @@ class PrefillInstances:
         self.sidecar = sidecar
         self.bells = bells
         self.instances: dict[str, asyncio.Task] = {}
+        self.backoffs: dict[str, Backoff] = {}     # per address: its failed resolutions
         self.retired: list[PrefillInstance] = []   # lost: sessions to close once quiet
         self._on_room_message = on_room_message
         self._on_peer_lost = on_peer_lost
@@ -85,11 +93,17 @@ class PrefillInstances:
         return self.sidecar.config
 
     def resolved(self, bootstrap: str) -> asyncio.Task:
-        """The resolution of ``bootstrap``: started, running or done (a failed or lost one
-        is started again)."""
+        """The resolution of ``bootstrap``: started, running or done (a lost one is started
+        again, and a failed one once its backoff has passed)."""
         task = self.instances.get(bootstrap)
-        if task is not None and task.done() and (task.exception() or task.result().lost):
-            task = None  # failed or lost: resolve again (a restarted prefill comes back)
+        if task is not None and task.done():
+            if task.cancelled():
+                task = None
+            elif task.exception() is not None:
+                if self.backoffs[bootstrap].due(time.monotonic()):
+                    task = None  # failed: try again (a restarted prefill comes back)
+            elif task.result().lost:
+                task = None
         if task is None:
             task = self.instances[bootstrap] = asyncio.create_task(self._resolve(bootstrap))
         return task
@@ -116,9 +130,8 @@ class PrefillInstances:
         """Resolve the configured prefill instances ahead of traffic (and again once lost)."""
         for address in self.config.prefill_bootstraps:
             task = self.instances.get(address)
-            if task is None or (task.done() and (task.cancelled() or task.exception()
-                                                  or task.result().lost)):
-                self.resolved(address)
+            if task is None or task.done():
+                self.resolved(address)   # a failed one waits for its backoff there
 
     def problem(self, address: str) -> str:
         """Why ``address`` is not usable right now ('' when every peer accepted)."""
@@ -128,15 +141,28 @@ class PrefillInstances:
         if task.cancelled():
             return "resolution cancelled"
         if task.exception() is not None:
-            return str(task.exception())
+            backoff = self.backoffs[address]
+            return f"{backoff.describe(time.monotonic())}: {task.exception()}"
         return "a prefill peer was lost; resolving again" if task.result().lost else ""
 
     async def _resolve(self, bootstrap: str) -> PrefillInstance:
         started = time.monotonic()
+        backoff = self.backoffs.setdefault(bootstrap, Backoff())
         try:
-            return await self._resolve_once(bootstrap)
+            instance = await self._resolve_once(bootstrap)
+        except Exception as err:
+            backoff.failed(time.monotonic(), str(err))
+            log.log(logging.DEBUG if backoff.same_error else logging.WARNING,
+                    "decode: prefill instance %s: %s; %s", bootstrap, err,
+                    backoff.describe(time.monotonic()))
+            raise
         finally:
             self.sidecar.observe.bootstrap(time.monotonic() - started)
+        if backoff.failures:
+            log.info("decode: prefill instance %s resolved after %d failed tries", bootstrap,
+                     backoff.failures)
+        del self.backoffs[bootstrap]   # kept only while failing
+        return instance
 
     async def _resolve_once(self, bootstrap: str) -> PrefillInstance:
         sidecar = self.sidecar

@@ -54,10 +54,19 @@ def release_retired(side, now_s: float) -> None:
         log.info("decode: closing the sessions of lost prefill instance %s", instance.bootstrap)
         asyncio.create_task(close_sessions(instance))
     for address, task in list(side.instances.items()):
-        # failed or lost resolutions of unconfigured addresses: the next expect resolves again
-        if task.done() and address not in side.config.prefill_bootstraps and (
-                task.cancelled() or task.exception() or task.result().lost):
+        # failed or lost resolutions of unconfigured addresses: the next expect resolves
+        # again (a failed one once its backoff has passed: side.backoffs keeps its count)
+        if task.done() and address not in side.config.prefill_bootstraps and \
+                _over(side, address, task, now_s):
             del side.instances[address]
+
+
+def _over(side, address: str, task, now_s: float) -> bool:
+    if task.cancelled():
+        return True
+    if task.exception() is not None:
+        return side.backoffs[address].due(now_s)
+    return task.result().lost
 
 
 def rooms_state(rooms, instance) -> str:

@@ -35,6 +35,7 @@ from pd_transfer.agent.http import HttpServer
 from pd_transfer.agent.liveness import LoopStalls, why_lost
 from pd_transfer.agent.observe import Observer
 from pd_transfer.agent.prefill import PrefillSide
+from pd_transfer.agent.retry import Backoff
 from pd_transfer.agent.rooms import RoomTable, pool_requests
 from pd_transfer.config import SidecarConfig
 from pd_transfer.errors import PdTransferError, Reason
@@ -292,18 +293,22 @@ class Sidecar:
         address = self.config.bootstrap
         if not address:
             return
-        entry = self._rank_entry()
+        entry, backoff = self._rank_entry(), Backoff()
         while True:
             try:
                 self.side.table = await fetch_table(self.context, address, self.config.agent_id,
                                                     self.config.bootstrap_timeout_s, announce=entry)
-                if not self.side.table_ready.is_set():
+                if not self.side.table_ready.is_set() or backoff.failures:
                     log.info("prefill: rank table complete (%d ranks)", len(self.side.table.entries))
+                backoff.succeeded()
                 self.side.table_ready.set()
                 # keep announcing: a restarted rank 0 rebuilds its table from these
                 await asyncio.sleep(self.config.heartbeat_interval_s * self.config.heartbeat_misses)
-            except PdTransferError as err:
-                log.warning("prefill: %s; retrying", err.message)
+            except PdTransferError as err:  # refused at once, or no table in time
+                wait_s = backoff.failed(time.monotonic(), err.message)
+                log.log(logging.DEBUG if backoff.same_error else logging.WARNING, "prefill: %s; %s",
+                        err.message, backoff.describe(time.monotonic()))
+                await asyncio.sleep(wait_s)
 
     async def _on_control(self, channel: Channel, message) -> None:
         self.watch_once(channel)
