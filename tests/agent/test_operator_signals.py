@@ -147,8 +147,9 @@ def test_a_real_prometheus_fires_bad_frames_on_the_first_garbage_frame(cluster_f
         (alert,) = _until(firing, 60, "PdTransferBadFrames fires")
         assert alert["labels"]["reason"] == "bad_frame" and alert["labels"]["role"] == "prefill"
         assert alert["labels"]["instance"] == target
-    except AssertionError:
-        raise AssertionError((tmp_path / "prometheus.log").read_text()[-3000:]) from None
+    except AssertionError as err:
+        log = (tmp_path / "prometheus.log").read_text()[-2000:]
+        raise AssertionError(f"{err}\n-- prometheus log:\n{log}") from None
     finally:
         proc.terminate()
         try:
