@@ -182,8 +182,11 @@ def test_a_rejected_prefill_instance_is_retried_with_backoff_and_readyz_says_whe
     assert "kv.layer[0-1].k.dtype: prefill=bfloat16 decode=float16" in reason
 
 
-def _info_messages(log_text: str) -> list[str]:
-    return [json.loads(m.group(1)) for line in log_text.splitlines() if "level=info" in line
+def _messages(log_text: str) -> list[str]:
+    """The messages of the info lines and above (warnings: nothing in steady state should
+    warn either)."""
+    return [json.loads(m.group(1)) for line in log_text.splitlines()
+            if re.search(r" level=(info|warning|error) ", line)
             for m in [re.search(r' msg=(".*?")(?: exc=|$)', line)] if m]
 
 
@@ -195,7 +198,7 @@ def test_steady_state_sidecars_repeat_no_info_line(cluster_factory):
     _until(lambda: cluster.http(decode[0].rank_id, "/readyz")[0] == 200, 30, "decode ready")
     time.sleep(4.0)
     for sidecar in cluster.sidecars.values():
-        messages = _info_messages(sidecar.log.read_text())
+        messages = _messages(sidecar.log.read_text())
         assert messages, sidecar.name   # the parser reads this log
         repeated = {m: n for m, n in Counter(messages).items() if n > 1}
         assert repeated == {}, (sidecar.name, repeated)
