@@ -24,6 +24,7 @@ from pd_transfer.layout.reconcile import reconcile
 from pd_transfer.protocol import MismatchRecord, Verdict
 
 log = logging.getLogger("pd_transfer.agent.prefill")
+MAX_REJECTIONS_KEPT = 64   # last rejection text per decode rank, to log only what changed
 
 
 async def send_verdict(side, peer) -> None:
@@ -62,6 +63,7 @@ async def send_verdict(side, peer) -> None:
             decode=peer.register.data_address or "<no data address>", hint=str(err))])
         return
     peer.accepted = True
+    side.rejections.pop(peer.rank_id, None)
     observe = side.sidecar.observe
     modes = [v.mode.value for v in recon.verdicts]
     observe.peer(peer.rank_id, "accepted", channel=peer.channel,
@@ -83,6 +85,12 @@ async def send_verdict(side, peer) -> None:
 async def _reject(side, peer, headline: str, mismatches: list[MismatchRecord]) -> None:
     side.sidecar.observe.peer(peer.rank_id, "rejected", headline, peer.channel)
     side.sidecar.observe.verdict(False, mismatches[0].code.value if mismatches else "")
-    log.warning("prefill: rejected %s: %s", peer.rank_id,
-                "; ".join(m.render() for m in mismatches[:8]), extra={"peer": peer.rank_id})
+    text = "; ".join(m.render() for m in mismatches[:8])
+    # a decode rank retrying (with backoff) is rejected again for the same reasons: debug
+    again = side.rejections.pop(peer.rank_id, None) == text
+    side.rejections[peer.rank_id] = text
+    while len(side.rejections) > MAX_REJECTIONS_KEPT:
+        del side.rejections[next(iter(side.rejections))]
+    log.log(logging.DEBUG if again else logging.WARNING, "prefill: rejected %s%s: %s",
+            peer.rank_id, " again" if again else "", text, extra={"peer": peer.rank_id})
     await peer.channel.send(Verdict(accepted=False, headline=headline, mismatches=tuple(mismatches)))

@@ -111,6 +111,7 @@ class PrefillSide:
         self.peers: dict[int, DecodePeer] = {}
         self.table: RankTable | None = None
         self.table_ready = asyncio.Event()
+        self.rejections: dict[str, str] = {}   # decode rank -> its last rejection (acceptance.py)
 
     @property
     def config(self):

@@ -180,6 +180,12 @@ def test_a_rejected_prefill_instance_is_retried_with_backoff_and_readyz_says_whe
     assert re.match(rf"prefill instance {re.escape(cluster.bootstrap)}: next try in \d+\.\d s "
                     rf"\(\d+ failed tries\): ", reason), reason
     assert "kv.layer[0-1].k.dtype: prefill=bfloat16 decode=float16" in reason
+    # each side warns once; the same rejection again is steady state (debug)
+    decode_log = _messages(cluster.sidecars[d].log.read_text())
+    prefill_log = _messages(cluster.sidecars[p].log.read_text())
+    assert sum(m.startswith(f"decode: prefill instance {cluster.bootstrap}: ")
+               for m in decode_log) == 1, decode_log
+    assert sum(m.startswith("prefill: rejected ") for m in prefill_log) == 1, prefill_log
 
 
 def _messages(log_text: str) -> list[str]:
