@@ -7,12 +7,13 @@ moved runbook needs no second edit. promtool comes with Debian's ``prometheus`` 
 (``.ci/run`` installs it where it can); without it these tests skip and say so.
 """
 
+import json
 import shutil
 import subprocess
 
 import pytest
 import yaml
-from deploy_files import KUBERNETES, PROMETHEUS, ROOT
+from deploy_files import DASHBOARD, KUBERNETES, PROMETHEUS, ROOT
 
 CASES = ROOT / "tests" / "deploy" / "promtool" / "alerts_test.yml"
 PROMTOOL = shutil.which("promtool")
@@ -71,3 +72,20 @@ def test_promtool_unit_tests_of_every_alert_pass(tmp_path):
                             text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout + result.stderr
+
+
+@needs_promtool
+def test_every_dashboard_query_parses(tmp_path):
+    values = {"$__rate_interval": "1m", "$__range": "1h", "$job": ".*", "$instance": ".*",
+              "$role": ".*"}
+    exprs = [target["expr"] for panel in json.loads(DASHBOARD.read_text())["panels"]
+             for target in panel.get("targets", [])]
+    for name in sorted(values, key=len, reverse=True):
+        exprs = [expr.replace(name, values[name]) for expr in exprs]
+    assert exprs and not [e for e in exprs if "$" in e]
+    rules = tmp_path / "dashboard.yml"
+    rules.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:query{i}", "expr": expr} for i, expr in enumerate(exprs)]}]}))
+    result = subprocess.run([PROMTOOL, "check", "rules", str(rules)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
