@@ -151,7 +151,7 @@ class PrefillInstances:
         try:
             instance = await self._resolve_once(bootstrap)
         except Exception as err:
-            backoff.failed(time.monotonic(), str(err))
+            backoff.failed(started, str(err))   # a try that timed out goes again at once
             log.log(logging.DEBUG if backoff.same_error else logging.WARNING,
                     "decode: prefill instance %s: %s; %s", bootstrap, err,
                     backoff.describe(time.monotonic()))

@@ -5,7 +5,9 @@ reached) resolves it again later, and a prefill rank whose rank 0 refuses its
 announcement announces again later: never in a tight loop. Each failure in a
 row doubles the ceiling of the wait (``base_s``, ``2 * base_s``, ... up to
 ``cap_s``); the wait itself is drawn from the upper half of it, so sidecars
-that failed together do not retry together. A success starts over.
+that failed together do not retry together. The wait runs from the start of
+the failed try: a try refused at once waits it all, one that timed out after
+longer starts again at once. A success starts over.
 
     failures in a row   1    2    3    4    5    6     7 and on
     ceiling, s          0.5  1    2    4    8    16    30
@@ -33,14 +35,17 @@ class Backoff:
     error: str = ""            # the last failure's text
     same_error: bool = False   # the last failure's text was the one before's (log it at debug)
 
-    def failed(self, now_s: float, error: str = "") -> float:
-        """Record a failure at ``now_s``; returns the wait before the next try."""
+    def failed(self, started_s: float, error: str = "") -> float:
+        """Record the failure of the try that started at ``started_s``; returns the time of
+        the next try."""
         self.same_error, self.error = self.failures > 0 and error == self.error, error
         self.failures += 1
         ceiling = min(self.cap_s, self.base_s * 2 ** min(self.failures - 1, 32))
-        wait_s = self.rng.uniform(ceiling / 2, ceiling)
-        self.next_try_s = now_s + wait_s
-        return wait_s
+        self.next_try_s = started_s + self.rng.uniform(ceiling / 2, ceiling)
+        return self.next_try_s
+
+    def wait_s(self, now_s: float) -> float:
+        return max(0.0, self.next_try_s - now_s)
 
     def succeeded(self) -> None:
         self.failures, self.next_try_s, self.error, self.same_error = 0, 0.0, "", False
@@ -51,4 +56,4 @@ class Backoff:
     def describe(self, now_s: float) -> str:
         """``next try in 3.2 s (2 failed tries)``: for readiness reasons and logs."""
         tries = f"{self.failures} failed {'try' if self.failures == 1 else 'tries'}"
-        return f"next try in {max(0.0, self.next_try_s - now_s):.1f} s ({tries})"
+        return f"next try in {self.wait_s(now_s):.1f} s ({tries})"

@@ -295,6 +295,7 @@ class Sidecar:
             return
         entry, backoff = self._rank_entry(), Backoff()
         while True:
+            started = time.monotonic()
             try:
                 self.side.table = await fetch_table(self.context, address, self.config.agent_id,
                                                     self.config.bootstrap_timeout_s, announce=entry)
@@ -305,10 +306,10 @@ class Sidecar:
                 # keep announcing: a restarted rank 0 rebuilds its table from these
                 await asyncio.sleep(self.config.heartbeat_interval_s * self.config.heartbeat_misses)
             except PdTransferError as err:  # refused at once, or no table in time
-                wait_s = backoff.failed(time.monotonic(), err.message)
+                backoff.failed(started, err.message)
                 log.log(logging.DEBUG if backoff.same_error else logging.WARNING, "prefill: %s; %s",
                         err.message, backoff.describe(time.monotonic()))
-                await asyncio.sleep(wait_s)
+                await asyncio.sleep(backoff.wait_s(time.monotonic()))
 
     async def _on_control(self, channel: Channel, message) -> None:
         self.watch_once(channel)

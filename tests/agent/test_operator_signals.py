@@ -169,8 +169,8 @@ def test_a_rejected_prefill_instance_is_retried_with_backoff_and_readyz_says_whe
         return cluster.metric(rank, "pd_transfer_verdicts_total", outcome="rejected")
     _until(lambda: rejected(d) >= 1, 20, "the first rejection")
     time.sleep(4.0)
-    # waits of at least 0.25, 0.5, 1 and 2 s after failures 1-4 (the lower halves of their
-    # ceilings): at most 5 tries in the first 3.75 s, where a tight loop made about 40
+    # tries start at least 0.25, 0.5, 1 and 2 s apart after failures 1-4 (the lower halves of
+    # their ceilings): at most 5 tries in the first 3.75 s, where a tight loop made about 40
     on_decode, on_prefill = rejected(d), rejected(p)
     assert 2 <= on_decode <= 5, on_decode
     assert on_prefill <= 6, on_prefill
