@@ -215,7 +215,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     overrides.update(max_rooms_per_peer=args.max_rooms_per_peer,
                      max_inflight_nbytes_total=args.max_inflight_nbytes_total,
                      admission_wait_s=args.admission_wait_s)
-    config = load_sidecar_config(args.config, overrides)
+    config = load_sidecar_config(args.config, overrides, from_flags=True)
     if args.print_config:
         from pd_transfer.config import render_toml
         print(render_toml(config), end="")  # secret_file is a path; the secret is never printed

@@ -9,14 +9,17 @@ reported at once, each naming its path and what is accepted, as one
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import socket
-import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pd_transfer import config_addresses as addresses
+from pd_transfer.config_sources import ENV_PREFIX, Setting, environ_settings, file_settings
 from pd_transfer.errors import ConfigError
 from pd_transfer.extras import ENGINES, engine_missing
 from pd_transfer.layout.geometry import Role
@@ -99,64 +102,33 @@ class SidecarConfig:
 _FIELDS = {f.name: f for f in dataclasses.fields(SidecarConfig)}
 
 
-ENV_PREFIX = "PD_TRANSFER_"
-
-
 def load_sidecar_config(path: str | None, overrides: dict[str, Any],
-                        environ: dict[str, str] | None = None) -> SidecarConfig:
+                        environ: Mapping[str, str] | None = None, *,
+                        from_flags: bool = False) -> SidecarConfig:
     """Defaults, then the file, then ``PD_TRANSFER_*`` variables, then flags.
 
-    ``overrides`` are CLI flags (None meaning unset). A variable names a field
-    in upper case: ``PD_TRANSFER_CONTROL_PORT=5600``; lists are comma-separated.
+    ``overrides`` are CLI flags (None meaning unset; ``from_flags``: a problem names
+    ``--the-flag``). A variable names a field in upper case: ``PD_TRANSFER_CONTROL_PORT=5600``;
+    lists are comma-separated. Every key of the file and every ``PD_TRANSFER_*`` variable is
+    applied or reported (:mod:`pd_transfer.config_sources`).
     """
-    values: dict[str, Any] = {}
-    source = path or "<flags>"
+    settings: dict[str, Setting] = {}
+    problems: list[str] = []
     if path:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except OSError as err:
-            raise ConfigError(f"{path}: cannot read config: {err.strerror}") from None
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"{path}: not valid TOML: {err}") from None
-        table = data.get("sidecar", {})
-        if not isinstance(table, dict):
-            raise ConfigError(f"{path}: [sidecar] must be a table")
-        values.update(table)
-    values.update(_from_environ(os.environ if environ is None else environ))
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    return sidecar_config_from(values, source)
+        from_file, file_problems = file_settings(path, _FIELDS)
+        settings.update(from_file)
+        problems += file_problems
+    kinds = {name: str(f.type) for name, f in _FIELDS.items()}
+    from_env, env_problems = environ_settings(os.environ if environ is None else environ, kinds)
+    settings.update(from_env)
+    problems += env_problems
+    settings.update({name: Setting(value, _flag(name) if from_flags else f"sidecar.{name}")
+                     for name, value in overrides.items() if value is not None})
+    return sidecar_config_from(settings, problems)
 
 
-_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-
-
-def _from_environ(environ: dict[str, str]) -> dict[str, Any]:
-    """Typed values of the ``PD_TRANSFER_*`` variables naming config fields."""
-    values: dict[str, Any] = {}
-    for key, text in environ.items():
-        if not key.startswith(ENV_PREFIX):
-            continue
-        name = key[len(ENV_PREFIX):].lower()
-        field_ = _FIELDS.get(name)
-        if field_ is None:
-            # not ours: Kubernetes injects PD_TRANSFER_PORT, PD_TRANSFER_SERVICE_HOST, ...
-            # for a Service named pd-transfer; refusing them would crash-loop the pod
-            continue
-        kind = field_.type
-        try:
-            if kind == "int":
-                values[name] = int(text)
-            elif kind == "float":
-                values[name] = float(text)
-            elif kind == "bool":
-                values[name] = _BOOLS.get(text.strip().lower(), text)
-            elif kind.startswith("tuple"):
-                values[name] = [part.strip() for part in text.split(",") if part.strip()]
-            else:
-                values[name] = text
-        except ValueError:
-            values[name] = text  # the type check reports it with the field's path
-    return values
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def render_toml(config: SidecarConfig) -> str:
@@ -172,28 +144,54 @@ def render_toml(config: SidecarConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
-def sidecar_config_from(values: dict[str, Any], source: str) -> SidecarConfig:
-    problems = []
-    unknown = sorted(set(values) - set(_FIELDS))
-    if unknown:
-        problems.append(f"sidecar: unknown key(s) {unknown}; accepted: {', '.join(_FIELDS)}")
+def sidecar_config_from(settings: dict[str, Setting], problems: list[str] | None = None) -> SidecarConfig:
+    """The config from checked settings; ConfigError listing every problem, each naming the
+    value's origin (file and key, variable or flag) and what is accepted."""
+    problems = list(problems or [])
+    unknown: dict[str, list[str]] = {}
+    for name, setting in settings.items():
+        if name not in _FIELDS:
+            unknown.setdefault(setting.origin.rpartition(".")[0] or "sidecar", []).append(name)
+    for where, names in unknown.items():
+        problems.append(f"{where}: unknown key(s) {sorted(names)}{_suggestions(names)}; "
+                        f"accepted: {', '.join(_FIELDS)}")
     clean: dict[str, Any] = {}
-    for name, value in values.items():
+    for name, setting in settings.items():
         if name not in _FIELDS:
             continue
-        problem = _check(name, value)
-        if problem:
-            problems.append(f"sidecar.{name}: {problem}")
-        elif name == "role":
-            clean[name] = Role(value)
+        found = _problems(name, setting.value)
+        problems += [f"{setting.origin}{where}: {text}" for where, text in found]
+        if found:
+            continue
+        if name == "role":
+            clean[name] = Role(setting.value)
         else:
-            clean[name] = tuple(value) if isinstance(value, list) else value
-    if "role" not in clean and not any(p.startswith("sidecar.role") for p in problems):
-        problems.append("sidecar.role: required (prefill or decode)")
+            clean[name] = tuple(setting.value) if isinstance(setting.value, list) else setting.value
+    if "role" not in settings:
+        problems.append(f"sidecar.role: required (prefill or decode): --role, role in [sidecar], "
+                        f"or {ENV_PREFIX}ROLE")
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
-        raise ConfigError(f"{source}: invalid sidecar config: {len(problems)} problem(s)\n{lines}")
+        raise ConfigError(f"invalid sidecar config: {len(problems)} problem(s)\n{lines}")
     return SidecarConfig(**clean)
+
+
+def _suggestions(names: list[str]) -> str:
+    pairs = [(name, difflib.get_close_matches(name, list(_FIELDS), n=1, cutoff=0.7))
+             for name in sorted(names)]
+    meant = [f"{name} -> {close[0]}" for name, close in pairs if close]
+    return f" (did you mean {', '.join(meant)}?)" if meant else ""
+
+
+def _problems(name: str, value: Any) -> list[tuple[str, str]]:
+    """(where in the value, problem) pairs: ``[1]`` for the second address of a list."""
+    problem = _check(name, value)
+    if problem:
+        return [("", problem)]
+    if name == "prefill_bootstraps":
+        return [(f"[{i}]", item_problem) for i, item in enumerate(value)
+                if (item_problem := addresses.peer_address_problem(item))]
+    return []
 
 
 def _check(name: str, value: Any) -> str:
@@ -220,16 +218,24 @@ def _check(name: str, value: Any) -> str:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or \
                 (kind == "int" and not isinstance(value, int)):
             return f"expected {kind}, got {value!r}"
-        if value < 0 or (value == 0 and not name.endswith("_port") and not name.startswith("fault_")):
+        if name.endswith("_port"):
+            return addresses.port_problem(value)
+        if value < 0 or (value == 0 and not name.startswith("fault_")):
             return f"must be positive, got {value}"
-        if name.endswith("_port") and value > 65535:
-            return f"must be a port number (0-65535), got {value}"
         return ""
     if kind == "str" and not isinstance(value, str):
         return f"expected a string, got {value!r}"
     if kind.startswith("tuple") and (not isinstance(value, (list, tuple))
                                      or not all(isinstance(v, str) and v for v in value)):
         return f"expected a list of addresses, got {value!r}"
+    return _address_problem(name, value)
+
+
+def _address_problem(name: str, value: Any) -> str:
+    if name in addresses.HOST_FIELDS:
+        return addresses.host_problem(name, value)
+    if name == "bootstrap" and value:
+        return addresses.peer_address_problem(value)
     return ""
 
 
@@ -237,8 +243,12 @@ WORKER_SCHEMES = ("unix://", "ipc://", "tcp://")
 
 
 def _endpoint_problem(value: str) -> str:
+    if value.startswith("tcp://"):
+        return addresses.peer_address_problem(value)
     if not value.startswith(WORKER_SCHEMES):
-        return f"{value!r} is not a unix://PATH, ipc://PATH or tcp://HOST:PORT address"
+        hint = f": did you mean 'unix://{value}'?" if value.startswith("/") else \
+            " (e.g. unix:///run/pd-transfer/worker.sock)"
+        return f"{value!r} is not a unix://PATH, ipc://PATH or tcp://HOST:PORT address{hint}"
     try:
         unix_path(value)
     except ValueError as err:

@@ -42,8 +42,10 @@ def test_every_bad_field_is_reported_at_once_with_its_path_and_accepted_values(t
     assert "sidecar.transport: 'ib' is not one of ['auto', 'shm', 'tcp', 'mooncake', 'nixl']" \
         in text
     assert "sidecar.heartbeat_misses: must be positive, got 0" in text
-    assert "sidecar.control_port: expected int, got 'eighty'" in text
-    assert "unknown key(s) ['colour']" in text
+    # a bad value names where it came from: the file and key, or the variable
+    assert f"{path}: sidecar.heartbeat_misses: must be positive, got 0" in text
+    assert "  - PD_TRANSFER_CONTROL_PORT: expected int, got 'eighty'" in text
+    assert f"{path}: sidecar: unknown key(s) ['colour']" in text
 
 
 def test_an_engine_transport_without_its_package_names_the_pip_extra(monkeypatch):
@@ -89,7 +91,7 @@ def test_copy_threads_default_to_two_and_reach_the_shm_copy_engine():
 def test_mooncake_protocol_is_tcp_or_rdma():
     with pytest.raises(ConfigError) as err:
         load_sidecar_config(None, {"role": "decode"}, {"PD_TRANSFER_MOONCAKE_PROTOCOL": "ib"})
-    assert "sidecar.mooncake_protocol: 'ib' is not one of ['tcp', 'rdma']" in str(err.value)
+    assert "PD_TRANSFER_MOONCAKE_PROTOCOL: 'ib' is not one of ['tcp', 'rdma']" in str(err.value)
 
 
 def test_print_config_round_trips(tmp_path):

@@ -63,7 +63,7 @@ def test_require_auth_without_a_secret_is_a_config_error(tmp_path):
 
 def test_require_auth_reads_booleans_from_the_environment(tmp_path):
     assert _config(tmp_path, "", {"PD_TRANSFER_REQUIRE_AUTH": "true"}).require_auth is True
-    with pytest.raises(ConfigError, match="sidecar.require_auth: expected true or false, got 'maybe'"):
+    with pytest.raises(ConfigError, match="PD_TRANSFER_REQUIRE_AUTH: expected true or false, got 'maybe'"):
         _config(tmp_path, "", {"PD_TRANSFER_REQUIRE_AUTH": "maybe"})
 
 
