@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -37,6 +35,7 @@ from pd_transfer.agent.observe import Observer
 from pd_transfer.agent.prefill import PrefillSide
 from pd_transfer.agent.retry import Backoff
 from pd_transfer.agent.rooms import RoomTable, pool_requests
+from pd_transfer.agent.startup import ReadyFile, binding, prepare_worker_endpoint
 from pd_transfer.config import SidecarConfig
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import RankGeometry, Role, check_geometry
@@ -81,6 +80,7 @@ class Sidecar:
                                  keep_s=2 * interval * config.heartbeat_misses + 1.0)
         self._generations = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
+        self.ready_file = ReadyFile(config.ready_file)
 
     # -- lifecycle ---------------------------------------------------------------
     def request_stop(self, *, force: bool) -> None:
@@ -90,7 +90,9 @@ class Sidecar:
     async def run(self) -> None:
         from pd_transfer.agent.worker_endpoint import WorkerEndpoint
         endpoint = None
+        config = self.config
         try:   # a failed start (an address in use) still removes what was made: doorbells
+            prepare_worker_endpoint(config.worker_endpoint)
             endpoint = WorkerEndpoint(self.context, self.config.worker_endpoint, self.handle_worker,
                                       on_bad_request=self.observe.bad_frame,
                                       max_requests=self.config.max_worker_requests,
@@ -98,15 +100,17 @@ class Sidecar:
                                           "max_worker_requests"))
             self._spawn(endpoint.serve())
             if self.config.role is Role.PREFILL:
-                self.control = IncomingChannels(self.context, self.config.control_host,
-                                                self.config.control_port, Role.PREFILL,
-                                                on_bad_frame=self.observe.bad_frame,
-                                                on_refused=self._on_control_refused)
+                with binding("control_host", config.control_host, "control_port", config.control_port):
+                    self.control = IncomingChannels(self.context, config.control_host,
+                                                    config.control_port, Role.PREFILL,
+                                                    on_bad_frame=self.observe.bad_frame,
+                                                    on_refused=self._on_control_refused)
                 self._spawn(self.control.serve(self._on_control))
             self.http = HttpServer(self.config.http_host, self.config.http_port,
                                    metrics=self.observe.render, ready=self.observe.ready,
                                    status=self.observe.status)
-            await self.http.start()
+            with binding("http_host", config.http_host, "http_port", config.http_port):
+                await self.http.start()
             self._spawn(self._timers())
             self._write_ready_file()
             self.security.log_mode()
@@ -135,6 +139,7 @@ class Sidecar:
             if self.config.role is Role.DECODE:
                 self.side.close()
             self.context.destroy(linger=0)
+            self.ready_file.remove()
             log.info("sidecar %s stopped", self.config.agent_id)
 
     async def _drain(self) -> None:
@@ -154,15 +159,11 @@ class Sidecar:
         self._tasks.append(asyncio.create_task(coro))
 
     def _write_ready_file(self) -> None:
-        if not self.config.ready_file:
-            return
-        info = {"agent_id": self.config.agent_id, "worker_endpoint": self.config.worker_endpoint,
-                "control_address": self.control.address if self.control else "",
-                "data_address": self.dataplane.receive_address(),
-                "http_address": self.http.address if self.http else ""}
-        path = Path(self.config.ready_file)
-        path.with_suffix(".tmp").write_text(json.dumps(info))
-        path.with_suffix(".tmp").replace(path)
+        self.ready_file.write({
+            "agent_id": self.config.agent_id, "worker_endpoint": self.config.worker_endpoint,
+            "control_address": self.control.address if self.control else "",
+            "data_address": self.dataplane.receive_address(),
+            "http_address": self.http.address if self.http else ""})
 
     # -- worker API ----------------------------------------------------------------
     async def handle_worker(self, op: WorkerOp, request: dict[str, Any]) -> dict[str, Any]:

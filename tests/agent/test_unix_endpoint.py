@@ -205,7 +205,7 @@ def test_an_endpoint_path_too_long_for_a_unix_socket_is_a_config_error(capsys):
     endpoint = "unix:///tmp/" + "d" * 120 + "/w.sock"
     assert cli_main(["serve", "--role", "decode", "--worker-endpoint", endpoint]) == 2
     err = capsys.readouterr().err
-    assert "worker_endpoint" in err and "107" in err
+    assert "--worker-endpoint: " in err and "107" in err   # names the flag it came from
 
 
 # -- the client's connection -------------------------------------------------------------
