@@ -13,7 +13,7 @@ from deploy_files import KUBERNETES, PROMETHEUS
 
 from pd_transfer.config import SidecarConfig, load_sidecar_config
 
-SIDECAR_IMAGE = "ghcr.io/example/pd-transfer:0.1.0"
+SIDECAR_IMAGE = "pd-transfer:0.1.0"   # the Dockerfile's (test_dockerfile.py)
 CONFIG_PATH = "/etc/pd-transfer/sidecar.toml"
 
 

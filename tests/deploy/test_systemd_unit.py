@@ -2,6 +2,10 @@
 drains on SIGTERM, and its hardening keeps /dev/shm shared with the worker."""
 
 import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from deploy_files import SYSTEMD_UNIT
@@ -73,3 +77,39 @@ def test_hardening_keeps_dev_shm_shared(unit):
 def test_runtime_directory_is_per_instance(unit):
     # a shared RuntimeDirectory would be removed with the first instance that stops
     assert unit["Service"]["RuntimeDirectory"] == ["pd-transfer/%i"]
+
+
+def _documented_venv() -> str:
+    (venv,) = re.findall(r"^#\s+python3 -m venv (\S+) && \1/bin/pip install .* \.$",
+                         SYSTEMD_UNIT.read_text(), re.M)
+    return venv
+
+
+def test_exec_start_runs_what_the_documented_install_makes(unit):
+    (exec_start,) = unit["Service"]["ExecStart"]
+    assert exec_start.split()[0] == f"{_documented_venv()}/bin/pd-transfer"
+    # the user the unit runs as is the one the install creates
+    (user,) = unit["Service"]["User"]
+    assert re.search(rf"^#\s+useradd --system .*\b{user}$", SYSTEMD_UNIT.read_text(), re.M)
+
+
+def test_the_unit_names_no_placeholder_url():
+    assert "example" not in SYSTEMD_UNIT.read_text()
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+                    reason="systemd-analyze is not installed (Debian's systemd package)")
+def test_systemd_analyze_verify_passes(tmp_path):
+    # systemd-analyze checks that ExecStart's program exists: point it at this environment's
+    # pd-transfer (the README's install), everything else as shipped
+    program = Path(sys.executable).parent / "pd-transfer"
+    if not program.exists():
+        pytest.skip(f"{program} is not installed")
+    copy = tmp_path / SYSTEMD_UNIT.name
+    copy.write_text(SYSTEMD_UNIT.read_text().replace(f"{_documented_venv()}/bin/pd-transfer",
+                                                     str(program)))
+    result = subprocess.run(["systemd-analyze", "verify", str(copy)], capture_output=True,
+                            text=True, timeout=120)
+    # verify exits 0 on warnings too ("Unknown key ..., ignoring"): none may name the unit
+    said = [line for line in (result.stdout + result.stderr).splitlines() if "pd-transfer@" in line]
+    assert result.returncode == 0 and said == [], result.stdout + result.stderr
