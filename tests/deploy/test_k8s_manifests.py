@@ -85,7 +85,7 @@ def test_sidecar_config_loads_and_matches_the_pod(statefulsets, kustomization, r
     # kubelet probes and Prometheus reach the pod IP, not loopback
     assert config.http_host == "0.0.0.0"
     assert _ports(_sidecar(statefulset))["metrics"] == config.http_port == 9400
-    # the ipc socket lies in a volume both containers mount
+    # the worker socket (unix://) lies in a volume both containers mount
     socket_dir = urlsplit(config.worker_endpoint).path.rsplit("/", 1)[0]
     for container in _containers(statefulset).values():
         assert socket_dir in {m["mountPath"] for m in container["volumeMounts"]}, container["name"]
@@ -224,13 +224,20 @@ def test_kustomize_renders_with_generated_configmaps_wired_in():
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_sidecar_environment_holds_no_unknown_config_variables(statefulsets, role):
-    # PD_TRANSFER_* variables are config fields; Kubernetes service links would inject
-    # PD_TRANSFER_SERVICE_HOST and the like for a Service named pd-transfer (exit 2)
+def test_sidecar_environment_holds_no_unknown_config_variables(statefulsets, kustomization, role):
+    # PD_TRANSFER_* variables are settings, and any other is refused (exit 2). Service links
+    # could inject one (PD_TRANSFER_HTTP_PORT for a Service named pd-transfer-http): off.
     statefulset = statefulsets[role]
     assert _pod(statefulset)["enableServiceLinks"] is False
-    names = {e["name"] for e in _sidecar(statefulset).get("env", [])}
+    env = _sidecar(statefulset).get("env", [])
     fields = {f.name.upper() for f in dataclasses.fields(SidecarConfig)}
-    for name in names:
+    for name in {e["name"] for e in env}:
         if name.startswith("PD_TRANSFER_"):
             assert name.removeprefix("PD_TRANSFER_") in fields, name
+    # the start as the sidecar sees it: the ConfigMap's file, the literal variables, --role
+    volume = next(v for v in _pod(statefulset)["volumes"] if "configMap" in v)
+    generator = next(g for g in kustomization["configMapGenerator"]
+                     if g["name"] == volume["configMap"]["name"])
+    source = KUBERNETES / generator["files"][0].split("=")[1]
+    environ = {e["name"]: e["value"] for e in env if "value" in e}
+    assert load_sidecar_config(str(source), {"role": role}, environ, from_flags=True).role.value == role
