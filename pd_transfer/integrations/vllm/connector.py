@@ -1,0 +1,182 @@
+"""``PdTransferConnector``: vLLM's ``KVConnectorBase_V1`` (and ``SupportsHMA``) over pd-transfer.
+
+vLLM builds one instance with role SCHEDULER in its engine-core process and
+one with role WORKER in each worker process; they share only the
+:class:`PdTransferConnectorMetadata` vLLM passes each step. This module only
+translates between vLLM's objects and :mod:`.scheduler_side` /
+:mod:`.worker_side`, which hold the logic. The connector describes memory and
+the request lifecycle; matching TP sizes, MLA and layouts between prefill and
+decode is the sidecars' verdict, made before any traffic.
+
+``kv_connector_extra_config`` keys:
+
+    worker_endpoint    (workers, required) this rank's sidecar, e.g.
+                       "unix:///run/pd/decode-tp{tp_rank}.sock" ({tp_rank} is filled in)
+    bootstrap_addr     (prefill scheduler, required) the prefill instance's bootstrap
+                       address, returned to the router for decode
+    secret_file        the sidecar's shared secret, if it requires one
+    timeout_s          reply timeout of each sidecar call (default 10)
+    register_timeout_s how long registration waits for the sidecar (default 60)
+
+Imports vLLM: loaded only by ``kv_connector_module_path``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+from vllm.v1.request import RequestStatus
+
+from pd_transfer.client import Client
+from pd_transfer.errors import ConfigError
+from pd_transfer.integrations.vllm.memory import LayerSpec, describe_kv_caches
+from pd_transfer.integrations.vllm.scheduler_side import SchedulerSide
+from pd_transfer.integrations.vllm.specs import StepSpecs
+from pd_transfer.integrations.vllm.worker_side import WorkerSide
+from pd_transfer.layout.geometry import Role
+
+log = logging.getLogger(__name__)
+
+_ROLES = {"kv_producer": Role.PREFILL, "kv_consumer": Role.DECODE}
+
+
+@dataclass
+class PdTransferConnectorMetadata(KVConnectorMetadata):
+    """One step's sends, receives and aborts, from the scheduler to every worker."""
+
+    step: StepSpecs = field(default_factory=StepSpecs)
+
+
+class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
+    """See the module docstring."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = self._kv_transfer_config
+        self._extra = dict(config.kv_connector_extra_config or {})
+        self._pd_role = _ROLES.get(config.kv_role)
+        if self._pd_role is None:
+            raise ConfigError(f"kv_transfer_config.kv_role is {config.kv_role!r}; the pd-transfer connector "
+                              f"runs as 'kv_producer' (prefill) or 'kv_consumer' (decode)")
+        self._group, self._specs = _attention_group(kv_cache_config)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role is KVConnectorRole.SCHEDULER:
+            bootstrap = self._extra.get("bootstrap_addr", "")
+            if self._pd_role is Role.PREFILL and not (isinstance(bootstrap, str) and bootstrap.startswith("tcp://")):
+                raise ConfigError(f"kv_connector_extra_config.bootstrap_addr is {bootstrap!r}; a prefill "
+                                  f"instance needs its sidecars' bootstrap address 'tcp://host:port'")
+            block_size = kv_cache_config.kv_cache_groups[self._group].kv_cache_spec.block_size
+            self._scheduler = SchedulerSide(block_size=block_size, bootstrap_addr=bootstrap)
+
+    # -- scheduler side ---------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        block_ids = blocks.get_block_ids()[self._group] if num_external_tokens > 0 else []
+        self._scheduler.update_state_after_alloc(request, list(block_ids), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return PdTransferConnectorMetadata(self._scheduler.build_step())
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        capped = request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+        return self._scheduler.request_finished(request, list(block_ids), capped)
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
+        return self.request_finished(request, block_ids[self._group])
+
+    def update_connector_output(self, connector_output) -> None:
+        self._scheduler.update_connector_output(connector_output.finished_sending,
+                                                connector_output.finished_recving)
+
+    # -- worker side ------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        tp_size, tp_rank = _tp_position(self._vllm_config)
+        endpoint = self._extra.get("worker_endpoint")
+        if not isinstance(endpoint, str) or not endpoint:
+            raise ConfigError("kv_connector_extra_config.worker_endpoint is missing: give each rank's "
+                              "sidecar, e.g. 'unix:///run/pd/decode-tp{tp_rank}.sock'")
+        endpoint = endpoint.replace("{tp_rank}", str(tp_rank))
+        memory = describe_kv_caches(
+            {name: t for name, t in kv_caches.items() if name in self._specs}, self._specs,
+            role=self._pd_role, tp_size=tp_size, tp_rank=tp_rank,
+            total_kv_heads=self._vllm_config.model_config.get_total_num_kv_heads(),
+            model=str(self._vllm_config.model_config.model))
+        worker_id = f"vllm-{self._pd_role.value}-tp{tp_rank}"
+        client = Client(endpoint, worker_id, timeout_s=float(self._extra.get("timeout_s", 10.0)),
+                        secret_file=str(self._extra.get("secret_file", "")))
+        self._worker = WorkerSide(client)
+        self._worker.register(memory, f"{worker_id}-{os.getpid()}",
+                              timeout_s=float(self._extra.get("register_timeout_s", 60.0)))
+        log.info("pd-transfer connector: %s registered %d layers in %d regions with %s",
+                 memory.geometry.rank_id, len(memory.layers), len(memory.storages), endpoint)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        if self._worker is not None and self.has_connector_metadata():
+            self._worker.start_step(self._get_connector_metadata().step)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are asynchronous: a request runs only after its whole KV arrived."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        """Sends start once the request finished (its blocks held): nothing per layer."""
+
+    def wait_for_save(self) -> None:
+        """Sends are asynchronous; the blocks stay held until ``get_finished`` reports them."""
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        results = self._worker.finished(finished_req_ids)
+        return KVConnectorTransferResults(results.finished_sending, results.finished_recving,
+                                          results.failed_recving)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+
+def _attention_group(kv_cache_config) -> tuple[int, dict[str, LayerSpec]]:
+    """The full-attention (or MLA) KV-cache group and its layers; other groups are refused."""
+    groups = kv_cache_config.kv_cache_groups
+    unsupported = [f"group {i} ({type(g.kv_cache_spec).__name__}: {', '.join(g.layer_names[:3])})"
+                   for i, g in enumerate(groups) if not isinstance(g.kv_cache_spec, FullAttentionSpec)]
+    if unsupported or len(groups) != 1:
+        raise ConfigError("the pd-transfer vLLM connector moves one full-attention or MLA KV-cache "
+                          f"group; this model has {len(groups)} groups"
+                          + (f", unsupported: {'; '.join(unsupported)}" if unsupported else "")
+                          + " (sliding-window and Mamba/GDN state are not supported yet)")
+    spec = groups[0].kv_cache_spec
+    layer = LayerSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
+                      head_size=spec.head_size, mla=isinstance(spec, MLAAttentionSpec))
+    return 0, {name: layer for name in groups[0].layer_names}
+
+
+def _tp_position(vllm_config) -> tuple[int, int]:
+    """(tp_size, tp_rank) of this worker process."""
+    from vllm.distributed import parallel_state
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    if parallel_state.model_parallel_is_initialized():
+        return tp_size, parallel_state.get_tensor_model_parallel_rank()
+    return tp_size, vllm_config.parallel_config.rank % tp_size

@@ -1,0 +1,117 @@
+"""The connector's scheduler side: which requests load or send KV, and when their blocks are free.
+
+Prefill (``do_remote_decode``): when a request finishes capped at its one
+token, :meth:`SchedulerSide.request_finished` keeps its blocks (delay free),
+queues a :class:`SendSpec` for the workers and returns the parameters decode
+needs (room id, prefill's bootstrap address, page count). The blocks return
+to vLLM when every worker reports the room finished (sent or failed).
+
+Decode (``do_remote_prefill``): :meth:`get_num_new_matched_tokens` claims the
+prompt as loadable asynchronously; :meth:`update_state_after_alloc` turns the
+allocated blocks into a :class:`RecvSpec`; vLLM parks the request in
+``WAITING_FOR_REMOTE_KVS`` until the workers report the load finished, or
+failed (the blocks then come back through ``get_block_ids_with_load_errors``
+and vLLM's ``kv_load_failure_policy`` decides). A request aborted while its
+KV is arriving keeps its blocks until the workers report the room drained.
+
+Pages sent = the blocks holding the prompt's first ``prompt_len - 1`` tokens:
+vLLM's decode loads all but the last prompt token and computes that one
+itself (a 49-token prompt in 16-token blocks: 48 tokens, 3 pages).
+
+Works on duck-typed vLLM requests (``request_id``, ``prompt_token_ids``,
+``kv_transfer_params``); no vLLM import.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pd_transfer.integrations.vllm import params as kvparams
+from pd_transfer.integrations.vllm.specs import AbortSpec, RecvSpec, SendSpec, StepSpecs
+
+log = logging.getLogger(__name__)
+
+
+def pages_to_send(num_prompt_tokens: int, block_size: int) -> int:
+    """Blocks holding the first ``num_prompt_tokens - 1`` tokens (what decode loads)."""
+    return -(-max(num_prompt_tokens - 1, 0) // block_size)
+
+
+class SchedulerSide:
+    """Per-request transfer state of one vLLM instance's scheduler. See the module docstring."""
+
+    def __init__(self, *, block_size: int, bootstrap_addr: str) -> None:
+        self.block_size = block_size
+        self.bootstrap_addr = bootstrap_addr
+        self._local_tokens: dict[str, int] = {}   # decode: prefix-cache hit at the last lookup
+        self._step = StepSpecs()
+        self._loading: dict[str, int] = {}        # decode: req id -> room, with the workers
+        self._sending: dict[str, int] = {}        # prefill: req id -> room, blocks held
+
+    # -- decode --------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        if not kvparams.wants_remote_prefill(request.kv_transfer_params):
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        self._local_tokens[request.request_id] = num_computed_tokens
+        return count, True
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int],
+                                 num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if num_external_tokens <= 0 or not kvparams.wants_remote_prefill(params):
+            return
+        req_id = request.request_id
+        local_tokens = self._local_tokens.pop(req_id, 0)
+        parsed = kvparams.parse_remote_prefill(params)
+        error = parsed if isinstance(parsed, str) else ""
+        room = 0 if error else parsed.room
+        if not error and parsed.num_pages is not None and parsed.num_pages != len(block_ids):
+            error = (f"prefill sent {parsed.num_pages} pages for room {room}, decode allocated "
+                     f"{len(block_ids)} blocks of {self.block_size} tokens for the same prompt; "
+                     f"both instances need the same block size")
+        # loaded once: a preempted request recomputes instead of loading again
+        params["do_remote_prefill"] = False
+        spec = RecvSpec(req_id, room, "" if error else parsed.bootstrap_addr, tuple(block_ids),
+                        local_tokens // self.block_size, error)
+        if error:
+            log.error("request %s cannot load its KV: %s", req_id, error)
+        self._step.recvs.append(spec)
+        self._loading[req_id] = room
+
+    # -- both ------------------------------------------------------------------------
+    def build_step(self) -> StepSpecs:
+        step, self._step = self._step, StepSpecs()
+        return step
+
+    def request_finished(self, request: Any, block_ids: list[int],
+                         length_capped: bool) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        self._local_tokens.pop(req_id, None)
+        if req_id in self._loading:
+            # decode: a write may still land in these blocks until the room is drained
+            self._step.aborts.append(AbortSpec(req_id, self._loading[req_id]))
+            return True, None
+        params = request.kv_transfer_params
+        if not kvparams.wants_remote_decode(params) or not length_capped:
+            return False, None
+        num_pages = pages_to_send(len(request.prompt_token_ids or ()), self.block_size)
+        if num_pages == 0 or len(block_ids) < num_pages:
+            return False, None
+        room = kvparams.room_for(req_id, params)
+        self._step.sends.append(SendSpec(req_id, room, tuple(block_ids[:num_pages])))
+        self._sending[req_id] = room
+        return True, kvparams.decode_params(room, self.bootstrap_addr, num_pages)
+
+    def update_connector_output(self, finished_sending, finished_recving) -> None:
+        for req_id in finished_sending or ():
+            self._sending.pop(req_id, None)
+        for req_id in finished_recving or ():
+            self._loading.pop(req_id, None)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._loading) + len(self._sending)

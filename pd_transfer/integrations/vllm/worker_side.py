@@ -1,0 +1,174 @@
+"""The connector's worker side: register the KV cache, send and expect rooms, report what finished.
+
+One instance per vLLM worker process (one TP rank), talking to that rank's
+sidecar through the blocking :class:`~pd_transfer.client.Client`. Each step
+vLLM calls, in order: :meth:`WorkerSide.start_step` (the scheduler's
+:class:`StepSpecs`), then :meth:`finished` and :meth:`load_errors`.
+
+- prefill: a :class:`SendSpec` stages the request's blocks (CPU) and calls
+  ``send``; the request is reported in ``finished_sending`` once the room is
+  terminal (sent, or failed: the reason is logged) and vLLM has told this
+  worker the request finished;
+- decode: a :class:`RecvSpec` calls ``expect``; on Success the pages are
+  unstaged into vLLM's blocks and the request reported in
+  ``finished_recving``. A failed or refused room is reported finished AND its
+  blocks returned by :meth:`load_errors` in the same pass, so vLLM never
+  decodes from KV that did not arrive;
+- an :class:`AbortSpec` aborts the room; the request is reported finished
+  (its blocks freed) only once the sidecar answers drained or the room is
+  terminal, so no late write lands in a reused block.
+
+Imports torch, the client and this package's pure modules; never vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from pd_transfer.client import Client, ClientError
+from pd_transfer.client.status import RoomState
+from pd_transfer.integrations.vllm.memory import KvMemory
+from pd_transfer.integrations.vllm.specs import RecvSpec, SendSpec, StepSpecs
+from pd_transfer.integrations.vllm.staging import DirectPages, StagedPages
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TransferResults:
+    finished_sending: set[str]
+    finished_recving: set[str]
+    failed_recving: set[str]
+
+
+class WorkerSide:
+    """See the module docstring. ``client`` is this rank's connection to its sidecar."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.pages: StagedPages | DirectPages | None = None
+        self._sending: dict[str, SendSpec] = {}
+        self._receiving: dict[str, RecvSpec] = {}
+        self._draining: dict[str, int] = {}      # aborted req id -> room
+        self._finished_reqs: set[str] = set()    # vLLM's finished_req_ids, seen so far
+        self._load_errors: set[int] = set()
+        self._failed_now: set[str] = set()       # failed receives not yet reported
+        self.failures: dict[str, str] = {}       # req id -> why its transfer failed (kept for logs)
+
+    def register(self, memory: KvMemory, owner_id: str, *, timeout_s: float | None = None) -> None:
+        on_gpu = next(iter(memory.storages.values())).is_cuda
+        self.pages = DirectPages(memory) if on_gpu else StagedPages(memory, owner_id)
+        self.client.register(memory.geometry, self.pages.handles, timeout_s=timeout_s)
+
+    # -- per step ------------------------------------------------------------------
+    def start_step(self, step: StepSpecs) -> None:
+        for spec in step.sends:
+            self._send(spec)
+        for spec in step.recvs:
+            self._expect(spec)
+        for spec in step.aborts:
+            self._abort(spec.req_id, spec.room)
+
+    def finished(self, finished_req_ids: set[str]) -> TransferResults:
+        """What finished since the last call (see the module docstring)."""
+        self._finished_reqs |= set(finished_req_ids)
+        sending = {req_id for req_id, spec in self._sending.items()
+                   if req_id in self._finished_reqs and self._terminal(req_id, spec.room)}
+        for req_id in sending:
+            del self._sending[req_id]
+            self._finished_reqs.discard(req_id)
+        recving, failed = set(), self._failed_now
+        self._failed_now = set()
+        for req_id, spec in list(self._receiving.items()):
+            state = self._poll(req_id, spec.room)
+            if state is not None and not state.is_terminal:
+                continue
+            del self._receiving[req_id]
+            if state is not None and state.succeeded:
+                self.pages.unstage(spec.block_ids[spec.num_local_blocks:])
+            else:   # failed, or the sidecar could not say: never decode from these blocks
+                self._fail(spec, f"room {spec.room}: {self.failures.get(req_id, 'no status')}")
+                failed.add(req_id)
+            recving.add(req_id)
+        for req_id, room in list(self._draining.items()):
+            if self._terminal(req_id, room):
+                del self._draining[req_id]
+                recving.add(req_id)
+        recving |= failed
+        return TransferResults(sending, recving, failed)
+
+    def load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        if self.pages is not None:
+            self.pages.close()
+        self.client.close()
+
+    # -- plumbing ------------------------------------------------------------------
+    def _send(self, spec: SendSpec) -> None:
+        self._sending[spec.req_id] = spec
+        try:
+            self.pages.stage(spec.block_ids)
+            self.client.send(spec.room, list(spec.block_ids), last_chunk=True)
+        except ClientError as err:
+            self.failures[spec.req_id] = str(err)
+            log.error("request %s: send of room %d failed, its blocks are released: %s",
+                      spec.req_id, spec.room, err)
+
+    def _expect(self, spec: RecvSpec) -> None:
+        if spec.error:
+            self._fail(spec, spec.error)
+            self._failed_now.add(spec.req_id)
+            return
+        try:
+            self.client.expect(spec.room, spec.bootstrap_addr, list(spec.block_ids))
+        except ClientError as err:
+            self._fail(spec, f"room {spec.room}: expect refused: {err}")
+            self._failed_now.add(spec.req_id)
+            return
+        self._receiving[spec.req_id] = spec
+
+    def _abort(self, req_id: str, room: int) -> None:
+        spec = self._receiving.pop(req_id, None)
+        if spec is None:
+            return   # finished (or failed) before the abort arrived: already reported
+        try:
+            drained = self.client.abort(room)
+        except ClientError as err:
+            log.warning("request %s: abort of room %d failed (%s); waiting for the room to end",
+                        req_id, room, err)
+            drained = False
+        if drained:
+            self._failed_now.discard(req_id)
+            self._draining[req_id] = -1   # reported at the next pass
+        else:
+            self._draining[req_id] = room
+
+    def _fail(self, spec: RecvSpec, reason: str) -> None:
+        self.failures[spec.req_id] = reason
+        self._load_errors |= set(spec.block_ids)
+        log.error("request %s: KV load failed, %d blocks reported to vLLM: %s",
+                  spec.req_id, len(spec.block_ids), reason)
+
+    def _terminal(self, req_id: str, room: int) -> bool:
+        if room < 0:
+            return True
+        if req_id in self.failures and req_id in self._sending:
+            return True   # the send itself was refused: nothing in flight
+        state = self._poll(req_id, room)
+        return state is None or state.is_terminal
+
+    def _poll(self, req_id: str, room: int) -> RoomState | None:
+        """The room's state, or None when the sidecar cannot tell (logged; treated as ended)."""
+        try:
+            state = self.client.poll(room)
+        except ClientError as err:
+            self.failures[req_id] = str(err)
+            log.error("request %s: poll of room %d failed: %s", req_id, room, err)
+            return None
+        if state.failed:
+            self.failures.setdefault(req_id, state.describe())
+        return state
