@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not installed here: run tests/integrations/vllm with the "
-                                   "python printed by .ci/engine-venv-vllm")
+# a specific module: the directory tests/integrations/vllm/ itself imports as a namespace "vllm"
+pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base",
+                    reason="vLLM is not installed here: run tests/integrations/vllm with the "
+                           "python printed by .ci/engine-venv-vllm")
 
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402

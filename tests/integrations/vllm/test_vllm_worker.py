@@ -15,8 +15,10 @@ import time
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not installed here: run tests/integrations/vllm with the "
-                                   "python printed by .ci/engine-venv-vllm")
+# a specific module: the directory tests/integrations/vllm/ itself imports as a namespace "vllm"
+pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base",
+                    reason="vLLM is not installed here: run tests/integrations/vllm with the "
+                           "python printed by .ci/engine-venv-vllm")
 
 import torch  # noqa: E402
 from cluster import Sidecar  # noqa: E402
@@ -218,7 +220,7 @@ def test_mla_latent_moves_byte_exact_from_tp4_to_tp2(instances):
 
 def test_a_room_nobody_sends_is_reported_finished_failed_with_its_blocks(instances):
     bootstrap = _bootstrap()
-    prefill = instances("kv_producer", 1, bootstrap)
+    instances("kv_producer", 1, bootstrap)   # a prefill that never sends the room
     decode = instances("kv_consumer", 1, bootstrap, config={"waiting_timeout_s": 2.0})
     connector = decode.connectors[0]
     before = {n: t.clone() for n, t in decode.caches[0].items()}
