@@ -43,3 +43,18 @@ def workdir():
     path = Path(tempfile.mkdtemp(prefix="pdt-"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def instances(workdir, model_dir):
+    """``make(kv_role, tp_size, bootstrap, ...)``: a vLLM instance's worker connectors on real sidecars."""
+    import vllm_instances  # imports vLLM: only once a test asks for it
+    made = []
+
+    def make(role, tp_size, bootstrap, **kwargs):
+        made.append(vllm_instances.Instance(workdir, model_dir, role, tp_size, bootstrap, **kwargs))
+        return made[-1]
+
+    yield make
+    for instance in made:
+        instance.close()
