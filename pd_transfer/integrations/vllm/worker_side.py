@@ -169,6 +169,9 @@ class WorkerSide:
             self.failures[req_id] = str(err)
             log.error("request %s: poll of room %d failed: %s", req_id, room, err)
             return None
-        if state.failed:
-            self.failures.setdefault(req_id, state.describe())
+        if state.failed and req_id not in self.failures:
+            self.failures[req_id] = state.describe()
+            if req_id in self._sending:   # a failed receive is logged by _fail
+                log.error("request %s: room %d failed, its blocks are released: %s",
+                          req_id, room, state.describe())
         return state
