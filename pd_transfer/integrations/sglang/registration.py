@@ -1,0 +1,257 @@
+"""SGLang's ``kv_args`` and pool tensors as one pd-transfer rank registration.
+
+SGLang describes its memory to a transfer backend as raw pointers with byte
+lengths (``kv_args``): per KV buffer a pointer, its length and the bytes of
+one page; per state tensor the same plus the sharded extent and, for GDN, the
+conv groups. That is not enough to move bytes into a differently shaped pool:
+head_dim, the state shapes and dtypes, Mamba2's conv groups and the TP size
+are missing. :func:`describe_rank` takes them from the pool tensors
+themselves (located from each pointer, see :mod:`.memory`) and from
+:class:`EngineFacts` (SGLang's model config and server args), and
+cross-checks every view against SGLang's own item lengths: a disagreement is
+a :class:`~pd_transfer.errors.GeometryError` naming the buffer and both
+values, never a guess.
+
+Pure translation: no sockets, no sidecar.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pd_transfer.errors import GeometryError, Reason
+from pd_transfer.layout.geometry import RankGeometry, Region, Role
+from pd_transfer.layout.views import Axis, AxisRole, Layout, Pool, ShardSpec, TensorView
+from pd_transfer.integrations.sglang.memory import EngineMemory, PoolTensor
+
+_DTYPE_NAMES = {"uint64": "int64", "bool": "uint8"}   # same bytes; the planner only moves bytes
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What ``kv_args`` lacks, from SGLang's model config and server args.
+
+    ``mamba2_conv_groups`` is the full (unsharded) split of a Mamba2 conv
+    state's channels, ``(d_inner, n_groups*state, n_groups*state)``: SGLang
+    leaves it undeclared for Mamba2 models (NemotronH, FalconH1, Granite
+    hybrids), whose conv channels are nonetheless three independently
+    sharded groups.
+    """
+
+    attn_tp_size: int
+    pp_size: int = 1
+    start_layer: int = 0
+    total_kv_heads: int | None = None          # None for MLA
+    mamba2_conv_groups: tuple[int, ...] | None = None
+    model: str = ""
+
+
+def describe_rank(kv_args: Any, memory: EngineMemory, facts: EngineFacts, role: Role) -> RankGeometry:
+    """One rank's :class:`RankGeometry` from SGLang's ``kv_args`` (see the module docstring)."""
+    tp_size = facts.attn_tp_size
+    tp_rank = kv_args.engine_rank % tp_size
+    page_size = int(kv_args.page_size)
+    views: list[TensorView] = []
+    views += _kv_views(kv_args, memory, facts, page_size, tp_rank)
+    views += _state_views(kv_args, memory, facts, tp_rank)
+    views += _aux_views(kv_args, memory)
+    used = {v.region for v in views}
+    sizes = {e.region: e.nbytes for e in memory.tensors if e.region in used}
+    regions = tuple(Region(region, nbytes) for region, nbytes in sizes.items())
+    return RankGeometry(role=role, tp_size=tp_size, tp_rank=tp_rank, page_size=page_size,
+                        views=tuple(views), regions=regions, pp_rank=int(kv_args.pp_rank),
+                        model=facts.model)
+
+
+def _kv_views(kv_args: Any, memory: EngineMemory, facts: EngineFacts, page_size: int,
+              tp_rank: int) -> list[TensorView]:
+    num_entries = len(kv_args.kv_data_ptrs) - int(getattr(kv_args, "num_draft_entries", 0) or 0)
+    layer_ids = list(kv_args.kv_layer_ids or [])
+    views = []
+    for i in range(num_entries):
+        what = f"kv_args.kv_data_ptrs[{i}]"
+        entry, offset = memory.locate(kv_args.kv_data_ptrs[i], kv_args.kv_data_lens[i], what)
+        if entry.kind not in ("k", "v", "kv"):
+            raise GeometryError(f"{what} points into {entry.region}, not a KV buffer", code=Reason.BAD_VIEW)
+        layer_id = layer_ids[i] if layer_ids else facts.start_layer + entry.index
+        views.append(_kv_view(entry, offset, layer_id, Pool.KV, page_size, tp_rank, facts,
+                              kv_args.kv_item_lens[i], getattr(kv_args, "kv_head_num", None)))
+    return views
+
+
+def _kv_view(entry: PoolTensor, offset: int, layer_id: int, pool: Pool, page_size: int, tp_rank: int,
+             facts: EngineFacts, item_nbytes: int, local_heads: int | None) -> TensorView:
+    tensor = entry.tensor
+    name = entry.kind.removeprefix("swa_")
+    path = f"{pool.value}.layer[{layer_id}].{'latent' if name == 'kv' else name}"
+    if tensor.dim() != 3:
+        raise GeometryError(f"{path}: expected a (tokens, heads, dim) pool tensor, got shape "
+                            f"{tuple(tensor.shape)}", code=Reason.BAD_VIEW)
+    rows, heads, dim = tensor.shape
+    dtype = _dtype(tensor)
+    isz = tensor.element_size()
+    _check_item(path, "kv_item_lens", item_nbytes, page_size * heads * dim * isz)
+    if rows % page_size:
+        raise GeometryError(f"{path}: {rows} token rows are not whole pages of {page_size}",
+                            code=Reason.BAD_VIEW)
+    row_stride, head_stride, elem_stride = (s * isz for s in tensor.stride())
+    page_axis, token_axis = Axis("page", AxisRole.INDEX), Axis("token", AxisRole.TOKEN)
+    if name == "kv":                                         # MLA latent: one replicated "head"
+        return TensorView(pool=pool, layer_id=layer_id, name="latent", region=entry.region,
+                          offset_nbytes=offset, dtype=dtype, shape=(rows // page_size, page_size, dim),
+                          strides_nbytes=(row_stride * page_size, row_stride, elem_stride),
+                          axes=(page_axis, token_axis, Axis("latent_dim", AxisRole.INNER)),
+                          shard=None, layout=Layout.NHD)
+    if local_heads is not None and local_heads and local_heads != heads:
+        raise GeometryError(f"{path}: kv_args.kv_head_num is {local_heads} but the pool tensor holds "
+                            f"{heads} heads", code=Reason.BAD_VIEW)
+    if facts.total_kv_heads is None:
+        raise GeometryError(f"{path}: the model's total KV head count is not known",
+                            code=Reason.BAD_VIEW, hint="pass total_kv_heads from SGLang's model config")
+    shard = ShardSpec.for_rank(facts.total_kv_heads, facts.attn_tp_size, tp_rank)
+    if shard.local_extent != heads:
+        raise GeometryError(
+            f"{path}: {facts.total_kv_heads} KV heads over attn_tp_size {facts.attn_tp_size} give rank "
+            f"{tp_rank} {shard.local_extent} heads, but its pool tensor holds {heads}", code=Reason.BAD_VIEW)
+    return TensorView(pool=pool, layer_id=layer_id, name=name, region=entry.region, offset_nbytes=offset,
+                      dtype=dtype, shape=(rows // page_size, page_size, heads, dim),
+                      strides_nbytes=(row_stride * page_size, row_stride, head_stride, elem_stride),
+                      axes=(page_axis, token_axis, Axis("head", AxisRole.SHARD),
+                            Axis("head_dim", AxisRole.INNER)),
+                      shard=shard, layout=Layout.NHD)
+
+
+def _state_views(kv_args: Any, memory: EngineMemory, facts: EngineFacts, tp_rank: int) -> list[TensorView]:
+    views = []
+    for c, state_type in enumerate(getattr(kv_args, "state_types", None) or []):
+        kind = getattr(state_type, "value", state_type)
+        if kind == "mamba":
+            views += _mamba_views(kv_args, c, memory, facts, tp_rank)
+        elif kind == "swa":
+            views += _swa_views(kv_args, c, memory, facts, tp_rank)
+        else:
+            raise GeometryError(f"kv_args.state_types[{c}]: state component {kind!r} is not supported by "
+                                f"pd-transfer's SGLang backend", code=Reason.LAYOUT_UNSUPPORTED,
+                                hint="use SGLang's mooncake or nixl backend for this model")
+    return views
+
+
+def _swa_views(kv_args: Any, c: int, memory: EngineMemory, facts: EngineFacts,
+               tp_rank: int) -> list[TensorView]:
+    views = []
+    layer_ids = kv_args.state_layer_ids[c] if kv_args.state_layer_ids else []
+    for j, ptr in enumerate(kv_args.state_data_ptrs[c]):
+        what = f"kv_args.state_data_ptrs[{c}][{j}]"
+        entry, offset = memory.locate(ptr, kv_args.state_data_lens[c][j], what)
+        if entry.kind not in ("swa_k", "swa_v"):
+            raise GeometryError(f"{what} points into {entry.region}, not an SWA buffer", code=Reason.BAD_VIEW)
+        layer_id = layer_ids[j] if layer_ids else entry.index
+        views.append(_kv_view(entry, offset, layer_id, Pool.SWA, int(kv_args.page_size), tp_rank, facts,
+                              kv_args.state_item_lens[c][j], None))
+    return views
+
+
+def _mamba_views(kv_args: Any, c: int, memory: EngineMemory, facts: EngineFacts,
+                 tp_rank: int) -> list[TensorView]:
+    views = []
+    convs = sum(1 for e in memory.tensors if e.kind == "conv")
+    for j, ptr in enumerate(kv_args.state_data_ptrs[c]):
+        what = f"kv_args.state_data_ptrs[{c}][{j}]"
+        item_nbytes = kv_args.state_item_lens[c][j]
+        entry, offset = memory.locate(ptr, item_nbytes, what)
+        if entry.kind not in ("conv", "temporal"):
+            raise GeometryError(f"{what} points into {entry.region}, not a Mamba state", code=Reason.BAD_VIEW)
+        layer_id = kv_args.state_layer_ids[c][j]
+        name = entry.kind if entry.kind == "temporal" or convs == 1 else f"conv{entry.index}"
+        path = f"mamba.layer[{layer_id}].{name}"
+        tensor = entry.tensor
+        slot_shape = tuple(tensor.shape[2:])
+        isz = tensor.element_size()
+        _check_item(path, "state_item_lens", item_nbytes, math.prod(slot_shape) * isz)
+        dim = _entry(kv_args, "state_dim_per_tensor", c, j, 0)
+        outer = _entry(kv_args, "state_slice_outer_counts", c, j, 1)
+        groups = _entry(kv_args, "state_conv_shard_groups", c, j, None)
+        if groups is None and entry.kind == "conv":
+            groups = facts.mamba2_conv_groups
+        axes, shard = _state_axes(path, entry.kind, slot_shape, dim, outer, groups, facts, tp_rank)
+        views.append(TensorView(
+            pool=Pool.MAMBA, layer_id=layer_id, name=name, region=entry.region, offset_nbytes=offset,
+            dtype=_dtype(tensor), shape=(tensor.shape[1],) + slot_shape,
+            strides_nbytes=tuple(s * isz for s in tensor.stride()[1:]),
+            axes=(Axis("slot", AxisRole.INDEX),) + axes, shard=shard, layout=Layout.SLOT))
+    return views
+
+
+def _state_axes(path: str, kind: str, slot_shape: tuple[int, ...], dim: int, outer: int,
+                groups: Sequence[int] | None, facts: EngineFacts,
+                tp_rank: int) -> tuple[tuple[Axis, ...], ShardSpec | None]:
+    """Axes of one slot (slot axis excluded) and the shard of its sliced axis.
+
+    The sliced axis follows ``outer`` rows (1 normally; K-1 taps in front
+    for a Kimi conv state): ``prod(slot_shape[:axis]) == outer``.
+    """
+    if not dim:                                             # replicated across attention TP
+        return tuple(Axis(f"d{i}", AxisRole.INNER) for i in range(len(slot_shape))), None
+    axis = 0
+    while axis < len(slot_shape) and math.prod(slot_shape[:axis]) < outer:
+        axis += 1
+    if axis >= len(slot_shape) or math.prod(slot_shape[:axis]) != outer or slot_shape[axis] != dim:
+        raise GeometryError(f"{path}: SGLang says {outer} outer rows and a sliced extent of {dim}, "
+                            f"which does not fit the slot shape {list(slot_shape)}", code=Reason.BAD_VIEW)
+    names = {"conv": "channel", "temporal": "head"}
+    axes = tuple(Axis("tap" if i < axis else f"d{i}", AxisRole.OUTER if i < axis else AxisRole.INNER)
+                 if i != axis else Axis(names.get(kind, "channel"), AxisRole.SHARD)
+                 for i in range(len(slot_shape)))
+    if axis == 0 and kind == "conv" and len(slot_shape) == 2:
+        axes = (Axis("channel", AxisRole.SHARD), Axis("tap", AxisRole.INNER))
+    tp = facts.attn_tp_size
+    if groups:
+        shard = ShardSpec.for_rank(sum(groups), tp, tp_rank, tuple(int(g) for g in groups))
+    else:
+        shard = ShardSpec.for_rank(dim * tp, tp, tp_rank)
+    if shard.local_extent != dim:
+        raise GeometryError(f"{path}: groups {list(groups or [])} over attn_tp_size {tp} give "
+                            f"{shard.local_extent} channels on rank {tp_rank}, SGLang holds {dim}",
+                            code=Reason.BAD_VIEW)
+    return axes, shard
+
+
+def _aux_views(kv_args: Any, memory: EngineMemory) -> list[TensorView]:
+    views = []
+    for j, ptr in enumerate(kv_args.aux_data_ptrs):
+        what = f"kv_args.aux_data_ptrs[{j}]"
+        entry, offset = memory.locate(ptr, kv_args.aux_data_lens[j], what)
+        tensor = entry.tensor
+        name = entry.region.removeprefix("aux.")
+        row_nbytes = math.prod(tensor.shape[1:]) * tensor.element_size()
+        _check_item(f"aux.{name}", "aux_item_lens", kv_args.aux_item_lens[j], row_nbytes)
+        isz = tensor.element_size()
+        flat = row_nbytes // isz
+        views.append(TensorView(
+            pool=Pool.AUX, layer_id=None, name=name, region=entry.region, offset_nbytes=offset,
+            dtype=_dtype(tensor), shape=(tensor.shape[0], flat),
+            strides_nbytes=(tensor.stride()[0] * isz, isz),
+            axes=(Axis("row", AxisRole.INDEX), Axis("elem", AxisRole.INNER)), shard=None, layout=Layout.ROW))
+    return views
+
+
+def _entry(kv_args: Any, field: str, c: int, j: int, default: Any) -> Any:
+    table = getattr(kv_args, field, None) or []
+    if c >= len(table) or j >= len(table[c] or []):
+        return default
+    value = table[c][j]
+    return default if value is None else value
+
+
+def _check_item(path: str, field: str, sglang_nbytes: int, view_nbytes: int) -> None:
+    if int(sglang_nbytes) != view_nbytes:
+        raise GeometryError(f"{path}: SGLang's {field} says {sglang_nbytes} bytes per item, the pool "
+                            f"tensor gives {view_nbytes}", code=Reason.BAD_VIEW)
+
+
+def _dtype(tensor: Any) -> str:
+    name = str(tensor.dtype).removeprefix("torch.")
+    return _DTYPE_NAMES.get(name, name)

@@ -1,0 +1,104 @@
+"""Llama-style GQA KV through SGLang's interface and real sidecars, across TP sizes.
+
+Prefill and decode are SGLang ``MHATokenToKVPool`` pools on CPU (moved into
+shared memory by the backend), ``kv_args`` come from SGLang's own fill-in
+helpers, and every request runs through ``PdTransferKVSender`` /
+``PdTransferKVReceiver`` as SGLang's scheduler calls them. The oracle is the
+logical KV of the request, ``[layer, token, global head, dim]``: each rank
+holds the heads its TP position gives it, and after the room every
+destination page must hold exactly the logical bytes of its tokens and heads,
+every other page still zero.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from deployment import Deployment, run_room
+from engine import build_rank
+
+from pd_transfer.integrations.sglang.registration import EngineFacts
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+NUM_LAYERS, TOTAL_KV_HEADS, HEAD_DIM, PAGE_SIZE = 3, 8, 16, 4
+POOL_TOKENS = 64
+
+
+def mha_pool(tp_size: int) -> MHATokenToKVPool:
+    return MHATokenToKVPool(size=POOL_TOKENS, page_size=PAGE_SIZE, dtype=torch.bfloat16,
+                            head_num=TOTAL_KV_HEADS // tp_size, head_dim=HEAD_DIM, layer_num=NUM_LAYERS,
+                            device="cpu", enable_memory_saver=False)
+
+
+def ranks(role: str, tp_size: int, deployment: Deployment, monkeypatch, tag: str):
+    out = []
+    for tp_rank in range(tp_size):
+        monkeypatch.setenv("PD_TRANSFER_SGLANG_WORKER_ENDPOINT", deployment.endpoint(role, tp_rank))
+        facts = EngineFacts(attn_tp_size=tp_size, total_kv_heads=TOTAL_KV_HEADS, model="tiny-gqa")
+        out.append(build_rank(role, tp_rank, mha_pool(tp_size), page_size=PAGE_SIZE, num_layers=NUM_LAYERS,
+                              facts=facts, owner=f"{tag}-{role}{tp_rank}"))
+    return out
+
+
+def logical_kv(num_tokens: int, seed: int) -> np.ndarray:
+    """``[k|v, layer, token, global head, dim]`` of one request, as raw bfloat16 bits."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(1, 2**15, size=(2, NUM_LAYERS, num_tokens, TOTAL_KV_HEADS, HEAD_DIM), dtype=np.int16)
+
+
+def heads_of(tp_rank: int, tp_size: int) -> slice:
+    per = TOTAL_KV_HEADS // tp_size
+    return slice(tp_rank * per, (tp_rank + 1) * per)
+
+
+def write_prefill(rank, tp_size: int, kv: np.ndarray, pages: list[int]) -> None:
+    heads = heads_of(rank.tp_rank, tp_size)
+    for which, buffers in enumerate((rank.pool.k_buffer, rank.pool.v_buffer)):
+        for layer, buf in enumerate(buffers):
+            bits = buf.view(torch.int16)
+            for i, page in enumerate(pages):
+                tokens = kv[which, layer, i * PAGE_SIZE:(i + 1) * PAGE_SIZE, heads]
+                bits[page * PAGE_SIZE:(page + 1) * PAGE_SIZE] = torch.from_numpy(tokens)
+
+
+def check_decode(rank, tp_size: int, kv: np.ndarray, pages: list[int]) -> None:
+    heads = heads_of(rank.tp_rank, tp_size)
+    for which, buffers in enumerate((rank.pool.k_buffer, rank.pool.v_buffer)):
+        for layer, buf in enumerate(buffers):
+            got = buf.view(torch.int16).numpy().reshape(-1, PAGE_SIZE, TOTAL_KV_HEADS // tp_size, HEAD_DIM)
+            for i, page in enumerate(pages):
+                want = kv[which, layer, i * PAGE_SIZE:(i + 1) * PAGE_SIZE, heads]
+                np.testing.assert_array_equal(got[page], want, err_msg=f"{'kv'[which]} layer {layer} page {page}")
+            others = [p for p in range(got.shape[0]) if p not in pages]
+            assert not got[others].any(), f"{'kv'[which]} layer {layer}: bytes outside the request's pages"
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 4), (4, 2)])
+def test_gqa_kv_lands_byte_exact_across_tp(tmp_path, monkeypatch, prefill_tp, decode_tp):
+    deployment = Deployment(tmp_path, prefill_tp, decode_tp)
+    tag = f"gqa{prefill_tp}{decode_tp}"
+    prefill = decode = []
+    try:
+        prefill = ranks("prefill", prefill_tp, deployment, monkeypatch, tag)
+        decode = ranks("decode", decode_tp, deployment, monkeypatch, tag)
+        src_pages, dst_pages = [3, 1, 7, 5, 2], [9, 4, 11, 6, 13]
+        kv = logical_kv(len(src_pages) * PAGE_SIZE, seed=prefill_tp * 10 + decode_tp)
+        for rank in prefill:
+            write_prefill(rank, prefill_tp, kv, src_pages)
+            rank.metadata.output_ids[2] = torch.arange(16, dtype=torch.int32) + 100
+            rank.metadata.bootstrap_room[2, 0] = 4242
+        p_states, d_states, _, receivers = run_room(prefill, decode, deployment, 4242, src_pages, dst_pages,
+                                                    src_aux=2, dst_aux=5, chunk_pages=2)
+        assert d_states == [KVPoll.Success] * decode_tp, [r.failure for r in receivers]
+        assert p_states == [KVPoll.Success] * prefill_tp
+        for rank in decode:
+            check_decode(rank, decode_tp, kv, dst_pages)
+            assert rank.metadata.output_ids[5].tolist() == list(range(100, 116))
+            assert int(rank.metadata.bootstrap_room[5, 0]) == 4242
+            assert not rank.metadata.output_ids[2].any()
+    finally:
+        for rank in prefill + decode:
+            rank.close()
+        deployment.close()
