@@ -122,8 +122,7 @@ def share_engine_memory(owner_id: str, *, kv_pool: Any, metadata_buffers: Any,
                 moved[storage_ptr] = (region, shared)
             region, shared = moved[storage_ptr]
             if shared is not None:
-                tensor = _view_like(shared, tensor)
-                _set(holder, attr, position, tensor)
+                _rebind(tensor, shared)
             memory.tensors.append(PoolTensor(region, tensor, kind, index))
     except BaseException:
         memory.close()
@@ -172,13 +171,6 @@ def _get(holder: Any, attr: str, position: int | None) -> Any:
     return value if position is None else value[position]
 
 
-def _set(holder: Any, attr: str, position: int | None, tensor: Any) -> None:
-    if position is None:
-        setattr(holder, attr, tensor)
-    else:
-        getattr(holder, attr)[position] = tensor
-
-
 def _move_to_shm(memory: EngineMemory, owner: str, region: str, tensor: Any) -> Any:
     """A new shared-memory segment holding a copy of ``tensor``'s whole storage, as uint8."""
     storage = _whole_storage(tensor)
@@ -195,7 +187,10 @@ def _whole_storage(tensor: Any) -> Any:
     return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
 
 
-def _view_like(shared: Any, tensor: Any) -> Any:
-    """``tensor``'s shape, strides and offset over the shared storage."""
-    typed = shared.view(tensor.dtype)
-    return typed.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
+def _rebind(tensor: Any, shared: Any) -> None:
+    """Point ``tensor`` itself at the shared storage, same offset, shape and strides.
+
+    In place, so every holder of the tensor object (lists, frozen dataclasses
+    such as ``MambaPool.State``) sees the shared memory without being patched.
+    """
+    tensor.set_(shared.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())

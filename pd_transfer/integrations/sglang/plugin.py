@@ -1,0 +1,122 @@
+"""SGLang plugin: ``--disaggregation-transfer-backend pd_transfer``.
+
+Registered under SGLang's ``sglang.srt.plugins`` entry-point group
+(``pip install 'pd-transfer[sglang]'``); SGLang calls :func:`load` in every
+process before it starts. It
+
+- adds ``pd_transfer`` to ``TransferBackend`` (:mod:`.backend_enum`) and to
+  the ``--disaggregation-transfer-backend`` choices;
+- wraps ``get_kv_class`` so that prefill, decode and the disaggregation
+  service get pd-transfer's manager, sender, receiver and bootstrap classes;
+- wraps both queues' ``_init_kv_manager``: before SGLang fills ``kv_args``,
+  the pools are collected (on CPU, moved into shared memory, see
+  :mod:`.memory`) and the facts ``kv_args`` lacks are read from SGLang's
+  model config and parallel state (:func:`engine_facts`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pd_transfer.integrations.sglang.backend_enum import add_backend_member
+from pd_transfer.integrations.sglang.registration import EngineFacts
+
+log = logging.getLogger(__name__)
+
+_QUEUES = ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
+           "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager")
+
+
+def load() -> None:
+    """The entry point SGLang's ``load_plugins`` calls."""
+    from sglang.srt.arg_groups.choices import add_disagg_transfer_backend_choices
+    from sglang.srt.disaggregation.utils import TransferBackend
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    add_backend_member(TransferBackend)
+    add_disagg_transfer_backend_choices(["pd_transfer"])
+    HookRegistry.register("sglang.srt.disaggregation.utils.get_kv_class", _get_kv_class, HookType.AROUND)
+    for target in _QUEUES:
+        HookRegistry.register(target, _init_kv_manager, HookType.AROUND)
+
+
+def kv_classes() -> dict[str, type]:
+    """pd-transfer's classes by SGLang ``KVClassType`` name."""
+    from pd_transfer.integrations.sglang import conn
+    return {"MANAGER": conn.PdTransferKVManager, "SENDER": conn.PdTransferKVSender,
+            "RECEIVER": conn.PdTransferKVReceiver, "BOOTSTRAP_SERVER": conn.PdTransferKVBootstrapServer}
+
+
+def _is_ours(backend: Any) -> bool:
+    return getattr(backend, "value", backend) == "pd_transfer"
+
+
+def _get_kv_class(original: Any, transfer_backend: Any, class_type: Any) -> Any:
+    if not _is_ours(transfer_backend) or class_type.name == "KVARGS":
+        return original(transfer_backend, class_type)
+    return kv_classes()[class_type.name]
+
+
+def _init_kv_manager(original: Any, queue: Any, *args: Any, **kwargs: Any) -> Any:
+    if not _is_ours(queue.transfer_backend):
+        return original(queue, *args, **kwargs)
+    from pd_transfer.integrations.sglang.conn import ENGINE_MEMORY
+    from pd_transfer.integrations.sglang.memory import share_engine_memory
+    scheduler = queue.scheduler
+    mamba_pool = _mamba_pool(queue.token_to_kv_pool, getattr(scheduler, "req_to_token_pool", None))
+    memory = share_engine_memory(f"sglang-tp{queue.tp_rank}", kv_pool=queue.token_to_kv_pool,
+                                 metadata_buffers=queue.metadata_buffers, mamba_pool=mamba_pool)
+    hf_config = getattr(scheduler.model_config, "hf_config", None)
+    facts = engine_facts(scheduler.model_config, _parallel(), queue.token_to_kv_pool,
+                         getattr(hf_config, "mamba2_cache_params", None), is_mla=queue.is_mla_backend)
+    token = ENGINE_MEMORY.set((memory, facts))
+    try:
+        return original(queue, *args, **kwargs)
+    finally:
+        ENGINE_MEMORY.reset(token)
+
+
+def _parallel() -> Any:
+    from sglang.srt.disaggregation.prefill import get_parallel
+    return get_parallel()
+
+
+def _mamba_pool(kv_pool: Any, req_to_token_pool: Any) -> Any:
+    for holder in (kv_pool, req_to_token_pool):
+        pool = getattr(holder, "mamba_pool", None)
+        if pool is not None:
+            return pool
+    return None
+
+
+def engine_facts(model_config: Any, parallel: Any, kv_pool: Any, cache_params: Any = None, *,
+                 is_mla: bool = False) -> EngineFacts:
+    """What ``kv_args`` lacks, from SGLang's model config, parallel state and pool."""
+    return EngineFacts(
+        attn_tp_size=int(parallel.attn_tp_size), pp_size=int(getattr(parallel, "pp_size", 1)),
+        start_layer=int(getattr(kv_pool, "start_layer", 0) or 0),
+        total_kv_heads=None if is_mla else int(model_config.get_total_num_kv_heads()),
+        mamba2_conv_groups=mamba2_conv_groups(cache_params),
+        model=str(getattr(model_config, "model_path", "") or ""))
+
+
+def mamba2_conv_groups(cache_params: Any) -> tuple[int, ...] | None:
+    """A Mamba2 conv state's full channel groups ``(d_inner, n_groups*state, n_groups*state)``.
+
+    SGLang declares conv groups for GDN (``conv_shard_groups``) but leaves
+    them out for Mamba2 models, whose conv channels are
+    ``[x (d_inner) | B (n_groups*state) | C (n_groups*state)]``, each sharded on
+    its own: slicing them as one contiguous range across different TP sizes
+    moves B's channels into x's place.
+    """
+    shape = getattr(cache_params, "shape", None)   # SGLang's Mamba2CacheParams, from its model config
+    if shape is None or getattr(shape, "conv_shard_groups", None) is not None:
+        return None
+    if getattr(shape, "conv_slice_axis", 0) != 0 or not hasattr(shape, "intermediate_size"):
+        return None
+    inner = int(shape.intermediate_size)
+    bc = (int(shape.conv_dim) - inner) // 2
+    if bc <= 0 or inner + 2 * bc != int(shape.conv_dim):
+        return None
+    return (inner, bc, bc)
