@@ -16,8 +16,8 @@ from importlib.metadata import entry_points
 
 import pytest
 import torch
-from deployment import Deployment, wait_for
-from engine import build_rank
+from sglang_deployment import Deployment, wait_for
+from sglang_ranks import build_rank
 
 from pd_transfer.integrations.sglang import conn
 from pd_transfer.integrations.sglang.registration import EngineFacts

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from deployment import Deployment, run_room
-from engine import build_rank
+from sglang_deployment import Deployment, run_room
+from sglang_ranks import build_rank
 
 from pd_transfer.integrations.sglang.registration import EngineFacts
 from sglang.srt.disaggregation.base.conn import KVPoll
