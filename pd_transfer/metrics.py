@@ -132,6 +132,11 @@ class SidecarMetrics:
             "not counted against their heartbeats.", ["role"], registry=r)
         self.bad_frames = Counter("pd_transfer_bad_frames", "Bad frames received, by reason.",
                                   ["role", "reason"], registry=r)
+        self.connections_closed = Counter(
+            "pd_transfer_connections_closed", "Connections to a listening socket of this sidecar "
+            "that ended, by socket (control, bootstrap, worker, data): the peer left, or the "
+            "sidecar dropped it (a frame over the size limit, garbage, a handshake not finished "
+            "in time, too many connections).", ["role", "socket"], registry=r)
         self.auth_failures = Counter(
             "pd_transfer_auth_failures", "Refused or failed authentication handshakes, and frames "
             "sent before one, by reason.", ["role", "reason"], registry=r)
@@ -179,6 +184,6 @@ METRIC_NAMES = (
     "pd_transfer_verdicts_total", "pd_transfer_verdict_tensors_total", "pd_transfer_strategy",
     "pd_transfer_doorbells_total", "pd_transfer_aborts_total",
     "pd_transfer_heartbeat_misses_total", "pd_transfer_loop_stall_seconds_total",
-    "pd_transfer_bad_frames_total",
+    "pd_transfer_bad_frames_total", "pd_transfer_connections_closed_total",
     "pd_transfer_auth_failures_total", "pd_transfer_build_info",
 )

@@ -150,6 +150,10 @@ class Observer:
     def bad_frame(self, reason: str) -> None:
         self.metrics.bad_frames.labels(self.role, reason).inc()
 
+    def connection_closed(self, socket: str) -> None:
+        """A connection to the listening socket ``socket`` ended (the peer left, or was dropped)."""
+        self.metrics.connections_closed.labels(self.role, socket).inc()
+
     def loop_stalled(self, seconds: float) -> None:
         self.metrics.loop_stalls.labels(self.role).inc(seconds)
 
