@@ -130,7 +130,8 @@ class SidecarMetrics:
             "pd_transfer_loop_stall_seconds", "Seconds this sidecar's event loop woke later than a "
             "timer tick allows (starved of CPU, or blocked by a long call); peers' silence in them is "
             "not counted against their heartbeats.", ["role"], registry=r)
-        self.bad_frames = Counter("pd_transfer_bad_frames", "Bad frames received, by reason.",
+        self.bad_frames = Counter("pd_transfer_bad_frames", "Bad frames received, and data "
+                                  "connections dropped before they authenticated, by reason.",
                                   ["role", "reason"], registry=r)
         self.connections_closed = Counter(
             "pd_transfer_connections_closed", "Connections to a listening socket of this sidecar "

@@ -64,7 +64,7 @@ class Sidecar:
         self.geometry: RankGeometry | None = None
         self.handles: dict[str, str] = {}
         self.pp_size = 1
-        self.dataplane = DataPlane(config, self.context)
+        self.dataplane = DataPlane(config, self.context, on_bad_frame=self.observe.bad_frame)
         self.side = PrefillSide(self) if config.role is Role.PREFILL else DecodeSide(self)
         self.control: IncomingChannels | None = None
         self.bootstrap_server: BootstrapServer | None = None
