@@ -148,10 +148,10 @@ class SidecarMetrics:
                                   "connections dropped before they authenticated, by reason.",
                                   ["role", "reason"], registry=r)
         self.connections_closed = Counter(
-            "pd_transfer_connections_closed", "Connections to a listening socket of this sidecar "
-            "that ended, by socket (control, bootstrap, worker, data): the peer left, or the "
-            "sidecar dropped it (a frame over the size limit, garbage, a handshake not finished "
-            "in time, too many connections).", ["role", "socket"], registry=r)
+            "pd_transfer_connections_closed", "Connections to a listening ZeroMQ socket of this "
+            "sidecar that ended, by socket (control, bootstrap, worker): the peer left, or ZeroMQ "
+            "dropped it (a frame over the size limit, or one it could not parse).",
+            ["role", "socket"], registry=r)
         self.auth_failures = Counter(
             "pd_transfer_auth_failures", "Refused or failed authentication handshakes, and frames "
             "sent before one, by reason.", ["role", "reason"], registry=r)

@@ -30,9 +30,15 @@ def zmtp_ready(socket_type: bytes = b"DEALER") -> bytes:
     return bytes([0x04, len(body)]) + body
 
 
-def zmtp_connect(address: tuple[str, int]) -> socket.socket:
-    """A TCP connection that completed ZeroMQ's NULL handshake as a DEALER."""
-    sock = socket.create_connection(address, timeout=5)
+def zmtp_connect(address: tuple[str, int] | str) -> socket.socket:
+    """A TCP (``(host, port)``) or Unix (a path: ``ipc://``) connection that completed
+    ZeroMQ's NULL handshake as a DEALER."""
+    if isinstance(address, str):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(5)
+        sock.connect(address)
+    else:
+        sock = socket.create_connection(address, timeout=5)
     sock.sendall(zmtp_greeting())
     greeting = b""
     while len(greeting) < 64:

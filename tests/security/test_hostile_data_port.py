@@ -24,12 +24,13 @@ from pathlib import Path
 import pytest
 from cluster import Cluster
 from hostile_wire import MiB, connection_dropped, host_port, rss_kib, wait_for
-from secure_cluster import SECRET_HEX, metric, ranks, requests, write_secret
+from secure_cluster import SECRET_HEX, metric, ranks, requests, security, write_secret
 
+from pd_transfer.agent.tcp_plane import DataAuth
 from pd_transfer.client import RoomStatus
 from pd_transfer.layout.geometry import Role
 from pd_transfer.ports import spare_port
-from pd_transfer.transport.sockets import Kind, prefix
+from pd_transfer.transport.sockets import FrameChannel, Kind, prefix
 
 DECODE = "decode[pp0,tp0]"
 BAD_FRAMES = "pd_transfer_bad_frames_total"
@@ -122,6 +123,38 @@ def test_a_first_frame_declaring_8_mib_of_header_is_refused_before_it_is_held(de
         f"peak RSS grew by {(peak - baseline) // 1024} MiB while {sent // MiB} MiB were sent"
     wait_for(lambda: metric(cluster, DECODE, BAD_FRAMES, reason=reason) - before == 32, 5,
              f"32 refusals counted as {reason}")
+
+
+def test_an_authenticated_frame_declaring_8_gib_is_refused_by_its_prefix(deployment):
+    """A peer holding the secret declares an 8 GiB chunk and streams 160 MiB of it."""
+    cluster, address = deployment
+    pid = cluster.sidecars[DECODE].proc.pid
+    before = metric(cluster, DECODE, BAD_FRAMES, reason="frame_too_large")
+    baseline = max(rss_kib(pid), rss_kib(pid, "VmHWM"))
+    sock = socket.create_connection(host_port(address), timeout=5)
+    try:
+        DataAuth(security(SECRET_HEX, "prefill-rogue")).client(FrameChannel(sock), "decode")
+        sock.sendall(prefix(Kind.DATA, 64, 8 << 30) + b"\x00" * 64)
+        sent = _stream(sock, 160 * MiB)
+        dropped = connection_dropped(sock)
+    finally:
+        sock.close()
+    peak = rss_kib(pid, "VmHWM")
+    assert dropped and sent < 160 * MiB, f"the receiver took {sent // MiB} MiB"
+    assert peak - baseline < 32 * 1024, f"peak RSS grew by {(peak - baseline) // 1024} MiB"
+    wait_for(lambda: metric(cluster, DECODE, BAD_FRAMES, reason="frame_too_large") - before == 1,
+             5, "the oversized frame counted")
+
+
+def _stream(sock: socket.socket, nbytes: int) -> int:
+    """Send up to ``nbytes`` zeros; how many the peer took before it dropped the connection."""
+    piece, sent = b"\x00" * MiB, 0
+    try:
+        while sent < nbytes:
+            sent += sock.send(piece)
+    except OSError:
+        pass
+    return sent
 
 
 def test_a_handshake_trickling_in_is_cut_off_at_its_deadline(deployment):
