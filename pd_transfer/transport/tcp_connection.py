@@ -196,6 +196,7 @@ class Connection:
         if not self._authenticated():
             return False   # cut off just as it finished
         return receiver.admit_authenticated(self)
+
     def _refuse_unauthenticated(self, head) -> None:
         """A data frame before the handshake: refused, its header read only if it is as
         small as a handshake frame (to name the transfer in the refusal)."""

@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from cluster import Cluster
 from hostile_wire import (
     MiB,
     connection_dropped,
@@ -26,7 +27,6 @@ from hostile_wire import (
     wait_for,
     zmtp_connect,
 )
-from cluster import Cluster
 from secure_cluster import SECRET_HEX, metric, ranks, write_secret
 
 from pd_transfer.layout.geometry import Role

@@ -10,6 +10,7 @@ counting the room.
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -34,7 +35,6 @@ def _series_of(cluster, rank: str, peer: str) -> list[str]:
 
 
 def _peer_state(cluster, rank: str, peer: str) -> str:
-    import json
     status, text = cluster.http(rank, "/status")
     assert status == 200
     states = [p["state"] for p in json.loads(text)["peers"] if p["peer"] == peer]
