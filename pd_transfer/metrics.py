@@ -5,7 +5,10 @@ on the registry it is given (a fresh ``CollectorRegistry`` per sidecar), so
 tests and several sidecars in one process never collide. Names follow
 Prometheus conventions (``pd_transfer_*``, base units); label sets are
 bounded: ``peer`` is a peer rank id (``prefill[pp0,tp1]``), never a room id,
-and ``reason`` is a stable :class:`~pd_transfer.errors.Reason` value.
+and ``reason`` is a stable :class:`~pd_transfer.errors.Reason` value. The
+series with a ``peer`` label are removed once that peer has been gone for
+``peer_series_grace_s`` (:mod:`pd_transfer.agent.peer_series`); the totals
+are kept in families without one.
 
 A labelled counter has no series until its first increment, and Prometheus's
 ``increase()`` cannot see the step from "absent" to 1: the first bad frame
@@ -38,7 +41,7 @@ BAD_FRAME_REASONS = tuple(r.value for r in (
     Reason.BAD_FRAME, Reason.FRAME_TOO_LARGE, Reason.LIMIT_EXCEEDED, Reason.BAD_FIELD,
     Reason.UNKNOWN_MESSAGE, Reason.VERSION_UNSUPPORTED, Reason.ILLEGAL_MESSAGE,
     Reason.ROLE_MISMATCH, Reason.STALE_GENERATION, Reason.BAD_GENERATION, Reason.DUPLICATE_ROOM,
-    Reason.UNKNOWN_ROOM, Reason.UNAUTHENTICATED))
+    Reason.UNKNOWN_ROOM, Reason.UNAUTHENTICATED, Reason.TIMEOUT))
 AUTH_FAILURE_REASONS = tuple(r.value for r in (
     Reason.AUTH_FAILED, Reason.AUTH_REPLAYED, Reason.UNAUTHENTICATED))
 # the config keys whose limits fail requests (pd_transfer_limit_rejections_total{limit})
@@ -46,7 +49,8 @@ LIMITS = ("max_rooms", "max_rooms_per_peer", "max_chunks_per_room", "max_infligh
           "max_inflight_nbytes_total", "max_worker_requests")
 ADMISSION_RESOURCES = ("rooms", "bytes")
 DOORBELL_EVENTS = {"prefill": ("rang", "stale"), "decode": ("rung", "closed")}
-UNREGISTERED_PEER = "-"   # the peer label of a session lost before it registered
+# the ZeroMQ sockets each role listens on (pd_transfer_connections_closed_total{socket})
+LISTENING_SOCKETS = {"prefill": ("control", "bootstrap", "worker"), "decode": ("worker",)}
 
 
 class SidecarMetrics:
@@ -56,10 +60,17 @@ class SidecarMetrics:
         r = registry
         self.transfers = Counter(
             "pd_transfer_transfers", "Finished transfers (one per room and peer rank pair).",
-            ["role", "peer", "transport", "mode", "outcome"], registry=r)
+            ["role", "transport", "mode", "outcome"], registry=r)
         self.failures = Counter(
             "pd_transfer_transfer_failures", "Failed rooms by stable reason code.",
-            ["role", "peer", "reason"], registry=r)
+            ["role", "reason"], registry=r)
+        self.peer_transfers = Counter(
+            "pd_transfer_peer_transfers", "Finished transfers by peer rank (series of a peer "
+            "gone for peer_series_grace_s are removed).", ["role", "peer", "outcome"], registry=r)
+        self.peer_failures = Counter(
+            "pd_transfer_peer_transfer_failures", "Failed rooms by peer rank and reason (series of "
+            "a peer gone for peer_series_grace_s are removed).", ["role", "peer", "reason"],
+            registry=r)
         self.duration = Histogram(
             "pd_transfer_transfer_duration_seconds", "Room duration from request to done.",
             ["role"], buckets=_DURATION_BUCKETS, registry=r)
@@ -123,15 +134,24 @@ class SidecarMetrics:
                               ["role", "side", "reason"], registry=r)
         self.heartbeat_misses = Counter("pd_transfer_heartbeat_misses",
                                         "Peers declared lost (missed heartbeats, or a connection "
-                                        "that closed and did not come back); `peer=\"-\"`: "
-                                        "sessions lost before they registered.",
-                                        ["role", "peer"], registry=r)
+                                        "that closed and did not come back), sessions lost "
+                                        "before they registered included.", ["role"], registry=r)
+        self.peer_heartbeat_misses = Counter(
+            "pd_transfer_peer_heartbeat_misses", "Registered peers declared lost, by peer rank "
+            "(series of a peer gone for peer_series_grace_s are removed).", ["role", "peer"],
+            registry=r)
         self.loop_stalls = Counter(
             "pd_transfer_loop_stall_seconds", "Seconds this sidecar's event loop woke later than a "
             "timer tick allows (starved of CPU, or blocked by a long call); peers' silence in them is "
             "not counted against their heartbeats.", ["role"], registry=r)
-        self.bad_frames = Counter("pd_transfer_bad_frames", "Bad frames received, by reason.",
+        self.bad_frames = Counter("pd_transfer_bad_frames", "Bad frames received, and data "
+                                  "connections dropped before they authenticated, by reason.",
                                   ["role", "reason"], registry=r)
+        self.connections_closed = Counter(
+            "pd_transfer_connections_closed", "Connections to a listening ZeroMQ socket of this "
+            "sidecar that ended, by socket (control, bootstrap, worker): the peer left, or ZeroMQ "
+            "dropped it (a frame over the size limit, or one it could not parse).",
+            ["role", "socket"], registry=r)
         self.auth_failures = Counter(
             "pd_transfer_auth_failures", "Refused or failed authentication handshakes, and frames "
             "sent before one, by reason.", ["role", "reason"], registry=r)
@@ -156,20 +176,29 @@ class SidecarMetrics:
         for histogram in (self.duration, self.nbytes, self.throughput, self.descriptors,
                           self.bootstrap):
             histogram.labels(role)
-        self.heartbeat_misses.labels(role, UNREGISTERED_PEER)
+        self.heartbeat_misses.labels(role)
+        for socket in LISTENING_SOCKETS[role]:
+            self.connections_closed.labels(role, socket)
         self.loop_stalls.labels(role)
         self.verdicts.labels(role, "accepted", "none")
 
-    def peer_accepted(self, peer: str, transport: str, mode: str) -> None:
+    def peer_accepted(self, peer: str, transport: str, mode: str) -> list[tuple]:
         """Export ``peer``'s series at 0 once it is accepted: its first lost heartbeat and its
-        first transfer, success or failure, are then a step from 0."""
-        self.heartbeat_misses.labels(self.role, peer)
+        first transfer, success or failure, are then a step from 0. Returns the per-peer
+        series made, as ``(metric, labels)``: the caller removes them once the peer is gone."""
+        made = [(self.peer_heartbeat_misses, (self.role, peer))]
         for outcome in ("success", "failed"):
-            self.transfers.labels(self.role, peer, transport, mode, outcome)
+            self.transfers.labels(self.role, transport, mode, outcome)
+            made.append((self.peer_transfers, (self.role, peer, outcome)))
+        for metric, labels in made:
+            metric.labels(*labels)
+        return made
 
 
 METRIC_NAMES = (
     "pd_transfer_transfers_total", "pd_transfer_transfer_failures_total",
+    "pd_transfer_peer_transfers_total", "pd_transfer_peer_transfer_failures_total",
+    "pd_transfer_peer_heartbeat_misses_total",
     "pd_transfer_transfer_duration_seconds", "pd_transfer_transfer_bytes",
     "pd_transfer_transfer_throughput_bytes_per_second", "pd_transfer_transfer_descriptors",
     "pd_transfer_bootstrap_duration_seconds", "pd_transfer_rooms", "pd_transfer_registered_bytes",
@@ -179,6 +208,6 @@ METRIC_NAMES = (
     "pd_transfer_verdicts_total", "pd_transfer_verdict_tensors_total", "pd_transfer_strategy",
     "pd_transfer_doorbells_total", "pd_transfer_aborts_total",
     "pd_transfer_heartbeat_misses_total", "pd_transfer_loop_stall_seconds_total",
-    "pd_transfer_bad_frames_total",
+    "pd_transfer_bad_frames_total", "pd_transfer_connections_closed_total",
     "pd_transfer_auth_failures_total", "pd_transfer_build_info",
 )

@@ -16,7 +16,7 @@ from pd_transfer.metrics import (
     BAD_FRAME_REASONS,
     DOORBELL_EVENTS,
     LIMITS,
-    UNREGISTERED_PEER,
+    LISTENING_SOCKETS,
     SidecarMetrics,
 )
 
@@ -42,8 +42,10 @@ def test_bounded_label_sets_are_exported_at_zero_before_any_event(role):
         assert _value(samples, "pd_transfer_limit_rejections_total", role=role, limit=limit) == 0
     for event in DOORBELL_EVENTS[role]:
         assert _value(samples, "pd_transfer_doorbells_total", role=role, event=event) == 0
-    assert _value(samples, "pd_transfer_heartbeat_misses_total", role=role,
-                  peer=UNREGISTERED_PEER) == 0
+    assert _value(samples, "pd_transfer_heartbeat_misses_total", role=role) == 0
+    for socket in LISTENING_SOCKETS[role]:
+        assert _value(samples, "pd_transfer_connections_closed_total", role=role,
+                      socket=socket) == 0
     assert _value(samples, "pd_transfer_verdicts_total", role=role, outcome="accepted",
                   reason="none") == 0
     assert _value(samples, "pd_transfer_transfer_duration_seconds_count", role=role) == 0
@@ -52,13 +54,19 @@ def test_bounded_label_sets_are_exported_at_zero_before_any_event(role):
 def test_an_accepted_peer_has_its_loss_and_transfer_series_at_zero():
     metrics = SidecarMetrics(CollectorRegistry(), "prefill")
     assert not any(dict(labels).get("peer") == "decode[pp0,tp0]" for _, labels in _samples(metrics))
-    metrics.peer_accepted("decode[pp0,tp0]", "shm", "sliced")
+    made = metrics.peer_accepted("decode[pp0,tp0]", "shm", "sliced")
     samples = _samples(metrics)
-    assert _value(samples, "pd_transfer_heartbeat_misses_total", role="prefill",
+    assert _value(samples, "pd_transfer_peer_heartbeat_misses_total", role="prefill",
                   peer="decode[pp0,tp0]") == 0
     for outcome in ("success", "failed"):
-        assert _value(samples, "pd_transfer_transfers_total", role="prefill", peer="decode[pp0,tp0]",
-                      transport="shm", mode="sliced", outcome=outcome) == 0
+        assert _value(samples, "pd_transfer_peer_transfers_total", role="prefill",
+                      peer="decode[pp0,tp0]", outcome=outcome) == 0
+        assert _value(samples, "pd_transfer_transfers_total", role="prefill", transport="shm",
+                      mode="sliced", outcome=outcome) == 0
+    # the per-peer series are returned, for their removal once the peer is gone
+    assert {labels for _, labels in made if "decode[pp0,tp0]" in labels} == {
+        ("prefill", "decode[pp0,tp0]"), ("prefill", "decode[pp0,tp0]", "success"),
+        ("prefill", "decode[pp0,tp0]", "failed")}
 
 
 def test_bad_frame_reasons_are_reason_codes():

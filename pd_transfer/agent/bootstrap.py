@@ -29,6 +29,7 @@ from pd_transfer.agent.auth import (
     close_reply,
     security_of,
 )
+from pd_transfer.agent.zmq_bounds import ConnectionWatch, bound_frames
 from pd_transfer.errors import AuthError, PdTransferError, ProtocolError, Reason
 from pd_transfer.protocol import Announce, Close, RankEntry, RankTable, TableRequest, decode, encode
 from pd_transfer.protocol.messages import clip_text
@@ -40,11 +41,12 @@ class BootstrapServer:
     """Rank 0's table of prefill ranks, served on its own ROUTER."""
 
     def __init__(self, context: zmq.asyncio.Context, address: str,
-                 on_bad_frame=lambda reason: None) -> None:
+                 on_bad_frame=lambda reason: None, on_closed=lambda socket: None) -> None:
         self._on_bad_frame = on_bad_frame
         security = security_of(context)
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        bound_frames(self.socket)
         security.listening(self.socket)
         try:
             self.socket.bind(address)
@@ -57,6 +59,8 @@ class BootstrapServer:
         self.bad_frames = 0
         self._doorman = Doorman(self.socket, security, f"bootstrap {self.address}", close_reply,
                                 on_bad_frame=self._count_bad_frame)
+        self.watch = ConnectionWatch(self.socket, "bootstrap", f"bootstrap {self.address}",
+                                     on_closed=on_closed, on_bad_frame=self._count_bad_frame)
 
     def _count_bad_frame(self, reason: str) -> None:
         self.bad_frames += 1
@@ -82,6 +86,13 @@ class BootstrapServer:
         return RankTable(expected=self.expected, entries=entries)
 
     async def serve(self) -> None:
+        watching = asyncio.create_task(self.watch.run())
+        try:
+            await self._serve()
+        finally:
+            watching.cancel()
+
+    async def _serve(self) -> None:
         while True:
             frames = await self.socket.recv_multipart()
             if len(frames) != 2:
@@ -122,6 +133,7 @@ async def fetch_table(context: zmq.asyncio.Context, address: str, agent_id: str,
     security = security_of(context)
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
+    bound_frames(socket)
     security.connecting(socket)
     socket.connect(address)
     last = RankTable(expected=0)

@@ -26,6 +26,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from pd_transfer.agent.auth import REFUSAL_LINGER_MS, Doorman, authenticate, close_reply, security_of
+from pd_transfer.agent.zmq_bounds import ConnectionWatch, bound_frames
 from pd_transfer.errors import PdTransferError, ProtocolError, Reason, RemoteProtocolError
 from pd_transfer.layout.geometry import Role
 from pd_transfer.protocol import Close, Dropped, Message, Session, encode
@@ -102,6 +103,7 @@ class OutgoingChannel(Channel):
         self._security = security_of(context)
         self._socket = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        bound_frames(self._socket)
         self._security.connecting(self._socket)
         self._socket.connect(address)
         self._reader: asyncio.Task | None = None
@@ -197,13 +199,15 @@ class IncomingChannels:
 
     def __init__(self, context: zmq.asyncio.Context, host: str, port: int, role: Role, *,
                  on_bad_frame: Callable[[str], None] = lambda reason: None,
-                 on_refused: Callable[[IncomingChannel], None] = lambda channel: None) -> None:
+                 on_refused: Callable[[IncomingChannel], None] = lambda channel: None,
+                 on_closed: Callable[[str], None] = lambda socket: None) -> None:
         self._on_bad_frame = on_bad_frame
         self._on_refused = on_refused
         security = security_of(context)
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        bound_frames(self.socket)
         security.listening(self.socket)
         if port:
             self.socket.bind(f"tcp://{host}:{port}")
@@ -214,8 +218,17 @@ class IncomingChannels:
                                 on_bad_frame=on_bad_frame)
         self._role = role
         self.channels: dict[bytes, IncomingChannel] = {}
+        self.watch = ConnectionWatch(self.socket, "control", f"control {self.address}",
+                                     on_closed=on_closed, on_bad_frame=on_bad_frame)
 
     async def serve(self, on_message: OnMessage) -> None:
+        watching = asyncio.create_task(self.watch.run())
+        try:
+            await self._serve(on_message)
+        finally:
+            watching.cancel()
+
+    async def _serve(self, on_message: OnMessage) -> None:
         while True:
             frames = await self.socket.recv_multipart()
             if len(frames) != 2:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import zmq.asyncio
 
@@ -56,9 +57,11 @@ class DeviceLink:
 
 
 class DataPlane:
-    def __init__(self, config: SidecarConfig, context: zmq.asyncio.Context) -> None:
+    def __init__(self, config: SidecarConfig, context: zmq.asyncio.Context,
+                 on_bad_frame: Callable[[str], None] = lambda reason: None) -> None:
         self.config = config
         self.context = context
+        self._on_bad_frame = on_bad_frame   # frames the tcp receiver refused unread
         self.local_regions: dict = {}
         self.on_device = False
         self._segments: list[Segment] = []
@@ -97,7 +100,8 @@ class DataPlane:
         self.on_device = self.on_device or on_device
         if geometry.role is Role.DECODE and self.config.transport in ("auto", "tcp") \
                 and not self.on_device:
-            self._receiver = tcp_receiver(self.config, self.local_regions, self.context)
+            self._receiver = tcp_receiver(self.config, self.local_regions, self.context,
+                                          self._on_bad_frame)
             self._geometry = geometry
             await self._receiver.start()
         if geometry.role is Role.DECODE and self._engine is not None and not self.on_device:

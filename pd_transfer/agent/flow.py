@@ -38,7 +38,7 @@ async def write_chunk(sidecar, room, target, plan) -> int:
     if room.terminal:   # it ended while this write was queued: nothing more may land
         grant.release()
         raise PdTransferError(f"room {room.room} ended before its write started", code=Reason.ABORTED)
-    gauge = sidecar.observe.metrics.inflight_bytes.labels("prefill", target.peer.rank_id)
+    gauge = sidecar.observe.inflight(target.peer.rank_id)
     gauge.inc(plan.total_nbytes)
     try:
         return await sidecar.dataplane.write(target.peer.link, plan, room.room, target.generation)

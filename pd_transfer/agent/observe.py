@@ -13,13 +13,15 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from pd_transfer.agent.peer_series import PeerSeries
 from pd_transfer.layout.geometry import Role
-from pd_transfer.metrics import UNREGISTERED_PEER, SidecarMetrics
+from pd_transfer.metrics import SidecarMetrics
 from pd_transfer.protocol import RoomStatus
 
 PEER_STATES = ("connecting", "accepted", "rejected", "lost")
+LIVE_STATES = ("connecting", "accepted")
+PEER_SERIES_GRACE_S = 300.0   # SidecarConfig.peer_series_grace_s's default
 MAX_PAST_PEERS = 64    # records of peers rejected or lost, kept for /status (oldest go first)
-UNREGISTERED = UNREGISTERED_PEER   # the peer label of a session lost before it registered
 _MODE_ORDER = ("sliced", "replicated", "converted", "direct")
 STRATEGIES = ("direct", "staged")  # transport.strategy.Strategy's values
 
@@ -42,6 +44,7 @@ class Observer:
         self.registry = CollectorRegistry()
         self.metrics = SidecarMetrics(self.registry, self.role)
         self.peers: dict[str, PeerRecord] = {}
+        self.series = PeerSeries(getattr(sidecar.config, "peer_series_grace_s", PEER_SERIES_GRACE_S))
 
     # -- events ---------------------------------------------------------------------
     def peer(self, peer: str, state: str, reason: str = "", channel=None, *, transport: str = "",
@@ -56,21 +59,28 @@ class Observer:
         if modes:
             record.mode = next((m for m in _MODE_ORDER if m in modes), modes[0])
         if state == "accepted":
-            self.metrics.peer_accepted(peer, record.transport or "-", record.mode or "-")
+            for metric, labels in self.metrics.peer_accepted(peer, record.transport or "-",
+                                                             record.mode or "-"):
+                self.series.child(metric, *labels, peer=peer)
         if state in ("rejected", "lost"):
             self._prune()
+        self._track(peer)
 
     def _prune(self) -> None:
         """Keep the newest :data:`MAX_PAST_PEERS` records of past peers: peers that come
         and go (restarts, or a stream of bogus sessions) must not grow the book forever."""
         past = [key for key, record in self.peers.items() if record.state in ("rejected", "lost")]
         for key in past[:max(0, len(past) - MAX_PAST_PEERS)]:
-            record = self.peers.pop(key)
-            if not any(r.peer == record.peer for r in self.peers.values()):
-                try:
-                    self.metrics.heartbeat_age.remove(self.role, record.peer)
-                except KeyError:
-                    pass  # never scraped
+            self.peers.pop(key)
+
+    def _track(self, peer: str) -> None:
+        """Keep ``peer``'s metric series while a session of it is live; else they go
+        after the grace period (with those of other peers gone long enough)."""
+        if any(r.peer == peer and r.state in LIVE_STATES for r in self.peers.values()):
+            self.series.live(peer)
+        else:
+            self.series.gone(peer)
+        self.series.sweep()
 
     def _key_of(self, peer: str) -> str:
         """The record of ``peer`` (a rank id) that was touched last, else the rank id."""
@@ -103,13 +113,18 @@ class Observer:
         if chosen not in STRATEGIES:  # not reported, or a newer peer's: labels stay bounded
             return
         for strategy in STRATEGIES:
-            self.metrics.strategy.labels(self.role, peer, pool, strategy).set(
-                1 if strategy == chosen else 0)
+            self.series.child(self.metrics.strategy, self.role, peer, pool, strategy,
+                              peer=peer).set(1 if strategy == chosen else 0)
+
+    def inflight(self, peer: str):
+        """The gauge of bytes being written to ``peer`` (prefill)."""
+        return self.series.child(self.metrics.inflight_bytes, self.role, peer, peer=peer)
 
     def transfer_done(self, peer: str, nbytes: int, descriptors: int, seconds: float) -> None:
         record = self._record_of(peer)
         m, role = self.metrics, self.role
-        m.transfers.labels(role, peer, record.transport or "-", record.mode or "-", "success").inc()
+        m.transfers.labels(role, record.transport or "-", record.mode or "-", "success").inc()
+        self.series.child(m.peer_transfers, role, peer, "success", peer=peer).inc()
         m.duration.labels(role).observe(seconds)
         if not nbytes:
             return  # decode sees durations; bytes are counted where they are written
@@ -120,9 +135,11 @@ class Observer:
 
     def transfer_failed(self, peer: str, reason: str) -> None:
         record = self._record_of(peer)
-        self.metrics.transfers.labels(self.role, peer, record.transport or "-", record.mode or "-",
-                                      "failed").inc()
-        self.metrics.failures.labels(self.role, peer, reason).inc()
+        m, role = self.metrics, self.role
+        m.transfers.labels(role, record.transport or "-", record.mode or "-", "failed").inc()
+        m.failures.labels(role, reason).inc()
+        self.series.child(m.peer_transfers, role, peer, "failed", peer=peer).inc()
+        self.series.child(m.peer_failures, role, peer, reason, peer=peer).inc()
 
     def doorbell(self, event: str) -> None:
         self.metrics.doorbells.labels(self.role, event).inc()
@@ -133,14 +150,14 @@ class Observer:
     def lost(self, peer: str, why: str, channel=None, *, missed: bool = True) -> None:
         """``peer``'s session is gone: silent or disconnected (``missed``), or closed by
         this side over a bad frame. A session that never registered has no record: only
-        the count, under the label ``-``."""
+        the total counts it."""
         key = (channel.label if channel is not None else "") or self._key_of(peer)
+        if missed:
+            self.metrics.heartbeat_misses.labels(self.role).inc()
         if key not in self.peers:
-            if missed:
-                self.metrics.heartbeat_misses.labels(self.role, UNREGISTERED).inc()
             return
         if missed:
-            self.metrics.heartbeat_misses.labels(self.role, peer).inc()
+            self.series.child(self.metrics.peer_heartbeat_misses, self.role, peer, peer=peer).inc()
         if self.peers[key].state == "rejected":
             return  # a rejected peer that went away stays rejected: that is what to fix
         if channel is not None and self.peers[key].channel not in (None, channel):
@@ -149,6 +166,10 @@ class Observer:
 
     def bad_frame(self, reason: str) -> None:
         self.metrics.bad_frames.labels(self.role, reason).inc()
+
+    def connection_closed(self, socket: str) -> None:
+        """A connection to the listening socket ``socket`` ended (the peer left, or was dropped)."""
+        self.metrics.connections_closed.labels(self.role, socket).inc()
 
     def loop_stalled(self, seconds: float) -> None:
         self.metrics.loop_stalls.labels(self.role).inc(seconds)
@@ -185,9 +206,12 @@ class Observer:
             m.admission_in_use.labels(role, limiter.resource).set(limiter.in_use_total)
             m.admission_peak.labels(role, limiter.resource).set(limiter.peak)
             m.admission_waiting.labels(role, limiter.resource).set(limiter.num_waiting)
+        self.series.sweep()
         for record in self.peers.values():
-            if record.channel is not None:
-                m.heartbeat_age.labels(role, record.peer).set(now - record.channel.last_heard_s)
+            if record.channel is not None and (record.state in LIVE_STATES
+                                               or self.series.in_grace(record.peer)):
+                self.series.child(m.heartbeat_age, role, record.peer, peer=record.peer).set(
+                    now - record.channel.last_heard_s)
         geometry = self.sidecar.geometry
         if geometry is not None:
             by_pool: dict[str, int] = {}

@@ -64,7 +64,7 @@ class Sidecar:
         self.geometry: RankGeometry | None = None
         self.handles: dict[str, str] = {}
         self.pp_size = 1
-        self.dataplane = DataPlane(config, self.context)
+        self.dataplane = DataPlane(config, self.context, on_bad_frame=self.observe.bad_frame)
         self.side = PrefillSide(self) if config.role is Role.PREFILL else DecodeSide(self)
         self.control: IncomingChannels | None = None
         self.bootstrap_server: BootstrapServer | None = None
@@ -97,14 +97,16 @@ class Sidecar:
                                       on_bad_request=self.observe.bad_frame,
                                       max_requests=self.config.max_worker_requests,
                                       on_over_limit=lambda: self.observe.limit_refused(
-                                          "max_worker_requests"))
+                                          "max_worker_requests"),
+                                      on_closed=self.observe.connection_closed)
             self._spawn(endpoint.serve())
             if self.config.role is Role.PREFILL:
                 with binding("control_host", config.control_host, "control_port", config.control_port):
                     self.control = IncomingChannels(self.context, config.control_host,
                                                     config.control_port, Role.PREFILL,
                                                     on_bad_frame=self.observe.bad_frame,
-                                                    on_refused=self._on_control_refused)
+                                                    on_refused=self._on_control_refused,
+                                                    on_closed=self.observe.connection_closed)
                 self._spawn(self.control.serve(self._on_control))
             self.http = HttpServer(self.config.http_host, self.config.http_port,
                                    metrics=self.observe.render, ready=self.observe.ready,
@@ -266,7 +268,8 @@ class Sidecar:
             return None
         try:
             return BootstrapServer(self.context, self.config.bootstrap,
-                                   on_bad_frame=self.observe.bad_frame)
+                                   on_bad_frame=self.observe.bad_frame,
+                                   on_closed=self.observe.connection_closed)
         except zmq.ZMQError as err:
             raise PdTransferError(
                 f"prefill rank 0 cannot serve the rank table at {self.config.bootstrap}: "

@@ -58,17 +58,20 @@ def tcp_transport(config, context: zmq.asyncio.Context,
                         corrupt_payload=corrupt_payload)
 
 
-def tcp_receiver(config, regions: Mapping, context: zmq.asyncio.Context
+def tcp_receiver(config, regions: Mapping, context: zmq.asyncio.Context,
+                 on_bad_frame: Callable[[str], None] = lambda reason: None
                  ) -> TcpReceiver | ZmqTcpReceiver:
-    """The receiving side: ZeroMQ with CURVE when this sidecar has a CURVE key, else plain."""
+    """The receiving side: ZeroMQ with CURVE when this sidecar has a CURVE key, else plain.
+    ``on_bad_frame(reason)``: a frame or connection the plain receiver refused unread."""
     security = security_of(context)
     if security.settings.curve_keypair is not None:
         return ZmqTcpReceiver(config.data_host, regions, port=config.data_port, context=context,
                               socket_options=security.listening, policy=RoomPolicy.EXPECTED)
     return TcpReceiver(config.data_host, regions, port=config.data_port,
                        auth=DataAuth(security) if security.enabled else None,
-                       handshake_timeout_s=security.handshake_timeout_s,
-                       policy=RoomPolicy.EXPECTED)
+                       handshake_timeout_s=config.data_handshake_timeout_s,
+                       max_pending=config.max_pending_data_connections,
+                       on_bad_frame=on_bad_frame, policy=RoomPolicy.EXPECTED)
 
 
 class DataAuth:

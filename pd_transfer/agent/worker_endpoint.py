@@ -33,6 +33,7 @@ import zmq.asyncio
 
 from pd_transfer.agent.auth import Doorman, security_of
 from pd_transfer.agent.stream_router import StreamRouter
+from pd_transfer.agent.zmq_bounds import ConnectionWatch, bound_frames
 from pd_transfer.errors import AuthError, PdTransferError, Reason
 from pd_transfer.protocol import worker_api
 from pd_transfer.protocol.stream_frames import unix_path
@@ -47,17 +48,23 @@ class WorkerEndpoint:
     def __init__(self, context: zmq.asyncio.Context, address: str, handler: Handler, *,
                  on_bad_request: Callable[[str], None] = lambda reason: None,
                  max_requests: int = 8192,
-                 on_over_limit: Callable[[], None] = lambda: None) -> None:
+                 on_over_limit: Callable[[], None] = lambda: None,
+                 on_closed: Callable[[str], None] = lambda socket: None) -> None:
         self._on_bad_request = on_bad_request
         self.max_requests = max_requests
         self._on_over_limit = on_over_limit
         path = unix_path(address)
+        self._watch: ConnectionWatch | None = None
         if path is not None:
             self._socket = StreamRouter(path, on_bad_frame=self._count_bad_request)
         else:
             self._socket = context.socket(zmq.ROUTER)
             self._socket.setsockopt(zmq.LINGER, 0)
+            bound_frames(self._socket, worker_api.MAX_REQUEST_NBYTES)
             self._socket.bind(address)
+            self._watch = ConnectionWatch(self._socket, "worker", f"worker endpoint {address}",
+                                          on_closed=on_closed,
+                                          on_bad_frame=self._count_bad_request)
         self.address = address
         self._handler = handler
         self._tasks: set[asyncio.Task] = set()
@@ -72,6 +79,14 @@ class WorkerEndpoint:
     async def serve(self) -> None:
         if isinstance(self._socket, StreamRouter):
             await self._socket.start()
+        watching = asyncio.create_task(self._watch.run()) if self._watch is not None else None
+        try:
+            await self._serve()
+        finally:
+            if watching is not None:
+                watching.cancel()
+
+    async def _serve(self) -> None:
         while True:
             frames = await self._socket.recv_multipart()
             if len(frames) != 2:

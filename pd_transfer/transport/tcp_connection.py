@@ -16,6 +16,14 @@ A refused chunk fails its transfer (the sender's ``write`` raises with the
 reason) and later frames of that transfer are dropped, counted; the
 connection goes on serving other transfers. A frame whose prefix is not ours,
 or a peer that fails the handshake, closes the connection.
+
+Before authentication a connection is a stranger's: its first frame may
+declare at most :data:`~.sockets.MAX_HANDSHAKE_NBYTES` of header (a data frame
+sent first is refused unread beyond that), and the whole handshake has one
+deadline (``handshake_timeout_s``, from the accept): the receiver shuts the
+connection down when it passes, however slowly the bytes trickle in. Frames
+declaring more than the limits are refused by their prefix, before a byte of
+them is buffered.
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import socket
+import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -41,6 +51,7 @@ from pd_transfer.transport.frames import (
 from pd_transfer.transport.iovecs import Staging, destination_parts, finish
 from pd_transfer.transport.packing import check_wire, scatter_chunk
 from pd_transfer.transport.sockets import (
+    MAX_HANDSHAKE_NBYTES,
     FrameChannel,
     Kind,
     PeerClosed,
@@ -54,6 +65,8 @@ from pd_transfer.transport.sockets import (
 
 log = logging.getLogger("pd_transfer.transport.tcp")
 
+#: codes of frames that break the stream (not ours, or over the limits): bad frames
+STREAM_ERRORS = frozenset({Reason.BAD_FRAME, Reason.VERSION_UNSUPPORTED, Reason.FRAME_TOO_LARGE})
 _MAX_OPEN_XFERS = 4096
 _MAX_REMEMBERED_FAILURES = 4096
 _ON_LANDED_TIMEOUT_S = 30.0
@@ -72,7 +85,14 @@ class Connection:
         self.receiver = receiver
         self.sock = sock
         self.where = where
+        self.accepted_s = time.monotonic()
         self.peer_agent = ""
+        # None: the handshake is under way; True: authenticated (or no handshake runs);
+        # False: it ended otherwise (refused, or cut off by the deadline or for room)
+        self.authenticated: bool | None = None if receiver.auth is not None else True
+        self.cut_off: tuple[Reason, str] | None = None  # why the receiver ended the handshake
+        self.holds_slot = False     # counted among the receiver's authenticated connections
+        self._state = threading.Lock()
         self.landing: Ticket | None = None  # the chunk being received (for fences)
         self._open: OrderedDict[int, _Progress] = OrderedDict()
         self._failed: OrderedDict[int, None] = OrderedDict()
@@ -85,10 +105,28 @@ class Connection:
         except OSError:
             pass
 
+    def cut_handshake(self, code: Reason, why: str) -> bool:
+        """End the connection if it has not authenticated yet (the deadline passed, or
+        room is needed for a newer one); False if it had."""
+        with self._state:
+            if self.authenticated is not None:
+                return False
+            self.authenticated, self.cut_off = False, (code, why)
+        self.shutdown()
+        return True
+
+    def _authenticated(self) -> bool:
+        with self._state:
+            if self.authenticated is None:
+                self.authenticated = True
+            return self.authenticated
+
     def serve(self) -> None:
         receiver = self.receiver
         try:
             if receiver.auth is not None and not self._authenticate():
+                with self._state:
+                    self.authenticated = False
                 return
             while (head := self._prefix()) is not None:
                 header = recv_exact(self.sock, head.header_nbytes)
@@ -96,17 +134,14 @@ class Connection:
                     self._frame(header, head.payload_nbytes)
                     continue
                 discard(self.sock, head.payload_nbytes)
-                receiver.count(Reason.BAD_FRAME)
-                self._reply(Fail(-1, Reason.BAD_FRAME.value,
-                                 f"a {head.kind.name.lower()} frame is not accepted here"
-                                 + ("" if receiver.auth else ": this receiver runs no "
-                                    "authentication handshake")))
+                why = f"a {head.kind.name.lower()} frame is not accepted here" + (
+                    "" if receiver.auth else ": this receiver runs no authentication handshake")
+                receiver.bad_frame(Reason.BAD_FRAME, why, self.where)
+                self._reply(Fail(-1, Reason.BAD_FRAME.value, why))
                 if head.kind is Kind.HANDSHAKE:
                     return
         except TransportError as err:  # a prefix that is not ours: the stream is lost
-            log.warning("tcp receiver %s: closing %s: %s", receiver.address, self.where,
-                        err.message)
-            receiver.count(err.code)
+            receiver.bad_frame(err.code, err.message, self.where)
         except PeerClosed as err:
             if err.partial:
                 log.info("tcp receiver %s: %s went away mid-frame", receiver.address, self.where)
@@ -127,35 +162,53 @@ class Connection:
     # -- authentication ------------------------------------------------------------------
     def _authenticate(self) -> bool:
         receiver = self.receiver
-        self.sock.settimeout(receiver.handshake_timeout_s)
+        self.sock.settimeout(receiver.handshake_timeout_s)  # the deadline cuts in earlier
         try:
             head = self._prefix()
             if head is None:
                 return False
-            first = recv_exact(self.sock, head.header_nbytes)
             if head.kind is not Kind.HANDSHAKE:
-                receiver.count(Reason.UNAUTHENTICATED)
-                receiver.auth.unauthenticated(f"{receiver.address}: {self.where}")
-                self._refuse_unauthenticated(first if head.kind is Kind.DATA else b"")
+                self._refuse_unauthenticated(head)
                 return False
+            if head.header_nbytes > MAX_HANDSHAKE_NBYTES or head.payload_nbytes:
+                raise TransportError(f"a handshake frame of {head.header_nbytes} header and "
+                                     f"{head.payload_nbytes} payload bytes exceeds the limits "
+                                     f"({MAX_HANDSHAKE_NBYTES}, 0)", code=Reason.FRAME_TOO_LARGE)
+            first = recv_exact(self.sock, head.header_nbytes)
             self.peer_agent = receiver.auth.server(first, FrameChannel(self.sock),
                                                    f"{receiver.address}: {self.where}")
         except TransportError as err:
-            receiver.count(err.code)
+            if err.code in STREAM_ERRORS:   # garbage, not a refused handshake (counted there)
+                receiver.bad_frame(err.code, err.message, self.where)
+            else:
+                receiver.count(err.code)
             return False
-        except TimeoutError:
-            receiver.count(Reason.TIMEOUT)
-            log.warning("tcp receiver %s: %s did not finish the handshake in time",
-                        receiver.address, self.where)
+        except OSError as err:   # PeerClosed too: a cut-off shuts the socket down
+            if self.cut_off is not None:
+                receiver.bad_frame(*self.cut_off, self.where)
+            elif isinstance(err, TimeoutError):
+                receiver.bad_frame(Reason.TIMEOUT, f"no authentication handshake within "
+                                   f"{receiver.handshake_timeout_s:g} s", self.where)
+            else:
+                raise
             return False
         self.sock.settimeout(None)
-        return True
+        if not self._authenticated():
+            return False   # cut off just as it finished
+        return receiver.admit_authenticated(self)
 
-    def _refuse_unauthenticated(self, header: bytes) -> None:
-        try:
-            xfer = decode_data(header).xfer if header else -1
-        except TransportError:
-            xfer = -1
+    def _refuse_unauthenticated(self, head) -> None:
+        """A data frame before the handshake: refused, its header read only if it is as
+        small as a handshake frame (to name the transfer in the refusal)."""
+        receiver = self.receiver
+        receiver.bad_frame(Reason.UNAUTHENTICATED, "", self.where, logged=False)
+        receiver.auth.unauthenticated(f"{receiver.address}: {self.where}")
+        xfer = -1
+        if head.kind is Kind.DATA and head.header_nbytes <= MAX_HANDSHAKE_NBYTES:
+            try:
+                xfer = decode_data(recv_exact(self.sock, head.header_nbytes)).xfer
+            except TransportError:
+                pass
         self._reply(Fail(xfer, Reason.UNAUTHENTICATED.value,
                          "this receiver requires authentication: the connection sent data "
                          "before the handshake"))
@@ -166,9 +219,7 @@ class Connection:
         try:
             header = decode_data(raw)
         except TransportError as err:  # no transfer to answer: counted only
-            log.warning("tcp receiver %s: refused a frame from %s: %s", receiver.address,
-                        self.where, err.message)
-            receiver.count(err.code)
+            receiver.bad_frame(err.code, err.message, self.where)
             discard(self.sock, payload_nbytes)
             return
         if header.xfer in self._failed:

@@ -23,6 +23,17 @@ generation can still land: chunks arriving later are refused, a chunk that
 was already landing is waited for (and after ``fence_grace_s`` its
 connection is shut down, so a stalled peer cannot hold the fence open).
 
+Strangers: with ``auth``, a connection is *pending* from its accept until
+it authenticated, and must do so within ``handshake_timeout_s`` (one deadline
+for the whole handshake; see :mod:`.tcp_connection`). At most
+``max_pending`` connections are pending at once: one more accepted shuts
+the oldest pending one down, so a flood of idle or slow connections cannot
+keep a real peer, which authenticates in a round trip or two, from getting
+in. Authenticated connections are capped separately (``max_connections``).
+Frames that break the stream (not ours, over the limits, data before the
+handshake, a handshake cut off) are logged, counted in
+:attr:`TcpReceiver.stats` and reported to ``on_bad_frame(reason)``.
+
 Threads: see :mod:`.tcp` for why this layer uses them. Encryption: none; see
 :mod:`.zmq_receiver` for the CURVE variant.
 """
@@ -82,7 +93,8 @@ class TcpReceiver:
                  inline_nbytes: int = 256 << 10, direct_min_nbytes: int = RECEIVE_DIRECT_MIN_NBYTES,
                  on_landed: LandedCallback | None = None, auth: Authenticator | None = None,
                  policy: RoomPolicy = RoomPolicy.ANY, handshake_timeout_s: float = 10.0,
-                 fence_grace_s: float = 2.0, max_connections: int = 1024) -> None:
+                 fence_grace_s: float = 2.0, max_connections: int = 1024, max_pending: int = 64,
+                 on_bad_frame: Callable[[str], None] = lambda reason: None) -> None:
         self.bind_host = bind_host
         self.port = port
         self._lookup: RegionLookup = regions_lookup.get if isinstance(regions_lookup, Mapping) \
@@ -95,6 +107,9 @@ class TcpReceiver:
         self.handshake_timeout_s = handshake_timeout_s
         self.fence_grace_s = fence_grace_s
         self.max_connections = max_connections
+        self.max_pending = max_pending
+        self.on_bad_frame = on_bad_frame   # called from connection threads
+        self._authenticated = 0            # connections past the handshake (under _stats_lock)
         self.admission = RoomAdmission(policy)
         self.stats = ReceiverStats()
         self.address = ""
@@ -178,6 +193,27 @@ class TcpReceiver:
         with self._stats_lock:
             self.stats.refused[code] += 1
 
+    def bad_frame(self, code: Reason, why: str, where: str, *, logged: bool = True) -> None:
+        """A frame (or connection) refused for breaking the stream: counted, reported, logged
+        (the log filter rate-limits repeats of one line)."""
+        self.count(code)
+        self.on_bad_frame(code.value)
+        if logged:
+            log.warning("tcp receiver %s: closing %s [%s]: %s", self.address, where, code.value,
+                        why)
+
+    def admit_authenticated(self, connection: Connection) -> bool:
+        """Take an authenticated connection's slot; False (it is refused) when all are held."""
+        with self._stats_lock:
+            full = self._authenticated >= self.max_connections
+            if not full:
+                self._authenticated += 1
+                connection.holds_slot = True
+        if full:
+            self.bad_frame(Reason.LIMIT_EXCEEDED, f"{self.max_connections} authenticated "
+                           f"connections already (max_connections)", connection.where)
+        return not full
+
     def landed(self, nbytes: int) -> None:
         with self._stats_lock:
             self.stats.chunks_landed += 1
@@ -197,24 +233,42 @@ class TcpReceiver:
                 log.warning("tcp receiver %s: accept failed: %s", self.address, err)
                 await asyncio.sleep(0.1)
                 continue
-            if len(self._connections) >= self.max_connections:
-                log.warning("tcp receiver %s: refused %s: %d connections already",
-                            self.address, peer, len(self._connections))
-                self.count(Reason.LIMIT_EXCEEDED)
+            where = f"peer {peer[0]}:{peer[1]}"
+            if self.auth is None and len(self._connections) >= self.max_connections:
+                self.bad_frame(Reason.LIMIT_EXCEEDED, f"{len(self._connections)} connections "
+                               f"already (max_connections)", where)
                 sock.close()
                 continue
+            if self.auth is not None:
+                self._make_room_for_a_stranger()
             sock.setblocking(True)
             configure(sock)
-            connection = Connection(self, sock, f"peer {peer[0]}:{peer[1]}")
+            connection = Connection(self, sock, where)
             thread = threading.Thread(target=self._serve, args=(connection,), daemon=True,
                                       name=f"pdt-tcp-recv-{peer[1]}")
             self._connections[connection] = thread
+            if self.auth is not None:
+                loop.call_later(self.handshake_timeout_s, connection.cut_handshake, Reason.TIMEOUT,
+                                f"no authentication handshake within {self.handshake_timeout_s:g} s"
+                                f" of the connection")
             thread.start()
+
+    def _make_room_for_a_stranger(self) -> None:
+        """At ``max_pending`` connections that have not authenticated, shut the oldest down."""
+        pending = [c for c in self._connections if c.authenticated is None]
+        for connection in pending[:max(0, len(pending) - self.max_pending + 1)]:
+            connection.cut_handshake(Reason.LIMIT_EXCEEDED,
+                                     f"{self.max_pending} connections are waiting for their "
+                                     f"authentication handshake (max_pending): this one, the "
+                                     f"oldest, makes room for a newer one")
 
     def _serve(self, connection: Connection) -> None:
         try:
             connection.serve()
         finally:
+            if connection.holds_slot:
+                with self._stats_lock:
+                    self._authenticated -= 1
             try:
                 self.loop.call_soon_threadsafe(self._connections.pop, connection, None)
             except RuntimeError:

@@ -38,6 +38,7 @@ import zmq.asyncio
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.base import Link, PeerEndpoint, Transport, TransportKind
 from pd_transfer.transport.frames import (
+    MAX_HEADER_NBYTES,
     Ack,
     ChunkHeader,
     Done,
@@ -171,6 +172,7 @@ class ZmqTcpTransport(Transport):
                                  hint="start a TcpReceiver on the decode side and register its address")
         socket = self.context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_HEADER_NBYTES)  # replies are header-sized frames
         if self.socket_options is not None:
             self.socket_options(socket)
         try:

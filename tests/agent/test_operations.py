@@ -65,12 +65,16 @@ def test_metrics_count_transfers_aborts_and_rejections_with_labels(cluster_facto
     assert status == 200
     p = _samples(text)
     peer = decode[0].rank_id
-    assert _value(p, "pd_transfer_transfers_total", role="prefill", peer=peer, outcome="success",
+    assert _value(p, "pd_transfer_transfers_total", role="prefill", outcome="success",
                   transport="shm", mode="sliced") == 0  # same TP: not sliced
-    assert _value(p, "pd_transfer_transfers_total", role="prefill", peer=peer, outcome="success",
+    assert _value(p, "pd_transfer_transfers_total", role="prefill", outcome="success",
                   transport="shm") == 2
+    assert _value(p, "pd_transfer_peer_transfers_total", role="prefill", peer=peer,
+                  outcome="success") == 2
     assert _value(p, "pd_transfer_aborts_total", role="prefill", side="decode", reason="aborted") == 1
-    assert _value(p, "pd_transfer_transfer_failures_total", role="prefill", peer=peer, reason="aborted") == 1
+    assert _value(p, "pd_transfer_transfer_failures_total", role="prefill", reason="aborted") == 1
+    assert _value(p, "pd_transfer_peer_transfer_failures_total", role="prefill", peer=peer,
+                  reason="aborted") == 1
     assert _value(p, "pd_transfer_verdicts_total", role="prefill", outcome="accepted") == 1
     assert _value(p, "pd_transfer_verdicts_total", role="prefill", outcome="rejected",
                   reason="dtype_mismatch") == 1

@@ -23,7 +23,7 @@ from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.presets import model_from_table
 from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.views import Layout
-from pd_transfer.metrics import BAD_FRAME_REASONS, LIMITS, UNREGISTERED_PEER
+from pd_transfer.metrics import BAD_FRAME_REASONS, LIMITS
 from pd_transfer.ports import spare_port
 
 TINY = {"name": "tiny", "num_layers": 2, "layer_cycle": ["attention"],
@@ -78,8 +78,7 @@ def test_alerting_series_exist_at_zero_before_any_event_and_count_the_first(clus
             assert _get(series, "pd_transfer_bad_frames_total", role=role, reason=reason) == 0
         for limit in LIMITS:
             assert _get(series, "pd_transfer_limit_rejections_total", role=role, limit=limit) == 0
-        assert _get(series, "pd_transfer_heartbeat_misses_total", role=role,
-                    peer=UNREGISTERED_PEER) == 0
+        assert _get(series, "pd_transfer_heartbeat_misses_total", role=role) == 0
         assert _get(series, "pd_transfer_peers", role=role, state="lost") == 0
     # once the pair is accepted, each side's loss and transfer series of the other exist at 0
     cluster.attach_all()
@@ -89,9 +88,9 @@ def test_alerting_series_exist_at_zero_before_any_event_and_count_the_first(clus
                         state="accepted") == 1, 20, "the prefill side accepts the decode rank")
     for rank, role, peer in ((p, "prefill", d), (d, "decode", p)):
         series = _series(cluster, rank)
-        assert _get(series, "pd_transfer_heartbeat_misses_total", role=role, peer=peer) == 0
+        assert _get(series, "pd_transfer_peer_heartbeat_misses_total", role=role, peer=peer) == 0
         outcomes = {dict(labels)["outcome"]: value for (name, labels), value in series.items()
-                    if name == "pd_transfer_transfers_total" and dict(labels)["peer"] == peer}
+                    if name == "pd_transfer_peer_transfers_total" and dict(labels)["peer"] == peer}
         assert outcomes == {"success": 0, "failed": 0}
     # one garbage frame on the control socket is counted: a step from 0 that increase() sees
     _send_garbage(cluster.ready[p]["control_address"])

@@ -45,7 +45,7 @@ def test_failure_rate_alert_is_per_reason(alert_rules):
 
 @pytest.mark.parametrize("alert, needle", [
     ("PdTransferPeerLost", 'pd_transfer_peers{state="lost"}'),
-    ("PdTransferPeerFlapping", "pd_transfer_heartbeat_misses_total"),
+    ("PdTransferPeerFlapping", "pd_transfer_peer_heartbeat_misses_total"),
     ("PdTransferPeerRejected", 'pd_transfer_peers{state="rejected"}'),
     ("PdTransferSidecarNotReady", 'probe_success{job="blackbox-pd-transfer-readyz"}'),
     ("PdTransferSidecarNotReady", 'kube_pod_init_container_status_ready{container="pd-transfer"}'),

@@ -1,0 +1,84 @@
+"""Frame caps on the sidecar's ZeroMQ sockets, and a watch on their connections.
+
+ZeroMQ reads a whole frame into memory before the application sees it: without
+a cap, a stranger who declares an 8 GiB frame on the control or bootstrap port
+makes the sidecar hold everything it sends, before the codec's frame limit or
+the authentication handshake runs. :func:`bound_frames` sets ``MAXMSGSIZE`` on
+a socket from the one frame limit of the protocol
+(:data:`~pd_transfer.protocol.limits.DEFAULT_LIMITS`, 16 MiB; the worker API
+and the data plane pass their own), so ZeroMQ drops the connection as soon as
+a frame header declares more, having buffered nothing of it.
+
+ZeroMQ drops such a connection without telling the application why. The
+:class:`ConnectionWatch` of a listening socket follows its monitor and counts
+every connection that ends (``pd_transfer_connections_closed_total{socket}``:
+a peer leaving, and a peer dropped for an oversized or malformed frame, end a
+connection alike), and every connection whose ZeroMQ handshake failed on a
+protocol error (something that is not ZeroMQ on the port) as a bad frame.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from pd_transfer.errors import Reason
+from pd_transfer.protocol.limits import DEFAULT_LIMITS
+
+log = logging.getLogger(__name__)
+
+#: the largest frame a peer may send on a control or bootstrap socket
+CONTROL_FRAME_NBYTES = DEFAULT_LIMITS.max_frame_nbytes
+
+_WATCHED = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+
+
+def bound_frames(socket: zmq.Socket, max_frame_nbytes: int = CONTROL_FRAME_NBYTES) -> None:
+    """ZeroMQ drops a connection whose next frame declares more than ``max_frame_nbytes``."""
+    socket.setsockopt(zmq.MAXMSGSIZE, max_frame_nbytes)
+
+
+class ConnectionWatch:
+    """Counts the ends of one listening socket's connections; :meth:`run` is its task.
+
+    ``on_closed(socket_name)`` for every connection that ended,
+    ``on_bad_frame(reason)`` for a failed ZeroMQ handshake (not ZMTP on the port).
+    """
+
+    def __init__(self, socket: zmq.asyncio.Socket, name: str, where: str, *,
+                 on_closed: Callable[[str], None] = lambda name: None,
+                 on_bad_frame: Callable[[str], None] = lambda reason: None) -> None:
+        self.name = name
+        self.where = where
+        self.closed = 0
+        self._on_closed = on_closed
+        self._on_bad_frame = on_bad_frame
+        self._limit = socket.getsockopt(zmq.MAXMSGSIZE)   # -1: none
+        self._monitor = socket.get_monitor_socket(_WATCHED)
+
+    async def run(self) -> None:
+        monitor = self._monitor
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                if event == zmq.EVENT_MONITOR_STOPPED:
+                    return
+                if event == zmq.EVENT_DISCONNECTED:
+                    self.closed += 1
+                    self._on_closed(self.name)
+                    log.info("%s: a connection ended (%d so far): the peer left, or sent a "
+                             "frame over the %d-byte limit or one ZeroMQ could not parse",
+                             self.where, self.closed, self._limit)
+                elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                    self._on_bad_frame(Reason.BAD_FRAME.value)
+                    log.warning("%s: dropped a connection that is not ZeroMQ (its handshake "
+                                "broke the protocol)", self.where)
+        except zmq.ZMQError as err:  # the socket closed under the monitor
+            log.debug("%s: connection watch stopped: %s", self.where, err)
+        finally:
+            monitor.close(linger=0)
+
