@@ -110,6 +110,19 @@ class DataPlane:
                 staging=receiver_staging(self.config, self.context))
             await self._engine_receiver.start()
 
+    async def unmap_local(self) -> None:
+        """The worker is gone: stop receiving into its regions, then unmap them (the
+        pages go back to the kernel once the worker and the peers unmapped them too)."""
+        if self._receiver is not None:
+            await self._receiver.stop()
+            self._receiver = None
+        if self._engine_receiver is not None:
+            await self._engine_receiver.stop()
+            self._engine_receiver = None
+        for segment in self._segments:
+            segment.close()
+        self._segments, self.local_regions, self._geometry = [], {}, None
+
     async def fence(self, room: int, generation: int) -> None:
         """Refuse late tcp chunks of ``room`` up to ``generation`` (no-op without a receiver)."""
         if self._receiver is not None:
