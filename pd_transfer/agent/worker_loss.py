@@ -72,7 +72,10 @@ class WorkerBinding:
         async with self.lock:
             if sidecar.geometry is None:
                 return
-            log.warning("%s; failing its rooms and releasing its pools", why)
+            live = len(sidecar.rooms.live())
+            # a worker that finished its rooms and exited is routine; one that left rooms is not
+            log.log(logging.WARNING if live else logging.INFO,
+                    "%s; failing its %d live room(s) and releasing its pools", why, live)
             self.lost_reason = f"{why}; waiting for it to register again"
             self.releases += 1
             sidecar.registered.clear()
@@ -106,6 +109,7 @@ async def _release_prefill(sidecar, why: str) -> None:
                 await peer.channel.send(Close(reason=Reason.WORKER_LOST, reason_text=text[:4000]))
         except Exception as err:   # a peer already gone: released all the same
             log.debug("prefill: no Close to %s: %s", peer.rank_id, err)
+        sidecar.observe.peer(peer.rank_id, "lost", f"session closed: {text}", peer.channel)
         side.release_peer(peer.channel, Reason.WORKER_LOST, f"decode peer {{}}: {text}")
 
 
@@ -123,5 +127,9 @@ async def _release_decode(sidecar, why: str) -> None:
             instances.append(task.result())
     prefill.instances.clear()
     prefill.retired.clear()
+    for instance in instances:
+        for peer in instance.peers.values():
+            if not peer.channel.closed:
+                sidecar.observe.peer(peer.rank_id, "lost", f"session closed: {text}", peer.channel)
     await asyncio.gather(*(retire.close_sessions(instance) for instance in instances),
                          return_exceptions=True)

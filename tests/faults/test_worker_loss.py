@@ -185,6 +185,9 @@ def test_a_killed_decode_worker_is_let_go_on_both_sides_and_its_restart_moves_a_
     status, body = wait_for(lambda: (r := cluster.http(decode.rank_id, "/readyz"))[0] == 503 and r,
                             10, "decode /readyz 503")
     assert "worker child is gone" in body, body
+    peers = json.loads(cluster.http(decode.rank_id, "/status")[1])["peers"]
+    assert [(p["state"], "the decode worker is gone" in p["reason"]) for p in peers] == \
+        [("lost", True)], peers
     # both sidecars let go of the decode pools: decode its own mapping, prefill its link's
     wait_for(lambda: not _mapped_segments(decode_pid, pools[decode.rank_id]), 10, "decode unmapped")
     wait_for(lambda: not _mapped_segments(prefill_pid, pools[decode.rank_id]), 10,
