@@ -127,6 +127,7 @@ async def _release_decode(sidecar, why: str) -> None:
             instances.append(task.result())
     prefill.instances.clear()
     prefill.retired.clear()
+    prefill.backoffs.clear()   # the next worker resolves its instances afresh
     for instance in instances:
         for peer in instance.peers.values():
             if not peer.channel.closed:
