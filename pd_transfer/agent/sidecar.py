@@ -36,7 +36,7 @@ from pd_transfer.agent.prefill import PrefillSide
 from pd_transfer.agent.retry import Backoff
 from pd_transfer.agent.rooms import RoomTable, pool_requests
 from pd_transfer.agent.startup import ReadyFile, binding, prepare_worker_endpoint
-from pd_transfer.agent.worker_loss import WorkerBinding
+from pd_transfer.agent.worker_loss import WorkerBinding, close_stale_sessions
 from pd_transfer.config import SidecarConfig
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import RankGeometry, Role, check_geometry
@@ -254,6 +254,7 @@ class Sidecar:
         log.info("worker %s registered %s: %d views in %d regions", request["worker_id"],
                  geometry.rank_id, len(geometry.views), len(geometry.regions))
         if self.config.role is Role.PREFILL:
+            await close_stale_sessions(self)   # verdicts on a lost worker's registration
             await self._announce_first()
             self.worker_tasks.append(self.spawn(self._join_prefill_instance()))
         else:

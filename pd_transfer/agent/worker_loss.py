@@ -8,10 +8,13 @@ of everything it held for it:
 
 1. its live rooms fail with ``worker_lost`` and the reason (prefill writes in
    flight finish first; decode fences its sources as for an abort);
-2. every peer session ends: prefill sends its decode peers a Close (they
-   resolve the instance anew, with a new verdict once the worker is back),
-   decode closes its sessions to the prefill ranks (which unmap its segments);
-   prefill rank 0 stops serving the rank table until its worker is back;
+2. decode closes its sessions to the prefill ranks (which unmap its
+   segments). Prefill keeps its decode sessions, since rooms of the other
+   prefill ranks may still be running on them (a TP 2 instance whose rank 0
+   finished and exited first), answers their new rooms with ``worker_lost``,
+   and closes them when the worker registers again, so that each decode rank
+   resolves the instance anew and gets a verdict on the new registration.
+   Prefill rank 0 stops serving the rank table until its worker is back;
 3. the worker's regions are unmapped (the tcp receiver into them stops);
 4. ``/readyz`` answers 503 with the reason, and the next registration (the
    restarted worker) is taken like the first one.
@@ -45,6 +48,7 @@ class WorkerBinding:
         self.connection: Hashable | None = None
         self.lost_reason = ""        # for /readyz until the worker registers again
         self.releases = 0
+        self.stale_peers: set[int] = set()   # prefill: decode sessions verdicted before the loss
 
     def bind(self, worker_id: str, connection: Hashable | None, endpoint) -> None:
         """The registration of ``worker_id`` through ``connection`` is committed; a
@@ -103,10 +107,22 @@ async def _release_prefill(sidecar, why: str) -> None:
         sidecar.bootstrap_server = None
     side.table = None
     side.table_ready.clear()
-    for peer in list(side.peers.values()):
+    sidecar.worker.stale_peers = {key for key, peer in side.peers.items() if peer.accepted}
+
+
+async def close_stale_sessions(sidecar) -> None:
+    """Prefill, once a new registration is committed: the decode sessions verdicted on the
+    lost worker's registration get a Close, and resolve this instance anew."""
+    side, stale = sidecar.side, sidecar.worker.stale_peers
+    sidecar.worker.stale_peers = set()
+    text = "the prefill worker registered again: resolve this instance anew for a new verdict"
+    for key in stale:
+        peer = side.peers.get(key)
+        if peer is None:
+            continue
         try:
             async with asyncio.timeout(retire.CLOSE_SEND_TIMEOUT_S):
-                await peer.channel.send(Close(reason=Reason.WORKER_LOST, reason_text=text[:4000]))
+                await peer.channel.send(Close(reason=Reason.WORKER_LOST, reason_text=text))
         except Exception as err:   # a peer already gone: released all the same
             log.debug("prefill: no Close to %s: %s", peer.rank_id, err)
         sidecar.observe.peer(peer.rank_id, "lost", f"session closed: {text}", peer.channel)
