@@ -56,9 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Like check, then print the first descriptors of the plan between one "
                     "prefill rank and one decode rank.")
     _add_pair_args(plan)
-    plan.add_argument("--decode-rank", type=int, default=0, metavar="N",
+    plan.add_argument("--decode-rank", type=_non_negative_int, default=0, metavar="N",
                       help="decode attention-TP rank to plan for (default 0)")
-    plan.add_argument("--limit", type=int, default=12, metavar="N",
+    plan.add_argument("--limit", type=_positive_int, default=12, metavar="N",
                       help="descriptors to print per pool (default 12)")
     plan.set_defaults(handler=_cmd_plan)
     _add_serve(sub)
@@ -77,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
         "status", help="print a running sidecar's peers, verdicts and live rooms",
         description="Read a sidecar's /status endpoint and print it as tables.",
         epilog="exit codes: 0 ready, 1 not ready, 2 cannot reach the sidecar")
-    status.add_argument("--addr", required=True, metavar="HOST:PORT",
-                        help="the sidecar's HTTP address (http_host:http_port, e.g. 127.0.0.1:9400)")
+    status.add_argument("--addr", default=_default_http_address(), metavar="HOST:PORT",
+                        help="the sidecar's HTTP address, http_host:http_port (default "
+                             "%(default)s, a sidecar with the default http settings)")
     status.add_argument("--json", action="store_true", help="print the raw JSON document")
     status.set_defaults(handler=_cmd_status)
     return parser
@@ -168,6 +169,21 @@ def _add_pair_args(parser: argparse.ArgumentParser) -> None:
                         help="tokens in the sample request used to size the plan (default 4096)")
 
 
+def _default_http_address() -> str:
+    from pd_transfer.config import SidecarConfig
+    return f"{SidecarConfig.http_host}:{SidecarConfig.http_port}"
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -179,12 +195,23 @@ def _positive_int(text: str) -> int:
 
 
 def _load_pair(args: argparse.Namespace):
-    pair = load_worker_config(args.prefill), load_worker_config(args.decode)
+    pair = _load_side(args.prefill, Role.PREFILL), _load_side(args.decode, Role.DECODE)
     for config, role in zip(pair, (Role.PREFILL, Role.DECODE)):
         if config.role is not role:
             raise ConfigError(f"{config.source}: worker.role is {config.role.value!r} but the file "
                               f"was given as --{role.value}; pass a {role.value} worker config")
     return pair
+
+
+def _load_side(path: str, role: Role):
+    """The worker config given as ``--prefill`` or ``--decode``; an invalid one is an error
+    naming the side and the file (``--decode configs/x.toml: worker.model: ...``)."""
+    try:
+        return load_worker_config(path)
+    except ConfigError as err:
+        message = err.message.removeprefix(f"{path}: ")
+        raise ConfigError(f"--{role.value} {path}: {message}", code=err.code,
+                          hint=err.hint) from None
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -196,6 +223,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     prefill, decode = _load_pair(args)
+    if args.decode_rank >= decode.attn_tp_size:   # before any table: a usage error
+        raise ConfigError(f"--decode-rank {args.decode_rank}: --decode {args.decode} has "
+                          f"attn_tp_size {decode.attn_tp_size}, so its ranks are 0 to "
+                          f"{decode.attn_tp_size - 1}")
     text, ok = plan_report(prefill, decode, args.tokens, args.decode_rank, args.limit)
     print(text)
     return EXIT_OK if ok else EXIT_REJECTED

@@ -6,6 +6,12 @@ requests, and prints progress while they run and a summary at the end. The
 decode workers check every destination byte against the deterministic ground
 truth (:mod:`pd_transfer.sim.content`); any failed room or differing byte
 makes the demo exit 1.
+
+The arguments are checked before any process starts (the model preset, and
+both instances built and reconciled as the sidecars would): invalid ones
+exit 2 with the reason. A child that fails stops the demo at once, with the
+end of that child's log. SIGINT and SIGTERM stop every child and remove the
+work directory, then exit 130 or 143 with one line.
 """
 
 from __future__ import annotations
@@ -27,21 +33,45 @@ from pd_transfer.layout.views import KV_LAYOUTS
 from pd_transfer.ports import spare_port
 
 EXIT_OK, EXIT_FAILED = 0, 1
+CHILD_STOP_S = 10.0   # after SIGTERM, how long a child may take before it is killed
+
+
+class Stopped(BaseException):
+    """Raised in the main thread by SIGINT or SIGTERM (not an Exception: nothing eats it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+        return value
+    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="llama-3.1-8b", help="model preset (configs/models)")
-    parser.add_argument("--prefill-tp", type=int, default=2, help="prefill attention TP size")
-    parser.add_argument("--decode-tp", type=int, default=4, help="decode attention TP size")
-    parser.add_argument("--requests", type=int, default=24, help="requests to run")
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per request")
-    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--prefill-tp", type=_positive(int), default=2,
+                        help="prefill attention TP size")
+    parser.add_argument("--decode-tp", type=_positive(int), default=4,
+                        help="decode attention TP size")
+    parser.add_argument("--requests", type=_positive(int), default=24, help="requests to run")
+    parser.add_argument("--tokens", type=_positive(int), default=4096, help="tokens per request")
+    parser.add_argument("--page-size", type=_positive(int), default=16)
     parser.add_argument("--kv-layout", default="nhd", choices=[x.value for x in KV_LAYOUTS],
                         help="KV layout of the decode pools (prefill uses nhd)")
     parser.add_argument("--transport", default="shm", choices=["shm", "tcp"])
-    parser.add_argument("--window", type=int, default=4, help="rooms in flight at most")
+    parser.add_argument("--window", type=_positive(int), default=4, help="rooms in flight at most")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout-s", type=float, default=120.0, help="give up after this long")
+    parser.add_argument("--timeout-s", type=_positive(float), default=120.0,
+                        help="give up after this long")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, reports)")
 
 
@@ -81,29 +111,56 @@ def _tail(path: Path, lines: int = 8) -> str:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    """ConfigError (exit 2) for invalid arguments, before any process starts."""
+    verdicts = _verdicts(args)
+    previous = {signum: signal.signal(signum, _raise_stopped)
+                for signum in (signal.SIGINT, signal.SIGTERM)}
     workdir = Path(tempfile.mkdtemp(prefix="pd-transfer-demo-"))
     procs: list[Proc] = []
+    stopped = None
     try:
-        return _run(args, workdir, procs)
+        return _run(args, workdir, procs, verdicts)
     except RuntimeError as err:
         print(f"demo failed: {err}", file=sys.stderr)
         return EXIT_FAILED
+    except Stopped as stop:
+        stopped = stop.signum
+        return 128 + stop.signum
     finally:
-        for proc in procs:
-            if proc.popen.poll() is None:
-                proc.popen.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.popen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.popen.kill()
+        for signum in previous:   # the cleanup below is bounded; a second signal waits for it
+            signal.signal(signum, signal.SIG_IGN)
+        _stop_children(procs)
         if args.keep:
             print(f"work directory kept: {workdir}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if stopped is not None:
+            print(f"demo stopped by {signal.Signals(stopped).name}: {len(procs)} processes "
+                  f"stopped{'' if args.keep else ', work directory removed'}", file=sys.stderr)
 
 
-def _run(args: argparse.Namespace, workdir: Path, procs: list[Proc]) -> int:
+def _raise_stopped(signum: int, frame) -> None:
+    raise Stopped(signum)
+
+
+def _stop_children(procs: list[Proc]) -> None:
+    """SIGTERM to every child still running (sidecars drain, workers unlink their pools),
+    then SIGKILL to any that is still there after :data:`CHILD_STOP_S`."""
+    for proc in procs:
+        if proc.popen.poll() is None:
+            proc.popen.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + CHILD_STOP_S
+    for proc in procs:
+        try:
+            proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.popen.kill()
+            proc.popen.wait()
+
+
+def _run(args: argparse.Namespace, workdir: Path, procs: list[Proc], verdicts: str) -> int:
     pages = math.ceil(args.tokens / args.page_size)
     num_pages = args.window * pages + 8
     bootstrap = f"tcp://127.0.0.1:{spare_port()}"
@@ -138,17 +195,32 @@ def _run(args: argparse.Namespace, workdir: Path, procs: list[Proc]) -> int:
             if role == "decode":
                 cmd += ["--bootstrap", bootstrap]
             workers.append(_spawn(f"worker-{name}", cmd, workdir))
+    sidecars = list(procs)
     procs += workers
     started = time.monotonic()
-    _show_progress(args, workdir, workers, started)
-    return _summarise(args, workdir, workers, time.monotonic() - started)
+    _show_progress(args, workdir, sidecars, workers, started)
+    return _summarise(args, workdir, workers, time.monotonic() - started, verdicts)
 
 
-def _show_progress(args, workdir: Path, workers: list[Proc], started: float) -> None:
+def _check_children(sidecars: list[Proc], workers: list[Proc]) -> None:
+    """A sidecar that exited, or a worker that exited with an error, while the run goes
+    on: the demo stops now, with the end of that child's own log."""
+    running = any(w.popen.poll() is None for w in workers)
+    for proc in sidecars + workers:
+        code = proc.popen.poll()
+        if code is None or (proc in workers and (code == 0 or not running)):
+            continue
+        raise RuntimeError(f"{proc.name} exited with {code} during the run; the end of its log "
+                           f"({proc.log_path.name}):\n{_tail(proc.log_path)}")
+
+
+def _show_progress(args, workdir: Path, sidecars: list[Proc], workers: list[Proc],
+                   started: float) -> None:
     decode_progress = [workdir / f"decode{r}.progress" for r in range(args.decode_tp)]
     total = args.requests * args.decode_tp
     shown = -1
     while any(w.popen.poll() is None for w in workers):
+        _check_children(sidecars, workers)
         done = sum(_count_lines(p) for p in decode_progress)
         if done != shown:
             shown = done
@@ -167,22 +239,40 @@ def _count_lines(path: Path) -> int:
 
 
 def _verdicts(args) -> str:
-    """The per-pool verdicts of this pairing: what every sidecar pair agreed on."""
+    """The per-pool verdicts of this pairing: what every sidecar pair agreed on.
+
+    ConfigError naming the argument when the model is unknown, an instance cannot be
+    built (``--decode-tp 3`` with 8 KV heads) or the pair cannot be reconciled."""
     from pd_transfer.layout.geometry import Role
     from pd_transfer.layout.presets import load_preset
     from pd_transfer.layout.rank_builder import build_instance
     from pd_transfer.layout.reconcile import reconcile
     from pd_transfer.layout.views import Layout
-    spec = load_preset(args.model)
+    from pd_transfer.errors import ConfigError, PdTransferError, Reason
+    try:
+        spec = load_preset(args.model)
+    except ConfigError as err:
+        raise ConfigError(f"--model {args.model}: {err.message}", code=err.code,
+                          hint=err.hint) from None
     shape = {"page_size": args.page_size, "num_pages": 8, "num_slots": 1, "num_aux_rows": 1}
-    prefill = build_instance(spec, Role.PREFILL, args.prefill_tp, kv_layout=Layout.NHD, **shape)
-    decode = build_instance(spec, Role.DECODE, args.decode_tp, kv_layout=Layout(args.kv_layout), **shape)
-    modes = reconcile(prefill, decode).modes_by_pool()
+    instances = []
+    for role, flag, tp, layout in ((Role.PREFILL, "--prefill-tp", args.prefill_tp, "nhd"),
+                                   (Role.DECODE, "--decode-tp", args.decode_tp, args.kv_layout)):
+        try:
+            instances.append(build_instance(spec, role, tp, kv_layout=Layout(layout), **shape))
+        except PdTransferError as err:
+            raise ConfigError(f"{flag} {tp}: {args.model}: {err.message}", code=err.code,
+                              hint=err.hint) from None
+    recon = reconcile(*instances)
+    if not recon.ok:
+        raise ConfigError(f"the prefill and decode instances cannot be reconciled: {recon.error()}",
+                          code=Reason.INVALID_CONFIG)
+    modes = recon.modes_by_pool()
     return ", ".join(f"{pool.value} " + "/".join(f"{m.value} x{n}" for m, n in by_mode.items())
                      for pool, by_mode in modes.items())
 
 
-def _summarise(args, workdir: Path, workers: list[Proc], elapsed_s: float) -> int:
+def _summarise(args, workdir: Path, workers: list[Proc], elapsed_s: float, verdicts: str) -> int:
     reports = []
     for worker in workers:
         path = workdir / f"{worker.name.removeprefix('worker-')}.report.json"
@@ -203,7 +293,7 @@ def _summarise(args, workdir: Path, workers: list[Proc], elapsed_s: float) -> in
           f"{len([f for r in decode for f in r['failed']])} failed")
     print(f"{'bytes verified':<22}{verified / 2**30:.2f} GiB (every destination byte checked)")
     print(f"{'byte mismatches':<22}{mismatches}")
-    print(f"{'verdicts':<22}{_verdicts(args)}")
+    print(f"{'verdicts':<22}{verdicts}")
     print(f"{'elapsed':<22}{elapsed_s:.1f} s")
     print(f"{'throughput':<22}{verified / elapsed_s / 1e9:.2f} GB/s (verified bytes / wall time)")
     if latencies:

@@ -91,6 +91,7 @@ class Reason(enum.Enum):
     OVER_LIMIT = "over_limit"                    # refused at once: a bounded queue is full
     BOOTSTRAP_FAILED = "bootstrap_failed"
     SHUTTING_DOWN = "shutting_down"
+    WORKER_LOST = "worker_lost"                  # the worker's connection closed: it exited
     # data plane (pd_transfer.transport, pd_transfer.shm)
     RUN_OUT_OF_REGION = "run_out_of_region"          # a byte run outside its region
     REGION_INVALID = "region_invalid"                # not a contiguous 1-D uint8 CPU tensor

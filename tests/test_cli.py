@@ -122,7 +122,31 @@ def test_check_reports_invalid_config_on_one_line_naming_the_field(capsys, tmp_p
         path.write_text(text)
     code, out, err = _check(capsys, str(path), DECODE_TP4)
     assert code == EXIT_INVALID and out == ""
-    assert err == f"pd-transfer: error: {path}: {expected}\n"
+    assert err == f"pd-transfer: error: --prefill {path}: {expected}\n"
+
+
+def test_check_names_the_side_and_the_file_of_an_invalid_config(capsys, tmp_path):
+    path = tmp_path / "decode.toml"
+    path.write_text(VALID_WORKER.replace('"prefill"', '"decode"').replace("llama-3.1-8b", "llama-9"))
+    code, out, err = _check(capsys, PREFILL_TP2, str(path))
+    assert code == EXIT_INVALID and out == ""
+    assert err.startswith(f"pd-transfer: error: --decode {path}: invalid worker config"), err
+    assert "- worker.model: unknown model preset 'llama-9'" in err
+
+
+def test_plan_for_a_decode_rank_the_config_lacks_is_a_usage_error_before_any_table():
+    result = subprocess.run(
+        [sys.executable, "-m", "pd_transfer.cli", "plan", "--prefill", PREFILL_TP2,
+         "--decode", DECODE_TP4, "--decode-rank", "7", *TOKENS],
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode == EXIT_INVALID and result.stdout == "", result.stdout
+    assert result.stderr == (f"pd-transfer: error: --decode-rank 7: --decode {DECODE_TP4} has "
+                             f"attn_tp_size 4, so its ranks are 0 to 3\n")
+    negative = subprocess.run(
+        [sys.executable, "-m", "pd_transfer.cli", "plan", "--prefill", PREFILL_TP2,
+         "--decode", DECODE_TP4, "--decode-rank", "-1"], capture_output=True, text=True, timeout=60)
+    assert negative.returncode == EXIT_INVALID and "--decode-rank: expected an integer >= 0" \
+        in negative.stderr
 
 
 def test_unknown_preset_message_lists_every_known_preset(capsys, tmp_path):

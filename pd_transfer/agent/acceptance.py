@@ -83,7 +83,8 @@ async def send_verdict(side, peer) -> None:
 
 
 async def _reject(side, peer, headline: str, mismatches: list[MismatchRecord]) -> None:
-    side.sidecar.observe.peer(peer.rank_id, "rejected", headline, peer.channel)
+    text = "\n".join([headline] + [f"  - {m.render()}" for m in mismatches])
+    side.sidecar.observe.peer(peer.rank_id, "rejected", text, peer.channel)
     side.sidecar.observe.verdict(False, mismatches[0].code.value if mismatches else "")
     text = "; ".join(m.render() for m in mismatches[:8])
     # a decode rank retrying (with backoff) is rejected again for the same reasons: debug

@@ -35,7 +35,7 @@ from pd_transfer.protocol import Register
 from pd_transfer.shm import Segment, open_segment
 from pd_transfer.transport import native_copy
 from pd_transfer.transport.admission import item_ranges
-from pd_transfer.transport.base import Link, PeerEndpoint
+from pd_transfer.transport.base import Link, PeerEndpoint, Transport
 from pd_transfer.transport.copy_engine import CopyEngine
 from pd_transfer.transport.device_copy import execute_on_device
 from pd_transfer.transport.engines import ENGINES, make_receiver, make_transport
@@ -113,6 +113,23 @@ class DataPlane:
                 transport=self._engine,  # one engine per sidecar, started before serving
                 staging=receiver_staging(self.config, self.context))
             await self._engine_receiver.start()
+
+    async def unmap_local(self) -> None:
+        """The worker is gone: stop receiving into its regions, then unmap them (the
+        pages go back to the kernel once the worker and the peers unmapped them too)."""
+        if self._receiver is not None:
+            await self._receiver.stop()
+            self._receiver = None
+        if self._engine_receiver is not None:
+            await self._engine_receiver.stop()
+            self._engine_receiver = None
+        self._shm.forget_sources()
+        self._tcp.forget_sources()
+        if isinstance(self._engine, Transport):
+            self._engine.forget_sources()
+        for segment in self._segments:
+            segment.close()
+        self._segments, self.local_regions, self._geometry = [], {}, None
 
     async def fence(self, room: int, generation: int) -> None:
         """Refuse late tcp chunks of ``room`` up to ``generation`` (no-op without a receiver)."""

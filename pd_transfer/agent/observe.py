@@ -224,7 +224,7 @@ class Observer:
         sidecar = self.sidecar
         reasons = []
         if sidecar.geometry is None:
-            reasons.append("the worker has not registered its pools")
+            reasons.append(sidecar.worker.lost_reason or "the worker has not registered its pools")
         elif sidecar.config.role is Role.PREFILL and not sidecar.side.table_ready.is_set():
             reasons.append("the prefill rank table is incomplete (not every rank announced)")
         for address in sidecar.config.prefill_bootstraps:
@@ -243,9 +243,10 @@ class Observer:
                   "mode": p.mode,
                   "last_heard_s": round(now - p.channel.last_heard_s, 3) if p.channel else None}
                  for p in self.peers.values()]
+        ready, readiness = self.ready()
         return {"agent_id": sidecar.config.agent_id, "role": self.role,
                 "rank": geometry.rank_id if geometry else None,
-                "ready": self.ready()[0], "copies": sidecar.dataplane.copies,
+                "ready": ready, "reasons": readiness["reasons"], "copies": sidecar.dataplane.copies,
                 "control_sessions": len(sidecar.control.channels) if sidecar.control else None,
                 "peers": peers, "rooms_by_status": sidecar.rooms.counts(),
                 "rooms": rooms}

@@ -162,6 +162,12 @@ class PrefillSide:
     async def _on_request(self, peer: DecodePeer, message: TransferRequest) -> None:
         if await refuse_new_room(self.sidecar, peer.channel, message):
             return
+        if self.sidecar.geometry is None:   # its worker is gone (agent/worker_loss.py)
+            await peer.channel.send(Done(room=message.room, generation=message.generation,
+                                         status=DoneStatus.FAILED, reason=Reason.WORKER_LOST,
+                                         reason_text=self.sidecar.worker.lost_reason
+                                         or "the prefill worker is not registered"))
+            return
         room = self._room(message.room)
         if not peer.accepted:
             await peer.channel.send(Done(room=message.room, generation=message.generation,

@@ -33,6 +33,7 @@ from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.reconcile import reconcile
 from pd_transfer.protocol import (
     AbortAck,
+    Close,
     Done,
     Heartbeat,
     Hello,
@@ -228,11 +229,12 @@ class PrefillInstances:
                                       modes=[p.mode.value for p in verdict.plan])
             self.sidecar.observe.verdict_strategies(peer.rank_id, verdict.plan)
         if not verdict.accepted:
-            self.sidecar.observe.peer(peer.rank_id, "rejected", verdict.headline, peer.channel)
             lines = [verdict.headline or f"{peer.rank_id} rejected this decode rank"]
             lines += [f"  - {m.render()}" for m in verdict.mismatches]
             hints = dict.fromkeys(m.hint for m in verdict.mismatches if m.hint)
             lines += [f"  hint: {h}" for h in hints]
+            # the whole diagnostic, every mismatch (status shows it; the headline alone hides it)
+            self.sidecar.observe.peer(peer.rank_id, "rejected", "\n".join(lines), peer.channel)
             raise PdTransferError("\n".join(lines), code=Reason.PEER_REJECTED)
 
     async def _on_message(self, instance: PrefillInstance, peer: PrefillPeer, message) -> None:
@@ -249,6 +251,9 @@ class PrefillInstances:
                 peer.verdict.set_result(message)
         elif isinstance(message, (Done, Progress, AbortAck)):
             self._on_room_message(peer, message)
+        elif isinstance(message, Close):   # e.g. its worker is gone: resolved anew
+            self._end(instance, peer, f"prefill peer {peer.channel.label} closed the session: "
+                                      f"{message.reason_text}", message.reason or Reason.SESSION_CLOSED)
         elif isinstance(message, (Register, Heartbeat)):
             pass
 

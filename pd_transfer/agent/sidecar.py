@@ -36,6 +36,7 @@ from pd_transfer.agent.prefill import PrefillSide
 from pd_transfer.agent.retry import Backoff
 from pd_transfer.agent.rooms import RoomTable, pool_requests
 from pd_transfer.agent.startup import ReadyFile, binding, prepare_worker_endpoint
+from pd_transfer.agent.worker_loss import WorkerBinding, close_stale_sessions
 from pd_transfer.config import SidecarConfig
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import RankGeometry, Role, check_geometry
@@ -64,11 +65,14 @@ class Sidecar:
         self.geometry: RankGeometry | None = None
         self.handles: dict[str, str] = {}
         self.pp_size = 1
+        self.worker = WorkerBinding(self)   # the registration's connection (agent/worker_loss.py)
+        self.worker_tasks: list[asyncio.Task] = []   # what lives only while the worker is registered
+        self.endpoint = None
         self.dataplane = DataPlane(config, self.context, on_bad_frame=self.observe.bad_frame)
         self.side = PrefillSide(self) if config.role is Role.PREFILL else DecodeSide(self)
         self.control: IncomingChannels | None = None
         self.bootstrap_server: BootstrapServer | None = None
-        self._registered = asyncio.Event()
+        self.registered = asyncio.Event()
         self._stop = asyncio.Event()
         self._force = False
         self._stopping = False
@@ -83,6 +87,10 @@ class Sidecar:
         self.ready_file = ReadyFile(config.ready_file)
 
     # -- lifecycle ---------------------------------------------------------------
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
     def request_stop(self, *, force: bool) -> None:
         self._force = self._force or force
         self._stop.set()
@@ -93,13 +101,12 @@ class Sidecar:
         config = self.config
         try:   # a failed start (an address in use) still removes what was made: doorbells
             prepare_worker_endpoint(config.worker_endpoint)
-            endpoint = WorkerEndpoint(self.context, self.config.worker_endpoint, self.handle_worker,
-                                      on_bad_request=self.observe.bad_frame,
-                                      max_requests=self.config.max_worker_requests,
-                                      on_over_limit=lambda: self.observe.limit_refused(
-                                          "max_worker_requests"),
-                                      on_closed=self.observe.connection_closed)
-            self._spawn(endpoint.serve())
+            endpoint = self.endpoint = WorkerEndpoint(
+                self.context, config.worker_endpoint, self.handle_worker,
+                on_bad_request=self.observe.bad_frame, max_requests=config.max_worker_requests,
+                on_over_limit=lambda: self.observe.limit_refused("max_worker_requests"),
+                on_closed=self.worker.on_closed, on_connection_closed=self.observe.connection_closed)
+            self.spawn(endpoint.serve())
             if self.config.role is Role.PREFILL:
                 with binding("control_host", config.control_host, "control_port", config.control_port):
                     self.control = IncomingChannels(self.context, config.control_host,
@@ -107,13 +114,13 @@ class Sidecar:
                                                     on_bad_frame=self.observe.bad_frame,
                                                     on_refused=self._on_control_refused,
                                                     on_closed=self.observe.connection_closed)
-                self._spawn(self.control.serve(self._on_control))
+                self.spawn(self.control.serve(self._on_control))
             self.http = HttpServer(self.config.http_host, self.config.http_port,
                                    metrics=self.observe.render, ready=self.observe.ready,
                                    status=self.observe.status)
             with binding("http_host", config.http_host, "http_port", config.http_port):
                 await self.http.start()
-            self._spawn(self._timers())
+            self.spawn(self._timers())
             self._write_ready_file()
             self.security.log_mode()
             if not self.dataplane.copies.startswith("native"):
@@ -157,8 +164,10 @@ class Sidecar:
                 self.side._fail(room, Reason.SHUTTING_DOWN, text)
         await asyncio.sleep(0.05)  # let the failure notices leave
 
-    def _spawn(self, coro) -> None:
-        self._tasks.append(asyncio.create_task(coro))
+    def spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.append(task)
+        return task
 
     def _write_ready_file(self) -> None:
         self.ready_file.write({
@@ -168,9 +177,11 @@ class Sidecar:
             "http_address": self.http.address if self.http else ""})
 
     # -- worker API ----------------------------------------------------------------
-    async def handle_worker(self, op: WorkerOp, request: dict[str, Any]) -> dict[str, Any]:
+    async def handle_worker(self, op: WorkerOp, request: dict[str, Any],
+                            connection=None) -> dict[str, Any]:
         if op is WorkerOp.REGISTER:
-            return await self._register(request)
+            async with self.worker.lock:
+                return await self._register(request, connection)
         if self.geometry is None:
             raise PdTransferError("the worker has not registered its pools yet",
                                   code=Reason.NOT_REGISTERED)
@@ -212,10 +223,13 @@ class Sidecar:
             raise PdTransferError(f"room {room_id} is unknown", code=Reason.UNKNOWN_ROOM)
         return room
 
-    async def _register(self, request: dict[str, Any]) -> dict[str, Any]:
+    async def _register(self, request: dict[str, Any], connection) -> dict[str, Any]:
         if self.geometry is not None:
-            raise PdTransferError("the worker is already registered; restart the sidecar to change "
-                                  "its pools", code=Reason.ALREADY_REGISTERED)
+            raise PdTransferError(
+                f"worker {self.worker.worker_id} is registered, and the connection it registered "
+                f"through is open", code=Reason.ALREADY_REGISTERED,
+                hint="a worker registers once per sidecar; a restarted worker registers again "
+                     "once the old one's connection closed (it exited, or closed that client)")
         geometry = geometry_from_data(request["geometry"])
         if geometry.role is not self.config.role:
             raise PdTransferError(f"a {geometry.role.value} worker registered with a "
@@ -233,15 +247,17 @@ class Sidecar:
             raise
         if table is not None:
             self.bootstrap_server = table
-            self._spawn(table.serve())
+            self.worker_tasks.append(self.spawn(table.serve()))
         self.geometry, self.handles = geometry, handles
         self.pp_size = request["pp_size"]
-        self._registered.set()
+        self.registered.set()
+        self.worker.bind(request["worker_id"], connection, self.endpoint)
         log.info("worker %s registered %s: %d views in %d regions", request["worker_id"],
                  geometry.rank_id, len(geometry.views), len(geometry.regions))
         if self.config.role is Role.PREFILL:
+            await close_stale_sessions(self)   # verdicts on a lost worker's registration
             await self._announce_first()
-            self._spawn(self._join_prefill_instance())
+            self.worker_tasks.append(self.spawn(self._join_prefill_instance()))
         else:
             self.side.resolve_configured()
         return {"rank_id": geometry.rank_id}
@@ -249,7 +265,7 @@ class Sidecar:
     async def wait_registered(self, timeout_s: float) -> None:
         try:
             async with asyncio.timeout(timeout_s):
-                await self._registered.wait()
+                await self.registered.wait()
         except TimeoutError:
             raise PdTransferError("the worker did not register in time",
                                   code=Reason.NOT_REGISTERED) from None

@@ -48,9 +48,11 @@ MAX_UNREAD_NBYTES = 64 * 1024 * 1024
 
 class StreamRouter:
     def __init__(self, path: str, *, on_bad_frame: Callable[[str], None] = lambda reason: None,
+                 on_closed: Callable[[bytes], None] = lambda identity: None,
                  max_queued: int = MAX_QUEUED, max_unread_nbytes: int = MAX_UNREAD_NBYTES) -> None:
         self.path = path
         self._on_bad_frame = on_bad_frame
+        self._on_closed = on_closed
         self._max_unread_nbytes = max_unread_nbytes
         self._listener = listen_unix(path)
         self._inbox: asyncio.Queue[list[bytes]] = asyncio.Queue(max_queued)
@@ -91,6 +93,11 @@ class StreamRouter:
         finally:
             del self._writers[identity]
             writer.close()
+            self._on_closed(identity)
+
+    def is_open(self, identity: bytes) -> bool:
+        """Whether the connection ``identity`` names is still open."""
+        return identity in self._writers
 
     def close(self) -> None:
         if self._server is not None:

@@ -15,6 +15,13 @@ A ``unix://PATH`` address serves the same frames on a plain Unix stream
 socket instead (:mod:`pd_transfer.agent.stream_router`): the same requests,
 limits and handshake, about a third of ZeroMQ's round trip on a small host.
 
+Each request reaches the handler with the connection it came on (a file
+descriptor for ZeroMQ, read from the frame's ``SRCFD``; the connection's id
+for ``unix://``), and ``on_closed(connection)`` is called when a connection
+closes: the worker's process ended, or it closed its client. The sidecar
+ties the worker's registration to its connection this way
+(:mod:`pd_transfer.agent.worker_loss`).
+
 With authentication on, a worker's client runs the handshake first
 (:mod:`pd_transfer.agent.auth`); a request sent without it gets an error
 reply with the code ``unauthenticated`` and never reaches the handler.
@@ -25,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
 
 import zmq
@@ -41,7 +48,8 @@ from pd_transfer.protocol.worker_api import WorkerApiError, WorkerOp
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[WorkerOp, dict[str, Any]], Awaitable[dict[str, Any]]]
+# (op, request, connection): ``connection`` is None where it cannot be told (no SRCFD)
+Handler = Callable[[WorkerOp, dict[str, Any], Hashable | None], Awaitable[dict[str, Any]]]
 
 
 class WorkerEndpoint:
@@ -49,25 +57,34 @@ class WorkerEndpoint:
                  on_bad_request: Callable[[str], None] = lambda reason: None,
                  max_requests: int = 8192,
                  on_over_limit: Callable[[], None] = lambda: None,
-                 on_closed: Callable[[str], None] = lambda socket: None) -> None:
+                 on_closed: Callable[[Hashable], None] = lambda connection: None,
+                 on_connection_closed: Callable[[str], None] = lambda socket: None) -> None:
         self._on_bad_request = on_bad_request
+        self._on_closed = on_closed
+        # ZeroMQ: how many connections closed on each descriptor; a connection is
+        # (descriptor, that count when its request came), so a reused descriptor is another one
+        self._closed_on: dict[int, int] = {}
         self.max_requests = max_requests
         self._on_over_limit = on_over_limit
         path = unix_path(address)
-        self._watch: ConnectionWatch | None = None
         if path is not None:
-            self._socket = StreamRouter(path, on_bad_frame=self._count_bad_request)
+            self._socket = StreamRouter(path, on_bad_frame=self._count_bad_request,
+                                        on_closed=on_closed)
+            self._watch: ConnectionWatch | None = None
         else:
             self._socket = context.socket(zmq.ROUTER)
             self._socket.setsockopt(zmq.LINGER, 0)
             bound_frames(self._socket, worker_api.MAX_REQUEST_NBYTES)
             self._socket.bind(address)
+            # counts every ended connection, and tells which descriptor's (the worker's registration)
             self._watch = ConnectionWatch(self._socket, "worker", f"worker endpoint {address}",
-                                          on_closed=on_closed,
-                                          on_bad_frame=self._count_bad_request)
+                                          on_closed=on_connection_closed,
+                                          on_bad_frame=self._count_bad_request,
+                                          on_disconnected=self._closed_descriptor)
         self.address = address
         self._handler = handler
         self._tasks: set[asyncio.Task] = set()
+        self._watcher: asyncio.Task | None = None
         self.bad_requests = 0
         self._doorman = Doorman(self._socket, security_of(context), "worker endpoint",
                                 _refusal_reply, on_bad_frame=self._count_bad_request)
@@ -79,16 +96,10 @@ class WorkerEndpoint:
     async def serve(self) -> None:
         if isinstance(self._socket, StreamRouter):
             await self._socket.start()
-        watching = asyncio.create_task(self._watch.run()) if self._watch is not None else None
-        try:
-            await self._serve()
-        finally:
-            if watching is not None:
-                watching.cancel()
-
-    async def _serve(self) -> None:
+        else:
+            self._watcher = asyncio.create_task(self._watch.run())
         while True:
-            frames = await self._socket.recv_multipart()
+            frames, connection = await self._receive()
             if len(frames) != 2:
                 self.bad_requests += 1
                 self._on_bad_request(Reason.BAD_FRAME.value)
@@ -100,16 +111,45 @@ class WorkerEndpoint:
             if len(self._tasks) >= self.max_requests:
                 await self._refuse_busy(identity, frame)
                 continue
-            task = asyncio.create_task(self._answer(identity, frame))
+            task = asyncio.create_task(self._answer(identity, frame, connection))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _answer(self, identity: bytes, frame: bytes) -> None:
+    async def _receive(self) -> tuple[list[bytes], Hashable | None]:
+        """The next request's frames, and the connection it came on."""
+        if isinstance(self._socket, StreamRouter):
+            frames = await self._socket.recv_multipart()
+            return frames, frames[0]
+        parts = await self._socket.recv_multipart(copy=False)
+        try:
+            fd = parts[-1].get(zmq.SRCFD)
+            connection = (fd, self._closed_on.get(fd, 0))
+        except zmq.ZMQError:   # a libzmq without it: the worker's connection is not watched
+            connection = None
+        return [part.bytes for part in parts], connection
+
+    def is_open(self, connection: Hashable | None) -> bool:
+        """Whether ``connection`` is still open (True when it cannot be told)."""
+        if connection is None:
+            return True
+        if isinstance(self._socket, StreamRouter):
+            return self._socket.is_open(connection)
+        fd, closed = connection
+        return self._closed_on.get(fd, 0) == closed
+
+    def _closed_descriptor(self, fd: int) -> None:
+        """ZeroMQ: the ROUTER's monitor says the connection on ``fd`` closed."""
+        closed = self._closed_on.get(fd, 0)
+        self._closed_on[fd] = closed + 1
+        self._on_closed((fd, closed))
+
+    async def _answer(self, identity: bytes, frame: bytes, connection: Hashable | None) -> None:
         request_id = -1
         try:
             op, request = worker_api.decode_request(frame)
             request_id = request["id"]
-            reply = worker_api.ok_reply(request_id, **(await self._handler(op, request)))
+            reply = worker_api.ok_reply(request_id,
+                                        **(await self._handler(op, request, connection)))
         except WorkerApiError as err:
             self.bad_requests += 1
             self._on_bad_request(err.code.value)
@@ -141,9 +181,12 @@ class WorkerEndpoint:
     def close(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
         if isinstance(self._socket, StreamRouter):
             self._socket.close()   # it removes its socket file
             return
+        self._socket.disable_monitor()   # the watch closes its monitor socket
         self._socket.close(linger=0)
         if self.address.startswith("ipc://"):  # libzmq leaves the socket file behind
             try:

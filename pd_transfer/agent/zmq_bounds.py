@@ -45,17 +45,21 @@ def bound_frames(socket: zmq.Socket, max_frame_nbytes: int = CONTROL_FRAME_NBYTE
 class ConnectionWatch:
     """Counts the ends of one listening socket's connections; :meth:`run` is its task.
 
-    ``on_closed(socket_name)`` for every connection that ended,
-    ``on_bad_frame(reason)`` for a failed ZeroMQ handshake (not ZMTP on the port).
+    ``on_closed(socket_name)`` for every connection that ended (and
+    ``on_disconnected(fd)`` with its file descriptor, for an owner that tells
+    connections apart), ``on_bad_frame(reason)`` for a failed ZeroMQ handshake
+    (not ZMTP on the port).
     """
 
     def __init__(self, socket: zmq.asyncio.Socket, name: str, where: str, *,
                  on_closed: Callable[[str], None] = lambda name: None,
-                 on_bad_frame: Callable[[str], None] = lambda reason: None) -> None:
+                 on_bad_frame: Callable[[str], None] = lambda reason: None,
+                 on_disconnected: Callable[[int], None] = lambda fd: None) -> None:
         self.name = name
         self.where = where
         self.closed = 0
         self._on_closed = on_closed
+        self._on_disconnected = on_disconnected
         self._on_bad_frame = on_bad_frame
         self._limit = socket.getsockopt(zmq.MAXMSGSIZE)   # -1: none
         self._monitor = socket.get_monitor_socket(_WATCHED)
@@ -64,12 +68,14 @@ class ConnectionWatch:
         monitor = self._monitor
         try:
             while True:
-                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                message = parse_monitor_message(await monitor.recv_multipart())
+                event = message["event"]
                 if event == zmq.EVENT_MONITOR_STOPPED:
                     return
                 if event == zmq.EVENT_DISCONNECTED:
                     self.closed += 1
                     self._on_closed(self.name)
+                    self._on_disconnected(int(message["value"]))
                     log.info("%s: a connection ended (%d so far): the peer left, or sent a "
                              "frame over the %d-byte limit or one ZeroMQ could not parse",
                              self.where, self.closed, self._limit)

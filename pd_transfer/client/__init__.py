@@ -14,6 +14,12 @@ CUDA IPC handles; the sidecars then copy device to device (same host). Make
 the pages' writes visible (``torch.cuda.synchronize()`` or an event) before
 ``send``: the sidecar reads them from its own CUDA stream.
 
+The registration lives as long as the connection of the client that made it:
+keep that client open while the worker works. When it closes (the worker
+exits, even by SIGKILL), the sidecar fails the worker's rooms with
+``worker_lost``, releases its pools and takes the next registration, so a
+restarted worker registers with the running sidecar.
+
 :class:`Client` blocks the calling thread (in ``poll``, never spinning);
 :class:`AsyncClient` offers the same calls as coroutines for asyncio workers.
 Worker and sidecar talk over a plain Unix socket (``unix://``; or ZeroMQ,

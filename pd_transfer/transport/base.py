@@ -187,6 +187,13 @@ class Transport(ABC):
             await link.close()
         self._sources.clear()
 
+    def forget_sources(self) -> None:
+        """This sidecar's own regions are gone (its worker exited): drop every view of them
+        this transport keeps, so that they can be unmapped."""
+        self._sources.clear()
+        for link in self._links:
+            getattr(link, "programs", {}).clear()   # shm: grid programs hold source addresses
+
     def _adopt(self, link: Link) -> Link:
         self._links.add(link)
         return link

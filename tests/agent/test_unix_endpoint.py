@@ -303,11 +303,17 @@ def test_a_decode_sidecar_killed_while_its_worker_sleeps_on_a_doorbell_fails_the
 @pytest.mark.parametrize("scheme", ["unix", "ipc"])
 def test_the_same_for_an_asyncio_wait_on_a_doorbell(cluster_factory, scheme):
     cluster, rank = _decode_waiting_on_its_doorbell(cluster_factory, scheme)
-    cluster.clients[rank].close()   # the asyncio client below is this rank's worker now
+    # the asyncio client below is this rank's worker now: it registers once the sidecar
+    # let go of the registration of the client that closed
+    cluster.clients[rank].close()
+    deadline = time.monotonic() + 10
+    while cluster.http(rank, "/readyz")[0] != 503 and time.monotonic() < deadline:
+        time.sleep(0.02)
     requests = random_requests(cluster.prefill, cluster.decode, np.random.default_rng(3), pages=4)
 
     async def waiting():
         async with AsyncClient(cluster.sidecars[rank].endpoint, "aio-decode") as client:
+            await client.register(cluster.decode[0], cluster.pools[rank].handles)
             await client.expect(9, cluster.bootstrap, requests[Pool.KV][1],
                                 aux_row=int(requests[Pool.AUX][1][0]))
             assert 9 in client._bells._rooms

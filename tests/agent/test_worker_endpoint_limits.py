@@ -19,7 +19,7 @@ async def test_a_request_over_max_worker_requests_is_refused_with_over_limit_and
     release = asyncio.Event()
     refused = []
 
-    async def handler(op, request):
+    async def handler(op, request, connection):
         await release.wait()            # e.g. a worker's wait() that has not returned yet
         return {"status": "success"}
 
