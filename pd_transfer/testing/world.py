@@ -115,7 +115,10 @@ class World:
         """Discrepancy lines (at most ~20 plus a count); an empty list means byte-exact.
 
         ``requests`` maps :class:`Pool` to ``(src_indices, dst_indices)``: page
-        indices for KV/SWA, slot indices for MAMBA, row indices for AUX.
+        indices for KV/SWA, slot indices for MAMBA, row indices for AUX. A
+        KV/SWA request may be a :class:`~pd_transfer.layout.spans.TokenSpan`;
+        where the decode page size differs from prefill's, a plain pair is
+        the span starting both lists at token 0.
         Bytes written more than once by :meth:`execute` count as discrepancies
         too, so build a fresh world per scenario.
         """
@@ -143,10 +146,16 @@ class World:
                 report.add(f"{rank_id} {view.path}: requested, but no prefill rank registers "
                            f"this tensor, so nothing can fill it")
                 continue
-            src, dst = wanted[view.pool]
+            owed = wanted[view.pool]
             order = axis_order(view, logical, same_index_count=False, rank_id=rank_id)
-            oracle.compare_view(report, rank_id, view, order, logical, buffers[view.region], src, dst)
-            oracle.mark_covered(covered[view.region], view, order, dst)
+            if oracle.is_token_paged(view, logical, owed):
+                oracle.compare_tokens(report, rank_id, view, order, logical, buffers[view.region],
+                                      owed)
+                oracle.mark_tokens(covered[view.region], view, order, logical, owed)
+                continue
+            oracle.compare_view(report, rank_id, view, order, logical, buffers[view.region],
+                                owed.src, owed.dst)
+            oracle.mark_covered(covered[view.region], view, order, owed.dst)
         for region_id, buf in buffers.items():
             oracle.check_untouched(report, rank_id, region_id, buf,
                                    self._snapshots[Role.DECODE][rank_id][region_id],
