@@ -17,7 +17,7 @@ Pure; no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -54,7 +54,9 @@ class PairPlanner:
     def __init__(self, reconciliation: Reconciliation, src: RankGeometry, dst: RankGeometry) -> None:
         reconciliation.raise_if_rejected()
         self.src, self.dst = src, dst
-        self._page_sizes = converted_page_sizes(src, dst)
+        # per instance: a pipeline stage without a pool's layers still gets its requests
+        self._page_sizes = converted_page_sizes(reconciliation.prefill or (src,),
+                                                reconciliation.decode or (dst,))
         units: dict[Pool, list[Unit]] = {}
         for dst_view in dst.views:
             src_view = src.view(dst_view.key)
@@ -106,20 +108,22 @@ def _index_limits(geometry: RankGeometry) -> dict[Pool, int]:
     return limits
 
 
-def converted_page_sizes(src: RankGeometry, dst: RankGeometry) -> dict[Pool, tuple[int, int]]:
+def converted_page_sizes(prefill: Sequence[RankGeometry], decode: Sequence[RankGeometry]
+                         ) -> dict[Pool, tuple[int, int]]:
     """``{pool: (prefill, decode) page size}`` of the token-paged pools whose page sizes differ.
 
-    A pool's page size on one side is its views' token extent (one value per
-    pool and side: a registration that mixes them is refused here).
+    A pool's page size on one side is its views' token extent over the
+    instance's ranks (one value per pool and side: an instance that mixes
+    them is refused here).
     """
     sizes: dict[Pool, tuple[int, int]] = {}
     for pool in (Pool.KV, Pool.SWA):
         per_side = []
-        for geometry in (src, dst):
-            extents = {v.extent(AxisRole.TOKEN) for v in geometry.views
+        for ranks in (prefill, decode):
+            extents = {v.extent(AxisRole.TOKEN) for g in ranks for v in g.views
                        if v.pool is pool and v.extent(AxisRole.TOKEN) is not None}
             if len(extents) > 1:
-                raise PlanError(f"{pool.value}: {geometry.rank_id} registers pages of "
+                raise PlanError(f"{pool.value}: {ranks[0].role.value} registers pages of "
                                 f"{sorted(extents)} tokens in one pool",
                                 code=Reason.PAGE_SIZE_MISMATCH,
                                 hint="every tensor of one pool has the same tokens per page")
