@@ -111,18 +111,20 @@ class World:
                                    f"(one writer must be elected)")
 
     # -- verdict ----------------------------------------------------------------
-    def verify(self, requests: dict) -> list[str]:
+    def verify(self, requests: dict | list[dict]) -> list[str]:
         """Discrepancy lines (at most ~20 plus a count); an empty list means byte-exact.
 
         ``requests`` maps :class:`Pool` to ``(src_indices, dst_indices)``: page
         indices for KV/SWA, slot indices for MAMBA, row indices for AUX. A
         KV/SWA request may be a :class:`~pd_transfer.layout.spans.TokenSpan`;
         where the decode page size differs from prefill's, a plain pair is
-        the span starting both lists at token 0.
+        the span starting both lists at token 0. A list of such maps is
+        several rooms moved into one world (their destinations disjoint).
         Bytes written more than once by :meth:`execute` count as discrepancies
         too, so build a fresh world per scenario.
         """
-        wanted = oracle.normalise_requests(requests)
+        rooms = requests if isinstance(requests, list) else [requests]
+        wanted = [oracle.normalise_requests(room) for room in rooms]
         report = oracle.Report()
         report.total, report.shown = self._rewrites.total, list(self._rewrites.shown)
         for rank_id, geometry in self.decode.items():
@@ -135,10 +137,10 @@ class World:
         return report.lines()
 
     def _verify_decode_rank(self, report: oracle.Report, rank_id: str, geometry: RankGeometry,
-                            wanted: dict[Pool, tuple[np.ndarray, np.ndarray]]) -> None:
+                            rooms: list[dict]) -> None:
         buffers = self.decode_buffers[rank_id]
         covered = {region_id: np.zeros(buf.size, bool) for region_id, buf in buffers.items()}
-        for view in geometry.views:
+        for view, wanted in ((v, w) for w in rooms for v in geometry.views):
             if view.pool not in wanted:
                 continue
             logical = self.tensors.get(view.key)
