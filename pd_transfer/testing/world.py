@@ -20,7 +20,7 @@ import numpy as np
 
 from pd_transfer.errors import GeometryError, PlanError, Reason
 from pd_transfer.layout.geometry import RankGeometry, Role
-from pd_transfer.layout.views import Pool, TensorView
+from pd_transfer.layout.views import TensorView
 from pd_transfer.testing import oracle, runs
 from pd_transfer.testing.logical import LogicalTensor, axis_order, make_logical
 from pd_transfer.testing.placement import fit_problem, overlap_problems, window
