@@ -19,8 +19,8 @@ The kit is the independent truth the planner is checked against: it reads the
 registered layout description (``pd_transfer.layout.views`` and
 ``geometry``) and recomputes shard ranges, placement and expected bytes
 itself. It must never import ``pd_transfer.layout.planner``, ``reconcile``,
-``lowering``, ``sharding``, ``token_map`` or ``page_sizes``, nor anything above the layout layer (protocol,
-transport, agent, client).
+``lowering``, ``sharding``, ``token_map`` or ``page_sizes``, nor anything
+above the layout layer (protocol, transport, agent, client).
 """
 
 from pd_transfer.testing.logical import LogicalTensor
