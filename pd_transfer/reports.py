@@ -13,31 +13,52 @@ from collections import defaultdict
 import numpy as np
 
 from pd_transfer.layout.geometry import RankGeometry
-from pd_transfer.layout.planner import IndexPair, PairPlanner, plan_pair
+from pd_transfer.layout.planner import PairPlanner, Request, plan_pair
 from pd_transfer.layout.reconcile import Reconciliation, reconcile
+from pd_transfer.layout.spans import TokenSpan
 from pd_transfer.layout.views import Pool
 from pd_transfer.worker_config import WorkerConfig
 
 
 def sample_requests(prefill: list[RankGeometry], decode: list[RankGeometry],
-                    tokens: int, page_size: int, swa_window: int | None) -> dict[Pool, IndexPair]:
-    """Index lists of one request of ``tokens`` tokens, for pools on both sides."""
+                    tokens: int, page_size: int, swa_window: int | None) -> dict[Pool, Request]:
+    """Index lists of one request of ``tokens`` tokens, for pools on both sides.
+
+    ``page_size`` is prefill's; where decode's differs, each side gets the
+    pages of its own size for the same tokens (SWA: the window's last pages,
+    placed as a :class:`TokenSpan`).
+    """
     pools = set().union(*(g.pools() for g in prefill)) & set().union(*(g.pools() for g in decode))
-    capacity = {pool: min(v.index_count for g in prefill + decode for v in g.views if v.pool is pool)
-                for pool in pools}
-    pages = math.ceil(tokens / page_size)
-    requests: dict[Pool, IndexPair] = {}
+    capacity = {pool: [min(v.index_count for g in ranks for v in g.views if v.pool is pool)
+                       for ranks in (prefill, decode)] for pool in pools}
+    sizes = (page_size, decode[0].page_size if decode else page_size)
+    requests: dict[Pool, Request] = {}
     for pool in pools:
-        if pool is Pool.KV:
-            n = min(pages, capacity[pool])
-        elif pool is Pool.SWA:
-            window_pages = math.ceil((swa_window or page_size) / page_size) + 1
-            n = min(pages, window_pages, capacity[pool])
-        else:
-            n = 1
-        idx = np.arange(n, dtype=np.int64)
-        requests[pool] = (idx, idx[::-1].copy())
+        if pool not in (Pool.KV, Pool.SWA):
+            idx = np.arange(1, dtype=np.int64)
+            requests[pool] = (idx, idx[::-1].copy())
+            continue
+        fit = min(tokens, *(cap * size for cap, size in zip(capacity[pool], sizes)))
+        counts = [math.ceil(fit / size) for size in sizes]
+        if pool is Pool.SWA:
+            window = [math.ceil((swa_window or size) / size) + 1 for size in sizes]
+            last = [min(c, w) for c, w in zip(counts, window)]
+            if sizes[0] != sizes[1]:
+                requests[pool] = TokenSpan(np.arange(last[0], dtype=np.int64),
+                                           np.arange(last[1], dtype=np.int64)[::-1].copy(),
+                                           (counts[0] - last[0]) * sizes[0],
+                                           (counts[1] - last[1]) * sizes[1])
+                continue
+            counts = last
+        requests[pool] = (np.arange(counts[0], dtype=np.int64),
+                          np.arange(counts[1], dtype=np.int64)[::-1].copy())
     return requests
+
+
+def _count(request: Request) -> str:
+    src, dst = ((request.src_pages, request.dst_pages) if isinstance(request, TokenSpan)
+                else request)
+    return str(len(src)) if len(src) == len(dst) else f"{len(src)}->{len(dst)}"
 
 
 def _instances(prefill: WorkerConfig, decode: WorkerConfig):
@@ -53,8 +74,10 @@ def _modes_by_pool(recon: Reconciliation) -> dict[Pool, str]:
     modes: dict[Pool, set[str]] = defaultdict(set)
     for verdict in recon.verdicts:
         label = verdict.mode.value
-        if verdict.layout_changed and verdict.mode.value != "converted":
+        if (verdict.layout_changed or verdict.page_sizes) and verdict.mode.value != "converted":
             label += "+converted"
+        if verdict.page_sizes:
+            label += " pages {}->{}".format(*verdict.page_sizes)
         modes[verdict.key[0]].add(label)
     return {pool: "/".join(sorted(labels)) for pool, labels in modes.items()}
 
@@ -71,7 +94,7 @@ def check_report(prefill: WorkerConfig, decode: WorkerConfig, tokens: int) -> tu
     modes = _modes_by_pool(recon)
     lines.append("verdict: ACCEPTED")
     lines.append("sample request: " + ", ".join(
-        f"{pool.value} {len(requests[pool][0])}" for pool in _ordered(requests)))
+        f"{pool.value} {_count(requests[pool])}" for pool in _ordered(requests)))
     lines.append(f"{'decode rank':<18} {'from prefill rank':<18} {'pool':<6} {'verdict':<22} "
                  f"{'descriptors':>11} {'runs':>9} {'bytes':>12}")
     by_rank = {g.rank_id: g for g in prefill_ranks}
@@ -123,7 +146,7 @@ def plan_report(prefill: WorkerConfig, decode: WorkerConfig, tokens: int, decode
     return "\n".join(lines), True
 
 
-def _ordered(requests: dict[Pool, IndexPair]) -> list[Pool]:
+def _ordered(requests: dict[Pool, Request]) -> list[Pool]:
     return [pool for pool in Pool if pool in requests]
 
 

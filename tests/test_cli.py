@@ -24,6 +24,7 @@ WORKERS = REPO / "configs" / "workers"
 PREFILL_TP2 = str(WORKERS / "llama-3.1-8b.prefill-tp2.toml")
 DECODE_TP4 = str(WORKERS / "llama-3.1-8b.decode-tp4.toml")
 DECODE_TP4_FP8 = str(WORKERS / "llama-3.1-8b.decode-tp4-fp8.toml")
+DECODE_PAGE64 = str(WORKERS / "llama-3.1-8b.decode-tp2-page64.toml")
 TOKENS = ["--tokens", "64"]   # 4 pages: enough to size the plan, quick to build
 
 VALID_WORKER = """\
@@ -63,13 +64,26 @@ def test_check_rejects_and_lists_every_mismatch_with_both_values(capsys):
     assert code == EXIT_REJECTED and err == ""
     lines = out.splitlines()
     assert "verdict: REJECTED" in lines
-    assert "cannot reconcile prefill (attn_tp=2) with decode (attn_tp=4): 4 mismatches" in lines
+    assert "cannot reconcile prefill (attn_tp=2) with decode (attn_tp=4): 2 mismatches" in lines
     for tensor in ("k", "v"):
         assert (f"  - kv.layer[0-31].{tensor}.dtype: prefill=bfloat16 decode=float8_e4m3fn  "
                 "[dtype_mismatch]") in lines
-        assert (f"  - kv.layer[0-31].{tensor}.page_size: prefill=16 decode=32  "
-                "[page_size_mismatch]") in lines
+    assert "page_size_mismatch" not in out   # its page size 32 against 16 converts
     assert "decode rank" not in out   # no plan table for a rejected pair
+
+
+def test_check_shows_different_page_sizes_as_a_converted_verdict(capsys):
+    code, out, err = _check(capsys, PREFILL_TP2, DECODE_PAGE64)
+    assert code == EXIT_OK and err == ""
+    lines = out.splitlines()
+    assert "sample request: kv 4->1, aux 1" in lines   # 64 tokens: 4 pages of 16, 1 of 64
+    kv_rows = [line.split() for line in lines if line.startswith("decode[") and " kv " in line]
+    assert [(row[0], row[1], " ".join(row[3:6])) for row in kv_rows] == [
+        ("decode[pp0,tp0]", "prefill[pp0,tp0]", "converted pages 16->64"),
+        ("decode[pp0,tp1]", "prefill[pp0,tp1]", "converted pages 16->64"),
+    ]
+    # 32 layers x K and V: the 4 prefill pages land in one decode page, one run each tensor
+    assert all(row[6:8] == ["64", "64"] for row in kv_rows)
 
 
 def test_check_refuses_a_decode_config_passed_as_prefill(capsys):

@@ -9,7 +9,14 @@ ends: at most ``max_chunks_per_room`` of them (one more fails the room with
 Chunk ``i`` pairs its kv pages with the next pages the target allocated (a
 cursor per target); the last chunk adds SWA pages, state slots and the aux
 row, aux last (its arrival means everything before it landed). Counts that
-do not match are refused, never truncated. Pure: no I/O.
+do not match are refused, never truncated.
+
+Where the pair's page sizes differ (prefill 16 tokens a page, decode 64), the
+cursor still counts prefill pages, and chunk ``i`` is the
+:class:`~pd_transfer.layout.spans.TokenSpan` of its tokens: they start at
+``cursor * prefill page size`` and land in the decode pages that hold those
+tokens. SWA window pages are the request's last pages on each side, so each
+list is placed to end with its side's last KV page. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from pd_transfer.errors import PdTransferError, Reason
+from pd_transfer.layout.spans import TokenSpan, request_lengths_agree
 from pd_transfer.layout.views import Pool
 
 
@@ -36,6 +44,14 @@ def chunk_requests(room, target, index: int) -> dict:
     requests = {}
     src_kv = chunk.get(Pool.KV, np.zeros(0, np.int64))
     dst_kv = target.dst.get(Pool.KV, np.zeros(0, np.int64))
+    planner = getattr(target.peer, "planner", None)
+    kv_sizes = planner.page_sizes(Pool.KV) if planner is not None else None
+    if kv_sizes is not None:
+        if len(src_kv):
+            requests[Pool.KV] = _kv_span(target.kv_cursor, src_kv, dst_kv, kv_sizes, last)
+        if last:
+            requests.update(_last_pools(chunk, target, planner, len(src_kv)))
+        return requests
     end = target.kv_cursor + len(src_kv)
     if end > len(dst_kv) or (last and end != len(dst_kv)):
         raise PdTransferError(f"prefill sends {end if end > len(dst_kv) else end} kv page(s) but "
@@ -44,17 +60,65 @@ def chunk_requests(room, target, index: int) -> dict:
     if len(src_kv):
         requests[Pool.KV] = (src_kv, dst_kv[target.kv_cursor:end])
     if last:
-        for pool in (Pool.SWA, Pool.MAMBA, Pool.AUX):
-            src, dst = chunk.get(pool), target.dst.get(pool)
-            if src is None and dst is None:
-                continue
-            if src is None or dst is None or len(src) != len(dst):
-                raise PdTransferError(
-                    f"{pool.value}: prefill sends {0 if src is None else len(src)} index(es), "
-                    f"decode expects {0 if dst is None else len(dst)}",
-                    code=Reason.INDEX_COUNT_MISMATCH)
-            requests[pool] = (src, dst)
-        # aux goes last: its arrival means everything before it landed
-        if Pool.AUX in requests:
-            requests[Pool.AUX] = requests.pop(Pool.AUX)
+        requests.update(_last_pools(chunk, target, planner, len(src_kv)))
     return requests
+
+
+def _last_pools(chunk, target, planner, num_chunk_kv: int) -> dict:
+    """SWA pages, state slots and aux rows of the last chunk, aux last."""
+    requests = {}
+    swa_sizes = planner.page_sizes(Pool.SWA) if planner is not None else None
+    for pool in (Pool.SWA, Pool.MAMBA, Pool.AUX):
+        src, dst = chunk.get(pool), target.dst.get(pool)
+        if src is None and dst is None:
+            continue
+        if pool is Pool.SWA and swa_sizes is not None and src is not None and dst is not None:
+            requests[pool] = _swa_span(src, dst, target.kv_cursor + num_chunk_kv,
+                                       len(target.dst.get(Pool.KV, ())), swa_sizes)
+            continue
+        if src is None or dst is None or len(src) != len(dst):
+            raise PdTransferError(
+                f"{pool.value}: prefill sends {0 if src is None else len(src)} index(es), "
+                f"decode expects {0 if dst is None else len(dst)}",
+                code=Reason.INDEX_COUNT_MISMATCH)
+        requests[pool] = (src, dst)
+    # aux goes last: its arrival means everything before it landed
+    if Pool.AUX in requests:
+        requests[Pool.AUX] = requests.pop(Pool.AUX)
+    return requests
+
+
+def _kv_span(cursor: int, src_kv: np.ndarray, dst_kv: np.ndarray, sizes: tuple[int, int],
+             last: bool) -> TokenSpan:
+    """The tokens of one chunk when page sizes differ (see the module docstring).
+
+    prefill 16, decode 64, a chunk of 3 pages after 5: tokens 80-127, decode
+    pages 1 (slots 16-63) and nothing of page 2.
+    """
+    src_size, dst_size = sizes
+    first, end = cursor * src_size, (cursor + len(src_kv)) * src_size
+    if last and not request_lengths_agree(cursor + len(src_kv), len(dst_kv), src_size, dst_size):
+        raise PdTransferError(
+            f"prefill sends {cursor + len(src_kv)} kv page(s) of {src_size} tokens but decode "
+            f"allocated {len(dst_kv)} of {dst_size}: no token count fills both; refused rather "
+            f"than truncated", code=Reason.INDEX_COUNT_MISMATCH)
+    if not last and end > len(dst_kv) * dst_size:
+        raise PdTransferError(
+            f"prefill sends {end} tokens ({cursor + len(src_kv)} kv pages of {src_size}) but "
+            f"decode allocated {len(dst_kv)} pages of {dst_size} ({len(dst_kv) * dst_size} "
+            f"tokens); refused rather than truncated", code=Reason.INDEX_COUNT_MISMATCH)
+    low, high = first // dst_size, min(len(dst_kv), -(-end // dst_size))
+    return TokenSpan(src_kv, dst_kv[low:high], first, low * dst_size)
+
+
+def _swa_span(src: np.ndarray, dst: np.ndarray, src_kv_pages: int, dst_kv_pages: int,
+              sizes: tuple[int, int]) -> TokenSpan:
+    """SWA window pages placed to end with each side's last KV page (same page size per side)."""
+    if len(src) > src_kv_pages or len(dst) > dst_kv_pages:
+        raise PdTransferError(
+            f"swa: {len(src)} prefill and {len(dst)} decode window pages, but the request holds "
+            f"{src_kv_pages} and {dst_kv_pages} kv pages: with different page sizes the window "
+            f"pages are placed by the request's kv pages, so send those too",
+            code=Reason.INDEX_COUNT_MISMATCH)
+    return TokenSpan(src, dst, (src_kv_pages - len(src)) * sizes[0],
+                     (dst_kv_pages - len(dst)) * sizes[1])

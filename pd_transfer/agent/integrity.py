@@ -50,6 +50,13 @@ def prefill_layout(sidecar, planner: PairPlanner, decode_features: tuple[str, ..
     """The blocks to sum for a decode peer, or None when the pair does not check."""
     ours = FEATURE in features(sidecar.config, sidecar.dataplane.on_device)
     theirs = FEATURE in decode_features
+    converted = [pool.value for pool in Pool if planner.page_sizes(pool)]
+    if ours and theirs and converted:
+        # blocks are per destination page, and a converted page is filled by several
+        # source pages: the pair moves unchecked, and says so
+        log.warning("integrity: rooms to %s are not checked: the page sizes of %s differ",
+                    peer, "/".join(converted), extra={"peer": peer})
+        return None
     if ours and theirs:
         return BlockLayout(planner)
     if sidecar.config.integrity:

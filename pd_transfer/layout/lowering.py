@@ -123,6 +123,10 @@ class Unit:
 
     ``axes`` holds ``(extent, src_stride, dst_stride)`` for every non-index
     axis; ``index_strides`` the index axis' strides on both sides.
+    ``sub_strides`` is set for a token-paged pool whose page sizes differ:
+    the unit then copies one granule of tokens (:mod:`.token_map`) and its
+    items are ``(page, sub)`` pairs, at ``page * index_stride + sub *
+    sub_stride`` on each side.
     """
 
     src_region: str
@@ -134,10 +138,11 @@ class Unit:
     index_strides: tuple[int, int]
     pool: object
     layer: int | None = None   # the source tensor's layer id (None: not per layer)
+    sub_strides: tuple[int, int] | None = None
 
     @property
     def signature(self) -> tuple:
-        return (self.pool, self.itemsize, self.axes, self.index_strides)
+        return (self.pool, self.itemsize, self.axes, self.index_strides, self.sub_strides)
 
 
 @dataclass(frozen=True)
@@ -211,8 +216,7 @@ def lower_groups(src_rank: str, dst_rank: str, groups: list[UnitGroup],
     num_descriptors = num_runs = total_nbytes = 0
     for grouped in groups:
         group, src_base, dst_base = grouped.units, grouped.src_base, grouped.dst_base
-        src_idx, dst_idx = indices[grouped.pool]
-        pattern = _pattern(grouped.shape, src_idx, dst_idx)
+        pattern = _pattern(grouped.shape, *indices[grouped.pool])
         src_offsets = src_base[:, None] + pattern.rel_src[None, :]
         dst_offsets = dst_base[:, None] + pattern.rel_dst[None, :]
         nbytes, count, src_stride, dst_stride = (pattern.nbytes, pattern.count,
@@ -247,6 +251,7 @@ class _Shape:
     combo_src: np.ndarray
     combo_dst: np.ndarray
     index_strides: tuple[int, int]
+    sub_strides: tuple[int, int] | None = None
 
 
 def _shape(unit: Unit) -> _Shape:
@@ -274,12 +279,19 @@ def _shape(unit: Unit) -> _Shape:
         combo_src = (combo_src[:, None] + steps * s_stride).ravel()
         combo_dst = (combo_dst[:, None] + steps * d_stride).ravel()
     return _Shape(run_nbytes, count, src_stride, dst_stride, combo_src, combo_dst,
-                  unit.index_strides)
+                  unit.index_strides, unit.sub_strides)
 
 
-def _pattern(shape: _Shape, src_idx: np.ndarray, dst_idx: np.ndarray) -> _Pattern:
-    rel_src = (src_idx * shape.index_strides[0])[:, None] + shape.combo_src[None, :]
-    rel_dst = (dst_idx * shape.index_strides[1])[:, None] + shape.combo_dst[None, :]
+def _pattern(shape: _Shape, src_idx: np.ndarray, dst_idx: np.ndarray,
+             src_sub: np.ndarray | None = None, dst_sub: np.ndarray | None = None) -> _Pattern:
+    src_item = src_idx * shape.index_strides[0]
+    dst_item = dst_idx * shape.index_strides[1]
+    if shape.sub_strides is not None and src_sub is not None:
+        # a granule of tokens inside a page (page sizes differ, see token_map)
+        src_item = src_item + src_sub * shape.sub_strides[0]
+        dst_item = dst_item + dst_sub * shape.sub_strides[1]
+    rel_src = src_item[:, None] + shape.combo_src[None, :]
+    rel_dst = dst_item[:, None] + shape.combo_dst[None, :]
     return _merge(rel_src.ravel(), rel_dst.ravel(), shape.run_nbytes, shape.count,
                   shape.src_stride, shape.dst_stride)
 

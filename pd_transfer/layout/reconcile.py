@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pd_transfer.errors import GeometryError, Mismatch, Reason, ReconcileError
 from pd_transfer.layout import diagnostics
 from pd_transfer.layout.geometry import RankGeometry, RegistrationProblem, registration_problems
+from pd_transfer.layout.page_sizes import converted_pages, page_size_mismatches
 from pd_transfer.layout.sharding import Holder, Piece, assign_pieces
 from pd_transfer.layout.views import AxisRole, Layout, Pool, TensorView, canonical_range
 
@@ -39,6 +40,7 @@ class TensorVerdict:
     layout_changed: bool
     prefill_layout: Layout
     decode_layout: Layout
+    page_sizes: tuple[int, int] | None = None   # (prefill, decode) tokens per page, when they differ
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,10 @@ def reconcile(prefill: list[RankGeometry] | RankGeometry,
             continue
         src = _view_of(prefill, key, holders[key][0])
         pair_mismatches = _compare(src, views[0], _tp(prefill), _tp(decode))
+        pages = page_size_mismatches(src, views[0], prefill[0].page_size, decode[0].page_size)
+        if pages:   # opaque pages of other sizes differ in bytes too: one cause, one line
+            pair_mismatches = [m for m in pair_mismatches
+                               if m.code is not Reason.INNER_SHAPE_MISMATCH] + pages
         if not pair_mismatches:
             pair_mismatches = _coverage(holders[key], views, decode, prefill)
         mismatches += pair_mismatches
@@ -205,11 +211,7 @@ def _compare(src: TensorView, dst: TensorView, tp_src: int, tp_dst: int) -> list
         return found
     for i, axis in enumerate(src.axes):
         j = dst.axis_named(axis.name)
-        if axis.role is AxisRole.TOKEN and src.shape[i] != dst.shape[j]:
-            found.append(Mismatch(f"{src.path}.page_size", Reason.PAGE_SIZE_MISMATCH,
-                                  src.shape[i], dst.shape[j],
-                                  "run prefill and decode with the same --page-size"))
-        elif axis.role in (AxisRole.INNER, AxisRole.OUTER) and src.shape[i] != dst.shape[j]:
+        if axis.role in (AxisRole.INNER, AxisRole.OUTER) and src.shape[i] != dst.shape[j]:
             found.append(Mismatch(f"{src.path}.{axis.name}", Reason.INNER_SHAPE_MISMATCH,
                                   src.shape[i], dst.shape[j],
                                   "both sides must serve the same model (same head and state dims)"))
@@ -303,9 +305,11 @@ def _verdict(src: TensorView, dst: TensorView, tp_src: int, tp_dst: int) -> Tens
     else:
         mode = Mode.DIRECT
     layout_changed = src.layout is not dst.layout or _memory_order(src, dst) != _memory_order(dst, src)
-    if mode is Mode.DIRECT and layout_changed:
+    page_sizes = converted_pages(src, dst)
+    if mode is Mode.DIRECT and (layout_changed or page_sizes):
         mode = Mode.CONVERTED
-    return TensorVerdict(src.key, src.path, mode, layout_changed, src.layout, dst.layout)
+    return TensorVerdict(src.key, src.path, mode, layout_changed, src.layout, dst.layout,
+                         page_sizes)
 
 
 def _memory_order(view: TensorView, other: TensorView) -> list[str]:

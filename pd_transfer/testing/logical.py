@@ -47,6 +47,14 @@ class LogicalTensor:
     def index_count(self) -> int:
         return int(self.data.shape[0])
 
+    def token_axis(self, view: TensorView) -> int:
+        """Position in ``axis_names`` of ``view``'s token axis (a token-paged view)."""
+        return self.axis_names.index(view.axes[view.axis_index(AxisRole.TOKEN)].name)
+
+    def page_size(self, view: TensorView) -> int:
+        """Tokens per page of the prefill tensor (its token axis' extent)."""
+        return int(self.data.shape[self.token_axis(view)])
+
     def slice_for(self, view: TensorView, indices: np.ndarray | None = None) -> np.ndarray:
         """What ``view`` holds (or should hold) of this tensor, in logical axis order.
 
@@ -85,7 +93,8 @@ def axis_order(view: TensorView, logical: LogicalTensor, *, same_index_count: bo
     """For each logical axis, the view axis that holds it; raises if they do not pair.
 
     ``same_index_count`` demands the view's index extent equal the logical one
-    (true for prefill views, which all share the prefill index space).
+    (true for prefill views, which all share the prefill index space) and
+    its token extent too: a decode view may hold pages of another size.
     """
     problems = []
     if view.dtype != logical.dtype:
@@ -102,6 +111,8 @@ def axis_order(view: TensorView, logical: LogicalTensor, *, same_index_count: bo
     for position, name in enumerate(logical.axis_names[1:], start=1):
         j = view.axis_named(name)
         order.append(j)
+        if view.axes[j].role is AxisRole.TOKEN and not same_index_count:
+            continue   # decode pages may hold another number of tokens
         problems += _axis_problems(view, j, logical, position)
     if problems:
         _raise(view, rank_id, problems)

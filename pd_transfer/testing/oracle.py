@@ -9,8 +9,13 @@ Three rules, each reported as readable discrepancy lines:
 3. every byte of every prefill region equals its snapshot (sources are read
    only).
 
+Token-paged views (KV, SWA) whose page size differs from the prefill
+tensor's, or whose request is a :class:`~pd_transfer.layout.spans.TokenSpan`,
+are owed token by token: every request token that both page lists hold, found
+by intersecting the two lists' token numbers (:func:`owed_tokens`).
+
 Imports numpy and the layout description only; never the planner,
-reconciliation, lowering or sharding modules.
+reconciliation, lowering, sharding or token mapping modules.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pd_transfer.errors import PlanError, Reason
-from pd_transfer.layout.views import Pool, TensorView
+from pd_transfer.layout.spans import TokenSpan
+from pd_transfer.layout.views import AxisRole, Pool, TensorView
 from pd_transfer.testing.logical import LogicalTensor
 from pd_transfer.testing.placement import locate, window
 from pd_transfer.testing.shards import shard_positions
@@ -48,24 +54,90 @@ class Report:
         return list(self.shown)
 
 
-def normalise_requests(requests: dict) -> dict[Pool, tuple[np.ndarray, np.ndarray]]:
-    """``Pool -> (src_indices, dst_indices)`` as int64 arrays; raises on a malformed request."""
+@dataclass(frozen=True)
+class Owed:
+    """One pool's request as the oracle reads it: index lists and, for token-paged
+    pools, the request token each list starts at (0 for a plain pair)."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    src_first_token: int = 0
+    dst_first_token: int = 0
+    is_span: bool = False
+
+
+def normalise_requests(requests: dict) -> dict[Pool, Owed]:
+    """``Pool -> Owed`` with int64 index arrays; raises on a malformed request."""
     out = {}
-    for pool, (src, dst) in requests.items():
+    for pool, request in requests.items():
         if not isinstance(pool, Pool):
             raise PlanError(f"request key {pool!r} is not a Pool", code=Reason.INDEX_OUT_OF_RANGE)
-        src, dst = np.asarray(src), np.asarray(dst)
-        if src.ndim != 1 or src.shape != dst.shape:
+        if isinstance(request, TokenSpan):
+            src, dst = np.asarray(request.src_pages), np.asarray(request.dst_pages)
+            firsts = (int(request.src_first_token), int(request.dst_first_token))
+        else:
+            src, dst = np.asarray(request[0]), np.asarray(request[1])
+            firsts = None
+        if src.ndim != 1 or dst.ndim != 1:
             raise PlanError(f"{pool.value}: {src.shape} source and {dst.shape} destination indices",
                             code=Reason.INDEX_COUNT_MISMATCH)
         if src.size and (src.dtype.kind not in "iu" or dst.dtype.kind not in "iu"):
             raise PlanError(f"{pool.value}: indices must be integers", code=Reason.INDEX_OUT_OF_RANGE)
-        src, dst = src.astype(np.int64), dst.astype(np.int64)
+        src, dst = src.astype(np.int64).reshape(-1), dst.astype(np.int64).reshape(-1)
         if np.unique(dst).size != dst.size:
             raise PlanError(f"{pool.value}: destination indices repeat, so what they should "
                             f"hold is ambiguous", code=Reason.INDEX_OUT_OF_RANGE)
-        out[pool] = (src, dst)
+        out[pool] = Owed(src, dst, *(firsts or (0, 0)), is_span=firsts is not None)
     return out
+
+
+def is_token_paged(view: TensorView, logical: LogicalTensor, owed: Owed) -> bool:
+    """Whether ``view`` is owed token by token (page sizes differ, or a span was given)."""
+    token = view.axis_index(AxisRole.TOKEN)
+    if token is None or view.pool not in (Pool.KV, Pool.SWA):
+        return False
+    return owed.is_span or view.shape[token] != logical.page_size(view)
+
+
+def owed_tokens(owed: Owed, src_page_size: int, dst_page_size: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(src_page, src_slot, dst_page, dst_slot)`` of every request token both lists hold."""
+    src_tokens = owed.src_first_token + np.arange(owed.src.size * src_page_size)
+    dst_tokens = owed.dst_first_token + np.arange(owed.dst.size * dst_page_size)
+    common = np.intersect1d(src_tokens, dst_tokens)
+    src_at = common - owed.src_first_token
+    dst_at = common - owed.dst_first_token
+    return (owed.src[src_at // src_page_size], src_at % src_page_size,
+            owed.dst[dst_at // dst_page_size], dst_at % dst_page_size)
+
+
+def compare_tokens(report: Report, rank_id: str, view: TensorView, order: tuple[int, ...],
+                   logical: LogicalTensor, buf: np.ndarray, owed: Owed) -> None:
+    """Rule 1 for a token-owed decode view: one discrepancy per wrong destination token."""
+    _check_range(rank_id, view, "source", owed.src, logical.index_count)
+    _check_range(rank_id, view, "destination", owed.dst, view.index_count)
+    token_axis = logical.token_axis(view)
+    src_page, src_slot, dst_page, dst_slot = owed_tokens(
+        owed, logical.page_size(view), view.extent(AxisRole.TOKEN))
+    if src_page.size == 0:
+        return
+    want = np.moveaxis(logical.slice_for(view), token_axis, 1)[src_page, src_slot]
+    got = np.moveaxis(window(buf, view, order), token_axis, 1)[dst_page, dst_slot]
+    wrong = np.flatnonzero((got != want).reshape(src_page.size, -1).any(axis=1))
+    for i in wrong[: report.max_lines]:
+        report.add(f"{rank_id} {view.path} token page dst={int(dst_page[i])} "
+                   f"slot={int(dst_slot[i])} src={int(src_page[i])} slot={int(src_slot[i])}: "
+                   f"{int(np.count_nonzero(got[i] != want[i]))}/{got[i].size} bytes differ")
+    report.total += max(0, wrong.size - report.max_lines)
+
+
+def mark_tokens(mask: np.ndarray, view: TensorView, order: tuple[int, ...],
+                logical: LogicalTensor, owed: Owed) -> None:
+    """Mark the bytes of the owed destination tokens of ``view``."""
+    _, _, dst_page, dst_slot = owed_tokens(owed, logical.page_size(view),
+                                           view.extent(AxisRole.TOKEN))
+    if dst_page.size:
+        np.moveaxis(window(mask, view, order), logical.token_axis(view), 1)[dst_page, dst_slot] = True
 
 
 def _check_range(rank_id: str, view: TensorView, side: str, indices: np.ndarray, count: int) -> None:
@@ -79,6 +151,9 @@ def compare_view(report: Report, rank_id: str, view: TensorView, order: tuple[in
                  logical: LogicalTensor, buf: np.ndarray,
                  src: np.ndarray, dst: np.ndarray) -> None:
     """Rule 1 for one decode view: one discrepancy per wrong destination item."""
+    if src.shape != dst.shape:
+        raise PlanError(f"{view.pool.value}: {src.shape} source and {dst.shape} destination "
+                        f"indices", code=Reason.INDEX_COUNT_MISMATCH)
     _check_range(rank_id, view, "source", src, logical.index_count)
     _check_range(rank_id, view, "destination", dst, view.index_count)
     if src.size == 0:

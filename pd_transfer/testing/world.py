@@ -20,7 +20,7 @@ import numpy as np
 
 from pd_transfer.errors import GeometryError, PlanError, Reason
 from pd_transfer.layout.geometry import RankGeometry, Role
-from pd_transfer.layout.views import Pool, TensorView
+from pd_transfer.layout.views import TensorView
 from pd_transfer.testing import oracle, runs
 from pd_transfer.testing.logical import LogicalTensor, axis_order, make_logical
 from pd_transfer.testing.placement import fit_problem, overlap_problems, window
@@ -111,15 +111,20 @@ class World:
                                    f"(one writer must be elected)")
 
     # -- verdict ----------------------------------------------------------------
-    def verify(self, requests: dict) -> list[str]:
+    def verify(self, requests: dict | list[dict]) -> list[str]:
         """Discrepancy lines (at most ~20 plus a count); an empty list means byte-exact.
 
         ``requests`` maps :class:`Pool` to ``(src_indices, dst_indices)``: page
-        indices for KV/SWA, slot indices for MAMBA, row indices for AUX.
+        indices for KV/SWA, slot indices for MAMBA, row indices for AUX. A
+        KV/SWA request may be a :class:`~pd_transfer.layout.spans.TokenSpan`;
+        where the decode page size differs from prefill's, a plain pair is
+        the span starting both lists at token 0. A list of such maps is
+        several rooms moved into one world (their destinations disjoint).
         Bytes written more than once by :meth:`execute` count as discrepancies
         too, so build a fresh world per scenario.
         """
-        wanted = oracle.normalise_requests(requests)
+        rooms = requests if isinstance(requests, list) else [requests]
+        wanted = [oracle.normalise_requests(room) for room in rooms]
         report = oracle.Report()
         report.total, report.shown = self._rewrites.total, list(self._rewrites.shown)
         for rank_id, geometry in self.decode.items():
@@ -132,10 +137,10 @@ class World:
         return report.lines()
 
     def _verify_decode_rank(self, report: oracle.Report, rank_id: str, geometry: RankGeometry,
-                            wanted: dict[Pool, tuple[np.ndarray, np.ndarray]]) -> None:
+                            rooms: list[dict]) -> None:
         buffers = self.decode_buffers[rank_id]
         covered = {region_id: np.zeros(buf.size, bool) for region_id, buf in buffers.items()}
-        for view in geometry.views:
+        for view, wanted in ((v, w) for w in rooms for v in geometry.views):
             if view.pool not in wanted:
                 continue
             logical = self.tensors.get(view.key)
@@ -143,10 +148,16 @@ class World:
                 report.add(f"{rank_id} {view.path}: requested, but no prefill rank registers "
                            f"this tensor, so nothing can fill it")
                 continue
-            src, dst = wanted[view.pool]
+            owed = wanted[view.pool]
             order = axis_order(view, logical, same_index_count=False, rank_id=rank_id)
-            oracle.compare_view(report, rank_id, view, order, logical, buffers[view.region], src, dst)
-            oracle.mark_covered(covered[view.region], view, order, dst)
+            if oracle.is_token_paged(view, logical, owed):
+                oracle.compare_tokens(report, rank_id, view, order, logical, buffers[view.region],
+                                      owed)
+                oracle.mark_tokens(covered[view.region], view, order, logical, owed)
+                continue
+            oracle.compare_view(report, rank_id, view, order, logical, buffers[view.region],
+                                owed.src, owed.dst)
+            oracle.mark_covered(covered[view.region], view, order, owed.dst)
         for region_id, buf in buffers.items():
             oracle.check_untouched(report, rank_id, region_id, buf,
                                    self._snapshots[Role.DECODE][rank_id][region_id],

@@ -30,6 +30,7 @@ from pd_transfer.errors import GeometryError, Reason
 from pd_transfer.layout.geometry import RankGeometry, Role
 from pd_transfer.layout.presets import load_preset
 from pd_transfer.layout.rank_builder import build_instance
+from pd_transfer.layout.spans import TokenSpan
 from pd_transfer.layout.views import Layout, Pool
 from pd_transfer.ports import spare_port
 from pd_transfer.shm import SEGMENT_DIR, SEGMENT_PREFIX
@@ -171,14 +172,14 @@ class Cluster:
     # -- driving rooms ------------------------------------------------------------
     def expect(self, room: int, requests: dict) -> None:
         for geometry in self.decode:
-            dst = {pool: idx for pool, (_, idx) in requests.items()}
+            dst = {pool: _sides(request)[1] for pool, request in requests.items()}
             self.clients[geometry.rank_id].expect(
                 room, self.bootstrap, dst.get(Pool.KV, []), state_slots=dst.get(Pool.MAMBA, []),
                 aux_row=int(dst[Pool.AUX][0]) if Pool.AUX in dst else None,
                 swa_pages=dst.get(Pool.SWA, []))
 
     def send(self, room: int, requests: dict, chunk_pages: int = 0) -> None:
-        src = {pool: idx for pool, (idx, _) in requests.items()}
+        src = {pool: _sides(request)[0] for pool, request in requests.items()}
         pages = list(src.get(Pool.KV, []))
         chunks = [pages[i:i + chunk_pages] for i in range(0, len(pages), chunk_pages)] \
             if chunk_pages else [pages]
@@ -215,6 +216,13 @@ class Cluster:
 
     def logs(self) -> str:
         return "\n".join(f"== {s.name}\n{s.log.read_text()[-3000:]}" for s in self.sidecars.values())
+
+
+def _sides(request) -> tuple:
+    """``(src, dst)`` indices of a pool's request: a pair, or a TokenSpan's page lists."""
+    if isinstance(request, TokenSpan):
+        return request.src_pages, request.dst_pages
+    return request
 
 
 def poll_known(client, room: int):

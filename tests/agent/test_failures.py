@@ -41,7 +41,7 @@ def test_rejected_pair_fails_expect_within_a_second_with_the_diagnostic(cluster_
 def test_a_rejected_peer_does_not_stop_prefill_serving_another(cluster_factory):
     prefill = _ranks(Role.PREFILL, 1)
     good = cluster_factory(prefill, _ranks(Role.DECODE, 1))
-    bad_decode = _ranks(Role.DECODE, 1, page_size=8)
+    bad_decode = _ranks(Role.DECODE, 1, kv_dtype="float8_e4m3fn")
     requests = _requests()
     # a second decode sidecar with a bad geometry talks to the same prefill instance
     from cluster import Cluster

@@ -21,7 +21,7 @@ from pd_transfer.layout.planner import plan_pair
 from pd_transfer.layout.presets import model_from_table
 from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.reconcile import reconcile
-from pd_transfer.layout.views import Layout, Pool, ShardSpec
+from pd_transfer.layout.views import Axis, AxisRole, Layout, Pool, ShardSpec
 
 SHAPE = {"page_size": 4, "kv_layout": Layout.NHD, "num_pages": 8, "num_slots": 2,
          "num_aux_rows": 2}
@@ -73,14 +73,30 @@ cannot reconcile prefill (attn_tp=1) with decode (attn_tp=2): 2 mismatches
     assert err.code is Reason.DTYPE_MISMATCH
 
 
-def test_page_size_mismatch_names_both_page_sizes():
-    err = _rejection(_instance(_gqa(), Role.PREFILL, 1),
-                     _instance(_gqa(), Role.DECODE, 2, page_size=8))
+def _opaque_pages(ranks: list[RankGeometry]) -> list[RankGeometry]:
+    """KV pages registered as opaque bytes (no token axis), as a raw-pointer adapter might."""
+    def edit(rank, view):
+        if view.pool is not Pool.KV:
+            return view
+        return dataclasses.replace(view, dtype="uint8", shape=(view.index_count, view.item_nbytes),
+                                   strides_nbytes=(view.strides_nbytes[0], 1), shard=None,
+                                   axes=(Axis("page", AxisRole.INDEX),
+                                         Axis("page_bytes", AxisRole.INNER)))
+    return _edit_views(ranks, edit)
+
+
+def test_page_sizes_differ_on_opaque_pages_names_both_page_sizes_and_the_fix():
+    err = _rejection(_opaque_pages(_instance(_gqa(), Role.PREFILL, 1)),
+                     _opaque_pages(_instance(_gqa(), Role.DECODE, 1, page_size=8)))
     assert str(err) == """\
-cannot reconcile prefill (attn_tp=1) with decode (attn_tp=2): 2 mismatches
-  - kv.layer[0-1].k.page_size: prefill=4 decode=8  [page_size_mismatch]
-  - kv.layer[0-1].v.page_size: prefill=4 decode=8  [page_size_mismatch]
-  hint: run prefill and decode with the same --page-size"""
+cannot reconcile prefill (attn_tp=1) with decode (attn_tp=1): 2 mismatches
+  - kv.layer[0-1].k.page_size: prefill=4 tokens/page, no token axis decode=8 tokens/page, \
+no token axis  [page_size_mismatch]
+  - kv.layer[0-1].v.page_size: prefill=4 tokens/page, no token axis decode=8 tokens/page, \
+no token axis  [page_size_mismatch]
+  hint: the tensor's pages are registered as opaque bytes, so a page cannot be cut into \
+tokens: register its token axis (page, token, head, head_dim), or run prefill and decode with \
+the same --page-size"""
     assert _codes(err) == [Reason.PAGE_SIZE_MISMATCH] * 2
 
 

@@ -14,7 +14,8 @@ from pd_transfer.layout.planner import plan_pair
 from pd_transfer.layout.presets import model_from_table
 from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.reconcile import reconcile
-from pd_transfer.layout.views import Layout, Pool
+from pd_transfer.layout.spans import TokenSpan
+from pd_transfer.layout.views import AxisRole, Layout, Pool
 from pd_transfer.testing import World
 
 # Small stand-ins for each model family, sized so one transfer takes milliseconds.
@@ -65,20 +66,49 @@ def instance(kind: str, role: Role, tp: int, *, pp: int = 1, layout: Layout = La
                           num_pages=num_pages, num_slots=3, num_aux_rows=2, **extra)
 
 
+def page_size(ranks: list[RankGeometry], pool: Pool) -> int | None:
+    """Tokens per page of ``pool`` on one side (None: no token axis)."""
+    return next((v.extent(AxisRole.TOKEN) for g in ranks for v in g.views
+                 if v.pool is pool and v.extent(AxisRole.TOKEN) is not None), None)
+
+
 def random_requests(prefill: list[RankGeometry], decode: list[RankGeometry],
-                    rng: np.random.Generator) -> dict[Pool, tuple[np.ndarray, np.ndarray]]:
-    """Distinct random indices per pool present on both sides."""
+                    rng: np.random.Generator) -> dict:
+    """Distinct random indices per pool present on both sides.
+
+    Where a token-paged pool's page sizes differ, a random token count sets
+    each side's page count (``ceil(tokens / page_size)``); SWA then takes the
+    request's last pages on each side, placed with a :class:`TokenSpan`.
+    """
     requests = {}
     for pool in Pool:
         src = [v.index_count for g in prefill for v in g.views if v.pool is pool]
         dst = [v.index_count for g in decode for v in g.views if v.pool is pool]
         if not src or not dst:
             continue
+        sizes = page_size(prefill, pool), page_size(decode, pool)
+        if pool in (Pool.KV, Pool.SWA) and None not in sizes and sizes[0] != sizes[1]:
+            requests[pool] = _token_request(pool, min(src), min(dst), sizes, rng)
+            continue
         limit = min(min(src), min(dst))
         n = 1 if pool in (Pool.MAMBA, Pool.AUX) else int(rng.integers(1, limit + 1))
         requests[pool] = (rng.choice(min(src), n, replace=False),
                           rng.choice(min(dst), n, replace=False))
     return requests
+
+
+def _token_request(pool: Pool, src_pages: int, dst_pages: int, sizes: tuple[int, int],
+                   rng: np.random.Generator):
+    tokens = int(rng.integers(1, min(src_pages * sizes[0], dst_pages * sizes[1]) + 1))
+    counts = [-(-tokens // size) for size in sizes]
+    if pool is Pool.KV:
+        return (rng.choice(src_pages, counts[0], replace=False),
+                rng.choice(dst_pages, counts[1], replace=False))
+    # SWA: the request's last pages (at most a few) on each side
+    last = [int(rng.integers(1, min(count, 3) + 1)) for count in counts]
+    return TokenSpan(rng.choice(src_pages, last[0], replace=False),
+                     rng.choice(dst_pages, last[1], replace=False),
+                     (counts[0] - last[0]) * sizes[0], (counts[1] - last[1]) * sizes[1])
 
 
 def transfer_and_verify(prefill: list[RankGeometry], decode: list[RankGeometry],

@@ -5,7 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-FORBIDDEN = ("pd_transfer.layout.planner", "pd_transfer.layout.reconcile",
+FORBIDDEN = ("pd_transfer.layout.planner", "pd_transfer.layout.reconcile", "pd_transfer.layout.token_map",
+             "pd_transfer.layout.page_sizes",
              "pd_transfer.layout.lowering", "pd_transfer.layout.sharding",
              "pd_transfer.protocol", "pd_transfer.transport", "pd_transfer.agent",
              "pd_transfer.client", "zmq")
