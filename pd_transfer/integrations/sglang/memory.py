@@ -41,6 +41,7 @@ class PoolTensor:
     tensor: Any         # torch.Tensor (CPU in shared memory, or CUDA)
     kind: str           # "k", "v", "kv" (MLA latent), "swa_k", "swa_v", "conv", "temporal", "aux"
     index: int          # layer position in its pool (aux: position in MetadataBuffers)
+    layer_id: int | None = None   # the model layer, where the pool maps positions to layers
 
     @property
     def base_ptr(self) -> int:
@@ -112,6 +113,7 @@ def share_engine_memory(owner_id: str, *, kv_pool: Any, metadata_buffers: Any,
     owner = f"{owner_id}-{os.getpid()}"
     moved: dict[int, tuple[str, Any]] = {}     # old storage pointer -> (region, shared uint8 storage)
     try:
+        layers = _global_layers(kv_pool)
         for kind, index, holder, attr, position in _pool_tensors(kv_pool, mamba_pool, metadata_buffers):
             tensor = _get(holder, attr, position)
             storage_ptr = tensor.untyped_storage().data_ptr()
@@ -123,7 +125,8 @@ def share_engine_memory(owner_id: str, *, kv_pool: Any, metadata_buffers: Any,
             region, shared = moved[storage_ptr]
             if shared is not None:
                 _rebind(tensor, shared)
-            memory.tensors.append(PoolTensor(region, tensor, kind, index))
+            layer_id = layers.get((kind.startswith("swa_"), index)) if kind in _KV_KINDS else None
+            memory.tensors.append(PoolTensor(region, tensor, kind, index, layer_id))
     except BaseException:
         memory.close()
         raise
@@ -132,6 +135,20 @@ def share_engine_memory(owner_id: str, *, kv_pool: Any, metadata_buffers: Any,
 
 _REGION_PREFIX = {"k": "kv.k", "v": "kv.v", "kv": "kv.latent", "swa_k": "swa.k", "swa_v": "swa.v",
                   "conv": "mamba.conv", "temporal": "mamba.temporal"}
+
+
+_KV_KINDS = ("k", "v", "kv", "swa_k", "swa_v")
+
+
+def _global_layers(kv_pool: Any) -> dict[tuple[bool, int], int]:
+    """``(is_swa, position in its sub-pool) -> model layer`` where the pool says so.
+
+    An SWA pool interleaves full-attention and sliding-window layers
+    (``layers_mapping[layer] = (position, is_swa)``); SGLang's ``kv_args``
+    carry no layer ids for its window pages.
+    """
+    mapping = getattr(kv_pool, "layers_mapping", None) or {}
+    return {(bool(is_swa), int(position)): int(layer) for layer, (position, is_swa) in mapping.items()}
 
 
 def _pool_tensors(kv_pool: Any, mamba_pool: Any | None, metadata_buffers: Any):

@@ -76,7 +76,8 @@ def _kv_views(kv_args: Any, memory: EngineMemory, facts: EngineFacts, page_size:
         entry, offset = memory.locate(kv_args.kv_data_ptrs[i], kv_args.kv_data_lens[i], what)
         if entry.kind not in ("k", "v", "kv"):
             raise GeometryError(f"{what} points into {entry.region}, not a KV buffer", code=Reason.BAD_VIEW)
-        layer_id = layer_ids[i] if layer_ids else facts.start_layer + entry.index
+        layer_id = (layer_ids[i] if layer_ids else entry.layer_id if entry.layer_id is not None
+                    else facts.start_layer + entry.index)
         views.append(_kv_view(entry, offset, layer_id, Pool.KV, page_size, tp_rank, facts,
                               kv_args.kv_item_lens[i], getattr(kv_args, "kv_head_num", None)))
     return views
@@ -148,7 +149,8 @@ def _swa_views(kv_args: Any, c: int, memory: EngineMemory, facts: EngineFacts,
         entry, offset = memory.locate(ptr, kv_args.state_data_lens[c][j], what)
         if entry.kind not in ("swa_k", "swa_v"):
             raise GeometryError(f"{what} points into {entry.region}, not an SWA buffer", code=Reason.BAD_VIEW)
-        layer_id = layer_ids[j] if layer_ids else entry.index
+        layer_id = (layer_ids[j] if layer_ids else entry.layer_id if entry.layer_id is not None
+                    else entry.index)
         views.append(_kv_view(entry, offset, layer_id, Pool.SWA, int(kv_args.page_size), tp_rank, facts,
                               kv_args.state_item_lens[c][j], None))
     return views
