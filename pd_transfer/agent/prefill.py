@@ -27,7 +27,9 @@ from pd_transfer.agent import integrity
 from pd_transfer.agent.acceptance import send_verdict
 from pd_transfer.agent.channels import Channel
 from pd_transfer.agent.chunks import chunk_refusal, chunk_requests
+from pd_transfer.agent.dataplane import SegmentTruncated
 from pd_transfer.agent.flow import peer_key, refuse_new_room, write_chunk
+from pd_transfer.agent.indices import check_indices
 from pd_transfer.agent.rooms import Room
 from pd_transfer.agent.streaming import ChunkLayers, chunk_plan, latest_streamed, span_of
 from pd_transfer.doorbell import Doorbells
@@ -37,6 +39,7 @@ from pd_transfer.layout.planner import PairPlanner
 from pd_transfer.layout.reconcile import Reconciliation
 from pd_transfer.layout.views import Pool
 from pd_transfer.protocol import (
+    CONFIRM_DONE,
     Abort,
     AbortAck,
     Close,
@@ -93,6 +96,15 @@ class Target:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     sums: object = None     # RoomDigest of what was sent, when the pair checks integrity
     bell: tuple[int, int, int] | None = None  # (slot, token, writer) to ring once all landed
+    confirmed: bool = False  # decode confirmed it has the bytes (its own Done)
+
+    @property
+    def settled(self) -> bool:
+        """Nothing more is owed: every byte written and, where decode confirms, confirmed."""
+        if not self.done:
+            return False
+        return self.confirmed or not (self.writes and self.succeeded
+                                      and CONFIRM_DONE in self.peer.features)
 
 
 @dataclass
@@ -130,6 +142,8 @@ class PrefillSide:
             await self._on_request(peer, message)
         elif isinstance(message, Abort):
             await self._on_abort(peer, message)
+        elif isinstance(message, Done):
+            self._on_confirm(peer, message)
         elif isinstance(message, Heartbeat):
             pass  # last_heard_s is updated by the channel
         elif isinstance(message, Close):
@@ -181,6 +195,13 @@ class PrefillSide:
                                                      f"another decode peer as {rank}"))
             return
         dst = {d.pool: np.asarray(d.indices, dtype=np.int64) for d in message.dst}
+        try:  # against the pools the peer registered: refused before any byte moves
+            check_indices(dst, peer.register.geometry, side="destination", unique=True)
+        except PdTransferError as err:
+            await peer.channel.send(Done(room=message.room, generation=message.generation,
+                                         status=DoneStatus.FAILED, reason=err.code,
+                                         reason_text=f"room {message.room}: {err.message}"[:4000]))
+            return
         writes = self.sidecar.geometry.rank_id in message.src_ranks
         room.targets[id(peer.channel)] = Target(
             peer, message.generation, dst, writes=writes,
@@ -196,6 +217,8 @@ class PrefillSide:
         self._pump_all(room)
 
     async def on_send(self, request: dict, pools: dict[Pool, np.ndarray]) -> dict:
+        # against this rank's own pools, before the room is made or touched
+        check_indices(pools, self.sidecar.geometry, side="source", unique=False)
         room = self._room(request["room"])
         if room.last_received:
             raise PdTransferError(f"room {room.room}: send after the last chunk",
@@ -251,6 +274,9 @@ class PrefillSide:
                     target.nbytes += nbytes
                     target.descriptors += plan.num_descriptors
                     await integrity.sum_chunk(target, requests, self.sidecar.dataplane.local_regions)
+                except SegmentTruncated as err:
+                    await self._on_truncated(room, target, err)
+                    return
                 except PdTransferError as err:
                     if not target.failed:  # else the abort of this target fails the room itself
                         await self.fail_room(room, err.code, f"room {room.room} -> {target.peer.rank_id}: "
@@ -287,6 +313,19 @@ class PrefillSide:
                                                    time.monotonic() - target.started_s)
                 self._maybe_succeed(room)
 
+    async def _on_truncated(self, room: PrefillRoom, target: Target, err: SegmentTruncated) -> None:
+        """A segment shrank under a write: the room fails with why; a decode peer that
+        did it is dropped (its other rooms fail, its mapping goes), since what it left
+        mapped is zeros, not its memory."""
+        text = f"room {room.room} -> {target.peer.rank_id}: {err.message}"
+        if not target.failed:
+            await self.fail_room(room, err.code, text, lock_held=target)
+        if not err.local and self.peers.get(id(target.peer.channel)) is target.peer:
+            self.sidecar.observe.lost(target.peer.rank_id, err.message, target.peer.channel,
+                                      missed=False)
+            why = err.message.replace("{", "{{").replace("}", "}}")
+            self.release_peer(target.peer.channel, err.code, f"decode peer {{}} dropped: {why}")
+
     async def send_quietly(self, target: Target, message) -> None:
         try:
             await target.peer.channel.send(message)
@@ -294,9 +333,22 @@ class PrefillSide:
             log.warning("prefill: cannot send %s to %s: %s", type(message).__name__,
                         target.peer.rank_id, err)
 
+    def _on_confirm(self, peer: DecodePeer, message: Done) -> None:
+        """Decode has the room's bytes: what this side's Success waits for."""
+        room = self.sidecar.rooms.get(message.room)
+        target = room.targets.get(id(peer.channel)) if isinstance(room, PrefillRoom) else None
+        if target is None or target.generation != message.generation:
+            log.info("prefill: confirmation of room %d from %s for no write of it", message.room,
+                     peer.rank_id)
+            return
+        target.confirmed = True
+        self._maybe_succeed(room)
+
     def _maybe_succeed(self, room: PrefillRoom) -> None:
+        # Success: every decode rank fed has the bytes (it confirmed), so the worker may
+        # free its pages; bytes written but unconfirmed are not yet a success
         if room.last_received and len(room.targets) >= room.expected_targets > 0 \
-                and all(t.done for t in room.targets.values()):
+                and all(t.settled for t in room.targets.values()):
             room.advance(RoomStatus.SUCCESS)
 
     async def fail_room(self, room: PrefillRoom, reason: Reason, text: str,
@@ -353,6 +405,8 @@ class PrefillSide:
         waiting = {RoomStatus.BOOTSTRAPPING: "no transfer request from decode",
                    RoomStatus.WAITING_FOR_INPUT: "the prefill worker did not send the room's pages",
                    RoomStatus.TRANSFERRING: "the transfer did not finish"}[room.status]
+        if room.targets and all(t.done for t in room.targets.values()):
+            waiting = "every byte was written, but decode did not confirm it has them"
         asyncio.create_task(self.fail_room(
             room, Reason.TIMEOUT,
             f"room {room.room} timed out in {room.status.value}: {waiting}"))

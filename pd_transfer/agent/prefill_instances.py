@@ -33,6 +33,7 @@ from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.reconcile import reconcile
 from pd_transfer.protocol import (
     AbortAck,
+    Close,
     Done,
     Heartbeat,
     Hello,
@@ -118,6 +119,7 @@ class PrefillInstances:
         if the instance was lost, goes to its new resolution.
         """
         instance = await asyncio.shield(self.resolved(bootstrap))
+        self._end_if_forgotten(instance)
         deadline = time.monotonic() + self.config.heartbeat_interval_s + _DOWN_SLACK_S
         while (not instance.lost and time.monotonic() < deadline
                and any(p.channel.disconnected_s is not None for p in instance.peers.values())):
@@ -125,6 +127,26 @@ class PrefillInstances:
         if instance.lost:
             instance = await asyncio.shield(self.resolved(bootstrap))
         return instance
+
+    def _end_if_forgotten(self, instance: PrefillInstance) -> None:
+        """A prefill rank that heard nothing from this rank for longer than its heartbeat
+        limit (this process was stopped, SIGSTOP, or its loop stalled) has declared it
+        lost and dropped the session, while this side, which discounts its own stalls,
+        still holds it. A new room would go into that dead session and fail
+        ``peer_lost``: the instance is resolved anew instead (new sessions)."""
+        if instance.lost:
+            return
+        limit_s = self.config.heartbeat_interval_s * self.config.heartbeat_misses
+        now = time.monotonic()
+        for peer in instance.peers.values():
+            # silent now, or silent before the frame that ended the silence (a heartbeat
+            # the timers sent on waking up, which the prefill answers with a Close)
+            silent_s = max(now - peer.channel.last_sent_s, peer.channel.silent_gap_s)
+            if silent_s > limit_s:
+                self._end(instance, peer, f"prefill peer {peer.channel.label} heard nothing from "
+                          f"this rank for {silent_s:.1f} s (this process was stopped or stalled) "
+                          f"and has dropped its session", Reason.PEER_LOST)
+                return
 
     def resolve_configured(self) -> None:
         """Resolve the configured prefill instances ahead of traffic (and again once lost)."""
@@ -196,6 +218,8 @@ class PrefillInstances:
             channel = OutgoingChannel(sidecar.context, entry.control_address, Role.DECODE,
                                       f"{rank_id} ({entry.control_address})")
             channel.peer_rank = rank_id
+            # this side's own heartbeat limit stands for the peer's (one deployment's config)
+            channel.peer_limit_s = self.config.heartbeat_interval_s * self.config.heartbeat_misses
             channel.on_bad_frame = sidecar.observe.bad_frame
             sidecar.observe.peer(rank_id, "connecting", channel=channel)
             peer = PrefillPeer(rank_id, channel, asyncio.get_running_loop().create_future())
@@ -249,6 +273,13 @@ class PrefillInstances:
                 peer.verdict.set_result(message)
         elif isinstance(message, (Done, Progress, AbortAck)):
             self._on_room_message(peer, message)
+        elif isinstance(message, Close):
+            # the prefill rank ended the session (it lost this rank, or is shutting down):
+            # the instance is resolved anew for the next room, and its rooms fail now
+            why = f"{message.reason.value}: {message.reason_text}" if message.reason else \
+                "no reason given"
+            self._end(instance, peer, f"prefill peer {peer.channel.label} closed its session "
+                      f"({why})", Reason.SESSION_CLOSED)
         elif isinstance(message, (Register, Heartbeat)):
             pass
 

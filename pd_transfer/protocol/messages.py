@@ -53,6 +53,10 @@ class Message:
     TAG: ClassVar[str] = ""
 
 
+#: the Hello feature of agents that speak the decode -> prefill confirming Done
+CONFIRM_DONE = "confirm_done"
+
+
 class DoneStatus(enum.Enum):
     SUCCESS = "success"
     FAILED = "failed"
@@ -66,6 +70,8 @@ class Capabilities:
 
     ``transports`` names data planes (``shm``, ``tcp``, ``mock``, ``mooncake``);
     ``features`` names optional behaviours (``per_layer_send``, ...).
+    ``confirm_done`` (:data:`CONFIRM_DONE`): this agent understands, and on
+    decode sends, the decode -> prefill Done that confirms a room's bytes.
     """
 
     transports: tuple[str, ...] = ()
@@ -256,6 +262,10 @@ class Done(Message):
 
     ``checksums`` (success only, when the Verdict said ``integrity``) lets
     decode verify what landed; added in 1.0, before any release.
+
+    Decode -> prefill (only a success, only between agents that both offer
+    :data:`CONFIRM_DONE`): decode has the room's bytes (landed, and verified
+    when the pair checks integrity). Prefill's room succeeds on it.
     """
 
     TAG: ClassVar[str] = "done"
