@@ -103,6 +103,7 @@ class Segment:
         self._array: np.ndarray | None = np.frombuffer(mapping, dtype=np.uint8, count=nbytes)
         self._tensor: torch.Tensor | None = None
         self._slot = -1
+        self._fd = -1   # an unwatched segment opened from another process keeps its file
         self._unwatch: weakref.finalize | None = None
         if watched:  # the whole mapping, to its last page
             self._slot = shm_guard.watch(self._array.__array_interface__["data"][0],
@@ -145,6 +146,17 @@ class Segment:
             self._tensor = torch.from_numpy(self.array)
         return self._tensor
 
+    def shrunk(self) -> bool:
+        """An unwatched segment's file is smaller than its mapping now (checked with fstat
+        before a copy, where no SIGBUS guard is loaded; a truncation during the copy still
+        faults). False for a watched segment: :attr:`truncated` says it."""
+        if self._fd < 0:
+            return False
+        try:
+            return os.fstat(self._fd).st_size < self.nbytes
+        except OSError:
+            return True
+
     def close(self) -> None:
         """Drop this object's views and unmap.
 
@@ -154,6 +166,9 @@ class Segment:
         """
         self._array = None
         self._tensor = None
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
         mapping, self._mmap = self._mmap, None
         if mapping is not None:
             try:
@@ -240,6 +255,12 @@ def open_segment(name: str, min_nbytes: int = 1) -> Segment:
         # sparse segment would allocate it, charged to this process
         populate = mmap.MAP_POPULATE if info.st_blocks * 512 >= info.st_size else 0
         mapping = mmap.mmap(fd, info.st_size, flags=mmap.MAP_SHARED | populate)
-    finally:
+    except BaseException:
         os.close(fd)
-    return Segment(name, mapping, info.st_size, owner=False, watched=True)
+        raise
+    segment = Segment(name, mapping, info.st_size, owner=False, watched=True)
+    if segment.watched:
+        os.close(fd)
+    else:  # kept to check the size before each copy (Segment.shrunk): the next best thing
+        segment._fd = fd
+    return segment

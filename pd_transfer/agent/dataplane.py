@@ -110,6 +110,9 @@ class DataPlane:
         first handle, takes long enough to starve the loop's heartbeats."""
         regions, segments, on_device = await asyncio.to_thread(_open_local, geometry, handles)
         self._segments, self.local_regions = segments, regions
+        if segments and not shm_guard.available():
+            log.warning("mapped segments are not watched for SIGBUS (%s): a segment truncated "
+                        "under its mapping kills this sidecar", shm_guard.why_unavailable())
         self.on_device = self.on_device or on_device
         if geometry.role is Role.DECODE and self.config.transport in ("auto", "tcp") \
                 and not self.on_device:
@@ -221,6 +224,8 @@ class DataPlane:
         write with :class:`SegmentTruncated`, never the process (:mod:`pd_transfer.shm_guard`)."""
         if self._local_truncated is not None:
             raise self._local_truncated
+        if not shm_guard.available():
+            self._check_sizes(link)
         before = shm_guard.faults_total()
         try:
             nbytes = await self._write(link, plan, room, generation)
@@ -229,6 +234,27 @@ class DataPlane:
             raise
         self._check_truncated(link, before)
         return nbytes
+
+    def _check_sizes(self, link) -> None:
+        """Without the SIGBUS guard: refuse to copy into or out of a segment whose file is
+        already smaller than its mapping (fstat per segment, before each write)."""
+        local = [s.name for s in self._segments if s.shrunk()]
+        peer = [s.name for s in getattr(link, "segments", {}).values() if s.shrunk()]
+        if local or peer:
+            whose = "this sidecar's worker" if local else f"peer {link.peer.peer_id}"
+            raise SegmentTruncated(f"{whose} truncated its segment(s) {(local or peer)[:3]} "
+                                   f"after registering them; nothing was copied",
+                                   local=bool(local))
+
+    def local_truncated(self) -> SegmentTruncated | None:
+        """Why this worker's mapped pools can no longer be trusted (a segment of them was
+        truncated under the mapping and touched), or None; one memory read when not."""
+        if self._local_truncated is None and shm_guard.faults_total():
+            try:
+                self._check_truncated(None, -1)
+            except SegmentTruncated as err:
+                return err
+        return self._local_truncated
 
     def _check_truncated(self, link, before: int) -> None:
         """Raise :class:`SegmentTruncated` if a copy since ``before`` faulted in the
@@ -245,6 +271,8 @@ class DataPlane:
             log.error("%s", self._local_truncated.message)
             raise self._local_truncated
         peer = [s.name for s in getattr(link, "segments", {}).values() if s.truncated]
+        if link is None:
+            return
         if peer:
             raise SegmentTruncated(
                 f"peer {link.peer.peer_id} truncated its segment(s) {peer[:3]} under this "

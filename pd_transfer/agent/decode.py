@@ -178,6 +178,10 @@ class DecodeSide:
     def _succeed(self, room: DecodeRoom) -> None:
         if room.terminal:
             return
+        truncated = self.sidecar.dataplane.local_truncated()
+        if truncated is not None:  # the pages it landed in are zeros here, not the worker's
+            self._fail_truncated(room, truncated)
+            return
         room.advance(RoomStatus.SUCCESS)
         self.sidecar.dataplane.forget(room.room)  # tcp: its later chunks are refused
         room.drained.set()
@@ -223,6 +227,14 @@ class DecodeSide:
         room.acks.add(peer.rank_id)  # it wrote all it will: nothing of it to drain
         self._fail(room, Reason.INTEGRITY_MISMATCH,
                    f"room {room.room}: integrity mismatch in what {peer.rank_id} wrote: {problem}")
+
+    def _fail_truncated(self, room: DecodeRoom, truncated: PdTransferError) -> None:
+        if room.fail(truncated.code, f"room {room.room}: {truncated.message}"):
+            log.warning("decode: room %d: %s", room.room, truncated.message,
+                        extra={"room": room.room, "peer": ",".join(room.sources) or "-"})
+            for source in room.sources or ["-"]:
+                self.sidecar.observe.transfer_failed(source, truncated.code.value)
+            room.drained.set()   # every source finished: nothing of it is left to land
 
     def _fail(self, room: DecodeRoom, reason: Reason, text: str, *, drained: bool = False) -> None:
         if self.bells.landed(room):

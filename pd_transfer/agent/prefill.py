@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -30,16 +29,12 @@ from pd_transfer.agent.chunks import chunk_refusal, chunk_requests
 from pd_transfer.agent.dataplane import SegmentTruncated
 from pd_transfer.agent.flow import peer_key, refuse_new_room, write_chunk
 from pd_transfer.agent.indices import check_indices
-from pd_transfer.agent.rooms import Room
+from pd_transfer.agent.prefill_records import DecodePeer, PrefillRoom, Target
 from pd_transfer.agent.streaming import ChunkLayers, chunk_plan, latest_streamed, span_of
-from pd_transfer.doorbell import Doorbells
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import Role
-from pd_transfer.layout.planner import PairPlanner
-from pd_transfer.layout.reconcile import Reconciliation
 from pd_transfer.layout.views import Pool
 from pd_transfer.protocol import (
-    CONFIRM_DONE,
     Abort,
     AbortAck,
     Close,
@@ -55,66 +50,6 @@ from pd_transfer.protocol import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class DecodePeer:
-    channel: Channel
-    register: Register | None = None
-    reconciliation: Reconciliation | None = None
-    fed: list[int] = field(default_factory=list)
-    link: object = None
-    planner: PairPlanner | None = None
-    accepted: bool = False
-    features: tuple[str, ...] = ()   # decode's Hello features
-    integrity: object = None         # BlockLayout when both sides check integrity
-    bells: Doorbells | None = None   # its doorbells, mapped (same host, shm)
-
-    @property
-    def rank_id(self) -> str:
-        return self.register.geometry.rank_id if self.register else self.channel.label
-
-
-@dataclass
-class Target:
-    """One decode rank's request for a room."""
-
-    peer: DecodePeer
-    generation: int
-    dst: dict[Pool, np.ndarray]
-    writes: bool = True     # False: this rank writes nothing to that decode rank
-    kv_cursor: int = 0
-    chunks_done: int = 0
-    nbytes: int = 0
-    descriptors: int = 0
-    started_s: float = field(default_factory=time.monotonic)
-    done: bool = False
-    succeeded: bool = False
-    failed: bool = False
-    admitted: bool = False  # holds a room slot with the peer (agent/flow.py)
-    layers_sent: set = field(default_factory=set)  # of the streamed chunk being written
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    sums: object = None     # RoomDigest of what was sent, when the pair checks integrity
-    bell: tuple[int, int, int] | None = None  # (slot, token, writer) to ring once all landed
-    confirmed: bool = False  # decode confirmed it has the bytes (its own Done)
-
-    @property
-    def settled(self) -> bool:
-        """Nothing more is owed: every byte written and, where decode confirms, confirmed."""
-        if not self.done:
-            return False
-        return self.confirmed or not (self.writes and self.succeeded
-                                      and CONFIRM_DONE in self.peer.features)
-
-
-@dataclass
-class PrefillRoom(Room):
-    chunks: list[dict[Pool, np.ndarray]] = field(default_factory=list)
-    layers: list[ChunkLayers | None] = field(default_factory=list)  # per chunk; None: not streamed
-    last_received: bool = False
-    targets: dict[int, Target] = field(default_factory=dict)   # by channel id
-    expected_targets: int = 0
-    nbytes: int = 0
 
 
 class PrefillSide:
@@ -167,7 +102,8 @@ class PrefillSide:
     # -- rooms --------------------------------------------------------------------
     def _room(self, room_id: int) -> PrefillRoom:
         room = self.sidecar.rooms.get(room_id)
-        if room is None or (room.terminal and not room.targets and not room.chunks):
+        if room is None or (room.terminal and not room.targets and not room.chunks
+                            and not room.refused):
             room = PrefillRoom(room_id, 0)
             room.deadline_s = time.monotonic() + self.config.bootstrap_timeout_s
             self.sidecar.rooms.add(room)
@@ -217,8 +153,14 @@ class PrefillSide:
         self._pump_all(room)
 
     async def on_send(self, request: dict, pools: dict[Pool, np.ndarray]) -> dict:
-        # against this rank's own pools, before the room is made or touched
-        check_indices(pools, self.sidecar.geometry, side="source", unique=False)
+        try:  # against this rank's own pools, before a byte moves
+            check_indices(pools, self.sidecar.geometry, side="source", unique=False)
+        except PdTransferError as err:
+            # refused to the worker, and the room fails with it, so decode learns at once
+            room = self._room(request["room"])
+            room.refused = True
+            await self.fail_room(room, err.code, f"room {room.room}: {err.message}")
+            raise
         room = self._room(request["room"])
         if room.last_received:
             raise PdTransferError(f"room {room.room}: send after the last chunk",
@@ -323,6 +265,11 @@ class PrefillSide:
         if not err.local and self.peers.get(id(target.peer.channel)) is target.peer:
             self.sidecar.observe.lost(target.peer.rank_id, err.message, target.peer.channel,
                                       missed=False)
+            try:  # it learns why at once, and maps afresh on its next room
+                await target.peer.channel.send(Close(reason=err.code,
+                                                     reason_text=err.message[:4000]))
+            except Exception as failure:
+                log.debug("prefill: no Close to %s: %s", target.peer.rank_id, failure)
             why = err.message.replace("{", "{{").replace("}", "}}")
             self.release_peer(target.peer.channel, err.code, f"decode peer {{}} dropped: {why}")
 

@@ -132,9 +132,11 @@ class PrefillInstances:
         """A prefill rank that heard nothing from this rank for longer than its heartbeat
         limit (this process was stopped, SIGSTOP, or its loop stalled) has declared it
         lost and dropped the session, while this side, which discounts its own stalls,
-        still holds it. A new room would go into that dead session and fail
-        ``peer_lost``: the instance is resolved anew instead (new sessions)."""
-        if instance.lost:
+        still holds it. A new room would go into that dead session and fail: new rooms
+        go to a fresh resolution instead (new sessions). Rooms already on the old
+        sessions keep them (retire.py closes them once quiet): if prefill did drop
+        them, they fail through its Close or its silence, with that reason."""
+        if instance.lost or instance.resolving:
             return
         limit_s = self.config.heartbeat_interval_s * self.config.heartbeat_misses
         now = time.monotonic()
@@ -143,9 +145,11 @@ class PrefillInstances:
             # the timers sent on waking up, which the prefill answers with a Close)
             silent_s = max(now - peer.channel.last_sent_s, peer.channel.silent_gap_s)
             if silent_s > limit_s:
-                self._end(instance, peer, f"prefill peer {peer.channel.label} heard nothing from "
-                          f"this rank for {silent_s:.1f} s (this process was stopped or stalled) "
-                          f"and has dropped its session", Reason.PEER_LOST)
+                log.info("decode: sent %s nothing for %.1f s (this process was stopped or "
+                         "stalled); new rooms resolve prefill instance %s afresh",
+                         peer.rank_id, silent_s, instance.bootstrap)
+                instance.lost, instance.lost_s = True, now
+                self.retired.append(instance)
                 return
 
     def resolve_configured(self) -> None:

@@ -88,6 +88,30 @@ def test_a_prefill_pool_truncated_by_its_own_worker_fails_the_room_not_the_sidec
     assert prefill.poll(2).code_text == "segment_truncated"
 
 
+def test_a_decode_pool_truncated_by_its_worker_fails_tcp_rooms_not_the_decode_sidecar(deployment):
+    """tcp: the decode sidecar itself writes into its worker's pools (its receiver)."""
+    cluster, _, decode = _pair(deployment, transport="tcp")
+    _room_lands(cluster, 1, [0, 1], [2, 3])
+    pools = cluster.pools[cluster.decode[0].rank_id]
+    segment = next(iter(pools.handles.values()))
+    path = os.path.join(SEGMENT_DIR, segment)
+    size = os.path.getsize(path)
+    os.truncate(path, 0)
+    try:
+        states = []
+        for room in (2, 3):    # the mapping holds zeros from then on: every room fails
+            requests = kv_requests([4, 5], [6 + room, 10 + room])
+            cluster.expect(room, requests)
+            cluster.send(room, requests)
+            states.append(decode.wait(room, timeout_s=10))
+    finally:
+        os.truncate(path, size)
+    assert _alive(cluster, Role.DECODE), "the decode sidecar died (SIGBUS)"
+    for state in states:
+        assert state.status is RoomStatus.FAILED, state
+        assert state.code_text == "segment_truncated", state.reason
+
+
 @pytest.mark.parametrize("pages", [[2**40 + 1], [0, 16], [3, 2**62 - 1]],
                          ids=["2**40", "one-past", "last-of-two"])
 def test_an_index_outside_the_pool_is_refused_at_expect_with_the_field(deployment, pages):
