@@ -197,6 +197,17 @@ class PrefillSide:
             asyncio.create_task(self._pump(room, target))
 
     async def _pump(self, room: PrefillRoom, target: Target) -> None:
+        """Write what ``target`` can take now; anything that escapes (a bug) still ends
+        the room at once, with what it was, never at its timeout."""
+        try:
+            await self._pump_target(room, target)
+        except Exception as err:
+            log.exception("prefill: room %s -> %s: internal error", room.room, target.peer.rank_id)
+            await self.fail_room(room, Reason.TRANSPORT_FAILED, f"room {room.room} -> "
+                                 f"{target.peer.rank_id}: internal error in the prefill "
+                                 f"sidecar: {err!r}")
+
+    async def _pump_target(self, room: PrefillRoom, target: Target) -> None:
         async with target.lock:
             if not target.writes:
                 if room.last_received and not target.done and not room.terminal:

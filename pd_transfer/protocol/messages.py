@@ -355,7 +355,8 @@ MESSAGE_TYPES: dict[str, MessageType] = {t.cls.TAG: t for t in (
     MessageType(Verdict, "prefill's explicit accept (with plan summary) or reject (every mismatch)"),
     MessageType(TransferRequest, "decode asks for a room: destination indices per pool, generation"),
     MessageType(Progress, "prefill reports bytes written for a room"),
-    MessageType(Done, "prefill reports a room finished: success, or failed with a reason"),
+    MessageType(Done, "prefill reports a room finished: success, or failed with a reason; "
+                      "decode confirms a success: it has the bytes"),
     MessageType(Abort, "either side stops a room's generation, with a reason"),
     MessageType(AbortAck, "answer to Abort: whether no write of that generation can still land"),
     MessageType(Heartbeat, "liveness, both ways, in every live session state"),
