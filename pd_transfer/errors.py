@@ -55,6 +55,8 @@ class Reason(enum.Enum):
     TENSOR_DUPLICATE = "tensor_duplicate"
     INDEX_COUNT_MISMATCH = "index_count_mismatch"
     INDEX_OUT_OF_RANGE = "index_out_of_range"
+    INDEX_REPEATED = "index_repeated"            # a destination names one page or slot twice
+    INDEX_IN_USE = "index_in_use"                # a destination page or slot of another live room
     INDEX_NOT_PAGE_ALIGNED = "index_not_page_aligned"
     VIEW_OUT_OF_REGION = "view_out_of_region"
     UNKNOWN_REGION = "unknown_region"
@@ -99,6 +101,7 @@ class Reason(enum.Enum):
     SEGMENT_NOT_FOUND = "segment_not_found"
     SEGMENT_EXISTS = "segment_exists"
     SEGMENT_TOO_SMALL = "segment_too_small"          # smaller than the region it should hold
+    SEGMENT_TRUNCATED = "segment_truncated"          # shrunk under its mapping after registration
     TRANSFER_INCOMPLETE = "transfer_incomplete"      # the receiver counted other bytes than sent
     LINK_CLOSED = "link_closed"
     TRANSPORT_UNSUPPORTED = "transport_unsupported"  # the peer offers no handle for this transport

@@ -24,6 +24,11 @@ each 4 KiB page (about 1,000 faults, 2-4 ms, for one 2 MiB page of Llama
 KV). A sparse segment is mapped lazily: populating it would allocate all of
 it, charged to the sidecar.
 
+A segment mapped from another process (:func:`open_segment`) is watched for
+SIGBUS (:mod:`pd_transfer.shm_guard`): its owner can truncate it under the
+mapping, and a copy into the lost part then fails the room
+(:attr:`Segment.truncated`) instead of killing this process.
+
 Imports numpy, and torch only when :attr:`Segment.tensor` is first asked for
 (a sidecar copying between host pools never loads it); no asyncio, no zmq.
 """
@@ -35,10 +40,12 @@ import mmap
 import os
 import re
 import stat
+import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pd_transfer import shm_guard
 from pd_transfer.errors import Reason, TransportError
 
 if TYPE_CHECKING:
@@ -87,13 +94,34 @@ class Segment:
     processes that still hold it).
     """
 
-    def __init__(self, name: str, mapping: mmap.mmap, nbytes: int, *, owner: bool) -> None:
+    def __init__(self, name: str, mapping: mmap.mmap, nbytes: int, *, owner: bool,
+                 watched: bool = False) -> None:
         self.name = name
         self.nbytes = nbytes
         self.owner = owner
         self._mmap: mmap.mmap | None = mapping
         self._array: np.ndarray | None = np.frombuffer(mapping, dtype=np.uint8, count=nbytes)
         self._tensor: torch.Tensor | None = None
+        self._slot = -1
+        self._fd = -1   # an unwatched segment opened from another process keeps its file
+        self._unwatch: weakref.finalize | None = None
+        if watched:  # the whole mapping, to its last page
+            self._slot = shm_guard.watch(self._array.__array_interface__["data"][0],
+                                         -(-len(mapping) // mmap.PAGESIZE) * mmap.PAGESIZE)
+            # unwatched once, when the mapping really goes (close() may leave that to
+            # the last view): a slot freed twice could be another segment's by then
+            self._unwatch = weakref.finalize(mapping, shm_guard.unwatch, self._slot)
+
+    @property
+    def watched(self) -> bool:
+        """Whether a SIGBUS in this mapping is caught (:mod:`pd_transfer.shm_guard`)."""
+        return self._slot >= 0 and self._unwatch is not None and self._unwatch.alive
+
+    @property
+    def truncated(self) -> bool:
+        """The owner shrank the segment under this mapping and a copy touched the lost part:
+        those pages are zeros now, never the owner's; the mapping must be dropped."""
+        return self.watched and shm_guard.faults(self._slot) > 0
 
     @property
     def path(self) -> str:
@@ -118,6 +146,17 @@ class Segment:
             self._tensor = torch.from_numpy(self.array)
         return self._tensor
 
+    def shrunk(self) -> bool:
+        """An unwatched segment's file is smaller than its mapping now (checked with fstat
+        before a copy, where no SIGBUS guard is loaded; a truncation during the copy still
+        faults). False for a watched segment: :attr:`truncated` says it."""
+        if self._fd < 0:
+            return False
+        try:
+            return os.fstat(self._fd).st_size < self.nbytes
+        except OSError:
+            return True
+
     def close(self) -> None:
         """Drop this object's views and unmap.
 
@@ -127,12 +166,17 @@ class Segment:
         """
         self._array = None
         self._tensor = None
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
         mapping, self._mmap = self._mmap, None
         if mapping is not None:
             try:
                 mapping.close()
             except BufferError:
-                pass  # a view is still exported; the mapping goes with the last one
+                return  # a view is still exported; the mapping (and its watch) go with the last one
+            if self._unwatch is not None:
+                self._unwatch()
 
     def unlink(self) -> None:
         """Remove the name from /dev/shm (idempotent). Mappings stay valid."""
@@ -211,6 +255,12 @@ def open_segment(name: str, min_nbytes: int = 1) -> Segment:
         # sparse segment would allocate it, charged to this process
         populate = mmap.MAP_POPULATE if info.st_blocks * 512 >= info.st_size else 0
         mapping = mmap.mmap(fd, info.st_size, flags=mmap.MAP_SHARED | populate)
-    finally:
+    except BaseException:
         os.close(fd)
-    return Segment(name, mapping, info.st_size, owner=False)
+        raise
+    segment = Segment(name, mapping, info.st_size, owner=False, watched=True)
+    if segment.watched:
+        os.close(fd)
+    else:  # kept to check the size before each copy (Segment.shrunk): the next best thing
+        segment._fd = fd
+    return segment

@@ -44,6 +44,13 @@ class Channel:
         self.label = label            # who the peer is, for logs and reasons
         self.peer_agent_id = ""
         self.last_heard_s = time.monotonic()
+        # when this side last sent the peer a frame: a peer that heard nothing from us for
+        # longer than its heartbeat limit (this process was stopped) has dropped the session
+        self.last_sent_s = self.last_heard_s
+        # the peer's heartbeat limit, where known (0: unknown), and the longest stretch this
+        # side sent nothing for beyond it: the peer has dropped the session by then
+        self.peer_limit_s = 0.0
+        self.silent_gap_s = 0.0
         self.bad_frames = 0
         self.closed = False
         self.peer_rank = ""           # the peer's rank id once known
@@ -58,7 +65,11 @@ class Channel:
 
     async def send(self, message: Message) -> None:
         frame = self.session.send(message)
+        now = time.monotonic()
+        if self.peer_limit_s and now - self.last_sent_s > self.peer_limit_s:
+            self.silent_gap_s = max(self.silent_gap_s, now - self.last_sent_s)
         await self._write(frame)
+        self.last_sent_s = now
 
     async def _write(self, frame: bytes) -> None:
         raise NotImplementedError

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import zmq.asyncio
 
-from pd_transfer import cuda_ipc
+from pd_transfer import cuda_ipc, shm_guard
 from pd_transfer.agent.strategies import choose_strategies, receiver_staging, staging_options
 from pd_transfer.agent.tcp_plane import tcp_receiver, tcp_transport
 from pd_transfer.config import SidecarConfig
@@ -45,6 +45,18 @@ from pd_transfer.transport.strategy import StrategyMode
 
 log = logging.getLogger(__name__)
 
+
+class SegmentTruncated(PdTransferError):
+    """A mapped segment shrank under its mapping during a write (:mod:`pd_transfer.shm_guard`):
+    ``local`` when it is this sidecar's worker's, else the peer's (the peer is dropped)."""
+
+    default_code = Reason.SEGMENT_TRUNCATED
+
+    def __init__(self, message: str, *, local: bool, hint: str = "") -> None:
+        super().__init__(message, code=Reason.SEGMENT_TRUNCATED, hint=hint)
+        self.local = local
+
+
 class DeviceLink:
     """Same-host link to CUDA regions opened from the peer's IPC handles."""
 
@@ -65,6 +77,7 @@ class DataPlane:
         self.local_regions: dict = {}
         self.on_device = False
         self._segments: list[Segment] = []
+        self._local_truncated: SegmentTruncated | None = None   # sticky: its pages are zeros
         self._shm = ShmTransport(CopyEngine(num_workers=config.copy_threads))
         # test only (fault_corrupt_nth): shm flips a byte after landing, tcp in the payload
         self._corrupt = CorruptNth(config.fault_corrupt_nth) if config.fault_corrupt_nth else None
@@ -97,6 +110,9 @@ class DataPlane:
         first handle, takes long enough to starve the loop's heartbeats."""
         regions, segments, on_device = await asyncio.to_thread(_open_local, geometry, handles)
         self._segments, self.local_regions = segments, regions
+        if segments and not shm_guard.available():
+            log.warning("mapped segments are not watched for SIGBUS (%s): a segment truncated "
+                        "under its mapping kills this sidecar", shm_guard.why_unavailable())
         self.on_device = self.on_device or on_device
         if geometry.role is Role.DECODE and self.config.transport in ("auto", "tcp") \
                 and not self.on_device:
@@ -219,7 +235,69 @@ class DataPlane:
         return choose_strategies(link, planner, StrategyMode(self.config.strategy), kind)
 
     async def write(self, link, plan, room: int, generation: int) -> int:
-        """Move every byte of ``plan``; returns only when all of it landed."""
+        """Move every byte of ``plan``; returns only when all of it landed.
+
+        A segment truncated under its mapping meanwhile (on either side) fails the
+        write with :class:`SegmentTruncated`, never the process (:mod:`pd_transfer.shm_guard`)."""
+        if self._local_truncated is not None:
+            raise self._local_truncated
+        if not shm_guard.available():
+            self._check_sizes(link)
+        before = shm_guard.faults_total()
+        try:
+            nbytes = await self._write(link, plan, room, generation)
+        except Exception:
+            self._check_truncated(link, before)
+            raise
+        self._check_truncated(link, before)
+        return nbytes
+
+    def _check_sizes(self, link) -> None:
+        """Without the SIGBUS guard: refuse to copy into or out of a segment whose file is
+        already smaller than its mapping (fstat per segment, before each write)."""
+        local = [s.name for s in self._segments if s.shrunk()]
+        peer = [s.name for s in getattr(link, "segments", {}).values() if s.shrunk()]
+        if local or peer:
+            whose = "this sidecar's worker" if local else f"peer {link.peer.peer_id}"
+            raise SegmentTruncated(f"{whose} truncated its segment(s) {(local or peer)[:3]} "
+                                   f"after registering them; nothing was copied",
+                                   local=bool(local))
+
+    def local_truncated(self) -> SegmentTruncated | None:
+        """Why this worker's mapped pools can no longer be trusted (a segment of them was
+        truncated under the mapping and touched), or None; one memory read when not."""
+        if self._local_truncated is None and shm_guard.faults_total():
+            try:
+                self._check_truncated(None, -1)
+            except SegmentTruncated as err:
+                return err
+        return self._local_truncated
+
+    def _check_truncated(self, link, before: int) -> None:
+        """Raise :class:`SegmentTruncated` if a copy since ``before`` faulted in the
+        segments of ``link`` or of this worker (one memory read when none did)."""
+        if shm_guard.faults_total() == before:
+            return
+        local = [s.name for s in self._segments if s.truncated]
+        if local:
+            self._local_truncated = SegmentTruncated(
+                f"this sidecar's worker truncated its segment(s) {local[:3]} under the mapping "
+                f"after registering them; what they held is lost here", local=True,
+                hint="a worker must keep its pools' segments at their registered size; "
+                     "restart the worker and its sidecar")
+            log.error("%s", self._local_truncated.message)
+            raise self._local_truncated
+        peer = [s.name for s in getattr(link, "segments", {}).values() if s.truncated]
+        if link is None:
+            return
+        if peer:
+            raise SegmentTruncated(
+                f"peer {link.peer.peer_id} truncated its segment(s) {peer[:3]} under this "
+                f"sidecar's mapping after registering them", local=False,
+                hint="the peer must keep its segments at their registered size; its session "
+                     "is closed")
+
+    async def _write(self, link, plan, room: int, generation: int) -> int:
         try:
             if isinstance(link, DeviceLink) or self.on_device:
                 # CUDA on either side: torch copies (device to device, or to / from the

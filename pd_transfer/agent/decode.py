@@ -28,12 +28,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pd_transfer.agent import integrity
+from pd_transfer.agent.indices import Claims, check_indices
 from pd_transfer.agent.prefill_instances import PrefillInstance, PrefillInstances, PrefillPeer
 from pd_transfer.agent.room_bells import RoomBells
 from pd_transfer.agent.rooms import Room
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.views import Pool
 from pd_transfer.protocol import (
+    CONFIRM_DONE,
     Abort,
     AbortAck,
     Done,
@@ -56,6 +58,7 @@ class DecodeRoom(Room):
     acks: set[str] = field(default_factory=set)
     instance: PrefillInstance | None = None
     bell: tuple[int, int] | None = None   # doorbell (slot, token)
+    requested: bool = False               # a TransferRequest went to a prefill rank
 
 
 class DecodeSide:
@@ -63,6 +66,7 @@ class DecodeSide:
         self.sidecar = sidecar
         self.bells = RoomBells(sidecar.config, sidecar.observe)
         self.prefill = PrefillInstances(sidecar, self.bells, self._on_room_message, self._on_peer_lost)
+        self.claims = Claims()   # the destination pages and slots of the live rooms
 
     @property
     def config(self):
@@ -84,7 +88,11 @@ class DecodeSide:
         if existing is not None and not existing.terminal:
             raise PdTransferError(f"room {request['room']} is already expected",
                                   code=Reason.DUPLICATE_ROOM)
+        # refused here, with the field: never accepted to fail later at its timeout
+        check_indices(pools, self.sidecar.geometry, side="destination", unique=True)
+        self.claims.claim(request["room"], pools)
         room = DecodeRoom(request["room"], self.sidecar.next_generation(), bootstrap=request["bootstrap"], dst=pools)
+        room.on_end.append(lambda ended: self.claims.release(ended.room, ended.dst))
         # a little longer than resolving may take, so its own, more precise error wins
         room.deadline_s = time.monotonic() + self.config.bootstrap_timeout_s * 1.25 + 0.5
         self.sidecar.rooms.add(room)
@@ -96,6 +104,18 @@ class DecodeSide:
         return reply
 
     async def _start(self, room: DecodeRoom) -> None:
+        """Resolve, admit and request the room; whatever goes wrong ends it at once with
+        the real reason (never at its timeout as "prefill peers were not resolved")."""
+        try:
+            await self._request(room)
+        except PdTransferError as err:
+            self._fail(room, err.code, f"room {room.room}: {err.message}", drained=not room.requested)
+        except Exception as err:  # a bug here: the room still ends now, with what it was
+            log.exception("decode: room %s: internal error", room.room)
+            self._fail(room, Reason.TRANSPORT_FAILED, f"room {room.room}: internal error in the "
+                       f"decode sidecar: {err!r}", drained=not room.requested)
+
+    async def _request(self, room: DecodeRoom) -> None:
         try:
             instance = await self.prefill.usable(room.bootstrap)
         except PdTransferError as err:
@@ -123,6 +143,7 @@ class DecodeSide:
                                             for p, idx in room.dst.items()),
                                   src_ranks=tuple(room.sources))
         writers = self.bells.writers(room, [instance.peers.get(rank) for rank in room.sources])
+        room.requested = True
         for peer in instance.peers.values():
             writer = writers.get(peer.rank_id)
             await peer.channel.send(request if writer is None else
@@ -157,11 +178,31 @@ class DecodeSide:
     def _succeed(self, room: DecodeRoom) -> None:
         if room.terminal:
             return
+        truncated = self.sidecar.dataplane.local_truncated()
+        if truncated is not None:  # the pages it landed in are zeros here, not the worker's
+            self._fail_truncated(room, truncated)
+            return
         room.advance(RoomStatus.SUCCESS)
         self.sidecar.dataplane.forget(room.room)  # tcp: its later chunks are refused
         room.drained.set()
+        asyncio.create_task(self._confirm(room))
         for source in room.sources:
             self.sidecar.observe.transfer_done(source, 0, 0, time.monotonic() - room.created_s)
+
+    async def _confirm(self, room: DecodeRoom) -> None:
+        """Tell each source this rank has the room's bytes: prefill's Success waits for it
+        (its worker may free the source pages then). Only to peers that speak it."""
+        peers = room.instance.peers if room.instance is not None else {}
+        message = Done(room=room.room, generation=room.generation, status=DoneStatus.SUCCESS)
+        for rank_id in room.sources:
+            peer = peers.get(rank_id)
+            hello = peer.channel.session.their_hello if peer is not None else None
+            if hello is None or CONFIRM_DONE not in hello.capabilities.features:
+                continue
+            try:
+                await peer.channel.send(message)
+            except Exception as err:  # its session ended: prefill fails the room itself
+                log.warning("decode: cannot confirm room %d to %s: %s", room.room, rank_id, err)
 
     def check_bell(self, room: Room) -> None:
         """A poll or wait of the worker: a room every writer rang has succeeded, Done or not."""
@@ -173,8 +214,12 @@ class DecodeSide:
 
     async def _verify(self, room: DecodeRoom, peer: PrefillPeer, message: Done) -> None:
         """Count a source done only once what it wrote matches its checksums."""
-        problem = await integrity.verify(peer.integrity, room.dst, message.checksums,
-                                         self.sidecar.dataplane.local_regions)
+        try:
+            problem = await integrity.verify(peer.integrity, room.dst, message.checksums,
+                                             self.sidecar.dataplane.local_regions)
+        except Exception as err:  # the room ends now, with why, not at its timeout
+            log.exception("decode: room %s: verifying %s failed", room.room, peer.rank_id)
+            problem = f"the check itself failed: {err!r}"
         if not problem or room.terminal:
             self._source_done(room, peer.rank_id)
             return
@@ -182,6 +227,14 @@ class DecodeSide:
         room.acks.add(peer.rank_id)  # it wrote all it will: nothing of it to drain
         self._fail(room, Reason.INTEGRITY_MISMATCH,
                    f"room {room.room}: integrity mismatch in what {peer.rank_id} wrote: {problem}")
+
+    def _fail_truncated(self, room: DecodeRoom, truncated: PdTransferError) -> None:
+        if room.fail(truncated.code, f"room {room.room}: {truncated.message}"):
+            log.warning("decode: room %d: %s", room.room, truncated.message,
+                        extra={"room": room.room, "peer": ",".join(room.sources) or "-"})
+            for source in room.sources or ["-"]:
+                self.sidecar.observe.transfer_failed(source, truncated.code.value)
+            room.drained.set()   # every source finished: nothing of it is left to land
 
     def _fail(self, room: DecodeRoom, reason: Reason, text: str, *, drained: bool = False) -> None:
         if self.bells.landed(room):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -27,14 +26,13 @@ from pd_transfer.agent import integrity
 from pd_transfer.agent.acceptance import send_verdict
 from pd_transfer.agent.channels import Channel
 from pd_transfer.agent.chunks import chunk_refusal, chunk_requests
+from pd_transfer.agent.dataplane import SegmentTruncated
 from pd_transfer.agent.flow import peer_key, refuse_new_room, write_chunk
-from pd_transfer.agent.rooms import Room
+from pd_transfer.agent.indices import check_indices
+from pd_transfer.agent.prefill_records import DecodePeer, PrefillRoom, Target
 from pd_transfer.agent.streaming import ChunkLayers, chunk_plan, latest_streamed, span_of
-from pd_transfer.doorbell import Doorbells
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import Role
-from pd_transfer.layout.planner import PairPlanner
-from pd_transfer.layout.reconcile import Reconciliation
 from pd_transfer.layout.views import Pool
 from pd_transfer.protocol import (
     Abort,
@@ -52,57 +50,6 @@ from pd_transfer.protocol import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class DecodePeer:
-    channel: Channel
-    register: Register | None = None
-    reconciliation: Reconciliation | None = None
-    fed: list[int] = field(default_factory=list)
-    link: object = None
-    planner: PairPlanner | None = None
-    accepted: bool = False
-    features: tuple[str, ...] = ()   # decode's Hello features
-    integrity: object = None         # BlockLayout when both sides check integrity
-    bells: Doorbells | None = None   # its doorbells, mapped (same host, shm)
-
-    @property
-    def rank_id(self) -> str:
-        return self.register.geometry.rank_id if self.register else self.channel.label
-
-
-@dataclass
-class Target:
-    """One decode rank's request for a room."""
-
-    peer: DecodePeer
-    generation: int
-    dst: dict[Pool, np.ndarray]
-    writes: bool = True     # False: this rank writes nothing to that decode rank
-    kv_cursor: int = 0
-    chunks_done: int = 0
-    nbytes: int = 0
-    descriptors: int = 0
-    started_s: float = field(default_factory=time.monotonic)
-    done: bool = False
-    succeeded: bool = False
-    failed: bool = False
-    admitted: bool = False  # holds a room slot with the peer (agent/flow.py)
-    layers_sent: set = field(default_factory=set)  # of the streamed chunk being written
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    sums: object = None     # RoomDigest of what was sent, when the pair checks integrity
-    bell: tuple[int, int, int] | None = None  # (slot, token, writer) to ring once all landed
-
-
-@dataclass
-class PrefillRoom(Room):
-    chunks: list[dict[Pool, np.ndarray]] = field(default_factory=list)
-    layers: list[ChunkLayers | None] = field(default_factory=list)  # per chunk; None: not streamed
-    last_received: bool = False
-    targets: dict[int, Target] = field(default_factory=dict)   # by channel id
-    expected_targets: int = 0
-    nbytes: int = 0
 
 
 class PrefillSide:
@@ -130,6 +77,8 @@ class PrefillSide:
             await self._on_request(peer, message)
         elif isinstance(message, Abort):
             await self._on_abort(peer, message)
+        elif isinstance(message, Done):
+            self._on_confirm(peer, message)
         elif isinstance(message, Heartbeat):
             pass  # last_heard_s is updated by the channel
         elif isinstance(message, Close):
@@ -153,7 +102,8 @@ class PrefillSide:
     # -- rooms --------------------------------------------------------------------
     def _room(self, room_id: int) -> PrefillRoom:
         room = self.sidecar.rooms.get(room_id)
-        if room is None or (room.terminal and not room.targets and not room.chunks):
+        if room is None or (room.terminal and not room.targets and not room.chunks
+                            and not room.refused):
             room = PrefillRoom(room_id, 0)
             room.deadline_s = time.monotonic() + self.config.bootstrap_timeout_s
             self.sidecar.rooms.add(room)
@@ -187,6 +137,13 @@ class PrefillSide:
                                                      f"another decode peer as {rank}"))
             return
         dst = {d.pool: np.asarray(d.indices, dtype=np.int64) for d in message.dst}
+        try:  # against the pools the peer registered: refused before any byte moves
+            check_indices(dst, peer.register.geometry, side="destination", unique=True)
+        except PdTransferError as err:
+            await peer.channel.send(Done(room=message.room, generation=message.generation,
+                                         status=DoneStatus.FAILED, reason=err.code,
+                                         reason_text=f"room {message.room}: {err.message}"[:4000]))
+            return
         writes = self.sidecar.geometry.rank_id in message.src_ranks
         room.targets[id(peer.channel)] = Target(
             peer, message.generation, dst, writes=writes,
@@ -202,6 +159,14 @@ class PrefillSide:
         self._pump_all(room)
 
     async def on_send(self, request: dict, pools: dict[Pool, np.ndarray]) -> dict:
+        try:  # against this rank's own pools, before a byte moves
+            check_indices(pools, self.sidecar.geometry, side="source", unique=False)
+        except PdTransferError as err:
+            # refused to the worker, and the room fails with it, so decode learns at once
+            room = self._room(request["room"])
+            room.refused = True
+            await self.fail_room(room, err.code, f"room {room.room}: {err.message}")
+            raise
         room = self._room(request["room"])
         if room.last_received:
             raise PdTransferError(f"room {room.room}: send after the last chunk",
@@ -238,6 +203,17 @@ class PrefillSide:
             asyncio.create_task(self._pump(room, target))
 
     async def _pump(self, room: PrefillRoom, target: Target) -> None:
+        """Write what ``target`` can take now; anything that escapes (a bug) still ends
+        the room at once, with what it was, never at its timeout."""
+        try:
+            await self._pump_target(room, target)
+        except Exception as err:
+            log.exception("prefill: room %s -> %s: internal error", room.room, target.peer.rank_id)
+            await self.fail_room(room, Reason.TRANSPORT_FAILED, f"room {room.room} -> "
+                                 f"{target.peer.rank_id}: internal error in the prefill "
+                                 f"sidecar: {err!r}")
+
+    async def _pump_target(self, room: PrefillRoom, target: Target) -> None:
         async with target.lock:
             if not target.writes:
                 if room.last_received and not target.done and not room.terminal:
@@ -257,6 +233,9 @@ class PrefillSide:
                     target.nbytes += nbytes
                     target.descriptors += plan.num_descriptors
                     await integrity.sum_chunk(target, requests, self.sidecar.dataplane.local_regions)
+                except SegmentTruncated as err:
+                    await self._on_truncated(room, target, err)
+                    return
                 except PdTransferError as err:
                     if not target.failed:  # else the abort of this target fails the room itself
                         await self.fail_room(room, err.code, f"room {room.room} -> {target.peer.rank_id}: "
@@ -293,6 +272,24 @@ class PrefillSide:
                                                    time.monotonic() - target.started_s)
                 self._maybe_succeed(room)
 
+    async def _on_truncated(self, room: PrefillRoom, target: Target, err: SegmentTruncated) -> None:
+        """A segment shrank under a write: the room fails with why; a decode peer that
+        did it is dropped (its other rooms fail, its mapping goes), since what it left
+        mapped is zeros, not its memory."""
+        text = f"room {room.room} -> {target.peer.rank_id}: {err.message}"
+        if not target.failed:
+            await self.fail_room(room, err.code, text, lock_held=target)
+        if not err.local and self.peers.get(id(target.peer.channel)) is target.peer:
+            self.sidecar.observe.lost(target.peer.rank_id, err.message, target.peer.channel,
+                                      missed=False)
+            try:  # it learns why at once, and maps afresh on its next room
+                await target.peer.channel.send(Close(reason=err.code,
+                                                     reason_text=err.message[:4000]))
+            except Exception as failure:
+                log.debug("prefill: no Close to %s: %s", target.peer.rank_id, failure)
+            why = err.message.replace("{", "{{").replace("}", "}}")
+            self.release_peer(target.peer.channel, err.code, f"decode peer {{}} dropped: {why}")
+
     async def send_quietly(self, target: Target, message) -> None:
         try:
             await target.peer.channel.send(message)
@@ -300,9 +297,22 @@ class PrefillSide:
             log.warning("prefill: cannot send %s to %s: %s", type(message).__name__,
                         target.peer.rank_id, err)
 
+    def _on_confirm(self, peer: DecodePeer, message: Done) -> None:
+        """Decode has the room's bytes: what this side's Success waits for."""
+        room = self.sidecar.rooms.get(message.room)
+        target = room.targets.get(id(peer.channel)) if isinstance(room, PrefillRoom) else None
+        if target is None or target.generation != message.generation:
+            log.info("prefill: confirmation of room %d from %s for no write of it", message.room,
+                     peer.rank_id)
+            return
+        target.confirmed = True
+        self._maybe_succeed(room)
+
     def _maybe_succeed(self, room: PrefillRoom) -> None:
+        # Success: every decode rank fed has the bytes (it confirmed), so the worker may
+        # free its pages; bytes written but unconfirmed are not yet a success
         if room.last_received and len(room.targets) >= room.expected_targets > 0 \
-                and all(t.done for t in room.targets.values()):
+                and all(t.settled for t in room.targets.values()):
             room.advance(RoomStatus.SUCCESS)
 
     async def fail_room(self, room: PrefillRoom, reason: Reason, text: str,
@@ -359,6 +369,8 @@ class PrefillSide:
         waiting = {RoomStatus.BOOTSTRAPPING: "no transfer request from decode",
                    RoomStatus.WAITING_FOR_INPUT: "the prefill worker did not send the room's pages",
                    RoomStatus.TRANSFERRING: "the transfer did not finish"}[room.status]
+        if room.targets and all(t.done for t in room.targets.values()):
+            waiting = "every byte was written, but decode did not confirm it has them"
         asyncio.create_task(self.fail_room(
             room, Reason.TIMEOUT,
             f"room {room.room} timed out in {room.status.value}: {waiting}"))

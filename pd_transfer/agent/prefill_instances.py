@@ -119,6 +119,7 @@ class PrefillInstances:
         if the instance was lost, goes to its new resolution.
         """
         instance = await asyncio.shield(self.resolved(bootstrap))
+        self._end_if_forgotten(instance)
         deadline = time.monotonic() + self.config.heartbeat_interval_s + _DOWN_SLACK_S
         while (not instance.lost and time.monotonic() < deadline
                and any(p.channel.disconnected_s is not None for p in instance.peers.values())):
@@ -126,6 +127,30 @@ class PrefillInstances:
         if instance.lost:
             instance = await asyncio.shield(self.resolved(bootstrap))
         return instance
+
+    def _end_if_forgotten(self, instance: PrefillInstance) -> None:
+        """A prefill rank that heard nothing from this rank for longer than its heartbeat
+        limit (this process was stopped, SIGSTOP, or its loop stalled) has declared it
+        lost and dropped the session, while this side, which discounts its own stalls,
+        still holds it. A new room would go into that dead session and fail: new rooms
+        go to a fresh resolution instead (new sessions). Rooms already on the old
+        sessions keep them (retire.py closes them once quiet): if prefill did drop
+        them, they fail through its Close or its silence, with that reason."""
+        if instance.lost or instance.resolving:
+            return
+        limit_s = self.config.heartbeat_interval_s * self.config.heartbeat_misses
+        now = time.monotonic()
+        for peer in instance.peers.values():
+            # silent now, or silent before the frame that ended the silence (a heartbeat
+            # the timers sent on waking up, which the prefill answers with a Close)
+            silent_s = max(now - peer.channel.last_sent_s, peer.channel.silent_gap_s)
+            if silent_s > limit_s:
+                log.info("decode: sent %s nothing for %.1f s (this process was stopped or "
+                         "stalled); new rooms resolve prefill instance %s afresh",
+                         peer.rank_id, silent_s, instance.bootstrap)
+                instance.lost, instance.lost_s = True, now
+                self.retired.append(instance)
+                return
 
     def resolve_configured(self) -> None:
         """Resolve the configured prefill instances ahead of traffic (and again once lost)."""
@@ -197,6 +222,8 @@ class PrefillInstances:
             channel = OutgoingChannel(sidecar.context, entry.control_address, Role.DECODE,
                                       f"{rank_id} ({entry.control_address})")
             channel.peer_rank = rank_id
+            # this side's own heartbeat limit stands for the peer's (one deployment's config)
+            channel.peer_limit_s = self.config.heartbeat_interval_s * self.config.heartbeat_misses
             channel.on_bad_frame = sidecar.observe.bad_frame
             sidecar.observe.peer(rank_id, "connecting", channel=channel)
             peer = PrefillPeer(rank_id, channel, asyncio.get_running_loop().create_future())
@@ -251,9 +278,13 @@ class PrefillInstances:
                 peer.verdict.set_result(message)
         elif isinstance(message, (Done, Progress, AbortAck)):
             self._on_room_message(peer, message)
-        elif isinstance(message, Close):   # e.g. its worker is gone: resolved anew
-            self._end(instance, peer, f"prefill peer {peer.channel.label} closed the session: "
-                                      f"{message.reason_text}", message.reason or Reason.SESSION_CLOSED)
+        elif isinstance(message, Close):
+            # the prefill rank ended the session (it lost this rank or its worker, or is shutting
+            # down): the instance is resolved anew for the next room, and its rooms fail now
+            why = f"{message.reason.value}: {message.reason_text}" if message.reason else \
+                "no reason given"
+            self._end(instance, peer, f"prefill peer {peer.channel.label} closed its session "
+                      f"({why})", message.reason or Reason.SESSION_CLOSED)
         elif isinstance(message, (Register, Heartbeat)):
             pass
 

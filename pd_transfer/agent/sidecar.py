@@ -40,7 +40,14 @@ from pd_transfer.agent.worker_loss import WorkerBinding, close_stale_sessions
 from pd_transfer.config import SidecarConfig
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import RankGeometry, Role, check_geometry
-from pd_transfer.protocol import Capabilities, Heartbeat, RankEntry, SessionState, geometry_from_data
+from pd_transfer.protocol import (
+    CONFIRM_DONE,
+    Capabilities,
+    Heartbeat,
+    RankEntry,
+    SessionState,
+    geometry_from_data,
+)
 from pd_transfer.protocol.worker_api import WorkerOp
 
 log = logging.getLogger(__name__)
@@ -350,7 +357,8 @@ class Sidecar:
     # -- peers and timers ----------------------------------------------------------
     def capabilities(self) -> Capabilities:
         return Capabilities(transports=self.dataplane.transport_names(),
-                            features=integrity.features(self.config, self.dataplane.on_device))
+                            features=(*integrity.features(self.config, self.dataplane.on_device),
+                                      CONFIRM_DONE))
 
     def next_generation(self) -> int:
         return next(self._generations)

@@ -29,6 +29,7 @@ from pd_transfer.protocol.geometry_codec import geometry_from_data, geometry_to_
 from pd_transfer.protocol.limits import DEFAULT_LIMITS, Limits
 from pd_transfer.protocol.messages import (
     BOOTSTRAP_MESSAGE_TYPES,
+    CONFIRM_DONE,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Abort,
@@ -66,5 +67,5 @@ __all__ = [
     "RemoteProtocolError",
     "RoomState", "RoomStatus", "Session", "SessionState", "TransferRequest", "Trigger", "Verdict",
     "allowed", "decode", "encode", "geometry_from_data", "geometry_to_data", "trigger_of",
-    "BOOTSTRAP_MESSAGE_TYPES", "Announce", "RankEntry", "RankTable", "RegionHandle", "TableRequest",
+    "BOOTSTRAP_MESSAGE_TYPES", "CONFIRM_DONE", "Announce", "RankEntry", "RankTable", "RegionHandle", "TableRequest",
 ]

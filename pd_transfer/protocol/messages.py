@@ -53,6 +53,10 @@ class Message:
     TAG: ClassVar[str] = ""
 
 
+#: the Hello feature of agents that speak the decode -> prefill confirming Done
+CONFIRM_DONE = "confirm_done"
+
+
 class DoneStatus(enum.Enum):
     SUCCESS = "success"
     FAILED = "failed"
@@ -66,6 +70,8 @@ class Capabilities:
 
     ``transports`` names data planes (``shm``, ``tcp``, ``mock``, ``mooncake``);
     ``features`` names optional behaviours (``per_layer_send``, ...).
+    ``confirm_done`` (:data:`CONFIRM_DONE`): this agent understands, and on
+    decode sends, the decode -> prefill Done that confirms a room's bytes.
     """
 
     transports: tuple[str, ...] = ()
@@ -256,6 +262,10 @@ class Done(Message):
 
     ``checksums`` (success only, when the Verdict said ``integrity``) lets
     decode verify what landed; added in 1.0, before any release.
+
+    Decode -> prefill (only a success, only between agents that both offer
+    :data:`CONFIRM_DONE`): decode has the room's bytes (landed, and verified
+    when the pair checks integrity). Prefill's room succeeds on it.
     """
 
     TAG: ClassVar[str] = "done"
@@ -345,7 +355,8 @@ MESSAGE_TYPES: dict[str, MessageType] = {t.cls.TAG: t for t in (
     MessageType(Verdict, "prefill's explicit accept (with plan summary) or reject (every mismatch)"),
     MessageType(TransferRequest, "decode asks for a room: destination indices per pool, generation"),
     MessageType(Progress, "prefill reports bytes written for a room"),
-    MessageType(Done, "prefill reports a room finished: success, or failed with a reason"),
+    MessageType(Done, "prefill reports a room finished: success, or failed with a reason; "
+                      "decode confirms a success: it has the bytes"),
     MessageType(Abort, "either side stops a room's generation, with a reason"),
     MessageType(AbortAck, "answer to Abort: whether no write of that generation can still land"),
     MessageType(Heartbeat, "liveness, both ways, in every live session state"),

@@ -249,6 +249,9 @@ def _check_content(message: Message, sender: Role) -> None:
             raise _Violation(Reason.VERSION_UNSUPPORTED,
                              f"peer speaks protocol {major}.{minor}, this agent speaks "
                              f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}; major versions must match")
+    if isinstance(message, Done) and sender is Role.DECODE and message.status is not DoneStatus.SUCCESS:
+        raise _Violation(Reason.ILLEGAL_MESSAGE, "decode may only send a successful Done (it "
+                                                 "confirms the bytes); a failure is an Abort")
     if isinstance(message, Register) and message.geometry.role is not sender:
         raise _Violation(Reason.ROLE_MISMATCH, f"the {sender.value} end registers a "
                                                f"{message.geometry.role.value} geometry")

@@ -19,7 +19,8 @@ has exactly one legal sender, so no two handshake frames can cross::
                --prefill verdict(rejected)--> rejected
 
 In ``accepted``: decode sends TransferRequest; prefill sends Progress and
-Done; either side sends Abort and AbortAck. Heartbeats go both ways in every
+Done; decode answers a successful room with its own Done (success only: it
+has the bytes); either side sends Abort and AbortAck. Heartbeats go both ways in every
 state from ``greeted`` on. Either side may Close in any non-terminal state;
 ``closed`` and ``error`` have no way out.
 
@@ -113,6 +114,7 @@ def _transitions() -> dict[tuple[SessionState, Role, Trigger], SessionState]:
         (S.ACCEPTED, D, T.TRANSFER_REQUEST): S.ACCEPTED,
         (S.ACCEPTED, P, T.PROGRESS): S.ACCEPTED,
         (S.ACCEPTED, P, T.DONE): S.ACCEPTED,
+        (S.ACCEPTED, D, T.DONE): S.ACCEPTED,   # decode confirms it has the room's bytes
     }
     for role in Role:
         table[(S.ACCEPTED, role, T.ABORT)] = S.ACCEPTED

@@ -27,10 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
+from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.regions import Mapped
 from pd_transfer.transport.runs import Flat
 
-ABI = 4  # pdt_abi() of the library this module calls (copy_runs.c's PDT_ABI)
+ABI = 5  # pdt_abi() of the library this module calls (copy_runs.c's PDT_ABI)
 LIBRARY_NAME = "_copy_runs.so"  # native/build.py builds it (stdlib only, so not imported here)
 LIBRARY_PATH = Path(__file__).resolve().parent / "native" / LIBRARY_NAME
 STREAM_MIN_NBYTES = 1024
@@ -114,6 +115,7 @@ class Pieces:
         skip = start - (int(self.ends[first - 1]) if first else 0)
         done = _LIB.pdt_copy_range(len(self.columns[0]), *self._pointers, first, skip, length,
                                    self.stream_min)
+        _check_landed(done)
         if done != length:  # the plan and its columns disagree: a bug here, not bad input
             raise RuntimeError(f"native copy moved {done} of {length} bytes")
         return done
@@ -128,6 +130,7 @@ def copy_list(runs: list[int]) -> None:
     address, length = table.buffer_info()
     total = sum(runs[2::3])
     done = _LIB.pdt_copy_list(length // 3, address, _stream_min(total))
+    _check_landed(done)
     if done != total:
         raise RuntimeError(f"native copy moved {done} of {total} bytes")
 
@@ -148,8 +151,16 @@ def copy_grid(src_unit: np.ndarray, dst_unit: np.ndarray, src_index: array, dst_
                               dst_index.buffer_info()[0], len(combo_src), combo_src.ctypes.data,
                               combo_dst.ctypes.data, shape.run_nbytes, shape.count,
                               shape.src_stride, shape.dst_stride, _stream_min(total_nbytes))
+    _check_landed(done)
     if done != expected:
         raise RuntimeError(f"native copy moved {done} of {expected} bytes")
+
+
+def _check_landed(done: int) -> None:
+    """-1: a piece met a SIGBUS in a watched segment (:mod:`pd_transfer.shm_guard`)."""
+    if done == -1:
+        raise TransportError("a shared-memory segment was truncated under its mapping during "
+                             "the copy", code=Reason.SEGMENT_TRUNCATED)
 
 
 def _stream_min(total_nbytes: int) -> int:
@@ -189,5 +200,6 @@ def _packed(offset: np.ndarray, nbytes: np.ndarray, region: np.ndarray, buffer: 
     done = _LIB.pdt_pack(len(nbytes), _array_address(offset), _array_address(nbytes),
                          _array_address(region), _array_address(buffer), int(gather),
                          _NEVER if gather else _stream_min(total))
+    _check_landed(done)
     if done != total:
         raise RuntimeError(f"native copy moved {done} of {total} bytes")

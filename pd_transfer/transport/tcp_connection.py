@@ -36,6 +36,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from pd_transfer import shm_guard
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.admission import Ticket
 from pd_transfer.transport.frames import (
@@ -255,8 +256,10 @@ class Connection:
                 log.warning("tcp receiver %s: dropped stale transfer %d", receiver.address, stale)
             progress = self._open[header.xfer] = _Progress()
         self.landing = ticket
+        before = shm_guard.faults_total()
         try:
             self._land(header, regions, payload_nbytes)
+            shm_guard.check_landed(before, f"room {header.room} chunk {header.seq}")
         finally:
             self.landing = None
             receiver.admission.release(ticket)

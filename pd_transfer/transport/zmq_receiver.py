@@ -32,6 +32,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from pd_transfer import shm_guard
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.admission import ByteRanges, RoomAdmission, RoomPolicy, Ticket
 from pd_transfer.transport.frames import (
@@ -212,8 +213,10 @@ class ZmqTcpReceiver:
         check_wire(header.wire, {r: m.nbytes for r, m in regions.items()}, payload.size)
         if payload.size < self.inline_nbytes:
             ticket = self._admit(header)
+            before = shm_guard.faults_total()
             try:
                 scatter_chunk(header.wire, payload, regions)
+                shm_guard.check_landed(before, f"room {header.room} chunk {header.seq}")
             finally:
                 self.admission.release(ticket)
             await self._landed(identity, header, progress, int(payload.size))
@@ -239,8 +242,13 @@ class ZmqTcpReceiver:
     async def _land(self, identity: bytes, key: tuple[bytes, int], header: ChunkHeader,
                     payload: np.ndarray, regions: dict[str, Mapped], progress: _Progress,
                     ticket: Ticket) -> None:
+        before = shm_guard.faults_total()
         try:
             await asyncio.to_thread(scatter_chunk, header.wire, payload, regions)
+            shm_guard.check_landed(before, f"room {header.room} chunk {header.seq}")
+        except TransportError as err:  # a segment truncated under the scatter
+            await self._refuse(identity, key, header.room, err)
+            return
         except Exception as err:  # checked before; a failure here is a bug, not the peer's
             log.exception("tcp receiver %s: scatter failed", self.address)
             await self._refuse(identity, key, header.room, TransportError(

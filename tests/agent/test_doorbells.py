@@ -58,10 +58,11 @@ def test_the_worker_learns_of_landed_bytes_while_its_sidecar_is_stopped(cluster_
         cluster.send(21, requests)
         if call == "wait":
             states = cluster.wait_decode(21, timeout_s=15)
-        else:  # prefill finished (rang, then Done): a poll answers from the doorbell, where
-            # asking the stopped sidecar would time out
+        else:  # prefill rang (its Success waits for decode's confirmation, which the
+            # stopped sidecar cannot send): a poll answers from the doorbell, where asking
+            # the stopped sidecar would time out
             for g in prefill:
-                assert cluster.clients[g.rank_id].wait(21, 15).status is RoomStatus.SUCCESS
+                _until(lambda r=g.rank_id: _count(cluster, r, "prefill", "rang") == 1)
             states = {g.rank_id: cluster.clients[g.rank_id].poll(21) for g in decode}
     finally:
         for proc in stopped:

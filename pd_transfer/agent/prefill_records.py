@@ -1,0 +1,85 @@
+"""What a prefill sidecar keeps per decode peer and per room: peers, targets, rooms.
+
+A :class:`Target` is one decode rank's request for one room: where its bytes go,
+how far the writes got, and whether decode confirmed it has them (prefill's
+Success waits for that, see docs/architecture.md#what-success-means). Plain
+records; the logic is :mod:`prefill`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pd_transfer.agent.channels import Channel
+from pd_transfer.agent.rooms import Room
+from pd_transfer.agent.streaming import ChunkLayers
+from pd_transfer.doorbell import Doorbells
+from pd_transfer.layout.planner import PairPlanner
+from pd_transfer.layout.reconcile import Reconciliation
+from pd_transfer.layout.views import Pool
+from pd_transfer.protocol import CONFIRM_DONE, Register
+
+
+@dataclass
+class DecodePeer:
+    channel: Channel
+    register: Register | None = None
+    reconciliation: Reconciliation | None = None
+    fed: list[int] = field(default_factory=list)
+    link: object = None
+    planner: PairPlanner | None = None
+    accepted: bool = False
+    features: tuple[str, ...] = ()   # decode's Hello features
+    integrity: object = None         # BlockLayout when both sides check integrity
+    bells: Doorbells | None = None   # its doorbells, mapped (same host, shm)
+
+    @property
+    def rank_id(self) -> str:
+        return self.register.geometry.rank_id if self.register else self.channel.label
+
+
+@dataclass
+class Target:
+    """One decode rank's request for a room."""
+
+    peer: DecodePeer
+    generation: int
+    dst: dict[Pool, np.ndarray]
+    writes: bool = True     # False: this rank writes nothing to that decode rank
+    kv_cursor: int = 0
+    chunks_done: int = 0
+    nbytes: int = 0
+    descriptors: int = 0
+    started_s: float = field(default_factory=time.monotonic)
+    done: bool = False
+    succeeded: bool = False
+    failed: bool = False
+    admitted: bool = False  # holds a room slot with the peer (agent/flow.py)
+    layers_sent: set = field(default_factory=set)  # of the streamed chunk being written
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    sums: object = None     # RoomDigest of what was sent, when the pair checks integrity
+    bell: tuple[int, int, int] | None = None  # (slot, token, writer) to ring once all landed
+    confirmed: bool = False  # decode confirmed it has the bytes (its own Done)
+
+    @property
+    def settled(self) -> bool:
+        """Nothing more is owed: every byte written and, where decode confirms, confirmed."""
+        if not self.done:
+            return False
+        return self.confirmed or not (self.writes and self.succeeded
+                                      and CONFIRM_DONE in self.peer.features)
+
+
+@dataclass
+class PrefillRoom(Room):
+    chunks: list[dict[Pool, np.ndarray]] = field(default_factory=list)
+    layers: list[ChunkLayers | None] = field(default_factory=list)  # per chunk; None: not streamed
+    last_received: bool = False
+    targets: dict[int, Target] = field(default_factory=dict)   # by channel id
+    expected_targets: int = 0
+    refused: bool = False   # a send of it was refused: requests still arriving get its failure
+    nbytes: int = 0
