@@ -17,6 +17,7 @@ from pathlib import Path
 from pd_transfer.client import AsyncClient, Client, allocate_pools
 from pd_transfer.layout.geometry import RankGeometry, Role
 from pd_transfer.layout.presets import load_preset
+from pd_transfer.security.secret import use_ephemeral_secret
 from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.views import Layout
 from pd_transfer.ports import spare_port
@@ -51,6 +52,7 @@ class Cluster:
                         for _ in range(num_decode)]
         self.bootstrap = f"tcp://127.0.0.1:{spare_port()}"
         self.workdir = workdir
+        use_ephemeral_secret(workdir)   # sidecars and clients authenticate, as deployed
         self.procs: dict[str, subprocess.Popen] = {}
         self.clients: dict[str, Client] = {}
         self.endpoints: dict[str, str] = {}

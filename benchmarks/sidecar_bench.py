@@ -52,6 +52,7 @@ from pd_transfer.layout.presets import load_preset  # noqa: E402
 from pd_transfer.layout.rank_builder import build_instance  # noqa: E402
 from pd_transfer.layout.views import Layout, Pool  # noqa: E402
 from pd_transfer.ports import spare_port  # noqa: E402
+from pd_transfer.security.secret import use_ephemeral_secret  # noqa: E402
 
 PAGE = 16
 KV_NBYTES_PER_TOKEN = 128 << 10  # Llama-3.1-8B: 32 layers x K, V x 8 heads x 128 x bf16
@@ -118,6 +119,7 @@ class Deployment:
         self.state = [1] if any(v.pool is Pool.MAMBA for v in self.decode[0].views) else []
         self.bootstrap = f"tcp://127.0.0.1:{spare_port()}"
         self.procs, self.clients, self.pools = [], {}, []
+        use_ephemeral_secret(workdir)   # sidecars and clients authenticate, as deployed
         for geometry in self.prefill + self.decode:
             name = f"{geometry.role.value}{geometry.tp_rank}"
             cmd = [sys.executable, "-m", "pd_transfer.cli", "serve", "--role", geometry.role.value,

@@ -97,8 +97,9 @@ def _add_serve(sub) -> None:
                     "Authentication: peers and workers prove a shared secret read from the file "
                     "secret_file (or PD_TRANSFER_SECRET_FILE) or from PD_TRANSFER_SECRET; there "
                     "is deliberately no --secret flag, since any user can read a command line. "
-                    "Without a secret, authentication is off (a warning says so); "
-                    "require_auth = true makes that an error.",
+                    "Without a secret the sidecar refuses to start, unless allow_insecure = true "
+                    "(--insecure) turns authentication off: it then warns at every start and "
+                    "reports it in /status, /readyz and the pd_transfer_insecure metric.",
         epilog="exit codes: 0 stopped, 2 invalid config, 3 could not start")
     serve.add_argument("--role", choices=["prefill", "decode"], help="which side this worker is")
     serve.add_argument("--config", metavar="FILE", help="TOML file with a [sidecar] table")
@@ -137,6 +138,9 @@ def _add_serve(sub) -> None:
     serve.add_argument("--fault-corrupt-nth", type=int, metavar="N",
                        help="TEST ONLY: flip one byte of this sidecar's Nth data write "
                             "(fault injection for integrity tests; never in production)")
+    serve.add_argument("--insecure", action="store_true", default=None, dest="allow_insecure",
+                       help="serve without a shared secret (allow_insecure = true): anyone who "
+                            "reaches the ports may use this sidecar; for a trusted sandbox only")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--log-format", default="text", choices=["text", "json"],
                        help="text: key=value lines; json: one JSON object per line")
@@ -242,7 +246,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                  "data_host": args.data_host,
                  "ready_file": args.ready_file, "http_host": args.http_host,
                  "http_port": args.http_port, "integrity": args.integrity,
-                 "fault_corrupt_nth": args.fault_corrupt_nth}
+                 "fault_corrupt_nth": args.fault_corrupt_nth,
+                 "allow_insecure": args.allow_insecure}
     overrides.update(max_rooms_per_peer=args.max_rooms_per_peer,
                      max_inflight_nbytes_total=args.max_inflight_nbytes_total,
                      admission_wait_s=args.admission_wait_s)

@@ -83,7 +83,7 @@ class SidecarConfig:
     max_pending_data_connections: int = 64  # decode, tcp: data connections not yet authenticated; one more drops the oldest
     peer_series_grace_s: float = 300.0    # a peer's labelled metric series are removed this long after its last session ended
     secret_file: str = ""                 # shared secret of peers and workers (never the secret itself)
-    require_auth: bool = False            # true: refuse to start without a shared secret
+    allow_insecure: bool = False          # true: serve without a shared secret (anyone reaching the ports may use it)
     curve_secret_key_file: str = ""       # CURVE secret key (Z85): encrypts the sockets this sidecar binds
     curve_server_key: str = ""            # CURVE public key of the sidecars it connects to (default: own)
     integrity: bool = False               # crc32 every block sent; decode verifies (when both sides enable it)

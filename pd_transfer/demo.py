@@ -2,8 +2,9 @@
 
 Starts one sidecar and one simulated worker per rank (prefill TP 2 and decode
 TP 4 of Llama-3.1-8B by default), all on loopback and shared memory, runs the
-requests, and prints progress while they run and a summary at the end. The
-decode workers check every destination byte against the deterministic ground
+requests, and prints progress while they run and a summary at the end. Every
+process of the run authenticates with a shared secret made for the run (mode
+0600 in its work directory). The decode workers check every destination byte against the deterministic ground
 truth (:mod:`pd_transfer.sim.content`); any failed room or differing byte
 makes the demo exit 1.
 
@@ -31,8 +32,10 @@ from pathlib import Path
 
 from pd_transfer.layout.views import KV_LAYOUTS
 from pd_transfer.ports import spare_port
+from pd_transfer.security.secret import SECRET_ENV, SECRET_FILE_ENV, new_secret_file
 
 EXIT_OK, EXIT_FAILED = 0, 1
+DEMO_SECRET = "secret"   # an ephemeral shared secret in the work directory, made per run
 CHILD_STOP_S = 10.0   # after SIGTERM, how long a child may take before it is killed
 
 
@@ -84,8 +87,10 @@ class Proc:
 
 
 def _spawn(name: str, args: list[str], workdir: Path) -> Proc:
+    """Start ``python args``; sidecars and workers alike read the run's secret (below)."""
     log_path = workdir / f"{name}.log"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
+    env.update(PYTHONUNBUFFERED="1", **{SECRET_FILE_ENV: str(workdir / DEMO_SECRET)})
     popen = subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL,
                              stderr=log_path.open("w"), env=env, start_new_session=True)
     return Proc(name, popen, log_path)
@@ -164,6 +169,7 @@ def _run(args: argparse.Namespace, workdir: Path, procs: list[Proc], verdicts: s
     pages = math.ceil(args.tokens / args.page_size)
     num_pages = args.window * pages + 8
     bootstrap = f"tcp://127.0.0.1:{spare_port()}"
+    new_secret_file(workdir / DEMO_SECRET)   # every sidecar and worker of the run authenticates
     print(f"pd-transfer demo: {args.model}, prefill TP {args.prefill_tp} -> decode TP "
           f"{args.decode_tp}, {args.requests} requests x {args.tokens} tokens, transport "
           f"{args.transport}, decode kv layout {args.kv_layout}")

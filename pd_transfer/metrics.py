@@ -155,6 +155,10 @@ class SidecarMetrics:
         self.auth_failures = Counter(
             "pd_transfer_auth_failures", "Refused or failed authentication handshakes, and frames "
             "sent before one, by reason.", ["role", "reason"], registry=r)
+        self.insecure = Gauge(
+            "pd_transfer_insecure", "1 when this sidecar serves without authentication "
+            "(allow_insecure): anyone who reaches its ports may use it; 0 otherwise.",
+            ["role"], registry=r)
         self.build_info = Gauge("pd_transfer_build_info", "Version of this sidecar.",
                                 ["version", "protocol_version"], registry=r)
         self.build_info.labels(__version__, f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}").set(1)
@@ -209,5 +213,5 @@ METRIC_NAMES = (
     "pd_transfer_doorbells_total", "pd_transfer_aborts_total",
     "pd_transfer_heartbeat_misses_total", "pd_transfer_loop_stall_seconds_total",
     "pd_transfer_bad_frames_total", "pd_transfer_connections_closed_total",
-    "pd_transfer_auth_failures_total", "pd_transfer_build_info",
+    "pd_transfer_auth_failures_total", "pd_transfer_insecure", "pd_transfer_build_info",
 )

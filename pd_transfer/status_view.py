@@ -28,6 +28,8 @@ def render_status(status: dict) -> str:
         lines.append(_indented(f"  - {reason}", "    "))
     lines.append("rooms: " + ", ".join(f"{k} {v}" for k, v in status["rooms_by_status"].items() if v)
                  if any(status["rooms_by_status"].values()) else "rooms: none")
+    if status.get("insecure"):
+        lines.append("security: INSECURE (allow_insecure): no authentication on this sidecar's ports")
     if status.get("copies"):  # absent from sidecars before it was reported
         lines.append(f"copies: {status['copies']}")
     if status.get("control_sessions") is not None:  # prefill only (and newer sidecars)

@@ -1,8 +1,43 @@
-"""Fixtures every test directory may use."""
+"""Fixtures every test directory may use.
+
+Every sidecar a test starts authenticates: this session writes one ephemeral
+shared secret and exports it as ``PD_TRANSFER_SECRET_FILE``, which sidecar
+processes (``pd-transfer serve``), in-process sidecars and the client library
+all read. A test of insecure behaviour passes ``--insecure`` (or
+``allow_insecure = true``) explicitly; a test of a missing secret removes the
+variable (``no_secret``).
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
+
+from pd_transfer.security.secret import SECRET_ENV, SECRET_FILE_ENV, new_secret_file
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_secret():
+    """The path of this session's shared secret (mode 0600), exported to every sidecar."""
+    directory = Path(tempfile.mkdtemp(prefix="pdt-secret-"))
+    path = new_secret_file(directory / "secret")
+    saved = {name: os.environ.pop(name, None) for name in (SECRET_ENV, SECRET_FILE_ENV)}
+    os.environ[SECRET_FILE_ENV] = str(path)
+    yield path
+    os.environ.pop(SECRET_FILE_ENV, None)
+    os.environ.update({k: v for k, v in saved.items() if v is not None})
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def no_secret(monkeypatch):
+    """No shared secret anywhere in this test's environment (nor its children's)."""
+    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
+    monkeypatch.delenv(SECRET_ENV, raising=False)
 
 
 @pytest.fixture

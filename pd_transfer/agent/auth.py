@@ -61,9 +61,9 @@ class Security:
         if self.enabled:
             log.info("security: %s", self.settings.describe())
         else:
-            log.warning("security: %s: any process that reaches this sidecar's ports may use it; "
-                        "set secret_file or PD_TRANSFER_SECRET_FILE (require_auth = true makes "
-                        "a missing secret an error)", self.settings.describe())
+            log.warning("security: INSECURE, %s (allow_insecure): any process that reaches this "
+                        "sidecar's ports may take or overwrite rooms' bytes; make a secret with "
+                        "`pd-transfer keygen --out DIR` and set secret_file", self.settings.describe())
 
     def failed(self, error: PdTransferError, where: str = "") -> None:
         """Count and log a failed handshake (``where``: the listening socket and peer)."""

@@ -45,6 +45,7 @@ class Observer:
         self.metrics = SidecarMetrics(self.registry, self.role)
         self.peers: dict[str, PeerRecord] = {}
         self.series = PeerSeries(getattr(sidecar.config, "peer_series_grace_s", PEER_SERIES_GRACE_S))
+        self.metrics.insecure.labels(self.role).set(0 if sidecar.security.enabled else 1)
 
     # -- events ---------------------------------------------------------------------
     def peer(self, peer: str, state: str, reason: str = "", channel=None, *, transport: str = "",
@@ -231,7 +232,8 @@ class Observer:
             problem = sidecar.side.instance_problem(address)
             if problem:
                 reasons.append(f"prefill instance {address}: {problem}")
-        return (not reasons, {"ready": not reasons, "reasons": reasons})
+        return (not reasons, {"ready": not reasons, "reasons": reasons,
+                              "insecure": not sidecar.security.enabled})
 
     def status(self) -> dict:
         sidecar, now = self.sidecar, time.monotonic()
@@ -246,7 +248,8 @@ class Observer:
         ready, readiness = self.ready()
         return {"agent_id": sidecar.config.agent_id, "role": self.role,
                 "rank": geometry.rank_id if geometry else None,
-                "ready": ready, "reasons": readiness["reasons"], "copies": sidecar.dataplane.copies,
+                "ready": ready, "reasons": readiness["reasons"],
+                "insecure": not sidecar.security.enabled, "copies": sidecar.dataplane.copies,
                 "control_sessions": len(sidecar.control.channels) if sidecar.control else None,
                 "peers": peers, "rooms_by_status": sidecar.rooms.counts(),
                 "rooms": rooms}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import stat
 import string
 from collections.abc import Mapping
@@ -91,6 +92,38 @@ def read_secret_file(path: str) -> SharedSecret:
         log.warning("secret file %s is readable by group or others (mode %o); chmod 600 it",
                     path, stat.S_IMODE(mode))
     return parse_secret(data, f"secret file {path}")
+
+
+def new_secret_file(path: str | os.PathLike, *, force: bool = False) -> Path:
+    """Write a fresh random 32-byte secret (hex) to ``path``, mode 0600.
+
+    Refuses (FileExistsError) to replace an existing file unless ``force``:
+    replacing a secret in use locks every peer out. ``pd-transfer demo`` and
+    the test harness make an ephemeral one per run with this.
+    """
+    path = Path(path)
+    flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+    flags |= os.O_TRUNC if force else os.O_EXCL
+    fd = os.open(path, flags, 0o600)
+    with os.fdopen(fd, "w") as file:
+        os.fchmod(fd, 0o600)  # O_CREAT's mode does not apply to a file that existed
+        file.write(secrets.token_hex(32) + "\n")
+    return path
+
+
+def use_ephemeral_secret(directory: str | os.PathLike,
+                         environ: dict[str, str] | None = None) -> Path | None:
+    """Unless ``environ`` (default ``os.environ``) already names a secret, write a
+    fresh one to ``directory/secret`` and export it as ``PD_TRANSFER_SECRET_FILE``:
+    the sidecars a benchmark or a harness starts, and its clients, then share it.
+    Returns the new file, or None when a secret was configured already.
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get(SECRET_FILE_ENV) or environ.get(SECRET_ENV):
+        return None
+    path = new_secret_file(Path(directory) / "secret")
+    environ[SECRET_FILE_ENV] = str(path)
+    return path
 
 
 def load_secret(secret_file: str = "", environ: Mapping[str, str] | None = None) -> SharedSecret | None:

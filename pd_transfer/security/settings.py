@@ -3,9 +3,10 @@
 :meth:`SecuritySettings.from_config` reads the shared secret and the CURVE
 keys the config points to, and turns every problem into a
 :class:`~pd_transfer.errors.ConfigError` (exit code 2): an unreadable or
-short secret, a malformed key, or ``require_auth = true`` without a secret.
-No secret configured means authentication is off; the sidecar says so in a
-warning when it starts.
+short secret, a malformed key, or no secret at all. Authentication is off
+only when the config says so (``allow_insecure = true``, ``--insecure``);
+the sidecar then warns at every start and shows it in ``/status``,
+``/readyz`` and the ``pd_transfer_insecure`` gauge.
 
 Pure: reads files and the environment mapping it is given.
 """
@@ -22,9 +23,15 @@ from pd_transfer.security.curve import CurveKeypair, check_key, read_secret_key
 from pd_transfer.security.secret import SECRET_ENV, SECRET_FILE_ENV, SharedSecret, load_secret
 
 
+#: the one line a sidecar without a secret stops with
+NO_SECRET = (f"no shared secret: make one with `pd-transfer keygen --out DIR` and set "
+             f"secret_file = \"DIR/secret\" (or {SECRET_FILE_ENV}), or opt out of "
+             f"authentication with allow_insecure = true (--insecure)")
+
+
 @dataclass(frozen=True)
 class SecuritySettings:
-    secret: SharedSecret | None = None          # None: authentication off
+    secret: SharedSecret | None = None          # None: authentication off (allow_insecure)
     curve_keypair: CurveKeypair | None = None   # encrypts the sockets this sidecar binds
     curve_server_key: str = ""                  # expected of the sockets it connects to
 
@@ -37,9 +44,8 @@ class SecuritySettings:
         """``config`` is a :class:`~pd_transfer.config.SidecarConfig` (its auth fields)."""
         environ = os.environ if environ is None else environ
         secret = load_secret(config.secret_file, environ)
-        if secret is None and config.require_auth:
-            raise ConfigError("sidecar.require_auth is true but no shared secret is configured",
-                              hint=f"set secret_file, {SECRET_FILE_ENV} or {SECRET_ENV}")
+        if secret is None and not config.allow_insecure:
+            raise ConfigError(NO_SECRET)
         keypair = read_secret_key(config.curve_secret_key_file) if config.curve_secret_key_file else None
         server_key = (check_key(config.curve_server_key, "sidecar.curve_server_key")
                       if config.curve_server_key else "")

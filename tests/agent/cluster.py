@@ -33,6 +33,7 @@ from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.spans import TokenSpan
 from pd_transfer.layout.views import Layout, Pool
 from pd_transfer.ports import spare_port
+from pd_transfer.security.secret import use_ephemeral_secret
 from pd_transfer.shm import SEGMENT_DIR, SEGMENT_PREFIX
 from pd_transfer.testing import World
 
@@ -44,6 +45,7 @@ class Sidecar:
     def __init__(self, workdir: Path, role: str, name: str, config: dict, bootstrap: str = "",
                  worker_scheme: str = "unix") -> None:
         self.name, self.role = name, role
+        use_ephemeral_secret(workdir)   # no-op under pytest (tests/conftest.py exports one)
         self.endpoint = f"{worker_scheme}://{workdir}/{name}.sock"
         self.ready = workdir / f"{name}.ready.json"
         self.log = workdir / f"{name}.log"
