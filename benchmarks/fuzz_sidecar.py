@@ -47,6 +47,7 @@ from protocol_samples import every_frame_type, rank_entry  # noqa: E402
 from pd_transfer.client import RoomStatus  # noqa: E402
 from pd_transfer.layout.geometry import Role  # noqa: E402
 from pd_transfer.protocol import Close, RankTable, decode  # noqa: E402
+from pd_transfer.security.secret import use_ephemeral_secret  # noqa: E402
 
 
 def _bad_frames(cluster, rank: str) -> dict[str, float]:
@@ -57,6 +58,7 @@ def _bad_frames(cluster, rank: str) -> dict[str, float]:
 def run(seconds: float, seed: int) -> int:
     rng = random.Random(seed)
     deployments = Deployments()
+    use_ephemeral_secret(deployments.workdir)   # sidecars and clients authenticate, as deployed
     failures: list[str] = []
     try:
         cluster = deployments.make(tiny_ranks(Role.PREFILL, 1), tiny_ranks(Role.DECODE, 1),

@@ -56,6 +56,7 @@ from pd_transfer.layout.presets import load_preset  # noqa: E402
 from pd_transfer.layout.rank_builder import build_instance  # noqa: E402
 from pd_transfer.layout.views import Layout, Pool  # noqa: E402
 from pd_transfer.ports import spare_port  # noqa: E402
+from pd_transfer.security.secret import use_ephemeral_secret  # noqa: E402
 from pd_transfer.shm import SEGMENT_DIR  # noqa: E402
 from pd_transfer.sim.content import fill_source, verify_destination  # noqa: E402
 
@@ -105,6 +106,7 @@ class Soak:
         self.args = args
         self.rng = random.Random(args.seed)
         self.workdir = Path(tempfile.mkdtemp(prefix="pdt-soak-"))
+        use_ephemeral_secret(self.workdir)   # sidecars and clients authenticate, as deployed
         self.tag = f"soak{args.seed}-{time.monotonic_ns() % 10**6}"
         spec = load_preset("llama-3.1-8b")
         shape = {"page_size": 16, "kv_layout": Layout.NHD, "num_pages": NUM_PAGES,

@@ -33,7 +33,7 @@ from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.spans import TokenSpan
 from pd_transfer.layout.views import Layout, Pool
 from pd_transfer.ports import spare_port
-from pd_transfer.security.secret import use_ephemeral_secret
+from pd_transfer.security.secret import SECRET_ENV, SECRET_FILE_ENV
 from pd_transfer.shm import SEGMENT_DIR, SEGMENT_PREFIX
 from pd_transfer.testing import World
 
@@ -41,11 +41,20 @@ _ids = itertools.count()
 
 
 
+def sidecar_environ(config: dict) -> dict[str, str]:
+    """The environment of a sidecar process: this one's, which names the run's shared
+    secret (tests/conftest.py, or :func:`use_ephemeral_secret`), unless ``config``
+    chooses its own security (``secret_file``, ``allow_insecure``): variables override
+    the file, so the run's secret is kept from it."""
+    if "secret_file" in config or config.get("allow_insecure"):
+        return {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, SECRET_FILE_ENV)}
+    return dict(os.environ)
+
+
 class Sidecar:
     def __init__(self, workdir: Path, role: str, name: str, config: dict, bootstrap: str = "",
                  worker_scheme: str = "unix") -> None:
         self.name, self.role = name, role
-        use_ephemeral_secret(workdir)   # no-op under pytest (tests/conftest.py exports one)
         self.endpoint = f"{worker_scheme}://{workdir}/{name}.sock"
         self.ready = workdir / f"{name}.ready.json"
         self.log = workdir / f"{name}.log"
@@ -57,7 +66,8 @@ class Sidecar:
                "--config", str(config_path), "--log-level", "info"]
         if bootstrap:
             cmd += ["--bootstrap", bootstrap]
-        self.proc = subprocess.Popen(cmd, stderr=self.log.open("w"), stdout=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(cmd, stderr=self.log.open("w"), stdout=subprocess.DEVNULL,
+                                     env=sidecar_environ(config))
 
     def wait_ready(self, timeout_s: float = 30.0) -> dict:
         deadline = time.monotonic() + timeout_s

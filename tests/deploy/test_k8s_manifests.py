@@ -241,3 +241,38 @@ def test_sidecar_environment_holds_no_unknown_config_variables(statefulsets, kus
     source = KUBERNETES / generator["files"][0].split("=")[1]
     environ = {e["name"]: e["value"] for e in env if "value" in e}
     assert load_sidecar_config(str(source), {"role": role}, environ, from_flags=True).role.value == role
+
+
+def _secret_mounts(container, pod) -> dict[str, str]:
+    """mountPath -> Secret name of the Secret volumes ``container`` mounts."""
+    secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+    return {m["mountPath"]: secrets[m["name"]] for m in container.get("volumeMounts", [])
+            if m["name"] in secrets}
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_sidecar_and_worker_read_the_shared_secret_from_a_mounted_secret(statefulsets, kustomization,
+                                                                         role):
+    statefulset = statefulsets[role]
+    pod, containers = _pod(statefulset), _containers(statefulset)
+    volume = next(v for v in pod["volumes"] if "configMap" in v)
+    generator = next(g for g in kustomization["configMapGenerator"]
+                     if g["name"] == volume["configMap"]["name"])
+    source = generator["files"][0].split("=")[1]
+    # read without this process's environment: PD_TRANSFER_SECRET_FILE would override the file
+    config = load_sidecar_config(str(KUBERNETES / source), {}, {})
+    assert config.secret_file and not config.allow_insecure
+    secret_dir, secret_name = config.secret_file.rsplit("/", 1)[0], "pd-transfer-secret"
+    assert _secret_mounts(containers["pd-transfer"], pod) == {secret_dir: secret_name}
+    # the worker's client proves the same secret to its sidecar
+    env = {e["name"]: e.get("value") for e in containers["worker"]["env"]}
+    assert env["PD_TRANSFER_SECRET_FILE"] == config.secret_file
+    assert _secret_mounts(containers["worker"], pod) == {secret_dir: secret_name}
+    secret_volume = next(v for v in pod["volumes"] if "secret" in v)
+    assert secret_volume["secret"]["defaultMode"] == 0o400
+    assert secret_volume["secret"].get("optional", False) is False   # no Secret: the pod waits
+
+
+def test_the_secret_is_made_per_deployment_never_committed(kustomization):
+    assert "secretGenerator" not in kustomization
+    assert not list(KUBERNETES.glob("*secret*"))

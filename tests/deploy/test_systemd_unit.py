@@ -113,3 +113,12 @@ def test_systemd_analyze_verify_passes(tmp_path):
     # verify exits 0 on warnings too ("Unknown key ..., ignoring"): none may name the unit
     said = [line for line in (result.stdout + result.stderr).splitlines() if "pd-transfer@" in line]
     assert result.returncode == 0 and said == [], result.stdout + result.stderr
+
+
+def test_the_shared_secret_is_a_credential_the_sidecar_reads(unit):
+    service = unit["Service"]
+    (credential,) = [c for c in service["LoadCredential"] if c.startswith("secret:")]
+    assert credential.split(":", 1)[1].startswith("/etc/pd-transfer/")
+    assert "PD_TRANSFER_SECRET_FILE=%d/secret" in service["Environment"]
+    assert not any("ALLOW_INSECURE" in e for e in service["Environment"])
+    assert "--insecure" not in service["ExecStart"][-1]

@@ -60,7 +60,7 @@ def test_sidecars_holding_the_secret_move_a_room_byte_exact(secured):
     assert metric(secured, P0, AUTH_FAILURES) == 0
 
 
-def test_a_peer_without_the_key_is_refused_counted_and_never_registers(secured):
+def test_a_peer_without_the_key_is_refused_counted_and_never_registers(secured, no_secret):
     verdicts = metric(secured, P0, "pd_transfer_verdicts_total")
     intruder = RawPeer(_control(secured))
     try:   # a decode without a key opens its session with Hello
@@ -82,14 +82,15 @@ def test_a_peer_without_the_key_is_refused_counted_and_never_registers(secured):
     assert metric(secured, P0, "pd_transfer_verdicts_total") == verdicts   # never reached registration
 
 
-def test_decode_sidecars_without_a_key_or_with_the_wrong_key_fail_rooms_with_the_reason(secured):
+def test_decode_sidecars_without_a_key_or_with_the_wrong_key_fail_rooms_with_the_reason(secured,
+                                                                                        no_secret):
     before = {reason: metric(secured, P0, AUTH_FAILURES, reason=reason)
               for reason in ("auth_failed", "unauthenticated")}
     geometry = ranks(Role.DECODE, 1)[0]
     base = {"http_port": 0, "bootstrap_timeout_s": 5.0}
     keys = {"no-key": None, "wrong-key": str(secured.wrong_secret)}
     sidecars = {name: Sidecar(secured.workdir, "decode", f"decode-{name}",
-                              {**base, **({"secret_file": path} if path else {})})
+                              {**base, **({"secret_file": path} if path else {"allow_insecure": True})})
                 for name, path in keys.items()}
     pools, states = [], {}
     try:
@@ -168,7 +169,8 @@ def test_a_replayed_handshake_is_refused_and_counted(secured):
     assert metric(secured, P0, AUTH_FAILURES, reason="auth_replayed") >= before + 2
 
 
-def test_async_clients_authenticate_once_for_concurrent_calls_or_fail_with_the_reason(secured):
+def test_async_clients_authenticate_once_for_concurrent_calls_or_fail_with_the_reason(secured,
+                                                                                      no_secret):
     async def calls(secret):
         async with AsyncClient(secured.sidecars[P0].endpoint, "async-worker", timeout_s=5,
                                secret=secret) as client:

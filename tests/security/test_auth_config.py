@@ -53,18 +53,23 @@ def test_secret_never_appears_in_its_printed_forms():
         assert SECRET_HEX not in text and "redacted" in text
 
 
-def test_require_auth_without_a_secret_is_a_config_error(tmp_path):
-    config = _config(tmp_path, "require_auth = true\n")
-    with pytest.raises(ConfigError, match="require_auth is true but no shared secret"):
-        SecuritySettings.from_config(config, {})
-    off = SecuritySettings.from_config(_config(tmp_path, ""), {})
+def test_no_secret_is_a_config_error_that_names_keygen_and_the_opt_out(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        SecuritySettings.from_config(_config(tmp_path, ""), {})
+    text = str(err.value)
+    assert "\n" not in text   # one line
+    assert "pd-transfer keygen" in text and "allow_insecure = true" in text and "--insecure" in text
+    off = SecuritySettings.from_config(_config(tmp_path, "allow_insecure = true\n"), {})
     assert not off.auth_enabled
 
 
-def test_require_auth_reads_booleans_from_the_environment(tmp_path):
-    assert _config(tmp_path, "", {"PD_TRANSFER_REQUIRE_AUTH": "true"}).require_auth is True
-    with pytest.raises(ConfigError, match="PD_TRANSFER_REQUIRE_AUTH: expected true or false, got 'maybe'"):
-        _config(tmp_path, "", {"PD_TRANSFER_REQUIRE_AUTH": "maybe"})
+def test_allow_insecure_comes_from_file_variable_or_flag(tmp_path):
+    assert _config(tmp_path, "", {"PD_TRANSFER_ALLOW_INSECURE": "true"}).allow_insecure is True
+    assert _config(tmp_path, "").allow_insecure is False
+    with pytest.raises(ConfigError, match="PD_TRANSFER_ALLOW_INSECURE: expected true or false, got 'maybe'"):
+        _config(tmp_path, "", {"PD_TRANSFER_ALLOW_INSECURE": "maybe"})
+    assert build_parser().parse_args(["serve", "--insecure"]).allow_insecure is True
+    assert build_parser().parse_args(["serve"]).allow_insecure is None   # unset: the file decides
 
 
 def test_serve_has_no_secret_flag_and_its_help_says_why(capsys):
@@ -86,12 +91,13 @@ def test_print_config_shows_the_secret_file_path_never_the_secret(tmp_path):
     assert f'secret_file = "{path}"' in out.stdout
     assert SECRET_HEX not in out.stdout + out.stderr
     env = {**os.environ, "PD_TRANSFER_SECRET": SECRET_HEX}
+    env.pop("PD_TRANSFER_SECRET_FILE", None)
     out = subprocess.run([sys.executable, "-m", "pd_transfer.cli", "serve", "--role", "decode",
                           "--print-config"], capture_output=True, text=True, env=env, check=True)
     assert SECRET_HEX not in out.stdout + out.stderr and 'secret_file = ""' in out.stdout
 
 
-def test_serve_exits_2_for_an_unusable_secret(tmp_path, capsys):
+def test_serve_exits_2_for_an_unusable_secret(tmp_path, capsys, no_secret):
     path = tmp_path / "secret"
     path.write_text("short")
     config = tmp_path / "sidecar.toml"
@@ -122,12 +128,12 @@ def test_a_malformed_curve_key_is_a_config_error(tmp_path):
         SecuritySettings.from_config(config, {})
 
 
-def test_a_sidecar_without_a_secret_warns_that_authentication_is_off(caplog):
+def test_an_insecure_sidecar_warns_that_authentication_is_off(caplog):
     from pd_transfer.agent.auth import Security
     with caplog.at_level("INFO", logger="pd_transfer.agent.auth"):
         Security(SecuritySettings()).log_mode()
         Security(SecuritySettings(secret=parse_secret(SECRET_HEX.encode(), "s"))).log_mode()
     off, on = caplog.records
-    assert off.levelname == "WARNING" and "authentication OFF" in off.getMessage()
+    assert off.levelname == "WARNING" and "INSECURE, authentication OFF" in off.getMessage()
     assert on.levelname == "INFO" and "shared-secret authentication on" in on.getMessage()
     assert SECRET_HEX not in caplog.text
