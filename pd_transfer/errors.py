@@ -76,6 +76,7 @@ class Reason(enum.Enum):
     STALE_GENERATION = "stale_generation"        # an older generation of a room
     BAD_GENERATION = "bad_generation"            # a generation not yet announced
     DUPLICATE_ROOM = "duplicate_room"            # a room requested twice
+    NOT_ROOM_OWNER = "not_room_owner"            # a decode instance asked for another's room
     UNKNOWN_ROOM = "unknown_room"
     SESSION_CLOSED = "session_closed"
     SESSION_FAILED = "session_failed"            # used after a protocol error

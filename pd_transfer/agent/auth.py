@@ -163,6 +163,10 @@ class Doorman:
         self._unauthenticated_reply = unauthenticated_reply
         self._on_bad_frame = on_bad_frame
 
+    def proven_agent_id(self, identity: bytes) -> str:
+        """The agent id ``identity`` proved in its handshake ('' with authentication off)."""
+        return self._gate.peer_of(identity)
+
     async def admit(self, identity: bytes, frame: bytes) -> bool:
         admission = self._gate.admit(identity, frame)
         if admission.decision is Decision.PASS:

@@ -43,6 +43,7 @@ class Channel:
         self.session = session
         self.label = label            # who the peer is, for logs and reasons
         self.peer_agent_id = ""
+        self.proven_agent_id = ""     # the agent id the peer's handshake proved ('' auth off)
         self.last_heard_s = time.monotonic()
         # when this side last sent the peer a frame: a peer that heard nothing from us for
         # longer than its heartbeat limit (this process was stopped) has dropped the session
@@ -252,6 +253,7 @@ class IncomingChannels:
             channel = self.channels.get(identity)
             if channel is None or channel.closed:
                 channel = self.channels[identity] = IncomingChannel(self, identity, self._role)
+                channel.proven_agent_id = self._doorman.proven_agent_id(identity)
                 channel.on_bad_frame, channel.on_refused = self._on_bad_frame, self._on_refused
             try:
                 await channel.receive(frame, on_message)

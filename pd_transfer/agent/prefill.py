@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from pd_transfer.agent import integrity
+from pd_transfer.agent import integrity, ownership
 from pd_transfer.agent.acceptance import send_verdict
 from pd_transfer.agent.channels import Channel
 from pd_transfer.agent.chunks import chunk_refusal, chunk_requests
@@ -34,6 +34,7 @@ from pd_transfer.agent.streaming import ChunkLayers, chunk_plan, latest_streamed
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.views import Pool
+from pd_transfer.protocol.messages import clip_text
 from pd_transfer.protocol import (
     Abort,
     AbortAck,
@@ -74,7 +75,7 @@ class PrefillSide:
         elif isinstance(message, Register):
             await self._on_register(peer, message)
         elif isinstance(message, TransferRequest):
-            await self._on_request(peer, message)
+            await self.on_request(peer, message)
         elif isinstance(message, Abort):
             await self._on_abort(peer, message)
         elif isinstance(message, Done):
@@ -87,6 +88,13 @@ class PrefillSide:
             log.debug("prefill: ignoring %s from %s", type(message).__name__, peer.rank_id)
 
     async def _on_register(self, peer: DecodePeer, message: Register) -> None:
+        proven = peer.channel.proven_agent_id
+        if proven and message.agent_id != proven:   # its rooms are bound to the names it gives
+            await peer.channel.send(Close(reason=Reason.AUTH_FAILED, reason_text=clip_text(
+                f"registered as {message.agent_id!r} but authenticated as {proven!r}")))
+            self.release_peer(peer.channel, Reason.AUTH_FAILED,
+                              "decode peer {} registered under another name than it proved")
+            return
         peer.register = message
         peer.channel.label = f"{message.geometry.rank_id} ({message.agent_id})"
         peer.channel.peer_rank = message.geometry.rank_id
@@ -109,7 +117,7 @@ class PrefillSide:
             self.sidecar.rooms.add(room)
         return room
 
-    async def _on_request(self, peer: DecodePeer, message: TransferRequest) -> None:
+    async def on_request(self, peer: DecodePeer, message: TransferRequest) -> None:
         if await refuse_new_room(self.sidecar, peer.channel, message):
             return
         if self.sidecar.geometry is None:   # its worker is gone (agent/worker_loss.py)
@@ -123,6 +131,8 @@ class PrefillSide:
             await peer.channel.send(Done(room=message.room, generation=message.generation,
                                          status=DoneStatus.FAILED, reason=Reason.PEER_REJECTED,
                                          reason_text="transfer request before an accepted verdict"))
+            return
+        if not await ownership.admit_request(room, peer, message):
             return
         rank = peer.register.geometry.rank_id
         if any(t.peer.register.geometry.rank_id == rank and t.peer is not peer
@@ -173,6 +183,7 @@ class PrefillSide:
                                   code=Reason.DUPLICATE_ROOM)
         if room.terminal:
             return room.reply()
+        await ownership.bind(self, room, request["decode"])
         if chunk_refusal(self.config, room):
             self.sidecar.observe.limit_refused("max_chunks_per_room")
             await self.fail_room(room, Reason.OVER_LIMIT, chunk_refusal(self.config, room))
@@ -319,6 +330,7 @@ class PrefillSide:
                         lock_held: Target | None = None) -> None:
         if not room.fail(reason, text):
             return
+        await ownership.release_contenders(room, reason, text)
         peers = ",".join(t.peer.rank_id for t in room.targets.values()) or "-"
         log.warning("prefill: room %d failed: %s", room.room, text,
                     extra={"room": room.room, "peer": peers})

@@ -271,7 +271,7 @@ class PrefillInstances:
                 agent_id=self.config.agent_id, host_id=self.config.host_id,
                 geometry=sidecar.geometry, data_address=sidecar.dataplane.receive_address(),
                 region_handles=tuple(RegionHandle(r, h) for r, h in sidecar.handles.items()),
-                doorbell=self.bells.name))
+                doorbell=self.bells.name, instance=self.config.instance_id))
         elif isinstance(message, Verdict):
             if not peer.verdict.done():
                 peer.rings = message.doorbell and bool(self.bells.name)

@@ -83,3 +83,5 @@ class PrefillRoom(Room):
     expected_targets: int = 0
     refused: bool = False   # a send of it was refused: requests still arriving get its failure
     nbytes: int = 0
+    owner: str = ""        # the decode instance the room is bound to (agent/ownership.py)
+    contenders: list = field(default_factory=list)   # other instances' requests, until bound

@@ -75,7 +75,8 @@ class AsyncClient:
                          timeout_s=timeout_s)
 
     async def send(self, room: int, pages, *, state_slots=(), aux_row: int | None = None,
-                   last_chunk: bool = True, swa_pages=(), stream: bool = False) -> None:
+                   last_chunk: bool = True, swa_pages=(), stream: bool = False,
+                   decode: str = "") -> None:
         """Prefill chunk; see :meth:`Client.send <pd_transfer.client.sync.Client.send>`.
 
         ``send`` may be called per chunk; pages of successive calls are
@@ -84,7 +85,7 @@ class AsyncClient:
         """
         await self._call(wire.send_request(room, pages, state_slots=state_slots, aux_row=aux_row,
                                            last_chunk=last_chunk, swa_pages=swa_pages,
-                                           stream=stream))
+                                           stream=stream, decode=decode))
 
     async def expect(self, room: int, bootstrap_addr: str, pages, *, state_slots=(),
                      aux_row: int | None = None, swa_pages=()) -> None:

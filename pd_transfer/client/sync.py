@@ -86,7 +86,8 @@ class Client:
         self._call(wire.register_request(geometry, handles, self.worker_id, pp_size), timeout_s=timeout_s)
 
     def send(self, room: int, pages, *, state_slots=(), aux_row: int | None = None,
-             last_chunk: bool = True, swa_pages=(), stream: bool = False) -> None:
+             last_chunk: bool = True, swa_pages=(), stream: bool = False,
+             decode: str = "") -> None:
         """Prefill: hand the sidecar source pages of ``room`` to transfer.
 
         ``send`` may be called per chunk; pages of successive calls are
@@ -100,9 +101,16 @@ class Client:
         transfer overlaps the forward pass. Announce every layer of this
         rank's span for every streamed chunk; state slots, SWA pages and aux
         move after the last chunk's last layer.
+
+        ``decode`` names the decode instance the router paired this request
+        with (its sidecars' ``instance_id``): the room's bytes go to that
+        instance only, and another decode peer's request for the room is
+        refused with ``not_room_owner``. Without it the first decode instance
+        whose request arrives owns the room (see docs/security.md).
         """
         self._call(wire.send_request(room, pages, state_slots=state_slots, aux_row=aux_row,
-                                     last_chunk=last_chunk, swa_pages=swa_pages, stream=stream))
+                                     last_chunk=last_chunk, swa_pages=swa_pages, stream=stream,
+                                     decode=decode))
 
     def expect(self, room: int, bootstrap_addr: str, pages, *, state_slots=(),
                aux_row: int | None = None, swa_pages=()) -> None:

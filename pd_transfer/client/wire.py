@@ -21,7 +21,7 @@ from pd_transfer.client.errors import BadReply, Refused
 from pd_transfer.client.status import RoomState, RoomStatus, reason_of
 from pd_transfer.layout.geometry import RankGeometry
 from pd_transfer.protocol.geometry_codec import geometry_to_data
-from pd_transfer.protocol.worker_api import MAX_WAIT_S, WorkerOp
+from pd_transfer.protocol.worker_api import MAX_INSTANCE_LEN, MAX_WAIT_S, WorkerOp
 
 Request = dict[str, Any]
 
@@ -102,13 +102,19 @@ def register_request(geometry: RankGeometry, handles: Mapping[str, str], worker_
 
 
 def send_request(room: int, pages, *, state_slots=(), aux_row: int | None = None,
-                 last_chunk: bool = True, swa_pages=(), stream: bool = False) -> Request:
+                 last_chunk: bool = True, swa_pages=(), stream: bool = False,
+                 decode: str = "") -> Request:
     request = {"op": WorkerOp.SEND.value, "room": room_id(room),
                "pages": index_list("pages", pages), "swa_pages": index_list("swa_pages", swa_pages),
                "state_slots": index_list("state_slots", state_slots),
                "aux_row": optional_index("aux_row", aux_row), "last": bool(last_chunk)}
     if stream:  # absent means False: older sidecars keep accepting the request
         request["stream"] = True
+    if decode:  # absent: the room is bound to the first decode instance that claims it
+        if not isinstance(decode, str) or len(decode) > MAX_INSTANCE_LEN:
+            raise ValueError(f"decode: expected the decode instance's name (a string of at most "
+                             f"{MAX_INSTANCE_LEN} characters), got {decode!r:.80}")
+        request["decode"] = decode
     return request
 
 

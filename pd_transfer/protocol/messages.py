@@ -109,7 +109,9 @@ class Register(Message):
     regions directly. Both optional (added in 1.0, before any release).
     ``doorbell`` (decode, optional, same release): the shared-memory segment
     of its doorbells (:mod:`pd_transfer.doorbell`), which a writer on the same
-    host rings when a room's bytes have landed.
+    host rings when a room's bytes have landed. ``instance`` (decode, optional,
+    same release): the name of the decode instance this rank belongs to; a
+    prefill worker's ``send(..., decode=NAME)`` binds a room to it.
     """
 
     TAG: ClassVar[str] = "register"
@@ -119,6 +121,7 @@ class Register(Message):
     data_address: str = ""
     region_handles: tuple[RegionHandle, ...] = ()
     doorbell: str = ""
+    instance: str = ""   # decode: the instance this rank belongs to (its rooms' owner name)
 
 
 @dataclass(frozen=True)

@@ -171,6 +171,7 @@ RECORDS: dict[type[Message], Record] = {
         Field("data_address", Str(max_len=8192), default=""),
         Field("region_handles", ListOf(REGION_HANDLE, 65536), default=()),
         Field("doorbell", Str(max_len=256), default=""),
+        Field("instance", Str(max_len=256), default=""),
     )),
     Verdict: Record(Verdict, (
         Field("accepted", Bool()),

@@ -15,7 +15,9 @@ Requests (fields beyond ``op`` and ``id``):
     send      room, pages [int], swa_pages [int], state_slots [int],
               aux_row int|None, last bool, stream bool (optional,
               default false: the chunk moves once layer_ready
-              announced each of the rank's layers)   (prefill)
+              announced each of the rank's layers), decode str
+              (optional: the decode instance the room is bound to)
+                                                     (prefill)
     expect    room, bootstrap "tcp://host:port", pages, swa_pages,
               state_slots, aux_row                   (decode)
     layer_ready room, layer_id                       (prefill, streaming)
@@ -47,6 +49,7 @@ MAX_INDICES = 1 << 22
 MAX_INDEX = (1 << 62) - 1      # page, slot and row indices (int64 arithmetic stays exact)
 MAX_ROOM = (1 << 64) - 1       # room ids are unsigned 64-bit, as on the wire
 MAX_WAIT_S = 86400.0           # one wait's timeout (rooms time out long before)
+MAX_INSTANCE_LEN = 256         # a decode instance's name (send's ``decode``)
 
 
 class WorkerOp(enum.Enum):
@@ -132,6 +135,10 @@ def _validated(op: WorkerOp, message: dict[str, Any]) -> dict[str, Any]:
         raise WorkerApiError("at $.pp_size: expected an int in [1, 1024]")
     if not isinstance(message.setdefault("stream", False), bool):
         raise WorkerApiError("at $.stream: expected bool")
+    decode = message.setdefault("decode", "")
+    if not isinstance(decode, str) or len(decode) > MAX_INSTANCE_LEN:
+        raise WorkerApiError(f"at $.decode: expected the decode instance's name, a string of at "
+                             f"most {MAX_INSTANCE_LEN} characters", code=Reason.BAD_FIELD)
     aux_row = message.setdefault("aux_row", None)
     if aux_row is not None and (not isinstance(aux_row, int) or isinstance(aux_row, bool)
                                 or not 0 <= aux_row <= MAX_INDEX):

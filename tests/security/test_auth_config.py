@@ -123,7 +123,7 @@ def test_keygen_writes_a_keypair_and_a_secret_readable_only_by_the_owner(tmp_pat
 
 
 def test_a_malformed_curve_key_is_a_config_error(tmp_path):
-    config = _config(tmp_path, 'curve_server_key = "not-a-key"\n')
+    config = _config(tmp_path, 'curve_server_key = "not-a-key"\nallow_insecure = true\n')
     with pytest.raises(ConfigError, match="expected a Z85 CURVE key of 40 characters"):
         SecuritySettings.from_config(config, {})
 

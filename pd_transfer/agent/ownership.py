@@ -1,0 +1,115 @@
+"""Which decode instance a prefill room belongs to, and what happens to anyone else who asks.
+
+A router pairs a prefill instance with one decode instance per request. The
+prefill worker names that decode instance in ``send(room, ..., decode=NAME)``;
+each decode rank announces the instance it belongs to in its Register
+(``instance_id`` in its config). The room is *bound* to that name: only
+requests from ranks of that instance become targets, whatever order they
+arrive in; the others are refused with ``not_room_owner`` and nothing of the
+room reaches them. A worker that names no instance gets the first-claim rule:
+the first decode instance whose request arrived owns the room.
+
+Until the worker's first ``send`` the owner is unknown, so requests from a
+second instance wait as *contenders* (a few per room) instead of being
+refused: a stranger who asks first cannot lock the rightful decode out. No
+byte moves before that ``send``, so none reaches a contender.
+
+With authentication on (the default), the name a decode rank registers is
+checked against the agent id it proved in the handshake; see
+docs/security.md for what that does and does not prove.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pd_transfer.errors import PdTransferError, Reason
+from pd_transfer.protocol import Done, DoneStatus
+
+log = logging.getLogger(__name__)
+
+MAX_CONTENDERS = 16   # requests from other instances parked per room before its owner is known
+
+
+def instance_of(peer) -> str:
+    """The decode instance a registered peer belongs to (its agent id if it names none)."""
+    return peer.register.instance or peer.register.agent_id
+
+
+def claimant(room) -> str:
+    """The instance of the room's current targets ('' while there are none)."""
+    return next((instance_of(t.peer) for t in room.targets.values()), "")
+
+
+async def refuse(peer, message, reason: Reason, text: str) -> None:
+    """Answer a decode peer's TransferRequest with a failed Done; the room is untouched."""
+    log.warning("prefill: refused %s's request for room %d: %s", peer.rank_id, message.room, text,
+                extra={"room": message.room, "peer": peer.rank_id})
+    try:
+        await peer.channel.send(Done(room=message.room, generation=message.generation,
+                                     status=DoneStatus.FAILED, reason=reason, reason_text=text))
+    except Exception as err:   # the peer went away: nothing to tell
+        log.debug("prefill: cannot refuse room %d to %s: %s", message.room, peer.rank_id, err)
+
+
+async def admit_request(room, peer, message) -> bool:
+    """True when ``peer``'s request for ``room`` may become a target; otherwise it
+    was refused or parked as a contender."""
+    instance = instance_of(peer)
+    if not room.owner and room.chunks:
+        room.owner = claimant(room) or instance   # the worker sent, naming nobody: first claim
+    if room.owner:
+        if instance == room.owner:
+            return True
+        await refuse(peer, message, Reason.NOT_ROOM_OWNER,
+                     f"room {message.room} belongs to decode instance {room.owner!r}, "
+                     f"not to {instance!r} ({peer.rank_id})")
+        return False
+    if claimant(room) in ("", instance):
+        return True
+    if len(room.contenders) >= MAX_CONTENDERS:
+        await refuse(peer, message, Reason.DUPLICATE_ROOM,
+                     f"room {message.room} is claimed by {MAX_CONTENDERS + 1} decode instances")
+        return False
+    room.contenders.append((peer, message))
+    return False
+
+
+async def bind(side, room, decode: str) -> None:
+    """The worker's ``send`` for ``room``, naming ``decode`` ('' for none): fix the
+    room's owner, refuse the targets and contenders of any other instance, and
+    admit the owner's contenders (through ``side.on_request``)."""
+    if room.owner:
+        if decode and decode != room.owner:
+            raise PdTransferError(f"room {room.room} is bound to decode instance {room.owner!r}; "
+                                  f"this send names {decode!r}", code=Reason.BAD_FIELD)
+        return
+    room.owner = decode or claimant(room)
+    if not room.owner:
+        return   # nobody asked yet: the first claim binds (admit_request)
+    for key, target in list(room.targets.items()):
+        if instance_of(target.peer) != room.owner:
+            del room.targets[key]
+            target.done = target.failed = True
+            await refuse(target.peer, _Request(room.room, target.generation), Reason.NOT_ROOM_OWNER,
+                         f"room {room.room} belongs to decode instance {room.owner!r}, as its "
+                         f"prefill worker says, not to {instance_of(target.peer)!r}")
+    room.expected_targets = max((t.peer.register.geometry.tp_size for t in room.targets.values()),
+                                default=0)
+    contenders, room.contenders = room.contenders, []
+    for peer, message in contenders:
+        await side.on_request(peer, message)
+
+
+async def release_contenders(room, reason: Reason, text: str) -> None:
+    """The room ended before its owner was known: its contenders learn why."""
+    contenders, room.contenders = room.contenders, []
+    for peer, message in contenders:
+        await refuse(peer, message, reason, text)
+
+
+class _Request:
+    """The room and generation of a target's request, for :func:`refuse`."""
+
+    def __init__(self, room: int, generation: int) -> None:
+        self.room, self.generation = room, generation
