@@ -12,6 +12,7 @@ and checked by the oracle.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -49,6 +50,20 @@ def sidecar_environ(config: dict) -> dict[str, str]:
     if "secret_file" in config or config.get("allow_insecure"):
         return {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, SECRET_FILE_ENV)}
     return dict(os.environ)
+
+
+@contextlib.contextmanager
+def worker_environ(insecure: bool):
+    """Where a worker's client is made: without the run's secret next to an insecure sidecar
+    (a client holding a secret insists on the handshake)."""
+    if not insecure:
+        yield
+        return
+    saved = {k: os.environ.pop(k) for k in (SECRET_ENV, SECRET_FILE_ENV) if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 class Sidecar:
@@ -120,6 +135,7 @@ class Cluster:
         base = {"transport": transport, "http_port": 0, "heartbeat_interval_s": 0.2, "heartbeat_misses": 5,
                 "bootstrap_timeout_s": 10.0, "waiting_timeout_s": 20.0, "transfer_timeout_s": 20.0,
                 "abort_drain_timeout_s": 3.0, **(config or {})}
+        self.insecure = bool(base.get("allow_insecure"))   # then workers hold no secret either
         self.sidecars: dict[str, Sidecar] = {}
         for geometry in prefill + decode:
             role = geometry.role.value
@@ -178,7 +194,8 @@ class Cluster:
                 tensor.copy_(torch.from_numpy(world[region_id]))
             if on_gpu:  # the worker's writes are done before its sidecar reads
                 torch.cuda.synchronize()
-        client = self.clients[rank] = Client(self.sidecars[rank].endpoint, rank, timeout_s=20)
+        with worker_environ(self.insecure):
+            client = self.clients[rank] = Client(self.sidecars[rank].endpoint, rank, timeout_s=20)
         client.register(geometry, pools.handles)
 
     # -- driving rooms ------------------------------------------------------------
