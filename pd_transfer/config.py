@@ -63,7 +63,7 @@ class SidecarConfig:
     ready_file: str = ""                  # JSON with the bound addresses, written when serving
     http_host: str = "127.0.0.1"          # /metrics /healthz /readyz /status
     http_port: int = 9400                 # 0: any free port (see ready_file)
-    instance_id: str = ""                 # decode: the decode instance this rank belongs to, as routers name it (default: agent_id)
+    instance_id: str = ""                 # decode: the decode instance this rank belongs to, as routers name it (the same on each of its ranks)
     prefill_bootstraps: tuple[str, ...] = ()  # decode: prefill instances to resolve eagerly (readyz)
     bootstrap_timeout_s: float = 30.0     # expect(): rank table + verdicts
     waiting_timeout_s: float = 120.0      # decode waits for prefill's data; prefill for send()
@@ -95,8 +95,6 @@ class SidecarConfig:
     def __post_init__(self) -> None:
         if not self.agent_id:
             object.__setattr__(self, "agent_id", f"{self.role.value}-{os.getpid()}")
-        if not self.instance_id:
-            object.__setattr__(self, "instance_id", self.agent_id)
         if not self.worker_endpoint:
             object.__setattr__(self, "worker_endpoint", f"unix:///tmp/pd-transfer-{self.agent_id}.sock")
 

@@ -7,7 +7,9 @@ each decode rank announces the instance it belongs to in its Register
 requests from ranks of that instance become targets, whatever order they
 arrive in; the others are refused with ``not_room_owner`` and nothing of the
 room reaches them. A worker that names no instance gets the first-claim rule:
-the first decode instance whose request arrived owns the room.
+the first named decode instance whose request arrived owns the room. Decode
+ranks that name no instance keep the rule per rank: the first request for
+each decode rank id wins, a second one is refused with ``duplicate_room``.
 
 Until the worker's first ``send`` the owner is unknown, so requests from a
 second instance wait as *contenders* (a few per room) instead of being
@@ -32,13 +34,13 @@ MAX_CONTENDERS = 16   # requests from other instances parked per room before its
 
 
 def instance_of(peer) -> str:
-    """The decode instance a registered peer belongs to (its agent id if it names none)."""
-    return peer.register.instance or peer.register.agent_id
+    """The decode instance a registered peer belongs to ('' if it names none)."""
+    return peer.register.instance
 
 
 def claimant(room) -> str:
-    """The instance of the room's current targets ('' while there are none)."""
-    return next((instance_of(t.peer) for t in room.targets.values()), "")
+    """The named instance among the room's current targets ('' while there is none)."""
+    return next((instance_of(t.peer) for t in room.targets.values() if instance_of(t.peer)), "")
 
 
 async def refuse(peer, message, reason: Reason, text: str) -> None:
@@ -57,7 +59,8 @@ async def admit_request(room, peer, message) -> bool:
     was refused or parked as a contender."""
     instance = instance_of(peer)
     if not room.owner and room.chunks:
-        room.owner = claimant(room) or instance   # the worker sent, naming nobody: first claim
+        # the worker sent, naming nobody: the first named claim binds (unless unnamed came first)
+        room.owner = claimant(room) or ("" if room.targets else instance)
     if room.owner:
         if instance == room.owner:
             return True
@@ -65,8 +68,8 @@ async def admit_request(room, peer, message) -> bool:
                      f"room {message.room} belongs to decode instance {room.owner!r}, "
                      f"not to {instance!r} ({peer.rank_id})")
         return False
-    if claimant(room) in ("", instance):
-        return True
+    if not instance or claimant(room) in ("", instance):
+        return True   # unnamed ranks: the per-rank duplicate check decides
     if len(room.contenders) >= MAX_CONTENDERS:
         await refuse(peer, message, Reason.DUPLICATE_ROOM,
                      f"room {message.room} is claimed by {MAX_CONTENDERS + 1} decode instances")
