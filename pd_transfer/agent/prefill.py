@@ -34,7 +34,6 @@ from pd_transfer.agent.streaming import ChunkLayers, chunk_plan, latest_streamed
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.views import Pool
-from pd_transfer.protocol.messages import clip_text
 from pd_transfer.protocol import (
     Abort,
     AbortAck,
@@ -49,6 +48,7 @@ from pd_transfer.protocol import (
     RoomStatus,
     TransferRequest,
 )
+from pd_transfer.protocol.messages import clip_text
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,7 @@ from typing import Any
 
 from pd_transfer.errors import ConfigError
 from pd_transfer.security.curve import CurveKeypair, check_key, read_secret_key
-from pd_transfer.security.secret import SECRET_ENV, SECRET_FILE_ENV, SharedSecret, load_secret
-
+from pd_transfer.security.secret import SECRET_FILE_ENV, SharedSecret, load_secret
 
 #: the one line a sidecar without a secret stops with
 NO_SECRET = (f"no shared secret: make one with `pd-transfer keygen --out DIR` and set "
