@@ -262,6 +262,8 @@ def test_sidecar_and_worker_read_the_shared_secret_from_a_mounted_secret(statefu
     # read without this process's environment: PD_TRANSFER_SECRET_FILE would override the file
     config = load_sidecar_config(str(KUBERNETES / source), {}, {})
     assert config.secret_file and not config.allow_insecure
+    if role == "decode":   # one name for every rank: rooms are bound to it (docs/security.md)
+        assert config.instance_id == statefulset["metadata"]["name"]
     secret_dir, secret_name = config.secret_file.rsplit("/", 1)[0], "pd-transfer-secret"
     assert _secret_mounts(containers["pd-transfer"], pod) == {secret_dir: secret_name}
     # the worker's client proves the same secret to its sidecar
