@@ -3,18 +3,23 @@ an authenticated decode of another instance that asks for it (before or after th
 one) is refused with ``not_room_owner``, receives nothing, and the rightful decode still
 gets every byte."""
 
+import asyncio
 import json
+import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 from cluster import Cluster, Sidecar
-from secure_cluster import ROOMS, ranks, requests
+from secure_cluster import ROOMS, ranks, requests, run_with, security
 
+from pd_transfer.agent.channels import OutgoingChannel
 from pd_transfer.client import Client, RoomStatus, allocate_pools
 from pd_transfer.errors import Reason
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.views import Pool
+from pd_transfer.protocol import Close, Hello, Register
 
 CONFIG = {"bootstrap_timeout_s": 5.0, "waiting_timeout_s": 8.0}
 
@@ -92,3 +97,31 @@ def test_a_stranger_asking_after_the_room_is_bound_is_refused_at_once(rooms):
     assert all(s.status is RoomStatus.SUCCESS for s in states.values()), (states, rooms.logs())
     assert rooms.verify(requests(1, 2)) == []
     assert _stranger_untouched(rooms)
+
+
+def test_a_decode_registering_under_another_name_than_it_proved_is_refused(rooms):
+    """Rooms are bound to the names decode ranks register: a secret holder must register
+    as the agent id its handshake proved."""
+    secret = Path(os.environ["PD_TRANSFER_SECRET_FILE"]).read_text().strip()
+    address = rooms.ready[rooms.prefill[0].rank_id]["control_address"]
+    geometry = ranks(Role.DECODE, 1)[0]
+
+    async def register_as_another(context):
+        got = asyncio.Queue()
+        channel = OutgoingChannel(context, address, Role.DECODE, "prefill 0")
+        channel.start(lambda ch, message: got.put_nowait(message))
+        try:
+            await channel.send(Hello(agent_id="honest-name", role=Role.DECODE))
+            assert isinstance(await asyncio.wait_for(got.get(), 10), Hello)
+            await channel.send(Register(agent_id="someone-else", host_id="h", geometry=geometry,
+                                        instance="dec-A"))
+            while True:
+                message = await asyncio.wait_for(got.get(), 10)
+                if isinstance(message, Close):
+                    return message
+        finally:
+            channel.close()
+
+    closed = run_with(security(secret, agent_id="honest-name"), register_as_another)
+    assert closed.reason is Reason.AUTH_FAILED
+    assert "registered as 'someone-else' but authenticated as 'honest-name'" in closed.reason_text
