@@ -72,14 +72,24 @@ def test_the_asyncio_client_waits_on_many_rooms_over_one_unix_connection(cluster
 
 # -- one sidecar, hostile bytes ------------------------------------------------------------
 
-@pytest.fixture
-def lone():
+def _lone(config: dict):
     workdir = Path(tempfile.mkdtemp(prefix="pdt-"))
-    sidecar = Sidecar(workdir, "decode", "d0", {"http_port": 0})
+    sidecar = Sidecar(workdir, "decode", "d0", {"http_port": 0, **config})
     ready = sidecar.wait_ready()
     yield sidecar, ready
     sidecar.stop()
     shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def lone():
+    yield from _lone({})
+
+
+@pytest.fixture
+def lone_insecure():
+    """Insecure on purpose: its raw frames reach the request parser, not the handshake."""
+    yield from _lone({"allow_insecure": True})
 
 
 def _path(sidecar) -> str:
@@ -139,8 +149,8 @@ def test_a_header_announcing_too_much_is_refused_and_the_endpoint_keeps_serving(
     _serves(sidecar)
 
 
-def test_a_frame_that_is_not_msgpack_is_answered_and_the_connection_stays_usable(lone):
-    sidecar, _ = lone
+def test_a_frame_that_is_not_msgpack_is_answered_and_the_connection_stays_usable(lone_insecure):
+    sidecar, _ = lone_insecure
     with _raw(sidecar) as sock:
         sock.sendall(pack(b"\xc1 not msgpack"))
         reply = _reply(sock)

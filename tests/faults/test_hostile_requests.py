@@ -45,8 +45,11 @@ NUM_PAGES = 16
 
 @pytest.fixture(scope="module")
 def cluster(module_deployment):
+    # insecure on purpose: the hostile peers here speak the protocol without the handshake,
+    # to show what the sidecar refuses behind authentication (tests/security: in front of it)
     return module_deployment(tiny_ranks(Role.PREFILL, 1, num_pages=NUM_PAGES),
-                             tiny_ranks(Role.DECODE, 2, num_pages=NUM_PAGES))
+                             tiny_ranks(Role.DECODE, 2, num_pages=NUM_PAGES),
+                             config={"allow_insecure": True})
 
 
 def _expect(cluster, room, pages):
