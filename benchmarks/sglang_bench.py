@@ -14,7 +14,7 @@ round; every page is touched before the first):
   ``send``, decode's ``wait``;
 - SGLang: ``send_metadata``, the sender polled until ``WaitingForInput``,
   ``init`` + ``send``, the receiver polled until ``Success`` (as SGLang's
-  scheduler polls, 100 us apart).
+  scheduler polls, once per step: 1 ms apart).
 
 Each is timed from the send to decode seeing Success. Prints the medians and
 their ratio; no assertion.
@@ -57,7 +57,7 @@ from sglang.srt.disaggregation.utils import (
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 LAYERS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
-POLL_S = 0.0001
+POLL_S = 0.001   # SGLang polls once per scheduler step
 
 
 def start_sidecar(workdir: Path, role: str, bootstrap: str) -> tuple[subprocess.Popen, str]:

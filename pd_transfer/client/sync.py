@@ -140,6 +140,20 @@ class Client:
             return RoomState(RoomStatus.SUCCESS)
         return self._bells.seen(room, wire.room_state(request["op"], self._call(request)))
 
+    def rang(self, room: int) -> bool | None:
+        """What ``room``'s doorbell says, without a message to the sidecar.
+
+        True: every writer rang, the room succeeded. False: the bell is still
+        open and nothing was decided. None: only the sidecar can tell (the room
+        has no doorbell, or the sidecar closed its slot: ``poll`` it). For a
+        caller that polls often: a False costs a memory read, not a round trip;
+        poll now and then all the same, since a sidecar that died closes no slot.
+        """
+        outcome = self._bells.wait(room, 0.0)
+        if outcome is Outcome.RUNG:
+            return True
+        return False if outcome is Outcome.TIMEOUT else None
+
     def wait(self, room: int, timeout_s: float) -> RoomState:
         """Block until ``room`` is terminal or ``timeout_s`` passes; the status either way.
 

@@ -50,6 +50,10 @@ log = logging.getLogger(__name__)
 ENGINE_MEMORY: contextvars.ContextVar[tuple[EngineMemory, EngineFacts] | None] = \
     contextvars.ContextVar("pd_transfer_sglang_engine_memory", default=None)
 
+# a receiver whose doorbell is still open asks its sidecar this often all the same
+# (a sidecar that died closes no slot); in between, a poll is a memory read
+ASK_EVERY_S = 0.05
+
 _POLL = {RoomStatus.BOOTSTRAPPING: KVPoll.Bootstrapping, RoomStatus.WAITING_FOR_INPUT: KVPoll.WaitingForInput,
          RoomStatus.TRANSFERRING: KVPoll.Transferring, RoomStatus.SUCCESS: KVPoll.Success,
          RoomStatus.FAILED: KVPoll.Failed}
@@ -159,13 +163,14 @@ class _Room:
         self.state: RoomState | None = None
         self.failure: str = ""
         self.created_s = time.monotonic()
-        self.transfer_started_s: float | None = None
+        self.asked_s = 0.0
 
     def _poll_room(self, before_known: int) -> int:
         if self.failure:
             return KVPoll.Failed
         if self.state is not None and self.state.is_terminal:
             return _POLL[self.state.status]
+        self.asked_s = time.monotonic()
         try:
             self.state = self.mgr.client.poll(self.room)
         except Refused as err:
@@ -264,6 +269,12 @@ class PdTransferKVReceiver(_Room, BaseKVReceiver):
     def poll(self) -> int:
         if not self.expected and not self.failure:
             return KVPoll.WaitingForInput
+        if not self.failure and (self.state is None or not self.state.is_terminal):
+            rang = self.mgr.client.rang(self.room)
+            if rang:
+                self.state = RoomState(RoomStatus.SUCCESS)
+            elif rang is False and time.monotonic() - self.asked_s < ASK_EVERY_S:
+                return _POLL[self.state.status] if self.state is not None else KVPoll.WaitingForInput
         return self._poll_room(KVPoll.WaitingForInput)
 
     def abort(self) -> None:
