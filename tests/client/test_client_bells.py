@@ -54,3 +54,16 @@ def test_a_segment_that_cannot_be_mapped_is_reported_once(caplog):
                                        "token": room}})
         assert bells.wait(room, 0.0) is None
     assert len([r for r in caplog.records if "cannot map" in r.getMessage()]) == 1
+
+
+def test_rang_reads_the_bell_without_a_message(segment):
+    from pd_transfer.client import Client
+    client = Client("unix:///nonexistent/pdt-rang.sock", "w", secret=b"x" * 32)   # never connects
+    slot, token = segment.arm()
+    segment.set_writers(slot, token, 1)
+    client._bells.note(5, {"doorbell": {"segment": segment.name, "slot": slot, "token": token}})
+    assert client.rang(5) is False            # open, nothing decided
+    assert client.rang(6) is None             # no doorbell: only the sidecar can tell
+    assert segment.ring(slot, token, 0)
+    assert client.rang(5) is True
+    client.close()
