@@ -34,6 +34,14 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+from sglang.srt.disaggregation.utils import (
+    DisaggregationMode,
+    MetadataBuffers,
+    get_kv_transfer_buf_infos,
+    setup_state_kv_args,
+)
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 from pd_transfer.client import Refused, RoomStatus
 from pd_transfer.errors import Reason
@@ -47,14 +55,6 @@ from pd_transfer.integrations.sglang.memory import share_engine_memory
 from pd_transfer.integrations.sglang.registration import EngineFacts
 from pd_transfer.ports import spare_port
 from pd_transfer.security.secret import use_ephemeral_secret
-from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
-from sglang.srt.disaggregation.utils import (
-    DisaggregationMode,
-    MetadataBuffers,
-    get_kv_transfer_buf_infos,
-    setup_state_kv_args,
-)
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 LAYERS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 POLL_S = 0.001   # SGLang polls once per scheduler step

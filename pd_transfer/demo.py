@@ -249,12 +249,12 @@ def _verdicts(args) -> str:
 
     ConfigError naming the argument when the model is unknown, an instance cannot be
     built (``--decode-tp 3`` with 8 KV heads) or the pair cannot be reconciled."""
+    from pd_transfer.errors import ConfigError, PdTransferError, Reason
     from pd_transfer.layout.geometry import Role
     from pd_transfer.layout.presets import load_preset
     from pd_transfer.layout.rank_builder import build_instance
     from pd_transfer.layout.reconcile import reconcile
     from pd_transfer.layout.views import Layout
-    from pd_transfer.errors import ConfigError, PdTransferError, Reason
     try:
         spec = load_preset(args.model)
     except ConfigError as err:

@@ -27,11 +27,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pd_transfer.client import Client, ClientError, Refused, RoomState, RoomStatus
-from pd_transfer.errors import ConfigError, Reason
-from pd_transfer.layout.geometry import Role
-from pd_transfer.integrations.sglang.memory import EngineMemory
-from pd_transfer.integrations.sglang.registration import EngineFacts, describe_rank
 from sglang.srt.disaggregation.base.conn import (
     BaseKVBootstrapServer,
     BaseKVManager,
@@ -42,6 +37,12 @@ from sglang.srt.disaggregation.base.conn import (
 )
 from sglang.srt.disaggregation.common.conn import KVTransferError
 from sglang.srt.disaggregation.utils import DisaggregationMode
+
+from pd_transfer.client import Client, ClientError, Refused, RoomState, RoomStatus
+from pd_transfer.errors import ConfigError, Reason
+from pd_transfer.integrations.sglang.memory import EngineMemory
+from pd_transfer.integrations.sglang.registration import EngineFacts, describe_rank
+from pd_transfer.layout.geometry import Role
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pd_transfer.errors import GeometryError, Reason
+from pd_transfer.integrations.sglang.memory import EngineMemory, PoolTensor
 from pd_transfer.layout.geometry import RankGeometry, Region, Role
 from pd_transfer.layout.views import Axis, AxisRole, Layout, Pool, ShardSpec, TensorView
-from pd_transfer.integrations.sglang.memory import EngineMemory, PoolTensor
 
 _DTYPE_NAMES = {"uint64": "int64", "bool": "uint8"}   # same bytes; the planner only moves bytes
 

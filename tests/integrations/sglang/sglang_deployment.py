@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 from cluster import Sidecar
-
-from pd_transfer.ports import spare_port
-from pd_transfer.integrations.sglang.conn import PdTransferKVReceiver, PdTransferKVSender
 from sglang.srt.disaggregation.base.conn import KVPoll
+
+from pd_transfer.integrations.sglang.conn import PdTransferKVReceiver, PdTransferKVSender
+from pd_transfer.ports import spare_port
 
 _tags = itertools.count()
 SIDECAR_CONFIG = {"transport": "shm", "http_port": 0, "heartbeat_interval_s": 0.2, "heartbeat_misses": 5,

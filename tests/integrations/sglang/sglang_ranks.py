@@ -13,10 +13,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-
-from pd_transfer.integrations.sglang.conn import ENGINE_MEMORY, PdTransferKVManager
-from pd_transfer.integrations.sglang.memory import share_engine_memory
-from pd_transfer.integrations.sglang.registration import EngineFacts
 from sglang.srt.disaggregation.base.conn import KVArgs
 from sglang.srt.disaggregation.utils import (
     DisaggregationMode,
@@ -25,6 +21,10 @@ from sglang.srt.disaggregation.utils import (
     get_kv_transfer_buf_infos,
     setup_state_kv_args,
 )
+
+from pd_transfer.integrations.sglang.conn import ENGINE_MEMORY, PdTransferKVManager
+from pd_transfer.integrations.sglang.memory import share_engine_memory
+from pd_transfer.integrations.sglang.registration import EngineFacts
 
 NUM_AUX_ROWS = 8
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang_deployment import Deployment, run_room
 from sglang_ranks import build_rank
 
 from pd_transfer.integrations.sglang.registration import EngineFacts
-from sglang.srt.disaggregation.base.conn import KVPoll
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 NUM_LAYERS, TOTAL_KV_HEADS, HEAD_DIM, PAGE_SIZE = 3, 8, 16, 4
 POOL_TOKENS = 64

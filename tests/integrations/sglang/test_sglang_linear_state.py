@@ -17,14 +17,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool
 from sglang_deployment import Deployment, run_room
 from sglang_ranks import build_rank
 
 from pd_transfer.integrations.sglang.plugin import mamba2_conv_groups
 from pd_transfer.integrations.sglang.registration import EngineFacts
-from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
-from sglang.srt.disaggregation.base.conn import KVPoll
-from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool
 
 KV_HEADS, HEAD_DIM, PAGE_SIZE, POOL_TOKENS = 2, 8, 4, 32
 ATTN_LAYERS, MAMBA_LAYERS = [0, 2], [1, 3]

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from sglang_deployment import Deployment, run_room
 from sglang_ranks import build_rank
 
 from pd_transfer.integrations.sglang.registration import EngineFacts
-from sglang.srt.disaggregation.base.conn import KVPoll
-from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
 LAYERS, LORA, ROPE, PAGE_SIZE, POOL_TOKENS = 2, 32, 8, 4, 48
 

@@ -16,14 +16,14 @@ from importlib.metadata import entry_points
 
 import pytest
 import torch
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.common.conn import KVTransferError
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang_deployment import Deployment, wait_for
 from sglang_ranks import build_rank
 
 from pd_transfer.integrations.sglang import conn
 from pd_transfer.integrations.sglang.registration import EngineFacts
-from sglang.srt.disaggregation.base.conn import KVPoll
-from sglang.srt.disaggregation.common.conn import KVTransferError
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 
 def test_sglang_loads_the_plugin_and_routes_its_backend_to_pd_transfer():

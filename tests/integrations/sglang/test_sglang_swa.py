@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 from sglang_deployment import Deployment, run_room
 from sglang_ranks import build_rank
 
 from pd_transfer.integrations.sglang.registration import EngineFacts
-from sglang.srt.disaggregation.base.conn import KVPoll
-from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
 SWA_LAYERS, FULL_LAYERS = [0, 2], [1, 3]
 KV_HEADS, HEAD_DIM, PAGE_SIZE = 2, 8, 4
