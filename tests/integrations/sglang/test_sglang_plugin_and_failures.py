@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from importlib.metadata import entry_points
 
@@ -61,48 +62,45 @@ def test_the_backend_enum_hack_refuses_an_sglang_it_does_not_know():
     assert "pd_transfer" not in FutureBackend._value2member_map_
 
 
-def _rank(role, tp_rank, deployment, monkeypatch, dtype, tag):
-    monkeypatch.setenv("PD_TRANSFER_SGLANG_WORKER_ENDPOINT", deployment.endpoint(role, tp_rank))
+def _rank(role, deployment, monkeypatch, dtype, tag):
+    monkeypatch.setenv("PD_TRANSFER_SGLANG_WORKER_ENDPOINT", deployment.endpoint(role, 0))
     pool = MHATokenToKVPool(size=32, page_size=4, dtype=dtype, head_num=2, head_dim=8, layer_num=2,
                             device="cpu", enable_memory_saver=False)
-    return build_rank(role, tp_rank, pool, page_size=4, num_layers=2, owner=f"{tag}-{role}{tp_rank}",
+    return build_rank(role, 0, pool, page_size=4, num_layers=2, owner=f"{tag}-{role}",
                       facts=EngineFacts(attn_tp_size=1, total_kv_heads=2, model="tiny"))
 
 
-def test_a_refused_pair_fails_the_request_with_every_mismatch(tmp_path, monkeypatch):
+@contextlib.contextmanager
+def requested_room(tmp_path, monkeypatch, room: int, decode_dtype=torch.bfloat16):
+    """A TP 1 pair with ``room`` requested by decode: ``(deployment, receiver, sender)``."""
     deployment = Deployment(tmp_path, 1, 1)
     ranks = []
     try:
-        ranks.append(_rank("prefill", 0, deployment, monkeypatch, torch.bfloat16, "rej"))
-        ranks.append(_rank("decode", 0, deployment, monkeypatch, torch.float16, "rej"))
-        receiver = conn.PdTransferKVReceiver(ranks[1].manager, deployment.sglang_bootstrap, 99)
+        ranks.append(_rank("prefill", deployment, monkeypatch, torch.bfloat16, f"r{room}"))
+        ranks.append(_rank("decode", deployment, monkeypatch, decode_dtype, f"r{room}"))
+        receiver = conn.PdTransferKVReceiver(ranks[1].manager, deployment.sglang_bootstrap, room)
         receiver.init(0)
         receiver.send_metadata([1, 2], 0, None)
-        assert wait_for([receiver], KVPoll.Failed, 30) == [KVPoll.Failed]
-        with pytest.raises(KVTransferError) as caught:
-            receiver.failure_exception()
-        text = str(caught.value)
-        for layer in (0, 1):
-            for name in ("k", "v"):
-                assert f"kv.layer[{layer}].{name}.dtype: prefill=bfloat16 decode=float16" in text \
-                    or f"kv.layer[0-1].{name}.dtype: prefill=bfloat16 decode=float16" in text, text
-        assert "dtype_mismatch" in text and "hint" in text, text
+        yield deployment, receiver, conn.PdTransferKVSender(ranks[0].manager, deployment.sglang_bootstrap, room)
     finally:
         for rank in ranks:
             rank.close()
         deployment.close()
 
 
+def test_a_refused_pair_fails_the_request_with_every_mismatch(tmp_path, monkeypatch):
+    with requested_room(tmp_path, monkeypatch, 99, decode_dtype=torch.float16) as (_, receiver, _sender):
+        assert wait_for([receiver], KVPoll.Failed, 30) == [KVPoll.Failed]
+        with pytest.raises(KVTransferError) as caught:
+            receiver.failure_exception()
+        text = str(caught.value)
+        for name in ("k", "v"):
+            assert f"kv.layer[0-1].{name}.dtype: prefill=bfloat16 decode=float16" in text, text
+        assert "dtype_mismatch" in text and "hint" in text, text
+
+
 def test_a_killed_prefill_sidecar_fails_the_receiver_in_bounded_time(tmp_path, monkeypatch):
-    deployment = Deployment(tmp_path, 1, 1)
-    ranks = []
-    try:
-        ranks.append(_rank("prefill", 0, deployment, monkeypatch, torch.bfloat16, "kill"))
-        ranks.append(_rank("decode", 0, deployment, monkeypatch, torch.bfloat16, "kill"))
-        receiver = conn.PdTransferKVReceiver(ranks[1].manager, deployment.sglang_bootstrap, 5)
-        receiver.init(0)
-        receiver.send_metadata([1, 2], 0, None)
-        sender = conn.PdTransferKVSender(ranks[0].manager, deployment.sglang_bootstrap, 5)
+    with requested_room(tmp_path, monkeypatch, 5) as (deployment, receiver, sender):
         assert wait_for([sender], KVPoll.WaitingForInput, 30) == [KVPoll.WaitingForInput]
         deployment.sidecars[("prefill", 0)].kill()
         started = time.monotonic()
@@ -113,22 +111,10 @@ def test_a_killed_prefill_sidecar_fails_the_receiver_in_bounded_time(tmp_path, m
         # a lost writer is not a drained one: the pages stay fenced (fail closed)
         receiver.abort()
         assert receiver.is_abort_release_safe() is False
-    finally:
-        for rank in ranks:
-            rank.close()
-        deployment.close()
 
 
 def test_an_abort_reports_the_pages_safe_only_once_prefill_has_drained(tmp_path, monkeypatch):
-    deployment = Deployment(tmp_path, 1, 1)
-    ranks = []
-    try:
-        ranks.append(_rank("prefill", 0, deployment, monkeypatch, torch.bfloat16, "abort"))
-        ranks.append(_rank("decode", 0, deployment, monkeypatch, torch.bfloat16, "abort"))
-        receiver = conn.PdTransferKVReceiver(ranks[1].manager, deployment.sglang_bootstrap, 6)
-        receiver.init(0)
-        receiver.send_metadata([1, 2], 0, None)
-        sender = conn.PdTransferKVSender(ranks[0].manager, deployment.sglang_bootstrap, 6)
+    with requested_room(tmp_path, monkeypatch, 6) as (_, receiver, sender):
         assert wait_for([sender], KVPoll.WaitingForInput, 30) == [KVPoll.WaitingForInput]
         receiver.abort()
         assert wait_until(receiver.is_abort_release_safe, 10), "the drained abort was never reported safe"
@@ -136,10 +122,6 @@ def test_an_abort_reports_the_pages_safe_only_once_prefill_has_drained(tmp_path,
         assert wait_for([sender], KVPoll.Failed, 30) == [KVPoll.Failed]
         with pytest.raises(KVTransferError, match="aborted"):
             sender.failure_exception()
-    finally:
-        for rank in ranks:
-            rank.close()
-        deployment.close()
 
 
 def wait_until(predicate, timeout_s: float) -> bool:
