@@ -90,6 +90,12 @@ class DecodeSide:
                                   code=Reason.DUPLICATE_ROOM)
         # refused here, with the field: never accepted to fail later at its timeout
         check_indices(pools, self.sidecar.geometry, side="destination", unique=True)
+        # a room whose writers all rang has succeeded, and its worker may have seen the
+        # doorbell (and reused the pages) before this sidecar saw the Done: settle it first
+        for holder in self.claims.holders(pools):
+            other = self.sidecar.rooms.get(holder)
+            if isinstance(other, DecodeRoom) and self.bells.rung(other):
+                self._succeed(other)
         self.claims.claim(request["room"], pools)
         room = DecodeRoom(request["room"], self.sidecar.next_generation(), bootstrap=request["bootstrap"], dst=pools)
         room.on_end.append(lambda ended: self.claims.release(ended.room, ended.dst))

@@ -90,6 +90,11 @@ class Claims:
         for pool, indices in pools.items():
             self._owner[pool].update(dict.fromkeys(indices.tolist(), room))
 
+    def holders(self, pools: dict[Pool, np.ndarray]) -> set[int]:
+        """The live rooms holding any of ``pools``' indices."""
+        return {room for pool, indices in pools.items()
+                for index in indices.tolist() if (room := self._owner[pool].get(index)) is not None}
+
     def release(self, room: int, pools: dict[Pool, np.ndarray]) -> None:
         for pool, indices in pools.items():
             owner = self._owner[pool]

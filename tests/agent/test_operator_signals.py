@@ -93,9 +93,10 @@ def test_alerting_series_exist_at_zero_before_any_event_and_count_the_first(clus
                     if name == "pd_transfer_peer_transfers_total" and dict(labels)["peer"] == peer}
         assert outcomes == {"success": 0, "failed": 0}
     # one garbage frame on the control socket is counted: a step from 0 that increase() sees
+    # (a sidecar with a shared secret counts a frame before the handshake as unauthenticated)
     _send_garbage(cluster.ready[p]["control_address"])
     _until(lambda: _get(_series(cluster, p), "pd_transfer_bad_frames_total", role="prefill",
-                        reason="bad_frame") == 1, 20, "the garbage frame is counted")
+                        reason="unauthenticated") == 1, 20, "the garbage frame is counted")
 
 
 def _prometheus_json(base: str, path: str, **params) -> dict:
@@ -132,7 +133,7 @@ def test_a_real_prometheus_fires_bad_frames_on_the_first_garbage_frame(cluster_f
         def scraped_at_zero():
             try:
                 result = _prometheus_json(base, "/api/v1/query",
-                                          query='pd_transfer_bad_frames_total{reason="bad_frame"}')
+                                          query='pd_transfer_bad_frames_total{reason="unauthenticated"}')
             except (urllib.error.URLError, ConnectionError):
                 return False   # still starting
             return [r["value"][1] for r in result["data"]["result"]] == ["0"]
@@ -144,7 +145,7 @@ def test_a_real_prometheus_fires_bad_frames_on_the_first_garbage_frame(cluster_f
             return [a for a in alerts if a["labels"]["alertname"] == "PdTransferBadFrames"
                     and a["state"] == "firing"]
         (alert,) = _until(firing, 60, "PdTransferBadFrames fires")
-        assert alert["labels"]["reason"] == "bad_frame" and alert["labels"]["role"] == "prefill"
+        assert alert["labels"]["reason"] == "unauthenticated" and alert["labels"]["role"] == "prefill"
         assert alert["labels"]["instance"] == target
     except AssertionError as err:
         log = (tmp_path / "prometheus.log").read_text()[-2000:]

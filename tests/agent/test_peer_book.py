@@ -9,7 +9,8 @@ from pd_transfer.layout.geometry import Role
 
 
 def _observer() -> Observer:
-    return Observer(SimpleNamespace(config=SimpleNamespace(role=Role.PREFILL)))
+    return Observer(SimpleNamespace(config=SimpleNamespace(role=Role.PREFILL),
+                                    security=SimpleNamespace(enabled=True)))
 
 
 def _channel(label: str, peer_rank: str = "") -> SimpleNamespace:

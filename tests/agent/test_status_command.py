@@ -14,8 +14,8 @@ TINY = {"name": "tiny", "num_layers": 2, "layer_cycle": ["attention"],
         "attention": {"num_kv_heads": 4, "head_dim": 8}}
 
 
-def _ranks(role, page_size):
-    return build_instance(model_from_table(dict(TINY), "tiny"), role, 1, page_size=page_size,
+def _ranks(role, kv_dtype):
+    return build_instance(model_from_table(dict(TINY), "tiny"), role, 1, page_size=4, kv_dtype=kv_dtype,
                           kv_layout=Layout.NHD, num_pages=8, num_aux_rows=2)
 
 
@@ -25,7 +25,7 @@ def _status(address: str) -> subprocess.CompletedProcess:
 
 
 def test_status_prints_the_readiness_reasons_and_the_whole_rejection(cluster_factory):
-    prefill, decode = _ranks(Role.PREFILL, 4), _ranks(Role.DECODE, 8)
+    prefill, decode = _ranks(Role.PREFILL, "bfloat16"), _ranks(Role.DECODE, "float16")
     cluster = cluster_factory(prefill, decode, decode_config={"prefill_bootstraps": "this"})
     decode_address = cluster.ready[decode[0].rank_id]["http_address"].removeprefix("http://")
     deadline = time.monotonic() + 20
@@ -37,13 +37,13 @@ def test_status_prints_the_readiness_reasons_and_the_whole_rejection(cluster_fac
     assert lines[0].endswith("NOT ready")
     # the reason, right under the headline, and the rejection in full: its mismatch lines too
     assert lines[1].startswith(f"  - prefill instance {cluster.bootstrap}: "), result.stdout
-    assert "page_size: prefill=4 decode=8" in result.stdout.split("\n\n")[0], result.stdout
+    assert "dtype: prefill=bfloat16 decode=float16" in result.stdout.split("\n\n")[0], result.stdout
     peer_rows = result.stdout.split("\n\n")[1]
-    assert "rejected" in peer_rows and "page_size: prefill=4 decode=8" in peer_rows, result.stdout
+    assert "rejected" in peer_rows and "dtype: prefill=bfloat16 decode=float16" in peer_rows, result.stdout
 
     prefill_address = cluster.ready[prefill[0].rank_id]["http_address"].removeprefix("http://")
     on_prefill = _status(prefill_address)
-    assert "rejected" in on_prefill.stdout and "page_size: prefill=4 decode=8" in on_prefill.stdout
+    assert "rejected" in on_prefill.stdout and "dtype: prefill=bfloat16 decode=float16" in on_prefill.stdout
 
 
 def test_status_addr_defaults_to_the_local_default_http_port():
