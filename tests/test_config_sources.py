@@ -24,7 +24,9 @@ from pd_transfer.ports import spare_port
 
 
 def _serve(*args, env=None, timeout=60):
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("PD_TRANSFER_")}
+    # the session's shared secret stays: the sidecars refuse to start without one
+    environ = {k: v for k, v in os.environ.items()
+               if not k.startswith("PD_TRANSFER_") or k == "PD_TRANSFER_SECRET_FILE"}
     return subprocess.run([sys.executable, "-m", "pd_transfer.cli", "serve", *args],
                           capture_output=True, text=True, timeout=timeout,
                           env={**environ, **(env or {})})
@@ -35,15 +37,15 @@ def _problems(text: str) -> list[str]:
 
 
 def test_a_misnamed_table_and_keys_above_sidecar_stop_serve_with_their_paths(tmp_path):
-    # the operator's file: require_auth and the port above the table, the rest in [sidecars]
+    # the operator's file: allow_insecure and the port above the table, the rest in [sidecars]
     config = tmp_path / "sidecar.toml"
-    config.write_text(f'require_auth = true\nhttp_port = {spare_port()}\n\n'
+    config.write_text(f'allow_insecure = true\nhttp_port = {spare_port()}\n\n'
                       '[sidecars]\nrole = "prefill"\nheartbeat_misses = 8\n')
     result = _serve("--role", "prefill", "--config", str(config), "--http-port", "0",
                     "--worker-endpoint", f"unix://{tmp_path}/w.sock", timeout=30)
     assert result.returncode == 2, result.stderr
     assert _problems(result.stderr) == [
-        f"{config}: require_auth: above the [sidecar] line, so in no table: move it below that line",
+        f"{config}: allow_insecure: above the [sidecar] line, so in no table: move it below that line",
         f"{config}: http_port: above the [sidecar] line, so in no table: move it below that line",
         f"{config}: [sidecars]: unknown table, so nothing in it would be applied "
         "(did you mean [sidecar]?): the sidecar reads only [sidecar]",
@@ -60,20 +62,20 @@ def test_an_unknown_key_outside_any_table_is_refused(tmp_path):
 
 def test_the_files_sidecar_table_applies_with_role_given_as_a_flag(tmp_path):
     config = tmp_path / "sidecar.toml"
-    config.write_text('[sidecar]\nrequire_auth = true\nheartbeat_misses = 9\n')
+    config.write_text('[sidecar]\nallow_insecure = true\nheartbeat_misses = 9\n')
     result = _serve("--role", "decode", "--config", str(config), "--print-config")
     assert result.returncode == 0, result.stderr
-    assert "require_auth = true\n" in result.stdout and "heartbeat_misses = 9\n" in result.stdout
+    assert "allow_insecure = true\n" in result.stdout and "heartbeat_misses = 9\n" in result.stdout
 
 
 def test_an_unknown_pd_transfer_variable_stops_serve_naming_it_and_the_setting_meant(tmp_path):
     result = _serve("--role", "prefill", "--http-port", "0",
                     "--worker-endpoint", f"unix://{tmp_path}/w.sock",
-                    env={"PD_TRANSFER_REQUIRE_AUTHS": "true"}, timeout=30)
+                    env={"PD_TRANSFER_ALLOW_INSECURES": "true"}, timeout=30)
     assert result.returncode == 2, result.stderr
     (problem,) = _problems(result.stderr)
-    assert problem.startswith("PD_TRANSFER_REQUIRE_AUTHS: not a pd-transfer setting "
-                              "(did you mean PD_TRANSFER_REQUIRE_AUTH?)")
+    assert problem.startswith("PD_TRANSFER_ALLOW_INSECURES: not a pd-transfer setting "
+                              "(did you mean PD_TRANSFER_ALLOW_INSECURE?)")
 
 
 def test_a_bad_variable_value_names_the_variable_not_the_file_or_flags(tmp_path):
@@ -107,7 +109,9 @@ def test_service_link_variables_are_left_alone_and_the_settings_beside_them_appl
     env = {**SERVICE_LINKS, "PD_TRANSFER_HTTP_PORT": str(http_port),
            "PD_TRANSFER_READY_FILE": str(ready), "PD_TRANSFER_ROLE": "decode",
            "PD_TRANSFER_WORKER_ENDPOINT": f"unix://{tmp_path}/w.sock"}
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("PD_TRANSFER_")}
+    # the session's shared secret stays: the sidecars refuse to start without one
+    environ = {k: v for k, v in os.environ.items()
+               if not k.startswith("PD_TRANSFER_") or k == "PD_TRANSFER_SECRET_FILE"}
     proc = subprocess.Popen([sys.executable, "-m", "pd_transfer.cli", "serve"],
                             env={**environ, **env}, stderr=subprocess.PIPE, text=True)
     try:
@@ -135,7 +139,7 @@ def test_a_port_variable_holding_a_service_link_says_which_service_injected_it()
 
 
 def test_the_service_link_rule_does_not_cover_setting_typos():
-    for typo in ("HTTP_PROT", "CONTROLPORT", "REQUIRE_AUTHS", "BOOTSTRAPS", "SECRETFILE"):
+    for typo in ("HTTP_PROT", "CONTROLPORT", "ALLOW_INSECURES", "BOOTSTRAPS", "SECRETFILE"):
         assert not SERVICE_LINK.fullmatch(typo), typo
     for link in ("SERVICE_HOST", "PORT", "X_PORT_53_UDP_ADDR", "A_B_SERVICE_PORT_HTTP_METRICS"):
         assert SERVICE_LINK.fullmatch(link), link

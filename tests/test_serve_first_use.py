@@ -27,7 +27,10 @@ RUN_DIR = "/run/pd-transfer/"
 
 
 def _environ(extra: dict[str, str]) -> dict[str, str]:
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("PD_TRANSFER_")}, **extra}
+    # the session's shared secret stays: the sidecars refuse to start without one
+    kept = {k: v for k, v in os.environ.items()
+            if not k.startswith("PD_TRANSFER_") or k == "PD_TRANSFER_SECRET_FILE"}
+    return {**kept, **extra}
 
 
 def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:

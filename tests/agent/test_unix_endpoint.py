@@ -46,19 +46,25 @@ def test_a_room_moves_byte_exact_over_either_kind_of_worker_endpoint(cluster_fac
 
 
 def test_the_asyncio_client_waits_on_many_rooms_over_one_unix_connection(cluster_factory):
-    cluster, requests = _pair(cluster_factory)
-    rooms = [21, 22, 23]
+    cluster, _ = _pair(cluster_factory)
+    # three live rooms at once: each its own destination pages and aux row (decode refuses
+    # two live rooms on one page)
+    dst_pages = np.random.default_rng(4).permutation(6)
+    rooms = {21 + i: {Pool.KV: (np.array([0, 1]), dst_pages[2 * i:2 * i + 2])} for i in range(3)}
+    for i, room in enumerate((21, 22)):
+        rooms[room][Pool.AUX] = (np.array([0]), np.array([i]))
 
     async def decode_side():
         clients = [AsyncClient(cluster.sidecars[g.rank_id].endpoint, f"aio-{g.rank_id}")
                    for g in cluster.decode]
         try:
-            for room in rooms:
+            for room, requests in rooms.items():
+                aux = requests.get(Pool.AUX)
                 for client in clients:
                     await client.expect(room, cluster.bootstrap, requests[Pool.KV][1],
-                                        aux_row=int(requests[Pool.AUX][1][0]))
+                                        aux_row=int(aux[1][0]) if aux is not None else None)
             waits = [client.wait(room, 20) for room in rooms for client in clients]
-            sending = asyncio.to_thread(lambda: [cluster.send(room, requests) for room in rooms])
+            sending = asyncio.to_thread(lambda: [cluster.send(room, r) for room, r in rooms.items()])
             *states, _ = await asyncio.gather(*waits, sending)
             return states
         finally:
@@ -67,7 +73,7 @@ def test_the_asyncio_client_waits_on_many_rooms_over_one_unix_connection(cluster
 
     states = asyncio.run(decode_side())
     assert [s.status for s in states] == [RoomStatus.SUCCESS] * len(states), cluster.logs()
-    assert cluster.verify(requests) == []
+    assert cluster.verify(list(rooms.values())) == []
 
 
 # -- one sidecar, hostile bytes ------------------------------------------------------------
