@@ -28,9 +28,10 @@ from pd_transfer.transport.sockets import PREFIX, Kind, parse_address, prefix
 @pytest.fixture(scope="module")
 def cluster(module_deployment):
     # a fixed data port: the ready file is written before the worker registers, when the
-    # receiver (started at registration) has no address yet
+    # receiver (started at registration) has no address yet; insecure, so that the test's
+    # hand-made late chunk (no handshake) reaches the receiver's room checks
     return module_deployment(tiny_ranks(Role.PREFILL, 1), tiny_ranks(Role.DECODE, 1), transport="tcp",
-                             decode_config={"data_port": spare_port()})
+                             config={"allow_insecure": True}, decode_config={"data_port": spare_port()})
 
 
 

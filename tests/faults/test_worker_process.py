@@ -12,6 +12,7 @@ same sidecars (tests/faults/test_worker_loss.py has the rest of that story).
 import dataclasses
 
 import pytest
+from cluster import worker_environ
 from fault_tools import kill, kv_requests, start_child_worker, tiny_ranks, wait_status
 
 from pd_transfer.client import Client, Refused, RoomStatus, allocate_pools
@@ -25,10 +26,10 @@ TRANSFER_TIMEOUT_S = 1.0
 @pytest.fixture(scope="module")
 def cluster(module_deployment):
     # prefill gives up on a stalled transfer first (1 s), so decode hears prefill's
-    # reason before its own 3 s pass
+    # reason before its own 3 s pass; insecure, since the child worker is raw frames (no handshake)
     return module_deployment(tiny_ranks(Role.PREFILL, 1, num_pages=NUM_PAGES),
                              tiny_ranks(Role.DECODE, 1, num_pages=NUM_PAGES), attach=False,
-                             config={"transfer_timeout_s": TRANSFER_TIMEOUT_S},
+                             config={"transfer_timeout_s": TRANSFER_TIMEOUT_S, "allow_insecure": True},
                              decode_config={"transfer_timeout_s": 3.0})
 
 
@@ -41,7 +42,8 @@ def _refusal(client, request) -> Refused:
 def test_hostile_registrations_are_refused_with_the_field_and_the_sidecar_serves_on(cluster):
     rank, prefill = cluster.decode[0], cluster.prefill[0]
     scratch = allocate_pools(rank, f"t{cluster._tag}-hostile")
-    client = Client(cluster.sidecars[rank.rank_id].endpoint, "hostile")
+    with worker_environ(cluster.insecure):
+        client = Client(cluster.sidecars[rank.rank_id].endpoint, "hostile")
     try:
         shared = dict(scratch.handles)
         shared[rank.regions[1].id] = shared[rank.regions[0].id]
@@ -75,7 +77,9 @@ def test_hostile_registrations_are_refused_with_the_field_and_the_sidecar_serves
         err = _refusal(client, request)
         assert err.code_text == "unknown_region" and "handles['stranger']" in err.reason
 
-        with Client(cluster.sidecars[prefill.rank_id].endpoint, "hostile") as to_prefill:
+        with worker_environ(cluster.insecure):
+            to_prefill = Client(cluster.sidecars[prefill.rank_id].endpoint, "hostile")
+        with to_prefill:
             err = _refusal(to_prefill, register_request(rank, scratch.handles, "hostile"))
             assert err.code_text == "role_mismatch"
     finally:
@@ -108,7 +112,8 @@ def test_killed_prefill_worker_fails_its_room_on_both_sides_at_once(cluster):
     assert "prefill[pp0,tp0]: room 1: the prefill worker is gone (worker child-worker is gone" \
         in state.reason
     # the worker's next process registers again, and sees the dead one's room
-    cluster.clients[prefill.rank_id] = Client(endpoint, "after-the-worker", timeout_s=20)
+    with worker_environ(cluster.insecure):
+        cluster.clients[prefill.rank_id] = Client(endpoint, "after-the-worker", timeout_s=20)
     cluster.clients[prefill.rank_id].register(prefill, pools.handles)
     state = wait_status(cluster.clients[prefill.rank_id], 1, [RoomStatus.FAILED])
     assert state.code_text == "worker_lost" and "the prefill worker is gone" in state.reason
