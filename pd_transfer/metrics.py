@@ -49,8 +49,8 @@ LIMITS = ("max_rooms", "max_rooms_per_peer", "max_chunks_per_room", "max_infligh
           "max_inflight_nbytes_total", "max_worker_requests")
 ADMISSION_RESOURCES = ("rooms", "bytes")
 DOORBELL_EVENTS = {"prefill": ("rang", "stale"), "decode": ("rung", "closed")}
-# the ZeroMQ sockets each role listens on (pd_transfer_connections_closed_total{socket})
-LISTENING_SOCKETS = {"prefill": ("control", "bootstrap", "worker"), "decode": ("worker",)}
+# the sockets each role listens on (pd_transfer_connections_closed_total{socket})
+LISTENING_SOCKETS = {"prefill": ("control", "bootstrap", "worker"), "decode": ("worker", "data")}
 
 
 class SidecarMetrics:
@@ -148,9 +148,10 @@ class SidecarMetrics:
                                   "connections dropped before they authenticated, by reason.",
                                   ["role", "reason"], registry=r)
         self.connections_closed = Counter(
-            "pd_transfer_connections_closed", "Connections to a listening ZeroMQ socket of this "
-            "sidecar that ended, by socket (control, bootstrap, worker): the peer left, or ZeroMQ "
-            "dropped it (a frame over the size limit, or one it could not parse).",
+            "pd_transfer_connections_closed", "Connections to a listening socket of this "
+            "sidecar that ended, by socket (control, bootstrap, worker, data: decode's tcp data "
+            "receiver): the peer left, or was dropped (a frame over the size limit, or one that "
+            "could not be parsed).",
             ["role", "socket"], registry=r)
         self.auth_failures = Counter(
             "pd_transfer_auth_failures", "Refused or failed authentication handshakes, and frames "

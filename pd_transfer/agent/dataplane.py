@@ -70,10 +70,12 @@ class DeviceLink:
 
 class DataPlane:
     def __init__(self, config: SidecarConfig, context: zmq.asyncio.Context,
-                 on_bad_frame: Callable[[str], None] = lambda reason: None) -> None:
+                 on_bad_frame: Callable[[str], None] = lambda reason: None,
+                 on_connection_closed: Callable[[str], None] = lambda socket: None) -> None:
         self.config = config
         self.context = context
         self._on_bad_frame = on_bad_frame   # frames the tcp receiver refused unread
+        self._on_connection_closed = on_connection_closed   # the tcp receiver's ended connections
         self.local_regions: dict = {}
         self.on_device = False
         self._segments: list[Segment] = []
@@ -117,7 +119,7 @@ class DataPlane:
         if geometry.role is Role.DECODE and self.config.transport in ("auto", "tcp") \
                 and not self.on_device:
             self._receiver = tcp_receiver(self.config, self.local_regions, self.context,
-                                          self._on_bad_frame)
+                                          self._on_bad_frame, self._on_connection_closed)
             self._geometry = geometry
             await self._receiver.start()
         if geometry.role is Role.DECODE and self._engine is not None and not self.on_device:

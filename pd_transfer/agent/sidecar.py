@@ -75,7 +75,8 @@ class Sidecar:
         self.worker = WorkerBinding(self)   # the registration's connection (agent/worker_loss.py)
         self.worker_tasks: list[asyncio.Task] = []   # what lives only while the worker is registered
         self.endpoint = None
-        self.dataplane = DataPlane(config, self.context, on_bad_frame=self.observe.bad_frame)
+        self.dataplane = DataPlane(config, self.context, on_bad_frame=self.observe.bad_frame,
+                                   on_connection_closed=self.observe.connection_closed)
         self.side = PrefillSide(self) if config.role is Role.PREFILL else DecodeSide(self)
         self.control: IncomingChannels | None = None
         self.bootstrap_server: BootstrapServer | None = None

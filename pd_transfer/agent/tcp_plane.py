@@ -26,9 +26,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 
+import zmq
 import zmq.asyncio
 
 from pd_transfer.agent.auth import Security, security_of
+from pd_transfer.agent.zmq_bounds import ConnectionWatch
 from pd_transfer.errors import AuthError, ProtocolError, Reason, TransportError
 from pd_transfer.security import ClientHandshake, ServerHandshake
 from pd_transfer.security.handshake import derive_key, refusal
@@ -42,6 +44,9 @@ from pd_transfer.transport.zmq_receiver import ZmqTcpReceiver
 from pd_transfer.transport.zmq_tcp import ZmqTcpTransport
 
 log = logging.getLogger(__name__)
+
+#: the ``socket`` label of the data receiver's ended connections
+DATA_SOCKET = "data"
 
 
 def tcp_transport(config, context: zmq.asyncio.Context,
@@ -59,19 +64,28 @@ def tcp_transport(config, context: zmq.asyncio.Context,
 
 
 def tcp_receiver(config, regions: Mapping, context: zmq.asyncio.Context,
-                 on_bad_frame: Callable[[str], None] = lambda reason: None
+                 on_bad_frame: Callable[[str], None] = lambda reason: None,
+                 on_closed: Callable[[str], None] = lambda socket: None
                  ) -> TcpReceiver | ZmqTcpReceiver:
     """The receiving side: ZeroMQ with CURVE when this sidecar has a CURVE key, else plain.
-    ``on_bad_frame(reason)``: a frame or connection the plain receiver refused unread."""
+    ``on_bad_frame(reason)``: a frame or connection the receiver refused unread;
+    ``on_closed("data")``: a data connection ended (the peer left, or was dropped)."""
     security = security_of(context)
     if security.settings.curve_keypair is not None:
+        async def watch(socket: zmq.asyncio.Socket) -> None:
+            address = socket.getsockopt(zmq.LAST_ENDPOINT).decode()
+            await ConnectionWatch(socket, DATA_SOCKET, f"data receiver {address}",
+                                  on_closed=on_closed, on_bad_frame=on_bad_frame).run()
+
         return ZmqTcpReceiver(config.data_host, regions, port=config.data_port, context=context,
-                              socket_options=security.listening, policy=RoomPolicy.EXPECTED)
+                              socket_options=security.listening, policy=RoomPolicy.EXPECTED,
+                              watch=watch, on_bad_frame=on_bad_frame)
     return TcpReceiver(config.data_host, regions, port=config.data_port,
                        auth=DataAuth(security) if security.enabled else None,
                        handshake_timeout_s=config.data_handshake_timeout_s,
                        max_pending=config.max_pending_data_connections,
-                       on_bad_frame=on_bad_frame, policy=RoomPolicy.EXPECTED)
+                       on_bad_frame=on_bad_frame, on_closed=lambda: on_closed(DATA_SOCKET),
+                       policy=RoomPolicy.EXPECTED)
 
 
 class DataAuth:

@@ -32,7 +32,8 @@ keep a real peer, which authenticates in a round trip or two, from getting
 in. Authenticated connections are capped separately (``max_connections``).
 Frames that break the stream (not ours, over the limits, data before the
 handshake, a handshake cut off) are logged, counted in
-:attr:`TcpReceiver.stats` and reported to ``on_bad_frame(reason)``.
+:attr:`TcpReceiver.stats` and reported to ``on_bad_frame(reason)``; every
+connection that ends, for whatever reason, is reported to ``on_closed()``.
 
 Threads: see :mod:`.tcp` for why this layer uses them. Encryption: none; see
 :mod:`.zmq_receiver` for the CURVE variant.
@@ -94,7 +95,8 @@ class TcpReceiver:
                  on_landed: LandedCallback | None = None, auth: Authenticator | None = None,
                  policy: RoomPolicy = RoomPolicy.ANY, handshake_timeout_s: float = 10.0,
                  fence_grace_s: float = 2.0, max_connections: int = 1024, max_pending: int = 64,
-                 on_bad_frame: Callable[[str], None] = lambda reason: None) -> None:
+                 on_bad_frame: Callable[[str], None] = lambda reason: None,
+                 on_closed: Callable[[], None] = lambda: None) -> None:
         self.bind_host = bind_host
         self.port = port
         self._lookup: RegionLookup = regions_lookup.get if isinstance(regions_lookup, Mapping) \
@@ -109,6 +111,7 @@ class TcpReceiver:
         self.max_connections = max_connections
         self.max_pending = max_pending
         self.on_bad_frame = on_bad_frame   # called from connection threads
+        self.on_closed = on_closed         # a connection ended (called on the event loop)
         self._authenticated = 0            # connections past the handshake (under _stats_lock)
         self.admission = RoomAdmission(policy)
         self.stats = ReceiverStats()
@@ -253,6 +256,10 @@ class TcpReceiver:
                                 f" of the connection")
             thread.start()
 
+    def _ended(self, connection: Connection) -> None:
+        self._connections.pop(connection, None)
+        self.on_closed()
+
     def _make_room_for_a_stranger(self) -> None:
         """At ``max_pending`` connections that have not authenticated, shut the oldest down."""
         pending = [c for c in self._connections if c.authenticated is None]
@@ -270,6 +277,6 @@ class TcpReceiver:
                 with self._stats_lock:
                     self._authenticated -= 1
             try:
-                self.loop.call_soon_threadsafe(self._connections.pop, connection, None)
+                self.loop.call_soon_threadsafe(self._ended, connection)
             except RuntimeError:
                 pass  # the loop is gone

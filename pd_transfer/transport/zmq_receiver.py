@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -69,7 +69,11 @@ class ZmqTcpReceiver:
 
     ``port=0`` picks a free port; :attr:`address` is the endpoint to publish.
     ``on_landed(room, generation, nbytes)`` is called after each complete
-    transfer (before ``done`` goes out).
+    transfer (before ``done`` goes out). ``watch(socket)``, when given, runs
+    as a task of the receiver from bind to stop: the agent follows the
+    socket's connections with it (ZeroMQ ends a connection whose frame breaks
+    the size limit without telling the application). ``on_bad_frame(reason)``
+    hears of every frame refused unread (not ours, or malformed).
     """
 
     def __init__(self, bind_host: str, regions_lookup: RegionLookup | Mapping[str, RegionMemory],
@@ -77,8 +81,13 @@ class ZmqTcpReceiver:
                  max_chunk_nbytes: int = 64 << 20, inline_nbytes: int = 256 << 10,
                  max_scatters: int = 2, on_landed: LandedCallback | None = None,
                  socket_options: Callable[[zmq.Socket], None] | None = None,
-                 policy: RoomPolicy = RoomPolicy.ANY) -> None:
+                 policy: RoomPolicy = RoomPolicy.ANY,
+                 watch: Callable[[zmq.asyncio.Socket], Awaitable[None]] | None = None,
+                 on_bad_frame: Callable[[str], None] = lambda reason: None) -> None:
         self.socket_options = socket_options  # e.g. CURVE server keys, set by the agent
+        self.watch = watch
+        self.on_bad_frame = on_bad_frame
+        self._watching: asyncio.Task | None = None
         self.bind_host = bind_host
         self.port = port
         self._lookup: RegionLookup = regions_lookup.get if isinstance(regions_lookup, Mapping) \
@@ -116,13 +125,17 @@ class ZmqTcpReceiver:
         self._socket = socket
         self.address = socket.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._task = asyncio.create_task(self._serve(), name=f"tcp-receiver-{self.address}")
+        if self.watch is not None:
+            self._watching = asyncio.create_task(self.watch(socket),
+                                                 name=f"tcp-receiver-watch-{self.address}")
         return self.address
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        for task in (self._task, self._watching):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._task = self._watching = None
         if self._landing:  # let writes already in threads finish before the socket goes
             await asyncio.gather(*list(self._landing), return_exceptions=True)
         if self._socket is not None:
@@ -175,12 +188,14 @@ class ZmqTcpReceiver:
         identity = frames[0].bytes
         if len(frames) < 2:
             self.stats.refused[Reason.BAD_FRAME] += 1
+            self.on_bad_frame(Reason.BAD_FRAME.value)
             return
         try:
             header = decode_data(frames[1].bytes)
         except TransportError as err:
             log.warning("tcp receiver %s: refused a frame: %s", self.address, err.message)
             self.stats.refused[err.code] += 1
+            self.on_bad_frame(err.code.value)
             return
         key = (identity, header.xfer)
         if key in self._failed:

@@ -49,11 +49,13 @@ def write_secret(directory, name: str, text: str):
     return path
 
 
-def start(workdir, prefill, decode, secret_file, config=None) -> Cluster:
+def start(workdir, prefill, decode, secret_file, config=None, **options) -> Cluster:
     """A cluster whose sidecars read ``secret_file``; its workers' clients get it from
-    the environment (only while they attach, so later sidecars do not inherit it)."""
+    the environment (only while they attach, so later sidecars do not inherit it).
+    ``options``: more :class:`Cluster` arguments (``transport``, ``decode_config``)."""
     cluster = Cluster(workdir, prefill, decode, attach=False,
-                      config={"secret_file": str(secret_file), **(config or {})})
+                      config={"secret_file": str(secret_file), **(config or {})},
+                      **options)
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("PD_TRANSFER_SECRET_FILE", str(secret_file))

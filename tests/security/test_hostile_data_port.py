@@ -84,12 +84,15 @@ def _room_lands(cluster: Cluster, room: int) -> None:
 def test_garbage_and_a_wrong_magic_are_logged_counted_and_dropped(deployment):
     cluster, address = deployment
     before = metric(cluster, DECODE, BAD_FRAMES, reason="bad_frame")
+    closed = metric(cluster, DECODE, "pd_transfer_connections_closed_total", socket="data")
     for junk in (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"XXXX" + prefix(Kind.HANDSHAKE, 16)[4:]):
         with socket.create_connection(host_port(address), timeout=5) as sock:
             sock.sendall(junk)
             assert connection_dropped(sock)
     wait_for(lambda: metric(cluster, DECODE, BAD_FRAMES, reason="bad_frame") - before == 2, 5,
              "both streams counted as bad frames")
+    wait_for(lambda: metric(cluster, DECODE, "pd_transfer_connections_closed_total",
+                            socket="data") - closed == 2, 5, "both ended connections counted")
     assert "not a pd-transfer data stream" in cluster.sidecars[DECODE].log.read_text()
 
 
