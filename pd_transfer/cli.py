@@ -101,46 +101,9 @@ def _add_serve(sub) -> None:
                     "(--insecure) turns authentication off: it then warns at every start and "
                     "reports it in /status, /readyz and the pd_transfer_insecure metric.",
         epilog="exit codes: 0 stopped, 2 invalid config, 3 could not start")
-    serve.add_argument("--role", choices=["prefill", "decode"], help="which side this worker is")
+    from pd_transfer.serve_flags import add_serve_flags
     serve.add_argument("--config", metavar="FILE", help="TOML file with a [sidecar] table")
-    serve.add_argument("--agent-id", help="name in logs and on the wire (default: role-pid)")
-    serve.add_argument("--worker-endpoint", metavar="unix://PATH",
-                       help="where the worker connects: unix://PATH, a plain Unix socket (the "
-                            "default, unix:///tmp/pd-transfer-<id>.sock), or ipc://PATH, ZeroMQ "
-                            "(slower per call)")
-    serve.add_argument("--control-host", help="address peers reach this sidecar on (127.0.0.1)")
-    serve.add_argument("--control-port", type=int, help="control port (0: any free port)")
-    serve.add_argument("--bootstrap", metavar="tcp://HOST:PORT",
-                       help="prefill: rank 0 binds here, other ranks announce here")
-    serve.add_argument("--transport", choices=["auto", "shm", "tcp", "mooncake", "nixl"],
-                       help="data plane (auto: shm on the same host, else tcp; mooncake, nixl: "
-                            "engines, pip extras pd-transfer[mooncake] / pd-transfer[nixl])")
-    serve.add_argument("--strategy", choices=["auto", "direct", "staged"],
-                       help="engine transports: one descriptor per run (direct), runs gathered "
-                            "into 4 MiB staging slots and scattered by decode (staged), or auto: "
-                            "chosen per peer and pool from the run sizes and a probe of the path")
-    serve.add_argument("--data-host",
-                       help="decode: address the tcp receiver or mooncake engine binds")
-    serve.add_argument("--http-host", help="address of /metrics /healthz /readyz /status (127.0.0.1)")
-    serve.add_argument("--http-port", type=int, help="HTTP port (default 9400, 0: any free port)")
-    serve.add_argument("--ready-file", metavar="FILE",
-                       help="write the bound addresses as JSON here once serving")
-    serve.add_argument("--max-rooms-per-peer", type=int, metavar="N",
-                       help="live rooms with one peer; more wait up to --admission-wait-s (1024)")
-    serve.add_argument("--max-inflight-nbytes-total", type=int, metavar="BYTES",
-                       help="prefill: bytes being written to all decode peers at once (1 GiB)")
-    serve.add_argument("--admission-wait-s", type=float, metavar="SECONDS",
-                       help="how long a room or chunk over a limit waits before it fails with "
-                            "backpressure_timeout (5)")
-    serve.add_argument("--integrity", action="store_true", default=None,
-                       help="checksum every block sent; decode verifies them and fails a room "
-                            "with integrity_mismatch (active when both sides enable it)")
-    serve.add_argument("--fault-corrupt-nth", type=int, metavar="N",
-                       help="TEST ONLY: flip one byte of this sidecar's Nth data write "
-                            "(fault injection for integrity tests; never in production)")
-    serve.add_argument("--insecure", action="store_true", default=None, dest="allow_insecure",
-                       help="serve without a shared secret (allow_insecure = true): anyone who "
-                            "reaches the ports may use this sidecar; for a trusted sandbox only")
+    add_serve_flags(serve)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--log-format", default="text", choices=["text", "json"],
                        help="text: key=value lines; json: one JSON object per line")
@@ -238,20 +201,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from pd_transfer.config import load_sidecar_config
+    from pd_transfer.serve_flags import FLAG_OF, flag_overrides
     from pd_transfer.server import configure_logging, serve
-    overrides = {"role": args.role, "agent_id": args.agent_id,
-                 "worker_endpoint": args.worker_endpoint, "control_host": args.control_host,
-                 "control_port": args.control_port, "bootstrap": args.bootstrap,
-                 "transport": args.transport, "strategy": args.strategy,
-                 "data_host": args.data_host,
-                 "ready_file": args.ready_file, "http_host": args.http_host,
-                 "http_port": args.http_port, "integrity": args.integrity,
-                 "fault_corrupt_nth": args.fault_corrupt_nth,
-                 "allow_insecure": args.allow_insecure}
-    overrides.update(max_rooms_per_peer=args.max_rooms_per_peer,
-                     max_inflight_nbytes_total=args.max_inflight_nbytes_total,
-                     admission_wait_s=args.admission_wait_s)
-    config = load_sidecar_config(args.config, overrides, from_flags=True)
+    config = load_sidecar_config(args.config, flag_overrides(args), flags=FLAG_OF)
     if args.print_config:
         from pd_transfer.config import render_toml
         print(render_toml(config), end="")  # secret_file is a path; the secret is never printed

@@ -108,11 +108,11 @@ _FIELDS = {f.name: f for f in dataclasses.fields(SidecarConfig)}
 
 def load_sidecar_config(path: str | None, overrides: dict[str, Any],
                         environ: Mapping[str, str] | None = None, *,
-                        from_flags: bool = False) -> SidecarConfig:
+                        flags: Mapping[str, str] | None = None) -> SidecarConfig:
     """Defaults, then the file, then ``PD_TRANSFER_*`` variables, then flags.
 
-    ``overrides`` are CLI flags (None meaning unset; ``from_flags``: a problem names
-    ``--the-flag``). A variable names a field in upper case: ``PD_TRANSFER_CONTROL_PORT=5600``;
+    ``overrides`` are CLI flags by field (None meaning unset; ``flags``: field -> the flag
+    that set it, which a problem then names). A variable names a field in upper case: ``PD_TRANSFER_CONTROL_PORT=5600``;
     lists are comma-separated. Every key of the file and every ``PD_TRANSFER_*`` variable is
     applied or reported (:mod:`pd_transfer.config_sources`).
     """
@@ -126,13 +126,9 @@ def load_sidecar_config(path: str | None, overrides: dict[str, Any],
     from_env, env_problems = environ_settings(os.environ if environ is None else environ, kinds)
     settings.update(from_env)
     problems += env_problems
-    settings.update({name: Setting(value, _flag(name) if from_flags else f"sidecar.{name}")
+    settings.update({name: Setting(value, flags[name] if flags else f"sidecar.{name}")
                      for name, value in overrides.items() if value is not None})
     return sidecar_config_from(settings, problems)
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def render_toml(config: SidecarConfig) -> str:

@@ -276,11 +276,9 @@ def render_metrics() -> str:
 
 def render_sidecar_config() -> str:
     from pd_transfer import config
-    from pd_transfer.cli import build_parser
+    from pd_transfer.serve_flags import SERVE_FLAGS
     env_prefix = getattr(config, "ENV_PREFIX", "")
-    serve = next(a for a in build_parser()._actions
-                 if isinstance(a, argparse._SubParsersAction)).choices["serve"]
-    flags = {a.dest: a for a in serve._actions if a.option_strings}
+    flags = {entry.field: entry for entry in SERVE_FLAGS}
     comments = source_comments(config.SidecarConfig)
     rows = []
     for f in dataclasses.fields(config.SidecarConfig):
@@ -291,8 +289,9 @@ def render_sidecar_config() -> str:
             default = f"`{f.default_factory.__name__}()`"
         else:
             default = "required"
-        meaning = (flag.help if flag else "") or comments.get(f.name) or "-"
-        row = (f"`{f.name}`", default, f"`{flag.option_strings[0]}`" if flag else "-")
+        meaning = (flag.help + (f" (default: {flag.default_note})" if flag.default_note else "")
+                   if flag else "") or comments.get(f.name) or "-"
+        row = (f"`{f.name}`", default, f"`{flag.name}`" if flag else "-")
         if env_prefix:
             row += (f"`{env_prefix}{f.name.upper()}`",)
         rows.append(row + (meaning,))

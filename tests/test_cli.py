@@ -204,3 +204,27 @@ def test_module_entry_point_exits_with_the_documented_status(decode, status, mar
         capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
     assert result.returncode == status
     assert marker in (result.stdout if status != EXIT_INVALID else result.stderr)
+
+
+def test_serve_flags_are_sidecar_fields_and_state_their_defaults():
+    """Each serve flag sets a SidecarConfig field, and --help states that field's default."""
+    import dataclasses
+
+    from pd_transfer.config import SidecarConfig
+    from pd_transfer.serve_flags import SERVE_FLAGS, _help
+
+    fields = {f.name: f for f in dataclasses.fields(SidecarConfig)}
+    for entry in SERVE_FLAGS:
+        assert entry.field in fields, f"{entry.name} sets no field ({entry.field})"
+    assert _help(next(e for e in SERVE_FLAGS if e.field == "http_port")).endswith(
+        f"(default: {SidecarConfig.http_port})")
+    assert "(default: 1073741824 = 1 GiB)" in _help(
+        next(e for e in SERVE_FLAGS if e.field == "max_inflight_nbytes_total"))
+
+
+def test_a_bad_serve_flag_value_is_refused_naming_the_flag(capsys, monkeypatch):
+    monkeypatch.delenv("PD_TRANSFER_SECRET_FILE", raising=False)
+    code = main(["serve", "--role", "prefill", "--insecure", "--control-port", "70000",
+                 "--print-config"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--control-port" in err and "70000" in err, err
