@@ -80,8 +80,8 @@ class SidecarConfig:
     admission_wait_s: float = 5.0         # a room or chunk over a limit waits this long, then fails
     max_worker_requests: int = 8192       # worker API requests in progress; more are refused at once
     max_chunks_per_room: int = 4096       # prefill: send() calls per room; more fail the room
-    data_handshake_timeout_s: float = 10.0  # decode, tcp: a data connection authenticates within this time of its accept, or is dropped
-    max_pending_data_connections: int = 64  # decode, tcp: data connections not yet authenticated; one more drops the oldest
+    data_handshake_timeout_s: float = 10.0  # decode, tcp and engine staging: a data connection authenticates within this time of its accept, or is dropped
+    max_pending_data_connections: int = 64  # decode, tcp and engine staging: data connections not yet authenticated; one more drops the oldest
     peer_series_grace_s: float = 300.0    # a peer's labelled metric series are removed this long after its last session ended
     secret_file: str = ""                 # shared secret of peers and workers (never the secret itself)
     allow_insecure: bool = False          # true: serve without a shared secret (anyone reaching the ports may use it)

@@ -129,7 +129,7 @@ class DataPlane:
                 self.config.transport, self.local_regions, host=self.config.data_host,
                 port=self.config.data_port, protocol=self.config.mooncake_protocol,
                 transport=self._engine,  # one engine per sidecar, started before serving
-                staging=receiver_staging(self.config, self.context))
+                staging=receiver_staging(self.config, self.context, self._on_bad_frame))
             await self._engine_receiver.start()
 
     async def unmap_local(self) -> None:

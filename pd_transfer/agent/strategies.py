@@ -19,6 +19,7 @@ same HMAC handshake as the tcp data plane (:class:`~.tcp_plane.DataAuth`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import zmq.asyncio
@@ -56,12 +57,17 @@ def staging_options(config, context: zmq.asyncio.Context) -> StagingOptions:
                           handshake_timeout_s=handshake_timeout_s)
 
 
-def receiver_staging(config, context: zmq.asyncio.Context) -> ReceiverStaging:
-    """The decode side's staging area (none under ``strategy = "direct"``) and channel."""
+def receiver_staging(config, context: zmq.asyncio.Context,
+                     on_bad_frame: Callable[[str], None] = lambda reason: None) -> ReceiverStaging:
+    """The decode side's staging area (none under ``strategy = "direct"``) and channel,
+    gated as the tcp data port is (``data_handshake_timeout_s``,
+    ``max_pending_data_connections``)."""
     auth, _ = _auth(context)
     slots = 0 if config.strategy == StrategyMode.DIRECT.value else config.staging_slots
     return ReceiverStaging(slots, config.staging_slot_nbytes, bind_host=config.data_host,
-                           auth=auth)
+                           auth=auth, handshake_timeout_s=config.data_handshake_timeout_s,
+                           max_pending=config.max_pending_data_connections,
+                           on_bad_frame=on_bad_frame)
 
 
 def sample_plans(planner: PairPlanner) -> dict:

@@ -182,9 +182,13 @@ class ReceiverStaging:
 
     def __init__(self, num_slots: int = DEFAULT_AREA_SLOTS,
                  slot_nbytes: int = DEFAULT_SLOT_NBYTES, *, bind_host: str = "127.0.0.1",
-                 auth: Authenticator | None = None) -> None:
+                 auth: Authenticator | None = None, handshake_timeout_s: float = 10.0,
+                 max_pending: int = 64,
+                 on_bad_frame: Callable[[str], None] = lambda reason: None) -> None:
         self.num_slots, self.slot_nbytes = num_slots, slot_nbytes
         self.bind_host, self.auth = bind_host, auth
+        self.handshake_timeout_s, self.max_pending = handshake_timeout_s, max_pending
+        self.on_bad_frame = on_bad_frame
         self.area: StagingArea | None = None
         self.receiver: StagingReceiver | None = None
 
@@ -195,7 +199,9 @@ class ReceiverStaging:
         self.area = StagingArea(self.num_slots, self.slot_nbytes)
         await asyncio.to_thread(register, {"staging": (self.area.address, self.area.buffer.nbytes)})
         self.receiver = StagingReceiver(regions, self.area, bind_host=self.bind_host,
-                                        auth=self.auth)
+                                        auth=self.auth, handshake_timeout_s=self.handshake_timeout_s,
+                                        max_pending=self.max_pending,
+                                        on_bad_frame=self.on_bad_frame)
         return await self.receiver.start(), self.area.published
 
     async def fence(self, room: str, generation: int) -> None:

@@ -42,6 +42,8 @@ MAGIC = b"PDTD"
 VERSION = 1
 PREFIX = struct.Struct("<4sBBHIQ")
 MAX_HANDSHAKE_NBYTES = 4096
+#: codes of frames that break the stream (not ours, or over the limits): bad frames
+STREAM_ERRORS = frozenset({Reason.BAD_FRAME, Reason.VERSION_UNSUPPORTED, Reason.FRAME_TOO_LARGE})
 _DISCARD_NBYTES = 1 << 20
 
 

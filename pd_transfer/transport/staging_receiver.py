@@ -22,7 +22,13 @@ prefill peers; a peer that finds no slot free is told so and writes directly.
 Connections: one thread per connection, as :class:`~.tcp_receiver.TcpReceiver`
 (blocking socket I/O and numpy scatters, which release the GIL), the same
 framing (:mod:`.sockets`) and, when ``auth`` is set, the same HMAC handshake
-before the first frame.
+before the first frame, behind the same gate (:mod:`.handshake_gate`): a
+stranger's first frame may declare at most
+:data:`~.sockets.MAX_HANDSHAKE_NBYTES` of header, the whole handshake has one
+deadline from the accept, at most ``max_pending`` connections wait for theirs
+(one more shuts the oldest down) and ``max_connections`` caps the
+authenticated ones. Frames that break the stream, and connections cut off or
+refused, are logged, counted and reported to ``on_bad_frame(reason)``.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import asyncio
 import logging
 import socket
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -38,9 +45,12 @@ from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.admission import RoomAdmission, RoomPolicy
 from pd_transfer.transport.frames import Ack, Fail
 from pd_transfer.transport.frames import encode as encode_reply
+from pd_transfer.transport.handshake_gate import GatedConnection, arm_deadline, make_room
 from pd_transfer.transport.packing import check_wire, scatter_chunk
 from pd_transfer.transport.regions import Mapped, Regions, map_one
 from pd_transfer.transport.sockets import (
+    MAX_HANDSHAKE_NBYTES,
+    STREAM_ERRORS,
     Authenticator,
     FrameChannel,
     Kind,
@@ -114,12 +124,17 @@ class StagingReceiver:
 
     def __init__(self, regions: Regions, area: StagingArea, *, bind_host: str = "127.0.0.1",
                  port: int = 0, auth: Authenticator | None = None,
-                 handshake_timeout_s: float = 10.0, max_connections: int = 256) -> None:
+                 handshake_timeout_s: float = 10.0, max_connections: int = 256,
+                 max_pending: int = 64,
+                 on_bad_frame: Callable[[str], None] = lambda reason: None) -> None:
         self.area = area
         self.bind_host, self.port = bind_host, port
         self.auth = auth
         self.handshake_timeout_s = handshake_timeout_s
         self.max_connections = max_connections
+        self.max_pending = max_pending
+        self.on_bad_frame = on_bad_frame   # called from connection threads
+        self._authenticated = 0            # connections past the handshake (under _stats_lock)
         self.admission = RoomAdmission(RoomPolicy.ANY)
         self.stats = ReceiverStats()
         self.address = ""
@@ -158,6 +173,26 @@ class StagingReceiver:
         with self._stats_lock:
             self.stats.refused[code] += 1
 
+    def bad_frame(self, code: Reason, why: str, where: str) -> None:
+        """A frame or connection refused for breaking the stream or the handshake rules:
+        counted, reported, logged."""
+        self.count(code)
+        self.on_bad_frame(code.value)
+        log.warning("staging receiver %s: closing %s [%s]: %s", self.address, where,
+                    code.value, why)
+
+    def admit_authenticated(self, connection: GatedConnection) -> bool:
+        """Take an authenticated connection's slot; False (it is refused) when all are held."""
+        with self._stats_lock:
+            full = self._authenticated >= self.max_connections
+            if not full:
+                self._authenticated += 1
+                connection.holds_slot = True
+        if full:
+            self.bad_frame(Reason.LIMIT_EXCEEDED, f"{self.max_connections} authenticated "
+                           f"connections already (max_connections)", connection.where)
+        return not full
+
     def landed(self, nbytes: int) -> None:
         with self._stats_lock:
             self.stats.chunks_landed += 1
@@ -195,58 +230,62 @@ class StagingReceiver:
                 log.warning("staging receiver %s: accept failed: %s", self.address, err)
                 await asyncio.sleep(0.1)
                 continue
-            if len(self._connections) >= self.max_connections:
-                self.count(Reason.LIMIT_EXCEEDED)
+            where = f"peer {peer[0]}:{peer[1]}"
+            if self.auth is None and len(self._connections) >= self.max_connections:
+                self.bad_frame(Reason.LIMIT_EXCEEDED, f"{len(self._connections)} connections "
+                               f"already (max_connections)", where)
                 sock.close()
                 continue
+            if self.auth is not None:
+                make_room(self._connections, self.max_pending)
             sock.setblocking(True)
             configure(sock)
-            connection = _Connection(self, sock, f"peer {peer[0]}:{peer[1]}")
+            connection = _Connection(self, sock, where)
             thread = threading.Thread(target=self._serve, args=(connection, loop), daemon=True,
                                       name=f"pdt-staging-{peer[1]}")
             self._connections[connection] = thread
+            if self.auth is not None:
+                arm_deadline(loop, connection, self.handshake_timeout_s)
             thread.start()
 
     def _serve(self, connection: _Connection, loop: asyncio.AbstractEventLoop) -> None:
         try:
             connection.serve()
         finally:
+            if connection.holds_slot:
+                with self._stats_lock:
+                    self._authenticated -= 1
             try:
                 loop.call_soon_threadsafe(self._connections.pop, connection, None)
             except RuntimeError:
                 pass  # the loop is gone
 
 
-class _Connection:
+class _Connection(GatedConnection):
     """One prefill peer's control connection (its own thread)."""
 
     def __init__(self, receiver: StagingReceiver, sock: socket.socket, where: str) -> None:
-        self.receiver, self.sock, self.where = receiver, sock, where
+        super().__init__(sock, where, pending=receiver.auth is not None)
+        self.receiver = receiver
         self.ring: tuple[int, ...] = ()
         self._failed: set[int] = set()   # transfers refused: their later chunks are too
-
-    def shutdown(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
 
     def serve(self) -> None:
         receiver = self.receiver
         try:
             if receiver.auth is not None and not self._authenticate():
+                self.settle(ok=False)
                 return
             while (head := read_prefix(self.sock, max_header_nbytes=MAX_HEADER_NBYTES,
                                        max_payload_nbytes=0)) is not None:
                 header = recv_exact(self.sock, head.header_nbytes)
                 if head.kind is not Kind.DATA:
-                    receiver.count(Reason.BAD_FRAME)
+                    receiver.bad_frame(Reason.BAD_FRAME, f"a {head.kind.name.lower()} frame "
+                                       f"is not accepted here", self.where)
                     return
                 self._request(header)
         except TransportError as err:  # a prefix that is not ours: the stream is lost
-            log.warning("staging receiver %s: closing %s: %s", receiver.address, self.where,
-                        err.message)
-            receiver.count(err.code)
+            receiver.bad_frame(err.code, err.message, self.where)
         except (PeerClosed, OSError) as err:
             log.info("staging receiver %s: %s: %s", receiver.address, self.where, err)
         except Exception:  # never let a bug of ours kill the thread silently
@@ -260,14 +299,16 @@ class _Connection:
 
     def _authenticate(self) -> bool:
         receiver = self.receiver
-        self.sock.settimeout(receiver.handshake_timeout_s)
+        self.sock.settimeout(receiver.handshake_timeout_s)  # the gate's deadline cuts in earlier
         try:
-            head = read_prefix(self.sock, max_header_nbytes=4096, max_payload_nbytes=0)
-            if head is None:
-                return False
+            head = read_prefix(self.sock, max_header_nbytes=MAX_HANDSHAKE_NBYTES,
+                               max_payload_nbytes=0)
+            if head is None:   # closed: by the peer, or cut off by the gate
+                raise PeerClosed(partial=False)
             first = recv_exact(self.sock, head.header_nbytes)
             if head.kind is not Kind.HANDSHAKE:
-                receiver.count(Reason.UNAUTHENTICATED)
+                receiver.bad_frame(Reason.UNAUTHENTICATED, "a request before the "
+                                   "authentication handshake", self.where)
                 receiver.auth.unauthenticated(f"{receiver.address}: {self.where}")
                 self._reply(encode_reply(Fail(-1, Reason.UNAUTHENTICATED.value,
                                               "this staging channel requires authentication")))
@@ -275,13 +316,24 @@ class _Connection:
             receiver.auth.server(first, FrameChannel(self.sock),
                                  f"{receiver.address}: {self.where}")
         except TransportError as err:
-            receiver.count(err.code)
+            if err.code in STREAM_ERRORS:   # garbage, not a refused handshake (counted there)
+                receiver.bad_frame(err.code, err.message, self.where)
+            else:
+                receiver.count(err.code)
             return False
-        except TimeoutError:
-            receiver.count(Reason.TIMEOUT)
+        except OSError as err:   # PeerClosed too: a cut-off shuts the socket down
+            if self.cut_off is not None:
+                receiver.bad_frame(*self.cut_off, self.where)
+            elif isinstance(err, TimeoutError):
+                receiver.bad_frame(Reason.TIMEOUT, f"no authentication handshake within "
+                                   f"{receiver.handshake_timeout_s:g} s", self.where)
+            else:
+                raise
             return False
         self.sock.settimeout(None)
-        return True
+        if not self.settle():
+            return False   # cut off just as it finished
+        return receiver.admit_authenticated(self)
 
     def _request(self, raw: bytes) -> None:
         receiver = self.receiver

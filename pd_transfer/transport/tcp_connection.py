@@ -20,8 +20,7 @@ or a peer that fails the handshake, closes the connection.
 Before authentication a connection is a stranger's: its first frame may
 declare at most :data:`~.sockets.MAX_HANDSHAKE_NBYTES` of header (a data frame
 sent first is refused unread beyond that), and the whole handshake has one
-deadline (``handshake_timeout_s``, from the accept): the receiver shuts the
-connection down when it passes, however slowly the bytes trickle in. Frames
+deadline (:mod:`.handshake_gate`). Frames
 declaring more than the limits are refused by their prefix, before a byte of
 them is buffered.
 """
@@ -31,8 +30,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import socket
-import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -49,10 +46,12 @@ from pd_transfer.transport.frames import (
     decode_data,
     encode,
 )
+from pd_transfer.transport.handshake_gate import GatedConnection
 from pd_transfer.transport.iovecs import Staging, destination_parts, finish
 from pd_transfer.transport.packing import check_wire, scatter_chunk
 from pd_transfer.transport.sockets import (
     MAX_HANDSHAKE_NBYTES,
+    STREAM_ERRORS,
     FrameChannel,
     Kind,
     PeerClosed,
@@ -66,8 +65,6 @@ from pd_transfer.transport.sockets import (
 
 log = logging.getLogger("pd_transfer.transport.tcp")
 
-#: codes of frames that break the stream (not ours, or over the limits): bad frames
-STREAM_ERRORS = frozenset({Reason.BAD_FRAME, Reason.VERSION_UNSUPPORTED, Reason.FRAME_TOO_LARGE})
 _MAX_OPEN_XFERS = 4096
 _MAX_REMEMBERED_FAILURES = 4096
 _ON_LANDED_TIMEOUT_S = 30.0
@@ -79,55 +76,23 @@ class _Progress:
     nbytes: int = 0
 
 
-class Connection:
+class Connection(GatedConnection):
     """Serves one peer connection; :meth:`serve` is the thread's body."""
 
     def __init__(self, receiver, sock: socket.socket, where: str) -> None:
+        super().__init__(sock, where, pending=receiver.auth is not None)
         self.receiver = receiver
-        self.sock = sock
-        self.where = where
-        self.accepted_s = time.monotonic()
         self.peer_agent = ""
-        # None: the handshake is under way; True: authenticated (or no handshake runs);
-        # False: it ended otherwise (refused, or cut off by the deadline or for room)
-        self.authenticated: bool | None = None if receiver.auth is not None else True
-        self.cut_off: tuple[Reason, str] | None = None  # why the receiver ended the handshake
-        self.holds_slot = False     # counted among the receiver's authenticated connections
-        self._state = threading.Lock()
         self.landing: Ticket | None = None  # the chunk being received (for fences)
         self._open: OrderedDict[int, _Progress] = OrderedDict()
         self._failed: OrderedDict[int, None] = OrderedDict()
         self._staging = Staging()
 
-    def shutdown(self) -> None:
-        """Wake the thread out of any blocking call: the connection ends."""
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-
-    def cut_handshake(self, code: Reason, why: str) -> bool:
-        """End the connection if it has not authenticated yet (the deadline passed, or
-        room is needed for a newer one); False if it had."""
-        with self._state:
-            if self.authenticated is not None:
-                return False
-            self.authenticated, self.cut_off = False, (code, why)
-        self.shutdown()
-        return True
-
-    def _authenticated(self) -> bool:
-        with self._state:
-            if self.authenticated is None:
-                self.authenticated = True
-            return self.authenticated
-
     def serve(self) -> None:
         receiver = self.receiver
         try:
             if receiver.auth is not None and not self._authenticate():
-                with self._state:
-                    self.authenticated = False
+                self.settle(ok=False)
                 return
             while (head := self._prefix()) is not None:
                 header = recv_exact(self.sock, head.header_nbytes)
@@ -166,8 +131,8 @@ class Connection:
         self.sock.settimeout(receiver.handshake_timeout_s)  # the deadline cuts in earlier
         try:
             head = self._prefix()
-            if head is None:
-                return False
+            if head is None:   # closed: by the peer, or cut off by the gate
+                raise PeerClosed(partial=False)
             if head.kind is not Kind.HANDSHAKE:
                 self._refuse_unauthenticated(head)
                 return False
@@ -194,7 +159,7 @@ class Connection:
                 raise
             return False
         self.sock.settimeout(None)
-        if not self._authenticated():
+        if not self.settle():
             return False   # cut off just as it finished
         return receiver.admit_authenticated(self)
 

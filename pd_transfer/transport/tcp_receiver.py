@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.admission import ByteRanges, RoomAdmission, RoomPolicy
+from pd_transfer.transport.handshake_gate import arm_deadline, make_room
 from pd_transfer.transport.iovecs import RECEIVE_DIRECT_MIN_NBYTES
 from pd_transfer.transport.regions import Mapped, RegionMemory, map_one
 from pd_transfer.transport.sockets import (
@@ -243,7 +244,7 @@ class TcpReceiver:
                 sock.close()
                 continue
             if self.auth is not None:
-                self._make_room_for_a_stranger()
+                make_room(self._connections, self.max_pending)
             sock.setblocking(True)
             configure(sock)
             connection = Connection(self, sock, where)
@@ -251,23 +252,12 @@ class TcpReceiver:
                                       name=f"pdt-tcp-recv-{peer[1]}")
             self._connections[connection] = thread
             if self.auth is not None:
-                loop.call_later(self.handshake_timeout_s, connection.cut_handshake, Reason.TIMEOUT,
-                                f"no authentication handshake within {self.handshake_timeout_s:g} s"
-                                f" of the connection")
+                arm_deadline(loop, connection, self.handshake_timeout_s)
             thread.start()
 
     def _ended(self, connection: Connection) -> None:
         self._connections.pop(connection, None)
         self.on_closed()
-
-    def _make_room_for_a_stranger(self) -> None:
-        """At ``max_pending`` connections that have not authenticated, shut the oldest down."""
-        pending = [c for c in self._connections if c.authenticated is None]
-        for connection in pending[:max(0, len(pending) - self.max_pending + 1)]:
-            connection.cut_handshake(Reason.LIMIT_EXCEEDED,
-                                     f"{self.max_pending} connections are waiting for their "
-                                     f"authentication handshake (max_pending): this one, the "
-                                     f"oldest, makes room for a newer one")
 
     def _serve(self, connection: Connection) -> None:
         try:
