@@ -1,6 +1,6 @@
 """Fixtures every test directory may use.
 
-Every sidecar a test starts authenticates: this session writes one ephemeral
+Every sidecar a test starts authenticates: the test run writes one ephemeral
 shared secret and exports it as ``PD_TRANSFER_SECRET_FILE``, which sidecar
 processes (``pd-transfer serve``), in-process sidecars and the client library
 all read. A test of insecure behaviour passes ``--insecure`` (or
@@ -22,7 +22,7 @@ from pd_transfer.security.secret import SECRET_ENV, SECRET_FILE_ENV, new_secret_
 
 @pytest.fixture(scope="session", autouse=True)
 def session_secret():
-    """The path of this session's shared secret (mode 0600), exported to every sidecar."""
+    """The path of the test run's shared secret (mode 0600), exported to every sidecar."""
     directory = Path(tempfile.mkdtemp(prefix="pdt-secret-"))
     path = new_secret_file(directory / "secret")
     saved = {name: os.environ.pop(name, None) for name in (SECRET_ENV, SECRET_FILE_ENV)}

@@ -14,7 +14,7 @@ from pd_transfer.client import Client, Refused, allocate_pools
 
 
 def test_a_bootstrap_address_in_use_refuses_rank_0s_registration_until_it_is_free():
-    """Rank 0 used to end up registered with no rank table served (an internal error,
+    """Rank 0 is never left registered with no rank table served (an internal error,
     then 'already registered' on every retry)."""
     workdir = Path(tempfile.mkdtemp(prefix="pdt-"))
     squatter = socket.socket()

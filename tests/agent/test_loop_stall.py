@@ -2,10 +2,10 @@
 
 While a sidecar is starved of CPU (or its loop is held by a long call), its
 peers' heartbeats wait unread in the kernel's and ZeroMQ's buffers. A stall
-longer than the heartbeat limit used to make the sidecar declare every peer
-lost the moment it woke, before it read what they had sent, and fail their
-rooms with peer_lost. The stall is now counted as time it could not listen,
-logged, and exported as pd_transfer_loop_stall_seconds_total.
+longer than the heartbeat limit must not make the sidecar declare every peer
+lost the moment it wakes, before it reads what they sent, and fail their
+rooms with peer_lost. The stall counts as time it could not listen, is
+logged, and is exported as pd_transfer_loop_stall_seconds_total.
 """
 
 import os

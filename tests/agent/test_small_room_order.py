@@ -1,5 +1,5 @@
-"""A small same-host room is copied and rung before the worker's send() returns: the
-reply used to go first, waking the worker mid-room (about 0.3 ms of a 1-page room on
+"""A small same-host room is copied and rung before the worker's send() returns: a
+reply sent first would wake the worker mid-room (about 0.3 ms of a 1-page room on
 two vCPUs)."""
 
 import time

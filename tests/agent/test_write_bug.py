@@ -1,6 +1,6 @@
 """A bug in a prefill write (an exception that is no PdTransferError) fails its room at
-once with the reason, and the sidecar goes on serving: it used to end the write task
-silently and leave the room to time out in transferring."""
+once with the reason, and the sidecar goes on serving: the write task never ends
+silently, leaving the room to time out in transferring."""
 
 import os
 import textwrap

@@ -23,7 +23,7 @@ from pd_transfer.layout.pools import (
     build_kv_pool,
     build_state_pool,
 )
-from pd_transfer.layout.views import Layout
+from pd_transfer.layout.views import AxisRole, Layout
 
 P, PS, H, D = 5, 4, 2, 8            # pages, page size, local KV heads, head dim
 S = P * PS
@@ -167,7 +167,13 @@ def test_page_meta_refuses_token_lists_that_are_not_whole_aligned_pages(tokens, 
 @pytest.mark.parametrize("v_head_dim", [None, MIMO_V], ids=["symmetric", "asymmetric"])
 def test_page_granular_copy_accepts_pools_whose_layer_pages_are_contiguous(layout, v_head_dim):
     head_dim = D if v_head_dim is None else MIMO_K
-    require_page_granular(_kv_views(layout, head_dim=head_dim, v_head_dim=v_head_dim))
+    views = _kv_views(layout, head_dim=head_dim, v_head_dim=v_head_dim)
+    assert require_page_granular(views) is None
+    for view in views:   # by enumeration: the bytes of one layer's page tile one range
+        index = view.axis_index(AxisRole.INDEX)
+        shape = [1 if i == index else n for i, n in enumerate(view.shape)]
+        starts = sum(axis.ravel() * stride for axis, stride in zip(np.indices(shape), view.strides_nbytes))
+        assert np.array_equal(np.sort(starts), np.arange(len(starts)) * view.itemsize), view.path
 
 
 def test_page_granular_copy_refuses_page_first_and_suggests_page_first_direct():

@@ -67,7 +67,11 @@ def test_build_accepts_gqa_replicated_heads(kit):
     prefill = [kit.nhd_rank(Role.PREFILL, 1, 0, num_heads=2)]
     decode = [kit.nhd_rank(Role.DECODE, 4, r, num_heads=2, heads=(r // 2, r // 2 + 1))
               for r in range(4)]
-    World.build(prefill, decode, seed=4)
+    world = World.build(prefill, decode, seed=4)
+    logical = world.tensors[(Pool.KV, 0, "k")]
+    assert logical.data.shape == (6, 2, 2, 4, BF16)   # page, token, both heads, dim, byte
+    buf = world.prefill_buffers["prefill[pp0,tp0]"]["kv"]
+    assert bytes(buf[:logical.data.nbytes]) == logical.data.tobytes()   # tp 1 holds it whole
 
 
 def test_build_refuses_a_shard_range_the_rank_should_not_hold(kit):
