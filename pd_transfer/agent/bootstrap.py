@@ -29,7 +29,7 @@ from pd_transfer.agent.auth import (
     close_reply,
     security_of,
 )
-from pd_transfer.agent.zmq_bounds import ConnectionWatch, bound_frames
+from pd_transfer.agent.zmq_bounds import CONTROL_QUEUED_FRAMES, ConnectionWatch, bound_frames
 from pd_transfer.errors import AuthError, PdTransferError, ProtocolError, Reason
 from pd_transfer.protocol import Announce, Close, RankEntry, RankTable, TableRequest, decode, encode
 from pd_transfer.protocol.messages import clip_text
@@ -46,7 +46,7 @@ class BootstrapServer:
         security = security_of(context)
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        bound_frames(self.socket)
+        bound_frames(self.socket, queued_frames=CONTROL_QUEUED_FRAMES)
         security.listening(self.socket)
         try:
             self.socket.bind(address)

@@ -26,7 +26,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from pd_transfer.agent.auth import REFUSAL_LINGER_MS, Doorman, authenticate, close_reply, security_of
-from pd_transfer.agent.zmq_bounds import ConnectionWatch, bound_frames
+from pd_transfer.agent.zmq_bounds import CONTROL_QUEUED_FRAMES, ConnectionWatch, bound_frames
 from pd_transfer.errors import PdTransferError, ProtocolError, Reason, RemoteProtocolError
 from pd_transfer.layout.geometry import Role
 from pd_transfer.protocol import Close, Dropped, Message, Session, encode
@@ -34,6 +34,14 @@ from pd_transfer.protocol import Close, Dropped, Message, Session, encode
 log = logging.getLogger(__name__)
 
 OnMessage = Callable[["Channel", Message], Awaitable[None]]
+
+
+def _without_frames(err: PdTransferError) -> PdTransferError:
+    """``err`` kept past its handler: without its traceback, whose frames hold the peer's
+    frame (up to 16 MiB) and this channel, a cycle only the garbage collector would free:
+    a peer sending bad frames fast would make the sidecar hold dozens of them."""
+    err.__context__ = err.__cause__ = None   # (a chained error's traceback holds them too)
+    return err.with_traceback(None)
 
 
 class Channel:
@@ -88,7 +96,7 @@ class Channel:
             except Exception:  # the session may refuse once failed; the peer is gone anyway
                 log.debug("peer %s: could not send the error reply", self.label)
             if isinstance(err.reply, Close):
-                self.closed, self.refusal = True, err
+                self.closed, self.refusal = True, _without_frames(err)
             return
         except ProtocolError as err:
             # a frame the codec knows but no session may carry (a bootstrap message
@@ -100,7 +108,8 @@ class Channel:
                 await self._write(encode(Close(reason=err.code, reason_text=str(err)[:4000])))
             except Exception:
                 log.debug("peer %s: could not send the refusal", self.label)
-            self.closed, self.refusal = True, err  # the peer was sent a Close: the session is over
+            # the peer was sent a Close: the session is over
+            self.closed, self.refusal = True, _without_frames(err)
             return
         if isinstance(event, Dropped):
             log.info("peer %s: dropped %s: %s", self.label, event.code.value, event.text)
@@ -219,7 +228,7 @@ class IncomingChannels:
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        bound_frames(self.socket)
+        bound_frames(self.socket, queued_frames=CONTROL_QUEUED_FRAMES)
         security.listening(self.socket)
         if port:
             self.socket.bind(f"tcp://{host}:{port}")

@@ -7,7 +7,12 @@ the authentication handshake runs. :func:`bound_frames` sets ``MAXMSGSIZE`` on
 a socket from the one frame limit of the protocol
 (:data:`~pd_transfer.protocol.limits.DEFAULT_LIMITS`, 16 MiB; the worker API
 and the data plane pass their own), so ZeroMQ drops the connection as soon as
-a frame header declares more, having buffered nothing of it.
+a frame header declares more, having buffered nothing of it. Frames under the
+cap are bounded in number instead: ZeroMQ queues at most
+:data:`CONTROL_QUEUED_FRAMES` of one connection's frames before the sidecar
+reads them on a listening socket (control, bootstrap), so even a peer holding
+the secret cannot make a sidecar hold more than that many frames' worth of
+its bytes.
 
 ZeroMQ drops such a connection without telling the application why. The
 :class:`ConnectionWatch` of a listening socket follows its monitor and counts
@@ -33,13 +38,25 @@ log = logging.getLogger(__name__)
 
 #: the largest frame a peer may send on a control or bootstrap socket
 CONTROL_FRAME_NBYTES = DEFAULT_LIMITS.max_frame_nbytes
+#: frames ZeroMQ may queue for one connection before the sidecar reads them (RCVHWM;
+#: ZeroMQ's default is 1,000): with the frame cap, at most 4 x 16 MiB per peer connection.
+#: Past it ZeroMQ stops reading that connection, and TCP pushes back on the sender.
+CONTROL_QUEUED_FRAMES = 4
 
 _WATCHED = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 
-def bound_frames(socket: zmq.Socket, max_frame_nbytes: int = CONTROL_FRAME_NBYTES) -> None:
-    """ZeroMQ drops a connection whose next frame declares more than ``max_frame_nbytes``."""
+def bound_frames(socket: zmq.Socket, max_frame_nbytes: int = CONTROL_FRAME_NBYTES,
+                 queued_frames: int | None = None) -> None:
+    """ZeroMQ drops a connection whose next frame declares more than ``max_frame_nbytes``,
+    and queues at most ``queued_frames`` received frames per connection (None: ZeroMQ's
+    default; a listening socket passes :data:`CONTROL_QUEUED_FRAMES`; a connecting
+    one keeps the default: a ROUTER drops what its peer's full queue cannot take, so
+    the sockets that connect to a prefill keep room for its replies). Set before the
+    socket binds or connects."""
     socket.setsockopt(zmq.MAXMSGSIZE, max_frame_nbytes)
+    if queued_frames is not None:
+        socket.setsockopt(zmq.RCVHWM, queued_frames)
 
 
 class ConnectionWatch:
