@@ -106,7 +106,7 @@ class DecodeSide:
         doorbell = self.bells.arm(room)
         if doorbell is not None:
             reply["doorbell"] = doorbell
-        asyncio.create_task(self._start(room))
+        self.sidecar.spawn(self._start(room), room=room.room)
         return reply
 
     async def _start(self, room: DecodeRoom) -> None:
@@ -167,7 +167,7 @@ class DecodeSide:
             if room.acks >= set(room.sources):
                 room.drained.set()
         elif message.status is DoneStatus.SUCCESS and peer.integrity is not None:
-            asyncio.create_task(self._verify(room, peer, message))
+            self.sidecar.spawn(self._verify(room, peer, message), room=room.room, peer=peer.rank_id)
         elif message.status is DoneStatus.SUCCESS:
             self._source_done(room, peer.rank_id)
         else:
@@ -191,7 +191,7 @@ class DecodeSide:
         room.advance(RoomStatus.SUCCESS)
         self.sidecar.dataplane.forget(room.room)  # tcp: its later chunks are refused
         room.drained.set()
-        asyncio.create_task(self._confirm(room))
+        self.sidecar.spawn(self._confirm(room), room=room.room)
         for source in room.sources:
             self.sidecar.observe.transfer_done(source, 0, 0, time.monotonic() - room.created_s)
 
@@ -256,11 +256,11 @@ class DecodeSide:
             if source not in room.done_from or reason is not Reason.ABORTED:
                 self.sidecar.observe.transfer_failed(source, reason.value)
         # tcp: refuse any chunk of this generation that is still on its way
-        asyncio.create_task(self.sidecar.dataplane.fence(room.room, room.generation))
+        self.sidecar.spawn(self.sidecar.dataplane.fence(room.room, room.generation), room=room.room)
         if drained or not room.sources:
             room.drained.set()
             return
-        asyncio.create_task(self._abort_sources(room, reason, text))
+        self.sidecar.spawn(self._abort_sources(room, reason, text), room=room.room)
 
     async def _abort_sources(self, room: DecodeRoom, reason: Reason, text: str) -> None:
         """Fence the room: every prefill rank not yet finished must ack the abort."""

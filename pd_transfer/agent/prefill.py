@@ -105,7 +105,7 @@ class PrefillSide:
             geometry = self.sidecar.geometry
         await peer.channel.send(Register(agent_id=self.config.agent_id, host_id=self.config.host_id,
                                          geometry=geometry))
-        asyncio.create_task(send_verdict(self, peer))
+        self.sidecar.spawn(send_verdict(self, peer), peer=peer.rank_id)
 
     # -- rooms --------------------------------------------------------------------
     def _room(self, room_id: int) -> PrefillRoom:
@@ -211,7 +211,7 @@ class PrefillSide:
 
     def _pump_all(self, room: PrefillRoom) -> None:
         for target in list(room.targets.values()):
-            asyncio.create_task(self._pump(room, target))
+            self.sidecar.spawn(self._pump(room, target), room=room.room)
 
     async def _pump(self, room: PrefillRoom, target: Target) -> None:
         """Write what ``target`` can take now; anything that escapes (a bug) still ends
@@ -383,7 +383,7 @@ class PrefillSide:
                    RoomStatus.TRANSFERRING: "the transfer did not finish"}[room.status]
         if room.targets and all(t.done for t in room.targets.values()):
             waiting = "every byte was written, but decode did not confirm it has them"
-        asyncio.create_task(self.fail_room(
+        self.sidecar.spawn(self.fail_room(
             room, Reason.TIMEOUT,
             f"room {room.room} timed out in {room.status.value}: {waiting}"))
 
@@ -396,12 +396,12 @@ class PrefillSide:
         peer = self.peers.pop(id(channel), None)
         channel.close()
         text = text.format(peer.rank_id if peer else channel.label)
-        fails = [asyncio.create_task(self.fail_room(room, reason, text))
+        fails = [self.sidecar.spawn(self.fail_room(room, reason, text), room=room.room)
                  for room in self.sidecar.rooms.live()
                  if isinstance(room, PrefillRoom) and id(channel) in room.targets]
         if peer is not None and peer.link is not None:
             link, peer.link = peer.link, None
-            asyncio.create_task(self._close_link(link, fails, peer))
+            self.sidecar.spawn(self._close_link(link, fails, peer), peer=peer.rank_id)
 
     async def _close_link(self, link, fails: list[asyncio.Task], peer: DecodePeer) -> None:
         await asyncio.gather(*fails, return_exceptions=True)

@@ -203,12 +203,12 @@ class PrefillInstances:
         try:
             await self._connect_all(instance, table)
         except BaseException:
-            asyncio.create_task(retire.close_sessions(instance))  # none left open behind
+            self.sidecar.spawn(retire.close_sessions(instance))  # none left open behind
             raise
         finally:
             instance.resolving = False
         if not recon.ok:  # every prefill rank accepted what this side cannot plan: a bug
-            asyncio.create_task(retire.close_sessions(instance))
+            self.sidecar.spawn(retire.close_sessions(instance))
             raise PdTransferError(str(recon.error()), code=Reason.PEER_REJECTED)
         integrity.attach_decode(self.sidecar, instance, recon, table)
         return instance

@@ -52,7 +52,7 @@ def release_retired(side, now_s: float) -> None:
             continue
         side.retired.remove(instance)
         log.info("decode: closing the sessions of lost prefill instance %s", instance.bootstrap)
-        asyncio.create_task(close_sessions(instance))
+        side.sidecar.spawn(close_sessions(instance))
     for address, task in list(side.instances.items()):
         # failed or lost resolutions of unconfigured addresses: the next expect resolves
         # again (a failed one once its backoff has passed: side.backoffs keeps its count)

@@ -17,7 +17,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import zmq
@@ -36,6 +36,7 @@ from pd_transfer.agent.prefill import PrefillSide
 from pd_transfer.agent.retry import Backoff
 from pd_transfer.agent.rooms import RoomTable, pool_requests
 from pd_transfer.agent.startup import ReadyFile, binding, prepare_worker_endpoint
+from pd_transfer.agent.tasks import Tasks
 from pd_transfer.agent.worker_loss import WorkerBinding, close_stale_sessions
 from pd_transfer.config import SidecarConfig
 from pd_transfer.errors import PdTransferError, Reason
@@ -91,7 +92,7 @@ class Sidecar:
         self.stalls = LoopStalls(tick_s=min(interval, 0.1), warn_s=max(interval, 0.5),
                                  keep_s=2 * interval * config.heartbeat_misses + 1.0)
         self._generations = itertools.count(1)
-        self._tasks: list[asyncio.Task] = []
+        self.tasks = Tasks()   # every background task, owned (agent/tasks.py)
         self.ready_file = ReadyFile(config.ready_file)
 
     # -- lifecycle ---------------------------------------------------------------
@@ -141,9 +142,7 @@ class Sidecar:
             if not self._force:
                 await self._drain()
         finally:
-            for task in self._tasks:
-                task.cancel()
-            await _bounded(asyncio.gather(*self._tasks, return_exceptions=True), "stopping tasks")
+            await _bounded(self.tasks.close(), "stopping tasks")
             if endpoint is not None:
                 endpoint.close()
             if self.http:
@@ -172,10 +171,10 @@ class Sidecar:
                 self.side._fail(room, Reason.SHUTTING_DOWN, text)
         await asyncio.sleep(0.05)  # let the failure notices leave
 
-    def spawn(self, coro) -> asyncio.Task:
-        task = asyncio.create_task(coro)
-        self._tasks.append(task)
-        return task
+    def spawn(self, coro: Coroutine[Any, Any, Any], *, room: str = "",
+              peer: str = "") -> asyncio.Task:
+        """Run ``coro`` in the background, owned by this sidecar (see :class:`Tasks`)."""
+        return self.tasks.spawn(coro, room=room, peer=peer)
 
     def _write_ready_file(self) -> None:
         self.ready_file.write({
