@@ -30,7 +30,8 @@ from pd_transfer.client import Client, ClientError
 from pd_transfer.client.status import RoomState
 from pd_transfer.integrations.vllm.memory import KvMemory
 from pd_transfer.integrations.vllm.specs import RecvSpec, SendSpec, StepSpecs
-from pd_transfer.integrations.vllm.staging import DirectPages, StagedPages
+from pd_transfer.integrations.vllm.staging import Blocks, DirectPages, StagedPages
+from pd_transfer.layout.views import Pool
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,8 @@ class WorkerSide:
                 continue
             del self._receiving[req_id]
             if state is not None and state.succeeded:
-                self.pages.unstage(spec.block_ids[spec.num_local_blocks:])
+                self.pages.unstage({Pool.KV: spec.block_ids[spec.num_local_blocks:],
+                                    Pool.SWA: spec.swa_pages, Pool.MAMBA: spec.state_slots})
             else:   # failed, or the sidecar could not say: never decode from these blocks
                 self._fail(spec, f"room {spec.room}: {self.failures.get(req_id, 'no status')}")
                 failed.add(req_id)
@@ -111,8 +113,9 @@ class WorkerSide:
     def _send(self, spec: SendSpec) -> None:
         self._sending[spec.req_id] = spec
         try:
-            self.pages.stage(spec.block_ids)
-            self.client.send(spec.room, list(spec.block_ids), last_chunk=True)
+            self.pages.stage(_blocks(spec))
+            self.client.send(spec.room, list(spec.block_ids), state_slots=list(spec.state_slots),
+                             swa_pages=list(spec.swa_pages), last_chunk=True)
         except ClientError as err:
             self.failures[spec.req_id] = str(err)
             log.error("request %s: send of room %d failed, its blocks are released: %s",
@@ -124,7 +127,8 @@ class WorkerSide:
             self._failed_now.add(spec.req_id)
             return
         try:
-            self.client.expect(spec.room, spec.bootstrap_addr, list(spec.block_ids))
+            self.client.expect(spec.room, spec.bootstrap_addr, list(spec.block_ids),
+                               state_slots=list(spec.state_slots), swa_pages=list(spec.swa_pages))
         except ClientError as err:
             self._fail(spec, f"room {spec.room}: expect refused: {err}")
             self._failed_now.add(spec.req_id)
@@ -149,7 +153,7 @@ class WorkerSide:
 
     def _fail(self, spec: RecvSpec, reason: str) -> None:
         self.failures[spec.req_id] = reason
-        self._load_errors |= set(spec.block_ids)
+        self._load_errors |= set(spec.block_ids) | set(spec.state_slots) | set(spec.swa_pages)
         log.error("request %s: KV load failed, %d blocks reported to vLLM: %s",
                   spec.req_id, len(spec.block_ids), reason)
 
@@ -175,3 +179,7 @@ class WorkerSide:
                 log.error("request %s: room %d failed, its blocks are released: %s",
                           req_id, room, state.describe())
         return state
+
+
+def _blocks(spec: SendSpec | RecvSpec) -> Blocks:
+    return {Pool.KV: spec.block_ids, Pool.SWA: spec.swa_pages, Pool.MAMBA: spec.state_slots}

@@ -27,32 +27,15 @@ from vllm_instances import (  # noqa: E402
     logical_kv,
     run_until,
 )
+from vllm_instances import transfer as transfer_specs  # noqa: E402
 
 from pd_transfer.integrations.vllm.specs import RecvSpec, SendSpec, StepSpecs  # noqa: E402
 from pd_transfer.ports import spare_port  # noqa: E402
 
 
 def transfer(prefill: Instance, decode: Instance, req: str, room: int, src: list[int], dst: list[int]):
-    """Drive one request through both instances' worker connectors, as vLLM steps them."""
-    decode.start(StepSpecs(recvs=[RecvSpec(req, room, prefill.bootstrap, tuple(dst))]))
-    prefill.start(StepSpecs(sends=[SendSpec(req, room, tuple(src))]))
-    sent = [False] * len(prefill.connectors)
-    results = [None] * len(decode.connectors)
-    errors = [set() for _ in decode.connectors]
-
-    def step() -> bool:
-        for i, c in enumerate(prefill.connectors):
-            sent[i] = sent[i] or req in c.get_transfer_results({req}).finished_sending
-        for i, c in enumerate(decode.connectors):
-            if results[i] is None:
-                got = c.get_transfer_results(set())
-                errors[i] |= c.get_block_ids_with_load_errors()
-                if req in got.finished_recving:
-                    results[i] = got
-        return all(sent) and all(r is not None for r in results)
-
-    run_until(step, 90, f"room {room}", lambda: prefill.logs() + decode.logs())
-    return results, errors
+    return transfer_specs(prefill, decode, SendSpec(req, room, tuple(src)),
+                          RecvSpec(req, room, prefill.bootstrap, tuple(dst)))
 
 
 def _bootstrap():

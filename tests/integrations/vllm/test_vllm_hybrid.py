@@ -1,0 +1,228 @@
+"""Hybrid models through the connector's worker side with real sidecars, byte-exact.
+
+The KV caches are allocated by vLLM's own ``allocate_kv_cache`` from a
+``KVCacheConfig`` of two groups overlaid on one backing buffer, as vLLM
+builds it for a hybrid model:
+
+- a Qwen3-Next-style GDN hybrid (full-attention layers 1, 3; gated delta net
+  layers 0, 2), prefill TP 2 -> decode TP 4. The GDN layers arrive as raw
+  ``[blocks, 1, 1, bytes]`` int8 pages holding the conv state
+  ``(taps, q | k | v channels)`` then the temporal state
+  ``(v_heads, v_dim, k_dim)``, shapes from vLLM's own
+  ``gated_delta_net_state_shape``;
+- a gpt-oss-style model (full-attention layer 0, sliding-window layer 1),
+  TP 1 -> 2.
+
+The oracle is the request's logical state and KV over the whole model,
+sliced per rank with plain torch indexing and written into a copy of
+decode's backing buffer through vLLM's own view shapes; the whole buffer is
+compared, so a byte written outside the request's blocks fails too.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base",
+                    reason="vLLM is not installed here: run tests/integrations/vllm with the "
+                           "python printed by .ci/engine-venv-vllm")
+
+import math  # noqa: E402
+
+import torch  # noqa: E402
+from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator  # noqa: E402
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+from vllm_harness import BLOCK_SIZE  # noqa: E402
+from vllm_instances import HEAD_SIZE, NUM_BLOCKS, TOTAL_HEADS, transfer  # noqa: E402
+
+from pd_transfer.integrations.vllm.specs import RecvSpec, SendSpec  # noqa: E402
+from pd_transfer.ports import spare_port  # noqa: E402
+
+K_HEADS, V_HEADS, K_DIM, V_DIM, KERNEL = 2, 4, 4, 4, 4
+KEY_DIM, VALUE_DIM = K_HEADS * K_DIM, V_HEADS * V_DIM
+CONV_GROUPS = (KEY_DIM, KEY_DIM, VALUE_DIM)            # q | k | v
+ATTN = ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"]
+GDN = ["model.layers.0.linear_attn", "model.layers.2.linear_attn"]
+SWA_FULL, SWA_WINDOW = ["model.layers.0.self_attn.attn"], ["model.layers.1.self_attn.attn"]
+STATE_DTYPES = (torch.float16, torch.float32)
+
+
+def _overlaid(groups: list[tuple[list[str], object]], page: int) -> tuple[KVCacheConfig, dict]:
+    """vLLM's allocation of groups overlaid on one buffer, layer-outermost, one page per block."""
+    tensors = [KVCacheTensor(size=page * NUM_BLOCKS * 2, layers=names, layer_stride=page * NUM_BLOCKS,
+                             block_stride=page) for names, _ in groups]
+    config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=tensors,
+                           kv_cache_groups=[KVCacheGroupSpec(names, spec) for names, spec in groups])
+    caches = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC)
+    torch.manual_seed(len(caches))
+    next(iter(caches.values())).untyped_storage().copy_(   # stale bytes everywhere: nothing is zero by luck
+        torch.randint(-128, 127, (page * NUM_BLOCKS * 2,), dtype=torch.int8).untyped_storage())
+    return config, caches
+
+
+def gdn_hybrid(tp_size: int, rank: int):
+    conv, temporal = MambaStateShapeCalculator.gated_delta_net_state_shape(
+        tp_size, K_HEADS, V_HEADS, K_DIM, V_DIM, KERNEL)
+    attn = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=TOTAL_HEADS // tp_size,
+                             head_size=HEAD_SIZE, dtype=torch.float16)
+    gdn = MambaSpec(shapes=(conv, temporal), dtypes=STATE_DTYPES, block_size=BLOCK_SIZE,
+                    page_size_padded=attn.page_size_bytes, mamba_type=MambaAttentionBackendEnum.GDN_ATTN)
+    return _overlaid([(ATTN, attn), (GDN, gdn)], attn.page_size_bytes)
+
+
+def gpt_oss_like(tp_size: int, rank: int):
+    heads = TOTAL_HEADS // tp_size
+    full = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=HEAD_SIZE,
+                             dtype=torch.float16)
+    window = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=HEAD_SIZE,
+                               dtype=torch.float16, sliding_window=2 * BLOCK_SIZE)
+    return _overlaid([(SWA_FULL, full), (SWA_WINDOW, window)], full.page_size_bytes)
+
+
+# -- the oracle: plain torch on a copy of the buffer ------------------------------------------
+def twin(caches: dict, flat: torch.Tensor) -> dict:
+    """Every layer tensor of ``caches`` re-pointed at ``flat`` (a copy of their backing buffer)."""
+    return {name: torch.as_strided(flat.view(t.dtype), t.shape, t.stride(), t.storage_offset())
+            for name, t in caches.items()}
+
+
+def flat_copy(caches: dict) -> torch.Tensor:
+    storage = next(iter(caches.values())).untyped_storage()
+    return torch.empty(0, dtype=torch.int8).set_(storage).clone()
+
+
+def gdn_states(page_view: torch.Tensor, tp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(conv, temporal) of every block of a GDN layer, unpacked as vLLM's MambaBase does."""
+    conv, temporal = MambaStateShapeCalculator.gated_delta_net_state_shape(
+        tp_size, K_HEADS, V_HEADS, K_DIM, V_DIM, KERNEL)
+    pages = page_view.squeeze(1).squeeze(1)
+    out, offset = [], 0
+    for shape, dtype in zip((conv, temporal), STATE_DTYPES):
+        n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        out.append(pages[:, offset:offset + n].view(dtype).view(-1, *shape))
+        offset += n
+    return out[0], out[1]
+
+
+def local_channels(tp_size: int, rank: int) -> torch.Tensor:
+    """Global conv channel ids a rank holds: each of q, k, v split on its own."""
+    out, start = [], 0
+    for group in CONV_GROUPS:
+        per = group // tp_size
+        out.append(torch.arange(start + rank * per, start + (rank + 1) * per))
+        start += group
+    return torch.cat(out)
+
+
+def put_kv(layer: torch.Tensor, kv: torch.Tensor, blocks: list[int], heads: slice) -> None:
+    """kv: [k|v, block, token, head, dim] over all heads -> vLLM's [block, head, token, 2 * dim]."""
+    for i, b in enumerate(blocks):
+        layer[b, :, :, :HEAD_SIZE] = kv[0, i][:, heads].permute(1, 0, 2)
+        layer[b, :, :, HEAD_SIZE:] = kv[1, i][:, heads].permute(1, 0, 2)
+
+
+def heads_of(tp_size: int, rank: int, total: int) -> slice:
+    per = total // tp_size
+    return slice(rank * per, (rank + 1) * per)
+
+
+def assert_same_bytes(got: torch.Tensor, want: torch.Tensor, where: str) -> None:
+    bad = (got != want).nonzero()
+    assert bad.numel() == 0, f"{where}: {bad.shape[0]} bytes differ, first at byte {bad[0].item()}"
+
+
+def _bootstrap():
+    return f"tcp://127.0.0.1:{spare_port()}"
+
+
+def test_gdn_hybrid_state_and_kv_land_byte_exact_from_tp2_to_tp4(instances):
+    bootstrap = _bootstrap()
+    prefill = instances("kv_producer", 2, bootstrap, build=gdn_hybrid)
+    decode = instances("kv_consumer", 4, bootstrap, build=gdn_hybrid)
+    gen = torch.Generator().manual_seed(24)
+    src, dst, src_slot, dst_slot = [3, 7], [5, 0], 9, 2
+    kv = {n: torch.randn(2, len(src), BLOCK_SIZE, TOTAL_HEADS, HEAD_SIZE, generator=gen).half() for n in ATTN}
+    conv = {n: torch.randn(KERNEL - 1, sum(CONV_GROUPS), generator=gen).half() for n in GDN}
+    temporal = {n: torch.randn(V_HEADS, V_DIM, K_DIM, generator=gen) for n in GDN}
+
+    def write(caches: dict, tp_size: int, rank: int, blocks: list[int], slot: int) -> None:
+        for n in ATTN:
+            put_kv(caches[n], kv[n], blocks, heads_of(tp_size, rank, TOTAL_HEADS))
+        for n in GDN:
+            c, t = gdn_states(caches[n], tp_size)
+            c[slot] = conv[n][:, local_channels(tp_size, rank)]
+            t[slot] = temporal[n][heads_of(tp_size, rank, V_HEADS)]
+
+    for rank, caches in enumerate(prefill.caches):
+        write(caches, 2, rank, src, src_slot)
+    expected = []
+    for rank, caches in enumerate(decode.caches):
+        flat = flat_copy(caches)
+        write(twin(caches, flat), 4, rank, dst, dst_slot)
+        expected.append(flat)
+    results, errors = transfer(prefill, decode, SendSpec("req-gdn", 81, tuple(src), state_slots=(src_slot,)),
+                               RecvSpec("req-gdn", 81, bootstrap, tuple(dst), state_slots=(dst_slot,)))
+    assert all(not r.failed_recving for r in results) and all(not e for e in errors), \
+        [c._worker.failures for c in decode.connectors]
+    for rank, caches in enumerate(decode.caches):
+        assert_same_bytes(flat_copy(caches), expected[rank], f"decode tp{rank}/4")
+    # the conv groups matter: a contiguous slice of the 32 channels would not be rank 1's q|k|v share
+    c, _ = gdn_states(decode.caches[1][GDN[0]], 4)
+    assert not torch.equal(c[dst_slot], conv[GDN[0]][:, 8:16])
+
+
+def test_sliding_window_pages_land_byte_exact_from_tp1_to_tp2(instances):
+    bootstrap = _bootstrap()
+    prefill = instances("kv_producer", 1, bootstrap, build=gpt_oss_like)
+    decode = instances("kv_consumer", 2, bootstrap, build=gpt_oss_like)
+    gen = torch.Generator().manual_seed(25)
+    full_src, full_dst, win_src, win_dst = [1, 4, 6], [2, 8, 11], [7, 10], [3, 9]
+    full = torch.randn(2, len(full_src), BLOCK_SIZE, TOTAL_HEADS, HEAD_SIZE, generator=gen).half()
+    window = torch.randn(2, len(win_src), BLOCK_SIZE, TOTAL_HEADS, HEAD_SIZE, generator=gen).half()
+
+    def write(caches: dict, tp_size: int, rank: int, full_blocks: list[int], win_blocks: list[int]) -> None:
+        heads = heads_of(tp_size, rank, TOTAL_HEADS)
+        put_kv(caches[SWA_FULL[0]], full, full_blocks, heads)
+        put_kv(caches[SWA_WINDOW[0]], window, win_blocks, heads)
+
+    write(prefill.caches[0], 1, 0, full_src, win_src)
+    expected = []
+    for rank, caches in enumerate(decode.caches):
+        flat = flat_copy(caches)
+        write(twin(caches, flat), 2, rank, full_dst, win_dst)
+        expected.append(flat)
+    results, errors = transfer(
+        prefill, decode, SendSpec("req-swa", 82, tuple(full_src), swa_pages=tuple(win_src)),
+        RecvSpec("req-swa", 82, bootstrap, tuple(full_dst), swa_pages=tuple(win_dst)))
+    assert all(not r.failed_recving for r in results) and all(not e for e in errors), \
+        [c._worker.failures for c in decode.connectors]
+    for rank, caches in enumerate(decode.caches):
+        assert_same_bytes(flat_copy(caches), expected[rank], f"decode tp{rank}/2")
+
+
+def test_a_hybrid_scheduler_and_a_second_state_group_are_refused_naming_the_groups(model_dir):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm_harness import vllm_config
+
+    from pd_transfer.errors import ConfigError
+    from pd_transfer.integrations.vllm.connector import PdTransferConnector
+
+    config = vllm_config(model_dir, kv_role="kv_producer", extra={"bootstrap_addr": _bootstrap()})
+    cache_config, _ = gdn_hybrid(1, 0)
+    with pytest.raises(ConfigError, match=r"group 1 \(MambaSpec\).*not scheduled through pd-transfer"):
+        PdTransferConnector(config, KVConnectorRole.SCHEDULER, cache_config)
+    second = KVCacheGroupSpec(["model.layers.4.linear_attn"], cache_config.kv_cache_groups[1].kv_cache_spec)
+    cache_config.kv_cache_groups.append(second)
+    with pytest.raises(ConfigError, match=r"group 2 \(MambaSpec: model.layers.4.linear_attn\) is a second "
+                                          r"mamba group \(group 1 is the first\)"):
+        PdTransferConnector(config, KVConnectorRole.WORKER, cache_config)
