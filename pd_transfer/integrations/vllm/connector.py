@@ -100,6 +100,16 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler.update_state_after_alloc(request, list(block_ids), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            self._scheduler.scheduled(new.req_id, list(new.block_ids[self._group]), True,
+                                      new.num_computed_tokens, scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            self._scheduler.scheduled(req_id, list(new_ids[self._group]) if new_ids else [],
+                                      req_id in cached.resumed_req_ids, cached.num_computed_tokens[i],
+                                      scheduled.get(req_id, 0))
         return PdTransferConnectorMetadata(self._scheduler.build_step())
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -143,10 +153,14 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
         """Loads are asynchronous: a request runs only after its whole KV arrived."""
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
-        """Sends start once the request finished (its blocks held): nothing per layer."""
+        """The layer is written: the sidecar may move it for this step's streamed rooms."""
+        if self._worker is not None:
+            self._worker.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        """Sends are asynchronous; the blocks stay held until ``get_finished`` reports them."""
+        """Announce the streamed rooms' remaining layers; the copies run on, blocks held until reported."""
+        if self._worker is not None:
+            self._worker.end_step()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._worker is None:

@@ -1,10 +1,16 @@
 """The connector's scheduler side: which requests load or send KV, and when their blocks are free.
 
-Prefill (``do_remote_decode``): when a request finishes capped at its one
-token, :meth:`SchedulerSide.request_finished` keeps its blocks (delay free),
-queues a :class:`SendSpec` for the workers and returns the parameters decode
-needs (room id, prefill's bootstrap address, page count). The blocks return
-to vLLM when every worker reports the room finished (sent or failed).
+Prefill (``do_remote_decode``): the step that computes the rest of a
+request's prompt carries a streamed :class:`SendSpec` (:meth:`SchedulerSide.scheduled`),
+so the workers hand the sidecar each layer as the forward pass writes it.
+When the request finishes capped at its one token,
+:meth:`SchedulerSide.request_finished` keeps its blocks (delay free) and
+returns the parameters decode needs (room id, prefill's bootstrap address,
+page count); a request that was not streamed (its last prefill step was not
+seen) is sent then, from the finished blocks. The blocks return to vLLM when
+every worker reports the room finished (sent or failed). A streamed request
+that finishes otherwise (stopped, aborted) still holds its blocks until the
+sidecar ends the room, which no decode will claim (``waiting_timeout_s``).
 
 Decode (``do_remote_prefill``): :meth:`get_num_new_matched_tokens` claims the
 prompt as loadable asynchronously; :meth:`update_state_after_alloc` turns the
@@ -48,10 +54,16 @@ class SchedulerSide:
         self._step = StepSpecs()
         self._loading: dict[str, int] = {}        # decode: req id -> room, with the workers
         self._sending: dict[str, int] = {}        # prefill: req id -> room, blocks held
+        self._prefilling: dict[str, tuple[int, int, list[int]]] = {}   # req id -> room, prompt len, blocks
+        self._streamed: dict[str, tuple[int, int]] = {}   # req id -> room, pages: streamed, not finished
 
     # -- decode --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        if not kvparams.wants_remote_prefill(request.kv_transfer_params):
+        params = request.kv_transfer_params
+        if kvparams.wants_remote_decode(params) and request.request_id not in self._streamed:
+            self._prefilling[request.request_id] = (kvparams.room_for(request.request_id, params),
+                                                    len(request.prompt_token_ids or ()), [])
+        if not kvparams.wants_remote_prefill(params):
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         if count <= 0:
@@ -82,6 +94,30 @@ class SchedulerSide:
         self._step.recvs.append(spec)
         self._loading[req_id] = room
 
+    # -- prefill -------------------------------------------------------------------
+    def scheduled(self, req_id: str, block_ids: list[int] | None, replace: bool, num_computed: int,
+                  num_scheduled: int) -> None:
+        """One scheduled request of this step: its new blocks (all of them if ``replace``) and tokens.
+
+        A remote-decode request whose prompt this step completes is streamed.
+        """
+        entry = self._prefilling.get(req_id)
+        if entry is None:
+            return
+        room, prompt_len, blocks = entry
+        if replace:
+            blocks[:] = block_ids or []
+        else:
+            blocks += block_ids or []
+        if num_computed + num_scheduled < prompt_len:
+            return
+        del self._prefilling[req_id]
+        num_pages = pages_to_send(prompt_len, self.block_size)
+        if num_pages == 0 or len(blocks) < num_pages:
+            return
+        self._step.sends.append(SendSpec(req_id, room, tuple(blocks[:num_pages]), stream=True))
+        self._streamed[req_id] = (room, num_pages)
+
     # -- both ------------------------------------------------------------------------
     def build_step(self) -> StepSpecs:
         step, self._step = self._step, StepSpecs()
@@ -91,6 +127,15 @@ class SchedulerSide:
                          length_capped: bool) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         self._local_tokens.pop(req_id, None)
+        self._prefilling.pop(req_id, None)
+        if req_id in self._streamed:   # its blocks are being read: held until the room ends
+            room, num_pages = self._streamed.pop(req_id)
+            self._sending[req_id] = room
+            if kvparams.wants_remote_decode(request.kv_transfer_params) and length_capped:
+                return True, kvparams.decode_params(room, self.bootstrap_addr, num_pages)
+            log.warning("request %s finished without its one token; room %d was streamed and ends "
+                        "unclaimed", req_id, room)
+            return True, None
         if req_id in self._loading:
             # decode: a write may still land in these blocks until the room is drained
             self._step.aborts.append(AbortSpec(req_id, self._loading[req_id]))

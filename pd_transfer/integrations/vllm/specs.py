@@ -18,7 +18,8 @@ class SendSpec:
 
     A hybrid model's request also has blocks in its other groups: its
     Mamba/GDN state block(s) (``state_slots``) and its sliding-window pages
-    (``swa_pages``, the window's blocks in prompt order).
+    (``swa_pages``, the window's blocks in prompt order). ``stream``: sent
+    before the step's forward pass, each layer handed over as it is written.
     """
 
     req_id: str
@@ -26,6 +27,7 @@ class SendSpec:
     block_ids: tuple[int, ...]
     state_slots: tuple[int, ...] = ()
     swa_pages: tuple[int, ...] = ()
+    stream: bool = False
 
 
 @dataclass(frozen=True)
