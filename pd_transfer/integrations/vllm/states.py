@@ -93,8 +93,10 @@ def _state_axes(name: str, kind: str, shape: tuple[int, ...], spec: StateSpec, t
         if len(shape) != 2:
             raise ConfigError(f"vLLM layer {name!r}: conv state of shape {list(shape)}; expected 2 axes")
         axis = 0 if spec.conv_dim_first else 1
+        # "tap" is an INNER axis in either order, as SGLang's (channels, taps) conv state names it:
+        # the sidecars match axes by name and role, so the two engines' layouts reconcile
         axes = ((Axis("channel", AxisRole.SHARD), Axis("tap", AxisRole.INNER)) if axis == 0 else
-                (Axis("tap", AxisRole.OUTER), Axis("channel", AxisRole.SHARD)))
+                (Axis("tap", AxisRole.INNER), Axis("channel", AxisRole.SHARD)))
         groups = spec.conv_groups
     else:
         axis, groups = 0, None
