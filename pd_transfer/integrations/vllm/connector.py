@@ -245,7 +245,9 @@ def mamba_state_spec(spec: MambaSpec, tp_size: int) -> StateSpec:
     Mamba2's ``x | B | C``; vLLM's spec holds only this rank's shapes, so the
     groups are rebuilt from them: the temporal state gives the value (GDN:
     v_heads x v_dim) or x (Mamba2: heads x head_dim) share, the rest of the
-    conv channels split evenly in two.
+    conv channels split evenly in two. A Mamba2 model whose ``n_groups`` TP
+    does not divide has its B/C groups replicated by vLLM, so the rebuilt
+    groups are not the model's: such a model across TP sizes is not supported.
     """
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
     dim_first = is_conv_state_dim_first()

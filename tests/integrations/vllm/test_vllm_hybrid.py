@@ -35,6 +35,7 @@ from vllm_hybrid_caches import (  # noqa: E402
     CONV_GROUPS,
     GDN,
     K_DIM,
+    K_HEADS,
     KERNEL,
     SWA_FULL,
     SWA_WINDOW,
@@ -60,7 +61,19 @@ def _bootstrap():
     return f"tcp://127.0.0.1:{spare_port()}"
 
 
-def test_gdn_hybrid_state_and_kv_land_byte_exact_from_tp2_to_tp4(instances):
+@pytest.fixture
+def conv_layout(request, monkeypatch):
+    """vLLM's conv state layout for this test: "SD" (taps, channels), its default, or "DS"."""
+    from vllm.model_executor.layers.mamba import mamba_utils
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", request.param)
+    mamba_utils.get_conv_state_layout.cache_clear()
+    yield request.param
+    monkeypatch.undo()
+    mamba_utils.get_conv_state_layout.cache_clear()
+
+
+@pytest.mark.parametrize("conv_layout", ["SD", "DS"], indirect=True)
+def test_gdn_hybrid_state_and_kv_land_byte_exact_from_tp2_to_tp4(instances, conv_layout):
     bootstrap = _bootstrap()
     prefill = instances("kv_producer", 2, bootstrap, build=gdn_hybrid)
     decode = instances("kv_consumer", 4, bootstrap, build=gdn_hybrid)
@@ -75,7 +88,8 @@ def test_gdn_hybrid_state_and_kv_land_byte_exact_from_tp2_to_tp4(instances):
             put_kv(caches[n], kv[n], blocks, heads_of(tp_size, rank, TOTAL_HEADS))
         for n in GDN:
             c, t = gdn_states(caches[n], tp_size)
-            c[slot] = conv[n][:, local_channels(tp_size, rank)]
+            share = conv[n][:, local_channels(tp_size, rank)]      # (taps, channels)
+            c[slot] = share if conv_layout == "SD" else share.T
             t[slot] = temporal[n][heads_of(tp_size, rank, V_HEADS)]
 
     for rank, caches in enumerate(prefill.caches):
@@ -93,7 +107,10 @@ def test_gdn_hybrid_state_and_kv_land_byte_exact_from_tp2_to_tp4(instances):
         assert_same_bytes(flat_copy(caches), expected[rank], f"decode tp{rank}/4")
     # the conv groups matter: a contiguous slice of the 32 channels would not be rank 1's q|k|v share
     c, _ = gdn_states(decode.caches[1][GDN[0]], 4)
-    assert not torch.equal(c[dst_slot], conv[GDN[0]][:, 8:16])
+    conv_view = next(v for v in decode.connectors[1]._worker.pages.memory.geometry.views if v.name == "conv")
+    assert conv_view.shape[1:] == ((KERNEL - 1, 8) if conv_layout == "SD" else (8, KERNEL - 1))
+    landed = c[dst_slot] if conv_layout == "SD" else c[dst_slot].T
+    assert landed.shape == (KERNEL - 1, 8) and not torch.equal(landed, conv[GDN[0]][:, 8:16])
 
 
 def test_sliding_window_pages_land_byte_exact_from_tp1_to_tp2(instances):
@@ -141,3 +158,22 @@ def test_a_hybrid_scheduler_and_a_second_state_group_are_refused_naming_the_grou
     with pytest.raises(ConfigError, match=r"group 2 \(MambaSpec: model.layers.4.linear_attn\) is a second "
                                           r"mamba group \(group 1 is the first\)"):
         PdTransferConnector(config, KVConnectorRole.WORKER, cache_config)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_conv_groups_are_rebuilt_from_vllms_own_state_shapes(tp_size):
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from pd_transfer.integrations.vllm.connector import mamba_state_spec
+
+    def spec(kind, shapes):
+        return MambaSpec(shapes=shapes, dtypes=(torch.float16, torch.float32), block_size=BLOCK_SIZE,
+                         mamba_type=getattr(MambaAttentionBackendEnum, kind))
+
+    gdn = MambaStateShapeCalculator.gated_delta_net_state_shape(tp_size, K_HEADS, V_HEADS, K_DIM, V_DIM, KERNEL)
+    assert mamba_state_spec(spec("GDN_ATTN", gdn), tp_size).conv_groups == CONV_GROUPS      # q | k | v
+    # Mamba2: x (d_inner 16) | B | C (n_groups 2 x state 4 each)
+    mamba2 = MambaStateShapeCalculator.mamba2_state_shape(tp_size, 16, 2, 4, 4, 4, KERNEL)
+    assert mamba_state_spec(spec("MAMBA2", mamba2), tp_size).conv_groups == (16, 8, 8)
