@@ -89,27 +89,32 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
                 raise ConfigError(f"kv_connector_extra_config.bootstrap_addr is {bootstrap!r}; a prefill "
                                   f"instance needs its sidecars' bootstrap address 'tcp://host:port'")
             block_size = kv_cache_config.kv_cache_groups[self._group].kv_cache_spec.block_size
-            self._scheduler = SchedulerSide(block_size=block_size, bootstrap_addr=bootstrap)
+            swa = self._groups.get(Pool.SWA)
+            window = kv_cache_config.kv_cache_groups[swa].kv_cache_spec.sliding_window if swa is not None else None
+            self._scheduler = SchedulerSide(block_size=block_size, bootstrap_addr=bootstrap,
+                                            sliding_window=window)
 
     # -- scheduler side ---------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        block_ids = blocks.get_block_ids()[self._group] if num_external_tokens > 0 else []
-        self._scheduler.update_state_after_alloc(request, list(block_ids), num_external_tokens)
+        ids = blocks.get_block_ids() if num_external_tokens > 0 else None
+        self._scheduler.update_state_after_alloc(request, self._ids(ids, Pool.KV), num_external_tokens,
+                                                 self._ids(ids, Pool.SWA))
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            self._scheduler.scheduled(new.req_id, list(new.block_ids[self._group]), True,
-                                      new.num_computed_tokens, scheduled.get(new.req_id, 0))
+            self._scheduler.scheduled(new.req_id, self._ids(new.block_ids, Pool.KV), True,
+                                      new.num_computed_tokens, scheduled.get(new.req_id, 0),
+                                      self._ids(new.block_ids, Pool.SWA))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
-            self._scheduler.scheduled(req_id, list(new_ids[self._group]) if new_ids else [],
+            self._scheduler.scheduled(req_id, self._ids(new_ids, Pool.KV),
                                       req_id in cached.resumed_req_ids, cached.num_computed_tokens[i],
-                                      scheduled.get(req_id, 0))
+                                      scheduled.get(req_id, 0), self._ids(new_ids, Pool.SWA))
         return PdTransferConnectorMetadata(self._scheduler.build_step())
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -117,7 +122,14 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler.request_finished(request, list(block_ids), capped)
 
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
-        return self.request_finished(request, block_ids[self._group])
+        capped = request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+        return self._scheduler.request_finished(request, self._ids(block_ids, Pool.KV), capped,
+                                                self._ids(block_ids, Pool.SWA))
+
+    def _ids(self, per_group, pool: Pool) -> list[int]:
+        """One pool's block ids out of vLLM's per-group tuple (empty without that group or tuple)."""
+        group = self._groups.get(pool)
+        return list(per_group[group]) if per_group and group is not None else []
 
     def update_connector_output(self, connector_output) -> None:
         self._scheduler.update_connector_output(connector_output.finished_sending,
@@ -212,18 +224,18 @@ def _cache_groups(kv_cache_config, tp_size: int) -> tuple[dict[Pool, int], dict[
 
 
 def _refuse_unscheduled_groups(pools: dict[Pool, int], kv_cache_config) -> None:
-    """The scheduler side hands rooms a request's full-attention blocks only: refuse other groups.
+    """The scheduler side does not hand rooms a request's Mamba/GDN state: refuse those groups.
 
-    The workers describe sliding-window and Mamba/GDN groups; which of a
-    request's blocks in them to send is not decided here yet (a Mamba state
-    also holds the last prompt token, which vLLM's decode computes again).
+    The workers describe them; which state block to send is not decided here
+    yet (prefill's state also holds the last prompt token, which vLLM's
+    decode computes again).
     """
     others = [f"group {i} ({type(kv_cache_config.kv_cache_groups[i].kv_cache_spec).__name__})"
-              for pool, i in pools.items() if pool is not Pool.KV]
+              for pool, i in pools.items() if pool is Pool.MAMBA]
     if others:
-        raise ConfigError("the pd-transfer vLLM connector's scheduler side moves full-attention and MLA "
-                          f"KV only; this model also has {', '.join(others)}: sliding-window and "
-                          "Mamba/GDN requests are not scheduled through pd-transfer yet")
+        raise ConfigError("the pd-transfer vLLM connector's scheduler side moves full-attention, MLA and "
+                          f"sliding-window KV; this model also has {', '.join(others)}: Mamba/GDN "
+                          "requests are not scheduled through pd-transfer yet")
 
 
 def _layer_spec(spec, tp_size: int) -> tuple[Pool | None, LayerSpec | StateSpec | None]:

@@ -39,7 +39,8 @@ class RecvSpec:
     map pages positionally), but the connector leaves vLLM's copy of them
     alone. ``error`` set: the request cannot be loaded (bad parameters); the
     worker reports it failed, with the reason, without calling the sidecar.
-    ``state_slots`` and ``swa_pages``: as in :class:`SendSpec`, decode's.
+    ``state_slots`` and ``swa_pages``: as in :class:`SendSpec`, decode's;
+    ``swa_first`` is the position of ``swa_pages[0]`` among the prompt's blocks.
     """
 
     req_id: str
@@ -50,6 +51,7 @@ class RecvSpec:
     error: str = ""
     state_slots: tuple[int, ...] = ()
     swa_pages: tuple[int, ...] = ()
+    swa_first: int = 0
 
 
 @dataclass(frozen=True)

@@ -113,8 +113,9 @@ class WorkerSide:
                 continue
             del self._receiving[req_id]
             if state is not None and state.succeeded:
+                local_swa = max(0, spec.num_local_blocks - spec.swa_first)
                 self.pages.unstage({Pool.KV: spec.block_ids[spec.num_local_blocks:],
-                                    Pool.SWA: spec.swa_pages, Pool.MAMBA: spec.state_slots})
+                                    Pool.SWA: spec.swa_pages[local_swa:], Pool.MAMBA: spec.state_slots})
             else:   # failed, or the sidecar could not say: never decode from these blocks
                 self._fail(spec, f"room {spec.room}: {self.failures.get(req_id, 'no status')}")
                 failed.add(req_id)

@@ -177,3 +177,48 @@ def test_conv_groups_are_rebuilt_from_vllms_own_state_shapes(tp_size):
     # Mamba2: x (d_inner 16) | B | C (n_groups 2 x state 4 each)
     mamba2 = MambaStateShapeCalculator.mamba2_state_shape(tp_size, 16, 2, 4, 4, 4, KERNEL)
     assert mamba_state_spec(spec("MAMBA2", mamba2), tp_size).conv_groups == (16, 8, 8)
+
+
+def test_both_schedulers_send_the_sliding_window_pages_decode_attends_to(model_dir):
+    """vLLM's real schedulers with a full-attention and a sliding-window group (window 32 tokens)."""
+    from vllm.v1.request import RequestStatus
+    from vllm_harness import request, runner_output, scheduler, vllm_config
+
+    from pd_transfer.integrations.vllm.params import BOOTSTRAP_KEY, ROOM_KEY
+
+    def step(sched, reqs):
+        out = sched.schedule()
+        outputs = sched.update_from_output(out, runner_output(reqs))
+        return out, [o for outs in outputs.values() for o in outs.outputs]
+
+    def hybrid_scheduler(role, extra):
+        config, _ = gpt_oss_like(1, 0)
+        config.num_blocks = 200
+        sched = scheduler(vllm_config(model_dir, kv_role=role, extra=extra), 200, config)
+        return sched
+
+    prefill = hybrid_scheduler("kv_producer", {"bootstrap_addr": "tcp://127.0.0.1:7399"})
+    first = request(100, kv_transfer_params={"do_remote_decode": True}, max_tokens=1)
+    prefill.add_request(first)
+    out, outputs = step(prefill, [first])
+    (send,) = out.kv_connector_metadata.step.sends
+    full_ids, window_ids = (list(g) for g in prefill.kv_cache_manager.get_block_ids(first.request_id))
+    # 99 tokens loaded in 7 pages; token 99 attends to tokens 68..99: pages 4, 5, 6 of the window group
+    assert list(send.block_ids) == full_ids[:7] and list(send.swa_pages) == window_ids[4:7]
+    (finished,) = [o for o in outputs if o.request_id == first.request_id]
+    params = dict(finished.kv_transfer_params)
+    assert params[BOOTSTRAP_KEY] == "tcp://127.0.0.1:7399"
+
+    decode = hybrid_scheduler("kv_consumer", {})
+    second = request(100, kv_transfer_params=params, max_tokens=4)
+    second.prompt_token_ids[:] = first.prompt_token_ids
+    decode.add_request(second)
+    out, _ = step(decode, [])
+    assert second.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    (recv,) = out.kv_connector_metadata.step.recvs
+    full_ids, window_ids = (list(g) for g in decode.kv_cache_manager.get_block_ids(second.request_id))
+    null = decode.kv_cache_manager.block_pool.null_block.block_id
+    assert window_ids[:4] == [null] * 4                     # vLLM skips what the window cannot reach
+    assert null not in window_ids[4:7]
+    assert (list(recv.block_ids), list(recv.swa_pages), recv.swa_first) == (full_ids[:7], window_ids[4:7], 4)
+    assert recv.room == params[ROOM_KEY] == send.room and len(recv.swa_pages) == len(send.swa_pages)
