@@ -6,6 +6,7 @@ import sys
 import pytest
 
 PURE_VLLM_MODULES = ["pd_transfer.integrations.vllm", "pd_transfer.integrations.vllm.memory",
+                     "pd_transfer.integrations.vllm.states",
                      "pd_transfer.integrations.vllm.params", "pd_transfer.integrations.vllm.specs",
                      "pd_transfer.integrations.vllm.scheduler_side",
                      "pd_transfer.integrations.vllm.staging", "pd_transfer.integrations.vllm.worker_side"]

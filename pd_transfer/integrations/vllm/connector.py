@@ -35,7 +35,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.request import RequestStatus
 
 from pd_transfer.client import Client
@@ -43,8 +49,10 @@ from pd_transfer.errors import ConfigError
 from pd_transfer.integrations.vllm.memory import LayerSpec, describe_kv_caches
 from pd_transfer.integrations.vllm.scheduler_side import SchedulerSide
 from pd_transfer.integrations.vllm.specs import StepSpecs
+from pd_transfer.integrations.vllm.states import StateSpec
 from pd_transfer.integrations.vllm.worker_side import WorkerSide
 from pd_transfer.layout.geometry import Role
+from pd_transfer.layout.views import Pool
 
 log = logging.getLogger(__name__)
 
@@ -69,26 +77,44 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
         if self._pd_role is None:
             raise ConfigError(f"kv_transfer_config.kv_role is {config.kv_role!r}; the pd-transfer connector "
                               f"runs as 'kv_producer' (prefill) or 'kv_consumer' (decode)")
-        self._group, self._specs = _attention_group(kv_cache_config)
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self._groups, self._specs = _cache_groups(kv_cache_config, tp_size)
+        self._group = self._groups[Pool.KV]
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role is KVConnectorRole.SCHEDULER:
+            _refuse_unscheduled_groups(self._groups, kv_cache_config)
             bootstrap = self._extra.get("bootstrap_addr", "")
             if self._pd_role is Role.PREFILL and not (isinstance(bootstrap, str) and bootstrap.startswith("tcp://")):
                 raise ConfigError(f"kv_connector_extra_config.bootstrap_addr is {bootstrap!r}; a prefill "
                                   f"instance needs its sidecars' bootstrap address 'tcp://host:port'")
             block_size = kv_cache_config.kv_cache_groups[self._group].kv_cache_spec.block_size
-            self._scheduler = SchedulerSide(block_size=block_size, bootstrap_addr=bootstrap)
+            swa = self._groups.get(Pool.SWA)
+            window = kv_cache_config.kv_cache_groups[swa].kv_cache_spec.sliding_window if swa is not None else None
+            self._scheduler = SchedulerSide(block_size=block_size, bootstrap_addr=bootstrap,
+                                            sliding_window=window)
 
     # -- scheduler side ---------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        block_ids = blocks.get_block_ids()[self._group] if num_external_tokens > 0 else []
-        self._scheduler.update_state_after_alloc(request, list(block_ids), num_external_tokens)
+        ids = blocks.get_block_ids() if num_external_tokens > 0 else None
+        self._scheduler.update_state_after_alloc(request, self._ids(ids, Pool.KV), num_external_tokens,
+                                                 self._ids(ids, Pool.SWA))
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            self._scheduler.scheduled(new.req_id, self._ids(new.block_ids, Pool.KV), True,
+                                      new.num_computed_tokens, scheduled.get(new.req_id, 0),
+                                      self._ids(new.block_ids, Pool.SWA))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            self._scheduler.scheduled(req_id, self._ids(new_ids, Pool.KV),
+                                      req_id in cached.resumed_req_ids, cached.num_computed_tokens[i],
+                                      scheduled.get(req_id, 0), self._ids(new_ids, Pool.SWA))
         return PdTransferConnectorMetadata(self._scheduler.build_step())
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -96,7 +122,14 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler.request_finished(request, list(block_ids), capped)
 
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
-        return self.request_finished(request, block_ids[self._group])
+        capped = request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+        return self._scheduler.request_finished(request, self._ids(block_ids, Pool.KV), capped,
+                                                self._ids(block_ids, Pool.SWA))
+
+    def _ids(self, per_group, pool: Pool) -> list[int]:
+        """One pool's block ids out of vLLM's per-group tuple (empty without that group or tuple)."""
+        group = self._groups.get(pool)
+        return list(per_group[group]) if per_group and group is not None else []
 
     def update_connector_output(self, connector_output) -> None:
         self._scheduler.update_connector_output(connector_output.finished_sending,
@@ -132,10 +165,14 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
         """Loads are asynchronous: a request runs only after its whole KV arrived."""
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
-        """Sends start once the request finished (its blocks held): nothing per layer."""
+        """The layer is written: the sidecar may move it for this step's streamed rooms."""
+        if self._worker is not None:
+            self._worker.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        """Sends are asynchronous; the blocks stay held until ``get_finished`` reports them."""
+        """Announce the streamed rooms' remaining layers; the copies run on, blocks held until reported."""
+        if self._worker is not None:
+            self._worker.end_step()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._worker is None:
@@ -157,20 +194,89 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = None
 
 
-def _attention_group(kv_cache_config) -> tuple[int, dict[str, LayerSpec]]:
-    """The full-attention (or MLA) KV-cache group and its layers; other groups are refused."""
-    groups = kv_cache_config.kv_cache_groups
-    unsupported = [f"group {i} ({type(g.kv_cache_spec).__name__}: {', '.join(g.layer_names[:3])})"
-                   for i, g in enumerate(groups) if not isinstance(g.kv_cache_spec, FullAttentionSpec)]
-    if unsupported or len(groups) != 1:
-        raise ConfigError("the pd-transfer vLLM connector moves one full-attention or MLA KV-cache "
-                          f"group; this model has {len(groups)} groups"
-                          + (f", unsupported: {'; '.join(unsupported)}" if unsupported else "")
-                          + " (sliding-window and Mamba/GDN state are not supported yet)")
-    spec = groups[0].kv_cache_spec
-    layer = LayerSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
-                      head_size=spec.head_size, mla=isinstance(spec, MLAAttentionSpec))
-    return 0, {name: layer for name in groups[0].layer_names}
+def _cache_groups(kv_cache_config, tp_size: int) -> tuple[dict[Pool, int], dict[str, LayerSpec | StateSpec]]:
+    """Each pool's KV-cache group (full attention or MLA, sliding window, Mamba/GDN) and every layer's spec.
+
+    One group per pool: a request's blocks in a second group of the same
+    kind would need their own page list, which a room does not carry yet.
+    """
+    pools: dict[Pool, int] = {}
+    specs: dict[str, LayerSpec | StateSpec] = {}
+    refused = []
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        pool, layer = _layer_spec(spec, tp_size)
+        what = f"group {i} ({type(spec).__name__}: {', '.join(group.layer_names[:3])})"
+        if pool is None:
+            refused.append(f"{what} is not supported")
+        elif pool in pools:
+            refused.append(f"{what} is a second {pool.value} group (group {pools[pool]} is the first)")
+        else:
+            pools[pool] = i
+            specs.update((name, layer) for name in group.layer_names)
+    if Pool.KV not in pools and not refused:
+        refused.append("no full-attention or MLA group")
+    if refused:
+        raise ConfigError("the pd-transfer vLLM connector moves one full-attention or MLA group and at most "
+                          "one sliding-window and one Mamba/GDN group; this model's KV-cache groups: "
+                          + "; ".join(refused))
+    return pools, specs
+
+
+def _refuse_unscheduled_groups(pools: dict[Pool, int], kv_cache_config) -> None:
+    """The scheduler side does not hand rooms a request's Mamba/GDN state: refuse those groups.
+
+    The workers describe them; which state block to send is not decided here
+    yet (prefill's state also holds the last prompt token, which vLLM's
+    decode computes again).
+    """
+    others = [f"group {i} ({type(kv_cache_config.kv_cache_groups[i].kv_cache_spec).__name__})"
+              for pool, i in pools.items() if pool is Pool.MAMBA]
+    if others:
+        raise ConfigError("the pd-transfer vLLM connector's scheduler side moves full-attention, MLA and "
+                          f"sliding-window KV; this model also has {', '.join(others)}: Mamba/GDN "
+                          "requests are not scheduled through pd-transfer yet")
+
+
+def _layer_spec(spec, tp_size: int) -> tuple[Pool | None, LayerSpec | StateSpec | None]:
+    if isinstance(spec, FullAttentionSpec):
+        return Pool.KV, LayerSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
+                                  head_size=spec.head_size, mla=isinstance(spec, MLAAttentionSpec))
+    if isinstance(spec, SlidingWindowSpec) and not isinstance(spec, SlidingWindowMLASpec):
+        return Pool.SWA, LayerSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
+                                   head_size=spec.head_size, pool=Pool.SWA)
+    if isinstance(spec, MambaSpec):
+        return Pool.MAMBA, mamba_state_spec(spec, tp_size)
+    return None, None
+
+
+def mamba_state_spec(spec: MambaSpec, tp_size: int) -> StateSpec:
+    """A ``MambaSpec`` as a :class:`StateSpec`, with the global split of its conv channels.
+
+    GDN's conv channels are ``q | k | v`` (key, key, value dims) and
+    Mamba2's ``x | B | C``; vLLM's spec holds only this rank's shapes, so the
+    groups are rebuilt from them: the temporal state gives the value (GDN:
+    v_heads x v_dim) or x (Mamba2: heads x head_dim) share, the rest of the
+    conv channels split evenly in two. A Mamba2 model whose ``n_groups`` TP
+    does not divide has its B/C groups replicated by vLLM, so the rebuilt
+    groups are not the model's: such a model across TP sizes is not supported.
+    """
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+    dim_first = is_conv_state_dim_first()
+    groups = None
+    kind = getattr(spec.mamba_type, "name", str(spec.mamba_type))
+    if kind in ("GDN_ATTN", "MAMBA2") and len(spec.shapes) >= 2 and not spec.tp_replicated:
+        conv, temporal = spec.shapes[0], spec.shapes[1]
+        channels = conv[0] if dim_first else conv[-1]
+        first = temporal[0] * temporal[1]          # GDN: value dim; Mamba2: x (d_inner)
+        rest = channels - first
+        if rest <= 0 or rest % 2:
+            raise ConfigError(f"MambaSpec {kind}: {channels} conv channels on this rank do not split into "
+                              f"{first} (from the temporal state {list(temporal)}) and two equal groups")
+        groups = ((rest // 2 * tp_size,) * 2 + (first * tp_size,) if kind == "GDN_ATTN"
+                  else (first * tp_size,) + (rest // 2 * tp_size,) * 2)
+    return StateSpec(shapes=tuple(tuple(s) for s in spec.shapes), dtypes=tuple(spec.dtypes),
+                     conv_groups=groups, conv_dim_first=dim_first, tp_replicated=spec.tp_replicated)
 
 
 def _tp_position(vllm_config) -> tuple[int, int]:

@@ -17,6 +17,12 @@ A page is a vLLM block. Heads are the TP-sharded axis, given as this rank's
 canonical range of the model's KV heads; MLA latents are replicated. What the
 two sides' TP sizes make of that is the sidecars' verdict, not this module's.
 
+A hybrid model's groups share the storage (vLLM overlays them: a block id
+belongs to one group at a time). Full-attention layers are ``Pool.KV``
+pages, sliding-window layers ``Pool.SWA`` pages, and linear-attention layers
+(Mamba/GDN, a :class:`~.states.StateSpec`) ``Pool.MAMBA`` slots, described by
+:mod:`.states`.
+
 Imports torch and the layout layer; never vLLM (the connector reads vLLM's
 config and passes plain :class:`LayerSpec` records here).
 """
@@ -29,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from pd_transfer.errors import ConfigError
+from pd_transfer.integrations.vllm.states import StateSpec, state_views
 from pd_transfer.layout.geometry import RankGeometry, Region, Role
 from pd_transfer.layout.views import Axis, AxisRole, Layout, Pool, ShardSpec, TensorView
 
@@ -53,17 +60,19 @@ class LayerSpec:
     num_kv_heads: int      # on this rank; ignored for MLA
     head_size: int
     mla: bool = False
+    pool: Pool = Pool.KV   # Pool.SWA for a sliding-window layer
 
 
 @dataclass(frozen=True)
 class LayerCache:
-    """One layer's vLLM tensor, the region it lives in, and its block (page) axis."""
+    """One layer's vLLM tensor, the region it lives in, its block (page) axis and its pool."""
 
     name: str
     layer_id: int
     tensor: torch.Tensor
     region: str
     page_axis: int
+    pool: Pool = Pool.KV
 
 
 @dataclass(frozen=True)
@@ -84,12 +93,13 @@ def layer_index(layer_name: str) -> int:
     return numbers[0]
 
 
-def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor], specs: Mapping[str, LayerSpec], *,
+def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor], specs: Mapping[str, LayerSpec | StateSpec], *,
                        role: Role, tp_size: int, tp_rank: int, total_kv_heads: int,
                        model: str = "") -> KvMemory:
     """The geometry of ``kv_caches`` (vLLM's ``register_kv_caches`` argument) on one rank.
 
-    ``specs`` maps every layer name to its :class:`LayerSpec`; a tensor
+    ``specs`` maps every layer name to its :class:`LayerSpec` (or
+    :class:`StateSpec`); the page size is the attention layers'. A tensor
     whose shape matches none of the module docstring's raises
     :class:`ConfigError` naming the layer, its shape and what was expected.
     """
@@ -102,20 +112,25 @@ def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor], specs: Mapping[str
         tensor, spec = kv_caches[name], specs.get(name)
         if spec is None:
             raise ConfigError(f"vLLM layer {name!r} has a KV-cache tensor but no KV-cache spec")
-        if block_size is not None and spec.block_size != block_size:
-            raise ConfigError(f"vLLM layer {name!r}: block size {spec.block_size}, other layers "
-                              f"{block_size}; one page size per rank is supported")
-        block_size = spec.block_size
         storage = tensor.untyped_storage()
         region = storages.setdefault(storage.data_ptr(), f"kv{len(storages)}")
         if region not in flat:
             flat[region] = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+        if isinstance(spec, StateSpec):
+            views += state_views(name, layer_index(name), tensor, spec, region, tp_size, tp_rank, _DTYPES)
+            layers.append(LayerCache(name, layer_index(name), tensor, region, 0, Pool.MAMBA))
+            continue
+        if block_size is not None and spec.block_size != block_size:
+            raise ConfigError(f"vLLM layer {name!r}: block size {spec.block_size}, other layers "
+                              f"{block_size}; one page size per rank is supported")
+        block_size = spec.block_size
         layer_views, page_axis = _layer_views(name, tensor, spec, region, tp_size, tp_rank,
                                               total_kv_heads)
         views += layer_views
-        layers.append(LayerCache(name, layer_index(name), tensor, region, page_axis))
+        layers.append(LayerCache(name, layer_index(name), tensor, region, page_axis, spec.pool))
     if block_size is None:
-        raise ConfigError("register_kv_caches got no KV-cache tensors")
+        raise ConfigError("register_kv_caches got no attention KV-cache tensors (a model of Mamba "
+                          "layers only is not supported by the pd-transfer connector)")
     regions = tuple(Region(rid, int(t.numel())) for rid, t in flat.items())
     geometry = RankGeometry(role=role, tp_size=tp_size, tp_rank=tp_rank, page_size=block_size,
                             views=tuple(views), regions=regions, model=model)
@@ -138,7 +153,7 @@ def _layer_views(name: str, tensor: torch.Tensor, spec: LayerSpec, region: str, 
     def view(view_name, offset, axes_dims):   # axes_dims: (axis, tensor dim) in logical order
         axes = tuple(a for a, _ in axes_dims)
         return TensorView(
-            pool=Pool.KV, layer_id=layer_id, name=view_name, region=region,
+            pool=spec.pool, layer_id=layer_id, name=view_name, region=region,
             offset_nbytes=base + offset, dtype=dtype, shape=tuple(shape[d] for _, d in axes_dims),
             strides_nbytes=tuple(stride[d] for _, d in axes_dims), axes=axes,
             shard=None if spec.mla else shard, layout=layout)

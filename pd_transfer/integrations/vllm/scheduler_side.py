@@ -1,10 +1,16 @@
 """The connector's scheduler side: which requests load or send KV, and when their blocks are free.
 
-Prefill (``do_remote_decode``): when a request finishes capped at its one
-token, :meth:`SchedulerSide.request_finished` keeps its blocks (delay free),
-queues a :class:`SendSpec` for the workers and returns the parameters decode
-needs (room id, prefill's bootstrap address, page count). The blocks return
-to vLLM when every worker reports the room finished (sent or failed).
+Prefill (``do_remote_decode``): the step that computes the rest of a
+request's prompt carries a streamed :class:`SendSpec` (:meth:`SchedulerSide.scheduled`),
+so the workers hand the sidecar each layer as the forward pass writes it.
+When the request finishes capped at its one token,
+:meth:`SchedulerSide.request_finished` keeps its blocks (delay free) and
+returns the parameters decode needs (room id, prefill's bootstrap address,
+page count); a request that was not streamed (its last prefill step was not
+seen) is sent then, from the finished blocks. The blocks return to vLLM when
+every worker reports the room finished (sent or failed). A streamed request
+that finishes otherwise (stopped, aborted) still holds its blocks until the
+sidecar ends the room, which no decode will claim (``waiting_timeout_s``).
 
 Decode (``do_remote_prefill``): :meth:`get_num_new_matched_tokens` claims the
 prompt as loadable asynchronously; :meth:`update_state_after_alloc` turns the
@@ -17,6 +23,12 @@ KV is arriving keeps its blocks until the workers report the room drained.
 Pages sent = the blocks holding the prompt's first ``prompt_len - 1`` tokens:
 vLLM's decode loads all but the last prompt token and computes that one
 itself (a 49-token prompt in 16-token blocks: 48 tokens, 3 pages).
+
+A model with a sliding-window group also moves the window's pages: the
+blocks from the one holding the first token decode's last prompt token
+attends to (``prompt_len - sliding_window``) to the last page sent. Both
+instances compute the same positions; blocks before them are vLLM's null
+block on decode.
 
 Works on duck-typed vLLM requests (``request_id``, ``prompt_token_ids``,
 ``kv_transfer_params``); no vLLM import.
@@ -38,20 +50,37 @@ def pages_to_send(num_prompt_tokens: int, block_size: int) -> int:
     return -(-max(num_prompt_tokens - 1, 0) // block_size)
 
 
+def first_window_page(num_prompt_tokens: int, block_size: int, window: int) -> int:
+    """The first block of the sliding window decode's last prompt token attends to.
+
+    vLLM's decode allocates null blocks before it (its sliding-window
+    manager skips ``computed - window + 1`` tokens of the ``prompt - 1`` it loads).
+    """
+    return max(0, num_prompt_tokens - window) // block_size
+
+
 class SchedulerSide:
     """Per-request transfer state of one vLLM instance's scheduler. See the module docstring."""
 
-    def __init__(self, *, block_size: int, bootstrap_addr: str) -> None:
+    def __init__(self, *, block_size: int, bootstrap_addr: str, sliding_window: int | None = None) -> None:
         self.block_size = block_size
         self.bootstrap_addr = bootstrap_addr
+        self.sliding_window = sliding_window   # a sliding-window group's window (tokens), if any
         self._local_tokens: dict[str, int] = {}   # decode: prefix-cache hit at the last lookup
         self._step = StepSpecs()
         self._loading: dict[str, int] = {}        # decode: req id -> room, with the workers
         self._sending: dict[str, int] = {}        # prefill: req id -> room, blocks held
+        self._prefilling: dict[str, tuple[int, int, list[int], list[int]]] = {}
+        # req id -> room, prompt len, blocks, sliding-window blocks
+        self._streamed: dict[str, tuple[int, int]] = {}   # req id -> room, pages: streamed, not finished
 
     # -- decode --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        if not kvparams.wants_remote_prefill(request.kv_transfer_params):
+        params = request.kv_transfer_params
+        if kvparams.wants_remote_decode(params) and request.request_id not in self._streamed:
+            self._prefilling[request.request_id] = (kvparams.room_for(request.request_id, params),
+                                                    len(request.prompt_token_ids or ()), [], [])
+        if not kvparams.wants_remote_prefill(params):
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         if count <= 0:
@@ -59,8 +88,8 @@ class SchedulerSide:
         self._local_tokens[request.request_id] = num_computed_tokens
         return count, True
 
-    def update_state_after_alloc(self, request: Any, block_ids: list[int],
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int,
+                                 swa_block_ids: list[int] = ()) -> None:
         params = request.kv_transfer_params
         if num_external_tokens <= 0 or not kvparams.wants_remote_prefill(params):
             return
@@ -75,22 +104,59 @@ class SchedulerSide:
                      f"both instances need the same block size")
         # loaded once: a preempted request recomputes instead of loading again
         params["do_remote_prefill"] = False
+        first, window = self._window(len(request.prompt_token_ids or ()), swa_block_ids)
         spec = RecvSpec(req_id, room, "" if error else parsed.bootstrap_addr, tuple(block_ids),
-                        local_tokens // self.block_size, error)
+                        local_tokens // self.block_size, error, swa_pages=window, swa_first=first)
         if error:
             log.error("request %s cannot load its KV: %s", req_id, error)
         self._step.recvs.append(spec)
         self._loading[req_id] = room
+
+    # -- prefill -------------------------------------------------------------------
+    def scheduled(self, req_id: str, block_ids: list[int] | None, replace: bool, num_computed: int,
+                  num_scheduled: int, swa_block_ids: list[int] | None = None) -> None:
+        """One scheduled request of this step: its new blocks (all of them if ``replace``) and tokens.
+
+        A remote-decode request whose prompt this step completes is streamed.
+        """
+        entry = self._prefilling.get(req_id)
+        if entry is None:
+            return
+        room, prompt_len, blocks, swa_blocks = entry
+        for held, new in ((blocks, block_ids), (swa_blocks, swa_block_ids)):
+            if replace:
+                held[:] = new or []
+            else:
+                held += new or []
+        if num_computed + num_scheduled < prompt_len:
+            return
+        del self._prefilling[req_id]
+        num_pages = pages_to_send(prompt_len, self.block_size)
+        if num_pages == 0 or len(blocks) < num_pages:
+            return
+        _, window = self._window(prompt_len, swa_blocks)
+        self._step.sends.append(SendSpec(req_id, room, tuple(blocks[:num_pages]), swa_pages=window,
+                                         stream=True))
+        self._streamed[req_id] = (room, num_pages)
 
     # -- both ------------------------------------------------------------------------
     def build_step(self) -> StepSpecs:
         step, self._step = self._step, StepSpecs()
         return step
 
-    def request_finished(self, request: Any, block_ids: list[int],
-                         length_capped: bool) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Any, block_ids: list[int], length_capped: bool,
+                         swa_block_ids: list[int] = ()) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         self._local_tokens.pop(req_id, None)
+        self._prefilling.pop(req_id, None)
+        if req_id in self._streamed:   # its blocks are being read: held until the room ends
+            room, num_pages = self._streamed.pop(req_id)
+            self._sending[req_id] = room
+            if kvparams.wants_remote_decode(request.kv_transfer_params) and length_capped:
+                return True, kvparams.decode_params(room, self.bootstrap_addr, num_pages)
+            log.warning("request %s finished without its one token; room %d was streamed and ends "
+                        "unclaimed", req_id, room)
+            return True, None
         if req_id in self._loading:
             # decode: a write may still land in these blocks until the room is drained
             self._step.aborts.append(AbortSpec(req_id, self._loading[req_id]))
@@ -102,7 +168,8 @@ class SchedulerSide:
         if num_pages == 0 or len(block_ids) < num_pages:
             return False, None
         room = kvparams.room_for(req_id, params)
-        self._step.sends.append(SendSpec(req_id, room, tuple(block_ids[:num_pages])))
+        _, window = self._window(len(request.prompt_token_ids or ()), swa_block_ids)
+        self._step.sends.append(SendSpec(req_id, room, tuple(block_ids[:num_pages]), swa_pages=window))
         self._sending[req_id] = room
         return True, kvparams.decode_params(room, self.bootstrap_addr, num_pages)
 
@@ -111,6 +178,13 @@ class SchedulerSide:
             self._sending.pop(req_id, None)
         for req_id in finished_recving or ():
             self._loading.pop(req_id, None)
+
+    def _window(self, prompt_len: int, swa_block_ids) -> tuple[int, tuple[int, ...]]:
+        """(first position, blocks) of the window's pages among a request's sliding-window blocks."""
+        if self.sliding_window is None:
+            return 0, ()
+        first = first_window_page(prompt_len, self.block_size, self.sliding_window)
+        return first, tuple(list(swa_block_ids)[first:pages_to_send(prompt_len, self.block_size)])
 
     @property
     def num_in_flight(self) -> int:

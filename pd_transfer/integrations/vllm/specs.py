@@ -14,11 +14,20 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class SendSpec:
-    """Prefill: send ``block_ids`` (the request's pages, in prompt order) as ``room``."""
+    """Prefill: send ``block_ids`` (the request's pages, in prompt order) as ``room``.
+
+    A hybrid model's request also has blocks in its other groups: its
+    Mamba/GDN state block(s) (``state_slots``) and its sliding-window pages
+    (``swa_pages``, the window's blocks in prompt order). ``stream``: sent
+    before the step's forward pass, each layer handed over as it is written.
+    """
 
     req_id: str
     room: int
     block_ids: tuple[int, ...]
+    state_slots: tuple[int, ...] = ()
+    swa_pages: tuple[int, ...] = ()
+    stream: bool = False
 
 
 @dataclass(frozen=True)
@@ -30,6 +39,8 @@ class RecvSpec:
     map pages positionally), but the connector leaves vLLM's copy of them
     alone. ``error`` set: the request cannot be loaded (bad parameters); the
     worker reports it failed, with the reason, without calling the sidecar.
+    ``state_slots`` and ``swa_pages``: as in :class:`SendSpec`, decode's;
+    ``swa_first`` is the position of ``swa_pages[0]`` among the prompt's blocks.
     """
 
     req_id: str
@@ -38,6 +49,9 @@ class RecvSpec:
     block_ids: tuple[int, ...]
     num_local_blocks: int = 0
     error: str = ""
+    state_slots: tuple[int, ...] = ()
+    swa_pages: tuple[int, ...] = ()
+    swa_first: int = 0
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,15 @@ sidecar through the blocking :class:`~pd_transfer.client.Client`. Each step
 vLLM calls, in order: :meth:`WorkerSide.start_step` (the scheduler's
 :class:`StepSpecs`), then :meth:`finished` and :meth:`load_errors`.
 
-- prefill: a :class:`SendSpec` stages the request's blocks (CPU) and calls
-  ``send``; the request is reported in ``finished_sending`` once the room is
-  terminal (sent, or failed: the reason is logged) and vLLM has told this
-  worker the request finished;
+- prefill: a streamed :class:`SendSpec` (the step that completes the
+  prompt) calls ``send(stream=True)`` before the forward pass; as vLLM saves
+  each layer (:meth:`WorkerSide.save_layer`) its blocks are staged (CPU) and
+  the layer announced with ``layer_ready``, and :meth:`WorkerSide.end_step`
+  announces the layers the pass did not save (Mamba/GDN state, a layer
+  without a save hook). A SendSpec that is not streamed stages every layer
+  and sends at once. The request is reported in ``finished_sending`` once
+  the room is terminal (sent, or failed: the reason is logged) and vLLM has
+  told this worker the request finished;
 - decode: a :class:`RecvSpec` calls ``expect``; on Success the pages are
   unstaged into vLLM's blocks and the request reported in
   ``finished_recving``. A failed or refused room is reported finished AND its
@@ -30,7 +35,8 @@ from pd_transfer.client import Client, ClientError
 from pd_transfer.client.status import RoomState
 from pd_transfer.integrations.vllm.memory import KvMemory
 from pd_transfer.integrations.vllm.specs import RecvSpec, SendSpec, StepSpecs
-from pd_transfer.integrations.vllm.staging import DirectPages, StagedPages
+from pd_transfer.integrations.vllm.staging import Blocks, DirectPages, StagedPages
+from pd_transfer.layout.views import Pool
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +55,8 @@ class WorkerSide:
         self.client = client
         self.pages: StagedPages | DirectPages | None = None
         self._sending: dict[str, SendSpec] = {}
+        self._streaming: dict[str, set[int]] = {}   # req id -> layers still to announce this step
+        self._layer_ids: dict[str, int] = {}        # vLLM layer name -> layer id
         self._receiving: dict[str, RecvSpec] = {}
         self._draining: dict[str, int] = {}      # aborted req id -> room
         self._finished_reqs: set[str] = set()    # vLLM's finished_req_ids, seen so far
@@ -59,6 +67,7 @@ class WorkerSide:
     def register(self, memory: KvMemory, owner_id: str, *, timeout_s: float | None = None) -> None:
         on_gpu = next(iter(memory.storages.values())).is_cuda
         self.pages = DirectPages(memory) if on_gpu else StagedPages(memory, owner_id)
+        self._layer_ids = {layer.name: layer.layer_id for layer in memory.layers}
         self.client.register(memory.geometry, self.pages.handles, timeout_s=timeout_s)
 
     # -- per step ------------------------------------------------------------------
@@ -69,6 +78,24 @@ class WorkerSide:
             self._expect(spec)
         for spec in step.aborts:
             self._abort(spec.req_id, spec.room)
+
+    def save_layer(self, layer_name: str) -> None:
+        """The forward pass wrote ``layer_name``: hand it to the sidecar for every streamed room."""
+        layer_id = self._layer_ids.get(layer_name)
+        if layer_id is None:
+            return
+        for req_id, pending in list(self._streaming.items()):
+            if layer_id in pending:
+                pending.discard(layer_id)
+                self._announce(req_id, layer_id)
+
+    def end_step(self) -> None:
+        """After the forward pass: announce every layer of this step's streamed rooms not yet saved."""
+        streaming, self._streaming = self._streaming, {}
+        for req_id, pending in streaming.items():
+            for layer_id in sorted(pending):
+                if not self._announce(req_id, layer_id):
+                    break
 
     def finished(self, finished_req_ids: set[str]) -> TransferResults:
         """What finished since the last call (see the module docstring)."""
@@ -86,7 +113,9 @@ class WorkerSide:
                 continue
             del self._receiving[req_id]
             if state is not None and state.succeeded:
-                self.pages.unstage(spec.block_ids[spec.num_local_blocks:])
+                local_swa = max(0, spec.num_local_blocks - spec.swa_first)
+                self.pages.unstage({Pool.KV: spec.block_ids[spec.num_local_blocks:],
+                                    Pool.SWA: spec.swa_pages[local_swa:], Pool.MAMBA: spec.state_slots})
             else:   # failed, or the sidecar could not say: never decode from these blocks
                 self._fail(spec, f"room {spec.room}: {self.failures.get(req_id, 'no status')}")
                 failed.add(req_id)
@@ -111,12 +140,34 @@ class WorkerSide:
     def _send(self, spec: SendSpec) -> None:
         self._sending[spec.req_id] = spec
         try:
-            self.pages.stage(spec.block_ids)
-            self.client.send(spec.room, list(spec.block_ids), last_chunk=True)
+            if not spec.stream:
+                self.pages.stage(_blocks(spec))
+            self.client.send(spec.room, list(spec.block_ids), state_slots=list(spec.state_slots),
+                             swa_pages=list(spec.swa_pages), last_chunk=True, stream=spec.stream)
         except ClientError as err:
-            self.failures[spec.req_id] = str(err)
-            log.error("request %s: send of room %d failed, its blocks are released: %s",
-                      spec.req_id, spec.room, err)
+            self._send_failed(spec, err)
+            return
+        if spec.stream:
+            self._streaming[spec.req_id] = set(self._layer_ids.values())
+
+    def _announce(self, req_id: str, layer_id: int) -> bool:
+        """Stage one layer of a streamed room and tell the sidecar it is written; False on failure."""
+        spec = self._sending.get(req_id)
+        if spec is None or req_id in self.failures:
+            return False
+        try:
+            self.pages.stage(_blocks(spec), layer_id=layer_id)
+            self.client.layer_ready(spec.room, layer_id)
+        except ClientError as err:
+            self._streaming.pop(req_id, None)
+            self._send_failed(spec, err)
+            return False
+        return True
+
+    def _send_failed(self, spec: SendSpec, err: ClientError) -> None:
+        self.failures[spec.req_id] = str(err)
+        log.error("request %s: send of room %d failed, its blocks are released: %s",
+                  spec.req_id, spec.room, err)
 
     def _expect(self, spec: RecvSpec) -> None:
         if spec.error:
@@ -124,7 +175,8 @@ class WorkerSide:
             self._failed_now.add(spec.req_id)
             return
         try:
-            self.client.expect(spec.room, spec.bootstrap_addr, list(spec.block_ids))
+            self.client.expect(spec.room, spec.bootstrap_addr, list(spec.block_ids),
+                               state_slots=list(spec.state_slots), swa_pages=list(spec.swa_pages))
         except ClientError as err:
             self._fail(spec, f"room {spec.room}: expect refused: {err}")
             self._failed_now.add(spec.req_id)
@@ -149,7 +201,7 @@ class WorkerSide:
 
     def _fail(self, spec: RecvSpec, reason: str) -> None:
         self.failures[spec.req_id] = reason
-        self._load_errors |= set(spec.block_ids)
+        self._load_errors |= set(spec.block_ids) | set(spec.state_slots) | set(spec.swa_pages)
         log.error("request %s: KV load failed, %d blocks reported to vLLM: %s",
                   spec.req_id, len(spec.block_ids), reason)
 
@@ -175,3 +227,7 @@ class WorkerSide:
                 log.error("request %s: room %d failed, its blocks are released: %s",
                           req_id, room, state.describe())
         return state
+
+
+def _blocks(spec: SendSpec | RecvSpec) -> Blocks:
+    return {Pool.KV: spec.block_ids, Pool.SWA: spec.swa_pages, Pool.MAMBA: spec.state_slots}

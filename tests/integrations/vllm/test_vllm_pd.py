@@ -2,7 +2,8 @@
 
 Prefill (TP 2) and decode (TP 4) each run vLLM 0.33's real ``Scheduler``
 with the connector; every step, the scheduler's connector metadata goes to
-each rank's worker connector (as vLLM's model runner passes it), and the
+each rank's worker connector (as vLLM's model runner passes it, with a
+``save_kv_layer`` per layer and ``wait_for_save`` around the pass), and the
 workers' reports come back in the model-runner output, ANDed over the ranks
 as vLLM's output aggregator does. The model's forward pass is the one thing
 played by the test: it writes a known KV into the blocks prefill's scheduler
@@ -22,6 +23,7 @@ pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base",
 from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm_harness import block_ids, request, runner_output, scheduler, vllm_config  # noqa: E402
 from vllm_instances import (  # noqa: E402
+    LAYERS,
     NUM_BLOCKS,
     assert_bit_equal,
     expected_decode,
@@ -48,6 +50,9 @@ class Engine:
         for rank, connector in enumerate(self.instance.connectors):
             connector.bind_connector_metadata(meta)
             connector.start_load_kv(None)
+            for name in LAYERS:                  # the forward pass, layer by layer
+                connector.save_kv_layer(name, None, None)
+            connector.wait_for_save()
             results = connector.get_transfer_results(out.finished_req_ids)
             errors |= connector.get_block_ids_with_load_errors()
             connector.clear_connector_metadata()

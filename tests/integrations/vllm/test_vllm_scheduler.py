@@ -54,6 +54,9 @@ def test_prefill_holds_blocks_until_the_send_finished_and_returns_room_and_boots
     assert out.num_scheduled_tokens[req.request_id] == 40
     held = block_ids(sched, req.request_id)
     assert len(held) == 3                                   # 40 tokens in 16-token blocks
+    # the step that computes the prompt streams it: the workers hand over each layer as it is written
+    (send,) = out.kv_connector_metadata.step.sends
+    assert (send.req_id, list(send.block_ids), send.stream) == (req.request_id, held, True)
     (finished,) = outputs
     params = finished.kv_transfer_params
     assert params["do_remote_prefill"] is True and params[BOOTSTRAP_KEY] == BOOTSTRAP
@@ -61,10 +64,9 @@ def test_prefill_holds_blocks_until_the_send_finished_and_returns_room_and_boots
     assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert num_free_blocks(sched) == free_before - 3         # delay free: still held
 
-    # the next step tells the workers to send exactly those blocks as that room
+    assert send.room == params[ROOM_KEY]
     out, _ = _step(sched, [])
-    (send,) = out.kv_connector_metadata.step.sends
-    assert (send.req_id, send.room, list(send.block_ids)) == (req.request_id, params[ROOM_KEY], held)
+    assert not out.kv_connector_metadata.step.sends          # sent once
     assert num_free_blocks(sched) == free_before - 3
 
     _step(sched, [], finished_sending={req.request_id})
@@ -77,11 +79,11 @@ def test_prefill_sends_the_pages_decode_loads_not_the_last_token_alone(model_dir
     sched = scheduler(vllm_config(model_dir, kv_role="kv_producer", extra={"bootstrap_addr": BOOTSTRAP}))
     req = request(49, kv_transfer_params={"do_remote_decode": True, ROOM_KEY: 1234}, max_tokens=1)
     sched.add_request(req)
-    _, (finished,) = _step(sched, [req])
+    out, (finished,) = _step(sched, [req])
     assert finished.kv_transfer_params[NUM_PAGES_KEY] == 3
     assert finished.kv_transfer_params[ROOM_KEY] == 1234     # the router's room is kept
-    out, _ = _step(sched, [])
-    assert len(out.kv_connector_metadata.step.sends[0].block_ids) == 3
+    (send,) = out.kv_connector_metadata.step.sends
+    assert (len(send.block_ids), send.room) == (3, 1234)
 
 
 def test_decode_parks_the_request_until_the_load_finished_then_computes_one_token(model_dir):

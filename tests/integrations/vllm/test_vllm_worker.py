@@ -27,32 +27,15 @@ from vllm_instances import (  # noqa: E402
     logical_kv,
     run_until,
 )
+from vllm_instances import transfer as transfer_specs  # noqa: E402
 
 from pd_transfer.integrations.vllm.specs import RecvSpec, SendSpec, StepSpecs  # noqa: E402
 from pd_transfer.ports import spare_port  # noqa: E402
 
 
 def transfer(prefill: Instance, decode: Instance, req: str, room: int, src: list[int], dst: list[int]):
-    """Drive one request through both instances' worker connectors, as vLLM steps them."""
-    decode.start(StepSpecs(recvs=[RecvSpec(req, room, prefill.bootstrap, tuple(dst))]))
-    prefill.start(StepSpecs(sends=[SendSpec(req, room, tuple(src))]))
-    sent = [False] * len(prefill.connectors)
-    results = [None] * len(decode.connectors)
-    errors = [set() for _ in decode.connectors]
-
-    def step() -> bool:
-        for i, c in enumerate(prefill.connectors):
-            sent[i] = sent[i] or req in c.get_transfer_results({req}).finished_sending
-        for i, c in enumerate(decode.connectors):
-            if results[i] is None:
-                got = c.get_transfer_results(set())
-                errors[i] |= c.get_block_ids_with_load_errors()
-                if req in got.finished_recving:
-                    results[i] = got
-        return all(sent) and all(r is not None for r in results)
-
-    run_until(step, 90, f"room {room}", lambda: prefill.logs() + decode.logs())
-    return results, errors
+    return transfer_specs(prefill, decode, SendSpec(req, room, tuple(src)),
+                          RecvSpec(req, room, prefill.bootstrap, tuple(dst)))
 
 
 def _bootstrap():
@@ -124,3 +107,53 @@ def test_bad_params_fail_the_request_at_once_with_the_reason(instances):
     assert results.finished_recving == {"req-bad"} == results.failed_recving
     assert connector.get_block_ids_with_load_errors() == {4, 5}
     assert connector._worker.failures["req-bad"] == "room is 'x'"
+
+
+def test_a_streamed_send_hands_each_layer_over_as_vllm_saves_it(instances):
+    bootstrap = _bootstrap()
+    prefill = instances("kv_producer", 1, bootstrap)
+    decode = instances("kv_consumer", 2, bootstrap)
+    kv = logical_kv(seed=31)
+    fill_prefill(prefill, kv)
+    late = prefill.caches[0][LAYERS[1]].clone()
+    prefill.caches[0][LAYERS[1]].zero_()             # layer 1 is not computed yet
+    before = [{n: t.clone() for n, t in caches.items()} for caches in decode.caches]
+    want = expected_decode(decode, before, kv, [2, 5], [8, 1])
+    src, dst = (2, 5), (8, 1)
+    for connector in decode.connectors:              # a sentinel where layer 1 will land
+        connector._worker.pages._pairs[1][1][list(dst)] = 7.0
+    decode.start(StepSpecs(recvs=[RecvSpec("req-s", 83, bootstrap, dst)]))
+    prefill.start(StepSpecs(sends=[SendSpec("req-s", 83, src, stream=True)]))
+    (sender,) = prefill.connectors
+
+    def landed(layer: int) -> list[bool]:
+        """Per decode rank: layer ``layer``'s blocks in the sidecar-written shared memory are prefill's."""
+        out = []
+        for rank, connector in enumerate(decode.connectors):
+            twin = connector._worker.pages._pairs[layer][1]
+            out.append(torch.equal(twin[list(dst)].view(torch.int16),
+                                   want[rank][LAYERS[layer]][list(dst)].view(torch.int16)))
+        return out
+
+    sender.save_kv_layer(LAYERS[0], None, None)      # the forward pass wrote layer 0
+    run_until(lambda: all(landed(0)), 60, "layer 0 to land", lambda: prefill.logs() + decode.logs())
+    for connector in decode.connectors:
+        assert bool((connector._worker.pages._pairs[1][1][list(dst)] == 7.0).all()), \
+            "layer 1 moved before it was announced"
+    assert all("req-s" not in c.get_transfer_results(set()).finished_recving for c in decode.connectors)
+
+    prefill.caches[0][LAYERS[1]].copy_(late)         # the forward pass writes layer 1, then saves it
+    sender.save_kv_layer(LAYERS[1], None, None)
+    sender.wait_for_save()
+    done = [False] * len(decode.connectors)
+
+    def finished() -> bool:
+        for i, c in enumerate(decode.connectors):
+            got = c.get_transfer_results(set())
+            assert not got.failed_recving, c._worker.failures
+            done[i] = done[i] or "req-s" in got.finished_recving
+        return all(done)
+
+    run_until(finished, 60, "the streamed room", lambda: prefill.logs() + decode.logs())
+    for rank, caches in enumerate(decode.caches):
+        assert_bit_equal(caches, want[rank], f"decode tp{rank}/2")

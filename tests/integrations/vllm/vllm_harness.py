@@ -72,8 +72,9 @@ def attention_cache_config(layer_names: list[str], *, num_blocks: int, num_kv_he
                          kv_cache_groups=[KVCacheGroupSpec(layer_names, spec)])
 
 
-def scheduler(config: VllmConfig, num_blocks: int = 1000) -> Scheduler:
-    kv_cache_config = attention_cache_config(["model.layers.0.self_attn.attn"], num_blocks=num_blocks)
+def scheduler(config: VllmConfig, num_blocks: int = 1000, kv_cache_config: KVCacheConfig | None = None) -> Scheduler:
+    kv_cache_config = kv_cache_config or attention_cache_config(["model.layers.0.self_attn.attn"],
+                                                                 num_blocks=num_blocks)
     config.cache_config.num_gpu_blocks = num_blocks
     return Scheduler(vllm_config=config, kv_cache_config=kv_cache_config, log_stats=True,
                      structured_output_manager=StructuredOutputManager(config),

@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm_harness import BLOCK_SIZE, attention_cache_config, vllm_config
 
 from pd_transfer.integrations.vllm.connector import PdTransferConnector, PdTransferConnectorMetadata
-from pd_transfer.integrations.vllm.specs import StepSpecs
+from pd_transfer.integrations.vllm.specs import RecvSpec, SendSpec, StepSpecs
 
 NUM_LAYERS, NUM_BLOCKS, TOTAL_HEADS, HEAD_SIZE, LATENT = 2, 12, 4, 16, 24
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
@@ -33,7 +33,8 @@ class Instance:
     """One vLLM instance's worker connectors (one per TP rank), each with its own sidecar."""
 
     def __init__(self, workdir, model_dir, role: str, tp_size: int, bootstrap: str, *, mla=False,
-                 config=None) -> None:
+                 config=None, build=None) -> None:
+        """``build(tp_size, rank)``: (KVCacheConfig, kv_caches) of a rank; default: the Llama layers."""
         self.role, self.tp_size, self.mla, self.bootstrap = role, tp_size, mla, bootstrap
         pd_role = "prefill" if role == "kv_producer" else "decode"
         self.sidecars = [Sidecar(workdir, pd_role, f"{pd_role[:3]}{tp_size}-{r}",
@@ -47,10 +48,13 @@ class Instance:
                 heads = 1 if mla else TOTAL_HEADS // tp_size
                 config = vllm_config(model_dir, kv_role=role, tp_size=tp_size, rank=rank,
                                      extra={"worker_endpoint": sidecar.endpoint})
-                connector = PdTransferConnector(config, KVConnectorRole.WORKER, attention_cache_config(
-                    LAYERS, num_blocks=NUM_BLOCKS, num_kv_heads=heads,
-                    head_size=LATENT if mla else HEAD_SIZE, mla=mla))
-                caches = vllm_shaped_caches(heads, mla)
+                if build is None:
+                    cache_config = attention_cache_config(LAYERS, num_blocks=NUM_BLOCKS, num_kv_heads=heads,
+                                                          head_size=LATENT if mla else HEAD_SIZE, mla=mla)
+                    caches = vllm_shaped_caches(heads, mla)
+                else:
+                    cache_config, caches = build(tp_size, rank)
+                connector = PdTransferConnector(config, KVConnectorRole.WORKER, cache_config)
                 connector.register_kv_caches(caches)
                 self.connectors.append(connector)
                 self.caches.append(caches)
@@ -123,6 +127,30 @@ def assert_bit_equal(got: dict, want: dict, where: str) -> None:
         g, w = got[name].view(torch.int16), want[name].view(torch.int16)
         bad = (g != w).nonzero()
         assert bad.numel() == 0, f"{where} {name}: {bad.shape[0]} elements differ, first at {bad[0].tolist()}"
+
+
+def transfer(prefill: Instance, decode: Instance, send: SendSpec, recv: RecvSpec):
+    """Drive one request through both instances' worker connectors, as vLLM steps them."""
+    req = send.req_id
+    decode.start(StepSpecs(recvs=[recv]))
+    prefill.start(StepSpecs(sends=[send]))
+    sent = [False] * len(prefill.connectors)
+    results = [None] * len(decode.connectors)
+    errors = [set() for _ in decode.connectors]
+
+    def step() -> bool:
+        for i, c in enumerate(prefill.connectors):
+            sent[i] = sent[i] or req in c.get_transfer_results({req}).finished_sending
+        for i, c in enumerate(decode.connectors):
+            if results[i] is None:
+                got = c.get_transfer_results(set())
+                errors[i] |= c.get_block_ids_with_load_errors()
+                if req in got.finished_recving:
+                    results[i] = got
+        return all(sent) and all(r is not None for r in results)
+
+    run_until(step, 90, f"room {send.room}", lambda: prefill.logs() + decode.logs())
+    return results, errors
 
 
 def run_until(predicate, timeout_s: float, what: str, logs) -> None:
