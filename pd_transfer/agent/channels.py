@@ -71,6 +71,7 @@ class Channel:
         # on_refused(channel) is called then, once the session is dropped
         self.refusal: PdTransferError | None = None
         self.on_refused: Callable[[Channel], None] = lambda channel: None
+        self.last_beat_s = 0.0        # when the sidecar's timers last sent it a heartbeat
 
     async def send(self, message: Message) -> None:
         frame = self.session.send(message)
@@ -82,6 +83,10 @@ class Channel:
 
     async def _write(self, frame: bytes) -> None:
         raise NotImplementedError
+
+    def close(self) -> None:
+        """End the session on this side."""
+        self.closed = True
 
     async def receive(self, frame: bytes, on_message: OnMessage) -> None:
         self.last_heard_s = time.monotonic()

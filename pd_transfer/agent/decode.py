@@ -45,6 +45,7 @@ from pd_transfer.protocol import (
     RoomStatus,
     TransferRequest,
 )
+from pd_transfer.protocol.worker_api import WorkerOp
 
 log = logging.getLogger(__name__)
 
@@ -72,15 +73,26 @@ class DecodeSide:
     def config(self):
         return self.sidecar.config
 
-    # -- prefill instances ---------------------------------------------------------
-    def resolve_configured(self) -> None:
+    # -- the Side protocol (agent/side.py) ------------------------------------------
+    async def on_worker_op(self, op: WorkerOp, request: dict, pools: dict[Pool, np.ndarray]) -> dict:
+        if op is WorkerOp.EXPECT:
+            return await self.on_expect(request, pools)
+        raise PdTransferError(f"{op.value} is not available on a decode sidecar",
+                              code=Reason.BAD_FRAME)
+
+    async def end_room(self, room: DecodeRoom, reason: Reason, text: str) -> None:
+        self._fail(room, reason, text)
+
+    async def on_registered(self) -> None:
         self.prefill.resolve_configured()
 
+    def on_tick(self, now_s: float) -> None:
+        self.prefill.resolve_configured()
+        self.prefill.release_retired(now_s)
+
+    # -- prefill instances ---------------------------------------------------------
     def instance_problem(self, address: str) -> str:
         return self.prefill.problem(address)
-
-    def release_retired(self, now_s: float) -> None:
-        self.prefill.release_retired(now_s)
 
     # -- rooms --------------------------------------------------------------------
     async def on_expect(self, request: dict, pools: dict[Pool, np.ndarray]) -> dict:

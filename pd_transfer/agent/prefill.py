@@ -30,7 +30,9 @@ from pd_transfer.agent.dataplane import SegmentTruncated
 from pd_transfer.agent.flow import peer_key, refuse_new_room, write_chunk
 from pd_transfer.agent.indices import check_indices
 from pd_transfer.agent.prefill_records import DecodePeer, PrefillRoom, Target
+from pd_transfer.agent.rooms import Room
 from pd_transfer.agent.streaming import ChunkLayers, chunk_plan, latest_streamed, span_of
+from pd_transfer.agent.worker_loss import close_stale_sessions
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.views import Pool
@@ -49,6 +51,7 @@ from pd_transfer.protocol import (
     TransferRequest,
 )
 from pd_transfer.protocol.messages import clip_text
+from pd_transfer.protocol.worker_api import WorkerOp
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,33 @@ class PrefillSide:
     @property
     def config(self):
         return self.sidecar.config
+
+    # -- the Side protocol (agent/side.py) ------------------------------------------
+    async def on_worker_op(self, op: WorkerOp, request: dict, pools: dict[Pool, np.ndarray]) -> dict:
+        if op is WorkerOp.SEND:
+            return await self.on_send(request, pools)
+        if op is WorkerOp.LAYER_READY:
+            return await self.on_layer_ready(request)
+        raise PdTransferError(f"{op.value} is not available on a prefill sidecar",
+                              code=Reason.BAD_FRAME)
+
+    async def end_room(self, room: PrefillRoom, reason: Reason, text: str) -> None:
+        await self.fail_room(room, reason, text)
+
+    async def on_registered(self) -> None:
+        sidecar = self.sidecar
+        await close_stale_sessions(sidecar)   # verdicts on a lost worker's registration
+        await sidecar.announce_first()
+        sidecar.worker_tasks.append(sidecar.spawn(sidecar.join_prefill_instance()))
+
+    def on_tick(self, now_s: float) -> None:
+        pass   # prefill's periodic work is the sidecar's: heartbeats and room deadlines
+
+    def check_bell(self, room: Room) -> None:
+        pass   # prefill rings doorbells; it has none to read
+
+    def close(self) -> None:
+        pass
 
     # -- decode sessions ----------------------------------------------------------
     async def on_message(self, channel: Channel, message) -> None:

@@ -35,9 +35,10 @@ from pd_transfer.agent.observe import Observer
 from pd_transfer.agent.prefill import PrefillSide
 from pd_transfer.agent.retry import Backoff
 from pd_transfer.agent.rooms import RoomTable, pool_requests
+from pd_transfer.agent.side import Side
 from pd_transfer.agent.startup import ReadyFile, binding, prepare_worker_endpoint
 from pd_transfer.agent.tasks import Tasks
-from pd_transfer.agent.worker_loss import WorkerBinding, close_stale_sessions
+from pd_transfer.agent.worker_loss import WorkerBinding
 from pd_transfer.config import SidecarConfig
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import RankGeometry, Role, check_geometry
@@ -78,7 +79,7 @@ class Sidecar:
         self.endpoint = None
         self.dataplane = DataPlane(config, self.context, on_bad_frame=self.observe.bad_frame,
                                    on_connection_closed=self.observe.connection_closed)
-        self.side = PrefillSide(self) if config.role is Role.PREFILL else DecodeSide(self)
+        self.side: Side = PrefillSide(self) if config.role is Role.PREFILL else DecodeSide(self)
         self.control: IncomingChannels | None = None
         self.bootstrap_server: BootstrapServer | None = None
         self.registered = asyncio.Event()
@@ -152,8 +153,7 @@ class Sidecar:
             if self.bootstrap_server:
                 self.bootstrap_server.close()
             await _bounded(self.dataplane.close(), "closing the data plane")
-            if self.config.role is Role.DECODE:
-                self.side.close()
+            self.side.close()
             self.context.destroy(linger=0)
             self.ready_file.remove()
             log.info("sidecar %s stopped", self.config.agent_id)
@@ -164,11 +164,8 @@ class Sidecar:
         while self.rooms.live() and time.monotonic() < deadline and not self._force:
             await asyncio.sleep(0.02)
         for room in self.rooms.live():
-            text = f"room {room.room}: the sidecar shut down before it finished"
-            if self.config.role is Role.PREFILL:
-                await self.side.fail_room(room, Reason.SHUTTING_DOWN, text)
-            else:
-                self.side._fail(room, Reason.SHUTTING_DOWN, text)
+            await self.side.end_room(room, Reason.SHUTTING_DOWN,
+                                     f"room {room.room}: the sidecar shut down before it finished")
         await asyncio.sleep(0.05)  # let the failure notices leave
 
     def spawn(self, coro: Coroutine[Any, Any, Any], *, room: str = "",
@@ -194,11 +191,11 @@ class Sidecar:
                                   code=Reason.NOT_REGISTERED)
         if op is WorkerOp.POLL:
             room = self._room(request["room"])
-            self._check_bell(room)
+            self.side.check_bell(room)
             return room.reply()
         if op is WorkerOp.WAIT:
             room = self._room(request["room"])
-            self._check_bell(room)
+            self.side.check_bell(room)
             await room.wait(float(request["timeout_s"]))
             return room.reply()
         if op is WorkerOp.ABORT:
@@ -210,19 +207,7 @@ class Sidecar:
             self.observe.limit_refused("max_rooms")
             raise PdTransferError(refusal, code=Reason.TOO_MANY_ROOMS,
                                   hint="finish or abort rooms, or raise max_rooms")
-        pools = pool_requests(request)
-        if op is WorkerOp.SEND and self.config.role is Role.PREFILL:
-            return await self.side.on_send(request, pools)
-        if op is WorkerOp.EXPECT and self.config.role is Role.DECODE:
-            return await self.side.on_expect(request, pools)
-        if op is WorkerOp.LAYER_READY and self.config.role is Role.PREFILL:
-            return await self.side.on_layer_ready(request)
-        raise PdTransferError(f"{op.value} is not available on a {self.config.role.value} sidecar",
-                              code=Reason.BAD_FRAME)
-
-    def _check_bell(self, room) -> None:
-        if self.config.role is Role.DECODE:
-            self.side.check_bell(room)
+        return await self.side.on_worker_op(op, request, pool_requests(request))
 
     def _room(self, room_id: int):
         room = self.rooms.get(room_id)
@@ -261,12 +246,7 @@ class Sidecar:
         self.worker.bind(request["worker_id"], connection, self.endpoint)
         log.info("worker %s registered %s: %d views in %d regions", request["worker_id"],
                  geometry.rank_id, len(geometry.views), len(geometry.regions))
-        if self.config.role is Role.PREFILL:
-            await close_stale_sessions(self)   # verdicts on a lost worker's registration
-            await self._announce_first()
-            self.worker_tasks.append(self.spawn(self._join_prefill_instance()))
-        else:
-            self.side.resolve_configured()
+        await self.side.on_registered()
         return {"rank_id": geometry.rank_id}
 
     async def wait_registered(self, timeout_s: float) -> None:
@@ -300,7 +280,7 @@ class Sidecar:
                 hint="another process holds that address (another instance's rank 0?); give "
                      "each prefill instance its own bootstrap address") from None
 
-    async def _announce_first(self) -> None:
+    async def announce_first(self) -> None:
         """Serve the rank table (rank 0), then announce this rank once before the
         worker's register returns, so a restarted rank is in the table before any
         new room can look it up (rank 0 may still be starting: then later)."""
@@ -316,7 +296,7 @@ class Sidecar:
             log.warning("prefill: first announcement failed (%s); retrying in the background",
                         err.message)
 
-    async def _join_prefill_instance(self) -> None:
+    async def join_prefill_instance(self) -> None:
         address = self.config.bootstrap
         if not address:
             return
@@ -390,9 +370,8 @@ class Sidecar:
             if stalled:
                 self.observe.loop_stalled(stalled)
             self.rooms.expire(now, self.side.on_timeout)
-            if self.config.role is Role.DECODE and self.geometry is not None:
-                self.side.resolve_configured()
-                self.side.release_retired(now)
+            if self.geometry is not None:
+                self.side.on_tick(now)
             for channel, on_lost in list(self._watched):
                 if channel.closed:
                     self._watched.remove((channel, on_lost))
@@ -400,13 +379,12 @@ class Sidecar:
                 why = why_lost(channel, now, interval, limit, self.stalls)
                 if why:
                     self._watched.remove((channel, on_lost))
-                    if hasattr(channel, "close"):
-                        channel.close()
-                    channel.closed = True
+                    channel.close()
                     self._lost(channel, on_lost, why)
                     continue
-                if channel.session.state in _HEARTBEAT_STATES and now - getattr(channel, "_beat_s", 0) >= interval:
-                    channel._beat_s = now
+                if channel.session.state in _HEARTBEAT_STATES \
+                        and now - channel.last_beat_s >= interval:
+                    channel.last_beat_s = now
                     try:
                         # bounded: a peer that stops reading fills ZeroMQ's send queue;
                         # its heartbeat is skipped (and it is soon lost), the timers go on

@@ -1,0 +1,53 @@
+"""What a sidecar asks of its role: the :class:`Side` protocol.
+
+A sidecar is the same process for both roles: the worker endpoint, the
+rooms, the timers, the data plane, the HTTP server. What differs is its
+side: :class:`~pd_transfer.agent.prefill.PrefillSide` answers decode peers
+and sends; :class:`~pd_transfer.agent.decode.DecodeSide` resolves prefill
+instances, requests rooms and receives. The sidecar calls its side only
+through this protocol and never asks which role it has.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from pd_transfer.agent.rooms import Room
+from pd_transfer.errors import Reason
+from pd_transfer.layout.views import Pool
+from pd_transfer.protocol.worker_api import WorkerOp
+
+
+class Side(Protocol):
+    async def on_worker_op(self, op: WorkerOp, request: dict[str, Any],
+                           pools: dict[Pool, np.ndarray]) -> dict[str, Any]:
+        """A room operation of the worker (send, expect, layer_ready), already checked
+        against the room table's bounds. Returns the reply; an operation this side does
+        not serve raises PdTransferError (``bad_frame``) naming the role."""
+
+    async def on_worker_abort(self, room_id: int) -> dict[str, Any]:
+        """The worker aborts ``room_id``. Returns once this side may tell the worker
+        whether the room's pages are safe to reuse (``drained`` in the reply)."""
+
+    def on_timeout(self, room: Room) -> None:
+        """``room`` passed its deadline in its current state: fail it with ``timeout``
+        and a reason saying what it was waiting for."""
+
+    async def end_room(self, room: Room, reason: Reason, text: str) -> None:
+        """Fail a live room the sidecar will not finish (it is shutting down): the
+        worker and the peers learn ``reason`` and ``text``."""
+
+    async def on_registered(self) -> None:
+        """The worker registered (the sidecar holds its geometry and mapped its
+        regions): start what serves it (join the instance, resolve peers)."""
+
+    def on_tick(self, now_s: float) -> None:
+        """The sidecar's timer tick (every 0.1 s at most): periodic work of the side."""
+
+    def check_bell(self, room: Room) -> None:
+        """Before answering a poll or wait on ``room``: settle it if its doorbell rang."""
+
+    def close(self) -> None:
+        """The sidecar stopped: release what the side holds (doorbells)."""
