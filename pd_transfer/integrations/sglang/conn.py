@@ -130,7 +130,9 @@ class PdTransferKVManager(BaseKVManager):
         self.worker_id = f"sglang-{role.value}-pp{args.pp_rank}-tp{args.engine_rank}"
         self.client = Client(self.settings.endpoint_for(args), self.worker_id,
                              timeout_s=self.settings.call_timeout_s)
-        self.client.register(self.geometry, self.memory.handles, pp_size=self.facts.pp_size,
+        handles = self.memory.handles       # only the regions a view uses (not a device pool a host pool replaces)
+        handles = {region.id: handles[region.id] for region in self.geometry.regions}
+        self.client.register(self.geometry, handles, pp_size=self.facts.pp_size,
                              timeout_s=self.settings.register_timeout_s)
         log.info("pd-transfer: %s registered %d views with its sidecar", self.geometry.rank_id,
                  len(self.geometry.views))

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pd_transfer.errors import GeometryError, Reason
+from pd_transfer.integrations.sglang.host_views import host_kv_views
 from pd_transfer.integrations.sglang.memory import EngineMemory, PoolTensor
 from pd_transfer.layout.geometry import RankGeometry, Region, Role
 from pd_transfer.layout.views import Axis, AxisRole, Layout, Pool, ShardSpec, TensorView
@@ -55,7 +56,10 @@ def describe_rank(kv_args: Any, memory: EngineMemory, facts: EngineFacts, role: 
     tp_rank = kv_args.engine_rank % tp_size
     page_size = int(kv_args.page_size)
     views: list[TensorView] = []
-    views += _kv_views(kv_args, memory, facts, page_size, tp_rank)
+    if memory.host is not None:
+        views += host_kv_views(memory, facts, page_size, tp_rank)
+    else:
+        views += _kv_views(kv_args, memory, facts, page_size, tp_rank)
     views += _state_views(kv_args, memory, facts, tp_rank)
     views += _aux_views(kv_args, memory)
     used = {v.region for v in views}
