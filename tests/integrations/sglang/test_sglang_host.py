@@ -21,8 +21,11 @@ The seeds (``shared/seeds/``):
   has no io-backend restriction on either. Layouts SGLang itself refuses for
   such a pool (layer_first, page_head) fail at SGLang's constructor, before
   pd-transfer is involved, and the test pins that message.
-- 000 (Mamba host storage needs page_first) is a host Mamba pool; host
-  destinations for state are not registered by this backend yet (docs/sglang.md).
+- 000 "Mamba storage zero-copy requires page_first layout, got <layout>": a
+  Mamba2 hybrid's conv and temporal state land byte-exact in SGLang's own
+  ``MambaPoolHost`` in both layouts it builds (page_first, page_first_direct);
+  SGLang refuses any other layout at the pool's constructor, which the test
+  pins.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
 from sglang.srt.disaggregation.base.conn import KVPoll
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool, MHATokenToKVPool
+from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
 from sglang_deployment import Deployment, run_room
 from sglang_ranks import build_rank, metadata_buffers
@@ -39,6 +44,7 @@ from sglang_ranks import build_rank, metadata_buffers
 from pd_transfer.errors import GeometryError
 from pd_transfer.integrations.sglang.host_views import host_kv_views
 from pd_transfer.integrations.sglang.memory import HostKvPool, share_engine_memory
+from pd_transfer.integrations.sglang.plugin import mamba2_conv_groups
 from pd_transfer.integrations.sglang.registration import EngineFacts
 
 LAYERS, HEADS, PAGE, POOL_TOKENS = 3, 2, 4, 32
@@ -139,3 +145,65 @@ def test_a_host_layout_pd_transfer_cannot_address_is_refused_at_registration_nam
         assert "--hicache-mem-layout" in str(caught.value.hint)
     finally:
         memory.close()
+
+
+MAMBA_LAYERS = [1, 3]
+
+
+def mamba_pools():
+    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=16, n_groups=4, num_heads=4, head_dim=4,
+                                    state_size=4, conv_kernel=4, conv_shard_groups=None)
+    params = Mamba2CacheParams(shape=shape, layers=MAMBA_LAYERS)
+    mamba = MambaPool(size=4, spec_state_size=0, cache_params=params, mamba_layer_ids=MAMBA_LAYERS, device="cpu")
+    kv = HybridLinearKVPool(size=POOL_TOKENS, dtype=torch.bfloat16, page_size=PAGE, head_num=HEADS, head_dim=8,
+                            full_attention_layer_ids=[0, 2], device="cpu", mamba_pool=mamba)
+    facts = EngineFacts(attn_tp_size=1, total_kv_heads=HEADS, mamba2_conv_groups=mamba2_conv_groups(params),
+                        model="tiny-nemotron-h")
+    return mamba, kv, facts
+
+
+def mamba_host(mamba: MambaPool, layout: str) -> MambaPoolHost:
+    info = mamba.get_device_pool_infos()[0].buffer_info
+    return MambaPoolHost(info, 2, 0, device_capacity=mamba.size, pin_memory=False, device="cpu", layout=layout)
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_seed_000_mamba_state_lands_byte_exact_in_sglangs_host_pool(tmp_path, monkeypatch, layout):
+    deployment = Deployment(tmp_path, 1, 1)
+    ranks = []
+    try:
+        monkeypatch.setenv("PD_TRANSFER_SGLANG_WORKER_ENDPOINT", deployment.endpoint("prefill", 0))
+        mamba, kv, facts = mamba_pools()
+        ranks.append(build_rank("prefill", 0, kv, page_size=PAGE, num_layers=4, facts=facts, owner=f"m-{layout}-p",
+                                mamba_pool=mamba))
+        monkeypatch.setenv("PD_TRANSFER_SGLANG_WORKER_ENDPOINT", deployment.endpoint("decode", 0))
+        d_mamba, d_kv, _ = mamba_pools()
+        host = mamba_host(d_mamba, layout)
+        ranks.append(build_rank("decode", 0, d_kv, page_size=PAGE, num_layers=4, facts=facts,
+                                owner=f"m-{layout}-d", mamba_pool=d_mamba, host_mamba_pool=host))
+        cache = mamba.mamba_cache
+        rng = np.random.default_rng(0)
+        for buf in [cache.temporal, *cache.conv]:
+            buf.copy_(torch.from_numpy(rng.standard_normal(tuple(buf.shape))).to(buf.dtype))
+        src_slot, dst_slot = 2, 6
+        p_states, d_states, _, receivers = run_room(
+            [ranks[0]], [ranks[1]], deployment, 62, [1, 3], [2, 5], src_aux=0, dst_aux=1,
+            src_state=[np.array([src_slot])], dst_state=[np.array([dst_slot])])
+        assert d_states == [KVPoll.Success], [r.failure for r in receivers]
+        assert p_states == [KVPoll.Success]
+        for position in range(len(MAMBA_LAYERS)):     # host (slots, Lm, 1, *shape); device (Lm, slots, *shape)
+            for name, src, dst in [("temporal", cache.temporal, host.temporal_buffer),
+                                   *(("conv", c, h) for c, h in zip(cache.conv, host.conv_buffer))]:
+                assert torch.equal(dst[dst_slot, position, 0], src[position, src_slot]), f"{name} layer {position}"
+                others = [s for s in range(dst.shape[0]) if s != dst_slot]
+                assert not dst[others].any(), f"{name}: a host slot the room did not name was written"
+        assert not d_mamba.mamba_cache.temporal.any(), "the device state was written, not the host pool"
+    finally:
+        for rank in ranks:
+            rank.close()
+        deployment.close()
+
+
+def test_seed_000_sglang_itself_refuses_a_layer_first_mamba_host_pool():
+    with pytest.raises(AssertionError, match="Unsupported layout: layer_first"):
+        mamba_host(mamba_pools()[0], "layer_first")
