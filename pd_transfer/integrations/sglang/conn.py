@@ -122,11 +122,17 @@ class PdTransferKVManager(BaseKVManager):
         self.state_types = [getattr(t, "value", t) for t in (getattr(args, "state_types", None) or [])]
         role = Role.PREFILL if disaggregation_mode == DisaggregationMode.PREFILL else Role.DECODE
         self.role = role
+        # SGLang holds a failed or aborted room's pages until is_abort_release_safe (its
+        # SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE switch); answered by the sidecar's drain
+        self.enable_deferred_decode_kv_release = _deferred_release_enabled()
+        self.deferred: dict[int, PdTransferKVReceiver] = {}
         self.geometry = describe_rank(args, self.memory, self.facts, role)
         self.worker_id = f"sglang-{role.value}-pp{args.pp_rank}-tp{args.engine_rank}"
         self.client = Client(self.settings.endpoint_for(args), self.worker_id,
                              timeout_s=self.settings.call_timeout_s)
-        self.client.register(self.geometry, self.memory.handles, pp_size=self.facts.pp_size,
+        handles = self.memory.handles       # only the regions a view uses (not a device pool a host pool replaces)
+        handles = {region.id: handles[region.id] for region in self.geometry.regions}
+        self.client.register(self.geometry, handles, pp_size=self.facts.pp_size,
                              timeout_s=self.settings.register_timeout_s)
         log.info("pd-transfer: %s registered %d views with its sidecar", self.geometry.rank_id,
                  len(self.geometry.views))
@@ -150,8 +156,24 @@ class PdTransferKVManager(BaseKVManager):
             (slots if kind == "mamba" else swa).extend(values)
         return slots, swa
 
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int = 0) -> bool:
+        """SGLang's deferred release: True once the sidecar drained the room (``required_acks`` unused)."""
+        receiver = self.deferred.get(int(bootstrap_room))
+        return receiver is None or receiver.is_abort_release_safe()
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        self.deferred.pop(int(bootstrap_room), None)
+
     def close(self) -> None:
         self.client.close()
+
+
+def _deferred_release_enabled() -> bool:
+    try:
+        from sglang.srt.environ import envs
+        return bool(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get())
+    except (ImportError, AttributeError):
+        return False
 
 
 class _Room:
@@ -248,6 +270,13 @@ class PdTransferKVReceiver(_Room, BaseKVReceiver):
         self.expected = False
         self.drained = False
         self.aborted = False
+        self.abort_notified = False
+        self.bootstrap_infos = [bootstrap_addr]    # SGLang counts one acknowledgement per entry
+
+    @property
+    def kv_mgr(self) -> PdTransferKVManager:
+        """The manager, under the name SGLang's decode queues use."""
+        return self.mgr
 
     def init(self, prefill_dp_rank: int) -> None:
         """Nothing to resolve here: the sidecar resolves the prefill instance at expect."""
@@ -280,8 +309,17 @@ class PdTransferKVReceiver(_Room, BaseKVReceiver):
 
     def abort(self) -> None:
         self.aborted = True
-        self._abort()
+        self.ensure_abort_notified()
         self._fail("[aborted] aborted by the decode scheduler")
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        """SGLang's failed-transfer path: tell the sidecar the room is over; the pages
+        are released once :meth:`is_abort_release_safe` (the drain) says so."""
+        if self.abort_notified:
+            return
+        self.abort_notified = True
+        self.mgr.deferred[self.room] = self
+        self._abort()
 
     def _abort(self) -> None:
         if not self.expected:

@@ -39,7 +39,9 @@ class PoolTensor:
 
     region: str         # e.g. "kv.k.0" (the storage's first tensor), "mamba.conv0", "aux.output_ids"
     tensor: Any         # torch.Tensor (CPU in shared memory, or CUDA)
-    kind: str           # "k", "v", "kv" (MLA latent), "swa_k", "swa_v", "conv", "temporal", "aux"
+    kind: str           # "k", "v", "kv" (MLA latent), "swa_k", "swa_v", "conv", "temporal", "aux",
+                        # "host_kv" (a host pool's K and V), "host_k", "host_v", "host_conv",
+                        # "host_temporal"
     index: int          # layer position in its pool (aux: position in MetadataBuffers)
     layer_id: int | None = None   # the model layer, where the pool maps positions to layers
 
@@ -63,12 +65,22 @@ class PoolTensor:
         return (last + 1) * self.tensor.element_size()
 
 
+@dataclass(frozen=True)
+class HostKvPool:
+    """What a host (HiCache) KV pool's buffers alone do not say: their layout and extents."""
+
+    layout: str          # SGLang's --hicache-mem-layout: layer_first, page_first, ...
+    page_size: int
+    layer_num: int
+
+
 @dataclass
 class EngineMemory:
     """Every registrable tensor of one SGLang rank, and how the sidecar opens it."""
 
     tensors: list[PoolTensor] = field(default_factory=list)
     segments: dict[str, Segment] = field(default_factory=dict)   # CPU only
+    host: HostKvPool | None = None     # decode's KV destination when it is a host (HiCache) pool
 
     @property
     def handles(self) -> dict[str, str]:
@@ -102,19 +114,30 @@ class EngineMemory:
 
 
 def share_engine_memory(owner_id: str, *, kv_pool: Any, metadata_buffers: Any,
-                        mamba_pool: Any | None = None) -> EngineMemory:
+                        mamba_pool: Any | None = None, host_kv_pool: Any | None = None,
+                        host_mamba_pool: Any | None = None) -> EngineMemory:
     """Collect (and on CPU, move into shared memory) every tensor a transfer touches.
 
     ``kv_pool`` is SGLang's ``token_to_kv_pool`` (MHA, MLA, SWA or hybrid
     linear pool), ``metadata_buffers`` its ``MetadataBuffers``, ``mamba_pool``
-    the ``MambaPool`` of a hybrid model.
+    the ``MambaPool`` of a hybrid model. ``host_kv_pool`` (decode only), an
+    ``MHATokenToKVPoolHost`` or ``AsymmetricMHATokenToKVPoolHost``, makes the
+    host pool the KV destination instead of the device pool, and
+    ``host_mamba_pool`` (a ``MambaPoolHost``) the Mamba state's. On CPU their
+    buffers are re-pointed like the device pools'; pointer tables the host
+    pool built at construction (``k_data_ptrs``) keep the old addresses,
+    which only its GPU copy kernels read.
     """
     memory = EngineMemory()
+    if host_kv_pool is not None:
+        memory.host = HostKvPool(str(host_kv_pool.layout), int(host_kv_pool.page_size),
+                                 int(host_kv_pool.layer_num))
     owner = f"{owner_id}-{os.getpid()}"
     moved: dict[int, tuple[str, Any]] = {}     # old storage pointer -> (region, shared uint8 storage)
     try:
         layers = _global_layers(kv_pool)
-        for kind, index, holder, attr, position in _pool_tensors(kv_pool, mamba_pool, metadata_buffers):
+        for kind, index, holder, attr, position in _pool_tensors(kv_pool, mamba_pool, metadata_buffers,
+                                                                 host_kv_pool, host_mamba_pool):
             tensor = _get(holder, attr, position)
             storage_ptr = tensor.untyped_storage().data_ptr()
             if storage_ptr not in moved:
@@ -134,7 +157,9 @@ def share_engine_memory(owner_id: str, *, kv_pool: Any, metadata_buffers: Any,
 
 
 _REGION_PREFIX = {"k": "kv.k", "v": "kv.v", "kv": "kv.latent", "swa_k": "swa.k", "swa_v": "swa.v",
-                  "conv": "mamba.conv", "temporal": "mamba.temporal"}
+                  "conv": "mamba.conv", "temporal": "mamba.temporal",
+                  "host_kv": "host.kv", "host_k": "host.k", "host_v": "host.v",
+                  "host_conv": "host.mamba.conv", "host_temporal": "host.mamba.temporal"}
 
 
 _KV_KINDS = ("k", "v", "kv", "swa_k", "swa_v")
@@ -151,7 +176,8 @@ def _global_layers(kv_pool: Any) -> dict[tuple[bool, int], int]:
     return {(bool(is_swa), int(position)): int(layer) for layer, (position, is_swa) in mapping.items()}
 
 
-def _pool_tensors(kv_pool: Any, mamba_pool: Any | None, metadata_buffers: Any):
+def _pool_tensors(kv_pool: Any, mamba_pool: Any | None, metadata_buffers: Any, host_kv_pool: Any | None,
+                  host_mamba_pool: Any | None):
     """``(kind, index, holder, attribute, list position or None)`` of every tensor."""
     full = getattr(kv_pool, "full_kv_pool", kv_pool)
     if hasattr(full, "kv_buffer"):                          # MLA
@@ -171,6 +197,16 @@ def _pool_tensors(kv_pool: Any, mamba_pool: Any | None, metadata_buffers: Any):
         for i in range(len(cache.conv)):
             yield "conv", i, cache, "conv", i
         yield "temporal", 0, cache, "temporal", None
+    if host_kv_pool is not None:
+        if isinstance(host_kv_pool.kv_buffer, (tuple, list)):    # head_dim != v_head_dim: K and V apart
+            yield "host_k", 0, host_kv_pool, "kv_buffer", 0
+            yield "host_v", 0, host_kv_pool, "kv_buffer", 1
+        else:                                                     # (2, ...): K then V
+            yield "host_kv", 0, host_kv_pool, "kv_buffer", None
+    if host_mamba_pool is not None:                               # (slots, Lm, 1, *state shape)
+        for i in range(len(host_mamba_pool.conv_buffer)):
+            yield "host_conv", i, host_mamba_pool, "conv_buffer", i
+        yield "host_temporal", 0, host_mamba_pool, "temporal_buffer", None
     for position, name in enumerate(_aux_names(metadata_buffers)):
         yield "aux", position, metadata_buffers, name, None
 

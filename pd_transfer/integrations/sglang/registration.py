@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pd_transfer.errors import GeometryError, Reason
+from pd_transfer.integrations.sglang.host_views import host_kv_views
 from pd_transfer.integrations.sglang.memory import EngineMemory, PoolTensor
 from pd_transfer.layout.geometry import RankGeometry, Region, Role
 from pd_transfer.layout.views import Axis, AxisRole, Layout, Pool, ShardSpec, TensorView
@@ -55,7 +56,10 @@ def describe_rank(kv_args: Any, memory: EngineMemory, facts: EngineFacts, role: 
     tp_rank = kv_args.engine_rank % tp_size
     page_size = int(kv_args.page_size)
     views: list[TensorView] = []
-    views += _kv_views(kv_args, memory, facts, page_size, tp_rank)
+    if memory.host is not None:
+        views += host_kv_views(memory, facts, page_size, tp_rank)
+    else:
+        views += _kv_views(kv_args, memory, facts, page_size, tp_rank)
     views += _state_views(kv_args, memory, facts, tp_rank)
     views += _aux_views(kv_args, memory)
     used = {v.region for v in views}
@@ -179,12 +183,37 @@ def _mamba_views(kv_args: Any, c: int, memory: EngineMemory, facts: EngineFacts,
         if groups is None and entry.kind == "conv":
             groups = facts.mamba2_conv_groups
         axes, shard = _state_axes(path, entry.kind, slot_shape, dim, outer, groups, facts, tp_rank)
+        where = (entry.region, offset, (tensor.shape[1],) + slot_shape, tuple(s * isz for s in tensor.stride()[1:]),
+                 Layout.SLOT)
+        host = _host_state(memory, entry, offset, path)
         views.append(TensorView(
-            pool=Pool.MAMBA, layer_id=layer_id, name=name, region=entry.region, offset_nbytes=offset,
-            dtype=_dtype(tensor), shape=(tensor.shape[1],) + slot_shape,
-            strides_nbytes=tuple(s * isz for s in tensor.stride()[1:]),
-            axes=(Axis("slot", AxisRole.INDEX),) + axes, shard=shard, layout=Layout.SLOT))
+            pool=Pool.MAMBA, layer_id=layer_id, name=name, region=(host or where)[0], offset_nbytes=(host or where)[1],
+            dtype=_dtype(tensor), shape=(host or where)[2], strides_nbytes=(host or where)[3],
+            axes=(Axis("slot", AxisRole.INDEX),) + axes, shard=shard, layout=(host or where)[4]))
     return views
+
+
+def _host_state(memory: EngineMemory, entry: PoolTensor, offset: int, path: str) -> tuple | None:
+    """Where a host ``MambaPoolHost`` keeps the state ``entry`` holds at ``offset``, if decode registered one.
+
+    The host buffer is ``(slots, Lm, 1, *state shape)`` (SGLang's page_first and
+    page_first_direct, the same bytes for one-slot pages); the layer is the one at
+    the same position of the device pool.
+    """
+    host = next((e for e in memory.tensors if e.kind == f"host_{entry.kind}" and e.index == entry.index), None)
+    if host is None:
+        return None
+    tensor, buf = entry.tensor, host.tensor
+    isz = buf.element_size()
+    position = (offset - entry.offset_nbytes) // (tensor.stride()[0] * tensor.element_size())
+    if tuple(buf.shape[3:]) != tuple(tensor.shape[2:]) or buf.dtype != tensor.dtype or buf.shape[2] != 1:
+        raise GeometryError(f"{path}: the host pool's {host.region} holds {tuple(buf.shape[3:])} {buf.dtype} per "
+                            f"layer and slot, the device pool {tuple(tensor.shape[2:])} {tensor.dtype}",
+                            code=Reason.BAD_VIEW)
+    strides = buf.stride()
+    return (host.region, (buf.storage_offset() + position * strides[1]) * isz,
+            (buf.shape[0],) + tuple(buf.shape[3:]), tuple(s * isz for s in (strides[0],) + tuple(strides[3:])),
+            Layout.PAGE_FIRST)
 
 
 def _state_axes(path: str, kind: str, slot_shape: tuple[int, ...], dim: int, outer: int,

@@ -77,11 +77,17 @@ def fill_kv_args(rank: SglangRank, *, page_size: int, num_layers: int, total_kv_
 
 
 def build_rank(role: str, tp_rank: int, pool: Any, *, page_size: int, num_layers: int,
-               facts: EngineFacts, owner: str, mamba_pool: Any = None) -> SglangRank:
-    """Pools into shared memory, kv_args by SGLang's helpers, then the manager (registers)."""
+               facts: EngineFacts, owner: str, mamba_pool: Any = None, host_kv_pool: Any = None,
+               host_mamba_pool: Any = None) -> SglangRank:
+    """Pools into shared memory, kv_args by SGLang's helpers, then the manager (registers).
+
+    ``host_kv_pool`` / ``host_mamba_pool`` (decode): SGLang's host pools, registered as the
+    KV / Mamba state destination.
+    """
     rank = SglangRank(role, tp_rank, pool, metadata_buffers(), None, mamba_pool)
     rank.memory = share_engine_memory(owner, kv_pool=pool, metadata_buffers=rank.metadata,
-                                      mamba_pool=mamba_pool)
+                                      mamba_pool=mamba_pool, host_kv_pool=host_kv_pool,
+                                      host_mamba_pool=host_mamba_pool)
     rank.kv_args = fill_kv_args(rank, page_size=page_size, num_layers=num_layers,
                                 total_kv_heads=facts.total_kv_heads)
     mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
