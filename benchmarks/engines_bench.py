@@ -18,9 +18,16 @@ and for each, in one run:
                     (1,024 iovecs a call), no framing or checks: what the
                     kernel alone charges for scattered pieces (not a target)
   mooncake TE       Mooncake's engine alone (tcp, P2P handshake), the same
-                    descriptors via ``batch_transfer_sync_write``, 1,024 a batch
+                    descriptors via ``batch_transfer_sync_write``, in two
+                    settings: its default per-peer queues, 1,024 descriptors a
+                    batch; and per-peer queues enlarged to 65,535
+                    (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``,
+                    ``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER``), all of the
+                    case's descriptors in one batch
   nixl UCX tcp/shm  NIXL alone (UCX_TLS=tcp, then UCX_TLS=shm): descriptors
-                    prepared once, one prepped transfer per repeat
+                    prepared once, one prepped transfer per repeat, the
+                    initiating agent with NIXL's progress thread and without
+                    (the receiving agent keeps its own)
   pd-transfer tcp/shm  the same descriptors as a plan through the built-in
                     transports: TcpTransport into a TcpReceiver in the
                     receiver process, ShmTransport mapping the destination
@@ -32,9 +39,10 @@ and for each, in one run:
                     measured at connect; the row says which was chosen
 
 Each engine runs between fresh processes: a receiver that registers the
-destination (one per engine and UCX setting), and one sender process for the
-engine alone and another for pd-transfer, so neither runs beside the other's
-threads. The parent
+destination (one per engine and UCX setting), and one sender process for each
+setting of the engine alone and another for pd-transfer, so none runs beside
+another's threads. Each pd-transfer engine row is compared with the fastest
+setting of its engine alone, per case, and names it. The parent
 checks the destination bytes after every case. Figures are medians of
 ``--repeats`` runs, the copy floor's too; the raw tcp floors are medians of 7
 runs before the engines and 7 after (on 2 vCPUs their speed swings by 2x with
@@ -75,14 +83,28 @@ SRC_NBYTES, DST_NBYTES = 256 * MIB, 512 * MIB
 CASES = {"a": ("(a) 1 x 256 MiB", 256 * MIB, 1), "b": ("(b) 16,384 x 16 KiB", 16 * 1024, 16384),
          "c": ("(c) 65,536 x 2 KiB", 2048, 65536)}
 RAW_IOV_STREAMS = DEFAULT_STREAMS  # as many sockets as pd-transfer's tcp links have
-MODES = [("pd-transfer tcp", "builtin-tcp", {}),
-         ("pd-transfer shm", "builtin-shm", {}),
-         ("mooncake TE tcp (engine alone)", "mooncake-raw", {}),
-         ("pd-transfer mooncake (tcp)", "mooncake-pd", {}),
-         ("nixl UCX tcp (engine alone)", "nixl-raw", {"UCX_TLS": "tcp"}),
-         ("pd-transfer nixl (UCX tcp)", "nixl-pd", {"UCX_TLS": "tcp"}),
-         ("nixl UCX shm (engine alone)", "nixl-raw", {"UCX_TLS": "shm"}),
-         ("pd-transfer nixl (UCX shm)", "nixl-pd", {"UCX_TLS": "shm"})]
+MOONCAKE_QUEUES = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
+                   "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535"}
+
+
+def _nixl_group(tls: str) -> tuple[dict, list]:
+    return ({"UCX_TLS": tls}, [
+        (f"nixl UCX {tls}, progress thread", "nixl-raw", {"progress_thread": True}),
+        (f"nixl UCX {tls}, no progress thread", "nixl-raw", {"progress_thread": False}),
+        (f"pd-transfer nixl (UCX {tls})", "nixl-pd", {})])
+
+
+# (the receiver's and its senders' env, [(row label, sender mode, that sender's settings)]):
+# one receiver per group; an engine's group lists its settings alone, then pd-transfer
+GROUPS = [({}, [("pd-transfer tcp", "builtin-tcp", {}), ("pd-transfer shm", "builtin-shm", {})]),
+          ({}, [("mooncake TE tcp, default queues", "mooncake-raw", {"batch": 1024}),
+                ("mooncake TE tcp, queues 65,535", "mooncake-raw",
+                 {"batch": 1 << 16, "env": MOONCAKE_QUEUES}),
+                ("pd-transfer mooncake (tcp)", "mooncake-pd", {})]),
+          _nixl_group("tcp"), _nixl_group("shm")]
+MODES = [row for _, rows in GROUPS for row in rows]
+ALONE = {pd[0]: [label for label, mode, _ in rows if mode.endswith("-raw")]
+         for _, rows in GROUPS for pd in rows if "(" in pd[0]}  # pd-transfer row -> its peers
 
 
 def descriptors(case: str, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -118,17 +140,17 @@ def sender_main(args: dict) -> None:
     src = open_segment(args["src"]).tensor
     sets = np.load(args["sets"])
     address, repeats = args["address"], args["repeats"]
-    states: dict[str, dict] = {}
+    states: dict[str, dict] = {"settings": args.get("settings", {})}
     for line in sys.stdin:
         case, mode = line.split()
         run_case = {"mooncake-raw": _mooncake_raw, "nixl-raw": _nixl_raw}.get(mode, _pd_transport)
         address = args["dst"] if mode == "builtin-shm" else args["address"]
         s, d, n = sets[f"{case}_src"], sets[f"{case}_dst"], sets[f"{case}_n"]
-        state = states.setdefault(mode, {})
+        state = states.setdefault(mode, {"settings": states["settings"]})
         times = run_case(state, mode, address, src, s, d, n, repeats)
         print(json.dumps({"seconds": statistics.median(times), **_chosen(state)}), flush=True)
     for state in states.values():
-        if "close" in state:
+        if isinstance(state, dict) and "close" in state:
             state["close"]()
 
 
@@ -162,14 +184,14 @@ def _mooncake_raw(state, mode, address, src, s, d, n, repeats) -> list[float]:
     if "engine" not in state:
         state["engine"] = MooncakeEngine()
         state["engine"].register({"src": (src.data_ptr(), src.numel())})
-    engine = state["engine"].engine
+    engine, batch = state["engine"].engine, state["settings"]["batch"]
     src_addr, dst_addr = (s + src.data_ptr()).tolist(), (d + peer.regions["dst"][0]).tolist()
     lengths = n.tolist()
 
     def once() -> None:
-        for i in range(0, len(lengths), 1024):
-            if engine.batch_transfer_sync_write(peer.session, src_addr[i:i + 1024],
-                                                dst_addr[i:i + 1024], lengths[i:i + 1024]):
+        for i in range(0, len(lengths), batch):
+            if engine.batch_transfer_sync_write(peer.session, src_addr[i:i + batch],
+                                                dst_addr[i:i + batch], lengths[i:i + batch]):
                 raise SystemExit("mooncake engine failed a batch")
     return _timed(once, repeats)
 
@@ -179,7 +201,8 @@ def _nixl_raw(state, mode, address, src, s, d, n, repeats) -> list[float]:
     from pd_transfer.transport.nixl import NixlEngine
     peer = EngineAddress.parse(address, "nixl")
     if "engine" not in state:
-        state["engine"] = NixlEngine("bench")
+        state["engine"] = NixlEngine(
+            "bench", progress_thread=state["settings"]["progress_thread"])
         state["engine"].register({"src": (src.data_ptr(), src.numel())})
         state["engine"].agent.add_remote_agent(peer.metadata)
     engine = state["engine"]
@@ -338,16 +361,16 @@ def copy_seconds(nbytes: int, repeats: int) -> float:
 
 
 # -- orchestration ---------------------------------------------------------------------------
-def run_group(modes: list[tuple[str, str]], env: dict, names: dict, sets_path: str, dst, src,
-              sets, repeats: int) -> dict[str, dict]:
-    """One receiver process (one UCX setting) and a sender process per mode, for the
-    engine-alone and the pd-transfer mode of one engine; seconds (or why not) per mode
-    and case."""
+def run_group(modes: list[tuple[str, str, dict]], env: dict, names: dict, sets_path: str, dst,
+              src, sets, repeats: int) -> dict[str, dict]:
+    """One receiver process (one UCX setting) and a sender process per row, for each
+    setting of one engine alone and for pd-transfer through it; seconds (or why not) per
+    row and case."""
     kind = modes[0][1].split("-")[0]
     from pd_transfer.transport.engines import engine_unusable
     problem = engine_unusable(kind) if kind != "builtin" else ""
     if problem:
-        return {label: {case: problem for case in CASES} for label, _ in modes}
+        return {label: {case: problem for case in CASES} for label, _, _ in modes}
     child_env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), **env)
     child_env.setdefault("UCX_MODULES", "^ib")
     me = [sys.executable, __file__]
@@ -357,19 +380,22 @@ def run_group(modes: list[tuple[str, str]], env: dict, names: dict, sets_path: s
                                 env=child_env, stderr=subprocess.DEVNULL)
     address = json.loads(receiver.stdout.readline())["address"]
 
-    def start_sender() -> subprocess.Popen:
+    def start_sender(settings: dict) -> subprocess.Popen:
+        settings = dict(settings)
+        sender_env = dict(child_env, **settings.pop("env", {}))
         return subprocess.Popen(me + ["--child", json.dumps({
             "role": "sender", "src": names["src"], "dst": names["dst"], "sets": sets_path,
-            "address": address, "repeats": repeats})], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True, env=child_env, stderr=subprocess.DEVNULL)
+            "address": address, "repeats": repeats, "settings": settings})],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=sender_env,
+            stderr=subprocess.DEVNULL)
 
-    out: dict[str, dict] = {label: {} for label, _ in modes}  # and "chosen": pd-transfer's picks
+    out: dict[str, dict] = {label: {} for label, _, _ in modes}  # and "chosen": pd-transfer's
     try:
         # one sender process per mode: an engine's threads (NIXL's progress thread, UCX's)
         # live as long as its agent, and an agent left from the mode before slowed the
         # next one down (whichever ran second measured 0.5-0.7x of the first)
-        for label, mode in modes:
-            sender = start_sender()
+        for label, mode, settings in modes:
+            sender = start_sender(settings)
             try:
                 for case in CASES:
                     dst.array[:] = 0
@@ -441,10 +467,8 @@ def report(repeats: int, names: dict, sets_path: str, src, dst, sets) -> None:
     raw, raw_iov = raw_tcp_seconds(sizes), raw_iov_seconds(names, sets_path, src, dst)
     results: dict[str, dict] = {}
     chosen: dict = {}
-    for index in range(0, len(MODES), 2):  # (engine alone, pd-transfer) pairs, one env each
-        pair = MODES[index:index + 2]
-        group = run_group([(label, mode) for label, mode, _ in pair], pair[0][2], names,
-                          sets_path, dst, src, sets, repeats)
+    for env, rows in GROUPS:
+        group = run_group(rows, env, names, sets_path, dst, src, sets, repeats)
         chosen.update(group.pop("chosen", {}))
         results.update(group)
     # the floors once more, at the end: right after the set-up (768 MiB of pools written,
@@ -455,8 +479,9 @@ def report(repeats: int, names: dict, sets_path: str, src, dst, sets) -> None:
     raw_iov = {case: statistics.median(t + iov_again[case]) for case, t in raw_iov.items()}
     print(f"engines bench: median of up to {repeats} (fewer past 6 s; raw tcp floors: median of "
           f"{FLOOR_REPEATS} before and {FLOOR_REPEATS} after), {os.cpu_count()} CPUs, GB/s = 1e9 B/s; "
-          f"ratios: x copy_ / x raw tcp / x the engine alone; pd-transfer rows: strategy auto, "
-          f"[the strategy it chose]")
+          f"ratios: x copy_ / x raw tcp / x the engine alone at its best (the fastest of its "
+          f"settings, per case); pd-transfer rows: strategy auto, [the strategy it chose]; "
+          f"machine shared with other work: figures are noisy")
     print(f"{'case':<22}{'path':<44}{'ms':>9}{'GB/s':>8}{'x copy':>8}{'x tcp':>7}{'x alone':>9}")
     for case, (title, _, _) in CASES.items():
         total = totals[case]
@@ -472,13 +497,17 @@ def report(repeats: int, names: dict, sets_path: str, src, dst, sets) -> None:
                 print(f"{first:<22}{shown:<44}  {seconds}")
                 continue
             alone = ""
-            if label.startswith("pd-transfer") and "(" in label:
-                engine = MODES[[m[0] for m in MODES].index(label) - 1][0]
-                base = results[engine][case]
-                alone = f"{base / seconds:.2f}" if isinstance(base, float) else "-"
+            if label in ALONE:
+                best = best_alone(results, label, case)
+                alone = f"{best[1] / seconds:.2f}" if best else "-"
             print(f"{first:<22}{shown:<44}{seconds * 1e3:>9.1f}{total / seconds / 1e9:>8.2f}"
                   f"{copy[total] / seconds:>8.2f}{raw[total] / seconds:>7.2f}{alone:>9}")
-    targets(results, copy, raw, raw_best, totals)
+    print("engine alone at its best, per case (what the x alone column divides by):")
+    for label in ALONE:
+        picks = [(case, best_alone(results, label, case)) for case in CASES]
+        print(f"  {label.removeprefix('pd-transfer '):<18}" + "; ".join(
+            f"({case}) {best[0]}" if best else f"({case}) -" for case, best in picks))
+    targets(results, copy, raw, raw_best, raw_iov, totals)
     crossovers = {label: answer["crossover"] for (label, _), answer in chosen.items()
                   if "(" in label}
     print("staged below a mean run of: " + ", ".join(
@@ -487,31 +516,56 @@ def report(repeats: int, names: dict, sets_path: str, src, dst, sets) -> None:
 
 
 
-def targets(results: dict, copy: dict, raw: dict, raw_best: dict, totals: dict) -> None:
-    """The issue's targets, as ratios of this run's rows (missing rows: not measured); the
-    tcp x raw lines also say where the case stands against the floor's best run."""
-    def ratio(label: str, case: str, base: str) -> float | None:
-        mine, other = results.get(label, {}).get(case), results.get(base, {}).get(case)
-        return other / mine if isinstance(mine, float) and isinstance(other, float) else None
+def best_alone(results: dict, label: str, case: str) -> tuple[str, float] | None:
+    """The fastest setting of the engine behind pd-transfer row ``label`` on ``case``:
+    (its setting, seconds), or None where none was measured."""
+    timed = [(results[peer][case], peer) for peer in ALONE[label]
+             if isinstance(results[peer][case], float)]
+    if not timed:
+        return None
+    seconds, peer = min(timed)
+    return peer.split(", ", 1)[-1], seconds
+
+
+def targets(results: dict, copy: dict, raw: dict, raw_best: dict, raw_iov: dict,
+            totals: dict) -> None:
+    """The issue's targets, as ratios of this run's rows (missing rows: not measured); an
+    engine's row is its fastest setting on the case; the tcp x raw lines also say where
+    the case stands against the floor's best run."""
+    def mine(label: str, case: str) -> float | None:
+        seconds = results.get(label, {}).get(case)
+        return seconds if isinstance(seconds, float) else None
+
+    def over_best(label: str, case: str, engine_row: str) -> float | None:
+        best, seconds = best_alone(results, engine_row, case), mine(label, case)
+        return best[1] / seconds if best and seconds else None
 
     tcp, shm = "pd-transfer tcp", "pd-transfer shm"
+    moon, ntcp, nshm = ("pd-transfer mooncake (tcp)", "pd-transfer nixl (UCX tcp)",
+                        "pd-transfer nixl (UCX shm)")
     checks = [(f"tcp x raw tcp, case {c}", raw[totals[c]] / results[tcp][c], 0.7,
                f"  ({raw_best[totals[c]] / results[tcp][c]:.2f}x the floor's best run)")
-              for c in CASES if isinstance(results[tcp][c], float)]
-    checks += [("tcp x mooncake TE tcp, 16 KiB", ratio(tcp, "b", MODES[2][0]), 4.0),
-               ("tcp x nixl UCX tcp, 16 KiB", ratio(tcp, "b", MODES[4][0]), 1.5),
-               ("tcp x mooncake TE tcp, 2 KiB", ratio(tcp, "c", MODES[2][0]), 20.0),
-               ("tcp x nixl UCX tcp, 2 KiB", ratio(tcp, "c", MODES[4][0]), 6.0)]
-    peers = [results[m[0]]["a"] for m in (MODES[2], MODES[4])  # the engines over tcp
-             if isinstance(results[m[0]]["a"], float)]
-    if peers and isinstance(results[tcp]["a"], float):
+              for c in CASES if mine(tcp, c)]
+    checks += [(f"tcp x raw tcp iovecs, case {c}", raw_iov[c] / results[tcp][c], 0.9)
+               for c in CASES if mine(tcp, c) and c in raw_iov]
+    checks += [("tcp x mooncake TE tcp at best, 16 KiB", over_best(tcp, "b", moon), 4.0),
+               ("tcp x nixl UCX tcp at best, 16 KiB", over_best(tcp, "b", ntcp), 1.5),
+               ("tcp x mooncake TE tcp at best, 2 KiB", over_best(tcp, "c", moon), 20.0),
+               ("tcp x nixl UCX tcp at best, 2 KiB", over_best(tcp, "c", ntcp), 6.0)]
+    peers = [best_alone(results, row, "a") for row in (moon, ntcp)]  # the engines over tcp
+    peers = [best[1] for best in peers if best]
+    if peers and mine(tcp, "a"):
         checks.append(("tcp x best tcp engine, 256 MiB block", min(peers) / results[tcp]["a"], 0.8))
+    checks += [(f"pd nixl x nixl alone at best, UCX {tls}, case {c}", over_best(row, c, row), 0.9)
+               for row, tls in ((ntcp, "tcp"), (nshm, "shm")) for c in ("a", "b")]
+    checks += [("shm x nixl UCX shm at best, 16 KiB", over_best(shm, "b", nshm), 2.0),
+               ("shm x nixl UCX shm at best, 2 KiB", over_best(shm, "c", nshm), 5.0)]
     checks += [(f"shm x copy_, case {c}", copy[totals[c]] / results[shm][c], floor)
-               for c, floor in (("b", 0.6), ("c", 0.3)) if isinstance(results[shm][c], float)]
+               for c, floor in (("b", 0.6), ("c", 0.3)) if mine(shm, c)]
     for name, value, floor, *aside in checks:
         verdict = "not measured" if value is None else ("met" if value >= floor else "MISSED")
         shown = "-" if value is None else f"{value:.2f}x"
-        print(f"target {name:<42} {shown:>8}  >= {floor:g}x  {verdict}{''.join(aside)}")
+        print(f"target {name:<46} {shown:>8}  >= {floor:g}x  {verdict}{''.join(aside)}")
 
 
 if __name__ == "__main__":

@@ -70,18 +70,20 @@ def make_receiver(kind: str, regions: Regions, *, host: str = "127.0.0.1", port:
     """The receiving half: ``await receiver.start()`` returns the address to publish.
 
     With ``transport`` (this process's :func:`make_transport`), the receiver
-    registers with that transport's engine instead of starting its own.
+    registers with that transport's engine (nixl: its receiving agent) instead
+    of starting its own.
     ``staging``: its staging area and control channel (default: 16 slots of
     4 MiB, unauthenticated, on ``host``; zero slots: direct writes only).
     """
-    engine = transport.start() if transport is not None else None
     staging = staging if staging is not None else ReceiverStaging(bind_host=host)
     if kind == "mooncake":
         from pd_transfer.transport.mooncake import MooncakeReceiver
+        engine = transport.start() if transport is not None else None
         return MooncakeReceiver(regions, host=host, port=port, protocol=protocol, engine=engine,
                                 staging=staging)
     if kind == "nixl":
         from pd_transfer.transport.nixl import NixlReceiver
+        engine = transport.receiving_engine() if transport is not None else None
         return NixlReceiver(regions, engine=engine, staging=staging)
     raise TransportError(f"no engine receiver {kind!r}; known: {list(ENGINES)}",
                          code=Reason.INVALID_CONFIG)

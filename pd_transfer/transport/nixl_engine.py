@@ -6,9 +6,12 @@ Python logger, which prints INFO lines to stdout, is routed into ours at
 WARNING. The UCX backend starts with ``ucx_error_handling_mode=none``: the
 default ``peer`` mode rules out UCX's shared-memory transports; a dead peer
 is then found by the write deadline and the probe of :mod:`.engine_link`,
-and by the sidecars' heartbeats. The agent's progress thread pauses 1 ms
-between polls of an idle worker (:func:`_new_agent`); NIXL's wrapper would
-have it spin. Every call into NIXL that can raise is
+and by the sidecars' heartbeats. An agent that receives runs NIXL's progress
+thread (nothing else progresses a passive target), paused 1 ms between polls
+of an idle worker (:func:`_new_agent`; NIXL's wrapper would have it spin);
+an agent that only initiates runs without it (``progress_thread=False``):
+:meth:`NixlEngine.wait` progresses its worker by polling the transfer's
+state until done or the deadline. Every call into NIXL that can raise is
 translated into :class:`TransportError` here or in :mod:`.nixl`.
 """
 
@@ -113,16 +116,24 @@ def _new_agent(api, name: str, config, delay_us: int):
 
 
 class NixlEngine:
-    """One NIXL agent with the UCX backend, and the memory registered with it."""
+    """One NIXL agent with the UCX backend, and the memory registered with it.
 
-    def __init__(self, role: str, error_handling_mode: str = "none") -> None:
+    ``progress_thread``: run NIXL's progress thread; an agent that is written
+    into needs it, one that only initiates is faster without (see the module).
+    """
+
+    def __init__(self, role: str, error_handling_mode: str = "none", *,
+                 progress_thread: bool = True) -> None:
         api = load_api()
+        self.progress_thread = progress_thread
         self.name = f"pdt-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             # STRICT: the agent is used from several worker threads (one write per link)
             sync = api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
-            self.agent = _new_agent(api, self.name, api.nixl_agent_config(backends=[], sync_mode=sync),
-                                    PROGRESS_DELAY_US)
+            config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[],
+                                           sync_mode=sync)
+            self.agent = (_new_agent(api, self.name, config, PROGRESS_DELAY_US)
+                          if progress_thread else api.nixl_agent(self.name, config))
             self.agent.create_backend("UCX", {"ucx_error_handling_mode": error_handling_mode})
         except Exception as err:  # the bindings raise their own error types
             raise TransportError(f"nixl agent did not start: {err}",

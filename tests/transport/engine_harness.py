@@ -49,8 +49,8 @@ def receivers_fixture(kind: str):
     async def receivers():
         made = []
 
-        async def start(placed: dict) -> ReceiverProcess:
-            process = await ReceiverProcess(kind, placed).start()
+        async def start(placed: dict, agent: str = "own") -> ReceiverProcess:
+            process = await ReceiverProcess(kind, placed, agent).start()
             made.append(process)
             return process
 
@@ -78,11 +78,13 @@ CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_receive
 
 
 class ReceiverProcess:
-    """``engine_receiver_child.py`` serving ``{rank: {region: Segment}}``; addresses by rank."""
+    """``engine_receiver_child.py`` serving ``{rank: {region: Segment}}``; addresses by rank.
+    ``agent``: which engine agent the receivers use (see the child)."""
 
-    def __init__(self, kind: str, placed: dict) -> None:
+    def __init__(self, kind: str, placed: dict, agent: str = "own") -> None:
         self.kind = kind
         self.placed = placed
+        self.agent = agent
         self.proc: asyncio.subprocess.Process | None = None
         self.addresses: dict[str, str] = {}
 
@@ -91,7 +93,7 @@ class ReceiverProcess:
         env = dict(os.environ, PYTHONPATH=os.getcwd())
         env.setdefault("UCX_MODULES", "^ib")
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, CHILD, json.dumps({"kind": self.kind, "ranks": names}), env=env,
+            sys.executable, CHILD, json.dumps({"kind": self.kind, "ranks": names, "agent": self.agent}), env=env,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         line = await asyncio.wait_for(self.proc.stdout.readline(), 120)
         if not line:

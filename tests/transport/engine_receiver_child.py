@@ -7,6 +7,11 @@ serves until stdin closes. A line "unregister RANK REGION" on stdin takes one
 region away from that rank's engine (to make the engine fail a write) and
 answers "ok"; "unregister RANK staging" and "register RANK staging" do the
 same to, and undo it for, the rank's staging area.
+
+``"agent"`` (nixl only) picks the receivers' agent: ``"own"`` (default, each
+receiver starts its own), ``"shared"`` (the receiving agent of this process's
+transport, as a decode sidecar has it), ``"unprogressed"`` (one agent without
+a progress thread: nothing progresses it while the child waits on stdin).
 """
 
 import asyncio
@@ -14,18 +19,31 @@ import json
 import sys
 
 from pd_transfer.shm import open_segment
-from pd_transfer.transport.engines import make_receiver
+from pd_transfer.transport.engines import make_receiver, make_transport
+
+
+def receiver_options(args: dict) -> dict:
+    agent = args.get("agent", "own")
+    if agent == "shared":
+        return {"transport": make_transport(args["kind"])}
+    if agent == "unprogressed":
+        from pd_transfer.transport.nixl import NixlEngine, NixlReceiver
+        engine = NixlEngine("recv", progress_thread=False)
+        return {"make": lambda regions: NixlReceiver(regions, engine=engine)}
+    return {}
 
 
 async def main(args: dict) -> None:
     receivers, segments = {}, []
+    options = receiver_options(args)
+    make = options.pop("make", lambda regions: make_receiver(args["kind"], regions, **options))
     for rank, names in args["ranks"].items():
         regions = {}
         for region_id, name in names.items():
             segment = open_segment(name)
             segments.append(segment)
             regions[region_id] = segment.tensor
-        receivers[rank] = make_receiver(args["kind"], regions)
+        receivers[rank] = make(regions)
         await receivers[rank].start()
     print(json.dumps({rank: r.address for rank, r in receivers.items()}), flush=True)
     loop = asyncio.get_running_loop()

@@ -7,8 +7,10 @@ Runs only where NIXL is installed
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -125,3 +127,68 @@ async def test_an_idle_agent_leaves_the_cpu_alone():
     assert out.returncode == 0, out.stderr
     share = float(out.stdout.strip().splitlines()[-1])
     assert share < 0.3, f"an idle NIXL agent used {share:.2f} of a CPU"
+
+
+def _pages(seed: int):
+    """2,048 scattered 16 KiB runs (32 MiB: more than loopback buffers hold), their source
+    bytes and a zeroed destination."""
+    plan = scattered_plan("kv", 2048, 16384, seed=seed)
+    src = np.random.default_rng(seed).integers(0, 256, 2 * 2048 * 16384, np.uint8)
+    return plan, src, {"kv": np.zeros(4 * 2048 * 16384, np.uint8)}
+
+
+@pytest.mark.parametrize("agent", ["own", "shared"])
+async def test_a_writer_without_a_progress_thread_fills_a_passive_receiver_over_tcp(
+        segments, receivers, monkeypatch, agent):
+    # the writing agent has no progress thread (its polls of the transfer progress it);
+    # the receiver's agent, its own or its process's transport's as in a decode sidecar,
+    # is progressed by its thread while the receiver process only waits on stdin
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    plan, src, before = _pages(5)
+    segs = segments(before)
+    peer = await receivers({"d0": segs}, agent)
+    transport = _transport()
+    link = await transport.connect(peer.endpoint("d0"))
+    assert transport.engine().progress_thread is False
+    assert transport.receiving_engine().progress_thread is True
+    assert await transport.write(link, plan, {"kv": src}) == 2048 * 16384
+    assert np.array_equal(segs["kv"].array, expected_scatter(plan, src, before["kv"]))
+    await transport.close()
+
+
+async def test_a_stopped_receiver_ends_the_write_at_its_deadline(segments, receivers,
+                                                                 monkeypatch):
+    # the receiver process stopped after connect: the writer, polling the transfer's
+    # state itself (no progress thread), gives up at its deadline; the link is then refused
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    plan, src, before = _pages(6)
+    peer = await receivers({"d0": segments(before)})
+    transport = _transport(timeout_s=2.0, recovery=FAST)
+    link = await transport.connect(peer.endpoint("d0"))
+    os.kill(peer.proc.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(TransportError) as info:
+            await transport.write(link, plan, {"kv": src})
+        assert info.value.code is Reason.TIMEOUT, info.value
+        assert 2.0 <= time.monotonic() - start < 15.0
+    finally:
+        os.kill(peer.proc.pid, signal.SIGCONT)
+    with pytest.raises(TransportError) as again:
+        await transport.write(link, plan, {"kv": src})
+    assert again.value.code is Reason.PEER_LOST and "failed earlier" in str(again.value)
+    await transport.close()
+
+
+async def test_a_receiving_agent_nothing_progresses_is_refused_at_connect(segments, receivers,
+                                                                          monkeypatch):
+    # the negative control of the receivers' progress thread: over tcp, an agent without
+    # one does not even answer the connect probe
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    _, _, before = _pages(7)
+    peer = await receivers({"d0": segments(before)}, "unprogressed")
+    transport = _transport()
+    with pytest.raises(TransportError) as info:
+        await transport.connect(peer.endpoint("d0"))
+    assert info.value.code is Reason.TRANSPORT_FAILED and "does not answer" in str(info.value)
+    await transport.close()
