@@ -13,8 +13,9 @@ from collections import defaultdict
 import numpy as np
 
 from pd_transfer.layout.geometry import RankGeometry
+from pd_transfer.layout.instances import reconcile_instances
 from pd_transfer.layout.planner import PairPlanner, Request, plan_pair
-from pd_transfer.layout.reconcile import Reconciliation, reconcile
+from pd_transfer.layout.reconcile import Reconciliation
 from pd_transfer.layout.spans import TokenSpan
 from pd_transfer.layout.views import Pool
 from pd_transfer.worker_config import WorkerConfig
@@ -84,7 +85,7 @@ def _modes_by_pool(recon: Reconciliation) -> dict[Pool, str]:
 
 def check_report(prefill: WorkerConfig, decode: WorkerConfig, tokens: int) -> tuple[str, bool]:
     prefill_ranks, decode_ranks = _instances(prefill, decode)
-    recon = reconcile(prefill_ranks, decode_ranks)
+    recon = reconcile_instances(prefill_ranks, decode_ranks)
     lines = _header(prefill, decode)
     if not recon.ok:
         lines += ["verdict: REJECTED", str(recon.error())]
@@ -117,7 +118,7 @@ def plan_report(prefill: WorkerConfig, decode: WorkerConfig, tokens: int, decode
     if not ok:
         return text, False
     prefill_ranks, decode_ranks = _instances(prefill, decode)
-    recon = reconcile(prefill_ranks, decode_ranks)
+    recon = reconcile_instances(prefill_ranks, decode_ranks)
     targets = [g for g in decode_ranks if g.tp_rank == decode_rank]
     if not targets:
         return text + f"\nno decode rank with attn_tp rank {decode_rank}", False
