@@ -19,11 +19,11 @@ import logging
 from pd_transfer.agent import integrity
 from pd_transfer.agent.verdicts import plan_summary
 from pd_transfer.errors import PdTransferError, Reason
-from pd_transfer.layout.diagnostics import collapse
 from pd_transfer.layout.fanout import decode_ranks_fed
 from pd_transfer.layout.geometry import handle_problems
 from pd_transfer.layout.instances import reconcile_instances
 from pd_transfer.layout.planner import PairPlanner
+from pd_transfer.layout.reconcile import Reconciliation
 from pd_transfer.protocol import MismatchRecord, Verdict
 
 log = logging.getLogger("pd_transfer.agent.prefill")
@@ -51,11 +51,9 @@ async def send_verdict(side, peer) -> None:
     decode = await _decode_instance(side, peer)
     if decode is None:
         return
-    recon = reconcile_instances([e.geometry for e in side.table.entries], decode)
+    recon, headline, mismatches = instance_verdict([e.geometry for e in side.table.entries], decode)
     if not recon.ok:
-        error = recon.error()
-        await _reject(side, peer, error.headline, [MismatchRecord.from_mismatch(m)
-                                                  for m in collapse(list(recon.mismatches))])
+        await _reject(side, peer, headline, mismatches)
         return
     peer.reconciliation = recon
     peer.planner = PairPlanner(recon, side.sidecar.geometry, decode_geometry)
@@ -85,6 +83,16 @@ async def send_verdict(side, peer) -> None:
     await peer.channel.send(Verdict(accepted=True, integrity=peer.integrity is not None,
                                     doorbell=peer.bells is not None,
                                     plan=plan_summary(recon, peer.planner, strategies)))
+
+
+def instance_verdict(prefill: list, decode: list) -> tuple[Reconciliation, str, list[MismatchRecord]]:
+    """The pair's reconciliation and, when rejected, the headline and mismatch records a
+    Verdict carries: what ``pd-transfer check`` prints for the same instances."""
+    recon = reconcile_instances(prefill, decode)
+    if recon.ok:
+        return recon, "", []
+    error = recon.error()
+    return recon, error.headline, [MismatchRecord.from_mismatch(m) for m in error.mismatches]
 
 
 async def _decode_instance(side, peer) -> list | None:
