@@ -5,11 +5,14 @@ pipeline parallelism each stage registers only its layers, so no single
 rank's registration says whether the instance covers the model. A prefill
 sidecar keeps the latest registration of every position ``(pp_rank,
 tp_rank)`` per decode instance (the Register's ``instance`` name and shape)
-and answers each rank's Register once the whole instance has registered,
-with the verdict on the whole pair (:func:`reconcile_instances`, the one
-``pd-transfer check`` prints). A rank re-registering (its sidecar restarted)
-replaces its position. An instance whose ranks do not all register within
-the bootstrap timeout is rejected, naming the positions that are missing.
+and answers a rank's Register once every stage of its instance has a rank
+registered, with the verdict on the whole pair (:func:`reconcile_instances`
+over :func:`stage_representatives`, what ``pd-transfer check`` prints). Every
+stage of a pipelined decode is asked about every room, so its ranks register
+together; a PP 1 rank is its instance's only stage and is answered at once. A
+rank re-registering (its sidecar restarted) replaces its position. A stage
+with no rank registered within the bootstrap timeout is a rejection naming
+it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections import OrderedDict
 
 from pd_transfer.layout.diagnostics import format_ranges
 from pd_transfer.layout.geometry import RankGeometry
+from pd_transfer.layout.instances import stage_representatives
 from pd_transfer.protocol import Register
 
 MAX_INSTANCES = 64   # decode instances remembered (least recently registered forgotten)
@@ -54,27 +58,27 @@ class DecodeInstances:
             self._changed.pop(forgotten, None)
 
     def ranks(self, register: Register) -> list[RankGeometry] | None:
-        """The whole instance, PP stage major, or None while a position is missing."""
+        """``register``'s rank and one rank of every other stage, or None while a stage
+        has none registered."""
         ranks = self._ranks.get(_key(register), {})
-        tp, pp = register.geometry.tp_size, register.pp_size
-        positions = [(p, t) for p in range(pp) for t in range(tp)]
-        if any(position not in ranks for position in positions):
+        if self.missing(register):
             return None
-        return [ranks[position] for position in positions]
+        own = register.geometry   # itself, whatever another rank at its position registered
+        others = [g for (pp, tp), g in ranks.items() if pp < register.pp_size
+                  and tp < own.tp_size and (pp, tp) != (own.pp_rank, own.tp_rank)]
+        return stage_representatives(others, own)
 
     def missing(self, register: Register) -> str:
-        """The positions not registered yet, folded per stage: ``decode[pp1,tp0-1]``."""
+        """The stages with no rank registered yet: ``decode[pp1,tp0-3]``."""
         ranks = self._ranks.get(_key(register), {})
-        tp, pp = register.geometry.tp_size, register.pp_size
-        parts = []
-        for p in range(pp):
-            absent = [t for t in range(tp) if (p, t) not in ranks]
-            if absent:
-                parts.append(f"decode[pp{p},tp{format_ranges(absent)}]")
-        return ", ".join(parts)
+        tp = register.geometry.tp_size
+        stages = {pp for pp, t in ranks if t < tp} | {register.geometry.pp_rank}
+        return ", ".join(f"decode[pp{p},tp{format_ranges(list(range(tp)))}]"
+                         for p in range(register.pp_size) if p not in stages)
 
     async def gathered(self, register: Register, timeout_s: float) -> list[RankGeometry] | None:
-        """Wait (bounded) until ``register``'s whole instance registered; None on timeout."""
+        """Wait (bounded) until every stage of ``register``'s instance has a rank
+        registered: :meth:`ranks` then, or None on timeout."""
         self.add(register)
         try:
             async with asyncio.timeout(timeout_s):
@@ -82,6 +86,4 @@ class DecodeInstances:
                     await self._changed.setdefault(_key(register), asyncio.Event()).wait()
         except TimeoutError:
             return None
-        # its own registration, whatever another rank at its position registered since
-        own = register.geometry
-        return [own if (g.pp_rank, g.tp_rank) == (own.pp_rank, own.tp_rank) else g for g in ranks]
+        return ranks

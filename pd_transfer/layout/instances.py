@@ -16,10 +16,13 @@ its own copy; an instance where no decode rank registers them while prefill
 does is rejected like a missing layer.
 
 ``pd-transfer check`` calls it with both instances built from worker
-configs; a prefill sidecar calls it with its rank table and the decode
-instance's registrations, gathered before it answers any of them
-(:mod:`pd_transfer.agent.decode_instances`). Same inputs, same verdict,
-same mismatch lines. Pure; no I/O.
+configs; a prefill sidecar calls it with its rank table and, for the decode
+side, :func:`stage_representatives`: the registering rank and one registered
+rank of every other stage (:mod:`pd_transfer.agent.decode_instances` waits
+until each stage has one). The TP ranks of one stage register the same
+tensors (each rank's shard ranges are reconciled when it registers), so
+layer coverage and every per-tensor verdict are the instance's: the same
+verdict, with the same mismatch lines. Pure; no I/O.
 """
 
 from __future__ import annotations
@@ -63,3 +66,10 @@ def stage_overlaps(ranks: list[RankGeometry], side: str) -> list[Mismatch]:
                               f"by exactly one stage of the {side} instance"))
     return found
 
+
+def stage_representatives(ranks: list[RankGeometry], own: RankGeometry) -> list[RankGeometry]:
+    """``own`` and, for every other PP stage in ``ranks``, its first rank; stage major."""
+    chosen = {own.pp_rank: own}
+    for geometry in sorted(ranks, key=lambda g: (g.pp_rank, g.tp_rank)):
+        chosen.setdefault(geometry.pp_rank, geometry)
+    return [chosen[pp] for pp in sorted(chosen)]

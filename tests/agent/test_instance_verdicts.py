@@ -5,8 +5,9 @@ property test drives generated instance pairs (any model preset kind, PP and
 TP on each side, layouts, dtypes, page sizes, and stages that leave layers
 out or register another stage's layers) through both entry points: the
 verdict lines ``check`` prints (:func:`pd_transfer.reports.verdict_report`)
-and the Verdict a prefill sidecar sends (:func:`pd_transfer.agent.acceptance
-.instance_verdict`), rendered as the decode side reports it.
+and the Verdict a prefill sidecar sends a decode rank (:func:`pd_transfer
+.agent.acceptance.instance_verdict` over that rank and one rank of every
+other stage), rendered as the decode side reports it.
 """
 
 import dataclasses
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 from pd_transfer.agent.acceptance import instance_verdict
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import Role
-from pd_transfer.layout.instances import reconcile_instances
+from pd_transfer.layout.instances import reconcile_instances, stage_representatives
 from pd_transfer.layout.presets import load_preset
 from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.views import KV_LAYOUTS, Layout
@@ -60,12 +61,14 @@ def instance_pairs(draw):
         stage = draw(st.integers(0, max(g.pp_rank for g in ranks)))
         layers = set(draw(st.lists(st.integers(0, spec.num_layers - 1), max_size=4)))
         sides.append(_damaged(ranks, damage, stage, layers))
-    return sides
+    own = draw(st.sampled_from(sides[1]))
+    return sides[0], sides[1], own
 
 
-def _live_lines(prefill, decode) -> list[str]:
-    """What the decode rank reports: accepted, or the Verdict's headline and mismatch lines."""
-    recon, headline, records = instance_verdict(prefill, decode)
+def _live_lines(prefill, decode, own) -> list[str]:
+    """What decode rank ``own`` reports: accepted, or the Verdict's headline and mismatch
+    lines, judged as the prefill sidecar judges it (its rank and one of every other stage)."""
+    recon, headline, records = instance_verdict(prefill, stage_representatives(decode, own))
     if recon.ok:
         return ["verdict: ACCEPTED"]
     hints = dict.fromkeys(r.hint for r in records if r.hint)
@@ -73,13 +76,13 @@ def _live_lines(prefill, decode) -> list[str]:
             + [f"  hint: {h}" for h in hints])
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(instance_pairs())
 def test_check_prints_the_verdict_live_reconciliation_reaches(pair):
-    prefill, decode = pair
+    prefill, decode, own = pair
     _, printed = verdict_report(prefill, decode)
     printed = "\n".join(printed).splitlines()
-    live = _live_lines(prefill, decode)
+    live = _live_lines(prefill, decode, own)
     event(live[0])
     if live == ["verdict: ACCEPTED"]:
         assert printed == live
@@ -143,3 +146,30 @@ def test_a_hole_on_either_side_names_the_layers_and_the_side(side):
     missing = [m for m in recon.error().mismatches if m.code is Reason.LAYER_MISSING]
     assert {m.path for m in missing} == {"kv.layer[25-26].k", "kv.layer[25-26].v"}
     assert all((m.prefill is None) == (side == "prefill") for m in missing)
+
+
+def test_prefill_answers_a_decode_stage_once_every_stage_has_a_rank_registered():
+    import asyncio
+
+    from pd_transfer.agent.decode_instances import DecodeInstances, instance_size
+    from pd_transfer.protocol import Register
+
+    decode = _llama(Role.DECODE, 2, 2)   # stage major: pp0 tp0, pp0 tp1, pp1 tp0, pp1 tp1
+
+    def register(geometry, pp_size=2):
+        return Register(agent_id="d", host_id="h", geometry=geometry, instance="dec", pp_size=pp_size)
+
+    async def scenario():
+        book = DecodeInstances()
+        assert instance_size(register(decode[0])) == 4
+        assert await book.gathered(register(decode[0]), 0.05) is None   # stage 1 silent
+        assert book.missing(register(decode[0])) == "decode[pp1,tp0-1]"
+        waiting = asyncio.create_task(book.gathered(register(decode[1]), 5))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        book.add(register(decode[3]))
+        assert [g.rank_id for g in await waiting] == [decode[1].rank_id, decode[3].rank_id]
+        single = _llama(Role.DECODE, 2, 1)[1]   # PP 1: its own stage is the whole instance
+        assert await book.gathered(register(single, pp_size=1), 0.05) == [single]
+
+    asyncio.run(scenario())
