@@ -26,6 +26,9 @@ CASES = [  # model, prefill (pp, tp), decode (pp, tp), decode layout
     ("llama-3.1-8b", (2, 2), (4, 1), Layout.HND),     # PP 2 -> 4, TP 2 -> 1
     ("llama-3.1-8b", (3, 1), (2, 2), Layout.NHD),     # uneven: 11/11/10 layers -> 16/16
     ("qwen3-next-80b-a3b", (1, 2), (2, 1), Layout.NHD),  # GDN state + attention + aux
+    ("kimi-linear-48b-a3b", (2, 1), (3, 2), Layout.NHD),  # KDA state, 14/13 -> 9/9/9 layers
+    ("deepseek-v3", (2, 2), (3, 1), Layout.NHD),      # MLA, 31/30 -> 21/20/20 layers
+    ("gpt-oss-20b", (1, 2), (2, 1), Layout.HND),      # sliding window + full attention
 ]
 
 
