@@ -1,9 +1,9 @@
 """The prefill side's verdict on a decode peer, decided before any traffic.
 
-Once the rank table is complete and every rank of the decode instance has
-registered (:mod:`.decode_instances`), the whole prefill instance is
-reconciled with the whole decode instance by the function ``pd-transfer
-check`` calls (:func:`~pd_transfer.layout.instances.reconcile_instances`);
+Once the rank table is complete and every PP stage of the decode instance
+has a rank registered (:mod:`.decode_instances`), the whole prefill instance
+is reconciled with the decode instance by the function ``pd-transfer check``
+calls (:func:`~pd_transfer.layout.instances.reconcile_instances`);
 the registering rank's region handles are checked, its data plane is
 connected, and the transfer strategy per pool is chosen
 (:mod:`.strategies`). The Verdict says accepted (with the plan summary) or
@@ -96,7 +96,8 @@ def instance_verdict(prefill: list, decode: list) -> tuple[Reconciliation, str, 
 
 
 async def _decode_instance(side, peer) -> list | None:
-    """Every rank of ``peer``'s decode instance, or None once it was rejected for them."""
+    """``peer``'s rank and one rank of every other stage of its decode instance, or None
+    once ``peer`` was rejected (an impossible stage, or a stage that never registered)."""
     register = peer.register
     geometry = register.geometry
     if geometry.pp_rank >= register.pp_size:
