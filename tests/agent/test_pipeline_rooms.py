@@ -17,7 +17,7 @@ from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.instances import reconcile_instances
 from pd_transfer.layout.presets import load_preset
 from pd_transfer.layout.rank_builder import build_instance
-from pd_transfer.layout.views import Layout, Pool
+from pd_transfer.layout.views import Layout
 
 SMALL = dict(page_size=16, num_pages=6, num_slots=2, num_aux_rows=2)
 
@@ -65,18 +65,27 @@ def _without_layers(geometry, layers):
     return dataclasses.replace(geometry, views=views)
 
 
-def test_a_layer_no_decode_stage_registers_is_rejected_live_as_check_rejects_it(cluster_factory):
+DAMAGES = {   # a decode PP 2 whose stage 1 leaves layers 20-22 out, or takes stage 0's layers
+    "hole": (lambda stages: [stages[0], _without_layers(stages[1], {20, 21, 22})],
+             "kv.layer[20-22].k: prefill=registered (nhd) decode=<missing>  [layer_missing]"),
+    "overlap": (lambda stages: [stages[0], dataclasses.replace(stages[0], pp_rank=1)],
+                "kv.layer[0-15].k: prefill=- decode=registered by stages pp0, pp1  "
+                "[tensor_duplicate]"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_a_decode_coverage_fault_is_rejected_live_as_check_rejects_it(cluster_factory, damage):
     prefill, decode = _instances("llama-3.1-8b", (1, 1), (2, 1), Layout.NHD)
-    decode = [decode[0], _without_layers(decode[1], {20, 21, 22})]
+    damaged, line = DAMAGES[damage]
+    decode = damaged(decode)
     expected = reconcile_instances(prefill, decode)
-    assert not expected.ok
+    assert line in str(expected.error())
     cluster = cluster_factory(prefill, decode)
     for geometry in decode:   # each stage registers with prefill when a room first asks
         cluster.clients[geometry.rank_id].expect(5, cluster.bootstrap, [0, 1], aux_row=0)
-    for geometry in decode:   # every stage is told, with the same lines check prints
+    for geometry in decode:   # every stage is told, with the lines check prints
         state = cluster.clients[geometry.rank_id].wait(5, timeout_s=10)
         assert state.status is RoomStatus.FAILED and state.code_text == "peer_rejected", state
-        for line in str(expected.error()).splitlines()[1:]:
-            assert line.strip() in state.reason, (line, state.reason)
-        assert "kv.layer[20-22].k: prefill=registered (nhd) decode=<missing>" in state.reason
-    assert Pool.KV in {v.pool for v in decode[1].views}
+        for printed in str(expected.error()).splitlines()[1:]:
+            assert printed.strip() in state.reason, (printed, state.reason)
