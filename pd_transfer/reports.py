@@ -13,8 +13,9 @@ from collections import defaultdict
 import numpy as np
 
 from pd_transfer.layout.geometry import RankGeometry
+from pd_transfer.layout.instances import reconcile_instances
 from pd_transfer.layout.planner import PairPlanner, Request, plan_pair
-from pd_transfer.layout.reconcile import Reconciliation, reconcile
+from pd_transfer.layout.reconcile import Reconciliation
 from pd_transfer.layout.spans import TokenSpan
 from pd_transfer.layout.views import Pool
 from pd_transfer.worker_config import WorkerConfig
@@ -82,17 +83,24 @@ def _modes_by_pool(recon: Reconciliation) -> dict[Pool, str]:
     return {pool: "/".join(sorted(labels)) for pool, labels in modes.items()}
 
 
+def verdict_report(prefill: list[RankGeometry],
+                   decode: list[RankGeometry]) -> tuple[Reconciliation, list[str]]:
+    """The verdict lines ``check`` prints for two instances' ranks."""
+    recon = reconcile_instances(prefill, decode)
+    if recon.ok:
+        return recon, ["verdict: ACCEPTED"]
+    return recon, ["verdict: REJECTED", str(recon.error())]
+
+
 def check_report(prefill: WorkerConfig, decode: WorkerConfig, tokens: int) -> tuple[str, bool]:
     prefill_ranks, decode_ranks = _instances(prefill, decode)
-    recon = reconcile(prefill_ranks, decode_ranks)
-    lines = _header(prefill, decode)
+    recon, verdict = verdict_report(prefill_ranks, decode_ranks)
+    lines = _header(prefill, decode) + verdict
     if not recon.ok:
-        lines += ["verdict: REJECTED", str(recon.error())]
         return "\n".join(lines), False
     requests = sample_requests(prefill_ranks, decode_ranks, tokens, prefill.page_size,
                                getattr(prefill.model, "swa_window", None))
     modes = _modes_by_pool(recon)
-    lines.append("verdict: ACCEPTED")
     lines.append("sample request: " + ", ".join(
         f"{pool.value} {_count(requests[pool])}" for pool in _ordered(requests)))
     lines.append(f"{'decode rank':<18} {'from prefill rank':<18} {'pool':<6} {'verdict':<22} "
@@ -117,7 +125,7 @@ def plan_report(prefill: WorkerConfig, decode: WorkerConfig, tokens: int, decode
     if not ok:
         return text, False
     prefill_ranks, decode_ranks = _instances(prefill, decode)
-    recon = reconcile(prefill_ranks, decode_ranks)
+    recon = reconcile_instances(prefill_ranks, decode_ranks)
     targets = [g for g in decode_ranks if g.tp_rank == decode_rank]
     if not targets:
         return text + f"\nno decode rank with attn_tp rank {decode_rank}", False

@@ -1,8 +1,11 @@
 """The prefill side's verdict on a decode peer, decided before any traffic.
 
-Once the rank table is complete, the whole prefill instance is reconciled
-with the decode rank that registered; its region handles are checked, its
-data plane is connected, and the transfer strategy per pool is chosen
+Once the rank table is complete and every PP stage of the decode instance
+has a rank registered (:mod:`.decode_instances`), the whole prefill instance
+is reconciled with the decode instance by the function ``pd-transfer check``
+calls (:func:`~pd_transfer.layout.instances.reconcile_instances`);
+the registering rank's region handles are checked, its data plane is
+connected, and the transfer strategy per pool is chosen
 (:mod:`.strategies`). The Verdict says accepted (with the plan summary) or
 rejected (with every mismatch, both sides' values, a code and a hint);
 either way it is counted and logged for operators.
@@ -16,11 +19,11 @@ import logging
 from pd_transfer.agent import integrity
 from pd_transfer.agent.verdicts import plan_summary
 from pd_transfer.errors import PdTransferError, Reason
-from pd_transfer.layout.diagnostics import collapse
 from pd_transfer.layout.fanout import decode_ranks_fed
 from pd_transfer.layout.geometry import handle_problems
+from pd_transfer.layout.instances import reconcile_instances
 from pd_transfer.layout.planner import PairPlanner
-from pd_transfer.layout.reconcile import reconcile
+from pd_transfer.layout.reconcile import Reconciliation
 from pd_transfer.protocol import MismatchRecord, Verdict
 
 log = logging.getLogger("pd_transfer.agent.prefill")
@@ -45,12 +48,12 @@ async def send_verdict(side, peer) -> None:
             path=f"decode.{p.subject or 'handles'}", code=p.code, prefill="-", decode=p.detail,
             hint="each region needs its own segment") for p in problems])
         return
-    prefill = [e.geometry for e in side.table.entries]
-    recon = reconcile(prefill, [decode_geometry])
+    decode = await _decode_instance(side, peer)
+    if decode is None:
+        return
+    recon, headline, mismatches = instance_verdict([e.geometry for e in side.table.entries], decode)
     if not recon.ok:
-        error = recon.error()
-        await _reject(side, peer, error.headline, [MismatchRecord.from_mismatch(m)
-                                                  for m in collapse(list(recon.mismatches))])
+        await _reject(side, peer, headline, mismatches)
         return
     peer.reconciliation = recon
     peer.planner = PairPlanner(recon, side.sidecar.geometry, decode_geometry)
@@ -80,6 +83,37 @@ async def send_verdict(side, peer) -> None:
     await peer.channel.send(Verdict(accepted=True, integrity=peer.integrity is not None,
                                     doorbell=peer.bells is not None,
                                     plan=plan_summary(recon, peer.planner, strategies)))
+
+
+def instance_verdict(prefill: list, decode: list) -> tuple[Reconciliation, str, list[MismatchRecord]]:
+    """The pair's reconciliation and, when rejected, the headline and mismatch records a
+    Verdict carries: what ``pd-transfer check`` prints for the same instances."""
+    recon = reconcile_instances(prefill, decode)
+    if recon.ok:
+        return recon, "", []
+    error = recon.error()
+    return recon, error.headline, [MismatchRecord.from_mismatch(m) for m in error.mismatches]
+
+
+async def _decode_instance(side, peer) -> list | None:
+    """``peer``'s rank and one rank of every other stage of its decode instance, or None
+    once ``peer`` was rejected (an impossible stage, or a stage that never registered)."""
+    register = peer.register
+    geometry = register.geometry
+    if geometry.pp_rank >= register.pp_size:
+        await _reject(side, peer, f"invalid registration of {peer.rank_id}", [MismatchRecord(
+            path="decode.pp_rank", code=Reason.SHARD_RANGE_INVALID, prefill="-",
+            decode=f"pp_rank {geometry.pp_rank} of pp_size {register.pp_size}",
+            hint="register each decode stage with its instance's pp_size")])
+        return None
+    decode = await side.decode_instances.gathered(register, side.config.bootstrap_timeout_s)
+    if decode is None:
+        await _reject(side, peer, "decode instance incomplete", [MismatchRecord(
+            path="decode.rank_table", code=Reason.BOOTSTRAP_FAILED, prefill="-",
+            decode=f"missing {side.decode_instances.missing(register)}",
+            hint="start every decode rank's sidecar and worker (each stage registers with "
+                 "every prefill rank)")])
+    return decode
 
 
 async def _reject(side, peer, headline: str, mismatches: list[MismatchRecord]) -> None:

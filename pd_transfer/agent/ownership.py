@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 
+from pd_transfer.agent.decode_instances import instance_size
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.protocol import Done, DoneStatus
 
@@ -97,7 +98,7 @@ async def bind(side, room, decode: str) -> None:
             await refuse(target.peer, _Request(room.room, target.generation), Reason.NOT_ROOM_OWNER,
                          f"room {room.room} belongs to decode instance {room.owner!r}, as its "
                          f"prefill worker says, not to {instance_of(target.peer)!r}")
-    room.expected_targets = max((t.peer.register.geometry.tp_size for t in room.targets.values()),
+    room.expected_targets = max((instance_size(t.peer.register) for t in room.targets.values()),
                                 default=0)
     contenders, room.contenders = room.contenders, []
     for peer, message in contenders:

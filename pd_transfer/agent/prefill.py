@@ -27,6 +27,7 @@ from pd_transfer.agent.acceptance import send_verdict
 from pd_transfer.agent.channels import Channel
 from pd_transfer.agent.chunks import chunk_refusal, chunk_requests
 from pd_transfer.agent.dataplane import SegmentTruncated
+from pd_transfer.agent.decode_instances import DecodeInstances, instance_size
 from pd_transfer.agent.flow import peer_key, refuse_new_room, write_chunk
 from pd_transfer.agent.indices import check_indices
 from pd_transfer.agent.prefill_records import DecodePeer, PrefillRoom, Target
@@ -62,6 +63,7 @@ class PrefillSide:
         self.peers: dict[int, DecodePeer] = {}
         self.table: RankTable | None = None
         self.table_ready = asyncio.Event()
+        self.decode_instances = DecodeInstances()   # registrations per decode instance
         self.rejections: dict[str, str] = {}   # decode rank -> its last rejection (acceptance.py)
 
     @property
@@ -188,8 +190,8 @@ class PrefillSide:
         room.targets[id(peer.channel)] = Target(
             peer, message.generation, dst, writes=writes,
             bell=message.doorbell if writes and peer.bells is not None else None)
-        # every rank of the decode instance (PP 1) sends each room's request to every prefill rank
-        room.expected_targets = max(room.expected_targets, peer.register.geometry.tp_size)
+        # every rank of the decode instance (every stage) sends each room's request to every prefill rank
+        room.expected_targets = max(room.expected_targets, instance_size(peer.register))
         if room.terminal:
             await self._finish_target(room, room.targets[id(peer.channel)])
             return

@@ -195,7 +195,9 @@ class PrefillInstances:
         table = await fetch_table(sidecar.context, bootstrap, self.config.agent_id,
                                   self.config.bootstrap_timeout_s)
         geometry = sidecar.geometry
-        recon = reconcile([e.geometry for e in table.entries], [geometry])
+        # this rank's stage only: the decode instance's coverage is prefill's verdict
+        recon = reconcile([e.geometry for e in table.entries], [geometry],
+                          require_all_prefill_layers=False)
         instance = PrefillInstance(bootstrap)
         # even when this side already sees a mismatch, register anyway: prefill's
         # verdict is the authority, and it counts the rejection for its operators
@@ -271,7 +273,8 @@ class PrefillInstances:
                 agent_id=self.config.agent_id, host_id=self.config.host_id,
                 geometry=sidecar.geometry, data_address=sidecar.dataplane.receive_address(),
                 region_handles=tuple(RegionHandle(r, h) for r, h in sidecar.handles.items()),
-                doorbell=self.bells.name, instance=self.config.instance_id))
+                doorbell=self.bells.name, instance=self.config.instance_id,
+                pp_size=sidecar.pp_size))
         elif isinstance(message, Verdict):
             if not peer.verdict.done():
                 peer.rings = message.doorbell and bool(self.bells.name)

@@ -112,6 +112,9 @@ class Register(Message):
     host rings when a room's bytes have landed. ``instance`` (decode, optional,
     same release): the name of the decode instance this rank belongs to; a
     prefill worker's ``send(..., decode=NAME)`` binds a room to it.
+    ``pp_size`` (decode, optional, same release): its instance's pipeline
+    stages; prefill answers once all ``attn_tp_size * pp_size`` ranks of the
+    instance registered (:mod:`pd_transfer.agent.decode_instances`).
     """
 
     TAG: ClassVar[str] = "register"
@@ -122,6 +125,7 @@ class Register(Message):
     region_handles: tuple[RegionHandle, ...] = ()
     doorbell: str = ""
     instance: str = ""   # decode: the instance this rank belongs to (its rooms' owner name)
+    pp_size: int = 1     # decode: its instance's pipeline stages
 
 
 @dataclass(frozen=True)

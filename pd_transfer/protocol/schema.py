@@ -172,6 +172,7 @@ RECORDS: dict[type[Message], Record] = {
         Field("region_handles", ListOf(REGION_HANDLE, 65536), default=()),
         Field("doorbell", Str(max_len=256), default=""),
         Field("instance", Str(max_len=256), default=""),
+        Field("pp_size", Int(lo=1, hi=1024), default=1),
     )),
     Verdict: Record(Verdict, (
         Field("accepted", Bool()),

@@ -196,7 +196,8 @@ class Cluster:
                 torch.cuda.synchronize()
         with worker_environ(self.insecure):
             client = self.clients[rank] = Client(self.sidecars[rank].endpoint, rank, timeout_s=20)
-        client.register(geometry, pools.handles)
+        stages = self.prefill if geometry.role is Role.PREFILL else self.decode
+        client.register(geometry, pools.handles, pp_size=1 + max(g.pp_rank for g in stages))
 
     # -- driving rooms ------------------------------------------------------------
     def expect(self, room: int, requests: dict) -> None:

@@ -1,0 +1,91 @@
+"""Pipelined instances through real sidecars: each stage registers only its layers.
+
+Every case moves a room byte-exact (checked by the oracle, World), with PP on
+either side or both, splits that differ and TP that differs at the same time;
+a decode instance whose stages leave a layer unregistered is rejected, live,
+with the lines ``pd-transfer check`` prints for the same pair.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from cluster import random_requests
+
+from pd_transfer.client import RoomStatus
+from pd_transfer.layout.geometry import Role
+from pd_transfer.layout.instances import reconcile_instances
+from pd_transfer.layout.presets import load_preset
+from pd_transfer.layout.rank_builder import build_instance
+from pd_transfer.layout.views import Layout
+
+SMALL = dict(page_size=16, num_pages=6, num_slots=2, num_aux_rows=2)
+
+CASES = [  # model, prefill (pp, tp), decode (pp, tp), decode layout
+    ("llama-3.1-8b", (1, 2), (2, 2), Layout.NHD),     # the issue's reproduction
+    ("llama-3.1-8b", (2, 2), (4, 1), Layout.HND),     # PP 2 -> 4, TP 2 -> 1
+    ("llama-3.1-8b", (3, 1), (2, 2), Layout.NHD),     # uneven: 11/11/10 layers -> 16/16
+    ("qwen3-next-80b-a3b", (1, 2), (2, 1), Layout.NHD),  # GDN state + attention + aux
+    ("kimi-linear-48b-a3b", (2, 1), (3, 2), Layout.NHD),  # KDA state, 14/13 -> 9/9/9 layers
+    ("deepseek-v3", (2, 2), (3, 1), Layout.NHD),      # MLA, 31/30 -> 21/20/20 layers
+    ("gpt-oss-20b", (1, 2), (2, 1), Layout.HND),      # sliding window + full attention
+]
+
+
+def _instances(model, prefill_shape, decode_shape, layout):
+    spec = load_preset(model)
+    (pp_src, tp_src), (pp_dst, tp_dst) = prefill_shape, decode_shape
+    return (build_instance(spec, Role.PREFILL, tp_src, pp_src, kv_layout=Layout.NHD, **SMALL),
+            build_instance(spec, Role.DECODE, tp_dst, pp_dst, kv_layout=layout, **SMALL))
+
+
+def _case_id(case):
+    model, (a, b), (c, d), layout = case
+    return f"{model}-pp{a}tp{b}-to-pp{c}tp{d}-{layout.value}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_pipelined_instances_move_a_room_byte_exact(cluster_factory, case):
+    prefill, decode = _instances(*case)
+    assert reconcile_instances(prefill, decode).ok
+    cluster = cluster_factory(prefill, decode)
+    requests = random_requests(prefill, decode, np.random.default_rng(len(prefill) * 5 + len(decode)),
+                               pages=4)
+    cluster.expect(21, requests)
+    cluster.send(21, requests, chunk_pages=2)
+    states = cluster.wait_decode(21)
+    assert all(s.status is RoomStatus.SUCCESS for s in states.values()), (states, cluster.logs())
+    assert cluster.verify(requests) == []
+    for geometry in prefill:   # prefill finishes only once every decode stage has its bytes
+        assert cluster.clients[geometry.rank_id].wait(21, 5).status is RoomStatus.SUCCESS
+
+
+def _without_layers(geometry, layers):
+    views = tuple(v for v in geometry.views if v.layer_id not in layers)
+    return dataclasses.replace(geometry, views=views)
+
+
+DAMAGES = {   # a decode PP 2 whose stage 1 leaves layers 20-22 out, or takes stage 0's layers
+    "hole": (lambda stages: [stages[0], _without_layers(stages[1], {20, 21, 22})],
+             "kv.layer[20-22].k: prefill=registered (nhd) decode=<missing>  [layer_missing]"),
+    "overlap": (lambda stages: [stages[0], dataclasses.replace(stages[0], pp_rank=1)],
+                "kv.layer[0-15].k: prefill=- decode=registered by stages pp0, pp1  "
+                "[tensor_duplicate]"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_a_decode_coverage_fault_is_rejected_live_as_check_rejects_it(cluster_factory, damage):
+    prefill, decode = _instances("llama-3.1-8b", (1, 1), (2, 1), Layout.NHD)
+    damaged, line = DAMAGES[damage]
+    decode = damaged(decode)
+    expected = reconcile_instances(prefill, decode)
+    assert line in str(expected.error())
+    cluster = cluster_factory(prefill, decode)
+    for geometry in decode:   # each stage registers with prefill when a room first asks
+        cluster.clients[geometry.rank_id].expect(5, cluster.bootstrap, [0, 1], aux_row=0)
+    for geometry in decode:   # every stage is told, with the lines check prints
+        state = cluster.clients[geometry.rank_id].wait(5, timeout_s=10)
+        assert state.status is RoomStatus.FAILED and state.code_text == "peer_rejected", state
+        for printed in str(expected.error()).splitlines()[1:]:
+            assert printed.strip() in state.reason, (printed, state.reason)
