@@ -22,12 +22,16 @@ writing the docs.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import difflib
 import inspect
+import io
 import json
 import re
 import sys
+import textwrap
+import tokenize
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -54,6 +58,7 @@ BOOTSTRAP_SENDERS = {
 
 # -- small helpers ------------------------------------------------------------------
 
+
 def github_anchor(heading: str) -> str:
     """The anchor GitHub gives a Markdown heading (``Peer lost`` -> ``peer-lost``)."""
     text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
@@ -61,12 +66,26 @@ def github_anchor(heading: str) -> str:
 
 
 def source_comments(obj: object) -> dict[str, str]:
-    """``name -> trailing comment`` of each ``name ... = value  # comment`` line of ``obj``."""
+    """``name -> comment`` of each ``name ... = value  # comment`` assignment in ``obj``'s
+    body, the comment on its first line or, where the formatter wrapped a long line as
+    ``name = (\n    value  # comment\n)``, inside the parentheses."""
+    source = textwrap.dedent(inspect.getsource(obj))
+    comments: dict[int, str] = {}
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            comments[token.start[0]] = token.string.lstrip("#").strip()
     found = {}
-    for line in inspect.getsource(obj).splitlines():
-        match = re.match(r"\s+(\w+)\s*(?::[^=]+)?=[^#]*#\s*(.+)$", line)
-        if match:
-            found[match.group(1)] = match.group(2).strip()
+    for node in ast.walk(ast.parse(source)):
+        target = (
+            node.target
+            if isinstance(node, ast.AnnAssign)
+            else (node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
+        )
+        if isinstance(target, ast.Name) and node.value is not None:
+            lines = range(node.lineno, node.end_lineno + 1)
+            text = next((comments[n] for n in lines if n in comments), None)
+            if text:
+                found[target.id] = text
     return found
 
 
@@ -92,6 +111,7 @@ def _number(n: float) -> str:
 
 # -- field kinds ----------------------------------------------------------------------
 
+
 def describe_kind(kind: kinds.Kind) -> str:
     """A field kind with its bounds, for a field table."""
     if isinstance(kind, kinds.Int):
@@ -112,8 +132,10 @@ def describe_kind(kind: kinds.Kind) -> str:
     if isinstance(kind, kinds.TupleOf):
         return "[" + "; ".join(describe_kind(k) for k in kind.items) + "]"
     if isinstance(kind, kinds.Indices):
-        return (f"indices in [0, {_number(kind.hi)}], at most {_number(kind.max_len)}: packed "
-                "little-endian int64 bytes, or a list of int")
+        return (
+            f"indices in [0, {_number(kind.hi)}], at most {_number(kind.max_len)}: packed "
+            "little-endian int64 bytes, or a list of int"
+        )
     if isinstance(kind, kinds.Record):
         name = kind.cls.__name__
         return f"map [{name}](#{github_anchor(name)})"
@@ -151,17 +173,19 @@ def _field_table(record: kinds.Record) -> str:
 
 # -- protocol tables --------------------------------------------------------------------
 
+
 def _senders(tag: str) -> str:
     # a message fires the trigger of its tag; Verdict fires verdict_accepted or verdict_rejected
-    triggers = {t for t in Trigger if t.value == tag} or \
-        {t for t in Trigger if t.value.startswith(tag + "_")}
+    triggers = {t for t in Trigger if t.value == tag} or {t for t in Trigger if t.value.startswith(tag + "_")}
     roles = {role for (_, role, trigger) in TRANSITIONS if trigger in triggers}
     return "either" if len(roles) == 2 else ", ".join(r.value for r in Role if r in roles)
 
 
 def render_messages() -> str:
-    rows = [(f"`{tag}`", f"[{t.cls.__name__}](#{github_anchor(t.cls.__name__)})", _senders(tag),
-             t.description) for tag, t in MESSAGE_TYPES.items()]
+    rows = [
+        (f"`{tag}`", f"[{t.cls.__name__}](#{github_anchor(t.cls.__name__)})", _senders(tag), t.description)
+        for tag, t in MESSAGE_TYPES.items()
+    ]
     return _table(("Tag `t`", "Message", "Sent by", "Meaning"), rows)
 
 
@@ -169,8 +193,15 @@ def render_bootstrap_messages() -> str:
     missing = set(BOOTSTRAP_MESSAGE_TYPES) - set(BOOTSTRAP_SENDERS)
     if missing:
         raise KeyError(f"docgen.BOOTSTRAP_SENDERS lacks {sorted(missing)}")
-    rows = [(f"`{tag}`", f"[{t.cls.__name__}](#{github_anchor(t.cls.__name__)})",
-             BOOTSTRAP_SENDERS[tag], t.description) for tag, t in BOOTSTRAP_MESSAGE_TYPES.items()]
+    rows = [
+        (
+            f"`{tag}`",
+            f"[{t.cls.__name__}](#{github_anchor(t.cls.__name__)})",
+            BOOTSTRAP_SENDERS[tag],
+            t.description,
+        )
+        for tag, t in BOOTSTRAP_MESSAGE_TYPES.items()
+    ]
     return _table(("Tag `t`", "Message", "From -> to", "Meaning"), rows)
 
 
@@ -178,7 +209,7 @@ def render_message_fields() -> str:
     """A field table per message, then one per record those messages contain."""
     parts, records, seen = [], [], set()
     for cls, record in RECORDS.items():
-        parts.append(f"#### {cls.__name__}\n\n`t = \"{cls.TAG}\"`\n\n{_field_table(record)}")
+        parts.append(f'#### {cls.__name__}\n\n`t = "{cls.TAG}"`\n\n{_field_table(record)}')
         records += [r for f in record.fields for r in _nested(f.kind)]
     while records:
         record = records.pop(0)
@@ -192,8 +223,10 @@ def render_message_fields() -> str:
 
 def render_session_states() -> str:
     comments = source_comments(SessionState)
-    rows = [(f"`{s.value}`", comments.get(s.name, ""), "yes" if s in TERMINAL_STATES else "")
-            for s in SessionState]
+    rows = [
+        (f"`{s.value}`", comments.get(s.name, ""), "yes" if s in TERMINAL_STATES else "")
+        for s in SessionState
+    ]
     return _table(("State", "Meaning", "Terminal"), rows)
 
 
@@ -205,7 +238,8 @@ def render_transitions() -> str:
     states, triggers = list(SessionState), list(Trigger)
     rows = []
     for (state, trigger, next_state), roles in sorted(
-            merged.items(), key=lambda item: (states.index(item[0][0]), triggers.index(item[0][1]))):
+        merged.items(), key=lambda item: (states.index(item[0][0]), triggers.index(item[0][1]))
+    ):
         sender = "either" if len(roles) == 2 else next(iter(roles)).value
         rows.append((f"`{state.value}`", sender, f"`{trigger.value}`", f"`{next_state.value}`"))
     return _table(("State", "Sender", "Trigger", "Next state"), rows)
@@ -213,10 +247,15 @@ def render_transitions() -> str:
 
 def render_room_status() -> str:
     comments = source_comments(RoomStatus)
-    rows = [(f"`{s.value}`", comments.get(s.name, ""),
-             ", ".join(f"`{n.value}`" for n in RoomStatus if n in ROOM_TRANSITIONS[s]) or
-             ("terminal" if s in TERMINAL_STATUSES else ""))
-            for s in RoomStatus]
+    rows = [
+        (
+            f"`{s.value}`",
+            comments.get(s.name, ""),
+            ", ".join(f"`{n.value}`" for n in RoomStatus if n in ROOM_TRANSITIONS[s])
+            or ("terminal" if s in TERMINAL_STATUSES else ""),
+        )
+        for s in RoomStatus
+    ]
     return _table(("Status", "Meaning", "May move to"), rows)
 
 
@@ -225,31 +264,44 @@ def render_freshness() -> str:
     rows = []
     for freshness in Freshness:
         how, reason = FRESHNESS_RULES[freshness]
-        rows.append((f"`{freshness.value}`", meaning.get(freshness.name, ""),
-                     f"`{how.value}`: {handling.get(how.name, '')}",
-                     f"`{reason.value}`" if reason else "-"))
+        rows.append(
+            (
+                f"`{freshness.value}`",
+                meaning.get(freshness.name, ""),
+                f"`{how.value}`: {handling.get(how.name, '')}",
+                f"`{reason.value}`" if reason else "-",
+            )
+        )
     return _table(("Freshness", "The room message is", "Receiving session does", "Reason"), rows)
 
 
 def render_limits() -> str:
-    rows = [(f"`{f.name}`", _number(f.default) + ("" if _number(f.default) == str(f.default)
-                                                   else f" ({f.default})"))
-            for f in dataclasses.fields(Limits)]
+    rows = [
+        (
+            f"`{f.name}`",
+            _number(f.default) + ("" if _number(f.default) == str(f.default) else f" ({f.default})"),
+        )
+        for f in dataclasses.fields(Limits)
+    ]
     rows.append(("protocol version", ".".join(map(str, PROTOCOL_VERSION))))
     return _table(("Limit", "Default"), rows)
 
 
 def render_worker_ops() -> str:
     from pd_transfer.protocol import worker_api
+
     rows = []
     for op in worker_api.WorkerOp:
-        required = ", ".join(f"`{name}` ({'/'.join(k.__name__ for k in types)})"
-                             for name, types in worker_api._REQUIRED[op].items())
+        required = ", ".join(
+            f"`{name}` ({'/'.join(k.__name__ for k in types)})"
+            for name, types in worker_api._REQUIRED[op].items()
+        )
         rows.append((f"`{op.value}`", required or "-"))
     return _table(("Op", "Required fields besides `op` and `id`"), rows)
 
 
 # -- errors, metrics, configuration --------------------------------------------------------
+
 
 def render_reason_codes() -> str:
     notes = source_comments(Reason)
@@ -262,6 +314,7 @@ def render_metrics() -> str:
     from prometheus_client.metrics import MetricWrapperBase
 
     from pd_transfer.metrics import SidecarMetrics
+
     metrics = SidecarMetrics(CollectorRegistry(), "prefill")
     rows = []
     for wrapper in vars(metrics).values():
@@ -277,6 +330,7 @@ def render_metrics() -> str:
 def render_sidecar_config() -> str:
     from pd_transfer import config
     from pd_transfer.serve_flags import SERVE_FLAGS
+
     env_prefix = getattr(config, "ENV_PREFIX", "")
     flags = {entry.field: entry for entry in SERVE_FLAGS}
     comments = source_comments(config.SidecarConfig)
@@ -289,8 +343,11 @@ def render_sidecar_config() -> str:
             default = f"`{f.default_factory.__name__}()`"
         else:
             default = "required"
-        meaning = (flag.help + (f" (default: {flag.default_note})" if flag.default_note else "")
-                   if flag else "") or comments.get(f.name) or "-"
+        meaning = (
+            (flag.help + (f" (default: {flag.default_note})" if flag.default_note else "") if flag else "")
+            or comments.get(f.name)
+            or "-"
+        )
         row = (f"`{f.name}`", default, f"`{flag.name}`" if flag else "-")
         if env_prefix:
             row += (f"`{env_prefix}{f.name.upper()}`",)
@@ -305,10 +362,15 @@ Renderer = Callable[[], str]
 
 BLOCKS: dict[str, dict[str, Renderer]] = {
     "protocol.md": {
-        "messages": render_messages, "bootstrap-messages": render_bootstrap_messages,
-        "message-fields": render_message_fields, "session-states": render_session_states,
-        "transitions": render_transitions, "room-status": render_room_status,
-        "freshness": render_freshness, "limits": render_limits, "worker-ops": render_worker_ops,
+        "messages": render_messages,
+        "bootstrap-messages": render_bootstrap_messages,
+        "message-fields": render_message_fields,
+        "session-states": render_session_states,
+        "transitions": render_transitions,
+        "room-status": render_room_status,
+        "freshness": render_freshness,
+        "limits": render_limits,
+        "worker-ops": render_worker_ops,
     },
     "errors.md": {"reason-codes": render_reason_codes},
     "operations.md": {"metrics": render_metrics, "sidecar-config": render_sidecar_config},
@@ -325,9 +387,12 @@ def fill(text: str, renderers: dict[str, Renderer], where: str) -> str:
 
     def replace(match: re.Match) -> str:
         name = match.group(1)
-        return (f"<!-- BEGIN GENERATED: {name} -->\n<!-- by `python -m pd_transfer.docgen`; "
-                f"edit the code, not this block -->\n\n{renderers[name]().strip()}\n\n"
-                f"<!-- END GENERATED: {name} -->")
+        return (
+            f"<!-- BEGIN GENERATED: {name} -->\n<!-- by `python -m pd_transfer.docgen`; "
+            f"edit the code, not this block -->\n\n{renderers[name]().strip()}\n\n"
+            f"<!-- END GENERATED: {name} -->"
+        )
+
     return _BLOCK.sub(replace, text)
 
 
@@ -345,9 +410,12 @@ def check(docs_dir: Path = DOCS_DIR) -> str:
     """The unified diff between the docs and what the code generates ('' when in sync)."""
     diff = []
     for path, (current, generated) in generate(docs_dir).items():
-        diff += difflib.unified_diff(current.splitlines(keepends=True),
-                                     generated.splitlines(keepends=True),
-                                     f"{path} (on disk)", f"{path} (from the code)")
+        diff += difflib.unified_diff(
+            current.splitlines(keepends=True),
+            generated.splitlines(keepends=True),
+            f"{path} (on disk)",
+            f"{path} (from the code)",
+        )
     return "".join(diff)
 
 
