@@ -30,12 +30,13 @@ class NativeCopyHook(BuildHookInterface):
         try:
             library = native.build(out_dir, quiet=True)
         except RuntimeError as err:
-            self.app.display_warning(f"pd-transfer: the native copy loop was not built, copies "
-                                     f"will run through numpy (about half as fast): {err}")
+            self.app.display_warning(
+                f"pd-transfer: the native copy loop was not built, copies "
+                f"will run through numpy (about half as fast): {err}"
+            )
             return
         if version != "editable":
-            build_data["force_include"][str(library)] = \
-                f"pd_transfer/transport/native/{native.LIBRARY_NAME}"
+            build_data["force_include"][str(library)] = f"pd_transfer/transport/native/{native.LIBRARY_NAME}"
             # loaded with ctypes, not imported: any Python 3, this platform only
             build_data["pure_python"] = False
             build_data["tag"] = f"py3-none-{next(iter(sys_tags())).platform}"

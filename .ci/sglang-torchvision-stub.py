@@ -34,6 +34,7 @@ def _module_getattr(module_name):
         if name.startswith("__"):
             raise AttributeError(name)
         return Unavailable(f"{module_name}.{name}")
+
     return __getattr__
 
 

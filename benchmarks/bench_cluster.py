@@ -25,7 +25,6 @@ from pd_transfer.security.secret import use_ephemeral_secret
 PAGE = 16
 
 
-
 def peak_rss_mib(pid: int) -> float:
     """The process's peak resident set (VmHWM; shared-memory pages it touched included)."""
     try:
@@ -40,37 +39,67 @@ def peak_rss_mib(pid: int) -> float:
 class Cluster:
     """A prefill instance of TP ``tp_src`` and ``num_decode`` decode instances of TP ``tp_dst``."""
 
-    def __init__(self, workdir: Path, *, model: str = "llama-3.1-8b", tp_src: int = 1,
-                 tp_dst: int = 1, num_decode: int = 1, num_pages: int = 256,
-                 transport: str = "shm", extra_args: tuple[str, ...] = (),
-                 fill: int = 7) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        model: str = "llama-3.1-8b",
+        tp_src: int = 1,
+        tp_dst: int = 1,
+        num_decode: int = 1,
+        num_pages: int = 256,
+        transport: str = "shm",
+        extra_args: tuple[str, ...] = (),
+        fill: int = 7,
+    ) -> None:
         spec = load_preset(model)
-        shape = {"page_size": PAGE, "num_pages": num_pages, "kv_layout": Layout.NHD,
-                 "num_aux_rows": 64, "num_slots": 64}
+        shape = {
+            "page_size": PAGE,
+            "num_pages": num_pages,
+            "kv_layout": Layout.NHD,
+            "num_aux_rows": 64,
+            "num_slots": 64,
+        }
         self.prefill = build_instance(spec, Role.PREFILL, tp_src, **shape)
-        self.decodes = [build_instance(spec, Role.DECODE, tp_dst, **shape)
-                        for _ in range(num_decode)]
+        self.decodes = [build_instance(spec, Role.DECODE, tp_dst, **shape) for _ in range(num_decode)]
         self.bootstrap = f"tcp://127.0.0.1:{spare_port()}"
         self.workdir = workdir
-        use_ephemeral_secret(workdir)   # sidecars and clients authenticate, as deployed
+        use_ephemeral_secret(workdir)  # sidecars and clients authenticate, as deployed
         self.procs: dict[str, subprocess.Popen] = {}
         self.clients: dict[str, Client] = {}
         self.endpoints: dict[str, str] = {}
         self.pools = []
         ranks = [("p", g) for g in self.prefill] + [
-            (f"d{i}", g) for i, instance in enumerate(self.decodes) for g in instance]
+            (f"d{i}", g) for i, instance in enumerate(self.decodes) for g in instance
+        ]
         for tag, geometry in ranks:
             self._spawn(f"{tag}-tp{geometry.tp_rank}", geometry, transport, extra_args)
         for tag, geometry in ranks:
             self._attach(f"{tag}-tp{geometry.tp_rank}", geometry, fill)
 
-    def _spawn(self, name: str, geometry: RankGeometry, transport: str,
-               extra_args: tuple[str, ...]) -> None:
+    def _spawn(self, name: str, geometry: RankGeometry, transport: str, extra_args: tuple[str, ...]) -> None:
         endpoint = f"unix://{self.workdir}/{name}.sock"
-        cmd = [sys.executable, "-m", "pd_transfer.cli", "serve", "--role", geometry.role.value,
-               "--agent-id", name, "--worker-endpoint", endpoint, "--transport", transport,
-               "--ready-file", str(self.workdir / f"{name}.json"), "--http-port", "0",
-               "--log-level", "warning", *extra_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pd_transfer.cli",
+            "serve",
+            "--role",
+            geometry.role.value,
+            "--agent-id",
+            name,
+            "--worker-endpoint",
+            endpoint,
+            "--transport",
+            transport,
+            "--ready-file",
+            str(self.workdir / f"{name}.json"),
+            "--http-port",
+            "0",
+            "--log-level",
+            "warning",
+            *extra_args,
+        ]
         if geometry.role is Role.PREFILL:
             cmd += ["--bootstrap", self.bootstrap]
         self.procs[name] = subprocess.Popen(cmd)
@@ -98,8 +127,10 @@ class Cluster:
 
     def async_clients(self) -> dict[str, AsyncClient]:
         """Fresh asyncio clients (one per sidecar) for the running event loop."""
-        return {name: AsyncClient(endpoint, f"{name}-async", timeout_s=120)
-                for name, endpoint in self.endpoints.items()}
+        return {
+            name: AsyncClient(endpoint, f"{name}-async", timeout_s=120)
+            for name, endpoint in self.endpoints.items()
+        }
 
     def peak_rss(self) -> dict[str, float]:
         return {name: peak_rss_mib(proc.pid) for name, proc in self.procs.items()}

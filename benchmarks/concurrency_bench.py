@@ -48,8 +48,7 @@ class Driver:
     async def run(self) -> float:
         self.clients = self.cluster.async_clients()
         self.prefill = self.clients[self.cluster.names("p")[0]]
-        self.decode = [self.clients[self.cluster.names("d", i)[0]]
-                       for i in range(len(self.cluster.decodes))]
+        self.decode = [self.clients[self.cluster.names("d", i)[0]] for i in range(len(self.cluster.decodes))]
         await self._room(0, 0, 1, large=False, record=False)  # warm-up: bootstrap and verdicts
         for peer in range(1, len(self.decode)):
             await self._room(peer, peer, 1, large=False, record=False)
@@ -111,8 +110,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="pdt-conc-"))
-    cluster = Cluster(workdir, num_decode=args.decode_peers, num_pages=args.pages,
-                      transport=args.transport)
+    cluster = Cluster(workdir, num_decode=args.decode_peers, num_pages=args.pages, transport=args.transport)
     try:
         driver = Driver(cluster, args)
         elapsed = asyncio.run(driver.run())
@@ -125,26 +123,37 @@ def main() -> None:
 def report(args, results, elapsed: float, rss: dict[str, float]) -> None:
     page_mib = 2  # Llama-3.1-8B, TP 1, page 16
     ok = [r for r in results if r[4] == "success"]
-    print(f"Llama-3.1-8B TP 1 -> {args.decode_peers} decode peers (TP 1), {args.transport}, "
-          f"{args.rooms} rooms, window {args.window}, large rooms {args.large_share:.0%} of "
-          f"{args.large_pages} pages ({args.large_pages * page_mib} MiB), small 1-4 pages")
-    print(f"rooms succeeded {len(ok)} / {len(results)} in {elapsed:.1f} s "
-          f"({len(results) / elapsed:.0f} rooms/s)")
+    print(
+        f"Llama-3.1-8B TP 1 -> {args.decode_peers} decode peers (TP 1), {args.transport}, "
+        f"{args.rooms} rooms, window {args.window}, large rooms {args.large_share:.0%} of "
+        f"{args.large_pages} pages ({args.large_pages * page_mib} MiB), small 1-4 pages"
+    )
+    print(
+        f"rooms succeeded {len(ok)} / {len(results)} in {elapsed:.1f} s "
+        f"({len(results) / elapsed:.0f} rooms/s)"
+    )
     print(f"{'rooms':<36}{'count':>7}{'p50 ms':>10}{'p99 ms':>10}")
-    for label, rows in [("all", ok), ("small", [r for r in ok if not r[1]]),
-                        ("small, a large room in flight", [r for r in ok if r[2]]),
-                        ("large", [r for r in ok if r[1]])]:
+    for label, rows in [
+        ("all", ok),
+        ("small", [r for r in ok if not r[1]]),
+        ("small, a large room in flight", [r for r in ok if r[2]]),
+        ("large", [r for r in ok if r[1]]),
+    ]:
         ms = [r[3] * 1e3 for r in rows]
         print(f"{label:<36}{len(rows):>7}{_pct(ms, 50):>10.1f}{_pct(ms, 99):>10.1f}")
     shares = []
     for peer in range(args.decode_peers):
         rows = [r for r in ok if r[0] == peer]
-        shares.append(f"peer {peer}: {len(rows)} rooms, "
-                      f"median {statistics.median([r[3] for r in rows]) * 1e3:.1f} ms"
-                      if rows else f"peer {peer}: 0 rooms")
+        shares.append(
+            f"peer {peer}: {len(rows)} rooms, median {statistics.median([r[3] for r in rows]) * 1e3:.1f} ms"
+            if rows
+            else f"peer {peer}: 0 rooms"
+        )
     print("per peer: " + "; ".join(shares))
-    print("peak RSS per sidecar (MiB, shared-memory pages it touched included): "
-          + ", ".join(f"{name} {mib:.0f}" for name, mib in sorted(rss.items())))
+    print(
+        "peak RSS per sidecar (MiB, shared-memory pages it touched included): "
+        + ", ".join(f"{name} {mib:.0f}" for name, mib in sorted(rss.items()))
+    )
 
 
 if __name__ == "__main__":

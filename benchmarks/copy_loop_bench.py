@@ -32,8 +32,11 @@ from pd_transfer.transport.copy_engine import CopyEngine  # noqa: E402
 from pd_transfer.transport.regions import Mapped  # noqa: E402
 
 MIB = 1 << 20
-CASES = (("one 256 MiB block", 256 * MIB, 1), ("16,384 x 16 KiB", 16 << 10, 16384),
-         ("65,536 x 2 KiB", 2 << 10, 65536))
+CASES = (
+    ("one 256 MiB block", 256 * MIB, 1),
+    ("16,384 x 16 KiB", 16 << 10, 16384),
+    ("65,536 x 2 KiB", 2 << 10, 65536),
+)
 
 
 def timed(fn, repeats: int) -> float:
@@ -48,12 +51,27 @@ def timed(fn, repeats: int) -> float:
 
 def one_page_us(engine: CopyEngine, regions, rooms: int = 60) -> tuple[float, float]:
     """p50 us of a 1-page room's copy: back to back, and each after 50 ms idle."""
+
     def plan(i: int) -> TransferPlan:
         src_page, dst_page = i % 64, (i * 7) % 64
-        return TransferPlan("p", "d", tuple(
-            RunBatch("s", "d", np.array([t * 2 * MIB + src_page * 32768]),
-                     np.array([t * 2 * MIB + dst_page * 32768]), np.array([32768]), np.array([1]), 0, 0)
-            for t in range(64)))
+        return TransferPlan(
+            "p",
+            "d",
+            tuple(
+                RunBatch(
+                    "s",
+                    "d",
+                    np.array([t * 2 * MIB + src_page * 32768]),
+                    np.array([t * 2 * MIB + dst_page * 32768]),
+                    np.array([32768]),
+                    np.array([1]),
+                    0,
+                    0,
+                )
+                for t in range(64)
+            ),
+        )
+
     plans = [plan(i) for i in range(rooms)]
     out = []
     for idle_s in (0.0, 0.05):
@@ -67,7 +85,7 @@ def one_page_us(engine: CopyEngine, regions, rooms: int = 60) -> tuple[float, fl
     (src,), (dst,) = (r.values() for r in regions)
     for batch in plans[-1].batches:
         s, d = int(batch.src_offset[0]), int(batch.dst_offset[0])
-        if not np.array_equal(dst.array[d:d + 32768], src.array[s:s + 32768]):
+        if not np.array_equal(dst.array[d : d + 32768], src.array[s : s + 32768]):
             raise SystemExit("1-page room: destination bytes are wrong")
     return out[0], out[1]
 
@@ -83,14 +101,19 @@ def main() -> None:
     a, b = torch.ones(256 * MIB, dtype=torch.uint8), torch.zeros(256 * MIB, dtype=torch.uint8)
     floor = 256 * MIB / timed(lambda: b.copy_(a), args.repeats) / 1e9
     paths = [("numpy", False)] + ([("native", True)] if native_copy.AVAILABLE else [])
-    print(f"median of {args.repeats}, one process; floor: torch copy_ of 256 MiB, {floor:.2f} GB/s"
-          + ("" if native_copy.AVAILABLE else f"; native loop unavailable: {native_copy.UNAVAILABLE_WHY}"))
+    print(
+        f"median of {args.repeats}, one process; floor: torch copy_ of 256 MiB, {floor:.2f} GB/s"
+        + ("" if native_copy.AVAILABLE else f"; native loop unavailable: {native_copy.UNAVAILABLE_WHY}")
+    )
     print(f"{'case':<20}{'path':<8}{'ms':>8}{'GB/s':>8}{'x copy_':>9}")
     for title, run, count in CASES:
         s = rng.permutation(256 * MIB // run)[:count].astype(np.int64) * run
         d = rng.permutation(512 * MIB // run)[:count].astype(np.int64) * run
-        plan = TransferPlan("p", "d", (RunBatch("s", "d", s, d, np.full(count, run, np.int64),
-                                                np.ones(count, np.int64), 0, 0),))
+        plan = TransferPlan(
+            "p",
+            "d",
+            (RunBatch("s", "d", s, d, np.full(count, run, np.int64), np.ones(count, np.int64), 0, 0),),
+        )
         rows = np.dtype((np.void, run))
         for name, native in paths:
             engine = CopyEngine(native=native)

@@ -45,8 +45,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--transports", default="shm,tcp,mooncake,nixl",
-                        help="comma-separated, from shm, tcp, mooncake, nixl")
+    parser.add_argument(
+        "--transports", default="shm,tcp,mooncake,nixl", help="comma-separated, from shm, tcp, mooncake, nixl"
+    )
     args = parser.parse_args()
     transports = [t for t in args.transports.split(",") if t]
     workdir = Path(tempfile.mkdtemp(prefix="pdt-e2e-"))
@@ -58,21 +59,27 @@ def main() -> None:
                 rows.append((label, transport, None, problem))
                 continue
             print(f"... {label} over {transport}", file=sys.stderr, flush=True)
-            seconds, nbytes = transfer_case(workdir, 2, 4, transport, args.tokens, args.repeats,
-                                            model=model)
+            seconds, nbytes = transfer_case(workdir, 2, 4, transport, args.tokens, args.repeats, model=model)
             sizes[label] = nbytes
             rows.append((label, transport, seconds, nbytes))
-    floors = {label: (memcpy_gbps(n, args.repeats), statistics.median(
-        raw_tcp_gbps(n, 1) for _ in range(3))) for label, n in sizes.items()}
-    print(f"{args.tokens} tokens, page 16, prefill TP 2 -> decode TP 4, random pages; "
-          f"medians of {args.repeats}")
+    floors = {
+        label: (memcpy_gbps(n, args.repeats), statistics.median(raw_tcp_gbps(n, 1) for _ in range(3)))
+        for label, n in sizes.items()
+    }
+    print(
+        f"{args.tokens} tokens, page 16, prefill TP 2 -> decode TP 4, random pages; medians of {args.repeats}"
+    )
     print(f"{'request':<20}{'path':<22}{'MiB':>8}{'seconds':>9}{'GB/s':>8}{'ratio':>8}  of")
     for label, (copy, tcp) in floors.items():
         mib = sizes[label] / 2**20
-        print(f"{label:<20}{'torch copy_':<22}{mib:>8.0f}{sizes[label] / copy / 1e9:>9.3f}"
-              f"{copy:>8.2f}{1:>8.2f}  memory floor")
-        print(f"{label:<20}{'raw tcp':<22}{mib:>8.0f}{sizes[label] / tcp / 1e9:>9.3f}"
-              f"{tcp:>8.2f}{1:>8.2f}  network floor")
+        print(
+            f"{label:<20}{'torch copy_':<22}{mib:>8.0f}{sizes[label] / copy / 1e9:>9.3f}"
+            f"{copy:>8.2f}{1:>8.2f}  memory floor"
+        )
+        print(
+            f"{label:<20}{'raw tcp':<22}{mib:>8.0f}{sizes[label] / tcp / 1e9:>9.3f}"
+            f"{tcp:>8.2f}{1:>8.2f}  network floor"
+        )
     for label, transport, seconds, nbytes in rows:
         path = f"pd-transfer {transport}"
         if seconds is None:
@@ -81,8 +88,10 @@ def main() -> None:
         copy, tcp = floors[label]
         rate = nbytes / seconds / 1e9
         floor, name = (copy, "copy") if transport == "shm" else (tcp, "raw tcp")
-        print(f"{label:<20}{path:<22}{nbytes / 2**20:>8.0f}{seconds:>9.3f}{rate:>8.2f}"
-              f"{rate / floor:>8.2f}  x {name}")
+        print(
+            f"{label:<20}{path:<22}{nbytes / 2**20:>8.0f}{seconds:>9.3f}{rate:>8.2f}"
+            f"{rate / floor:>8.2f}  x {name}"
+        )
 
 
 if __name__ == "__main__":

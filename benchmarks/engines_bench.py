@@ -80,31 +80,51 @@ from pd_transfer.transport.tcp import DEFAULT_STREAMS  # noqa: E402
 
 MIB = 1 << 20
 SRC_NBYTES, DST_NBYTES = 256 * MIB, 512 * MIB
-CASES = {"a": ("(a) 1 x 256 MiB", 256 * MIB, 1), "b": ("(b) 16,384 x 16 KiB", 16 * 1024, 16384),
-         "c": ("(c) 65,536 x 2 KiB", 2048, 65536)}
+CASES = {
+    "a": ("(a) 1 x 256 MiB", 256 * MIB, 1),
+    "b": ("(b) 16,384 x 16 KiB", 16 * 1024, 16384),
+    "c": ("(c) 65,536 x 2 KiB", 2048, 65536),
+}
 RAW_IOV_STREAMS = DEFAULT_STREAMS  # as many sockets as pd-transfer's tcp links have
-MOONCAKE_QUEUES = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
-                   "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535"}
+MOONCAKE_QUEUES = {
+    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
+    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
+}
 
 
 def _nixl_group(tls: str) -> tuple[dict, list]:
-    return ({"UCX_TLS": tls}, [
-        (f"nixl UCX {tls}, progress thread", "nixl-raw", {"progress_thread": True}),
-        (f"nixl UCX {tls}, no progress thread", "nixl-raw", {"progress_thread": False}),
-        (f"pd-transfer nixl (UCX {tls})", "nixl-pd", {})])
+    return (
+        {"UCX_TLS": tls},
+        [
+            (f"nixl UCX {tls}, progress thread", "nixl-raw", {"progress_thread": True}),
+            (f"nixl UCX {tls}, no progress thread", "nixl-raw", {"progress_thread": False}),
+            (f"pd-transfer nixl (UCX {tls})", "nixl-pd", {}),
+        ],
+    )
 
 
 # (the receiver's and its senders' env, [(row label, sender mode, that sender's settings)]):
 # one receiver per group; an engine's group lists its settings alone, then pd-transfer
-GROUPS = [({}, [("pd-transfer tcp", "builtin-tcp", {}), ("pd-transfer shm", "builtin-shm", {})]),
-          ({}, [("mooncake TE tcp, default queues", "mooncake-raw", {"batch": 1024}),
-                ("mooncake TE tcp, queues 65,535", "mooncake-raw",
-                 {"batch": 1 << 16, "env": MOONCAKE_QUEUES}),
-                ("pd-transfer mooncake (tcp)", "mooncake-pd", {})]),
-          _nixl_group("tcp"), _nixl_group("shm")]
+GROUPS = [
+    ({}, [("pd-transfer tcp", "builtin-tcp", {}), ("pd-transfer shm", "builtin-shm", {})]),
+    (
+        {},
+        [
+            ("mooncake TE tcp, default queues", "mooncake-raw", {"batch": 1024}),
+            ("mooncake TE tcp, queues 65,535", "mooncake-raw", {"batch": 1 << 16, "env": MOONCAKE_QUEUES}),
+            ("pd-transfer mooncake (tcp)", "mooncake-pd", {}),
+        ],
+    ),
+    _nixl_group("tcp"),
+    _nixl_group("shm"),
+]
 MODES = [row for _, rows in GROUPS for row in rows]
-ALONE = {pd[0]: [label for label, mode, _ in rows if mode.endswith("-raw")]
-         for _, rows in GROUPS for pd in rows if "(" in pd[0]}  # pd-transfer row -> its peers
+ALONE = {
+    pd[0]: [label for label, mode, _ in rows if mode.endswith("-raw")]
+    for _, rows in GROUPS
+    for pd in rows
+    if "(" in pd[0]
+}  # pd-transfer row -> its peers
 
 
 def descriptors(case: str, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -120,6 +140,7 @@ def descriptors(case: str, rng: np.random.Generator) -> tuple[np.ndarray, np.nda
 def receiver_main(args: dict) -> None:
     from pd_transfer.transport.engines import make_receiver
     from pd_transfer.transport.tcp_receiver import TcpReceiver
+
     segment = open_segment(args["dst"])
 
     async def serve() -> None:
@@ -133,6 +154,7 @@ def receiver_main(args: dict) -> None:
         print(json.dumps({"address": address}), flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
         await receiver.stop()
+
     asyncio.run(serve())
 
 
@@ -180,6 +202,7 @@ def _timed(fn, repeats: int, budget_s: float = 6.0) -> list[float]:
 def _mooncake_raw(state, mode, address, src, s, d, n, repeats) -> list[float]:
     from pd_transfer.transport.engine_address import EngineAddress
     from pd_transfer.transport.mooncake import MooncakeEngine
+
     peer = EngineAddress.parse(address, "mooncake")
     if "engine" not in state:
         state["engine"] = MooncakeEngine()
@@ -190,19 +213,21 @@ def _mooncake_raw(state, mode, address, src, s, d, n, repeats) -> list[float]:
 
     def once() -> None:
         for i in range(0, len(lengths), batch):
-            if engine.batch_transfer_sync_write(peer.session, src_addr[i:i + batch],
-                                                dst_addr[i:i + batch], lengths[i:i + batch]):
+            if engine.batch_transfer_sync_write(
+                peer.session, src_addr[i : i + batch], dst_addr[i : i + batch], lengths[i : i + batch]
+            ):
                 raise SystemExit("mooncake engine failed a batch")
+
     return _timed(once, repeats)
 
 
 def _nixl_raw(state, mode, address, src, s, d, n, repeats) -> list[float]:
     from pd_transfer.transport.engine_address import EngineAddress
     from pd_transfer.transport.nixl import NixlEngine
+
     peer = EngineAddress.parse(address, "nixl")
     if "engine" not in state:
-        state["engine"] = NixlEngine(
-            "bench", progress_thread=state["settings"]["progress_thread"])
+        state["engine"] = NixlEngine("bench", progress_thread=state["settings"]["progress_thread"])
         state["engine"].register({"src": (src.data_ptr(), src.numel())})
         state["engine"].agent.add_remote_agent(peer.metadata)
     engine = state["engine"]
@@ -215,6 +240,7 @@ def _nixl_raw(state, mode, address, src, s, d, n, repeats) -> list[float]:
         handle = agent.make_prepped_xfer("WRITE", local, index, remote, index)
         if engine.run(handle, time.monotonic() + 120) != "DONE":
             raise SystemExit("nixl transfer failed")
+
     return _timed(once, repeats)
 
 
@@ -227,6 +253,7 @@ def _table(addresses: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
 def _pd_transport(state, mode, address, src, s, d, n, repeats) -> list[float]:
     from pd_transfer.layout.lowering import RunBatch, TransferPlan
     from pd_transfer.transport.engines import make_transport
+
     loop = state.setdefault("loop", asyncio.new_event_loop())
     if "transport" not in state:
         state["transport"], peer = _pd_peer(mode, address, make_transport)
@@ -234,13 +261,15 @@ def _pd_transport(state, mode, address, src, s, d, n, repeats) -> list[float]:
         state["close"] = lambda: loop.run_until_complete(state["transport"].close())
     plan = TransferPlan("p", "d", (RunBatch("src", "dst", s, d, n, np.ones(len(n), np.int64), 0, 0),))
     regions = {"src": src}
-    return _timed(lambda: loop.run_until_complete(
-        state["transport"].write(state["link"], plan, regions)), repeats)
+    return _timed(
+        lambda: loop.run_until_complete(state["transport"].write(state["link"], plan, regions)), repeats
+    )
 
 
 def _pd_peer(mode: str, address: str, make_transport):
     """The transport of ``mode`` and the destination it connects to (shm: the segment)."""
     from pd_transfer.transport import PeerEndpoint, ShmTransport, TcpTransport
+
     if mode == "builtin-shm":
         return ShmTransport(), PeerEndpoint.from_maps("d", {"dst": DST_NBYTES}, {"dst": address})
     transport = TcpTransport() if mode == "builtin-tcp" else make_transport(mode.split("-")[0])
@@ -275,11 +304,13 @@ def raw_tcp_seconds(sizes: list[int]) -> dict[int, list[float]]:
     chunk = memoryview(np.random.default_rng(0).integers(0, 256, MIB, np.uint8))
     out = {}
     for total in sizes:
+
         def once(total=total) -> None:
             for start in range(0, total, MIB):
                 conn.sendall(chunk[: min(MIB, total - start)])
             if conn.recv(1) != b"k":
                 raise SystemExit("raw tcp receiver went away")
+
         out[total] = _timed(once, FLOOR_REPEATS, budget_s=1e9)
     conn.close()
     child.join(10)
@@ -288,6 +319,7 @@ def raw_tcp_seconds(sizes: list[int]) -> dict[int, list[float]]:
 
 def _raw_iov_receiver(port_queue, names: dict, sets_path: str, repeats: int) -> None:
     from pd_transfer.transport.native_io import recv_iov
+
     dst, sets = open_segment(names["dst"]), np.load(sets_path)
     server = socket.create_server(("127.0.0.1", 0))
     port_queue.put(server.getsockname()[1])
@@ -308,7 +340,7 @@ def _iov(region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray) -> np.ndarr
 def _halves(iov: np.ndarray) -> list[np.ndarray]:
     """The pieces cut into one share per stream (a single piece: cut into equal parts)."""
     if len(iov) == 1:
-        (address, nbytes), = iov.tolist()
+        ((address, nbytes),) = iov.tolist()
         cuts = np.linspace(0, nbytes, RAW_IOV_STREAMS + 1).astype(np.uint64)
         return [np.array([[address + a, b - a]], np.uint64) for a, b in zip(cuts[:-1], cuts[1:])]
     return np.array_split(iov, RAW_IOV_STREAMS)
@@ -316,8 +348,9 @@ def _halves(iov: np.ndarray) -> list[np.ndarray]:
 
 def _both(call, conns: list[socket.socket], shares: list[np.ndarray]) -> None:
     """``call(conn, share)`` on every stream at once, one thread each (the GIL is released)."""
-    threads = [threading.Thread(target=call, args=(conn, share))
-               for conn, share in zip(conns[1:], shares[1:])]
+    threads = [
+        threading.Thread(target=call, args=(conn, share)) for conn, share in zip(conns[1:], shares[1:])
+    ]
     for thread in threads:
         thread.start()
     call(conns[0], shares[0])
@@ -329,12 +362,12 @@ def raw_iov_seconds(names: dict, sets_path: str, src, dst) -> dict[str, list[flo
     """Per case: the case's pieces through bare loopback sockets (as many as pd-transfer's
     tcp streams), straight from the source runs into the destination runs."""
     from pd_transfer.transport.native_io import AVAILABLE, send_iov
+
     if not AVAILABLE:
         return {}
     ctx = mp.get_context("spawn")
     ports = ctx.Queue()
-    child = ctx.Process(target=_raw_iov_receiver, args=(ports, names, sets_path, FLOOR_REPEATS),
-                        daemon=True)
+    child = ctx.Process(target=_raw_iov_receiver, args=(ports, names, sets_path, FLOOR_REPEATS), daemon=True)
     child.start()
     port = ports.get(timeout=60)
     conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(RAW_IOV_STREAMS)]
@@ -347,6 +380,7 @@ def raw_iov_seconds(names: dict, sets_path: str, src, dst) -> dict[str, list[flo
             _both(send_iov, conns, halves)
             if conns[0].recv(1) != b"k":
                 raise SystemExit("raw iovec receiver went away")
+
         out[case] = _timed(once, FLOOR_REPEATS, budget_s=1e9)
         check(case, src, dst, sets)
     for conn in conns:
@@ -361,33 +395,56 @@ def copy_seconds(nbytes: int, repeats: int) -> float:
 
 
 # -- orchestration ---------------------------------------------------------------------------
-def run_group(modes: list[tuple[str, str, dict]], env: dict, names: dict, sets_path: str, dst,
-              src, sets, repeats: int) -> dict[str, dict]:
+def run_group(
+    modes: list[tuple[str, str, dict]], env: dict, names: dict, sets_path: str, dst, src, sets, repeats: int
+) -> dict[str, dict]:
     """One receiver process (one UCX setting) and a sender process per row, for each
     setting of one engine alone and for pd-transfer through it; seconds (or why not) per
     row and case."""
     kind = modes[0][1].split("-")[0]
     from pd_transfer.transport.engines import engine_unusable
+
     problem = engine_unusable(kind) if kind != "builtin" else ""
     if problem:
         return {label: {case: problem for case in CASES} for label, _, _ in modes}
     child_env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), **env)
     child_env.setdefault("UCX_MODULES", "^ib")
     me = [sys.executable, __file__]
-    receiver = subprocess.Popen(me + ["--child", json.dumps({"role": "receiver", "kind": kind,
-                                                             "dst": names["dst"]})],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                env=child_env, stderr=subprocess.DEVNULL)
+    receiver = subprocess.Popen(
+        me + ["--child", json.dumps({"role": "receiver", "kind": kind, "dst": names["dst"]})],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=child_env,
+        stderr=subprocess.DEVNULL,
+    )
     address = json.loads(receiver.stdout.readline())["address"]
 
     def start_sender(settings: dict) -> subprocess.Popen:
         settings = dict(settings)
         sender_env = dict(child_env, **settings.pop("env", {}))
-        return subprocess.Popen(me + ["--child", json.dumps({
-            "role": "sender", "src": names["src"], "dst": names["dst"], "sets": sets_path,
-            "address": address, "repeats": repeats, "settings": settings})],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=sender_env,
-            stderr=subprocess.DEVNULL)
+        return subprocess.Popen(
+            me
+            + [
+                "--child",
+                json.dumps(
+                    {
+                        "role": "sender",
+                        "src": names["src"],
+                        "dst": names["dst"],
+                        "sets": sets_path,
+                        "address": address,
+                        "repeats": repeats,
+                        "settings": settings,
+                    }
+                ),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=sender_env,
+            stderr=subprocess.DEVNULL,
+        )
 
     out: dict[str, dict] = {label: {} for label, _, _ in modes}  # and "chosen": pd-transfer's
     try:
@@ -445,8 +502,10 @@ def main() -> None:
     for case in CASES:
         sets[f"{case}_src"], sets[f"{case}_dst"], sets[f"{case}_n"] = descriptors(case, rng)
     tag = uuid.uuid4().hex[:6]
-    src, dst = create_segment(f"pdt-ebench-{tag}-src", SRC_NBYTES), \
-        create_segment(f"pdt-ebench-{tag}-dst", DST_NBYTES)
+    src, dst = (
+        create_segment(f"pdt-ebench-{tag}-src", SRC_NBYTES),
+        create_segment(f"pdt-ebench-{tag}-dst", DST_NBYTES),
+    )
     try:
         src.array[:] = np.frombuffer(rng.bytes(SRC_NBYTES), np.uint8)
         with tempfile.TemporaryDirectory() as tmp:
@@ -477,11 +536,13 @@ def report(repeats: int, names: dict, sets_path: str, src, dst, sets) -> None:
     raw_best = {n: min(t + raw_again[n]) for n, t in raw.items()}
     raw = {n: statistics.median(t + raw_again[n]) for n, t in raw.items()}
     raw_iov = {case: statistics.median(t + iov_again[case]) for case, t in raw_iov.items()}
-    print(f"engines bench: median of up to {repeats} (fewer past 6 s; raw tcp floors: median of "
-          f"{FLOOR_REPEATS} before and {FLOOR_REPEATS} after), {os.cpu_count()} CPUs, GB/s = 1e9 B/s; "
-          f"ratios: x copy_ / x raw tcp / x the engine alone at its best (the fastest of its "
-          f"settings, per case); pd-transfer rows: strategy auto, [the strategy it chose]; "
-          f"machine shared with other work: figures are noisy")
+    print(
+        f"engines bench: median of up to {repeats} (fewer past 6 s; raw tcp floors: median of "
+        f"{FLOOR_REPEATS} before and {FLOOR_REPEATS} after), {os.cpu_count()} CPUs, GB/s = 1e9 B/s; "
+        f"ratios: x copy_ / x raw tcp / x the engine alone at its best (the fastest of its "
+        f"settings, per case); pd-transfer rows: strategy auto, [the strategy it chose]; "
+        f"machine shared with other work: figures are noisy"
+    )
     print(f"{'case':<22}{'path':<44}{'ms':>9}{'GB/s':>8}{'x copy':>8}{'x tcp':>7}{'x alone':>9}")
     for case, (title, _, _) in CASES.items():
         total = totals[case]
@@ -491,8 +552,7 @@ def report(repeats: int, names: dict, sets_path: str, src, dst, sets) -> None:
         rows += [(label, results[label][case]) for label, _, _ in MODES]
         for i, (label, seconds) in enumerate(rows):
             first = title if i == 0 else ""
-            shown = label + (f" [{chosen[(label, case)]['strategy']}]"
-                             if (label, case) in chosen else "")
+            shown = label + (f" [{chosen[(label, case)]['strategy']}]" if (label, case) in chosen else "")
             if not isinstance(seconds, float):
                 print(f"{first:<22}{shown:<44}  {seconds}")
                 continue
@@ -500,38 +560,44 @@ def report(repeats: int, names: dict, sets_path: str, src, dst, sets) -> None:
             if label in ALONE:
                 best = best_alone(results, label, case)
                 alone = f"{best[1] / seconds:.2f}" if best else "-"
-            print(f"{first:<22}{shown:<44}{seconds * 1e3:>9.1f}{total / seconds / 1e9:>8.2f}"
-                  f"{copy[total] / seconds:>8.2f}{raw[total] / seconds:>7.2f}{alone:>9}")
+            print(
+                f"{first:<22}{shown:<44}{seconds * 1e3:>9.1f}{total / seconds / 1e9:>8.2f}"
+                f"{copy[total] / seconds:>8.2f}{raw[total] / seconds:>7.2f}{alone:>9}"
+            )
     print("engine alone at its best, per case (what the x alone column divides by):")
     for label in ALONE:
         picks = [(case, best_alone(results, label, case)) for case in CASES]
-        print(f"  {label.removeprefix('pd-transfer '):<18}" + "; ".join(
-            f"({case}) {best[0]}" if best else f"({case}) -" for case, best in picks))
+        print(
+            f"  {label.removeprefix('pd-transfer '):<18}"
+            + "; ".join(f"({case}) {best[0]}" if best else f"({case}) -" for case, best in picks)
+        )
     targets(results, copy, raw, raw_best, raw_iov, totals)
-    crossovers = {label: answer["crossover"] for (label, _), answer in chosen.items()
-                  if "(" in label}
-    print("staged below a mean run of: " + ", ".join(
-        f"{label.removeprefix('pd-transfer ')} {value / 1024:.1f} KiB"
-        for label, value in crossovers.items()) + " (measured by each link at connect)")
-
+    crossovers = {label: answer["crossover"] for (label, _), answer in chosen.items() if "(" in label}
+    print(
+        "staged below a mean run of: "
+        + ", ".join(
+            f"{label.removeprefix('pd-transfer ')} {value / 1024:.1f} KiB"
+            for label, value in crossovers.items()
+        )
+        + " (measured by each link at connect)"
+    )
 
 
 def best_alone(results: dict, label: str, case: str) -> tuple[str, float] | None:
     """The fastest setting of the engine behind pd-transfer row ``label`` on ``case``:
     (its setting, seconds), or None where none was measured."""
-    timed = [(results[peer][case], peer) for peer in ALONE[label]
-             if isinstance(results[peer][case], float)]
+    timed = [(results[peer][case], peer) for peer in ALONE[label] if isinstance(results[peer][case], float)]
     if not timed:
         return None
     seconds, peer = min(timed)
     return peer.split(", ", 1)[-1], seconds
 
 
-def targets(results: dict, copy: dict, raw: dict, raw_best: dict, raw_iov: dict,
-            totals: dict) -> None:
+def targets(results: dict, copy: dict, raw: dict, raw_best: dict, raw_iov: dict, totals: dict) -> None:
     """The issue's targets, as ratios of this run's rows (missing rows: not measured); an
     engine's row is its fastest setting on the case; the tcp x raw lines also say where
     the case stands against the floor's best run."""
+
     def mine(label: str, case: str) -> float | None:
         seconds = results.get(label, {}).get(case)
         return seconds if isinstance(seconds, float) else None
@@ -541,27 +607,50 @@ def targets(results: dict, copy: dict, raw: dict, raw_best: dict, raw_iov: dict,
         return best[1] / seconds if best and seconds else None
 
     tcp, shm = "pd-transfer tcp", "pd-transfer shm"
-    moon, ntcp, nshm = ("pd-transfer mooncake (tcp)", "pd-transfer nixl (UCX tcp)",
-                        "pd-transfer nixl (UCX shm)")
-    checks = [(f"tcp x raw tcp, case {c}", raw[totals[c]] / results[tcp][c], 0.7,
-               f"  ({raw_best[totals[c]] / results[tcp][c]:.2f}x the floor's best run)")
-              for c in CASES if mine(tcp, c)]
-    checks += [(f"tcp x raw tcp iovecs, case {c}", raw_iov[c] / results[tcp][c], 0.9)
-               for c in CASES if mine(tcp, c) and c in raw_iov]
-    checks += [("tcp x mooncake TE tcp at best, 16 KiB", over_best(tcp, "b", moon), 4.0),
-               ("tcp x nixl UCX tcp at best, 16 KiB", over_best(tcp, "b", ntcp), 1.5),
-               ("tcp x mooncake TE tcp at best, 2 KiB", over_best(tcp, "c", moon), 20.0),
-               ("tcp x nixl UCX tcp at best, 2 KiB", over_best(tcp, "c", ntcp), 6.0)]
+    moon, ntcp, nshm = (
+        "pd-transfer mooncake (tcp)",
+        "pd-transfer nixl (UCX tcp)",
+        "pd-transfer nixl (UCX shm)",
+    )
+    checks = [
+        (
+            f"tcp x raw tcp, case {c}",
+            raw[totals[c]] / results[tcp][c],
+            0.7,
+            f"  ({raw_best[totals[c]] / results[tcp][c]:.2f}x the floor's best run)",
+        )
+        for c in CASES
+        if mine(tcp, c)
+    ]
+    checks += [
+        (f"tcp x raw tcp iovecs, case {c}", raw_iov[c] / results[tcp][c], 0.9)
+        for c in CASES
+        if mine(tcp, c) and c in raw_iov
+    ]
+    checks += [
+        ("tcp x mooncake TE tcp at best, 16 KiB", over_best(tcp, "b", moon), 4.0),
+        ("tcp x nixl UCX tcp at best, 16 KiB", over_best(tcp, "b", ntcp), 1.5),
+        ("tcp x mooncake TE tcp at best, 2 KiB", over_best(tcp, "c", moon), 20.0),
+        ("tcp x nixl UCX tcp at best, 2 KiB", over_best(tcp, "c", ntcp), 6.0),
+    ]
     peers = [best_alone(results, row, "a") for row in (moon, ntcp)]  # the engines over tcp
     peers = [best[1] for best in peers if best]
     if peers and mine(tcp, "a"):
         checks.append(("tcp x best tcp engine, 256 MiB block", min(peers) / results[tcp]["a"], 0.8))
-    checks += [(f"pd nixl x nixl alone at best, UCX {tls}, case {c}", over_best(row, c, row), 0.9)
-               for row, tls in ((ntcp, "tcp"), (nshm, "shm")) for c in ("a", "b")]
-    checks += [("shm x nixl UCX shm at best, 16 KiB", over_best(shm, "b", nshm), 2.0),
-               ("shm x nixl UCX shm at best, 2 KiB", over_best(shm, "c", nshm), 5.0)]
-    checks += [(f"shm x copy_, case {c}", copy[totals[c]] / results[shm][c], floor)
-               for c, floor in (("b", 0.6), ("c", 0.3)) if mine(shm, c)]
+    checks += [
+        (f"pd nixl x nixl alone at best, UCX {tls}, case {c}", over_best(row, c, row), 0.9)
+        for row, tls in ((ntcp, "tcp"), (nshm, "shm"))
+        for c in ("a", "b")
+    ]
+    checks += [
+        ("shm x nixl UCX shm at best, 16 KiB", over_best(shm, "b", nshm), 2.0),
+        ("shm x nixl UCX shm at best, 2 KiB", over_best(shm, "c", nshm), 5.0),
+    ]
+    checks += [
+        (f"shm x copy_, case {c}", copy[totals[c]] / results[shm][c], floor)
+        for c, floor in (("b", 0.6), ("c", 0.3))
+        if mine(shm, c)
+    ]
     for name, value, floor, *aside in checks:
         verdict = "not measured" if value is None else ("met" if value >= floor else "MISSED")
         shown = "-" if value is None else f"{value:.2f}x"

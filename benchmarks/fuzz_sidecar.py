@@ -64,16 +64,21 @@ def run(seconds: float, seed: int) -> int:
     deployments = Deployments()
     failures: list[str] = []
     try:
-        cluster = deployments.make(tiny_ranks(Role.PREFILL, 1), tiny_ranks(Role.DECODE, 1),
-                                   config={"bootstrap_timeout_s": 2.0, **INSECURE})
+        cluster = deployments.make(
+            tiny_ranks(Role.PREFILL, 1),
+            tiny_ranks(Role.DECODE, 1),
+            config={"bootstrap_timeout_s": 2.0, **INSECURE},
+        )
         prefill = cluster.prefill[0]
         rank = prefill.rank_id
         control = FreshSessions("control", cluster.ready[rank]["control_address"])
         worker = Target("worker", cluster.sidecars[rank].endpoint)
         bootstrap = Target("bootstrap", cluster.bootstrap)
-        seeds = {"control": control_seeds(every_frame_type()),
-                 "worker": worker_seeds(prefill, cluster.pools[rank].handles),
-                 "bootstrap": bootstrap_seeds(rank_entry())}
+        seeds = {
+            "control": control_seeds(every_frame_type()),
+            "worker": worker_seeds(prefill, cluster.pools[rank].handles),
+            "bootstrap": bootstrap_seeds(rank_entry()),
+        }
         skipped: Counter = Counter()
         before = metric_total(cluster.http(rank, "/metrics")[1], "pd_transfer_bad_frames_total")
         started = time.monotonic()
@@ -102,8 +107,11 @@ def run(seconds: float, seed: int) -> int:
         wanted = worker.sent - worker.kinds["slow_wait"]
         if worker.drain_until(wanted, 30) < wanted:
             failures.append(f"worker endpoint answered {len(worker.replies)} of {wanted} requests")
-        internal = [r for r in (msgpack.unpackb(x, raw=False) for x in worker.replies)
-                    if not r.get("ok") and str(r.get("reason", "")).startswith("internal error")]
+        internal = [
+            r
+            for r in (msgpack.unpackb(x, raw=False) for x in worker.replies)
+            if not r.get("ok") and str(r.get("reason", "")).startswith("internal error")
+        ]
         kinds = Counter(r["reason"][:100] for r in internal)
         for reason, count in kinds.most_common():
             failures.append(f"{count} worker requests hit an internal error: {reason}")
@@ -114,8 +122,10 @@ def run(seconds: float, seed: int) -> int:
         tables = [r for r in replies if isinstance(r, RankTable)]
         if len(tables) != bootstrap.kinds["table_request"]:
             failures.append(f"{len(tables)} rank tables for {bootstrap.kinds['table_request']} requests")
-        for reply in replies:   # a table, or a Close refusing a bad frame
-            wrong_table = isinstance(reply, RankTable) and [e.control_address for e in reply.entries] != [real]
+        for reply in replies:  # a table, or a Close refusing a bad frame
+            wrong_table = isinstance(reply, RankTable) and [e.control_address for e in reply.entries] != [
+                real
+            ]
             if wrong_table or not isinstance(reply, (RankTable, Close)):
                 failures.append(f"bootstrap answered {reply!r:.200}")
                 break

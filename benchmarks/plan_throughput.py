@@ -119,25 +119,38 @@ def run_case(case: Case, repeats: int, rng: np.random.Generator) -> Row:
     plan = plan_pair(recon, prefill[0], decode[0], requests)
     plan_ms = median_ms(lambda: plan_pair(recon, prefill[0], decode[0], requests), repeats)
     floor_ms = median_ms(floor_fn(plan.num_descriptors), repeats)
-    return Row(case.label, verdict, reconcile_ms, plan_ms, floor_ms, plan.num_descriptors,
-               plan.num_runs, plan.total_nbytes)
+    return Row(
+        case.label,
+        verdict,
+        reconcile_ms,
+        plan_ms,
+        floor_ms,
+        plan.num_descriptors,
+        plan.num_runs,
+        plan.total_nbytes,
+    )
 
 
 def render(rows: list[Row], repeats: int) -> str:
-    lines = [f"plan_pair, one request of {TOKENS} tokens ({TOKENS // PAGE_SIZE} random pages of "
-             f"{PAGE_SIZE} out of {POOL_PAGES}), {LLAMA_70B_LIKE['name']}: 80 layers, 8 KV heads, "
-             f"head_dim 128, bf16, NHD both sides; median of {repeats} runs after a warm-up",
-             f"{'case':<16} {'verdict':<8} {'reconcile ms':>12} {'plan ms':>9} {'descriptors':>11} "
-             f"{'runs':>10} {'GiB':>6} {'desc/s':>10} {'floor ms':>9} {'plan/floor':>10}"]
+    lines = [
+        f"plan_pair, one request of {TOKENS} tokens ({TOKENS // PAGE_SIZE} random pages of "
+        f"{PAGE_SIZE} out of {POOL_PAGES}), {LLAMA_70B_LIKE['name']}: 80 layers, 8 KV heads, "
+        f"head_dim 128, bf16, NHD both sides; median of {repeats} runs after a warm-up",
+        f"{'case':<16} {'verdict':<8} {'reconcile ms':>12} {'plan ms':>9} {'descriptors':>11} "
+        f"{'runs':>10} {'GiB':>6} {'desc/s':>10} {'floor ms':>9} {'plan/floor':>10}",
+    ]
     for r in rows:
         rate = r.num_descriptors / (r.plan_ms / 1e3)
-        lines.append(f"{r.label:<16} {r.verdict:<8} {r.reconcile_ms:>12.1f} {r.plan_ms:>9.1f} "
-                     f"{r.num_descriptors:>11} {r.num_runs:>10} {r.total_nbytes / 2**30:>6.2f} "
-                     f"{rate:>10.3g} {r.floor_ms:>9.2f} {r.plan_ms / r.floor_ms:>9.1f}x")
-    lines.append("floor: numpy allocating and writing the two int64 offset arrays of the "
-                 "same number of descriptors once")
-    lines.append(f"target: within {TARGET_RATIO:.0f}x of floor; unsliced under "
-                 f"{TARGET_UNSLICED_MS:.0f} ms")
+        lines.append(
+            f"{r.label:<16} {r.verdict:<8} {r.reconcile_ms:>12.1f} {r.plan_ms:>9.1f} "
+            f"{r.num_descriptors:>11} {r.num_runs:>10} {r.total_nbytes / 2**30:>6.2f} "
+            f"{rate:>10.3g} {r.floor_ms:>9.2f} {r.plan_ms / r.floor_ms:>9.1f}x"
+        )
+    lines.append(
+        "floor: numpy allocating and writing the two int64 offset arrays of the "
+        "same number of descriptors once"
+    )
+    lines.append(f"target: within {TARGET_RATIO:.0f}x of floor; unsliced under {TARGET_UNSLICED_MS:.0f} ms")
     for r in rows:
         ratio = r.plan_ms / r.floor_ms
         missed = [f"{ratio:.1f}x floor"] if ratio > TARGET_RATIO else []

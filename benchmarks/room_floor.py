@@ -46,36 +46,41 @@ from pd_transfer.transport import native_copy  # noqa: E402
 
 MODES = ("wait after send", "wait in flight", "back to back")
 IDLE_S = 0.05
-REQUEST = struct.Struct("<qqqq")   # source page, destination page, doorbell slot, token
+REQUEST = struct.Struct("<qqqq")  # source page, destination page, doorbell slot, token
 REPLY = b"ok"
 
 
-def _relay(path: str, src_name: str, dst_name: str, bells_name: str, pieces: int, pages: int,
-           page_nbytes: int) -> None:
+def _relay(
+    path: str, src_name: str, dst_name: str, bells_name: str, pieces: int, pages: int, page_nbytes: int
+) -> None:
     """The relay process: serve one connection until it closes."""
     src, dst = open_segment(src_name), open_segment(dst_name)
     bells = Doorbells.open(bells_name)
     src_base = src.array.__array_interface__["data"][0]
     dst_base = dst.array.__array_interface__["data"][0]
     region = pages * page_nbytes
-    stop = asyncio.Event()   # set when the bench closes its connection
+    stop = asyncio.Event()  # set when the bench closes its connection
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                src_page, dst_page, slot, token = REQUEST.unpack(
-                    await reader.readexactly(REQUEST.size))
+                src_page, dst_page, slot, token = REQUEST.unpack(await reader.readexactly(REQUEST.size))
                 if native_copy.AVAILABLE:
                     runs = []
-                    for piece in range(pieces):   # one page of every region, as a 1-page room
-                        runs += (dst_base + piece * region + dst_page * page_nbytes,
-                                 src_base + piece * region + src_page * page_nbytes, page_nbytes)
+                    for piece in range(pieces):  # one page of every region, as a 1-page room
+                        runs += (
+                            dst_base + piece * region + dst_page * page_nbytes,
+                            src_base + piece * region + src_page * page_nbytes,
+                            page_nbytes,
+                        )
                     native_copy.copy_list(runs)
-                else:   # as the sidecars copy without the native loop: numpy slices
+                else:  # as the sidecars copy without the native loop: numpy slices
                     for piece in range(pieces):
-                        d, s = piece * region + dst_page * page_nbytes, \
-                            piece * region + src_page * page_nbytes
-                        dst.array[d:d + page_nbytes] = src.array[s:s + page_nbytes]
+                        d, s = (
+                            piece * region + dst_page * page_nbytes,
+                            piece * region + src_page * page_nbytes,
+                        )
+                        dst.array[d : d + page_nbytes] = src.array[s : s + page_nbytes]
                 bells.ring(slot, token, 0)
                 writer.write(REPLY)
         except asyncio.IncompleteReadError:
@@ -92,19 +97,28 @@ def _relay(path: str, src_name: str, dst_name: str, bells_name: str, pieces: int
 
     try:
         import uvloop
+
         uvloop.run(main())
     except ImportError:
         asyncio.run(main())
 
 
-def measure(workdir: Path, rooms: int, pieces: int = 64, pages: int = 64,
-            page_nbytes: int = 32 << 10, idle_s: float = IDLE_S) -> tuple[float, ...]:
+def measure(
+    workdir: Path,
+    rooms: int,
+    pieces: int = 64,
+    pages: int = 64,
+    page_nbytes: int = 32 << 10,
+    idle_s: float = IDLE_S,
+) -> tuple[float, ...]:
     """p50 ms of the bare room in each of :data:`MODES`. Defaults: a Llama-3.1-8B page
     (64 regions, K and V of 32 layers, 32 KiB each) in pools of 64 pages, as the
     sidecar bench's 1-page rooms."""
     if not doorbell.AVAILABLE:
-        raise RuntimeError("no doorbells on this platform (futex, Linux x86-64): same-host "
-                           "rooms end through messages here, which this floor does not model")
+        raise RuntimeError(
+            "no doorbells on this platform (futex, Linux x86-64): same-host "
+            "rooms end through messages here, which this floor does not model"
+        )
     tag = f"{os.getpid()}-{time.monotonic_ns() % 10**9}"
     nbytes = pieces * pages * page_nbytes
     src = create_segment(segment_name("floor", f"src-{tag}"), nbytes)
@@ -118,8 +132,20 @@ def measure(workdir: Path, rooms: int, pieces: int = 64, pages: int = 64,
     np.add(page_of.reshape(pieces, pages, 1), ramp, out=src_pages)
     dst.array[:] = 0
     path = str(workdir / f"floor-{tag}.sock")
-    relay = subprocess.Popen([sys.executable, __file__, "--relay", path, src.name, dst.name,
-                              bells.name, str(pieces), str(pages), str(page_nbytes)])
+    relay = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--relay",
+            path,
+            src.name,
+            dst.name,
+            bells.name,
+            str(pieces),
+            str(pages),
+            str(page_nbytes),
+        ]
+    )
     sock = socket.socket(socket.AF_UNIX)
     try:
         while not os.path.exists(path + ".ready"):
@@ -130,14 +156,15 @@ def measure(workdir: Path, rooms: int, pieces: int = 64, pages: int = 64,
         results, landed = [], {}
         for mode in MODES:
             pause = 0.0 if mode == "back to back" else idle_s
-            times = [_room(sock, bells, i, pages, landed, waiting=mode != "wait after send",
-                           pause=pause)
-                     for i in range(rooms + 1)][1:]   # the first one maps pages: not timed
+            times = [
+                _room(sock, bells, i, pages, landed, waiting=mode != "wait after send", pause=pause)
+                for i in range(rooms + 1)
+            ][1:]  # the first one maps pages: not timed
             results.append(statistics.median(times) * 1e3)
         _check(src_pages, dst.array.reshape(pieces, pages, page_nbytes), landed)
         return tuple(results)
     finally:
-        sock.close()   # the relay's cue to exit
+        sock.close()  # the relay's cue to exit
         try:
             relay.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -157,12 +184,21 @@ def _check(src: np.ndarray, dst: np.ndarray, landed: dict[int, int]) -> None:
     for page in range(dst.shape[1]):
         expected = src[:, landed[page]] if page in landed else 0
         if not np.array_equal(dst[:, page], np.broadcast_to(expected, dst[:, page].shape)):
-            raise RuntimeError(f"the bare room's destination page {page} does not hold "
-                               f"what was copied into it")
+            raise RuntimeError(
+                f"the bare room's destination page {page} does not hold what was copied into it"
+            )
 
 
-def _room(sock: socket.socket, bells: Doorbells, i: int, pages: int, landed: dict[int, int], *,
-          waiting: bool, pause: float) -> float:
+def _room(
+    sock: socket.socket,
+    bells: Doorbells,
+    i: int,
+    pages: int,
+    landed: dict[int, int],
+    *,
+    waiting: bool,
+    pause: float,
+) -> float:
     slot, token = bells.arm()
     bells.set_writers(slot, token, 1)
     seen: list[tuple[Outcome, float]] = []
@@ -198,6 +234,7 @@ def main() -> None:
     parser.add_argument("--rooms", type=int, default=200)
     args = parser.parse_args()
     import tempfile
+
     with tempfile.TemporaryDirectory(prefix="pdt-floor-") as workdir:
         for mode, value in zip(MODES, measure(Path(workdir), args.rooms)):
             print(f"bare room p50 {mode:<16}{value:>8.3f} ms")

@@ -57,15 +57,32 @@ from pd_transfer.ports import spare_port
 from pd_transfer.security.secret import use_ephemeral_secret
 
 LAYERS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
-POLL_S = 0.001   # SGLang polls once per scheduler step
+POLL_S = 0.001  # SGLang polls once per scheduler step
 
 
 def start_sidecar(workdir: Path, role: str, bootstrap: str) -> tuple[subprocess.Popen, str]:
     endpoint = f"unix://{workdir}/{role}.sock"
     ready = workdir / f"{role}.json"
-    cmd = [sys.executable, "-m", "pd_transfer.cli", "serve", "--role", role, "--agent-id", role,
-           "--worker-endpoint", endpoint, "--ready-file", str(ready), "--http-port", "0",
-           "--transport", "shm", "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pd_transfer.cli",
+        "serve",
+        "--role",
+        role,
+        "--agent-id",
+        role,
+        "--worker-endpoint",
+        endpoint,
+        "--ready-file",
+        str(ready),
+        "--http-port",
+        "0",
+        "--transport",
+        "shm",
+        "--log-level",
+        "warning",
+    ]
     if role == "prefill":
         cmd += ["--bootstrap", bootstrap]
     proc = subprocess.Popen(cmd)
@@ -78,10 +95,23 @@ def start_sidecar(workdir: Path, role: str, bootstrap: str) -> tuple[subprocess.
 
 
 def manager(role: str, endpoint: str, num_tokens: int):
-    pool = MHATokenToKVPool(size=num_tokens, page_size=PAGE, dtype=torch.bfloat16, head_num=KV_HEADS,
-                            head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
-    metadata = MetadataBuffers(size=8, hidden_size=16, hidden_states_dtype=torch.float32,
-                               max_sampling_mask_tokens=4, max_top_logprobs_num=4)
+    pool = MHATokenToKVPool(
+        size=num_tokens,
+        page_size=PAGE,
+        dtype=torch.bfloat16,
+        head_num=KV_HEADS,
+        head_dim=HEAD_DIM,
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    metadata = MetadataBuffers(
+        size=8,
+        hidden_size=16,
+        hidden_states_dtype=torch.float32,
+        max_sampling_mask_tokens=4,
+        max_top_logprobs_num=4,
+    )
     memory = share_engine_memory(f"bench-{role}", kv_pool=pool, metadata_buffers=metadata)
     kv_args = KVArgs()
     kv_args.engine_rank, kv_args.pp_rank, kv_args.gpu_id, kv_args.system_dp_rank = 0, 0, 0, 0
@@ -144,8 +174,9 @@ def sglang_room(prefill, decode, bootstrap: str, room: int, src, dst) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per request")
     parser.add_argument("--repeats", type=int, default=5, help="rounds (each: one request both ways)")
     args = parser.parse_args()
@@ -155,7 +186,7 @@ def main() -> None:
     bootstrap = f"127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="pdt-sglang-bench-") as tmp:
         workdir = Path(tmp)
-        use_ephemeral_secret(workdir)   # the sidecars and the managers' clients share it
+        use_ephemeral_secret(workdir)  # the sidecars and the managers' clients share it
         procs, memories = [], []
         try:
             p_proc, p_endpoint = start_sidecar(workdir, "prefill", f"tcp://{bootstrap}")
@@ -167,10 +198,10 @@ def main() -> None:
             memories += [p_mem, d_mem]
             for buf in p_pool.k_buffer + p_pool.v_buffer:
                 buf.fill_(1.5)
-            for buf in d_pool.k_buffer + d_pool.v_buffer:   # every page mapped before the clock runs
+            for buf in d_pool.k_buffer + d_pool.v_buffer:  # every page mapped before the clock runs
                 buf.zero_()
             rng = np.random.default_rng(0)
-            direct_room(prefill, decode, bootstrap, 1, [1, 2], [3, 4])     # warm-up: verdicts
+            direct_room(prefill, decode, bootstrap, 1, [1, 2], [3, 4])  # warm-up: verdicts
             sglang_room(prefill, decode, bootstrap, 2, [1, 2], [3, 4])
             times = {"client": [], "SGLang": []}
             for i in range(args.repeats):
@@ -180,15 +211,19 @@ def main() -> None:
                 for j, (name, way) in enumerate(ways if i % 2 == 0 else ways[::-1]):
                     times[name].append(way(prefill, decode, bootstrap, 100 + 2 * i + j, src, dst))
             nbytes = pages * PAGE * KV_HEADS * HEAD_DIM * 2 * 2 * LAYERS
-            print(f"Llama-3.1-8B shape, {args.tokens} tokens, page {PAGE}, random pages: "
-                  f"{nbytes / 2**30:.2f} GiB of KV per request; shm TP 1 -> 1; medians of {args.repeats}")
+            print(
+                f"Llama-3.1-8B shape, {args.tokens} tokens, page {PAGE}, random pages: "
+                f"{nbytes / 2**30:.2f} GiB of KV per request; shm TP 1 -> 1; medians of {args.repeats}"
+            )
             print(f"{'path':26}{'seconds':>10}{'GB/s':>8}")
             for name, values in times.items():
                 median = statistics.median(values)
                 print(f"{'through ' + name:26}{median:10.3f}{nbytes / median / 1e9:8.2f}")
             ratio = statistics.median(times["SGLang"]) / statistics.median(times["client"])
-            print(f"SGLang interface / client: {ratio:.3f} (target < 1.05: "
-                  f"{'met' if ratio < 1.05 else 'missed'})")
+            print(
+                f"SGLang interface / client: {ratio:.3f} (target < 1.05: "
+                f"{'met' if ratio < 1.05 else 'missed'})"
+            )
             prefill.close()
             decode.close()
         finally:

@@ -59,9 +59,9 @@ KV_NBYTES_PER_TOKEN = 128 << 10  # Llama-3.1-8B: 32 layers x K, V x 8 heads x 12
 IDLE_S = 0.05  # between a room's expect and its send: the sidecars are idle when it starts
 
 
-
 def memcpy_gbps(nbytes: int, repeats: int, device: str = "cpu") -> float:
     import torch
+
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     times = []
@@ -108,24 +108,53 @@ def raw_tcp_gbps(nbytes: int, repeats: int) -> float:
 class Deployment:
     """Sidecars plus in-process workers (pools in shm, or CUDA tensors; real clients)."""
 
-    def __init__(self, workdir: Path, tp_src: int, tp_dst: int, num_pages: int, transport: str,
-                 device: str = "cpu", model: str = "llama-3.1-8b") -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        tp_src: int,
+        tp_dst: int,
+        num_pages: int,
+        transport: str,
+        device: str = "cpu",
+        model: str = "llama-3.1-8b",
+    ) -> None:
         spec = load_preset(model)
-        shape = {"page_size": PAGE, "num_pages": num_pages, "kv_layout": Layout.NHD, "num_aux_rows": 4,
-                 "num_slots": 4}
+        shape = {
+            "page_size": PAGE,
+            "num_pages": num_pages,
+            "kv_layout": Layout.NHD,
+            "num_aux_rows": 4,
+            "num_slots": 4,
+        }
         self.prefill = build_instance(spec, Role.PREFILL, tp_src, **shape)
         self.decode = build_instance(spec, Role.DECODE, tp_dst, **shape)
         # a hybrid model (Mamba / GDN state) sends one state slot with the last chunk
         self.state = [1] if any(v.pool is Pool.MAMBA for v in self.decode[0].views) else []
         self.bootstrap = f"tcp://127.0.0.1:{spare_port()}"
         self.procs, self.clients, self.pools = [], {}, []
-        use_ephemeral_secret(workdir)   # sidecars and clients authenticate, as deployed
+        use_ephemeral_secret(workdir)  # sidecars and clients authenticate, as deployed
         for geometry in self.prefill + self.decode:
             name = f"{geometry.role.value}{geometry.tp_rank}"
-            cmd = [sys.executable, "-m", "pd_transfer.cli", "serve", "--role", geometry.role.value,
-                   "--agent-id", name, "--worker-endpoint", f"unix://{workdir}/{name}.sock",
-                   "--transport", transport, "--ready-file", str(workdir / f"{name}.json"),
-                   "--http-port", "0", "--log-level", "warning"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "pd_transfer.cli",
+                "serve",
+                "--role",
+                geometry.role.value,
+                "--agent-id",
+                name,
+                "--worker-endpoint",
+                f"unix://{workdir}/{name}.sock",
+                "--transport",
+                transport,
+                "--ready-file",
+                str(workdir / f"{name}.json"),
+                "--http-port",
+                "0",
+                "--log-level",
+                "warning",
+            ]
             if geometry.role is Role.PREFILL:
                 cmd += ["--bootstrap", self.bootstrap]
             self.procs.append(subprocess.Popen(cmd))
@@ -144,8 +173,16 @@ class Deployment:
             client.register(geometry, pools.handles)
             self.clients[geometry.rank_id] = client
 
-    def room(self, room: int, src_pages, dst_pages, *, waiting: bool = False,
-             idle_s: float = IDLE_S, paced: bool = False) -> float:
+    def room(
+        self,
+        room: int,
+        src_pages,
+        dst_pages,
+        *,
+        waiting: bool = False,
+        idle_s: float = IDLE_S,
+        paced: bool = False,
+    ) -> float:
         """Seconds from the prefill worker's send() to every decode worker seeing Success.
 
         ``waiting``: each decode worker's ``wait`` is already in flight when the send
@@ -156,16 +193,18 @@ class Deployment:
         then sends, as an engine's prefill scheduler does before it runs a request.
         """
         for g in self.decode:
-            self.clients[g.rank_id].expect(room, self.bootstrap, dst_pages, aux_row=0,
-                                           state_slots=self.state)
+            self.clients[g.rank_id].expect(room, self.bootstrap, dst_pages, aux_row=0, state_slots=self.state)
         seen: dict[str, tuple] = {}
 
         def wait(rank_id: str) -> None:
             seen[rank_id] = (self.clients[rank_id].wait(room, 120), time.perf_counter())
 
         # daemons: a room that fails before its send leaves them waiting, not the process
-        waiters = [threading.Thread(target=wait, args=(g.rank_id,), daemon=True)
-                   for g in self.decode] if waiting else []
+        waiters = (
+            [threading.Thread(target=wait, args=(g.rank_id,), daemon=True) for g in self.decode]
+            if waiting
+            else []
+        )
         for thread in waiters:
             thread.start()
         if paced:
@@ -201,8 +240,9 @@ class Deployment:
                     if state.status.is_terminal:
                         raise RuntimeError(f"room {room} ended before its send: {state.reason}")
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"room {room}: decode's request did not reach {g.rank_id} "
-                                       f"in {timeout_s:.0f} s")
+                    raise RuntimeError(
+                        f"room {room}: decode's request did not reach {g.rank_id} in {timeout_s:.0f} s"
+                    )
                 time.sleep(0.0002)
 
     def close(self) -> None:
@@ -216,8 +256,16 @@ class Deployment:
             pools.close()
 
 
-def transfer_case(workdir: Path, tp_src: int, tp_dst: int, transport: str, tokens: int,
-                  repeats: int, device: str = "cpu", model: str = "llama-3.1-8b") -> tuple[float, int]:
+def transfer_case(
+    workdir: Path,
+    tp_src: int,
+    tp_dst: int,
+    transport: str,
+    tokens: int,
+    repeats: int,
+    device: str = "cpu",
+    model: str = "llama-3.1-8b",
+) -> tuple[float, int]:
     """Median seconds of a ``tokens`` request and the bytes it lands (KV, state, aux)."""
     pages = tokens // PAGE
     deployment = Deployment(workdir, tp_src, tp_dst, pages + 64, transport, device, model)
@@ -248,10 +296,11 @@ def one_page_latency_ms(workdir: Path, rooms: int, device: str = "cpu") -> tuple
     try:
         deployment.room(1, [0], [0])
         after = [deployment.room(1000 + i, [i % 64], [(i * 7) % 64]) for i in range(rooms)]
-        during = [deployment.room(3000 + i, [i % 64], [(i * 5) % 64], waiting=True)
-                  for i in range(rooms)]
-        paced = [deployment.room(5000 + i, [i % 64], [(i * 3) % 64], waiting=True, paced=True)
-                 for i in range(rooms)]
+        during = [deployment.room(3000 + i, [i % 64], [(i * 5) % 64], waiting=True) for i in range(rooms)]
+        paced = [
+            deployment.room(5000 + i, [i % 64], [(i * 3) % 64], waiting=True, paced=True)
+            for i in range(rooms)
+        ]
         return tuple(statistics.median(t) * 1e3 for t in (after, during, paced))
     finally:
         deployment.close()
@@ -265,6 +314,7 @@ def idle_penalty_us(samples: int = 40, idle_s: float = IDLE_S) -> tuple[float, f
     tells a sleeping CPU (wake-up, clock) from a working set pushed out of the caches."""
     from pd_transfer.layout.planner import PairPlanner
     from pd_transfer.layout.reconcile import reconcile
+
     spec = load_preset("llama-3.1-8b")
     shape = {"page_size": PAGE, "num_pages": 64, "kv_layout": Layout.NHD, "num_aux_rows": 4}
     prefill = build_instance(spec, Role.PREFILL, 1, **shape)
@@ -272,8 +322,10 @@ def idle_penalty_us(samples: int = 40, idle_s: float = IDLE_S) -> tuple[float, f
     planner = PairPlanner(reconcile(prefill, decode), prefill[0], decode[0])
 
     def once(i: int) -> float:
-        request = {Pool.KV: (np.array([i % 64]), np.array([(i * 7) % 64])),
-                   Pool.AUX: (np.array([0]), np.array([0]))}
+        request = {
+            Pool.KV: (np.array([i % 64]), np.array([(i * 7) % 64])),
+            Pool.AUX: (np.array([0]), np.array([0])),
+        }
         start = time.perf_counter()
         planner.plan(request)
         return time.perf_counter() - start
@@ -296,26 +348,38 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--only", choices=("all", "shm", "tcp"), default="all",
-                        help="run the shm cases or the tcp case alone (and its floor)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="where the workers' pools live (cuda: CUDA IPC, no tcp case)")
+    parser.add_argument(
+        "--only",
+        choices=("all", "shm", "tcp"),
+        default="all",
+        help="run the shm cases or the tcp case alone (and its floor)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the workers' pools live (cuda: CUDA IPC, no tcp case)",
+    )
     args = parser.parse_args()
     if args.device == "cuda":
         args.only = "shm"
     workdir = Path(tempfile.mkdtemp(prefix="pdt-bench-"))
     rows = []
     results = {}
-    cases = [("shm direct  TP 1->1", 1, 1, "shm"), ("shm sliced  TP 2->4", 2, 4, "shm"),
-             ("tcp direct  TP 1->1", 1, 1, "tcp")]
+    cases = [
+        ("shm direct  TP 1->1", 1, 1, "shm"),
+        ("shm sliced  TP 2->4", 2, 4, "shm"),
+        ("tcp direct  TP 1->1", 1, 1, "tcp"),
+    ]
     tcp_rates = []
     for label, tp_src, tp_dst, transport in cases:
         if args.only not in ("all", transport):
             continue
         if transport == "tcp":  # the network floor right before and after the case
             tcp_rates.append(raw_tcp_gbps(args.tokens * KV_NBYTES_PER_TOKEN, 3))
-        seconds, nbytes = transfer_case(workdir, tp_src, tp_dst, transport, args.tokens, args.repeats,
-                                        args.device)
+        seconds, nbytes = transfer_case(
+            workdir, tp_src, tp_dst, transport, args.tokens, args.repeats, args.device
+        )
         results[label] = (seconds, nbytes)
         if transport == "tcp":
             tcp_rates.append(raw_tcp_gbps(nbytes, 3))
@@ -330,35 +394,48 @@ def main() -> None:
         except RuntimeError as err:
             no_floor = str(err)
     penalty = idle_penalty_us() if latency is not None else None
-    print(f"Llama-3.1-8B, {args.tokens} tokens, page {PAGE}, random pages: "
-          f"{nbytes / 2**30:.2f} GiB of KV per request; medians of {args.repeats}; "
-          f"pools on {args.device}")
+    print(
+        f"Llama-3.1-8B, {args.tokens} tokens, page {PAGE}, random pages: "
+        f"{nbytes / 2**30:.2f} GiB of KV per request; medians of {args.repeats}; "
+        f"pools on {args.device}"
+    )
     print(f"{'case':<24}{'seconds':>9}{'GB/s':>8}{'ratio':>8}  floor / target")
     print(f"{'contiguous copy':<24}{nbytes / copy / 1e9:>9.3f}{copy:>8.2f}{1:>8.2f}  memory floor")
     print(f"{'raw loopback tcp':<24}{nbytes / tcp / 1e9:>9.3f}{tcp:>8.2f}{1:>8.2f}  network floor")
-    targets = {"shm direct  TP 1->1": (copy, 0.6, "copy"), "shm sliced  TP 2->4": (copy, 0.4, "copy"),
-               "tcp direct  TP 1->1": (tcp, 0.6, "raw tcp")}
+    targets = {
+        "shm direct  TP 1->1": (copy, 0.6, "copy"),
+        "shm sliced  TP 2->4": (copy, 0.4, "copy"),
+        "tcp direct  TP 1->1": (tcp, 0.6, "raw tcp"),
+    }
     for label, (seconds, moved) in results.items():
         floor, target, name = targets[label]
         rate = moved / seconds / 1e9
         verdict = "met" if rate / floor >= target else "missed"
-        print(f"{'pd-transfer ' + label:<24}{seconds:>9.3f}{rate:>8.2f}{rate / floor:>8.2f}  "
-              f"x {name}; target >= {target} ({verdict})")
+        print(
+            f"{'pd-transfer ' + label:<24}{seconds:>9.3f}{rate:>8.2f}{rate / floor:>8.2f}  "
+            f"x {name}; target >= {target} ({verdict})"
+        )
     if latency is not None:
         for i, (label, value) in enumerate(zip(LATENCY_MODES, latency)):
             beside = f"; {value / bare[i]:.1f} x the bare room, {bare[i]:.3f} ms" if bare else ""
-            print(f"{'1-page room p50':<16}{label:<16}{value:>8.3f} ms   target < 1 ms "
-                  f"({'met' if value < 1 else 'missed'}) (send -> decode sees success, shm{beside})")
+            print(
+                f"{'1-page room p50':<16}{label:<16}{value:>8.3f} ms   target < 1 ms "
+                f"({'met' if value < 1 else 'missed'}) (send -> decode sees success, shm{beside})"
+            )
         if bare:
-            print(f"{'bare room floor':<24}{bare[0]:>8.3f} ms   the same hops, copy and doorbell "
-                  f"between processes, no protocol (room_floor.py); "
-                  f"{bare[1]:.3f} in flight, {bare[2]:.3f} back to back")
+            print(
+                f"{'bare room floor':<24}{bare[0]:>8.3f} ms   the same hops, copy and doorbell "
+                f"between processes, no protocol (room_floor.py); "
+                f"{bare[1]:.3f} in flight, {bare[2]:.3f} back to back"
+            )
         else:
             print(f"{'bare room floor':<24}{'-':>8}      not measured: {no_floor}")
         warm, cold, busy = penalty
-        print(f"{'idle penalty':<24}{cold / warm:>8.1f} x    one 1-page plan in one process: "
-              f"{warm:.0f} us back to back, {cold:.0f} us after {IDLE_S * 1e3:.0f} ms idle, "
-              f"{busy:.0f} us after {IDLE_S * 1e3:.0f} ms of a busy loop")
+        print(
+            f"{'idle penalty':<24}{cold / warm:>8.1f} x    one 1-page plan in one process: "
+            f"{warm:.0f} us back to back, {cold:.0f} us after {IDLE_S * 1e3:.0f} ms idle, "
+            f"{busy:.0f} us after {IDLE_S * 1e3:.0f} ms of a busy loop"
+        )
     rows.append(results)
     (workdir / "results.json").write_text(json.dumps({k: v[0] for k, v in results.items()}))
 

@@ -62,10 +62,17 @@ from pd_transfer.sim.content import fill_source, verify_destination  # noqa: E40
 
 TERMINAL = (RoomStatus.SUCCESS, RoomStatus.FAILED)
 NUM_PAGES, NUM_AUX_ROWS = 96, 64
-CONFIG = {"http_port": 0, "heartbeat_interval_s": 0.2, "heartbeat_misses": 5,
-          "bootstrap_timeout_s": 5.0, "waiting_timeout_s": 5.0, "transfer_timeout_s": 5.0,
-          "abort_drain_timeout_s": 2.0, "room_ttl_s": 60.0}
-ROOM_WAIT_S = 25.0   # longer than any room deadline (bootstrap 5 * 1.25 + 0.5, then 5 + 5)
+CONFIG = {
+    "http_port": 0,
+    "heartbeat_interval_s": 0.2,
+    "heartbeat_misses": 5,
+    "bootstrap_timeout_s": 5.0,
+    "waiting_timeout_s": 5.0,
+    "transfer_timeout_s": 5.0,
+    "abort_drain_timeout_s": 2.0,
+    "room_ttl_s": 60.0,
+}
+ROOM_WAIT_S = 25.0  # longer than any room deadline (bootstrap 5 * 1.25 + 0.5, then 5 + 5)
 
 
 def peak_rss_kib(pid: int) -> int:
@@ -106,17 +113,21 @@ class Soak:
         self.args = args
         self.rng = random.Random(args.seed)
         self.workdir = Path(tempfile.mkdtemp(prefix="pdt-soak-"))
-        use_ephemeral_secret(self.workdir)   # sidecars and clients authenticate, as deployed
+        use_ephemeral_secret(self.workdir)  # sidecars and clients authenticate, as deployed
         self.tag = f"soak{args.seed}-{time.monotonic_ns() % 10**6}"
         spec = load_preset("llama-3.1-8b")
-        shape = {"page_size": 16, "kv_layout": Layout.NHD, "num_pages": NUM_PAGES,
-                 "num_aux_rows": NUM_AUX_ROWS}
+        shape = {
+            "page_size": 16,
+            "kv_layout": Layout.NHD,
+            "num_pages": NUM_PAGES,
+            "num_aux_rows": NUM_AUX_ROWS,
+        }
         self.prefill = build_instance(spec, Role.PREFILL, 2, **shape)
         self.decode = build_instance(spec, Role.DECODE, 2, **shape)
         self.bootstrap = f"tcp://127.0.0.1:{spare_port()}"
         self.config = {**CONFIG, "transport": args.transport}
         self.sidecars: dict[str, Sidecar] = {}
-        self.peaks: dict[str, int] = {}          # sidecar process label -> VmHWM KiB
+        self.peaks: dict[str, int] = {}  # sidecar process label -> VmHWM KiB
         self.restarts: Counter = Counter()
         self.pools, self.clients = {}, {}
         self.src = {Pool.KV: FreeList(NUM_PAGES), Pool.AUX: FreeList(NUM_AUX_ROWS)}
@@ -143,8 +154,9 @@ class Soak:
             rank = geometry.rank_id
             self.pools[rank] = allocate_pools(geometry, f"{self.tag}-{geometry.role.value}{geometry.tp_rank}")
             await self._register(geometry)
-        self.corrupt = [FreshSessions("control", self.ready[g.rank_id]["control_address"])
-                        for g in self.prefill]
+        self.corrupt = [
+            FreshSessions("control", self.ready[g.rank_id]["control_address"]) for g in self.prefill
+        ]
 
     async def _register(self, geometry) -> None:
         rank = geometry.rank_id
@@ -195,8 +207,12 @@ class Soak:
     async def room(self, room: int, slots: asyncio.Semaphore) -> None:
         async with slots:
             n = self.rng.randint(1, 4)
-            wanted = [(self.src, Pool.KV, n), (self.src, Pool.AUX, 1),
-                      (self.dst, Pool.KV, n), (self.dst, Pool.AUX, 1)]
+            wanted = [
+                (self.src, Pool.KV, n),
+                (self.src, Pool.AUX, 1),
+                (self.dst, Pool.KV, n),
+                (self.dst, Pool.AUX, 1),
+            ]
             taken = [(lists, pool, lists[pool].take(self.rng, count)) for lists, pool, count in wanted]
             if any(indices is None for _, _, indices in taken):
                 for lists, pool, indices in taken:
@@ -213,16 +229,18 @@ class Soak:
                 await self._release_src(room, src)
 
     async def _run_room(self, room: int, src: dict, dst: dict) -> None:
-        for geometry in self.prefill:   # this room's own content: a stale page would show
+        for geometry in self.prefill:  # this room's own content: a stale page would show
             fill_source(geometry, self.pools[geometry.rank_id].arrays, room, src)
-        plan = self.rng.choices(["normal", "chunked", "abort_decode", "abort_prefill"],
-                                weights=[70, 15, 8, 7])[0]
+        plan = self.rng.choices(
+            ["normal", "chunked", "abort_decode", "abort_prefill"], weights=[70, 15, 8, 7]
+        )[0]
         self.stats["rooms started"] += 1
         self.stats[f"plan {plan}"] += 1
         decode = [self.clients[g.rank_id] for g in self.decode]
         try:
-            await asyncio.gather(*(c.expect(room, self.bootstrap, dst[Pool.KV], aux_row=dst[Pool.AUX][0])
-                                   for c in decode))
+            await asyncio.gather(
+                *(c.expect(room, self.bootstrap, dst[Pool.KV], aux_row=dst[Pool.AUX][0]) for c in decode)
+            )
         except ClientError as err:
             self._failed(err.code_text, f"expect refused: {err}")
             return
@@ -230,8 +248,7 @@ class Soak:
             await asyncio.sleep(self.rng.uniform(0, 0.05))
             await asyncio.gather(*(c.abort(room) for c in decode), return_exceptions=True)
         await asyncio.gather(*(self._send(g, room, src, plan) for g in self.prefill))
-        results = await asyncio.gather(*(c.wait(room, ROOM_WAIT_S) for c in decode),
-                                       return_exceptions=True)
+        results = await asyncio.gather(*(c.wait(room, ROOM_WAIT_S) for c in decode), return_exceptions=True)
         states = [r for r in results if not isinstance(r, BaseException)]
         if len(states) < len(results) or any(s.status not in TERMINAL for s in states):
             self.stats["rooms lost"] += 1
@@ -270,7 +287,7 @@ class Soak:
                 await client.abort(room)
                 return
             await client.send(room, pages, aux_row=src[Pool.AUX][0])
-        except ClientError as err:   # a killed sidecar, a refused call: decode reports the room
+        except ClientError as err:  # a killed sidecar, a refused call: decode reports the room
             self.stats[f"prefill calls failed ({err.code_text})"] += 1
 
     async def _release_src(self, room: int, src: dict) -> None:
@@ -281,7 +298,7 @@ class Soak:
                 try:
                     state = await self.clients[geometry.rank_id].poll(room)
                 except ClientError:
-                    break   # unknown on a restarted sidecar, or the sidecar is down: no reader left
+                    break  # unknown on a restarted sidecar, or the sidecar is down: no reader left
                 if state.status in TERMINAL:
                     break
                 if time.monotonic() > deadline:
@@ -325,7 +342,7 @@ class Soak:
         rooms: set[asyncio.Task] = set()
         room_id = 1000
         while time.monotonic() < until:
-            await slots.acquire()   # a free slot: start the next room
+            await slots.acquire()  # a free slot: start the next room
             slots.release()
             room_id += 1
             task = asyncio.create_task(self.room(room_id, slots))
@@ -352,6 +369,7 @@ class Soak:
 
     def _scrape_bad_frames(self) -> float:
         import urllib.request
+
         total = 0.0
         for geometry in self.prefill:
             url = self.ready[geometry.rank_id]["http_address"] + "/metrics"
@@ -384,26 +402,36 @@ class Soak:
 
     def report(self) -> int:
         s = self.stats
-        print(f"soak: {self.elapsed:.0f} s, prefill TP 2 -> decode TP 2, llama-3.1-8b, "
-              f"{self.args.transport}, seed {self.args.seed}, up to {self.args.concurrency} rooms at a time")
+        print(
+            f"soak: {self.elapsed:.0f} s, prefill TP 2 -> decode TP 2, llama-3.1-8b, "
+            f"{self.args.transport}, seed {self.args.seed}, up to {self.args.concurrency} rooms at a time"
+        )
         print(f"  rooms started      {s['rooms started']}")
-        print(f"  succeeded          {s['rooms succeeded']}  (every one verified: "
-              f"{s['bytes verified'] / 2**20:.0f} MiB checked)")
+        print(
+            f"  succeeded          {s['rooms succeeded']}  (every one verified: "
+            f"{s['bytes verified'] / 2**20:.0f} MiB checked)"
+        )
         print(f"  failed with reason {s['rooms failed']}")
         for code, count in self.failed_by_reason.most_common():
             print(f"    {code:22s} {count:5d}   e.g. {self.examples[code][:110]}")
         print(f"  lost               {s['rooms lost'] + s['prefill rooms lost']}  (must be 0)")
         print(f"  wrong bytes        {s['wrong bytes']}  (must be 0)")
-        print("  plans              " + ", ".join(f"{k[5:]} {v}" for k, v in sorted(s.items())
-                                                     if k.startswith("plan ")))
-        print(f"  corrupt frames     {s['corrupt frames sent']} sent to prefill control sockets; "
-              f"{self.bad_frames:.0f} counted by the running prefill sidecars")
+        print(
+            "  plans              "
+            + ", ".join(f"{k[5:]} {v}" for k, v in sorted(s.items()) if k.startswith("plan "))
+        )
+        print(
+            f"  corrupt frames     {s['corrupt frames sent']} sent to prefill control sockets; "
+            f"{self.bad_frames:.0f} counted by the running prefill sidecars"
+        )
         print(f"  sidecars killed    {s['sidecars killed']} (SIGKILL + restart, worker re-registered)")
         others = {k: v for k, v in s.items() if k.startswith(("prefill calls", "rooms not started"))}
         if others:
             print(f"  also               {others}")
-        print(f"  pages quarantined  {self.dst[Pool.KV].quarantined} kv, {self.dst[Pool.AUX].quarantined} aux "
-              f"(failed rooms not drained: never reused)")
+        print(
+            f"  pages quarantined  {self.dst[Pool.KV].quarantined} kv, {self.dst[Pool.AUX].quarantined} aux "
+            f"(failed rooms not drained: never reused)"
+        )
         print("  peak RSS (VmHWM) per sidecar process:")
         for label, kib in sorted(self.peaks.items()):
             print(f"    {label:24s} {kib / 1024:7.1f} MiB")

@@ -32,8 +32,7 @@ from benchmarks.bench_cluster import PAGE, Cluster  # noqa: E402
 from pd_transfer.agent.streaming import span_of  # noqa: E402
 
 
-def one_room(cluster: Cluster, room: int, src, dst, layers: list[int], layer_s: float,
-             stream: bool) -> float:
+def one_room(cluster: Cluster, room: int, src, dst, layers: list[int], layer_s: float, stream: bool) -> float:
     prefill, decode = cluster.clients["p-tp0"], cluster.clients["d0-tp0"]
     decode.expect(room, cluster.bootstrap, dst, aux_row=room % 64)
     time.sleep(0.05)  # the request reaches prefill first: time the transfer, not the request
@@ -56,9 +55,13 @@ def one_room(cluster: Cluster, room: int, src, dst, layers: list[int], layer_s: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--layer-ms", type=float, default=12.0,
-                        help="simulated forward time per layer (an 8k-token prefill of an 8B "
-                             "model on one H100 is roughly 10-15 ms per layer)")
+    parser.add_argument(
+        "--layer-ms",
+        type=float,
+        default=12.0,
+        help="simulated forward time per layer (an 8k-token prefill of an 8B "
+        "model on one H100 is roughly 10-15 ms per layer)",
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--transport", default="shm", choices=["shm", "tcp"])
     args = parser.parse_args()
@@ -67,8 +70,7 @@ def main() -> None:
     cluster = Cluster(workdir, num_pages=pages + 64, transport=args.transport)
     try:
         layers = sorted(span_of(cluster.prefill[0]))
-        nbytes = sum(v.item_nbytes * pages for v in cluster.decodes[0][0].views
-                     if v.pool.value == "kv")
+        nbytes = sum(v.item_nbytes * pages for v in cluster.decodes[0][0].views if v.pool.value == "kv")
         rng = np.random.default_rng(0)
         one_room(cluster, 1, [0], [0], layers, 0.0, stream=False)  # warm-up: bootstrap
         plain, exposed = [], []
@@ -76,18 +78,20 @@ def main() -> None:
             for stream, out in ((False, plain), (True, exposed)):
                 src = rng.choice(pages + 64, pages, replace=False).tolist()
                 dst = rng.choice(pages + 64, pages, replace=False).tolist()
-                out.append(one_room(cluster, 100 + 2 * i + stream, src, dst, layers,
-                                    args.layer_ms / 1e3, stream))
+                out.append(
+                    one_room(cluster, 100 + 2 * i + stream, src, dst, layers, args.layer_ms / 1e3, stream)
+                )
     finally:
         cluster.close()
     plain_s, exposed_s = statistics.median(plain), statistics.median(exposed)
     ratio = exposed_s / plain_s
-    print(f"Llama-3.1-8B, {args.tokens} tokens, {len(layers)} layers, {nbytes / 2**30:.2f} GiB of "
-          f"KV, TP 1 -> 1 over {args.transport}, forward pass {args.layer_ms:g} ms per layer; "
-          f"medians of {args.repeats}")
+    print(
+        f"Llama-3.1-8B, {args.tokens} tokens, {len(layers)} layers, {nbytes / 2**30:.2f} GiB of "
+        f"KV, TP 1 -> 1 over {args.transport}, forward pass {args.layer_ms:g} ms per layer; "
+        f"medians of {args.repeats}"
+    )
     print(f"{'case':<44}{'ms':>9}{'GB/s':>8}")
-    print(f"{'not streamed: send -> decode success':<44}{plain_s * 1e3:>9.1f}"
-          f"{nbytes / plain_s / 1e9:>8.2f}")
+    print(f"{'not streamed: send -> decode success':<44}{plain_s * 1e3:>9.1f}{nbytes / plain_s / 1e9:>8.2f}")
     print(f"{'streamed: last layer_ready -> decode success':<44}{exposed_s * 1e3:>9.1f}")
     verdict = "met" if ratio < 0.25 else "MISSED"
     print(f"exposed / not streamed: {ratio:.2f}x; target < 0.25x ({verdict})")

@@ -53,9 +53,16 @@ class Case:
 
 def _one(src_region, dst_region, src, dst, nbytes, count=1, src_stride=0, dst_stride=0):
     n = len(src)
-    return RunBatch(src_region, dst_region, np.asarray(src, np.int64), np.asarray(dst, np.int64),
-                    np.full(n, nbytes, np.int64), np.full(n, count, np.int64), src_stride,
-                    dst_stride)
+    return RunBatch(
+        src_region,
+        dst_region,
+        np.asarray(src, np.int64),
+        np.asarray(dst, np.int64),
+        np.full(n, nbytes, np.int64),
+        np.full(n, count, np.int64),
+        src_stride,
+        dst_stride,
+    )
 
 
 def cases() -> list[Case]:
@@ -63,17 +70,30 @@ def cases() -> list[Case]:
     block = TransferPlan("p0", "d0", (_one("src", "dst", [0], [0], 256 * MIB),))
     pool, page = 20_000, 16 << 10
     src_pages, dst_pages = rng.permutation(pool)[:16_384], rng.permutation(pool)[:16_384]
-    pages = TransferPlan("p0", "d0", (_one("src", "dst", src_pages * page, dst_pages * page,
-                                           page),))
+    pages = TransferPlan("p0", "d0", (_one("src", "dst", src_pages * page, dst_pages * page, page),))
     # a source page: 16 tokens x 4 KiB; decode's page: 16 tokens x 2 KiB (its half of the heads)
     head_pool, token_row, piece = 5_000, 4 << 10, 2 << 10
     src_heads, dst_heads = rng.permutation(head_pool)[:4096], rng.permutation(head_pool)[:4096]
-    heads = TransferPlan("p0", "d0", (_one("src", "dst", src_heads * 16 * token_row,
-                                           dst_heads * 16 * piece, piece, 16, token_row, piece),))
-    return [Case("block", "one 256 MiB block", block, 256 * MIB, 256 * MIB),
-            Case("pages", "16384 runs of 16 KiB, random pages", pages, pool * page, pool * page),
-            Case("heads", "65536 pieces of 2 KiB (TP 2->4 heads)", heads,
-                 head_pool * 16 * token_row, head_pool * 16 * piece)]
+    heads = TransferPlan(
+        "p0",
+        "d0",
+        (
+            _one(
+                "src", "dst", src_heads * 16 * token_row, dst_heads * 16 * piece, piece, 16, token_row, piece
+            ),
+        ),
+    )
+    return [
+        Case("block", "one 256 MiB block", block, 256 * MIB, 256 * MIB),
+        Case("pages", "16384 runs of 16 KiB, random pages", pages, pool * page, pool * page),
+        Case(
+            "heads",
+            "65536 pieces of 2 KiB (TP 2->4 heads)",
+            heads,
+            head_pool * 16 * token_row,
+            head_pool * 16 * piece,
+        ),
+    ]
 
 
 # -- the receiver process: a raw sink and the receivers ---------------------------------
@@ -99,14 +119,14 @@ def _serve(names: dict[str, str], pipe) -> None:
         threading.Thread(target=_raw_sink, args=(server,), daemon=True).start()
         regions = {name: {"dst": open_segment(segment).tensor} for name, segment in names.items()}
         receivers = {name: TcpReceiver("127.0.0.1", r) for name, r in regions.items()}
-        receivers.update({f"zmq-{name}": ZmqTcpReceiver("127.0.0.1", r)
-                          for name, r in regions.items()})
+        receivers.update({f"zmq-{name}": ZmqTcpReceiver("127.0.0.1", r) for name, r in regions.items()})
         addresses = {name: await r.start() for name, r in receivers.items()}
         pipe.send((server.getsockname()[1], addresses))
         await asyncio.get_running_loop().run_in_executor(None, pipe.recv)  # stop signal
         pipe.send(sum(r.stats.frames_refused for r in receivers.values()))
         for receiver in receivers.values():
             await receiver.stop()
+
     asyncio.run(serve())
 
 
@@ -124,8 +144,9 @@ class Bench:
             self.dst[case.name].array[:] = 0  # resident, as a real pool is
         ctx = mp.get_context("spawn")
         self.pipe, child_end = ctx.Pipe()
-        self.child = ctx.Process(target=_serve, args=({n: s.name for n, s in self.dst.items()},
-                                                      child_end), daemon=True)
+        self.child = ctx.Process(
+            target=_serve, args=({n: s.name for n, s in self.dst.items()}, child_end), daemon=True
+        )
         self.child.start()
         raw_port, self.addresses = self.pipe.recv()
         self.raw = socket.create_connection(("127.0.0.1", raw_port))
@@ -153,11 +174,9 @@ class Bench:
             endpoint = PeerEndpoint.from_maps("d0", {"dst": case.dst_nbytes}, data_address=address)
             self.links[key] = (transport, self.loop.run_until_complete(transport.connect(endpoint)))
         transport, link = self.links[key]
-        self.loop.run_until_complete(transport.write(link, case.plan, {"src": self.src[name]},
-                                                     room=name))
+        self.loop.run_until_complete(transport.write(link, case.plan, {"src": self.src[name]}, room=name))
 
-    def alternate(self, name: str, repeats: int, variant: str = "tcp"
-                  ) -> tuple[float, float, float]:
+    def alternate(self, name: str, repeats: int, variant: str = "tcp") -> tuple[float, float, float]:
         """Median seconds of the raw floor and of the case, timed in turns, and the median
         of the per-turn ratios (floor / case): each ratio compares two back-to-back runs,
         so load that comes and goes on a shared machine hits both sides of it."""
@@ -176,7 +195,7 @@ class Bench:
         for batch in case.plan.batches:
             s, d, n = batch.byte_runs()
             for i in np.random.default_rng(2).choice(len(n), min(64, len(n)), replace=False):
-                if not np.array_equal(dst[d[i]:d[i] + n[i]], src[s[i]:s[i] + n[i]]):
+                if not np.array_equal(dst[d[i] : d[i] + n[i]], src[s[i] : s[i] + n[i]]):
                     raise SystemExit(f"tcp {name}: bytes did not land (run {i})")
 
     def close(self) -> int:

@@ -62,14 +62,14 @@ TCP_TARGET = 0.7
 
 # -- set-up ------------------------------------------------------------------------------
 def instance(role: Role, tp: int) -> list[RankGeometry]:
-    return build_instance(load_preset("llama-3.1-8b"), role, tp, page_size=PAGE_SIZE,
-                          kv_layout=Layout.NHD, num_pages=POOL_PAGES)
+    return build_instance(
+        load_preset("llama-3.1-8b"), role, tp, page_size=PAGE_SIZE, kv_layout=Layout.NHD, num_pages=POOL_PAGES
+    )
 
 
 def plan_for(decode_tp: int, src_pages: np.ndarray, dst_pages: np.ndarray):
     prefill, decode = instance(Role.PREFILL, 2), instance(Role.DECODE, decode_tp)
-    plan = plan_pair(reconcile(prefill, decode), prefill[0], decode[0],
-                     {Pool.KV: (src_pages, dst_pages)})
+    plan = plan_pair(reconcile(prefill, decode), prefill[0], decode[0], {Pool.KV: (src_pages, dst_pages)})
     return plan, prefill[0], decode[0]
 
 
@@ -96,8 +96,8 @@ def spot_check(plan, src: dict[str, Segment], dst: dict[str, Segment], label: st
         b = plan.batches[int(batch)]
         s, d, n = b.byte_runs()
         for i in rng.choice(len(n), min(16, len(n)), replace=False):
-            want = src[b.src_region].array[s[i]:s[i] + n[i]]
-            if not np.array_equal(dst[b.dst_region].array[d[i]:d[i] + n[i]], want):
+            want = src[b.src_region].array[s[i] : s[i] + n[i]]
+            if not np.array_equal(dst[b.dst_region].array[d[i] : d[i] + n[i]], want):
                 raise SystemExit(f"{label}: bytes did not land (batch {batch}, run {i})")
 
 
@@ -121,18 +121,19 @@ def alternate(floor_fn, case_fn, repeats: int) -> tuple[float, float]:
 def shm_writer(plan, src: dict[str, Segment], dst: dict[str, Segment]):
     transport = ShmTransport()
     loop = asyncio.new_event_loop()
-    endpoint = PeerEndpoint.from_maps(plan.dst_rank, {r: s.nbytes for r, s in dst.items()},
-                                      {r: s.name for r, s in dst.items()})
+    endpoint = PeerEndpoint.from_maps(
+        plan.dst_rank, {r: s.nbytes for r, s in dst.items()}, {r: s.name for r, s in dst.items()}
+    )
     link = loop.run_until_complete(transport.connect(endpoint))
     regions = regions_of(src)
 
     def write() -> None:
         loop.run_until_complete(transport.write(link, plan, regions))
+
     return write, lambda: (loop.run_until_complete(transport.close()), loop.close())
 
 
-def one_page_latency_us(src: dict[str, Segment], dst: dict[str, Segment],
-                        repeats: int = 200) -> float:
+def one_page_latency_us(src: dict[str, Segment], dst: dict[str, Segment], repeats: int = 200) -> float:
     plan, _, _ = plan_for(2, np.array([7]), np.array([9]))
     write, done = shm_writer(plan, src, dst)
     samples = [timed(write) for _ in range(repeats)]
@@ -141,22 +142,30 @@ def one_page_latency_us(src: dict[str, Segment], dst: dict[str, Segment],
 
 
 # -- report --------------------------------------------------------------------------------
-def row(label: str, nbytes: int, seconds: float, ratio: str = "", target: str = "",
-        verdict: str = "") -> str:
-    return (f"{label:<44} {nbytes / MIB:>7.0f} MiB {seconds * 1e3:>9.1f} "
-            f"{nbytes / seconds / 1e9:>7.2f}  {ratio:>10} {target:>8} {verdict}")
+def row(label: str, nbytes: int, seconds: float, ratio: str = "", target: str = "", verdict: str = "") -> str:
+    return (
+        f"{label:<44} {nbytes / MIB:>7.0f} MiB {seconds * 1e3:>9.1f} "
+        f"{nbytes / seconds / 1e9:>7.2f}  {ratio:>10} {target:>8} {verdict}"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--only", choices=("all", "shm", "tcp"), default="all",
-                        help="run one part (for iterating on it)")
-    parser.add_argument("--zmq", choices=("pages", "all", "none"), default="pages",
-                        help="tcp cases also run over the ZeroMQ variant (before/after)")
+    parser.add_argument(
+        "--only", choices=("all", "shm", "tcp"), default="all", help="run one part (for iterating on it)"
+    )
+    parser.add_argument(
+        "--zmq",
+        choices=("pages", "all", "none"),
+        default="pages",
+        help="tcp cases also run over the ZeroMQ variant (before/after)",
+    )
     args = parser.parse_args()
-    print(f"median of {args.repeats}, {os.cpu_count()} CPUs; floor and case timed in turns "
-          f"(tcp ratio: median of the per-turn ratios)")
+    print(
+        f"median of {args.repeats}, {os.cpu_count()} CPUs; floor and case timed in turns "
+        f"(tcp ratio: median of the per-turn ratios)"
+    )
     print(f"{'case':<44} {'bytes':>11} {'ms':>9} {'GB/s':>7}  {'ratio':>10} {'target':>8}")
     if args.only in ("all", "tcp"):
         print("\n".join(tcp_report(args.repeats, args.zmq)), flush=True)
@@ -174,13 +183,29 @@ def tcp_report(repeats: int, zmq: str = "pages") -> list[str]:
             bench.spot_check(name)
             n = case.plan.total_nbytes
             lines.append(row(f"floor: raw loopback socket, {n // MIB} MiB", n, raw_s))
-            lines.append(row(f"tcp {case.label}", n, tcp_s, f"{ratio:.2f}x raw",
-                             f">= {TCP_TARGET}x", "met" if ratio >= TCP_TARGET else "MISSED"))
+            lines.append(
+                row(
+                    f"tcp {case.label}",
+                    n,
+                    tcp_s,
+                    f"{ratio:.2f}x raw",
+                    f">= {TCP_TARGET}x",
+                    "met" if ratio >= TCP_TARGET else "MISSED",
+                )
+            )
             if zmq == "all" or zmq == name:  # timed in turns with a floor of its own
                 raw_s, zmq_s, zmq_ratio = bench.alternate(name, repeats, "zmq")
                 lines.append(row("  floor again, in turns with the ZeroMQ row", n, raw_s))
-                lines.append(row("  same over ZeroMQ (the CURVE variant)", n, zmq_s,
-                                 f"{zmq_ratio:.2f}x raw", "-", "(reference)"))
+                lines.append(
+                    row(
+                        "  same over ZeroMQ (the CURVE variant)",
+                        n,
+                        zmq_s,
+                        f"{zmq_ratio:.2f}x raw",
+                        "-",
+                        "(reference)",
+                    )
+                )
     finally:
         refused = bench.close()
     if refused:
@@ -213,8 +238,10 @@ def shm_report(repeats: int, direct, sliced, src, dst_direct, dst_sliced) -> Non
     floor_src = torch.empty(direct.total_nbytes, dtype=torch.uint8).fill_(1)
     floor_dst = torch.zeros(direct.total_nbytes, dtype=torch.uint8)
     lines = []
-    shm_cases = (("shm direct  TP 2->2 (16 KiB page runs)", direct, dst_direct, 0.6),
-                 ("shm sliced  TP 2->4 (512 B strided pieces)", sliced, dst_sliced, 0.4))
+    shm_cases = (
+        ("shm direct  TP 2->2 (16 KiB page runs)", direct, dst_direct, 0.6),
+        ("shm sliced  TP 2->4 (512 B strided pieces)", sliced, dst_sliced, 0.4),
+    )
     for label, plan, dst, target in shm_cases:
         n = plan.total_nbytes
         write, done = shm_writer(plan, src, dst)
@@ -223,11 +250,21 @@ def shm_report(repeats: int, direct, sliced, src, dst_direct, dst_sliced) -> Non
         spot_check(plan, src, dst, label)
         ratio = floor_s / case_s
         lines.append(row(f"floor: torch copy_ (contiguous) {n // MIB} MiB", n, floor_s))
-        lines.append(row(label, n, case_s, f"{ratio:.2f}x copy", f">= {target}x",
-                         "met" if ratio >= target else "MISSED"))
+        lines.append(
+            row(
+                label,
+                n,
+                case_s,
+                f"{ratio:.2f}x copy",
+                f">= {target}x",
+                "met" if ratio >= target else "MISSED",
+            )
+        )
     latency = one_page_latency_us(src, dst_direct)
-    print(f"Llama-3.1-8B, {TOKENS} tokens = {TOKENS // PAGE_SIZE} pages of {PAGE_SIZE}, random "
-          f"distinct pages of a {POOL_PAGES}-page pool, rank pair 0 -> 0")
+    print(
+        f"Llama-3.1-8B, {TOKENS} tokens = {TOKENS // PAGE_SIZE} pages of {PAGE_SIZE}, random "
+        f"distinct pages of a {POOL_PAGES}-page pool, rank pair 0 -> 0"
+    )
     print("\n".join(lines))
     print(f"shm 1-page room (64 runs of 16 KiB), write() p50: {latency:.0f} us")
 

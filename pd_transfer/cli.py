@@ -34,52 +34,76 @@ reconciled.
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="pd-transfer", description=_DESCRIPTION,
+        prog="pd-transfer",
+        description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="exit codes: 0 ok, 1 not reconcilable, 2 invalid input")
+        epilog="exit codes: 0 ok, 1 not reconcilable, 2 invalid input",
+    )
     parser.add_argument("--version", action="version", version=f"pd-transfer {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
     check = sub.add_parser(
-        "check", help="reconcile two worker configs offline and print the verdicts",
+        "check",
+        help="reconcile two worker configs offline and print the verdicts",
         description="Build every rank's registration from a prefill and a decode worker "
-                    "config, reconcile them as the sidecars would, and print for every rank "
-                    "pair that must talk the verdict per pool and the size of the plan for a "
-                    "sample request (descriptors, byte runs, bytes), or every mismatch.",
-        epilog="exit codes: 0 reconcilable, 1 not reconcilable, 2 invalid input")
+        "config, reconcile them as the sidecars would, and print for every rank "
+        "pair that must talk the verdict per pool and the size of the plan for a "
+        "sample request (descriptors, byte runs, bytes), or every mismatch.",
+        epilog="exit codes: 0 reconcilable, 1 not reconcilable, 2 invalid input",
+    )
     _add_pair_args(check)
     check.set_defaults(handler=_cmd_check)
 
     plan = sub.add_parser(
-        "plan", help="print the detailed transfer plan of one rank pair",
+        "plan",
+        help="print the detailed transfer plan of one rank pair",
         description="Like check, then print the first descriptors of the plan between one "
-                    "prefill rank and one decode rank.")
+        "prefill rank and one decode rank.",
+    )
     _add_pair_args(plan)
-    plan.add_argument("--decode-rank", type=_non_negative_int, default=0, metavar="N",
-                      help="decode attention-TP rank to plan for (default 0)")
-    plan.add_argument("--limit", type=_positive_int, default=12, metavar="N",
-                      help="descriptors to print per pool (default 12)")
+    plan.add_argument(
+        "--decode-rank",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="decode attention-TP rank to plan for (default 0)",
+    )
+    plan.add_argument(
+        "--limit",
+        type=_positive_int,
+        default=12,
+        metavar="N",
+        help="descriptors to print per pool (default 12)",
+    )
     plan.set_defaults(handler=_cmd_plan)
     _add_serve(sub)
     _add_demo(sub)
     keygen = sub.add_parser(
-        "keygen", help="write a CURVE keypair and a shared secret for a deployment",
+        "keygen",
+        help="write a CURVE keypair and a shared secret for a deployment",
         description="Write curve.key (CURVE secret key, Z85), curve.pub (its public key) and "
-                    "secret (a 32-byte shared secret, hex) into DIR, each with mode 0600. Point "
-                    "curve_secret_key_file at curve.key and secret_file at secret on every "
-                    "sidecar; give workers the same secret file (PD_TRANSFER_SECRET_FILE).",
-        epilog="exit codes: 0 written, 2 a file exists (see --force) or DIR is unwritable")
+        "secret (a 32-byte shared secret, hex) into DIR, each with mode 0600. Point "
+        "curve_secret_key_file at curve.key and secret_file at secret on every "
+        "sidecar; give workers the same secret file (PD_TRANSFER_SECRET_FILE).",
+        epilog="exit codes: 0 written, 2 a file exists (see --force) or DIR is unwritable",
+    )
     keygen.add_argument("--out", required=True, metavar="DIR", help="directory to write the keys to")
     keygen.add_argument("--force", action="store_true", help="replace existing key files")
     keygen.set_defaults(handler=_cmd_keygen)
     status = sub.add_parser(
-        "status", help="print a running sidecar's peers, verdicts and live rooms",
+        "status",
+        help="print a running sidecar's peers, verdicts and live rooms",
         description="Read a sidecar's /status endpoint and print it as tables.",
-        epilog="exit codes: 0 ready, 1 not ready, 2 cannot reach the sidecar")
-    status.add_argument("--addr", default=_default_http_address(), metavar="HOST:PORT",
-                        help="the sidecar's HTTP address, http_host:http_port (default "
-                             "%(default)s, a sidecar with the default http settings)")
+        epilog="exit codes: 0 ready, 1 not ready, 2 cannot reach the sidecar",
+    )
+    status.add_argument(
+        "--addr",
+        default=_default_http_address(),
+        metavar="HOST:PORT",
+        help="the sidecar's HTTP address, http_host:http_port (default "
+        "%(default)s, a sidecar with the default http settings)",
+    )
     status.add_argument("--json", action="store_true", help="print the raw JSON document")
     status.set_defaults(handler=_cmd_status)
     return parser
@@ -87,57 +111,76 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_serve(sub) -> None:
     serve = sub.add_parser(
-        "serve", help="run a sidecar next to one GPU worker",
+        "serve",
+        help="run a sidecar next to one GPU worker",
         description="Run the pd-transfer sidecar of one prefill or decode worker. The worker "
-                    "registers its pools through the client library on --worker-endpoint; "
-                    "prefill rank 0 serves the rank table on --bootstrap, the other prefill "
-                    "ranks announce themselves there, decode finds it from each request. "
-                    "Flags override the [sidecar] table of --config. SIGINT/SIGTERM drains; "
-                    "a second one stops at once. "
-                    "Authentication: peers and workers prove a shared secret read from the file "
-                    "secret_file (or PD_TRANSFER_SECRET_FILE) or from PD_TRANSFER_SECRET; there "
-                    "is deliberately no --secret flag, since any user can read a command line. "
-                    "Without a secret the sidecar refuses to start, unless allow_insecure = true "
-                    "(--insecure) turns authentication off: it then warns at every start and "
-                    "reports it in /status, /readyz and the pd_transfer_insecure metric.",
-        epilog="exit codes: 0 stopped, 2 invalid config, 3 could not start")
+        "registers its pools through the client library on --worker-endpoint; "
+        "prefill rank 0 serves the rank table on --bootstrap, the other prefill "
+        "ranks announce themselves there, decode finds it from each request. "
+        "Flags override the [sidecar] table of --config. SIGINT/SIGTERM drains; "
+        "a second one stops at once. "
+        "Authentication: peers and workers prove a shared secret read from the file "
+        "secret_file (or PD_TRANSFER_SECRET_FILE) or from PD_TRANSFER_SECRET; there "
+        "is deliberately no --secret flag, since any user can read a command line. "
+        "Without a secret the sidecar refuses to start, unless allow_insecure = true "
+        "(--insecure) turns authentication off: it then warns at every start and "
+        "reports it in /status, /readyz and the pd_transfer_insecure metric.",
+        epilog="exit codes: 0 stopped, 2 invalid config, 3 could not start",
+    )
     from pd_transfer.serve_flags import add_serve_flags
+
     serve.add_argument("--config", metavar="FILE", help="TOML file with a [sidecar] table")
     add_serve_flags(serve)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    serve.add_argument("--log-format", default="text", choices=["text", "json"],
-                       help="text: key=value lines; json: one JSON object per line")
-    serve.add_argument("--print-config", action="store_true",
-                       help="print the effective configuration (flags > PD_TRANSFER_* > file > "
-                            "defaults) as TOML and exit")
+    serve.add_argument(
+        "--log-format",
+        default="text",
+        choices=["text", "json"],
+        help="text: key=value lines; json: one JSON object per line",
+    )
+    serve.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the effective configuration (flags > PD_TRANSFER_* > file > defaults) as TOML and exit",
+    )
     serve.set_defaults(handler=_cmd_serve)
 
 
 def _add_demo(sub) -> None:
     from pd_transfer.demo import add_arguments
+
     demo = sub.add_parser(
-        "demo", help="run a prefill and a decode instance on this machine and verify every byte",
+        "demo",
+        help="run a prefill and a decode instance on this machine and verify every byte",
         description="Start prefill and decode sidecars plus a simulated worker per rank on this "
-                    "machine (CPU, shared memory, loopback), run requests of a model preset "
-                    "between them, verify every destination byte against the ground truth and "
-                    "print a summary.",
-        epilog="exit codes: 0 every byte verified, 1 a room failed or a byte differed, "
-               "2 invalid arguments")
+        "machine (CPU, shared memory, loopback), run requests of a model preset "
+        "between them, verify every destination byte against the ground truth and "
+        "print a summary.",
+        epilog="exit codes: 0 every byte verified, 1 a room failed or a byte differed, 2 invalid arguments",
+    )
     add_arguments(demo)
     demo.set_defaults(handler=_cmd_demo)
 
 
 def _add_pair_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prefill", required=True, metavar="FILE",
-                        help="prefill worker config (TOML, see configs/)")
-    parser.add_argument("--decode", required=True, metavar="FILE",
-                        help="decode worker config (TOML, see configs/)")
-    parser.add_argument("--tokens", type=_positive_int, default=4096, metavar="N",
-                        help="tokens in the sample request used to size the plan (default 4096)")
+    parser.add_argument(
+        "--prefill", required=True, metavar="FILE", help="prefill worker config (TOML, see configs/)"
+    )
+    parser.add_argument(
+        "--decode", required=True, metavar="FILE", help="decode worker config (TOML, see configs/)"
+    )
+    parser.add_argument(
+        "--tokens",
+        type=_positive_int,
+        default=4096,
+        metavar="N",
+        help="tokens in the sample request used to size the plan (default 4096)",
+    )
 
 
 def _default_http_address() -> str:
     from pd_transfer.config import SidecarConfig
+
     return f"{SidecarConfig.http_host}:{SidecarConfig.http_port}"
 
 
@@ -165,8 +208,10 @@ def _load_pair(args: argparse.Namespace):
     pair = _load_side(args.prefill, Role.PREFILL), _load_side(args.decode, Role.DECODE)
     for config, role in zip(pair, (Role.PREFILL, Role.DECODE)):
         if config.role is not role:
-            raise ConfigError(f"{config.source}: worker.role is {config.role.value!r} but the file "
-                              f"was given as --{role.value}; pass a {role.value} worker config")
+            raise ConfigError(
+                f"{config.source}: worker.role is {config.role.value!r} but the file "
+                f"was given as --{role.value}; pass a {role.value} worker config"
+            )
     return pair
 
 
@@ -177,8 +222,7 @@ def _load_side(path: str, role: Role):
         return load_worker_config(path)
     except ConfigError as err:
         message = err.message.removeprefix(f"{path}: ")
-        raise ConfigError(f"--{role.value} {path}: {message}", code=err.code,
-                          hint=err.hint) from None
+        raise ConfigError(f"--{role.value} {path}: {message}", code=err.code, hint=err.hint) from None
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -190,10 +234,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     prefill, decode = _load_pair(args)
-    if args.decode_rank >= decode.attn_tp_size:   # before any table: a usage error
-        raise ConfigError(f"--decode-rank {args.decode_rank}: --decode {args.decode} has "
-                          f"attn_tp_size {decode.attn_tp_size}, so its ranks are 0 to "
-                          f"{decode.attn_tp_size - 1}")
+    if args.decode_rank >= decode.attn_tp_size:  # before any table: a usage error
+        raise ConfigError(
+            f"--decode-rank {args.decode_rank}: --decode {args.decode} has "
+            f"attn_tp_size {decode.attn_tp_size}, so its ranks are 0 to "
+            f"{decode.attn_tp_size - 1}"
+        )
     text, ok = plan_report(prefill, decode, args.tokens, args.decode_rank, args.limit)
     print(text)
     return EXIT_OK if ok else EXIT_REJECTED
@@ -203,12 +249,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from pd_transfer.config import load_sidecar_config
     from pd_transfer.serve_flags import FLAG_OF, flag_overrides
     from pd_transfer.server import configure_logging, serve
+
     config = load_sidecar_config(args.config, flag_overrides(args), flags=FLAG_OF)
     if args.print_config:
         from pd_transfer.config import render_toml
+
         print(render_toml(config), end="")  # secret_file is a path; the secret is never printed
         return EXIT_OK
     from pd_transfer.agent.auth import Security
+
     security = Security.from_config(config)  # an unusable secret or key is invalid config (2)
     configure_logging(args.log_level, args.log_format)
     return serve(config, security)
@@ -216,6 +265,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
     from pd_transfer.security.curve import write_keys
+
     try:
         paths = write_keys(args.out, force=args.force)
     except OSError as err:
@@ -229,6 +279,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     import json
 
     from pd_transfer.status_view import fetch_status, render_status
+
     status = fetch_status(args.addr)
     print(json.dumps(status, indent=1) if args.json else render_status(status))
     return EXIT_OK if status["ready"] else EXIT_REJECTED
@@ -236,6 +287,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from pd_transfer.demo import run_demo
+
     return run_demo(args)
 
 

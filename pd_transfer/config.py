@@ -50,47 +50,57 @@ class SidecarConfig:
     agent_id: str = ""
     host_id: str = field(default_factory=default_host_id)  # equal on two sidecars: shm possible
     control_host: str = "127.0.0.1"
-    control_port: int = 0                 # 0: any free port (see ready_file)
-    data_host: str = "127.0.0.1"          # decode: where the tcp receiver or mooncake engine listens
-    data_port: int = 0                    # decode: tcp data port (0: any free port)
-    worker_endpoint: str = ""             # where the worker connects: unix://PATH (plain Unix socket, fastest) or ipc://PATH (ZeroMQ)
-    bootstrap: str = ""                   # prefill: rank 0 binds its rank table here, others announce
-    transport: str = "auto"               # auto: shm on the same host, tcp across hosts; mooncake, nixl: engine extras
-    mooncake_protocol: str = "tcp"        # transport mooncake: tcp, or rdma where RDMA NICs exist
-    strategy: str = "auto"                # engine transports: direct runs, staged, or auto (chosen per peer and pool)
-    staging_slots: int = 16               # decode, engine transports: staging slots registered with the engine (4 a prefill peer)
+    control_port: int = 0  # 0: any free port (see ready_file)
+    data_host: str = "127.0.0.1"  # decode: where the tcp receiver or mooncake engine listens
+    data_port: int = 0  # decode: tcp data port (0: any free port)
+    worker_endpoint: str = (
+        ""  # where the worker connects: unix://PATH (plain Unix socket, fastest) or ipc://PATH (ZeroMQ)
+    )
+    bootstrap: str = ""  # prefill: rank 0 binds its rank table here, others announce
+    transport: str = "auto"  # auto: shm on the same host, tcp across hosts; mooncake, nixl: engine extras
+    mooncake_protocol: str = "tcp"  # transport mooncake: tcp, or rdma where RDMA NICs exist
+    strategy: str = "auto"  # engine transports: direct runs, staged, or auto (chosen per peer and pool)
+    staging_slots: int = (
+        16  # decode, engine transports: staging slots registered with the engine (4 a prefill peer)
+    )
     staging_slot_nbytes: int = 4 * 1024 * 1024  # decode, engine transports: bytes of one staging slot
-    ready_file: str = ""                  # JSON with the bound addresses, written when serving
-    http_host: str = "127.0.0.1"          # /metrics /healthz /readyz /status
-    http_port: int = 9400                 # 0: any free port (see ready_file)
-    instance_id: str = ""                 # decode: the decode instance this rank belongs to, as routers name it (the same on each of its ranks)
+    ready_file: str = ""  # JSON with the bound addresses, written when serving
+    http_host: str = "127.0.0.1"  # /metrics /healthz /readyz /status
+    http_port: int = 9400  # 0: any free port (see ready_file)
+    instance_id: str = ""  # decode: the decode instance this rank belongs to, as routers name it (the same on each of its ranks)
     prefill_bootstraps: tuple[str, ...] = ()  # decode: prefill instances to resolve eagerly (readyz)
-    bootstrap_timeout_s: float = 30.0     # expect(): rank table + verdicts
-    waiting_timeout_s: float = 120.0      # decode waits for prefill's data; prefill for send()
-    transfer_timeout_s: float = 60.0      # one room's bytes once sending started
-    heartbeat_interval_s: float = 0.5     # between heartbeats on every peer session
-    heartbeat_misses: int = 4             # silent intervals before a peer is lost
-    abort_drain_timeout_s: float = 10.0   # decode abort waits this long for drain acks
-    room_ttl_s: float = 120.0             # terminal rooms kept for late polls
-    max_rooms: int = 4096                 # live rooms at most; more are refused at once
-    max_rooms_per_peer: int = 1024        # live rooms with one peer; more wait (admission_wait_s)
+    bootstrap_timeout_s: float = 30.0  # expect(): rank table + verdicts
+    waiting_timeout_s: float = 120.0  # decode waits for prefill's data; prefill for send()
+    transfer_timeout_s: float = 60.0  # one room's bytes once sending started
+    heartbeat_interval_s: float = 0.5  # between heartbeats on every peer session
+    heartbeat_misses: int = 4  # silent intervals before a peer is lost
+    abort_drain_timeout_s: float = 10.0  # decode abort waits this long for drain acks
+    room_ttl_s: float = 120.0  # terminal rooms kept for late polls
+    max_rooms: int = 4096  # live rooms at most; more are refused at once
+    max_rooms_per_peer: int = 1024  # live rooms with one peer; more wait (admission_wait_s)
     max_inflight_nbytes: int = 256 * 1024 * 1024  # prefill: bytes being written to one peer (tcp window)
-    tcp_streams: int = 2                  # prefill, tcp: connections to each peer; a long write is striped over them, the window shared out
+    tcp_streams: int = (
+        2  # prefill, tcp: connections to each peer; a long write is striped over them, the window shared out
+    )
     max_inflight_nbytes_total: int = 1024 * 1024 * 1024  # prefill: bytes being written to all peers
-    admission_wait_s: float = 5.0         # a room or chunk over a limit waits this long, then fails
-    max_worker_requests: int = 8192       # worker API requests in progress; more are refused at once
-    max_chunks_per_room: int = 4096       # prefill: send() calls per room; more fail the room
+    admission_wait_s: float = 5.0  # a room or chunk over a limit waits this long, then fails
+    max_worker_requests: int = 8192  # worker API requests in progress; more are refused at once
+    max_chunks_per_room: int = 4096  # prefill: send() calls per room; more fail the room
     data_handshake_timeout_s: float = 10.0  # decode, tcp and engine staging: a data connection authenticates within this time of its accept, or is dropped
     max_pending_data_connections: int = 64  # decode, tcp and engine staging: data connections not yet authenticated; one more drops the oldest
-    peer_series_grace_s: float = 300.0    # a peer's labelled metric series are removed this long after its last session ended
-    secret_file: str = ""                 # shared secret of peers and workers (never the secret itself)
-    allow_insecure: bool = False          # true: serve without a shared secret (anyone reaching the ports may use it)
-    curve_secret_key_file: str = ""       # CURVE secret key (Z85): encrypts the sockets this sidecar binds
-    curve_server_key: str = ""            # CURVE public key of the sidecars it connects to (default: own)
-    integrity: bool = False               # crc32 every block sent; decode verifies (when both sides enable it)
-    doorbell: bool = True                 # same-host rooms also end through a shared-memory doorbell the worker's wait sleeps on (decode offers it, prefill rings it)
-    copy_threads: int = field(default_factory=default_copy_threads)  # threads per shm write (raise it on a host with cores to spare)
-    fault_corrupt_nth: int = 0            # TEST ONLY: flip a byte of this sidecar's nth data write (0: never)
+    peer_series_grace_s: float = (
+        300.0  # a peer's labelled metric series are removed this long after its last session ended
+    )
+    secret_file: str = ""  # shared secret of peers and workers (never the secret itself)
+    allow_insecure: bool = False  # true: serve without a shared secret (anyone reaching the ports may use it)
+    curve_secret_key_file: str = ""  # CURVE secret key (Z85): encrypts the sockets this sidecar binds
+    curve_server_key: str = ""  # CURVE public key of the sidecars it connects to (default: own)
+    integrity: bool = False  # crc32 every block sent; decode verifies (when both sides enable it)
+    doorbell: bool = True  # same-host rooms also end through a shared-memory doorbell the worker's wait sleeps on (decode offers it, prefill rings it)
+    copy_threads: int = field(
+        default_factory=default_copy_threads
+    )  # threads per shm write (raise it on a host with cores to spare)
+    fault_corrupt_nth: int = 0  # TEST ONLY: flip a byte of this sidecar's nth data write (0: never)
 
     def __post_init__(self) -> None:
         if not self.agent_id:
@@ -106,9 +116,13 @@ class SidecarConfig:
 _FIELDS = {f.name: f for f in dataclasses.fields(SidecarConfig)}
 
 
-def load_sidecar_config(path: str | None, overrides: dict[str, Any],
-                        environ: Mapping[str, str] | None = None, *,
-                        flags: Mapping[str, str] | None = None) -> SidecarConfig:
+def load_sidecar_config(
+    path: str | None,
+    overrides: dict[str, Any],
+    environ: Mapping[str, str] | None = None,
+    *,
+    flags: Mapping[str, str] | None = None,
+) -> SidecarConfig:
     """Defaults, then the file, then ``PD_TRANSFER_*`` variables, then flags.
 
     ``overrides`` are CLI flags by field (None meaning unset; ``flags``: field -> the flag
@@ -126,8 +140,13 @@ def load_sidecar_config(path: str | None, overrides: dict[str, Any],
     from_env, env_problems = environ_settings(os.environ if environ is None else environ, kinds)
     settings.update(from_env)
     problems += env_problems
-    settings.update({name: Setting(value, flags[name] if flags else f"sidecar.{name}")
-                     for name, value in overrides.items() if value is not None})
+    settings.update(
+        {
+            name: Setting(value, flags[name] if flags else f"sidecar.{name}")
+            for name, value in overrides.items()
+            if value is not None
+        }
+    )
     return sidecar_config_from(settings, problems)
 
 
@@ -153,8 +172,9 @@ def sidecar_config_from(settings: dict[str, Setting], problems: list[str] | None
         if name not in _FIELDS:
             unknown.setdefault(setting.origin.rpartition(".")[0] or "sidecar", []).append(name)
     for where, names in unknown.items():
-        problems.append(f"{where}: unknown key(s) {sorted(names)}{_suggestions(names)}; "
-                        f"accepted: {', '.join(_FIELDS)}")
+        problems.append(
+            f"{where}: unknown key(s) {sorted(names)}{_suggestions(names)}; accepted: {', '.join(_FIELDS)}"
+        )
     clean: dict[str, Any] = {}
     for name, setting in settings.items():
         if name not in _FIELDS:
@@ -168,8 +188,9 @@ def sidecar_config_from(settings: dict[str, Setting], problems: list[str] | None
         else:
             clean[name] = tuple(setting.value) if isinstance(setting.value, list) else setting.value
     if "role" not in settings:
-        problems.append(f"sidecar.role: required (prefill or decode): --role, role in [sidecar], "
-                        f"or {ENV_PREFIX}ROLE")
+        problems.append(
+            f"sidecar.role: required (prefill or decode): --role, role in [sidecar], or {ENV_PREFIX}ROLE"
+        )
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         raise ConfigError(f"invalid sidecar config: {len(problems)} problem(s)\n{lines}")
@@ -177,8 +198,9 @@ def sidecar_config_from(settings: dict[str, Setting], problems: list[str] | None
 
 
 def _suggestions(names: list[str]) -> str:
-    pairs = [(name, difflib.get_close_matches(name, list(_FIELDS), n=1, cutoff=0.7))
-             for name in sorted(names)]
+    pairs = [
+        (name, difflib.get_close_matches(name, list(_FIELDS), n=1, cutoff=0.7)) for name in sorted(names)
+    ]
     meant = [f"{name} -> {close[0]}" for name, close in pairs if close]
     return f" (did you mean {', '.join(meant)}?)" if meant else ""
 
@@ -189,8 +211,11 @@ def _problems(name: str, value: Any) -> list[tuple[str, str]]:
     if problem:
         return [("", problem)]
     if name == "prefill_bootstraps":
-        return [(f"[{i}]", item_problem) for i, item in enumerate(value)
-                if (item_problem := addresses.peer_address_problem(item))]
+        return [
+            (f"[{i}]", item_problem)
+            for i, item in enumerate(value)
+            if (item_problem := addresses.peer_address_problem(item))
+        ]
     return []
 
 
@@ -209,14 +234,16 @@ def _check(name: str, value: Any) -> str:
     if name == "worker_endpoint" and isinstance(value, str) and value:
         return _endpoint_problem(value)
     if name == "mooncake_protocol":
-        return "" if value in MOONCAKE_PROTOCOLS else \
-            f"{value!r} is not one of {list(MOONCAKE_PROTOCOLS)}"
+        return "" if value in MOONCAKE_PROTOCOLS else f"{value!r} is not one of {list(MOONCAKE_PROTOCOLS)}"
     kind = _FIELDS[name].type
     if kind == "bool":
         return "" if isinstance(value, bool) else f"expected true or false, got {value!r}"
     if kind in ("int", "float"):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                (kind == "int" and not isinstance(value, int)):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or (kind == "int" and not isinstance(value, int))
+        ):
             return f"expected {kind}, got {value!r}"
         if name.endswith("_port"):
             return addresses.port_problem(value)
@@ -225,8 +252,9 @@ def _check(name: str, value: Any) -> str:
         return ""
     if kind == "str" and not isinstance(value, str):
         return f"expected a string, got {value!r}"
-    if kind.startswith("tuple") and (not isinstance(value, (list, tuple))
-                                     or not all(isinstance(v, str) and v for v in value)):
+    if kind.startswith("tuple") and (
+        not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value)
+    ):
         return f"expected a list of addresses, got {value!r}"
     return _address_problem(name, value)
 
@@ -246,8 +274,11 @@ def _endpoint_problem(value: str) -> str:
     if value.startswith("tcp://"):
         return addresses.peer_address_problem(value)
     if not value.startswith(WORKER_SCHEMES):
-        hint = f": did you mean 'unix://{value}'?" if value.startswith("/") else \
-            " (e.g. unix:///run/pd-transfer/worker.sock)"
+        hint = (
+            f": did you mean 'unix://{value}'?"
+            if value.startswith("/")
+            else " (e.g. unix:///run/pd-transfer/worker.sock)"
+        )
         return f"{value!r} is not a unix://PATH, ipc://PATH or tcp://HOST:PORT address{hint}"
     try:
         unix_path(value)

@@ -41,8 +41,10 @@ def host_problem(field: str, host: str) -> str:
     match = _HOST_PORT.fullmatch(rest)
     if match:
         bare = match["host"]
-        return (f"{host!r} is an address, not a host: did you mean {field} = {bare!r} and "
-                f"{HOST_FIELDS[field]} = {match['port']}?")
+        return (
+            f"{host!r} is an address, not a host: did you mean {field} = {bare!r} and "
+            f"{HOST_FIELDS[field]} = {match['port']}?"
+        )
     if rest != host and _is_host(rest.rstrip("/")):
         return f"{host!r} is an address, not a host: did you mean {rest.rstrip('/')!r}?"
     if not host:
@@ -62,14 +64,12 @@ def peer_address_problem(address: str) -> str:
             said = "has no scheme" if not scheme else f"is not a {scheme}:// address"
             return f"{address!r} {said}: did you mean {meant!r}?"
         if not 0 < int(match["port"]) < 65536:
-            return (f"{address!r}: the port must be 1-65535 (other sidecars dial it, so 0 "
-                    f"cannot pick one)")
+            return f"{address!r}: the port must be 1-65535 (other sidecars dial it, so 0 cannot pick one)"
         return ""
     host = rest.rstrip("/")
     if _is_host(host):
         shown = f"[{host}]" if ":" in host and not host.startswith("[") else host
-        return (f"{address!r} has no port: did you mean "
-                f"'tcp://{shown}:{EXAMPLE_BOOTSTRAP_PORT}'?")
+        return f"{address!r} has no port: did you mean 'tcp://{shown}:{EXAMPLE_BOOTSTRAP_PORT}'?"
     return f"{address!r} is not a tcp://HOST:PORT address (e.g. tcp://10.0.0.1:{EXAMPLE_BOOTSTRAP_PORT})"
 
 

@@ -39,8 +39,10 @@ OTHER_VARIABLES = {
 # service links (the default): for a Service pd-transfer-prefill with port 8998/TCP,
 # PD_TRANSFER_PREFILL_SERVICE_HOST, PD_TRANSFER_PREFILL_SERVICE_PORT[_<PORTNAME>],
 # PD_TRANSFER_PREFILL_PORT, PD_TRANSFER_PREFILL_PORT_8998_TCP[_PROTO|_PORT|_ADDR].
-SERVICE_LINK = re.compile(r"(?:[A-Z0-9_]+_)?(?:SERVICE_HOST|SERVICE_PORT(?:_[A-Z0-9_]+)?"
-                          r"|PORT(?:_\d+_(?:TCP|UDP|SCTP)(?:_(?:PROTO|PORT|ADDR))?)?)")
+SERVICE_LINK = re.compile(
+    r"(?:[A-Z0-9_]+_)?(?:SERVICE_HOST|SERVICE_PORT(?:_[A-Z0-9_]+)?"
+    r"|PORT(?:_\d+_(?:TCP|UDP|SCTP)(?:_(?:PROTO|PORT|ADDR))?)?)"
+)
 _LINK_VALUE = re.compile(r"(?:tcp|udp|sctp)://\S+:\d+")
 
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
@@ -49,7 +51,7 @@ _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no"
 @dataclass(frozen=True)
 class Setting:
     value: Any
-    origin: str     # names the value in a problem: file and key, variable, or flag
+    origin: str  # names the value in a problem: file and key, variable, or flag
 
 
 def file_settings(path: str, keys: Collection[str]) -> tuple[dict[str, Setting], list[str]]:
@@ -68,14 +70,19 @@ def file_settings(path: str, keys: Collection[str]) -> tuple[dict[str, Setting],
         if key == TABLE:
             continue
         if isinstance(value, dict):
-            problems.append(f"{path}: [{key}]: unknown table, so nothing in it would be applied"
-                            f"{_did_you_mean(key, [TABLE], '[{}]')}: the sidecar reads only [{TABLE}]")
+            problems.append(
+                f"{path}: [{key}]: unknown table, so nothing in it would be applied"
+                f"{_did_you_mean(key, [TABLE], '[{}]')}: the sidecar reads only [{TABLE}]"
+            )
         elif key in keys:
-            problems.append(f"{path}: {key}: above the [{TABLE}] line, so in no table: move it "
-                            f"below that line")
+            problems.append(
+                f"{path}: {key}: above the [{TABLE}] line, so in no table: move it below that line"
+            )
         else:
-            problems.append(f"{path}: {key}: unknown key outside any table"
-                            f"{_did_you_mean(key, keys)}: settings go below the [{TABLE}] line")
+            problems.append(
+                f"{path}: {key}: unknown key outside any table"
+                f"{_did_you_mean(key, keys)}: settings go below the [{TABLE}] line"
+            )
     table = data.get(TABLE, {})
     if not isinstance(table, dict):
         problems.append(f"{path}: {TABLE}: must be a table ([{TABLE}]), got {table!r}")
@@ -83,8 +90,9 @@ def file_settings(path: str, keys: Collection[str]) -> tuple[dict[str, Setting],
     return {name: Setting(value, f"{path}: {TABLE}.{name}") for name, value in table.items()}, problems
 
 
-def environ_settings(environ: Mapping[str, str],
-                     kinds: Mapping[str, str]) -> tuple[dict[str, Setting], list[str]]:
+def environ_settings(
+    environ: Mapping[str, str], kinds: Mapping[str, str]
+) -> tuple[dict[str, Setting], list[str]]:
     """Typed values of the ``PD_TRANSFER_*`` variables naming a setting (``kinds``: name ->
     type name), and a problem for every other ``PD_TRANSFER_*`` variable (see the module doc).
 
@@ -94,20 +102,24 @@ def environ_settings(environ: Mapping[str, str],
     for variable, text in sorted(environ.items()):
         if not variable.startswith(ENV_PREFIX):
             continue
-        name = variable[len(ENV_PREFIX):].lower()
+        name = variable[len(ENV_PREFIX) :].lower()
         kind = kinds.get(name)
         if kind is None:
-            if variable not in OTHER_VARIABLES and not SERVICE_LINK.fullmatch(variable[len(ENV_PREFIX):]):
-                problems.append(f"{variable}: not a pd-transfer setting"
-                                f"{_did_you_mean(name, kinds, ENV_PREFIX + '{}', upper=True)}: a "
-                                f"setting's variable is {ENV_PREFIX} and a [{TABLE}] key in upper "
-                                f"case (docs/operations.md#configuration)")
+            if variable not in OTHER_VARIABLES and not SERVICE_LINK.fullmatch(variable[len(ENV_PREFIX) :]):
+                problems.append(
+                    f"{variable}: not a pd-transfer setting"
+                    f"{_did_you_mean(name, kinds, ENV_PREFIX + '{}', upper=True)}: a "
+                    f"setting's variable is {ENV_PREFIX} and a [{TABLE}] key in upper "
+                    f"case (docs/operations.md#configuration)"
+                )
             continue
         if name.endswith("_port") and _LINK_VALUE.fullmatch(text.strip()):
             service = "pd-transfer-" + name.removesuffix("_port").replace("_", "-")
-            problems.append(f"{variable}: {text!r} is a Kubernetes service link of a Service named "
-                            f"{service}, not a port: rename that Service, or set "
-                            f"enableServiceLinks: false in the pod spec")
+            problems.append(
+                f"{variable}: {text!r} is a Kubernetes service link of a Service named "
+                f"{service}, not a port: rename that Service, or set "
+                f"enableServiceLinks: false in the pod spec"
+            )
             continue
         settings[name] = Setting(_typed(kind, text), variable)
     return settings, problems

@@ -39,26 +39,41 @@ def share(tensor: Any) -> str:
     if not tensor.is_cuda:
         raise PdTransferError("only CUDA tensors have CUDA IPC handles", code=Reason.BAD_FIELD)
     fields = tensor.untyped_storage()._share_cuda_()
-    packed = msgpack.packb([int(fields[0]), bytes(fields[1]), int(fields[2]), int(fields[3]),
-                            bytes(fields[4]), int(fields[5]), bytes(fields[6]), bool(fields[7])],
-                           use_bin_type=True)
+    packed = msgpack.packb(
+        [
+            int(fields[0]),
+            bytes(fields[1]),
+            int(fields[2]),
+            int(fields[3]),
+            bytes(fields[4]),
+            int(fields[5]),
+            bytes(fields[6]),
+            bool(fields[7]),
+        ],
+        use_bin_type=True,
+    )
     return PREFIX + base64.b64encode(packed).decode()
 
 
 def open_handle(handle: str, min_nbytes: int) -> Any:
     """A uint8 CUDA tensor over the memory behind ``handle`` (checked, never unpickled)."""
     import torch
+
     fields = _decode(handle)
     torch.cuda.init()  # opening a handle before CUDA is initialized crashes the process
     try:
         storage = torch.UntypedStorage._new_shared_cuda(*fields)
     except RuntimeError as err:
-        raise PdTransferError(f"cannot open CUDA IPC handle: {err}".splitlines()[0],
-                              code=Reason.REGION_INVALID,
-                              hint="the peer must be on this host and keep its tensors alive") from None
+        raise PdTransferError(
+            f"cannot open CUDA IPC handle: {err}".splitlines()[0],
+            code=Reason.REGION_INVALID,
+            hint="the peer must be on this host and keep its tensors alive",
+        ) from None
     if storage.nbytes() < min_nbytes:
-        raise PdTransferError(f"CUDA IPC region holds {storage.nbytes()} bytes but {min_nbytes} "
-                              "are registered", code=Reason.REGION_INVALID)
+        raise PdTransferError(
+            f"CUDA IPC region holds {storage.nbytes()} bytes but {min_nbytes} are registered",
+            code=Reason.REGION_INVALID,
+        )
     device = torch.device("cuda", fields[0])
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
@@ -67,11 +82,14 @@ def _decode(handle: str) -> list:
     if not is_cuda_handle(handle) or len(handle) > _MAX_HANDLE_CHARS:
         raise PdTransferError("not a CUDA IPC handle", code=Reason.BAD_FIELD)
     try:
-        fields = msgpack.unpackb(base64.b64decode(handle[len(PREFIX):], validate=True), raw=False)
+        fields = msgpack.unpackb(base64.b64decode(handle[len(PREFIX) :], validate=True), raw=False)
     except Exception:
         raise PdTransferError("malformed CUDA IPC handle", code=Reason.BAD_FIELD) from None
     kinds = (int, bytes, int, int, bytes, int, bytes, bool)
-    if not isinstance(fields, list) or len(fields) != len(kinds) or not all(
-            isinstance(v, k) and (k is bool or not isinstance(v, bool)) for v, k in zip(fields, kinds)):
+    if (
+        not isinstance(fields, list)
+        or len(fields) != len(kinds)
+        or not all(isinstance(v, k) and (k is bool or not isinstance(v, bool)) for v, k in zip(fields, kinds))
+    ):
         raise PdTransferError("malformed CUDA IPC handle fields", code=Reason.BAD_FIELD)
     return fields

@@ -35,8 +35,8 @@ from pd_transfer.ports import spare_port
 from pd_transfer.security.secret import SECRET_ENV, SECRET_FILE_ENV, new_secret_file
 
 EXIT_OK, EXIT_FAILED = 0, 1
-DEMO_SECRET = "secret"   # an ephemeral shared secret in the work directory, made per run
-CHILD_STOP_S = 10.0   # after SIGTERM, how long a child may take before it is killed
+DEMO_SECRET = "secret"  # an ephemeral shared secret in the work directory, made per run
+CHILD_STOP_S = 10.0  # after SIGTERM, how long a child may take before it is killed
 
 
 class Stopped(BaseException):
@@ -56,25 +56,27 @@ def _positive(kind):
         if value <= 0:
             raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
         return value
+
     return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="llama-3.1-8b", help="model preset (configs/models)")
-    parser.add_argument("--prefill-tp", type=_positive(int), default=2,
-                        help="prefill attention TP size")
-    parser.add_argument("--decode-tp", type=_positive(int), default=4,
-                        help="decode attention TP size")
+    parser.add_argument("--prefill-tp", type=_positive(int), default=2, help="prefill attention TP size")
+    parser.add_argument("--decode-tp", type=_positive(int), default=4, help="decode attention TP size")
     parser.add_argument("--requests", type=_positive(int), default=24, help="requests to run")
     parser.add_argument("--tokens", type=_positive(int), default=4096, help="tokens per request")
     parser.add_argument("--page-size", type=_positive(int), default=16)
-    parser.add_argument("--kv-layout", default="nhd", choices=[x.value for x in KV_LAYOUTS],
-                        help="KV layout of the decode pools (prefill uses nhd)")
+    parser.add_argument(
+        "--kv-layout",
+        default="nhd",
+        choices=[x.value for x in KV_LAYOUTS],
+        help="KV layout of the decode pools (prefill uses nhd)",
+    )
     parser.add_argument("--transport", default="shm", choices=["shm", "tcp"])
     parser.add_argument("--window", type=_positive(int), default=4, help="rooms in flight at most")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout-s", type=_positive(float), default=120.0,
-                        help="give up after this long")
+    parser.add_argument("--timeout-s", type=_positive(float), default=120.0, help="give up after this long")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, reports)")
 
 
@@ -85,14 +87,18 @@ class Proc:
     log_path: Path
 
 
-
 def _spawn(name: str, args: list[str], workdir: Path) -> Proc:
     """Start ``python args``; sidecars and workers alike read the run's secret (below)."""
     log_path = workdir / f"{name}.log"
     env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
     env.update(PYTHONUNBUFFERED="1", **{SECRET_FILE_ENV: str(workdir / DEMO_SECRET)})
-    popen = subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL,
-                             stderr=log_path.open("w"), env=env, start_new_session=True)
+    popen = subprocess.Popen(
+        [sys.executable, *args],
+        stdout=subprocess.DEVNULL,
+        stderr=log_path.open("w"),
+        env=env,
+        start_new_session=True,
+    )
     return Proc(name, popen, log_path)
 
 
@@ -101,8 +107,10 @@ def _wait_ready(paths: list[Path], procs: list[Proc], timeout_s: float) -> None:
     while not all(p.exists() for p in paths):
         for proc in procs:
             if proc.popen.poll() is not None:
-                raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode} while starting; "
-                                   f"see {proc.log_path}:\n{_tail(proc.log_path)}")
+                raise RuntimeError(
+                    f"{proc.name} exited with {proc.popen.returncode} while starting; "
+                    f"see {proc.log_path}:\n{_tail(proc.log_path)}"
+                )
         if time.monotonic() > deadline:
             raise RuntimeError("sidecars did not become ready in time")
         time.sleep(0.05)
@@ -118,8 +126,7 @@ def _tail(path: Path, lines: int = 8) -> str:
 def run_demo(args: argparse.Namespace) -> int:
     """ConfigError (exit 2) for invalid arguments, before any process starts."""
     verdicts = _verdicts(args)
-    previous = {signum: signal.signal(signum, _raise_stopped)
-                for signum in (signal.SIGINT, signal.SIGTERM)}
+    previous = {signum: signal.signal(signum, _raise_stopped) for signum in (signal.SIGINT, signal.SIGTERM)}
     workdir = Path(tempfile.mkdtemp(prefix="pd-transfer-demo-"))
     procs: list[Proc] = []
     stopped = None
@@ -132,7 +139,7 @@ def run_demo(args: argparse.Namespace) -> int:
         stopped = stop.signum
         return 128 + stop.signum
     finally:
-        for signum in previous:   # the cleanup below is bounded; a second signal waits for it
+        for signum in previous:  # the cleanup below is bounded; a second signal waits for it
             signal.signal(signum, signal.SIG_IGN)
         _stop_children(procs)
         if args.keep:
@@ -142,8 +149,11 @@ def run_demo(args: argparse.Namespace) -> int:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         if stopped is not None:
-            print(f"demo stopped by {signal.Signals(stopped).name}: {len(procs)} processes "
-                  f"stopped{'' if args.keep else ', work directory removed'}", file=sys.stderr)
+            print(
+                f"demo stopped by {signal.Signals(stopped).name}: {len(procs)} processes "
+                f"stopped{'' if args.keep else ', work directory removed'}",
+                file=sys.stderr,
+            )
 
 
 def _raise_stopped(signum: int, frame) -> None:
@@ -169,19 +179,37 @@ def _run(args: argparse.Namespace, workdir: Path, procs: list[Proc], verdicts: s
     pages = math.ceil(args.tokens / args.page_size)
     num_pages = args.window * pages + 8
     bootstrap = f"tcp://127.0.0.1:{spare_port()}"
-    new_secret_file(workdir / DEMO_SECRET)   # every sidecar and worker of the run authenticates
-    print(f"pd-transfer demo: {args.model}, prefill TP {args.prefill_tp} -> decode TP "
-          f"{args.decode_tp}, {args.requests} requests x {args.tokens} tokens, transport "
-          f"{args.transport}, decode kv layout {args.kv_layout}")
+    new_secret_file(workdir / DEMO_SECRET)  # every sidecar and worker of the run authenticates
+    print(
+        f"pd-transfer demo: {args.model}, prefill TP {args.prefill_tp} -> decode TP "
+        f"{args.decode_tp}, {args.requests} requests x {args.tokens} tokens, transport "
+        f"{args.transport}, decode kv layout {args.kv_layout}"
+    )
     sides = [("prefill", args.prefill_tp), ("decode", args.decode_tp)]
     ready = []
     for role, tp in sides:
         for rank in range(tp):
             name = f"{role}{rank}"
             ready.append(workdir / f"{name}.ready.json")
-            cmd = ["-m", "pd_transfer.cli", "serve", "--role", role, "--agent-id", f"{role}-tp{rank}",
-                   "--worker-endpoint", f"unix://{workdir}/{name}.sock", "--transport", args.transport,
-                   "--ready-file", str(ready[-1]), "--http-port", "0", "--log-level", "warning"]
+            cmd = [
+                "-m",
+                "pd_transfer.cli",
+                "serve",
+                "--role",
+                role,
+                "--agent-id",
+                f"{role}-tp{rank}",
+                "--worker-endpoint",
+                f"unix://{workdir}/{name}.sock",
+                "--transport",
+                args.transport,
+                "--ready-file",
+                str(ready[-1]),
+                "--http-port",
+                "0",
+                "--log-level",
+                "warning",
+            ]
             if role == "prefill":
                 cmd += ["--bootstrap", bootstrap]
             procs.append(_spawn(f"sidecar-{name}", cmd, workdir))
@@ -190,14 +218,40 @@ def _run(args: argparse.Namespace, workdir: Path, procs: list[Proc], verdicts: s
     for role, tp in sides:
         for rank in range(tp):
             name = f"{role}{rank}"
-            cmd = ["-m", "pd_transfer.sim.worker", "--role", role, "--model", args.model,
-                   "--tp-size", str(tp), "--tp-rank", str(rank), "--page-size", str(args.page_size),
-                   "--kv-layout", args.kv_layout if role == "decode" else "nhd",
-                   "--num-pages", str(num_pages), "--endpoint", f"unix://{workdir}/{name}.sock",
-                   "--requests", str(args.requests), "--tokens", str(args.tokens),
-                   "--seed", str(args.seed), "--window", str(args.window),
-                   "--report", str(workdir / f"{name}.report.json"),
-                   "--progress", str(workdir / f"{name}.progress"), "--log-level", "WARNING"]
+            cmd = [
+                "-m",
+                "pd_transfer.sim.worker",
+                "--role",
+                role,
+                "--model",
+                args.model,
+                "--tp-size",
+                str(tp),
+                "--tp-rank",
+                str(rank),
+                "--page-size",
+                str(args.page_size),
+                "--kv-layout",
+                args.kv_layout if role == "decode" else "nhd",
+                "--num-pages",
+                str(num_pages),
+                "--endpoint",
+                f"unix://{workdir}/{name}.sock",
+                "--requests",
+                str(args.requests),
+                "--tokens",
+                str(args.tokens),
+                "--seed",
+                str(args.seed),
+                "--window",
+                str(args.window),
+                "--report",
+                str(workdir / f"{name}.report.json"),
+                "--progress",
+                str(workdir / f"{name}.progress"),
+                "--log-level",
+                "WARNING",
+            ]
             if role == "decode":
                 cmd += ["--bootstrap", bootstrap]
             workers.append(_spawn(f"worker-{name}", cmd, workdir))
@@ -216,12 +270,13 @@ def _check_children(sidecars: list[Proc], workers: list[Proc]) -> None:
         code = proc.popen.poll()
         if code is None or (proc in workers and (code == 0 or not running)):
             continue
-        raise RuntimeError(f"{proc.name} exited with {code} during the run; the end of its log "
-                           f"({proc.log_path.name}):\n{_tail(proc.log_path)}")
+        raise RuntimeError(
+            f"{proc.name} exited with {code} during the run; the end of its log "
+            f"({proc.log_path.name}):\n{_tail(proc.log_path)}"
+        )
 
 
-def _show_progress(args, workdir: Path, sidecars: list[Proc], workers: list[Proc],
-                   started: float) -> None:
+def _show_progress(args, workdir: Path, sidecars: list[Proc], workers: list[Proc], started: float) -> None:
     decode_progress = [workdir / f"decode{r}.progress" for r in range(args.decode_tp)]
     total = args.requests * args.decode_tp
     shown = -1
@@ -255,27 +310,34 @@ def _verdicts(args) -> str:
     from pd_transfer.layout.rank_builder import build_instance
     from pd_transfer.layout.reconcile import reconcile
     from pd_transfer.layout.views import Layout
+
     try:
         spec = load_preset(args.model)
     except ConfigError as err:
-        raise ConfigError(f"--model {args.model}: {err.message}", code=err.code,
-                          hint=err.hint) from None
+        raise ConfigError(f"--model {args.model}: {err.message}", code=err.code, hint=err.hint) from None
     shape = {"page_size": args.page_size, "num_pages": 8, "num_slots": 1, "num_aux_rows": 1}
     instances = []
-    for role, flag, tp, layout in ((Role.PREFILL, "--prefill-tp", args.prefill_tp, "nhd"),
-                                   (Role.DECODE, "--decode-tp", args.decode_tp, args.kv_layout)):
+    for role, flag, tp, layout in (
+        (Role.PREFILL, "--prefill-tp", args.prefill_tp, "nhd"),
+        (Role.DECODE, "--decode-tp", args.decode_tp, args.kv_layout),
+    ):
         try:
             instances.append(build_instance(spec, role, tp, kv_layout=Layout(layout), **shape))
         except PdTransferError as err:
-            raise ConfigError(f"{flag} {tp}: {args.model}: {err.message}", code=err.code,
-                              hint=err.hint) from None
+            raise ConfigError(
+                f"{flag} {tp}: {args.model}: {err.message}", code=err.code, hint=err.hint
+            ) from None
     recon = reconcile(*instances)
     if not recon.ok:
-        raise ConfigError(f"the prefill and decode instances cannot be reconciled: {recon.error()}",
-                          code=Reason.INVALID_CONFIG)
+        raise ConfigError(
+            f"the prefill and decode instances cannot be reconciled: {recon.error()}",
+            code=Reason.INVALID_CONFIG,
+        )
     modes = recon.modes_by_pool()
-    return ", ".join(f"{pool.value} " + "/".join(f"{m.value} x{n}" for m, n in by_mode.items())
-                     for pool, by_mode in modes.items())
+    return ", ".join(
+        f"{pool.value} " + "/".join(f"{m.value} x{n}" for m, n in by_mode.items())
+        for pool, by_mode in modes.items()
+    )
 
 
 def _summarise(args, workdir: Path, workers: list[Proc], elapsed_s: float, verdicts: str) -> int:
@@ -285,8 +347,11 @@ def _summarise(args, workdir: Path, workers: list[Proc], elapsed_s: float, verdi
         try:
             reports.append(json.loads(path.read_text()))
         except (OSError, ValueError):
-            print(f"{worker.name}: no report (exit {worker.popen.returncode}); log tail:\n"
-                  f"{_tail(worker.log_path)}", file=sys.stderr)
+            print(
+                f"{worker.name}: no report (exit {worker.popen.returncode}); log tail:\n"
+                f"{_tail(worker.log_path)}",
+                file=sys.stderr,
+            )
             return EXIT_FAILED
     decode = [r for r in reports if r["role"] == "decode"]
     failed = [f for r in reports for f in r["failed"]]
@@ -295,8 +360,10 @@ def _summarise(args, workdir: Path, workers: list[Proc], elapsed_s: float, verdi
     latencies = sorted(x for r in decode for x in r["latencies_s"])
     print()
     print(f"{'requests':<22}{args.requests}")
-    print(f"{'decode rank-rooms':<22}{sum(r['succeeded'] for r in decode)} succeeded, "
-          f"{len([f for r in decode for f in r['failed']])} failed")
+    print(
+        f"{'decode rank-rooms':<22}{sum(r['succeeded'] for r in decode)} succeeded, "
+        f"{len([f for r in decode for f in r['failed']])} failed"
+    )
     print(f"{'bytes verified':<22}{verified / 2**30:.2f} GiB (every destination byte checked)")
     print(f"{'byte mismatches':<22}{mismatches}")
     print(f"{'verdicts':<22}{verdicts}")

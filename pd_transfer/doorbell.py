@@ -54,8 +54,8 @@ import numpy as np
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.shm import Segment, create_segment, open_segment, segment_name
 
-SLOT_WORDS = 16                  # 64 bytes a slot
-MAX_WRITERS = SLOT_WORDS - 4     # prefill ranks writing one decode rank's room
+SLOT_WORDS = 16  # 64 bytes a slot
+MAX_WRITERS = SLOT_WORDS - 4  # prefill ranks writing one decode rank's room
 DEFAULT_SLOTS = 4096
 _BELL, _OWNER, _CLOSED, _WRITERS, _FIRST = 0, 1, 2, 3, 4
 _TOKEN_MASK = 0xFFFF_FFFF
@@ -92,9 +92,9 @@ AVAILABLE = _syscall is not None
 class Outcome(enum.Enum):
     """How a :meth:`Doorbells.wait` ended."""
 
-    RUNG = "rung"          # every writer's bytes landed: the room succeeded
-    CLOSED = "closed"      # the sidecar decided first (or the slot moved on): ask it
-    TIMEOUT = "timeout"    # nothing within the time given
+    RUNG = "rung"  # every writer's bytes landed: the room succeeded
+    CLOSED = "closed"  # the sidecar decided first (or the slot moved on): ask it
+    TIMEOUT = "timeout"  # nothing within the time given
 
 
 class Doorbells:
@@ -102,8 +102,11 @@ class Doorbells:
 
     def __init__(self, segment: Segment) -> None:
         self.segment = segment
-        self.words = segment.array[: segment.array.size // (4 * SLOT_WORDS) * 4 * SLOT_WORDS] \
-            .view(np.uint32).reshape(-1, SLOT_WORDS)
+        self.words = (
+            segment.array[: segment.array.size // (4 * SLOT_WORDS) * 4 * SLOT_WORDS]
+            .view(np.uint32)
+            .reshape(-1, SLOT_WORDS)
+        )
         self.slots = len(self.words)
         self._base = self.words.__array_interface__["data"][0]
         self._next = secrets.randbelow(_TOKEN_MASK) + 1
@@ -126,8 +129,10 @@ class Doorbells:
         and any name :meth:`create` would not have made: a peer must not get a
         pool segment of some worker of this host taken for its doorbells."""
         if not isinstance(name, str) or _DOORBELL_NAME not in name:
-            raise TransportError(f"{name!r} is not the name of a doorbell segment "
-                                 f"(no {_DOORBELL_NAME!r} in it)", code=Reason.SEGMENT_NAME_INVALID)
+            raise TransportError(
+                f"{name!r} is not the name of a doorbell segment (no {_DOORBELL_NAME!r} in it)",
+                code=Reason.SEGMENT_NAME_INVALID,
+            )
         return cls(open_segment(name, min_nbytes=2 * SLOT_WORDS * 4))
 
     def close(self) -> None:
@@ -138,12 +143,12 @@ class Doorbells:
         """A fresh ``(slot, token)`` for a new room, its words cleared."""
         token = self._next
         self._next = token % _TOKEN_MASK + 1
-        slot = 1 + token % (self.slots - 1)   # slot 0: the segment's own bell
+        slot = 1 + token % (self.slots - 1)  # slot 0: the segment's own bell
         words = self.words[slot]
-        words[_OWNER] = 0           # a writer still ringing an older room finds no owner
+        words[_OWNER] = 0  # a writer still ringing an older room finds no owner
         words[_CLOSED:] = 0
         words[_OWNER] = token
-        self._bump(slot)            # a waiter of the slot's older room wakes and looks
+        self._bump(slot)  # a waiter of the slot's older room wakes and looks
         return slot, token
 
     def set_writers(self, slot: int, token: int, count: int) -> None:
@@ -161,15 +166,18 @@ class Doorbells:
         if self.words[slot, _OWNER] != token:
             return False
         self.words[slot, _CLOSED] = token
-        self._bump(slot)            # an atomic add: the store above is seen before the reads below
+        self._bump(slot)  # an atomic add: the store above is seen before the reads below
         return self.rung(slot, token)
 
     def rung(self, slot: int, token: int) -> bool:
         """Every writer of the room has rung (its bytes landed)."""
         words = self.words[slot]
         count = int(words[_WRITERS])
-        return (int(words[_OWNER]) == token and 0 < count <= MAX_WRITERS
-                and bool((words[_FIRST:_FIRST + count] == token).all()))
+        return (
+            int(words[_OWNER]) == token
+            and 0 < count <= MAX_WRITERS
+            and bool((words[_FIRST : _FIRST + count] == token).all())
+        )
 
     # -- a prefill sidecar ---------------------------------------------------------------
     def ring(self, slot: int, token: int, writer: int) -> bool:
@@ -177,8 +185,10 @@ class Doorbells:
 
         False (nothing written) when the slot is out of range or no longer
         armed for ``token``; the decode sidecar's Done path then ends the room."""
-        if not (0 < slot < self.slots and 0 <= writer < MAX_WRITERS and token > 0) \
-                or int(self.words[slot, _OWNER]) != token:
+        if (
+            not (0 < slot < self.slots and 0 <= writer < MAX_WRITERS and token > 0)
+            or int(self.words[slot, _OWNER]) != token
+        ):
             return False
         self._bump(slot, everyone=False)  # a barrier: the room's bytes before the word below
         self.words[slot, _FIRST + writer] = token
@@ -216,8 +226,18 @@ class Doorbells:
         """Sleep until ``slot``'s bell (0: any) moves on from ``bell``, at most ``timeout_s``."""
         address = ctypes.c_void_p(self._base + slot * SLOT_WORDS * 4)
         spec = _Timespec(int(timeout_s), int((timeout_s % 1.0) * 1e9))
-        if _syscall(_SYS_FUTEX, address, _FUTEX_WAIT, ctypes.c_long(bell),
-                    ctypes.byref(spec), None, ctypes.c_long(0)) < 0:
+        if (
+            _syscall(
+                _SYS_FUTEX,
+                address,
+                _FUTEX_WAIT,
+                ctypes.c_long(bell),
+                ctypes.byref(spec),
+                None,
+                ctypes.c_long(0),
+            )
+            < 0
+        ):
             code = ctypes.get_errno()
             if code not in (errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT):
                 raise OSError(code, os.strerror(code))
@@ -229,8 +249,7 @@ class Doorbells:
     def _bump(self, slot: int, *, everyone: bool = True) -> None:
         for target in (slot, 0) if everyone and slot else (slot,):
             address = ctypes.c_void_p(self._base + target * SLOT_WORDS * 4)
-            if _syscall(_SYS_FUTEX, address, _FUTEX_WAKE_OP, _WAKE_ALL, None, address,
-                        _ADD_ONE) < 0:
+            if _syscall(_SYS_FUTEX, address, _FUTEX_WAKE_OP, _WAKE_ALL, None, address, _ADD_ONE) < 0:
                 code = ctypes.get_errno()
                 raise OSError(code, f"futex wake: {os.strerror(code)}")
 

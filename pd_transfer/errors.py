@@ -55,8 +55,8 @@ class Reason(enum.Enum):
     TENSOR_DUPLICATE = "tensor_duplicate"
     INDEX_COUNT_MISMATCH = "index_count_mismatch"
     INDEX_OUT_OF_RANGE = "index_out_of_range"
-    INDEX_REPEATED = "index_repeated"            # a destination names one page or slot twice
-    INDEX_IN_USE = "index_in_use"                # a destination page or slot of another live room
+    INDEX_REPEATED = "index_repeated"  # a destination names one page or slot twice
+    INDEX_IN_USE = "index_in_use"  # a destination page or slot of another live room
     INDEX_NOT_PAGE_ALIGNED = "index_not_page_aligned"
     VIEW_OUT_OF_REGION = "view_out_of_region"
     UNKNOWN_REGION = "unknown_region"
@@ -65,21 +65,21 @@ class Reason(enum.Enum):
     INVALID_CONFIG = "invalid_config"
     UNKNOWN_PRESET = "unknown_preset"
     # wire protocol (pd_transfer.protocol)
-    BAD_FRAME = "bad_frame"                      # not msgpack, not a map, no envelope
+    BAD_FRAME = "bad_frame"  # not msgpack, not a map, no envelope
     FRAME_TOO_LARGE = "frame_too_large"
-    LIMIT_EXCEEDED = "limit_exceeded"            # list, string, map or nesting too big
-    BAD_FIELD = "bad_field"                      # missing field, wrong type or value
-    UNKNOWN_MESSAGE = "unknown_message"          # type tag this version does not know
+    LIMIT_EXCEEDED = "limit_exceeded"  # list, string, map or nesting too big
+    BAD_FIELD = "bad_field"  # missing field, wrong type or value
+    UNKNOWN_MESSAGE = "unknown_message"  # type tag this version does not know
     VERSION_UNSUPPORTED = "version_unsupported"  # peer speaks another major version
-    ILLEGAL_MESSAGE = "illegal_message"          # message not allowed in this state
-    ROLE_MISMATCH = "role_mismatch"              # prefill talking to prefill, ...
-    STALE_GENERATION = "stale_generation"        # an older generation of a room
-    BAD_GENERATION = "bad_generation"            # a generation not yet announced
-    DUPLICATE_ROOM = "duplicate_room"            # a room requested twice
-    NOT_ROOM_OWNER = "not_room_owner"            # a decode instance asked for another's room
+    ILLEGAL_MESSAGE = "illegal_message"  # message not allowed in this state
+    ROLE_MISMATCH = "role_mismatch"  # prefill talking to prefill, ...
+    STALE_GENERATION = "stale_generation"  # an older generation of a room
+    BAD_GENERATION = "bad_generation"  # a generation not yet announced
+    DUPLICATE_ROOM = "duplicate_room"  # a room requested twice
+    NOT_ROOM_OWNER = "not_room_owner"  # a decode instance asked for another's room
     UNKNOWN_ROOM = "unknown_room"
     SESSION_CLOSED = "session_closed"
-    SESSION_FAILED = "session_failed"            # used after a protocol error
+    SESSION_FAILED = "session_failed"  # used after a protocol error
     ABORTED = "aborted"
     UNRECOGNIZED_REASON = "unrecognized_reason"  # a newer peer's code we do not know
     # runtime: rooms, peers
@@ -90,27 +90,29 @@ class Reason(enum.Enum):
     NOT_REGISTERED = "not_registered"
     ALREADY_REGISTERED = "already_registered"
     TOO_MANY_ROOMS = "too_many_rooms"
-    BACKPRESSURE_TIMEOUT = "backpressure_timeout"  # waited admission_wait_s under a limit (agent/admission.py)
-    OVER_LIMIT = "over_limit"                    # refused at once: a bounded queue is full
+    BACKPRESSURE_TIMEOUT = (
+        "backpressure_timeout"  # waited admission_wait_s under a limit (agent/admission.py)
+    )
+    OVER_LIMIT = "over_limit"  # refused at once: a bounded queue is full
     BOOTSTRAP_FAILED = "bootstrap_failed"
     SHUTTING_DOWN = "shutting_down"
-    WORKER_LOST = "worker_lost"                  # the worker's connection closed: it exited
+    WORKER_LOST = "worker_lost"  # the worker's connection closed: it exited
     # data plane (pd_transfer.transport, pd_transfer.shm)
-    RUN_OUT_OF_REGION = "run_out_of_region"          # a byte run outside its region
-    REGION_INVALID = "region_invalid"                # not a contiguous 1-D uint8 CPU tensor
-    SEGMENT_NAME_INVALID = "segment_name_invalid"    # '/', '..' or other unsafe characters
+    RUN_OUT_OF_REGION = "run_out_of_region"  # a byte run outside its region
+    REGION_INVALID = "region_invalid"  # not a contiguous 1-D uint8 CPU tensor
+    SEGMENT_NAME_INVALID = "segment_name_invalid"  # '/', '..' or other unsafe characters
     SEGMENT_NOT_FOUND = "segment_not_found"
     SEGMENT_EXISTS = "segment_exists"
-    SEGMENT_TOO_SMALL = "segment_too_small"          # smaller than the region it should hold
-    SEGMENT_TRUNCATED = "segment_truncated"          # shrunk under its mapping after registration
-    TRANSFER_INCOMPLETE = "transfer_incomplete"      # the receiver counted other bytes than sent
+    SEGMENT_TOO_SMALL = "segment_too_small"  # smaller than the region it should hold
+    SEGMENT_TRUNCATED = "segment_truncated"  # shrunk under its mapping after registration
+    TRANSFER_INCOMPLETE = "transfer_incomplete"  # the receiver counted other bytes than sent
     LINK_CLOSED = "link_closed"
     TRANSPORT_UNSUPPORTED = "transport_unsupported"  # the peer offers no handle for this transport
-    INTEGRITY_MISMATCH = "integrity_mismatch"        # landed bytes differ from the checksums sent
+    INTEGRITY_MISMATCH = "integrity_mismatch"  # landed bytes differ from the checksums sent
     # authentication (pd_transfer.security)
-    AUTH_FAILED = "auth_failed"                  # a handshake proof did not verify (wrong key, tampered)
-    AUTH_REPLAYED = "auth_replayed"              # a handshake nonce was used before
-    UNAUTHENTICATED = "unauthenticated"          # a frame before the handshake finished (no key)
+    AUTH_FAILED = "auth_failed"  # a handshake proof did not verify (wrong key, tampered)
+    AUTH_REPLAYED = "auth_replayed"  # a handshake nonce was used before
+    UNAUTHENTICATED = "unauthenticated"  # a frame before the handshake finished (no key)
 
 
 @dataclass(frozen=True)
@@ -192,8 +194,9 @@ class AuthError(PdTransferError):
 
     default_code = Reason.AUTH_FAILED
 
-    def __init__(self, message: str, *, code: Reason | None = None, hint: str = "",
-                 reply: bytes | None = None) -> None:
+    def __init__(
+        self, message: str, *, code: Reason | None = None, hint: str = "", reply: bytes | None = None
+    ) -> None:
         super().__init__(message, code=code, hint=hint)
         self.reply = reply
 
@@ -207,8 +210,7 @@ class ReconcileError(PdTransferError):
         self.headline = headline
         self.mismatches = list(mismatches)
         hints = _unique(m.hint for m in self.mismatches if m.hint)
-        lines = [f"{headline}: {len(self.mismatches)} mismatch"
-                 + ("es" if len(self.mismatches) != 1 else "")]
+        lines = [f"{headline}: {len(self.mismatches)} mismatch" + ("es" if len(self.mismatches) != 1 else "")]
         lines += [f"  - {m.render()}  [{m.code.value}]" for m in self.mismatches]
         lines += [f"  hint: {h}" for h in hints]
         code = self.mismatches[0].code if self.mismatches else self.default_code
@@ -229,8 +231,7 @@ class ProtocolError(PdTransferError):
 
     default_code = Reason.BAD_FRAME
 
-    def __init__(self, problem: str, *, code: Reason | None = None, path: str = "",
-                 hint: str = "") -> None:
+    def __init__(self, problem: str, *, code: Reason | None = None, path: str = "", hint: str = "") -> None:
         self.problem = problem
         self.path = path
         super().__init__(f"at {path}: {problem}" if path else problem, code=code, hint=hint)
@@ -251,8 +252,9 @@ class RemoteProtocolError(ProtocolError):
 
     default_code = Reason.ILLEGAL_MESSAGE
 
-    def __init__(self, problem: str, *, code: Reason | None = None, path: str = "",
-                 hint: str = "", reply: Any = None) -> None:
+    def __init__(
+        self, problem: str, *, code: Reason | None = None, path: str = "", hint: str = "", reply: Any = None
+    ) -> None:
         super().__init__(problem, code=code, path=path, hint=hint)
         self.reply = reply
 

@@ -11,8 +11,10 @@ import importlib.util
 import os
 
 ENGINES = ("mooncake", "nixl")
-EXTRAS = {"mooncake": "pip install 'pd-transfer[mooncake]' (and apt-get install libibverbs1)",
-          "nixl": "pip install 'pd-transfer[nixl]' (and apt-get install libibverbs1)"}
+EXTRAS = {
+    "mooncake": "pip install 'pd-transfer[mooncake]' (and apt-get install libibverbs1)",
+    "nixl": "pip install 'pd-transfer[nixl]' (and apt-get install libibverbs1)",
+}
 _MODULES = {"mooncake": ("mooncake.engine",), "nixl": ("nixl_cu12", "nixl_cu13", "nixl._api")}
 
 

@@ -19,9 +19,12 @@ FIELDS = ("room", "peer")
 
 class KeyValueFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        parts = [f"ts={self.formatTime(record, '%Y-%m-%dT%H:%M:%S')}.{int(record.msecs):03d}",
-                 f"level={record.levelname.lower()}", f"logger={record.name}",
-                 f"pid={record.process}"]
+        parts = [
+            f"ts={self.formatTime(record, '%Y-%m-%dT%H:%M:%S')}.{int(record.msecs):03d}",
+            f"level={record.levelname.lower()}",
+            f"logger={record.name}",
+            f"pid={record.process}",
+        ]
         parts += [f"{name}={getattr(record, name)}" for name in FIELDS if hasattr(record, name)]
         parts.append(f"msg={json.dumps(record.getMessage())}")
         if record.exc_info:
@@ -31,8 +34,13 @@ class KeyValueFormatter(logging.Formatter):
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        entry = {"ts": record.created, "level": record.levelname.lower(), "logger": record.name,
-                 "pid": record.process, "msg": record.getMessage()}
+        entry = {
+            "ts": record.created,
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "pid": record.process,
+            "msg": record.getMessage(),
+        }
         entry.update({name: getattr(record, name) for name in FIELDS if hasattr(record, name)})
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)

@@ -37,16 +37,37 @@ _RATE_BUCKETS = tuple(float(x) * 1e9 for x in (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8,
 _COUNT_BUCKETS = tuple(float(1 << k) for k in range(0, 24, 2))
 
 # label values exported at 0 from the start (see the module docstring)
-BAD_FRAME_REASONS = tuple(r.value for r in (
-    Reason.BAD_FRAME, Reason.FRAME_TOO_LARGE, Reason.LIMIT_EXCEEDED, Reason.BAD_FIELD,
-    Reason.UNKNOWN_MESSAGE, Reason.VERSION_UNSUPPORTED, Reason.ILLEGAL_MESSAGE,
-    Reason.ROLE_MISMATCH, Reason.STALE_GENERATION, Reason.BAD_GENERATION, Reason.DUPLICATE_ROOM,
-    Reason.UNKNOWN_ROOM, Reason.UNAUTHENTICATED, Reason.TIMEOUT))
-AUTH_FAILURE_REASONS = tuple(r.value for r in (
-    Reason.AUTH_FAILED, Reason.AUTH_REPLAYED, Reason.UNAUTHENTICATED))
+BAD_FRAME_REASONS = tuple(
+    r.value
+    for r in (
+        Reason.BAD_FRAME,
+        Reason.FRAME_TOO_LARGE,
+        Reason.LIMIT_EXCEEDED,
+        Reason.BAD_FIELD,
+        Reason.UNKNOWN_MESSAGE,
+        Reason.VERSION_UNSUPPORTED,
+        Reason.ILLEGAL_MESSAGE,
+        Reason.ROLE_MISMATCH,
+        Reason.STALE_GENERATION,
+        Reason.BAD_GENERATION,
+        Reason.DUPLICATE_ROOM,
+        Reason.UNKNOWN_ROOM,
+        Reason.UNAUTHENTICATED,
+        Reason.TIMEOUT,
+    )
+)
+AUTH_FAILURE_REASONS = tuple(
+    r.value for r in (Reason.AUTH_FAILED, Reason.AUTH_REPLAYED, Reason.UNAUTHENTICATED)
+)
 # the config keys whose limits fail requests (pd_transfer_limit_rejections_total{limit})
-LIMITS = ("max_rooms", "max_rooms_per_peer", "max_chunks_per_room", "max_inflight_nbytes",
-          "max_inflight_nbytes_total", "max_worker_requests")
+LIMITS = (
+    "max_rooms",
+    "max_rooms_per_peer",
+    "max_chunks_per_room",
+    "max_inflight_nbytes",
+    "max_inflight_nbytes_total",
+    "max_worker_requests",
+)
 ADMISSION_RESOURCES = ("rooms", "bytes")
 DOORBELL_EVENTS = {"prefill": ("rang", "stale"), "decode": ("rung", "closed")}
 # the sockets each role listens on (pd_transfer_connections_closed_total{socket})
@@ -59,109 +80,208 @@ class SidecarMetrics:
         self.role = role
         r = registry
         self.transfers = Counter(
-            "pd_transfer_transfers", "Finished transfers (one per room and peer rank pair).",
-            ["role", "transport", "mode", "outcome"], registry=r)
+            "pd_transfer_transfers",
+            "Finished transfers (one per room and peer rank pair).",
+            ["role", "transport", "mode", "outcome"],
+            registry=r,
+        )
         self.failures = Counter(
-            "pd_transfer_transfer_failures", "Failed rooms by stable reason code.",
-            ["role", "reason"], registry=r)
+            "pd_transfer_transfer_failures",
+            "Failed rooms by stable reason code.",
+            ["role", "reason"],
+            registry=r,
+        )
         self.peer_transfers = Counter(
-            "pd_transfer_peer_transfers", "Finished transfers by peer rank (series of a peer "
-            "gone for peer_series_grace_s are removed).", ["role", "peer", "outcome"], registry=r)
+            "pd_transfer_peer_transfers",
+            "Finished transfers by peer rank (series of a peer gone for peer_series_grace_s are removed).",
+            ["role", "peer", "outcome"],
+            registry=r,
+        )
         self.peer_failures = Counter(
-            "pd_transfer_peer_transfer_failures", "Failed rooms by peer rank and reason (series of "
-            "a peer gone for peer_series_grace_s are removed).", ["role", "peer", "reason"],
-            registry=r)
+            "pd_transfer_peer_transfer_failures",
+            "Failed rooms by peer rank and reason (series of "
+            "a peer gone for peer_series_grace_s are removed).",
+            ["role", "peer", "reason"],
+            registry=r,
+        )
         self.duration = Histogram(
-            "pd_transfer_transfer_duration_seconds", "Room duration from request to done.",
-            ["role"], buckets=_DURATION_BUCKETS, registry=r)
+            "pd_transfer_transfer_duration_seconds",
+            "Room duration from request to done.",
+            ["role"],
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
         self.nbytes = Histogram(
-            "pd_transfer_transfer_bytes", "Bytes moved per room and peer pair.",
-            ["role"], buckets=_BYTES_BUCKETS, registry=r)
+            "pd_transfer_transfer_bytes",
+            "Bytes moved per room and peer pair.",
+            ["role"],
+            buckets=_BYTES_BUCKETS,
+            registry=r,
+        )
         self.throughput = Histogram(
-            "pd_transfer_transfer_throughput_bytes_per_second", "Bytes per second per room.",
-            ["role"], buckets=_RATE_BUCKETS, registry=r)
+            "pd_transfer_transfer_throughput_bytes_per_second",
+            "Bytes per second per room.",
+            ["role"],
+            buckets=_RATE_BUCKETS,
+            registry=r,
+        )
         self.descriptors = Histogram(
-            "pd_transfer_transfer_descriptors", "Copy descriptors per room and peer pair.",
-            ["role"], buckets=_COUNT_BUCKETS, registry=r)
+            "pd_transfer_transfer_descriptors",
+            "Copy descriptors per room and peer pair.",
+            ["role"],
+            buckets=_COUNT_BUCKETS,
+            registry=r,
+        )
         self.bootstrap = Histogram(
             "pd_transfer_bootstrap_duration_seconds",
             "Time to resolve a prefill instance: rank table, sessions, verdicts.",
-            ["role"], buckets=_DURATION_BUCKETS, registry=r)
+            ["role"],
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
         self.rooms = Gauge("pd_transfer_rooms", "Rooms by status.", ["role", "state"], registry=r)
         self.registered_bytes = Gauge(
-            "pd_transfer_registered_bytes", "Bytes registered by the worker, per pool kind.",
-            ["role", "pool"], registry=r)
+            "pd_transfer_registered_bytes",
+            "Bytes registered by the worker, per pool kind.",
+            ["role", "pool"],
+            registry=r,
+        )
         self.inflight_bytes = Gauge(
-            "pd_transfer_inflight_bytes", "Bytes being written to a peer right now.",
-            ["role", "peer"], registry=r)
+            "pd_transfer_inflight_bytes",
+            "Bytes being written to a peer right now.",
+            ["role", "peer"],
+            registry=r,
+        )
         self.admission_in_use = Gauge(
-            "pd_transfer_admission_in_use", "Admitted under the limits now, summed over peers: "
+            "pd_transfer_admission_in_use",
+            "Admitted under the limits now, summed over peers: "
             "rooms holding a per-peer slot, or bytes being written (resource).",
-            ["role", "resource"], registry=r)
+            ["role", "resource"],
+            registry=r,
+        )
         self.admission_peak = Gauge(
-            "pd_transfer_admission_peak", "Highest pd_transfer_admission_in_use since the start.",
-            ["role", "resource"], registry=r)
+            "pd_transfer_admission_peak",
+            "Highest pd_transfer_admission_in_use since the start.",
+            ["role", "resource"],
+            registry=r,
+        )
         self.admission_waiting = Gauge(
-            "pd_transfer_admission_waiting", "Rooms or chunk writes waiting for admission now.",
-            ["role", "resource"], registry=r)
+            "pd_transfer_admission_waiting",
+            "Rooms or chunk writes waiting for admission now.",
+            ["role", "resource"],
+            registry=r,
+        )
         self.admission_wait = Histogram(
-            "pd_transfer_admission_wait_seconds", "Time from asking to admission (0: at once).",
-            ["role", "resource"], buckets=_DURATION_BUCKETS, registry=r)
+            "pd_transfer_admission_wait_seconds",
+            "Time from asking to admission (0: at once).",
+            ["role", "resource"],
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
         self.limit_rejections = Counter(
-            "pd_transfer_limit_rejections", "Requests failed by a limit (config key): waited "
-            "admission_wait_s in vain, or refused at once.", ["role", "limit"], registry=r)
-        self.peers = Gauge("pd_transfer_peers", "Peers by state (accepted, rejected, lost).",
-                           ["role", "state"], registry=r)
+            "pd_transfer_limit_rejections",
+            "Requests failed by a limit (config key): waited admission_wait_s in vain, or refused at once.",
+            ["role", "limit"],
+            registry=r,
+        )
+        self.peers = Gauge(
+            "pd_transfer_peers", "Peers by state (accepted, rejected, lost).", ["role", "state"], registry=r
+        )
         self.heartbeat_age = Gauge(
-            "pd_transfer_peer_heartbeat_age_seconds", "Seconds since the peer was last heard.",
-            ["role", "peer"], registry=r)
-        self.verdicts = Counter("pd_transfer_verdicts", "Verdicts by outcome and reason.",
-                                ["role", "outcome", "reason"], registry=r)
-        self.verdict_modes = Counter("pd_transfer_verdict_tensors",
-                                     "Tensor pairs in accepted verdicts, by mode.",
-                                     ["role", "mode"], registry=r)
+            "pd_transfer_peer_heartbeat_age_seconds",
+            "Seconds since the peer was last heard.",
+            ["role", "peer"],
+            registry=r,
+        )
+        self.verdicts = Counter(
+            "pd_transfer_verdicts",
+            "Verdicts by outcome and reason.",
+            ["role", "outcome", "reason"],
+            registry=r,
+        )
+        self.verdict_modes = Counter(
+            "pd_transfer_verdict_tensors",
+            "Tensor pairs in accepted verdicts, by mode.",
+            ["role", "mode"],
+            registry=r,
+        )
         self.strategy = Gauge(
-            "pd_transfer_strategy", "How prefill moves each pool to each decode peer: 1 for the "
+            "pd_transfer_strategy",
+            "How prefill moves each pool to each decode peer: 1 for the "
             "strategy in use (direct: a descriptor per run; staged: runs gathered into bulk "
             "transfers and scattered on arrival), 0 for the other.",
-            ["role", "peer", "pool", "strategy"], registry=r)
+            ["role", "peer", "pool", "strategy"],
+            registry=r,
+        )
         self.doorbells = Counter(
-            "pd_transfer_doorbells", "Same-host rooms and their doorbells. Prefill: rang (its bytes "
+            "pd_transfer_doorbells",
+            "Same-host rooms and their doorbells. Prefill: rang (its bytes "
             "of a room landed), stale (the slot had moved on). Decode, when a room ends: rung (every "
             "writer rang, the worker needed no message), closed (this sidecar ended it: failed, or "
-            "not every writer rings).", ["role", "event"], registry=r)
-        self.aborts = Counter("pd_transfer_aborts", "Aborts by side that started them and reason.",
-                              ["role", "side", "reason"], registry=r)
-        self.heartbeat_misses = Counter("pd_transfer_heartbeat_misses",
-                                        "Peers declared lost (missed heartbeats, or a connection "
-                                        "that closed and did not come back), sessions lost "
-                                        "before they registered included.", ["role"], registry=r)
+            "not every writer rings).",
+            ["role", "event"],
+            registry=r,
+        )
+        self.aborts = Counter(
+            "pd_transfer_aborts",
+            "Aborts by side that started them and reason.",
+            ["role", "side", "reason"],
+            registry=r,
+        )
+        self.heartbeat_misses = Counter(
+            "pd_transfer_heartbeat_misses",
+            "Peers declared lost (missed heartbeats, or a connection "
+            "that closed and did not come back), sessions lost "
+            "before they registered included.",
+            ["role"],
+            registry=r,
+        )
         self.peer_heartbeat_misses = Counter(
-            "pd_transfer_peer_heartbeat_misses", "Registered peers declared lost, by peer rank "
-            "(series of a peer gone for peer_series_grace_s are removed).", ["role", "peer"],
-            registry=r)
+            "pd_transfer_peer_heartbeat_misses",
+            "Registered peers declared lost, by peer rank "
+            "(series of a peer gone for peer_series_grace_s are removed).",
+            ["role", "peer"],
+            registry=r,
+        )
         self.loop_stalls = Counter(
-            "pd_transfer_loop_stall_seconds", "Seconds this sidecar's event loop woke later than a "
+            "pd_transfer_loop_stall_seconds",
+            "Seconds this sidecar's event loop woke later than a "
             "timer tick allows (starved of CPU, or blocked by a long call); peers' silence in them is "
-            "not counted against their heartbeats.", ["role"], registry=r)
-        self.bad_frames = Counter("pd_transfer_bad_frames", "Bad frames received, and data "
-                                  "connections dropped before they authenticated, by reason.",
-                                  ["role", "reason"], registry=r)
+            "not counted against their heartbeats.",
+            ["role"],
+            registry=r,
+        )
+        self.bad_frames = Counter(
+            "pd_transfer_bad_frames",
+            "Bad frames received, and data connections dropped before they authenticated, by reason.",
+            ["role", "reason"],
+            registry=r,
+        )
         self.connections_closed = Counter(
-            "pd_transfer_connections_closed", "Connections to a listening socket of this "
+            "pd_transfer_connections_closed",
+            "Connections to a listening socket of this "
             "sidecar that ended, by socket (control, bootstrap, worker, data: decode's tcp data "
             "receiver): the peer left, or was dropped (a frame over the size limit, or one that "
             "could not be parsed).",
-            ["role", "socket"], registry=r)
+            ["role", "socket"],
+            registry=r,
+        )
         self.auth_failures = Counter(
-            "pd_transfer_auth_failures", "Refused or failed authentication handshakes, and frames "
-            "sent before one, by reason.", ["role", "reason"], registry=r)
+            "pd_transfer_auth_failures",
+            "Refused or failed authentication handshakes, and frames sent before one, by reason.",
+            ["role", "reason"],
+            registry=r,
+        )
         self.insecure = Gauge(
-            "pd_transfer_insecure", "1 when this sidecar serves without authentication "
+            "pd_transfer_insecure",
+            "1 when this sidecar serves without authentication "
             "(allow_insecure): anyone who reaches its ports may use it; 0 otherwise.",
-            ["role"], registry=r)
-        self.build_info = Gauge("pd_transfer_build_info", "Version of this sidecar.",
-                                ["version", "protocol_version"], registry=r)
+            ["role"],
+            registry=r,
+        )
+        self.build_info = Gauge(
+            "pd_transfer_build_info", "Version of this sidecar.", ["version", "protocol_version"], registry=r
+        )
         self.build_info.labels(__version__, f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}").set(1)
         self._export_known_series()
 
@@ -178,8 +298,7 @@ class SidecarMetrics:
             self.admission_wait.labels(role, resource)
         for event in DOORBELL_EVENTS.get(role, ()):
             self.doorbells.labels(role, event)
-        for histogram in (self.duration, self.nbytes, self.throughput, self.descriptors,
-                          self.bootstrap):
+        for histogram in (self.duration, self.nbytes, self.throughput, self.descriptors, self.bootstrap):
             histogram.labels(role)
         self.heartbeat_misses.labels(role)
         for socket in LISTENING_SOCKETS[role]:
@@ -201,18 +320,36 @@ class SidecarMetrics:
 
 
 METRIC_NAMES = (
-    "pd_transfer_transfers_total", "pd_transfer_transfer_failures_total",
-    "pd_transfer_peer_transfers_total", "pd_transfer_peer_transfer_failures_total",
+    "pd_transfer_transfers_total",
+    "pd_transfer_transfer_failures_total",
+    "pd_transfer_peer_transfers_total",
+    "pd_transfer_peer_transfer_failures_total",
     "pd_transfer_peer_heartbeat_misses_total",
-    "pd_transfer_transfer_duration_seconds", "pd_transfer_transfer_bytes",
-    "pd_transfer_transfer_throughput_bytes_per_second", "pd_transfer_transfer_descriptors",
-    "pd_transfer_bootstrap_duration_seconds", "pd_transfer_rooms", "pd_transfer_registered_bytes",
-    "pd_transfer_inflight_bytes", "pd_transfer_admission_in_use", "pd_transfer_admission_peak",
-    "pd_transfer_admission_waiting", "pd_transfer_admission_wait_seconds",
-    "pd_transfer_limit_rejections_total", "pd_transfer_peers", "pd_transfer_peer_heartbeat_age_seconds",
-    "pd_transfer_verdicts_total", "pd_transfer_verdict_tensors_total", "pd_transfer_strategy",
-    "pd_transfer_doorbells_total", "pd_transfer_aborts_total",
-    "pd_transfer_heartbeat_misses_total", "pd_transfer_loop_stall_seconds_total",
-    "pd_transfer_bad_frames_total", "pd_transfer_connections_closed_total",
-    "pd_transfer_auth_failures_total", "pd_transfer_insecure", "pd_transfer_build_info",
+    "pd_transfer_transfer_duration_seconds",
+    "pd_transfer_transfer_bytes",
+    "pd_transfer_transfer_throughput_bytes_per_second",
+    "pd_transfer_transfer_descriptors",
+    "pd_transfer_bootstrap_duration_seconds",
+    "pd_transfer_rooms",
+    "pd_transfer_registered_bytes",
+    "pd_transfer_inflight_bytes",
+    "pd_transfer_admission_in_use",
+    "pd_transfer_admission_peak",
+    "pd_transfer_admission_waiting",
+    "pd_transfer_admission_wait_seconds",
+    "pd_transfer_limit_rejections_total",
+    "pd_transfer_peers",
+    "pd_transfer_peer_heartbeat_age_seconds",
+    "pd_transfer_verdicts_total",
+    "pd_transfer_verdict_tensors_total",
+    "pd_transfer_strategy",
+    "pd_transfer_doorbells_total",
+    "pd_transfer_aborts_total",
+    "pd_transfer_heartbeat_misses_total",
+    "pd_transfer_loop_stall_seconds_total",
+    "pd_transfer_bad_frames_total",
+    "pd_transfer_connections_closed_total",
+    "pd_transfer_auth_failures_total",
+    "pd_transfer_insecure",
+    "pd_transfer_build_info",
 )

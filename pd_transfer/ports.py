@@ -15,8 +15,8 @@ import random
 import socket
 
 _RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
-_DEFAULT_RANGE = (32768, 60999)   # Linux's default ephemeral range
-_LOWEST = 10000                   # below this sit well-known and registered services
+_DEFAULT_RANGE = (32768, 60999)  # Linux's default ephemeral range
+_LOWEST = 10000  # below this sit well-known and registered services
 _TRIES = 200
 _given: set[int] = set()
 _rng = random.SystemRandom()

@@ -21,8 +21,13 @@ from pd_transfer.layout.views import Pool
 from pd_transfer.worker_config import WorkerConfig
 
 
-def sample_requests(prefill: list[RankGeometry], decode: list[RankGeometry],
-                    tokens: int, page_size: int, swa_window: int | None) -> dict[Pool, Request]:
+def sample_requests(
+    prefill: list[RankGeometry],
+    decode: list[RankGeometry],
+    tokens: int,
+    page_size: int,
+    swa_window: int | None,
+) -> dict[Pool, Request]:
     """Index lists of one request of ``tokens`` tokens, for pools on both sides.
 
     ``page_size`` is prefill's; where decode's differs, each side gets the
@@ -30,8 +35,13 @@ def sample_requests(prefill: list[RankGeometry], decode: list[RankGeometry],
     placed as a :class:`TokenSpan`).
     """
     pools = set().union(*(g.pools() for g in prefill)) & set().union(*(g.pools() for g in decode))
-    capacity = {pool: [min(v.index_count for g in ranks for v in g.views if v.pool is pool)
-                       for ranks in (prefill, decode)] for pool in pools}
+    capacity = {
+        pool: [
+            min(v.index_count for g in ranks for v in g.views if v.pool is pool)
+            for ranks in (prefill, decode)
+        ]
+        for pool in pools
+    }
     sizes = (page_size, decode[0].page_size if decode else page_size)
     requests: dict[Pool, Request] = {}
     for pool in pools:
@@ -45,20 +55,23 @@ def sample_requests(prefill: list[RankGeometry], decode: list[RankGeometry],
             window = [math.ceil((swa_window or size) / size) + 1 for size in sizes]
             last = [min(c, w) for c, w in zip(counts, window)]
             if sizes[0] != sizes[1]:
-                requests[pool] = TokenSpan(np.arange(last[0], dtype=np.int64),
-                                           np.arange(last[1], dtype=np.int64)[::-1].copy(),
-                                           (counts[0] - last[0]) * sizes[0],
-                                           (counts[1] - last[1]) * sizes[1])
+                requests[pool] = TokenSpan(
+                    np.arange(last[0], dtype=np.int64),
+                    np.arange(last[1], dtype=np.int64)[::-1].copy(),
+                    (counts[0] - last[0]) * sizes[0],
+                    (counts[1] - last[1]) * sizes[1],
+                )
                 continue
             counts = last
-        requests[pool] = (np.arange(counts[0], dtype=np.int64),
-                          np.arange(counts[1], dtype=np.int64)[::-1].copy())
+        requests[pool] = (
+            np.arange(counts[0], dtype=np.int64),
+            np.arange(counts[1], dtype=np.int64)[::-1].copy(),
+        )
     return requests
 
 
 def _count(request: Request) -> str:
-    src, dst = ((request.src_pages, request.dst_pages) if isinstance(request, TokenSpan)
-                else request)
+    src, dst = (request.src_pages, request.dst_pages) if isinstance(request, TokenSpan) else request
     return str(len(src)) if len(src) == len(dst) else f"{len(src)}->{len(dst)}"
 
 
@@ -67,8 +80,10 @@ def _instances(prefill: WorkerConfig, decode: WorkerConfig):
 
 
 def _header(prefill: WorkerConfig, decode: WorkerConfig) -> list[str]:
-    return [f"prefill: {prefill.describe()}  ({prefill.source})",
-            f"decode:  {decode.describe()}  ({decode.source})"]
+    return [
+        f"prefill: {prefill.describe()}  ({prefill.source})",
+        f"decode:  {decode.describe()}  ({decode.source})",
+    ]
 
 
 def _modes_by_pool(recon: Reconciliation) -> dict[Pool, str]:
@@ -83,8 +98,9 @@ def _modes_by_pool(recon: Reconciliation) -> dict[Pool, str]:
     return {pool: "/".join(sorted(labels)) for pool, labels in modes.items()}
 
 
-def verdict_report(prefill: list[RankGeometry],
-                   decode: list[RankGeometry]) -> tuple[Reconciliation, list[str]]:
+def verdict_report(
+    prefill: list[RankGeometry], decode: list[RankGeometry]
+) -> tuple[Reconciliation, list[str]]:
     """The verdict lines ``check`` prints for two instances' ranks."""
     recon = reconcile_instances(prefill, decode)
     if recon.ok:
@@ -98,13 +114,18 @@ def check_report(prefill: WorkerConfig, decode: WorkerConfig, tokens: int) -> tu
     lines = _header(prefill, decode) + verdict
     if not recon.ok:
         return "\n".join(lines), False
-    requests = sample_requests(prefill_ranks, decode_ranks, tokens, prefill.page_size,
-                               getattr(prefill.model, "swa_window", None))
+    requests = sample_requests(
+        prefill_ranks, decode_ranks, tokens, prefill.page_size, getattr(prefill.model, "swa_window", None)
+    )
     modes = _modes_by_pool(recon)
-    lines.append("sample request: " + ", ".join(
-        f"{pool.value} {_count(requests[pool])}" for pool in _ordered(requests)))
-    lines.append(f"{'decode rank':<18} {'from prefill rank':<18} {'pool':<6} {'verdict':<22} "
-                 f"{'descriptors':>11} {'runs':>9} {'bytes':>12}")
+    lines.append(
+        "sample request: "
+        + ", ".join(f"{pool.value} {_count(requests[pool])}" for pool in _ordered(requests))
+    )
+    lines.append(
+        f"{'decode rank':<18} {'from prefill rank':<18} {'pool':<6} {'verdict':<22} "
+        f"{'descriptors':>11} {'runs':>9} {'bytes':>12}"
+    )
     by_rank = {g.rank_id: g for g in prefill_ranks}
     for dst in decode_ranks:
         for src_id in recon.sources_for(dst):
@@ -113,14 +134,17 @@ def check_report(prefill: WorkerConfig, decode: WorkerConfig, tokens: int) -> tu
                 plan = planner.plan({pool: requests[pool]})
                 if not plan.batches:
                     continue
-                lines.append(f"{dst.rank_id:<18} {src_id:<18} {pool.value:<6} {modes[pool]:<22} "
-                             f"{plan.num_descriptors:>11} {plan.num_runs:>9} "
-                             f"{_human_bytes(plan.total_nbytes):>12}")
+                lines.append(
+                    f"{dst.rank_id:<18} {src_id:<18} {pool.value:<6} {modes[pool]:<22} "
+                    f"{plan.num_descriptors:>11} {plan.num_runs:>9} "
+                    f"{_human_bytes(plan.total_nbytes):>12}"
+                )
     return "\n".join(lines), True
 
 
-def plan_report(prefill: WorkerConfig, decode: WorkerConfig, tokens: int, decode_rank: int,
-                limit: int) -> tuple[str, bool]:
+def plan_report(
+    prefill: WorkerConfig, decode: WorkerConfig, tokens: int, decode_rank: int, limit: int
+) -> tuple[str, bool]:
     text, ok = check_report(prefill, decode, tokens)
     if not ok:
         return text, False
@@ -129,24 +153,30 @@ def plan_report(prefill: WorkerConfig, decode: WorkerConfig, tokens: int, decode
     targets = [g for g in decode_ranks if g.tp_rank == decode_rank]
     if not targets:
         return text + f"\nno decode rank with attn_tp rank {decode_rank}", False
-    requests = sample_requests(prefill_ranks, decode_ranks, tokens, prefill.page_size,
-                               getattr(prefill.model, "swa_window", None))
+    requests = sample_requests(
+        prefill_ranks, decode_ranks, tokens, prefill.page_size, getattr(prefill.model, "swa_window", None)
+    )
     lines = [text, ""]
     by_rank = {g.rank_id: g for g in prefill_ranks}
     for dst in targets:
         for src_id in recon.sources_for(dst):
             plan = plan_pair(recon, by_rank[src_id], dst, requests)
-            lines.append(f"plan {src_id} -> {dst.rank_id}: {plan.num_descriptors} descriptors, "
-                         f"{plan.num_runs} runs, {_human_bytes(plan.total_nbytes)}")
-            lines.append(f"  {'src region':<16} {'dst region':<16} {'src off':>12} {'dst off':>12} "
-                         f"{'nbytes':>8} {'count':>6} {'src stride':>10} {'dst stride':>10}")
+            lines.append(
+                f"plan {src_id} -> {dst.rank_id}: {plan.num_descriptors} descriptors, "
+                f"{plan.num_runs} runs, {_human_bytes(plan.total_nbytes)}"
+            )
+            lines.append(
+                f"  {'src region':<16} {'dst region':<16} {'src off':>12} {'dst off':>12} "
+                f"{'nbytes':>8} {'count':>6} {'src stride':>10} {'dst stride':>10}"
+            )
             shown = 0
             for batch in plan.batches:
                 for i in range(min(batch.num_descriptors, limit - shown)):
                     lines.append(
                         f"  {batch.src_region:<16} {batch.dst_region:<16} {batch.src_offset[i]:>12} "
                         f"{batch.dst_offset[i]:>12} {batch.nbytes[i]:>8} {batch.count[i]:>6} "
-                        f"{batch.src_stride:>10} {batch.dst_stride:>10}")
+                        f"{batch.src_stride:>10} {batch.dst_stride:>10}"
+                    )
                     shown += 1
                 if shown >= limit:
                     lines.append(f"  ... ({plan.num_descriptors - shown} more)")

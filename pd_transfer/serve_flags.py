@@ -20,11 +20,11 @@ from pd_transfer.config import SidecarConfig
 
 @dataclass(frozen=True)
 class ServeFlag:
-    field: str                 # the SidecarConfig field it sets
+    field: str  # the SidecarConfig field it sets
     help: str
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    flag: str = ""             # the flag, where it is not --<field-with-dashes>
-    default_note: str = ""     # the default as the help states it, where the field's value says less
+    flag: str = ""  # the flag, where it is not --<field-with-dashes>
+    default_note: str = ""  # the default as the help states it, where the field's value says less
 
     @property
     def name(self) -> str:
@@ -34,40 +34,74 @@ class ServeFlag:
 SERVE_FLAGS: tuple[ServeFlag, ...] = (
     ServeFlag("role", "which side this worker is", {"choices": ["prefill", "decode"]}),
     ServeFlag("agent_id", "name in logs and on the wire", default_note="role-pid"),
-    ServeFlag("worker_endpoint", "where the worker connects: unix://PATH, a plain Unix socket, or "
-              "ipc://PATH, ZeroMQ (slower per call)", {"metavar": "unix://PATH"},
-              default_note="unix:///tmp/pd-transfer-<agent id>.sock"),
+    ServeFlag(
+        "worker_endpoint",
+        "where the worker connects: unix://PATH, a plain Unix socket, or "
+        "ipc://PATH, ZeroMQ (slower per call)",
+        {"metavar": "unix://PATH"},
+        default_note="unix:///tmp/pd-transfer-<agent id>.sock",
+    ),
     ServeFlag("control_host", "address peers reach this sidecar on"),
     ServeFlag("control_port", "control port (0: any free port)", {"type": int}),
-    ServeFlag("bootstrap", "prefill: rank 0 binds here, other ranks announce here",
-              {"metavar": "tcp://HOST:PORT"}),
-    ServeFlag("transport", "data plane (auto: shm on the same host, else tcp; mooncake, nixl: "
-              "engines, pip extras pd-transfer[mooncake] / pd-transfer[nixl])",
-              {"choices": ["auto", "shm", "tcp", "mooncake", "nixl"]}),
-    ServeFlag("strategy", "engine transports: one descriptor per run (direct), runs gathered "
-              "into staging slots and scattered by decode (staged), or auto: chosen per peer and "
-              "pool from the run sizes and a probe of the path",
-              {"choices": ["auto", "direct", "staged"]}),
+    ServeFlag(
+        "bootstrap", "prefill: rank 0 binds here, other ranks announce here", {"metavar": "tcp://HOST:PORT"}
+    ),
+    ServeFlag(
+        "transport",
+        "data plane (auto: shm on the same host, else tcp; mooncake, nixl: "
+        "engines, pip extras pd-transfer[mooncake] / pd-transfer[nixl])",
+        {"choices": ["auto", "shm", "tcp", "mooncake", "nixl"]},
+    ),
+    ServeFlag(
+        "strategy",
+        "engine transports: one descriptor per run (direct), runs gathered "
+        "into staging slots and scattered by decode (staged), or auto: chosen per peer and "
+        "pool from the run sizes and a probe of the path",
+        {"choices": ["auto", "direct", "staged"]},
+    ),
     ServeFlag("data_host", "decode: address the tcp receiver or mooncake engine binds"),
     ServeFlag("http_host", "address of /metrics /healthz /readyz /status"),
     ServeFlag("http_port", "HTTP port (0: any free port)", {"type": int}),
-    ServeFlag("ready_file", "write the bound addresses as JSON here once serving",
-              {"metavar": "FILE"}, default_note="none"),
-    ServeFlag("max_rooms_per_peer", "live rooms with one peer; more wait up to "
-              "--admission-wait-s", {"type": int, "metavar": "N"}),
-    ServeFlag("max_inflight_nbytes_total", "prefill: bytes being written to all decode peers "
-              "at once", {"type": int, "metavar": "BYTES"}),
-    ServeFlag("admission_wait_s", "how long a room or chunk over a limit waits before it fails "
-              "with backpressure_timeout", {"type": float, "metavar": "SECONDS"}),
-    ServeFlag("integrity", "checksum every block sent; decode verifies them and fails a room "
-              "with integrity_mismatch (active when both sides enable it)",
-              {"action": "store_true", "default": None}),
-    ServeFlag("fault_corrupt_nth", "TEST ONLY: flip one byte of this sidecar's Nth data write "
-              "(fault injection for integrity tests; never in production)",
-              {"type": int, "metavar": "N"}),
-    ServeFlag("allow_insecure", "serve without a shared secret (allow_insecure = true): anyone "
-              "who reaches the ports may use this sidecar; for a trusted sandbox only",
-              {"action": "store_true", "default": None}, flag="--insecure"),
+    ServeFlag(
+        "ready_file",
+        "write the bound addresses as JSON here once serving",
+        {"metavar": "FILE"},
+        default_note="none",
+    ),
+    ServeFlag(
+        "max_rooms_per_peer",
+        "live rooms with one peer; more wait up to --admission-wait-s",
+        {"type": int, "metavar": "N"},
+    ),
+    ServeFlag(
+        "max_inflight_nbytes_total",
+        "prefill: bytes being written to all decode peers at once",
+        {"type": int, "metavar": "BYTES"},
+    ),
+    ServeFlag(
+        "admission_wait_s",
+        "how long a room or chunk over a limit waits before it fails with backpressure_timeout",
+        {"type": float, "metavar": "SECONDS"},
+    ),
+    ServeFlag(
+        "integrity",
+        "checksum every block sent; decode verifies them and fails a room "
+        "with integrity_mismatch (active when both sides enable it)",
+        {"action": "store_true", "default": None},
+    ),
+    ServeFlag(
+        "fault_corrupt_nth",
+        "TEST ONLY: flip one byte of this sidecar's Nth data write "
+        "(fault injection for integrity tests; never in production)",
+        {"type": int, "metavar": "N"},
+    ),
+    ServeFlag(
+        "allow_insecure",
+        "serve without a shared secret (allow_insecure = true): anyone "
+        "who reaches the ports may use this sidecar; for a trusted sandbox only",
+        {"action": "store_true", "default": None},
+        flag="--insecure",
+    ),
 )
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(SidecarConfig)}
@@ -91,7 +125,7 @@ def _help(entry: ServeFlag) -> str:
         return f"{entry.help} (default: {entry.default_note})"
     default = _DEFAULTS.get(entry.field, dataclasses.MISSING)
     if default is dataclasses.MISSING or default in ("", None) or isinstance(default, bool):
-        return entry.help   # a switch, or a field without a default
+        return entry.help  # a switch, or a field without a default
     if isinstance(default, int) and default >= 1 << 20 and default % (1 << 20) == 0:
         default = f"{default} = {_binary(default)}"
     return f"{entry.help} (default: {default})"

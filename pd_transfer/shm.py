@@ -75,14 +75,22 @@ def segment_name(owner_id: str, region_id: str) -> str:
 def check_name(name: str) -> str:
     """Return ``name`` if it is a plain file name under /dev/shm, else raise."""
     if not isinstance(name, str) or not name:
-        raise TransportError(f"segment name {name!r} is empty or not a string",
-                             code=Reason.SEGMENT_NAME_INVALID)
-    if "/" in name or ".." in name or name.startswith(".") or len(name) > _MAX_NAME_LEN \
-            or not _SAFE_NAME.fullmatch(name):
+        raise TransportError(
+            f"segment name {name!r} is empty or not a string", code=Reason.SEGMENT_NAME_INVALID
+        )
+    if (
+        "/" in name
+        or ".." in name
+        or name.startswith(".")
+        or len(name) > _MAX_NAME_LEN
+        or not _SAFE_NAME.fullmatch(name)
+    ):
         raise TransportError(
             f"segment name {name!r} is refused: only letters, digits, '_', '-' and '.' "
             f"(no '/', no '..', no leading '.', at most {_MAX_NAME_LEN} characters)",
-            code=Reason.SEGMENT_NAME_INVALID, hint="build names with pd_transfer.shm.segment_name")
+            code=Reason.SEGMENT_NAME_INVALID,
+            hint="build names with pd_transfer.shm.segment_name",
+        )
     return name
 
 
@@ -94,8 +102,9 @@ class Segment:
     processes that still hold it).
     """
 
-    def __init__(self, name: str, mapping: mmap.mmap, nbytes: int, *, owner: bool,
-                 watched: bool = False) -> None:
+    def __init__(
+        self, name: str, mapping: mmap.mmap, nbytes: int, *, owner: bool, watched: bool = False
+    ) -> None:
         self.name = name
         self.nbytes = nbytes
         self.owner = owner
@@ -103,11 +112,12 @@ class Segment:
         self._array: np.ndarray | None = np.frombuffer(mapping, dtype=np.uint8, count=nbytes)
         self._tensor: torch.Tensor | None = None
         self._slot = -1
-        self._fd = -1   # an unwatched segment opened from another process keeps its file
+        self._fd = -1  # an unwatched segment opened from another process keeps its file
         self._unwatch: weakref.finalize | None = None
         if watched:  # the whole mapping, to its last page
-            self._slot = shm_guard.watch(self._array.__array_interface__["data"][0],
-                                         -(-len(mapping) // mmap.PAGESIZE) * mmap.PAGESIZE)
+            self._slot = shm_guard.watch(
+                self._array.__array_interface__["data"][0], -(-len(mapping) // mmap.PAGESIZE) * mmap.PAGESIZE
+            )
             # unwatched once, when the mapping really goes (close() may leave that to
             # the last view): a slot freed twice could be another segment's by then
             self._unwatch = weakref.finalize(mapping, shm_guard.unwatch, self._slot)
@@ -143,6 +153,7 @@ class Segment:
         """The whole segment as a 1-D torch uint8 tensor (shares memory with :attr:`array`)."""
         if self._tensor is None:
             import torch
+
             self._tensor = torch.from_numpy(self.array)
         return self._tensor
 
@@ -202,16 +213,18 @@ def create_segment(name: str, nbytes: int) -> Segment:
     """Create and map a new zero-filled segment; refuse if the name exists."""
     check_name(name)
     if not isinstance(nbytes, int) or nbytes <= 0:
-        raise TransportError(f"segment {name}: size must be a positive int, got {nbytes!r}",
-                             code=Reason.REGION_INVALID)
+        raise TransportError(
+            f"segment {name}: size must be a positive int, got {nbytes!r}", code=Reason.REGION_INVALID
+        )
     path = os.path.join(SEGMENT_DIR, name)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     except FileExistsError:
-        raise TransportError(f"segment {name} already exists in {SEGMENT_DIR}",
-                             code=Reason.SEGMENT_EXISTS,
-                             hint="another worker owns it, or a crashed one left it: "
-                                  f"remove {path} if no process uses it") from None
+        raise TransportError(
+            f"segment {name} already exists in {SEGMENT_DIR}",
+            code=Reason.SEGMENT_EXISTS,
+            hint=f"another worker owns it, or a crashed one left it: remove {path} if no process uses it",
+        ) from None
     try:
         os.ftruncate(fd, nbytes)
         mapping = mmap.mmap(fd, nbytes)
@@ -235,22 +248,25 @@ def open_segment(name: str, min_nbytes: int = 1) -> Segment:
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     except FileNotFoundError:
-        raise TransportError(f"segment {name} does not exist in {SEGMENT_DIR}",
-                             code=Reason.SEGMENT_NOT_FOUND,
-                             hint="the owner has not created it yet, or has exited") from None
+        raise TransportError(
+            f"segment {name} does not exist in {SEGMENT_DIR}",
+            code=Reason.SEGMENT_NOT_FOUND,
+            hint="the owner has not created it yet, or has exited",
+        ) from None
     except OSError as err:  # ELOOP for a symlink, EACCES, ...
-        raise TransportError(f"segment {name} cannot be opened: {err.strerror}",
-                             code=Reason.SEGMENT_NOT_FOUND) from None
+        raise TransportError(
+            f"segment {name} cannot be opened: {err.strerror}", code=Reason.SEGMENT_NOT_FOUND
+        ) from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise TransportError(f"segment {name} is not a regular file",
-                                 code=Reason.SEGMENT_NAME_INVALID)
+            raise TransportError(f"segment {name} is not a regular file", code=Reason.SEGMENT_NAME_INVALID)
         if info.st_size < max(1, min_nbytes):
             raise TransportError(
                 f"segment {name} holds {info.st_size} bytes but {min_nbytes} are needed",
                 code=Reason.SEGMENT_TOO_SMALL,
-                hint="the peer registered a region larger than the segment it published")
+                hint="the peer registered a region larger than the segment it published",
+            )
         # fill the page tables now, only where the worker's pages all exist: populating a
         # sparse segment would allocate it, charged to this process
         populate = mmap.MAP_POPULATE if info.st_blocks * 512 >= info.st_size else 0

@@ -100,8 +100,11 @@ def check_landed(before: int, where: str) -> None:
     :func:`faults_total`): what ``where`` wrote may have gone into zero pages."""
     if faults_total() != before:
         from pd_transfer.errors import Reason, TransportError
-        raise TransportError(f"{where}: a segment of this sidecar's worker was truncated under "
-                             f"its mapping during the write; what it held is lost here",
-                             code=Reason.SEGMENT_TRUNCATED,
-                             hint="a worker must keep its pools' segments at their registered "
-                                  "size; restart the worker and its sidecar")
+
+        raise TransportError(
+            f"{where}: a segment of this sidecar's worker was truncated under "
+            f"its mapping during the write; what it held is lost here",
+            code=Reason.SEGMENT_TRUNCATED,
+            hint="a worker must keep its pools' segments at their registered "
+            "size; restart the worker and its sidecar",
+        )

@@ -55,15 +55,25 @@ class WorkerConfig:
 
     def describe(self) -> str:
         dtype = self.kv_dtype or "model default"
-        return (f"{self.model.name} attn_tp={self.attn_tp_size} pp={self.pp_size} "
-                f"page_size={self.page_size} kv_layout={self.kv_layout.value} kv_dtype={dtype}")
+        return (
+            f"{self.model.name} attn_tp={self.attn_tp_size} pp={self.pp_size} "
+            f"page_size={self.page_size} kv_layout={self.kv_layout.value} kv_dtype={dtype}"
+        )
 
     def build_ranks(self) -> list[RankGeometry]:
         return build_instance(
-            self.model, self.role, self.attn_tp_size, self.pp_size,
-            page_size=self.page_size, kv_layout=self.kv_layout, num_pages=self.num_pages,
-            num_swa_pages=self.num_pages, num_slots=self.num_slots,
-            num_aux_rows=self.num_aux_rows, kv_dtype=self.kv_dtype or None)
+            self.model,
+            self.role,
+            self.attn_tp_size,
+            self.pp_size,
+            page_size=self.page_size,
+            kv_layout=self.kv_layout,
+            num_pages=self.num_pages,
+            num_swa_pages=self.num_pages,
+            num_slots=self.num_slots,
+            num_aux_rows=self.num_aux_rows,
+            kv_dtype=self.kv_dtype or None,
+        )
 
 
 def load_worker_config(path: str | Path) -> WorkerConfig:
@@ -107,11 +117,18 @@ def worker_config_from_table(data: dict[str, Any], source: str) -> WorkerConfig:
         lines = "\n".join(f"  - {p}" for p in problems)
         raise ConfigError(f"{source}: invalid worker config: {len(problems)} problem(s)\n{lines}")
     return WorkerConfig(
-        source=source, role=Role(values["role"]), model=model,
-        attn_tp_size=values["attn_tp_size"], pp_size=values["pp_size"],
-        page_size=values["page_size"], kv_layout=Layout(values["kv_layout"]),
-        kv_dtype=values["kv_dtype"] or None, num_pages=values["num_pages"],
-        num_slots=values["num_slots"], num_aux_rows=values["num_aux_rows"])
+        source=source,
+        role=Role(values["role"]),
+        model=model,
+        attn_tp_size=values["attn_tp_size"],
+        pp_size=values["pp_size"],
+        page_size=values["page_size"],
+        kv_layout=Layout(values["kv_layout"]),
+        kv_dtype=values["kv_dtype"] or None,
+        num_pages=values["num_pages"],
+        num_slots=values["num_slots"],
+        num_aux_rows=values["num_aux_rows"],
+    )
 
 
 def _check_values(values: dict[str, Any]) -> list[str]:
@@ -123,8 +140,7 @@ def _check_values(values: dict[str, Any]) -> list[str]:
     if "kv_layout" in values and values["kv_layout"] not in layouts:
         problems.append(f"worker.kv_layout: {values['kv_layout']!r} is not one of {layouts}")
     if values.get("kv_dtype") and values["kv_dtype"] not in ITEMSIZE_BY_DTYPE:
-        problems.append(f"worker.kv_dtype: {values['kv_dtype']!r} is not one of "
-                        f"{sorted(ITEMSIZE_BY_DTYPE)}")
+        problems.append(f"worker.kv_dtype: {values['kv_dtype']!r} is not one of {sorted(ITEMSIZE_BY_DTYPE)}")
     for name in ("attn_tp_size", "pp_size", "page_size", "num_pages", "num_slots", "num_aux_rows"):
         if name in values and values[name] <= 0:
             problems.append(f"worker.{name}: must be a positive integer, got {values[name]}")
@@ -133,8 +149,9 @@ def _check_values(values: dict[str, Any]) -> list[str]:
 
 def _model(preset: str, table: Any, source: str) -> ModelSpec:
     if table is not None and preset:
-        raise ConfigError("worker.model and a [model] table are both given; use one",
-                          code=Reason.INVALID_CONFIG)
+        raise ConfigError(
+            "worker.model and a [model] table are both given; use one", code=Reason.INVALID_CONFIG
+        )
     if table is not None:
         if not isinstance(table, dict):
             raise ConfigError("model: expected a table")

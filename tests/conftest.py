@@ -44,6 +44,7 @@ def no_secret(monkeypatch):
 def owned_doorbells():
     """``make(name, slots)``: a doorbell segment this test owns, unlinked and closed after it."""
     from pd_transfer.doorbell import Doorbells
+
     made = []
 
     def make(name: str, slots: int) -> Doorbells:

@@ -20,9 +20,13 @@ def _wait_for_calls() -> list[str]:
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                    and node.func.attr == "wait_for" and isinstance(node.func.value, ast.Name) \
-                    and node.func.value.id == "asyncio":
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "wait_for"
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "asyncio"
+            ):
                 found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
     return found
 
@@ -32,7 +36,7 @@ def test_no_asyncio_wait_for_in_the_package():
 
 
 async def _heartbeats(bounded) -> None:
-    while True:   # the shape of the sidecar's timers: a short bounded send, again and again
+    while True:  # the shape of the sidecar's timers: a short bounded send, again and again
         await bounded(asyncio.sleep(0), 1.0)
 
 
@@ -48,7 +52,7 @@ async def _cancels_lost(bounded, tries: int = 50) -> int:
         await asyncio.sleep(0.0005)
         task.cancel()
         await asyncio.sleep(0.01)
-        while not task.done():   # a lost cancel: the loop goes on until cancelled again
+        while not task.done():  # a lost cancel: the loop goes on until cancelled again
             lost += 1
             task.cancel()
             await asyncio.sleep(0.001)
@@ -57,5 +61,5 @@ async def _cancels_lost(bounded, tries: int = 50) -> int:
 
 def test_a_loop_of_timeout_bounded_waits_stops_at_the_first_cancel():
     assert asyncio.run(_cancels_lost(_with_timeout)) == 0
-    if sys.version_info < (3, 12):   # why the rule above exists, shown on this interpreter
+    if sys.version_info < (3, 12):  # why the rule above exists, shown on this interpreter
         assert asyncio.run(_cancels_lost(asyncio.wait_for)) > 0

@@ -25,7 +25,7 @@ PREFILL_TP2 = str(WORKERS / "llama-3.1-8b.prefill-tp2.toml")
 DECODE_TP4 = str(WORKERS / "llama-3.1-8b.decode-tp4.toml")
 DECODE_TP4_FP8 = str(WORKERS / "llama-3.1-8b.decode-tp4-fp8.toml")
 DECODE_PAGE64 = str(WORKERS / "llama-3.1-8b.decode-tp2-page64.toml")
-TOKENS = ["--tokens", "64"]   # 4 pages: enough to size the plan, quick to build
+TOKENS = ["--tokens", "64"]  # 4 pages: enough to size the plan, quick to build
 
 VALID_WORKER = """\
 [worker]
@@ -66,17 +66,18 @@ def test_check_rejects_and_lists_every_mismatch_with_both_values(capsys):
     assert "verdict: REJECTED" in lines
     assert "cannot reconcile prefill (attn_tp=2) with decode (attn_tp=4): 2 mismatches" in lines
     for tensor in ("k", "v"):
-        assert (f"  - kv.layer[0-31].{tensor}.dtype: prefill=bfloat16 decode=float8_e4m3fn  "
-                "[dtype_mismatch]") in lines
-    assert "page_size_mismatch" not in out   # its page size 32 against 16 converts
-    assert "decode rank" not in out   # no plan table for a rejected pair
+        assert (
+            f"  - kv.layer[0-31].{tensor}.dtype: prefill=bfloat16 decode=float8_e4m3fn  [dtype_mismatch]"
+        ) in lines
+    assert "page_size_mismatch" not in out  # its page size 32 against 16 converts
+    assert "decode rank" not in out  # no plan table for a rejected pair
 
 
 def test_check_shows_different_page_sizes_as_a_converted_verdict(capsys):
     code, out, err = _check(capsys, PREFILL_TP2, DECODE_PAGE64)
     assert code == EXIT_OK and err == ""
     lines = out.splitlines()
-    assert "sample request: kv 4->1, aux 1" in lines   # 64 tokens: 4 pages of 16, 1 of 64
+    assert "sample request: kv 4->1, aux 1" in lines  # 64 tokens: 4 pages of 16, 1 of 64
     kv_rows = [line.split() for line in lines if line.startswith("decode[") and " kv " in line]
     assert [(row[0], row[1], " ".join(row[3:6])) for row in kv_rows] == [
         ("decode[pp0,tp0]", "prefill[pp0,tp0]", "converted pages 16->64"),
@@ -89,8 +90,10 @@ def test_check_shows_different_page_sizes_as_a_converted_verdict(capsys):
 def test_check_refuses_a_decode_config_passed_as_prefill(capsys):
     code, out, err = _check(capsys, DECODE_TP4, PREFILL_TP2)
     assert code == EXIT_INVALID and out == ""
-    assert err == (f"pd-transfer: error: {DECODE_TP4}: worker.role is 'decode' but the file was "
-                   "given as --prefill; pass a prefill worker config\n")
+    assert err == (
+        f"pd-transfer: error: {DECODE_TP4}: worker.role is 'decode' but the file was "
+        "given as --prefill; pass a prefill worker config\n"
+    )
 
 
 def _problem_line(field: str, text: str) -> str:
@@ -100,31 +103,48 @@ def _problem_line(field: str, text: str) -> str:
 MALFORMED = {
     # name: (file text or None for a missing file, expected stderr after "<path>: ")
     "unreadable": (None, "cannot read worker config: No such file or directory"),
-    "invalid-toml": ("[worker\nrole = 'prefill'\n",
-                     "not valid TOML: Expected ']' at the end of a table declaration "
-                     "(at line 1, column 8)"),
-    "unknown-preset": (VALID_WORKER.replace("llama-3.1-8b", "llama-9"),
-                       "invalid worker config: 1 problem(s)\n"
-                       + _problem_line("worker.model", "unknown model preset 'llama-9'; known "
-                                       f"presets: {', '.join(preset_names())}")),
-    "bad-kv-layout": (VALID_WORKER + 'kv_layout = "nhd_paged"\n',
-                      "invalid worker config: 1 problem(s)\n"
-                      + _problem_line("worker.kv_layout", "'nhd_paged' is not one of "
-                                      f"{[layout.value for layout in KV_LAYOUTS]}")),
-    "zero-tp": (VALID_WORKER.replace("attn_tp_size = 2", "attn_tp_size = 0"),
-                "invalid worker config: 1 problem(s)\n"
-                + _problem_line("worker.attn_tp_size", "must be a positive integer, got 0")),
-    "negative-tp": (VALID_WORKER.replace("attn_tp_size = 2", "attn_tp_size = -2"),
-                    "invalid worker config: 1 problem(s)\n"
-                    + _problem_line("worker.attn_tp_size", "must be a positive integer, got -2")),
-    "unknown-key": (VALID_WORKER + "tp_size = 2\n",
-                    "invalid worker config: 1 problem(s)\n"
-                    + _problem_line("worker", "unknown key(s) ['tp_size']; accepted: role, model, "
-                                    "attn_tp_size, pp_size, page_size, kv_layout, kv_dtype, "
-                                    "num_pages, num_slots, num_aux_rows")),
-    "missing-role": (VALID_WORKER.replace('role = "prefill"\n', ""),
-                     "invalid worker config: 1 problem(s)\n"
-                     + _problem_line("worker.role", "required")),
+    "invalid-toml": (
+        "[worker\nrole = 'prefill'\n",
+        "not valid TOML: Expected ']' at the end of a table declaration (at line 1, column 8)",
+    ),
+    "unknown-preset": (
+        VALID_WORKER.replace("llama-3.1-8b", "llama-9"),
+        "invalid worker config: 1 problem(s)\n"
+        + _problem_line(
+            "worker.model", f"unknown model preset 'llama-9'; known presets: {', '.join(preset_names())}"
+        ),
+    ),
+    "bad-kv-layout": (
+        VALID_WORKER + 'kv_layout = "nhd_paged"\n',
+        "invalid worker config: 1 problem(s)\n"
+        + _problem_line(
+            "worker.kv_layout", f"'nhd_paged' is not one of {[layout.value for layout in KV_LAYOUTS]}"
+        ),
+    ),
+    "zero-tp": (
+        VALID_WORKER.replace("attn_tp_size = 2", "attn_tp_size = 0"),
+        "invalid worker config: 1 problem(s)\n"
+        + _problem_line("worker.attn_tp_size", "must be a positive integer, got 0"),
+    ),
+    "negative-tp": (
+        VALID_WORKER.replace("attn_tp_size = 2", "attn_tp_size = -2"),
+        "invalid worker config: 1 problem(s)\n"
+        + _problem_line("worker.attn_tp_size", "must be a positive integer, got -2"),
+    ),
+    "unknown-key": (
+        VALID_WORKER + "tp_size = 2\n",
+        "invalid worker config: 1 problem(s)\n"
+        + _problem_line(
+            "worker",
+            "unknown key(s) ['tp_size']; accepted: role, model, "
+            "attn_tp_size, pp_size, page_size, kv_layout, kv_dtype, "
+            "num_pages, num_slots, num_aux_rows",
+        ),
+    ),
+    "missing-role": (
+        VALID_WORKER.replace('role = "prefill"\n', ""),
+        "invalid worker config: 1 problem(s)\n" + _problem_line("worker.role", "required"),
+    ),
 }
 
 
@@ -150,17 +170,48 @@ def test_check_names_the_side_and_the_file_of_an_invalid_config(capsys, tmp_path
 
 def test_plan_for_a_decode_rank_the_config_lacks_is_a_usage_error_before_any_table():
     result = subprocess.run(
-        [sys.executable, "-m", "pd_transfer.cli", "plan", "--prefill", PREFILL_TP2,
-         "--decode", DECODE_TP4, "--decode-rank", "7", *TOKENS],
-        capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "pd_transfer.cli",
+            "plan",
+            "--prefill",
+            PREFILL_TP2,
+            "--decode",
+            DECODE_TP4,
+            "--decode-rank",
+            "7",
+            *TOKENS,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == EXIT_INVALID and result.stdout == "", result.stdout
-    assert result.stderr == (f"pd-transfer: error: --decode-rank 7: --decode {DECODE_TP4} has "
-                             f"attn_tp_size 4, so its ranks are 0 to 3\n")
+    assert result.stderr == (
+        f"pd-transfer: error: --decode-rank 7: --decode {DECODE_TP4} has "
+        f"attn_tp_size 4, so its ranks are 0 to 3\n"
+    )
     negative = subprocess.run(
-        [sys.executable, "-m", "pd_transfer.cli", "plan", "--prefill", PREFILL_TP2,
-         "--decode", DECODE_TP4, "--decode-rank", "-1"], capture_output=True, text=True, timeout=60)
-    assert negative.returncode == EXIT_INVALID and "--decode-rank: expected an integer >= 0" \
-        in negative.stderr
+        [
+            sys.executable,
+            "-m",
+            "pd_transfer.cli",
+            "plan",
+            "--prefill",
+            PREFILL_TP2,
+            "--decode",
+            DECODE_TP4,
+            "--decode-rank",
+            "-1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        negative.returncode == EXIT_INVALID and "--decode-rank: expected an integer >= 0" in negative.stderr
+    )
 
 
 def test_unknown_preset_message_lists_every_known_preset(capsys, tmp_path):
@@ -179,10 +230,13 @@ def test_bad_kv_layout_message_lists_every_accepted_layout(capsys, tmp_path):
         assert f"'{accepted}'" in err
 
 
-@pytest.mark.parametrize("argv,expected", [
-    (["--help"], "exit codes: 0 ok, 1 not reconcilable, 2 invalid input"),
-    (["check", "--help"], "exit codes: 0 reconcilable, 1 not reconcilable, 2 invalid input"),
-])
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["--help"], "exit codes: 0 ok, 1 not reconcilable, 2 invalid input"),
+        (["check", "--help"], "exit codes: 0 reconcilable, 1 not reconcilable, 2 invalid input"),
+    ],
+)
 def test_help_states_the_exit_codes(capsys, argv, expected):
     with pytest.raises(SystemExit) as info:
         main(argv)
@@ -190,18 +244,38 @@ def test_help_states_the_exit_codes(capsys, argv, expected):
     assert expected in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("decode,status,marker", [
-    (DECODE_TP4, EXIT_OK, "verdict: ACCEPTED"),
-    (DECODE_TP4_FP8, EXIT_REJECTED, "verdict: REJECTED"),
-    (str(WORKERS / "no-such-worker.toml"), EXIT_INVALID, "cannot read worker config"),
-], ids=["accepted", "rejected", "invalid"])
+@pytest.mark.parametrize(
+    "decode,status,marker",
+    [
+        (DECODE_TP4, EXIT_OK, "verdict: ACCEPTED"),
+        (DECODE_TP4_FP8, EXIT_REJECTED, "verdict: REJECTED"),
+        (str(WORKERS / "no-such-worker.toml"), EXIT_INVALID, "cannot read worker config"),
+    ],
+    ids=["accepted", "rejected", "invalid"],
+)
 def test_module_entry_point_exits_with_the_documented_status(decode, status, marker):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+    }
     result = subprocess.run(
-        [sys.executable, "-m", "pd_transfer.cli", "check", "--prefill", PREFILL_TP2,
-         "--decode", decode, *TOKENS],
-        capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "pd_transfer.cli",
+            "check",
+            "--prefill",
+            PREFILL_TP2,
+            "--decode",
+            decode,
+            *TOKENS,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=60,
+    )
     assert result.returncode == status
     assert marker in (result.stdout if status != EXIT_INVALID else result.stderr)
 
@@ -217,14 +291,15 @@ def test_serve_flags_are_sidecar_fields_and_state_their_defaults():
     for entry in SERVE_FLAGS:
         assert entry.field in fields, f"{entry.name} sets no field ({entry.field})"
     assert _help(next(e for e in SERVE_FLAGS if e.field == "http_port")).endswith(
-        f"(default: {SidecarConfig.http_port})")
+        f"(default: {SidecarConfig.http_port})"
+    )
     assert "(default: 1073741824 = 1 GiB)" in _help(
-        next(e for e in SERVE_FLAGS if e.field == "max_inflight_nbytes_total"))
+        next(e for e in SERVE_FLAGS if e.field == "max_inflight_nbytes_total")
+    )
 
 
 def test_a_bad_serve_flag_value_is_refused_naming_the_flag(capsys, monkeypatch):
     monkeypatch.delenv("PD_TRANSFER_SECRET_FILE", raising=False)
-    code = main(["serve", "--role", "prefill", "--insecure", "--control-port", "70000",
-                 "--print-config"])
+    code = main(["serve", "--role", "prefill", "--insecure", "--control-port", "70000", "--print-config"])
     err = capsys.readouterr().err
     assert code == 2 and "--control-port" in err and "70000" in err, err

@@ -6,9 +6,28 @@ import sys
 
 def test_demo_moves_and_verifies_a_small_run():
     result = subprocess.run(
-        [sys.executable, "-m", "pd_transfer.cli", "demo", "--prefill-tp", "2", "--decode-tp", "1",
-         "--requests", "3", "--tokens", "512", "--window", "2", "--transport", "tcp"],
-        capture_output=True, text=True, timeout=180)
+        [
+            sys.executable,
+            "-m",
+            "pd_transfer.cli",
+            "demo",
+            "--prefill-tp",
+            "2",
+            "--decode-tp",
+            "1",
+            "--requests",
+            "3",
+            "--tokens",
+            "512",
+            "--window",
+            "2",
+            "--transport",
+            "tcp",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "result: OK" in result.stdout
     assert "byte mismatches       0" in result.stdout
@@ -24,8 +43,24 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-DEMO = [sys.executable, "-m", "pd_transfer.cli", "demo", "--prefill-tp", "1", "--decode-tp", "1",
-        "--requests", "100000", "--tokens", "64", "--window", "1", "--timeout-s", "300"]
+DEMO = [
+    sys.executable,
+    "-m",
+    "pd_transfer.cli",
+    "demo",
+    "--prefill-tp",
+    "1",
+    "--decode-tp",
+    "1",
+    "--requests",
+    "100000",
+    "--tokens",
+    "64",
+    "--window",
+    "1",
+    "--timeout-s",
+    "300",
+]
 
 
 def _children(pid: int) -> dict[int, str]:
@@ -55,7 +90,7 @@ def _running_demo() -> tuple[subprocess.Popen, dict[int, str], Path]:
     """A demo with its 2 sidecars and 2 workers running rooms: (demo, children, work dir)."""
     demo = subprocess.Popen(DEMO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = demo.stdout.readline()
-    while "progress:" not in line:   # printed once every worker started
+    while "progress:" not in line:  # printed once every worker started
         assert line, demo.stderr.read()
         line = demo.stdout.readline()
     children = _children(demo.pid)
@@ -73,7 +108,8 @@ def test_a_signal_stops_every_child_cleans_the_work_directory_and_exits_with_one
     _, err = demo.communicate(timeout=60)
     assert demo.returncode == code, err
     assert err.strip().splitlines() == [
-        f"demo stopped by {signal.Signals(signum).name}: 4 processes stopped, work directory removed"]
+        f"demo stopped by {signal.Signals(signum).name}: 4 processes stopped, work directory removed"
+    ]
     assert not [pid for pid in children if _alive(pid)], children
     assert not workdir.exists()
 
@@ -84,23 +120,35 @@ def test_a_child_that_dies_stops_the_demo_at_once_with_its_log():
     os.kill(sidecar, signal.SIGKILL)
     started = time.monotonic()
     _, err = demo.communicate(timeout=60)
-    assert time.monotonic() - started < 20   # not the demo's timeout (300 s)
+    assert time.monotonic() - started < 20  # not the demo's timeout (300 s)
     assert demo.returncode == 1, err
-    assert "demo failed: sidecar-decode0 exited with -9 during the run; the end of its log " \
-           "(sidecar-decode0.log)" in err, err
+    assert (
+        "demo failed: sidecar-decode0 exited with -9 during the run; the end of its log "
+        "(sidecar-decode0.log)" in err
+    ), err
     assert not [pid for pid in children if _alive(pid)], children
     assert not workdir.exists()
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--decode-tp", "3"], "pd-transfer: error: --decode-tp 3: llama-3.1-8b: attention.num_kv_heads "
-                           "8 is not divisible by attn_tp_size 3"),
-    (["--model", "gpt-5"], "pd-transfer: error: --model gpt-5: unknown model preset 'gpt-5'"),
-    (["--requests", "0"], "argument --requests: expected a positive number, got 0"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["--decode-tp", "3"],
+            "pd-transfer: error: --decode-tp 3: llama-3.1-8b: attention.num_kv_heads "
+            "8 is not divisible by attn_tp_size 3",
+        ),
+        (["--model", "gpt-5"], "pd-transfer: error: --model gpt-5: unknown model preset 'gpt-5'"),
+        (["--requests", "0"], "argument --requests: expected a positive number, got 0"),
+    ],
+)
 def test_invalid_arguments_exit_2_before_any_process_starts(argv, message):
-    demo = subprocess.Popen([sys.executable, "-m", "pd_transfer.cli", "demo", *argv],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "pd_transfer.cli", "demo", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     started_children = set()
     while demo.poll() is None:
         started_children |= set(_children(demo.pid))

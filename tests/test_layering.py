@@ -6,16 +6,26 @@ import sys
 import pytest
 
 FORBIDDEN = {
-    "pd_transfer.layout": ["asyncio", "zmq", "uvloop", "prometheus_client", "torch",
-                           "pd_transfer.protocol", "pd_transfer.transport", "pd_transfer.agent"],
+    "pd_transfer.layout": [
+        "asyncio",
+        "zmq",
+        "uvloop",
+        "prometheus_client",
+        "torch",
+        "pd_transfer.protocol",
+        "pd_transfer.transport",
+        "pd_transfer.agent",
+    ],
 }
 
 
 def _imported_after(module: str) -> set[str]:
-    code = (f"import sys, importlib, pkgutil; import {module} as m\n"
-            "for info in pkgutil.walk_packages(m.__path__, m.__name__ + '.'):\n"
-            "    importlib.import_module(info.name)\n"
-            "print('\\n'.join(sorted(sys.modules)))")
+    code = (
+        f"import sys, importlib, pkgutil; import {module} as m\n"
+        "for info in pkgutil.walk_packages(m.__path__, m.__name__ + '.'):\n"
+        "    importlib.import_module(info.name)\n"
+        "print('\\n'.join(sorted(sys.modules)))"
+    )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     return set(out.stdout.split())
 

@@ -28,6 +28,7 @@ def test_repeats_beyond_the_burst_are_suppressed_and_then_counted():
     passed = [limiter.filter(_record("bad frame from %s", i)) for i in range(10)]
     assert passed == [True] * 3 + [False] * 7
     import time
+
     time.sleep(0.06)
     record = _record("bad frame from %s", 99)
     assert limiter.filter(record) and "(and 7 similar messages suppressed)" in record.getMessage()

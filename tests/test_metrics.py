@@ -25,8 +25,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pd_transfer"
 
 def _samples(metrics: SidecarMetrics) -> dict[tuple, float]:
     text = generate_latest(metrics.registry).decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def _value(samples, name, **labels):
@@ -44,10 +47,8 @@ def test_bounded_label_sets_are_exported_at_zero_before_any_event(role):
         assert _value(samples, "pd_transfer_doorbells_total", role=role, event=event) == 0
     assert _value(samples, "pd_transfer_heartbeat_misses_total", role=role) == 0
     for socket in LISTENING_SOCKETS[role]:
-        assert _value(samples, "pd_transfer_connections_closed_total", role=role,
-                      socket=socket) == 0
-    assert _value(samples, "pd_transfer_verdicts_total", role=role, outcome="accepted",
-                  reason="none") == 0
+        assert _value(samples, "pd_transfer_connections_closed_total", role=role, socket=socket) == 0
+    assert _value(samples, "pd_transfer_verdicts_total", role=role, outcome="accepted", reason="none") == 0
     assert _value(samples, "pd_transfer_transfer_duration_seconds_count", role=role) == 0
 
 
@@ -56,17 +57,38 @@ def test_an_accepted_peer_has_its_loss_and_transfer_series_at_zero():
     assert not any(dict(labels).get("peer") == "decode[pp0,tp0]" for _, labels in _samples(metrics))
     made = metrics.peer_accepted("decode[pp0,tp0]", "shm", "sliced")
     samples = _samples(metrics)
-    assert _value(samples, "pd_transfer_peer_heartbeat_misses_total", role="prefill",
-                  peer="decode[pp0,tp0]") == 0
+    assert (
+        _value(samples, "pd_transfer_peer_heartbeat_misses_total", role="prefill", peer="decode[pp0,tp0]")
+        == 0
+    )
     for outcome in ("success", "failed"):
-        assert _value(samples, "pd_transfer_peer_transfers_total", role="prefill",
-                      peer="decode[pp0,tp0]", outcome=outcome) == 0
-        assert _value(samples, "pd_transfer_transfers_total", role="prefill", transport="shm",
-                      mode="sliced", outcome=outcome) == 0
+        assert (
+            _value(
+                samples,
+                "pd_transfer_peer_transfers_total",
+                role="prefill",
+                peer="decode[pp0,tp0]",
+                outcome=outcome,
+            )
+            == 0
+        )
+        assert (
+            _value(
+                samples,
+                "pd_transfer_transfers_total",
+                role="prefill",
+                transport="shm",
+                mode="sliced",
+                outcome=outcome,
+            )
+            == 0
+        )
     # the per-peer series are returned, for their removal once the peer is gone
     assert {labels for _, labels in made if "decode[pp0,tp0]" in labels} == {
-        ("prefill", "decode[pp0,tp0]"), ("prefill", "decode[pp0,tp0]", "success"),
-        ("prefill", "decode[pp0,tp0]", "failed")}
+        ("prefill", "decode[pp0,tp0]"),
+        ("prefill", "decode[pp0,tp0]", "success"),
+        ("prefill", "decode[pp0,tp0]", "failed"),
+    }
 
 
 def test_bad_frame_reasons_are_reason_codes():
@@ -75,8 +97,11 @@ def test_bad_frame_reasons_are_reason_codes():
 
 def test_limits_are_every_limit_the_sidecar_counts_and_config_keys():
     # the names passed to Observer.limit_refused in the code, and the admission limiters'
-    used = {m for path in PACKAGE.rglob("*.py")
-            for m in re.findall(r'limit_refused\(\s*"(\w+)"', path.read_text())}
+    used = {
+        m
+        for path in PACKAGE.rglob("*.py")
+        for m in re.findall(r'limit_refused\(\s*"(\w+)"', path.read_text())
+    }
     admission = Admission(SidecarConfig(role=Role.PREFILL))
     for limiter in admission.limiters():
         used |= {limiter.per_peer_name} | ({limiter.total_name} if limiter.total_name else set())

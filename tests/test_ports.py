@@ -15,6 +15,7 @@ def port_range(tmp_path, monkeypatch):
         path = tmp_path / "ip_local_port_range"
         path.write_text(text)
         monkeypatch.setattr(ports, "_RANGE_FILE", str(path))
+
     monkeypatch.setattr(ports, "_given", set())
     return use
 
@@ -26,7 +27,7 @@ def test_ports_are_outside_the_ephemeral_range_free_and_never_repeated():
     for port in seen:
         assert not low <= port <= high and port >= 10000
         with socket.socket() as sock:
-            sock.bind(("127.0.0.1", port))   # free when handed out
+            sock.bind(("127.0.0.1", port))  # free when handed out
 
 
 @pytest.mark.parametrize("text", ["", "abc def", "61000 32768", "0 100", "32768 70000", "1 2 3"])
@@ -42,7 +43,7 @@ def test_the_range_is_read_from_the_kernel_file(port_range):
 
 
 def test_a_held_port_is_skipped_and_the_kernel_chooses_when_none_is_left(port_range):
-    port_range("10001 65535")          # one port outside the range: 10000
+    port_range("10001 65535")  # one port outside the range: 10000
     with socket.socket() as holder:
         try:
             holder.bind(("127.0.0.1", 10000))

@@ -28,14 +28,21 @@ RUN_DIR = "/run/pd-transfer/"
 
 def _environ(extra: dict[str, str]) -> dict[str, str]:
     # the session's shared secret stays: the sidecars refuse to start without one
-    kept = {k: v for k, v in os.environ.items()
-            if not k.startswith("PD_TRANSFER_") or k == "PD_TRANSFER_SECRET_FILE"}
+    kept = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("PD_TRANSFER_") or k == "PD_TRANSFER_SECRET_FILE"
+    }
     return {**kept, **extra}
 
 
 def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "pd_transfer.cli", "serve", *args],
-                            env=_environ(env), stderr=log.open("w"), stdout=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [sys.executable, "-m", "pd_transfer.cli", "serve", *args],
+        env=_environ(env),
+        stderr=log.open("w"),
+        stdout=subprocess.DEVNULL,
+    )
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, log: Path, timeout_s: float = 30.0) -> dict:
@@ -72,9 +79,13 @@ def test_a_shipped_config_serves_outside_systemd_and_cleans_up_on_stop(tmp_path,
     config, run = _shipped_copy(name, tmp_path)
     log = tmp_path / "sidecar.log"
     # the file's fixed ports could be taken on a shared test host; everything else is the file's
-    ports = {"PD_TRANSFER_HTTP_PORT": str(spare_port()), "PD_TRANSFER_HTTP_HOST": "127.0.0.1",
-             "PD_TRANSFER_CONTROL_PORT": str(spare_port()), "PD_TRANSFER_DATA_PORT": str(spare_port()),
-             "PD_TRANSFER_PREFILL_BOOTSTRAPS": ""}   # no prefill instance to resolve here
+    ports = {
+        "PD_TRANSFER_HTTP_PORT": str(spare_port()),
+        "PD_TRANSFER_HTTP_HOST": "127.0.0.1",
+        "PD_TRANSFER_CONTROL_PORT": str(spare_port()),
+        "PD_TRANSFER_DATA_PORT": str(spare_port()),
+        "PD_TRANSFER_PREFILL_BOOTSTRAPS": "",
+    }  # no prefill instance to resolve here
     proc = _start(["--config", str(config)], ports, log)
     instance = run / ("gpu0" if "prefill" in name else "gpu4")
     try:
@@ -95,9 +106,23 @@ def test_an_uncreatable_socket_directory_says_what_to_create(tmp_path):
     blocker.write_text("")
     socket_dir = blocker / "gpu0"
     result = subprocess.run(
-        [sys.executable, "-m", "pd_transfer.cli", "serve", "--role", "prefill", "--http-port", "0",
-         "--worker-endpoint", f"unix://{socket_dir}/worker.sock"],
-        env=_environ({}), capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "pd_transfer.cli",
+            "serve",
+            "--role",
+            "prefill",
+            "--http-port",
+            "0",
+            "--worker-endpoint",
+            f"unix://{socket_dir}/worker.sock",
+        ],
+        env=_environ({}),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 3, result.stderr
     assert f"worker_endpoint: cannot create the directory {socket_dir}" in result.stderr
     assert "install -d -m 0700 -o " in result.stderr and f" {socket_dir})" in result.stderr
@@ -107,12 +132,23 @@ def test_two_sidecars_on_one_http_port_the_second_names_http_port(tmp_path):
     # the default config's http_port for both roles, as on a host where both run with it
     same = {"PD_TRANSFER_HTTP_PORT": str(spare_port())}
     first_log, second_log = tmp_path / "prefill.log", tmp_path / "decode.log"
-    first = _start(["--role", "prefill", "--worker-endpoint", f"unix://{tmp_path}/p.sock",
-                    "--ready-file", str(tmp_path / "p.json")], same, first_log)
+    first = _start(
+        [
+            "--role",
+            "prefill",
+            "--worker-endpoint",
+            f"unix://{tmp_path}/p.sock",
+            "--ready-file",
+            str(tmp_path / "p.json"),
+        ],
+        same,
+        first_log,
+    )
     try:
         _wait_for(tmp_path / "p.json", first, first_log)
-        second = _start(["--role", "decode", "--worker-endpoint", f"unix://{tmp_path}/d.sock"],
-                        same, second_log)
+        second = _start(
+            ["--role", "decode", "--worker-endpoint", f"unix://{tmp_path}/d.sock"], same, second_log
+        )
         assert second.wait(timeout=60) == 3
     finally:
         _stop(first)
@@ -128,18 +164,45 @@ def test_a_busy_control_port_names_control_port(tmp_path):
         busy.listen(1)
         port = busy.getsockname()[1]
         result = subprocess.run(
-            [sys.executable, "-m", "pd_transfer.cli", "serve", "--role", "prefill",
-             "--control-port", str(port), "--http-port", "0",
-             "--worker-endpoint", f"unix://{tmp_path}/w.sock"],
-            env=_environ({}), capture_output=True, text=True, timeout=60)
+            [
+                sys.executable,
+                "-m",
+                "pd_transfer.cli",
+                "serve",
+                "--role",
+                "prefill",
+                "--control-port",
+                str(port),
+                "--http-port",
+                "0",
+                "--worker-endpoint",
+                f"unix://{tmp_path}/w.sock",
+            ],
+            env=_environ({}),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert result.returncode == 3
     assert f"control_port {port}: cannot bind 127.0.0.1:{port}: in use" in result.stderr
 
 
 def test_the_ready_file_is_removed_on_a_clean_stop(tmp_path):
     ready, log = tmp_path / "ready.json", tmp_path / "sidecar.log"
-    proc = _start(["--role", "decode", "--http-port", "0", "--ready-file", str(ready),
-                   "--worker-endpoint", f"unix://{tmp_path}/w.sock"], {}, log)
+    proc = _start(
+        [
+            "--role",
+            "decode",
+            "--http-port",
+            "0",
+            "--ready-file",
+            str(ready),
+            "--worker-endpoint",
+            f"unix://{tmp_path}/w.sock",
+        ],
+        {},
+        log,
+    )
     try:
         _wait_for(ready, proc, log)
     finally:

@@ -18,8 +18,7 @@ def deployment(tmp_path):
 
 
 def test_a_paced_room_sends_only_once_decodes_request_is_in(deployment):
-    prefill, decode = (deployment.clients[g.rank_id] for g in (*deployment.prefill,
-                                                                *deployment.decode))
+    prefill, decode = (deployment.clients[g.rank_id] for g in (*deployment.prefill, *deployment.decode))
     decode.expect(7, deployment.bootstrap, [3], aux_row=0)
     deployment.until_requested(7)
     assert prefill.poll(7).status is RoomStatus.WAITING_FOR_INPUT
@@ -31,11 +30,11 @@ def test_a_paced_room_sends_only_once_decodes_request_is_in(deployment):
 
 def test_pacing_gives_up_with_a_reason(deployment):
     with pytest.raises(RuntimeError, match="did not reach"):
-        deployment.until_requested(99, timeout_s=0.3)   # decode never asked for it
+        deployment.until_requested(99, timeout_s=0.3)  # decode never asked for it
 
     decode = deployment.clients[deployment.decode[0].rank_id]
     decode.expect(9, deployment.bootstrap, [2], aux_row=0)
     deployment.until_requested(9)
-    decode.abort(9)   # the room ends on prefill too, before any send
+    decode.abort(9)  # the room ends on prefill too, before any send
     with pytest.raises(RuntimeError, match="ended before its send"):
         deployment.until_requested(9, timeout_s=5)

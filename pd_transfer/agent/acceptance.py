@@ -27,7 +27,7 @@ from pd_transfer.layout.reconcile import Reconciliation
 from pd_transfer.protocol import MismatchRecord, Verdict
 
 log = logging.getLogger("pd_transfer.agent.prefill")
-MAX_REJECTIONS_KEPT = 64   # last rejection text per decode rank, to log only what changed
+MAX_REJECTIONS_KEPT = 64  # last rejection text per decode rank, to log only what changed
 
 
 async def send_verdict(side, peer) -> None:
@@ -36,17 +36,40 @@ async def send_verdict(side, peer) -> None:
         async with asyncio.timeout(side.config.bootstrap_timeout_s):
             await side.table_ready.wait()
     except TimeoutError:
-        await _reject(side, peer, "prefill rank table incomplete", [MismatchRecord(
-            path="prefill.rank_table", code=Reason.BOOTSTRAP_FAILED, prefill="incomplete",
-            decode="-", hint="start every prefill rank's sidecar and worker")])
+        await _reject(
+            side,
+            peer,
+            "prefill rank table incomplete",
+            [
+                MismatchRecord(
+                    path="prefill.rank_table",
+                    code=Reason.BOOTSTRAP_FAILED,
+                    prefill="incomplete",
+                    decode="-",
+                    hint="start every prefill rank's sidecar and worker",
+                )
+            ],
+        )
         return
     decode_geometry = peer.register.geometry
     handles = {h.region: h.handle for h in peer.register.region_handles}
     problems = handle_problems(decode_geometry, handles) if handles else []
     if problems:
-        await _reject(side, peer, f"invalid registration of {peer.rank_id}", [MismatchRecord(
-            path=f"decode.{p.subject or 'handles'}", code=p.code, prefill="-", decode=p.detail,
-            hint="each region needs its own segment") for p in problems])
+        await _reject(
+            side,
+            peer,
+            f"invalid registration of {peer.rank_id}",
+            [
+                MismatchRecord(
+                    path=f"decode.{p.subject or 'handles'}",
+                    code=p.code,
+                    prefill="-",
+                    decode=p.detail,
+                    hint="each region needs its own segment",
+                )
+                for p in problems
+            ],
+        )
         return
     decode = await _decode_instance(side, peer)
     if decode is None:
@@ -61,28 +84,52 @@ async def send_verdict(side, peer) -> None:
     try:
         peer.link = await side.sidecar.dataplane.connect(peer.register)
     except PdTransferError as err:
-        await _reject(side, peer, f"no data plane to {peer.rank_id}", [MismatchRecord(
-            path="transport", code=err.code, prefill=side.config.transport,
-            decode=peer.register.data_address or "<no data address>", hint=str(err))])
+        await _reject(
+            side,
+            peer,
+            f"no data plane to {peer.rank_id}",
+            [
+                MismatchRecord(
+                    path="transport",
+                    code=err.code,
+                    prefill=side.config.transport,
+                    decode=peer.register.data_address or "<no data address>",
+                    hint=str(err),
+                )
+            ],
+        )
         return
     peer.accepted = True
     side.rejections.pop(peer.rank_id, None)
     observe = side.sidecar.observe
     modes = [v.mode.value for v in recon.verdicts]
-    observe.peer(peer.rank_id, "accepted", channel=peer.channel,
-                 transport=type(peer.link).__name__.removesuffix("Link").lower() or "-",
-                 modes=modes)
+    observe.peer(
+        peer.rank_id,
+        "accepted",
+        channel=peer.channel,
+        transport=type(peer.link).__name__.removesuffix("Link").lower() or "-",
+        modes=modes,
+    )
     observe.verdict(True)
     observe.verdict_modes({m: modes.count(m) for m in set(modes)})
     strategies = side.sidecar.dataplane.strategies(peer.link, peer.planner)
     observe.strategies(peer.rank_id, strategies)
-    log.info("prefill: accepted %s (feeds decode tp ranks %s)", peer.rank_id, peer.fed,
-             extra={"peer": peer.rank_id})
+    log.info(
+        "prefill: accepted %s (feeds decode tp ranks %s)",
+        peer.rank_id,
+        peer.fed,
+        extra={"peer": peer.rank_id},
+    )
     peer.integrity = integrity.prefill_layout(side.sidecar, peer.planner, peer.features, peer.rank_id)
     peer.bells = side.sidecar.dataplane.doorbells(peer.link, peer.register.doorbell)
-    await peer.channel.send(Verdict(accepted=True, integrity=peer.integrity is not None,
-                                    doorbell=peer.bells is not None,
-                                    plan=plan_summary(recon, peer.planner, strategies)))
+    await peer.channel.send(
+        Verdict(
+            accepted=True,
+            integrity=peer.integrity is not None,
+            doorbell=peer.bells is not None,
+            plan=plan_summary(recon, peer.planner, strategies),
+        )
+    )
 
 
 def instance_verdict(prefill: list, decode: list) -> tuple[Reconciliation, str, list[MismatchRecord]]:
@@ -101,18 +148,38 @@ async def _decode_instance(side, peer) -> list | None:
     register = peer.register
     geometry = register.geometry
     if geometry.pp_rank >= register.pp_size:
-        await _reject(side, peer, f"invalid registration of {peer.rank_id}", [MismatchRecord(
-            path="decode.pp_rank", code=Reason.SHARD_RANGE_INVALID, prefill="-",
-            decode=f"pp_rank {geometry.pp_rank} of pp_size {register.pp_size}",
-            hint="register each decode stage with its instance's pp_size")])
+        await _reject(
+            side,
+            peer,
+            f"invalid registration of {peer.rank_id}",
+            [
+                MismatchRecord(
+                    path="decode.pp_rank",
+                    code=Reason.SHARD_RANGE_INVALID,
+                    prefill="-",
+                    decode=f"pp_rank {geometry.pp_rank} of pp_size {register.pp_size}",
+                    hint="register each decode stage with its instance's pp_size",
+                )
+            ],
+        )
         return None
     decode = await side.decode_instances.gathered(register, side.config.bootstrap_timeout_s)
     if decode is None:
-        await _reject(side, peer, "decode instance incomplete", [MismatchRecord(
-            path="decode.rank_table", code=Reason.BOOTSTRAP_FAILED, prefill="-",
-            decode=f"missing {side.decode_instances.missing(register)}",
-            hint="start every decode rank's sidecar and worker (each stage registers with "
-                 "every prefill rank)")])
+        await _reject(
+            side,
+            peer,
+            "decode instance incomplete",
+            [
+                MismatchRecord(
+                    path="decode.rank_table",
+                    code=Reason.BOOTSTRAP_FAILED,
+                    prefill="-",
+                    decode=f"missing {side.decode_instances.missing(register)}",
+                    hint="start every decode rank's sidecar and worker (each stage registers with "
+                    "every prefill rank)",
+                )
+            ],
+        )
     return decode
 
 
@@ -126,6 +193,12 @@ async def _reject(side, peer, headline: str, mismatches: list[MismatchRecord]) -
     side.rejections[peer.rank_id] = text
     while len(side.rejections) > MAX_REJECTIONS_KEPT:
         del side.rejections[next(iter(side.rejections))]
-    log.log(logging.DEBUG if again else logging.WARNING, "prefill: rejected %s%s: %s",
-            peer.rank_id, " again" if again else "", text, extra={"peer": peer.rank_id})
+    log.log(
+        logging.DEBUG if again else logging.WARNING,
+        "prefill: rejected %s%s: %s",
+        peer.rank_id,
+        " again" if again else "",
+        text,
+        extra={"peer": peer.rank_id},
+    )
     await peer.channel.send(Verdict(accepted=False, headline=headline, mismatches=tuple(mismatches)))

@@ -75,18 +75,19 @@ def _nbytes_text(n: int) -> str:
 class Limiter:
     """One resource (``rooms`` or ``bytes``) limited per peer and, optionally, in total."""
 
-    def __init__(self, resource: str, per_peer: tuple[str, int],
-                 total: tuple[str, int] | None = None, *, fix: str = "") -> None:
-        self.resource = resource                 # the metrics label
+    def __init__(
+        self, resource: str, per_peer: tuple[str, int], total: tuple[str, int] | None = None, *, fix: str = ""
+    ) -> None:
+        self.resource = resource  # the metrics label
         self.per_peer_name, self.per_peer = per_peer
-        self.total_name, self.total = total or ("", 0)   # 0: no total limit
-        self.fix = fix                           # what to look at besides the limits
-        self._in_use: dict[str, int] = {}        # peer -> amount granted (no zero entries)
+        self.total_name, self.total = total or ("", 0)  # 0: no total limit
+        self.fix = fix  # what to look at besides the limits
+        self._in_use: dict[str, int] = {}  # peer -> amount granted (no zero entries)
         # peers with waiters, in turn order (a dict keeps insertion order; served -> to the back)
         self._waiting: dict[str, deque[_Waiter]] = {}
         self._by_room: dict[int, set[_Waiter | Grant]] = {}
         self.in_use_total = 0
-        self.peak = 0                            # highest in_use_total so far
+        self.peak = 0  # highest in_use_total so far
         self.on_admitted: Callable[[str, float], None] = lambda resource, waited_s: None
         self.on_timeout: Callable[[str, str, float], None] = lambda resource, limit, waited_s: None
 
@@ -114,8 +115,7 @@ class Limiter:
         return not self.total or self.in_use_total == 0 or self.in_use_total + amount <= self.total
 
     # -- acquire / release ------------------------------------------------------------
-    async def acquire(self, peer: str, amount: int, room: int, deadline_s: float, *,
-                      what: str) -> Grant:
+    async def acquire(self, peer: str, amount: int, room: int, deadline_s: float, *, what: str) -> Grant:
         """Wait for ``amount`` under both limits; raises ``backpressure_timeout`` at
         ``deadline_s`` (time.monotonic), or ``aborted`` if :meth:`end_room` ends ``room``."""
         if not self._waiting and self._fits_peer(peer, amount) and self._fits_total(amount):
@@ -126,13 +126,12 @@ class Limiter:
         self._by_room.setdefault(room, set()).add(waiter)
         self._dispatch()
         if not waiter.future.done():
-            waiter.timer = loop.call_later(max(0.0, deadline_s - time.monotonic()),
-                                           self._expire, waiter)
+            waiter.timer = loop.call_later(max(0.0, deadline_s - time.monotonic()), self._expire, waiter)
         try:
             return await waiter.future
         except asyncio.CancelledError:
             self._withdraw(waiter)
-            if waiter.grant is not None:   # granted, but the caller went away before using it
+            if waiter.grant is not None:  # granted, but the caller went away before using it
                 self.release(waiter.grant)
             raise
 
@@ -160,8 +159,9 @@ class Limiter:
         # the room's own waiters leave could go to one of them
         for waiter in [i for i in items if isinstance(i, _Waiter)]:
             if self._withdraw(waiter, dispatch=False) and not waiter.future.done():
-                waiter.future.set_exception(PdTransferError(
-                    f"room {room} ended while waiting for {waiter.what}", code=Reason.ABORTED))
+                waiter.future.set_exception(
+                    PdTransferError(f"room {room} ended while waiting for {waiter.what}", code=Reason.ABORTED)
+                )
         for grant in [i for i in items if isinstance(i, Grant) and release]:
             grant.released = True
             self._forget(grant.room, grant)
@@ -175,11 +175,11 @@ class Limiter:
             for peer, queue in self._waiting.items():
                 head = queue[0]
                 if head.future.done():
-                    break     # cancelled, its task not yet told: drop it below
+                    break  # cancelled, its task not yet told: drop it below
                 if not self._fits_peer(peer, head.amount):
-                    continue          # that peer is at its own limit: the others go on
+                    continue  # that peer is at its own limit: the others go on
                 if not self._fits_total(head.amount):
-                    return            # first in turn for the total: nobody overtakes it
+                    return  # first in turn for the total: nobody overtakes it
                 break
             else:
                 return
@@ -189,7 +189,7 @@ class Limiter:
             queue.popleft()
             del self._waiting[peer]
             if queue:
-                self._waiting[peer] = queue   # back of the turn order
+                self._waiting[peer] = queue  # back of the turn order
             self._grant(head)
 
     def _grant(self, waiter: _Waiter) -> None:
@@ -220,7 +220,7 @@ class Limiter:
             waiter.timer.cancel()
         self._forget(waiter.room, waiter)
         if dispatch:
-            self._dispatch()   # a removed head may have blocked the others
+            self._dispatch()  # a removed head may have blocked the others
         return True
 
     def _forget(self, room: int, item: _Waiter | Grant) -> None:
@@ -233,7 +233,7 @@ class Limiter:
     def _expire(self, waiter: _Waiter) -> None:
         if waiter.future.done():
             return
-        error = self._timeout_error(waiter)   # before withdrawing: the queue as it stood
+        error = self._timeout_error(waiter)  # before withdrawing: the queue as it stood
         if self._withdraw(waiter):
             waiter.future.set_exception(error)
 
@@ -244,17 +244,20 @@ class Limiter:
         used = self._in_use.get(waiter.peer, 0)
         if ahead or not self._fits_peer(waiter.peer, waiter.amount) or not self.total:
             limit, value = self.per_peer_name, self.per_peer
-            state = (f"{waiter.peer} holds {self._show(used)} of {self._setting(limit, value)}"
-                     f"{f' and {ahead} earlier request(s) wait' if ahead else ''}")
+            state = (
+                f"{waiter.peer} holds {self._show(used)} of {self._setting(limit, value)}"
+                f"{f' and {ahead} earlier request(s) wait' if ahead else ''}"
+            )
         else:
             limit, value = self.total_name, self.total
-            state = (f"all peers hold {self._show(self.in_use_total)} of "
-                     f"{self._setting(limit, value)}")
+            state = f"all peers hold {self._show(self.in_use_total)} of {self._setting(limit, value)}"
         self.on_timeout(self.resource, limit, waited_s)
         return PdTransferError(
             f"waited {waited_s:.2f} s for {waiter.what}: {state}; raise {limit} or "
             f"admission_wait_s{f', or {self.fix}' if self.fix else ''}",
-            code=Reason.BACKPRESSURE_TIMEOUT, hint=f"raise {limit} or admission_wait_s")
+            code=Reason.BACKPRESSURE_TIMEOUT,
+            hint=f"raise {limit} or admission_wait_s",
+        )
 
 
 class Admission:
@@ -262,11 +265,17 @@ class Admission:
 
     def __init__(self, config) -> None:
         self.wait_s = config.admission_wait_s
-        self.rooms = Limiter("rooms", ("max_rooms_per_peer", config.max_rooms_per_peer),
-                             fix="find why rooms with that peer finish slowly")
-        self.nbytes = Limiter("bytes", ("max_inflight_nbytes", config.max_inflight_nbytes),
-                              ("max_inflight_nbytes_total", config.max_inflight_nbytes_total),
-                              fix="find why writes to that peer are slow")
+        self.rooms = Limiter(
+            "rooms",
+            ("max_rooms_per_peer", config.max_rooms_per_peer),
+            fix="find why rooms with that peer finish slowly",
+        )
+        self.nbytes = Limiter(
+            "bytes",
+            ("max_inflight_nbytes", config.max_inflight_nbytes),
+            ("max_inflight_nbytes_total", config.max_inflight_nbytes_total),
+            fix="find why writes to that peer are slow",
+        )
 
     def limiters(self) -> tuple[Limiter, ...]:
         return (self.rooms, self.nbytes)
@@ -277,14 +286,16 @@ class Admission:
     async def admit_room(self, peer: str, room) -> None:
         """Hold a room slot with ``peer`` until ``room`` ends (success or failure)."""
         self._watch(room)
-        await self.rooms.acquire(peer, 1, room.room, self.deadline_s(room),
-                                 what="a room slot")   # the text names the peer next
+        await self.rooms.acquire(
+            peer, 1, room.room, self.deadline_s(room), what="a room slot"
+        )  # the text names the peer next
 
     async def admit_nbytes(self, peer: str, room, nbytes: int) -> Grant:
         """Hold ``nbytes`` of in-flight budget to ``peer``; the caller releases the grant."""
         self._watch(room)
-        return await self.nbytes.acquire(peer, nbytes, room.room, self.deadline_s(room),
-                                         what=f"{_nbytes_text(nbytes)} to {peer}")
+        return await self.nbytes.acquire(
+            peer, nbytes, room.room, self.deadline_s(room), what=f"{_nbytes_text(nbytes)} to {peer}"
+        )
 
     def withdraw(self, room, peer: str) -> None:
         """Stop ``room``'s waits for ``peer`` now (an abort that must not wait for them)."""
@@ -292,11 +303,11 @@ class Admission:
             limiter.end_room(room.room, release=False, peer=peer)
 
     def _watch(self, room) -> None:
-        if room.terminal:   # its end hooks ran already: nothing would release what it gets
+        if room.terminal:  # its end hooks ran already: nothing would release what it gets
             raise PdTransferError(f"room {room.room} ended before admission", code=Reason.ABORTED)
         if self._room_ended not in room.on_end:
             room.on_end.append(self._room_ended)
 
     def _room_ended(self, room) -> None:
         self.rooms.end_room(room.room, release=True)
-        self.nbytes.end_room(room.room, release=False)   # a write in progress releases its own
+        self.nbytes.end_room(room.room, release=False)  # a write in progress releases its own

@@ -43,7 +43,7 @@ class Security:
     agent_id: str = ""
     handshake_timeout_s: float = 10.0
     nonces: NonceBook = field(default_factory=NonceBook)
-    on_failure: Callable[[str], None] = lambda reason: None   # reason code -> metrics
+    on_failure: Callable[[str], None] = lambda reason: None  # reason code -> metrics
 
     @classmethod
     def from_config(cls, config) -> Security:
@@ -61,15 +61,19 @@ class Security:
         if self.enabled:
             log.info("security: %s", self.settings.describe())
         else:
-            log.warning("security: INSECURE, %s (allow_insecure): any process that reaches this "
-                        "sidecar's ports may take or overwrite rooms' bytes; make a secret with "
-                        "`pd-transfer keygen --out DIR` and set secret_file", self.settings.describe())
+            log.warning(
+                "security: INSECURE, %s (allow_insecure): any process that reaches this "
+                "sidecar's ports may take or overwrite rooms' bytes; make a secret with "
+                "`pd-transfer keygen --out DIR` and set secret_file",
+                self.settings.describe(),
+            )
 
     def failed(self, error: PdTransferError, where: str = "") -> None:
         """Count and log a failed handshake (``where``: the listening socket and peer)."""
         self.on_failure(error.code.value)
-        log.warning("%sauthentication failed [%s]: %s", f"{where}: " if where else "",
-                    error.code.value, error.message)
+        log.warning(
+            "%sauthentication failed [%s]: %s", f"{where}: " if where else "", error.code.value, error.message
+        )
 
     # -- sockets ------------------------------------------------------------------------
     def listening(self, socket: zmq.Socket) -> None:
@@ -93,7 +97,7 @@ class Security:
         if self.enabled:
             socket.setsockopt(zmq.ROUTING_ID, new_routing_id())
         if self.settings.curve_server_key:
-            public, secret = zmq.curve_keypair()   # throwaway: CURVE does not say who connects
+            public, secret = zmq.curve_keypair()  # throwaway: CURVE does not say who connects
             socket.curve_publickey, socket.curve_secretkey = public, secret
             socket.curve_serverkey = self.settings.curve_server_key.encode()
 
@@ -104,7 +108,7 @@ DISABLED = Security()
 class SecureContext(zmq.asyncio.Context):
     """The sidecar's context: sockets made from it find the sidecar's :class:`Security`."""
 
-    security: Security = DISABLED   # pyzmq contexts keep attributes declared on the class
+    security: Security = DISABLED  # pyzmq contexts keep attributes declared on the class
 
     def __init__(self, security: Security) -> None:
         super().__init__()
@@ -115,8 +119,9 @@ def security_of(context: zmq.asyncio.Context) -> Security:
     return getattr(context, "security", DISABLED)
 
 
-async def authenticate(socket: zmq.asyncio.Socket, security: Security, peer: str,
-                       timeout_s: float | None = None) -> None:
+async def authenticate(
+    socket: zmq.asyncio.Socket, security: Security, peer: str, timeout_s: float | None = None
+) -> None:
     """Run the connecting side's handshake on ``socket`` (a DEALER).
 
     Raises AuthError when either side refuses (counted), PdTransferError
@@ -129,14 +134,16 @@ async def authenticate(socket: zmq.asyncio.Socket, security: Security, peer: str
     while not handshake.done:
         remaining_ms = (deadline - time.monotonic()) * 1000
         if remaining_ms <= 0 or not await socket.poll(remaining_ms):
-            raise PdTransferError(f"{peer}: no answer to the authentication handshake within "
-                                  f"{timeout_s:.1f} s", code=Reason.TIMEOUT)
+            raise PdTransferError(
+                f"{peer}: no answer to the authentication handshake within {timeout_s:.1f} s",
+                code=Reason.TIMEOUT,
+            )
         try:
             reply = handshake.receive(await socket.recv())
         except AuthError as err:
             if err.reply is not None:
-                await socket.send(err.reply)   # tell the listener why: it counts it too
-            security.failed(err)   # its message names the peer
+                await socket.send(err.reply)  # tell the listener why: it counts it too
+            security.failed(err)  # its message names the peer
             raise
         if reply is not None:
             await socket.send(reply)
@@ -153,9 +160,15 @@ class Doorman:
     before the handshake, in the socket's own protocol.
     """
 
-    def __init__(self, socket: zmq.asyncio.Socket, security: Security, where: str,
-                 unauthenticated_reply: UnauthenticatedReply, *,
-                 on_bad_frame: Callable[[str], None] = lambda reason: None) -> None:
+    def __init__(
+        self,
+        socket: zmq.asyncio.Socket,
+        security: Security,
+        where: str,
+        unauthenticated_reply: UnauthenticatedReply,
+        *,
+        on_bad_frame: Callable[[str], None] = lambda reason: None,
+    ) -> None:
         self._socket = socket
         self._security = security
         self._gate = security.gate()

@@ -40,8 +40,13 @@ log = logging.getLogger(__name__)
 class BootstrapServer:
     """Rank 0's table of prefill ranks, served on its own ROUTER."""
 
-    def __init__(self, context: zmq.asyncio.Context, address: str,
-                 on_bad_frame=lambda reason: None, on_closed=lambda socket: None) -> None:
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        address: str,
+        on_bad_frame=lambda reason: None,
+        on_closed=lambda socket: None,
+    ) -> None:
         self._on_bad_frame = on_bad_frame
         security = security_of(context)
         self.socket = context.socket(zmq.ROUTER)
@@ -57,10 +62,20 @@ class BootstrapServer:
         self.entries: dict[tuple[int, int], RankEntry] = {}
         self.expected = 0
         self.bad_frames = 0
-        self._doorman = Doorman(self.socket, security, f"bootstrap {self.address}", close_reply,
-                                on_bad_frame=self._count_bad_frame)
-        self.watch = ConnectionWatch(self.socket, "bootstrap", f"bootstrap {self.address}",
-                                     on_closed=on_closed, on_bad_frame=self._count_bad_frame)
+        self._doorman = Doorman(
+            self.socket,
+            security,
+            f"bootstrap {self.address}",
+            close_reply,
+            on_bad_frame=self._count_bad_frame,
+        )
+        self.watch = ConnectionWatch(
+            self.socket,
+            "bootstrap",
+            f"bootstrap {self.address}",
+            on_closed=on_closed,
+            on_bad_frame=self._count_bad_frame,
+        )
 
     def _count_bad_frame(self, reason: str) -> None:
         self.bad_frames += 1
@@ -77,9 +92,15 @@ class BootstrapServer:
         known = self.entries.get((entry.geometry.pp_rank, entry.geometry.tp_rank))
         self.add(entry)
         level = logging.DEBUG if known == entry else logging.INFO
-        log.log(level, "bootstrap: %s %s at %s (%d/%d ranks)", entry.geometry.rank_id,
-                "announced" if known is None else "announced again" if known == entry
-                else "changed", entry.control_address, len(self.entries), self.expected)
+        log.log(
+            level,
+            "bootstrap: %s %s at %s (%d/%d ranks)",
+            entry.geometry.rank_id,
+            "announced" if known is None else "announced again" if known == entry else "changed",
+            entry.control_address,
+            len(self.entries),
+            self.expected,
+        )
 
     def table(self) -> RankTable:
         entries = tuple(self.entries[k] for k in sorted(self.entries))
@@ -107,8 +128,9 @@ class BootstrapServer:
                 self._count_bad_frame(err.code.value)
                 log.warning("bootstrap: bad frame: %s", err)
                 if err.code is Reason.UNKNOWN_MESSAGE:  # e.g. a handshake, with auth off here
-                    await self.socket.send_multipart([identity, encode(Close(
-                        reason=err.code, reason_text=clip_text(err.message)))])
+                    await self.socket.send_multipart(
+                        [identity, encode(Close(reason=err.code, reason_text=clip_text(err.message)))]
+                    )
                 continue
             if isinstance(message, Announce):
                 self._announced(message.entry)
@@ -121,9 +143,15 @@ class BootstrapServer:
         self.socket.close(linger=0)
 
 
-async def fetch_table(context: zmq.asyncio.Context, address: str, agent_id: str,
-                      timeout_s: float, announce: RankEntry | None = None,
-                      poll_interval_s: float = 0.05, until_complete: bool = True) -> RankTable:
+async def fetch_table(
+    context: zmq.asyncio.Context,
+    address: str,
+    agent_id: str,
+    timeout_s: float,
+    announce: RankEntry | None = None,
+    poll_interval_s: float = 0.05,
+    until_complete: bool = True,
+) -> RankTable:
     """Ask ``address`` for the rank table until it is complete or ``timeout_s`` passes.
 
     ``until_complete`` False returns the first table: with ``announce``, proof
@@ -150,12 +178,14 @@ async def fetch_table(context: zmq.asyncio.Context, address: str, agent_id: str,
                 try:
                     reply = decode(await socket.recv())
                 except ProtocolError as err:
-                    raise PdTransferError(f"bootstrap {address} sent a bad frame: {err}",
-                                          code=Reason.BOOTSTRAP_FAILED) from None
+                    raise PdTransferError(
+                        f"bootstrap {address} sent a bad frame: {err}", code=Reason.BOOTSTRAP_FAILED
+                    ) from None
                 if isinstance(reply, Close):
-                    raise PdTransferError(f"bootstrap {address} refused the request: "
-                                          f"{reply.reason_text or 'no reason given'}",
-                                          code=reply.reason or Reason.BOOTSTRAP_FAILED)
+                    raise PdTransferError(
+                        f"bootstrap {address} refused the request: {reply.reason_text or 'no reason given'}",
+                        code=reply.reason or Reason.BOOTSTRAP_FAILED,
+                    )
                 if isinstance(reply, RankTable):
                     last = reply
                     if reply.complete or not until_complete:
@@ -169,11 +199,11 @@ async def fetch_table(context: zmq.asyncio.Context, address: str, agent_id: str,
     raise _incomplete(address, timeout_s, last)
 
 
-async def _authenticate(socket: zmq.asyncio.Socket, security: Security, address: str,
-                        deadline: float, timeout_s: float) -> None:
+async def _authenticate(
+    socket: zmq.asyncio.Socket, security: Security, address: str, deadline: float, timeout_s: float
+) -> None:
     try:
-        await authenticate(socket, security, f"bootstrap {address}",
-                           max(0.0, deadline - time.monotonic()))
+        await authenticate(socket, security, f"bootstrap {address}", max(0.0, deadline - time.monotonic()))
     except AuthError:
         socket.close(linger=REFUSAL_LINGER_MS)  # let our refusal, if any, reach the listener
         raise
@@ -186,6 +216,8 @@ def _incomplete(address: str, timeout_s: float, last: RankTable) -> PdTransferEr
         detail = f"{len(last.entries)} of {last.expected} prefill ranks registered"
     else:
         detail = "no answer" if not last.entries else "the table is empty"
-    return PdTransferError(f"bootstrap {address}: rank table incomplete after {timeout_s:.1f} s "
-                           f"({detail})", code=Reason.BOOTSTRAP_FAILED,
-                           hint="check that every prefill rank's sidecar and worker are running")
+    return PdTransferError(
+        f"bootstrap {address}: rank table incomplete after {timeout_s:.1f} s ({detail})",
+        code=Reason.BOOTSTRAP_FAILED,
+        hint="check that every prefill rank's sidecar and worker are running",
+    )

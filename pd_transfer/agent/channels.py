@@ -40,7 +40,7 @@ def _without_frames(err: PdTransferError) -> PdTransferError:
     """``err`` kept past its handler: without its traceback, whose frames hold the peer's
     frame (up to 16 MiB) and this channel, a cycle only the garbage collector would free:
     a peer sending bad frames fast would make the sidecar hold dozens of them."""
-    err.__context__ = err.__cause__ = None   # (a chained error's traceback holds them too)
+    err.__context__ = err.__cause__ = None  # (a chained error's traceback holds them too)
     return err.with_traceback(None)
 
 
@@ -49,9 +49,9 @@ class Channel:
 
     def __init__(self, session: Session, label: str) -> None:
         self.session = session
-        self.label = label            # who the peer is, for logs and reasons
+        self.label = label  # who the peer is, for logs and reasons
         self.peer_agent_id = ""
-        self.proven_agent_id = ""     # the agent id the peer's handshake proved ('' auth off)
+        self.proven_agent_id = ""  # the agent id the peer's handshake proved ('' auth off)
         self.last_heard_s = time.monotonic()
         # when this side last sent the peer a frame: a peer that heard nothing from us for
         # longer than its heartbeat limit (this process was stopped) has dropped the session
@@ -62,7 +62,7 @@ class Channel:
         self.silent_gap_s = 0.0
         self.bad_frames = 0
         self.closed = False
-        self.peer_rank = ""           # the peer's rank id once known
+        self.peer_rank = ""  # the peer's rank id once known
         # since when (time.monotonic) ZeroMQ reports the connection down; None while it is
         # up, and always on the listening side (a ROUTER's events do not name the peer)
         self.disconnected_s: float | None = None
@@ -71,7 +71,7 @@ class Channel:
         # on_refused(channel) is called then, once the session is dropped
         self.refusal: PdTransferError | None = None
         self.on_refused: Callable[[Channel], None] = lambda channel: None
-        self.last_beat_s = 0.0        # when the sidecar's timers last sent it a heartbeat
+        self.last_beat_s = 0.0  # when the sidecar's timers last sent it a heartbeat
 
     async def send(self, message: Message) -> None:
         frame = self.session.send(message)
@@ -144,8 +144,7 @@ class OutgoingChannel(Channel):
     async def _write(self, frame: bytes) -> None:
         if not self._authenticated.is_set():
             if self._reader is None:
-                raise PdTransferError(f"peer {self.label}: send before start()",
-                                      code=Reason.SESSION_CLOSED)
+                raise PdTransferError(f"peer {self.label}: send before start()", code=Reason.SESSION_CLOSED)
             await self._authenticated.wait()
         if self.auth_error is not None:
             raise self.auth_error
@@ -194,8 +193,9 @@ class OutgoingChannel(Channel):
         """Stop the session; ``linger_ms`` lets frames already sent (a Close) leave first."""
         self.closed = True
         if not self._authenticated.is_set():  # release senders waiting for the handshake
-            self.auth_error = PdTransferError(f"peer {self.label}: closed before authenticating",
-                                              code=Reason.SESSION_CLOSED)
+            self.auth_error = PdTransferError(
+                f"peer {self.label}: closed before authenticating", code=Reason.SESSION_CLOSED
+            )
             self._authenticated.set()
         for task in (self._reader, self._watcher):
             if task is not None:
@@ -223,10 +223,17 @@ class IncomingChannel(Channel):
 class IncomingChannels:
     """The ROUTER prefill listens on; a session per connecting decode peer."""
 
-    def __init__(self, context: zmq.asyncio.Context, host: str, port: int, role: Role, *,
-                 on_bad_frame: Callable[[str], None] = lambda reason: None,
-                 on_refused: Callable[[IncomingChannel], None] = lambda channel: None,
-                 on_closed: Callable[[str], None] = lambda socket: None) -> None:
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        host: str,
+        port: int,
+        role: Role,
+        *,
+        on_bad_frame: Callable[[str], None] = lambda reason: None,
+        on_refused: Callable[[IncomingChannel], None] = lambda channel: None,
+        on_closed: Callable[[str], None] = lambda socket: None,
+    ) -> None:
         self._on_bad_frame = on_bad_frame
         self._on_refused = on_refused
         security = security_of(context)
@@ -240,12 +247,14 @@ class IncomingChannels:
         else:
             port = self.socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
-        self._doorman = Doorman(self.socket, security, f"control {self.address}", close_reply,
-                                on_bad_frame=on_bad_frame)
+        self._doorman = Doorman(
+            self.socket, security, f"control {self.address}", close_reply, on_bad_frame=on_bad_frame
+        )
         self._role = role
         self.channels: dict[bytes, IncomingChannel] = {}
-        self.watch = ConnectionWatch(self.socket, "control", f"control {self.address}",
-                                     on_closed=on_closed, on_bad_frame=on_bad_frame)
+        self.watch = ConnectionWatch(
+            self.socket, "control", f"control {self.address}", on_closed=on_closed, on_bad_frame=on_bad_frame
+        )
 
     async def serve(self, on_message: OnMessage) -> None:
         watching = asyncio.create_task(self.watch.run())
@@ -274,8 +283,8 @@ class IncomingChannels:
             except Exception:
                 log.exception("peer %s: handler failed", channel.label)
             if channel.refusal is not None:  # this side sent a Close: forget the session (a
-                channel.close()                 # peer sending bad frames, each from a new
-                channel.on_refused(channel)     # identity, must not pile sessions up)
+                channel.close()  # peer sending bad frames, each from a new
+                channel.on_refused(channel)  # identity, must not pile sessions up)
 
     def close(self) -> None:
         self.socket.close(linger=0)

@@ -33,8 +33,10 @@ def chunk_refusal(config, room) -> str:
     limit = config.max_chunks_per_room
     if len(room.chunks) < limit:
         return ""
-    return (f"room {room.room}: more than max_chunks_per_room={limit} chunks (send calls); "
-            f"send fewer, larger chunks or raise max_chunks_per_room")
+    return (
+        f"room {room.room}: more than max_chunks_per_room={limit} chunks (send calls); "
+        f"send fewer, larger chunks or raise max_chunks_per_room"
+    )
 
 
 def chunk_requests(room, target, index: int) -> dict:
@@ -54,11 +56,13 @@ def chunk_requests(room, target, index: int) -> dict:
         return requests
     end = target.kv_cursor + len(src_kv)
     if end > len(dst_kv) or (last and end != len(dst_kv)):
-        raise PdTransferError(f"prefill sends {end if end > len(dst_kv) else end} kv page(s) but "
-                              f"decode allocated {len(dst_kv)}; refused rather than truncated",
-                              code=Reason.INDEX_COUNT_MISMATCH)
+        raise PdTransferError(
+            f"prefill sends {end if end > len(dst_kv) else end} kv page(s) but "
+            f"decode allocated {len(dst_kv)}; refused rather than truncated",
+            code=Reason.INDEX_COUNT_MISMATCH,
+        )
     if len(src_kv):
-        requests[Pool.KV] = (src_kv, dst_kv[target.kv_cursor:end])
+        requests[Pool.KV] = (src_kv, dst_kv[target.kv_cursor : end])
     if last:
         requests.update(_last_pools(chunk, target, planner, len(src_kv)))
     return requests
@@ -73,14 +77,16 @@ def _last_pools(chunk, target, planner, num_chunk_kv: int) -> dict:
         if src is None and dst is None:
             continue
         if pool is Pool.SWA and swa_sizes is not None and src is not None and dst is not None:
-            requests[pool] = _swa_span(src, dst, target.kv_cursor + num_chunk_kv,
-                                       len(target.dst.get(Pool.KV, ())), swa_sizes)
+            requests[pool] = _swa_span(
+                src, dst, target.kv_cursor + num_chunk_kv, len(target.dst.get(Pool.KV, ())), swa_sizes
+            )
             continue
         if src is None or dst is None or len(src) != len(dst):
             raise PdTransferError(
                 f"{pool.value}: prefill sends {0 if src is None else len(src)} index(es), "
                 f"decode expects {0 if dst is None else len(dst)}",
-                code=Reason.INDEX_COUNT_MISMATCH)
+                code=Reason.INDEX_COUNT_MISMATCH,
+            )
         requests[pool] = (src, dst)
     # aux goes last: its arrival means everything before it landed
     if Pool.AUX in requests:
@@ -88,8 +94,9 @@ def _last_pools(chunk, target, planner, num_chunk_kv: int) -> dict:
     return requests
 
 
-def _kv_span(cursor: int, src_kv: np.ndarray, dst_kv: np.ndarray, sizes: tuple[int, int],
-             last: bool) -> TokenSpan:
+def _kv_span(
+    cursor: int, src_kv: np.ndarray, dst_kv: np.ndarray, sizes: tuple[int, int], last: bool
+) -> TokenSpan:
     """The tokens of one chunk when page sizes differ (see the module docstring).
 
     prefill 16, decode 64, a chunk of 3 pages after 5: tokens 80-127, decode
@@ -101,24 +108,29 @@ def _kv_span(cursor: int, src_kv: np.ndarray, dst_kv: np.ndarray, sizes: tuple[i
         raise PdTransferError(
             f"prefill sends {cursor + len(src_kv)} kv page(s) of {src_size} tokens but decode "
             f"allocated {len(dst_kv)} of {dst_size}: no token count fills both; refused rather "
-            f"than truncated", code=Reason.INDEX_COUNT_MISMATCH)
+            f"than truncated",
+            code=Reason.INDEX_COUNT_MISMATCH,
+        )
     if not last and end > len(dst_kv) * dst_size:
         raise PdTransferError(
             f"prefill sends {end} tokens ({cursor + len(src_kv)} kv pages of {src_size}) but "
             f"decode allocated {len(dst_kv)} pages of {dst_size} ({len(dst_kv) * dst_size} "
-            f"tokens); refused rather than truncated", code=Reason.INDEX_COUNT_MISMATCH)
+            f"tokens); refused rather than truncated",
+            code=Reason.INDEX_COUNT_MISMATCH,
+        )
     low, high = first // dst_size, min(len(dst_kv), -(-end // dst_size))
     return TokenSpan(src_kv, dst_kv[low:high], first, low * dst_size)
 
 
-def _swa_span(src: np.ndarray, dst: np.ndarray, src_kv_pages: int, dst_kv_pages: int,
-              sizes: tuple[int, int]) -> TokenSpan:
+def _swa_span(
+    src: np.ndarray, dst: np.ndarray, src_kv_pages: int, dst_kv_pages: int, sizes: tuple[int, int]
+) -> TokenSpan:
     """SWA window pages placed to end with each side's last KV page (same page size per side)."""
     if len(src) > src_kv_pages or len(dst) > dst_kv_pages:
         raise PdTransferError(
             f"swa: {len(src)} prefill and {len(dst)} decode window pages, but the request holds "
             f"{src_kv_pages} and {dst_kv_pages} kv pages: with different page sizes the window "
             f"pages are placed by the request's kv pages, so send those too",
-            code=Reason.INDEX_COUNT_MISMATCH)
-    return TokenSpan(src, dst, (src_kv_pages - len(src)) * sizes[0],
-                     (dst_kv_pages - len(dst)) * sizes[1])
+            code=Reason.INDEX_COUNT_MISMATCH,
+        )
+    return TokenSpan(src, dst, (src_kv_pages - len(src)) * sizes[0], (dst_kv_pages - len(dst)) * sizes[1])

@@ -69,31 +69,41 @@ class DeviceLink:
 
 
 class DataPlane:
-    def __init__(self, config: SidecarConfig, context: zmq.asyncio.Context,
-                 on_bad_frame: Callable[[str], None] = lambda reason: None,
-                 on_connection_closed: Callable[[str], None] = lambda socket: None) -> None:
+    def __init__(
+        self,
+        config: SidecarConfig,
+        context: zmq.asyncio.Context,
+        on_bad_frame: Callable[[str], None] = lambda reason: None,
+        on_connection_closed: Callable[[str], None] = lambda socket: None,
+    ) -> None:
         self.config = config
         self.context = context
-        self._on_bad_frame = on_bad_frame   # frames the tcp receiver refused unread
-        self._on_connection_closed = on_connection_closed   # the tcp receiver's ended connections
+        self._on_bad_frame = on_bad_frame  # frames the tcp receiver refused unread
+        self._on_connection_closed = on_connection_closed  # the tcp receiver's ended connections
         self.local_regions: dict = {}
         self.on_device = False
         self._segments: list[Segment] = []
-        self._local_truncated: SegmentTruncated | None = None   # sticky: its pages are zeros
+        self._local_truncated: SegmentTruncated | None = None  # sticky: its pages are zeros
         self._shm = ShmTransport(CopyEngine(num_workers=config.copy_threads))
         # test only (fault_corrupt_nth): shm flips a byte after landing, tcp in the payload
         self._corrupt = CorruptNth(config.fault_corrupt_nth) if config.fault_corrupt_nth else None
         # plain sockets, or ZeroMQ when CURVE is configured (it encrypts): see tcp_plane
-        self._tcp = tcp_transport(config, context,
-                                  self._corrupt.payload if self._corrupt else None)
-        self._receiver = None   # TcpReceiver or ZmqTcpReceiver (decode)
+        self._tcp = tcp_transport(config, context, self._corrupt.payload if self._corrupt else None)
+        self._receiver = None  # TcpReceiver or ZmqTcpReceiver (decode)
         self._geometry: RankGeometry | None = None
         self._device_links: list[DeviceLink] = []
         # transport mooncake or nixl: the engine writes (prefill) or receives (decode) everything
-        self._engine = make_transport(config.transport, host=config.data_host,
-                                      port=config.data_port, protocol=config.mooncake_protocol,
-                                      staging=staging_options(config, context)) \
-            if config.transport in ENGINES else None
+        self._engine = (
+            make_transport(
+                config.transport,
+                host=config.data_host,
+                port=config.data_port,
+                protocol=config.mooncake_protocol,
+                staging=staging_options(config, context),
+            )
+            if config.transport in ENGINES
+            else None
+        )
         self._engine_receiver = None
 
     @property
@@ -113,23 +123,30 @@ class DataPlane:
         regions, segments, on_device = await asyncio.to_thread(_open_local, geometry, handles)
         self._segments, self.local_regions = segments, regions
         if segments and not shm_guard.available():
-            log.warning("mapped segments are not watched for SIGBUS (%s): a segment truncated "
-                        "under its mapping kills this sidecar", shm_guard.why_unavailable())
+            log.warning(
+                "mapped segments are not watched for SIGBUS (%s): a segment truncated "
+                "under its mapping kills this sidecar",
+                shm_guard.why_unavailable(),
+            )
         self.on_device = self.on_device or on_device
-        if geometry.role is Role.DECODE and self.config.transport in ("auto", "tcp") \
-                and not self.on_device:
-            self._receiver = tcp_receiver(self.config, self.local_regions, self.context,
-                                          self._on_bad_frame, self._on_connection_closed)
+        if geometry.role is Role.DECODE and self.config.transport in ("auto", "tcp") and not self.on_device:
+            self._receiver = tcp_receiver(
+                self.config, self.local_regions, self.context, self._on_bad_frame, self._on_connection_closed
+            )
             self._geometry = geometry
             await self._receiver.start()
         if geometry.role is Role.DECODE and self._engine is not None and not self.on_device:
             if self._engine_receiver is not None:  # re-registered: the old regions go
                 await self._engine_receiver.stop()
             self._engine_receiver = make_receiver(
-                self.config.transport, self.local_regions, host=self.config.data_host,
-                port=self.config.data_port, protocol=self.config.mooncake_protocol,
+                self.config.transport,
+                self.local_regions,
+                host=self.config.data_host,
+                port=self.config.data_port,
+                protocol=self.config.mooncake_protocol,
                 transport=self._engine,  # one engine per sidecar, started before serving
-                staging=receiver_staging(self.config, self.context, self._on_bad_frame))
+                staging=receiver_staging(self.config, self.context, self._on_bad_frame),
+            )
             await self._engine_receiver.start()
 
     async def unmap_local(self) -> None:
@@ -188,7 +205,9 @@ class DataPlane:
             raise PdTransferError(
                 f"transport shm needs the decode peer on this host with published region handles "
                 f"(peer host {register.host_id!r}, this host {self.config.host_id!r})",
-                code=Reason.TRANSPORT_FAILED, hint="use --transport tcp or auto across hosts")
+                code=Reason.TRANSPORT_FAILED,
+                hint="use --transport tcp or auto across hosts",
+            )
         sizes = {r.id: r.nbytes for r in register.geometry.regions}
         peer_id = register.geometry.rank_id
         if self.on_device and (self._engine is not None or not use_shm):
@@ -197,43 +216,55 @@ class DataPlane:
                 f"(peer {peer_id}: transport {'shm' if use_shm else wanted}, "
                 f"peer host {register.host_id!r}, this host {self.config.host_id!r})",
                 code=Reason.TRANSPORT_UNSUPPORTED,
-                hint="run the peers on one host with transport shm or auto, or register host pools")
+                hint="run the peers on one host with transport shm or auto, or register host pools",
+            )
         try:
             if self._engine is not None:
-                return await self._engine.connect(PeerEndpoint.from_maps(peer_id, sizes, None,
-                                                                         register.data_address))
+                return await self._engine.connect(
+                    PeerEndpoint.from_maps(peer_id, sizes, None, register.data_address)
+                )
             if use_shm and any(cuda_ipc.is_cuda_handle(h) for h in handles.values()):
                 regions = await asyncio.to_thread(  # the first handle initializes CUDA
-                    lambda: {r: cuda_ipc.open_handle(handles[r], n)[:n] for r, n in sizes.items()})
+                    lambda: {r: cuda_ipc.open_handle(handles[r], n)[:n] for r, n in sizes.items()}
+                )
                 link = DeviceLink(peer_id, regions)
                 self._device_links.append(link)
                 return link
             if use_shm:
                 return await self._shm.connect(PeerEndpoint.from_maps(peer_id, sizes, handles))
-            return await self._tcp.connect(PeerEndpoint.from_maps(peer_id, sizes, None,
-                                                                  register.data_address))
+            return await self._tcp.connect(
+                PeerEndpoint.from_maps(peer_id, sizes, None, register.data_address)
+            )
         except TransportError as err:
-            raise PdTransferError(f"cannot reach {peer_id}: {err.message}",
-                                  code=Reason.TRANSPORT_FAILED, hint=err.hint) from None
+            raise PdTransferError(
+                f"cannot reach {peer_id}: {err.message}", code=Reason.TRANSPORT_FAILED, hint=err.hint
+            ) from None
 
     def doorbells(self, link, name: str) -> Doorbells | None:
         """The decode peer's doorbells (named in its Register), mapped when this link writes
         into its memory in place (shm, CUDA IPC) and doorbells are on; else None."""
-        if not (name and self.config.doorbell and DOORBELLS_AVAILABLE
-                and isinstance(link, (ShmLink, DeviceLink))):
+        if not (
+            name and self.config.doorbell and DOORBELLS_AVAILABLE and isinstance(link, (ShmLink, DeviceLink))
+        ):
             return None
         try:
             return Doorbells.open(name)
         except PdTransferError as err:  # not fatal: its rooms end through Done alone
-            log.warning("cannot map the doorbells of %s: %s", link.peer_id if isinstance(
-                link, DeviceLink) else link.peer.peer_id, err.message)
+            log.warning(
+                "cannot map the doorbells of %s: %s",
+                link.peer_id if isinstance(link, DeviceLink) else link.peer.peer_id,
+                err.message,
+            )
             return None
 
     def strategies(self, link, planner) -> dict:
         """``{pool: Decision}``: how each pool moves over ``link`` (set on engine links);
         see :mod:`.strategies`. Report it in the verdict, metrics and log."""
-        kind = "device" if isinstance(link, DeviceLink) else \
-            getattr(getattr(link, "transport", None), "name", "")
+        kind = (
+            "device"
+            if isinstance(link, DeviceLink)
+            else getattr(getattr(link, "transport", None), "name", "")
+        )
         return choose_strategies(link, planner, StrategyMode(self.config.strategy), kind)
 
     async def write(self, link, plan, room: int, generation: int) -> int:
@@ -261,9 +292,11 @@ class DataPlane:
         peer = [s.name for s in getattr(link, "segments", {}).values() if s.shrunk()]
         if local or peer:
             whose = "this sidecar's worker" if local else f"peer {link.peer.peer_id}"
-            raise SegmentTruncated(f"{whose} truncated its segment(s) {(local or peer)[:3]} "
-                                   f"after registering them; nothing was copied",
-                                   local=bool(local))
+            raise SegmentTruncated(
+                f"{whose} truncated its segment(s) {(local or peer)[:3]} "
+                f"after registering them; nothing was copied",
+                local=bool(local),
+            )
 
     def local_truncated(self) -> SegmentTruncated | None:
         """Why this worker's mapped pools can no longer be trusted (a segment of them was
@@ -284,9 +317,11 @@ class DataPlane:
         if local:
             self._local_truncated = SegmentTruncated(
                 f"this sidecar's worker truncated its segment(s) {local[:3]} under the mapping "
-                f"after registering them; what they held is lost here", local=True,
+                f"after registering them; what they held is lost here",
+                local=True,
                 hint="a worker must keep its pools' segments at their registered size; "
-                     "restart the worker and its sidecar")
+                "restart the worker and its sidecar",
+            )
             log.error("%s", self._local_truncated.message)
             raise self._local_truncated
         peer = [s.name for s in getattr(link, "segments", {}).values() if s.truncated]
@@ -295,9 +330,10 @@ class DataPlane:
         if peer:
             raise SegmentTruncated(
                 f"peer {link.peer.peer_id} truncated its segment(s) {peer[:3]} under this "
-                f"sidecar's mapping after registering them", local=False,
-                hint="the peer must keep its segments at their registered size; its session "
-                     "is closed")
+                f"sidecar's mapping after registering them",
+                local=False,
+                hint="the peer must keep its segments at their registered size; its session is closed",
+            )
 
     async def _write(self, link, plan, room: int, generation: int) -> int:
         try:
@@ -305,11 +341,15 @@ class DataPlane:
                 # CUDA on either side: torch copies (device to device, or to / from the
                 # peer's shared memory, which a ShmLink also offers as host tensors)
                 return await asyncio.to_thread(
-                    execute_on_device, plan, self.local_regions,
-                    link.tensors if isinstance(link, ShmLink) else link.regions)
+                    execute_on_device,
+                    plan,
+                    self.local_regions,
+                    link.tensors if isinstance(link, ShmLink) else link.regions,
+                )
             transport = link.transport
-            nbytes = await transport.write(link, plan, self.local_regions, room=str(room),
-                                           generation=generation)
+            nbytes = await transport.write(
+                link, plan, self.local_regions, room=str(room), generation=generation
+            )
             if self._corrupt is not None and isinstance(link, ShmLink):
                 self._corrupt.landed(plan, link.mapped)
             return nbytes

@@ -58,8 +58,8 @@ class DecodeRoom(Room):
     done_from: set[str] = field(default_factory=set)
     acks: set[str] = field(default_factory=set)
     instance: PrefillInstance | None = None
-    bell: tuple[int, int] | None = None   # doorbell (slot, token)
-    requested: bool = False               # a TransferRequest went to a prefill rank
+    bell: tuple[int, int] | None = None  # doorbell (slot, token)
+    requested: bool = False  # a TransferRequest went to a prefill rank
 
 
 class DecodeSide:
@@ -67,7 +67,7 @@ class DecodeSide:
         self.sidecar = sidecar
         self.bells = RoomBells(sidecar.config, sidecar.observe)
         self.prefill = PrefillInstances(sidecar, self.bells, self._on_room_message, self._on_peer_lost)
-        self.claims = Claims()   # the destination pages and slots of the live rooms
+        self.claims = Claims()  # the destination pages and slots of the live rooms
 
     @property
     def config(self):
@@ -77,8 +77,7 @@ class DecodeSide:
     async def on_worker_op(self, op: WorkerOp, request: dict, pools: dict[Pool, np.ndarray]) -> dict:
         if op is WorkerOp.EXPECT:
             return await self.on_expect(request, pools)
-        raise PdTransferError(f"{op.value} is not available on a decode sidecar",
-                              code=Reason.BAD_FRAME)
+        raise PdTransferError(f"{op.value} is not available on a decode sidecar", code=Reason.BAD_FRAME)
 
     async def end_room(self, room: DecodeRoom, reason: Reason, text: str) -> None:
         self._fail(room, reason, text)
@@ -98,8 +97,7 @@ class DecodeSide:
     async def on_expect(self, request: dict, pools: dict[Pool, np.ndarray]) -> dict:
         existing = self.sidecar.rooms.get(request["room"])
         if existing is not None and not existing.terminal:
-            raise PdTransferError(f"room {request['room']} is already expected",
-                                  code=Reason.DUPLICATE_ROOM)
+            raise PdTransferError(f"room {request['room']} is already expected", code=Reason.DUPLICATE_ROOM)
         # refused here, with the field: never accepted to fail later at its timeout
         check_indices(pools, self.sidecar.geometry, side="destination", unique=True)
         # a room whose writers all rang has succeeded, and its worker may have seen the
@@ -109,7 +107,9 @@ class DecodeSide:
             if isinstance(other, DecodeRoom) and self.bells.rung(other):
                 self._succeed(other)
         self.claims.claim(request["room"], pools)
-        room = DecodeRoom(request["room"], self.sidecar.next_generation(), bootstrap=request["bootstrap"], dst=pools)
+        room = DecodeRoom(
+            request["room"], self.sidecar.next_generation(), bootstrap=request["bootstrap"], dst=pools
+        )
         room.on_end.append(lambda ended: self.claims.release(ended.room, ended.dst))
         # a little longer than resolving may take, so its own, more precise error wins
         room.deadline_s = time.monotonic() + self.config.bootstrap_timeout_s * 1.25 + 0.5
@@ -130,8 +130,12 @@ class DecodeSide:
             self._fail(room, err.code, f"room {room.room}: {err.message}", drained=not room.requested)
         except Exception as err:  # a bug here: the room still ends now, with what it was
             log.exception("decode: room %s: internal error", room.room)
-            self._fail(room, Reason.TRANSPORT_FAILED, f"room {room.room}: internal error in the "
-                       f"decode sidecar: {err!r}", drained=not room.requested)
+            self._fail(
+                room,
+                Reason.TRANSPORT_FAILED,
+                f"room {room.room}: internal error in the decode sidecar: {err!r}",
+                drained=not room.requested,
+            )
 
     async def _request(self, room: DecodeRoom) -> None:
         try:
@@ -140,8 +144,12 @@ class DecodeSide:
             self._fail(room, err.code, f"room {room.room}: {err.message}", drained=True)
             return
         except Exception as err:  # e.g. a bad address: report it on the room
-            self._fail(room, Reason.BOOTSTRAP_FAILED, f"room {room.room}: bootstrap "
-                       f"{room.bootstrap} failed: {err!r}", drained=True)
+            self._fail(
+                room,
+                Reason.BOOTSTRAP_FAILED,
+                f"room {room.room}: bootstrap {room.bootstrap} failed: {err!r}",
+                drained=True,
+            )
             return
         if room.terminal:
             return
@@ -156,16 +164,19 @@ class DecodeSide:
         await self.sidecar.dataplane.expect(room.room, room.generation, room.dst)
         if room.terminal:
             return
-        request = TransferRequest(room=room.room, generation=room.generation,
-                                  dst=tuple(PoolIndices(p, tuple(int(i) for i in idx))
-                                            for p, idx in room.dst.items()),
-                                  src_ranks=tuple(room.sources))
+        request = TransferRequest(
+            room=room.room,
+            generation=room.generation,
+            dst=tuple(PoolIndices(p, tuple(int(i) for i in idx)) for p, idx in room.dst.items()),
+            src_ranks=tuple(room.sources),
+        )
         writers = self.bells.writers(room, [instance.peers.get(rank) for rank in room.sources])
         room.requested = True
         for peer in instance.peers.values():
             writer = writers.get(peer.rank_id)
-            await peer.channel.send(request if writer is None else
-                                    dataclasses.replace(request, doorbell=(*room.bell, writer)))
+            await peer.channel.send(
+                request if writer is None else dataclasses.replace(request, doorbell=(*room.bell, writer))
+            )
         room.advance(RoomStatus.WAITING_FOR_INPUT, time.monotonic() + self.config.waiting_timeout_s)
 
     def _on_room_message(self, peer: PrefillPeer, message) -> None:
@@ -233,8 +244,9 @@ class DecodeSide:
     async def _verify(self, room: DecodeRoom, peer: PrefillPeer, message: Done) -> None:
         """Count a source done only once what it wrote matches its checksums."""
         try:
-            problem = await integrity.verify(peer.integrity, room.dst, message.checksums,
-                                             self.sidecar.dataplane.local_regions)
+            problem = await integrity.verify(
+                peer.integrity, room.dst, message.checksums, self.sidecar.dataplane.local_regions
+            )
         except Exception as err:  # the room ends now, with why, not at its timeout
             log.exception("decode: room %s: verifying %s failed", room.room, peer.rank_id)
             problem = f"the check itself failed: {err!r}"
@@ -243,16 +255,23 @@ class DecodeSide:
             return
         room.done_from.add(peer.rank_id)
         room.acks.add(peer.rank_id)  # it wrote all it will: nothing of it to drain
-        self._fail(room, Reason.INTEGRITY_MISMATCH,
-                   f"room {room.room}: integrity mismatch in what {peer.rank_id} wrote: {problem}")
+        self._fail(
+            room,
+            Reason.INTEGRITY_MISMATCH,
+            f"room {room.room}: integrity mismatch in what {peer.rank_id} wrote: {problem}",
+        )
 
     def _fail_truncated(self, room: DecodeRoom, truncated: PdTransferError) -> None:
         if room.fail(truncated.code, f"room {room.room}: {truncated.message}"):
-            log.warning("decode: room %d: %s", room.room, truncated.message,
-                        extra={"room": room.room, "peer": ",".join(room.sources) or "-"})
+            log.warning(
+                "decode: room %d: %s",
+                room.room,
+                truncated.message,
+                extra={"room": room.room, "peer": ",".join(room.sources) or "-"},
+            )
             for source in room.sources or ["-"]:
                 self.sidecar.observe.transfer_failed(source, truncated.code.value)
-            room.drained.set()   # every source finished: nothing of it is left to land
+            room.drained.set()  # every source finished: nothing of it is left to land
 
     def _fail(self, room: DecodeRoom, reason: Reason, text: str, *, drained: bool = False) -> None:
         if self.bells.landed(room):
@@ -262,8 +281,9 @@ class DecodeSide:
             return
         if not room.fail(reason, text):
             return
-        log.warning("decode: %s", text,
-                    extra={"room": room.room, "peer": ",".join(room.sources) or room.bootstrap})
+        log.warning(
+            "decode: %s", text, extra={"room": room.room, "peer": ",".join(room.sources) or room.bootstrap}
+        )
         for source in room.sources or ["-"]:
             if source not in room.done_from or reason is not Reason.ABORTED:
                 self.sidecar.observe.transfer_failed(source, reason.value)
@@ -276,12 +296,16 @@ class DecodeSide:
 
     async def _abort_sources(self, room: DecodeRoom, reason: Reason, text: str) -> None:
         """Fence the room: every prefill rank not yet finished must ack the abort."""
-        pending = [p for p in room.instance.peers.values()
-                   if p.rank_id in room.sources and p.rank_id not in room.acks]
+        pending = [
+            p
+            for p in room.instance.peers.values()
+            if p.rank_id in room.sources and p.rank_id not in room.acks
+        ]
         for peer in pending:
             try:
-                await peer.channel.send(Abort(room=room.room, generation=room.generation,
-                                              reason=reason, reason_text=text[:4000]))
+                await peer.channel.send(
+                    Abort(room=room.room, generation=room.generation, reason=reason, reason_text=text[:4000])
+                )
             except Exception as err:
                 log.warning("decode: cannot send abort of room %d to %s: %s", room.room, peer.rank_id, err)
         if room.acks >= set(room.sources):
@@ -306,13 +330,16 @@ class DecodeSide:
         return {"drained": drained, **room.reply()}
 
     def on_timeout(self, room: DecodeRoom) -> None:
-        waiting = {RoomStatus.BOOTSTRAPPING: "prefill peers were not resolved",
-                   RoomStatus.WAITING_FOR_INPUT: "prefill sent no data",
-                   RoomStatus.TRANSFERRING: "the transfer did not finish"}[room.status]
+        waiting = {
+            RoomStatus.BOOTSTRAPPING: "prefill peers were not resolved",
+            RoomStatus.WAITING_FOR_INPUT: "prefill sent no data",
+            RoomStatus.TRANSFERRING: "the transfer did not finish",
+        }[room.status]
         self._fail(room, Reason.TIMEOUT, f"room {room.room} timed out in {room.status.value}: {waiting}")
 
-    def _on_peer_lost(self, instance: PrefillInstance, peer: PrefillPeer, text: str,
-                      code: Reason = Reason.PEER_LOST) -> None:
+    def _on_peer_lost(
+        self, instance: PrefillInstance, peer: PrefillPeer, text: str, code: Reason = Reason.PEER_LOST
+    ) -> None:
         for room in self.sidecar.rooms.live():
             if isinstance(room, DecodeRoom) and room.instance is instance and peer.rank_id in room.sources:
                 # not counted as drained: a silent peer might still write (fail closed)

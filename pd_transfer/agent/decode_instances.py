@@ -25,7 +25,7 @@ from pd_transfer.layout.geometry import RankGeometry
 from pd_transfer.layout.instances import stage_representatives
 from pd_transfer.protocol import Register
 
-MAX_INSTANCES = 64   # decode instances remembered (least recently registered forgotten)
+MAX_INSTANCES = 64  # decode instances remembered (least recently registered forgotten)
 
 
 def instance_size(register: Register) -> int:
@@ -63,9 +63,12 @@ class DecodeInstances:
         ranks = self._ranks.get(_key(register), {})
         if self.missing(register):
             return None
-        own = register.geometry   # itself, whatever another rank at its position registered
-        others = [g for (pp, tp), g in ranks.items() if pp < register.pp_size
-                  and tp < own.tp_size and (pp, tp) != (own.pp_rank, own.tp_rank)]
+        own = register.geometry  # itself, whatever another rank at its position registered
+        others = [
+            g
+            for (pp, tp), g in ranks.items()
+            if pp < register.pp_size and tp < own.tp_size and (pp, tp) != (own.pp_rank, own.tp_rank)
+        ]
         return stage_representatives(others, own)
 
     def missing(self, register: Register) -> str:
@@ -73,8 +76,11 @@ class DecodeInstances:
         ranks = self._ranks.get(_key(register), {})
         tp = register.geometry.tp_size
         stages = {pp for pp, t in ranks if t < tp} | {register.geometry.pp_rank}
-        return ", ".join(f"decode[pp{p},tp{format_ranges(list(range(tp)))}]"
-                         for p in range(register.pp_size) if p not in stages)
+        return ", ".join(
+            f"decode[pp{p},tp{format_ranges(list(range(tp)))}]"
+            for p in range(register.pp_size)
+            if p not in stages
+        )
 
     async def gathered(self, register: Register, timeout_s: float) -> list[RankGeometry] | None:
         """Wait (bounded) until every stage of ``register``'s instance has a rank

@@ -35,7 +35,7 @@ async def write_chunk(sidecar, room, target, plan) -> int:
     """Write ``plan`` to the target once its bytes are admitted; returns the bytes written."""
     await admit_target(sidecar, room, target)
     grant = await sidecar.admission.admit_nbytes(peer_key(target), room, plan.total_nbytes)
-    if room.terminal:   # it ended while this write was queued: nothing more may land
+    if room.terminal:  # it ended while this write was queued: nothing more may land
         grant.release()
         raise PdTransferError(f"room {room.room} ended before its write started", code=Reason.ABORTED)
     gauge = sidecar.observe.inflight(target.peer.rank_id)
@@ -47,14 +47,19 @@ async def write_chunk(sidecar, room, target, plan) -> int:
         grant.release()
 
 
-
 async def refuse_new_room(sidecar, channel, message) -> bool:
     """A decode peer's TransferRequest creates a room here: over ``max_rooms`` it is
     answered with a failed Done instead (True), like the worker's own send."""
     refusal = sidecar.rooms.refusal(message.room)
     if refusal:
         sidecar.observe.limit_refused("max_rooms")
-        await channel.send(Done(room=message.room, generation=message.generation,
-                                status=DoneStatus.FAILED, reason=Reason.TOO_MANY_ROOMS,
-                                reason_text=f"prefill {sidecar.config.agent_id}: {refusal}"))
+        await channel.send(
+            Done(
+                room=message.room,
+                generation=message.generation,
+                status=DoneStatus.FAILED,
+                reason=Reason.TOO_MANY_ROOMS,
+                reason_text=f"prefill {sidecar.config.agent_id}: {refusal}",
+            )
+        )
     return bool(refusal)

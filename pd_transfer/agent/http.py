@@ -22,16 +22,24 @@ _MAX_REQUEST_NBYTES = 8192
 
 
 class HttpServer:
-    def __init__(self, host: str, port: int, *, metrics: Callable[[], bytes],
-                 ready: Callable[[], tuple[bool, dict]], status: Callable[[], dict]) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        metrics: Callable[[], bytes],
+        ready: Callable[[], tuple[bool, dict]],
+        status: Callable[[], dict],
+    ) -> None:
         self.host, self.port = host, port
         self._metrics, self._ready, self._status = metrics, ready, status
         self._server: asyncio.AbstractServer | None = None
         self.address = ""
 
     async def start(self) -> str:
-        self._server = await asyncio.start_server(self._handle, self.host, self.port,
-                                                  limit=_MAX_REQUEST_NBYTES)
+        self._server = await asyncio.start_server(
+            self._handle, self.host, self.port, limit=_MAX_REQUEST_NBYTES
+        )
         host, port = self._server.sockets[0].getsockname()[:2]
         self.address = f"http://{host}:{port}"
         return self.address
@@ -52,10 +60,19 @@ class HttpServer:
         except Exception:  # a bug must not take the port down
             log.exception("http: request failed")
             status, content_type, body = 500, "text/plain", b"internal error\n"
-        reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-                  500: "Internal Server Error", 503: "Service Unavailable"}[status]
-        writer.write(f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n"
-                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        reason = {
+            200: "OK",
+            400: "Bad Request",
+            404: "Not Found",
+            405: "Method Not Allowed",
+            500: "Internal Server Error",
+            503: "Service Unavailable",
+        }[status]
+        writer.write(
+            f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + body
+        )
         try:
             await writer.drain()
         except ConnectionError:

@@ -32,8 +32,7 @@ def pool_extents(geometry: RankGeometry) -> dict[Pool, int]:
     return extents
 
 
-def check_indices(pools: dict[Pool, np.ndarray], geometry: RankGeometry, *, side: str,
-                  unique: bool) -> None:
+def check_indices(pools: dict[Pool, np.ndarray], geometry: RankGeometry, *, side: str, unique: bool) -> None:
     """Raise naming the field unless every index of ``pools`` is inside ``geometry``'s
     pools; with ``unique``, also unless no list repeats an index. ``side`` names
     whose pools they are in the message ("decode destination", ...)."""
@@ -45,22 +44,28 @@ def check_indices(pools: dict[Pool, np.ndarray], geometry: RankGeometry, *, side
             raise PdTransferError(
                 f"at $.{field}: {geometry.rank_id} registered no {pool.value} pool, but the "
                 f"request names {len(indices)} {side} index(es) in it",
-                code=Reason.INDEX_OUT_OF_RANGE, hint=f"leave {field} empty for this model")
+                code=Reason.INDEX_OUT_OF_RANGE,
+                hint=f"leave {field} empty for this model",
+            )
         outside = np.flatnonzero((indices < 0) | (indices >= extent))
         if outside.size:
             at = int(outside[0])
             raise PdTransferError(
                 f"at $.{field}[{at}]: {side} index {int(indices[at])} is outside "
                 f"{geometry.rank_id}'s {pool.value} pool of {extent} ({outside.size} index(es) "
-                f"outside)", code=Reason.INDEX_OUT_OF_RANGE,
-                hint=f"{field} must be in [0, {extent})")
+                f"outside)",
+                code=Reason.INDEX_OUT_OF_RANGE,
+                hint=f"{field} must be in [0, {extent})",
+            )
         if unique and len(indices) > 1:
             repeated = _first_repeat(indices)
             if repeated is not None:
                 raise PdTransferError(
                     f"at $.{field}: {side} index {repeated} appears more than once; two writes "
                     f"into one {pool.value} page or slot are refused",
-                    code=Reason.INDEX_REPEATED, hint="name each destination index once per room")
+                    code=Reason.INDEX_REPEATED,
+                    hint="name each destination index once per room",
+                )
 
 
 def _first_repeat(indices: np.ndarray) -> int | None:
@@ -86,14 +91,19 @@ class Claims:
                         f"at $.{FIELDS[pool]}: {pool.value} index {index} is a destination of "
                         f"live room {other}; a page or slot takes one room's bytes at a time",
                         code=Reason.INDEX_IN_USE,
-                        hint=f"wait for room {other} to end (or abort it) before reusing its pages")
+                        hint=f"wait for room {other} to end (or abort it) before reusing its pages",
+                    )
         for pool, indices in pools.items():
             self._owner[pool].update(dict.fromkeys(indices.tolist(), room))
 
     def holders(self, pools: dict[Pool, np.ndarray]) -> set[int]:
         """The live rooms holding any of ``pools``' indices."""
-        return {room for pool, indices in pools.items()
-                for index in indices.tolist() if (room := self._owner[pool].get(index)) is not None}
+        return {
+            room
+            for pool, indices in pools.items()
+            for index in indices.tolist()
+            if (room := self._owner[pool].get(index)) is not None
+        }
 
     def release(self, room: int, pools: dict[Pool, np.ndarray]) -> None:
         for pool, indices in pools.items():

@@ -45,8 +45,10 @@ def features(config: SidecarConfig, on_device: bool) -> tuple[str, ...]:
 
 # -- prefill ------------------------------------------------------------------------
 
-def prefill_layout(sidecar, planner: PairPlanner, decode_features: tuple[str, ...],
-                   peer: str) -> BlockLayout | None:
+
+def prefill_layout(
+    sidecar, planner: PairPlanner, decode_features: tuple[str, ...], peer: str
+) -> BlockLayout | None:
     """The blocks to sum for a decode peer, or None when the pair does not check."""
     ours = FEATURE in features(sidecar.config, sidecar.dataplane.on_device)
     theirs = FEATURE in decode_features
@@ -54,15 +56,22 @@ def prefill_layout(sidecar, planner: PairPlanner, decode_features: tuple[str, ..
     if ours and theirs and converted:
         # blocks are per destination page, and a converted page is filled by several
         # source pages: the pair moves unchecked, and says so
-        log.warning("integrity: rooms to %s are not checked: the page sizes of %s differ",
-                    peer, "/".join(converted), extra={"peer": peer})
+        log.warning(
+            "integrity: rooms to %s are not checked: the page sizes of %s differ",
+            peer,
+            "/".join(converted),
+            extra={"peer": peer},
+        )
         return None
     if ours and theirs:
         return BlockLayout(planner)
     if sidecar.config.integrity:
-        log.warning("integrity: rooms to %s are not checked: %s", peer,
-                    "its regions are device memory" if not ours else
-                    "the decode sidecar does not check integrity", extra={"peer": peer})
+        log.warning(
+            "integrity: rooms to %s are not checked: %s",
+            peer,
+            "its regions are device memory" if not ours else "the decode sidecar does not check integrity",
+            extra={"peer": peer},
+        )
     return None
 
 
@@ -83,11 +92,14 @@ def checksums(target) -> tuple[PoolChecksums, ...]:
         return ()
     if target.sums is None:
         target.sums = RoomDigest(layout, {pool: len(idx) for pool, idx in target.dst.items()})
-    return tuple(PoolChecksums(pool, tuple(d.items.tolist()), tuple(d.tensors.tolist()))
-                 for pool, d in target.sums.pools.items())
+    return tuple(
+        PoolChecksums(pool, tuple(d.items.tolist()), tuple(d.tensors.tolist()))
+        for pool, d in target.sums.pools.items()
+    )
 
 
 # -- decode -------------------------------------------------------------------------
+
 
 def attach_decode(sidecar, instance, recon, table) -> None:
     """Give each source whose Verdict promised checksums the blocks to verify."""
@@ -98,21 +110,23 @@ def attach_decode(sidecar, instance, recon, table) -> None:
             continue
         promised = peer.verdict.result().integrity
         if ours and promised:
-            peer.integrity = BlockLayout(PairPlanner(recon, geometries[peer.rank_id],
-                                                     sidecar.geometry))
+            peer.integrity = BlockLayout(PairPlanner(recon, geometries[peer.rank_id], sidecar.geometry))
         elif sidecar.config.integrity:
-            log.warning("integrity: rooms from %s are not verified: %s", peer.rank_id,
-                        "this sidecar's regions are device memory" if not ours else
-                        "the prefill sidecar does not send checksums", extra={"peer": peer.rank_id})
+            log.warning(
+                "integrity: rooms from %s are not verified: %s",
+                peer.rank_id,
+                "this sidecar's regions are device memory"
+                if not ours
+                else "the prefill sidecar does not send checksums",
+                extra={"peer": peer.rank_id},
+            )
 
 
-async def verify(layout: BlockLayout, dst: dict, sent: tuple[PoolChecksums, ...],
-                 regions: dict) -> str:
+async def verify(layout: BlockLayout, dst: dict, sent: tuple[PoolChecksums, ...], regions: dict) -> str:
     """'' when what landed matches ``sent``; otherwise what differs."""
     if not sent:
         return "the Done carries no checksums although the Verdict promised them"
-    by_pool = {c.pool: (np.asarray(c.items, np.uint32), np.asarray(c.tensors, np.uint32))
-               for c in sent}
+    by_pool = {c.pool: (np.asarray(c.items, np.uint32), np.asarray(c.tensors, np.uint32)) for c in sent}
 
     def check() -> str:
         return compare(layout, dst, by_pool, landed_digest(layout, dst, regions))

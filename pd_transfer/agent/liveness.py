@@ -34,7 +34,7 @@ class LoopStalls:
 
     def __init__(self, tick_s: float, keep_s: float, warn_s: float) -> None:
         self.tick_s, self.keep_s, self.warn_s = tick_s, keep_s, warn_s
-        self._stalls: deque[tuple[float, float]] = deque()   # (start, end), oldest first
+        self._stalls: deque[tuple[float, float]] = deque()  # (start, end), oldest first
         self.total_s = 0.0
 
     def tick(self, slept_from: float, now: float) -> float:
@@ -48,8 +48,11 @@ class LoopStalls:
         self._stalls.append((expected, now))
         self.total_s += late
         if late >= self.warn_s:
-            log.warning("this sidecar's event loop stalled for %.2f s (starved of CPU or blocked); "
-                        "peers' silence during the stall is not counted against them", late)
+            log.warning(
+                "this sidecar's event loop stalled for %.2f s (starved of CPU or blocked); "
+                "peers' silence during the stall is not counted against them",
+                late,
+            )
         return late
 
     def within(self, start: float, end: float) -> float:
@@ -57,15 +60,19 @@ class LoopStalls:
         return sum(max(0.0, min(b, end) - max(a, start)) for a, b in self._stalls)
 
 
-def why_lost(peer: Heard, now: float, interval_s: float, limit_s: float,
-             stalls: LoopStalls | None = None) -> str:
+def why_lost(
+    peer: Heard, now: float, interval_s: float, limit_s: float, stalls: LoopStalls | None = None
+) -> str:
     """Why ``peer`` counts as lost now ("" while it does not)."""
-    def unseen(since: float) -> float:   # seconds since ``since`` that this loop was awake
+
+    def unseen(since: float) -> float:  # seconds since ``since`` that this loop was awake
         return now - since - (stalls.within(since, now) if stalls is not None else 0.0)
 
     if peer.disconnected_s is not None and unseen(peer.disconnected_s) > interval_s:
-        return (f"its connection closed {now - peer.disconnected_s:.1f} s ago and did not "
-                f"come back (the peer process stopped or its host is unreachable)")
+        return (
+            f"its connection closed {now - peer.disconnected_s:.1f} s ago and did not "
+            f"come back (the peer process stopped or its host is unreachable)"
+        )
     quiet = now - peer.last_heard_s
     blind = quiet - unseen(peer.last_heard_s)
     if quiet - blind > limit_s:

@@ -20,16 +20,16 @@ from pd_transfer.protocol import RoomStatus
 
 PEER_STATES = ("connecting", "accepted", "rejected", "lost")
 LIVE_STATES = ("connecting", "accepted")
-PEER_SERIES_GRACE_S = 300.0   # SidecarConfig.peer_series_grace_s's default
-MAX_PAST_PEERS = 64    # records of peers rejected or lost, kept for /status (oldest go first)
+PEER_SERIES_GRACE_S = 300.0  # SidecarConfig.peer_series_grace_s's default
+MAX_PAST_PEERS = 64  # records of peers rejected or lost, kept for /status (oldest go first)
 _MODE_ORDER = ("sliced", "replicated", "converted", "direct")
 STRATEGIES = ("direct", "staged")  # transport.strategy.Strategy's values
 
 
 @dataclass
 class PeerRecord:
-    peer: str                  # the peer's rank id (also the metrics label)
-    key: str = ""              # rank id and agent id: two sidecars may claim one rank id
+    peer: str  # the peer's rank id (also the metrics label)
+    key: str = ""  # rank id and agent id: two sidecars may claim one rank id
     state: str = "connecting"
     reason: str = ""
     channel: object = None
@@ -48,8 +48,17 @@ class Observer:
         self.metrics.insecure.labels(self.role).set(0 if sidecar.security.enabled else 1)
 
     # -- events ---------------------------------------------------------------------
-    def peer(self, peer: str, state: str, reason: str = "", channel=None, *, transport: str = "",
-             modes: list[str] | None = None, key: str = "") -> None:
+    def peer(
+        self,
+        peer: str,
+        state: str,
+        reason: str = "",
+        channel=None,
+        *,
+        transport: str = "",
+        modes: list[str] | None = None,
+        key: str = "",
+    ) -> None:
         key = key or (channel.label if channel is not None else "") or self._key_of(peer)
         record = self.peers.setdefault(key, PeerRecord(peer, key))
         record.state, record.reason = state, reason
@@ -60,8 +69,9 @@ class Observer:
         if modes:
             record.mode = next((m for m in _MODE_ORDER if m in modes), modes[0])
         if state == "accepted":
-            for metric, labels in self.metrics.peer_accepted(peer, record.transport or "-",
-                                                             record.mode or "-"):
+            for metric, labels in self.metrics.peer_accepted(
+                peer, record.transport or "-", record.mode or "-"
+            ):
                 self.series.child(metric, *labels, peer=peer)
         if state in ("rejected", "lost"):
             self._prune()
@@ -71,7 +81,7 @@ class Observer:
         """Keep the newest :data:`MAX_PAST_PEERS` records of past peers: peers that come
         and go (restarts, or a stream of bogus sessions) must not grow the book forever."""
         past = [key for key, record in self.peers.items() if record.state in ("rejected", "lost")]
-        for key in past[:max(0, len(past) - MAX_PAST_PEERS)]:
+        for key in past[: max(0, len(past) - MAX_PAST_PEERS)]:
             self.peers.pop(key)
 
     def _track(self, peer: str) -> None:
@@ -93,8 +103,9 @@ class Observer:
         return accepted[-1] if accepted else self.peers.get(self._key_of(peer), PeerRecord(peer))
 
     def verdict(self, accepted: bool, reason: str = "") -> None:
-        self.metrics.verdicts.labels(self.role, "accepted" if accepted else "rejected",
-                                     reason or "none").inc()
+        self.metrics.verdicts.labels(
+            self.role, "accepted" if accepted else "rejected", reason or "none"
+        ).inc()
 
     def verdict_modes(self, modes: dict[str, int]) -> None:
         for mode, count in modes.items():
@@ -114,8 +125,9 @@ class Observer:
         if chosen not in STRATEGIES:  # not reported, or a newer peer's: labels stay bounded
             return
         for strategy in STRATEGIES:
-            self.series.child(self.metrics.strategy, self.role, peer, pool, strategy,
-                              peer=peer).set(1 if strategy == chosen else 0)
+            self.series.child(self.metrics.strategy, self.role, peer, pool, strategy, peer=peer).set(
+                1 if strategy == chosen else 0
+            )
 
     def inflight(self, peer: str):
         """The gauge of bytes being written to ``peer`` (prefill)."""
@@ -184,8 +196,9 @@ class Observer:
     def watch_admission(self, admission) -> None:
         """Count admission waits and timeouts of the sidecar's limiters (agent/admission.py)."""
         for limiter in admission.limiters():
-            limiter.on_admitted = lambda resource, waited_s: \
-                self.metrics.admission_wait.labels(self.role, resource).observe(waited_s)
+            limiter.on_admitted = lambda resource, waited_s: self.metrics.admission_wait.labels(
+                self.role, resource
+            ).observe(waited_s)
             limiter.on_timeout = lambda resource, limit, waited_s: self.limit_refused(limit)
 
     def limit_refused(self, limit: str) -> None:
@@ -209,15 +222,19 @@ class Observer:
             m.admission_waiting.labels(role, limiter.resource).set(limiter.num_waiting)
         self.series.sweep()
         for record in self.peers.values():
-            if record.channel is not None and (record.state in LIVE_STATES
-                                               or self.series.in_grace(record.peer)):
+            if record.channel is not None and (
+                record.state in LIVE_STATES or self.series.in_grace(record.peer)
+            ):
                 self.series.child(m.heartbeat_age, role, record.peer, peer=record.peer).set(
-                    now - record.channel.last_heard_s)
+                    now - record.channel.last_heard_s
+                )
         geometry = self.sidecar.geometry
         if geometry is not None:
             by_pool: dict[str, int] = {}
             for view in geometry.views:
-                by_pool[view.pool.value] = by_pool.get(view.pool.value, 0) + view.item_nbytes * view.index_count
+                by_pool[view.pool.value] = (
+                    by_pool.get(view.pool.value, 0) + view.item_nbytes * view.index_count
+                )
             for pool, nbytes in by_pool.items():
                 m.registered_bytes.labels(role, pool).set(nbytes)
 
@@ -232,24 +249,45 @@ class Observer:
             problem = sidecar.side.instance_problem(address)
             if problem:
                 reasons.append(f"prefill instance {address}: {problem}")
-        return (not reasons, {"ready": not reasons, "reasons": reasons,
-                              "insecure": not sidecar.security.enabled})
+        return (
+            not reasons,
+            {"ready": not reasons, "reasons": reasons, "insecure": not sidecar.security.enabled},
+        )
 
     def status(self) -> dict:
         sidecar, now = self.sidecar, time.monotonic()
         geometry = sidecar.geometry
-        rooms = [{"room": r.room, "status": r.status.value, "age_s": round(now - r.created_s, 3),
-                  **({"reason": r.state.reason_text} if r.status is RoomStatus.FAILED else {})}
-                 for r in sorted(sidecar.rooms.rooms.values(), key=lambda r: r.created_s)[-50:]]
-        peers = [{"peer": p.peer, "state": p.state, "reason": p.reason, "transport": p.transport,
-                  "mode": p.mode,
-                  "last_heard_s": round(now - p.channel.last_heard_s, 3) if p.channel else None}
-                 for p in self.peers.values()]
+        rooms = [
+            {
+                "room": r.room,
+                "status": r.status.value,
+                "age_s": round(now - r.created_s, 3),
+                **({"reason": r.state.reason_text} if r.status is RoomStatus.FAILED else {}),
+            }
+            for r in sorted(sidecar.rooms.rooms.values(), key=lambda r: r.created_s)[-50:]
+        ]
+        peers = [
+            {
+                "peer": p.peer,
+                "state": p.state,
+                "reason": p.reason,
+                "transport": p.transport,
+                "mode": p.mode,
+                "last_heard_s": round(now - p.channel.last_heard_s, 3) if p.channel else None,
+            }
+            for p in self.peers.values()
+        ]
         ready, readiness = self.ready()
-        return {"agent_id": sidecar.config.agent_id, "role": self.role,
-                "rank": geometry.rank_id if geometry else None,
-                "ready": ready, "reasons": readiness["reasons"],
-                "insecure": not sidecar.security.enabled, "copies": sidecar.dataplane.copies,
-                "control_sessions": len(sidecar.control.channels) if sidecar.control else None,
-                "peers": peers, "rooms_by_status": sidecar.rooms.counts(),
-                "rooms": rooms}
+        return {
+            "agent_id": sidecar.config.agent_id,
+            "role": self.role,
+            "rank": geometry.rank_id if geometry else None,
+            "ready": ready,
+            "reasons": readiness["reasons"],
+            "insecure": not sidecar.security.enabled,
+            "copies": sidecar.dataplane.copies,
+            "control_sessions": len(sidecar.control.channels) if sidecar.control else None,
+            "peers": peers,
+            "rooms_by_status": sidecar.rooms.counts(),
+            "rooms": rooms,
+        }

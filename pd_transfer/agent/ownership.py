@@ -31,7 +31,7 @@ from pd_transfer.protocol import Done, DoneStatus
 
 log = logging.getLogger(__name__)
 
-MAX_CONTENDERS = 16   # requests from other instances parked per room before its owner is known
+MAX_CONTENDERS = 16  # requests from other instances parked per room before its owner is known
 
 
 def instance_of(peer) -> str:
@@ -46,12 +46,24 @@ def claimant(room) -> str:
 
 async def refuse(peer, message, reason: Reason, text: str) -> None:
     """Answer a decode peer's TransferRequest with a failed Done; the room is untouched."""
-    log.warning("prefill: refused %s's request for room %d: %s", peer.rank_id, message.room, text,
-                extra={"room": message.room, "peer": peer.rank_id})
+    log.warning(
+        "prefill: refused %s's request for room %d: %s",
+        peer.rank_id,
+        message.room,
+        text,
+        extra={"room": message.room, "peer": peer.rank_id},
+    )
     try:
-        await peer.channel.send(Done(room=message.room, generation=message.generation,
-                                     status=DoneStatus.FAILED, reason=reason, reason_text=text))
-    except Exception as err:   # the peer went away: nothing to tell
+        await peer.channel.send(
+            Done(
+                room=message.room,
+                generation=message.generation,
+                status=DoneStatus.FAILED,
+                reason=reason,
+                reason_text=text,
+            )
+        )
+    except Exception as err:  # the peer went away: nothing to tell
         log.debug("prefill: cannot refuse room %d to %s: %s", message.room, peer.rank_id, err)
 
 
@@ -65,15 +77,23 @@ async def admit_request(room, peer, message) -> bool:
     if room.owner:
         if instance == room.owner:
             return True
-        await refuse(peer, message, Reason.NOT_ROOM_OWNER,
-                     f"room {message.room} belongs to decode instance {room.owner!r}, "
-                     f"not to {instance!r} ({peer.rank_id})")
+        await refuse(
+            peer,
+            message,
+            Reason.NOT_ROOM_OWNER,
+            f"room {message.room} belongs to decode instance {room.owner!r}, "
+            f"not to {instance!r} ({peer.rank_id})",
+        )
         return False
     if not instance or claimant(room) in ("", instance):
-        return True   # unnamed ranks: the per-rank duplicate check decides
+        return True  # unnamed ranks: the per-rank duplicate check decides
     if len(room.contenders) >= MAX_CONTENDERS:
-        await refuse(peer, message, Reason.DUPLICATE_ROOM,
-                     f"room {message.room} is claimed by {MAX_CONTENDERS + 1} decode instances")
+        await refuse(
+            peer,
+            message,
+            Reason.DUPLICATE_ROOM,
+            f"room {message.room} is claimed by {MAX_CONTENDERS + 1} decode instances",
+        )
         return False
     room.contenders.append((peer, message))
     return False
@@ -85,21 +105,26 @@ async def bind(side, room, decode: str) -> None:
     admit the owner's contenders (through ``side.on_request``)."""
     if room.owner:
         if decode and decode != room.owner:
-            raise PdTransferError(f"room {room.room} is bound to decode instance {room.owner!r}; "
-                                  f"this send names {decode!r}", code=Reason.BAD_FIELD)
+            raise PdTransferError(
+                f"room {room.room} is bound to decode instance {room.owner!r}; this send names {decode!r}",
+                code=Reason.BAD_FIELD,
+            )
         return
     room.owner = decode or claimant(room)
     if not room.owner:
-        return   # nobody asked yet: the first claim binds (admit_request)
+        return  # nobody asked yet: the first claim binds (admit_request)
     for key, target in list(room.targets.items()):
         if instance_of(target.peer) != room.owner:
             del room.targets[key]
             target.done = target.failed = True
-            await refuse(target.peer, _Request(room.room, target.generation), Reason.NOT_ROOM_OWNER,
-                         f"room {room.room} belongs to decode instance {room.owner!r}, as its "
-                         f"prefill worker says, not to {instance_of(target.peer)!r}")
-    room.expected_targets = max((instance_size(t.peer.register) for t in room.targets.values()),
-                                default=0)
+            await refuse(
+                target.peer,
+                _Request(room.room, target.generation),
+                Reason.NOT_ROOM_OWNER,
+                f"room {room.room} belongs to decode instance {room.owner!r}, as its "
+                f"prefill worker says, not to {instance_of(target.peer)!r}",
+            )
+    room.expected_targets = max((instance_size(t.peer.register) for t in room.targets.values()), default=0)
     contenders, room.contenders = room.contenders, []
     for peer, message in contenders:
         await side.on_request(peer, message)

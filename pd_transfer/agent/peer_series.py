@@ -63,7 +63,7 @@ class PeerSeries:
                 try:
                     metric.remove(*labels)
                 except KeyError:
-                    pass   # removed already
+                    pass  # removed already
             del self._gone_since[peer]
             swept.append(peer)
         return swept

@@ -51,8 +51,8 @@ class PrefillPeer:
     rank_id: str
     channel: OutgoingChannel
     verdict: asyncio.Future
-    integrity: object = None   # BlockLayout when its Done checksums are verified
-    rings: bool = False        # its verdict: it rings this rank's doorbells
+    integrity: object = None  # BlockLayout when its Done checksums are verified
+    rings: bool = False  # its verdict: it rings this rank's doorbells
 
 
 # a new room and a prefill connection that is down: how often to look, and how long
@@ -67,25 +67,29 @@ class PrefillInstance:
 
     bootstrap: str
     peers: dict[str, PrefillPeer] = field(default_factory=dict)
-    sources: list[str] = field(default_factory=list)   # the ranks that write to this rank
+    sources: list[str] = field(default_factory=list)  # the ranks that write to this rank
     error: PdTransferError | None = None
     lost: bool = False
-    lost_s: float = 0.0                                  # when the first rank was lost
+    lost_s: float = 0.0  # when the first rank was lost
     lost_ranks: set[str] = field(default_factory=set)
-    resolving: bool = True    # its resolution owns the sessions until it ends
+    resolving: bool = True  # its resolution owns the sessions until it ends
 
 
 class PrefillInstances:
     """Every bootstrap address this rank was asked about, resolved or resolving."""
 
-    def __init__(self, sidecar, bells: RoomBells,
-                 on_room_message: Callable[[PrefillPeer, object], None],
-                 on_peer_lost: Callable[[PrefillInstance, PrefillPeer, str, Reason], None]) -> None:
+    def __init__(
+        self,
+        sidecar,
+        bells: RoomBells,
+        on_room_message: Callable[[PrefillPeer, object], None],
+        on_peer_lost: Callable[[PrefillInstance, PrefillPeer, str, Reason], None],
+    ) -> None:
         self.sidecar = sidecar
         self.bells = bells
         self.instances: dict[str, asyncio.Task] = {}
-        self.backoffs: dict[str, Backoff] = {}     # per address: its failed resolutions
-        self.retired: list[PrefillInstance] = []   # lost: sessions to close once quiet
+        self.backoffs: dict[str, Backoff] = {}  # per address: its failed resolutions
+        self.retired: list[PrefillInstance] = []  # lost: sessions to close once quiet
         self._on_room_message = on_room_message
         self._on_peer_lost = on_peer_lost
 
@@ -121,8 +125,11 @@ class PrefillInstances:
         instance = await asyncio.shield(self.resolved(bootstrap))
         self._end_if_forgotten(instance)
         deadline = time.monotonic() + self.config.heartbeat_interval_s + _DOWN_SLACK_S
-        while (not instance.lost and time.monotonic() < deadline
-               and any(p.channel.disconnected_s is not None for p in instance.peers.values())):
+        while (
+            not instance.lost
+            and time.monotonic() < deadline
+            and any(p.channel.disconnected_s is not None for p in instance.peers.values())
+        ):
             await asyncio.sleep(_DOWN_POLL_S)
         if instance.lost:
             instance = await asyncio.shield(self.resolved(bootstrap))
@@ -145,9 +152,13 @@ class PrefillInstances:
             # the timers sent on waking up, which the prefill answers with a Close)
             silent_s = max(now - peer.channel.last_sent_s, peer.channel.silent_gap_s)
             if silent_s > limit_s:
-                log.info("decode: sent %s nothing for %.1f s (this process was stopped or "
-                         "stalled); new rooms resolve prefill instance %s afresh",
-                         peer.rank_id, silent_s, instance.bootstrap)
+                log.info(
+                    "decode: sent %s nothing for %.1f s (this process was stopped or "
+                    "stalled); new rooms resolve prefill instance %s afresh",
+                    peer.rank_id,
+                    silent_s,
+                    instance.bootstrap,
+                )
                 instance.lost, instance.lost_s = True, now
                 self.retired.append(instance)
                 return
@@ -157,7 +168,7 @@ class PrefillInstances:
         for address in self.config.prefill_bootstraps:
             task = self.instances.get(address)
             if task is None or task.done():
-                self.resolved(address)   # a failed one waits for its backoff there
+                self.resolved(address)  # a failed one waits for its backoff there
 
     def problem(self, address: str) -> str:
         """Why ``address`` is not usable right now ('' when every peer accepted)."""
@@ -177,27 +188,32 @@ class PrefillInstances:
         try:
             instance = await self._resolve_once(bootstrap)
         except Exception as err:
-            backoff.failed(started, str(err))   # a try that timed out goes again at once
-            log.log(logging.DEBUG if backoff.same_error else logging.WARNING,
-                    "decode: prefill instance %s: %s; %s", bootstrap, err,
-                    backoff.describe(time.monotonic()))
+            backoff.failed(started, str(err))  # a try that timed out goes again at once
+            log.log(
+                logging.DEBUG if backoff.same_error else logging.WARNING,
+                "decode: prefill instance %s: %s; %s",
+                bootstrap,
+                err,
+                backoff.describe(time.monotonic()),
+            )
             raise
         finally:
             self.sidecar.observe.bootstrap(time.monotonic() - started)
         if backoff.failures:
-            log.info("decode: prefill instance %s resolved after %d failed tries", bootstrap,
-                     backoff.failures)
-        del self.backoffs[bootstrap]   # kept only while failing
+            log.info(
+                "decode: prefill instance %s resolved after %d failed tries", bootstrap, backoff.failures
+            )
+        del self.backoffs[bootstrap]  # kept only while failing
         return instance
 
     async def _resolve_once(self, bootstrap: str) -> PrefillInstance:
         sidecar = self.sidecar
-        table = await fetch_table(sidecar.context, bootstrap, self.config.agent_id,
-                                  self.config.bootstrap_timeout_s)
+        table = await fetch_table(
+            sidecar.context, bootstrap, self.config.agent_id, self.config.bootstrap_timeout_s
+        )
         geometry = sidecar.geometry
         # this rank's stage only: the decode instance's coverage is prefill's verdict
-        recon = reconcile([e.geometry for e in table.entries], [geometry],
-                          require_all_prefill_layers=False)
+        recon = reconcile([e.geometry for e in table.entries], [geometry], require_all_prefill_layers=False)
         instance = PrefillInstance(bootstrap)
         # even when this side already sees a mismatch, register anyway: prefill's
         # verdict is the authority, and it counts the rejection for its operators
@@ -221,8 +237,9 @@ class PrefillInstances:
         # writes nothing to this decode rank still learns the room is done
         for entry in table.entries:
             rank_id = entry.geometry.rank_id
-            channel = OutgoingChannel(sidecar.context, entry.control_address, Role.DECODE,
-                                      f"{rank_id} ({entry.control_address})")
+            channel = OutgoingChannel(
+                sidecar.context, entry.control_address, Role.DECODE, f"{rank_id} ({entry.control_address})"
+            )
             channel.peer_rank = rank_id
             # this side's own heartbeat limit stands for the peer's (one deployment's config)
             channel.peer_limit_s = self.config.heartbeat_interval_s * self.config.heartbeat_misses
@@ -232,8 +249,9 @@ class PrefillInstances:
             instance.peers[rank_id] = peer
             channel.on_refused = lambda ch, i=instance, p=peer: self._on_refused(i, p)
             channel.start(lambda ch, msg, p=peer, i=instance: self._on_message(i, p, msg))
-            await channel.send(Hello(agent_id=self.config.agent_id, role=Role.DECODE,
-                                     capabilities=sidecar.capabilities()))
+            await channel.send(
+                Hello(agent_id=self.config.agent_id, role=Role.DECODE, capabilities=sidecar.capabilities())
+            )
             sidecar.watch(channel, lambda why, i=instance, p=peer: self._on_lost(i, p, why))
         for peer in instance.peers.values():
             await self._await_verdict(peer)
@@ -248,14 +266,21 @@ class PrefillInstances:
                 verdict = await asyncio.shield(peer.verdict)
         except TimeoutError:
             self.sidecar.observe.peer(peer.rank_id, "rejected", "no verdict in time", peer.channel)
-            raise PdTransferError(f"no verdict from {peer.rank_id} within "
-                                  f"{self.config.bootstrap_timeout_s:.1f} s",
-                                  code=Reason.BOOTSTRAP_FAILED) from None
-        self.sidecar.observe.verdict(verdict.accepted,
-                                     verdict.mismatches[0].code.value if verdict.mismatches else "")
+            raise PdTransferError(
+                f"no verdict from {peer.rank_id} within {self.config.bootstrap_timeout_s:.1f} s",
+                code=Reason.BOOTSTRAP_FAILED,
+            ) from None
+        self.sidecar.observe.verdict(
+            verdict.accepted, verdict.mismatches[0].code.value if verdict.mismatches else ""
+        )
         if verdict.accepted:
-            self.sidecar.observe.peer(peer.rank_id, "accepted", channel=peer.channel, transport="-",
-                                      modes=[p.mode.value for p in verdict.plan])
+            self.sidecar.observe.peer(
+                peer.rank_id,
+                "accepted",
+                channel=peer.channel,
+                transport="-",
+                modes=[p.mode.value for p in verdict.plan],
+            )
             self.sidecar.observe.verdict_strategies(peer.rank_id, verdict.plan)
         if not verdict.accepted:
             lines = [verdict.headline or f"{peer.rank_id} rejected this decode rank"]
@@ -269,12 +294,18 @@ class PrefillInstances:
     async def _on_message(self, instance: PrefillInstance, peer: PrefillPeer, message) -> None:
         sidecar = self.sidecar
         if isinstance(message, Hello):
-            await peer.channel.send(Register(
-                agent_id=self.config.agent_id, host_id=self.config.host_id,
-                geometry=sidecar.geometry, data_address=sidecar.dataplane.receive_address(),
-                region_handles=tuple(RegionHandle(r, h) for r, h in sidecar.handles.items()),
-                doorbell=self.bells.name, instance=self.config.instance_id,
-                pp_size=sidecar.pp_size))
+            await peer.channel.send(
+                Register(
+                    agent_id=self.config.agent_id,
+                    host_id=self.config.host_id,
+                    geometry=sidecar.geometry,
+                    data_address=sidecar.dataplane.receive_address(),
+                    region_handles=tuple(RegionHandle(r, h) for r, h in sidecar.handles.items()),
+                    doorbell=self.bells.name,
+                    instance=self.config.instance_id,
+                    pp_size=sidecar.pp_size,
+                )
+            )
         elif isinstance(message, Verdict):
             if not peer.verdict.done():
                 peer.rings = message.doorbell and bool(self.bells.name)
@@ -284,10 +315,13 @@ class PrefillInstances:
         elif isinstance(message, Close):
             # the prefill rank ended the session (it lost this rank or its worker, or is shutting
             # down): the instance is resolved anew for the next room, and its rooms fail now
-            why = f"{message.reason.value}: {message.reason_text}" if message.reason else \
-                "no reason given"
-            self._end(instance, peer, f"prefill peer {peer.channel.label} closed its session "
-                      f"({why})", message.reason or Reason.SESSION_CLOSED)
+            why = f"{message.reason.value}: {message.reason_text}" if message.reason else "no reason given"
+            self._end(
+                instance,
+                peer,
+                f"prefill peer {peer.channel.label} closed its session ({why})",
+                message.reason or Reason.SESSION_CLOSED,
+            )
         elif isinstance(message, (Register, Heartbeat)):
             pass
 
@@ -313,4 +347,3 @@ class PrefillInstances:
         if not peer.verdict.done():
             peer.verdict.set_exception(PdTransferError(text, code=code))
         self._on_peer_lost(instance, peer, text, code)
-

@@ -33,9 +33,9 @@ class DecodePeer:
     link: object = None
     planner: PairPlanner | None = None
     accepted: bool = False
-    features: tuple[str, ...] = ()   # decode's Hello features
-    integrity: object = None         # BlockLayout when both sides check integrity
-    bells: Doorbells | None = None   # its doorbells, mapped (same host, shm)
+    features: tuple[str, ...] = ()  # decode's Hello features
+    integrity: object = None  # BlockLayout when both sides check integrity
+    bells: Doorbells | None = None  # its doorbells, mapped (same host, shm)
 
     @property
     def rank_id(self) -> str:
@@ -49,7 +49,7 @@ class Target:
     peer: DecodePeer
     generation: int
     dst: dict[Pool, np.ndarray]
-    writes: bool = True     # False: this rank writes nothing to that decode rank
+    writes: bool = True  # False: this rank writes nothing to that decode rank
     kv_cursor: int = 0
     chunks_done: int = 0
     nbytes: int = 0
@@ -61,7 +61,7 @@ class Target:
     admitted: bool = False  # holds a room slot with the peer (agent/flow.py)
     layers_sent: set = field(default_factory=set)  # of the streamed chunk being written
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    sums: object = None     # RoomDigest of what was sent, when the pair checks integrity
+    sums: object = None  # RoomDigest of what was sent, when the pair checks integrity
     bell: tuple[int, int, int] | None = None  # (slot, token, writer) to ring once all landed
     confirmed: bool = False  # decode confirmed it has the bytes (its own Done)
 
@@ -70,8 +70,7 @@ class Target:
         """Nothing more is owed: every byte written and, where decode confirms, confirmed."""
         if not self.done:
             return False
-        return self.confirmed or not (self.writes and self.succeeded
-                                      and CONFIRM_DONE in self.peer.features)
+        return self.confirmed or not (self.writes and self.succeeded and CONFIRM_DONE in self.peer.features)
 
 
 @dataclass
@@ -79,9 +78,9 @@ class PrefillRoom(Room):
     chunks: list[dict[Pool, np.ndarray]] = field(default_factory=list)
     layers: list[ChunkLayers | None] = field(default_factory=list)  # per chunk; None: not streamed
     last_received: bool = False
-    targets: dict[int, Target] = field(default_factory=dict)   # by channel id
+    targets: dict[int, Target] = field(default_factory=dict)  # by channel id
     expected_targets: int = 0
-    refused: bool = False   # a send of it was refused: requests still arriving get its failure
+    refused: bool = False  # a send of it was refused: requests still arriving get its failure
     nbytes: int = 0
-    owner: str = ""        # the decode instance the room is bound to (agent/ownership.py)
-    contenders: list = field(default_factory=list)   # other instances' requests, until bound
+    owner: str = ""  # the decode instance the room is bound to (agent/ownership.py)
+    contenders: list = field(default_factory=list)  # other instances' requests, until bound

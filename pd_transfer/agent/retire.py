@@ -38,17 +38,18 @@ async def close_sessions(instance) -> None:
                 await peer.channel.send(Close(reason_text="decode released this session"))
         except Exception as err:  # unreachable or never authenticated: close anyway
             log.debug("decode: no Close to %s: %s", peer.rank_id, err)
-        peer.channel.close(linger_ms=REFUSAL_LINGER_MS)   # let the Close leave first
+        peer.channel.close(linger_ms=REFUSAL_LINGER_MS)  # let the Close leave first
 
 
 def release_retired(side, now_s: float) -> None:
     """Close the sessions of lost instances nothing can still arrive on."""
     for instance in list(side.retired):
         if instance.resolving:
-            continue   # a rank lost while resolving: the resolution fails and closes them
+            continue  # a rank lost while resolving: the resolution fails and closes them
         state = rooms_state(side.sidecar.rooms.rooms.values(), instance)
-        if state == "live" or (state == "pending"
-                               and now_s - instance.lost_s < side.config.abort_drain_timeout_s):
+        if state == "live" or (
+            state == "pending" and now_s - instance.lost_s < side.config.abort_drain_timeout_s
+        ):
             continue
         side.retired.remove(instance)
         log.info("decode: closing the sessions of lost prefill instance %s", instance.bootstrap)
@@ -56,8 +57,11 @@ def release_retired(side, now_s: float) -> None:
     for address, task in list(side.instances.items()):
         # failed or lost resolutions of unconfigured addresses: the next expect resolves
         # again (a failed one once its backoff has passed: side.backoffs keeps its count)
-        if task.done() and address not in side.config.prefill_bootstraps and \
-                _over(side, address, task, now_s):
+        if (
+            task.done()
+            and address not in side.config.prefill_bootstraps
+            and _over(side, address, task, now_s)
+        ):
             del side.instances[address]
 
 

@@ -30,10 +30,10 @@ class Backoff:
     base_s: float = BASE_S
     cap_s: float = CAP_S
     rng: random.Random = field(default_factory=random.Random)
-    failures: int = 0          # in a row, since the last success
-    next_try_s: float = 0.0    # monotonic time of the next try (0: now)
-    error: str = ""            # the last failure's text
-    same_error: bool = False   # the last failure's text was the one before's (log it at debug)
+    failures: int = 0  # in a row, since the last success
+    next_try_s: float = 0.0  # monotonic time of the next try (0: now)
+    error: str = ""  # the last failure's text
+    same_error: bool = False  # the last failure's text was the one before's (log it at debug)
 
     def failed(self, started_s: float, error: str = "") -> float:
         """Record the failure of the try that started at ``started_s``; returns the time of

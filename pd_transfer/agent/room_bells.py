@@ -54,8 +54,9 @@ class RoomBells:
         every one rings; otherwise none, and the slot closes at once."""
         if room.bell is None:
             return {}
-        if not 0 < len(peers) <= MAX_WRITERS or \
-                not all(p is not None and p.rings and p.integrity is None for p in peers):
+        if not 0 < len(peers) <= MAX_WRITERS or not all(
+            p is not None and p.rings and p.integrity is None for p in peers
+        ):
             self.segment.close_slot(*room.bell)
             return {}
         self.segment.set_writers(*room.bell, len(peers))
@@ -71,8 +72,7 @@ class RoomBells:
         return self._live(room) and self.segment.rung(*room.bell)
 
     def _live(self, room) -> bool:
-        return getattr(room, "bell", None) is not None and not room.terminal \
-            and self.segment is not None
+        return getattr(room, "bell", None) is not None and not room.terminal and self.segment is not None
 
     def ended(self, room) -> None:
         if self.segment is None:

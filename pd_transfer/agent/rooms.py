@@ -71,7 +71,7 @@ class Room:
                     waiter.set_result(None)
             self.waiters.clear()
             hooks, self.on_end = self.on_end, []
-            for hook in hooks:   # e.g. admission slots go back (agent/admission.py)
+            for hook in hooks:  # e.g. admission slots go back (agent/admission.py)
                 hook(self)
 
     def reply(self) -> dict:
@@ -158,8 +158,9 @@ class RoomTable:
         if room in self._live:
             return ""
         live = len(self._live)
-        return "" if live < self.max_rooms else \
-            f"{live} rooms are live, the limit is max_rooms={self.max_rooms}"
+        return (
+            "" if live < self.max_rooms else f"{live} rooms are live, the limit is max_rooms={self.max_rooms}"
+        )
 
     def expire(self, now_s: float, on_timeout: Callable[[Room], None]) -> None:
         """Time out live rooms past their deadline; forget rooms finished over ``ttl_s`` ago.
@@ -185,8 +186,11 @@ class RoomTable:
 
 def pool_requests(request: dict) -> dict[Pool, np.ndarray]:
     """Index lists of a worker send/expect request, by pool (empty pools left out)."""
-    lists = {Pool.KV: request.get("pages", []), Pool.SWA: request.get("swa_pages", []),
-             Pool.MAMBA: request.get("state_slots", [])}
+    lists = {
+        Pool.KV: request.get("pages", []),
+        Pool.SWA: request.get("swa_pages", []),
+        Pool.MAMBA: request.get("state_slots", []),
+    }
     if request.get("aux_row") is not None:
         lists[Pool.AUX] = [request["aux_row"]]
     return {pool: np.asarray(values, dtype=np.int64) for pool, values in lists.items() if len(values)}

@@ -45,8 +45,11 @@ def run_until_stopped(service: Stoppable) -> None:
         nonlocal signals_seen
         signals_seen += 1
         force = signals_seen > 1
-        log.info("signal %s: %s", signal.Signals(signum).name,
-                 "forcing exit" if force else "draining (send again to force)")
+        log.info(
+            "signal %s: %s",
+            signal.Signals(signum).name,
+            "forcing exit" if force else "draining (send again to force)",
+        )
         service.request_stop(force=force)
         if force:
             _watchdog(EXIT_STUCK)
@@ -63,8 +66,7 @@ def run_until_stopped(service: Stoppable) -> None:
 
 def _watchdog(code: int) -> None:
     def expire() -> None:
-        log.warning("exit did not complete within %.0f s; ending the process (code %d)",
-                    EXIT_GRACE_S, code)
+        log.warning("exit did not complete within %.0f s; ending the process (code %d)", EXIT_GRACE_S, code)
         logging.shutdown()
         os._exit(code)
 

@@ -21,8 +21,9 @@ from pd_transfer.protocol.worker_api import WorkerOp
 
 
 class Side(Protocol):
-    async def on_worker_op(self, op: WorkerOp, request: dict[str, Any],
-                           pools: dict[Pool, np.ndarray]) -> dict[str, Any]:
+    async def on_worker_op(
+        self, op: WorkerOp, request: dict[str, Any], pools: dict[Pool, np.ndarray]
+    ) -> dict[str, Any]:
         """A room operation of the worker (send, expect, layer_ready), already checked
         against the room table's bounds. Returns the reply; an operation this side does
         not serve raises PdTransferError (``bad_frame``) naming the role."""

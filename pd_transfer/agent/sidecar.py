@@ -54,31 +54,39 @@ from pd_transfer.protocol.worker_api import WorkerOp
 
 log = logging.getLogger(__name__)
 
-_HEARTBEAT_STATES = {SessionState.GREETED, SessionState.REGISTERING, SessionState.REGISTERED,
-                     SessionState.ACCEPTED, SessionState.REJECTED}
+_HEARTBEAT_STATES = {
+    SessionState.GREETED,
+    SessionState.REGISTERING,
+    SessionState.REGISTERED,
+    SessionState.ACCEPTED,
+    SessionState.REJECTED,
+}
 
 
 class Sidecar:
-    def __init__(self, config: SidecarConfig, drain_s: float = 5.0,
-                 security: Security | None = None) -> None:
+    def __init__(self, config: SidecarConfig, drain_s: float = 5.0, security: Security | None = None) -> None:
         self.config = config
         self.drain_s = drain_s
         # every socket made from this context finds the secret and keys (agent/auth.py)
         self.security = security or Security.from_config(config)
         self.context = SecureContext(self.security)
         self.rooms = RoomTable(config.room_ttl_s, config.max_rooms)
-        self.admission = Admission(config)   # rooms per peer, bytes in flight (agent/admission.py)
+        self.admission = Admission(config)  # rooms per peer, bytes in flight (agent/admission.py)
         self.observe = Observer(self)
         self.observe.watch_admission(self.admission)
         self.security.on_failure = self.observe.auth_failure
         self.geometry: RankGeometry | None = None
         self.handles: dict[str, str] = {}
         self.pp_size = 1
-        self.worker = WorkerBinding(self)   # the registration's connection (agent/worker_loss.py)
-        self.worker_tasks: list[asyncio.Task] = []   # what lives only while the worker is registered
+        self.worker = WorkerBinding(self)  # the registration's connection (agent/worker_loss.py)
+        self.worker_tasks: list[asyncio.Task] = []  # what lives only while the worker is registered
         self.endpoint = None
-        self.dataplane = DataPlane(config, self.context, on_bad_frame=self.observe.bad_frame,
-                                   on_connection_closed=self.observe.connection_closed)
+        self.dataplane = DataPlane(
+            config,
+            self.context,
+            on_bad_frame=self.observe.bad_frame,
+            on_connection_closed=self.observe.connection_closed,
+        )
         self.side: Side = PrefillSide(self) if config.role is Role.PREFILL else DecodeSide(self)
         self.control: IncomingChannels | None = None
         self.bootstrap_server: BootstrapServer | None = None
@@ -89,11 +97,14 @@ class Sidecar:
         self._watched: list[tuple[Channel, Callable[[float], None]]] = []
         self.http: HttpServer | None = None
         self._heartbeat_seq = itertools.count(1)
-        interval = config.heartbeat_interval_s   # the timers tick at min(interval, 0.1 s)
-        self.stalls = LoopStalls(tick_s=min(interval, 0.1), warn_s=max(interval, 0.5),
-                                 keep_s=2 * interval * config.heartbeat_misses + 1.0)
+        interval = config.heartbeat_interval_s  # the timers tick at min(interval, 0.1 s)
+        self.stalls = LoopStalls(
+            tick_s=min(interval, 0.1),
+            warn_s=max(interval, 0.5),
+            keep_s=2 * interval * config.heartbeat_misses + 1.0,
+        )
         self._generations = itertools.count(1)
-        self.tasks = Tasks()   # every background task, owned (agent/tasks.py)
+        self.tasks = Tasks()  # every background task, owned (agent/tasks.py)
         self.ready_file = ReadyFile(config.ready_file)
 
     # -- lifecycle ---------------------------------------------------------------
@@ -107,38 +118,58 @@ class Sidecar:
 
     async def run(self) -> None:
         from pd_transfer.agent.worker_endpoint import WorkerEndpoint
+
         endpoint = None
         config = self.config
-        try:   # a failed start (an address in use) still removes what was made: doorbells
+        try:  # a failed start (an address in use) still removes what was made: doorbells
             prepare_worker_endpoint(config.worker_endpoint)
             endpoint = self.endpoint = WorkerEndpoint(
-                self.context, config.worker_endpoint, self.handle_worker,
-                on_bad_request=self.observe.bad_frame, max_requests=config.max_worker_requests,
+                self.context,
+                config.worker_endpoint,
+                self.handle_worker,
+                on_bad_request=self.observe.bad_frame,
+                max_requests=config.max_worker_requests,
                 on_over_limit=lambda: self.observe.limit_refused("max_worker_requests"),
-                on_closed=self.worker.on_closed, on_connection_closed=self.observe.connection_closed)
+                on_closed=self.worker.on_closed,
+                on_connection_closed=self.observe.connection_closed,
+            )
             self.spawn(endpoint.serve())
             if self.config.role is Role.PREFILL:
                 with binding("control_host", config.control_host, "control_port", config.control_port):
-                    self.control = IncomingChannels(self.context, config.control_host,
-                                                    config.control_port, Role.PREFILL,
-                                                    on_bad_frame=self.observe.bad_frame,
-                                                    on_refused=self._on_control_refused,
-                                                    on_closed=self.observe.connection_closed)
+                    self.control = IncomingChannels(
+                        self.context,
+                        config.control_host,
+                        config.control_port,
+                        Role.PREFILL,
+                        on_bad_frame=self.observe.bad_frame,
+                        on_refused=self._on_control_refused,
+                        on_closed=self.observe.connection_closed,
+                    )
                 self.spawn(self.control.serve(self._on_control))
-            self.http = HttpServer(self.config.http_host, self.config.http_port,
-                                   metrics=self.observe.render, ready=self.observe.ready,
-                                   status=self.observe.status)
+            self.http = HttpServer(
+                self.config.http_host,
+                self.config.http_port,
+                metrics=self.observe.render,
+                ready=self.observe.ready,
+                status=self.observe.status,
+            )
             with binding("http_host", config.http_host, "http_port", config.http_port):
                 await self.http.start()
             self.spawn(self._timers())
             self._write_ready_file()
             self.security.log_mode()
             if not self.dataplane.copies.startswith("native"):
-                log.warning("shm copies run through numpy, about half as fast as the native loop: %s",
-                            self.dataplane.copies)
-            log.info("%s sidecar %s serving: worker %s, control %s", self.config.role.value,
-                     self.config.agent_id, self.config.worker_endpoint,
-                     self.control.address if self.control else "-")
+                log.warning(
+                    "shm copies run through numpy, about half as fast as the native loop: %s",
+                    self.dataplane.copies,
+                )
+            log.info(
+                "%s sidecar %s serving: worker %s, control %s",
+                self.config.role.value,
+                self.config.agent_id,
+                self.config.worker_endpoint,
+                self.control.address if self.control else "-",
+            )
             await self._stop.wait()
             if not self._force:
                 await self._drain()
@@ -164,31 +195,33 @@ class Sidecar:
         while self.rooms.live() and time.monotonic() < deadline and not self._force:
             await asyncio.sleep(0.02)
         for room in self.rooms.live():
-            await self.side.end_room(room, Reason.SHUTTING_DOWN,
-                                     f"room {room.room}: the sidecar shut down before it finished")
+            await self.side.end_room(
+                room, Reason.SHUTTING_DOWN, f"room {room.room}: the sidecar shut down before it finished"
+            )
         await asyncio.sleep(0.05)  # let the failure notices leave
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], *, room: str = "",
-              peer: str = "") -> asyncio.Task:
+    def spawn(self, coro: Coroutine[Any, Any, Any], *, room: str = "", peer: str = "") -> asyncio.Task:
         """Run ``coro`` in the background, owned by this sidecar (see :class:`Tasks`)."""
         return self.tasks.spawn(coro, room=room, peer=peer)
 
     def _write_ready_file(self) -> None:
-        self.ready_file.write({
-            "agent_id": self.config.agent_id, "worker_endpoint": self.config.worker_endpoint,
-            "control_address": self.control.address if self.control else "",
-            "data_address": self.dataplane.receive_address(),
-            "http_address": self.http.address if self.http else ""})
+        self.ready_file.write(
+            {
+                "agent_id": self.config.agent_id,
+                "worker_endpoint": self.config.worker_endpoint,
+                "control_address": self.control.address if self.control else "",
+                "data_address": self.dataplane.receive_address(),
+                "http_address": self.http.address if self.http else "",
+            }
+        )
 
     # -- worker API ----------------------------------------------------------------
-    async def handle_worker(self, op: WorkerOp, request: dict[str, Any],
-                            connection=None) -> dict[str, Any]:
+    async def handle_worker(self, op: WorkerOp, request: dict[str, Any], connection=None) -> dict[str, Any]:
         if op is WorkerOp.REGISTER:
             async with self.worker.lock:
                 return await self._register(request, connection)
         if self.geometry is None:
-            raise PdTransferError("the worker has not registered its pools yet",
-                                  code=Reason.NOT_REGISTERED)
+            raise PdTransferError("the worker has not registered its pools yet", code=Reason.NOT_REGISTERED)
         if op is WorkerOp.POLL:
             room = self._room(request["room"])
             self.side.check_bell(room)
@@ -205,8 +238,9 @@ class Sidecar:
         refusal = self.rooms.refusal(request["room"]) if op in (WorkerOp.SEND, WorkerOp.EXPECT) else ""
         if refusal:  # the hard bound of the room table: refused at once, never queued
             self.observe.limit_refused("max_rooms")
-            raise PdTransferError(refusal, code=Reason.TOO_MANY_ROOMS,
-                                  hint="finish or abort rooms, or raise max_rooms")
+            raise PdTransferError(
+                refusal, code=Reason.TOO_MANY_ROOMS, hint="finish or abort rooms, or raise max_rooms"
+            )
         return await self.side.on_worker_op(op, request, pool_requests(request))
 
     def _room(self, room_id: int):
@@ -219,18 +253,22 @@ class Sidecar:
         if self.geometry is not None:
             raise PdTransferError(
                 f"worker {self.worker.worker_id} is registered, and the connection it registered "
-                f"through is open", code=Reason.ALREADY_REGISTERED,
+                f"through is open",
+                code=Reason.ALREADY_REGISTERED,
                 hint="a worker registers once per sidecar; a restarted worker registers again "
-                     "once the old one's connection closed (it exited, or closed that client)")
+                "once the old one's connection closed (it exited, or closed that client)",
+            )
         geometry = geometry_from_data(request["geometry"])
         if geometry.role is not self.config.role:
-            raise PdTransferError(f"a {geometry.role.value} worker registered with a "
-                                  f"{self.config.role.value} sidecar", code=Reason.ROLE_MISMATCH)
+            raise PdTransferError(
+                f"a {geometry.role.value} worker registered with a {self.config.role.value} sidecar",
+                code=Reason.ROLE_MISMATCH,
+            )
         handles = {str(k): str(v) for k, v in request["handles"].items()}
         # the whole registration, handles included: a missing or shared segment is refused
         # here, with the field at fault, before a single segment is mapped
         check_geometry(geometry, handles)
-        table = self._rank_table_server(geometry)   # bound before anything is committed
+        table = self._rank_table_server(geometry)  # bound before anything is committed
         try:
             await self.dataplane.map_local(geometry, handles)
         except BaseException:
@@ -244,8 +282,13 @@ class Sidecar:
         self.pp_size = request["pp_size"]
         self.registered.set()
         self.worker.bind(request["worker_id"], connection, self.endpoint)
-        log.info("worker %s registered %s: %d views in %d regions", request["worker_id"],
-                 geometry.rank_id, len(geometry.views), len(geometry.regions))
+        log.info(
+            "worker %s registered %s: %d views in %d regions",
+            request["worker_id"],
+            geometry.rank_id,
+            len(geometry.views),
+            len(geometry.regions),
+        )
         await self.side.on_registered()
         return {"rank_id": geometry.rank_id}
 
@@ -254,31 +297,41 @@ class Sidecar:
             async with asyncio.timeout(timeout_s):
                 await self.registered.wait()
         except TimeoutError:
-            raise PdTransferError("the worker did not register in time",
-                                  code=Reason.NOT_REGISTERED) from None
+            raise PdTransferError("the worker did not register in time", code=Reason.NOT_REGISTERED) from None
 
     def _rank_entry(self) -> RankEntry:
-        return RankEntry(agent_id=self.config.agent_id, host_id=self.config.host_id,
-                         control_address=self.control.address, pp_size=self.pp_size,
-                         geometry=self.geometry)
+        return RankEntry(
+            agent_id=self.config.agent_id,
+            host_id=self.config.host_id,
+            control_address=self.control.address,
+            pp_size=self.pp_size,
+            geometry=self.geometry,
+        )
 
     def _rank_table_server(self, geometry) -> BootstrapServer | None:
         """Prefill rank 0 serves its instance's rank table at the bootstrap address. A
         bind that fails refuses the registration (the worker may try again), rather
         than leaving a registered rank 0 whose instance no decode can find."""
-        if self.config.role is not Role.PREFILL or not self.config.bootstrap \
-                or (geometry.tp_rank, geometry.pp_rank) != (0, 0):
+        if (
+            self.config.role is not Role.PREFILL
+            or not self.config.bootstrap
+            or (geometry.tp_rank, geometry.pp_rank) != (0, 0)
+        ):
             return None
         try:
-            return BootstrapServer(self.context, self.config.bootstrap,
-                                   on_bad_frame=self.observe.bad_frame,
-                                   on_closed=self.observe.connection_closed)
+            return BootstrapServer(
+                self.context,
+                self.config.bootstrap,
+                on_bad_frame=self.observe.bad_frame,
+                on_closed=self.observe.connection_closed,
+            )
         except zmq.ZMQError as err:
             raise PdTransferError(
-                f"prefill rank 0 cannot serve the rank table at {self.config.bootstrap}: "
-                f"{err.strerror}", code=Reason.BOOTSTRAP_FAILED,
+                f"prefill rank 0 cannot serve the rank table at {self.config.bootstrap}: {err.strerror}",
+                code=Reason.BOOTSTRAP_FAILED,
                 hint="another process holds that address (another instance's rank 0?); give "
-                     "each prefill instance its own bootstrap address") from None
+                "each prefill instance its own bootstrap address",
+            ) from None
 
     async def announce_first(self) -> None:
         """Serve the rank table (rank 0), then announce this rank once before the
@@ -289,12 +342,16 @@ class Sidecar:
             log.error("prefill sidecar has no bootstrap address: decode cannot find this rank")
             return
         try:
-            await fetch_table(self.context, address, self.config.agent_id,
-                              min(2.0, self.config.bootstrap_timeout_s),
-                              announce=self._rank_entry(), until_complete=False)
+            await fetch_table(
+                self.context,
+                address,
+                self.config.agent_id,
+                min(2.0, self.config.bootstrap_timeout_s),
+                announce=self._rank_entry(),
+                until_complete=False,
+            )
         except PdTransferError as err:
-            log.warning("prefill: first announcement failed (%s); retrying in the background",
-                        err.message)
+            log.warning("prefill: first announcement failed (%s); retrying in the background", err.message)
 
     async def join_prefill_instance(self) -> None:
         address = self.config.bootstrap
@@ -304,8 +361,13 @@ class Sidecar:
         while True:
             started = time.monotonic()
             try:
-                self.side.table = await fetch_table(self.context, address, self.config.agent_id,
-                                                    self.config.bootstrap_timeout_s, announce=entry)
+                self.side.table = await fetch_table(
+                    self.context,
+                    address,
+                    self.config.agent_id,
+                    self.config.bootstrap_timeout_s,
+                    announce=entry,
+                )
                 if not self.side.table_ready.is_set() or backoff.failures:
                     log.info("prefill: rank table complete (%d ranks)", len(self.side.table.entries))
                 backoff.succeeded()
@@ -314,8 +376,12 @@ class Sidecar:
                 await asyncio.sleep(self.config.heartbeat_interval_s * self.config.heartbeat_misses)
             except PdTransferError as err:  # refused at once, or no table in time
                 backoff.failed(started, err.message)
-                log.log(logging.DEBUG if backoff.same_error else logging.WARNING, "prefill: %s; %s",
-                        err.message, backoff.describe(time.monotonic()))
+                log.log(
+                    logging.DEBUG if backoff.same_error else logging.WARNING,
+                    "prefill: %s; %s",
+                    err.message,
+                    backoff.describe(time.monotonic()),
+                )
                 await asyncio.sleep(backoff.wait_s(time.monotonic()))
 
     async def _on_control(self, channel: Channel, message) -> None:
@@ -328,17 +394,23 @@ class Sidecar:
         if id(channel) not in self.side.peers:
             return  # refused at its first frame: it holds nothing (and rooms need no scan)
         refusal = channel.refusal
-        self.observe.lost(channel.peer_rank or channel.label,
-                          f"session closed after a bad frame: {refusal}", channel, missed=False)
+        self.observe.lost(
+            channel.peer_rank or channel.label,
+            f"session closed after a bad frame: {refusal}",
+            channel,
+            missed=False,
+        )
         text = str(refusal).replace("{", "{{").replace("}", "}}")
-        self.side.release_peer(channel, refusal.code,
-                               f"decode peer {{}}: session closed after a bad frame: {text}")
+        self.side.release_peer(
+            channel, refusal.code, f"decode peer {{}}: session closed after a bad frame: {text}"
+        )
 
     # -- peers and timers ----------------------------------------------------------
     def capabilities(self) -> Capabilities:
-        return Capabilities(transports=self.dataplane.transport_names(),
-                            features=(*integrity.features(self.config, self.dataplane.on_device),
-                                      CONFIRM_DONE))
+        return Capabilities(
+            transports=self.dataplane.transport_names(),
+            features=(*integrity.features(self.config, self.dataplane.on_device), CONFIRM_DONE),
+        )
 
     def next_generation(self) -> int:
         return next(self._generations)
@@ -382,16 +454,19 @@ class Sidecar:
                     channel.close()
                     self._lost(channel, on_lost, why)
                     continue
-                if channel.session.state in _HEARTBEAT_STATES \
-                        and now - channel.last_beat_s >= interval:
+                if channel.session.state in _HEARTBEAT_STATES and now - channel.last_beat_s >= interval:
                     channel.last_beat_s = now
                     try:
                         # bounded: a peer that stops reading fills ZeroMQ's send queue;
                         # its heartbeat is skipped (and it is soon lost), the timers go on
                         async with asyncio.timeout(interval):
-                            await channel.send(Heartbeat(
-                                agent_id=self.config.agent_id, sequence=next(self._heartbeat_seq),
-                                sent_unix_s=time.time()))
+                            await channel.send(
+                                Heartbeat(
+                                    agent_id=self.config.agent_id,
+                                    sequence=next(self._heartbeat_seq),
+                                    sent_unix_s=time.time(),
+                                )
+                            )
                     except Exception as err:
                         log.debug("heartbeat to %s failed: %s", channel.label, err)
 

@@ -47,13 +47,17 @@ def binding(host_field: str, host: str, port_field: str, port: int) -> Iterator[
         code = err.errno or 0
         where = f"{port_field} {port}: cannot bind {host}:{port}"
         if code in _IN_USE:
-            text = (f"{where}: in use by another process (another sidecar on this host?); give "
-                    f"each sidecar on a host its own {port_field} (--{port_field.replace('_', '-')} "
-                    f"or PD_TRANSFER_{port_field.upper()}), e.g. base + GPU index, or 0 for any "
-                    f"free port")
+            text = (
+                f"{where}: in use by another process (another sidecar on this host?); give "
+                f"each sidecar on a host its own {port_field} (--{port_field.replace('_', '-')} "
+                f"or PD_TRANSFER_{port_field.upper()}), e.g. base + GPU index, or 0 for any "
+                f"free port"
+            )
         else:
-            text = (f"{where}: {err.strerror or err}; {host_field} must be an address of this "
-                    f"host (0.0.0.0: every interface)")
+            text = (
+                f"{where}: {err.strerror or err}; {host_field} must be an address of this "
+                f"host (0.0.0.0: every interface)"
+            )
         raise StartupError(code, text) from None
 
 
@@ -61,7 +65,7 @@ def prepare_worker_endpoint(endpoint: str) -> None:
     """Makes the directory of a ``unix://`` or ``ipc://`` worker endpoint."""
     path = unix_path(endpoint)
     if path is None and endpoint.startswith("ipc://"):
-        path = endpoint[len("ipc://"):]
+        path = endpoint[len("ipc://") :]
     if path:
         ensure_directory(Path(path).parent, "worker_endpoint")
 
@@ -80,10 +84,14 @@ def ensure_directory(directory: Path, field: str) -> None:
             continue
         except OSError as err:
             user = pwd.getpwuid(os.getuid()).pw_name
-            raise StartupError(err.errno or 0, (
-                f"{field}: cannot create the directory {directory} ({part}: {err.strerror}); "
-                f"create it for this user (install -d -m 0700 -o {user} {directory}), or point "
-                f"{field} at a directory this user may write")) from None
+            raise StartupError(
+                err.errno or 0,
+                (
+                    f"{field}: cannot create the directory {directory} ({part}: {err.strerror}); "
+                    f"create it for this user (install -d -m 0700 -o {user} {directory}), or point "
+                    f"{field} at a directory this user may write"
+                ),
+            ) from None
 
 
 class ReadyFile:

@@ -52,22 +52,31 @@ def _auth(context: zmq.asyncio.Context):
 def staging_options(config, context: zmq.asyncio.Context) -> StagingOptions:
     """The prefill side's: the configured strategy, authenticated staging channels."""
     auth, handshake_timeout_s = _auth(context)
-    return StagingOptions(mode=StrategyMode(config.strategy), auth=auth,
-                          timeout_s=config.transfer_timeout_s,
-                          handshake_timeout_s=handshake_timeout_s)
+    return StagingOptions(
+        mode=StrategyMode(config.strategy),
+        auth=auth,
+        timeout_s=config.transfer_timeout_s,
+        handshake_timeout_s=handshake_timeout_s,
+    )
 
 
-def receiver_staging(config, context: zmq.asyncio.Context,
-                     on_bad_frame: Callable[[str], None] = lambda reason: None) -> ReceiverStaging:
+def receiver_staging(
+    config, context: zmq.asyncio.Context, on_bad_frame: Callable[[str], None] = lambda reason: None
+) -> ReceiverStaging:
     """The decode side's staging area (none under ``strategy = "direct"``) and channel,
     gated as the tcp data port is (``data_handshake_timeout_s``,
     ``max_pending_data_connections``)."""
     auth, _ = _auth(context)
     slots = 0 if config.strategy == StrategyMode.DIRECT.value else config.staging_slots
-    return ReceiverStaging(slots, config.staging_slot_nbytes, bind_host=config.data_host,
-                           auth=auth, handshake_timeout_s=config.data_handshake_timeout_s,
-                           max_pending=config.max_pending_data_connections,
-                           on_bad_frame=on_bad_frame)
+    return ReceiverStaging(
+        slots,
+        config.staging_slot_nbytes,
+        bind_host=config.data_host,
+        auth=auth,
+        handshake_timeout_s=config.data_handshake_timeout_s,
+        max_pending=config.max_pending_data_connections,
+        on_bad_frame=on_bad_frame,
+    )
 
 
 def sample_plans(planner: PairPlanner) -> dict:
@@ -83,8 +92,7 @@ def sample_plans(planner: PairPlanner) -> dict:
     return plans
 
 
-def choose_strategies(link, planner: PairPlanner, mode: StrategyMode,
-                      transport: str) -> dict[Pool, Decision]:
+def choose_strategies(link, planner: PairPlanner, mode: StrategyMode, transport: str) -> dict[Pool, Decision]:
     """The strategy of each pool for ``link`` (set on engine links); ``transport`` names
     the link's kind for the others (``shm``, ``tcp``, ``device``)."""
     decisions: dict[Pool, Decision] = {}
@@ -97,16 +105,25 @@ def choose_strategies(link, planner: PairPlanner, mode: StrategyMode,
             continue
         staging = link.staging
         slot_nbytes = staging.channel.slot_nbytes if staging is not None else DEFAULT_SLOT_NBYTES
-        decision = choose(profile, staging.cost if staging is not None else None, mode,
-                          slot_nbytes=slot_nbytes, staging=staging is not None,
-                          ring_slots=len(staging.channel.slots) if staging is not None else 1,
-                          # Mooncake submits 1,024 a batch; NIXL one request whatever its size
-                          batch_descriptors=getattr(link.transport, "max_batch_descriptors",
-                                                    1 << 30))
+        decision = choose(
+            profile,
+            staging.cost if staging is not None else None,
+            mode,
+            slot_nbytes=slot_nbytes,
+            staging=staging is not None,
+            ring_slots=len(staging.channel.slots) if staging is not None else 1,
+            # Mooncake submits 1,024 a batch; NIXL one request whatever its size
+            batch_descriptors=getattr(link.transport, "max_batch_descriptors", 1 << 30),
+        )
         link.set_strategy({b.dst_region for b in plan.batches}, decision.strategy)
         decisions[pool] = decision
     for pool, decision in decisions.items():
-        log.info("strategy for %s pool %s: %s; %s", planner.dst.rank_id, pool.value,
-                 decision.describe(), decision.profile.describe() if decision.profile else "-",
-                 extra={"peer": planner.dst.rank_id})
+        log.info(
+            "strategy for %s pool %s: %s; %s",
+            planner.dst.rank_id,
+            pool.value,
+            decision.describe(),
+            decision.profile.describe() if decision.profile else "-",
+            extra={"peer": planner.dst.rank_id},
+        )
     return decisions

@@ -47,9 +47,15 @@ MAX_UNREAD_NBYTES = 64 * 1024 * 1024
 
 
 class StreamRouter:
-    def __init__(self, path: str, *, on_bad_frame: Callable[[str], None] = lambda reason: None,
-                 on_closed: Callable[[bytes], None] = lambda identity: None,
-                 max_queued: int = MAX_QUEUED, max_unread_nbytes: int = MAX_UNREAD_NBYTES) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        on_bad_frame: Callable[[str], None] = lambda reason: None,
+        on_closed: Callable[[bytes], None] = lambda identity: None,
+        max_queued: int = MAX_QUEUED,
+        max_unread_nbytes: int = MAX_UNREAD_NBYTES,
+    ) -> None:
         self.path = path
         self._on_bad_frame = on_bad_frame
         self._on_closed = on_closed
@@ -72,12 +78,14 @@ class StreamRouter:
             return
         writer.write(pack(frame))
         if writer.transport.get_write_buffer_size() > self._max_unread_nbytes:
-            log.warning("worker endpoint %s: a worker left more than %d bytes of replies unread; "
-                        "disconnecting it", self.path, self._max_unread_nbytes)
+            log.warning(
+                "worker endpoint %s: a worker left more than %d bytes of replies unread; disconnecting it",
+                self.path,
+                self._max_unread_nbytes,
+            )
             writer.transport.abort()
 
-    async def _serve_connection(self, reader: asyncio.StreamReader,
-                                writer: asyncio.StreamWriter) -> None:
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         identity = new_routing_id()
         self._writers[identity] = writer
         try:
@@ -89,7 +97,7 @@ class StreamRouter:
             log.warning("worker endpoint %s: %s", self.path, err.message)
             writer.write(pack(worker_api.error_reply(-1, err)))
         except (asyncio.IncompleteReadError, ConnectionError):
-            pass   # the worker closed its end (between frames or inside one)
+            pass  # the worker closed its end (between frames or inside one)
         finally:
             del self._writers[identity]
             writer.close()
@@ -123,11 +131,11 @@ def listen_unix(path: str) -> socket.socket:
             raise OSError(errno.EEXIST, f"{path} exists and is not a socket; refusing to replace it")
         if _answers(path):
             raise OSError(errno.EADDRINUSE, f"another process serves the worker endpoint {path}")
-        os.unlink(path)   # a stale socket file: nobody listens on it any more
+        os.unlink(path)  # a stale socket file: nobody listens on it any more
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         listener.bind(path)
-        os.chmod(path, 0o600)   # before listen(): until then no one can connect
+        os.chmod(path, 0o600)  # before listen(): until then no one can connect
         listener.listen(128)
         listener.setblocking(False)
     except OSError as err:

@@ -39,7 +39,7 @@ from pd_transfer.protocol import Progress, RoomStatus
 class ChunkLayers:
     """The announcement state of one streamed chunk."""
 
-    span: frozenset[int]                        # every layer id of this rank
+    span: frozenset[int]  # every layer id of this rank
     ready: set[int] = field(default_factory=set)
 
     @property
@@ -51,8 +51,10 @@ class ChunkLayers:
             low, high = min(self.span, default=0), max(self.span, default=-1)
             raise PdTransferError(
                 f"room {room}: layer {layer_id} is not one of this rank's layers "
-                f"({len(self.span)} layers, ids {low}..{high})", code=Reason.BAD_FIELD,
-                hint="announce the layer ids of this rank's pipeline span")
+                f"({len(self.span)} layers, ids {low}..{high})",
+                code=Reason.BAD_FIELD,
+                hint="announce the layer ids of this rank's pipeline span",
+            )
         self.ready.add(layer_id)
 
     def pending(self, sent: set[int]) -> list[int]:
@@ -69,9 +71,11 @@ def latest_streamed(chunks: list[ChunkLayers | None], room: int) -> ChunkLayers:
     """The chunk a ``layer_ready`` refers to: the room's latest streamed chunk."""
     if chunks and chunks[-1] is not None:
         return chunks[-1]
-    raise PdTransferError(f"room {room}: layer_ready without a streamed chunk to announce",
-                          code=Reason.UNKNOWN_ROOM,
-                          hint="call send(..., stream=True) for the chunk first")
+    raise PdTransferError(
+        f"room {room}: layer_ready without a streamed chunk to announce",
+        code=Reason.UNKNOWN_ROOM,
+        hint="call send(..., stream=True) for the chunk first",
+    )
 
 
 async def write_ready_layers(side, room, target, requests: dict, layers: ChunkLayers) -> bool:
@@ -85,15 +89,20 @@ async def write_ready_layers(side, room, target, requests: dict, layers: ChunkLa
     while pending := layers.pending(target.layers_sent):
         if Pool.KV in requests:
             plan = target.peer.planner.plan({Pool.KV: requests[Pool.KV]}, layers=pending)
-            room.advance(RoomStatus.TRANSFERRING,
-                         time.monotonic() + side.config.transfer_timeout_s)
+            room.advance(RoomStatus.TRANSFERRING, time.monotonic() + side.config.transfer_timeout_s)
             nbytes = await write_chunk(side.sidecar, room, target, plan)
             target.nbytes += nbytes
             target.descriptors += plan.num_descriptors
             room.nbytes += nbytes
-            await side.send_quietly(target, Progress(room=room.room, generation=target.generation,
-                                                     done_nbytes=room.nbytes,
-                                                     total_nbytes=room.nbytes))
+            await side.send_quietly(
+                target,
+                Progress(
+                    room=room.room,
+                    generation=target.generation,
+                    done_nbytes=room.nbytes,
+                    total_nbytes=room.nbytes,
+                ),
+            )
         target.layers_sent.update(pending)
         if room.terminal or target.failed:
             return False
@@ -110,8 +119,7 @@ async def chunk_plan(side, room, target, index: int, requests: dict):
     layers = room.layers[index]
     if layers is None:
         # a link that copies small plans as grids (shm, native loop) gets them unlowered
-        return target.peer.planner.plan(
-            requests, grid_max_runs=getattr(target.peer.link, "grid_max_runs", 0))
+        return target.peer.planner.plan(requests, grid_max_runs=getattr(target.peer.link, "grid_max_runs", 0))
     if not await write_ready_layers(side, room, target, requests, layers):
         return None
     return target.peer.planner.plan({p: r for p, r in requests.items() if p is not Pool.KV})

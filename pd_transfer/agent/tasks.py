@@ -28,8 +28,7 @@ class Tasks:
     def __len__(self) -> int:
         return len(self._running)
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], *, room: str = "",
-              peer: str = "") -> asyncio.Task:
+    def spawn(self, coro: Coroutine[Any, Any, Any], *, room: str = "", peer: str = "") -> asyncio.Task:
         """Run ``coro`` in the background; ``room`` and ``peer`` name it in a failure's log."""
         task = asyncio.create_task(coro)
         self._running.add(task)
@@ -43,9 +42,15 @@ class Tasks:
         error = task.exception()
         if error is not None:
             name = task.get_coro().__qualname__ if task.get_coro() else task.get_name()
-            log.error("background task %s failed (room %s, peer %s): %s", name, room or "-",
-                      peer or "-", error, exc_info=error,
-                      extra={"room": room, "peer": peer} if room or peer else None)
+            log.error(
+                "background task %s failed (room %s, peer %s): %s",
+                name,
+                room or "-",
+                peer or "-",
+                error,
+                exc_info=error,
+                extra={"room": room, "peer": peer} if room or peer else None,
+            )
 
     async def close(self) -> None:
         """Cancel every task still running and wait until all have ended."""

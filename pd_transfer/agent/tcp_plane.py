@@ -49,43 +49,71 @@ log = logging.getLogger(__name__)
 DATA_SOCKET = "data"
 
 
-def tcp_transport(config, context: zmq.asyncio.Context,
-                  corrupt_payload: Callable[[memoryview], None] | None = None) -> Transport:
+def tcp_transport(
+    config, context: zmq.asyncio.Context, corrupt_payload: Callable[[memoryview], None] | None = None
+) -> Transport:
     """The sending side: ZeroMQ with CURVE when a CURVE server key is expected, else plain."""
     security = security_of(context)
     if security.settings.curve_server_key:
-        return ZmqTcpTransport(context, window_nbytes=config.max_inflight_nbytes,
-                               socket_options=security.curve_client,
-                               corrupt_payload=corrupt_payload)
-    return TcpTransport(window_nbytes=config.max_inflight_nbytes, streams=config.tcp_streams,
-                        auth=DataAuth(security) if security.enabled else None,
-                        handshake_timeout_s=security.handshake_timeout_s,
-                        corrupt_payload=corrupt_payload)
+        return ZmqTcpTransport(
+            context,
+            window_nbytes=config.max_inflight_nbytes,
+            socket_options=security.curve_client,
+            corrupt_payload=corrupt_payload,
+        )
+    return TcpTransport(
+        window_nbytes=config.max_inflight_nbytes,
+        streams=config.tcp_streams,
+        auth=DataAuth(security) if security.enabled else None,
+        handshake_timeout_s=security.handshake_timeout_s,
+        corrupt_payload=corrupt_payload,
+    )
 
 
-def tcp_receiver(config, regions: Mapping, context: zmq.asyncio.Context,
-                 on_bad_frame: Callable[[str], None] = lambda reason: None,
-                 on_closed: Callable[[str], None] = lambda socket: None
-                 ) -> TcpReceiver | ZmqTcpReceiver:
+def tcp_receiver(
+    config,
+    regions: Mapping,
+    context: zmq.asyncio.Context,
+    on_bad_frame: Callable[[str], None] = lambda reason: None,
+    on_closed: Callable[[str], None] = lambda socket: None,
+) -> TcpReceiver | ZmqTcpReceiver:
     """The receiving side: ZeroMQ with CURVE when this sidecar has a CURVE key, else plain.
     ``on_bad_frame(reason)``: a frame or connection the receiver refused unread;
     ``on_closed("data")``: a data connection ended (the peer left, or was dropped)."""
     security = security_of(context)
     if security.settings.curve_keypair is not None:
+
         async def watch(socket: zmq.asyncio.Socket) -> None:
             address = socket.getsockopt(zmq.LAST_ENDPOINT).decode()
-            await ConnectionWatch(socket, DATA_SOCKET, f"data receiver {address}",
-                                  on_closed=on_closed, on_bad_frame=on_bad_frame).run()
+            await ConnectionWatch(
+                socket,
+                DATA_SOCKET,
+                f"data receiver {address}",
+                on_closed=on_closed,
+                on_bad_frame=on_bad_frame,
+            ).run()
 
-        return ZmqTcpReceiver(config.data_host, regions, port=config.data_port, context=context,
-                              socket_options=security.listening, policy=RoomPolicy.EXPECTED,
-                              watch=watch, on_bad_frame=on_bad_frame)
-    return TcpReceiver(config.data_host, regions, port=config.data_port,
-                       auth=DataAuth(security) if security.enabled else None,
-                       handshake_timeout_s=config.data_handshake_timeout_s,
-                       max_pending=config.max_pending_data_connections,
-                       on_bad_frame=on_bad_frame, on_closed=lambda: on_closed(DATA_SOCKET),
-                       policy=RoomPolicy.EXPECTED)
+        return ZmqTcpReceiver(
+            config.data_host,
+            regions,
+            port=config.data_port,
+            context=context,
+            socket_options=security.listening,
+            policy=RoomPolicy.EXPECTED,
+            watch=watch,
+            on_bad_frame=on_bad_frame,
+        )
+    return TcpReceiver(
+        config.data_host,
+        regions,
+        port=config.data_port,
+        auth=DataAuth(security) if security.enabled else None,
+        handshake_timeout_s=config.data_handshake_timeout_s,
+        max_pending=config.max_pending_data_connections,
+        on_bad_frame=on_bad_frame,
+        on_closed=lambda: on_closed(DATA_SOCKET),
+        policy=RoomPolicy.EXPECTED,
+    )
 
 
 class DataAuth:
@@ -99,19 +127,19 @@ class DataAuth:
 
     def client(self, channel: FrameChannel, peer: str) -> None:
         security = self.security
-        handshake = ClientHandshake(security.settings.secret, security.agent_id,
-                                    peer=f"data receiver {peer}")
+        handshake = ClientHandshake(security.settings.secret, security.agent_id, peer=f"data receiver {peer}")
         channel.send(handshake.hello())
         while not handshake.done:
             try:
                 reply = handshake.receive(channel.recv())
             except AuthError as err:
                 if err.reply is not None:
-                    _try_send(channel, err.reply)   # tell the receiver why: it counts it too
+                    _try_send(channel, err.reply)  # tell the receiver why: it counts it too
                 raise self._refused(err, "") from None
             except TransportError as err:
-                raise self._refused(AuthError(f"data receiver {peer}: {err.message}",
-                                              code=err.code), "") from None
+                raise self._refused(
+                    AuthError(f"data receiver {peer}: {err.message}", code=err.code), ""
+                ) from None
             if reply is not None:
                 channel.send(reply)
 
@@ -120,14 +148,15 @@ class DataAuth:
             hello = self._decode(first_frame)
             if not isinstance(hello, AuthHello):
                 raise refusal(Reason.AUTH_FAILED, f"a {hello.TAG} where a hello was expected")
-            handshake = ServerHandshake(self._key, self.security.agent_id, hello,
-                                        self.security.nonces)
+            handshake = ServerHandshake(self._key, self.security.agent_id, hello, self.security.nonces)
             channel.send(handshake.challenge())
             answer = self._decode(channel.recv())
             if isinstance(answer, AuthResult) and not answer.accepted:
-                raise AuthError(f"{hello.agent_id} refused this sidecar's proof: "
-                                f"{answer.reason_text or 'no reason given'}",
-                                code=answer.reason or Reason.AUTH_FAILED)
+                raise AuthError(
+                    f"{hello.agent_id} refused this sidecar's proof: "
+                    f"{answer.reason_text or 'no reason given'}",
+                    code=answer.reason or Reason.AUTH_FAILED,
+                )
             if not isinstance(answer, AuthProof):
                 raise refusal(Reason.AUTH_FAILED, f"a {answer.TAG} where a proof was expected")
             channel.send(handshake.verify(answer))
@@ -140,9 +169,13 @@ class DataAuth:
             raise self._refused(AuthError(err.message, code=err.code), where) from None
 
     def unauthenticated(self, where: str) -> None:
-        self.security.failed(AuthError("a data connection sent a chunk before the "
-                                       "authentication handshake", code=Reason.UNAUTHENTICATED),
-                             where)
+        self.security.failed(
+            AuthError(
+                "a data connection sent a chunk before the authentication handshake",
+                code=Reason.UNAUTHENTICATED,
+            ),
+            where,
+        )
 
     def _decode(self, frame: bytes):
         try:

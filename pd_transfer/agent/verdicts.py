@@ -14,8 +14,9 @@ from pd_transfer.layout.reconcile import Reconciliation
 from pd_transfer.protocol import PoolPlan
 
 
-def plan_summary(recon: Reconciliation, planner: PairPlanner,
-                 strategies: Mapping | None = None) -> tuple[PoolPlan, ...]:
+def plan_summary(
+    recon: Reconciliation, planner: PairPlanner, strategies: Mapping | None = None
+) -> tuple[PoolPlan, ...]:
     """Tensors per (pool, mode), with descriptors and bytes of one page, slot or row.
 
     ``strategies``: ``{pool: Decision}`` (:func:`.strategies.choose_strategies`).
@@ -32,7 +33,14 @@ def plan_summary(recon: Reconciliation, planner: PairPlanner,
                 plans[pool] = None
         if plans[pool] is not None:
             decision = strategies.get(pool)
-            summary.append(PoolPlan(pool, mode, count, plans[pool].num_descriptors,
-                                    plans[pool].total_nbytes,
-                                    decision.strategy.value if decision is not None else ""))
+            summary.append(
+                PoolPlan(
+                    pool,
+                    mode,
+                    count,
+                    plans[pool].num_descriptors,
+                    plans[pool].total_nbytes,
+                    decision.strategy.value if decision is not None else "",
+                )
+            )
     return tuple(summary)

@@ -53,12 +53,18 @@ Handler = Callable[[WorkerOp, dict[str, Any], Hashable | None], Awaitable[dict[s
 
 
 class WorkerEndpoint:
-    def __init__(self, context: zmq.asyncio.Context, address: str, handler: Handler, *,
-                 on_bad_request: Callable[[str], None] = lambda reason: None,
-                 max_requests: int = 8192,
-                 on_over_limit: Callable[[], None] = lambda: None,
-                 on_closed: Callable[[Hashable], None] = lambda connection: None,
-                 on_connection_closed: Callable[[str], None] = lambda socket: None) -> None:
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        address: str,
+        handler: Handler,
+        *,
+        on_bad_request: Callable[[str], None] = lambda reason: None,
+        max_requests: int = 8192,
+        on_over_limit: Callable[[], None] = lambda: None,
+        on_closed: Callable[[Hashable], None] = lambda connection: None,
+        on_connection_closed: Callable[[str], None] = lambda socket: None,
+    ) -> None:
         self._on_bad_request = on_bad_request
         self._on_closed = on_closed
         # ZeroMQ: how many connections closed on each descriptor; a connection is
@@ -68,8 +74,7 @@ class WorkerEndpoint:
         self._on_over_limit = on_over_limit
         path = unix_path(address)
         if path is not None:
-            self._socket = StreamRouter(path, on_bad_frame=self._count_bad_request,
-                                        on_closed=on_closed)
+            self._socket = StreamRouter(path, on_bad_frame=self._count_bad_request, on_closed=on_closed)
             self._watch: ConnectionWatch | None = None
         else:
             self._socket = context.socket(zmq.ROUTER)
@@ -77,17 +82,26 @@ class WorkerEndpoint:
             bound_frames(self._socket, worker_api.MAX_REQUEST_NBYTES)
             self._socket.bind(address)
             # counts every ended connection, and tells which descriptor's (the worker's registration)
-            self._watch = ConnectionWatch(self._socket, "worker", f"worker endpoint {address}",
-                                          on_closed=on_connection_closed,
-                                          on_bad_frame=self._count_bad_request,
-                                          on_disconnected=self._closed_descriptor)
+            self._watch = ConnectionWatch(
+                self._socket,
+                "worker",
+                f"worker endpoint {address}",
+                on_closed=on_connection_closed,
+                on_bad_frame=self._count_bad_request,
+                on_disconnected=self._closed_descriptor,
+            )
         self.address = address
         self._handler = handler
         self._tasks: set[asyncio.Task] = set()
         self._watcher: asyncio.Task | None = None
         self.bad_requests = 0
-        self._doorman = Doorman(self._socket, security_of(context), "worker endpoint",
-                                _refusal_reply, on_bad_frame=self._count_bad_request)
+        self._doorman = Doorman(
+            self._socket,
+            security_of(context),
+            "worker endpoint",
+            _refusal_reply,
+            on_bad_frame=self._count_bad_request,
+        )
 
     def _count_bad_request(self, reason: str) -> None:
         self.bad_requests += 1
@@ -124,7 +138,7 @@ class WorkerEndpoint:
         try:
             fd = parts[-1].get(zmq.SRCFD)
             connection = (fd, self._closed_on.get(fd, 0))
-        except zmq.ZMQError:   # a libzmq without it: the worker's connection is not watched
+        except zmq.ZMQError:  # a libzmq without it: the worker's connection is not watched
             connection = None
         return [part.bytes for part in parts], connection
 
@@ -148,8 +162,7 @@ class WorkerEndpoint:
         try:
             op, request = worker_api.decode_request(frame)
             request_id = request["id"]
-            reply = worker_api.ok_reply(request_id,
-                                        **(await self._handler(op, request, connection)))
+            reply = worker_api.ok_reply(request_id, **(await self._handler(op, request, connection)))
         except WorkerApiError as err:
             self.bad_requests += 1
             self._on_bad_request(err.code.value)
@@ -160,7 +173,8 @@ class WorkerEndpoint:
         except Exception as err:  # a bug must not take the endpoint down
             log.exception("worker endpoint: request %s failed", request_id)
             reply = worker_api.error_reply(
-                request_id, PdTransferError(f"internal error: {err!r}", code=Reason.BAD_FRAME))
+                request_id, PdTransferError(f"internal error: {err!r}", code=Reason.BAD_FRAME)
+            )
         try:
             await self._socket.send_multipart([identity, reply])
         except zmq.ZMQError as err:
@@ -168,10 +182,12 @@ class WorkerEndpoint:
 
     async def _refuse_busy(self, identity: bytes, frame: bytes) -> None:
         self._on_over_limit()
-        error = PdTransferError(f"{len(self._tasks)} worker requests are in progress, the limit is "
-                                f"max_worker_requests={self.max_requests}", code=Reason.OVER_LIMIT,
-                                hint="poll instead of keeping many waits open, or raise "
-                                     "max_worker_requests")
+        error = PdTransferError(
+            f"{len(self._tasks)} worker requests are in progress, the limit is "
+            f"max_worker_requests={self.max_requests}",
+            code=Reason.OVER_LIMIT,
+            hint="poll instead of keeping many waits open, or raise max_worker_requests",
+        )
         log.warning("worker endpoint: %s", error.message)
         try:
             await self._socket.send_multipart([identity, _refusal_reply(frame, error)])
@@ -184,13 +200,13 @@ class WorkerEndpoint:
         if self._watcher is not None:
             self._watcher.cancel()
         if isinstance(self._socket, StreamRouter):
-            self._socket.close()   # it removes its socket file
+            self._socket.close()  # it removes its socket file
             return
-        self._socket.disable_monitor()   # the watch closes its monitor socket
+        self._socket.disable_monitor()  # the watch closes its monitor socket
         self._socket.close(linger=0)
         if self.address.startswith("ipc://"):  # libzmq leaves the socket file behind
             try:
-                os.unlink(self.address[len("ipc://"):])
+                os.unlink(self.address[len("ipc://") :])
             except OSError:
                 pass
 

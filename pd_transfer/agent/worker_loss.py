@@ -43,20 +43,22 @@ class WorkerBinding:
 
     def __init__(self, sidecar) -> None:
         self.sidecar = sidecar
-        self.lock = asyncio.Lock()   # a registration and a release never interleave
+        self.lock = asyncio.Lock()  # a registration and a release never interleave
         self.worker_id = ""
         self.connection: Hashable | None = None
-        self.lost_reason = ""        # for /readyz until the worker registers again
+        self.lost_reason = ""  # for /readyz until the worker registers again
         self.releases = 0
-        self.stale_peers: set[int] = set()   # prefill: decode sessions verdicted before the loss
+        self.stale_peers: set[int] = set()  # prefill: decode sessions verdicted before the loss
 
     def bind(self, worker_id: str, connection: Hashable | None, endpoint) -> None:
         """The registration of ``worker_id`` through ``connection`` is committed; a
         connection that closed meanwhile releases it at once."""
         self.worker_id, self.connection, self.lost_reason = worker_id, connection, ""
         if connection is None:
-            log.warning("the worker's connection cannot be watched (this libzmq has no SRCFD): "
-                        "a worker that exits keeps its registration until the sidecar restarts")
+            log.warning(
+                "the worker's connection cannot be watched (this libzmq has no SRCFD): "
+                "a worker that exits keeps its registration until the sidecar restarts"
+            )
         elif endpoint is not None and not endpoint.is_open(connection):
             self.on_closed(connection)
 
@@ -67,8 +69,10 @@ class WorkerBinding:
             return
         self.connection = None
         stamp = time.strftime("%H:%M:%S", time.gmtime())
-        why = (f"worker {self.worker_id} is gone: its connection to {sidecar.config.worker_endpoint} "
-               f"closed at {stamp} UTC")
+        why = (
+            f"worker {self.worker_id} is gone: its connection to {sidecar.config.worker_endpoint} "
+            f"closed at {stamp} UTC"
+        )
         sidecar.spawn(self.release(why))
 
     async def release(self, why: str) -> None:
@@ -78,8 +82,12 @@ class WorkerBinding:
                 return
             live = len(sidecar.rooms.live())
             # a worker that finished its rooms and exited is routine; one that left rooms is not
-            log.log(logging.WARNING if live else logging.INFO,
-                    "%s; failing its %d live room(s) and releasing its pools", why, live)
+            log.log(
+                logging.WARNING if live else logging.INFO,
+                "%s; failing its %d live room(s) and releasing its pools",
+                why,
+                live,
+            )
             self.lost_reason = f"{why}; waiting for it to register again"
             self.releases += 1
             sidecar.registered.clear()
@@ -89,20 +97,24 @@ class WorkerBinding:
                 await _release_decode(sidecar, why)
             await sidecar.dataplane.unmap_local()
             sidecar.geometry, sidecar.handles, sidecar.pp_size = None, {}, 1
-            log.info("the pools of worker %s are released; a new registration is welcome",
-                     self.worker_id)
+            log.info("the pools of worker %s are released; a new registration is welcome", self.worker_id)
 
 
 async def _release_prefill(sidecar, why: str) -> None:
     side = sidecar.side
     text = f"the prefill worker is gone ({why})"
     # fail_room waits for each target's write in flight: no copy reads the regions after
-    await asyncio.gather(*(side.fail_room(room, Reason.WORKER_LOST, f"room {room.room}: {text}")
-                           for room in sidecar.rooms.live()), return_exceptions=True)
+    await asyncio.gather(
+        *(
+            side.fail_room(room, Reason.WORKER_LOST, f"room {room.room}: {text}")
+            for room in sidecar.rooms.live()
+        ),
+        return_exceptions=True,
+    )
     for task in sidecar.worker_tasks:
         task.cancel()
     sidecar.worker_tasks.clear()
-    if sidecar.bootstrap_server is not None:   # rank 0: no table until its worker is back
+    if sidecar.bootstrap_server is not None:  # rank 0: no table until its worker is back
         sidecar.bootstrap_server.close()
         sidecar.bootstrap_server = None
     side.table = None
@@ -123,7 +135,7 @@ async def close_stale_sessions(sidecar) -> None:
         try:
             async with asyncio.timeout(retire.CLOSE_SEND_TIMEOUT_S):
                 await peer.channel.send(Close(reason=Reason.WORKER_LOST, reason_text=text))
-        except Exception as err:   # a peer already gone: released all the same
+        except Exception as err:  # a peer already gone: released all the same
             log.debug("prefill: no Close to %s: %s", peer.rank_id, err)
         sidecar.observe.peer(peer.rank_id, "lost", f"session closed: {text}", peer.channel)
         side.release_peer(peer.channel, Reason.WORKER_LOST, f"decode peer {{}}: {text}")
@@ -138,15 +150,14 @@ async def _release_decode(sidecar, why: str) -> None:
     instances = list(prefill.retired)
     for task in prefill.instances.values():
         if not task.done():
-            task.cancel()   # a resolution closes the sessions it opened
+            task.cancel()  # a resolution closes the sessions it opened
         elif not task.cancelled() and task.exception() is None:
             instances.append(task.result())
     prefill.instances.clear()
     prefill.retired.clear()
-    prefill.backoffs.clear()   # the next worker resolves its instances afresh
+    prefill.backoffs.clear()  # the next worker resolves its instances afresh
     for instance in instances:
         for peer in instance.peers.values():
             if not peer.channel.closed:
                 sidecar.observe.peer(peer.rank_id, "lost", f"session closed: {text}", peer.channel)
-    await asyncio.gather(*(retire.close_sessions(instance) for instance in instances),
-                         return_exceptions=True)
+    await asyncio.gather(*(retire.close_sessions(instance) for instance in instances), return_exceptions=True)

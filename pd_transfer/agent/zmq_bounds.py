@@ -46,8 +46,9 @@ CONTROL_QUEUED_FRAMES = 4
 _WATCHED = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 
-def bound_frames(socket: zmq.Socket, max_frame_nbytes: int = CONTROL_FRAME_NBYTES,
-                 queued_frames: int | None = None) -> None:
+def bound_frames(
+    socket: zmq.Socket, max_frame_nbytes: int = CONTROL_FRAME_NBYTES, queued_frames: int | None = None
+) -> None:
     """ZeroMQ drops a connection whose next frame declares more than ``max_frame_nbytes``,
     and queues at most ``queued_frames`` received frames per connection (None: ZeroMQ's
     default; a listening socket passes :data:`CONTROL_QUEUED_FRAMES`; a connecting
@@ -68,17 +69,23 @@ class ConnectionWatch:
     (not ZMTP on the port).
     """
 
-    def __init__(self, socket: zmq.asyncio.Socket, name: str, where: str, *,
-                 on_closed: Callable[[str], None] = lambda name: None,
-                 on_bad_frame: Callable[[str], None] = lambda reason: None,
-                 on_disconnected: Callable[[int], None] = lambda fd: None) -> None:
+    def __init__(
+        self,
+        socket: zmq.asyncio.Socket,
+        name: str,
+        where: str,
+        *,
+        on_closed: Callable[[str], None] = lambda name: None,
+        on_bad_frame: Callable[[str], None] = lambda reason: None,
+        on_disconnected: Callable[[int], None] = lambda fd: None,
+    ) -> None:
         self.name = name
         self.where = where
         self.closed = 0
         self._on_closed = on_closed
         self._on_disconnected = on_disconnected
         self._on_bad_frame = on_bad_frame
-        self._limit = socket.getsockopt(zmq.MAXMSGSIZE)   # -1: none
+        self._limit = socket.getsockopt(zmq.MAXMSGSIZE)  # -1: none
         self._monitor = socket.get_monitor_socket(_WATCHED)
 
     async def run(self) -> None:
@@ -93,15 +100,20 @@ class ConnectionWatch:
                     self.closed += 1
                     self._on_closed(self.name)
                     self._on_disconnected(int(message["value"]))
-                    log.info("%s: a connection ended (%d so far): the peer left, or sent a "
-                             "frame over the %d-byte limit or one ZeroMQ could not parse",
-                             self.where, self.closed, self._limit)
+                    log.info(
+                        "%s: a connection ended (%d so far): the peer left, or sent a "
+                        "frame over the %d-byte limit or one ZeroMQ could not parse",
+                        self.where,
+                        self.closed,
+                        self._limit,
+                    )
                 elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
                     self._on_bad_frame(Reason.BAD_FRAME.value)
-                    log.warning("%s: dropped a connection that is not ZeroMQ (its handshake "
-                                "broke the protocol)", self.where)
+                    log.warning(
+                        "%s: dropped a connection that is not ZeroMQ (its handshake broke the protocol)",
+                        self.where,
+                    )
         except zmq.ZMQError as err:  # the socket closed under the monitor
             log.debug("%s: connection watch stopped: %s", self.where, err)
         finally:
             monitor.close(linger=0)
-

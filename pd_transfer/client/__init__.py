@@ -43,18 +43,32 @@ May import the layout, protocol and security layers and shared memory; never the
 from pd_transfer.client.aio import AsyncClient
 from pd_transfer.client.cuda_pools import CudaPools, allocate_cuda_pools
 from pd_transfer.client.errors import (
-           AuthFailed,
-           BadReply,
-           ClientClosed,
-           ClientError,
-           Refused,
-           ReplyTimeout,
-           SidecarLost,
+    AuthFailed,
+    BadReply,
+    ClientClosed,
+    ClientError,
+    Refused,
+    ReplyTimeout,
+    SidecarLost,
 )
 from pd_transfer.client.pools import Pools, allocate_pools
 from pd_transfer.client.status import RoomState, RoomStatus
 from pd_transfer.client.sync import Client
 
-__all__ = ["AsyncClient", "AuthFailed", "BadReply", "Client", "ClientClosed", "ClientError", "CudaPools",
-           "Pools", "Refused", "ReplyTimeout", "RoomState", "RoomStatus", "SidecarLost",
-           "allocate_cuda_pools", "allocate_pools"]
+__all__ = [
+    "AsyncClient",
+    "AuthFailed",
+    "BadReply",
+    "Client",
+    "ClientClosed",
+    "ClientError",
+    "CudaPools",
+    "Pools",
+    "Refused",
+    "ReplyTimeout",
+    "RoomState",
+    "RoomStatus",
+    "SidecarLost",
+    "allocate_cuda_pools",
+    "allocate_pools",
+]

@@ -47,9 +47,16 @@ class AsyncClient:
     :class:`~pd_transfer.client.sync.Client` method of the same name.
     """
 
-    def __init__(self, endpoint: str, worker_id: str, timeout_s: float = DEFAULT_TIMEOUT_S, *,
-                 context: zmq.asyncio.Context | None = None, secret: bytes | str | None = None,
-                 secret_file: str = "") -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        worker_id: str,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        *,
+        context: zmq.asyncio.Context | None = None,
+        secret: bytes | str | None = None,
+        secret_file: str = "",
+    ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         self.endpoint = endpoint
@@ -59,39 +66,75 @@ class AsyncClient:
         self._authenticated = self._secret is None
         self._auth_lock = asyncio.Lock()
         self._handshake_frames: asyncio.Queue[bytes] | None = None  # while a handshake runs
-        self._link = open_async_link(endpoint, context or zmq.asyncio.Context.instance(),
-                                     random_id=self._secret is not None)
+        self._link = open_async_link(
+            endpoint, context or zmq.asyncio.Context.instance(), random_id=self._secret is not None
+        )
         self._next_id = 1
         self._pending: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
-        self._gone: asyncio.Future | None = None   # resolved once the reader loses the connection
+        self._gone: asyncio.Future | None = None  # resolved once the reader loses the connection
         self._closed = False
         self._bells = RoomBells()
 
     # -- calls ----------------------------------------------------------------------
-    async def register(self, geometry: RankGeometry, handles: Mapping[str, str], *,
-                       timeout_s: float | None = None, pp_size: int = 1) -> None:
-        await self._call(wire.register_request(geometry, handles, self.worker_id, pp_size),
-                         timeout_s=timeout_s)
+    async def register(
+        self,
+        geometry: RankGeometry,
+        handles: Mapping[str, str],
+        *,
+        timeout_s: float | None = None,
+        pp_size: int = 1,
+    ) -> None:
+        await self._call(
+            wire.register_request(geometry, handles, self.worker_id, pp_size), timeout_s=timeout_s
+        )
 
-    async def send(self, room: int, pages, *, state_slots=(), aux_row: int | None = None,
-                   last_chunk: bool = True, swa_pages=(), stream: bool = False,
-                   decode: str = "") -> None:
+    async def send(
+        self,
+        room: int,
+        pages,
+        *,
+        state_slots=(),
+        aux_row: int | None = None,
+        last_chunk: bool = True,
+        swa_pages=(),
+        stream: bool = False,
+        decode: str = "",
+    ) -> None:
         """Prefill chunk; see :meth:`Client.send <pd_transfer.client.sync.Client.send>`.
 
         ``send`` may be called per chunk; pages of successive calls are
         concatenated in order and map positionally onto the decode side's
         pages. State, SWA pages and aux go with the last chunk.
         """
-        await self._call(wire.send_request(room, pages, state_slots=state_slots, aux_row=aux_row,
-                                           last_chunk=last_chunk, swa_pages=swa_pages,
-                                           stream=stream, decode=decode))
+        await self._call(
+            wire.send_request(
+                room,
+                pages,
+                state_slots=state_slots,
+                aux_row=aux_row,
+                last_chunk=last_chunk,
+                swa_pages=swa_pages,
+                stream=stream,
+                decode=decode,
+            )
+        )
 
-    async def expect(self, room: int, bootstrap_addr: str, pages, *, state_slots=(),
-                     aux_row: int | None = None, swa_pages=()) -> None:
-        reply = await self._call(wire.expect_request(room, bootstrap_addr, pages,
-                                                     state_slots=state_slots, aux_row=aux_row,
-                                                     swa_pages=swa_pages))
+    async def expect(
+        self,
+        room: int,
+        bootstrap_addr: str,
+        pages,
+        *,
+        state_slots=(),
+        aux_row: int | None = None,
+        swa_pages=(),
+    ) -> None:
+        reply = await self._call(
+            wire.expect_request(
+                room, bootstrap_addr, pages, state_slots=state_slots, aux_row=aux_row, swa_pages=swa_pages
+            )
+        )
         self._bells.note(room, reply)
 
     async def layer_ready(self, room: int, layer_id: int) -> None:
@@ -130,7 +173,7 @@ class AsyncClient:
             return
         self._closed = True
         if self._reader is not None and not self._reader.get_loop().is_closed():
-            self._reader.cancel()   # (after its loop closed, nothing runs or awaits it any more)
+            self._reader.cancel()  # (after its loop closed, nothing runs or awaits it any more)
             for request_id, future in list(self._pending.items()):
                 if not future.done():
                     future.set_exception(ClientClosed(f"call {request_id}"))
@@ -182,8 +225,7 @@ class AsyncClient:
         async with self._auth_lock:
             if self._authenticated:
                 return  # another call did it while this one waited
-            handshake = ClientHandshake(self._secret, self.worker_id,
-                                        peer=f"the sidecar at {self.endpoint}")
+            handshake = ClientHandshake(self._secret, self.worker_id, peer=f"the sidecar at {self.endpoint}")
             self._handshake_frames = asyncio.Queue()
             try:
                 outgoing = handshake.hello()
@@ -217,7 +259,7 @@ class AsyncClient:
             except asyncio.CancelledError:
                 break
             except ConnectionError as err:
-                self._authenticated = self._secret is None   # a new connection proves itself again
+                self._authenticated = self._secret is None  # a new connection proves itself again
                 if self._gone is not None and not self._gone.done():
                     self._gone.set_result(err)
                 for future in list(self._pending.values()):
@@ -230,8 +272,9 @@ class AsyncClient:
                 continue
             future = self._pending.get(got_id) if got_id is not None else None
             if future is None or future.done():
-                log.debug("worker %s dropped a reply with id %s (no call waits for it)",
-                          self.worker_id, got_id)
+                log.debug(
+                    "worker %s dropped a reply with id %s (no call waits for it)", self.worker_id, got_id
+                )
                 continue
             future.set_result(reply)
 

@@ -38,8 +38,10 @@ def step(handshake: ClientHandshake, frame: bytes) -> bytes | None:
     if request_id is not None and request_id >= 0:
         return None
     if reply is not None and reply.get("ok") is False:
-        raise AuthError(f"{handshake.peer} answered the handshake with an error: "
-                        f"{reply.get('reason')!s:.300}; is authentication on at the sidecar?")
+        raise AuthError(
+            f"{handshake.peer} answered the handshake with an error: "
+            f"{reply.get('reason')!s:.300}; is authentication on at the sidecar?"
+        )
     return handshake.receive(frame)
 
 

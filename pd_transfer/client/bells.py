@@ -32,13 +32,13 @@ from pd_transfer.errors import PdTransferError
 
 log = logging.getLogger(__name__)
 
-MAX_ROOMS = 65536   # rooms remembered at most (the oldest go first): waits past it ask the sidecar
-LIVENESS_CHECK_S = 0.25   # a blocking wait on a doorbell looks at the sidecar's connection this often
+MAX_ROOMS = 65536  # rooms remembered at most (the oldest go first): waits past it ask the sidecar
+LIVENESS_CHECK_S = 0.25  # a blocking wait on a doorbell looks at the sidecar's connection this often
 
 
 class RoomBells:
     def __init__(self) -> None:
-        self._segments: dict[str, Doorbells | None] = {}   # None: could not be mapped
+        self._segments: dict[str, Doorbells | None] = {}  # None: could not be mapped
         self._rooms: dict[int, tuple[Doorbells, int, int]] = {}
         self._watchers: dict[str, _Watcher] = {}
 
@@ -55,10 +55,12 @@ class RoomBells:
         if name not in self._segments:
             try:
                 self._segments[name] = Doorbells.open(name)
-            except PdTransferError as err:   # said once; its rooms wait through messages
+            except PdTransferError as err:  # said once; its rooms wait through messages
                 self._segments[name] = None
-                log.warning("cannot map the sidecar's doorbells (%s); rooms are waited for "
-                            "through messages", err.message)
+                log.warning(
+                    "cannot map the sidecar's doorbells (%s); rooms are waited for through messages",
+                    err.message,
+                )
         segment = self._segments[name]
         if segment is None:
             return
@@ -69,8 +71,7 @@ class RoomBells:
             del self._rooms[next(iter(self._rooms))]
         self._rooms[room] = (segment, slot, token)
 
-    def wait(self, room: int, timeout_s: float,
-             alive: Callable[[], bool] | None = None) -> Outcome | None:
+    def wait(self, room: int, timeout_s: float, alive: Callable[[], bool] | None = None) -> Outcome | None:
         """Sleep on ``room``'s doorbell (None: it has none). RUNG forgets the room.
 
         ``alive``, asked every :data:`LIVENESS_CHECK_S` while nothing rang: False
@@ -88,14 +89,16 @@ class RoomBells:
             if outcome is not Outcome.TIMEOUT or time.monotonic() >= deadline:
                 break
             if not alive():
-                raise ConnectionError(f"the sidecar closed the connection while room {room} "
-                                      f"waited on its doorbell")
+                raise ConnectionError(
+                    f"the sidecar closed the connection while room {room} waited on its doorbell"
+                )
         if outcome is Outcome.RUNG:
             self._rooms.pop(room, None)
         return outcome
 
-    async def wait_async(self, room: int, timeout_s: float,
-                         gone: asyncio.Future | None = None) -> Outcome | None:
+    async def wait_async(
+        self, room: int, timeout_s: float, gone: asyncio.Future | None = None
+    ) -> Outcome | None:
         """:meth:`wait` for an event loop: the segment's watcher thread does the sleeping.
 
         ``gone`` resolves (to a ConnectionError) when the sidecar closes the worker's
@@ -161,10 +164,11 @@ class _Watcher:
         with self._lock:
             self._waits[future] = (slot, token, future.get_loop())
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True,
-                                                name=f"pdt-bells-{self.segment.name[-12:]}")
+                self._thread = threading.Thread(
+                    target=self._run, daemon=True, name=f"pdt-bells-{self.segment.name[-12:]}"
+                )
                 self._thread.start()
-        self.segment.interrupt(0)   # look again, with this one
+        self.segment.interrupt(0)  # look again, with this one
 
     def remove(self, future: asyncio.Future) -> None:
         with self._lock:
@@ -178,7 +182,7 @@ class _Watcher:
 
     def _run(self) -> None:
         while True:
-            bell = self.segment.bell()   # before looking: a change after it ends the sleep
+            bell = self.segment.bell()  # before looking: a change after it ends the sleep
             with self._lock:
                 if self._closed:
                     return
@@ -190,7 +194,7 @@ class _Watcher:
                 self.remove(future)
                 try:
                     loop.call_soon_threadsafe(_settle, future, outcome)
-                except RuntimeError:   # its loop is closed: nobody is waiting any more
+                except RuntimeError:  # its loop is closed: nobody is waiting any more
                     pass
             self.segment.sleep(0, bell, 1.0)
 

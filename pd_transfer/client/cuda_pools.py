@@ -63,9 +63,14 @@ def allocate_cuda_pools(geometry: RankGeometry, device: Any = "cuda") -> CudaPoo
     there is no CUDA device.
     """
     if not cuda_ipc.cuda_available():
-        raise PdTransferError("CUDA pools need a CUDA device and a CUDA build of torch",
-                              code=Reason.BAD_FIELD, hint="use allocate_pools (shared memory) on CPU")
+        raise PdTransferError(
+            "CUDA pools need a CUDA device and a CUDA build of torch",
+            code=Reason.BAD_FIELD,
+            hint="use allocate_pools (shared memory) on CPU",
+        )
     import torch
-    tensors = {region.id: torch.zeros(region.nbytes, dtype=torch.uint8, device=device)
-               for region in geometry.regions}
+
+    tensors = {
+        region.id: torch.zeros(region.nbytes, dtype=torch.uint8, device=device) for region in geometry.regions
+    }
     return CudaPools(geometry, tensors)

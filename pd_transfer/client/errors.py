@@ -31,10 +31,18 @@ class ClientError(PdTransferError):
 
     default_code = Reason.BAD_FRAME
 
-    def __init__(self, op: str, reason: str, *, code: Reason | None = None,
-                 code_text: str | None = None, hint: str = "") -> None:
-        super().__init__(self._headline(op, reason, code_text or (code or self.default_code).value),
-                         code=code, hint=hint)
+    def __init__(
+        self,
+        op: str,
+        reason: str,
+        *,
+        code: Reason | None = None,
+        code_text: str | None = None,
+        hint: str = "",
+    ) -> None:
+        super().__init__(
+            self._headline(op, reason, code_text or (code or self.default_code).value), code=code, hint=hint
+        )
         self.op = op
         self.reason = reason
         self.code_text = code_text or self.code.value
@@ -60,8 +68,11 @@ class ReplyTimeout(ClientError):
     default_code = Reason.TIMEOUT
 
     def __init__(self, op: str, timeout_s: float, endpoint: str) -> None:
-        super().__init__(op, f"no reply from the sidecar at {endpoint} within {timeout_s:g} s",
-                         hint="is `pd-transfer serve` running with this worker endpoint?")
+        super().__init__(
+            op,
+            f"no reply from the sidecar at {endpoint} within {timeout_s:g} s",
+            hint="is `pd-transfer serve` running with this worker endpoint?",
+        )
 
 
 class BadReply(ClientError):
@@ -84,8 +95,7 @@ class SidecarLost(ClientError):
     default_code = Reason.PEER_LOST
 
     def __init__(self, op: str, why: str) -> None:
-        super().__init__(op, why, hint="is `pd-transfer serve` still running? the next call "
-                                       "connects again")
+        super().__init__(op, why, hint="is `pd-transfer serve` still running? the next call connects again")
 
 
 class ClientClosed(ClientError):

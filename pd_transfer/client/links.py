@@ -45,8 +45,9 @@ def open_link(endpoint: str, context: zmq.Context, *, random_id: bool) -> ZmqLin
     return StreamLink(path) if path is not None else ZmqLink(endpoint, context, random_id)
 
 
-def open_async_link(endpoint: str, context: zmq.asyncio.Context, *,
-                    random_id: bool) -> AsyncZmqLink | AsyncStreamLink:
+def open_async_link(
+    endpoint: str, context: zmq.asyncio.Context, *, random_id: bool
+) -> AsyncZmqLink | AsyncStreamLink:
     path = unix_path(endpoint)
     return AsyncStreamLink(path) if path is not None else AsyncZmqLink(endpoint, context, random_id)
 
@@ -103,12 +104,12 @@ class _Watched(_Dealer):
         super()._connect()
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._dropped = False
-        self._poller = self._poller_type()   # a frame or a monitor event, whichever comes
+        self._poller = self._poller_type()  # a frame or a monitor event, whichever comes
         self._poller.register(self._socket, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
 
     def close(self) -> None:
-        if not self._socket.closed:   # closing twice is harmless, as for the socket alone
+        if not self._socket.closed:  # closing twice is harmless, as for the socket alone
             self._socket.disable_monitor()
         self._monitor.close(linger=0)
         super().close()
@@ -177,7 +178,7 @@ class StreamLink:
             try:
                 sock.connect(self.path)
             except (FileNotFoundError, ConnectionRefusedError):
-                sock.close()   # not serving (yet): try again until the deadline
+                sock.close()  # not serving (yet): try again until the deadline
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
@@ -218,7 +219,7 @@ class StreamLink:
                 return True
             if not chunk:
                 return True
-            self._buffer += chunk   # late replies: dropped by id later
+            self._buffer += chunk  # late replies: dropped by id later
         return False
 
     def send(self, frame: bytes, deadline: float) -> bool | None:
@@ -228,10 +229,10 @@ class StreamLink:
         data = memoryview(pack(frame))
         while data:
             try:
-                data = data[sock.send(data):]
+                data = data[sock.send(data) :]
             except BlockingIOError:
                 if not self._ready(sock, select.POLLOUT, deadline):
-                    self.reset()   # part of a frame left: the stream cannot carry another
+                    self.reset()  # part of a frame left: the stream cannot carry another
                     return None
             except OSError as err:
                 self.reset()
@@ -271,14 +272,14 @@ class StreamLink:
         if len(self._buffer) < HEADER.size:
             return None
         try:
-            nbytes = frame_length(bytes(self._buffer[:HEADER.size]))
+            nbytes = frame_length(bytes(self._buffer[: HEADER.size]))
         except WorkerApiError as err:
             self.reset()
             raise _broken(self.path, err) from None
         end = HEADER.size + nbytes
         if len(self._buffer) < end:
             return None
-        frame = bytes(self._buffer[HEADER.size:end])
+        frame = bytes(self._buffer[HEADER.size : end])
         del self._buffer[:end]
         return frame
 
@@ -295,7 +296,7 @@ class AsyncZmqLink(_Watched):
     _poller_type = zmq.asyncio.Poller
 
     async def send(self, frame: bytes) -> None:
-        if self._dropped:   # the next call after a drop runs on a new connection
+        if self._dropped:  # the next call after a drop runs on a new connection
             self.reset()
         await self._socket.send(frame)
 
@@ -357,7 +358,7 @@ class AsyncStreamLink:
         """Forget ``streams`` unless a newer connection replaced them already."""
         try:
             streams[1].close()
-        except RuntimeError:   # closed after its event loop: the socket goes with the transport
+        except RuntimeError:  # closed after its event loop: the socket goes with the transport
             pass
         if self._streams is streams:
             self._streams = None

@@ -82,8 +82,7 @@ def allocate_pools(geometry: RankGeometry, owner_id: str) -> Pools:
     pools = Pools(geometry, owner_id, {})
     try:
         for region in geometry.regions:
-            pools.segments[region.id] = create_segment(segment_name(owner_id, region.id),
-                                                       region.nbytes)
+            pools.segments[region.id] = create_segment(segment_name(owner_id, region.id), region.nbytes)
     except BaseException:
         pools.close()
         raise

@@ -57,9 +57,16 @@ class Client:
     do, if set.
     """
 
-    def __init__(self, endpoint: str, worker_id: str, timeout_s: float = DEFAULT_TIMEOUT_S, *,
-                 context: zmq.Context | None = None, secret: bytes | str | None = None,
-                 secret_file: str = "") -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        worker_id: str,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        *,
+        context: zmq.Context | None = None,
+        secret: bytes | str | None = None,
+        secret_file: str = "",
+    ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         self.endpoint = endpoint
@@ -67,15 +74,22 @@ class Client:
         self.timeout_s = float(timeout_s)
         self._secret = auth.client_secret(secret, secret_file)
         self._authenticated = self._secret is None
-        self._link = open_link(endpoint, context or zmq.Context.instance(),
-                               random_id=self._secret is not None)
+        self._link = open_link(
+            endpoint, context or zmq.Context.instance(), random_id=self._secret is not None
+        )
         self._next_id = 1
         self._closed = False
         self._bells = RoomBells()
 
     # -- calls ----------------------------------------------------------------------
-    def register(self, geometry: RankGeometry, handles: Mapping[str, str], *,
-                 timeout_s: float | None = None, pp_size: int = 1) -> None:
+    def register(
+        self,
+        geometry: RankGeometry,
+        handles: Mapping[str, str],
+        *,
+        timeout_s: float | None = None,
+        pp_size: int = 1,
+    ) -> None:
         """Register this rank's geometry; ``handles`` maps every region id to its shm segment.
 
         Called once, before any send/expect. Raises :class:`Refused` with
@@ -85,9 +99,18 @@ class Client:
         """
         self._call(wire.register_request(geometry, handles, self.worker_id, pp_size), timeout_s=timeout_s)
 
-    def send(self, room: int, pages, *, state_slots=(), aux_row: int | None = None,
-             last_chunk: bool = True, swa_pages=(), stream: bool = False,
-             decode: str = "") -> None:
+    def send(
+        self,
+        room: int,
+        pages,
+        *,
+        state_slots=(),
+        aux_row: int | None = None,
+        last_chunk: bool = True,
+        swa_pages=(),
+        stream: bool = False,
+        decode: str = "",
+    ) -> None:
         """Prefill: hand the sidecar source pages of ``room`` to transfer.
 
         ``send`` may be called per chunk; pages of successive calls are
@@ -108,20 +131,40 @@ class Client:
         refused with ``not_room_owner``. Without it the first decode instance
         whose request arrives owns the room (see docs/security.md).
         """
-        self._call(wire.send_request(room, pages, state_slots=state_slots, aux_row=aux_row,
-                                     last_chunk=last_chunk, swa_pages=swa_pages, stream=stream,
-                                     decode=decode))
+        self._call(
+            wire.send_request(
+                room,
+                pages,
+                state_slots=state_slots,
+                aux_row=aux_row,
+                last_chunk=last_chunk,
+                swa_pages=swa_pages,
+                stream=stream,
+                decode=decode,
+            )
+        )
 
-    def expect(self, room: int, bootstrap_addr: str, pages, *, state_slots=(),
-               aux_row: int | None = None, swa_pages=()) -> None:
+    def expect(
+        self,
+        room: int,
+        bootstrap_addr: str,
+        pages,
+        *,
+        state_slots=(),
+        aux_row: int | None = None,
+        swa_pages=(),
+    ) -> None:
         """Decode: announce ``room`` and the destination pages, slots and aux row it fills.
 
         ``bootstrap_addr`` is the prefill instance's bootstrap address
         (``tcp://host:port``). The pages must stay reserved until the room is
         terminal, or until :meth:`abort` returns True.
         """
-        reply = self._call(wire.expect_request(room, bootstrap_addr, pages, state_slots=state_slots,
-                                               aux_row=aux_row, swa_pages=swa_pages))
+        reply = self._call(
+            wire.expect_request(
+                room, bootstrap_addr, pages, state_slots=state_slots, aux_row=aux_row, swa_pages=swa_pages
+            )
+        )
         self._bells.note(room, reply)
 
     def layer_ready(self, room: int, layer_id: int) -> None:
@@ -213,13 +256,17 @@ class Client:
                 if self._secret is not None and reply.get("code") == Reason.UNAUTHENTICATED.value:
                     self._authenticated = False  # the sidecar restarted: the next call proves again
                 return wire.checked(op, reply)
-            log.debug("worker %s dropped a reply with id %s while waiting for %s id %d "
-                      "(a call that timed out earlier)", self.worker_id, got_id, op, request_id)
-
+            log.debug(
+                "worker %s dropped a reply with id %s while waiting for %s id %d "
+                "(a call that timed out earlier)",
+                self.worker_id,
+                got_id,
+                op,
+                request_id,
+            )
 
     def _authenticate(self, op: str, deadline: float, timeout_s: float) -> None:
-        handshake = ClientHandshake(self._secret, self.worker_id,
-                                    peer=f"the sidecar at {self.endpoint}")
+        handshake = ClientHandshake(self._secret, self.worker_id, peer=f"the sidecar at {self.endpoint}")
         outgoing = handshake.hello()
         try:
             while not handshake.done:
@@ -240,7 +287,7 @@ class Client:
 
     def _prepare(self, op: str, deadline: float, timeout_s: float) -> None:
         if self._on_link(self._link.prepare, op, deadline, timeout_s):
-            self._authenticated = self._secret is None   # a new connection proves itself again
+            self._authenticated = self._secret is None  # a new connection proves itself again
 
     def _send(self, frame: bytes, op: str, deadline: float, timeout_s: float) -> None:
         self._on_link(lambda until: self._link.send(frame, until), op, deadline, timeout_s)
@@ -260,5 +307,5 @@ class Client:
         return result
 
     def _lost(self, op: str, err: ConnectionError) -> SidecarLost:
-        self._authenticated = self._secret is None   # a new connection proves itself again
+        self._authenticated = self._secret is None  # a new connection proves itself again
         return SidecarLost(op, str(err))

@@ -28,8 +28,8 @@ Request = dict[str, Any]
 
 # -- arguments ------------------------------------------------------------------
 
-_PLAIN_MAX = 64   # index lists up to this long are checked without numpy
-_INDEX_MAX = 2 ** 63 - 1
+_PLAIN_MAX = 64  # index lists up to this long are checked without numpy
+_INDEX_MAX = 2**63 - 1
 
 
 def index_list(name: str, values: Iterable[int] | np.ndarray) -> list[int]:
@@ -54,12 +54,12 @@ def index_list(name: str, values: Iterable[int] | np.ndarray) -> list[int]:
         raise ValueError(f"{name}: expected a flat list of indices, got shape {array.shape}")
     if array.dtype.kind not in "iu":
         huge = [v for v in plain or () if type(v) is int and v > _INDEX_MAX]
-        if huge:   # numpy made floats or objects of them
+        if huge:  # numpy made floats or objects of them
             raise ValueError(f"{name}: index {huge[0]} is beyond any pool")
         raise TypeError(f"{name}: expected integer indices, got {array.dtype}")
     if int(array.min()) < 0:
         raise ValueError(f"{name}: index {int(array.min())} is negative")
-    if int(array.max()) > _INDEX_MAX:   # (uint64 would wrap to negative in int64)
+    if int(array.max()) > _INDEX_MAX:  # (uint64 would wrap to negative in int64)
         raise ValueError(f"{name}: index {int(array.max())} is beyond any pool")
     return array.astype(np.int64).tolist()
 
@@ -80,8 +80,10 @@ def optional_index(name: str, value: int | None) -> int | None:
 
 # -- requests ---------------------------------------------------------------------
 
-def register_request(geometry: RankGeometry, handles: Mapping[str, str], worker_id: str,
-                     pp_size: int = 1) -> Request:
+
+def register_request(
+    geometry: RankGeometry, handles: Mapping[str, str], worker_id: str, pp_size: int = 1
+) -> Request:
     """Register ``geometry``; ``handles`` names the shm segment of every region.
 
     ``pp_size`` is the instance's pipeline-parallel size: a prefill rank table
@@ -92,46 +94,75 @@ def register_request(geometry: RankGeometry, handles: Mapping[str, str], worker_
     missing = [r.id for r in geometry.regions if r.id not in handles]
     unknown = sorted(set(handles) - {r.id for r in geometry.regions})
     if missing or unknown:
-        raise ValueError(f"handles must name exactly the geometry's regions: missing {missing}, "
-                         f"unknown {unknown}")
+        raise ValueError(
+            f"handles must name exactly the geometry's regions: missing {missing}, unknown {unknown}"
+        )
     bad = [k for k, v in handles.items() if not isinstance(v, str) or not v]
     if bad:
         raise TypeError(f"handles: segment names of regions {bad} are not non-empty strings")
-    return {"op": WorkerOp.REGISTER.value, "geometry": geometry_to_data(geometry),
-            "handles": dict(handles), "worker_id": worker_id, "pp_size": pp_size}
+    return {
+        "op": WorkerOp.REGISTER.value,
+        "geometry": geometry_to_data(geometry),
+        "handles": dict(handles),
+        "worker_id": worker_id,
+        "pp_size": pp_size,
+    }
 
 
-def send_request(room: int, pages, *, state_slots=(), aux_row: int | None = None,
-                 last_chunk: bool = True, swa_pages=(), stream: bool = False,
-                 decode: str = "") -> Request:
-    request = {"op": WorkerOp.SEND.value, "room": room_id(room),
-               "pages": index_list("pages", pages), "swa_pages": index_list("swa_pages", swa_pages),
-               "state_slots": index_list("state_slots", state_slots),
-               "aux_row": optional_index("aux_row", aux_row), "last": bool(last_chunk)}
+def send_request(
+    room: int,
+    pages,
+    *,
+    state_slots=(),
+    aux_row: int | None = None,
+    last_chunk: bool = True,
+    swa_pages=(),
+    stream: bool = False,
+    decode: str = "",
+) -> Request:
+    request = {
+        "op": WorkerOp.SEND.value,
+        "room": room_id(room),
+        "pages": index_list("pages", pages),
+        "swa_pages": index_list("swa_pages", swa_pages),
+        "state_slots": index_list("state_slots", state_slots),
+        "aux_row": optional_index("aux_row", aux_row),
+        "last": bool(last_chunk),
+    }
     if stream:  # absent means False: older sidecars keep accepting the request
         request["stream"] = True
     if decode:  # absent: the room is bound to the first decode instance that claims it
         if not isinstance(decode, str) or len(decode) > MAX_INSTANCE_LEN:
-            raise ValueError(f"decode: expected the decode instance's name (a string of at most "
-                             f"{MAX_INSTANCE_LEN} characters), got {decode!r:.80}")
+            raise ValueError(
+                f"decode: expected the decode instance's name (a string of at most "
+                f"{MAX_INSTANCE_LEN} characters), got {decode!r:.80}"
+            )
         request["decode"] = decode
     return request
 
 
-def expect_request(room: int, bootstrap_addr: str, pages, *, state_slots=(),
-                   aux_row: int | None = None, swa_pages=()) -> Request:
+def expect_request(
+    room: int, bootstrap_addr: str, pages, *, state_slots=(), aux_row: int | None = None, swa_pages=()
+) -> Request:
     if not isinstance(bootstrap_addr, str) or not bootstrap_addr:
-        raise ValueError(f"bootstrap_addr: expected an address like tcp://host:port, "
-                         f"got {bootstrap_addr!r}")
-    return {"op": WorkerOp.EXPECT.value, "room": room_id(room), "bootstrap": bootstrap_addr,
-            "pages": index_list("pages", pages), "swa_pages": index_list("swa_pages", swa_pages),
-            "state_slots": index_list("state_slots", state_slots),
-            "aux_row": optional_index("aux_row", aux_row)}
+        raise ValueError(f"bootstrap_addr: expected an address like tcp://host:port, got {bootstrap_addr!r}")
+    return {
+        "op": WorkerOp.EXPECT.value,
+        "room": room_id(room),
+        "bootstrap": bootstrap_addr,
+        "pages": index_list("pages", pages),
+        "swa_pages": index_list("swa_pages", swa_pages),
+        "state_slots": index_list("state_slots", state_slots),
+        "aux_row": optional_index("aux_row", aux_row),
+    }
 
 
 def layer_ready_request(room: int, layer_id: int) -> Request:
-    return {"op": WorkerOp.LAYER_READY.value, "room": room_id(room),
-            "layer_id": optional_index("layer_id", layer_id)}
+    return {
+        "op": WorkerOp.LAYER_READY.value,
+        "room": room_id(room),
+        "layer_id": optional_index("layer_id", layer_id),
+    }
 
 
 def poll_request(room: int) -> Request:
@@ -139,8 +170,11 @@ def poll_request(room: int) -> Request:
 
 
 def wait_request(room: int, timeout_s: float) -> Request:
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
-            or not 0 <= timeout_s <= MAX_WAIT_S:  # (NaN compares False)
+    if (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, (int, float))
+        or not 0 <= timeout_s <= MAX_WAIT_S
+    ):  # (NaN compares False)
         raise ValueError(f"timeout_s: expected seconds in [0, {MAX_WAIT_S:.0f}], got {timeout_s!r}")
     return {"op": WorkerOp.WAIT.value, "room": room_id(room), "timeout_s": float(timeout_s)}
 
@@ -150,6 +184,7 @@ def abort_request(room: int) -> Request:
 
 
 # -- replies ------------------------------------------------------------------------
+
 
 def reply_id(frame: bytes) -> tuple[int | None, dict[str, Any] | None]:
     """``(id, reply)`` of a reply frame, ``(None, None)`` if it has no usable id.
@@ -188,15 +223,15 @@ def room_state(op: str, reply: dict[str, Any]) -> RoomState:
     try:
         status = RoomStatus(reply.get("status"))
     except ValueError:
-        raise BadReply(op, f"at $.status: unknown status {reply.get('status')!r}; known: "
-                           f"{[s.value for s in RoomStatus]}") from None
+        raise BadReply(
+            op, f"at $.status: unknown status {reply.get('status')!r}; known: {[s.value for s in RoomStatus]}"
+        ) from None
     if status is not RoomStatus.FAILED:
         return RoomState(status)
     code_text = reply.get("code")
     reason = reply.get("reason")
     code_text = code_text if isinstance(code_text, str) else None
-    return RoomState(status, reason_of(code_text), reason if isinstance(reason, str) else "",
-                     code_text)
+    return RoomState(status, reason_of(code_text), reason if isinstance(reason, str) else "", code_text)
 
 
 def drained(op: str, reply: dict[str, Any]) -> bool:
@@ -206,6 +241,18 @@ def drained(op: str, reply: dict[str, Any]) -> bool:
     return value
 
 
-__all__ = ["Request", "abort_request", "checked", "drained", "expect_request",
-           "index_list", "layer_ready_request", "poll_request", "register_request", "reply_id",
-           "room_state", "send_request", "wait_request"]
+__all__ = [
+    "Request",
+    "abort_request",
+    "checked",
+    "drained",
+    "expect_request",
+    "index_list",
+    "layer_ready_request",
+    "poll_request",
+    "register_request",
+    "reply_id",
+    "room_state",
+    "send_request",
+    "wait_request",
+]

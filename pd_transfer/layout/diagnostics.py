@@ -24,8 +24,7 @@ _LAYER = re.compile(r"\.layer\[(\d+)\]")
 
 def describe_shard(view: TensorView, axis: str) -> str:
     if view.shard is None:
-        return (f"item {view.item_nbytes} B, <missing: global extent and local range "
-                f"of sharded axis '{axis}'>")
+        return f"item {view.item_nbytes} B, <missing: global extent and local range of sharded axis '{axis}'>"
     return f"item {view.item_nbytes} B, '{axis}' {view.shard.describe()}"
 
 

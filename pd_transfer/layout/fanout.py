@@ -35,8 +35,9 @@ def decode_rank_as(template: RankGeometry, tp_rank: int) -> RankGeometry:
     return dataclasses.replace(template, tp_rank=tp_rank, views=tuple(views))
 
 
-def decode_ranks_fed(reconciliation: Reconciliation, prefill_rank_id: str,
-                     decode_template: RankGeometry) -> list[int]:
+def decode_ranks_fed(
+    reconciliation: Reconciliation, prefill_rank_id: str, decode_template: RankGeometry
+) -> list[int]:
     """Decode TP ranks (same PP stage as the template) that ``prefill_rank_id`` writes to."""
     fed = []
     for tp_rank in range(decode_template.tp_size):

@@ -25,7 +25,7 @@ from pd_transfer.layout.views import Pool, TensorView, canonical_range
 # A worker registers at most a few TiB; 2**46 (64 TiB) leaves room for every host
 # pool we know of and refuses sizes that only a corrupt or hostile frame carries.
 MAX_REGION_NBYTES = 2**46
-MAX_VIEWS = 100_000     # DeepSeek-V3 registers 64 views per rank
+MAX_VIEWS = 100_000  # DeepSeek-V3 registers 64 views per rank
 
 
 class Role(enum.Enum):
@@ -106,36 +106,49 @@ def registration_problems(geometry: RankGeometry) -> list[RegistrationProblem]:
     """Every problem of one registration, in registration order (empty if valid)."""
     problems: list[RegistrationProblem] = []
     if not 0 <= geometry.tp_rank < geometry.tp_size:
-        problems.append(RegistrationProblem(
-            Reason.SHARD_RANGE_INVALID, "",
-            f"tp_rank {geometry.tp_rank} outside tp_size {geometry.tp_size}"))
+        problems.append(
+            RegistrationProblem(
+                Reason.SHARD_RANGE_INVALID,
+                "",
+                f"tp_rank {geometry.tp_rank} outside tp_size {geometry.tp_size}",
+            )
+        )
     if geometry.page_size <= 0:
-        problems.append(RegistrationProblem(Reason.BAD_VIEW, "",
-                                            f"page_size {geometry.page_size} must be positive"))
+        problems.append(
+            RegistrationProblem(Reason.BAD_VIEW, "", f"page_size {geometry.page_size} must be positive")
+        )
     problems += _region_problems(geometry)
     if len(geometry.views) > MAX_VIEWS:
         # checking each of millions of views would be the attack; refuse the count alone
-        problems.append(RegistrationProblem(
-            Reason.LIMIT_EXCEEDED, "views",
-            f"{len(geometry.views)} views registered, at most {MAX_VIEWS} are accepted"))
+        problems.append(
+            RegistrationProblem(
+                Reason.LIMIT_EXCEEDED,
+                "views",
+                f"{len(geometry.views)} views registered, at most {MAX_VIEWS} are accepted",
+            )
+        )
         return problems
     regions = {r.id: r for r in geometry.regions}
     seen: set[tuple] = set()
     for view in geometry.views:
         if view.key in seen:
-            problems.append(RegistrationProblem(Reason.TENSOR_DUPLICATE, view.path,
-                                                "registered twice"))
+            problems.append(RegistrationProblem(Reason.TENSOR_DUPLICATE, view.path, "registered twice"))
         seen.add(view.key)
         region = regions.get(view.region)
         if region is None:
-            problems.append(RegistrationProblem(Reason.UNKNOWN_REGION, view.path,
-                                                f"names unknown region {view.region!r}"))
+            problems.append(
+                RegistrationProblem(Reason.UNKNOWN_REGION, view.path, f"names unknown region {view.region!r}")
+            )
         else:
             first, last = view.span_nbytes()
             if last > region.nbytes:
-                problems.append(RegistrationProblem(
-                    Reason.VIEW_OUT_OF_REGION, view.path,
-                    f"reaches byte {last} of region {region.id!r} which holds {region.nbytes}"))
+                problems.append(
+                    RegistrationProblem(
+                        Reason.VIEW_OUT_OF_REGION,
+                        view.path,
+                        f"reaches byte {last} of region {region.id!r} which holds {region.nbytes}",
+                    )
+                )
         problems += _shard_problems(view, geometry)
     return problems
 
@@ -146,20 +159,31 @@ def _region_problems(geometry: RankGeometry) -> list[RegistrationProblem]:
     first_index: dict[str, int] = {}
     for i, region in enumerate(geometry.regions):
         if region.id in first_index:
-            problems.append(RegistrationProblem(
-                Reason.BAD_VIEW, f"regions[{i}].id",
-                f"region ids repeat: {region.id!r} is also regions[{first_index[region.id]}]"))
+            problems.append(
+                RegistrationProblem(
+                    Reason.BAD_VIEW,
+                    f"regions[{i}].id",
+                    f"region ids repeat: {region.id!r} is also regions[{first_index[region.id]}]",
+                )
+            )
         first_index.setdefault(region.id, i)
-        if isinstance(region.nbytes, bool) or not isinstance(region.nbytes, int) \
-                or region.nbytes <= 0:
-            problems.append(RegistrationProblem(
-                Reason.REGION_INVALID, f"regions[{i}].nbytes",
-                f"region {region.id!r} holds {region.nbytes!r} bytes; a region holds at least 1"))
+        if isinstance(region.nbytes, bool) or not isinstance(region.nbytes, int) or region.nbytes <= 0:
+            problems.append(
+                RegistrationProblem(
+                    Reason.REGION_INVALID,
+                    f"regions[{i}].nbytes",
+                    f"region {region.id!r} holds {region.nbytes!r} bytes; a region holds at least 1",
+                )
+            )
         elif region.nbytes > MAX_REGION_NBYTES:
-            problems.append(RegistrationProblem(
-                Reason.LIMIT_EXCEEDED, f"regions[{i}].nbytes",
-                f"region {region.id!r} claims {region.nbytes} bytes, more than the "
-                f"{MAX_REGION_NBYTES} (2**46) any worker registers"))
+            problems.append(
+                RegistrationProblem(
+                    Reason.LIMIT_EXCEEDED,
+                    f"regions[{i}].nbytes",
+                    f"region {region.id!r} claims {region.nbytes} bytes, more than the "
+                    f"{MAX_REGION_NBYTES} (2**46) any worker registers",
+                )
+            )
     return problems
 
 
@@ -176,21 +200,31 @@ def handle_problems(geometry: RankGeometry, handles: Mapping[str, str]) -> list[
     regions = {r.id: r for r in geometry.regions}
     for region_id in regions:
         if region_id not in handles:
-            problems.append(RegistrationProblem(Reason.BAD_FIELD, f"handles[{region_id!r}]",
-                                                f"no segment handle for region {region_id!r}"))
+            problems.append(
+                RegistrationProblem(
+                    Reason.BAD_FIELD, f"handles[{region_id!r}]", f"no segment handle for region {region_id!r}"
+                )
+            )
     owner_of: dict[str, str] = {}
     for region_id, handle in handles.items():
         if region_id not in regions:
-            problems.append(RegistrationProblem(Reason.UNKNOWN_REGION, f"handles[{region_id!r}]",
-                                                f"names unknown region {region_id!r}"))
+            problems.append(
+                RegistrationProblem(
+                    Reason.UNKNOWN_REGION, f"handles[{region_id!r}]", f"names unknown region {region_id!r}"
+                )
+            )
             continue
         other = owner_of.setdefault(handle, region_id)
         if other != region_id:
             shared = min(regions[other].nbytes, regions[region_id].nbytes)
-            problems.append(RegistrationProblem(
-                Reason.REGION_INVALID, f"handles[{region_id!r}]",
-                f"regions {other!r} and {region_id!r} both map segment {handle[:80]!r}: their "
-                f"byte ranges overlap in [0, {shared})"))
+            problems.append(
+                RegistrationProblem(
+                    Reason.REGION_INVALID,
+                    f"handles[{region_id!r}]",
+                    f"regions {other!r} and {region_id!r} both map segment {handle[:80]!r}: their "
+                    f"byte ranges overlap in [0, {shared})",
+                )
+            )
     return problems
 
 
@@ -206,13 +240,21 @@ def _shard_problems(view: TensorView, geometry: RankGeometry) -> list[Registrati
         try:
             want = canonical_range(group, tp_size, tp_rank)
         except GeometryError:
-            problems.append(RegistrationProblem(
-                Reason.SHARD_NOT_DIVISIBLE, view.path,
-                f"sharded axis group of {group} does not split over attn_tp {tp_size}"))
+            problems.append(
+                RegistrationProblem(
+                    Reason.SHARD_NOT_DIVISIBLE,
+                    view.path,
+                    f"sharded axis group of {group} does not split over attn_tp {tp_size}",
+                )
+            )
             continue
         if got != want:
-            problems.append(RegistrationProblem(
-                Reason.SHARD_RANGE_INVALID, view.path,
-                f"holds [{got[0]},{got[1]}) of {group} but tp_rank {tp_rank}/{tp_size} "
-                f"should hold [{want[0]},{want[1]})"))
+            problems.append(
+                RegistrationProblem(
+                    Reason.SHARD_RANGE_INVALID,
+                    view.path,
+                    f"holds [{got[0]},{got[1]}) of {group} but tp_rank {tp_rank}/{tp_size} "
+                    f"should hold [{want[0]},{want[1]})",
+                )
+            )
     return problems

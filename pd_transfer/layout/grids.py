@@ -87,8 +87,10 @@ class GridPlan(TransferPlan):
         return sum(grid.total_nbytes for grid in self.grids)
 
     def __repr__(self) -> str:
-        return (f"GridPlan({self.src_rank} -> {self.dst_rank}, {len(self.grids)} grid(s), "
-                f"{self.num_runs} runs, {self.total_nbytes} bytes)")
+        return (
+            f"GridPlan({self.src_rank} -> {self.dst_rank}, {len(self.grids)} grid(s), "
+            f"{self.num_runs} runs, {self.total_nbytes} bytes)"
+        )
 
 
 class _Keyed:

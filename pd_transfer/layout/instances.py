@@ -35,8 +35,7 @@ from pd_transfer.layout.geometry import RankGeometry
 from pd_transfer.layout.reconcile import Reconciliation, reconcile
 
 
-def reconcile_instances(prefill: list[RankGeometry],
-                        decode: list[RankGeometry]) -> Reconciliation:
+def reconcile_instances(prefill: list[RankGeometry], decode: list[RankGeometry]) -> Reconciliation:
     """Whole prefill instance against whole decode instance; see the module docstring."""
     recon = reconcile(list(prefill), list(decode))
     overlaps = stage_overlaps(prefill, "prefill") + stage_overlaps(decode, "decode")
@@ -59,11 +58,16 @@ def stage_overlaps(ranks: list[RankGeometry], side: str) -> list[Mismatch]:
         if len(pp_ranks) < 2:
             continue
         text = "registered by stages " + ", ".join(f"pp{p}" for p in sorted(pp_ranks))
-        found.append(Mismatch(paths[key], Reason.TENSOR_DUPLICATE,
-                              text if side == "prefill" else "-",
-                              text if side == "decode" else "-",
-                              f"with pipeline parallelism every layer id must be registered "
-                              f"by exactly one stage of the {side} instance"))
+        found.append(
+            Mismatch(
+                paths[key],
+                Reason.TENSOR_DUPLICATE,
+                text if side == "prefill" else "-",
+                text if side == "decode" else "-",
+                f"with pipeline parallelism every layer id must be registered "
+                f"by exactly one stage of the {side} instance",
+            )
+        )
     return found
 
 

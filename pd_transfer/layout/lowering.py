@@ -67,9 +67,11 @@ class RunBatch:
         owner = np.repeat(np.arange(self.num_descriptors), self.count)
         first = np.cumsum(self.count) - self.count
         step = np.arange(len(owner), dtype=np.int64) - np.repeat(first, self.count)
-        return (self.src_offset[owner] + step * self.src_stride,
-                self.dst_offset[owner] + step * self.dst_stride,
-                self.nbytes[owner])
+        return (
+            self.src_offset[owner] + step * self.src_stride,
+            self.dst_offset[owner] + step * self.dst_stride,
+            self.nbytes[owner],
+        )
 
 
 @dataclass(frozen=True)
@@ -109,12 +111,22 @@ class TransferPlan:
             return None
 
         def part(rows: slice) -> RunBatch:
-            return RunBatch(last.src_region, last.dst_region, last.src_offset[rows],
-                            last.dst_offset[rows], last.nbytes[rows], last.count[rows],
-                            last.src_stride, last.dst_stride)
+            return RunBatch(
+                last.src_region,
+                last.dst_region,
+                last.src_offset[rows],
+                last.dst_offset[rows],
+                last.nbytes[rows],
+                last.count[rows],
+                last.src_stride,
+                last.dst_stride,
+            )
+
         body = self.batches[:-1] + ((part(slice(0, i)),) if i else ())
-        return (TransferPlan(self.src_rank, self.dst_rank, body),
-                TransferPlan(self.src_rank, self.dst_rank, (part(slice(i, i + 1)),)))
+        return (
+            TransferPlan(self.src_rank, self.dst_rank, body),
+            TransferPlan(self.src_rank, self.dst_rank, (part(slice(i, i + 1)),)),
+        )
 
 
 @dataclass(frozen=True)
@@ -137,7 +149,7 @@ class Unit:
     axes: tuple[tuple[int, int, int], ...]
     index_strides: tuple[int, int]
     pool: object
-    layer: int | None = None   # the source tensor's layer id (None: not per layer)
+    layer: int | None = None  # the source tensor's layer id (None: not per layer)
     sub_strides: tuple[int, int] | None = None
 
     @property
@@ -175,8 +187,9 @@ class UnitGroup:
     @cached_property
     def layers(self) -> np.ndarray:
         """Each unit's layer id (-1 where the tensor has none)."""
-        return np.fromiter((-1 if u.layer is None else u.layer for u in self.units), np.int64,
-                           len(self.units))
+        return np.fromiter(
+            (-1 if u.layer is None else u.layer for u in self.units), np.int64, len(self.units)
+        )
 
     def only_layers(self, layers: np.ndarray) -> UnitGroup | None:
         """The units of ``layers`` only (None when there are none)."""
@@ -186,8 +199,7 @@ class UnitGroup:
         if not keep.any():
             return None
         rows = np.flatnonzero(keep)
-        part = UnitGroup(tuple(self.units[i] for i in rows), self.src_base[rows],
-                         self.dst_base[rows])
+        part = UnitGroup(tuple(self.units[i] for i in rows), self.src_base[rows], self.dst_base[rows])
         part.__dict__["shape"] = self.shape  # same structure: reuse the computed part
         return part
 
@@ -196,13 +208,19 @@ def group_units(units: list[Unit]) -> list[UnitGroup]:
     by_signature: dict[tuple, list[Unit]] = {}
     for unit in units:
         by_signature.setdefault(unit.signature, []).append(unit)
-    return [UnitGroup(tuple(group), np.fromiter((u.src_base for u in group), np.int64, len(group)),
-                      np.fromiter((u.dst_base for u in group), np.int64, len(group)))
-            for group in by_signature.values()]
+    return [
+        UnitGroup(
+            tuple(group),
+            np.fromiter((u.src_base for u in group), np.int64, len(group)),
+            np.fromiter((u.dst_base for u in group), np.int64, len(group)),
+        )
+        for group in by_signature.values()
+    ]
 
 
-def lower(src_rank: str, dst_rank: str, units: list[Unit],
-          indices: dict[object, tuple[np.ndarray, np.ndarray]]) -> TransferPlan:
+def lower(
+    src_rank: str, dst_rank: str, units: list[Unit], indices: dict[object, tuple[np.ndarray, np.ndarray]]
+) -> TransferPlan:
     """Lower ``units`` for the index lists of their pools into a plan."""
     return lower_groups(src_rank, dst_rank, group_units(units), indices)
 
@@ -210,8 +228,12 @@ def lower(src_rank: str, dst_rank: str, units: list[Unit],
 _new = object.__new__
 
 
-def lower_groups(src_rank: str, dst_rank: str, groups: list[UnitGroup],
-                 indices: dict[object, tuple[np.ndarray, np.ndarray]]) -> TransferPlan:
+def lower_groups(
+    src_rank: str,
+    dst_rank: str,
+    groups: list[UnitGroup],
+    indices: dict[object, tuple[np.ndarray, np.ndarray]],
+) -> TransferPlan:
     batches: list[RunBatch] = []
     num_descriptors = num_runs = total_nbytes = 0
     for grouped in groups:
@@ -219,13 +241,24 @@ def lower_groups(src_rank: str, dst_rank: str, groups: list[UnitGroup],
         pattern = _pattern(grouped.shape, *indices[grouped.pool])
         src_offsets = src_base[:, None] + pattern.rel_src[None, :]
         dst_offsets = dst_base[:, None] + pattern.rel_dst[None, :]
-        nbytes, count, src_stride, dst_stride = (pattern.nbytes, pattern.count,
-                                                 pattern.src_stride, pattern.dst_stride)
+        nbytes, count, src_stride, dst_stride = (
+            pattern.nbytes,
+            pattern.count,
+            pattern.src_stride,
+            pattern.dst_stride,
+        )
         for unit, src_row, dst_row in zip(group, src_offsets, dst_offsets):
-            batch = _new(RunBatch)   # the frozen __init__, without its eight object.__setattr__
-            batch.__dict__.update(src_region=unit.src_region, dst_region=unit.dst_region,
-                                  src_offset=src_row, dst_offset=dst_row, nbytes=nbytes,
-                                  count=count, src_stride=src_stride, dst_stride=dst_stride)
+            batch = _new(RunBatch)  # the frozen __init__, without its eight object.__setattr__
+            batch.__dict__.update(
+                src_region=unit.src_region,
+                dst_region=unit.dst_region,
+                src_offset=src_row,
+                dst_offset=dst_row,
+                nbytes=nbytes,
+                count=count,
+                src_stride=src_stride,
+                dst_stride=dst_stride,
+            )
             batches.append(batch)
         # every batch of a group shares the pattern: its sums once, times the units
         num_descriptors += len(group) * len(pattern.nbytes)
@@ -233,8 +266,7 @@ def lower_groups(src_rank: str, dst_rank: str, groups: list[UnitGroup],
         total_nbytes += len(group) * int(np.dot(pattern.nbytes, pattern.count))
     plan = TransferPlan(src_rank, dst_rank, tuple(batches))
     # the cached properties, filled here (a 1-page room of 64 tensors: 64 batches to sum)
-    plan.__dict__.update(num_descriptors=num_descriptors, num_runs=num_runs,
-                         total_nbytes=total_nbytes)
+    plan.__dict__.update(num_descriptors=num_descriptors, num_runs=num_runs, total_nbytes=total_nbytes)
     return plan
 
 
@@ -278,12 +310,18 @@ def _shape(unit: Unit) -> _Shape:
         steps = np.arange(extent, dtype=np.int64)
         combo_src = (combo_src[:, None] + steps * s_stride).ravel()
         combo_dst = (combo_dst[:, None] + steps * d_stride).ravel()
-    return _Shape(run_nbytes, count, src_stride, dst_stride, combo_src, combo_dst,
-                  unit.index_strides, unit.sub_strides)
+    return _Shape(
+        run_nbytes, count, src_stride, dst_stride, combo_src, combo_dst, unit.index_strides, unit.sub_strides
+    )
 
 
-def _pattern(shape: _Shape, src_idx: np.ndarray, dst_idx: np.ndarray,
-             src_sub: np.ndarray | None = None, dst_sub: np.ndarray | None = None) -> _Pattern:
+def _pattern(
+    shape: _Shape,
+    src_idx: np.ndarray,
+    dst_idx: np.ndarray,
+    src_sub: np.ndarray | None = None,
+    dst_sub: np.ndarray | None = None,
+) -> _Pattern:
     src_item = src_idx * shape.index_strides[0]
     dst_item = dst_idx * shape.index_strides[1]
     if shape.sub_strides is not None and src_sub is not None:
@@ -292,17 +330,20 @@ def _pattern(shape: _Shape, src_idx: np.ndarray, dst_idx: np.ndarray,
         dst_item = dst_item + dst_sub * shape.sub_strides[1]
     rel_src = src_item[:, None] + shape.combo_src[None, :]
     rel_dst = dst_item[:, None] + shape.combo_dst[None, :]
-    return _merge(rel_src.ravel(), rel_dst.ravel(), shape.run_nbytes, shape.count,
-                  shape.src_stride, shape.dst_stride)
+    return _merge(
+        rel_src.ravel(), rel_dst.ravel(), shape.run_nbytes, shape.count, shape.src_stride, shape.dst_stride
+    )
 
 
-def _merge(rel_src: np.ndarray, rel_dst: np.ndarray, run_nbytes: int, count: int,
-           src_stride: int, dst_stride: int) -> _Pattern:
+def _merge(
+    rel_src: np.ndarray, rel_dst: np.ndarray, run_nbytes: int, count: int, src_stride: int, dst_stride: int
+) -> _Pattern:
     """Join descriptors that continue each other on both sides."""
     n = len(rel_src)
     if n > 1:
-        breaks = ((rel_src[1:] - rel_src[:-1]) != count * src_stride) \
-            | ((rel_dst[1:] - rel_dst[:-1]) != count * dst_stride)
+        breaks = ((rel_src[1:] - rel_src[:-1]) != count * src_stride) | (
+            (rel_dst[1:] - rel_dst[:-1]) != count * dst_stride
+        )
         starts = np.flatnonzero(np.concatenate(([True], breaks)))
     else:
         starts = np.arange(n)
@@ -313,7 +354,9 @@ def _merge(rel_src: np.ndarray, rel_dst: np.ndarray, run_nbytes: int, count: int
         rel_src, rel_dst = rel_src[starts], rel_dst[starts]
     if src_stride == run_nbytes and dst_stride == run_nbytes:
         # contiguous on both sides: a count of pieces is one longer run
-        return _Pattern(rel_src, rel_dst, counts * run_nbytes, np.ones(len(counts), np.int64),
-                        run_nbytes, run_nbytes)
-    return _Pattern(rel_src, rel_dst, np.full(len(counts), run_nbytes, np.int64), counts,
-                    src_stride, dst_stride)
+        return _Pattern(
+            rel_src, rel_dst, counts * run_nbytes, np.ones(len(counts), np.int64), run_nbytes, run_nbytes
+        )
+    return _Pattern(
+        rel_src, rel_dst, np.full(len(counts), run_nbytes, np.int64), counts, src_stride, dst_stride
+    )

@@ -31,13 +31,13 @@ from pd_transfer.layout.pools.state_specs import (
 class LayerKind(enum.Enum):
     """What one model layer keeps for a request. Values are the config spelling."""
 
-    ATTENTION = "attention"                  # full MHA/GQA attention: KV pool
+    ATTENTION = "attention"  # full MHA/GQA attention: KV pool
     SLIDING_ATTENTION = "sliding_attention"  # windowed MHA/GQA: SWA pool
-    MLA = "mla"                              # MLA latent: KV pool, replicated
-    MAMBA2 = "mamba2"                        # Mamba2 conv + ssm state
-    GDN = "gdn"                              # gated delta net conv + temporal state
-    KDA = "kda"                              # Kimi delta attention conv + temporal state
-    NONE = "none"                            # MLP / MoE only: nothing to transfer
+    MLA = "mla"  # MLA latent: KV pool, replicated
+    MAMBA2 = "mamba2"  # Mamba2 conv + ssm state
+    GDN = "gdn"  # gated delta net conv + temporal state
+    KDA = "kda"  # Kimi delta attention conv + temporal state
+    NONE = "none"  # MLP / MoE only: nothing to transfer
 
 
 LINEAR_KINDS = (LayerKind.MAMBA2, LayerKind.GDN, LayerKind.KDA)
@@ -73,7 +73,7 @@ class ModelSpec:
     kda: KdaSpec | None = None
     side_states: tuple[SideStateSpec, ...] = ()
     source: str = ""
-    illustrative: bool = False   # numbers are plausible, not checked against a public config
+    illustrative: bool = False  # numbers are plausible, not checked against a public config
 
     def __post_init__(self) -> None:
         problems = self._problems()
@@ -95,16 +95,16 @@ class ModelSpec:
         if {LayerKind.ATTENTION, LayerKind.MLA} <= used:
             problems.append("mixes attention and mla full-attention layers")
         if len(used & set(LINEAR_KINDS)) > 1:
-            problems.append("mixes linear-attention families "
-                            f"{sorted(k.value for k in used & set(LINEAR_KINDS))}")
+            problems.append(
+                f"mixes linear-attention families {sorted(k.value for k in used & set(LINEAR_KINDS))}"
+            )
         if self.side_states and not used & set(LINEAR_KINDS):
             problems.append("model.side_states need linear-attention layers to ride with")
         sliding = self.sliding_attention
         if sliding is not None and sliding.window_tokens is None:
             problems.append("model.sliding_attention.window_tokens is missing")
         if self.attention is not None and self.attention.window_tokens is not None:
-            problems.append("model.attention.window_tokens is set; windowed layers are "
-                            "sliding_attention")
+            problems.append("model.attention.window_tokens is set; windowed layers are sliding_attention")
         return problems
 
     # -- layers ---------------------------------------------------------------

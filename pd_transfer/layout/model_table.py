@@ -26,7 +26,10 @@ from pd_transfer.layout.pools.attention import AttentionSpec, MlaSpec
 from pd_transfer.layout.pools.state_specs import GdnSpec, KdaSpec, Mamba2Spec, SideStateSpec
 
 PATTERN_LEGEND: dict[str, LayerKind] = {
-    "M": LayerKind.MAMBA2, "*": LayerKind.ATTENTION, "-": LayerKind.NONE, "E": LayerKind.NONE,
+    "M": LayerKind.MAMBA2,
+    "*": LayerKind.ATTENTION,
+    "-": LayerKind.NONE,
+    "E": LayerKind.NONE,
 }
 LAYER_KEYS = ("layer_kinds", "layer_cycle", "layer_pattern")
 TOP_KEYS = ("name", "num_layers", "kv_dtype", "illustrative", "side_states") + LAYER_KEYS
@@ -34,21 +37,40 @@ TOP_KEYS = ("name", "num_layers", "kv_dtype", "illustrative", "side_states") + L
 # section -> (spec class, required int fields (name, minimum), optional fields)
 _INT, _DTYPE = "int", "dtype"
 SECTIONS: dict[str, tuple[type, dict[str, tuple[str, int]], dict[str, str]]] = {
-    "attention": (AttentionSpec, {"num_kv_heads": (_INT, 1), "head_dim": (_INT, 1)},
-                  {"v_head_dim": _INT}),
-    "sliding_attention": (AttentionSpec, {"num_kv_heads": (_INT, 1), "head_dim": (_INT, 1),
-                                          "window_tokens": (_INT, 1)}, {"v_head_dim": _INT}),
+    "attention": (AttentionSpec, {"num_kv_heads": (_INT, 1), "head_dim": (_INT, 1)}, {"v_head_dim": _INT}),
+    "sliding_attention": (
+        AttentionSpec,
+        {"num_kv_heads": (_INT, 1), "head_dim": (_INT, 1), "window_tokens": (_INT, 1)},
+        {"v_head_dim": _INT},
+    ),
     "mla": (MlaSpec, {"kv_lora_rank": (_INT, 1), "qk_rope_head_dim": (_INT, 1)}, {}),
-    "mamba2": (Mamba2Spec, {"num_heads": (_INT, 1), "head_dim": (_INT, 1),
-                            "state_size": (_INT, 1), "n_groups": (_INT, 1),
-                            "conv_kernel": (_INT, 2)},
-               {"conv_dtype": _DTYPE, "ssm_dtype": _DTYPE}),
-    "gdn": (GdnSpec, {"num_key_heads": (_INT, 1), "key_head_dim": (_INT, 1),
-                      "num_value_heads": (_INT, 1), "value_head_dim": (_INT, 1),
-                      "conv_kernel": (_INT, 2)},
-            {"conv_dtype": _DTYPE, "temporal_dtype": _DTYPE}),
-    "kda": (KdaSpec, {"num_heads": (_INT, 1), "head_dim": (_INT, 1), "conv_kernel": (_INT, 2)},
-            {"conv_dtype": _DTYPE, "temporal_dtype": _DTYPE}),
+    "mamba2": (
+        Mamba2Spec,
+        {
+            "num_heads": (_INT, 1),
+            "head_dim": (_INT, 1),
+            "state_size": (_INT, 1),
+            "n_groups": (_INT, 1),
+            "conv_kernel": (_INT, 2),
+        },
+        {"conv_dtype": _DTYPE, "ssm_dtype": _DTYPE},
+    ),
+    "gdn": (
+        GdnSpec,
+        {
+            "num_key_heads": (_INT, 1),
+            "key_head_dim": (_INT, 1),
+            "num_value_heads": (_INT, 1),
+            "value_head_dim": (_INT, 1),
+            "conv_kernel": (_INT, 2),
+        },
+        {"conv_dtype": _DTYPE, "temporal_dtype": _DTYPE},
+    ),
+    "kda": (
+        KdaSpec,
+        {"num_heads": (_INT, 1), "head_dim": (_INT, 1), "conv_kernel": (_INT, 2)},
+        {"conv_dtype": _DTYPE, "temporal_dtype": _DTYPE},
+    ),
 }
 
 
@@ -75,8 +97,7 @@ class _Reader:
             return None
         value = self.table[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            self.problems.append(f"{self.path}.{key}: must be an integer >= {minimum}, "
-                                 f"got {value!r}")
+            self.problems.append(f"{self.path}.{key}: must be an integer >= {minimum}, got {value!r}")
             return None
         return value
 
@@ -104,8 +125,7 @@ class _Reader:
     def reject_unknown(self, accepted: tuple[str, ...]) -> None:
         for key in self.table:
             if key not in accepted:
-                self.problems.append(f"{self.path}.{key}: unknown key; accepted keys: "
-                                     f"{', '.join(accepted)}")
+                self.problems.append(f"{self.path}.{key}: unknown key; accepted keys: {', '.join(accepted)}")
 
 
 def model_from_table(table: dict, source: str) -> ModelSpec:
@@ -129,9 +149,15 @@ def model_from_table(table: dict, source: str) -> ModelSpec:
     if problems:
         raise _error(source, problems)
     try:
-        return ModelSpec(name=name, layer_kinds=kinds, kv_dtype=kv_dtype,
-                         side_states=side_states, source=source,
-                         illustrative=illustrative, **specs)
+        return ModelSpec(
+            name=name,
+            layer_kinds=kinds,
+            kv_dtype=kv_dtype,
+            side_states=side_states,
+            source=source,
+            illustrative=illustrative,
+            **specs,
+        )
     except ConfigError as exc:
         raise _error(source, [exc.message]) from None
 
@@ -147,7 +173,7 @@ def _section_spec(top: _Reader, section: str) -> Any:
     before = len(top.problems)
     reader = _Reader(f"model.{section}", top.table[section], top.problems)
     if len(top.problems) > before:
-        return None           # not a table: its fields would only repeat the problem
+        return None  # not a table: its fields would only repeat the problem
     reader.reject_unknown(tuple(required) + tuple(optional))
     values = {key: reader.int(key, minimum) for key, (_, minimum) in required.items()}
     for key, kind in optional.items():
@@ -166,8 +192,10 @@ def _section_spec(top: _Reader, section: str) -> Any:
 def _layer_kinds(top: _Reader, num_layers: int | None) -> tuple[LayerKind, ...]:
     given = [key for key in LAYER_KEYS if top.has(key)]
     if len(given) != 1:
-        top.problems.append(f"model: give exactly one of {', '.join(LAYER_KEYS)}"
-                            + (f" (got {', '.join(given)})" if given else ""))
+        top.problems.append(
+            f"model: give exactly one of {', '.join(LAYER_KEYS)}"
+            + (f" (got {', '.join(given)})" if given else "")
+        )
         return ()
     key = given[0]
     if key == "layer_pattern":
@@ -177,8 +205,7 @@ def _layer_kinds(top: _Reader, num_layers: int | None) -> tuple[LayerKind, ...]:
     if key == "layer_cycle" and kinds and num_layers:
         kinds = tuple(kinds[i % len(kinds)] for i in range(num_layers))
     if num_layers is not None and kinds and len(kinds) != num_layers:
-        top.problems.append(f"model.{key}: gives {len(kinds)} layers but model.num_layers "
-                            f"is {num_layers}")
+        top.problems.append(f"model.{key}: gives {len(kinds)} layers but model.num_layers is {num_layers}")
     return kinds
 
 
@@ -192,8 +219,7 @@ def _listed_kinds(top: _Reader, key: str, value: Any) -> tuple[LayerKind, ...]:
         try:
             kinds.append(LayerKind(item))
         except ValueError:
-            top.problems.append(f"model.{key}[{i}]: unknown layer kind {item!r}; "
-                                f"accepted: {accepted}")
+            top.problems.append(f"model.{key}[{i}]: unknown layer kind {item!r}; accepted: {accepted}")
     return tuple(kinds) if len(kinds) == len(value) else ()
 
 

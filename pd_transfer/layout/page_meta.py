@@ -38,8 +38,9 @@ class PageBuffers:
     nbytes: int
 
 
-def page_buffer_meta(views: Sequence[TensorView], token_indices: np.ndarray,
-                     page_size: int) -> list[PageBuffers]:
+def page_buffer_meta(
+    views: Sequence[TensorView], token_indices: np.ndarray, page_size: int
+) -> list[PageBuffers]:
     """Per tensor group (region and tensor name), one contiguous range per page."""
     pages = _pages_of(token_indices, page_size)
     _require_page_layout(views)
@@ -58,16 +59,23 @@ def require_page_granular(views: Sequence[TensorView]) -> None:
     for view in views:
         if _item_contiguous(view):
             continue
-        suggestion = ("page_first_direct" if view.layout.is_host
-                      else "a device layout whose pages are contiguous (nhd or hnd)")
+        suggestion = (
+            "page_first_direct"
+            if view.layout.is_host
+            else "a device layout whose pages are contiguous (nhd or hnd)"
+        )
         asymmetric = _is_asymmetric(views)
         raise LayoutError(
             f"{view.path} ({view.layout.value}): a page of one layer is not one contiguous "
             f"range, so a page-granular (direct, no gather) copy is impossible"
-            + ("; models with head_dim != v_head_dim must use page_first_direct for direct copies"
-               if asymmetric else ""),
+            + (
+                "; models with head_dim != v_head_dim must use page_first_direct for direct copies"
+                if asymmetric
+                else ""
+            ),
             code=Reason.LAYOUT_UNSUPPORTED,
-            hint=f"allocate the pool as {suggestion}, or use the gathering (kernel) path")
+            hint=f"allocate the pool as {suggestion}, or use the gathering (kernel) path",
+        )
 
 
 def _pages_of(token_indices: np.ndarray, page_size: int) -> np.ndarray:
@@ -75,14 +83,18 @@ def _pages_of(token_indices: np.ndarray, page_size: int) -> np.ndarray:
     if page_size <= 0 or len(idx) % page_size:
         raise LayoutError(
             f"index list of {len(idx)} tokens is not a multiple of page_size {page_size}",
-            code=Reason.INDEX_NOT_PAGE_ALIGNED, hint="pass whole pages of token indices")
+            code=Reason.INDEX_NOT_PAGE_ALIGNED,
+            hint="pass whole pages of token indices",
+        )
     rows = idx.reshape(-1, page_size)
     first = rows[:, :1]
     if np.any(first % page_size) or np.any(rows != first + np.arange(page_size)):
         raise LayoutError(
             "token indices do not form whole, aligned pages (each page must be "
             f"p*{page_size} .. p*{page_size}+{page_size - 1} in order)",
-            code=Reason.INDEX_NOT_PAGE_ALIGNED, hint="pass whole pages of token indices")
+            code=Reason.INDEX_NOT_PAGE_ALIGNED,
+            hint="pass whole pages of token indices",
+        )
     return first[:, 0] // page_size
 
 
@@ -94,15 +106,18 @@ def _require_page_layout(views: Sequence[TensorView]) -> None:
                 f"{view.path}: zero-copy page metadata does not cover registered per-slot side "
                 "states: they live in their own rows outside the slot's page envelope",
                 code=Reason.LAYOUT_UNSUPPORTED,
-                hint="use a whole-page storage path for Mamba pools with side states")
+                hint="use a whole-page storage path for Mamba pools with side states",
+            )
         if view.layout not in PAGE_LAYOUTS:
-            what = ("models with head_dim != v_head_dim" if _is_asymmetric(views)
-                    else f"{view.pool.value} pools")
+            what = (
+                "models with head_dim != v_head_dim" if _is_asymmetric(views) else f"{view.pool.value} pools"
+            )
             raise LayoutError(
                 f"zero-copy page metadata for {what} needs a page layout ({ok}); "
                 f"{view.path} is {view.layout.value}, whose pages are not contiguous",
                 code=Reason.LAYOUT_UNSUPPORTED,
-                hint=f"allocate the host pool as {ok}")
+                hint=f"allocate the host pool as {ok}",
+            )
 
 
 def _envelope(members: list[TensorView], name: str) -> tuple[int, int, int]:
@@ -115,8 +130,7 @@ def _envelope(members: list[TensorView], name: str) -> tuple[int, int, int]:
     for view in members:
         if not inside:
             break
-        first_page = [n if i != view.axis_index(AxisRole.INDEX) else 1
-                      for i, n in enumerate(view.shape)]
+        first_page = [n if i != view.axis_index(AxisRole.INDEX) else 1 for i, n in enumerate(view.shape)]
         offsets = _byte_offsets(view, first_page) - base
         inside = bool(offsets.size) and offsets.min() >= 0 and offsets.max() < nbytes
         if inside:
@@ -124,7 +138,9 @@ def _envelope(members: list[TensorView], name: str) -> tuple[int, int, int]:
     if not inside or not np.all(covered == 1):
         raise LayoutError(
             f"pages of tensor group {name!r} do not form one contiguous range per page",
-            code=Reason.LAYOUT_UNSUPPORTED, hint="allocate the host pool as page_first or page_first_direct")
+            code=Reason.LAYOUT_UNSUPPORTED,
+            hint="allocate the host pool as page_first or page_first_direct",
+        )
     return base, strides.pop(), nbytes
 
 
@@ -138,8 +154,7 @@ def _byte_offsets(view: TensorView, shape: list[int]) -> np.ndarray:
 def _item_contiguous(view: TensorView) -> bool:
     index = view.axis_index(AxisRole.INDEX)
     expected = view.itemsize
-    for i in sorted((i for i in range(len(view.shape)) if i != index),
-                    key=lambda i: view.strides_nbytes[i]):
+    for i in sorted((i for i in range(len(view.shape)) if i != index), key=lambda i: view.strides_nbytes[i]):
         if view.shape[i] == 1:
             continue
         if view.strides_nbytes[i] != expected:

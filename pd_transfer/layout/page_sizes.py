@@ -41,38 +41,56 @@ def converted_pages(src: TensorView, dst: TensorView) -> tuple[int, int] | None:
     return src_tokens, dst_tokens
 
 
-def page_size_mismatches(src: TensorView, dst: TensorView, src_page_size: int,
-                         dst_page_size: int) -> list[Mismatch]:
+def page_size_mismatches(
+    src: TensorView, dst: TensorView, src_page_size: int, dst_page_size: int
+) -> list[Mismatch]:
     """Why this pair's page sizes cannot be converted (empty when they can, or are equal)."""
     if {a.name for a in src.axes} != {a.name for a in dst.axes}:
-        return []   # reported as axes_mismatch
+        return []  # reported as axes_mismatch
     src_tokens, dst_tokens = src.extent(AxisRole.TOKEN), dst.extent(AxisRole.TOKEN)
     path = f"{src.path}.page_size"
     if src_tokens is None:
         if src.pool not in TOKEN_PAGED_POOLS or src_page_size == dst_page_size:
             return []
-        return [Mismatch(path, Reason.PAGE_SIZE_MISMATCH,
-                         f"{src_page_size} tokens/page, no token axis",
-                         f"{dst_page_size} tokens/page, no token axis",
-                         "the tensor's pages are registered as opaque bytes, so a page cannot be "
-                         "cut into tokens: register its token axis (page, token, head, head_dim), "
-                         "or run prefill and decode with the same --page-size")]
+        return [
+            Mismatch(
+                path,
+                Reason.PAGE_SIZE_MISMATCH,
+                f"{src_page_size} tokens/page, no token axis",
+                f"{dst_page_size} tokens/page, no token axis",
+                "the tensor's pages are registered as opaque bytes, so a page cannot be "
+                "cut into tokens: register its token axis (page, token, head, head_dim), "
+                "or run prefill and decode with the same --page-size",
+            )
+        ]
     if src_tokens == dst_tokens:
         return []
     if src.pool not in TOKEN_PAGED_POOLS:
-        return [Mismatch(path, Reason.PAGE_SIZE_MISMATCH, src_tokens, dst_tokens,
-                         f"{src.pool.value} items are per-request slots or rows, not pages of "
-                         "tokens: register the same token extent on both sides")]
+        return [
+            Mismatch(
+                path,
+                Reason.PAGE_SIZE_MISMATCH,
+                src_tokens,
+                dst_tokens,
+                f"{src.pool.value} items are per-request slots or rows, not pages of "
+                "tokens: register the same token extent on both sides",
+            )
+        ]
     pieces = {side: _row_piece_nbytes(view) for side, view in (("prefill", src), ("decode", dst))}
     if all(nbytes == row for nbytes, row in pieces.values()):
         return []
-    return [Mismatch(path, Reason.PAGE_SIZE_MISMATCH,
-                     f"{src_tokens} tokens/page, pieces of {pieces['prefill'][0]} B",
-                     f"{dst_tokens} tokens/page, pieces of {pieces['decode'][0]} B",
-                     f"converting page sizes moves pieces of at least {MIN_PIECE} "
-                     f"({pieces['prefill'][1]} B here), but a strided inner axis cuts them "
-                     "smaller: register the inner axis contiguously, or run prefill and decode "
-                     "with the same --page-size")]
+    return [
+        Mismatch(
+            path,
+            Reason.PAGE_SIZE_MISMATCH,
+            f"{src_tokens} tokens/page, pieces of {pieces['prefill'][0]} B",
+            f"{dst_tokens} tokens/page, pieces of {pieces['decode'][0]} B",
+            f"converting page sizes moves pieces of at least {MIN_PIECE} "
+            f"({pieces['prefill'][1]} B here), but a strided inner axis cuts them "
+            "smaller: register the inner axis contiguously, or run prefill and decode "
+            "with the same --page-size",
+        )
+    ]
 
 
 def _row_piece_nbytes(view: TensorView) -> tuple[int, int]:

@@ -37,8 +37,9 @@ Request = IndexPair | TokenSpan
 _ITEM_WORD = {Pool.KV: "page", Pool.SWA: "page", Pool.MAMBA: "slot", Pool.AUX: "row"}
 
 
-def plan_pair(reconciliation: Reconciliation, src: RankGeometry, dst: RankGeometry,
-              requests: Mapping[Pool, Request]) -> TransferPlan:
+def plan_pair(
+    reconciliation: Reconciliation, src: RankGeometry, dst: RankGeometry, requests: Mapping[Pool, Request]
+) -> TransferPlan:
     """The plan for what ``src`` writes into ``dst`` for one request."""
     return PairPlanner(reconciliation, src, dst).plan(requests)
 
@@ -55,8 +56,9 @@ class PairPlanner:
         reconciliation.raise_if_rejected()
         self.src, self.dst = src, dst
         # per instance: a pipeline stage without a pool's layers still gets its requests
-        self._page_sizes = converted_page_sizes(reconciliation.prefill or (src,),
-                                                reconciliation.decode or (dst,))
+        self._page_sizes = converted_page_sizes(
+            reconciliation.prefill or (src,), reconciliation.decode or (dst,)
+        )
         units: dict[Pool, list[Unit]] = {}
         for dst_view in dst.views:
             src_view = src.view(dst_view.key)
@@ -65,18 +67,23 @@ class PairPlanner:
             for piece in reconciliation.pieces(dst_view.key, dst).get(src.rank_id, ()):
                 sizes = self._page_sizes.get(dst_view.pool)
                 granule = None if sizes is None else granule_tokens(*sizes)
-                units.setdefault(dst_view.pool, []).append(
-                    block_unit(src_view, dst_view, piece, granule))
+                units.setdefault(dst_view.pool, []).append(block_unit(src_view, dst_view, piece, granule))
         self._groups = {pool: group_units(pool_units) for pool, pool_units in units.items()}
-        self._limits = {side: _index_limits(geometry)
-                        for side, geometry in (("prefill", src), ("decode", dst))}
+        self._limits = {
+            side: _index_limits(geometry) for side, geometry in (("prefill", src), ("decode", dst))
+        }
 
     def page_sizes(self, pool: Pool) -> tuple[int, int] | None:
         """``(prefill, decode)`` tokens per page where ``pool``'s page sizes differ, else None."""
         return self._page_sizes.get(pool)
 
-    def plan(self, requests: Mapping[Pool, Request],
-             layers: Collection[int] | None = None, *, grid_max_runs: int = 0) -> TransferPlan:
+    def plan(
+        self,
+        requests: Mapping[Pool, Request],
+        layers: Collection[int] | None = None,
+        *,
+        grid_max_runs: int = 0,
+    ) -> TransferPlan:
         """The plan for ``requests``; with ``layers``, only the tensors of those layer ids.
 
         Layer-wise streaming plans a chunk's KV one batch of ready layers at a
@@ -87,9 +94,12 @@ class PairPlanner:
         indices = check_indices(requests, self.src, self.dst, self._limits, self._page_sizes)
         groups = [g for pool in indices for g in self._groups.get(pool, ())]
         if grid_max_runs and layers is None and not any(len(i) > 2 for i in indices.values()):
-            small = GridPlan(self.src.rank_id, self.dst.rank_id,
-                             tuple(Grid(group, *indices[group.pool]) for group in groups))
-            if small.num_runs <= grid_max_runs:   # (cached: the writer reads it again)
+            small = GridPlan(
+                self.src.rank_id,
+                self.dst.rank_id,
+                tuple(Grid(group, *indices[group.pool]) for group in groups),
+            )
+            if small.num_runs <= grid_max_runs:  # (cached: the writer reads it again)
                 return small
         if layers is not None:
             wanted = np.fromiter(layers, np.int64)
@@ -108,8 +118,9 @@ def _index_limits(geometry: RankGeometry) -> dict[Pool, int]:
     return limits
 
 
-def converted_page_sizes(prefill: Sequence[RankGeometry], decode: Sequence[RankGeometry]
-                         ) -> dict[Pool, tuple[int, int]]:
+def converted_page_sizes(
+    prefill: Sequence[RankGeometry], decode: Sequence[RankGeometry]
+) -> dict[Pool, tuple[int, int]]:
     """``{pool: (prefill, decode) page size}`` of the token-paged pools whose page sizes differ.
 
     A pool's page size on one side is its views' token extent over the
@@ -120,22 +131,32 @@ def converted_page_sizes(prefill: Sequence[RankGeometry], decode: Sequence[RankG
     for pool in (Pool.KV, Pool.SWA):
         per_side = []
         for ranks in (prefill, decode):
-            extents = {v.extent(AxisRole.TOKEN) for g in ranks for v in g.views
-                       if v.pool is pool and v.extent(AxisRole.TOKEN) is not None}
+            extents = {
+                v.extent(AxisRole.TOKEN)
+                for g in ranks
+                for v in g.views
+                if v.pool is pool and v.extent(AxisRole.TOKEN) is not None
+            }
             if len(extents) > 1:
-                raise PlanError(f"{pool.value}: {ranks[0].role.value} registers pages of "
-                                f"{sorted(extents)} tokens in one pool",
-                                code=Reason.PAGE_SIZE_MISMATCH,
-                                hint="every tensor of one pool has the same tokens per page")
+                raise PlanError(
+                    f"{pool.value}: {ranks[0].role.value} registers pages of "
+                    f"{sorted(extents)} tokens in one pool",
+                    code=Reason.PAGE_SIZE_MISMATCH,
+                    hint="every tensor of one pool has the same tokens per page",
+                )
             per_side.append(extents.pop() if extents else None)
         if None not in per_side and per_side[0] != per_side[1]:
             sizes[pool] = (per_side[0], per_side[1])
     return sizes
 
 
-def check_indices(requests: Mapping[Pool, Request], src: RankGeometry,
-                  dst: RankGeometry, limits: dict | None = None,
-                  page_sizes: Mapping[Pool, tuple[int, int]] | None = None) -> dict[Pool, tuple]:
+def check_indices(
+    requests: Mapping[Pool, Request],
+    src: RankGeometry,
+    dst: RankGeometry,
+    limits: dict | None = None,
+    page_sizes: Mapping[Pool, tuple[int, int]] | None = None,
+) -> dict[Pool, tuple]:
     """Validate index lists per pool; raise :class:`PlanError` naming the pool.
 
     A pool in ``page_sizes`` (different page sizes on the two sides) comes
@@ -151,11 +172,14 @@ def check_indices(requests: Mapping[Pool, Request], src: RankGeometry,
             continue
         if isinstance(request, TokenSpan):
             if request.src_first_token != request.dst_first_token:
-                raise PlanError(f"{pool.value}: page lists start at request tokens "
-                                f"{request.src_first_token} (prefill) and "
-                                f"{request.dst_first_token} (decode) but both sides' pages "
-                                f"are the same size", code=Reason.INDEX_COUNT_MISMATCH,
-                                hint="with equal page sizes both page lists start at one token")
+                raise PlanError(
+                    f"{pool.value}: page lists start at request tokens "
+                    f"{request.src_first_token} (prefill) and "
+                    f"{request.dst_first_token} (decode) but both sides' pages "
+                    f"are the same size",
+                    code=Reason.INDEX_COUNT_MISMATCH,
+                    hint="with equal page sizes both page lists start at one token",
+                )
             request = (request.src_pages, request.dst_pages)
         src_raw, dst_raw = request
         src_idx = np.asarray(src_raw, dtype=np.int64).reshape(-1)
@@ -165,24 +189,30 @@ def check_indices(requests: Mapping[Pool, Request], src: RankGeometry,
                 f"{pool.value}: prefill sends {len(src_idx)} {word}(s) but decode expects "
                 f"{len(dst_idx)}; the request is refused rather than truncated",
                 code=Reason.INDEX_COUNT_MISMATCH,
-                hint=f"allocate as many destination {word}s as the source sends")
+                hint=f"allocate as many destination {word}s as the source sends",
+            )
         for geometry, idx, side in ((src, src_idx, "prefill"), (dst, dst_idx, "decode")):
             _check_range(pool, geometry, idx, side, word, limits[side].get(pool))
         checked[pool] = (src_idx, dst_idx)
     return checked
 
 
-def _check_span(pool: Pool, request: Request, src: RankGeometry, dst: RankGeometry,
-                limits: dict, sizes: tuple[int, int]) -> tuple:
+def _check_span(
+    pool: Pool, request: Request, src: RankGeometry, dst: RankGeometry, limits: dict, sizes: tuple[int, int]
+) -> tuple:
     """Granules of a request for a pool whose page sizes differ."""
     if isinstance(request, TokenSpan):
-        span = TokenSpan(np.asarray(request.src_pages, dtype=np.int64).reshape(-1),
-                         np.asarray(request.dst_pages, dtype=np.int64).reshape(-1),
-                         int(request.src_first_token), int(request.dst_first_token))
+        span = TokenSpan(
+            np.asarray(request.src_pages, dtype=np.int64).reshape(-1),
+            np.asarray(request.dst_pages, dtype=np.int64).reshape(-1),
+            int(request.src_first_token),
+            int(request.dst_first_token),
+        )
     else:
         src_raw, dst_raw = request
-        span = TokenSpan(np.asarray(src_raw, dtype=np.int64).reshape(-1),
-                         np.asarray(dst_raw, dtype=np.int64).reshape(-1))
+        span = TokenSpan(
+            np.asarray(src_raw, dtype=np.int64).reshape(-1), np.asarray(dst_raw, dtype=np.int64).reshape(-1)
+        )
         if not request_lengths_agree(len(span.src_pages), len(span.dst_pages), *sizes):
             raise PlanError(
                 f"{pool.value}: prefill sends {len(span.src_pages)} page(s) of {sizes[0]} tokens "
@@ -190,14 +220,16 @@ def _check_span(pool: Pool, request: Request, src: RankGeometry, dst: RankGeomet
                 f"token count fills both, so the request is refused rather than truncated",
                 code=Reason.INDEX_COUNT_MISMATCH,
                 hint=f"allocate ceil(tokens / {sizes[1]}) destination pages for a request of "
-                     f"ceil(tokens / {sizes[0]}) source pages")
+                f"ceil(tokens / {sizes[0]}) source pages",
+            )
     for geometry, idx, side in ((src, span.src_pages, "prefill"), (dst, span.dst_pages, "decode")):
         _check_range(pool, geometry, idx, side, "page", limits[side].get(pool))
     return granules(span, *sizes, pool.value)
 
 
-def _check_range(pool: Pool, geometry: RankGeometry, idx: np.ndarray, side: str, word: str,
-                 limit: int | None) -> None:
+def _check_range(
+    pool: Pool, geometry: RankGeometry, idx: np.ndarray, side: str, word: str, limit: int | None
+) -> None:
     if limit is None or len(idx) == 0:
         return
     if len(idx) <= 64:  # a few pages: plain Python beats two numpy reductions
@@ -209,8 +241,10 @@ def _check_range(pool: Pool, geometry: RankGeometry, idx: np.ndarray, side: str,
         bad = low if low < 0 else high
         raise PlanError(
             f"{pool.value}: {side} {word} index {bad} is outside {geometry.rank_id}'s pool "
-            f"of {limit} {word}s", code=Reason.INDEX_OUT_OF_RANGE,
-            hint=f"{word} indices must be in [0, {limit})")
+            f"of {limit} {word}s",
+            code=Reason.INDEX_OUT_OF_RANGE,
+            hint=f"{word} indices must be in [0, {limit})",
+        )
 
 
 def block_unit(src: TensorView, dst: TensorView, piece: Piece, granule: int | None = None) -> Unit:
@@ -234,12 +268,20 @@ def block_unit(src: TensorView, dst: TensorView, piece: Piece, granule: int | No
         if granule is not None and axis.role is AxisRole.TOKEN:
             extent = granule
         axes.append((extent, src.strides_nbytes[i], dst.strides_nbytes[j]))
-    index_strides = (src.strides_nbytes[src_index],
-                     dst.strides_nbytes[dst.axis_index(AxisRole.INDEX)])
+    index_strides = (src.strides_nbytes[src_index], dst.strides_nbytes[dst.axis_index(AxisRole.INDEX)])
     sub_strides = None
     if granule is not None:
         src_token, dst_token = src.axis_index(AxisRole.TOKEN), dst.axis_index(AxisRole.TOKEN)
-        sub_strides = (granule * src.strides_nbytes[src_token],
-                       granule * dst.strides_nbytes[dst_token])
-    return Unit(src.region, dst.region, src_base, dst_base, src.itemsize, tuple(axes),
-                index_strides, src.pool, src.layer_id, sub_strides)
+        sub_strides = (granule * src.strides_nbytes[src_token], granule * dst.strides_nbytes[dst_token])
+    return Unit(
+        src.region,
+        dst.region,
+        src_base,
+        dst_base,
+        src.itemsize,
+        tuple(axes),
+        index_strides,
+        src.pool,
+        src.layer_id,
+        sub_strides,
+    )

@@ -19,8 +19,15 @@ from pd_transfer.errors import ConfigError, Reason
 from pd_transfer.layout.model_spec import LINEAR_KINDS, LayerKind, ModelSpec
 from pd_transfer.layout.model_table import model_from_table
 
-__all__ = ["LINEAR_KINDS", "LayerKind", "ModelSpec", "load_preset", "model_from_table",
-           "preset_dir", "preset_names"]
+__all__ = [
+    "LINEAR_KINDS",
+    "LayerKind",
+    "ModelSpec",
+    "load_preset",
+    "model_from_table",
+    "preset_dir",
+    "preset_names",
+]
 
 _PACKAGE_PRESETS = Path(__file__).resolve().parents[1] / "_presets"
 _REPO_PRESETS = Path(__file__).resolve().parents[2] / "configs" / "models"
@@ -46,9 +53,11 @@ def load_preset(name: str) -> ModelSpec:
     """The :class:`ModelSpec` of preset ``name``, or ConfigError ``unknown_preset``."""
     known = preset_names()
     if name not in known:
-        raise ConfigError(f"unknown model preset {name!r}; known presets: {', '.join(known)}",
-                          code=Reason.UNKNOWN_PRESET,
-                          hint="give the geometry explicitly in a [model] table instead")
+        raise ConfigError(
+            f"unknown model preset {name!r}; known presets: {', '.join(known)}",
+            code=Reason.UNKNOWN_PRESET,
+            hint="give the geometry explicitly in a [model] table instead",
+        )
     path = preset_dir() / f"{name}.toml"
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -58,6 +67,8 @@ def load_preset(name: str) -> ModelSpec:
         raise ConfigError(f"model preset {path} has no [model] table")
     spec = model_from_table(data["model"], str(path))
     if spec.name != name:
-        raise ConfigError(f"model preset {path}: model.name is {spec.name!r} but the file "
-                          f"is named {name!r}; they must match")
+        raise ConfigError(
+            f"model preset {path}: model.name is {spec.name!r} but the file "
+            f"is named {name!r}; they must match"
+        )
     return spec

@@ -62,8 +62,7 @@ class WorkerShape:
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, Role):
-            raise ConfigError(f"shape.role must be one of {[r.value for r in Role]}, "
-                              f"got {self.role!r}")
+            raise ConfigError(f"shape.role must be one of {[r.value for r in Role]}, got {self.role!r}")
         for name in ("tp_size", "pp_size", "page_size", "num_pages", "num_aux_rows"):
             require_positive(f"shape.{name}", getattr(self, name))
         _require_index("shape.tp_rank", self.tp_rank, self.tp_size, "attn_tp_size")
@@ -74,17 +73,23 @@ class WorkerShape:
         if self.kv_dtype is not None:
             require_dtype("shape.kv_dtype", self.kv_dtype)
         if self.kv_layout not in KV_LAYOUTS:
-            raise ConfigError(f"shape.kv_layout must be one of {[option.value for option in KV_LAYOUTS]}, "
-                              f"got {self.kv_layout!r}")
+            raise ConfigError(
+                f"shape.kv_layout must be one of {[option.value for option in KV_LAYOUTS]}, "
+                f"got {self.kv_layout!r}"
+            )
         if self.state_layout is not None and self.state_layout not in STATE_LAYOUTS:
-            raise ConfigError(f"shape.state_layout must be one of "
-                              f"{[option.value for option in STATE_LAYOUTS]}, got {self.state_layout!r}")
+            raise ConfigError(
+                f"shape.state_layout must be one of "
+                f"{[option.value for option in STATE_LAYOUTS]}, got {self.state_layout!r}"
+            )
 
 
 def _require_index(field_path: str, value: object, size: int, size_name: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < size:
-        raise ConfigError(f"{field_path} must be in [0, {size}) for {size_name} {size}, "
-                          f"got {value!r}", code=Reason.SHARD_RANGE_INVALID)
+        raise ConfigError(
+            f"{field_path} must be in [0, {size}) for {size_name} {size}, got {value!r}",
+            code=Reason.SHARD_RANGE_INVALID,
+        )
 
 
 def pp_layer_span(num_layers: int, pp_size: int, pp_rank: int) -> range:
@@ -111,40 +116,62 @@ def build_rank(spec: ModelSpec, shape: WorkerShape) -> RankGeometry:
     if spec.attention is not None:
         parts.append(build_kv_pool(spec.attention, local(LayerKind.ATTENTION), grid, **tp))
     if spec.sliding_attention is not None:
-        swa_grid = KvPoolShape(shape.num_swa_pages or shape.num_pages, shape.page_size,
-                               shape.kv_layout, dtype)
-        parts.append(build_kv_pool(spec.sliding_attention, local(LayerKind.SLIDING_ATTENTION),
-                                   swa_grid, pool=Pool.SWA, **tp))
+        swa_grid = KvPoolShape(
+            shape.num_swa_pages or shape.num_pages, shape.page_size, shape.kv_layout, dtype
+        )
+        parts.append(
+            build_kv_pool(
+                spec.sliding_attention, local(LayerKind.SLIDING_ATTENTION), swa_grid, pool=Pool.SWA, **tp
+            )
+        )
     if spec.mla is not None:
         parts.append(build_mla_pool(spec.mla, local(LayerKind.MLA), grid))
     if spec.linear is not None:
         parts.append(_state_pool(spec, shape, local(*LINEAR_KINDS)))
     parts.append(build_aux_rows(shape.num_aux_rows))
     merged = PoolViews.merge(parts)
-    geometry = RankGeometry(role=shape.role, tp_size=shape.tp_size, tp_rank=shape.tp_rank,
-                            page_size=shape.page_size, views=merged.views,
-                            regions=merged.regions, pp_rank=shape.pp_rank, model=spec.name)
+    geometry = RankGeometry(
+        role=shape.role,
+        tp_size=shape.tp_size,
+        tp_rank=shape.tp_rank,
+        page_size=shape.page_size,
+        views=merged.views,
+        regions=merged.regions,
+        pp_rank=shape.pp_rank,
+        model=spec.name,
+    )
     check_geometry(geometry)
     return geometry
 
 
 def _state_pool(spec: ModelSpec, shape: WorkerShape, layer_ids: tuple[int, ...]) -> PoolViews:
     if shape.num_slots is None:
-        raise ConfigError(f"shape.num_slots is required: model {spec.name!r} has "
-                          f"{len(spec.linear_layer_ids)} linear-attention layers, each "
-                          f"keeping one state slot per request")
+        raise ConfigError(
+            f"shape.num_slots is required: model {spec.name!r} has "
+            f"{len(spec.linear_layer_ids)} linear-attention layers, each "
+            f"keeping one state slot per request"
+        )
     tensors = spec.state_tensors(shape.tp_size, shape.tp_rank)
-    return build_state_pool(tensors, layer_ids, num_slots=shape.num_slots,
-                            layout=shape.state_layout or Layout.SLOT)
+    return build_state_pool(
+        tensors, layer_ids, num_slots=shape.num_slots, layout=shape.state_layout or Layout.SLOT
+    )
 
 
-def build_instance(spec: ModelSpec, role: Role, tp_size: int, pp_size: int = 1,
-                   **shape_kwargs: object) -> list[RankGeometry]:
+def build_instance(
+    spec: ModelSpec, role: Role, tp_size: int, pp_size: int = 1, **shape_kwargs: object
+) -> list[RankGeometry]:
     """Every rank of an instance, PP stage major: ``[pp0 tp0, pp0 tp1, ..., pp1 tp0, ...]``.
 
     ``shape_kwargs`` are the other :class:`WorkerShape` fields (page_size,
     kv_layout, num_pages, ...).
     """
-    return [build_rank(spec, WorkerShape(role=role, tp_size=tp_size, tp_rank=tp_rank,
-                                         pp_size=pp_size, pp_rank=pp_rank, **shape_kwargs))
-            for pp_rank in range(pp_size) for tp_rank in range(tp_size)]
+    return [
+        build_rank(
+            spec,
+            WorkerShape(
+                role=role, tp_size=tp_size, tp_rank=tp_rank, pp_size=pp_size, pp_rank=pp_rank, **shape_kwargs
+            ),
+        )
+        for pp_rank in range(pp_size)
+        for tp_rank in range(tp_size)
+    ]

@@ -26,10 +26,10 @@ from pd_transfer.layout.views import AxisRole, Layout, Pool, TensorView, canonic
 
 
 class Mode(enum.Enum):
-    DIRECT = "direct"          # identical geometry: copy items as they are
-    SLICED = "sliced"          # different TP on a sharded axis: copy parts of it
+    DIRECT = "direct"  # identical geometry: copy items as they are
+    SLICED = "sliced"  # different TP on a sharded axis: copy parts of it
     REPLICATED = "replicated"  # every source rank holds it: one elected writer
-    CONVERTED = "converted"    # same data, different strides or layout
+    CONVERTED = "converted"  # same data, different strides or layout
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class TensorVerdict:
     layout_changed: bool
     prefill_layout: Layout
     decode_layout: Layout
-    page_sizes: tuple[int, int] | None = None   # (prefill, decode) tokens per page, when they differ
+    page_sizes: tuple[int, int] | None = None  # (prefill, decode) tokens per page, when they differ
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,9 @@ class Reconciliation:
 
     @property
     def headline(self) -> str:
-        return (f"cannot reconcile prefill (attn_tp={_tp(self.prefill)}) with decode "
-                f"(attn_tp={_tp(self.decode)})")
+        return (
+            f"cannot reconcile prefill (attn_tp={_tp(self.prefill)}) with decode (attn_tp={_tp(self.decode)})"
+        )
 
     def error(self) -> ReconcileError:
         return ReconcileError(self.headline, diagnostics.collapse(list(self.mismatches)))
@@ -73,8 +74,14 @@ class Reconciliation:
         holders = self._holders.get(key, ())
         if view is None or not holders:
             return {}
-        pieces, _ = assign_pieces(holders, view.shard, dst.tp_rank, _local_extent(view),
-                                  src_tp_size=_tp(self.prefill), dst_tp_size=dst.tp_size)
+        pieces, _ = assign_pieces(
+            holders,
+            view.shard,
+            dst.tp_rank,
+            _local_extent(view),
+            src_tp_size=_tp(self.prefill),
+            dst_tp_size=dst.tp_size,
+        )
         return pieces
 
     def sources_for(self, dst: RankGeometry) -> list[str]:
@@ -91,9 +98,12 @@ class Reconciliation:
         return {pool: dict(modes) for pool, modes in summary.items()}
 
 
-def reconcile(prefill: list[RankGeometry] | RankGeometry,
-              decode: list[RankGeometry] | RankGeometry,
-              *, require_all_prefill_layers: bool = True) -> Reconciliation:
+def reconcile(
+    prefill: list[RankGeometry] | RankGeometry,
+    decode: list[RankGeometry] | RankGeometry,
+    *,
+    require_all_prefill_layers: bool = True,
+) -> Reconciliation:
     """Reconcile prefill ranks with decode ranks; see the module docstring.
 
     ``require_all_prefill_layers`` False skips the check that every prefill
@@ -113,9 +123,10 @@ def reconcile(prefill: list[RankGeometry] | RankGeometry,
         src = _view_of(prefill, key, holders[key][0])
         pair_mismatches = _compare(src, views[0], _tp(prefill), _tp(decode))
         pages = page_size_mismatches(src, views[0], prefill[0].page_size, decode[0].page_size)
-        if pages:   # opaque pages of other sizes differ in bytes too: one cause, one line
-            pair_mismatches = [m for m in pair_mismatches
-                               if m.code is not Reason.INNER_SHAPE_MISMATCH] + pages
+        if pages:  # opaque pages of other sizes differ in bytes too: one cause, one line
+            pair_mismatches = [
+                m for m in pair_mismatches if m.code is not Reason.INNER_SHAPE_MISMATCH
+            ] + pages
         if not pair_mismatches:
             pair_mismatches = _coverage(holders[key], views, decode, prefill)
         mismatches += pair_mismatches
@@ -124,12 +135,14 @@ def reconcile(prefill: list[RankGeometry] | RankGeometry,
     if require_all_prefill_layers:
         for key, key_holders in holders.items():
             if key not in decode_views:
-                mismatches.append(_missing(_view_of(prefill, key, key_holders[0]),
-                                           Reason.LAYER_MISSING, decode_side=False))
+                mismatches.append(
+                    _missing(_view_of(prefill, key, key_holders[0]), Reason.LAYER_MISSING, decode_side=False)
+                )
     return Reconciliation(prefill, decode, tuple(verdicts), tuple(mismatches), holders)
 
 
 # -- helpers ------------------------------------------------------------------
+
 
 def _tp(ranks: tuple[RankGeometry, ...]) -> int:
     return ranks[0].tp_size if ranks else 0
@@ -145,10 +158,15 @@ def _geometry_mismatches(prefill, decode) -> list[Mismatch]:
     for side, ranks in (("prefill", prefill), ("decode", decode)):
         sizes = {g.tp_size for g in ranks}
         if len(sizes) > 1:
-            found.append(Mismatch(f"{side}.attn_tp_size", Reason.SHARD_RANGE_INVALID,
-                                  sorted(sizes) if side == "prefill" else "-",
-                                  sorted(sizes) if side == "decode" else "-",
-                                  "every rank of one instance must report the same attn_tp_size"))
+            found.append(
+                Mismatch(
+                    f"{side}.attn_tp_size",
+                    Reason.SHARD_RANGE_INVALID,
+                    sorted(sizes) if side == "prefill" else "-",
+                    sorted(sizes) if side == "decode" else "-",
+                    "every rank of one instance must report the same attn_tp_size",
+                )
+            )
         # one line per problem, the ranks that share it folded: a view that does not
         # split over attn_tp 4 is one fact on all four ranks, not four
         ranks_by_problem: dict[RegistrationProblem, list[RankGeometry]] = defaultdict(list)
@@ -157,10 +175,15 @@ def _geometry_mismatches(prefill, decode) -> list[Mismatch]:
                 ranks_by_problem[problem].append(geometry)
         for problem, holders in ranks_by_problem.items():
             text = f"{problem.detail} ({diagnostics.describe_ranks(holders)})"
-            found.append(Mismatch(problem.subject or f"{side}.registration", problem.code,
-                                  text if side == "prefill" else "-",
-                                  text if side == "decode" else "-",
-                                  "fix the worker's registration"))
+            found.append(
+                Mismatch(
+                    problem.subject or f"{side}.registration",
+                    problem.code,
+                    text if side == "prefill" else "-",
+                    text if side == "decode" else "-",
+                    "fix the worker's registration",
+                )
+            )
     return found
 
 
@@ -188,8 +211,10 @@ def _view_of(ranks, key: tuple, holder: Holder) -> TensorView:
 
 
 def _missing(view: TensorView, code: Reason, *, decode_side: bool) -> Mismatch:
-    hint = ("pair instances of the same model; with pipeline parallelism every layer id "
-            "must be registered by exactly one stage on each side")
+    hint = (
+        "pair instances of the same model; with pipeline parallelism every layer id "
+        "must be registered by exactly one stage on each side"
+    )
     present = f"registered ({view.layout.value})"
     if decode_side:
         return Mismatch(view.path, code, None, present, hint)
@@ -199,22 +224,40 @@ def _missing(view: TensorView, code: Reason, *, decode_side: bool) -> Mismatch:
 def _compare(src: TensorView, dst: TensorView, tp_src: int, tp_dst: int) -> list[Mismatch]:
     found: list[Mismatch] = []
     if src.dtype != dst.dtype:
-        found.append(Mismatch(f"{src.path}.dtype", Reason.DTYPE_MISMATCH, src.dtype, dst.dtype,
-                              "configure the same KV/state dtype on prefill and decode"))
+        found.append(
+            Mismatch(
+                f"{src.path}.dtype",
+                Reason.DTYPE_MISMATCH,
+                src.dtype,
+                dst.dtype,
+                "configure the same KV/state dtype on prefill and decode",
+            )
+        )
     src_axes = {a.name: a.role for a in src.axes}
     dst_axes = {a.name: a.role for a in dst.axes}
     if src_axes != dst_axes:
-        found.append(Mismatch(f"{src.path}.axes", Reason.AXES_MISMATCH,
-                              ",".join(f"{n}:{r.value}" for n, r in src_axes.items()),
-                              ",".join(f"{n}:{r.value}" for n, r in dst_axes.items()),
-                              "both sides must describe the tensor with the same named axes"))
+        found.append(
+            Mismatch(
+                f"{src.path}.axes",
+                Reason.AXES_MISMATCH,
+                ",".join(f"{n}:{r.value}" for n, r in src_axes.items()),
+                ",".join(f"{n}:{r.value}" for n, r in dst_axes.items()),
+                "both sides must describe the tensor with the same named axes",
+            )
+        )
         return found
     for i, axis in enumerate(src.axes):
         j = dst.axis_named(axis.name)
         if axis.role in (AxisRole.INNER, AxisRole.OUTER) and src.shape[i] != dst.shape[j]:
-            found.append(Mismatch(f"{src.path}.{axis.name}", Reason.INNER_SHAPE_MISMATCH,
-                                  src.shape[i], dst.shape[j],
-                                  "both sides must serve the same model (same head and state dims)"))
+            found.append(
+                Mismatch(
+                    f"{src.path}.{axis.name}",
+                    Reason.INNER_SHAPE_MISMATCH,
+                    src.shape[i],
+                    dst.shape[j],
+                    "both sides must serve the same model (same head and state dims)",
+                )
+            )
     if src.is_sharded:
         found += _compare_shard(src, dst, tp_src, tp_dst)
     return found
@@ -226,48 +269,74 @@ def _compare_shard(src: TensorView, dst: TensorView, tp_src: int, tp_dst: int) -
         same_item = src.item_nbytes == dst.item_nbytes
         if tp_src == tp_dst and same_item:
             return []
-        reasons = [] if same_item else [
-            f"item sizes differ ({src.item_nbytes} B vs {dst.item_nbytes} B)"]
+        reasons = [] if same_item else [f"item sizes differ ({src.item_nbytes} B vs {dst.item_nbytes} B)"]
         if tp_src != tp_dst:
             reasons.append(f"attention TP differs ({tp_src} vs {tp_dst})")
-        return [Mismatch(f"{src.path}.shard", Reason.SHARD_METADATA_MISSING,
-                         diagnostics.describe_shard(src, axis),
-                         diagnostics.describe_shard(dst, axis),
-                         f"{' and '.join(reasons)}, so '{axis}' must be resliced, which needs "
-                         "per-tensor dim metadata on both sides: register the global extent and "
-                         "the local [start, end) of the sharded axis, or run both sides with equal "
-                         "attention TP")]
+        return [
+            Mismatch(
+                f"{src.path}.shard",
+                Reason.SHARD_METADATA_MISSING,
+                diagnostics.describe_shard(src, axis),
+                diagnostics.describe_shard(dst, axis),
+                f"{' and '.join(reasons)}, so '{axis}' must be resliced, which needs "
+                "per-tensor dim metadata on both sides: register the global extent and "
+                "the local [start, end) of the sharded axis, or run both sides with equal "
+                "attention TP",
+            )
+        ]
     found = []
     if src.shard.global_extent != dst.shard.global_extent:
-        found.append(Mismatch(f"{src.path}.{axis}.global_extent", Reason.GLOBAL_EXTENT_MISMATCH,
-                              src.shard.global_extent, dst.shard.global_extent,
-                              "both sides must serve the same model (same global head/channel count)"))
+        found.append(
+            Mismatch(
+                f"{src.path}.{axis}.global_extent",
+                Reason.GLOBAL_EXTENT_MISMATCH,
+                src.shard.global_extent,
+                dst.shard.global_extent,
+                "both sides must serve the same model (same global head/channel count)",
+            )
+        )
         return found
     sharded = not (src.shard.is_full and dst.shard.is_full)
-    if sharded and (src.shard.groups != dst.shard.groups
-                    or src.shard.declared_groups != dst.shard.declared_groups):
-        code = (Reason.SHARD_GROUPS_MISSING
-                if src.shard.declared_groups != dst.shard.declared_groups
-                else Reason.SHARD_GROUPS_MISMATCH)
-        found.append(Mismatch(
-            f"{src.path}.{axis}.shard_groups", code,
-            list(src.shard.groups) if src.shard.declared_groups else None,
-            list(dst.shard.groups) if dst.shard.declared_groups else None,
-            f"'{axis}' is a concatenation of independently sharded groups: both sides must "
-            "register the same shard groups, or slicing would mix channels of different groups"))
+    if sharded and (
+        src.shard.groups != dst.shard.groups or src.shard.declared_groups != dst.shard.declared_groups
+    ):
+        code = (
+            Reason.SHARD_GROUPS_MISSING
+            if src.shard.declared_groups != dst.shard.declared_groups
+            else Reason.SHARD_GROUPS_MISMATCH
+        )
+        found.append(
+            Mismatch(
+                f"{src.path}.{axis}.shard_groups",
+                code,
+                list(src.shard.groups) if src.shard.declared_groups else None,
+                list(dst.shard.groups) if dst.shard.declared_groups else None,
+                f"'{axis}' is a concatenation of independently sharded groups: both sides must "
+                "register the same shard groups, or slicing would mix channels of different groups",
+            )
+        )
         return found
     for group in src.shard.groups:
         # the same group on both sides (global extents and groups are equal here)
-        splits = {side: spec.is_full or _splits(group, tp)
-                  for side, spec, tp in (("prefill", src.shard, tp_src), ("decode", dst.shard, tp_dst))}
+        splits = {
+            side: spec.is_full or _splits(group, tp)
+            for side, spec, tp in (("prefill", src.shard, tp_src), ("decode", dst.shard, tp_dst))
+        }
         if all(splits.values()):
             continue
-        values = {side: f"{group} over attn_tp {tp}" + ("" if splits[side] else " (does not split)")
-                  for side, tp in (("prefill", tp_src), ("decode", tp_dst))}
-        found.append(Mismatch(f"{src.path}.{axis}", Reason.SHARD_NOT_DIVISIBLE,
-                              values["prefill"], values["decode"],
-                              f"choose attention TP sizes that divide {group} (or that "
-                              f"{group} divides)"))
+        values = {
+            side: f"{group} over attn_tp {tp}" + ("" if splits[side] else " (does not split)")
+            for side, tp in (("prefill", tp_src), ("decode", tp_dst))
+        }
+        found.append(
+            Mismatch(
+                f"{src.path}.{axis}",
+                Reason.SHARD_NOT_DIVISIBLE,
+                values["prefill"],
+                values["decode"],
+                f"choose attention TP sizes that divide {group} (or that {group} divides)",
+            )
+        )
     return found
 
 
@@ -285,20 +354,29 @@ def _coverage(holders, dst_views, decode, prefill) -> list[Mismatch]:
         view = geometry.view(dst_views[0].key)
         if view is None:
             continue
-        _, uncovered = assign_pieces(holders, view.shard, geometry.tp_rank, _local_extent(view),
-                                     src_tp_size=_tp(prefill), dst_tp_size=geometry.tp_size)
+        _, uncovered = assign_pieces(
+            holders,
+            view.shard,
+            geometry.tp_rank,
+            _local_extent(view),
+            src_tp_size=_tp(prefill),
+            dst_tp_size=geometry.tp_size,
+        )
         for gap in uncovered:
-            found.append(Mismatch(
-                f"{view.path}.shard", Reason.SHARD_UNCOVERED,
-                f"ranks {[h.rank_id for h in holders]} hold it",
-                f"{geometry.rank_id} needs group {gap.group} [{gap.start},{gap.end})",
-                "every prefill rank must be registered before decode can be planned"))
+            found.append(
+                Mismatch(
+                    f"{view.path}.shard",
+                    Reason.SHARD_UNCOVERED,
+                    f"ranks {[h.rank_id for h in holders]} hold it",
+                    f"{geometry.rank_id} needs group {gap.group} [{gap.start},{gap.end})",
+                    "every prefill rank must be registered before decode can be planned",
+                )
+            )
     return found
 
 
 def _verdict(src: TensorView, dst: TensorView, tp_src: int, tp_dst: int) -> TensorVerdict:
-    if src.shard is not None and dst.shard is not None \
-            and src.shard.local_extent != dst.shard.local_extent:
+    if src.shard is not None and dst.shard is not None and src.shard.local_extent != dst.shard.local_extent:
         mode = Mode.SLICED
     elif tp_src != tp_dst:
         mode = Mode.REPLICATED
@@ -308,13 +386,15 @@ def _verdict(src: TensorView, dst: TensorView, tp_src: int, tp_dst: int) -> Tens
     page_sizes = converted_pages(src, dst)
     if mode is Mode.DIRECT and (layout_changed or page_sizes):
         mode = Mode.CONVERTED
-    return TensorVerdict(src.key, src.path, mode, layout_changed, src.layout, dst.layout,
-                         page_sizes)
+    return TensorVerdict(src.key, src.path, mode, layout_changed, src.layout, dst.layout, page_sizes)
 
 
 def _memory_order(view: TensorView, other: TensorView) -> list[str]:
     """Axis names from outermost to innermost in memory, skipping axes of one
     element on either side (their stride means nothing)."""
-    sized = [(s, a.name) for a, n, s in zip(view.axes, view.shape, view.strides_nbytes)
-             if n > 1 and other.shape[other.axis_named(a.name)] > 1]
+    sized = [
+        (s, a.name)
+        for a, n, s in zip(view.axes, view.shape, view.strides_nbytes)
+        if n > 1 and other.shape[other.axis_named(a.name)] > 1
+    ]
     return [name for _, name in sorted(sized, key=lambda item: -item[0])]

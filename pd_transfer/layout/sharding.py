@@ -57,18 +57,29 @@ class Uncovered:
     end: int
 
 
-def assign_pieces(holders: tuple[Holder, ...], dst_spec: ShardSpec | None,
-                  dst_tp_rank: int, local_extent: int, *, src_tp_size: int = 1,
-                  dst_tp_size: int = 1,
-                  ) -> tuple[dict[str, tuple[Piece, ...]], tuple[Uncovered, ...]]:
+def assign_pieces(
+    holders: tuple[Holder, ...],
+    dst_spec: ShardSpec | None,
+    dst_tp_rank: int,
+    local_extent: int,
+    *,
+    src_tp_size: int = 1,
+    dst_tp_size: int = 1,
+) -> tuple[dict[str, tuple[Piece, ...]], tuple[Uncovered, ...]]:
     """Pieces per source rank id for one destination view, plus what nobody holds.
 
     ``dst_spec`` None means the axis is replicated as a whole (MLA latent, aux
     rows) or carries no metadata; then one source rank writes the whole local
     axis (``local_extent`` elements, 1 when the view has no shard axis).
     """
-    return _assign_cached(tuple(sorted(holders, key=lambda h: (h.tp_rank, h.rank_id))),
-                          dst_spec, dst_tp_rank, local_extent, src_tp_size, dst_tp_size)
+    return _assign_cached(
+        tuple(sorted(holders, key=lambda h: (h.tp_rank, h.rank_id))),
+        dst_spec,
+        dst_tp_rank,
+        local_extent,
+        src_tp_size,
+        dst_tp_size,
+    )
 
 
 def _elect(covering: list[Holder], dst_tp_rank: int, src_tp_size: int, dst_tp_size: int) -> Holder:
@@ -102,8 +113,9 @@ def _assign_cached(holders, dst_spec, dst_tp_rank, local_extent, src_tp_size, ds
                 continue
             writer = _elect(covering, dst_tp_rank, src_tp_size, dst_tp_size)
             src_local = _group_base(writer.spec, g) + lo - writer.spec.ranges[g][0]
-            _append_merged(pieces.setdefault(writer.rank_id, []),
-                           Piece(src_local, dst_base + lo - d_start, hi - lo))
+            _append_merged(
+                pieces.setdefault(writer.rank_id, []), Piece(src_local, dst_base + lo - d_start, hi - lo)
+            )
         dst_base += d_end - d_start
     return {k: tuple(v) for k, v in pieces.items()}, tuple(uncovered)
 
@@ -133,8 +145,10 @@ def _group_base(spec: ShardSpec, group: int) -> int:
 def _append_merged(pieces: list[Piece], piece: Piece) -> None:
     if pieces:
         last = pieces[-1]
-        if (last.src_start + last.length == piece.src_start
-                and last.dst_start + last.length == piece.dst_start):
+        if (
+            last.src_start + last.length == piece.src_start
+            and last.dst_start + last.length == piece.dst_start
+        ):
             pieces[-1] = Piece(last.src_start, last.dst_start, last.length + piece.length)
             return
     pieces.append(piece)

@@ -47,8 +47,9 @@ class TokenSpan:
         return range(self.src_first_token, src_end), range(self.dst_first_token, dst_end)
 
 
-def request_lengths_agree(num_src_pages: int, num_dst_pages: int, src_page_size: int,
-                          dst_page_size: int) -> bool:
+def request_lengths_agree(
+    num_src_pages: int, num_dst_pages: int, src_page_size: int, dst_page_size: int
+) -> bool:
     """True when some token count fills exactly these many pages on both sides.
 
     ``n`` tokens take ``ceil(n / page_size)`` pages; 40 tokens take 3 pages of

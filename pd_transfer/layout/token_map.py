@@ -36,19 +36,26 @@ def granule_tokens(src_page_size: int, dst_page_size: int) -> int:
 
 def granules(span: TokenSpan, src_page_size: int, dst_page_size: int, pool_name: str) -> Granules:
     """``(src_page, dst_page, src_sub, dst_sub)`` of every owed granule, in token order."""
-    for side, first, page_size in (("prefill", span.src_first_token, src_page_size),
-                                   ("decode", span.dst_first_token, dst_page_size)):
+    for side, first, page_size in (
+        ("prefill", span.src_first_token, src_page_size),
+        ("decode", span.dst_first_token, dst_page_size),
+    ):
         if first < 0 or first % page_size:
             raise PlanError(
                 f"{pool_name}: the {side} page list starts at request token {first}, which is not "
                 f"a page boundary of its {page_size}-token pages",
                 code=Reason.INDEX_NOT_PAGE_ALIGNED,
-                hint="a page list starts at a multiple of its side's page size")
+                hint="a page list starts at a multiple of its side's page size",
+            )
     g = granule_tokens(src_page_size, dst_page_size)
     src_tokens, dst_tokens = span.token_ranges(src_page_size, dst_page_size)
     low, high = max(src_tokens.start, dst_tokens.start), min(src_tokens.stop, dst_tokens.stop)
     token = np.arange(low, max(low, high), g, dtype=np.int64)
     src_pos = token - span.src_first_token
     dst_pos = token - span.dst_first_token
-    return (span.src_pages[src_pos // src_page_size], span.dst_pages[dst_pos // dst_page_size],
-            (src_pos % src_page_size) // g, (dst_pos % dst_page_size) // g)
+    return (
+        span.src_pages[src_pos // src_page_size],
+        span.dst_pages[dst_pos // dst_page_size],
+        (src_pos % src_page_size) // g,
+        (dst_pos % dst_page_size) // g,
+    )

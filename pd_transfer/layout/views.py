@@ -24,31 +24,31 @@ from pd_transfer.layout.dtypes import itemsize
 
 
 class AxisRole(enum.Enum):
-    INDEX = "index"    # page, slot or row: what transfer requests address
-    TOKEN = "token"    # token within a page
-    SHARD = "shard"    # the tensor-parallel sharded axis (heads, channels)
-    OUTER = "outer"    # rows in front of the shard axis (Kimi/KDA conv state)
-    INNER = "inner"    # everything else (head_dim, state size, bytes)
+    INDEX = "index"  # page, slot or row: what transfer requests address
+    TOKEN = "token"  # token within a page
+    SHARD = "shard"  # the tensor-parallel sharded axis (heads, channels)
+    OUTER = "outer"  # rows in front of the shard axis (Kimi/KDA conv state)
+    INNER = "inner"  # everything else (head_dim, state size, bytes)
 
 
 class Pool(enum.Enum):
     """Which index space a tensor is addressed by in a transfer request."""
 
-    KV = "kv"          # full-attention KV pages (MHA/GQA or MLA)
-    SWA = "swa"        # sliding-window KV pages (window pages only)
-    MAMBA = "mamba"    # linear-attention / SSM state slots, one per request
-    AUX = "aux"        # metadata rows (first output token, ...)
+    KV = "kv"  # full-attention KV pages (MHA/GQA or MLA)
+    SWA = "swa"  # sliding-window KV pages (window pages only)
+    MAMBA = "mamba"  # linear-attention / SSM state slots, one per request
+    AUX = "aux"  # metadata rows (first output token, ...)
 
 
 class Layout(enum.Enum):
-    NHD = "nhd"                              # device: [token, head, dim] per layer
-    HND = "hnd"                              # device: [page, head, token, dim] per layer
-    LAYER_FIRST = "layer_first"              # host: (2, L, S, H, D)
-    PAGE_FIRST = "page_first"                # host: (2, S, L, H, D)
+    NHD = "nhd"  # device: [token, head, dim] per layer
+    HND = "hnd"  # device: [page, head, token, dim] per layer
+    LAYER_FIRST = "layer_first"  # host: (2, L, S, H, D)
+    PAGE_FIRST = "page_first"  # host: (2, S, L, H, D)
     PAGE_FIRST_DIRECT = "page_first_direct"  # host: (2, P, L, ps, H, D)
-    PAGE_HEAD = "page_head"                  # host: (2, P, H, ps, L, D)
-    SLOT = "slot"                            # device state: [slot, ...] per layer
-    ROW = "row"                              # aux metadata rows
+    PAGE_HEAD = "page_head"  # host: (2, P, H, ps, L, D)
+    SLOT = "slot"  # device state: [slot, ...] per layer
+    ROW = "row"  # aux metadata rows
 
     @property
     def is_host(self) -> bool:
@@ -97,8 +97,9 @@ class ShardSpec:
         return ShardSpec(tuple(groups), tuple(ranges), True)
 
     @staticmethod
-    def for_rank(global_extent: int, tp_size: int, tp_rank: int,
-                 groups: tuple[int, ...] | None = None) -> ShardSpec:
+    def for_rank(
+        global_extent: int, tp_size: int, tp_rank: int, groups: tuple[int, ...] | None = None
+    ) -> ShardSpec:
         """The canonical range of ``tp_rank`` out of ``tp_size``.
 
         Each group of size ``g`` splits into ``tp_size`` equal parts when
@@ -109,7 +110,8 @@ class ShardSpec:
         if sum(sizes) != global_extent:
             raise GeometryError(
                 f"shard groups {list(sizes)} sum to {sum(sizes)}, not the axis extent {global_extent}",
-                code=Reason.SHARD_RANGE_INVALID)
+                code=Reason.SHARD_RANGE_INVALID,
+            )
         ranges = tuple(canonical_range(g, tp_size, tp_rank) for g in sizes)
         return ShardSpec(sizes, ranges, groups is not None)
 
@@ -127,7 +129,7 @@ class ShardSpec:
 
     def describe(self) -> str:
         if len(self.groups) == 1 and not self.declared_groups:
-            (start, end), = self.ranges
+            ((start, end),) = self.ranges
             return f"[{start},{end}) of {self.groups[0]}"
         parts = ", ".join(f"[{s},{e}) of {g}" for g, (s, e) in zip(self.groups, self.ranges))
         return f"groups {{{parts}}}"
@@ -140,17 +142,21 @@ def canonical_range(extent: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
     ``extent`` divides by ``tp_size`` nor ``tp_size`` by ``extent``.
     """
     if not 0 <= tp_rank < tp_size:
-        raise GeometryError(f"tp_rank {tp_rank} is outside tp_size {tp_size}",
-                            code=Reason.SHARD_RANGE_INVALID)
+        raise GeometryError(
+            f"tp_rank {tp_rank} is outside tp_size {tp_size}", code=Reason.SHARD_RANGE_INVALID
+        )
     if extent >= tp_size:
         if extent % tp_size:
-            raise GeometryError(f"extent {extent} does not split over tp_size {tp_size}",
-                                code=Reason.SHARD_NOT_DIVISIBLE)
+            raise GeometryError(
+                f"extent {extent} does not split over tp_size {tp_size}", code=Reason.SHARD_NOT_DIVISIBLE
+            )
         per_rank = extent // tp_size
         return tp_rank * per_rank, (tp_rank + 1) * per_rank
     if tp_size % extent:
-        raise GeometryError(f"extent {extent} cannot be replicated evenly over tp_size {tp_size}",
-                            code=Reason.SHARD_NOT_DIVISIBLE)
+        raise GeometryError(
+            f"extent {extent} cannot be replicated evenly over tp_size {tp_size}",
+            code=Reason.SHARD_NOT_DIVISIBLE,
+        )
     # tp=8 over 2 KV heads: ranks 0-3 hold head 0, ranks 4-7 head 1
     head = tp_rank // (tp_size // extent)
     return head, head + 1
@@ -179,8 +185,10 @@ class TensorView:
 
     def _problem(self) -> str:
         if not (len(self.shape) == len(self.strides_nbytes) == len(self.axes)):
-            return (f"shape {self.shape}, strides {self.strides_nbytes} and axes "
-                    f"{[a.name for a in self.axes]} differ in length")
+            return (
+                f"shape {self.shape}, strides {self.strides_nbytes} and axes "
+                f"{[a.name for a in self.axes]} differ in length"
+            )
         if any(n <= 0 for n in self.shape):
             return f"shape {self.shape} has an empty axis"
         if any(s < 0 for s in self.strides_nbytes) or self.offset_nbytes < 0:
@@ -197,8 +205,10 @@ class TensorView:
             if AxisRole.SHARD not in roles:
                 return "has a shard spec but no shard axis"
             if self.shard.local_extent != self.shape[roles.index(AxisRole.SHARD)]:
-                return (f"shard axis holds {self.shape[roles.index(AxisRole.SHARD)]} "
-                        f"but the shard spec {self.shard.describe()} covers {self.shard.local_extent}")
+                return (
+                    f"shard axis holds {self.shape[roles.index(AxisRole.SHARD)]} "
+                    f"but the shard spec {self.shard.describe()} covers {self.shard.local_extent}"
+                )
             for g, (s, e) in zip(self.shard.groups, self.shard.ranges):
                 if not 0 <= s < e <= g:
                     return f"shard range [{s},{e}) is outside group of {g}"

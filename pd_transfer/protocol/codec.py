@@ -44,8 +44,9 @@ def encode(message: Message) -> bytes:
     """The frame of ``message``. Raises LocalProtocolError for a non-message."""
     record = RECORDS.get(type(message))
     if record is None:
-        raise LocalProtocolError(f"cannot encode {type(message).__name__}: not a protocol message",
-                                 code=Reason.UNKNOWN_MESSAGE)
+        raise LocalProtocolError(
+            f"cannot encode {type(message).__name__}: not a protocol message", code=Reason.UNKNOWN_MESSAGE
+        )
     frame = {"t": message.TAG, "v": list(PROTOCOL_VERSION)}
     frame.update(record.encode(message))
     return msgpack.packb(frame, use_bin_type=True)
@@ -61,26 +62,31 @@ def decode(frame: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMIT
 
 def _unpack(frame: Any, limits: Limits) -> Any:
     if not isinstance(frame, (bytes, bytearray, memoryview)):
-        raise ProtocolError(f"expected a bytes frame, got {type(frame).__name__}",
-                            code=Reason.BAD_FRAME, path="$")
+        raise ProtocolError(
+            f"expected a bytes frame, got {type(frame).__name__}", code=Reason.BAD_FRAME, path="$"
+        )
     if len(frame) > limits.max_frame_nbytes:
-        raise ProtocolError(f"frame of {len(frame)} bytes exceeds the limit of "
-                            f"{limits.max_frame_nbytes} bytes", code=Reason.FRAME_TOO_LARGE, path="$")
+        raise ProtocolError(
+            f"frame of {len(frame)} bytes exceeds the limit of {limits.max_frame_nbytes} bytes",
+            code=Reason.FRAME_TOO_LARGE,
+            path="$",
+        )
     try:
         raw = msgpack.unpackb(frame, **limits.unpack_options())
     except msgpack.StackError:
-        raise ProtocolError("frame nests deeper than msgpack can unpack",
-                            code=Reason.LIMIT_EXCEEDED, path="$") from None
+        raise ProtocolError(
+            "frame nests deeper than msgpack can unpack", code=Reason.LIMIT_EXCEEDED, path="$"
+        ) from None
     # Third-party errors are translated here, at the edge: msgpack signals
     # malformed input with ValueError (and subclasses: ExtraData, FormatError,
     # UnicodeDecodeError), OutOfData, or TypeError for odd keys.
     except (msgpack.UnpackException, ValueError, TypeError, OverflowError) as exc:
         detail = str(exc) or type(exc).__name__
         if "exceeds max_" in detail:
-            raise ProtocolError(f"frame exceeds a decoding limit: {detail}",
-                                code=Reason.LIMIT_EXCEEDED, path="$") from None
-        raise ProtocolError(f"not a valid msgpack frame: {detail}",
-                            code=Reason.BAD_FRAME, path="$") from None
+            raise ProtocolError(
+                f"frame exceeds a decoding limit: {detail}", code=Reason.LIMIT_EXCEEDED, path="$"
+            ) from None
+        raise ProtocolError(f"not a valid msgpack frame: {detail}", code=Reason.BAD_FRAME, path="$") from None
     check_depth(raw, limits.max_depth)
     return raw
 
@@ -88,8 +94,9 @@ def _unpack(frame: Any, limits: Limits) -> Any:
 def _envelope(raw: Any) -> str:
     """Check the envelope of an unpacked frame; return its type tag."""
     if not isinstance(raw, dict):
-        raise ProtocolError(f"expected a map with a type tag \"t\", got {type_name(raw)}",
-                            code=Reason.BAD_FRAME, path="$")
+        raise ProtocolError(
+            f'expected a map with a type tag "t", got {type_name(raw)}', code=Reason.BAD_FRAME, path="$"
+        )
     if "t" not in raw:
         raise ProtocolError("missing message type tag", code=Reason.BAD_FRAME, path="$.t")
     if "v" not in raw:
@@ -98,11 +105,17 @@ def _envelope(raw: Any) -> str:
     major, minor = _VERSION.decode(raw["v"], "$.v")
     ours = PROTOCOL_VERSION
     if major != ours[0]:
-        raise ProtocolError(f"peer speaks protocol {major}.{minor}, this agent speaks "
-                            f"{ours[0]}.{ours[1]}; major versions must match",
-                            code=Reason.VERSION_UNSUPPORTED, path="$.v")
+        raise ProtocolError(
+            f"peer speaks protocol {major}.{minor}, this agent speaks "
+            f"{ours[0]}.{ours[1]}; major versions must match",
+            code=Reason.VERSION_UNSUPPORTED,
+            path="$.v",
+        )
     if tag not in RECORDS_BY_TAG:
         known = ", ".join(RECORDS_BY_TAG)
-        raise bad_field("$.t", f"unknown message type {tag!r}; protocol {ours[0]}.{ours[1]} "
-                               f"knows {known}", code=Reason.UNKNOWN_MESSAGE)
+        raise bad_field(
+            "$.t",
+            f"unknown message type {tag!r}; protocol {ours[0]}.{ours[1]} knows {known}",
+            code=Reason.UNKNOWN_MESSAGE,
+        )
     return tag

@@ -32,8 +32,16 @@ from pd_transfer.errors import PdTransferError, ProtocolError, Reason
 MISSING: Any = object()
 INT64_MAX = 2**63 - 1
 
-_TYPE_NAMES = {type(None): "nil", bool: "bool", int: "int", float: "float", str: "str",
-               bytes: "bytes", list: "list", dict: "map"}
+_TYPE_NAMES = {
+    type(None): "nil",
+    bool: "bool",
+    int: "int",
+    float: "float",
+    str: "str",
+    bytes: "bytes",
+    list: "list",
+    dict: "map",
+}
 
 
 def type_name(value: Any) -> str:
@@ -113,8 +121,9 @@ class Str(Kind):
         if not isinstance(raw, str):
             raise self.expected(raw, path)
         if not self.min_len <= len(raw) <= self.max_len:
-            raise bad_field(path, f"expected str of {self.min_len} to {self.max_len} "
-                                  f"characters, got {len(raw)}")
+            raise bad_field(
+                path, f"expected str of {self.min_len} to {self.max_len} characters, got {len(raw)}"
+            )
         return raw
 
 
@@ -153,8 +162,9 @@ class ReasonCode(Kind):
 
     def decode(self, raw: Any, path: str) -> Reason:
         if not isinstance(raw, str) or len(raw) > 64:
-            raise bad_field(path, f"expected a reason code str of at most 64 characters, "
-                                  f"got {type_name(raw)}")
+            raise bad_field(
+                path, f"expected a reason code str of at most 64 characters, got {type_name(raw)}"
+            )
         try:
             return Reason(raw)
         except ValueError:
@@ -194,8 +204,9 @@ class ListOf(Kind):
         if not isinstance(raw, list):
             raise self.expected(raw, path)
         if len(raw) > self.max_len:
-            raise bad_field(path, f"expected at most {self.max_len} items, got {len(raw)}",
-                            code=Reason.LIMIT_EXCEEDED)
+            raise bad_field(
+                path, f"expected at most {self.max_len} items, got {len(raw)}", code=Reason.LIMIT_EXCEEDED
+            )
         return tuple(self.item.decode(v, f"{path}[{i}]") for i, v in enumerate(raw))
 
 
@@ -214,8 +225,7 @@ class TupleOf(Kind):
 
     def decode(self, raw: Any, path: str) -> tuple:
         if not isinstance(raw, list) or len(raw) != len(self.items):
-            raise bad_field(path, f"expected {self.description}, got "
-                                  f"{_shape_of(raw)}")
+            raise bad_field(path, f"expected {self.description}, got {_shape_of(raw)}")
         return tuple(k.decode(v, f"{path}[{i}]") for i, (k, v) in enumerate(zip(self.items, raw)))
 
 
@@ -243,20 +253,23 @@ class Indices(Kind):
     def decode(self, raw: Any, path: str) -> tuple[int, ...]:
         if isinstance(raw, bytes):
             if len(raw) % 8:
-                raise bad_field(path, f"expected packed int64 bytes, got {len(raw)} bytes "
-                                      f"(not a multiple of 8)")
+                raise bad_field(
+                    path, f"expected packed int64 bytes, got {len(raw)} bytes (not a multiple of 8)"
+                )
             values = struct.unpack(f"<{len(raw) // 8}q", raw)
         elif isinstance(raw, list):
             values = ListOf(Int(lo=-INT64_MAX - 1), self.max_len).decode(raw, path)
         else:
             raise self.expected(raw, path)
         if len(values) > self.max_len:
-            raise bad_field(path, f"expected at most {self.max_len} indices, got {len(values)}",
-                            code=Reason.LIMIT_EXCEEDED)
+            raise bad_field(
+                path,
+                f"expected at most {self.max_len} indices, got {len(values)}",
+                code=Reason.LIMIT_EXCEEDED,
+            )
         if values and not 0 <= min(values) <= max(values) <= self.hi:
             bad = next(i for i, v in enumerate(values) if not 0 <= v <= self.hi)
-            raise bad_field(f"{path}[{bad}]", f"expected an index in [0, {self.hi}], "
-                                              f"got {values[bad]}")
+            raise bad_field(f"{path}[{bad}]", f"expected an index in [0, {self.hi}], got {values[bad]}")
         return values
 
 
@@ -278,11 +291,13 @@ class Checksums(Kind):
         if not isinstance(raw, bytes):
             raise self.expected(raw, path)
         if len(raw) % 4:
-            raise bad_field(path, f"expected packed uint32 bytes, got {len(raw)} bytes "
-                                  f"(not a multiple of 4)")
+            raise bad_field(path, f"expected packed uint32 bytes, got {len(raw)} bytes (not a multiple of 4)")
         if len(raw) // 4 > self.max_len:
-            raise bad_field(path, f"expected at most {self.max_len} checksums, got "
-                                  f"{len(raw) // 4}", code=Reason.LIMIT_EXCEEDED)
+            raise bad_field(
+                path,
+                f"expected at most {self.max_len} checksums, got {len(raw) // 4}",
+                code=Reason.LIMIT_EXCEEDED,
+            )
         return struct.unpack(f"<{len(raw) // 4}I", raw)
 
 

@@ -20,16 +20,16 @@ from pd_transfer.protocol.messages import Message, TransferRequest
 
 
 class Freshness(enum.Enum):
-    FRESH = "fresh"                # about the current generation (or opens a newer one)
-    STALE = "stale"                # about an older generation
+    FRESH = "fresh"  # about the current generation (or opens a newer one)
+    STALE = "stale"  # about an older generation
     UNKNOWN_ROOM = "unknown_room"  # no request for this room on this session (or forgotten)
-    DUPLICATE = "duplicate"        # a TransferRequest for the current generation again
-    FUTURE = "future"              # names a generation no request opened
+    DUPLICATE = "duplicate"  # a TransferRequest for the current generation again
+    FUTURE = "future"  # names a generation no request opened
 
 
 class Handling(enum.Enum):
-    DELIVER = "deliver"    # hand the message to the caller
-    DROP = "drop"          # received: report it as Dropped, change nothing
+    DELIVER = "deliver"  # hand the message to the caller
+    DROP = "drop"  # received: report it as Dropped, change nothing
     VIOLATION = "violation"  # received: RemoteProtocolError with a reply for the room
 
 

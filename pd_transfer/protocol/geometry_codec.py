@@ -39,9 +39,9 @@ from pd_transfer.protocol.fields import (
     bad_field,
 )
 
-MAX_NBYTES = 2**48          # 256 TiB: larger than any memory a worker registers
-MAX_EXTENT = 2**40          # elements along one axis
-MAX_VIEWS = 8192            # DeepSeek-V3 registers 64; a 512-layer model with 16 tensors fits
+MAX_NBYTES = 2**48  # 256 TiB: larger than any memory a worker registers
+MAX_EXTENT = 2**40  # elements along one axis
+MAX_VIEWS = 8192  # DeepSeek-V3 registers 64; a 512-layer model with 16 tensors fits
 MAX_REGIONS = 8192
 MAX_NDIM = 8
 MAX_SHARD_GROUPS = 64
@@ -62,45 +62,59 @@ def _check_dtype(values: dict[str, Any], raw: dict[str, Any], path: str) -> None
 def _check_shard_shape(values: dict[str, Any], raw: dict[str, Any], path: str) -> None:
     """One ``[start, end)`` range per group; ShardSpec would silently zip them."""
     if len(values["groups"]) != len(values["ranges"]):
-        raise bad_field(f"{path}.ranges", f"expected one range per group ({len(values['groups'])}), "
-                                          f"got {len(values['ranges'])}")
+        raise bad_field(
+            f"{path}.ranges",
+            f"expected one range per group ({len(values['groups'])}), got {len(values['ranges'])}",
+        )
 
 
 AXIS = Record(Axis, (Field("name", NAME), Field("role", EnumOf(AxisRole))))
 
-SHARD = Record(ShardSpec, (
-    Field("groups", ListOf(Int(lo=1, hi=MAX_EXTENT), MAX_SHARD_GROUPS)),
-    Field("ranges", ListOf(TupleOf((Int(hi=MAX_EXTENT), Int(hi=MAX_EXTENT))), MAX_SHARD_GROUPS)),
-    Field("declared_groups", Bool(), default=False),
-), finish=_check_shard_shape)
+SHARD = Record(
+    ShardSpec,
+    (
+        Field("groups", ListOf(Int(lo=1, hi=MAX_EXTENT), MAX_SHARD_GROUPS)),
+        Field("ranges", ListOf(TupleOf((Int(hi=MAX_EXTENT), Int(hi=MAX_EXTENT))), MAX_SHARD_GROUPS)),
+        Field("declared_groups", Bool(), default=False),
+    ),
+    finish=_check_shard_shape,
+)
 
-VIEW = Record(TensorView, (
-    Field("pool", EnumOf(Pool)),
-    Field("layer_id", Optional(Int(hi=MAX_LAYER_ID))),
-    Field("name", NAME),
-    Field("region", NAME),
-    Field("offset_nbytes", Int(hi=MAX_NBYTES)),
-    Field("dtype", Str(max_len=32)),
-    Field("shape", ListOf(Int(lo=1, hi=MAX_EXTENT), MAX_NDIM)),
-    Field("strides_nbytes", ListOf(Int(hi=MAX_NBYTES), MAX_NDIM)),
-    Field("axes", ListOf(AXIS, MAX_NDIM)),
-    Field("shard", Optional(SHARD)),
-    Field("layout", EnumOf(Layout)),
-), finish=_check_dtype)
+VIEW = Record(
+    TensorView,
+    (
+        Field("pool", EnumOf(Pool)),
+        Field("layer_id", Optional(Int(hi=MAX_LAYER_ID))),
+        Field("name", NAME),
+        Field("region", NAME),
+        Field("offset_nbytes", Int(hi=MAX_NBYTES)),
+        Field("dtype", Str(max_len=32)),
+        Field("shape", ListOf(Int(lo=1, hi=MAX_EXTENT), MAX_NDIM)),
+        Field("strides_nbytes", ListOf(Int(hi=MAX_NBYTES), MAX_NDIM)),
+        Field("axes", ListOf(AXIS, MAX_NDIM)),
+        Field("shard", Optional(SHARD)),
+        Field("layout", EnumOf(Layout)),
+    ),
+    finish=_check_dtype,
+)
 
 REGION = Record(Region, (Field("id", NAME), Field("nbytes", Int(lo=1, hi=MAX_NBYTES))))
 
 
-GEOMETRY = Record(RankGeometry, (
-    Field("role", EnumOf(Role)),
-    Field("tp_size", Int(lo=1, hi=MAX_TP_SIZE)),
-    Field("tp_rank", Int(hi=MAX_TP_SIZE)),
-    Field("pp_rank", Int(hi=MAX_PP_SIZE), default=0),
-    Field("page_size", Int(lo=1, hi=MAX_PAGE_SIZE)),
-    Field("model", Str(max_len=256), default=""),
-    Field("regions", ListOf(REGION, MAX_REGIONS)),
-    Field("views", ListOf(VIEW, MAX_VIEWS)),
-), validate=check_geometry)
+GEOMETRY = Record(
+    RankGeometry,
+    (
+        Field("role", EnumOf(Role)),
+        Field("tp_size", Int(lo=1, hi=MAX_TP_SIZE)),
+        Field("tp_rank", Int(hi=MAX_TP_SIZE)),
+        Field("pp_rank", Int(hi=MAX_PP_SIZE), default=0),
+        Field("page_size", Int(lo=1, hi=MAX_PAGE_SIZE)),
+        Field("model", Str(max_len=256), default=""),
+        Field("regions", ListOf(REGION, MAX_REGIONS)),
+        Field("views", ListOf(VIEW, MAX_VIEWS)),
+    ),
+    validate=check_geometry,
+)
 
 
 def geometry_to_data(geometry: RankGeometry) -> dict[str, Any]:

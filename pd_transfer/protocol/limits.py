@@ -37,14 +37,14 @@ class Limits:
     def unpack_options(self) -> dict[str, Any]:
         """Keyword arguments for ``msgpack.unpackb``."""
         return {
-            "raw": False,                # str -> str; invalid UTF-8 is an error
-            "strict_map_key": True,      # map keys must be str or bytes
+            "raw": False,  # str -> str; invalid UTF-8 is an error
+            "strict_map_key": True,  # map keys must be str or bytes
             "use_list": True,
             "max_str_len": self.max_str_len,
             "max_bin_len": self.max_frame_nbytes,
             "max_array_len": self.max_list_len,
             "max_map_len": self.max_map_len,
-            "max_ext_len": 0,            # no msgpack extension types on our wire
+            "max_ext_len": 0,  # no msgpack extension types on our wire
         }
 
 
@@ -72,7 +72,7 @@ def check_depth(value: Any, max_depth: int) -> None:
         else:
             continue
         if depth > max_depth:
-            raise ProtocolError(f"frame nests deeper than {max_depth} levels",
-                                code=Reason.LIMIT_EXCEEDED, path="$")
-        stack.extend((child, depth + 1) for child in children
-                     if isinstance(child, (dict, list)))
+            raise ProtocolError(
+                f"frame nests deeper than {max_depth} levels", code=Reason.LIMIT_EXCEEDED, path="$"
+            )
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))

@@ -44,7 +44,7 @@ def clip_text(text: str, limit: int = MAX_TEXT_LEN) -> str:
     if len(text) <= limit:
         return text
     marker = f"... ({len(text) - limit + 40} more characters)"
-    return text[:limit - 40] + marker[:40]
+    return text[: limit - 40] + marker[:40]
 
 
 class Message:
@@ -63,6 +63,7 @@ class DoneStatus(enum.Enum):
 
 
 # -- connection ---------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -124,8 +125,8 @@ class Register(Message):
     data_address: str = ""
     region_handles: tuple[RegionHandle, ...] = ()
     doorbell: str = ""
-    instance: str = ""   # decode: the instance this rank belongs to (its rooms' owner name)
-    pp_size: int = 1     # decode: its instance's pipeline stages
+    instance: str = ""  # decode: the instance this rank belongs to (its rooms' owner name)
+    pp_size: int = 1  # decode: its instance's pipeline stages
 
 
 @dataclass(frozen=True)
@@ -161,8 +162,13 @@ class MismatchRecord:
     @staticmethod
     def from_mismatch(mismatch: Mismatch) -> MismatchRecord:
         shown = mismatch.to_dict()
-        return MismatchRecord(path=mismatch.path, code=mismatch.code, prefill=shown["prefill"],
-                              decode=shown["decode"], hint=mismatch.hint)
+        return MismatchRecord(
+            path=mismatch.path,
+            code=mismatch.code,
+            prefill=shown["prefill"],
+            decode=shown["decode"],
+            hint=mismatch.hint,
+        )
 
     def render(self) -> str:
         return f"{self.path}: prefill={self.prefill} decode={self.decode}  [{self.code.value}]"
@@ -210,6 +216,7 @@ class Close(Message):
 
 
 # -- rooms --------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class PoolIndices:
@@ -310,6 +317,7 @@ class AbortAck(Message):
 
 # -- bootstrap (prefill rank 0's rank table; not part of a session) -----------
 
+
 @dataclass(frozen=True)
 class RankEntry:
     """One prefill rank as the rank table lists it."""
@@ -356,24 +364,33 @@ class MessageType:
     description: str
 
 
-MESSAGE_TYPES: dict[str, MessageType] = {t.cls.TAG: t for t in (
-    MessageType(Hello, "first frame each way: agent id, role, protocol version, capabilities"),
-    MessageType(Register, "this rank's full geometry (regions, tensor views, TP/PP, page size)"),
-    MessageType(Verdict, "prefill's explicit accept (with plan summary) or reject (every mismatch)"),
-    MessageType(TransferRequest, "decode asks for a room: destination indices per pool, generation"),
-    MessageType(Progress, "prefill reports bytes written for a room"),
-    MessageType(Done, "prefill reports a room finished: success, or failed with a reason; "
-                      "decode confirms a success: it has the bytes"),
-    MessageType(Abort, "either side stops a room's generation, with a reason"),
-    MessageType(AbortAck, "answer to Abort: whether no write of that generation can still land"),
-    MessageType(Heartbeat, "liveness, both ways, in every live session state"),
-    MessageType(Close, "the sender will send nothing more; a reason if it is an error"),
-)}
+MESSAGE_TYPES: dict[str, MessageType] = {
+    t.cls.TAG: t
+    for t in (
+        MessageType(Hello, "first frame each way: agent id, role, protocol version, capabilities"),
+        MessageType(Register, "this rank's full geometry (regions, tensor views, TP/PP, page size)"),
+        MessageType(Verdict, "prefill's explicit accept (with plan summary) or reject (every mismatch)"),
+        MessageType(TransferRequest, "decode asks for a room: destination indices per pool, generation"),
+        MessageType(Progress, "prefill reports bytes written for a room"),
+        MessageType(
+            Done,
+            "prefill reports a room finished: success, or failed with a reason; "
+            "decode confirms a success: it has the bytes",
+        ),
+        MessageType(Abort, "either side stops a room's generation, with a reason"),
+        MessageType(AbortAck, "answer to Abort: whether no write of that generation can still land"),
+        MessageType(Heartbeat, "liveness, both ways, in every live session state"),
+        MessageType(Close, "the sender will send nothing more; a reason if it is an error"),
+    )
+}
 
-BOOTSTRAP_MESSAGE_TYPES: dict[str, MessageType] = {t.cls.TAG: t for t in (
-    MessageType(Announce, "a prefill rank announces itself to rank 0's bootstrap"),
-    MessageType(TableRequest, "ask rank 0's bootstrap for the prefill rank table"),
-    MessageType(RankTable, "the prefill ranks registered so far and how many are expected"),
-)}
+BOOTSTRAP_MESSAGE_TYPES: dict[str, MessageType] = {
+    t.cls.TAG: t
+    for t in (
+        MessageType(Announce, "a prefill rank announces itself to rank 0's bootstrap"),
+        MessageType(TableRequest, "ask rank 0's bootstrap for the prefill rank table"),
+        MessageType(RankTable, "the prefill ranks registered so far and how many are expected"),
+    )
+}
 
 ROOM_MESSAGES: tuple[type[Message], ...] = (TransferRequest, Progress, Done, Abort, AbortAck)

@@ -32,11 +32,11 @@ from pd_transfer.protocol.messages import Abort, Done, DoneStatus, Message, Prog
 
 
 class RoomStatus(enum.Enum):
-    BOOTSTRAPPING = "bootstrapping"          # decode resolving peers / prefill awaiting the request
+    BOOTSTRAPPING = "bootstrapping"  # decode resolving peers / prefill awaiting the request
     WAITING_FOR_INPUT = "waiting_for_input"  # request sent or received, no bytes yet
-    TRANSFERRING = "transferring"            # some bytes have moved
-    SUCCESS = "success"                      # every byte landed (terminal)
-    FAILED = "failed"                        # terminal, sticky, with a reason
+    TRANSFERRING = "transferring"  # some bytes have moved
+    SUCCESS = "success"  # every byte landed (terminal)
+    FAILED = "failed"  # terminal, sticky, with a reason
 
 
 _S = RoomStatus
@@ -70,8 +70,9 @@ class RoomState:
     def advance(self, status: RoomStatus) -> RoomState:
         """Move forward to ``status``; a lower or equal status is ignored."""
         if status is RoomStatus.FAILED:
-            raise LocalProtocolError("use fail(reason, text): a failure needs a reason",
-                                     code=Reason.BAD_FIELD)
+            raise LocalProtocolError(
+                "use fail(reason, text): a failure needs a reason", code=Reason.BAD_FIELD
+            )
         if status not in ROOM_TRANSITIONS[self.status]:
             return self
         return replace(self, status=status)
@@ -79,8 +80,10 @@ class RoomState:
     def fail(self, reason: Reason, text: str) -> RoomState:
         """Fail with ``reason``; ignored once the room is terminal (first failure wins)."""
         if not isinstance(reason, Reason) or not text:
-            raise LocalProtocolError(f"room {self.room}: a failure needs a reason code and text, "
-                                     f"got {reason!r} {text!r}", code=Reason.BAD_FIELD)
+            raise LocalProtocolError(
+                f"room {self.room}: a failure needs a reason code and text, got {reason!r} {text!r}",
+                code=Reason.BAD_FIELD,
+            )
         if RoomStatus.FAILED not in ROOM_TRANSITIONS[self.status]:
             return self
         return replace(self, status=RoomStatus.FAILED, reason=reason, reason_text=text)
@@ -93,8 +96,9 @@ class RoomState:
         """
         room = getattr(message, "room", None)
         if room != self.room:
-            raise LocalProtocolError(f"room {self.room} was given a message about room {room}",
-                                     code=Reason.UNKNOWN_ROOM)
+            raise LocalProtocolError(
+                f"room {self.room} was given a message about room {room}", code=Reason.UNKNOWN_ROOM
+            )
         if message.generation != self.generation:
             return self
         if isinstance(message, Progress):

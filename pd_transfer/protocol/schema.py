@@ -76,7 +76,10 @@ NAMES = ListOf(Str(max_len=64, min_len=1), 64)
 
 def _note_unknown_reason(values: dict[str, Any], raw: dict[str, Any], path: str) -> None:
     """Keep a newer peer's reason code in the text when we map it to unrecognized_reason."""
-    if values.get("reason") is Reason.UNRECOGNIZED_REASON and raw["reason"] != Reason.UNRECOGNIZED_REASON.value:
+    if (
+        values.get("reason") is Reason.UNRECOGNIZED_REASON
+        and raw["reason"] != Reason.UNRECOGNIZED_REASON.value
+    ):
         values["reason_text"] = f"{values['reason_text']} [peer reason code {raw['reason']!r}]"
 
 
@@ -106,8 +109,10 @@ def _check_verdict(values: dict[str, Any], raw: dict[str, Any], path: str) -> No
 
 def _check_progress(values: dict[str, Any], raw: dict[str, Any], path: str) -> None:
     if values["done_nbytes"] > values["total_nbytes"]:
-        raise bad_field(f"{path}.done_nbytes", f"{values['done_nbytes']} bytes done exceeds the "
-                                               f"total of {values['total_nbytes']}")
+        raise bad_field(
+            f"{path}.done_nbytes",
+            f"{values['done_nbytes']} bytes done exceeds the total of {values['total_nbytes']}",
+        )
 
 
 def _check_request(values: dict[str, Any], raw: dict[str, Any], path: str) -> None:
@@ -118,107 +123,168 @@ def _check_request(values: dict[str, Any], raw: dict[str, Any], path: str) -> No
         raise bad_field(f"{path}.dst", f"pools repeat: {[p.value for p in pools]}")
 
 
-CAPABILITIES = Record(Capabilities, (Field("transports", NAMES, default=()),
-                                     Field("features", NAMES, default=())))
+CAPABILITIES = Record(
+    Capabilities, (Field("transports", NAMES, default=()), Field("features", NAMES, default=()))
+)
 
-POOL_PLAN = Record(PoolPlan, (
-    Field("pool", EnumOf(Pool)),
-    Field("mode", EnumOf(Mode)),
-    Field("num_tensors", Int(hi=1 << 20)),
-    Field("descriptors_per_item", Int(hi=1 << 32)),
-    Field("nbytes_per_item", Int(hi=2**48)),
-    Field("strategy", Str(max_len=32), default=""),
-))
+POOL_PLAN = Record(
+    PoolPlan,
+    (
+        Field("pool", EnumOf(Pool)),
+        Field("mode", EnumOf(Mode)),
+        Field("num_tensors", Int(hi=1 << 20)),
+        Field("descriptors_per_item", Int(hi=1 << 32)),
+        Field("nbytes_per_item", Int(hi=2**48)),
+        Field("strategy", Str(max_len=32), default=""),
+    ),
+)
 
-MISMATCH = Record(MismatchRecord, (
-    Field("path", Str(max_len=512)),
-    Field("code", ReasonCode()),
-    Field("prefill", TEXT),
-    Field("decode", TEXT),
-    Field("hint", TEXT, default=""),
-))
+MISMATCH = Record(
+    MismatchRecord,
+    (
+        Field("path", Str(max_len=512)),
+        Field("code", ReasonCode()),
+        Field("prefill", TEXT),
+        Field("decode", TEXT),
+        Field("hint", TEXT, default=""),
+    ),
+)
 
-POOL_CHECKSUMS = Record(PoolChecksums, (
-    Field("pool", EnumOf(Pool)),
-    Field("items", Checksums(MAX_CHECKSUM_ITEMS)),
-    Field("tensors", Checksums(MAX_CHECKSUM_TENSORS)),
-))
+POOL_CHECKSUMS = Record(
+    PoolChecksums,
+    (
+        Field("pool", EnumOf(Pool)),
+        Field("items", Checksums(MAX_CHECKSUM_ITEMS)),
+        Field("tensors", Checksums(MAX_CHECKSUM_TENSORS)),
+    ),
+)
 
 POOL_INDICES = Record(PoolIndices, (Field("pool", EnumOf(Pool)), Field("indices", Indices())))
 
 _ROOM = (Field("room", U64), Field("generation", U64))
 
 ADDRESS = Str(max_len=512)
-REGION_HANDLE = Record(RegionHandle, (Field("region", Str(max_len=256, min_len=1)),
-                                      Field("handle", Str(max_len=1024, min_len=1))))
-RANK_ENTRY = Record(RankEntry, (
-    Field("agent_id", ID), Field("host_id", ID), Field("control_address", Str(max_len=512, min_len=1)),
-    Field("pp_size", Int(lo=1, hi=1024)), Field("geometry", GEOMETRY),
-))
-
-RECORDS: dict[type[Message], Record] = {
-    Hello: Record(Hello, (
-        Field("agent_id", ID),
-        Field("role", EnumOf(Role)),
-        Field("protocol_version", TupleOf((Int(hi=65535), Int(hi=65535)))),
-        Field("capabilities", CAPABILITIES, default=Capabilities()),
-    )),
-    Register: Record(Register, (
+REGION_HANDLE = Record(
+    RegionHandle,
+    (Field("region", Str(max_len=256, min_len=1)), Field("handle", Str(max_len=1024, min_len=1))),
+)
+RANK_ENTRY = Record(
+    RankEntry,
+    (
         Field("agent_id", ID),
         Field("host_id", ID),
+        Field("control_address", Str(max_len=512, min_len=1)),
+        Field("pp_size", Int(lo=1, hi=1024)),
         Field("geometry", GEOMETRY),
-        # tcp://host:port, or an engine's address with its region table (engine_address.py)
-        Field("data_address", Str(max_len=8192), default=""),
-        Field("region_handles", ListOf(REGION_HANDLE, 65536), default=()),
-        Field("doorbell", Str(max_len=256), default=""),
-        Field("instance", Str(max_len=256), default=""),
-        Field("pp_size", Int(lo=1, hi=1024), default=1),
-    )),
-    Verdict: Record(Verdict, (
-        Field("accepted", Bool()),
-        Field("plan", ListOf(POOL_PLAN, 64), default=()),
-        Field("headline", TEXT, default=""),
-        Field("mismatches", ListOf(MISMATCH, 4096), default=()),
-        Field("integrity", Bool(), default=False),
-        Field("doorbell", Bool(), default=False),
-    ), finish=_check_verdict),
-    TransferRequest: Record(TransferRequest, (
-        *_ROOM,
-        Field("dst", ListOf(POOL_INDICES, 8)),
-        Field("src_ranks", ListOf(ID, 4096), default=()),
-        # (slot, token, writer); tokens start at 1: a zeroed word is never a room's
-        Field("doorbell", Optional(TupleOf((U32, Int(lo=1, hi=2**32 - 1), Int(hi=255)))),
-              default=None),
-    ), finish=_check_request),
-    Progress: Record(Progress, (
-        *_ROOM, Field("done_nbytes", U64), Field("total_nbytes", U64),
-    ), finish=_check_progress),
-    Done: Record(Done, (
-        *_ROOM,
-        Field("status", EnumOf(DoneStatus)),
-        Field("reason", Optional(ReasonCode()), default=None),
-        Field("reason_text", TEXT, default=""),
-        Field("checksums", ListOf(POOL_CHECKSUMS, 8), default=()),
-    ), finish=_check_done),
-    Abort: Record(Abort, (
-        *_ROOM, Field("reason", ReasonCode()), Field("reason_text", Str(max_len=MAX_TEXT_LEN, min_len=1)),
-    ), finish=_note_unknown_reason),
+    ),
+)
+
+RECORDS: dict[type[Message], Record] = {
+    Hello: Record(
+        Hello,
+        (
+            Field("agent_id", ID),
+            Field("role", EnumOf(Role)),
+            Field("protocol_version", TupleOf((Int(hi=65535), Int(hi=65535)))),
+            Field("capabilities", CAPABILITIES, default=Capabilities()),
+        ),
+    ),
+    Register: Record(
+        Register,
+        (
+            Field("agent_id", ID),
+            Field("host_id", ID),
+            Field("geometry", GEOMETRY),
+            # tcp://host:port, or an engine's address with its region table (engine_address.py)
+            Field("data_address", Str(max_len=8192), default=""),
+            Field("region_handles", ListOf(REGION_HANDLE, 65536), default=()),
+            Field("doorbell", Str(max_len=256), default=""),
+            Field("instance", Str(max_len=256), default=""),
+            Field("pp_size", Int(lo=1, hi=1024), default=1),
+        ),
+    ),
+    Verdict: Record(
+        Verdict,
+        (
+            Field("accepted", Bool()),
+            Field("plan", ListOf(POOL_PLAN, 64), default=()),
+            Field("headline", TEXT, default=""),
+            Field("mismatches", ListOf(MISMATCH, 4096), default=()),
+            Field("integrity", Bool(), default=False),
+            Field("doorbell", Bool(), default=False),
+        ),
+        finish=_check_verdict,
+    ),
+    TransferRequest: Record(
+        TransferRequest,
+        (
+            *_ROOM,
+            Field("dst", ListOf(POOL_INDICES, 8)),
+            Field("src_ranks", ListOf(ID, 4096), default=()),
+            # (slot, token, writer); tokens start at 1: a zeroed word is never a room's
+            Field("doorbell", Optional(TupleOf((U32, Int(lo=1, hi=2**32 - 1), Int(hi=255)))), default=None),
+        ),
+        finish=_check_request,
+    ),
+    Progress: Record(
+        Progress,
+        (
+            *_ROOM,
+            Field("done_nbytes", U64),
+            Field("total_nbytes", U64),
+        ),
+        finish=_check_progress,
+    ),
+    Done: Record(
+        Done,
+        (
+            *_ROOM,
+            Field("status", EnumOf(DoneStatus)),
+            Field("reason", Optional(ReasonCode()), default=None),
+            Field("reason_text", TEXT, default=""),
+            Field("checksums", ListOf(POOL_CHECKSUMS, 8), default=()),
+        ),
+        finish=_check_done,
+    ),
+    Abort: Record(
+        Abort,
+        (
+            *_ROOM,
+            Field("reason", ReasonCode()),
+            Field("reason_text", Str(max_len=MAX_TEXT_LEN, min_len=1)),
+        ),
+        finish=_note_unknown_reason,
+    ),
     AbortAck: Record(AbortAck, (*_ROOM, Field("drained", Bool()))),
-    Heartbeat: Record(Heartbeat, (
-        Field("agent_id", ID), Field("sequence", U64), Field("sent_unix_s", Float()),
-    )),
-    Close: Record(Close, (
-        Field("reason", Optional(ReasonCode()), default=None),
-        Field("reason_text", TEXT, default=""),
-    ), finish=_note_unknown_reason),
+    Heartbeat: Record(
+        Heartbeat,
+        (
+            Field("agent_id", ID),
+            Field("sequence", U64),
+            Field("sent_unix_s", Float()),
+        ),
+    ),
+    Close: Record(
+        Close,
+        (
+            Field("reason", Optional(ReasonCode()), default=None),
+            Field("reason_text", TEXT, default=""),
+        ),
+        finish=_note_unknown_reason,
+    ),
 }
 
-RECORDS.update({
-    Announce: Record(Announce, (Field("entry", RANK_ENTRY),)),
-    TableRequest: Record(TableRequest, (Field("agent_id", ID),)),
-    RankTable: Record(RankTable, (Field("expected", Int(hi=1 << 16)),
-                                  Field("entries", ListOf(RANK_ENTRY, 1 << 16), default=()))),
-})
+RECORDS.update(
+    {
+        Announce: Record(Announce, (Field("entry", RANK_ENTRY),)),
+        TableRequest: Record(TableRequest, (Field("agent_id", ID),)),
+        RankTable: Record(
+            RankTable,
+            (Field("expected", Int(hi=1 << 16)), Field("entries", ListOf(RANK_ENTRY, 1 << 16), default=())),
+        ),
+    }
+)
 
 RECORDS_BY_TAG: dict[str, tuple[type[Message], Record]] = {
-    cls.TAG: (cls, record) for cls, record in RECORDS.items()}
+    cls.TAG: (cls, record) for cls, record in RECORDS.items()
+}

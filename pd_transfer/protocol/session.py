@@ -89,8 +89,7 @@ class Session:
 
     def __init__(self, our_role: Role, *, limits: Limits = DEFAULT_LIMITS) -> None:
         if not isinstance(our_role, Role):
-            raise LocalProtocolError(f"our_role must be a Role, got {our_role!r}",
-                                     code=Reason.ROLE_MISMATCH)
+            raise LocalProtocolError(f"our_role must be a Role, got {our_role!r}", code=Reason.ROLE_MISMATCH)
         self.our_role = our_role
         self.their_role = Role.DECODE if our_role is Role.PREFILL else Role.PREFILL
         self.limits = limits
@@ -116,8 +115,9 @@ class Session:
             return encode(message)
         self._refuse_if_failed()
         if self._state is SessionState.CLOSED:
-            raise LocalProtocolError(f"cannot send {trigger_of(message).value}: the session is "
-                                     f"closed", code=Reason.SESSION_CLOSED)
+            raise LocalProtocolError(
+                f"cannot send {trigger_of(message).value}: the session is closed", code=Reason.SESSION_CLOSED
+            )
         try:
             next_state, freshness = self._judge(message, self.our_role)
         except _Violation as violation:
@@ -136,8 +136,9 @@ class Session:
             message = decode(frame, self.limits)
         except ProtocolError as exc:
             if self._state is SessionState.CLOSED:
-                return Dropped(None, Reason.SESSION_CLOSED,
-                               f"undecodable frame after the session closed: {exc.message}")
+                return Dropped(
+                    None, Reason.SESSION_CLOSED, f"undecodable frame after the session closed: {exc.message}"
+                )
             raise self._fail_session(exc.code, exc.problem, exc.path) from None
         return self.receive(message)
 
@@ -150,8 +151,11 @@ class Session:
         """
         self._refuse_if_failed()
         if self._state is SessionState.CLOSED:
-            return Dropped(message, Reason.SESSION_CLOSED,
-                           f"{trigger_of(message).value} arrived after the session closed")
+            return Dropped(
+                message,
+                Reason.SESSION_CLOSED,
+                f"{trigger_of(message).value} arrived after the session closed",
+            )
         try:
             next_state, freshness = self._judge(message, self.their_role)
         except _Violation as violation:
@@ -179,8 +183,9 @@ class Session:
         try:
             decode(frame, self.limits)
         except ProtocolError as exc:
-            raise LocalProtocolError(f"refusing to send a frame the peer would reject: "
-                                     f"{exc.problem}", code=exc.code, path=exc.path) from None
+            raise LocalProtocolError(
+                f"refusing to send a frame the peer would reject: {exc.problem}", code=exc.code, path=exc.path
+            ) from None
         return frame
 
     def _judge(self, message: Message, sender: Role) -> tuple[SessionState, Freshness | None]:
@@ -188,9 +193,11 @@ class Session:
         next_state = TRANSITIONS.get((self._state, sender, trigger))
         if next_state is None:
             legal = ", ".join(f"{r.value} {t.value}" for r, t in allowed(self._state))
-            raise _Violation(Reason.ILLEGAL_MESSAGE,
-                             f"{sender.value} may not send {trigger.value} in session state "
-                             f"{self._state.value}; allowed there: {legal}")
+            raise _Violation(
+                Reason.ILLEGAL_MESSAGE,
+                f"{sender.value} may not send {trigger.value} in session state "
+                f"{self._state.value}; allowed there: {legal}",
+            )
         _check_content(message, sender)
         if trigger in ROOM_TRIGGERS:
             return next_state, self.generations.classify(message)
@@ -200,8 +207,10 @@ class Session:
         room, generation = message.room, message.generation  # type: ignore[attr-defined]
         current = self.generations.current(room)
         known = "no request" if current is None else f"current generation {current}"
-        return (f"{trigger_of(message).value} for room {room} generation {generation} is "
-                f"{freshness.value} ({known} on this session)")
+        return (
+            f"{trigger_of(message).value} for room {room} generation {generation} is "
+            f"{freshness.value} ({known} on this session)"
+        )
 
     def _room_reply(self, message: Message, code: Reason, text: str) -> Message:
         """Fail just this room, at the generation both sides agree on."""
@@ -209,8 +218,9 @@ class Session:
         generation = self.generations.current(room)
         text = clip_text(text)
         if self.our_role is Role.PREFILL:
-            return Done(room=room, generation=generation, status=DoneStatus.FAILED,
-                        reason=code, reason_text=text)
+            return Done(
+                room=room, generation=generation, status=DoneStatus.FAILED, reason=code, reason_text=text
+            )
         return Abort(room=room, generation=generation, reason=code, reason_text=text)
 
     # -- state ------------------------------------------------------------------
@@ -233,25 +243,33 @@ class Session:
 
     def _refuse_if_failed(self) -> None:
         if self._state is SessionState.ERROR:
-            raise LocalProtocolError(f"the session failed earlier and must be torn down: "
-                                     f"{self._failure.message if self._failure else ''}",
-                                     code=Reason.SESSION_FAILED)
+            raise LocalProtocolError(
+                f"the session failed earlier and must be torn down: "
+                f"{self._failure.message if self._failure else ''}",
+                code=Reason.SESSION_FAILED,
+            )
 
 
 def _check_content(message: Message, sender: Role) -> None:
     """Rules on a message's content that the session, not the codec, must enforce."""
     if isinstance(message, Hello):
         if message.role is not sender:
-            raise _Violation(Reason.ROLE_MISMATCH, f"the {sender.value} end says hello as "
-                                                   f"{message.role.value}")
+            raise _Violation(
+                Reason.ROLE_MISMATCH, f"the {sender.value} end says hello as {message.role.value}"
+            )
         if message.protocol_version[0] != PROTOCOL_VERSION[0]:
             major, minor = message.protocol_version
-            raise _Violation(Reason.VERSION_UNSUPPORTED,
-                             f"peer speaks protocol {major}.{minor}, this agent speaks "
-                             f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}; major versions must match")
+            raise _Violation(
+                Reason.VERSION_UNSUPPORTED,
+                f"peer speaks protocol {major}.{minor}, this agent speaks "
+                f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}; major versions must match",
+            )
     if isinstance(message, Done) and sender is Role.DECODE and message.status is not DoneStatus.SUCCESS:
-        raise _Violation(Reason.ILLEGAL_MESSAGE, "decode may only send a successful Done (it "
-                                                 "confirms the bytes); a failure is an Abort")
+        raise _Violation(
+            Reason.ILLEGAL_MESSAGE,
+            "decode may only send a successful Done (it confirms the bytes); a failure is an Abort",
+        )
     if isinstance(message, Register) and message.geometry.role is not sender:
-        raise _Violation(Reason.ROLE_MISMATCH, f"the {sender.value} end registers a "
-                                               f"{message.geometry.role.value} geometry")
+        raise _Violation(
+            Reason.ROLE_MISMATCH, f"the {sender.value} end registers a {message.geometry.role.value} geometry"
+        )

@@ -25,8 +25,9 @@ UNIX_SCHEME = "unix://"
 def pack(frame: bytes) -> bytes:
     """``frame`` with its length header, ready to write."""
     if len(frame) > MAX_FRAME_NBYTES:
-        raise WorkerApiError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_NBYTES}",
-                             code=Reason.FRAME_TOO_LARGE)
+        raise WorkerApiError(
+            f"frame of {len(frame)} bytes exceeds {MAX_FRAME_NBYTES}", code=Reason.FRAME_TOO_LARGE
+        )
     return HEADER.pack(len(frame)) + frame
 
 
@@ -34,9 +35,11 @@ def frame_length(header: bytes) -> int:
     """The length a header announces; WorkerApiError ``frame_too_large`` over the bound."""
     (nbytes,) = HEADER.unpack(header)
     if nbytes > MAX_FRAME_NBYTES:
-        raise WorkerApiError(f"a frame header announces {nbytes} bytes, more than the "
-                             f"{MAX_FRAME_NBYTES} a worker frame may have; closing the connection",
-                             code=Reason.FRAME_TOO_LARGE)
+        raise WorkerApiError(
+            f"a frame header announces {nbytes} bytes, more than the "
+            f"{MAX_FRAME_NBYTES} a worker frame may have; closing the connection",
+            code=Reason.FRAME_TOO_LARGE,
+        )
     return nbytes
 
 
@@ -48,10 +51,12 @@ def unix_path(endpoint: str) -> str | None:
     """
     if not endpoint.startswith(UNIX_SCHEME):
         return None
-    path = endpoint[len(UNIX_SCHEME):]
+    path = endpoint[len(UNIX_SCHEME) :]
     if not path:
         raise ValueError(f"{endpoint!r}: a unix:// endpoint needs a path, e.g. unix:///run/pd/worker.sock")
     if len(path.encode()) > 107:
-        raise ValueError(f"{endpoint!r}: the socket path is {len(path.encode())} bytes, more than the "
-                         f"107 a Unix socket address holds; use a shorter directory")
+        raise ValueError(
+            f"{endpoint!r}: the socket path is {len(path.encode())} bytes, more than the "
+            f"107 a Unix socket address holds; use a shorter directory"
+        )
     return path

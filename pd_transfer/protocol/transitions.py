@@ -50,15 +50,15 @@ from pd_transfer.protocol.messages import (
 
 
 class SessionState(enum.Enum):
-    IDLE = "idle"                # nothing exchanged
-    GREETING = "greeting"        # decode said hello
-    GREETED = "greeted"          # both said hello
+    IDLE = "idle"  # nothing exchanged
+    GREETING = "greeting"  # decode said hello
+    GREETED = "greeted"  # both said hello
     REGISTERING = "registering"  # decode sent its geometry
-    REGISTERED = "registered"    # both sent their geometry; prefill owes a verdict
-    ACCEPTED = "accepted"        # verdict accepted: rooms may flow
-    REJECTED = "rejected"        # verdict rejected: only heartbeats and close
-    CLOSED = "closed"            # a Close went either way (terminal)
-    ERROR = "error"              # the peer broke the protocol (terminal)
+    REGISTERED = "registered"  # both sent their geometry; prefill owes a verdict
+    ACCEPTED = "accepted"  # verdict accepted: rooms may flow
+    REJECTED = "rejected"  # verdict rejected: only heartbeats and close
+    CLOSED = "closed"  # a Close went either way (terminal)
+    ERROR = "error"  # the peer broke the protocol (terminal)
 
 
 class Trigger(enum.Enum):
@@ -78,17 +78,29 @@ class Trigger(enum.Enum):
 
 
 _TRIGGER_BY_TYPE: dict[type[Message], Trigger] = {
-    Hello: Trigger.HELLO, Register: Trigger.REGISTER, TransferRequest: Trigger.TRANSFER_REQUEST,
-    Progress: Trigger.PROGRESS, Done: Trigger.DONE, Abort: Trigger.ABORT,
-    AbortAck: Trigger.ABORT_ACK, Heartbeat: Trigger.HEARTBEAT, Close: Trigger.CLOSE,
+    Hello: Trigger.HELLO,
+    Register: Trigger.REGISTER,
+    TransferRequest: Trigger.TRANSFER_REQUEST,
+    Progress: Trigger.PROGRESS,
+    Done: Trigger.DONE,
+    Abort: Trigger.ABORT,
+    AbortAck: Trigger.ABORT_ACK,
+    Heartbeat: Trigger.HEARTBEAT,
+    Close: Trigger.CLOSE,
 }
 
-ROOM_TRIGGERS = frozenset({Trigger.TRANSFER_REQUEST, Trigger.PROGRESS, Trigger.DONE,
-                           Trigger.ABORT, Trigger.ABORT_ACK})
+ROOM_TRIGGERS = frozenset(
+    {Trigger.TRANSFER_REQUEST, Trigger.PROGRESS, Trigger.DONE, Trigger.ABORT, Trigger.ABORT_ACK}
+)
 TERMINAL_STATES = frozenset({SessionState.CLOSED, SessionState.ERROR})
 #: states in which heartbeats flow (both agents know each other's id)
-LIVE_STATES = (SessionState.GREETED, SessionState.REGISTERING, SessionState.REGISTERED,
-               SessionState.ACCEPTED, SessionState.REJECTED)
+LIVE_STATES = (
+    SessionState.GREETED,
+    SessionState.REGISTERING,
+    SessionState.REGISTERED,
+    SessionState.ACCEPTED,
+    SessionState.REJECTED,
+)
 
 
 def trigger_of(message: Message) -> Trigger:
@@ -97,8 +109,9 @@ def trigger_of(message: Message) -> Trigger:
         return Trigger.VERDICT_ACCEPTED if message.accepted else Trigger.VERDICT_REJECTED
     trigger = _TRIGGER_BY_TYPE.get(type(message))
     if trigger is None:
-        raise LocalProtocolError(f"{type(message).__name__} is not a protocol message",
-                                 code=Reason.UNKNOWN_MESSAGE)
+        raise LocalProtocolError(
+            f"{type(message).__name__} is not a protocol message", code=Reason.UNKNOWN_MESSAGE
+        )
     return trigger
 
 
@@ -114,7 +127,7 @@ def _transitions() -> dict[tuple[SessionState, Role, Trigger], SessionState]:
         (S.ACCEPTED, D, T.TRANSFER_REQUEST): S.ACCEPTED,
         (S.ACCEPTED, P, T.PROGRESS): S.ACCEPTED,
         (S.ACCEPTED, P, T.DONE): S.ACCEPTED,
-        (S.ACCEPTED, D, T.DONE): S.ACCEPTED,   # decode confirms it has the room's bytes
+        (S.ACCEPTED, D, T.DONE): S.ACCEPTED,  # decode confirms it has the room's bytes
     }
     for role in Role:
         table[(S.ACCEPTED, role, T.ABORT)] = S.ACCEPTED

@@ -46,10 +46,10 @@ from pd_transfer.errors import PdTransferError, Reason
 
 MAX_REQUEST_NBYTES = 64 * 1024 * 1024
 MAX_INDICES = 1 << 22
-MAX_INDEX = (1 << 62) - 1      # page, slot and row indices (int64 arithmetic stays exact)
-MAX_ROOM = (1 << 64) - 1       # room ids are unsigned 64-bit, as on the wire
-MAX_WAIT_S = 86400.0           # one wait's timeout (rooms time out long before)
-MAX_INSTANCE_LEN = 256         # a decode instance's name (send's ``decode``)
+MAX_INDEX = (1 << 62) - 1  # page, slot and row indices (int64 arithmetic stays exact)
+MAX_ROOM = (1 << 64) - 1  # room ids are unsigned 64-bit, as on the wire
+MAX_WAIT_S = 86400.0  # one wait's timeout (rooms time out long before)
+MAX_INSTANCE_LEN = 256  # a decode instance's name (send's ``decode``)
 
 
 class WorkerOp(enum.Enum):
@@ -90,8 +90,9 @@ def decode_request(frame: bytes) -> tuple[WorkerOp, dict[str, Any]]:
     if len(frame) > MAX_REQUEST_NBYTES:
         raise WorkerApiError(f"request of {len(frame)} bytes exceeds {MAX_REQUEST_NBYTES}")
     try:
-        message = msgpack.unpackb(frame, raw=False, strict_map_key=True,
-                                  max_array_len=MAX_INDICES, max_map_len=1 << 16)
+        message = msgpack.unpackb(
+            frame, raw=False, strict_map_key=True, max_array_len=MAX_INDICES, max_map_len=1 << 16
+        )
     except Exception as err:  # msgpack raises several unrelated types
         raise WorkerApiError(f"request is not valid msgpack: {err}") from None
     if not isinstance(message, dict):
@@ -99,8 +100,9 @@ def decode_request(frame: bytes) -> tuple[WorkerOp, dict[str, Any]]:
     try:
         op = WorkerOp(message.get("op"))
     except ValueError:
-        raise WorkerApiError(f"at $.op: unknown op {message.get('op')!r}; accepted: "
-                             f"{[o.value for o in WorkerOp]}") from None
+        raise WorkerApiError(
+            f"at $.op: unknown op {message.get('op')!r}; accepted: {[o.value for o in WorkerOp]}"
+        ) from None
     if not isinstance(message.get("id"), int) or isinstance(message.get("id"), bool):
         raise WorkerApiError("at $.id: expected int")
     try:
@@ -114,22 +116,25 @@ def _validated(op: WorkerOp, message: dict[str, Any]) -> dict[str, Any]:
     for name, kinds in _REQUIRED[op].items():
         value = message.get(name)
         if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-            raise WorkerApiError(f"at $.{name}: expected {'/'.join(k.__name__ for k in kinds)}, "
-                                 f"got {type(value).__name__}")
+            raise WorkerApiError(
+                f"at $.{name}: expected {'/'.join(k.__name__ for k in kinds)}, got {type(value).__name__}"
+            )
     if "room" in message and not 0 <= message["room"] <= MAX_ROOM:
-        raise WorkerApiError(f"at $.room: expected an int in [0, 2**64), got {message['room']}",
-                             code=Reason.BAD_FIELD)
+        raise WorkerApiError(
+            f"at $.room: expected an int in [0, 2**64), got {message['room']}", code=Reason.BAD_FIELD
+        )
     timeout_s = message.get("timeout_s")
     if op is WorkerOp.WAIT and not (math.isfinite(timeout_s) and 0 <= timeout_s <= MAX_WAIT_S):
-        raise WorkerApiError(f"at $.timeout_s: expected seconds in [0, {MAX_WAIT_S:.0f}], got "
-                             f"{timeout_s!r}", code=Reason.BAD_FIELD)
+        raise WorkerApiError(
+            f"at $.timeout_s: expected seconds in [0, {MAX_WAIT_S:.0f}], got {timeout_s!r}",
+            code=Reason.BAD_FIELD,
+        )
     for name in _INDEX_FIELDS:
         value = message.setdefault(name, [])
         if not isinstance(value, list) or not all(
-                isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_INDEX
-                for v in value):
-            raise WorkerApiError(f"at $.{name}: expected a list of ints in [0, 2**62)",
-                                 code=Reason.BAD_FIELD)
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_INDEX for v in value
+        ):
+            raise WorkerApiError(f"at $.{name}: expected a list of ints in [0, 2**62)", code=Reason.BAD_FIELD)
     pp_size = message.setdefault("pp_size", 1)
     if not isinstance(pp_size, int) or isinstance(pp_size, bool) or not 1 <= pp_size <= 1024:
         raise WorkerApiError("at $.pp_size: expected an int in [1, 1024]")
@@ -137,11 +142,15 @@ def _validated(op: WorkerOp, message: dict[str, Any]) -> dict[str, Any]:
         raise WorkerApiError("at $.stream: expected bool")
     decode = message.setdefault("decode", "")
     if not isinstance(decode, str) or len(decode) > MAX_INSTANCE_LEN:
-        raise WorkerApiError(f"at $.decode: expected the decode instance's name, a string of at "
-                             f"most {MAX_INSTANCE_LEN} characters", code=Reason.BAD_FIELD)
+        raise WorkerApiError(
+            f"at $.decode: expected the decode instance's name, a string of at "
+            f"most {MAX_INSTANCE_LEN} characters",
+            code=Reason.BAD_FIELD,
+        )
     aux_row = message.setdefault("aux_row", None)
-    if aux_row is not None and (not isinstance(aux_row, int) or isinstance(aux_row, bool)
-                                or not 0 <= aux_row <= MAX_INDEX):
+    if aux_row is not None and (
+        not isinstance(aux_row, int) or isinstance(aux_row, bool) or not 0 <= aux_row <= MAX_INDEX
+    ):
         raise WorkerApiError("at $.aux_row: expected a non-negative int or nil")
     return message
 

@@ -28,6 +28,17 @@ from pd_transfer.security.handshake import ClientHandshake, NonceBook, ServerHan
 from pd_transfer.security.secret import SharedSecret, load_secret, parse_secret
 from pd_transfer.security.settings import SecuritySettings
 
-__all__ = ["Admission", "AuthError", "ClientHandshake", "Decision", "Gate", "NonceBook",
-           "SecuritySettings", "ServerHandshake", "SharedSecret", "load_secret", "new_routing_id",
-           "parse_secret"]
+__all__ = [
+    "Admission",
+    "AuthError",
+    "ClientHandshake",
+    "Decision",
+    "Gate",
+    "NonceBook",
+    "SecuritySettings",
+    "ServerHandshake",
+    "SharedSecret",
+    "load_secret",
+    "new_routing_id",
+    "parse_secret",
+]

@@ -22,7 +22,9 @@ from pathlib import Path
 
 from pd_transfer.errors import ConfigError
 
-Z85_ALPHABET = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")
+Z85_ALPHABET = frozenset(
+    "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
+)
 Z85_KEY_LEN = 40
 
 SECRET_KEY_FILE = "curve.key"
@@ -43,26 +45,31 @@ def check_key(text: str, source: str) -> str:
     """``text`` as a Z85 key (surrounding whitespace dropped); ConfigError if it is not one."""
     key = text.strip()
     if len(key) != Z85_KEY_LEN or not set(key) <= Z85_ALPHABET:
-        raise ConfigError(f"{source}: expected a Z85 CURVE key of {Z85_KEY_LEN} characters, got "
-                          f"{len(key)} characters{'' if set(key) <= Z85_ALPHABET else ' outside Z85'}",
-                          hint="generate a keypair with `pd-transfer keygen --out DIR`")
+        raise ConfigError(
+            f"{source}: expected a Z85 CURVE key of {Z85_KEY_LEN} characters, got "
+            f"{len(key)} characters{'' if set(key) <= Z85_ALPHABET else ' outside Z85'}",
+            hint="generate a keypair with `pd-transfer keygen --out DIR`",
+        )
     return key
 
 
 def read_secret_key(path: str) -> CurveKeypair:
     """The keypair whose secret half is in the file ``path`` (the public half is derived)."""
     import zmq
+
     try:
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"curve_secret_key_file {path}: cannot read it: "
-                          f"{getattr(err, 'strerror', None) or err}") from None
+        raise ConfigError(
+            f"curve_secret_key_file {path}: cannot read it: {getattr(err, 'strerror', None) or err}"
+        ) from None
     secret = check_key(text, f"curve_secret_key_file {path}")
     return CurveKeypair(public=zmq.curve_public(secret.encode()).decode(), secret=secret)
 
 
 def generate_keypair() -> CurveKeypair:
     import zmq
+
     public, secret = zmq.curve_keypair()
     return CurveKeypair(public=public.decode(), secret=secret.decode())
 
@@ -76,13 +83,18 @@ def write_keys(out_dir: str, *, force: bool = False) -> list[Path]:
     directory = Path(out_dir)
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     keypair = generate_keypair()
-    contents = {SECRET_KEY_FILE: keypair.secret, PUBLIC_KEY_FILE: keypair.public,
-                SHARED_SECRET_FILE: secrets.token_hex(32)}
+    contents = {
+        SECRET_KEY_FILE: keypair.secret,
+        PUBLIC_KEY_FILE: keypair.public,
+        SHARED_SECRET_FILE: secrets.token_hex(32),
+    }
     paths = [directory / name for name in contents]
     existing = [str(p) for p in paths if p.exists()]
     if existing and not force:
-        raise ConfigError(f"keygen: {', '.join(existing)} already exist(s)",
-                          hint="pass --force to replace them (peers using the old keys are locked out)")
+        raise ConfigError(
+            f"keygen: {', '.join(existing)} already exist(s)",
+            hint="pass --force to replace them (peers using the old keys are locked out)",
+        )
     for path in paths:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
         fd = os.open(path, flags, 0o600)

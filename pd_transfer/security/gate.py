@@ -49,9 +49,9 @@ def new_routing_id() -> bytes:
 
 
 class Decision(enum.Enum):
-    PASS = "pass"                        # hand the frame on
-    ANSWER = "answer"                    # a handshake step: send ``reply``
-    REFUSE = "refuse"                    # a failed handshake: count it, send ``reply`` if any
+    PASS = "pass"  # hand the frame on
+    ANSWER = "answer"  # a handshake step: send ``reply``
+    REFUSE = "refuse"  # a failed handshake: count it, send ``reply`` if any
     UNAUTHENTICATED = "unauthenticated"  # a frame before the handshake: count it, answer it
 
 
@@ -68,14 +68,21 @@ PASS = Admission(Decision.PASS)
 class Gate:
     """One listening socket's authentication state. ``secret`` None: authentication off."""
 
-    def __init__(self, secret: SharedSecret | None, agent_id: str, nonces: NonceBook | None = None,
-                 *, max_pending: int = 1024, max_peers: int = 65536) -> None:
+    def __init__(
+        self,
+        secret: SharedSecret | None,
+        agent_id: str,
+        nonces: NonceBook | None = None,
+        *,
+        max_pending: int = 1024,
+        max_peers: int = 65536,
+    ) -> None:
         self._key = derive_key(secret) if secret is not None else None
         self.agent_id = agent_id
         self._nonces = nonces or NonceBook()
         self._max_pending, self._max_peers = max_pending, max_peers
         self._pending: OrderedDict[bytes, ServerHandshake] = OrderedDict()
-        self._peers: OrderedDict[bytes, str] = OrderedDict()   # identity -> peer agent id
+        self._peers: OrderedDict[bytes, str] = OrderedDict()  # identity -> peer agent id
 
     @property
     def enabled(self) -> bool:
@@ -97,11 +104,16 @@ class Gate:
             if err.code is Reason.BAD_FIELD:  # a handshake frame, malformed or tampered with
                 error = refusal(Reason.AUTH_FAILED, f"malformed handshake frame: {err.message}")
                 return Admission(Decision.REFUSE, error.reply, error)
-            return Admission(Decision.UNAUTHENTICATED, error=AuthError(
-                "this sidecar requires authentication and the peer sent a frame before "
-                "completing the handshake", code=Reason.UNAUTHENTICATED,
-                hint="give the peer the shared secret (secret_file, PD_TRANSFER_SECRET_FILE "
-                     "or PD_TRANSFER_SECRET)"))
+            return Admission(
+                Decision.UNAUTHENTICATED,
+                error=AuthError(
+                    "this sidecar requires authentication and the peer sent a frame before "
+                    "completing the handshake",
+                    code=Reason.UNAUTHENTICATED,
+                    hint="give the peer the shared secret (secret_file, PD_TRANSFER_SECRET_FILE "
+                    "or PD_TRANSFER_SECRET)",
+                ),
+            )
         try:
             if isinstance(message, AuthHello):
                 return Admission(Decision.ANSWER, self._hello(identity, message))
@@ -111,9 +123,13 @@ class Gate:
                 # the peer could not verify our proof: nothing to answer, but count it
                 self._pending.pop(identity, None)
                 text = message.reason_text or "no reason given"
-                return Admission(Decision.REFUSE, error=AuthError(
-                    f"the peer refused this sidecar's proof: {text}",
-                    code=message.reason or Reason.AUTH_FAILED))
+                return Admission(
+                    Decision.REFUSE,
+                    error=AuthError(
+                        f"the peer refused this sidecar's proof: {text}",
+                        code=message.reason or Reason.AUTH_FAILED,
+                    ),
+                )
             raise refusal(Reason.AUTH_FAILED, f"unexpected {message.TAG} from a connecting peer")
         except AuthError as err:
             return Admission(Decision.REFUSE, err.reply, err)
@@ -121,8 +137,11 @@ class Gate:
     def _hello(self, identity: bytes, hello: AuthHello) -> bytes:
         self._pending.pop(identity, None)
         if len(identity) < MIN_ROUTING_ID_NBYTES:
-            raise refusal(Reason.AUTH_FAILED, f"{hello.agent_id}: connect with a random routing id "
-                                              f"of at least {MIN_ROUTING_ID_NBYTES} bytes")
+            raise refusal(
+                Reason.AUTH_FAILED,
+                f"{hello.agent_id}: connect with a random routing id "
+                f"of at least {MIN_ROUTING_ID_NBYTES} bytes",
+            )
         handshake = ServerHandshake(self._key, self.agent_id, hello, self._nonces)
         self._pending[identity] = handshake
         if len(self._pending) > self._max_pending:
@@ -133,8 +152,9 @@ class Gate:
         handshake = self._pending.pop(identity, None)
         if handshake is None:
             if self._nonces.spent(proof.nonce):
-                raise refusal(Reason.AUTH_REPLAYED, "the proof answers a challenge already used "
-                                                    "(a replayed handshake)")
+                raise refusal(
+                    Reason.AUTH_REPLAYED, "the proof answers a challenge already used (a replayed handshake)"
+                )
             raise refusal(Reason.AUTH_FAILED, "a proof without a hello on this connection")
         accepted = handshake.verify(proof)
         self._peers[identity] = handshake.peer_agent_id

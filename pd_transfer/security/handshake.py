@@ -53,8 +53,9 @@ _KEY_LABEL = b"pd-transfer auth key v1"
 _SERVER_LABEL = b"pdt-server"
 _CLIENT_LABEL = b"pdt-client"
 
-WRONG_KEY_HINT = ("give both sides the same secret (secret_file, PD_TRANSFER_SECRET_FILE or "
-                  "PD_TRANSFER_SECRET)")
+WRONG_KEY_HINT = (
+    "give both sides the same secret (secret_file, PD_TRANSFER_SECRET_FILE or PD_TRANSFER_SECRET)"
+)
 
 
 def derive_key(secret: SharedSecret) -> bytes:
@@ -66,14 +67,16 @@ def _ids(client_id: str, server_id: str) -> bytes:
     return b"".join(len(p).to_bytes(2, "big") + p for p in parts)
 
 
-def server_proof(key: bytes, client_nonce: bytes, server_nonce: bytes, client_id: str,
-                 server_id: str) -> bytes:
+def server_proof(
+    key: bytes, client_nonce: bytes, server_nonce: bytes, client_id: str, server_id: str
+) -> bytes:
     text = _SERVER_LABEL + client_nonce + server_nonce + _ids(client_id, server_id)
     return hmac.new(key, text, hashlib.sha256).digest()
 
 
-def client_proof(key: bytes, client_nonce: bytes, server_nonce: bytes, client_id: str,
-                 server_id: str) -> bytes:
+def client_proof(
+    key: bytes, client_nonce: bytes, server_nonce: bytes, client_id: str, server_id: str
+) -> bytes:
     text = _CLIENT_LABEL + server_nonce + client_nonce + _ids(client_id, server_id)
     return hmac.new(key, text, hashlib.sha256).digest()
 
@@ -118,11 +121,13 @@ class NonceBook:
 class ServerHandshake:
     """One connection's handshake on the listening side, started by its AuthHello."""
 
-    def __init__(self, key: bytes, agent_id: str, hello: AuthHello, nonces: NonceBook, *,
-                 nonce: bytes | None = None) -> None:
+    def __init__(
+        self, key: bytes, agent_id: str, hello: AuthHello, nonces: NonceBook, *, nonce: bytes | None = None
+    ) -> None:
         if not nonces.see_client(hello.nonce):
-            raise refusal(Reason.AUTH_REPLAYED, f"{hello.agent_id}: this hello was seen before "
-                                                f"(a replayed handshake)")
+            raise refusal(
+                Reason.AUTH_REPLAYED, f"{hello.agent_id}: this hello was seen before (a replayed handshake)"
+            )
         self._key, self._nonces = key, nonces
         self.agent_id = agent_id
         self.peer_agent_id = hello.agent_id
@@ -130,8 +135,9 @@ class ServerHandshake:
         self.server_nonce = os.urandom(NONCE_NBYTES) if nonce is None else nonce
 
     def challenge(self) -> bytes:
-        proof = server_proof(self._key, self.client_nonce, self.server_nonce, self.peer_agent_id,
-                             self.agent_id)
+        proof = server_proof(
+            self._key, self.client_nonce, self.server_nonce, self.peer_agent_id, self.agent_id
+        )
         return encode(AuthChallenge(agent_id=self.agent_id, nonce=self.server_nonce, proof=proof))
 
     def verify(self, proof: AuthProof) -> bytes:
@@ -140,17 +146,25 @@ class ServerHandshake:
             replayed = self._nonces.spent(proof.nonce)
             self._nonces.spend(self.server_nonce)
             if replayed:
-                raise refusal(Reason.AUTH_REPLAYED, f"{self.peer_agent_id}: the proof answers a "
-                                                    f"challenge already used (a replayed handshake)")
-            raise refusal(Reason.AUTH_FAILED, f"{self.peer_agent_id}: the proof answers a "
-                                              f"challenge this connection was not given")
+                raise refusal(
+                    Reason.AUTH_REPLAYED,
+                    f"{self.peer_agent_id}: the proof answers a "
+                    f"challenge already used (a replayed handshake)",
+                )
+            raise refusal(
+                Reason.AUTH_FAILED,
+                f"{self.peer_agent_id}: the proof answers a challenge this connection was not given",
+            )
         self._nonces.spend(self.server_nonce)
-        expected = client_proof(self._key, self.client_nonce, self.server_nonce,
-                                self.peer_agent_id, self.agent_id)
+        expected = client_proof(
+            self._key, self.client_nonce, self.server_nonce, self.peer_agent_id, self.agent_id
+        )
         if not hmac.compare_digest(expected, proof.proof):
-            raise refusal(Reason.AUTH_FAILED, f"{self.peer_agent_id}: the proof does not verify: "
-                                              f"the two sides hold different secrets",
-                          hint=WRONG_KEY_HINT)
+            raise refusal(
+                Reason.AUTH_FAILED,
+                f"{self.peer_agent_id}: the proof does not verify: the two sides hold different secrets",
+                hint=WRONG_KEY_HINT,
+            )
         return encode(AuthResult(accepted=True))
 
 
@@ -164,11 +178,12 @@ class ClientState(enum.Enum):
 class ClientHandshake:
     """The connecting side: :meth:`hello`, then :meth:`receive` each answer until ``done``."""
 
-    def __init__(self, secret: SharedSecret, agent_id: str, *, nonce: bytes | None = None,
-                 peer: str = "the peer") -> None:
+    def __init__(
+        self, secret: SharedSecret, agent_id: str, *, nonce: bytes | None = None, peer: str = "the peer"
+    ) -> None:
         self._key = derive_key(secret)
         self.agent_id = agent_id
-        self.peer = peer                      # for messages: "bootstrap tcp://10.0.0.1:8998"
+        self.peer = peer  # for messages: "bootstrap tcp://10.0.0.1:8998"
         self.peer_agent_id = ""
         self.client_nonce = os.urandom(NONCE_NBYTES) if nonce is None else nonce
         self.state = ClientState.CHALLENGE
@@ -198,27 +213,35 @@ class ClientHandshake:
         try:
             message = decode(frame)
         except ProtocolError as err:
-            raise AuthError(f"{self.peer} answered the handshake with {_describe(frame, err)}; "
-                            f"is authentication on at both ends?", code=Reason.AUTH_FAILED) from None
+            raise AuthError(
+                f"{self.peer} answered the handshake with {_describe(frame, err)}; "
+                f"is authentication on at both ends?",
+                code=Reason.AUTH_FAILED,
+            ) from None
         if isinstance(message, AuthResult) and not message.accepted:
             text = message.reason_text or "no reason given"
-            raise AuthError(f"{self.peer} refused this agent's authentication: {text}",
-                            code=message.reason or Reason.AUTH_FAILED, hint=WRONG_KEY_HINT)
+            raise AuthError(
+                f"{self.peer} refused this agent's authentication: {text}",
+                code=message.reason or Reason.AUTH_FAILED,
+                hint=WRONG_KEY_HINT,
+            )
         return message
 
     def _on_challenge(self, message: AuthMessage) -> bytes:
         if not isinstance(message, AuthChallenge):
             raise refusal(Reason.AUTH_FAILED, f"{self.peer} sent {message.TAG} instead of a challenge")
-        expected = server_proof(self._key, self.client_nonce, message.nonce, self.agent_id,
-                                message.agent_id)
+        expected = server_proof(self._key, self.client_nonce, message.nonce, self.agent_id, message.agent_id)
         if not hmac.compare_digest(expected, message.proof):
-            raise refusal(Reason.AUTH_FAILED, f"{self.peer} ({message.agent_id}) did not prove it "
-                                              f"holds the shared secret: the two sides hold "
-                                              f"different secrets", hint=WRONG_KEY_HINT)
+            raise refusal(
+                Reason.AUTH_FAILED,
+                f"{self.peer} ({message.agent_id}) did not prove it "
+                f"holds the shared secret: the two sides hold "
+                f"different secrets",
+                hint=WRONG_KEY_HINT,
+            )
         self.peer_agent_id = message.agent_id
         self.state = ClientState.RESULT
-        proof = client_proof(self._key, self.client_nonce, message.nonce, self.agent_id,
-                             message.agent_id)
+        proof = client_proof(self._key, self.client_nonce, message.nonce, self.agent_id, message.agent_id)
         return encode(AuthProof(nonce=message.nonce, proof=proof))
 
     def _on_result(self, message: AuthMessage) -> None:

@@ -47,8 +47,7 @@ NONCE_NBYTES = 32
 PROOF_NBYTES = 32  # HMAC-SHA256
 MAX_AUTH_TEXT_LEN = 1024
 
-AUTH_LIMITS = Limits(max_frame_nbytes=2048, max_list_len=16, max_map_len=16, max_str_len=1024,
-                     max_depth=2)
+AUTH_LIMITS = Limits(max_frame_nbytes=2048, max_list_len=16, max_map_len=16, max_str_len=1024, max_depth=2)
 
 
 @dataclass(frozen=True)
@@ -123,14 +122,19 @@ def _check_result(values: dict[str, Any], raw: dict[str, Any], path: str) -> Non
 
 AUTH_RECORDS: dict[str, Record] = {
     AuthHello.TAG: Record(AuthHello, (Field("agent_id", _ID), Field("nonce", _NONCE))),
-    AuthChallenge.TAG: Record(AuthChallenge, (Field("agent_id", _ID), Field("nonce", _NONCE),
-                                              Field("proof", _PROOF))),
+    AuthChallenge.TAG: Record(
+        AuthChallenge, (Field("agent_id", _ID), Field("nonce", _NONCE), Field("proof", _PROOF))
+    ),
     AuthProof.TAG: Record(AuthProof, (Field("nonce", _NONCE), Field("proof", _PROOF))),
-    AuthResult.TAG: Record(AuthResult, (
-        Field("accepted", Bool()),
-        Field("reason", Optional(ReasonCode()), default=None),
-        Field("reason_text", Str(max_len=MAX_AUTH_TEXT_LEN), default=""),
-    ), finish=_check_result),
+    AuthResult.TAG: Record(
+        AuthResult,
+        (
+            Field("accepted", Bool()),
+            Field("reason", Optional(ReasonCode()), default=None),
+            Field("reason_text", Str(max_len=MAX_AUTH_TEXT_LEN), default=""),
+        ),
+        finish=_check_result,
+    ),
 }
 
 _TAG = Str(max_len=64, min_len=1)
@@ -139,8 +143,11 @@ _VERSION = TupleOf((Int(hi=65535), Int(hi=65535)))
 
 def encode(message: AuthMessage) -> bytes:
     if isinstance(message, AuthResult):
-        message = AuthResult(accepted=message.accepted, reason=message.reason,
-                             reason_text=clip_text(message.reason_text, MAX_AUTH_TEXT_LEN))
+        message = AuthResult(
+            accepted=message.accepted,
+            reason=message.reason,
+            reason_text=clip_text(message.reason_text, MAX_AUTH_TEXT_LEN),
+        )
     frame = {"t": message.TAG, "v": list(PROTOCOL_VERSION)}
     frame.update(AUTH_RECORDS[message.TAG].encode(message))
     return msgpack.packb(frame, use_bin_type=True)
@@ -151,24 +158,31 @@ def decode(frame: bytes | bytearray | memoryview) -> AuthMessage:
     if not isinstance(frame, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"expected a bytes frame, got {type(frame).__name__}", path="$")
     if len(frame) > AUTH_LIMITS.max_frame_nbytes:
-        raise ProtocolError(f"a handshake frame of {len(frame)} bytes exceeds the limit of "
-                            f"{AUTH_LIMITS.max_frame_nbytes} bytes", code=Reason.FRAME_TOO_LARGE,
-                            path="$")
+        raise ProtocolError(
+            f"a handshake frame of {len(frame)} bytes exceeds the limit of "
+            f"{AUTH_LIMITS.max_frame_nbytes} bytes",
+            code=Reason.FRAME_TOO_LARGE,
+            path="$",
+        )
     try:
         raw = msgpack.unpackb(frame, **AUTH_LIMITS.unpack_options())
     # msgpack signals bad input with several unrelated types; translated here, at the edge
     except (msgpack.UnpackException, ValueError, TypeError, OverflowError) as exc:
-        raise ProtocolError(f"not a valid msgpack frame: {str(exc) or type(exc).__name__}",
-                            path="$") from None
+        raise ProtocolError(
+            f"not a valid msgpack frame: {str(exc) or type(exc).__name__}", path="$"
+        ) from None
     check_depth(raw, AUTH_LIMITS.max_depth)
     if not isinstance(raw, dict) or "t" not in raw or "v" not in raw:
-        raise ProtocolError(f"expected a map with \"t\" and \"v\", got {type_name(raw)}", path="$")
+        raise ProtocolError(f'expected a map with "t" and "v", got {type_name(raw)}', path="$")
     tag = _TAG.decode(raw["t"], "$.t")
     major, minor = _VERSION.decode(raw["v"], "$.v")
     if major != PROTOCOL_VERSION[0]:
-        raise ProtocolError(f"peer speaks protocol {major}.{minor}, this agent speaks "
-                            f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}",
-                            code=Reason.VERSION_UNSUPPORTED, path="$.v")
+        raise ProtocolError(
+            f"peer speaks protocol {major}.{minor}, this agent speaks "
+            f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}",
+            code=Reason.VERSION_UNSUPPORTED,
+            path="$.v",
+        )
     record = AUTH_RECORDS.get(tag)
     if record is None:
         raise bad_field("$.t", f"{tag[:64]!r} is not a handshake message", code=Reason.UNKNOWN_MESSAGE)

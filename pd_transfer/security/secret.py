@@ -70,13 +70,14 @@ def parse_secret(text: bytes, source: str) -> SharedSecret:
     else:
         value = text
     if len(value) < MIN_SECRET_NBYTES:
-        raise ConfigError(f"{source}: the secret is {len(value)} bytes, at least "
-                          f"{MIN_SECRET_NBYTES} are needed",
-                          hint="generate one with `pd-transfer keygen --out DIR` "
-                               "or `openssl rand -hex 32`")
+        raise ConfigError(
+            f"{source}: the secret is {len(value)} bytes, at least {MIN_SECRET_NBYTES} are needed",
+            hint="generate one with `pd-transfer keygen --out DIR` or `openssl rand -hex 32`",
+        )
     if len(value) > MAX_SECRET_NBYTES:
-        raise ConfigError(f"{source}: the secret is {len(value)} bytes, at most "
-                          f"{MAX_SECRET_NBYTES} are accepted")
+        raise ConfigError(
+            f"{source}: the secret is {len(value)} bytes, at most {MAX_SECRET_NBYTES} are accepted"
+        )
     return SharedSecret(value)
 
 
@@ -86,11 +87,14 @@ def read_secret_file(path: str) -> SharedSecret:
         data = Path(path).read_bytes()
         mode = os.stat(path).st_mode
     except OSError as err:
-        raise ConfigError(f"secret file {path}: cannot read it: {err.strerror}",
-                          hint="check the path and that the sidecar's user may read it") from None
+        raise ConfigError(
+            f"secret file {path}: cannot read it: {err.strerror}",
+            hint="check the path and that the sidecar's user may read it",
+        ) from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("secret file %s is readable by group or others (mode %o); chmod 600 it",
-                    path, stat.S_IMODE(mode))
+        log.warning(
+            "secret file %s is readable by group or others (mode %o); chmod 600 it", path, stat.S_IMODE(mode)
+        )
     return parse_secret(data, f"secret file {path}")
 
 
@@ -111,8 +115,7 @@ def new_secret_file(path: str | os.PathLike, *, force: bool = False) -> Path:
     return path
 
 
-def use_ephemeral_secret(directory: str | os.PathLike,
-                         environ: dict[str, str] | None = None) -> Path | None:
+def use_ephemeral_secret(directory: str | os.PathLike, environ: dict[str, str] | None = None) -> Path | None:
     """Unless ``environ`` (default ``os.environ``) already names a secret, write a
     fresh one to ``directory/secret`` and export it as ``PD_TRANSFER_SECRET_FILE``:
     the sidecars a benchmark or a harness starts, and its clients, then share it.
@@ -136,8 +139,10 @@ def load_secret(secret_file: str = "", environ: Mapping[str, str] | None = None)
     path = secret_file or environ.get(SECRET_FILE_ENV, "")
     raw = environ.get(SECRET_ENV, "")
     if path and raw:
-        raise ConfigError(f"both a secret file ({path}) and {SECRET_ENV} are set; set one",
-                          hint=f"unset {SECRET_ENV} or drop secret_file / {SECRET_FILE_ENV}")
+        raise ConfigError(
+            f"both a secret file ({path}) and {SECRET_ENV} are set; set one",
+            hint=f"unset {SECRET_ENV} or drop secret_file / {SECRET_FILE_ENV}",
+        )
     if path:
         return read_secret_file(path)
     if raw:

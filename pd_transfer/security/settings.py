@@ -23,16 +23,18 @@ from pd_transfer.security.curve import CurveKeypair, check_key, read_secret_key
 from pd_transfer.security.secret import SECRET_FILE_ENV, SharedSecret, load_secret
 
 #: the one line a sidecar without a secret stops with
-NO_SECRET = (f"no shared secret: make one with `pd-transfer keygen --out DIR` and set "
-             f"secret_file = \"DIR/secret\" (or {SECRET_FILE_ENV}), or opt out of "
-             f"authentication with allow_insecure = true (--insecure)")
+NO_SECRET = (
+    f"no shared secret: make one with `pd-transfer keygen --out DIR` and set "
+    f'secret_file = "DIR/secret" (or {SECRET_FILE_ENV}), or opt out of '
+    f"authentication with allow_insecure = true (--insecure)"
+)
 
 
 @dataclass(frozen=True)
 class SecuritySettings:
-    secret: SharedSecret | None = None          # None: authentication off (allow_insecure)
-    curve_keypair: CurveKeypair | None = None   # encrypts the sockets this sidecar binds
-    curve_server_key: str = ""                  # expected of the sockets it connects to
+    secret: SharedSecret | None = None  # None: authentication off (allow_insecure)
+    curve_keypair: CurveKeypair | None = None  # encrypts the sockets this sidecar binds
+    curve_server_key: str = ""  # expected of the sockets it connects to
 
     @property
     def auth_enabled(self) -> bool:
@@ -46,8 +48,9 @@ class SecuritySettings:
         if secret is None and not config.allow_insecure:
             raise ConfigError(NO_SECRET)
         keypair = read_secret_key(config.curve_secret_key_file) if config.curve_secret_key_file else None
-        server_key = (check_key(config.curve_server_key, "sidecar.curve_server_key")
-                      if config.curve_server_key else "")
+        server_key = (
+            check_key(config.curve_server_key, "sidecar.curve_server_key") if config.curve_server_key else ""
+        )
         if not server_key and keypair is not None:
             server_key = keypair.public  # one keypair for the whole deployment
         return cls(secret=secret, curve_keypair=keypair, curve_server_key=server_key)

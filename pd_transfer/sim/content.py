@@ -47,7 +47,7 @@ from pd_transfer.layout.geometry import RankGeometry
 from pd_transfer.layout.views import AxisRole, Pool, ShardSpec, TensorView
 
 MAX_LINES = 20
-CHUNK_ELEMS = 1 << 17   # 1 MiB per uint64 temporary while computing a chunk of items
+CHUNK_ELEMS = 1 << 17  # 1 MiB per uint64 temporary while computing a chunk of items
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -80,8 +80,12 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
 def global_positions(shard: ShardSpec) -> np.ndarray:
     """Global position of each local element of a shard axis (see the module docstring)."""
     bases = np.concatenate(([0], np.cumsum(shard.groups[:-1], dtype=np.int64)))
-    return np.concatenate([np.arange(base + start, base + end, dtype=np.int64)
-                           for base, (start, end) in zip(bases, shard.ranges)])
+    return np.concatenate(
+        [
+            np.arange(base + start, base + end, dtype=np.int64)
+            for base, (start, end) in zip(bases, shard.ranges)
+        ]
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -96,7 +100,7 @@ class ViewContent:
     view: TensorView
     index_axis: int
     base: np.ndarray
-    shifts: np.ndarray | None    # None: one lane (8-byte elements), the salt as it is
+    shifts: np.ndarray | None  # None: one lane (8-byte elements), the salt as it is
 
     @staticmethod
     def of(view: TensorView) -> ViewContent:
@@ -106,8 +110,7 @@ class ViewContent:
     def chunk_items(self) -> int:
         return max(1, CHUNK_ELEMS // self.base.size)
 
-    def values_of(self, seed: int, src_indices: np.ndarray,
-                  scratch: Scratch | None = None) -> np.ndarray:
+    def values_of(self, seed: int, src_indices: np.ndarray, scratch: Scratch | None = None) -> np.ndarray:
         """Content of items ``src_indices`` as unsigned ints of the view's itemsize.
 
         Shape: the view's, with the index axis of extent ``len(src_indices)``.
@@ -118,8 +121,7 @@ class ViewContent:
         shape = list(self.base.shape)
         shape[self.index_axis] = len(src_indices)
         salt = splitmix64(src_indices.astype(np.uint64) + key_seed(seed, self.view.key))
-        salt = salt.reshape([len(src_indices) if j == self.index_axis else 1
-                             for j in range(len(shape))])
+        salt = salt.reshape([len(src_indices) if j == self.index_axis else 1 for j in range(len(shape))])
         words, out = (scratch or Scratch()).arrays(shape, self.base.dtype)
         if self.shifts is None:
             np.bitwise_xor(salt, self.base, out=out)
@@ -148,7 +150,7 @@ def _content_of(view: TensorView) -> ViewContent:
             extents[axis.name] = view.shape[j]
     multiplier = 1
     position = np.zeros([1] * len(view.axes), dtype=np.uint64)
-    for name in sorted(coords, reverse=True):   # the last name varies fastest
+    for name in sorted(coords, reverse=True):  # the last name varies fastest
         j = view.axis_named(name)
         shape = [1] * len(view.axes)
         shape[j] = view.shape[j]
@@ -173,8 +175,10 @@ class Scratch:
         if self._words.size < size:
             self._words = np.empty(size, np.uint64)
             self._out = np.empty(8 * size, np.uint8)
-        return (self._words[:size].reshape(shape),
-                self._out[: size * dtype.itemsize].view(dtype).reshape(shape))
+        return (
+            self._words[:size].reshape(shape),
+            self._out[: size * dtype.itemsize].view(dtype).reshape(shape),
+        )
 
 
 def window(buf: np.ndarray, view: TensorView) -> np.ndarray:
@@ -187,10 +191,17 @@ def window(buf: np.ndarray, view: TensorView) -> np.ndarray:
         raise TypeError(f"{view.path}: region buffers must be flat uint8 arrays")
     end = view.span_nbytes()[1]
     if end > buf.size:
-        raise GeometryError(f"{view.path}: reaches byte {end} of region {view.region!r}, "
-                            f"whose buffer holds {buf.size}", code=Reason.VIEW_OUT_OF_REGION)
-    return np.ndarray(tuple(view.shape), dtype=_ELEMENT[view.itemsize], buffer=buf,
-                      offset=view.offset_nbytes, strides=tuple(view.strides_nbytes))
+        raise GeometryError(
+            f"{view.path}: reaches byte {end} of region {view.region!r}, whose buffer holds {buf.size}",
+            code=Reason.VIEW_OUT_OF_REGION,
+        )
+    return np.ndarray(
+        tuple(view.shape),
+        dtype=_ELEMENT[view.itemsize],
+        buffer=buf,
+        offset=view.offset_nbytes,
+        strides=tuple(view.strides_nbytes),
+    )
 
 
 def _take(axis: int, indices: np.ndarray) -> tuple:
@@ -202,13 +213,18 @@ def _indices(name: str, values, count: int, view: TensorView) -> np.ndarray:
     indices = np.asarray(values, dtype=np.int64).reshape(-1)
     if indices.size and (indices.min() < 0 or indices.max() >= count):
         bad = int(indices.min()) if indices.min() < 0 else int(indices.max())
-        raise PlanError(f"{view.path}: {name} index {bad} is outside 0..{count - 1}",
-                        code=Reason.INDEX_OUT_OF_RANGE)
+        raise PlanError(
+            f"{view.path}: {name} index {bad} is outside 0..{count - 1}", code=Reason.INDEX_OUT_OF_RANGE
+        )
     return indices
 
 
-def fill_source(geometry: RankGeometry, region_arrays: Mapping[str, np.ndarray], seed: int,
-                pool_indices: Mapping[Pool, object] | None = None) -> int:
+def fill_source(
+    geometry: RankGeometry,
+    region_arrays: Mapping[str, np.ndarray],
+    seed: int,
+    pool_indices: Mapping[Pool, object] | None = None,
+) -> int:
     """Write every view's content at every index (or only ``pool_indices[pool]``).
 
     Item ``i`` gets the content of source index ``i``. Pools missing from
@@ -226,7 +242,7 @@ def fill_source(geometry: RankGeometry, region_arrays: Mapping[str, np.ndarray],
         content = ViewContent.of(view)
         target = window(region_arrays[view.region], view)
         for start in range(0, len(indices), content.chunk_items):
-            chunk = indices[start:start + content.chunk_items]
+            chunk = indices[start : start + content.chunk_items]
             target[_take(content.index_axis, chunk)] = content.values_of(seed, chunk, scratch)
         written += len(indices) * view.item_nbytes
     return written
@@ -246,8 +262,9 @@ class Verification:
         return not self.lines
 
 
-def check_destination(geometry: RankGeometry, region_arrays: Mapping[str, np.ndarray], seed: int,
-                      requests: Requests) -> list[str]:
+def check_destination(
+    geometry: RankGeometry, region_arrays: Mapping[str, np.ndarray], seed: int, requests: Requests
+) -> list[str]:
     """Discrepancy lines (empty: byte-exact) of a decode rank after a transfer.
 
     For every view of a requested pool, item ``dst[i]`` must hold the content
@@ -257,8 +274,13 @@ def check_destination(geometry: RankGeometry, region_arrays: Mapping[str, np.nda
     return verify_destination(geometry, region_arrays, seed, requests).lines
 
 
-def verify_destination(geometry: RankGeometry, region_arrays: Mapping[str, np.ndarray], seed: int,
-                       requests: Requests, max_lines: int = MAX_LINES) -> Verification:
+def verify_destination(
+    geometry: RankGeometry,
+    region_arrays: Mapping[str, np.ndarray],
+    seed: int,
+    requests: Requests,
+    max_lines: int = MAX_LINES,
+) -> Verification:
     lines: list[str] = []
     checked = wrong = nbytes = 0
     scratch = Scratch()
@@ -269,8 +291,10 @@ def verify_destination(geometry: RankGeometry, region_arrays: Mapping[str, np.nd
         src = np.asarray(src_raw, dtype=np.int64).reshape(-1)
         dst = _indices("destination", dst_raw, view.index_count, view)
         if src.shape != dst.shape:
-            raise PlanError(f"{view.path}: {src.size} source and {dst.size} destination indices",
-                            code=Reason.INDEX_COUNT_MISMATCH)
+            raise PlanError(
+                f"{view.path}: {src.size} source and {dst.size} destination indices",
+                code=Reason.INDEX_COUNT_MISMATCH,
+            )
         content = ViewContent.of(view)
         got_all = window(region_arrays[view.region], view)
         for start in range(0, len(dst), content.chunk_items):
@@ -281,8 +305,19 @@ def verify_destination(geometry: RankGeometry, region_arrays: Mapping[str, np.nd
             bad_items = np.flatnonzero(diff.reshape(diff.shape[0], -1).any(axis=1))
             wrong += bad_items.size
             for i in bad_items[: max(0, max_lines - len(lines))]:
-                lines.append(_describe(geometry, view, content, diff[i], got, want,
-                                       int(src[part][i]), int(dst[part][i]), int(i)))
+                lines.append(
+                    _describe(
+                        geometry,
+                        view,
+                        content,
+                        diff[i],
+                        got,
+                        want,
+                        int(src[part][i]),
+                        int(dst[part][i]),
+                        int(i),
+                    )
+                )
         checked += len(dst)
         nbytes += len(dst) * view.item_nbytes
     if wrong > len(lines):
@@ -290,8 +325,17 @@ def verify_destination(geometry: RankGeometry, region_arrays: Mapping[str, np.nd
     return Verification(lines, checked, wrong, nbytes)
 
 
-def _describe(geometry: RankGeometry, view: TensorView, content: ViewContent, diff: np.ndarray,
-              got: np.ndarray, want: np.ndarray, src: int, dst: int, i: int) -> str:
+def _describe(
+    geometry: RankGeometry,
+    view: TensorView,
+    content: ViewContent,
+    diff: np.ndarray,
+    got: np.ndarray,
+    want: np.ndarray,
+    src: int,
+    dst: int,
+    i: int,
+) -> str:
     """One line for one wrong item: its first wrong element, by axis name."""
     position = list(np.unravel_index(int(np.argmax(diff)), diff.shape))
     position.insert(content.index_axis, i)
@@ -306,7 +350,9 @@ def _describe(geometry: RankGeometry, view: TensorView, content: ViewContent, di
             coords.append(f"{axis.name}={int(element[j])}")
     digits = 2 * view.itemsize
     index_name = view.axes[content.index_axis].name
-    return (f"{geometry.rank_id} {view.path} {index_name} dst={dst} src={src}: "
-            f"{int(np.count_nonzero(diff))}/{diff.size} elements differ, first at "
-            f"{' '.join(coords)}: got 0x{int(got[element]):0{digits}x} "
-            f"want 0x{int(want[element]):0{digits}x}")
+    return (
+        f"{geometry.rank_id} {view.path} {index_name} dst={dst} src={src}: "
+        f"{int(np.count_nonzero(diff))}/{diff.size} elements differ, first at "
+        f"{' '.join(coords)}: got 0x{int(got[element]):0{digits}x} "
+        f"want 0x{int(want[element]):0{digits}x}"
+    )

@@ -49,9 +49,14 @@ from pd_transfer.sim.schedule import ScheduledRequest
 log = logging.getLogger(__name__)
 
 
-async def run_decode(client: AsyncClient, geometry: RankGeometry, arrays: Mapping[str, np.ndarray],
-                     schedule: list[ScheduledRequest], options: EngineOptions,
-                     report: WorkerReport) -> None:
+async def run_decode(
+    client: AsyncClient,
+    geometry: RankGeometry,
+    arrays: Mapping[str, np.ndarray],
+    schedule: list[ScheduledRequest],
+    options: EngineOptions,
+    report: WorkerReport,
+) -> None:
     """Expect and verify every request of ``schedule``, one task per window slot."""
     progress = Progress(geometry.rank_id, report, options.progress_path)
     by_slot: dict[int, list[ScheduledRequest]] = {}
@@ -66,16 +71,27 @@ async def run_decode(client: AsyncClient, geometry: RankGeometry, arrays: Mappin
         raise group.exceptions[0] from None
 
 
-async def _run_slot(client: AsyncClient, geometry: RankGeometry, arrays: Mapping[str, np.ndarray],
-                    requests: list[ScheduledRequest], options: EngineOptions,
-                    progress: Progress) -> None:
+async def _run_slot(
+    client: AsyncClient,
+    geometry: RankGeometry,
+    arrays: Mapping[str, np.ndarray],
+    requests: list[ScheduledRequest],
+    options: EngineOptions,
+    progress: Progress,
+) -> None:
     retired_by: RoomOutcome | None = None
     for request in requests:
         if retired_by is not None:
-            progress.record(RoomOutcome(
-                request.index, request.room, "failed", "aborted",
-                f"not started: room {retired_by.room} on the same pages ended "
-                f"{retired_by.status} and its abort did not confirm the pages drained"))
+            progress.record(
+                RoomOutcome(
+                    request.index,
+                    request.room,
+                    "failed",
+                    "aborted",
+                    f"not started: room {retired_by.room} on the same pages ended "
+                    f"{retired_by.status} and its abort did not confirm the pages drained",
+                )
+            )
             continue
         outcome, drained = await _run_room(client, geometry, arrays, request, options)
         progress.record(outcome)
@@ -83,15 +99,24 @@ async def _run_slot(client: AsyncClient, geometry: RankGeometry, arrays: Mapping
             retired_by = outcome
 
 
-async def _run_room(client: AsyncClient, geometry: RankGeometry, arrays: Mapping[str, np.ndarray],
-                    request: ScheduledRequest, options: EngineOptions) -> tuple[RoomOutcome, bool]:
+async def _run_room(
+    client: AsyncClient,
+    geometry: RankGeometry,
+    arrays: Mapping[str, np.ndarray],
+    request: ScheduledRequest,
+    options: EngineOptions,
+) -> tuple[RoomOutcome, bool]:
     """One room from expect to verified; the outcome and whether its pages are free again."""
     indices = own_indices(geometry, request)
     empty = np.empty(0, np.int64)
     started = time.monotonic()
     try:
-        await client.expect(request.room, options.bootstrap_addr,
-                            indices.get(Pool.KV, (empty, empty))[1], **call_args(geometry, request, 1))
+        await client.expect(
+            request.room,
+            options.bootstrap_addr,
+            indices.get(Pool.KV, (empty, empty))[1],
+            **call_args(geometry, request, 1),
+        )
         state = await client.wait(request.room, options.room_timeout_s)
     except Refused as err:
         return refused_outcome(request, err), True
@@ -99,10 +124,15 @@ async def _run_room(client: AsyncClient, geometry: RankGeometry, arrays: Mapping
     outcome = state_outcome(request, state, options.room_timeout_s, latency_s)
     if not state.succeeded:
         return outcome, await _abort(client, request)
-    checked = await asyncio.to_thread(verify_destination, geometry, arrays, request.content_seed,
-                                      indices)
-    return RoomOutcome(request.index, request.room, "success", latency_s=latency_s,
-                       nbytes=checked.nbytes_checked, mismatches=tuple(checked.lines)), True
+    checked = await asyncio.to_thread(verify_destination, geometry, arrays, request.content_seed, indices)
+    return RoomOutcome(
+        request.index,
+        request.room,
+        "success",
+        latency_s=latency_s,
+        nbytes=checked.nbytes_checked,
+        mismatches=tuple(checked.lines),
+    ), True
 
 
 async def _abort(client: AsyncClient, request: ScheduledRequest) -> bool:
@@ -110,10 +140,13 @@ async def _abort(client: AsyncClient, request: ScheduledRequest) -> bool:
     try:
         drained = await client.abort(request.room)
     except Refused as err:
-        log.warning("abort of room %d refused [%s]: %s; its pages are retired", request.room,
-                    err.code_text, err.reason)
+        log.warning(
+            "abort of room %d refused [%s]: %s; its pages are retired",
+            request.room,
+            err.code_text,
+            err.reason,
+        )
         return False
     if not drained:
-        log.warning("abort of room %d did not confirm the pages drained; they are retired",
-                    request.room)
+        log.warning("abort of room %d did not confirm the pages drained; they are retired", request.room)
     return drained

@@ -37,7 +37,9 @@ class EngineOptions:
     progress_path: str | None = None
 
 
-def own_indices(geometry: RankGeometry, request: ScheduledRequest) -> dict[Pool, tuple[np.ndarray, np.ndarray]]:
+def own_indices(
+    geometry: RankGeometry, request: ScheduledRequest
+) -> dict[Pool, tuple[np.ndarray, np.ndarray]]:
     """The request's ``(src, dst)`` indices for the pools this rank registers.
 
     A pipeline stage without linear-attention layers has no state pool, so it
@@ -52,9 +54,11 @@ def call_args(geometry: RankGeometry, request: ScheduledRequest, side: int) -> d
     indices = own_indices(geometry, request)
     empty = np.empty(0, np.int64)
     aux = indices.get(Pool.AUX)
-    return {"state_slots": indices.get(Pool.MAMBA, (empty, empty))[side],
-            "swa_pages": indices.get(Pool.SWA, (empty, empty))[side],
-            "aux_row": None if aux is None else int(aux[side][0])}
+    return {
+        "state_slots": indices.get(Pool.MAMBA, (empty, empty))[side],
+        "swa_pages": indices.get(Pool.SWA, (empty, empty))[side],
+        "aux_row": None if aux is None else int(aux[side][0]),
+    }
 
 
 class Progress:
@@ -77,27 +81,47 @@ class Progress:
             with open(self._path, "a") as out:
                 out.write(f"{outcome.index} {outcome.room} {word}\n")
         if not outcome.ok:
-            log.warning("%s room %d (request %d) %s [%s]: %s", self.rank, outcome.room,
-                        outcome.index, outcome.status, outcome.code, outcome.reason
-                        or "; ".join(outcome.mismatches[:3]))
+            log.warning(
+                "%s room %d (request %d) %s [%s]: %s",
+                self.rank,
+                outcome.room,
+                outcome.index,
+                outcome.status,
+                outcome.code,
+                outcome.reason or "; ".join(outcome.mismatches[:3]),
+            )
         else:
             log.debug("%s room %d done in %.3f s", self.rank, outcome.room, outcome.latency_s or 0)
         done = len(self.report.outcomes)
         if done % self._step == 0 or done == self.report.num_requests:
             elapsed = time.monotonic() - self.started
             failed = sum(not o.ok for o in self.report.outcomes)
-            log.info("%s: %d/%d rooms done, %d failed, %.1f rooms/s", self.rank, done,
-                     self.report.num_requests, failed, done / elapsed if elapsed > 0 else 0.0)
+            log.info(
+                "%s: %d/%d rooms done, %d failed, %.1f rooms/s",
+                self.rank,
+                done,
+                self.report.num_requests,
+                failed,
+                done / elapsed if elapsed > 0 else 0.0,
+            )
 
 
-def state_outcome(request: ScheduledRequest, state: RoomState, waited_s: float,
-                  latency_s: float | None = None) -> RoomOutcome:
+def state_outcome(
+    request: ScheduledRequest, state: RoomState, waited_s: float, latency_s: float | None = None
+) -> RoomOutcome:
     """The outcome of a room whose wait returned ``state`` (terminal or not)."""
     if not state.is_terminal:
-        return RoomOutcome(request.index, request.room, "timeout", "timeout",
-                           f"still {state.status.value} after waiting {waited_s:g} s", latency_s)
-    return RoomOutcome(request.index, request.room, state.status.value, state.code_text,
-                       state.reason, latency_s)
+        return RoomOutcome(
+            request.index,
+            request.room,
+            "timeout",
+            "timeout",
+            f"still {state.status.value} after waiting {waited_s:g} s",
+            latency_s,
+        )
+    return RoomOutcome(
+        request.index, request.room, state.status.value, state.code_text, state.reason, latency_s
+    )
 
 
 def refused_outcome(request: ScheduledRequest, error: Refused) -> RoomOutcome:

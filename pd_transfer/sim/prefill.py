@@ -36,9 +36,14 @@ from pd_transfer.sim.report import WorkerReport
 from pd_transfer.sim.schedule import ScheduledRequest
 
 
-def run_prefill(client: Client, geometry: RankGeometry, arrays: Mapping[str, np.ndarray],
-                schedule: list[ScheduledRequest], options: EngineOptions,
-                report: WorkerReport) -> None:
+def run_prefill(
+    client: Client,
+    geometry: RankGeometry,
+    arrays: Mapping[str, np.ndarray],
+    schedule: list[ScheduledRequest],
+    options: EngineOptions,
+    report: WorkerReport,
+) -> None:
     """Send every request of ``schedule``, at most one room per window slot in flight."""
     progress = Progress(geometry.rank_id, report, options.progress_path)
     in_flight: dict[int, ScheduledRequest] = {}
@@ -56,8 +61,13 @@ def run_prefill(client: Client, geometry: RankGeometry, arrays: Mapping[str, np.
         _finish(client, request, options, progress)
 
 
-def _send(client: Client, geometry: RankGeometry, arrays: Mapping[str, np.ndarray],
-          request: ScheduledRequest, options: EngineOptions) -> int:
+def _send(
+    client: Client,
+    geometry: RankGeometry,
+    arrays: Mapping[str, np.ndarray],
+    request: ScheduledRequest,
+    options: EngineOptions,
+) -> int:
     """Fill and send one request chunk by chunk; the logical bytes filled."""
     indices = own_indices(geometry, request)
     chunks = request.chunks(options.chunk_pages) if Pool.KV in indices else [request.src_pages[:0]]
@@ -75,8 +85,7 @@ def _send(client: Client, geometry: RankGeometry, arrays: Mapping[str, np.ndarra
     return filled
 
 
-def _finish(client: Client, request: ScheduledRequest, options: EngineOptions,
-            progress: Progress) -> None:
+def _finish(client: Client, request: ScheduledRequest, options: EngineOptions, progress: Progress) -> None:
     try:
         state = client.wait(request.room, options.room_timeout_s)
     except Refused as err:
@@ -89,5 +98,10 @@ def _finish(client: Client, request: ScheduledRequest, options: EngineOptions,
         try:
             client.abort(request.room)
         except Refused as err:
-            log.warning("%s abort of timed-out room %d refused [%s]: %s", progress.rank,
-                        request.room, err.code_text, err.reason)
+            log.warning(
+                "%s abort of timed-out room %d refused [%s]: %s",
+                progress.rank,
+                request.room,
+                err.code_text,
+                err.reason,
+            )

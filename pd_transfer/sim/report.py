@@ -32,7 +32,7 @@ class RoomOutcome:
 
     index: int
     room: int
-    status: str                   # a RoomStatus value, or "timeout" when it never ended
+    status: str  # a RoomStatus value, or "timeout" when it never ended
     code: str | None = None
     reason: str = ""
     latency_s: float | None = None
@@ -61,8 +61,11 @@ class WorkerReport:
 
     @property
     def ok(self) -> bool:
-        return (self.error is None and len(self.outcomes) == self.num_requests
-                and all(o.ok for o in self.outcomes))
+        return (
+            self.error is None
+            and len(self.outcomes) == self.num_requests
+            and all(o.ok for o in self.outcomes)
+        )
 
     @property
     def nbytes_verified(self) -> int:
@@ -73,11 +76,19 @@ class WorkerReport:
         latencies = [o.latency_s for o in outcomes if o.ok and o.latency_s is not None]
         mismatches = [line for o in outcomes for line in o.mismatches]
         return {
-            "role": self.role, "worker_id": self.worker_id, "rank": self.rank, "model": self.model,
-            "ok": self.ok, "rooms": len(outcomes), "requests": self.num_requests,
+            "role": self.role,
+            "worker_id": self.worker_id,
+            "rank": self.rank,
+            "model": self.model,
+            "ok": self.ok,
+            "rooms": len(outcomes),
+            "requests": self.num_requests,
             "succeeded": sum(o.status == "success" for o in outcomes),
-            "failed": [{"room": o.room, "index": o.index, "status": o.status, "code": o.code,
-                        "reason": o.reason} for o in outcomes if o.status != "success"],
+            "failed": [
+                {"room": o.room, "index": o.index, "status": o.status, "code": o.code, "reason": o.reason}
+                for o in outcomes
+                if o.status != "success"
+            ],
             "bytes": self.nbytes_filled if self.role == "prefill" else self.nbytes_verified,
             "bytes_verified": self.nbytes_verified,
             "num_mismatches": len(mismatches),

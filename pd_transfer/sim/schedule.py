@@ -31,7 +31,7 @@ import numpy as np
 from pd_transfer.errors import ConfigError
 from pd_transfer.layout.views import Pool
 
-ROOM_STRIDE = 1 << 32    # rooms of seed s are s * 2**32 + r: two seeds never share a room
+ROOM_STRIDE = 1 << 32  # rooms of seed s are s * 2**32 + r: two seeds never share a room
 MAX_SEED = (1 << 30) - 1
 
 
@@ -104,7 +104,7 @@ class ScheduledRequest:
             raise ValueError(f"chunk_pages must be positive, got {chunk_pages}")
         if len(self.src_pages) == 0:
             return [self.src_pages]
-        return [self.src_pages[i:i + chunk_pages] for i in range(0, len(self.src_pages), chunk_pages)]
+        return [self.src_pages[i : i + chunk_pages] for i in range(0, len(self.src_pages), chunk_pages)]
 
     @property
     def state_slots(self) -> tuple[int, ...]:
@@ -131,26 +131,41 @@ class ScheduledRequest:
 def build_schedule(spec: ScheduleSpec) -> list[ScheduledRequest]:
     """The schedule of ``spec``; raises :class:`ConfigError` naming a pool that is too small."""
     _check(spec)
-    blocks = {side: _blocks(spec, side, sizes.num_pages, spec.pages_per_request)
-              for side, sizes in (("prefill", spec.prefill), ("decode", spec.decode))}
-    swa_blocks = {side: _blocks(spec, f"{side}.swa", sizes.num_swa_pages, spec.swa_pages)
-                  for side, sizes in (("prefill", spec.prefill), ("decode", spec.decode))}
+    blocks = {
+        side: _blocks(spec, side, sizes.num_pages, spec.pages_per_request)
+        for side, sizes in (("prefill", spec.prefill), ("decode", spec.decode))
+    }
+    swa_blocks = {
+        side: _blocks(spec, f"{side}.swa", sizes.num_swa_pages, spec.swa_pages)
+        for side, sizes in (("prefill", spec.prefill), ("decode", spec.decode))
+    }
     requests = []
     for r in range(spec.num_requests):
         slot = r % spec.window
         room = spec.seed * ROOM_STRIDE + r
-        pages = {side: _take(spec, f"{side}.{r}", blocks[side][slot], spec.pages_per_request)
-                 for side in blocks}
+        pages = {
+            side: _take(spec, f"{side}.{r}", blocks[side][slot], spec.pages_per_request) for side in blocks
+        }
         # the window's pages are the request's *last* tokens; their SWA pages
         # are a separate index space, allocated like the full-attention pages
-        swa = {side: _take(spec, f"{side}.swa.{r}", swa_blocks[side][slot], spec.swa_pages)
-               for side in swa_blocks}
-        requests.append(ScheduledRequest(
-            index=r, room=room, window_slot=slot, content_seed=_content_seed(spec.seed, room),
-            src_pages=pages["prefill"], dst_pages=pages["decode"],
-            src_swa_pages=swa["prefill"], dst_swa_pages=swa["decode"],
-            state_slot=slot if spec.uses_state else None,
-            aux_row=slot if spec.uses_aux else None))
+        swa = {
+            side: _take(spec, f"{side}.swa.{r}", swa_blocks[side][slot], spec.swa_pages)
+            for side in swa_blocks
+        }
+        requests.append(
+            ScheduledRequest(
+                index=r,
+                room=room,
+                window_slot=slot,
+                content_seed=_content_seed(spec.seed, room),
+                src_pages=pages["prefill"],
+                dst_pages=pages["decode"],
+                src_swa_pages=swa["prefill"],
+                dst_swa_pages=swa["decode"],
+                state_slot=slot if spec.uses_state else None,
+                aux_row=slot if spec.uses_aux else None,
+            )
+        )
     return requests
 
 
@@ -173,11 +188,15 @@ def _check(spec: ScheduleSpec) -> None:
         for field_name, per_request, what in wanted:
             have = getattr(sizes, field_name)
             if have < per_request * spec.window:
-                problems.append(f"{side}.{field_name} is {have} but {spec.window} rooms in flight "
-                                f"need {per_request} {what} each ({per_request * spec.window})")
+                problems.append(
+                    f"{side}.{field_name} is {have} but {spec.window} rooms in flight "
+                    f"need {per_request} {what} each ({per_request * spec.window})"
+                )
     if problems:
-        raise ConfigError("the schedule does not fit the pools: " + "; ".join(problems),
-                          hint="raise the pool sizes, or lower --window or --tokens")
+        raise ConfigError(
+            "the schedule does not fit the pools: " + "; ".join(problems),
+            hint="raise the pool sizes, or lower --window or --tokens",
+        )
 
 
 def _rng(spec: ScheduleSpec, label: str) -> np.random.Generator:
@@ -189,10 +208,9 @@ def _blocks(spec: ScheduleSpec, label: str, pool_size: int, per_request: int) ->
     """``window`` disjoint blocks of the pool, each holding at least ``per_request`` indices."""
     if per_request == 0:
         return [np.empty(0, np.int64)] * spec.window
-    order = (_rng(spec, f"blocks.{label}").permutation(pool_size) if spec.shuffle
-             else np.arange(pool_size))
+    order = _rng(spec, f"blocks.{label}").permutation(pool_size) if spec.shuffle else np.arange(pool_size)
     block = pool_size // spec.window
-    return [order[s * block:(s + 1) * block].astype(np.int64) for s in range(spec.window)]
+    return [order[s * block : (s + 1) * block].astype(np.int64) for s in range(spec.window)]
 
 
 def _take(spec: ScheduleSpec, label: str, block: np.ndarray, count: int) -> np.ndarray:

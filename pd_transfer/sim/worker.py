@@ -58,16 +58,22 @@ class Terminated(SystemExit):
 
 # -- arguments ---------------------------------------------------------------------
 
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m pd_transfer.sim.worker",
         description="A simulated prefill or decode worker for one rank, driving its sidecar.",
         epilog="exit codes: 0 ok, 1 a room failed or a byte differed, 2 invalid input, "
-               "130/143 interrupted/terminated")
+        "130/143 interrupted/terminated",
+    )
     add = parser.add_argument
     add("--role", required=True, choices=[r.value for r in Role])
-    add("--model", required=True, metavar="PRESET|FILE.toml",
-        help="a model preset name (configs/models) or a TOML file with a [model] table")
+    add(
+        "--model",
+        required=True,
+        metavar="PRESET|FILE.toml",
+        help="a model preset name (configs/models) or a TOML file with a [model] table",
+    )
     add("--tp-size", type=_positive, required=True, help="attention TP size of this instance")
     add("--tp-rank", type=_non_negative, required=True)
     add("--pp-size", type=_positive, default=1)
@@ -79,11 +85,19 @@ def build_parser() -> argparse.ArgumentParser:
     add("--num-swa-pages", type=_positive, default=None, help="SWA pages (default: --num-pages)")
     add("--num-slots", type=_positive, default=None, help="state slots (default: --window)")
     add("--num-aux-rows", type=_positive, default=None, help="aux rows (default: --window)")
-    add("--peer-num-pages", type=_positive, default=None,
+    add(
+        "--peer-num-pages",
+        type=_positive,
+        default=None,
         help="KV pages of the other side's ranks (default: --num-pages); both sides derive "
-             "the schedule from both sizes")
-    add("--peer-num-swa-pages", type=_positive, default=None,
-        help="SWA pages of the other side (default: --peer-num-pages)")
+        "the schedule from both sizes",
+    )
+    add(
+        "--peer-num-swa-pages",
+        type=_positive,
+        default=None,
+        help="SWA pages of the other side (default: --peer-num-pages)",
+    )
     add("--endpoint", required=True, help="the sidecar's worker endpoint, unix://PATH or ipc://PATH")
     add("--bootstrap", default="", help="the prefill instance's bootstrap address (decode)")
     add("--worker-id", default=None, help="default: ROLE-ppP-tpT")
@@ -92,15 +106,26 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seed", type=_non_negative, default=0)
     add("--window", type=_positive, default=4, help="rooms in flight at most")
     add("--chunk-pages", type=_positive, default=64, help="prefill: pages per send")
-    add("--contiguous-pages", action="store_true",
-        help="hand out pages in order instead of shuffled (best case for coalescing)")
+    add(
+        "--contiguous-pages",
+        action="store_true",
+        help="hand out pages in order instead of shuffled (best case for coalescing)",
+    )
     add("--room-timeout-s", type=_seconds, default=60.0, help="wait at most this long per room")
     add("--reply-timeout-s", type=_seconds, default=10.0, help="sidecar reply timeout per call")
-    add("--register-timeout-s", type=_seconds, default=30.0,
-        help="reply timeout of register (the sidecar may still be starting)")
+    add(
+        "--register-timeout-s",
+        type=_seconds,
+        default=30.0,
+        help="reply timeout of register (the sidecar may still be starting)",
+    )
     add("--report", required=True, help="where to write the JSON report")
-    add("--progress", default=None, metavar="PATH",
-        help="append one line per finished room to PATH (for a supervisor counting them)")
+    add(
+        "--progress",
+        default=None,
+        metavar="PATH",
+        help="append one line per finished room to PATH (for a supervisor counting them)",
+    )
     add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
 
@@ -138,6 +163,7 @@ def _int(text: str) -> int:
 
 # -- setup -----------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Setup:
     role: Role
@@ -164,48 +190,76 @@ def make_setup(args: argparse.Namespace) -> Setup:
     """Geometry, schedule and options from the arguments; ConfigError naming the flag."""
     role = Role(args.role)
     if role is Role.DECODE and not args.bootstrap:
-        raise ConfigError("--bootstrap is required for --role decode (tcp://HOST:PORT of the "
-                          "prefill instance's bootstrap)")
+        raise ConfigError(
+            "--bootstrap is required for --role decode (tcp://HOST:PORT of the prefill instance's bootstrap)"
+        )
     if not args.endpoint.startswith(("unix://", "ipc://")):
         raise ConfigError(f"--endpoint must be a unix:// or ipc:// address, got {args.endpoint!r}")
     spec = load_model(args.model)
     num_slots = args.num_slots or args.window
     num_aux_rows = args.num_aux_rows or args.window
-    geometry = build_rank(spec, WorkerShape(
-        role=role, tp_size=args.tp_size, tp_rank=args.tp_rank, pp_size=args.pp_size,
-        pp_rank=args.pp_rank, page_size=args.page_size, kv_layout=Layout(args.kv_layout),
-        num_pages=args.num_pages, num_swa_pages=args.num_swa_pages,
-        num_slots=num_slots if spec.linear is not None else None,
-        num_aux_rows=num_aux_rows, kv_dtype=args.kv_dtype))
+    geometry = build_rank(
+        spec,
+        WorkerShape(
+            role=role,
+            tp_size=args.tp_size,
+            tp_rank=args.tp_rank,
+            pp_size=args.pp_size,
+            pp_rank=args.pp_rank,
+            page_size=args.page_size,
+            kv_layout=Layout(args.kv_layout),
+            num_pages=args.num_pages,
+            num_swa_pages=args.num_swa_pages,
+            num_slots=num_slots if spec.linear is not None else None,
+            num_aux_rows=num_aux_rows,
+            kv_dtype=args.kv_dtype,
+        ),
+    )
     has_swa = spec.sliding_attention is not None
-    own = PoolSizes(args.num_pages, (args.num_swa_pages or args.num_pages) if has_swa else 0,
-                    num_slots, num_aux_rows)
+    own = PoolSizes(
+        args.num_pages, (args.num_swa_pages or args.num_pages) if has_swa else 0, num_slots, num_aux_rows
+    )
     peer_pages = args.peer_num_pages or args.num_pages
     # the peer's slot and row counts do not shape the schedule (slot = window slot);
     # the peer checks its own against the window
-    peer = PoolSizes(peer_pages, (args.peer_num_swa_pages or peer_pages) if has_swa else 0,
-                     args.window, args.window)
-    schedule = build_schedule(ScheduleSpec(
-        seed=args.seed, num_requests=args.requests, tokens=args.tokens, page_size=args.page_size,
-        window=args.window, prefill=own if role is Role.PREFILL else peer,
-        decode=peer if role is Role.PREFILL else own,
-        swa_pages_per_request=spec.swa_pages_per_request(args.page_size),
-        uses_state=spec.linear is not None, shuffle=not args.contiguous_pages))
+    peer = PoolSizes(
+        peer_pages, (args.peer_num_swa_pages or peer_pages) if has_swa else 0, args.window, args.window
+    )
+    schedule = build_schedule(
+        ScheduleSpec(
+            seed=args.seed,
+            num_requests=args.requests,
+            tokens=args.tokens,
+            page_size=args.page_size,
+            window=args.window,
+            prefill=own if role is Role.PREFILL else peer,
+            decode=peer if role is Role.PREFILL else own,
+            swa_pages_per_request=spec.swa_pages_per_request(args.page_size),
+            uses_state=spec.linear is not None,
+            shuffle=not args.contiguous_pages,
+        )
+    )
     worker_id = args.worker_id or f"{role.value}-pp{args.pp_rank}-tp{args.tp_rank}"
-    options = EngineOptions(chunk_pages=args.chunk_pages, room_timeout_s=args.room_timeout_s,
-                            bootstrap_addr=args.bootstrap, progress_path=args.progress)
+    options = EngineOptions(
+        chunk_pages=args.chunk_pages,
+        room_timeout_s=args.room_timeout_s,
+        bootstrap_addr=args.bootstrap,
+        progress_path=args.progress,
+    )
     return Setup(role, worker_id, geometry, schedule, options)
 
 
 # -- running ---------------------------------------------------------------------
+
 
 def run(setup: Setup, pools: Pools, args: argparse.Namespace, report: WorkerReport) -> None:
     """Register and drive the schedule; a refused registration is a fatal report error."""
     arrays = pools.arrays
     if setup.role is Role.PREFILL:
         with Client(args.endpoint, setup.worker_id, timeout_s=args.reply_timeout_s) as client:
-            client.register(setup.geometry, pools.handles, timeout_s=args.register_timeout_s,
-                            pp_size=args.pp_size)
+            client.register(
+                setup.geometry, pools.handles, timeout_s=args.register_timeout_s, pp_size=args.pp_size
+            )
             _registered(setup, pools, args)
             run_prefill(client, setup.geometry, arrays, setup.schedule, setup.options, report)
     else:
@@ -213,39 +267,51 @@ def run(setup: Setup, pools: Pools, args: argparse.Namespace, report: WorkerRepo
 
 
 def _registered(setup: Setup, pools: Pools, args: argparse.Namespace) -> None:
-    log.info("%s registered with %s (%d views, %d regions, %.1f MiB)", setup.geometry.rank_id,
-             args.endpoint, len(setup.geometry.views), len(setup.geometry.regions),
-             pools.nbytes / 2**20)
+    log.info(
+        "%s registered with %s (%d views, %d regions, %.1f MiB)",
+        setup.geometry.rank_id,
+        args.endpoint,
+        len(setup.geometry.views),
+        len(setup.geometry.regions),
+        pools.nbytes / 2**20,
+    )
 
 
-async def _run_decode(setup: Setup, pools: Pools, args: argparse.Namespace,
-                      report: WorkerReport) -> None:
+async def _run_decode(setup: Setup, pools: Pools, args: argparse.Namespace, report: WorkerReport) -> None:
     async with AsyncClient(args.endpoint, setup.worker_id, timeout_s=args.reply_timeout_s) as client:
-        await client.register(setup.geometry, pools.handles, timeout_s=args.register_timeout_s,
-                            pp_size=args.pp_size)
+        await client.register(
+            setup.geometry, pools.handles, timeout_s=args.register_timeout_s, pp_size=args.pp_size
+        )
         _registered(setup, pools, args)
         await run_decode(client, setup.geometry, pools.arrays, setup.schedule, setup.options, report)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         setup = make_setup(args)
     except PdTransferError as err:
         log.error("invalid input: %s", err)
         return EXIT_INVALID
-    report = WorkerReport(setup.role.value, setup.worker_id, setup.geometry.rank_id,
-                          setup.geometry.model, len(setup.schedule))
+    report = WorkerReport(
+        setup.role.value, setup.worker_id, setup.geometry.rank_id, setup.geometry.model, len(setup.schedule)
+    )
     started = time.monotonic()
     exit_code = EXIT_FAILED
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         with allocate_pools(setup.geometry, f"{setup.worker_id}-{os.getpid()}") as pools:
-            log.info("%s: %d requests of %d pages, window %d, pools %.1f MiB in shm",
-                     setup.geometry.rank_id, len(setup.schedule),
-                     len(setup.schedule[0].src_pages), args.window, pools.nbytes / 2**20)
+            log.info(
+                "%s: %d requests of %d pages, window %d, pools %.1f MiB in shm",
+                setup.geometry.rank_id,
+                len(setup.schedule),
+                len(setup.schedule[0].src_pages),
+                args.window,
+                pools.nbytes / 2**20,
+            )
             run(setup, pools, args, report)
         exit_code = EXIT_OK if report.ok else EXIT_FAILED
     except ClientError as err:
@@ -267,9 +333,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
         report.elapsed_s = time.monotonic() - started
         write_report(args.report, report)
-    log.info("%s: %s, %d/%d rooms succeeded, report in %s", setup.geometry.rank_id,
-             "ok" if exit_code == EXIT_OK else f"exit {exit_code}",
-             sum(o.ok for o in report.outcomes), len(setup.schedule), args.report)
+    log.info(
+        "%s: %s, %d/%d rooms succeeded, report in %s",
+        setup.geometry.rank_id,
+        "ok" if exit_code == EXIT_OK else f"exit {exit_code}",
+        sum(o.ok for o in report.outcomes),
+        len(setup.schedule),
+        args.report,
+    )
     return exit_code
 
 

@@ -88,8 +88,9 @@ def make_logical(view: TensorView, rng: np.random.Generator) -> LogicalTensor:
     return LogicalTensor(view.key, view.path, view.dtype, tuple(names), shard_axis, data)
 
 
-def axis_order(view: TensorView, logical: LogicalTensor, *, same_index_count: bool,
-               rank_id: str) -> tuple[int, ...]:
+def axis_order(
+    view: TensorView, logical: LogicalTensor, *, same_index_count: bool, rank_id: str
+) -> tuple[int, ...]:
     """For each logical axis, the view axis that holds it; raises if they do not pair.
 
     ``same_index_count`` demands the view's index extent equal the logical one
@@ -101,18 +102,18 @@ def axis_order(view: TensorView, logical: LogicalTensor, *, same_index_count: bo
         problems.append(f"dtype {view.dtype}, but the prefill tensor is {logical.dtype}")
     view_names = {a.name for j, a in enumerate(view.axes) if a.role is not AxisRole.INDEX}
     if view_names != set(logical.axis_names[1:]) or len(view.axes) != len(logical.axis_names):
-        problems.append(f"axes {[a.name for a in view.axes]}, but the prefill tensor has "
-                        f"{list(logical.axis_names)}")
+        problems.append(
+            f"axes {[a.name for a in view.axes]}, but the prefill tensor has {list(logical.axis_names)}"
+        )
         _raise(view, rank_id, problems)
     order = [view.axis_index(AxisRole.INDEX)]
     if same_index_count and view.shape[order[0]] != logical.index_count:
-        problems.append(f"{view.shape[order[0]]} index items, other prefill ranks have "
-                        f"{logical.index_count}")
+        problems.append(f"{view.shape[order[0]]} index items, other prefill ranks have {logical.index_count}")
     for position, name in enumerate(logical.axis_names[1:], start=1):
         j = view.axis_named(name)
         order.append(j)
         if view.axes[j].role is AxisRole.TOKEN and not same_index_count:
-            continue   # decode pages may hold another number of tokens
+            continue  # decode pages may hold another number of tokens
         problems += _axis_problems(view, j, logical, position)
     if problems:
         _raise(view, rank_id, problems)

@@ -38,8 +38,9 @@ def fit_problem(view: TensorView, region_nbytes: int | None) -> str:
     for extent, stride_nbytes in zip(view.shape, view.strides_nbytes, strict=True):
         last_nbytes += (extent - 1) * stride_nbytes
     if last_nbytes > region_nbytes:
-        return (f"{view.path}: reaches byte {last_nbytes} of region {view.region!r}, "
-                f"which holds {region_nbytes}")
+        return (
+            f"{view.path}: reaches byte {last_nbytes} of region {view.region!r}, which holds {region_nbytes}"
+        )
     return ""
 
 
@@ -55,7 +56,7 @@ def window(buf: np.ndarray, view: TensorView, order: tuple[int, ...] | None = No
         raise TypeError("region buffers are flat arrays of 1-byte items")
     shape = tuple(view.shape) + (view.itemsize,)
     strides = tuple(view.strides_nbytes) + (1,)
-    full = as_strided(buf[view.offset_nbytes:], shape=shape, strides=strides)
+    full = as_strided(buf[view.offset_nbytes :], shape=shape, strides=strides)
     if order is None:
         return full
     return full.transpose(tuple(order) + (len(view.shape),))

@@ -40,31 +40,37 @@ class Runs:
     nbytes: np.ndarray
 
 
-def load_runs(batch, where: str, src_regions: dict[str, np.ndarray],
-              dst_regions: dict[str, np.ndarray]) -> Runs:
+def load_runs(
+    batch, where: str, src_regions: dict[str, np.ndarray], dst_regions: dict[str, np.ndarray]
+) -> Runs:
     """Read one batch's runs and refuse any that leave its regions."""
-    for side, region, regions in (("source", batch.src_region, src_regions),
-                                  ("destination", batch.dst_region, dst_regions)):
+    for side, region, regions in (
+        ("source", batch.src_region, src_regions),
+        ("destination", batch.dst_region, dst_regions),
+    ):
         if region not in regions:
-            raise PlanError(f"{where}: {side} region {region!r} is not registered",
-                            code=Reason.UNKNOWN_REGION)
+            raise PlanError(
+                f"{where}: {side} region {region!r} is not registered", code=Reason.UNKNOWN_REGION
+            )
     arrays = [np.asarray(a) for a in batch.byte_runs()]
     if len({a.shape for a in arrays}) != 1 or arrays[0].ndim != 1:
-        raise PlanError(f"{where}: byte_runs() returned arrays of shapes {[a.shape for a in arrays]}",
-                        code=Reason.INDEX_COUNT_MISMATCH)
+        raise PlanError(
+            f"{where}: byte_runs() returned arrays of shapes {[a.shape for a in arrays]}",
+            code=Reason.INDEX_COUNT_MISMATCH,
+        )
     if any(a.size and a.dtype.kind not in "iu" for a in arrays):
-        raise PlanError(f"{where}: byte_runs() returned non-integer arrays",
-                        code=Reason.INDEX_OUT_OF_RANGE)
+        raise PlanError(f"{where}: byte_runs() returned non-integer arrays", code=Reason.INDEX_OUT_OF_RANGE)
     src_offset, dst_offset, nbytes = (a.astype(np.int64) for a in arrays)
-    _check_bounds(where, "source", batch.src_region, src_offset, nbytes,
-                  src_regions[batch.src_region].size)
-    _check_bounds(where, "destination", batch.dst_region, dst_offset, nbytes,
-                  dst_regions[batch.dst_region].size)
+    _check_bounds(where, "source", batch.src_region, src_offset, nbytes, src_regions[batch.src_region].size)
+    _check_bounds(
+        where, "destination", batch.dst_region, dst_offset, nbytes, dst_regions[batch.dst_region].size
+    )
     return Runs(batch.src_region, batch.dst_region, src_offset, dst_offset, nbytes)
 
 
-def _check_bounds(where: str, side: str, region: str, offset: np.ndarray,
-                  nbytes: np.ndarray, region_nbytes: int) -> None:
+def _check_bounds(
+    where: str, side: str, region: str, offset: np.ndarray, nbytes: np.ndarray, region_nbytes: int
+) -> None:
     # offset <= size and nbytes <= size - offset: no int64 overflow possible
     bad = (offset < 0) | (nbytes < 0) | (offset > region_nbytes) | (nbytes > region_nbytes - offset)
     if np.any(bad):
@@ -72,7 +78,9 @@ def _check_bounds(where: str, side: str, region: str, offset: np.ndarray,
         raise PlanError(
             f"{where}: {int(np.count_nonzero(bad))} run(s) out of bounds of {side} region "
             f"{region!r} ({region_nbytes} bytes); first: run {i} offset {int(offset[i])} "
-            f"nbytes {int(nbytes[i])}", code=Reason.VIEW_OUT_OF_REGION)
+            f"nbytes {int(nbytes[i])}",
+            code=Reason.VIEW_OUT_OF_REGION,
+        )
 
 
 def flat_indices(offset: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
@@ -100,8 +108,9 @@ def _chunks(nbytes: np.ndarray):
 def copy_runs(src: np.ndarray, dst: np.ndarray, runs: Runs) -> None:
     """Copy validated runs from ``src`` to ``dst``, a bounded chunk of runs at a time."""
     for part in _chunks(runs.nbytes):
-        dst[flat_indices(runs.dst_offset[part], runs.nbytes[part])] = \
-            src[flat_indices(runs.src_offset[part], runs.nbytes[part])]
+        dst[flat_indices(runs.dst_offset[part], runs.nbytes[part])] = src[
+            flat_indices(runs.src_offset[part], runs.nbytes[part])
+        ]
 
 
 def self_overlap(dst_offset: np.ndarray, nbytes: np.ndarray) -> tuple[int, int]:

@@ -29,16 +29,21 @@ def expected_range(group_size: int, tp_size: int, tp_rank: int) -> tuple[int, in
     if group_size <= 0 or tp_size <= 0 or not 0 <= tp_rank < tp_size:
         raise GeometryError(
             f"no shard range for group {group_size}, tp_size {tp_size}, tp_rank {tp_rank}",
-            code=Reason.SHARD_RANGE_INVALID)
+            code=Reason.SHARD_RANGE_INVALID,
+        )
     if group_size >= tp_size:
         if group_size % tp_size != 0:
-            raise GeometryError(f"group of {group_size} does not split over tp_size {tp_size}",
-                                code=Reason.SHARD_NOT_DIVISIBLE)
+            raise GeometryError(
+                f"group of {group_size} does not split over tp_size {tp_size}",
+                code=Reason.SHARD_NOT_DIVISIBLE,
+            )
         width = group_size // tp_size
         return tp_rank * width, tp_rank * width + width
     if tp_size % group_size != 0:
-        raise GeometryError(f"group of {group_size} cannot be replicated evenly over tp_size {tp_size}",
-                            code=Reason.SHARD_NOT_DIVISIBLE)
+        raise GeometryError(
+            f"group of {group_size} cannot be replicated evenly over tp_size {tp_size}",
+            code=Reason.SHARD_NOT_DIVISIBLE,
+        )
     ranks_per_element = tp_size // group_size
     element = tp_rank // ranks_per_element
     return element, element + 1
@@ -52,8 +57,10 @@ def shard_positions(shard: ShardSpec) -> np.ndarray:
     [2, 3, 6, 7, 12, 13, 14, 15] (group bases 0, 4, 8).
     """
     bases = np.concatenate(([0], np.cumsum(shard.groups[:-1], dtype=np.int64)))
-    parts = [np.arange(base + start, base + end, dtype=np.int64)
-             for base, (start, end) in zip(bases, shard.ranges, strict=True)]
+    parts = [
+        np.arange(base + start, base + end, dtype=np.int64)
+        for base, (start, end) in zip(bases, shard.ranges, strict=True)
+    ]
     return np.concatenate(parts)
 
 
@@ -68,8 +75,7 @@ def shard_problems(view: TensorView, tp_size: int, tp_rank: int) -> list[str]:
     if view.shard is None:
         return [f"{view.path}: has a shard axis but no shard ranges; the oracle will not guess them"]
     if len(view.shard.groups) != len(view.shard.ranges):
-        return [f"{view.path}: {len(view.shard.groups)} shard groups but "
-                f"{len(view.shard.ranges)} ranges"]
+        return [f"{view.path}: {len(view.shard.groups)} shard groups but {len(view.shard.ranges)} ranges"]
     problems = []
     for group, got in zip(view.shard.groups, view.shard.ranges, strict=True):
         if tuple(got) == (0, group):
@@ -80,6 +86,8 @@ def shard_problems(view: TensorView, tp_size: int, tp_rank: int) -> list[str]:
             problems.append(f"{view.path}: {exc.message}")
             continue
         if tuple(got) != want:
-            problems.append(f"{view.path}: holds [{got[0]},{got[1]}) of group {group} but "
-                            f"tp_rank {tp_rank}/{tp_size} should hold [{want[0]},{want[1]})")
+            problems.append(
+                f"{view.path}: holds [{got[0]},{got[1]}) of group {group} but "
+                f"tp_rank {tp_rank}/{tp_size} should hold [{want[0]},{want[1]})"
+            )
     return problems

@@ -32,8 +32,13 @@ Buffers = dict[str, dict[str, np.ndarray]]  # rank_id -> region id -> flat uint8
 class World:
     """Numpy buffers for every rank of both sides, plus the truth they derive from."""
 
-    def __init__(self, prefill: dict[str, RankGeometry], decode: dict[str, RankGeometry],
-                 tensors: dict[tuple, LogicalTensor], buffers: dict[Role, Buffers]) -> None:
+    def __init__(
+        self,
+        prefill: dict[str, RankGeometry],
+        decode: dict[str, RankGeometry],
+        tensors: dict[tuple, LogicalTensor],
+        buffers: dict[Role, Buffers],
+    ) -> None:
         self.prefill = prefill
         self.decode = decode
         self.tensors = tensors
@@ -47,21 +52,26 @@ class World:
     def build(cls, prefill: list[RankGeometry], decode: list[RankGeometry], seed: int) -> World:
         """Allocate, check and fill a world; raises :class:`GeometryError` on a bad registration."""
         rng = np.random.default_rng(seed)
-        ranks = {Role.PREFILL: _index_ranks(prefill, Role.PREFILL),
-                 Role.DECODE: _index_ranks(decode, Role.DECODE)}
+        ranks = {
+            Role.PREFILL: _index_ranks(prefill, Role.PREFILL),
+            Role.DECODE: _index_ranks(decode, Role.DECODE),
+        }
         for geometries in ranks.values():
             for geometry in geometries.values():
                 _check_rank(geometry)
-        buffers = {role: {rank_id: _allocate(g, rng) for rank_id, g in geometries.items()}
-                   for role, geometries in ranks.items()}
+        buffers = {
+            role: {rank_id: _allocate(g, rng) for rank_id, g in geometries.items()}
+            for role, geometries in ranks.items()
+        }
         tensors = _logical_tensors(ranks, rng)
         for rank_id, geometry in ranks[Role.PREFILL].items():
             for view in geometry.views:
                 logical = tensors.get(view.key)
                 if logical is not None:
                     order = axis_order(view, logical, same_index_count=True, rank_id=rank_id)
-                    window(buffers[Role.PREFILL][rank_id][view.region], view, order)[...] = \
-                        logical.slice_for(view)
+                    window(buffers[Role.PREFILL][rank_id][view.region], view, order)[...] = logical.slice_for(
+                        view
+                    )
         return cls(ranks[Role.PREFILL], ranks[Role.DECODE], tensors, buffers)
 
     @property
@@ -86,8 +96,10 @@ class World:
             raise PlanError(f"{where}: unknown decode rank {plan.dst_rank!r}", code=Reason.UNKNOWN_REGION)
         src_regions = self.prefill_buffers[plan.src_rank]
         dst_regions = self.decode_buffers[plan.dst_rank]
-        batches = [runs.load_runs(b, f"{where} batch {i}", src_regions, dst_regions)
-                   for i, b in enumerate(plan.batches)]
+        batches = [
+            runs.load_runs(b, f"{where} batch {i}", src_regions, dst_regions)
+            for i, b in enumerate(plan.batches)
+        ]
         self._record_rewrites(where, plan.dst_rank, batches)
         for batch in batches:
             runs.copy_runs(src_regions[batch.src_region], dst_regions[batch.dst_region], batch)
@@ -99,16 +111,21 @@ class World:
             nbytes = np.concatenate([b.nbytes for b in mine])
             clashes, first = runs.self_overlap(offset, nbytes)
             if clashes:
-                self._rewrites.add(f"{where}: {clashes} run(s) write destination bytes another run "
-                                   f"of the same plan writes, in region {region_id!r}, first at "
-                                   f"byte {first}")
+                self._rewrites.add(
+                    f"{where}: {clashes} run(s) write destination bytes another run "
+                    f"of the same plan writes, in region {region_id!r}, first at "
+                    f"byte {first}"
+                )
             written = self._written.setdefault(
-                (dst_rank, region_id), np.zeros(self.decode_buffers[dst_rank][region_id].size, bool))
+                (dst_rank, region_id), np.zeros(self.decode_buffers[dst_rank][region_id].size, bool)
+            )
             again, first = runs.mark_written(written, offset, nbytes)
             if again:
-                self._rewrites.add(f"{where}: {again} byte(s) of region {region_id!r} were already "
-                                   f"written by an earlier plan, first at byte {first} "
-                                   f"(one writer must be elected)")
+                self._rewrites.add(
+                    f"{where}: {again} byte(s) of region {region_id!r} were already "
+                    f"written by an earlier plan, first at byte {first} "
+                    f"(one writer must be elected)"
+                )
 
     # -- verdict ----------------------------------------------------------------
     def verify(self, requests: dict | list[dict]) -> list[str]:
@@ -131,13 +148,20 @@ class World:
             self._verify_decode_rank(report, rank_id, geometry, wanted)
         for rank_id, geometry in self.prefill.items():
             for region_id, buf in self.prefill_buffers[rank_id].items():
-                oracle.check_untouched(report, rank_id, region_id, buf,
-                                       self._snapshots[Role.PREFILL][rank_id][region_id], None,
-                                       _views_in(geometry, region_id))
+                oracle.check_untouched(
+                    report,
+                    rank_id,
+                    region_id,
+                    buf,
+                    self._snapshots[Role.PREFILL][rank_id][region_id],
+                    None,
+                    _views_in(geometry, region_id),
+                )
         return report.lines()
 
-    def _verify_decode_rank(self, report: oracle.Report, rank_id: str, geometry: RankGeometry,
-                            rooms: list[dict]) -> None:
+    def _verify_decode_rank(
+        self, report: oracle.Report, rank_id: str, geometry: RankGeometry, rooms: list[dict]
+    ) -> None:
         buffers = self.decode_buffers[rank_id]
         covered = {region_id: np.zeros(buf.size, bool) for region_id, buf in buffers.items()}
         for view, wanted in ((v, w) for w in rooms for v in geometry.views):
@@ -145,23 +169,31 @@ class World:
                 continue
             logical = self.tensors.get(view.key)
             if logical is None:
-                report.add(f"{rank_id} {view.path}: requested, but no prefill rank registers "
-                           f"this tensor, so nothing can fill it")
+                report.add(
+                    f"{rank_id} {view.path}: requested, but no prefill rank registers "
+                    f"this tensor, so nothing can fill it"
+                )
                 continue
             owed = wanted[view.pool]
             order = axis_order(view, logical, same_index_count=False, rank_id=rank_id)
             if oracle.is_token_paged(view, logical, owed):
-                oracle.compare_tokens(report, rank_id, view, order, logical, buffers[view.region],
-                                      owed)
+                oracle.compare_tokens(report, rank_id, view, order, logical, buffers[view.region], owed)
                 oracle.mark_tokens(covered[view.region], view, order, logical, owed)
                 continue
-            oracle.compare_view(report, rank_id, view, order, logical, buffers[view.region],
-                                owed.src, owed.dst)
+            oracle.compare_view(
+                report, rank_id, view, order, logical, buffers[view.region], owed.src, owed.dst
+            )
             oracle.mark_covered(covered[view.region], view, order, owed.dst)
         for region_id, buf in buffers.items():
-            oracle.check_untouched(report, rank_id, region_id, buf,
-                                   self._snapshots[Role.DECODE][rank_id][region_id],
-                                   covered[region_id], _views_in(geometry, region_id))
+            oracle.check_untouched(
+                report,
+                rank_id,
+                region_id,
+                buf,
+                self._snapshots[Role.DECODE][rank_id][region_id],
+                covered[region_id],
+                _views_in(geometry, region_id),
+            )
 
     def assert_exact(self, requests: dict) -> None:
         """Raise AssertionError listing the discrepancies unless :meth:`verify` finds none."""
@@ -175,8 +207,7 @@ def _index_ranks(geometries: list[RankGeometry], role: Role) -> dict[str, RankGe
     out: dict[str, RankGeometry] = {}
     for geometry in geometries:
         if geometry.role is not role:
-            raise GeometryError(f"{geometry.rank_id} was passed as a {role.value} rank",
-                                code=Reason.BAD_VIEW)
+            raise GeometryError(f"{geometry.rank_id} was passed as a {role.value} rank", code=Reason.BAD_VIEW)
         if geometry.rank_id in out:
             raise GeometryError(f"rank {geometry.rank_id} is given twice", code=Reason.BAD_VIEW)
         out[geometry.rank_id] = geometry
@@ -196,20 +227,20 @@ def _check_rank(geometry: RankGeometry) -> None:
         for region_id, nbytes in sizes.items():
             problems += overlap_problems(_views_in(geometry, region_id), nbytes)
     if problems or sharding:
-        lines = [f"the oracle refuses {geometry.rank_id} "
-                 f"(tp {geometry.tp_rank}/{geometry.tp_size}):"]
+        lines = [f"the oracle refuses {geometry.rank_id} (tp {geometry.tp_rank}/{geometry.tp_size}):"]
         lines += [f"  - {p}" for p in sharding + problems]
-        raise GeometryError("\n".join(lines), code=Reason.SHARD_RANGE_INVALID if sharding
-                            else Reason.BAD_VIEW)
+        raise GeometryError(
+            "\n".join(lines), code=Reason.SHARD_RANGE_INVALID if sharding else Reason.BAD_VIEW
+        )
 
 
 def _allocate(geometry: RankGeometry, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    return {r.id: np.frombuffer(rng.bytes(r.nbytes), dtype=np.uint8).copy()
-            for r in geometry.regions}
+    return {r.id: np.frombuffer(rng.bytes(r.nbytes), dtype=np.uint8).copy() for r in geometry.regions}
 
 
-def _logical_tensors(ranks: dict[Role, dict[str, RankGeometry]],
-                     rng: np.random.Generator) -> dict[tuple, LogicalTensor]:
+def _logical_tensors(
+    ranks: dict[Role, dict[str, RankGeometry]], rng: np.random.Generator
+) -> dict[tuple, LogicalTensor]:
     """One logical tensor per key on both sides, checked against every view of it."""
     reference: dict[tuple, TensorView] = {}
     for geometry in ranks[Role.PREFILL].values():
@@ -221,8 +252,9 @@ def _logical_tensors(ranks: dict[Role, dict[str, RankGeometry]],
         for rank_id, geometry in geometries.items():
             for view in geometry.views:
                 if view.key in tensors:
-                    axis_order(view, tensors[view.key], same_index_count=role is Role.PREFILL,
-                               rank_id=rank_id)
+                    axis_order(
+                        view, tensors[view.key], same_index_count=role is Role.PREFILL, rank_id=rank_id
+                    )
     return tensors
 
 
@@ -231,5 +263,7 @@ def _views_in(geometry: RankGeometry, region_id: str) -> list[TensorView]:
 
 
 def _copy(buffers: Buffers) -> Buffers:
-    return {rank_id: {region_id: buf.copy() for region_id, buf in regions.items()}
-            for rank_id, regions in buffers.items()}
+    return {
+        rank_id: {region_id: buf.copy() for region_id, buf in regions.items()}
+        for rank_id, regions in buffers.items()
+    }

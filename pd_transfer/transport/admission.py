@@ -42,8 +42,8 @@ _MAX_FENCES = 65536
 
 
 class RoomPolicy(enum.Enum):
-    EXPECTED = "expected"   # only rooms announced with expect(), only into their ranges
-    ANY = "any"             # any room not fenced (standalone receivers in tests, benchmarks)
+    EXPECTED = "expected"  # only rooms announced with expect(), only into their ranges
+    ANY = "any"  # any room not fenced (standalone receivers in tests, benchmarks)
 
 
 @dataclass(frozen=True)
@@ -148,8 +148,7 @@ class RoomAdmission:
         with self._lock:
             self._check_room(room, generation)
 
-    def admit(self, room: str, generation: int, region_ids: tuple[str, ...],
-              runs: np.ndarray) -> Ticket:
+    def admit(self, room: str, generation: int, region_ids: tuple[str, ...], runs: np.ndarray) -> Ticket:
         """Check a chunk (its runs already inside their regions) and mark it landing.
 
         ``runs`` rows are ``(region slot, offset, nbytes)`` into ``region_ids``.
@@ -194,25 +193,31 @@ class RoomAdmission:
         expected = self._expected.get(room)
         if expected is None:
             if self.policy is RoomPolicy.EXPECTED:
-                raise TransportError(f"room {room} is not expected by this decode rank: "
-                                     f"nothing was written", code=Reason.UNKNOWN_ROOM)
+                raise TransportError(
+                    f"room {room} is not expected by this decode rank: nothing was written",
+                    code=Reason.UNKNOWN_ROOM,
+                )
             return None
         if generation != expected.generation:
-            code = Reason.STALE_GENERATION if generation < expected.generation \
-                else Reason.BAD_GENERATION
-            raise TransportError(f"room {room} generation {generation} is not the expected "
-                                 f"generation {expected.generation}", code=code)
+            code = Reason.STALE_GENERATION if generation < expected.generation else Reason.BAD_GENERATION
+            raise TransportError(
+                f"room {room} generation {generation} is not the expected generation {expected.generation}",
+                code=code,
+            )
         return expected
 
     def _check_fence(self, room: str, generation: int) -> None:
         fence = self._fences.get(room)
         if fence is not None and generation <= fence:
-            raise TransportError(f"room {room} generation {generation} was aborted "
-                                 f"(fenced at {fence})", code=Reason.STALE_GENERATION)
+            raise TransportError(
+                f"room {room} generation {generation} was aborted (fenced at {fence})",
+                code=Reason.STALE_GENERATION,
+            )
 
 
-def _check_ranges(room: str, region_ids: tuple[str, ...], runs: np.ndarray,
-                  ranges: Mapping[str, ByteRanges]) -> None:
+def _check_ranges(
+    room: str, region_ids: tuple[str, ...], runs: np.ndarray, ranges: Mapping[str, ByteRanges]
+) -> None:
     if not len(runs):
         return
     slots = runs[:, 0]
@@ -220,19 +225,24 @@ def _check_ranges(room: str, region_ids: tuple[str, ...], runs: np.ndarray,
         region_id = region_ids[slot]
         mine = runs[slots == slot] if len(region_ids) > 1 else runs
         allowed = ranges.get(region_id)
-        ok = allowed.covers(mine[:, 1], mine[:, 2]) if allowed is not None and len(allowed) \
+        ok = (
+            allowed.covers(mine[:, 1], mine[:, 2])
+            if allowed is not None and len(allowed)
             else np.zeros(len(mine), bool)
+        )
         if not ok.all():
             i = int(np.flatnonzero(~ok)[0])
             raise TransportError(
                 f"room {room}: {int(mine[i, 2])} bytes at offset {int(mine[i, 1])} of region "
                 f"{region_id!r} are outside the pages this room expects "
                 f"({int((~ok).sum())} such run(s)); nothing was written",
-                code=Reason.RUN_OUT_OF_REGION)
+                code=Reason.RUN_OUT_OF_REGION,
+            )
 
 
-def item_ranges(views: Iterable[TensorView],
-                indices: Mapping[object, Iterable[int] | np.ndarray]) -> dict[str, ByteRanges]:
+def item_ranges(
+    views: Iterable[TensorView], indices: Mapping[object, Iterable[int] | np.ndarray]
+) -> dict[str, ByteRanges]:
     """The byte ranges of the items ``indices[view.pool]`` of every view, per region.
 
     Each item (a page, a slot, a row) counts as the span from its first to its
@@ -243,18 +253,23 @@ def item_ranges(views: Iterable[TensorView],
     """
     starts: dict[str, list[np.ndarray]] = {}
     ends: dict[str, list[np.ndarray]] = {}
-    arrays = {pool: np.asarray(list(idx) if not isinstance(idx, np.ndarray) else idx, np.int64)
-              for pool, idx in indices.items()}
+    arrays = {
+        pool: np.asarray(list(idx) if not isinstance(idx, np.ndarray) else idx, np.int64)
+        for pool, idx in indices.items()
+    }
     for view in views:
         idx = arrays.get(view.pool)
         if idx is None or not len(idx):
             continue
         axis = view.axis_index(AxisRole.INDEX)
         idx = idx[(idx >= 0) & (idx < view.shape[axis])]
-        extent = view.itemsize + sum((n - 1) * s for j, (n, s) in
-                                     enumerate(zip(view.shape, view.strides_nbytes)) if j != axis)
+        extent = view.itemsize + sum(
+            (n - 1) * s for j, (n, s) in enumerate(zip(view.shape, view.strides_nbytes)) if j != axis
+        )
         first = view.offset_nbytes + idx * view.strides_nbytes[axis]
         starts.setdefault(view.region, []).append(first)
         ends.setdefault(view.region, []).append(first + extent)
-    return {region: ByteRanges.merged(np.concatenate(starts[region]), np.concatenate(ends[region]))
-            for region in starts}
+    return {
+        region: ByteRanges.merged(np.concatenate(starts[region]), np.concatenate(ends[region]))
+        for region in starts
+    }

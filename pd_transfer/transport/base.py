@@ -53,8 +53,8 @@ class TransportKind(enum.Enum):
     SHM = "shm"
     TCP = "tcp"
     MOCK = "mock"
-    MOONCAKE = "mooncake"   # optional extra: Mooncake Transfer Engine
-    NIXL = "nixl"           # optional extra: NIXL (UCX)
+    MOONCAKE = "mooncake"  # optional extra: Mooncake Transfer Engine
+    NIXL = "nixl"  # optional extra: NIXL (UCX)
 
 
 @dataclass(frozen=True)
@@ -84,11 +84,19 @@ class PeerEndpoint:
         object.__setattr__(self, "_by_id", {r.region_id: r for r in self.regions})
 
     @classmethod
-    def from_maps(cls, peer_id: str, region_nbytes: Mapping[str, int],
-                  segments: Mapping[str, str] | None = None, data_address: str = "") -> PeerEndpoint:
+    def from_maps(
+        cls,
+        peer_id: str,
+        region_nbytes: Mapping[str, int],
+        segments: Mapping[str, str] | None = None,
+        data_address: str = "",
+    ) -> PeerEndpoint:
         segments = segments or {}
-        return cls(peer_id, tuple(RegionHandle(r, int(n), segments.get(r, ""))
-                                  for r, n in region_nbytes.items()), data_address)
+        return cls(
+            peer_id,
+            tuple(RegionHandle(r, int(n), segments.get(r, "")) for r, n in region_nbytes.items()),
+            data_address,
+        )
 
     def region(self, region_id: str) -> RegionHandle | None:
         return self._by_id.get(region_id)
@@ -170,8 +178,9 @@ class Transport(ABC):
         """Open a link to ``peer``; raises TransportError if it cannot be reached or mapped."""
 
     @abstractmethod
-    async def write(self, link: Link, plan, src_regions: Regions, *, room: str = "",
-                    generation: int = 0) -> int:
+    async def write(
+        self, link: Link, plan, src_regions: Regions, *, room: str = "", generation: int = 0
+    ) -> int:
         """Move every byte of ``plan`` from ``src_regions`` into the peer; return the count.
 
         Returns only when every byte has landed in the destination. Raises
@@ -192,7 +201,7 @@ class Transport(ABC):
         this transport keeps, so that they can be unmapped."""
         self._sources.clear()
         for link in self._links:
-            getattr(link, "programs", {}).clear()   # shm: grid programs hold source addresses
+            getattr(link, "programs", {}).clear()  # shm: grid programs hold source addresses
 
     def _adopt(self, link: Link) -> Link:
         self._links.add(link)
@@ -200,7 +209,8 @@ class Transport(ABC):
 
     def _own(self, link: Link, link_type: type) -> Link:
         if not isinstance(link, link_type) or link.transport is not self:
-            raise TransportError(f"{link!r} was not opened by this {self.name} transport",
-                                 code=Reason.LINK_CLOSED)
+            raise TransportError(
+                f"{link!r} was not opened by this {self.name} transport", code=Reason.LINK_CLOSED
+            )
         link.check_open()
         return link

@@ -56,9 +56,16 @@ class CopyEngine:
     ``native`` (default: when it is built) copies with the native loop.
     """
 
-    def __init__(self, *, num_workers: int | None = None, bounce_nbytes: int = 1 << 20,
-                 stretch_nbytes: int = 128 << 10, inline_nbytes: int = 4 << 20,
-                 direct_max_runs: int = 256, native: bool | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        num_workers: int | None = None,
+        bounce_nbytes: int = 1 << 20,
+        stretch_nbytes: int = 128 << 10,
+        inline_nbytes: int = 4 << 20,
+        direct_max_runs: int = 256,
+        native: bool | None = None,
+    ) -> None:
         if native and not native_copy.AVAILABLE:
             raise ValueError(f"the native copy loop is unavailable: {native_copy.UNAVAILABLE_WHY}")
         self.native = native_copy.AVAILABLE if native is None else native
@@ -74,8 +81,15 @@ class CopyEngine:
         self._pool_lock = threading.Lock()
 
     # -- public ---------------------------------------------------------------------
-    def execute(self, plan, src_regions: Regions, dst_regions: Regions, *,
-                where: str = "", programs: dict | None = None) -> int:
+    def execute(
+        self,
+        plan,
+        src_regions: Regions,
+        dst_regions: Regions,
+        *,
+        where: str = "",
+        programs: dict | None = None,
+    ) -> int:
         """Copy every byte of ``plan``; return the number of bytes copied.
 
         Raises :class:`TransportError` (UNKNOWN_REGION, REGION_INVALID,
@@ -95,7 +109,7 @@ class CopyEngine:
                     native_copy.copy_list(copies)
                 else:
                     for dst, d, src, s, n in copies:
-                        dst[d:d + n] = src[s:s + n]
+                        dst[d : d + n] = src[s : s + n]
                 return plan.total_nbytes
             # a piece out of bounds: the vectorised check below names it and raises
         flat = flatten(plan)
@@ -107,8 +121,7 @@ class CopyEngine:
         # threads finish in any order: the plan's last run (a room's aux row) is copied
         # after the rest, so that it still lands last
         last = len(flat.nbytes) - 1
-        tail = parallel and last > 0 and int(flat.nbytes[last]) * int(flat.count[last]) \
-            <= LAST_RUN_NBYTES
+        tail = parallel and last > 0 and int(flat.nbytes[last]) * int(flat.count[last]) <= LAST_RUN_NBYTES
         if self.native:
             self._native(flat.rows(slice(0, last)) if tail else flat, src, dst, parallel)
             if tail:
@@ -131,8 +144,9 @@ class CopyEngine:
 
     # -- run --------------------------------------------------------------------------
     def _compile(self, flat, src, dst) -> list:
-        return compile_tasks(flat, src, dst, stretch_nbytes=self.stretch_nbytes,
-                             bounce_nbytes=self.bounce_nbytes)
+        return compile_tasks(
+            flat, src, dst, stretch_nbytes=self.stretch_nbytes, bounce_nbytes=self.bounce_nbytes
+        )
 
     def _native(self, flat, src, dst, parallel: bool) -> None:
         pieces = native_copy.Pieces(flat, src, dst)
@@ -169,13 +183,11 @@ class CopyEngine:
     def _workers(self) -> ThreadPoolExecutor:
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.num_workers - 1,
-                                                thread_name_prefix="pdt-copy")
+                self._pool = ThreadPoolExecutor(self.num_workers - 1, thread_name_prefix="pdt-copy")
             return self._pool
 
 
-def _small_copies(plan, src_regions: Regions, dst_regions: Regions,
-                  addresses: bool = False) -> list | None:
+def _small_copies(plan, src_regions: Regions, dst_regions: Regions, addresses: bool = False) -> list | None:
     """The copies of a plan of a few hundred runs, each bounds-checked in Python (a
     1-page room: 64 runs in 64 batches, where the vectorised path's per-batch numpy
     calls cost more than the copy), as ``(dst, dst_offset, src, src_offset, nbytes)``
@@ -194,12 +206,17 @@ def _small_copies(plan, src_regions: Regions, dst_regions: Regions,
             dst = map_one(batch.dst_region, dst, "destination")
         base = (dst.address, src.address) if addresses else None
         src, dst = src.array, dst.array
-        if len(batch.src_offset) == 1:   # one descriptor (a page of one layer): no lists
-            pieces = ((batch.src_offset.item(), batch.dst_offset.item(), batch.nbytes.item(),
-                       batch.count.item()),)
+        if len(batch.src_offset) == 1:  # one descriptor (a page of one layer): no lists
+            pieces = (
+                (batch.src_offset.item(), batch.dst_offset.item(), batch.nbytes.item(), batch.count.item()),
+            )
         else:
-            pieces = zip(batch.src_offset.tolist(), batch.dst_offset.tolist(),
-                         batch.nbytes.tolist(), batch.count.tolist())
+            pieces = zip(
+                batch.src_offset.tolist(),
+                batch.dst_offset.tolist(),
+                batch.nbytes.tolist(),
+                batch.count.tolist(),
+            )
         s_size, d_size = src.size, dst.size
         for s, d, n, c in pieces:
             if n < 0 or c < 0:

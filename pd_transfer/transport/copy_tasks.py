@@ -131,9 +131,15 @@ class Bounce(NamedTuple):
         np.put(self.dst_rows, self.dst_index, buf.view(self.dst_rows.dtype))
 
 
-def compile_tasks(flat: Flat, src: dict[str, Mapped], dst: dict[str, Mapped], *,
-                  stretch_nbytes: int, bounce_nbytes: int,
-                  split_nbytes: int = SPLIT_NBYTES) -> list:
+def compile_tasks(
+    flat: Flat,
+    src: dict[str, Mapped],
+    dst: dict[str, Mapped],
+    *,
+    stretch_nbytes: int,
+    bounce_nbytes: int,
+    split_nbytes: int = SPLIT_NBYTES,
+) -> list:
     """Tasks that together copy every piece of ``flat`` (already bounds-checked).
 
     Stretches are taken from the side whose pieces lie closer together first (the
@@ -150,8 +156,7 @@ def compile_tasks(flat: Flat, src: dict[str, Mapped], dst: dict[str, Mapped], *,
     single = np.flatnonzero(items.count == 1)
     batch, piece = items.batch[single], items.piece_nbytes[single]
     src_fill = _fill(batch, items.src_offset[single], piece) if len(single) > 1 else 0.0
-    source_first = src_fill > SOURCE_FILL_MIN and \
-        src_fill > _fill(batch, items.dst_offset[single], piece)
+    source_first = src_fill > SOURCE_FILL_MIN and src_fill > _fill(batch, items.dst_offset[single], piece)
     if source_first:
         put, items = _source_stretch_tasks(items, flat.batches, src, dst, stretch_nbytes)
         tasks += put
@@ -161,21 +166,24 @@ def compile_tasks(flat: Flat, src: dict[str, Mapped], dst: dict[str, Mapped], *,
         group_items = np.diff(np.append(starts, len(items)))
         long = group_nbytes >= _long_from(items.piece_nbytes[starts], stretch_nbytes)
         if long.any():
-            tasks += _stretch_tasks(items, starts[long], group_items[long], group_nbytes[long],
-                                    flat.batches, src, dst)
+            tasks += _stretch_tasks(
+                items, starts[long], group_items[long], group_nbytes[long], flat.batches, src, dst
+            )
             items = items.take(np.repeat(~long, group_items))
     if not source_first and src_fill >= SOURCE_FILL_MIN and (items.count == 1).sum() > 1:
         put, items = _source_stretch_tasks(items, flat.batches, src, dst, stretch_nbytes)
         tasks += put
     if len(items):
         starts = item_groups(items)
-        tasks += _bounce_tasks(items, starts, np.add.reduceat(items.nbytes, starts),
-                               flat.batches, src, dst, bounce_nbytes)
+        tasks += _bounce_tasks(
+            items, starts, np.add.reduceat(items.nbytes, starts), flat.batches, src, dst, bounce_nbytes
+        )
     return _split(tasks, split_nbytes)
 
 
-def _uniform_bounce(flat: Flat, src: dict[str, Mapped], dst: dict[str, Mapped],
-                    stretch_nbytes: int, bounce_nbytes: int) -> list | None:
+def _uniform_bounce(
+    flat: Flat, src: dict[str, Mapped], dst: dict[str, Mapped], stretch_nbytes: int, bounce_nbytes: int
+) -> list | None:
     """The bounce tasks of a plan of scattered pieces of one size, the shortcut; None when
     the plan is not one.
 
@@ -191,10 +199,17 @@ def _uniform_bounce(flat: Flat, src: dict[str, Mapped], dst: dict[str, Mapped],
     if n < 2:
         return None
     size = int(flat.nbytes[0])
-    if size <= 0 or size & (size - 1) or size >= stretch_nbytes or size > ROW_CAP_NBYTES \
-            or int(flat.count.max()) != 1 or int(flat.count.min()) != 1 \
-            or int(flat.nbytes.max()) != size or int(flat.nbytes.min()) != size \
-            or int(np.bitwise_or.reduce(flat.src_offset | flat.dst_offset)) & (size - 1):
+    if (
+        size <= 0
+        or size & (size - 1)
+        or size >= stretch_nbytes
+        or size > ROW_CAP_NBYTES
+        or int(flat.count.max()) != 1
+        or int(flat.count.min()) != 1
+        or int(flat.nbytes.max()) != size
+        or int(flat.nbytes.min()) != size
+        or int(np.bitwise_or.reduce(flat.src_offset | flat.dst_offset)) & (size - 1)
+    ):
         return None
     if _fill(flat.batch, flat.src_offset, size) > SOURCE_FILL_MIN:
         return None
@@ -207,8 +222,12 @@ def _uniform_bounce(flat: Flat, src: dict[str, Mapped], dst: dict[str, Mapped],
     # batch, in order, spanning ``k - 1`` (repeated rows may say so falsely: no harm)
     k = int(_long_from(np.array([size]), stretch_nbytes)[0]) // size
     one_batch = len(flat.batches) == 1
-    if k <= n and bool(((dst_rows[k - 1:] - dst_rows[:n - k + 1] == k - 1)
-                        & (True if one_batch else batch[k - 1:] == batch[:n - k + 1])).any()):
+    if k <= n and bool(
+        (
+            (dst_rows[k - 1 :] - dst_rows[: n - k + 1] == k - 1)
+            & (True if one_batch else batch[k - 1 :] == batch[: n - k + 1])
+        ).any()
+    ):
         return None
     per_task = max(1, bounce_nbytes // size)
     edges = np.zeros(0, np.int64) if one_batch else np.flatnonzero(batch[1:] != batch[:-1]) + 1
@@ -216,9 +235,16 @@ def _uniform_bounce(flat: Flat, src: dict[str, Mapped], dst: dict[str, Mapped],
     for lo, hi in zip([0, *edges.tolist()], [*edges.tolist(), n]):
         b = flat.batches[int(batch[lo])]
         src_view, dst_view = src[b.src_region].void_rows(size), dst[b.dst_region].void_rows(size)
-        tasks += [Bounce(src_view, src_rows[a:min(a + per_task, hi)], dst_view,
-                         dst_rows[a:min(a + per_task, hi)], (min(a + per_task, hi) - a) * size)
-                  for a in range(lo, hi, per_task)]
+        tasks += [
+            Bounce(
+                src_view,
+                src_rows[a : min(a + per_task, hi)],
+                dst_view,
+                dst_rows[a : min(a + per_task, hi)],
+                (min(a + per_task, hi) - a) * size,
+            )
+            for a in range(lo, hi, per_task)
+        ]
     return tasks
 
 
@@ -247,9 +273,12 @@ def _source_rows(items: Items, row: np.ndarray) -> np.ndarray:
     """
     size = int(row[0])
     per_piece = items.piece_nbytes // size
-    if (int(row.min()) == size == int(row.max()) and len(items)
-            and int(items.count.min()) == int(items.count.max())
-            and int(per_piece.min()) == int(per_piece.max())):
+    if (
+        int(row.min()) == size == int(row.max())
+        and len(items)
+        and int(items.count.min()) == int(items.count.max())
+        and int(per_piece.min()) == int(per_piece.max())
+    ):
         count, rows = int(items.count[0]), int(per_piece[0])
         base = items.src_offset // size
         stride = items.src_stride // size if count > 1 else np.zeros_like(base)
@@ -261,8 +290,15 @@ def _source_rows(items: Items, row: np.ndarray) -> np.ndarray:
     return rows_of(offsets, nbytes, np.repeat(row, items.count))
 
 
-def _stretch_tasks(items: Items, starts: np.ndarray, counts: np.ndarray, nbytes: np.ndarray,
-                   batches: tuple, src: dict[str, Mapped], dst: dict[str, Mapped]) -> list:
+def _stretch_tasks(
+    items: Items,
+    starts: np.ndarray,
+    counts: np.ndarray,
+    nbytes: np.ndarray,
+    batches: tuple,
+    src: dict[str, Mapped],
+    dst: dict[str, Mapped],
+) -> list:
     first = np.cumsum(counts) - counts
     members = np.repeat(starts - first, counts) + np.arange(int(counts.sum()))
     mine = items.take(members)
@@ -271,21 +307,33 @@ def _stretch_tasks(items: Items, starts: np.ndarray, counts: np.ndarray, nbytes:
     index_end = np.cumsum(nbytes // row).tolist()
     tasks = []
     for batch_index, at, n, count, pieces, offset, size, stop in zip(
-            items.batch[starts].tolist(), items.dst_offset[starts].tolist(), nbytes.tolist(),
-            counts.tolist(), items.count[starts].tolist(), items.src_offset[starts].tolist(),
-            row.tolist(), index_end):
+        items.batch[starts].tolist(),
+        items.dst_offset[starts].tolist(),
+        nbytes.tolist(),
+        counts.tolist(),
+        items.count[starts].tolist(),
+        items.src_offset[starts].tolist(),
+        row.tolist(),
+        index_end,
+    ):
         batch = batches[batch_index]
         s, d = src[batch.src_region], dst[batch.dst_region]
         if count == 1 and pieces == 1:
-            tasks.append(CopyRun(s.array[offset:offset + n], d.array[at:at + n]))
+            tasks.append(CopyRun(s.array[offset : offset + n], d.array[at : at + n]))
         else:
-            tasks.append(TakeInto(s.void_rows(size), index[stop - n // size:stop],
-                                  d.array[at:at + n].view(void_dtype(size))))
+            tasks.append(
+                TakeInto(
+                    s.void_rows(size),
+                    index[stop - n // size : stop],
+                    d.array[at : at + n].view(void_dtype(size)),
+                )
+            )
     return tasks
 
 
-def _source_stretch_tasks(items: Items, batches: tuple, src: dict[str, Mapped],
-                          dst: dict[str, Mapped], stretch_nbytes: int) -> tuple[list, Items]:
+def _source_stretch_tasks(
+    items: Items, batches: tuple, src: dict[str, Mapped], dst: dict[str, Mapped], stretch_nbytes: int
+) -> tuple[list, Items]:
     """:class:`PutFrom` tasks for the single-piece items that continue each other in the
     source over a long stretch, and the items left (still by batch and destination)."""
     single = np.flatnonzero(items.count == 1)
@@ -308,12 +356,21 @@ def _source_stretch_tasks(items: Items, batches: tuple, src: dict[str, Mapped],
     index = rows_of(dst_offset, piece, np.repeat(row, counts))
     index_end = np.cumsum(group_nbytes // row).tolist()
     tasks = []
-    for batch_index, at, n, size, stop in zip(items.batch[used[first]].tolist(),
-                                              items.src_offset[used[first]].tolist(),
-                                              group_nbytes.tolist(), row.tolist(), index_end):
+    for batch_index, at, n, size, stop in zip(
+        items.batch[used[first]].tolist(),
+        items.src_offset[used[first]].tolist(),
+        group_nbytes.tolist(),
+        row.tolist(),
+        index_end,
+    ):
         b = batches[batch_index]
-        tasks.append(PutFrom(dst[b.dst_region].void_rows(size), index[stop - n // size:stop],
-                             src[b.src_region].array[at:at + n].view(void_dtype(size))))
+        tasks.append(
+            PutFrom(
+                dst[b.dst_region].void_rows(size),
+                index[stop - n // size : stop],
+                src[b.src_region].array[at : at + n].view(void_dtype(size)),
+            )
+        )
     left = np.ones(len(items), bool)
     left[used] = False
     return tasks, items.take(left)
@@ -340,30 +397,41 @@ def _split(tasks: list, split_nbytes: int) -> list:
         if task.nbytes <= split_nbytes or isinstance(task, Bounce):
             out.append(task)
         elif isinstance(task, CopyRun):
-            out += [CopyRun(task.src[a:a + split_nbytes], task.dst[a:a + split_nbytes])
-                    for a in range(0, task.nbytes, split_nbytes)]
+            out += [
+                CopyRun(task.src[a : a + split_nbytes], task.dst[a : a + split_nbytes])
+                for a in range(0, task.nbytes, split_nbytes)
+            ]
         elif isinstance(task, TakeInto):
             step = max(1, split_nbytes // task.dst.itemsize)
-            out += [TakeInto(task.src_rows, task.index[a:a + step], task.dst[a:a + step])
-                    for a in range(0, len(task.index), step)]
+            out += [
+                TakeInto(task.src_rows, task.index[a : a + step], task.dst[a : a + step])
+                for a in range(0, len(task.index), step)
+            ]
         else:  # a put of a few hundred rows keeps the GIL (numpy 2.4: 256 rows did, 8,192 not)
             step = max(PUT_MIN_ROWS, split_nbytes // task.src.itemsize)
-            out += [PutFrom(task.dst_rows, task.index[a:a + step], task.src[a:a + step])
-                    for a in range(0, len(task.index), step)]
+            out += [
+                PutFrom(task.dst_rows, task.index[a : a + step], task.src[a : a + step])
+                for a in range(0, len(task.index), step)
+            ]
     return out
 
 
-def _bounce_tasks(items: Items, group_starts: np.ndarray, group_nbytes: np.ndarray,
-                  batches: tuple, src: dict[str, Mapped], dst: dict[str, Mapped],
-                  bounce_nbytes: int) -> list:
+def _bounce_tasks(
+    items: Items,
+    group_starts: np.ndarray,
+    group_nbytes: np.ndarray,
+    batches: tuple,
+    src: dict[str, Mapped],
+    dst: dict[str, Mapped],
+    bounce_nbytes: int,
+) -> list:
     group_offset = items.dst_offset[group_starts]
     group_batch = items.batch[group_starts]
     # per batch: source rows (gs) and destination rows (gd)
     item_first = np.flatnonzero(np.concatenate(([True], items.batch[1:] != items.batch[:-1])))
     group_first = np.flatnonzero(np.concatenate(([True], group_batch[1:] != group_batch[:-1])))
     gs = capped_rows(np.gcd.reduceat(_source_gcd(items), item_first), ROW_CAP_NBYTES)
-    gd = capped_rows(np.gcd.reduceat(np.gcd(group_offset, group_nbytes), group_first),
-                     ROW_CAP_NBYTES)
+    gd = capped_rows(np.gcd.reduceat(np.gcd(group_offset, group_nbytes), group_first), ROW_CAP_NBYTES)
     gs_item = np.repeat(gs, np.diff(np.append(item_first, len(items))))
     gd_group = np.repeat(gd, np.diff(np.append(group_first, len(group_starts))))
     src_index = _source_rows(items, gs_item)
@@ -376,18 +444,22 @@ def _bounce_tasks(items: Items, group_starts: np.ndarray, group_nbytes: np.ndarr
     start = end - group_nbytes
     batch_start = np.repeat(start[group_first], np.diff(np.append(group_first, len(group_starts))))
     window = (start - batch_start) // bounce_nbytes
-    chunk_first = np.flatnonzero(np.concatenate(
-        ([True], (group_batch[1:] != group_batch[:-1]) | (window[1:] != window[:-1]))))
+    chunk_first = np.flatnonzero(
+        np.concatenate(([True], (group_batch[1:] != group_batch[:-1]) | (window[1:] != window[:-1])))
+    )
     chunk_stop = np.append(chunk_first[1:], len(group_starts))  # one past the last group
     item_stop = np.append(group_starts, len(items))
     ordinal = np.searchsorted(group_first, chunk_first, side="right") - 1
     tasks = []
     for g0, g1, b in zip(chunk_first.tolist(), chunk_stop.tolist(), ordinal.tolist()):
         batch = batches[int(group_batch[g0])]
-        tasks.append(Bounce(
-            src[batch.src_region].void_rows(int(gs[b])),
-            src_index[src_before[group_starts[g0]]:src_before[item_stop[g1]]],
-            dst[batch.dst_region].void_rows(int(gd[b])),
-            dst_index[dst_before[g0]:dst_before[g1]],
-            int(end[g1 - 1] - start[g0])))
+        tasks.append(
+            Bounce(
+                src[batch.src_region].void_rows(int(gs[b])),
+                src_index[src_before[group_starts[g0]] : src_before[item_stop[g1]]],
+                dst[batch.dst_region].void_rows(int(gd[b])),
+                dst_index[dst_before[g0] : dst_before[g1]],
+                int(end[g1 - 1] - start[g0]),
+            )
+        )
     return tasks

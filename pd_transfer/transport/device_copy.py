@@ -28,14 +28,17 @@ _CHUNK_ROWS = 1 << 16
 _PER_RUN_MAX = 256
 
 
-def execute_on_device(plan, src_regions: dict, dst_regions: dict, *,
-                      per_run_max: int = _PER_RUN_MAX) -> int:
+def execute_on_device(plan, src_regions: dict, dst_regions: dict, *, per_run_max: int = _PER_RUN_MAX) -> int:
     """Copy every run of ``plan``; returns the bytes copied."""
     import torch
+
     src_regions, dst_regions = as_tensors(src_regions), as_tensors(dst_regions)
     flat = flatten(plan)
-    check_bounds(flat, {k: int(v.numel()) for k, v in src_regions.items()},
-                 {k: int(v.numel()) for k, v in dst_regions.items()})
+    check_bounds(
+        flat,
+        {k: int(v.numel()) for k, v in src_regions.items()},
+        {k: int(v.numel()) for k, v in dst_regions.items()},
+    )
     if int(flat.count.sum()) <= per_run_max:
         total = _copy_each_run(plan, src_regions, dst_regions)
         _synchronize(dst_regions)
@@ -52,8 +55,8 @@ def execute_on_device(plan, src_regions: dict, dst_regions: dict, *,
         src_idx = rows_of(runs.src_offset, runs.nbytes, row)
         dst_idx = rows_of(runs.dst_offset, runs.nbytes, row)
         for start in range(0, len(src_idx), _CHUNK_ROWS):
-            s = torch.from_numpy(np.ascontiguousarray(src_idx[start:start + _CHUNK_ROWS])).to(src.device)
-            d = torch.from_numpy(np.ascontiguousarray(dst_idx[start:start + _CHUNK_ROWS])).to(dst.device)
+            s = torch.from_numpy(np.ascontiguousarray(src_idx[start : start + _CHUNK_ROWS])).to(src.device)
+            d = torch.from_numpy(np.ascontiguousarray(dst_idx[start : start + _CHUNK_ROWS])).to(dst.device)
             dst_rows.index_copy_(0, d, src_rows.index_select(0, s).to(dst.device))
         total += int(runs.nbytes.sum())
     _synchronize(dst_regions)
@@ -65,8 +68,11 @@ def as_tensors(regions: dict) -> dict:
     if not any(isinstance(memory, np.ndarray) for memory in regions.values()):
         return regions
     import torch
-    return {region_id: torch.from_numpy(memory) if isinstance(memory, np.ndarray) else memory
-            for region_id, memory in regions.items()}
+
+    return {
+        region_id: torch.from_numpy(memory) if isinstance(memory, np.ndarray) else memory
+        for region_id, memory in regions.items()
+    }
 
 
 def _copy_each_run(plan, src_regions: dict, dst_regions: dict) -> int:
@@ -75,12 +81,13 @@ def _copy_each_run(plan, src_regions: dict, dst_regions: dict) -> int:
         runs = expand_batch(batch, index)
         src, dst = src_regions[batch.src_region], dst_regions[batch.dst_region]
         for s, d, n in zip(runs.src_offset.tolist(), runs.dst_offset.tolist(), runs.nbytes.tolist()):
-            dst[d:d + n].copy_(src[s:s + n])
+            dst[d : d + n].copy_(src[s : s + n])
             total += n
     return total
 
 
 def _synchronize(regions: dict) -> None:
     import torch
+
     for device in {t.device for t in regions.values() if t.is_cuda}:
         torch.cuda.synchronize(device)

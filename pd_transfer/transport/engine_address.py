@@ -34,8 +34,8 @@ import msgpack
 
 from pd_transfer.errors import Reason, TransportError
 
-MAX_ADDRESS_CHARS = 8192          # what Register.data_address may carry
-_MAX_PAYLOAD_NBYTES = 1 << 20     # decompressed: refuse zlib bombs
+MAX_ADDRESS_CHARS = 8192  # what Register.data_address may carry
+_MAX_PAYLOAD_NBYTES = 1 << 20  # decompressed: refuse zlib bombs
 _MAX_REGIONS = 65536
 _MAX_REGION_NBYTES = 1 << 48
 _SESSION = re.compile(r"^[A-Za-z0-9_.:\-\[\]]{1,255}$")
@@ -43,11 +43,11 @@ _SESSION = re.compile(r"^[A-Za-z0-9_.:\-\[\]]{1,255}$")
 
 @dataclass(frozen=True)
 class EngineAddress:
-    kind: str                                   # "mooncake" or "nixl"
-    session: str                                # host:port, or the NIXL agent name
+    kind: str  # "mooncake" or "nixl"
+    session: str  # host:port, or the NIXL agent name
     regions: dict[str, tuple[int, int]] = field(default_factory=dict)  # id -> (address, nbytes)
     metadata: bytes = b""
-    control: str = ""                           # staging control channel, tcp://host:port
+    control: str = ""  # staging control channel, tcp://host:port
     staging: tuple[int, int, int] | None = None  # staging area: (address, nbytes, slot_nbytes)
 
     def encode(self) -> str:
@@ -58,10 +58,13 @@ class EngineAddress:
         payload = base64.urlsafe_b64encode(zlib.compress(packed, 6)).decode()
         text = f"{self.kind}://{self.session}/{payload}"
         if len(text) > MAX_ADDRESS_CHARS:
-            raise TransportError(f"{self.kind} address of {len(self.regions)} regions is "
-                                 f"{len(text)} characters; a registration carries at most "
-                                 f"{MAX_ADDRESS_CHARS}", code=Reason.LIMIT_EXCEEDED,
-                                 hint="register fewer, larger regions")
+            raise TransportError(
+                f"{self.kind} address of {len(self.regions)} regions is "
+                f"{len(text)} characters; a registration carries at most "
+                f"{MAX_ADDRESS_CHARS}",
+                code=Reason.LIMIT_EXCEEDED,
+                hint="register fewer, larger regions",
+            )
         return text
 
     @classmethod
@@ -70,12 +73,14 @@ class EngineAddress:
         prefix = f"{kind}://"
         if not isinstance(text, str) or not text.startswith(prefix):
             shown = text if isinstance(text, str) and len(text) < 80 else f"{str(text)[:60]}..."
-            raise TransportError(f"peer published no {kind} address (data_address {shown!r})",
-                                 code=Reason.TRANSPORT_UNSUPPORTED,
-                                 hint=f"run the decode sidecar with transport = {kind!r} too")
+            raise TransportError(
+                f"peer published no {kind} address (data_address {shown!r})",
+                code=Reason.TRANSPORT_UNSUPPORTED,
+                hint=f"run the decode sidecar with transport = {kind!r} too",
+            )
         if len(text) > MAX_ADDRESS_CHARS:
             raise _bad(f"is {len(text)} characters, more than {MAX_ADDRESS_CHARS}")
-        session, _, payload = text[len(prefix):].partition("/")
+        session, _, payload = text[len(prefix) :].partition("/")
         if not _SESSION.match(session):
             raise _bad(f"session {session[:80]!r} is not a host:port or agent name")
         try:
@@ -84,12 +89,17 @@ class EngineAddress:
             packed = inflater.decompress(raw, _MAX_PAYLOAD_NBYTES)
             if inflater.unconsumed_tail:
                 raise _bad(f"payload inflates past {_MAX_PAYLOAD_NBYTES} bytes")
-            value = msgpack.unpackb(packed, raw=False, max_bin_len=_MAX_PAYLOAD_NBYTES,
-                                    max_str_len=4096, max_array_len=_MAX_REGIONS, max_map_len=8)
+            value = msgpack.unpackb(
+                packed,
+                raw=False,
+                max_bin_len=_MAX_PAYLOAD_NBYTES,
+                max_str_len=4096,
+                max_array_len=_MAX_REGIONS,
+                max_map_len=8,
+            )
         except TransportError:
             raise
-        except (binascii.Error, UnicodeEncodeError, zlib.error, ValueError,
-                msgpack.UnpackException) as err:
+        except (binascii.Error, UnicodeEncodeError, zlib.error, ValueError, msgpack.UnpackException) as err:
             raise _bad(f"payload does not decode ({type(err).__name__})") from None
         return cls(kind, session, _regions(value), _metadata(value), *_staging(value))
 
@@ -99,14 +109,21 @@ def _regions(value: object) -> dict[str, tuple[int, int]]:
         raise _bad("payload is not a map with a region list at 'r'")
     regions: dict[str, tuple[int, int]] = {}
     for i, entry in enumerate(value["r"]):
-        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
-                and entry[0] and all(type(x) is int for x in entry[1:])):
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 3
+            and isinstance(entry[0], str)
+            and entry[0]
+            and all(type(x) is int for x in entry[1:])
+        ):
             raise _bad(f"at $.r[{i}]: expected [region_id, address, nbytes]")
         region_id, address, nbytes = entry
-        if not 0 < address < (1 << 64) or not 0 <= nbytes <= _MAX_REGION_NBYTES \
-                or address + nbytes >= (1 << 64):
-            raise _bad(f"at $.r[{i}]: region {region_id!r} address {address} nbytes {nbytes} "
-                       f"out of range")
+        if (
+            not 0 < address < (1 << 64)
+            or not 0 <= nbytes <= _MAX_REGION_NBYTES
+            or address + nbytes >= (1 << 64)
+        ):
+            raise _bad(f"at $.r[{i}]: region {region_id!r} address {address} nbytes {nbytes} out of range")
         if region_id in regions:
             raise _bad(f"at $.r[{i}]: region {region_id!r} is listed twice")
         regions[region_id] = (address, nbytes)
@@ -129,8 +146,11 @@ def _staging(value: dict) -> tuple[str, tuple[int, int, int] | None]:
     if not (isinstance(area, list) and len(area) == 3 and all(type(x) is int for x in area)):
         raise _bad("at $.s: expected [address, nbytes, slot_nbytes]")
     address, nbytes, slot_nbytes = area
-    if not 0 < address < (1 << 64) or not 0 < slot_nbytes <= nbytes <= _MAX_REGION_NBYTES \
-            or address + nbytes >= (1 << 64):
+    if (
+        not 0 < address < (1 << 64)
+        or not 0 < slot_nbytes <= nbytes <= _MAX_REGION_NBYTES
+        or address + nbytes >= (1 << 64)
+    ):
         raise _bad(f"at $.s: staging area {area} out of range")
     return control, (address, nbytes, slot_nbytes)
 

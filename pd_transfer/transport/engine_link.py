@@ -50,9 +50,9 @@ class EngineLink(Link):
         self.dst_bases = dict(address.regions)
         self.lock = threading.Lock()
         self.failed: TransportError | None = None
-        self.num_batches = 0          # engine submissions so far
+        self.num_batches = 0  # engine submissions so far
         self.max_batch_descriptors = 0  # the largest one
-        self.staging = None           # engine_staging.LinkStaging when the peer offers staging
+        self.staging = None  # engine_staging.LinkStaging when the peer offers staging
         self.nbytes_by_strategy: Counter[Strategy] = Counter()  # bytes written each way
         self.last_strategies: frozenset[Strategy] = frozenset()  # the last write's
 
@@ -71,9 +71,11 @@ class EngineLink(Link):
     def check_usable(self) -> None:
         self.check_open()
         if self.failed is not None:
-            raise TransportError(f"link to {self.peer.peer_id} failed earlier and is not used "
-                                 f"again: {self.failed.message}", code=Reason.PEER_LOST,
-                                 hint="the peer must register again (a new link)")
+            raise TransportError(
+                f"link to {self.peer.peer_id} failed earlier and is not used again: {self.failed.message}",
+                code=Reason.PEER_LOST,
+                hint="the peer must register again (a new link)",
+            )
 
     def counted(self, num_descriptors: int) -> None:
         self.num_batches += 1
@@ -94,16 +96,22 @@ def check_published(peer: PeerEndpoint, address: EngineAddress) -> None:
     for handle in peer.regions:
         published = address.regions.get(handle.region_id)
         if published is None:
-            raise TransportError(f"peer {peer.peer_id} registered region {handle.region_id!r} "
-                                 f"with its geometry but not with its {address.kind} engine",
-                                 code=Reason.UNKNOWN_REGION)
+            raise TransportError(
+                f"peer {peer.peer_id} registered region {handle.region_id!r} "
+                f"with its geometry but not with its {address.kind} engine",
+                code=Reason.UNKNOWN_REGION,
+            )
         if published[1] < handle.nbytes:
-            raise TransportError(f"peer {peer.peer_id} region {handle.region_id!r}: its "
-                                 f"{address.kind} engine holds {published[1]} bytes, the geometry "
-                                 f"says {handle.nbytes}", code=Reason.SEGMENT_TOO_SMALL)
+            raise TransportError(
+                f"peer {peer.peer_id} region {handle.region_id!r}: its "
+                f"{address.kind} engine holds {published[1]} bytes, the geometry "
+                f"says {handle.nbytes}",
+                code=Reason.SEGMENT_TOO_SMALL,
+            )
     if not address.regions:
-        raise TransportError(f"peer {peer.peer_id} published no {address.kind} region",
-                             code=Reason.UNKNOWN_REGION)
+        raise TransportError(
+            f"peer {peer.peer_id} published no {address.kind} region", code=Reason.UNKNOWN_REGION
+        )
 
 
 def recover(link: EngineLink, recovery: Recovery, probe: Callable[[], bool], what: str) -> None:
@@ -111,14 +119,21 @@ def recover(link: EngineLink, recovery: Recovery, probe: Callable[[], bool], wha
     time.sleep(recovery.settle_s)
     for attempt in range(recovery.probe_attempts):
         if probe():
-            log.warning("%s; %s answered a probe, link stays usable", what, link.peer.peer_id,
-                        extra={"peer": link.peer.peer_id})
-            raise TransportError(f"{what}; the peer answered a probe afterwards, so the link "
-                                 f"stays usable", code=Reason.TRANSPORT_FAILED,
-                                 hint="bytes of this write may have landed in part: fail the room")
+            log.warning(
+                "%s; %s answered a probe, link stays usable",
+                what,
+                link.peer.peer_id,
+                extra={"peer": link.peer.peer_id},
+            )
+            raise TransportError(
+                f"{what}; the peer answered a probe afterwards, so the link stays usable",
+                code=Reason.TRANSPORT_FAILED,
+                hint="bytes of this write may have landed in part: fail the room",
+            )
         if attempt + 1 < recovery.probe_attempts:
             time.sleep(recovery.probe_backoff_s)
-    link.failed = TransportError(f"{what}; the peer did not answer {recovery.probe_attempts} "
-                                 f"probes", code=Reason.PEER_LOST)
+    link.failed = TransportError(
+        f"{what}; the peer did not answer {recovery.probe_attempts} probes", code=Reason.PEER_LOST
+    )
     log.warning("%s", link.failed.message, extra={"peer": link.peer.peer_id})
     raise link.failed

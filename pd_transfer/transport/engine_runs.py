@@ -36,7 +36,7 @@ class AddressRuns:
 
     src_addr: np.ndarray  # uint64
     dst_addr: np.ndarray  # uint64
-    nbytes: np.ndarray    # int64
+    nbytes: np.ndarray  # int64
 
     def __len__(self) -> int:
         return len(self.nbytes)
@@ -49,9 +49,14 @@ class AddressRuns:
         return AddressRuns(self.src_addr[index], self.dst_addr[index], self.nbytes[index])
 
 
-def lower_to_addresses(plan, src_bases: Mapping[str, tuple[int, int]],
-                       dst_bases: Mapping[str, tuple[int, int]], where: str = "plan",
-                       *, dst_sizes: Mapping[str, int] | None = None) -> AddressRuns:
+def lower_to_addresses(
+    plan,
+    src_bases: Mapping[str, tuple[int, int]],
+    dst_bases: Mapping[str, tuple[int, int]],
+    where: str = "plan",
+    *,
+    dst_sizes: Mapping[str, int] | None = None,
+) -> AddressRuns:
     """``plan`` as absolute-address descriptors; raises before anything is submitted.
 
     ``src_bases`` and ``dst_bases`` map a region id to ``(address, nbytes)``.
@@ -91,8 +96,7 @@ def join(runs: AddressRuns) -> AddressRuns:
     if not continues.any():
         return runs
     starts = np.flatnonzero(np.concatenate(([True], ~continues)))
-    return AddressRuns(runs.src_addr[starts], runs.dst_addr[starts],
-                       np.add.reduceat(runs.nbytes, starts))
+    return AddressRuns(runs.src_addr[starts], runs.dst_addr[starts], np.add.reduceat(runs.nbytes, starts))
 
 
 def split_long(runs: AddressRuns, max_run_nbytes: int) -> AddressRuns:
@@ -101,7 +105,7 @@ def split_long(runs: AddressRuns, max_run_nbytes: int) -> AddressRuns:
         return runs
     pieces = -(-runs.nbytes // max_run_nbytes)
     owner = np.repeat(np.arange(len(runs)), pieces)
-    step = (np.arange(len(owner), dtype=np.int64) - np.repeat(np.cumsum(pieces) - pieces, pieces))
+    step = np.arange(len(owner), dtype=np.int64) - np.repeat(np.cumsum(pieces) - pieces, pieces)
     offset = (step * max_run_nbytes).astype(np.uint64)
     nbytes = np.minimum(runs.nbytes[owner] - step * max_run_nbytes, max_run_nbytes)
     return AddressRuns(runs.src_addr[owner] + offset, runs.dst_addr[owner] + offset, nbytes)
@@ -110,8 +114,9 @@ def split_long(runs: AddressRuns, max_run_nbytes: int) -> AddressRuns:
 def batches(runs: AddressRuns, max_descriptors: int) -> Iterator[AddressRuns]:
     """Consecutive slices of at most ``max_descriptors`` descriptors."""
     if max_descriptors < 1:
-        raise TransportError(f"max_descriptors must be at least 1, got {max_descriptors}",
-                             code=Reason.INVALID_CONFIG)
+        raise TransportError(
+            f"max_descriptors must be at least 1, got {max_descriptors}", code=Reason.INVALID_CONFIG
+        )
     for start in range(0, len(runs), max_descriptors):
         yield runs.take(slice(start, start + max_descriptors))
 

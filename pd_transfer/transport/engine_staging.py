@@ -82,8 +82,15 @@ class LinkStaging:
         self.channel.close()
 
 
-async def attach(link, address: EngineAddress, options: StagingOptions, *, submit: Submit,
-                 register: Callable[[dict], None], batch_descriptors: int) -> None:
+async def attach(
+    link,
+    address: EngineAddress,
+    options: StagingOptions,
+    *,
+    submit: Submit,
+    register: Callable[[dict], None],
+    batch_descriptors: int,
+) -> None:
     """Give ``link`` a staging channel if the peer offers one (else it stays direct-only).
 
     ``register`` registers the local ring with this side's engine; ``submit``
@@ -95,35 +102,56 @@ async def attach(link, address: EngineAddress, options: StagingOptions, *, submi
         return
     try:
         channel = await asyncio.to_thread(
-            open_channel, address.control, address.staging, peer_id, auth=options.auth,
-            ring_slots=options.ring_slots, timeout_s=options.timeout_s,
-            handshake_timeout_s=options.handshake_timeout_s)
+            open_channel,
+            address.control,
+            address.staging,
+            peer_id,
+            auth=options.auth,
+            ring_slots=options.ring_slots,
+            timeout_s=options.timeout_s,
+            handshake_timeout_s=options.handshake_timeout_s,
+        )
     except TransportError as err:
         if err.code in _AUTH_REFUSALS:  # a refused handshake is the peer's verdict, not a fallback
             raise
-        log.warning("staging channel of %s unusable, writing directly: %s", peer_id, err.message,
-                    extra={"peer": peer_id})
+        log.warning(
+            "staging channel of %s unusable, writing directly: %s",
+            peer_id,
+            err.message,
+            extra={"peer": peer_id},
+        )
         return
     if channel is None:
-        log.warning("%s has no staging slot free: writing directly", peer_id,
-                    extra={"peer": peer_id})
+        log.warning("%s has no staging slot free: writing directly", peer_id, extra={"peer": peer_id})
         return
     try:
-        await asyncio.to_thread(register, {f"staging:{peer_id}": (channel.local_base,
-                                                                  channel.local.nbytes)})
+        await asyncio.to_thread(register, {f"staging:{peer_id}": (channel.local_base, channel.local.nbytes)})
         cost = await asyncio.to_thread(measure_path, channel, submit)
     except TransportError as err:
         channel.close()
-        log.warning("staging path to %s failed its probe, writing directly: %s", peer_id,
-                    err.message, extra={"peer": peer_id})
+        log.warning(
+            "staging path to %s failed its probe, writing directly: %s",
+            peer_id,
+            err.message,
+            extra={"peer": peer_id},
+        )
         return
-    crossover = crossover_nbytes(cost, slot_nbytes=channel.slot_nbytes,
-                                 batch_descriptors=batch_descriptors,
-                                 ring_slots=len(channel.slots))
+    crossover = crossover_nbytes(
+        cost,
+        slot_nbytes=channel.slot_nbytes,
+        batch_descriptors=batch_descriptors,
+        ring_slots=len(channel.slots),
+    )
     link.staging = LinkStaging(channel, cost, crossover)
-    log.info("staging to %s: %d slots of %d B; %s; staged below a mean run of %.0f B", peer_id,
-             len(channel.slots), channel.slot_nbytes, cost.describe(), crossover,
-             extra={"peer": peer_id})
+    log.info(
+        "staging to %s: %d slots of %d B; %s; staged below a mean run of %.0f B",
+        peer_id,
+        len(channel.slots),
+        channel.slot_nbytes,
+        cost.describe(),
+        crossover,
+        extra={"peer": peer_id},
+    )
 
 
 def segments(plan, link, mode: StrategyMode) -> list[tuple[Strategy, TransferPlan]]:
@@ -143,16 +171,18 @@ def segments(plan, link, mode: StrategyMode) -> list[tuple[Strategy, TransferPla
     chosen = [staging.by_region.get(b.dst_region) for b in plan.batches]
     if any(c is None for c in chosen):
         auto = staged_batches(plan, staging.crossover_nbytes).tolist()
-        chosen = [c if c is not None else (Strategy.STAGED if a else Strategy.DIRECT)
-                  for c, a in zip(chosen, auto)]
+        chosen = [
+            c if c is not None else (Strategy.STAGED if a else Strategy.DIRECT) for c, a in zip(chosen, auto)
+        ]
     out: list[tuple[Strategy, list]] = []
     for batch, strategy in zip(plan.batches, chosen):
         if out and out[-1][0] is strategy:
             out[-1][1].append(batch)
         else:
             out.append((strategy, [batch]))
-    return [(strategy, TransferPlan(plan.src_rank, plan.dst_rank, tuple(batches)))
-            for strategy, batches in out]
+    return [
+        (strategy, TransferPlan(plan.src_rank, plan.dst_rank, tuple(batches))) for strategy, batches in out
+    ]
 
 
 def staged_layouts(link, staged: TransferPlan | None, src: dict) -> list:
@@ -161,8 +191,9 @@ def staged_layouts(link, staged: TransferPlan | None, src: dict) -> list:
         return []
     geometry = link.peer.region_nbytes
     dst_sizes = {r: min(n, geometry[r]) for r, (_, n) in link.dst_bases.items() if r in geometry}
-    return layout_chunks(staged, {r: m.nbytes for r, m in src.items()},
-                         link.staging.channel.slot_nbytes, dst_sizes=dst_sizes)
+    return layout_chunks(
+        staged, {r: m.nbytes for r, m in src.items()}, link.staging.channel.slot_nbytes, dst_sizes=dst_sizes
+    )
 
 
 def run_staged(link, layouts: list, src: dict, bulk: Bulk, *, room: str, generation: int) -> int:
@@ -180,11 +211,17 @@ def run_staged(link, layouts: list, src: dict, bulk: Bulk, *, room: str, generat
 class ReceiverStaging:
     """An engine receiver's staging area and control channel (decode side)."""
 
-    def __init__(self, num_slots: int = DEFAULT_AREA_SLOTS,
-                 slot_nbytes: int = DEFAULT_SLOT_NBYTES, *, bind_host: str = "127.0.0.1",
-                 auth: Authenticator | None = None, handshake_timeout_s: float = 10.0,
-                 max_pending: int = 64,
-                 on_bad_frame: Callable[[str], None] = lambda reason: None) -> None:
+    def __init__(
+        self,
+        num_slots: int = DEFAULT_AREA_SLOTS,
+        slot_nbytes: int = DEFAULT_SLOT_NBYTES,
+        *,
+        bind_host: str = "127.0.0.1",
+        auth: Authenticator | None = None,
+        handshake_timeout_s: float = 10.0,
+        max_pending: int = 64,
+        on_bad_frame: Callable[[str], None] = lambda reason: None,
+    ) -> None:
         self.num_slots, self.slot_nbytes = num_slots, slot_nbytes
         self.bind_host, self.auth = bind_host, auth
         self.handshake_timeout_s, self.max_pending = handshake_timeout_s, max_pending
@@ -198,10 +235,15 @@ class ReceiverStaging:
             return "", None
         self.area = StagingArea(self.num_slots, self.slot_nbytes)
         await asyncio.to_thread(register, {"staging": (self.area.address, self.area.buffer.nbytes)})
-        self.receiver = StagingReceiver(regions, self.area, bind_host=self.bind_host,
-                                        auth=self.auth, handshake_timeout_s=self.handshake_timeout_s,
-                                        max_pending=self.max_pending,
-                                        on_bad_frame=self.on_bad_frame)
+        self.receiver = StagingReceiver(
+            regions,
+            self.area,
+            bind_host=self.bind_host,
+            auth=self.auth,
+            handshake_timeout_s=self.handshake_timeout_s,
+            max_pending=self.max_pending,
+            on_bad_frame=self.on_bad_frame,
+        )
         return await self.receiver.start(), self.area.published
 
     async def fence(self, room: str, generation: int) -> None:
@@ -228,8 +270,9 @@ async def write_parts(transport, link, engine, plan, src_regions, room: str, gen
     if engine.unregistered(bases):  # first write from these regions: pinning may take a while
         await asyncio.to_thread(engine.register, bases)
     parts = segments(plan, link, transport.staging.mode)
-    nbytes = await link.run_background(asyncio.to_thread(
-        transport._submit_all, engine, link, parts, bases, src, where, room, generation))
+    nbytes = await link.run_background(
+        asyncio.to_thread(transport._submit_all, engine, link, parts, bases, src, where, room, generation)
+    )
     link.nbytes_written += nbytes
     link.num_writes += 1
     return nbytes

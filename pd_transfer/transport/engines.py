@@ -17,8 +17,15 @@ from pd_transfer.transport.base import Transport
 from pd_transfer.transport.engine_staging import ReceiverStaging, StagingOptions
 from pd_transfer.transport.regions import Regions
 
-__all__ = ["ENGINES", "ReceiverStaging", "StagingOptions", "engine_missing", "engine_unusable",
-           "make_receiver", "make_transport"]
+__all__ = [
+    "ENGINES",
+    "ReceiverStaging",
+    "StagingOptions",
+    "engine_missing",
+    "engine_unusable",
+    "make_receiver",
+    "make_transport",
+]
 
 
 @functools.cache
@@ -34,17 +41,25 @@ def engine_unusable(kind: str) -> str:
     try:
         if kind == "mooncake":
             from pd_transfer.transport.mooncake import load_engine_class
+
             load_engine_class()
         else:
             from pd_transfer.transport.nixl import load_api
+
             load_api()
     except TransportError as err:
         return f"{err.message}; {err.hint}"
     return ""
 
 
-def make_transport(kind: str, *, host: str = "127.0.0.1", port: int = 0,
-                   protocol: str = "tcp", staging: StagingOptions | None = None) -> Transport:
+def make_transport(
+    kind: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    protocol: str = "tcp",
+    staging: StagingOptions | None = None,
+) -> Transport:
     """The writing half of engine ``kind``, its engine started (blocking, seconds).
 
     Starting it here, before a sidecar serves, keeps the seconds the engine
@@ -53,20 +68,30 @@ def make_transport(kind: str, *, host: str = "127.0.0.1", port: int = 0,
     """
     if kind == "mooncake":
         from pd_transfer.transport.mooncake import MooncakeTransport
+
         transport = MooncakeTransport(host=host, protocol=protocol, port=port, staging=staging)
     elif kind == "nixl":
         from pd_transfer.transport.nixl import NixlTransport
+
         transport = NixlTransport(staging=staging)
     else:
-        raise TransportError(f"no engine transport {kind!r}; known: {list(ENGINES)}",
-                             code=Reason.INVALID_CONFIG)
+        raise TransportError(
+            f"no engine transport {kind!r}; known: {list(ENGINES)}", code=Reason.INVALID_CONFIG
+        )
     transport.start()
     return transport
 
 
-def make_receiver(kind: str, regions: Regions, *, host: str = "127.0.0.1", port: int = 0,
-                  protocol: str = "tcp", transport: Transport | None = None,
-                  staging: ReceiverStaging | None = None):
+def make_receiver(
+    kind: str,
+    regions: Regions,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    protocol: str = "tcp",
+    transport: Transport | None = None,
+    staging: ReceiverStaging | None = None,
+):
     """The receiving half: ``await receiver.start()`` returns the address to publish.
 
     With ``transport`` (this process's :func:`make_transport`), the receiver
@@ -78,12 +103,14 @@ def make_receiver(kind: str, regions: Regions, *, host: str = "127.0.0.1", port:
     staging = staging if staging is not None else ReceiverStaging(bind_host=host)
     if kind == "mooncake":
         from pd_transfer.transport.mooncake import MooncakeReceiver
+
         engine = transport.start() if transport is not None else None
-        return MooncakeReceiver(regions, host=host, port=port, protocol=protocol, engine=engine,
-                                staging=staging)
+        return MooncakeReceiver(
+            regions, host=host, port=port, protocol=protocol, engine=engine, staging=staging
+        )
     if kind == "nixl":
         from pd_transfer.transport.nixl import NixlReceiver
+
         engine = transport.receiving_engine() if transport is not None else None
         return NixlReceiver(regions, engine=engine, staging=staging)
-    raise TransportError(f"no engine receiver {kind!r}; known: {list(ENGINES)}",
-                         code=Reason.INVALID_CONFIG)
+    raise TransportError(f"no engine receiver {kind!r}; known: {list(ENGINES)}", code=Reason.INVALID_CONFIG)

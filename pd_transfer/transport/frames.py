@@ -35,7 +35,7 @@ WIRE_VERSION = 1
 MAX_HEADER_NBYTES = 8 << 20
 MAX_REGIONS_PER_CHUNK = 4096
 MAX_ID_LEN = 256
-_MAX_INT = 2 ** 62
+_MAX_INT = 2**62
 
 
 @dataclass(frozen=True)
@@ -84,13 +84,24 @@ class Fail:
 
 def encode(message: ChunkHeader | EndHeader | Ack | Done | Fail) -> bytes:
     if isinstance(message, ChunkHeader):
-        body = {"t": "chunk", "xfer": message.xfer, "room": message.room,
-                "gen": message.generation, "seq": message.seq,
-                "regions": list(message.wire.regions),
-                "runs": np.ascontiguousarray(message.wire.runs, dtype="<i8").tobytes()}
+        body = {
+            "t": "chunk",
+            "xfer": message.xfer,
+            "room": message.room,
+            "gen": message.generation,
+            "seq": message.seq,
+            "regions": list(message.wire.regions),
+            "runs": np.ascontiguousarray(message.wire.runs, dtype="<i8").tobytes(),
+        }
     elif isinstance(message, EndHeader):
-        body = {"t": "end", "xfer": message.xfer, "room": message.room, "gen": message.generation,
-                "chunks": message.num_chunks, "nbytes": message.nbytes}
+        body = {
+            "t": "end",
+            "xfer": message.xfer,
+            "room": message.room,
+            "gen": message.generation,
+            "chunks": message.num_chunks,
+            "nbytes": message.nbytes,
+        }
     elif isinstance(message, Ack):
         body = {"t": "ack", "xfer": message.xfer, "seq": message.seq, "nbytes": message.nbytes}
     elif isinstance(message, Done):
@@ -109,8 +120,11 @@ def decode_data(frame: bytes) -> ChunkHeader | EndHeader:
     if body["t"] == "end":
         return EndHeader(xfer, room, gen, _int(body, "chunks"), _int(body, "nbytes"))
     regions = body.get("regions")
-    if not isinstance(regions, list) or len(regions) > MAX_REGIONS_PER_CHUNK or not all(
-            isinstance(r, str) and 0 < len(r) <= MAX_ID_LEN for r in regions):
+    if (
+        not isinstance(regions, list)
+        or len(regions) > MAX_REGIONS_PER_CHUNK
+        or not all(isinstance(r, str) and 0 < len(r) <= MAX_ID_LEN for r in regions)
+    ):
         raise _bad("regions", f"a list of at most {MAX_REGIONS_PER_CHUNK} region ids")
     raw = body.get("runs")
     if not isinstance(raw, bytes) or len(raw) % 24:
@@ -132,22 +146,28 @@ def decode_reply(frame: bytes) -> Ack | Done | Fail:
 
 def _envelope(frame: bytes, kinds: tuple[str, ...]) -> dict[str, Any]:
     if len(frame) > MAX_HEADER_NBYTES:
-        raise TransportError(f"data-plane header of {len(frame)} bytes exceeds "
-                             f"{MAX_HEADER_NBYTES}", code=Reason.FRAME_TOO_LARGE)
+        raise TransportError(
+            f"data-plane header of {len(frame)} bytes exceeds {MAX_HEADER_NBYTES}",
+            code=Reason.FRAME_TOO_LARGE,
+        )
     try:
         body = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as err:  # msgpack raises several unrelated types
-        raise TransportError(f"data-plane header is not msgpack: {type(err).__name__}",
-                             code=Reason.BAD_FRAME) from None
+        raise TransportError(
+            f"data-plane header is not msgpack: {type(err).__name__}", code=Reason.BAD_FRAME
+        ) from None
     if not isinstance(body, dict):
         raise TransportError("data-plane header is not a map", code=Reason.BAD_FRAME)
     version = body.get("v")
     if version != WIRE_VERSION:
-        raise TransportError(f"data-plane version {version!r} is not {WIRE_VERSION}",
-                             code=Reason.VERSION_UNSUPPORTED)
+        raise TransportError(
+            f"data-plane version {version!r} is not {WIRE_VERSION}", code=Reason.VERSION_UNSUPPORTED
+        )
     if body.get("t") not in kinds:
-        raise TransportError(f"data-plane frame type {body.get('t')!r} is not one of {list(kinds)}",
-                             code=Reason.UNKNOWN_MESSAGE)
+        raise TransportError(
+            f"data-plane frame type {body.get('t')!r} is not one of {list(kinds)}",
+            code=Reason.UNKNOWN_MESSAGE,
+        )
     return body
 
 

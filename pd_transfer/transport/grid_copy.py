@@ -40,20 +40,21 @@ from pd_transfer.transport.regions import Mapped, Regions, map_one
 class Program:
     """One unit group between two sets of mapped regions."""
 
-    src_ids: tuple[str, ...]        # each unit's region, per side
+    src_ids: tuple[str, ...]  # each unit's region, per side
     dst_ids: tuple[str, ...]
-    src_memory: tuple               # the objects the addresses were taken from
+    src_memory: tuple  # the objects the addresses were taken from
     dst_memory: tuple
-    mapped: tuple[Mapped, ...]      # kept so that every address stays mapped
-    src_unit: np.ndarray            # absolute address of each unit's base
+    mapped: tuple[Mapped, ...]  # kept so that every address stays mapped
+    src_unit: np.ndarray  # absolute address of each unit's base
     dst_unit: np.ndarray
-    src_reach: tuple[int, int]      # the index offsets allowed: (lowest, highest)
+    src_reach: tuple[int, int]  # the index offsets allowed: (lowest, highest)
     dst_reach: tuple[int, int]
 
     def current(self, src_regions: Regions, dst_regions: Regions) -> bool:
         """Whether every region is still the object the addresses came from."""
-        return all(map(is_, map(src_regions.get, self.src_ids), self.src_memory)) and \
-            all(map(is_, map(dst_regions.get, self.dst_ids), self.dst_memory))
+        return all(map(is_, map(src_regions.get, self.src_ids), self.src_memory)) and all(
+            map(is_, map(dst_regions.get, self.dst_ids), self.dst_memory)
+        )
 
 
 def build_program(group, src_regions: Regions, dst_regions: Regions) -> Program | None:
@@ -68,19 +69,26 @@ def build_program(group, src_regions: Regions, dst_regions: Regions) -> Program 
     mapped_src = [map_one(r, m, "source") for r, m in zip(src_ids, src_memory)]
     mapped_dst = [map_one(r, m, "destination") for r, m in zip(dst_ids, dst_memory)]
     reach = []
-    for mapped, base, combo, stride in ((mapped_src, group.src_base, shape.combo_src, shape.src_stride),
-                                        (mapped_dst, group.dst_base, shape.combo_dst, shape.dst_stride)):
+    for mapped, base, combo, stride in (
+        (mapped_src, group.src_base, shape.combo_src, shape.src_stride),
+        (mapped_dst, group.dst_base, shape.combo_dst, shape.dst_stride),
+    ):
         last_piece = (shape.count - 1) * stride
         low = int(combo.min()) + min(0, last_piece)
         high = int(combo.max()) + max(0, last_piece) + shape.run_nbytes
         sizes = np.fromiter((m.nbytes for m in mapped), np.int64, len(mapped))
         reach.append((int((-base - low).max()), int((sizes - base - high).min())))
-    return Program(src_ids, dst_ids, src_memory, dst_memory, (*mapped_src, *mapped_dst),
-                   np.fromiter((m.address for m in mapped_src), np.int64, len(mapped_src))
-                   + group.src_base,
-                   np.fromiter((m.address for m in mapped_dst), np.int64, len(mapped_dst))
-                   + group.dst_base,
-                   reach[0], reach[1])
+    return Program(
+        src_ids,
+        dst_ids,
+        src_memory,
+        dst_memory,
+        (*mapped_src, *mapped_dst),
+        np.fromiter((m.address for m in mapped_src), np.int64, len(mapped_src)) + group.src_base,
+        np.fromiter((m.address for m in mapped_dst), np.int64, len(mapped_dst)) + group.dst_base,
+        reach[0],
+        reach[1],
+    )
 
 
 def copy(plan, src_regions: Regions, dst_regions: Regions, programs: dict) -> bool:
@@ -100,12 +108,15 @@ def copy(plan, src_regions: Regions, dst_regions: Regions, programs: dict) -> bo
         src_stride, dst_stride = grid.group.shape.index_strides
         src_x = [i * src_stride for i in grid.src_idx.tolist()]
         dst_x = [j * dst_stride for j in grid.dst_idx.tolist()]
-        if len(src_x) != len(dst_x) or src_x and not (
-                _inside(src_x, program.src_reach) and _inside(dst_x, program.dst_reach)):
+        if (
+            len(src_x) != len(dst_x)
+            or src_x
+            and not (_inside(src_x, program.src_reach) and _inside(dst_x, program.dst_reach))
+        ):
             return False
         work.append((program, array("q", src_x), array("q", dst_x), grid.group.shape))
     total = plan.total_nbytes
-    for program, src_x, dst_x, shape in work:   # every grid checked before the first byte
+    for program, src_x, dst_x, shape in work:  # every grid checked before the first byte
         native_copy.copy_grid(program.src_unit, program.dst_unit, src_x, dst_x, shape, total)
     return True
 

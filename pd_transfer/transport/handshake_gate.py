@@ -40,7 +40,7 @@ class GatedConnection:
         self.where = where
         self.authenticated: bool | None = None if pending else True
         self.cut_off: tuple[Reason, str] | None = None  # why the receiver ended the handshake
-        self.holds_slot = False     # counted among the receiver's authenticated connections
+        self.holds_slot = False  # counted among the receiver's authenticated connections
         self._state = threading.Lock()
 
     def shutdown(self) -> None:
@@ -69,19 +69,24 @@ class GatedConnection:
             return bool(self.authenticated)
 
 
-def arm_deadline(loop: asyncio.AbstractEventLoop, connection: GatedConnection,
-                 timeout_s: float) -> None:
+def arm_deadline(loop: asyncio.AbstractEventLoop, connection: GatedConnection, timeout_s: float) -> None:
     """Cut ``connection`` off ``timeout_s`` from now unless it authenticated by then."""
-    loop.call_later(timeout_s, connection.cut_handshake, Reason.TIMEOUT,
-                    f"no authentication handshake within {timeout_s:g} s of the connection")
+    loop.call_later(
+        timeout_s,
+        connection.cut_handshake,
+        Reason.TIMEOUT,
+        f"no authentication handshake within {timeout_s:g} s of the connection",
+    )
 
 
 def make_room(connections: Iterable[GatedConnection], max_pending: int) -> None:
     """At ``max_pending`` connections that have not authenticated, shut the oldest down
     (``connections`` in accept order)."""
     pending = [c for c in connections if c.authenticated is None]
-    for connection in pending[:max(0, len(pending) - max_pending + 1)]:
-        connection.cut_handshake(Reason.LIMIT_EXCEEDED,
-                                 f"{max_pending} connections are waiting for their "
-                                 f"authentication handshake (max_pending): this one, the "
-                                 f"oldest, makes room for a newer one")
+    for connection in pending[: max(0, len(pending) - max_pending + 1)]:
+        connection.cut_handshake(
+            Reason.LIMIT_EXCEEDED,
+            f"{max_pending} connections are waiting for their "
+            f"authentication handshake (max_pending): this one, the "
+            f"oldest, makes room for a newer one",
+        )

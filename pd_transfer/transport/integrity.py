@@ -47,7 +47,7 @@ from pd_transfer.layout.views import Pool
 from pd_transfer.transport.regions import Mapped, Regions, map_regions
 from pd_transfer.transport.runs import row_nbytes_for, rows_of
 
-_GATHER_NBYTES = 32 << 20   # bytes gathered at once for blocks scattered over many runs
+_GATHER_NBYTES = 32 << 20  # bytes gathered at once for blocks scattered over many runs
 _ROW_CAP_NBYTES = 1 << 20
 _ITEM_WORD = {Pool.KV: "page", Pool.SWA: "page", Pool.MAMBA: "slot", Pool.AUX: "row"}
 
@@ -55,7 +55,7 @@ IndexPair = tuple[np.ndarray, np.ndarray]
 
 
 class Side(enum.Enum):
-    SOURCE = "source"            # prefill: the bytes it sends
+    SOURCE = "source"  # prefill: the bytes it sends
     DESTINATION = "destination"  # decode: the bytes that landed
 
 
@@ -77,10 +77,8 @@ class _UnitRuns:
     def side(self, side: Side) -> tuple[str, int, int, np.ndarray, np.ndarray]:
         unit = self.unit
         if side is Side.SOURCE:
-            return (unit.src_region, unit.src_base, unit.index_strides[0], self.src_offset,
-                    self.src_nbytes)
-        return (unit.dst_region, unit.dst_base, unit.index_strides[1], self.dst_offset,
-                self.dst_nbytes)
+            return (unit.src_region, unit.src_base, unit.index_strides[0], self.src_offset, self.src_nbytes)
+        return (unit.dst_region, unit.dst_base, unit.index_strides[1], self.dst_offset, self.dst_nbytes)
 
 
 def _join(offset: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -92,11 +90,12 @@ def _join(offset: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 def _unit_runs(unit: Unit, like: _UnitRuns | None) -> _UnitRuns:
     if like is not None:  # same structure: same relative runs
-        return _UnitRuns(unit, like.src_offset, like.src_nbytes, like.dst_offset, like.dst_nbytes,
-                         like.block_nbytes)
+        return _UnitRuns(
+            unit, like.src_offset, like.src_nbytes, like.dst_offset, like.dst_nbytes, like.block_nbytes
+        )
     zero = np.zeros(1, np.int64)
     plan = lower("src", "dst", [unit], {unit.pool: (zero, zero)})
-    (_, _, src, dst, nbytes), = plan.byte_runs()  # one unit: one batch
+    ((_, _, src, dst, nbytes),) = plan.byte_runs()  # one unit: one batch
     src, dst = src - unit.src_base, dst - unit.dst_base
     order = np.argsort(dst, kind="stable")
     src, dst, nbytes = src[order], dst[order], nbytes[order]
@@ -116,8 +115,7 @@ class BlockLayout:
                 for unit in group.units:
                     first = _unit_runs(unit, first)
                     runs.append(first)
-            runs.sort(key=lambda r: (r.unit.dst_region, r.unit.dst_base, r.unit.src_region,
-                                     r.unit.src_base))
+            runs.sort(key=lambda r: (r.unit.dst_region, r.unit.dst_base, r.unit.src_region, r.unit.src_base))
             if runs:
                 self._units[pool] = tuple(runs)
 
@@ -143,8 +141,7 @@ class BlockLayout:
             out[row] = _crc_blocks(mapped[region_id], starts, rel, nbytes, runs.block_nbytes)
         return out
 
-    def block_runs(self, pool: Pool, unit: int, index: int, side: Side
-                   ) -> tuple[str, np.ndarray, np.ndarray]:
+    def block_runs(self, pool: Pool, unit: int, index: int, side: Side) -> tuple[str, np.ndarray, np.ndarray]:
         """Region, offsets and lengths of unit ``unit``'s block at ``index`` on ``side``."""
         region_id, base, stride, rel, nbytes = self._units[pool][unit].side(side)
         return region_id, base + index * stride + rel, nbytes
@@ -153,37 +150,45 @@ class BlockLayout:
         """``kv page 17 (position 3) in region kv.k.L3 at offset 81920``."""
         index = int(dst_indices[position])
         region_id, offsets, _ = self.block_runs(pool, unit, index, Side.DESTINATION)
-        return (f"{pool.value} {_ITEM_WORD.get(pool, 'item')} {index} (position {position}) in "
-                f"region {region_id} at offset {int(offsets[0])}")
+        return (
+            f"{pool.value} {_ITEM_WORD.get(pool, 'item')} {index} (position {position}) in "
+            f"region {region_id} at offset {int(offsets[0])}"
+        )
 
 
-def _check_inside(region: Mapped, starts: np.ndarray, rel: np.ndarray, nbytes: np.ndarray,
-                  side: Side) -> None:
+def _check_inside(
+    region: Mapped, starts: np.ndarray, rel: np.ndarray, nbytes: np.ndarray, side: Side
+) -> None:
     low = int(starts.min()) + int(rel.min())
     high = int(starts.max()) + int((rel + nbytes).max())
     if low < 0 or high > region.nbytes:
-        raise TransportError(f"checksum blocks [{low}, {high}) leave {side.value} region "
-                             f"{region.region_id!r} of {region.nbytes} bytes",
-                             code=Reason.RUN_OUT_OF_REGION)
+        raise TransportError(
+            f"checksum blocks [{low}, {high}) leave {side.value} region "
+            f"{region.region_id!r} of {region.nbytes} bytes",
+            code=Reason.RUN_OUT_OF_REGION,
+        )
 
 
-def _crc_blocks(region: Mapped, starts: np.ndarray, rel: np.ndarray, nbytes: np.ndarray,
-                block_nbytes: int) -> np.ndarray:
+def _crc_blocks(
+    region: Mapped, starts: np.ndarray, rel: np.ndarray, nbytes: np.ndarray, block_nbytes: int
+) -> np.ndarray:
     if len(rel) == 1:  # one run per block: hash the memory in place
         view = memoryview(region.array)
         first, n = int(rel[0]), int(nbytes[0])
-        return np.fromiter((zlib.crc32(view[s:s + n]) for s in (starts + first).tolist()),
-                           np.uint32, len(starts))
+        return np.fromiter(
+            (zlib.crc32(view[s : s + n]) for s in (starts + first).tolist()), np.uint32, len(starts)
+        )
     out = np.empty(len(starts), np.uint32)
     per_batch = max(1, _GATHER_NBYTES // max(block_nbytes, 1))
     for a in range(0, len(starts), per_batch):
-        part = starts[a:a + per_batch]
+        part = starts[a : a + per_batch]
         offsets = (part[:, None] + rel[None, :]).ravel()
         lengths = np.tile(nbytes, len(part))
         row = row_nbytes_for(offsets, lengths, cap=_ROW_CAP_NBYTES)
         packed = memoryview(np.take(region.void_rows(row), rows_of(offsets, lengths, row)).view(np.uint8))
-        out[a:a + len(part)] = [zlib.crc32(packed[j * block_nbytes:(j + 1) * block_nbytes])
-                                for j in range(len(part))]
+        out[a : a + len(part)] = [
+            zlib.crc32(packed[j * block_nbytes : (j + 1) * block_nbytes]) for j in range(len(part))
+        ]
     return out
 
 
@@ -192,8 +197,9 @@ def _crc_rows(sums: np.ndarray) -> np.ndarray:
     packed = np.ascontiguousarray(sums, dtype="<u4")
     width = packed.shape[1] * 4
     view = memoryview(packed.view(np.uint8).reshape(-1))
-    return np.fromiter((zlib.crc32(view[i * width:(i + 1) * width]) for i in range(len(packed))),
-                       np.uint32, len(packed))
+    return np.fromiter(
+        (zlib.crc32(view[i * width : (i + 1) * width]) for i in range(len(packed))), np.uint32, len(packed)
+    )
 
 
 @dataclass
@@ -212,13 +218,14 @@ class PoolDigest:
         """Fold in ``C[:, start:start + k]``; positions must arrive in order."""
         count = block_sums.shape[1]
         if start != self.filled or start + count > len(self.items):
-            raise ValueError(f"block sums for positions [{start}, {start + count}) after "
-                             f"{self.filled} of {len(self.items)}")
+            raise ValueError(
+                f"block sums for positions [{start}, {start + count}) after "
+                f"{self.filled} of {len(self.items)}"
+            )
         if count:
-            self.items[start:start + count] = _crc_rows(block_sums.T)
+            self.items[start : start + count] = _crc_rows(block_sums.T)
             rows = np.ascontiguousarray(block_sums, dtype="<u4")
-            self.tensors[:] = [zlib.crc32(rows[u].tobytes(), int(self.tensors[u]))
-                               for u in range(len(rows))]
+            self.tensors[:] = [zlib.crc32(rows[u].tobytes(), int(self.tensors[u])) for u in range(len(rows))]
         self.filled += count
 
 
@@ -227,11 +234,15 @@ class RoomDigest:
 
     def __init__(self, layout: BlockLayout, item_counts: Mapping[Pool, int]) -> None:
         self.layout = layout
-        self.pools = {pool: PoolDigest.empty(layout.num_units(pool), int(n))
-                      for pool, n in item_counts.items() if layout.num_units(pool)}
+        self.pools = {
+            pool: PoolDigest.empty(layout.num_units(pool), int(n))
+            for pool, n in item_counts.items()
+            if layout.num_units(pool)
+        }
 
-    def add_sent(self, requests: Mapping[Pool, IndexPair], starts: Mapping[Pool, int],
-                 regions: Regions) -> None:
+    def add_sent(
+        self, requests: Mapping[Pool, IndexPair], starts: Mapping[Pool, int], regions: Regions
+    ) -> None:
         """Hash one chunk's source bytes; ``starts`` gives each pool's first item position."""
         for pool, (src_idx, _) in requests.items():
             if pool in self.pools:
@@ -239,8 +250,9 @@ class RoomDigest:
                 self.pools[pool].add(starts.get(pool, 0), sums)
 
 
-def landed_digest(layout: BlockLayout, dst: Mapping[Pool, np.ndarray],
-                  regions: Regions) -> dict[Pool, PoolDigest]:
+def landed_digest(
+    layout: BlockLayout, dst: Mapping[Pool, np.ndarray], regions: Regions
+) -> dict[Pool, PoolDigest]:
     """Decode's side: the digests of what its regions hold for the room's indices."""
     out = {}
     for pool, idx in dst.items():
@@ -251,27 +263,40 @@ def landed_digest(layout: BlockLayout, dst: Mapping[Pool, np.ndarray],
     return out
 
 
-def compare(layout: BlockLayout, dst: Mapping[Pool, np.ndarray],
-            sent: Mapping[Pool, tuple[np.ndarray, np.ndarray]],
-            landed: Mapping[Pool, PoolDigest]) -> str:
+def compare(
+    layout: BlockLayout,
+    dst: Mapping[Pool, np.ndarray],
+    sent: Mapping[Pool, tuple[np.ndarray, np.ndarray]],
+    landed: Mapping[Pool, PoolDigest],
+) -> str:
     """'' when ``sent`` (items, tensors per pool) equals ``landed``; else what differs."""
     if set(sent) != set(landed):
-        return (f"checksums cover pools {sorted(p.value for p in sent)}, expected "
-                f"{sorted(p.value for p in landed)}")
+        return (
+            f"checksums cover pools {sorted(p.value for p in sent)}, expected "
+            f"{sorted(p.value for p in landed)}"
+        )
     problems = []
     for pool, digest in landed.items():
         items, tensors = (np.asarray(a, np.uint32) for a in sent[pool])
         if items.shape != digest.items.shape or tensors.shape != digest.tensors.shape:
-            problems.append(f"{pool.value}: {len(items)} item and {len(tensors)} tensor "
-                            f"checksum(s), expected {len(digest.items)} and {len(digest.tensors)}")
+            problems.append(
+                f"{pool.value}: {len(items)} item and {len(tensors)} tensor "
+                f"checksum(s), expected {len(digest.items)} and {len(digest.tensors)}"
+            )
             continue
         bad_items = np.flatnonzero(items != digest.items)
         bad_units = np.flatnonzero(tensors != digest.tensors)
         if not len(bad_items) and not len(bad_units):
             continue
-        where = layout.describe(pool, int(bad_units[0]) if len(bad_units) else 0,
-                                int(bad_items[0]) if len(bad_items) else 0, dst[pool])
+        where = layout.describe(
+            pool,
+            int(bad_units[0]) if len(bad_units) else 0,
+            int(bad_items[0]) if len(bad_items) else 0,
+            dst[pool],
+        )
         word = _ITEM_WORD.get(pool, "item")
-        problems.append(f"first bad block: {where}; {len(bad_items)} of {len(items)} {word}(s) "
-                        f"and {len(bad_units)} of {len(tensors)} tensor piece(s) differ")
+        problems.append(
+            f"first bad block: {where}; {len(bad_items)} of {len(items)} {word}(s) "
+            f"and {len(bad_units)} of {len(tensors)} tensor piece(s) differ"
+        )
     return "; ".join(problems)

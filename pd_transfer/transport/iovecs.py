@@ -99,8 +99,8 @@ class Part:
         row = 0
         for base, offset, nbytes in self.segments:
             n = len(offset)
-            iov[row:row + n, 0] = offset + base.__array_interface__["data"][0]
-            iov[row:row + n, 1] = nbytes
+            iov[row : row + n, 0] = offset + base.__array_interface__["data"][0]
+            iov[row : row + n, 1] = nbytes
             row += n
         return iov
 
@@ -164,12 +164,19 @@ class _Parts:
         return part
 
 
-def _stretches(parts: _Parts, region: Mapped, offset: np.ndarray, nbytes: np.ndarray,
-               staging: Staging, direct_min_nbytes: int, receiving: bool) -> Iterator[Part]:
+def _stretches(
+    parts: _Parts,
+    region: Mapped,
+    offset: np.ndarray,
+    nbytes: np.ndarray,
+    staging: Staging,
+    direct_min_nbytes: int,
+    receiving: bool,
+) -> Iterator[Part]:
     """Add one region's runs to ``parts``, yielding every part that fills up."""
     if int(nbytes.sum()) >= direct_min_nbytes * len(nbytes):  # in place
         for i in range(0, len(offset), IOV_MAX):
-            parts.part.add(region.array, offset[i:i + IOV_MAX], nbytes[i:i + IOV_MAX])
+            parts.part.add(region.array, offset[i : i + IOV_MAX], nbytes[i : i + IOV_MAX])
             if parts.part.num_iov >= IOV_MAX:
                 yield parts.take()
         return
@@ -181,7 +188,7 @@ def _stretches(parts: _Parts, region: Mapped, offset: np.ndarray, nbytes: np.nda
         if total > parts.room() and parts.part.num_iov:
             yield parts.take()
         at = parts.part.staged_nbytes
-        buffer = staging.take(parts.stage_nbytes)[at:at + total]
+        buffer = staging.take(parts.stage_nbytes)[at : at + total]
         if receiving:
             parts.part.staged.append(Staged(region, offset[a:b], nbytes[a:b], buffer))
         else:
@@ -190,23 +197,33 @@ def _stretches(parts: _Parts, region: Mapped, offset: np.ndarray, nbytes: np.nda
         parts.part.staged_nbytes += total
 
 
-def source_parts(layout: ChunkLayout, src: Mapping[str, Mapped], staging: Staging,
-                 direct_min_nbytes: int = DIRECT_MIN_NBYTES, stage_nbytes: int = STAGE_NBYTES,
-                 head: np.ndarray | None = None) -> Iterator[Part]:
+def source_parts(
+    layout: ChunkLayout,
+    src: Mapping[str, Mapped],
+    staging: Staging,
+    direct_min_nbytes: int = DIRECT_MIN_NBYTES,
+    stage_nbytes: int = STAGE_NBYTES,
+    head: np.ndarray | None = None,
+) -> Iterator[Part]:
     """The chunk's payload, in order, in parts (``head``, the frame's prefix and header,
     first); each part must be sent before the next is asked for."""
     parts = _Parts(stage_nbytes, head)
     for piece in layout.pieces:
         offset, nbytes = join(piece.src_offset, piece.nbytes)
-        yield from _stretches(parts, src[piece.src_region], offset, nbytes, staging,
-                              direct_min_nbytes, receiving=False)
+        yield from _stretches(
+            parts, src[piece.src_region], offset, nbytes, staging, direct_min_nbytes, receiving=False
+        )
     if parts.part.num_iov:
         yield parts.take()
 
 
-def destination_parts(wire: WireRuns, dst: Mapping[str, Mapped], staging: Staging,
-                      direct_min_nbytes: int = RECEIVE_DIRECT_MIN_NBYTES,
-                      stage_nbytes: int = STAGE_NBYTES) -> Iterator[Part]:
+def destination_parts(
+    wire: WireRuns,
+    dst: Mapping[str, Mapped],
+    staging: Staging,
+    direct_min_nbytes: int = RECEIVE_DIRECT_MIN_NBYTES,
+    stage_nbytes: int = STAGE_NBYTES,
+) -> Iterator[Part]:
     """Where a checked chunk's payload goes, in order, in parts; receive each part, then
     :func:`finish` it, before asking for the next."""
     runs = wire.runs
@@ -217,8 +234,15 @@ def destination_parts(wire: WireRuns, dst: Mapping[str, Mapped], staging: Stagin
     parts = _Parts(stage_nbytes)
     for start, stop in zip(edges[:-1], edges[1:]):
         offset, nbytes = join(runs[start:stop, 1], runs[start:stop, 2])
-        yield from _stretches(parts, dst[wire.regions[int(runs[start, 0])]], offset, nbytes,
-                              staging, direct_min_nbytes, receiving=True)
+        yield from _stretches(
+            parts,
+            dst[wire.regions[int(runs[start, 0])]],
+            offset,
+            nbytes,
+            staging,
+            direct_min_nbytes,
+            receiving=True,
+        )
     if parts.part.num_iov:
         yield parts.take()
 

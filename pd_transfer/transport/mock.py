@@ -36,11 +36,11 @@ from pd_transfer.transport.runs import expand, flatten
 
 
 class FaultKind(enum.Enum):
-    FAIL = "fail"          # raise before a byte moves
-    DELAY = "delay"        # sleep, then write normally
-    DROP = "drop"          # never complete; nothing is written
-    CORRUPT = "corrupt"    # write everything, flip one byte, report success
-    PARTIAL = "partial"    # write a prefix of the byte stream, then raise
+    FAIL = "fail"  # raise before a byte moves
+    DELAY = "delay"  # sleep, then write normally
+    DROP = "drop"  # never complete; nothing is written
+    CORRUPT = "corrupt"  # write everything, flip one byte, report success
+    PARTIAL = "partial"  # write a prefix of the byte stream, then raise
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,7 @@ class Fault:
     byte_index: int = 0
 
     @classmethod
-    def fail(cls, on_write: int = 1, reason: Reason = Reason.TRANSPORT_FAILED,
-             peer_id: str = "") -> Fault:
+    def fail(cls, on_write: int = 1, reason: Reason = Reason.TRANSPORT_FAILED, peer_id: str = "") -> Fault:
         return cls(FaultKind.FAIL, on_write, peer_id, reason)
 
     @classmethod
@@ -71,8 +70,13 @@ class Fault:
         return cls(FaultKind.CORRUPT, on_write, peer_id, byte_index=byte_index)
 
     @classmethod
-    def partial(cls, on_write: int = 1, prefix_nbytes: int = 0,
-                reason: Reason = Reason.TRANSPORT_FAILED, peer_id: str = "") -> Fault:
+    def partial(
+        cls,
+        on_write: int = 1,
+        prefix_nbytes: int = 0,
+        reason: Reason = Reason.TRANSPORT_FAILED,
+        peer_id: str = "",
+    ) -> Fault:
         return cls(FaultKind.PARTIAL, on_write, peer_id, reason, prefix_nbytes=prefix_nbytes)
 
 
@@ -81,7 +85,7 @@ class WriteRecord:
     peer_id: str
     room: str
     generation: int
-    nbytes: int            # bytes that landed
+    nbytes: int  # bytes that landed
     faults: tuple[FaultKind, ...]
 
 
@@ -97,8 +101,12 @@ class MockLink(Link):
 class MockTransport(Transport):
     kind = TransportKind.MOCK
 
-    def __init__(self, peers: Mapping[str, Regions] | None = None, faults: Iterable[Fault] = (),
-                 engine: CopyEngine | None = None) -> None:
+    def __init__(
+        self,
+        peers: Mapping[str, Regions] | None = None,
+        faults: Iterable[Fault] = (),
+        engine: CopyEngine | None = None,
+    ) -> None:
         super().__init__()
         self.engine = engine or default_engine()
         self._peers: dict[str, Regions] = dict(peers or {})
@@ -116,28 +124,37 @@ class MockTransport(Transport):
     async def connect(self, peer: PeerEndpoint) -> MockLink:
         regions = self._peers.get(peer.peer_id)
         if regions is None:
-            raise TransportError(f"mock transport: no regions registered for peer {peer.peer_id}",
-                                 code=Reason.NOT_REGISTERED)
+            raise TransportError(
+                f"mock transport: no regions registered for peer {peer.peer_id}", code=Reason.NOT_REGISTERED
+            )
         for handle in peer.regions:  # the endpoint must describe what is really there
             if handle.region_id not in regions:
-                raise TransportError(f"peer {peer.peer_id} region {handle.region_id!r} is not "
-                                     f"registered with the mock", code=Reason.UNKNOWN_REGION)
+                raise TransportError(
+                    f"peer {peer.peer_id} region {handle.region_id!r} is not registered with the mock",
+                    code=Reason.UNKNOWN_REGION,
+                )
             size = map_one(handle.region_id, regions[handle.region_id], "destination").nbytes
             if size < handle.nbytes:
-                raise TransportError(f"peer {peer.peer_id} region {handle.region_id!r} holds "
-                                     f"{size} bytes, endpoint says {handle.nbytes}",
-                                     code=Reason.SEGMENT_TOO_SMALL)
+                raise TransportError(
+                    f"peer {peer.peer_id} region {handle.region_id!r} holds "
+                    f"{size} bytes, endpoint says {handle.nbytes}",
+                    code=Reason.SEGMENT_TOO_SMALL,
+                )
         return self._adopt(MockLink(self, peer, regions))
 
-    async def write(self, link: Link, plan, src_regions: Regions, *, room: str = "",
-                    generation: int = 0) -> int:
+    async def write(
+        self, link: Link, plan, src_regions: Regions, *, room: str = "", generation: int = 0
+    ) -> int:
         link = self._own(link, MockLink)
         peer_id = link.peer.peer_id
         self._count += 1
         self._count_by_peer[peer_id] = self._count_by_peer.get(peer_id, 0) + 1
-        faults = [f for f in self._faults if f.on_write == (
-            self._count_by_peer[peer_id] if f.peer_id else self._count)
-            and f.peer_id in ("", peer_id)]
+        faults = [
+            f
+            for f in self._faults
+            if f.on_write == (self._count_by_peer[peer_id] if f.peer_id else self._count)
+            and f.peer_id in ("", peer_id)
+        ]
         kinds = tuple(f.kind for f in faults)
         src_regions = self._sources.map(src_regions, (b.src_region for b in plan.batches), "source")
         landed = 0
@@ -163,10 +180,11 @@ class MockTransport(Transport):
             if fault.kind is FaultKind.PARTIAL:
                 prefix = truncate_plan(plan, fault.prefix_nbytes)
                 await asyncio.to_thread(self.engine.execute, prefix, src_regions, link.regions)
-                raise TransportError(f"{where}: scripted failure after {prefix.total_nbytes} of "
-                                     f"{plan.total_nbytes} bytes", code=fault.reason)
-        nbytes = await asyncio.to_thread(self.engine.execute, plan, src_regions, link.regions,
-                                         where=where)
+                raise TransportError(
+                    f"{where}: scripted failure after {prefix.total_nbytes} of {plan.total_nbytes} bytes",
+                    code=fault.reason,
+                )
+        nbytes = await asyncio.to_thread(self.engine.execute, plan, src_regions, link.regions, where=where)
         for fault in faults:
             if fault.kind is FaultKind.CORRUPT:
                 flip_byte(plan, link.regions, fault.byte_index)
@@ -214,9 +232,18 @@ def truncate_plan(plan, prefix_nbytes: int) -> TransferPlan:
     for b in np.unique(batch).tolist():
         mine = (batch == b) & (nbytes > 0)
         source = flat.batches[b]
-        batches.append(RunBatch(source.src_region, source.dst_region,
-                                runs.src_offset[: keep + 1][mine], runs.dst_offset[: keep + 1][mine],
-                                nbytes[mine], np.ones(int(mine.sum()), np.int64), 0, 0))
+        batches.append(
+            RunBatch(
+                source.src_region,
+                source.dst_region,
+                runs.src_offset[: keep + 1][mine],
+                runs.dst_offset[: keep + 1][mine],
+                nbytes[mine],
+                np.ones(int(mine.sum()), np.int64),
+                0,
+                0,
+            )
+        )
     return TransferPlan(plan.src_rank, plan.dst_rank, tuple(batches))
 
 

@@ -46,8 +46,10 @@ def _load(path: Path = LIBRARY_PATH) -> tuple[ctypes.CDLL | None, str]:
     if os.environ.get("PD_TRANSFER_NATIVE_COPY", "1").strip().lower() in ("0", "false", "no", "off"):
         return None, "turned off by PD_TRANSFER_NATIVE_COPY"
     if not path.exists():
-        return None, (f"{path} is not built (no C compiler when pd-transfer was installed); "
-                      f"build it with: python -m pd_transfer.transport.native.build")
+        return None, (
+            f"{path} is not built (no C compiler when pd-transfer was installed); "
+            f"build it with: python -m pd_transfer.transport.native.build"
+        )
     try:
         lib = ctypes.CDLL(str(path))
         abi = lib.pdt_abi()
@@ -60,10 +62,18 @@ def _load(path: Path = LIBRARY_PATH) -> tuple[ctypes.CDLL | None, str]:
     lib.pdt_copy_list.restype = ctypes.c_int64
     lib.pdt_copy_list.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
     lib.pdt_copy_grid.restype = ctypes.c_int64
-    lib.pdt_copy_grid.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                  *[ctypes.c_int64] * 5]
+    lib.pdt_copy_grid.argtypes = [
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        *[ctypes.c_int64] * 5,
+    ]
     lib.pdt_pack.restype = ctypes.c_int64
     lib.pdt_pack.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 4]
     return lib, ""
@@ -84,16 +94,23 @@ def describe(native: bool) -> str:
 class Pieces:
     """A plan's descriptors as absolute addresses, ready for :meth:`copy`."""
 
-    def __init__(self, flat: Flat, src: dict[str, Mapped], dst: dict[str, Mapped], *,
-                 stream_min: int | None = None) -> None:
-        src_base = np.fromiter((src[b.src_region].address for b in flat.batches), np.int64,
-                               len(flat.batches))
-        dst_base = np.fromiter((dst[b.dst_region].address for b in flat.batches), np.int64,
-                               len(flat.batches))
+    def __init__(
+        self, flat: Flat, src: dict[str, Mapped], dst: dict[str, Mapped], *, stream_min: int | None = None
+    ) -> None:
+        src_base = np.fromiter((src[b.src_region].address for b in flat.batches), np.int64, len(flat.batches))
+        dst_base = np.fromiter((dst[b.dst_region].address for b in flat.batches), np.int64, len(flat.batches))
         batch = np.asarray(flat.batch)
-        self.columns = [np.ascontiguousarray(a, np.int64) for a in (
-            src_base[batch] + flat.src_offset, dst_base[batch] + flat.dst_offset, flat.nbytes,
-            flat.count, flat.src_stride, flat.dst_stride)]
+        self.columns = [
+            np.ascontiguousarray(a, np.int64)
+            for a in (
+                src_base[batch] + flat.src_offset,
+                dst_base[batch] + flat.dst_offset,
+                flat.nbytes,
+                flat.count,
+                flat.src_stride,
+                flat.dst_stride,
+            )
+        ]
         self._pointers = [a.ctypes.data_as(_I64P) for a in self.columns]
         sizes = np.where((flat.nbytes > 0) & (flat.count > 0), flat.nbytes * flat.count, 0)
         self.ends = np.cumsum(sizes, dtype=np.int64)  # bytes up to each descriptor's end
@@ -102,8 +119,11 @@ class Pieces:
 
     def ranges(self, parts: int, *, align: int = 4096) -> list[tuple[int, int]]:
         """``parts`` (start, length) byte ranges of about equal length covering the plan."""
-        cuts = [0] + [min(self.nbytes, self.nbytes * j // parts // align * align)
-                      for j in range(1, parts)] + [self.nbytes]
+        cuts = (
+            [0]
+            + [min(self.nbytes, self.nbytes * j // parts // align * align) for j in range(1, parts)]
+            + [self.nbytes]
+        )
         return [(a, b - a) for a, b in zip(cuts, cuts[1:]) if b > a]
 
     def copy(self, start: int = 0, length: int | None = None) -> int:
@@ -113,8 +133,9 @@ class Pieces:
             return 0
         first = int(np.searchsorted(self.ends, start, side="right"))
         skip = start - (int(self.ends[first - 1]) if first else 0)
-        done = _LIB.pdt_copy_range(len(self.columns[0]), *self._pointers, first, skip, length,
-                                   self.stream_min)
+        done = _LIB.pdt_copy_range(
+            len(self.columns[0]), *self._pointers, first, skip, length, self.stream_min
+        )
         _check_landed(done)
         if done != length:  # the plan and its columns disagree: a bug here, not bad input
             raise RuntimeError(f"native copy moved {done} of {length} bytes")
@@ -135,8 +156,9 @@ def copy_list(runs: list[int]) -> None:
         raise RuntimeError(f"native copy moved {done} of {total} bytes")
 
 
-def copy_grid(src_unit: np.ndarray, dst_unit: np.ndarray, src_index: array, dst_index: array,
-              shape, total_nbytes: int) -> None:
+def copy_grid(
+    src_unit: np.ndarray, dst_unit: np.ndarray, src_index: array, dst_index: array, shape, total_nbytes: int
+) -> None:
     """Copy one grid (:class:`~pd_transfer.layout.grids.Grid`) in one call: unit base
     addresses (int64 arrays), the index lists' byte offsets (``array("q")``, as long as
     each other) and the group's shape (run, count, strides, positions), every extreme
@@ -146,11 +168,22 @@ def copy_grid(src_unit: np.ndarray, dst_unit: np.ndarray, src_index: array, dst_
         return
     combo_src, combo_dst = shape.combo_src, shape.combo_dst
     expected = len(src_unit) * len(src_index) * len(combo_src) * shape.count * shape.run_nbytes
-    done = _LIB.pdt_copy_grid(len(src_unit), src_unit.ctypes.data, dst_unit.ctypes.data,
-                              len(src_index), src_index.buffer_info()[0],
-                              dst_index.buffer_info()[0], len(combo_src), combo_src.ctypes.data,
-                              combo_dst.ctypes.data, shape.run_nbytes, shape.count,
-                              shape.src_stride, shape.dst_stride, _stream_min(total_nbytes))
+    done = _LIB.pdt_copy_grid(
+        len(src_unit),
+        src_unit.ctypes.data,
+        dst_unit.ctypes.data,
+        len(src_index),
+        src_index.buffer_info()[0],
+        dst_index.buffer_info()[0],
+        len(combo_src),
+        combo_src.ctypes.data,
+        combo_dst.ctypes.data,
+        shape.run_nbytes,
+        shape.count,
+        shape.src_stride,
+        shape.dst_stride,
+        _stream_min(total_nbytes),
+    )
     _check_landed(done)
     if done != expected:
         raise RuntimeError(f"native copy moved {done} of {expected} bytes")
@@ -159,8 +192,10 @@ def copy_grid(src_unit: np.ndarray, dst_unit: np.ndarray, src_index: array, dst_
 def _check_landed(done: int) -> None:
     """-1: a piece met a SIGBUS in a watched segment (:mod:`pd_transfer.shm_guard`)."""
     if done == -1:
-        raise TransportError("a shared-memory segment was truncated under its mapping during "
-                             "the copy", code=Reason.SEGMENT_TRUNCATED)
+        raise TransportError(
+            "a shared-memory segment was truncated under its mapping during the copy",
+            code=Reason.SEGMENT_TRUNCATED,
+        )
 
 
 def _stream_min(total_nbytes: int) -> int:
@@ -177,15 +212,15 @@ def gather_runs(region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray, out:
     _packed(offset, nbytes, region, out, gather=True)
 
 
-def scatter_runs(region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray,
-                 payload: np.ndarray) -> None:
+def scatter_runs(region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray, payload: np.ndarray) -> None:
     """Copy ``payload`` (the runs back to back) into the runs ``(offset, nbytes)`` of
     ``region`` (checked by the caller)."""
     _packed(offset, nbytes, region, payload, gather=False)
 
 
-def _packed(offset: np.ndarray, nbytes: np.ndarray, region: np.ndarray, buffer: np.ndarray, *,
-            gather: bool) -> None:
+def _packed(
+    offset: np.ndarray, nbytes: np.ndarray, region: np.ndarray, buffer: np.ndarray, *, gather: bool
+) -> None:
     offset = np.ascontiguousarray(offset, np.int64)
     nbytes = np.ascontiguousarray(nbytes, np.int64)
     total = int(nbytes.sum())
@@ -193,13 +228,20 @@ def _packed(offset: np.ndarray, nbytes: np.ndarray, region: np.ndarray, buffer: 
         raise ValueError(f"{total} bytes of runs do not fit a buffer of {buffer.nbytes}")
     # the callers checked every run (plans, check_wire); C trusts addresses, so once more
     # here, cheaply, rather than write outside the region on a bug
-    if len(offset) != len(nbytes) or (len(offset) and (
-            int(offset.min()) < 0 or int(nbytes.min()) < 0
-            or int((offset + nbytes).max()) > region.nbytes)):
+    if len(offset) != len(nbytes) or (
+        len(offset)
+        and (int(offset.min()) < 0 or int(nbytes.min()) < 0 or int((offset + nbytes).max()) > region.nbytes)
+    ):
         raise ValueError(f"runs outside the region of {region.nbytes} bytes")
-    done = _LIB.pdt_pack(len(nbytes), _array_address(offset), _array_address(nbytes),
-                         _array_address(region), _array_address(buffer), int(gather),
-                         _NEVER if gather else _stream_min(total))
+    done = _LIB.pdt_pack(
+        len(nbytes),
+        _array_address(offset),
+        _array_address(nbytes),
+        _array_address(region),
+        _array_address(buffer),
+        int(gather),
+        _NEVER if gather else _stream_min(total),
+    )
     _check_landed(done)
     if done != total:
         raise RuntimeError(f"native copy moved {done} of {total} bytes")

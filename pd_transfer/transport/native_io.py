@@ -39,15 +39,24 @@ class PeerClosed(ConnectionError):
 
 
 class _Msghdr(ctypes.Structure):
-    _fields_ = [("msg_name", ctypes.c_void_p), ("msg_namelen", ctypes.c_uint32),
-                ("msg_iov", ctypes.c_void_p), ("msg_iovlen", ctypes.c_size_t),
-                ("msg_control", ctypes.c_void_p), ("msg_controllen", ctypes.c_size_t),
-                ("msg_flags", ctypes.c_int)]
+    _fields_ = [
+        ("msg_name", ctypes.c_void_p),
+        ("msg_namelen", ctypes.c_uint32),
+        ("msg_iov", ctypes.c_void_p),
+        ("msg_iovlen", ctypes.c_size_t),
+        ("msg_control", ctypes.c_void_p),
+        ("msg_controllen", ctypes.c_size_t),
+        ("msg_flags", ctypes.c_int),
+    ]
 
 
 def _load():
-    if not sys.platform.startswith("linux") or sys.byteorder != "little" \
-            or ctypes.sizeof(ctypes.c_void_p) != 8 or os.environ.get("PD_TRANSFER_NO_NATIVE_IO"):
+    if (
+        not sys.platform.startswith("linux")
+        or sys.byteorder != "little"
+        or ctypes.sizeof(ctypes.c_void_p) != 8
+        or os.environ.get("PD_TRANSFER_NO_NATIVE_IO")
+    ):
         return None, None
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -82,7 +91,7 @@ def _transfer(sock: socket.socket, iov: np.ndarray, call, flags: int, *, receivi
     fd = sock.fileno()
     i, n = 0, len(iov)
     while i < n:
-        group = iov[i:i + IOV_MAX]
+        group = iov[i : i + IOV_MAX]
         header.msg_iov = group.__array_interface__["data"][0]
         header.msg_iovlen = len(group)
         done = call(fd, ctypes.byref(header), flags)

@@ -94,19 +94,25 @@ class NixlLink(EngineLink):
 class NixlTransport(Transport):
     kind = TransportKind.NIXL
 
-    def __init__(self, *, error_handling_mode: str = "none", timeout_s: float = 60.0,
-                 max_prepared_rows: int = 1 << 21, recovery: Recovery | None = None,
-                 staging: StagingOptions | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        error_handling_mode: str = "none",
+        timeout_s: float = 60.0,
+        max_prepared_rows: int = 1 << 21,
+        recovery: Recovery | None = None,
+        staging: StagingOptions | None = None,
+    ) -> None:
         super().__init__()
         self.staging = staging or StagingOptions()
         self.error_handling_mode = error_handling_mode
         self.timeout_s = timeout_s
         self.max_prepared_rows = max_prepared_rows
         self.recovery = recovery or Recovery()
-        self._engine: NixlEngine | None = None   # initiating: writes, no progress thread
-        self._target: NixlEngine | None = None   # receiving: the peers' writes land here
+        self._engine: NixlEngine | None = None  # initiating: writes, no progress thread
+        self._target: NixlEngine | None = None  # receiving: the peers' writes land here
         self._engine_lock = threading.Lock()
-        self._local: dict[int, Prepared] = {}   # row_nbytes -> our source regions as rows
+        self._local: dict[int, Prepared] = {}  # row_nbytes -> our source regions as rows
 
     def start(self) -> NixlEngine:
         """Start this process's two agents now (blocking, seconds: loading NIXL and UCX holds
@@ -120,8 +126,7 @@ class NixlTransport(Transport):
         """
         with self._engine_lock:
             if self._engine is None:
-                self._engine = NixlEngine("side", self.error_handling_mode,
-                                          progress_thread=False)
+                self._engine = NixlEngine("side", self.error_handling_mode, progress_thread=False)
             if self._target is None:
                 self._target = NixlEngine("recv", self.error_handling_mode)
             return self._engine
@@ -141,62 +146,89 @@ class NixlTransport(Transport):
         try:
             name = await asyncio.to_thread(engine.agent.add_remote_agent, address.metadata)
         except Exception as err:
-            raise TransportError(f"nixl metadata of {peer.peer_id} does not load: {err}",
-                                 code=Reason.BAD_FIELD) from None
+            raise TransportError(
+                f"nixl metadata of {peer.peer_id} does not load: {err}", code=Reason.BAD_FIELD
+            ) from None
         name = name.decode() if isinstance(name, bytes) else name
         if name != address.session:
-            raise TransportError(f"nixl metadata of {peer.peer_id} names agent {name!r}, its "
-                                 f"address {address.session!r}", code=Reason.BAD_FIELD)
+            raise TransportError(
+                f"nixl metadata of {peer.peer_id} names agent {name!r}, its address {address.session!r}",
+                code=Reason.BAD_FIELD,
+            )
         first = next(iter(address.regions.values()))[0]
         if not await asyncio.to_thread(engine.probe, name, first):
-            raise TransportError(f"nixl agent {name} of {peer.peer_id} does not answer",
-                                 code=Reason.TRANSPORT_FAILED)
+            raise TransportError(
+                f"nixl agent {name} of {peer.peer_id} does not answer", code=Reason.TRANSPORT_FAILED
+            )
         link = NixlLink(self, peer, address)
-        await attach(link, address, self.staging, register=engine.register,
-                     submit=lambda s, d, n: self._probe_write(engine, link, s, d, n),
-                     batch_descriptors=1 << 30)  # one request whatever its size
+        await attach(
+            link,
+            address,
+            self.staging,
+            register=engine.register,
+            submit=lambda s, d, n: self._probe_write(engine, link, s, d, n),
+            batch_descriptors=1 << 30,
+        )  # one request whatever its size
         return self._adopt(link)
 
-    def _probe_write(self, engine: NixlEngine, link: NixlLink, src: list, dst: list,
-                     nbytes: list) -> None:
+    def _probe_write(self, engine: NixlEngine, link: NixlLink, src: list, dst: list, nbytes: list) -> None:
         state = self._write_descs(engine, link, src, dst, nbytes)
         if state != "DONE":
-            raise TransportError(f"nixl probe write ended {state.lower()}",
-                                 code=Reason.TRANSPORT_FAILED)
+            raise TransportError(f"nixl probe write ended {state.lower()}", code=Reason.TRANSPORT_FAILED)
 
-    def _write_descs(self, engine: NixlEngine, link: NixlLink, src: list, dst: list,
-                     nbytes: list) -> str:
-        return engine.run(self._descs_request(engine, link, src, dst, nbytes),
-                          time.monotonic() + self.timeout_s)
+    def _write_descs(self, engine: NixlEngine, link: NixlLink, src: list, dst: list, nbytes: list) -> str:
+        return engine.run(
+            self._descs_request(engine, link, src, dst, nbytes), time.monotonic() + self.timeout_s
+        )
 
     @staticmethod
     def _descs_request(engine: NixlEngine, link: NixlLink, src: list, dst: list, nbytes: list):
         lengths = np.array(nbytes, np.int64)
         try:
             return engine.agent.initialize_xfer(
-                "WRITE", engine.descs(np.array(src, np.uint64), lengths),
-                engine.descs(np.array(dst, np.uint64), lengths), link.remote)
+                "WRITE",
+                engine.descs(np.array(src, np.uint64), lengths),
+                engine.descs(np.array(dst, np.uint64), lengths),
+                link.remote,
+            )
         except Exception as err:
-            raise TransportError(f"nixl refused a staged write: {err}",
-                                 code=Reason.TRANSPORT_FAILED) from None
+            raise TransportError(
+                f"nixl refused a staged write: {err}", code=Reason.TRANSPORT_FAILED
+            ) from None
 
-    async def write(self, link: Link, plan, src_regions: Regions, *, room: str = "",
-                    generation: int = 0) -> int:
+    async def write(
+        self, link: Link, plan, src_regions: Regions, *, room: str = "", generation: int = 0
+    ) -> int:
         link = self._own(link, NixlLink)
         link.check_usable()
         engine = self.engine()
         return await write_parts(self, link, engine, plan, src_regions, room, generation)
 
-    def _submit_all(self, engine: NixlEngine, link: NixlLink, parts: list, bases: dict,
-                    src: dict, where: str, room: str, generation: int) -> int:
+    def _submit_all(
+        self,
+        engine: NixlEngine,
+        link: NixlLink,
+        parts: list,
+        bases: dict,
+        src: dict,
+        where: str,
+        room: str,
+        generation: int,
+    ) -> int:
         """Each part its way, in plan order (a worker thread); return the bytes written.
 
         Every part is bounds-checked before anything is submitted (a lone
         direct part by :meth:`_request` itself).
         """
-        work = [(strategy, self._checked(link, part, bases, where, alone=len(parts) == 1)
-                 if strategy is Strategy.DIRECT else staged_layouts(link, part, src))
-                for strategy, part in parts]
+        work = [
+            (
+                strategy,
+                self._checked(link, part, bases, where, alone=len(parts) == 1)
+                if strategy is Strategy.DIRECT
+                else staged_layouts(link, part, src),
+            )
+            for strategy, part in parts
+        ]
         written = {Strategy.DIRECT: 0, Strategy.STAGED: 0}
         with link.lock:
             link.check_usable()
@@ -204,16 +236,16 @@ class NixlTransport(Transport):
                 if strategy is Strategy.DIRECT:
                     written[strategy] += self._submit(engine, link, todo, bases, where)
                 else:
-                    written[strategy] += run_staged(link, todo, src, self._bulk(engine, link, where),
-                                                    room=room, generation=generation)
+                    written[strategy] += run_staged(
+                        link, todo, src, self._bulk(engine, link, where), room=room, generation=generation
+                    )
             link.wrote(written)
             return sum(written.values())
 
     @staticmethod
     def _checked(link: NixlLink, part, bases: dict, where: str, *, alone: bool):
         if not alone:
-            check_bounds(flatten(part), {r: n for r, (_, n) in bases.items()},
-                         _dst_sizes(link), where)
+            check_bounds(flatten(part), {r: n for r, (_, n) in bases.items()}, _dst_sizes(link), where)
         return part
 
     def _submit(self, engine: NixlEngine, link: NixlLink, plan, bases: dict, where: str) -> int:
@@ -229,6 +261,7 @@ class NixlTransport(Transport):
     def _bulk(self, engine: NixlEngine, link: NixlLink, where: str):
         """One staged slot, one descriptor, posted: the returned waiter ends it (several are
         kept in flight); an engine error settles the link as a request's does."""
+
         def bulk(local: int, remote: int, nbytes: int):
             link.counted(1)
             handle = self._descs_request(engine, link, [local], [remote], [nbytes])
@@ -236,9 +269,15 @@ class NixlTransport(Transport):
             state = engine.post(handle)
 
             def wait() -> None:
-                self._finish(engine, link, engine.wait(handle, state, deadline_s),
-                             f"{where}: nixl staged write of {nbytes} bytes")
+                self._finish(
+                    engine,
+                    link,
+                    engine.wait(handle, state, deadline_s),
+                    f"{where}: nixl staged write of {nbytes} bytes",
+                )
+
             return wait
+
         return bulk
 
     def _finish(self, engine: NixlEngine, link: NixlLink, state: str, what: str) -> None:
@@ -267,19 +306,26 @@ class NixlTransport(Transport):
             if local is None or remote is None:  # too many rows to prepare: describe the runs
                 direct = lower_to_addresses(plan, bases, link.dst_bases, where, dst_sizes=dst_sizes)
                 return engine.agent.initialize_xfer(
-                    "WRITE", engine.descs(direct.src_addr, direct.nbytes),
-                    engine.descs(direct.dst_addr, direct.nbytes), link.remote), total
+                    "WRITE",
+                    engine.descs(direct.src_addr, direct.nbytes),
+                    engine.descs(direct.dst_addr, direct.nbytes),
+                    link.remote,
+                ), total
             src_first = np.array([local.first_row[b.src_region] for b in flat.batches], np.int64)
             dst_first = np.array([remote.first_row[b.dst_region] for b in flat.batches], np.int64)
             src_rows = rows_of(runs.src_offset, runs.nbytes, row) + np.repeat(
-                src_first[runs.batch], runs.nbytes // row)
+                src_first[runs.batch], runs.nbytes // row
+            )
             dst_rows = rows_of(runs.dst_offset, runs.nbytes, row) + np.repeat(
-                dst_first[runs.batch], runs.nbytes // row)
-            return engine.agent.make_prepped_xfer("WRITE", local.handle, src_rows.astype(np.int32),
-                                                  remote.handle, dst_rows.astype(np.int32)), total
+                dst_first[runs.batch], runs.nbytes // row
+            )
+            return engine.agent.make_prepped_xfer(
+                "WRITE", local.handle, src_rows.astype(np.int32), remote.handle, dst_rows.astype(np.int32)
+            ), total
         except Exception as err:
-            raise TransportError(f"{where}: nixl refused the request: {err}",
-                                 code=Reason.TRANSPORT_FAILED) from None
+            raise TransportError(
+                f"{where}: nixl refused the request: {err}", code=Reason.TRANSPORT_FAILED
+            ) from None
 
     def _prepared_local(self, engine: NixlEngine, row: int, bases: dict) -> Prepared | None:
         prepared = self._local.get(row)
@@ -307,8 +353,12 @@ class NixlTransport(Transport):
         first_row, start = {}, 0
         for region_id, count in counts.items():
             first_row[region_id], start = start, start + count
-        addresses = np.concatenate([np.uint64(a) + np.arange(counts[r], dtype=np.uint64)
-                                    * np.uint64(row) for r, (a, _) in bases.items()])
+        addresses = np.concatenate(
+            [
+                np.uint64(a) + np.arange(counts[r], dtype=np.uint64) * np.uint64(row)
+                for r, (a, _) in bases.items()
+            ]
+        )
         table = np.empty((len(addresses), 3), np.uint64)
         table[:, 0], table[:, 1], table[:, 2] = addresses, row, 0
         handle = engine.agent.prep_xfer_dlist(agent, table, "DRAM")

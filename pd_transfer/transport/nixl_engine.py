@@ -61,9 +61,11 @@ def load_api():
         if hasattr(module, "nixl_agent"):
             _quiet_logging()
             return module
-    raise TransportError(f"the nixl transport needs NIXL ({'; '.join(problems)})",
-                         code=Reason.TRANSPORT_UNSUPPORTED,
-                         hint="pip install 'pd-transfer[nixl]' (and apt-get install libibverbs1)")
+    raise TransportError(
+        f"the nixl transport needs NIXL ({'; '.join(problems)})",
+        code=Reason.TRANSPORT_UNSUPPORTED,
+        hint="pip install 'pd-transfer[nixl]' (and apt-get install libibverbs1)",
+    )
 
 
 def _quiet_logging() -> None:
@@ -76,7 +78,7 @@ def _quiet_logging() -> None:
         nixl_log.setLevel(logging.WARNING)
 
 
-PROGRESS_DELAY_US = 1000   # the agent's progress thread, between polls of an idle UCX worker
+PROGRESS_DELAY_US = 1000  # the agent's progress thread, between polls of an idle UCX worker
 _MAKING = threading.Lock()
 
 
@@ -122,22 +124,22 @@ class NixlEngine:
     into needs it, one that only initiates is faster without (see the module).
     """
 
-    def __init__(self, role: str, error_handling_mode: str = "none", *,
-                 progress_thread: bool = True) -> None:
+    def __init__(self, role: str, error_handling_mode: str = "none", *, progress_thread: bool = True) -> None:
         api = load_api()
         self.progress_thread = progress_thread
         self.name = f"pdt-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             # STRICT: the agent is used from several worker threads (one write per link)
             sync = api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
-            config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[],
-                                           sync_mode=sync)
-            self.agent = (_new_agent(api, self.name, config, PROGRESS_DELAY_US)
-                          if progress_thread else api.nixl_agent(self.name, config))
+            config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[], sync_mode=sync)
+            self.agent = (
+                _new_agent(api, self.name, config, PROGRESS_DELAY_US)
+                if progress_thread
+                else api.nixl_agent(self.name, config)
+            )
             self.agent.create_backend("UCX", {"ucx_error_handling_mode": error_handling_mode})
         except Exception as err:  # the bindings raise their own error types
-            raise TransportError(f"nixl agent did not start: {err}",
-                                 code=Reason.TRANSPORT_FAILED) from None
+            raise TransportError(f"nixl agent did not start: {err}", code=Reason.TRANSPORT_FAILED) from None
         self._registered: dict[int, tuple[int, object]] = {}  # address -> (nbytes, reg dlist)
         self.scratch = np.zeros(64, np.uint8)
         self.register({"scratch": (int(self.scratch.ctypes.data), self.scratch.nbytes)})
@@ -150,11 +152,12 @@ class NixlEngine:
             if known is not None:
                 self.unregister(address)
             try:
-                descs = self.agent.register_memory(
-                    np.array([[address, nbytes, 0]], np.uint64), "DRAM")
+                descs = self.agent.register_memory(np.array([[address, nbytes, 0]], np.uint64), "DRAM")
             except Exception as err:
-                raise TransportError(f"nixl refused to register region {region_id!r} "
-                                     f"({nbytes} bytes): {err}", code=Reason.REGION_INVALID) from None
+                raise TransportError(
+                    f"nixl refused to register region {region_id!r} ({nbytes} bytes): {err}",
+                    code=Reason.REGION_INVALID,
+                ) from None
             self._registered[address] = (nbytes, descs)
 
     def unregistered(self, bases: dict[str, tuple[int, int]]) -> bool:
@@ -205,8 +208,11 @@ class NixlEngine:
         one = np.ones(1, np.int64)
         try:
             handle = self.agent.initialize_xfer(
-                "READ", self.descs(np.array([self.scratch.ctypes.data], np.uint64), one),
-                self.descs(np.array([remote_address], np.uint64), one), remote)
+                "READ",
+                self.descs(np.array([self.scratch.ctypes.data], np.uint64), one),
+                self.descs(np.array([remote_address], np.uint64), one),
+                remote,
+            )
             return self.run(handle, time.monotonic() + timeout_s) == "DONE"
         except Exception:
             return False
@@ -226,8 +232,13 @@ class NixlReceiver(EngineReceiver):
     :meth:`NixlTransport.start`); stopping then only unregisters the regions.
     """
 
-    def __init__(self, regions: Regions, error_handling_mode: str = "none",
-                 engine: NixlEngine | None = None, staging: ReceiverStaging | None = None) -> None:
+    def __init__(
+        self,
+        regions: Regions,
+        error_handling_mode: str = "none",
+        engine: NixlEngine | None = None,
+        staging: ReceiverStaging | None = None,
+    ) -> None:
         self.regions = regions
         self.error_handling_mode = error_handling_mode
         self.engine = engine
@@ -243,7 +254,7 @@ class NixlReceiver(EngineReceiver):
         await asyncio.to_thread(self.engine.register, self._bases)
         # the staging area is registered before the metadata is taken: it has to be in it
         control, area = await self.staging.start(self.regions, self.engine.register)
-        self.address = EngineAddress("nixl", self.engine.name, self._bases,
-                                     self.engine.metadata(), control=control,
-                                     staging=area).encode()
+        self.address = EngineAddress(
+            "nixl", self.engine.name, self._bases, self.engine.metadata(), control=control, staging=area
+        ).encode()
         return self.address

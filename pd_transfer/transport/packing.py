@@ -79,8 +79,9 @@ class ChunkLayout:
     pieces: tuple[_Pieces, ...]
 
 
-def layout_chunks(plan, src_sizes: Mapping[str, int], chunk_nbytes: int, *,
-                  dst_sizes: Mapping[str, int] | None = None) -> list[ChunkLayout]:
+def layout_chunks(
+    plan, src_sizes: Mapping[str, int], chunk_nbytes: int, *, dst_sizes: Mapping[str, int] | None = None
+) -> list[ChunkLayout]:
     """Cut ``plan`` into chunks; bounds-check the source (and ``dst_sizes`` if given) first."""
     if chunk_nbytes <= 0:
         raise ValueError(f"chunk_nbytes must be positive, got {chunk_nbytes}")
@@ -93,8 +94,10 @@ def layout_chunks(plan, src_sizes: Mapping[str, int], chunk_nbytes: int, *,
     chunk_of = position // chunk_nbytes
     cuts = np.flatnonzero(np.diff(chunk_of)) + 1
     edges = np.concatenate(([0], cuts, [len(runs)])).tolist()
-    return [_layout_one(seq, runs.take(slice(a, b)), flat)
-            for seq, (a, b) in enumerate(zip(edges[:-1], edges[1:]))]
+    return [
+        _layout_one(seq, runs.take(slice(a, b)), flat)
+        for seq, (a, b) in enumerate(zip(edges[:-1], edges[1:]))
+    ]
 
 
 def _split_at_chunks(runs: Runs, chunk_nbytes: int) -> Runs:
@@ -111,8 +114,12 @@ def _split_at_chunks(runs: Runs, chunk_nbytes: int) -> Runs:
     piece_start = np.maximum(start[owner], chunk * chunk_nbytes)
     piece_end = np.minimum(end[owner], (chunk + 1) * chunk_nbytes)
     shift = piece_start - start[owner]
-    return Runs(runs.batch[owner], runs.src_offset[owner] + shift, runs.dst_offset[owner] + shift,
-                piece_end - piece_start)
+    return Runs(
+        runs.batch[owner],
+        runs.src_offset[owner] + shift,
+        runs.dst_offset[owner] + shift,
+        piece_end - piece_start,
+    )
 
 
 def _layout_one(seq: int, runs: Runs, flat: Flat) -> ChunkLayout:
@@ -128,31 +135,32 @@ def _layout_one(seq: int, runs: Runs, flat: Flat) -> ChunkLayout:
     table = tuple(dict.fromkeys(region_of))
     slot = {region_id: i for i, region_id in enumerate(table)}
     wire = np.empty((len(starts), 3), np.int64)
-    wire[:, 0] = np.array([slot[r] for r in region_of], np.int64)[
-        np.searchsorted(batch_ids, group_batch)]
+    wire[:, 0] = np.array([slot[r] for r in region_of], np.int64)[np.searchsorted(batch_ids, group_batch)]
     wire[:, 1] = runs.dst_offset[starts]
     wire[:, 2] = group_nbytes
     # source side: one piece list per stretch of runs from the same batch
     cuts = np.flatnonzero(np.diff(runs.batch)) + 1
     edges = np.concatenate(([0], cuts, [len(runs)])).tolist()
-    pieces = tuple(_Pieces(batches[int(runs.batch[a])].src_region, runs.src_offset[a:b],
-                           runs.nbytes[a:b]) for a, b in zip(edges[:-1], edges[1:]))
+    pieces = tuple(
+        _Pieces(batches[int(runs.batch[a])].src_region, runs.src_offset[a:b], runs.nbytes[a:b])
+        for a, b in zip(edges[:-1], edges[1:])
+    )
     return ChunkLayout(seq, int(runs.nbytes.sum()), WireRuns(table, wire), pieces)
 
 
-def gather_chunk(layout: ChunkLayout, src: Mapping[str, Mapped],
-                 out: np.ndarray | None = None) -> np.ndarray:
+def gather_chunk(layout: ChunkLayout, src: Mapping[str, Mapped], out: np.ndarray | None = None) -> np.ndarray:
     """Pack the chunk's source pieces into ``out`` (default: a new contiguous uint8 array).
 
     ``np.take(mode="clip")`` of opaque source rows straight into the payload:
     numpy, not torch, so no OpenMP team is involved (see :mod:`.copy_tasks`).
     """
-    payload = np.empty(layout.nbytes, np.uint8) if out is None else out[:layout.nbytes]
+    payload = np.empty(layout.nbytes, np.uint8) if out is None else out[: layout.nbytes]
     position = 0
     for piece in layout.pieces:
         total = int(piece.nbytes.sum())
-        gather_pieces(src[piece.src_region], piece.src_offset, piece.nbytes,
-                      payload[position:position + total])
+        gather_pieces(
+            src[piece.src_region], piece.src_offset, piece.nbytes, payload[position : position + total]
+        )
         position += total
     return payload
 
@@ -165,7 +173,7 @@ def gather_pieces(region: Mapped, offset: np.ndarray, nbytes: np.ndarray, out: n
     if len(nbytes) < _LOOP_MAX_RUNS:
         at = 0
         for o, n in zip(offset.tolist(), nbytes.tolist()):
-            out[at:at + n] = region.array[o:o + n]
+            out[at : at + n] = region.array[o : o + n]
             at += n
         return
     gs = row_nbytes_for(offset, nbytes, cap=_ROW_CAP_NBYTES)
@@ -173,16 +181,14 @@ def gather_pieces(region: Mapped, offset: np.ndarray, nbytes: np.ndarray, out: n
     np.take(rows, rows_of(offset, nbytes, gs), out=out.view(rows.dtype), mode="clip")
 
 
-def gather(plan, src_regions: Regions, chunk_nbytes: int = 4 << 20
-           ) -> Iterator[tuple[WireRuns, np.ndarray]]:
+def gather(plan, src_regions: Regions, chunk_nbytes: int = 4 << 20) -> Iterator[tuple[WireRuns, np.ndarray]]:
     """Every chunk of ``plan`` as ``(destination runs, packed bytes)``, in order."""
     src = map_regions(src_regions, (b.src_region for b in plan.batches), "source")
     for layout in layout_chunks(plan, {k: m.nbytes for k, m in src.items()}, chunk_nbytes):
         yield layout.wire, gather_chunk(layout, src)
 
 
-def scatter_pieces(region: Mapped, offset: np.ndarray, nbytes: np.ndarray,
-                   payload: np.ndarray) -> None:
+def scatter_pieces(region: Mapped, offset: np.ndarray, nbytes: np.ndarray, payload: np.ndarray) -> None:
     """Copy ``payload`` (the runs back to back) into the runs ``(offset, nbytes)`` of ``region``."""
     if native_copy.AVAILABLE and len(nbytes) >= _LOOP_MAX_RUNS:
         native_copy.scatter_runs(region.array, offset, nbytes, payload)
@@ -190,7 +196,7 @@ def scatter_pieces(region: Mapped, offset: np.ndarray, nbytes: np.ndarray,
     if len(nbytes) < _LOOP_MAX_RUNS:
         at = 0
         for o, n in zip(offset.tolist(), nbytes.tolist()):
-            region.array[o:o + n] = payload[at:at + n]
+            region.array[o : o + n] = payload[at : at + n]
             at += n
         return
     gd = row_nbytes_for(offset, nbytes, cap=_ROW_CAP_NBYTES)
@@ -202,18 +208,20 @@ def check_wire(wire: WireRuns, dst_sizes: Mapping[str, int], payload_nbytes: int
     """Refuse a chunk whose runs leave the receiver's regions or miscount the payload."""
     runs = wire.runs
     if runs.ndim != 2 or runs.shape[1] != 3 or runs.dtype != np.int64:
-        raise TransportError(f"chunk runs must be an (n, 3) int64 array, got {runs.dtype} "
-                             f"{runs.shape}", code=Reason.BAD_FRAME)
+        raise TransportError(
+            f"chunk runs must be an (n, 3) int64 array, got {runs.dtype} {runs.shape}", code=Reason.BAD_FRAME
+        )
     unknown = [r for r in wire.regions if r not in dst_sizes]
     if unknown:
-        raise TransportError(f"chunk names unregistered region(s) {unknown[:5]}",
-                             code=Reason.UNKNOWN_REGION)
+        raise TransportError(f"chunk names unregistered region(s) {unknown[:5]}", code=Reason.UNKNOWN_REGION)
     slot, offset, nbytes = runs[:, 0], runs[:, 1], runs[:, 2]
     if len(runs) and (int(slot.min()) < 0 or int(slot.max()) >= len(wire.regions)):
-        raise TransportError(f"chunk run points at region slot outside its table of "
-                             f"{len(wire.regions)}", code=Reason.BAD_FRAME)
-    size = np.array([dst_sizes[r] for r in wire.regions], np.int64)[slot] if len(runs) \
-        else np.zeros(0, np.int64)
+        raise TransportError(
+            f"chunk run points at region slot outside its table of {len(wire.regions)}", code=Reason.BAD_FRAME
+        )
+    size = (
+        np.array([dst_sizes[r] for r in wire.regions], np.int64)[slot] if len(runs) else np.zeros(0, np.int64)
+    )
     # written without a sum that could overflow: 0 <= offset, 0 < nbytes <= size - offset
     bad = (offset < 0) | (nbytes <= 0) | (offset > size) | (nbytes > size - offset)
     if bad.any():
@@ -222,19 +230,21 @@ def check_wire(wire: WireRuns, dst_sizes: Mapping[str, int], payload_nbytes: int
             f"chunk run {i}: {int(nbytes[i])} bytes at offset {int(offset[i])} are outside "
             f"region {wire.regions[int(slot[i])]!r} of {int(size[i])} bytes "
             f"({int(bad.sum())} bad run(s)); nothing was written",
-            code=Reason.RUN_OUT_OF_REGION)
+            code=Reason.RUN_OUT_OF_REGION,
+        )
     total = int(nbytes.sum()) if len(runs) else 0
     if total != payload_nbytes:
-        raise TransportError(f"chunk runs add up to {total} bytes but the payload holds "
-                             f"{payload_nbytes}", code=Reason.BAD_FRAME)
+        raise TransportError(
+            f"chunk runs add up to {total} bytes but the payload holds {payload_nbytes}",
+            code=Reason.BAD_FRAME,
+        )
 
 
 def scatter(wire: WireRuns, payload: np.ndarray, dst_regions: Regions) -> int:
     """Check a chunk against ``dst_regions`` and copy it in; nothing is written if a run is bad."""
     unknown = [r for r in wire.regions if r not in dst_regions]
     if unknown:
-        raise TransportError(f"chunk names unregistered region(s) {unknown[:5]}",
-                             code=Reason.UNKNOWN_REGION)
+        raise TransportError(f"chunk names unregistered region(s) {unknown[:5]}", code=Reason.UNKNOWN_REGION)
     dst = map_regions(dst_regions, wire.regions, "destination")
     check_wire(wire, {r: m.nbytes for r, m in dst.items()}, payload.size)
     return scatter_chunk(wire, payload, dst)
@@ -251,6 +261,7 @@ def scatter_chunk(wire: WireRuns, payload: np.ndarray, dst: Mapping[str, Mapped]
     for a, b in zip(edges[:-1], edges[1:]):
         start = int(position[a])
         total = int(runs[a:b, 2].sum())
-        scatter_pieces(dst[wire.regions[int(runs[a, 0])]], runs[a:b, 1], runs[a:b, 2],
-                       payload[start:start + total])
+        scatter_pieces(
+            dst[wire.regions[int(runs[a, 0])]], runs[a:b, 1], runs[a:b, 2], payload[start : start + total]
+        )
     return int(position[-1] + runs[-1, 2])

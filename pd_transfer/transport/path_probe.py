@@ -24,7 +24,7 @@ from pd_transfer.transport.strategy import PathCost
 _TINY_NBYTES = 64
 _RUN_NBYTES = 4096
 _MAX_PROBE_RUNS = 256
-_COPY_SOURCE_NBYTES = 48 << 20    # 12 windows of 4 MiB, larger than most last-level caches
+_COPY_SOURCE_NBYTES = 48 << 20  # 12 windows of 4 MiB, larger than most last-level caches
 _COPY_NBYTES = 4 << 20
 _WARM_NBYTES = 512 << 10
 _GATHER_RUN_NBYTES = 2048
@@ -54,31 +54,47 @@ def measure_path(channel: StagingChannel, submit: Submit, *, repeats: int = 5) -
     """
     local, remote = channel.local_addr(0), channel.remote_addr(0)
     one = _best(repeats, lambda: submit([local], [remote], [_TINY_NBYTES]))
-    per_descriptor = max(_descriptor_cost(channel, submit, run_nbytes, repeats, one)
-                         for run_nbytes in (_TINY_NBYTES, _RUN_NBYTES))
+    per_descriptor = max(
+        _descriptor_cost(channel, submit, run_nbytes, repeats, one)
+        for run_nbytes in (_TINY_NBYTES, _RUN_NBYTES)
+    )
     ring = range(len(channel.slots))
-    bulk = _best(min(repeats, 2), lambda: [submit([channel.local_addr(i)],
-                                                  [channel.remote_addr(i)],
-                                                  [channel.slot_nbytes]) for i in ring])
+    bulk = _best(
+        min(repeats, 2),
+        lambda: [
+            submit([channel.local_addr(i)], [channel.remote_addr(i)], [channel.slot_nbytes]) for i in ring
+        ],
+    )
     bulk_nbytes = len(ring) * channel.slot_nbytes
     copy_bps, per_run = copy_cost()
     round_trip = _best(repeats, channel.empty_round_trip)
-    return PathCost(fixed_s=one, per_descriptor_s=per_descriptor,
-                    engine_bytes_per_s=bulk_nbytes / max(bulk - len(ring) * one, bulk / 2, 1e-6),
-                    copy_bytes_per_s=copy_bps, copy_per_run_s=per_run, round_trip_s=round_trip)
+    return PathCost(
+        fixed_s=one,
+        per_descriptor_s=per_descriptor,
+        engine_bytes_per_s=bulk_nbytes / max(bulk - len(ring) * one, bulk / 2, 1e-6),
+        copy_bytes_per_s=copy_bps,
+        copy_per_run_s=per_run,
+        round_trip_s=round_trip,
+    )
 
 
-def _descriptor_cost(channel: StagingChannel, submit: Submit, run_nbytes: int, repeats: int,
-                     one_tiny_s: float) -> float:
+def _descriptor_cost(
+    channel: StagingChannel, submit: Submit, run_nbytes: int, repeats: int, one_tiny_s: float
+) -> float:
     """Seconds each further descriptor of ``run_nbytes`` adds to a submission: many such
     runs against their bytes as one run (tiny runs: against one tiny descriptor)."""
     local, remote = channel.local_addr(0), channel.remote_addr(0)
     num = max(2, min(_MAX_PROBE_RUNS, channel.slot_nbytes // (2 * run_nbytes)))
-    offsets = [k * 2 * run_nbytes for k in range(num)]   # every other run: nothing joins
-    many = _best(repeats, lambda: submit([local + o for o in offsets],
-                                         [remote + o for o in offsets], [run_nbytes] * num))
-    same = one_tiny_s if run_nbytes == _TINY_NBYTES else \
-        _best(repeats, lambda: submit([local], [remote], [num * run_nbytes]))
+    offsets = [k * 2 * run_nbytes for k in range(num)]  # every other run: nothing joins
+    many = _best(
+        repeats,
+        lambda: submit([local + o for o in offsets], [remote + o for o in offsets], [run_nbytes] * num),
+    )
+    same = (
+        one_tiny_s
+        if run_nbytes == _TINY_NBYTES
+        else _best(repeats, lambda: submit([local], [remote], [num * run_nbytes]))
+    )
     return max(many - same, 0.0) / (num - 1)
 
 

@@ -64,29 +64,37 @@ def map_one(region_id: str, memory: RegionMemory | Mapped, side: str) -> Mapped:
     torch = sys.modules.get("torch")  # a torch tensor exists only once torch is loaded
     if torch is not None and isinstance(memory, torch.Tensor):
         if memory.device.type != "cpu":
-            raise TransportError(f"{side} region {region_id!r} lives on {memory.device}; this "
-                                 f"engine copies CPU memory only", code=Reason.REGION_INVALID)
-        _check_shape(region_id, side, memory.dtype == torch.uint8, memory.dim(),
-                     memory.is_contiguous(), memory.dtype)
+            raise TransportError(
+                f"{side} region {region_id!r} lives on {memory.device}; this engine copies CPU memory only",
+                code=Reason.REGION_INVALID,
+            )
+        _check_shape(
+            region_id, side, memory.dtype == torch.uint8, memory.dim(), memory.is_contiguous(), memory.dtype
+        )
         return Mapped(region_id, memory.numpy())
     if isinstance(memory, np.ndarray):
-        _check_shape(region_id, side, memory.dtype == np.uint8, memory.ndim,
-                     memory.flags.c_contiguous, memory.dtype)
+        _check_shape(
+            region_id, side, memory.dtype == np.uint8, memory.ndim, memory.flags.c_contiguous, memory.dtype
+        )
         if side == "destination" and not memory.flags.writeable:
-            raise TransportError(f"destination region {region_id!r} is read-only",
-                                 code=Reason.REGION_INVALID)
+            raise TransportError(f"destination region {region_id!r} is read-only", code=Reason.REGION_INVALID)
         return Mapped(region_id, memory)
-    raise TransportError(f"{side} region {region_id!r} is a {type(memory).__name__}, not a "
-                         f"torch tensor or numpy array", code=Reason.REGION_INVALID)
+    raise TransportError(
+        f"{side} region {region_id!r} is a {type(memory).__name__}, not a torch tensor or numpy array",
+        code=Reason.REGION_INVALID,
+    )
 
 
-def _check_shape(region_id: str, side: str, is_uint8: bool, ndim: int, contiguous: bool,
-                 dtype: object) -> None:
+def _check_shape(
+    region_id: str, side: str, is_uint8: bool, ndim: int, contiguous: bool, dtype: object
+) -> None:
     if not (is_uint8 and ndim == 1 and contiguous):
-        raise TransportError(f"{side} region {region_id!r} must be a contiguous 1-D uint8 "
-                             f"buffer, got dtype {dtype}, {ndim} dim(s)"
-                             f"{'' if contiguous else ', not contiguous'}",
-                             code=Reason.REGION_INVALID)
+        raise TransportError(
+            f"{side} region {region_id!r} must be a contiguous 1-D uint8 "
+            f"buffer, got dtype {dtype}, {ndim} dim(s)"
+            f"{'' if contiguous else ', not contiguous'}",
+            code=Reason.REGION_INVALID,
+        )
 
 
 def map_regions(regions: Regions, region_ids: Iterable[str], side: str) -> dict[str, Mapped]:
@@ -94,8 +102,10 @@ def map_regions(regions: Regions, region_ids: Iterable[str], side: str) -> dict[
     wanted = sorted(set(region_ids))
     missing = [r for r in wanted if r not in regions]
     if missing:
-        raise TransportError(f"{side} region(s) {missing} are not mapped "
-                             f"({len(regions)} region(s) known)", code=Reason.UNKNOWN_REGION)
+        raise TransportError(
+            f"{side} region(s) {missing} are not mapped ({len(regions)} region(s) known)",
+            code=Reason.UNKNOWN_REGION,
+        )
     return {r: map_one(r, regions[r], side) for r in wanted}
 
 
@@ -128,8 +138,10 @@ class MappedCache:
                 entry = self._entries[region_id] = (memory, map_one(region_id, memory, side))
             out[region_id] = entry[1]
         if missing:
-            raise TransportError(f"{side} region(s) {sorted(set(missing))} are not mapped "
-                                 f"({len(regions)} region(s) known)", code=Reason.UNKNOWN_REGION)
+            raise TransportError(
+                f"{side} region(s) {sorted(set(missing))} are not mapped ({len(regions)} region(s) known)",
+                code=Reason.UNKNOWN_REGION,
+            )
         return out
 
     def clear(self) -> None:

@@ -25,7 +25,7 @@ from pd_transfer.errors import Reason, TransportError
 
 # Extents are first computed in float64: anything beyond this is out of every
 # region, and anything below it is exact in int64 without overflow.
-_SAFE_EXTENT = float(2 ** 62)
+_SAFE_EXTENT = float(2**62)
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,7 @@ class Runs:
         return len(self.nbytes)
 
     def take(self, index: np.ndarray | slice) -> Runs:
-        return Runs(self.batch[index], self.src_offset[index], self.dst_offset[index],
-                    self.nbytes[index])
+        return Runs(self.batch[index], self.src_offset[index], self.dst_offset[index], self.nbytes[index])
 
 
 def flatten(plan) -> Flat:
@@ -78,26 +77,38 @@ def flatten(plan) -> Flat:
         return Flat(batches, empty, empty, empty, empty, empty, empty, empty)
     names = ("src_offset", "dst_offset", "nbytes", "count")
     if len(batches) == 1:  # one batch (an engine's descriptor list): no copies
-        columns = [np.asarray(getattr(batches[0], name)).astype(np.int64, copy=False)
-                   for name in names]
+        columns = [np.asarray(getattr(batches[0], name)).astype(np.int64, copy=False) for name in names]
     else:
-        columns = [np.concatenate([getattr(b, name) for b in batches]).astype(np.int64, copy=False)
-                   for name in names]
+        columns = [
+            np.concatenate([getattr(b, name) for b in batches]).astype(np.int64, copy=False) for name in names
+        ]
     lengths = np.fromiter((len(b.src_offset) for b in batches), np.int64, len(batches))
     if any(c.ndim != 1 or len(c) != int(lengths.sum()) for c in columns):
-        raise TransportError("plan descriptor arrays are not 1-D arrays of one length per batch",
-                             code=Reason.BAD_FIELD)
+        raise TransportError(
+            "plan descriptor arrays are not 1-D arrays of one length per batch", code=Reason.BAD_FIELD
+        )
     strides = np.array([(b.src_stride, b.dst_stride) for b in batches], np.int64)
     if len(batches) == 1:  # read-only views, a stride of 0
         n = int(lengths[0])
-        return Flat(batches, np.broadcast_to(np.int64(0), n), *columns,
-                    np.broadcast_to(strides[0, 0], n), np.broadcast_to(strides[0, 1], n))
-    return Flat(batches, np.repeat(np.arange(len(batches)), lengths), *columns,
-                np.repeat(strides[:, 0], lengths), np.repeat(strides[:, 1], lengths))
+        return Flat(
+            batches,
+            np.broadcast_to(np.int64(0), n),
+            *columns,
+            np.broadcast_to(strides[0, 0], n),
+            np.broadcast_to(strides[0, 1], n),
+        )
+    return Flat(
+        batches,
+        np.repeat(np.arange(len(batches)), lengths),
+        *columns,
+        np.repeat(strides[:, 0], lengths),
+        np.repeat(strides[:, 1], lengths),
+    )
 
 
-def check_bounds(flat: Flat, src_sizes: Mapping[str, int] | None,
-                 dst_sizes: Mapping[str, int] | None, where: str = "plan") -> None:
+def check_bounds(
+    flat: Flat, src_sizes: Mapping[str, int] | None, dst_sizes: Mapping[str, int] | None, where: str = "plan"
+) -> None:
     """Raise :class:`TransportError` unless every piece lies inside its regions.
 
     ``None`` for a side skips it (the tcp sender checks only its source; the
@@ -110,8 +121,10 @@ def check_bounds(flat: Flat, src_sizes: Mapping[str, int] | None,
         region_ids = [getattr(b, attr) for b in flat.batches]
         missing = sorted({r for r in region_ids if r not in sizes})
         if missing:
-            raise TransportError(f"{where}: {side} region(s) {missing} are not mapped "
-                                 f"(known: {len(sizes)} regions)", code=Reason.UNKNOWN_REGION)
+            raise TransportError(
+                f"{where}: {side} region(s) {missing} are not mapped (known: {len(sizes)} regions)",
+                code=Reason.UNKNOWN_REGION,
+            )
         size = np.array([sizes[r] for r in region_ids], np.int64)
         # one region size for all (one batch, or one pool's layers): compare to a scalar
         size = size[0] if len(size) and int(size.min()) == int(size.max()) else size[flat.batch]
@@ -122,8 +135,9 @@ def check_bounds(flat: Flat, src_sizes: Mapping[str, int] | None,
             _raise_out_of_bounds(flat, np.flatnonzero(bad), side, region_ids, size, where)
 
 
-def _out_of_bounds(offset: np.ndarray, nbytes: np.ndarray, count: np.ndarray,
-                   stride: np.ndarray, size: np.ndarray) -> np.ndarray:
+def _out_of_bounds(
+    offset: np.ndarray, nbytes: np.ndarray, count: np.ndarray, stride: np.ndarray, size: np.ndarray
+) -> np.ndarray:
     """Per descriptor: does any of its pieces leave ``[0, size)``?"""
     if len(count) and int(count.min()) == 1 == int(count.max()):
         # one piece each (a page run): no stride to overflow; ``size - offset`` cannot
@@ -142,8 +156,9 @@ def _out_of_bounds(offset: np.ndarray, nbytes: np.ndarray, count: np.ndarray,
     return negative | (~empty & (huge | (lo < 0) | (hi > size)))
 
 
-def _raise_out_of_bounds(flat: Flat, bad: np.ndarray, side: str, region_ids: list[str],
-                         size: np.ndarray | np.int64, where: str) -> None:
+def _raise_out_of_bounds(
+    flat: Flat, bad: np.ndarray, side: str, region_ids: list[str], size: np.ndarray | np.int64, where: str
+) -> None:
     i = int(bad[0])
     b = int(flat.batch[i])
     first = i - int(np.searchsorted(flat.batch, b))
@@ -157,25 +172,41 @@ def _raise_out_of_bounds(flat: Flat, bad: np.ndarray, side: str, region_ids: lis
     raise TransportError(
         f"{where}: batch {b} descriptor {first}: {piece} is outside {side} region "
         f"{region_ids[b]!r} of {region_nbytes} bytes; {len(bad)} descriptor(s) out of bounds, "
-        f"nothing was copied", code=Reason.RUN_OUT_OF_REGION,
-        hint="the plan and the registered regions disagree: re-register, or the peer's "
-             "geometry is stale")
+        f"nothing was copied",
+        code=Reason.RUN_OUT_OF_REGION,
+        hint="the plan and the registered regions disagree: re-register, or the peer's geometry is stale",
+    )
 
 
 def expand(flat: Flat) -> Runs:
     """Plain runs (one per piece), in plan order, zero-length pieces dropped."""
     keep = (flat.count > 0) & (flat.nbytes > 0)
     if not keep.all():
-        flat = Flat(flat.batches, *(a[keep] for a in (flat.batch, flat.src_offset, flat.dst_offset,
-                                                      flat.nbytes, flat.count, flat.src_stride,
-                                                      flat.dst_stride)))
+        flat = Flat(
+            flat.batches,
+            *(
+                a[keep]
+                for a in (
+                    flat.batch,
+                    flat.src_offset,
+                    flat.dst_offset,
+                    flat.nbytes,
+                    flat.count,
+                    flat.src_stride,
+                    flat.dst_stride,
+                )
+            ),
+        )
     if len(flat.count) == 0 or int(flat.count.max()) == 1:
         return Runs(flat.batch, flat.src_offset, flat.dst_offset, flat.nbytes)
     owner = np.repeat(np.arange(len(flat.count)), flat.count)
-    step = np.arange(len(owner), dtype=np.int64) - np.repeat(np.cumsum(flat.count) - flat.count,
-                                                             flat.count)
-    return Runs(flat.batch[owner], flat.src_offset[owner] + step * flat.src_stride[owner],
-                flat.dst_offset[owner] + step * flat.dst_stride[owner], flat.nbytes[owner])
+    step = np.arange(len(owner), dtype=np.int64) - np.repeat(np.cumsum(flat.count) - flat.count, flat.count)
+    return Runs(
+        flat.batch[owner],
+        flat.src_offset[owner] + step * flat.src_stride[owner],
+        flat.dst_offset[owner] + step * flat.dst_stride[owner],
+        flat.nbytes[owner],
+    )
 
 
 def expand_batch(batch, index: int = 0, *, sort_by_dst: bool = False) -> Runs:
@@ -195,20 +226,26 @@ def expand_batch(batch, index: int = 0, *, sort_by_dst: bool = False) -> Runs:
     count = np.asarray(batch.count, np.int64)
     keep = (count > 0) & (nbytes > 0)
     if not keep.all():
-        src_offset, dst_offset, nbytes, count = (a[keep] for a in (src_offset, dst_offset, nbytes,
-                                                                   count))
+        src_offset, dst_offset, nbytes, count = (a[keep] for a in (src_offset, dst_offset, nbytes, count))
     if sort_by_dst and len(dst_offset) > 1 and not bool((np.diff(dst_offset) >= 0).all()):
         order = np.argsort(dst_offset, kind="stable")
-        src_offset, dst_offset, nbytes, count = (a[order] for a in (src_offset, dst_offset, nbytes,
-                                                                    count))
+        src_offset, dst_offset, nbytes, count = (a[order] for a in (src_offset, dst_offset, nbytes, count))
     n = len(count)
     if n and int(count.min()) == int(count.max()):
         steps = np.arange(int(count[0]), dtype=np.int64)
         src = (src_offset[:, None] + steps * batch.src_stride).ravel()
         dst = (dst_offset[:, None] + steps * batch.dst_stride).ravel()
         return Runs(np.full(len(src), index, np.int64), src, dst, np.repeat(nbytes, int(count[0])))
-    flat = Flat((batch,), np.full(n, index, np.int64), src_offset, dst_offset, nbytes, count,
-                np.full(n, batch.src_stride, np.int64), np.full(n, batch.dst_stride, np.int64))
+    flat = Flat(
+        (batch,),
+        np.full(n, index, np.int64),
+        src_offset,
+        dst_offset,
+        nbytes,
+        count,
+        np.full(n, batch.src_stride, np.int64),
+        np.full(n, batch.dst_stride, np.int64),
+    )
     return expand(flat)
 
 
@@ -238,8 +275,19 @@ class Items:
         return self.piece_nbytes * self.count
 
     def take(self, index: np.ndarray | slice) -> Items:
-        return Items(*(a[index] for a in (self.batch, self.src_offset, self.src_stride,
-                                          self.piece_nbytes, self.count, self.dst_offset)))
+        return Items(
+            *(
+                a[index]
+                for a in (
+                    self.batch,
+                    self.src_offset,
+                    self.src_stride,
+                    self.piece_nbytes,
+                    self.count,
+                    self.dst_offset,
+                )
+            )
+        )
 
     def source_offsets(self) -> tuple[np.ndarray, np.ndarray]:
         """Every source piece as ``(offset, nbytes)``, in item order."""
@@ -247,11 +295,14 @@ class Items:
             return self.src_offset, self.piece_nbytes
         if int(self.count.min()) == int(self.count.max()):
             steps = np.arange(int(self.count[0]), dtype=np.int64)
-            return ((self.src_offset[:, None] + steps * self.src_stride[:, None]).ravel(),
-                    np.repeat(self.piece_nbytes, int(self.count[0])))
+            return (
+                (self.src_offset[:, None] + steps * self.src_stride[:, None]).ravel(),
+                np.repeat(self.piece_nbytes, int(self.count[0])),
+            )
         owner = np.repeat(np.arange(len(self.count)), self.count)
-        step = np.arange(len(owner), dtype=np.int64) - np.repeat(np.cumsum(self.count) - self.count,
-                                                                 self.count)
+        step = np.arange(len(owner), dtype=np.int64) - np.repeat(
+            np.cumsum(self.count) - self.count, self.count
+        )
         return self.src_offset[owner] + step * self.src_stride[owner], self.piece_nbytes[owner]
 
 
@@ -261,8 +312,15 @@ def dst_items(flat: Flat) -> Items:
     Sorting puts items that fill neighbouring destination bytes (consecutive
     decode pages) next to each other, where :func:`item_groups` joins them.
     """
-    arrays = (flat.batch, flat.src_offset, flat.dst_offset, flat.nbytes, flat.count,
-              flat.src_stride, flat.dst_stride)
+    arrays = (
+        flat.batch,
+        flat.src_offset,
+        flat.dst_offset,
+        flat.nbytes,
+        flat.count,
+        flat.src_stride,
+        flat.dst_stride,
+    )
     keep = (flat.count > 0) & (flat.nbytes > 0)
     if not keep.all():
         arrays = tuple(a[keep] for a in arrays)
@@ -270,20 +328,41 @@ def dst_items(flat: Flat) -> Items:
     order = batch_order(batch, dst_offset)
     if order is not None:
         batch, src_offset, dst_offset, nbytes, count, src_stride, dst_stride = (
-            np.take(a, order) for a in (batch, src_offset, dst_offset, nbytes, count,
-                                        src_stride, dst_stride))
+            np.take(a, order) for a in (batch, src_offset, dst_offset, nbytes, count, src_stride, dst_stride)
+        )
     together = (count == 1) | (dst_stride == nbytes)
     items = Items(batch, src_offset, src_stride, nbytes, count, dst_offset)
     if together.all():
         return items
-    apart = expand(Flat(flat.batches, batch[~together], src_offset[~together],
-                        dst_offset[~together], nbytes[~together], count[~together],
-                        src_stride[~together], dst_stride[~together]))
+    apart = expand(
+        Flat(
+            flat.batches,
+            batch[~together],
+            src_offset[~together],
+            dst_offset[~together],
+            nbytes[~together],
+            count[~together],
+            src_stride[~together],
+            dst_stride[~together],
+        )
+    )
     ones = np.ones(len(apart), np.int64)
-    merged = Items(*(np.concatenate((a, b)) for a, b in zip(
-        (items.batch[together], items.src_offset[together], items.src_stride[together],
-         items.piece_nbytes[together], items.count[together], items.dst_offset[together]),
-        (apart.batch, apart.src_offset, ones, apart.nbytes, ones, apart.dst_offset))))
+    merged = Items(
+        *(
+            np.concatenate((a, b))
+            for a, b in zip(
+                (
+                    items.batch[together],
+                    items.src_offset[together],
+                    items.src_stride[together],
+                    items.piece_nbytes[together],
+                    items.count[together],
+                    items.dst_offset[together],
+                ),
+                (apart.batch, apart.src_offset, ones, apart.nbytes, ones, apart.dst_offset),
+            )
+        )
+    )
     return merged.take(np.argsort(merged.batch, kind="stable"))
 
 
@@ -354,8 +433,11 @@ def capped_rows(common: np.ndarray, cap: int) -> np.ndarray:
 
 def row_nbytes_for(*arrays: np.ndarray, cap: int) -> int:
     """The largest row size dividing every value, at most ``cap`` (and at least 1)."""
-    common = int(np.gcd.reduce(np.concatenate([np.asarray(a, np.int64).reshape(-1)
-                                               for a in arrays]))) if arrays else 1
+    common = (
+        int(np.gcd.reduce(np.concatenate([np.asarray(a, np.int64).reshape(-1) for a in arrays])))
+        if arrays
+        else 1
+    )
     if common <= 0:
         return 1
     if common <= cap:
@@ -376,6 +458,7 @@ def dst_groups(runs: Runs) -> np.ndarray:
     n = len(runs)
     if n == 0:
         return np.zeros(0, np.int64)
-    joins = (runs.batch[1:] == runs.batch[:-1]) & \
-        (runs.dst_offset[1:] == runs.dst_offset[:-1] + runs.nbytes[:-1])
+    joins = (runs.batch[1:] == runs.batch[:-1]) & (
+        runs.dst_offset[1:] == runs.dst_offset[:-1] + runs.nbytes[:-1]
+    )
     return np.flatnonzero(np.concatenate(([True], ~joins)))

@@ -33,12 +33,14 @@ class ShmLink(Link):
     def __init__(self, transport: Transport, peer: PeerEndpoint, segments: dict[str, Segment]) -> None:
         super().__init__(transport, peer)
         self.segments = segments
-        self.regions = {handle.region_id: segments[handle.region_id].array[: handle.nbytes]
-                        for handle in peer.regions}
-        self.mapped = {region_id: map_one(region_id, array, "destination")
-                       for region_id, array in self.regions.items()}
+        self.regions = {
+            handle.region_id: segments[handle.region_id].array[: handle.nbytes] for handle in peer.regions
+        }
+        self.mapped = {
+            region_id: map_one(region_id, array, "destination") for region_id, array in self.regions.items()
+        }
         self._tensors: dict | None = None
-        self.programs: dict = {}   # the copy engine's grid programs into these regions
+        self.programs: dict = {}  # the copy engine's grid programs into these regions
         # rooms this small come as grid plans when the engine copies them natively
         self.grid_max_runs = transport.inline_max_runs if transport.engine.native else 0
 
@@ -68,30 +70,36 @@ class ShmTransport(Transport):
         """Map every region of ``peer``; raises if one has no segment or a short one."""
         missing = [h.region_id for h in peer.regions if not h.segment]
         if missing:
-            raise TransportError(f"peer {peer.peer_id} offers no shared-memory segment for "
-                                 f"region(s) {missing[:5]}", code=Reason.TRANSPORT_UNSUPPORTED,
-                                 hint="use the tcp transport for peers on another host")
+            raise TransportError(
+                f"peer {peer.peer_id} offers no shared-memory segment for region(s) {missing[:5]}",
+                code=Reason.TRANSPORT_UNSUPPORTED,
+                hint="use the tcp transport for peers on another host",
+            )
         segments = await asyncio.to_thread(_open_all, peer)
         return self._adopt(ShmLink(self, peer, segments))
 
-    async def write(self, link: Link, plan, src_regions: Regions, *, room: str = "",
-                    generation: int = 0) -> int:
+    async def write(
+        self, link: Link, plan, src_regions: Regions, *, room: str = "", generation: int = 0
+    ) -> int:
         link = self._own(link, ShmLink)
         where = f"room {room or '-'} gen {generation} plan {plan.src_rank} -> {link.peer.peer_id}"
         if plan.num_runs <= self.inline_max_runs:
             # a few pages (a 1-page Llama room is 64 runs, 2 MiB): copying on the loop
             # takes less time than the thread hop would; a grid plan needs no source
             # mapping here (the engine's grid programs keep the addresses, per link)
-            src = src_regions if isinstance(plan, GridPlan) else \
-                self._sources.map(src_regions, (b.src_region for b in plan.batches), "source")
-            nbytes = self.engine.execute(plan, src, link.mapped, where=where,
-                                         programs=link.programs)
+            src = (
+                src_regions
+                if isinstance(plan, GridPlan)
+                else self._sources.map(src_regions, (b.src_region for b in plan.batches), "source")
+            )
+            nbytes = self.engine.execute(plan, src, link.mapped, where=where, programs=link.programs)
         else:
             src = self._sources.map(src_regions, (b.src_region for b in plan.batches), "source")
             # the copy cannot be interrupted once in its thread; run_background lets
             # a cancelled caller go while Link.drain still waits for the copy
             nbytes = await link.run_background(
-                asyncio.to_thread(self.engine.execute, plan, src, link.mapped, where=where))
+                asyncio.to_thread(self.engine.execute, plan, src, link.mapped, where=where)
+            )
         link.nbytes_written += nbytes
         link.num_writes += 1
         return nbytes
@@ -104,8 +112,11 @@ def _open_all(peer: PeerEndpoint) -> dict[str, Segment]:
             try:
                 opened[handle.region_id] = open_segment(handle.segment, min_nbytes=handle.nbytes)
             except TransportError as err:
-                raise TransportError(f"peer {peer.peer_id} region {handle.region_id!r}: "
-                                     f"{err.message}", code=err.code, hint=err.hint) from None
+                raise TransportError(
+                    f"peer {peer.peer_id} region {handle.region_id!r}: {err.message}",
+                    code=err.code,
+                    hint=err.hint,
+                ) from None
     except BaseException:
         for segment in opened.values():
             segment.close()

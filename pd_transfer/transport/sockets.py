@@ -65,10 +65,14 @@ def parse_address(address: str) -> tuple[str, int]:
     rest = address.removeprefix("tcp://")
     host, sep, port = rest.rpartition(":")
     host = host.strip("[]")
-    if not address.startswith("tcp://") or not sep or not host or not port.isdigit() \
-            or not 0 < int(port) < 65536:
-        raise TransportError(f"data address {address!r} is not tcp://host:port",
-                             code=Reason.TRANSPORT_FAILED)
+    if (
+        not address.startswith("tcp://")
+        or not sep
+        or not host
+        or not port.isdigit()
+        or not 0 < int(port) < 65536
+    ):
+        raise TransportError(f"data address {address!r} is not tcp://host:port", code=Reason.TRANSPORT_FAILED)
     return host, int(port)
 
 
@@ -85,11 +89,15 @@ def prefix(kind: Kind, header_nbytes: int, payload_nbytes: int = 0) -> bytes:
     return PREFIX.pack(MAGIC, VERSION, int(kind), 0, header_nbytes, payload_nbytes)
 
 
-def send_frame(sock: socket.socket, kind: Kind, header: bytes,
-               payload: Sequence[memoryview] = (), payload_nbytes: int = 0) -> None:
+def send_frame(
+    sock: socket.socket,
+    kind: Kind,
+    header: bytes,
+    payload: Sequence[memoryview] = (),
+    payload_nbytes: int = 0,
+) -> None:
     """One frame: prefix, header, then the payload buffers (``payload_nbytes`` in all)."""
-    send_all(sock, [memoryview(prefix(kind, len(header), payload_nbytes)), memoryview(header),
-                    *payload])
+    send_all(sock, [memoryview(prefix(kind, len(header), payload_nbytes)), memoryview(header), *payload])
 
 
 def send_part(sock: socket.socket, part) -> None:
@@ -112,7 +120,7 @@ def send_all(sock: socket.socket, views: list[memoryview]) -> None:
     """``sendmsg`` every byte of ``views`` (1-D byte memoryviews; consumed), IOV_MAX at a time."""
     i, n = 0, len(views)
     while i < n:
-        group = views[i:i + IOV_MAX]
+        group = views[i : i + IOV_MAX]
         sent = sock.sendmsg(group)
         if sent == sum(map(len, group)):
             i += len(group)
@@ -124,7 +132,7 @@ def recv_all_into(sock: socket.socket, views: list[memoryview]) -> None:
     """Fill every byte of ``views`` (writable 1-D byte memoryviews; consumed) from ``sock``."""
     i, n = 0, len(views)
     while i < n:
-        group = views[i:i + IOV_MAX]
+        group = views[i : i + IOV_MAX]
         got = sock.recvmsg_into(group, 0, socket.MSG_WAITALL)[0]
         if got == 0 and sum(map(len, group)):
             raise PeerClosed()
@@ -173,8 +181,7 @@ def discard(sock: socket.socket, nbytes: int) -> None:
         nbytes -= k
 
 
-def read_prefix(sock: socket.socket, *, max_header_nbytes: int,
-                max_payload_nbytes: int) -> Prefix | None:
+def read_prefix(sock: socket.socket, *, max_header_nbytes: int, max_payload_nbytes: int) -> Prefix | None:
     """The next frame's prefix; None at a clean end of stream.
 
     Raises :class:`TransportError` (BAD_FRAME, VERSION_UNSUPPORTED or
@@ -186,17 +193,20 @@ def read_prefix(sock: socket.socket, *, max_header_nbytes: int,
         return None
     magic, version, kind, _reserved, header_nbytes, payload_nbytes = PREFIX.unpack(raw)
     if magic != MAGIC:
-        raise TransportError(f"not a pd-transfer data stream (starts {magic!r})",
-                             code=Reason.BAD_FRAME)
+        raise TransportError(f"not a pd-transfer data stream (starts {magic!r})", code=Reason.BAD_FRAME)
     if version != VERSION:
-        raise TransportError(f"data stream version {version} is not {VERSION}",
-                             code=Reason.VERSION_UNSUPPORTED)
+        raise TransportError(
+            f"data stream version {version} is not {VERSION}", code=Reason.VERSION_UNSUPPORTED
+        )
     if kind not in Kind._value2member_map_:
         raise TransportError(f"data stream frame kind {kind} is unknown", code=Reason.BAD_FRAME)
     if header_nbytes > max_header_nbytes or payload_nbytes > max_payload_nbytes:
-        raise TransportError(f"frame of {header_nbytes} header and {payload_nbytes} payload "
-                             f"bytes exceeds the limits ({max_header_nbytes}, "
-                             f"{max_payload_nbytes})", code=Reason.FRAME_TOO_LARGE)
+        raise TransportError(
+            f"frame of {header_nbytes} header and {payload_nbytes} payload "
+            f"bytes exceeds the limits ({max_header_nbytes}, "
+            f"{max_payload_nbytes})",
+            code=Reason.FRAME_TOO_LARGE,
+        )
     return Prefix(Kind(kind), header_nbytes, payload_nbytes)
 
 
@@ -215,18 +225,21 @@ class FrameChannel:
         send_frame(self.sock, Kind.HANDSHAKE, frame)
 
     def recv(self) -> bytes:
-        head = read_prefix(self.sock, max_header_nbytes=MAX_HANDSHAKE_NBYTES,
-                           max_payload_nbytes=0)
+        head = read_prefix(self.sock, max_header_nbytes=MAX_HANDSHAKE_NBYTES, max_payload_nbytes=0)
         if head is None:
             raise PeerClosed(partial=False)
         body = recv_exact(self.sock, head.header_nbytes)
         if head.kind is Kind.DATA:
-            raise TransportError("the peer sent data before completing the authentication "
-                                 "handshake", code=Reason.UNAUTHENTICATED)
+            raise TransportError(
+                "the peer sent data before completing the authentication handshake",
+                code=Reason.UNAUTHENTICATED,
+            )
         if head.kind is Kind.REPLY:
-            raise TransportError("the peer answered the authentication handshake with a data-"
-                                 "plane reply: is authentication on at both ends?",
-                                 code=Reason.AUTH_FAILED)
+            raise TransportError(
+                "the peer answered the authentication handshake with a data-"
+                "plane reply: is authentication on at both ends?",
+                code=Reason.AUTH_FAILED,
+            )
         return body
 
 

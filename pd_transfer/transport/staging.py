@@ -76,10 +76,10 @@ class StagingChannel:
 
     sock: socket.socket
     peer_id: str
-    slots: tuple[int, ...]          # decode slot index of ring position i
+    slots: tuple[int, ...]  # decode slot index of ring position i
     slot_nbytes: int
-    remote_base: int                # address of decode's staging area (slot 0)
-    local: np.ndarray               # our mirror: len(slots) * slot_nbytes, engine-registered
+    remote_base: int  # address of decode's staging area (slot 0)
+    local: np.ndarray  # our mirror: len(slots) * slot_nbytes, engine-registered
     timeout_s: float
     broken: TransportError | None = None
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
@@ -125,33 +125,43 @@ class StagingChannel:
                 raise PeerClosed(partial=False)
             reply = decode_reply(recv_exact(self.sock, head.header_nbytes))
         except TimeoutError:
-            raise self._break(f"no answer to a staged chunk in {self.timeout_s} s",
-                              Reason.TIMEOUT) from None
+            raise self._break(f"no answer to a staged chunk in {self.timeout_s} s", Reason.TIMEOUT) from None
         except TransportError as err:
             raise self._break(f"unreadable answer: {err.message}", Reason.TRANSPORT_FAILED) from None
         except OSError as err:  # PeerClosed is a ConnectionError
             raise self._break(f"the connection ended: {err}", Reason.PEER_LOST) from None
         if head.kind is not Kind.REPLY:
-            raise self._break(f"a {head.kind.name.lower()} frame where an answer was expected",
-                              Reason.TRANSPORT_FAILED)
+            raise self._break(
+                f"a {head.kind.name.lower()} frame where an answer was expected", Reason.TRANSPORT_FAILED
+            )
         if isinstance(reply, Fail) and reply.xfer in (xfer, -1):
-            return TransportError(f"{self.peer_id} refused a staged chunk: {reply.text}",
-                                  code=reply.reason())
+            return TransportError(f"{self.peer_id} refused a staged chunk: {reply.text}", code=reply.reason())
         if isinstance(reply, Ack) and (reply.xfer, reply.seq) == (xfer, seq):
             return None
-        raise self._break(f"answer {reply!r} does not match chunk {seq} of transfer {xfer}",
-                          Reason.TRANSPORT_FAILED)
+        raise self._break(
+            f"answer {reply!r} does not match chunk {seq} of transfer {xfer}", Reason.TRANSPORT_FAILED
+        )
 
     def _break(self, what: str, code: Reason) -> TransportError:
-        self.broken = TransportError(f"staging channel to {self.peer_id}: {what}", code=code,
-                                     hint="the peer must register again (a new link)")
+        self.broken = TransportError(
+            f"staging channel to {self.peer_id}: {what}",
+            code=code,
+            hint="the peer must register again (a new link)",
+        )
         return self.broken
 
 
-def open_channel(address: str, staging: tuple[int, int, int], peer_id: str, *,
-                 auth: Authenticator | None = None, ring_slots: int = DEFAULT_RING_SLOTS,
-                 timeout_s: float = 60.0, connect_timeout_s: float = 10.0,
-                 handshake_timeout_s: float = 10.0) -> StagingChannel | None:
+def open_channel(
+    address: str,
+    staging: tuple[int, int, int],
+    peer_id: str,
+    *,
+    auth: Authenticator | None = None,
+    ring_slots: int = DEFAULT_RING_SLOTS,
+    timeout_s: float = 60.0,
+    connect_timeout_s: float = 10.0,
+    handshake_timeout_s: float = 10.0,
+) -> StagingChannel | None:
     """Connect, authenticate, ask for a ring; None when decode has no slot free.
 
     ``staging`` is what decode published: ``(address, nbytes, slot_nbytes)``
@@ -162,8 +172,9 @@ def open_channel(address: str, staging: tuple[int, int, int], peer_id: str, *,
     try:
         sock = socket.create_connection(parse_address(address), timeout=connect_timeout_s)
     except OSError as err:
-        raise TransportError(f"cannot reach the staging channel of {peer_id} at {address}: "
-                             f"{err}", code=Reason.TRANSPORT_FAILED) from None
+        raise TransportError(
+            f"cannot reach the staging channel of {peer_id} at {address}: {err}", code=Reason.TRANSPORT_FAILED
+        ) from None
     try:
         configure(sock)
         if auth is not None:
@@ -173,26 +184,30 @@ def open_channel(address: str, staging: tuple[int, int, int], peer_id: str, *,
         send_frame(sock, Kind.DATA, encode(OpenRing(ring_slots)))
         head = read_prefix(sock, max_header_nbytes=1 << 16, max_payload_nbytes=0)
         if head is None or head.kind is not Kind.REPLY:
-            raise TransportError(f"staging channel of {peer_id} did not grant a ring",
-                                 code=Reason.TRANSPORT_FAILED)
+            raise TransportError(
+                f"staging channel of {peer_id} did not grant a ring", code=Reason.TRANSPORT_FAILED
+            )
         ring = _ring_or_refusal(recv_exact(sock, head.header_nbytes), peer_id)
     except (OSError, TransportError) as err:
         sock.close()
         if isinstance(err, TransportError):
             raise
-        raise TransportError(f"staging channel of {peer_id} at {address}: {err}",
-                             code=Reason.TRANSPORT_FAILED) from None
+        raise TransportError(
+            f"staging channel of {peer_id} at {address}: {err}", code=Reason.TRANSPORT_FAILED
+        ) from None
     if not ring.slots:
         sock.close()
         return None
     if (max(ring.slots) + 1) * ring.slot_nbytes > area_nbytes:
         sock.close()
-        raise TransportError(f"{peer_id} granted staging slots {list(ring.slots)} of "
-                             f"{ring.slot_nbytes} bytes outside its published area of "
-                             f"{area_nbytes} bytes", code=Reason.BAD_FIELD)
+        raise TransportError(
+            f"{peer_id} granted staging slots {list(ring.slots)} of "
+            f"{ring.slot_nbytes} bytes outside its published area of "
+            f"{area_nbytes} bytes",
+            code=Reason.BAD_FIELD,
+        )
     local = np.zeros(len(ring.slots) * ring.slot_nbytes, np.uint8)
-    return StagingChannel(sock, peer_id, ring.slots, ring.slot_nbytes, area_addr, local,
-                          timeout_s)
+    return StagingChannel(sock, peer_id, ring.slots, ring.slot_nbytes, area_addr, local, timeout_s)
 
 
 def _ring_or_refusal(frame: bytes, peer_id: str):
@@ -204,8 +219,9 @@ def _ring_or_refusal(frame: bytes, peer_id: str):
         except TransportError:
             raise err from None
         if isinstance(reply, Fail):
-            raise TransportError(f"staging channel of {peer_id} refused us: {reply.text}",
-                                 code=reply.reason()) from None
+            raise TransportError(
+                f"staging channel of {peer_id} refused us: {reply.text}", code=reply.reason()
+            ) from None
         raise
 
 
@@ -218,8 +234,15 @@ class _Flight:
     layout: ChunkLayout
 
 
-def write_staged(channel: StagingChannel, layouts: list[ChunkLayout], src: Mapping[str, Mapped],
-                 bulk: Bulk, *, room: str = "", generation: int = 0) -> int:
+def write_staged(
+    channel: StagingChannel,
+    layouts: list[ChunkLayout],
+    src: Mapping[str, Mapped],
+    bulk: Bulk,
+    *,
+    room: str = "",
+    generation: int = 0,
+) -> int:
     """Gather, bulk-write and have decode scatter every chunk; return the bytes acked.
 
     An engine that posts writes asynchronously (``bulk`` returns a waiter)
@@ -235,8 +258,8 @@ def write_staged(channel: StagingChannel, layouts: list[ChunkLayout], src: Mappi
         raise channel.broken
     xfer = next(channel._ids)
     ring = len(channel.slots)
-    flights: deque[_Flight] = deque()           # posted, not announced
-    pending: deque[tuple[int, int]] = deque()   # (seq, nbytes) announced, not answered
+    flights: deque[_Flight] = deque()  # posted, not announced
+    pending: deque[tuple[int, int]] = deque()  # (seq, nbytes) announced, not answered
     refused: TransportError | None = None
     acked = 0
 
@@ -245,8 +268,13 @@ def write_staged(channel: StagingChannel, layouts: list[ChunkLayout], src: Mappi
         if flight.wait is not None:
             flight.wait()
         layout = flight.layout
-        channel.send(Staged(channel.slots[flight.slot], layout.nbytes,
-                            ChunkHeader(xfer, room, generation, layout.seq, layout.wire)))
+        channel.send(
+            Staged(
+                channel.slots[flight.slot],
+                layout.nbytes,
+                ChunkHeader(xfer, room, generation, layout.seq, layout.wire),
+            )
+        )
         pending.append((layout.seq, layout.nbytes))
 
     try:
@@ -254,7 +282,7 @@ def write_staged(channel: StagingChannel, layouts: list[ChunkLayout], src: Mappi
             i = layout.seq % ring
             while any(f.slot == i for f in flights):  # local slot i: its write must be done
                 land()
-            out = channel.local[i * channel.slot_nbytes:(i + 1) * channel.slot_nbytes]
+            out = channel.local[i * channel.slot_nbytes : (i + 1) * channel.slot_nbytes]
             gather_chunk(layout, src, out=out)
             while len(flights) + len(pending) >= ring:  # remote slot i is free once answered
                 if pending:
@@ -263,8 +291,9 @@ def write_staged(channel: StagingChannel, layouts: list[ChunkLayout], src: Mappi
                     land()
             if refused is not None:
                 break
-            flights.append(_Flight(bulk(channel.local_addr(i), channel.remote_addr(i),
-                                        layout.nbytes), i, layout))
+            flights.append(
+                _Flight(bulk(channel.local_addr(i), channel.remote_addr(i), layout.nbytes), i, layout)
+            )
             # a write already done is announced at once; of posted ones, at most half the
             # ring stays in flight (the other slots: chunks decode is scattering)
             while flights and (flights[0].wait is None or len(flights) > max(1, ring // 2)):
@@ -272,7 +301,7 @@ def write_staged(channel: StagingChannel, layouts: list[ChunkLayout], src: Mappi
         while flights and refused is None:
             land()
     finally:
-        for flight in flights:   # an error left writes posted: let them end, never announce
+        for flight in flights:  # an error left writes posted: let them end, never announce
             if flight.wait is not None:
                 try:
                     flight.wait()
@@ -286,8 +315,9 @@ def write_staged(channel: StagingChannel, layouts: list[ChunkLayout], src: Mappi
     return acked
 
 
-def _settle(channel: StagingChannel, xfer: int, pending: deque, refused: TransportError | None,
-            acked: int) -> tuple[TransportError | None, int]:
+def _settle(
+    channel: StagingChannel, xfer: int, pending: deque, refused: TransportError | None, acked: int
+) -> tuple[TransportError | None, int]:
     seq, nbytes = pending.popleft()
     error = channel.answer(xfer, seq)
     if error is None:

@@ -81,11 +81,13 @@ DEFAULT_SLOT_NBYTES = 4 << 20
 class StagingArea:
     """``num_slots`` slots of ``slot_nbytes`` in one buffer, leased out as rings."""
 
-    def __init__(self, num_slots: int = DEFAULT_AREA_SLOTS,
-                 slot_nbytes: int = DEFAULT_SLOT_NBYTES) -> None:
+    def __init__(self, num_slots: int = DEFAULT_AREA_SLOTS, slot_nbytes: int = DEFAULT_SLOT_NBYTES) -> None:
         if num_slots < 1 or slot_nbytes < 4096:
-            raise TransportError(f"a staging area needs at least one slot of 4096 bytes or more, "
-                                 f"got {num_slots} x {slot_nbytes}", code=Reason.INVALID_CONFIG)
+            raise TransportError(
+                f"a staging area needs at least one slot of 4096 bytes or more, "
+                f"got {num_slots} x {slot_nbytes}",
+                code=Reason.INVALID_CONFIG,
+            )
         self.num_slots, self.slot_nbytes = num_slots, slot_nbytes
         self.buffer = np.zeros(num_slots * slot_nbytes, np.uint8)
         self._free = list(range(num_slots))
@@ -116,30 +118,37 @@ class StagingArea:
 
     def slot(self, index: int, nbytes: int) -> np.ndarray:
         start = index * self.slot_nbytes
-        return self.buffer[start:start + nbytes]
+        return self.buffer[start : start + nbytes]
 
 
 class StagingReceiver:
     """Serve staged-chunk requests for ``regions`` out of ``area`` at ``tcp://bind_host:port``."""
 
-    def __init__(self, regions: Regions, area: StagingArea, *, bind_host: str = "127.0.0.1",
-                 port: int = 0, auth: Authenticator | None = None,
-                 handshake_timeout_s: float = 10.0, max_connections: int = 256,
-                 max_pending: int = 64,
-                 on_bad_frame: Callable[[str], None] = lambda reason: None) -> None:
+    def __init__(
+        self,
+        regions: Regions,
+        area: StagingArea,
+        *,
+        bind_host: str = "127.0.0.1",
+        port: int = 0,
+        auth: Authenticator | None = None,
+        handshake_timeout_s: float = 10.0,
+        max_connections: int = 256,
+        max_pending: int = 64,
+        on_bad_frame: Callable[[str], None] = lambda reason: None,
+    ) -> None:
         self.area = area
         self.bind_host, self.port = bind_host, port
         self.auth = auth
         self.handshake_timeout_s = handshake_timeout_s
         self.max_connections = max_connections
         self.max_pending = max_pending
-        self.on_bad_frame = on_bad_frame   # called from connection threads
-        self._authenticated = 0            # connections past the handshake (under _stats_lock)
+        self.on_bad_frame = on_bad_frame  # called from connection threads
+        self._authenticated = 0  # connections past the handshake (under _stats_lock)
         self.admission = RoomAdmission(RoomPolicy.ANY)
         self.stats = ReceiverStats()
         self.address = ""
-        self._regions: dict[str, Mapped] = {r: map_one(r, m, "destination")
-                                            for r, m in regions.items()}
+        self._regions: dict[str, Mapped] = {r: map_one(r, m, "destination") for r, m in regions.items()}
         self._sizes = {r: m.nbytes for r, m in self._regions.items()}
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
@@ -148,12 +157,16 @@ class StagingReceiver:
 
     async def start(self) -> str:
         try:
-            listener = socket.create_server((self.bind_host, self.port), backlog=128,
-                                            family=socket.AF_INET6 if ":" in self.bind_host
-                                            else socket.AF_INET)
+            listener = socket.create_server(
+                (self.bind_host, self.port),
+                backlog=128,
+                family=socket.AF_INET6 if ":" in self.bind_host else socket.AF_INET,
+            )
         except OSError as err:
-            raise TransportError(f"staging receiver cannot bind {self.bind_host}:{self.port}: "
-                                 f"{err}", code=Reason.TRANSPORT_FAILED) from None
+            raise TransportError(
+                f"staging receiver cannot bind {self.bind_host}:{self.port}: {err}",
+                code=Reason.TRANSPORT_FAILED,
+            ) from None
         listener.setblocking(False)
         self._listener = listener
         self.address = format_address(self.bind_host, listener.getsockname()[1])
@@ -178,8 +191,7 @@ class StagingReceiver:
         counted, reported, logged."""
         self.count(code)
         self.on_bad_frame(code.value)
-        log.warning("staging receiver %s: closing %s [%s]: %s", self.address, where,
-                    code.value, why)
+        log.warning("staging receiver %s: closing %s [%s]: %s", self.address, where, code.value, why)
 
     def admit_authenticated(self, connection: GatedConnection) -> bool:
         """Take an authenticated connection's slot; False (it is refused) when all are held."""
@@ -189,8 +201,11 @@ class StagingReceiver:
                 self._authenticated += 1
                 connection.holds_slot = True
         if full:
-            self.bad_frame(Reason.LIMIT_EXCEEDED, f"{self.max_connections} authenticated "
-                           f"connections already (max_connections)", connection.where)
+            self.bad_frame(
+                Reason.LIMIT_EXCEEDED,
+                f"{self.max_connections} authenticated connections already (max_connections)",
+                connection.where,
+            )
         return not full
 
     def landed(self, nbytes: int) -> None:
@@ -202,21 +217,28 @@ class StagingReceiver:
         """Check one staged chunk completely, then scatter it; raises before any byte moves."""
         chunk = request.chunk
         if request.slot not in ring:
-            raise TransportError(f"slot {request.slot} is not one of this connection's staging "
-                                 f"slots {list(ring)}", code=Reason.RUN_OUT_OF_REGION)
+            raise TransportError(
+                f"slot {request.slot} is not one of this connection's staging slots {list(ring)}",
+                code=Reason.RUN_OUT_OF_REGION,
+            )
         if request.nbytes > self.area.slot_nbytes:
-            raise TransportError(f"a staged chunk of {request.nbytes} bytes does not fit a slot "
-                                 f"of {self.area.slot_nbytes}", code=Reason.RUN_OUT_OF_REGION)
+            raise TransportError(
+                f"a staged chunk of {request.nbytes} bytes does not fit a slot of {self.area.slot_nbytes}",
+                code=Reason.RUN_OUT_OF_REGION,
+            )
         unknown = [r for r in chunk.wire.regions if r not in self._sizes]
         if unknown:
-            raise TransportError(f"chunk names unregistered region(s) {unknown[:5]}",
-                                 code=Reason.UNKNOWN_REGION)
+            raise TransportError(
+                f"chunk names unregistered region(s) {unknown[:5]}", code=Reason.UNKNOWN_REGION
+            )
         check_wire(chunk.wire, self._sizes, request.nbytes)
-        ticket = self.admission.admit(chunk.room, chunk.generation, chunk.wire.regions,
-                                      chunk.wire.runs)
+        ticket = self.admission.admit(chunk.room, chunk.generation, chunk.wire.regions, chunk.wire.runs)
         try:
-            scatter_chunk(chunk.wire, self.area.slot(request.slot, request.nbytes),
-                          {r: self._regions[r] for r in chunk.wire.regions})
+            scatter_chunk(
+                chunk.wire,
+                self.area.slot(request.slot, request.nbytes),
+                {r: self._regions[r] for r in chunk.wire.regions},
+            )
         finally:
             self.admission.release(ticket)
         self.landed(request.nbytes)
@@ -232,8 +254,11 @@ class StagingReceiver:
                 continue
             where = f"peer {peer[0]}:{peer[1]}"
             if self.auth is None and len(self._connections) >= self.max_connections:
-                self.bad_frame(Reason.LIMIT_EXCEEDED, f"{len(self._connections)} connections "
-                               f"already (max_connections)", where)
+                self.bad_frame(
+                    Reason.LIMIT_EXCEEDED,
+                    f"{len(self._connections)} connections already (max_connections)",
+                    where,
+                )
                 sock.close()
                 continue
             if self.auth is not None:
@@ -241,8 +266,9 @@ class StagingReceiver:
             sock.setblocking(True)
             configure(sock)
             connection = _Connection(self, sock, where)
-            thread = threading.Thread(target=self._serve, args=(connection, loop), daemon=True,
-                                      name=f"pdt-staging-{peer[1]}")
+            thread = threading.Thread(
+                target=self._serve, args=(connection, loop), daemon=True, name=f"pdt-staging-{peer[1]}"
+            )
             self._connections[connection] = thread
             if self.auth is not None:
                 arm_deadline(loop, connection, self.handshake_timeout_s)
@@ -268,7 +294,7 @@ class _Connection(GatedConnection):
         super().__init__(sock, where, pending=receiver.auth is not None)
         self.receiver = receiver
         self.ring: tuple[int, ...] = ()
-        self._failed: set[int] = set()   # transfers refused: their later chunks are too
+        self._failed: set[int] = set()  # transfers refused: their later chunks are too
 
     def serve(self) -> None:
         receiver = self.receiver
@@ -276,12 +302,14 @@ class _Connection(GatedConnection):
             if receiver.auth is not None and not self._authenticate():
                 self.settle(ok=False)
                 return
-            while (head := read_prefix(self.sock, max_header_nbytes=MAX_HEADER_NBYTES,
-                                       max_payload_nbytes=0)) is not None:
+            while (
+                head := read_prefix(self.sock, max_header_nbytes=MAX_HEADER_NBYTES, max_payload_nbytes=0)
+            ) is not None:
                 header = recv_exact(self.sock, head.header_nbytes)
                 if head.kind is not Kind.DATA:
-                    receiver.bad_frame(Reason.BAD_FRAME, f"a {head.kind.name.lower()} frame "
-                                       f"is not accepted here", self.where)
+                    receiver.bad_frame(
+                        Reason.BAD_FRAME, f"a {head.kind.name.lower()} frame is not accepted here", self.where
+                    )
                     return
                 self._request(header)
         except TransportError as err:  # a prefix that is not ours: the stream is lost
@@ -301,38 +329,43 @@ class _Connection(GatedConnection):
         receiver = self.receiver
         self.sock.settimeout(receiver.handshake_timeout_s)  # the gate's deadline cuts in earlier
         try:
-            head = read_prefix(self.sock, max_header_nbytes=MAX_HANDSHAKE_NBYTES,
-                               max_payload_nbytes=0)
-            if head is None:   # closed: by the peer, or cut off by the gate
+            head = read_prefix(self.sock, max_header_nbytes=MAX_HANDSHAKE_NBYTES, max_payload_nbytes=0)
+            if head is None:  # closed: by the peer, or cut off by the gate
                 raise PeerClosed(partial=False)
             first = recv_exact(self.sock, head.header_nbytes)
             if head.kind is not Kind.HANDSHAKE:
-                receiver.bad_frame(Reason.UNAUTHENTICATED, "a request before the "
-                                   "authentication handshake", self.where)
+                receiver.bad_frame(
+                    Reason.UNAUTHENTICATED, "a request before the authentication handshake", self.where
+                )
                 receiver.auth.unauthenticated(f"{receiver.address}: {self.where}")
-                self._reply(encode_reply(Fail(-1, Reason.UNAUTHENTICATED.value,
-                                              "this staging channel requires authentication")))
+                self._reply(
+                    encode_reply(
+                        Fail(-1, Reason.UNAUTHENTICATED.value, "this staging channel requires authentication")
+                    )
+                )
                 return False
-            receiver.auth.server(first, FrameChannel(self.sock),
-                                 f"{receiver.address}: {self.where}")
+            receiver.auth.server(first, FrameChannel(self.sock), f"{receiver.address}: {self.where}")
         except TransportError as err:
-            if err.code in STREAM_ERRORS:   # garbage, not a refused handshake (counted there)
+            if err.code in STREAM_ERRORS:  # garbage, not a refused handshake (counted there)
                 receiver.bad_frame(err.code, err.message, self.where)
             else:
                 receiver.count(err.code)
             return False
-        except OSError as err:   # PeerClosed too: a cut-off shuts the socket down
+        except OSError as err:  # PeerClosed too: a cut-off shuts the socket down
             if self.cut_off is not None:
                 receiver.bad_frame(*self.cut_off, self.where)
             elif isinstance(err, TimeoutError):
-                receiver.bad_frame(Reason.TIMEOUT, f"no authentication handshake within "
-                                   f"{receiver.handshake_timeout_s:g} s", self.where)
+                receiver.bad_frame(
+                    Reason.TIMEOUT,
+                    f"no authentication handshake within {receiver.handshake_timeout_s:g} s",
+                    self.where,
+                )
             else:
                 raise
             return False
         self.sock.settimeout(None)
         if not self.settle():
-            return False   # cut off just as it finished
+            return False  # cut off just as it finished
         return receiver.admit_authenticated(self)
 
     def _request(self, raw: bytes) -> None:
@@ -354,8 +387,13 @@ class _Connection(GatedConnection):
                 raise TransportError("the rest of a refused transfer", code=Reason.TRANSPORT_FAILED)
             receiver.scatter(self.ring, request)
         except TransportError as err:
-            log.warning("staging receiver %s: refused room %s from %s: %s", receiver.address,
-                        request.chunk.room or "-", self.where, err.message)
+            log.warning(
+                "staging receiver %s: refused room %s from %s: %s",
+                receiver.address,
+                request.chunk.room or "-",
+                self.where,
+                err.message,
+            )
             receiver.count(err.code)
             self._failed.add(xfer)
             if len(self._failed) > 1024:

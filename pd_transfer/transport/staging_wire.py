@@ -35,7 +35,7 @@ from pd_transfer.transport.frames import encode as encode_chunk
 WIRE_VERSION = 1
 MAX_RING_SLOTS = 64
 MAX_HEADER_NBYTES = 8 << 20
-_MAX_INT = 2 ** 62
+_MAX_INT = 2**62
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,12 @@ def encode(message: OpenRing | Ring | Staged) -> bytes:
     elif isinstance(message, Ring):
         body = {"t": "ring", "slots": list(message.slots), "slot_nbytes": message.slot_nbytes}
     elif isinstance(message, Staged):
-        body = {"t": "staged", "slot": message.slot, "nbytes": message.nbytes,
-                "chunk": encode_chunk(message.chunk)}
+        body = {
+            "t": "staged",
+            "slot": message.slot,
+            "nbytes": message.nbytes,
+            "chunk": encode_chunk(message.chunk),
+        }
     else:
         raise TypeError(f"not a staging frame: {message!r}")
     return msgpack.packb({"v": WIRE_VERSION, **body}, use_bin_type=True)
@@ -92,8 +96,12 @@ def decode_ring(frame: bytes) -> Ring:
     """Decode's answer to an open."""
     body = _envelope(frame, ("ring",))
     slots = body.get("slots")
-    if not isinstance(slots, list) or len(slots) > MAX_RING_SLOTS or not all(
-            type(s) is int and 0 <= s < _MAX_INT for s in slots) or len(set(slots)) != len(slots):
+    if (
+        not isinstance(slots, list)
+        or len(slots) > MAX_RING_SLOTS
+        or not all(type(s) is int and 0 <= s < _MAX_INT for s in slots)
+        or len(set(slots)) != len(slots)
+    ):
         raise _bad("slots", f"a list of at most {MAX_RING_SLOTS} distinct slot indices")
     slot_nbytes = _int(body, "slot_nbytes")
     if slots and slot_nbytes <= 0:
@@ -103,19 +111,28 @@ def decode_ring(frame: bytes) -> Ring:
 
 def _envelope(frame: bytes, kinds: tuple[str, ...]) -> dict:
     if len(frame) > MAX_HEADER_NBYTES:
-        raise TransportError(f"staging frame of {len(frame)} bytes is over "
-                             f"{MAX_HEADER_NBYTES}", code=Reason.FRAME_TOO_LARGE)
+        raise TransportError(
+            f"staging frame of {len(frame)} bytes is over {MAX_HEADER_NBYTES}", code=Reason.FRAME_TOO_LARGE
+        )
     try:
-        body = msgpack.unpackb(frame, raw=False, max_bin_len=MAX_HEADER_NBYTES,
-                               max_str_len=4096, max_array_len=1 << 16, max_map_len=16)
+        body = msgpack.unpackb(
+            frame,
+            raw=False,
+            max_bin_len=MAX_HEADER_NBYTES,
+            max_str_len=4096,
+            max_array_len=1 << 16,
+            max_map_len=16,
+        )
     except (ValueError, msgpack.UnpackException) as err:
-        raise TransportError(f"staging frame is not msgpack ({type(err).__name__})",
-                             code=Reason.BAD_FRAME) from None
+        raise TransportError(
+            f"staging frame is not msgpack ({type(err).__name__})", code=Reason.BAD_FRAME
+        ) from None
     if not isinstance(body, dict):
         raise TransportError("staging frame is not a map", code=Reason.BAD_FRAME)
     if body.get("v") != WIRE_VERSION:
-        raise TransportError(f"staging frame version {body.get('v')!r} is not {WIRE_VERSION}",
-                             code=Reason.VERSION_UNSUPPORTED)
+        raise TransportError(
+            f"staging frame version {body.get('v')!r} is not {WIRE_VERSION}", code=Reason.VERSION_UNSUPPORTED
+        )
     if body.get("t") not in kinds:
         raise _bad("t", f"one of {list(kinds)}")
     return body
@@ -129,5 +146,4 @@ def _int(body: dict, name: str) -> int:
 
 
 def _bad(name: str, expected: str) -> TransportError:
-    return TransportError(f"staging frame field {name!r}: expected {expected}",
-                          code=Reason.BAD_FRAME)
+    return TransportError(f"staging frame field {name!r}: expected {expected}", code=Reason.BAD_FRAME)

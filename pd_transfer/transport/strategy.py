@@ -45,8 +45,8 @@ from pd_transfer.transport.runs import expand, flatten
 
 
 class Strategy(enum.Enum):
-    DIRECT = "direct"   # one descriptor per run (shm: a copy per run)
-    STAGED = "staged"   # gathered into a bulk buffer, scattered on arrival (tcp: chunks)
+    DIRECT = "direct"  # one descriptor per run (shm: a copy per run)
+    STAGED = "staged"  # gathered into a bulk buffer, scattered on arrival (tcp: chunks)
 
 
 class StrategyMode(enum.Enum):
@@ -60,8 +60,12 @@ class StrategyMode(enum.Enum):
 STRATEGY_MODES = tuple(m.value for m in StrategyMode)
 
 # what the other transports do by construction, so that every verdict says
-INHERENT = {"shm": Strategy.DIRECT, "device": Strategy.DIRECT, "mock": Strategy.DIRECT,
-            "tcp": Strategy.STAGED}
+INHERENT = {
+    "shm": Strategy.DIRECT,
+    "device": Strategy.DIRECT,
+    "mock": Strategy.DIRECT,
+    "tcp": Strategy.STAGED,
+}
 
 
 @dataclass(frozen=True)
@@ -86,10 +90,12 @@ class PathCost:
     round_trip_s: float
 
     def describe(self) -> str:
-        return (f"{self.per_descriptor_s * 1e6:.1f} us/descriptor, {self.fixed_s * 1e6:.0f} us "
-                f"fixed, engine {self.engine_bytes_per_s / 1e9:.2f} GB/s, copy "
-                f"{self.copy_bytes_per_s / 1e9:.2f} GB/s + {self.copy_per_run_s * 1e9:.0f} ns/run, "
-                f"round trip {self.round_trip_s * 1e6:.0f} us")
+        return (
+            f"{self.per_descriptor_s * 1e6:.1f} us/descriptor, {self.fixed_s * 1e6:.0f} us "
+            f"fixed, engine {self.engine_bytes_per_s / 1e9:.2f} GB/s, copy "
+            f"{self.copy_bytes_per_s / 1e9:.2f} GB/s + {self.copy_per_run_s * 1e9:.0f} ns/run, "
+            f"round trip {self.round_trip_s * 1e6:.0f} us"
+        )
 
 
 @dataclass(frozen=True)
@@ -111,13 +117,14 @@ class RunProfile:
         nbytes = np.asarray(nbytes, np.int64)
         if not len(nbytes):
             return cls(0, 0, 0, 0, 0)
-        p10, p50, p90 = (int(v) for v in np.percentile(nbytes, (10, 50, 90),
-                                                       method="nearest"))
+        p10, p50, p90 = (int(v) for v in np.percentile(nbytes, (10, 50, 90), method="nearest"))
         return cls(len(nbytes), int(nbytes.sum()), p10, p50, p90)
 
     def describe(self) -> str:
-        return (f"{self.num_runs} runs, median {self.median_nbytes} B (p10 {self.p10_nbytes}, "
-                f"p90 {self.p90_nbytes})")
+        return (
+            f"{self.num_runs} runs, median {self.median_nbytes} B (p10 {self.p10_nbytes}, "
+            f"p90 {self.p90_nbytes})"
+        )
 
 
 @dataclass(frozen=True)
@@ -142,40 +149,60 @@ def joined_runs(plan) -> tuple[np.ndarray, np.ndarray]:
     runs = expand(flatten(plan))
     if not len(runs):
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    continues = (runs.batch[1:] == runs.batch[:-1]) \
-        & (runs.src_offset[1:] == runs.src_offset[:-1] + runs.nbytes[:-1]) \
+    continues = (
+        (runs.batch[1:] == runs.batch[:-1])
+        & (runs.src_offset[1:] == runs.src_offset[:-1] + runs.nbytes[:-1])
         & (runs.dst_offset[1:] == runs.dst_offset[:-1] + runs.nbytes[:-1])
+    )
     starts = np.flatnonzero(np.concatenate(([True], ~continues)))
     return runs.batch[starts], np.add.reduceat(runs.nbytes, starts)
 
 
-def crossover_nbytes(cost: PathCost, *, slot_nbytes: int, batch_descriptors: int,
-                     ring_slots: int = 1) -> float:
+def crossover_nbytes(
+    cost: PathCost, *, slot_nbytes: int, batch_descriptors: int, ring_slots: int = 1
+) -> float:
     """The mean run size below which staging is estimated faster (0: never)."""
-    saved_per_run = cost.per_descriptor_s + cost.fixed_s / batch_descriptors \
-        - 2 * cost.copy_per_run_s
-    added_per_byte = 2 / cost.copy_bytes_per_s \
-        + (cost.fixed_s + cost.round_trip_s / max(1, ring_slots)) / slot_nbytes
+    saved_per_run = cost.per_descriptor_s + cost.fixed_s / batch_descriptors - 2 * cost.copy_per_run_s
+    added_per_byte = (
+        2 / cost.copy_bytes_per_s + (cost.fixed_s + cost.round_trip_s / max(1, ring_slots)) / slot_nbytes
+    )
     if saved_per_run <= 0:
         return 0.0
     return saved_per_run / added_per_byte
 
 
-def estimate_s(profile: RunProfile, cost: PathCost, strategy: Strategy, *, slot_nbytes: int,
-               batch_descriptors: int, ring_slots: int = 1) -> float:
+def estimate_s(
+    profile: RunProfile,
+    cost: PathCost,
+    strategy: Strategy,
+    *,
+    slot_nbytes: int,
+    batch_descriptors: int,
+    ring_slots: int = 1,
+) -> float:
     """Estimated seconds to move ``profile`` one way (for logs and benchmarks)."""
     n, total = profile.num_runs, profile.total_nbytes
     wire = total / cost.engine_bytes_per_s
     if strategy is Strategy.DIRECT:
         return -(-n // batch_descriptors) * cost.fixed_s + n * cost.per_descriptor_s + wire
     chunks = -(-total // slot_nbytes)
-    return chunks * (cost.fixed_s + cost.round_trip_s / max(1, ring_slots)) + wire \
+    return (
+        chunks * (cost.fixed_s + cost.round_trip_s / max(1, ring_slots))
+        + wire
         + 2 * (total / cost.copy_bytes_per_s + n * cost.copy_per_run_s)
+    )
 
 
-def choose(profile: RunProfile, cost: PathCost | None, mode: StrategyMode = StrategyMode.AUTO,
-           *, slot_nbytes: int, batch_descriptors: int, staging: bool = True,
-           ring_slots: int = 1) -> Decision:
+def choose(
+    profile: RunProfile,
+    cost: PathCost | None,
+    mode: StrategyMode = StrategyMode.AUTO,
+    *,
+    slot_nbytes: int,
+    batch_descriptors: int,
+    staging: bool = True,
+    ring_slots: int = 1,
+) -> Decision:
     """Direct or staged for runs like ``profile`` over a path costing ``cost``.
 
     ``staging`` False (the peer offers no staging area, or it is full)
@@ -192,12 +219,15 @@ def choose(profile: RunProfile, cost: PathCost | None, mode: StrategyMode = Stra
         return Decision(Strategy.DIRECT, "path not measured", profile)
     if not profile.num_runs:
         return Decision(Strategy.DIRECT, "no runs", profile)
-    crossover = crossover_nbytes(cost, slot_nbytes=slot_nbytes,
-                                 batch_descriptors=batch_descriptors, ring_slots=ring_slots)
+    crossover = crossover_nbytes(
+        cost, slot_nbytes=slot_nbytes, batch_descriptors=batch_descriptors, ring_slots=ring_slots
+    )
     staged = profile.mean_nbytes < crossover
-    return Decision(Strategy.STAGED if staged else Strategy.DIRECT,
-                    f"mean run {profile.mean_nbytes:.0f} B {'<' if staged else '>='} crossover "
-                    f"{crossover:.0f} B", profile)
+    return Decision(
+        Strategy.STAGED if staged else Strategy.DIRECT,
+        f"mean run {profile.mean_nbytes:.0f} B {'<' if staged else '>='} crossover {crossover:.0f} B",
+        profile,
+    )
 
 
 def staged_batches(plan, crossover: float) -> np.ndarray:

@@ -82,38 +82,49 @@ class TcpTransport(Transport):
 
     kind = TransportKind.TCP
 
-    def __init__(self, *, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
-                 window_nbytes: int = DEFAULT_WINDOW_NBYTES, streams: int = DEFAULT_STREAMS,
-                 auth: Authenticator | None = None,
-                 direct_min_nbytes: int = DIRECT_MIN_NBYTES,
-                 connect_timeout_s: float = 5.0, handshake_timeout_s: float = 10.0,
-                 corrupt_payload: Callable[[memoryview], None] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
+        window_nbytes: int = DEFAULT_WINDOW_NBYTES,
+        streams: int = DEFAULT_STREAMS,
+        auth: Authenticator | None = None,
+        direct_min_nbytes: int = DIRECT_MIN_NBYTES,
+        connect_timeout_s: float = 5.0,
+        handshake_timeout_s: float = 10.0,
+        corrupt_payload: Callable[[memoryview], None] | None = None,
+    ) -> None:
         super().__init__()
         if chunk_nbytes <= 0 or window_nbytes <= 0 or streams <= 0:
             raise ValueError("chunk_nbytes, window_nbytes and streams must be positive")
         self.chunk_nbytes = chunk_nbytes
         self.window_nbytes = window_nbytes
         self.streams = streams
-        self.options = LinkOptions(connect_timeout_s=connect_timeout_s,
-                                   handshake_timeout_s=handshake_timeout_s,
-                                   direct_min_nbytes=direct_min_nbytes, auth=auth,
-                                   corrupt_payload=corrupt_payload)
+        self.options = LinkOptions(
+            connect_timeout_s=connect_timeout_s,
+            handshake_timeout_s=handshake_timeout_s,
+            direct_min_nbytes=direct_min_nbytes,
+            auth=auth,
+            corrupt_payload=corrupt_payload,
+        )
 
     async def connect(self, peer: PeerEndpoint) -> TcpLink:
         """A link to ``peer``; it connects in the background (and reconnects when needed)."""
         if not peer.data_address:
-            raise TransportError(f"peer {peer.peer_id} publishes no data address",
-                                 code=Reason.TRANSPORT_UNSUPPORTED,
-                                 hint="start a TcpReceiver on the decode side and register its address")
+            raise TransportError(
+                f"peer {peer.peer_id} publishes no data address",
+                code=Reason.TRANSPORT_UNSUPPORTED,
+                hint="start a TcpReceiver on the decode side and register its address",
+            )
         address = parse_address(peer.data_address)
         share = max(1, self.window_nbytes // self.streams)
         link = TcpLink(self, peer, address, share, self.options)
-        link.lanes += [TcpLink(self, peer, address, share, self.options)
-                       for _ in range(self.streams - 1)]
+        link.lanes += [TcpLink(self, peer, address, share, self.options) for _ in range(self.streams - 1)]
         return self._adopt(link)
 
-    async def write(self, link: Link, plan, src_regions: Regions, *, room: str = "",
-                    generation: int = 0) -> int:
+    async def write(
+        self, link: Link, plan, src_regions: Regions, *, room: str = "", generation: int = 0
+    ) -> int:
         link = self._own(link, TcpLink)
         src = self._sources.map(src_regions, (b.src_region for b in plan.batches), "source")
         sizes = {region_id: mapped.nbytes for region_id, mapped in src.items()}
@@ -121,8 +132,7 @@ class TcpTransport(Transport):
         striped = len(link.lanes) > 1 and plan.total_nbytes > self.chunk_nbytes
         split = plan.split_last(self.chunk_nbytes // 16) if striped else None
         layouts = await self._layout(split[0] if split else plan, sizes, dst_sizes)
-        tail = (await self._layout(split[1], sizes, dst_sizes) if split
-                else layouts[-1:] if striped else [])
+        tail = await self._layout(split[1], sizes, dst_sizes) if split else layouts[-1:] if striped else []
         if striped and not split:
             layouts = layouts[:-1]
         total = sum(layout.nbytes for layout in layouts + tail)
@@ -130,11 +140,9 @@ class TcpTransport(Transport):
         if len(shares) == 1:
             await _write_share(*shares[0], src, room, generation)
         else:
-            await _all([_write_share(lane, share, src, room, generation)
-                        for lane, share in shares])
+            await _all([_write_share(lane, share, src, room, generation) for lane, share in shares])
         if tail:  # the plan's last run lands after all the others, as on one connection
-            await _write_share(_least_busy(link.lanes), [replace(tail[0], seq=0)], src, room,
-                               generation)
+            await _write_share(_least_busy(link.lanes), [replace(tail[0], seq=0)], src, room, generation)
         link.nbytes_written += total
         link.num_writes += 1
         return total
@@ -142,8 +150,7 @@ class TcpTransport(Transport):
     async def _layout(self, plan, sizes: dict, dst_sizes: dict | None) -> list[ChunkLayout]:
         if plan.num_runs < _INLINE_LAYOUT_RUNS:
             return layout_chunks(plan, sizes, self.chunk_nbytes, dst_sizes=dst_sizes)
-        return await asyncio.to_thread(layout_chunks, plan, sizes, self.chunk_nbytes,
-                                       dst_sizes=dst_sizes)
+        return await asyncio.to_thread(layout_chunks, plan, sizes, self.chunk_nbytes, dst_sizes=dst_sizes)
 
 
 def _stripe(layouts: list[ChunkLayout], lanes: list[TcpLink]) -> list[tuple]:
@@ -152,16 +159,16 @@ def _stripe(layouts: list[ChunkLayout], lanes: list[TcpLink]) -> list[tuple]:
     if len(layouts) < 2 or len(lanes) < 2:
         return [(_least_busy(lanes), layouts)]
     n = min(len(lanes), len(layouts))
-    return [(lanes[i], [replace(layout, seq=seq) for seq, layout in enumerate(layouts[i::n])])
-            for i in range(n)]
+    return [
+        (lanes[i], [replace(layout, seq=seq) for seq, layout in enumerate(layouts[i::n])]) for i in range(n)
+    ]
 
 
 def _least_busy(lanes: list[TcpLink]) -> TcpLink:
     return min(lanes, key=lambda lane: lane.in_flight_nbytes)
 
 
-async def _write_share(lane: TcpLink, layouts: list[ChunkLayout], src, room: str,
-                       generation: int) -> int:
+async def _write_share(lane: TcpLink, layouts: list[ChunkLayout], src, room: str, generation: int) -> int:
     """One transfer on one lane: its chunks, then its end; returns once all of it landed."""
     total = sum(layout.nbytes for layout in layouts)
     xfer = lane.open_xfer(room, generation)
@@ -177,8 +184,10 @@ async def _write_share(lane: TcpLink, layouts: list[ChunkLayout], src, room: str
     finally:
         lane.close_xfer(xfer)
     if landed != total:
-        raise TransportError(f"{lane.peer.peer_id} acknowledged {landed} of {total} bytes of "
-                             f"room {room or '-'}", code=Reason.TRANSFER_INCOMPLETE)
+        raise TransportError(
+            f"{lane.peer.peer_id} acknowledged {landed} of {total} bytes of room {room or '-'}",
+            code=Reason.TRANSFER_INCOMPLETE,
+        )
     return total
 
 

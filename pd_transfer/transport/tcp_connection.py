@@ -101,7 +101,8 @@ class Connection(GatedConnection):
                     continue
                 discard(self.sock, head.payload_nbytes)
                 why = f"a {head.kind.name.lower()} frame is not accepted here" + (
-                    "" if receiver.auth else ": this receiver runs no authentication handshake")
+                    "" if receiver.auth else ": this receiver runs no authentication handshake"
+                )
                 receiver.bad_frame(Reason.BAD_FRAME, why, self.where)
                 self._reply(Fail(-1, Reason.BAD_FRAME.value, why))
                 if head.kind is Kind.HANDSHAKE:
@@ -114,16 +115,16 @@ class Connection(GatedConnection):
         except OSError as err:
             log.info("tcp receiver %s: %s: %s", receiver.address, self.where, err)
         except Exception:  # never let a bug of ours kill the thread silently
-            log.exception("tcp receiver %s: %s: frame handling failed", receiver.address,
-                          self.where)
+            log.exception("tcp receiver %s: %s: frame handling failed", receiver.address, self.where)
             receiver.count(Reason.TRANSPORT_FAILED)
         finally:
             self.shutdown()
             self.sock.close()
 
     def _prefix(self):
-        return read_prefix(self.sock, max_header_nbytes=MAX_HEADER_NBYTES,
-                           max_payload_nbytes=self.receiver.max_chunk_nbytes)
+        return read_prefix(
+            self.sock, max_header_nbytes=MAX_HEADER_NBYTES, max_payload_nbytes=self.receiver.max_chunk_nbytes
+        )
 
     # -- authentication ------------------------------------------------------------------
     def _authenticate(self) -> bool:
@@ -131,36 +132,43 @@ class Connection(GatedConnection):
         self.sock.settimeout(receiver.handshake_timeout_s)  # the deadline cuts in earlier
         try:
             head = self._prefix()
-            if head is None:   # closed: by the peer, or cut off by the gate
+            if head is None:  # closed: by the peer, or cut off by the gate
                 raise PeerClosed(partial=False)
             if head.kind is not Kind.HANDSHAKE:
                 self._refuse_unauthenticated(head)
                 return False
             if head.header_nbytes > MAX_HANDSHAKE_NBYTES or head.payload_nbytes:
-                raise TransportError(f"a handshake frame of {head.header_nbytes} header and "
-                                     f"{head.payload_nbytes} payload bytes exceeds the limits "
-                                     f"({MAX_HANDSHAKE_NBYTES}, 0)", code=Reason.FRAME_TOO_LARGE)
+                raise TransportError(
+                    f"a handshake frame of {head.header_nbytes} header and "
+                    f"{head.payload_nbytes} payload bytes exceeds the limits "
+                    f"({MAX_HANDSHAKE_NBYTES}, 0)",
+                    code=Reason.FRAME_TOO_LARGE,
+                )
             first = recv_exact(self.sock, head.header_nbytes)
-            self.peer_agent = receiver.auth.server(first, FrameChannel(self.sock),
-                                                   f"{receiver.address}: {self.where}")
+            self.peer_agent = receiver.auth.server(
+                first, FrameChannel(self.sock), f"{receiver.address}: {self.where}"
+            )
         except TransportError as err:
-            if err.code in STREAM_ERRORS:   # garbage, not a refused handshake (counted there)
+            if err.code in STREAM_ERRORS:  # garbage, not a refused handshake (counted there)
                 receiver.bad_frame(err.code, err.message, self.where)
             else:
                 receiver.count(err.code)
             return False
-        except OSError as err:   # PeerClosed too: a cut-off shuts the socket down
+        except OSError as err:  # PeerClosed too: a cut-off shuts the socket down
             if self.cut_off is not None:
                 receiver.bad_frame(*self.cut_off, self.where)
             elif isinstance(err, TimeoutError):
-                receiver.bad_frame(Reason.TIMEOUT, f"no authentication handshake within "
-                                   f"{receiver.handshake_timeout_s:g} s", self.where)
+                receiver.bad_frame(
+                    Reason.TIMEOUT,
+                    f"no authentication handshake within {receiver.handshake_timeout_s:g} s",
+                    self.where,
+                )
             else:
                 raise
             return False
         self.sock.settimeout(None)
         if not self.settle():
-            return False   # cut off just as it finished
+            return False  # cut off just as it finished
         return receiver.admit_authenticated(self)
 
     def _refuse_unauthenticated(self, head) -> None:
@@ -175,9 +183,13 @@ class Connection(GatedConnection):
                 xfer = decode_data(recv_exact(self.sock, head.header_nbytes)).xfer
             except TransportError:
                 pass
-        self._reply(Fail(xfer, Reason.UNAUTHENTICATED.value,
-                         "this receiver requires authentication: the connection sent data "
-                         "before the handshake"))
+        self._reply(
+            Fail(
+                xfer,
+                Reason.UNAUTHENTICATED.value,
+                "this receiver requires authentication: the connection sent data before the handshake",
+            )
+        )
 
     # -- frames ----------------------------------------------------------------------------
     def _frame(self, raw: bytes, payload_nbytes: int) -> None:
@@ -208,8 +220,9 @@ class Connection(GatedConnection):
         try:
             regions = {region_id: receiver.region(region_id) for region_id in header.wire.regions}
             check_wire(header.wire, {r: m.nbytes for r, m in regions.items()}, payload_nbytes)
-            ticket = receiver.admission.admit(header.room, header.generation,
-                                              header.wire.regions, header.wire.runs)
+            ticket = receiver.admission.admit(
+                header.room, header.generation, header.wire.regions, header.wire.runs
+            )
         except TransportError:
             discard(self.sock, payload_nbytes)  # nothing of it is written
             raise
@@ -239,8 +252,7 @@ class Connection(GatedConnection):
             recv_all_into(self.sock, [memoryview(payload)])
             scatter_chunk(header.wire, payload, regions)
             return
-        for part in destination_parts(header.wire, regions, self._staging,
-                                      self.receiver.direct_min_nbytes):
+        for part in destination_parts(header.wire, regions, self._staging, self.receiver.direct_min_nbytes):
             recv_part(self.sock, part)
             finish(part)
 
@@ -249,10 +261,12 @@ class Connection(GatedConnection):
         receiver.admission.check_end(header.room, header.generation)
         progress = self._open.pop(header.xfer, _Progress())
         if (progress.chunks, progress.nbytes) != (header.num_chunks, header.nbytes):
-            raise TransportError(f"room {header.room}: {progress.chunks} chunk(s) / "
-                                 f"{progress.nbytes} bytes landed, sender sent "
-                                 f"{header.num_chunks} / {header.nbytes}",
-                                 code=Reason.TRANSFER_INCOMPLETE)
+            raise TransportError(
+                f"room {header.room}: {progress.chunks} chunk(s) / "
+                f"{progress.nbytes} bytes landed, sender sent "
+                f"{header.num_chunks} / {header.nbytes}",
+                code=Reason.TRANSFER_INCOMPLETE,
+            )
         receiver.transfer_done()
         if receiver.on_landed is not None:
             self._on_landed(header)
@@ -268,6 +282,7 @@ class Connection(GatedConnection):
                 done.set_result(None)
             except Exception as err:  # the callback's bug: logged, the transfer still landed
                 done.set_exception(err)
+
         try:
             self.receiver.loop.call_soon_threadsafe(run)
             done.result(_ON_LANDED_TIMEOUT_S)
@@ -275,8 +290,13 @@ class Connection(GatedConnection):
             log.exception("tcp receiver %s: on_landed failed", self.receiver.address)
 
     def _refuse(self, xfer: int, room: str, err: TransportError) -> None:
-        log.warning("tcp receiver %s: refused room %s from %s: %s", self.receiver.address,
-                    room or "-", self.where, err.message)
+        log.warning(
+            "tcp receiver %s: refused room %s from %s: %s",
+            self.receiver.address,
+            room or "-",
+            self.where,
+            err.message,
+        )
         self.receiver.count(err.code)
         self._open.pop(xfer, None)
         self._failed[xfer] = None
@@ -289,4 +309,3 @@ class Connection(GatedConnection):
             send_frame(self.sock, Kind.REPLY, encode(message))
         except OSError as err:  # the peer went away; its write fails or times out
             log.info("tcp receiver %s: reply to %s lost: %s", self.receiver.address, self.where, err)
-

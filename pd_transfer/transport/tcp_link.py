@@ -82,8 +82,8 @@ class Xfer:
         self.generation = generation
         self.unacked: dict[int, int] = {}  # chunk seq -> nbytes
         self.result: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self.conn_id: int | None = None    # the connection its first chunk went out on
-        self.abandoned = False             # the writer stopped waiting: skip its jobs
+        self.conn_id: int | None = None  # the connection its first chunk went out on
+        self.abandoned = False  # the writer stopped waiting: skip its jobs
 
 
 @dataclass
@@ -95,8 +95,14 @@ class _Job:
 
 
 class TcpLink(Link):
-    def __init__(self, transport, peer: PeerEndpoint, address: tuple[str, int],
-                 window_nbytes: int, options: LinkOptions) -> None:
+    def __init__(
+        self,
+        transport,
+        peer: PeerEndpoint,
+        address: tuple[str, int],
+        window_nbytes: int,
+        options: LinkOptions,
+    ) -> None:
         super().__init__(transport, peer)
         self.address = address
         self.window_nbytes = window_nbytes
@@ -144,8 +150,9 @@ class TcpLink(Link):
 
     async def acquire(self, nbytes: int) -> None:
         """Wait for window credit (a chunk larger than the window goes alone)."""
-        while not (self._closed or self.in_flight_nbytes == 0
-                   or self.in_flight_nbytes + nbytes <= self.window_nbytes):
+        while not (
+            self._closed or self.in_flight_nbytes == 0 or self.in_flight_nbytes + nbytes <= self.window_nbytes
+        ):
             waiter = self._loop.create_future()
             self._waiters.append(waiter)
             try:
@@ -176,12 +183,13 @@ class TcpLink(Link):
             if not xfer.result.done():
                 xfer.result.set_result(reply.nbytes)
         elif not xfer.result.done():
-            xfer.result.set_exception(TransportError(
-                f"{self.peer.peer_id} refused room {xfer.room or '-'}: {reply.text}",
-                code=reply.reason()))
+            xfer.result.set_exception(
+                TransportError(
+                    f"{self.peer.peer_id} refused room {xfer.room or '-'}: {reply.text}", code=reply.reason()
+                )
+            )
 
-    def _fail(self, error: TransportError, conn_id: int | None = None,
-              xfer: Xfer | None = None) -> None:
+    def _fail(self, error: TransportError, conn_id: int | None = None, xfer: Xfer | None = None) -> None:
         """Fail one transfer, the transfers of one connection, or (both None) all of them."""
         for candidate in [xfer] if xfer is not None else list(self._xfers.values()):
             if candidate.abandoned or (conn_id is not None and candidate.conn_id != conn_id):
@@ -200,8 +208,11 @@ class TcpLink(Link):
         if sock is not None:
             _shutdown(sock)
         await asyncio.to_thread(self._join)
-        self._fail(TransportError(f"link to {self.peer.peer_id} closed with transfers in flight",
-                                  code=Reason.LINK_CLOSED))
+        self._fail(
+            TransportError(
+                f"link to {self.peer.peer_id} closed with transfers in flight", code=Reason.LINK_CLOSED
+            )
+        )
         self._give_back(0)  # wake writers waiting for credit: they see the link closed
 
     def _join(self) -> None:
@@ -227,9 +238,14 @@ class TcpLink(Link):
                 self._run_job(job, staging)
             except Exception as err:  # never let one job stop the link
                 log.exception("link %s: sending failed", self.peer.peer_id)
-                self._call(self._fail, TransportError(f"sending to {self.peer.peer_id} failed: "
-                                                      f"{err}", code=Reason.TRANSPORT_FAILED),
-                           None, job.xfer)
+                self._call(
+                    self._fail,
+                    TransportError(
+                        f"sending to {self.peer.peer_id} failed: {err}", code=Reason.TRANSPORT_FAILED
+                    ),
+                    None,
+                    job.xfer,
+                )
 
     def _run_job(self, job: _Job, staging: Staging) -> None:
         xfer = job.xfer
@@ -259,15 +275,19 @@ class TcpLink(Link):
             if reader_sock is sock:
                 reader.join(timeout_s)
 
-    def _send_chunk(self, sock: socket.socket, xfer: Xfer, layout: ChunkLayout,
-                    src: Mapping[str, Mapped], staging: Staging) -> None:
-        header = encode(ChunkHeader(xfer.xfer_id, xfer.room, xfer.generation, layout.seq,
-                                    layout.wire))
+    def _send_chunk(
+        self,
+        sock: socket.socket,
+        xfer: Xfer,
+        layout: ChunkLayout,
+        src: Mapping[str, Mapped],
+        staging: Staging,
+    ) -> None:
+        header = encode(ChunkHeader(xfer.xfer_id, xfer.room, xfer.generation, layout.seq, layout.wire))
         head = np.frombuffer(prefix(Kind.DATA, len(header), layout.nbytes) + header, np.uint8)
         corrupt = self.options.corrupt_payload
         if corrupt is None:  # the prefix and header go with the first part: one system call
-            for part in source_parts(layout, src, staging, self.options.direct_min_nbytes,
-                                     head=head):
+            for part in source_parts(layout, src, staging, self.options.direct_min_nbytes, head=head):
                 send_part(sock, part)
             return
         copy = gather_chunk(layout, src)  # test-only fault injection: a copy is damaged
@@ -297,8 +317,9 @@ class TcpLink(Link):
                 self._call(self._fail, err, None, xfer)
                 return None
             except OSError as err:
-                log.debug("link %s: connecting to %s failed: %s", self.peer.peer_id,
-                          self.peer.data_address, err)
+                log.debug(
+                    "link %s: connecting to %s failed: %s", self.peer.peer_id, self.peer.data_address, err
+                )
                 self._stopping.wait(delay)
                 delay = min(2 * delay, _RETRY_MAX_S)
                 continue
@@ -310,8 +331,14 @@ class TcpLink(Link):
                 self._sock = sock
                 self._conn_id += 1
                 conn_id = self._conn_id
-            self._readers.append((sock, self._start_thread(
-                self._read_loop, f"pdt-tcp-replies-{self.peer.peer_id}", sock, conn_id)))
+            self._readers.append(
+                (
+                    sock,
+                    self._start_thread(
+                        self._read_loop, f"pdt-tcp-replies-{self.peer.peer_id}", sock, conn_id
+                    ),
+                )
+            )
             return sock
 
     def _close_retired(self) -> None:
@@ -331,8 +358,9 @@ class TcpLink(Link):
             configure(sock)
             if self.options.auth is not None:
                 sock.settimeout(self.options.handshake_timeout_s)
-                self.options.auth.client(FrameChannel(sock), f"{self.peer.peer_id} "
-                                                             f"({self.peer.data_address})")
+                self.options.auth.client(
+                    FrameChannel(sock), f"{self.peer.peer_id} ({self.peer.data_address})"
+                )
             sock.settimeout(None)
         except BaseException:
             sock.close()
@@ -343,12 +371,14 @@ class TcpLink(Link):
     def _read_loop(self, sock: socket.socket, conn_id: int) -> None:
         why, clean = "closed by the receiver", True
         try:
-            while (head := read_prefix(sock, max_header_nbytes=MAX_REPLY_NBYTES,
-                                       max_payload_nbytes=0)) is not None:
+            while (
+                head := read_prefix(sock, max_header_nbytes=MAX_REPLY_NBYTES, max_payload_nbytes=0)
+            ) is not None:
                 body = recv_exact(sock, head.header_nbytes)
                 if head.kind is not Kind.REPLY:
-                    log.warning("link %s: a %s frame from the receiver dropped",
-                                self.peer.peer_id, head.kind.name)
+                    log.warning(
+                        "link %s: a %s frame from the receiver dropped", self.peer.peer_id, head.kind.name
+                    )
                     continue
                 try:
                     reply = decode_reply(body)
@@ -375,8 +405,13 @@ class TcpLink(Link):
             # nothing was lost, the next write reconnects, and the control channel reports
             # a peer that stays away; bytes in flight or a broken socket are an alarm
             idle = clean and self.in_flight_nbytes == 0
-            log.log(logging.INFO if idle else logging.WARNING, "link %s: %s%s", self.peer.peer_id,
-                    text, " (idle; the next write reconnects)" if idle else "")
+            log.log(
+                logging.INFO if idle else logging.WARNING,
+                "link %s: %s%s",
+                self.peer.peer_id,
+                text,
+                " (idle; the next write reconnects)" if idle else "",
+            )
         self._call(self._fail, TransportError(text, code=code), conn_id)
 
     def _call(self, fn, *args) -> None:

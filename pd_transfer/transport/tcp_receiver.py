@@ -90,18 +90,30 @@ class TcpReceiver:
     straight into place (runs of ``direct_min_nbytes`` or more on average).
     """
 
-    def __init__(self, bind_host: str, regions_lookup: RegionLookup | Mapping[str, RegionMemory],
-                 *, port: int = 0, max_chunk_nbytes: int = 64 << 20,
-                 inline_nbytes: int = 256 << 10, direct_min_nbytes: int = RECEIVE_DIRECT_MIN_NBYTES,
-                 on_landed: LandedCallback | None = None, auth: Authenticator | None = None,
-                 policy: RoomPolicy = RoomPolicy.ANY, handshake_timeout_s: float = 10.0,
-                 fence_grace_s: float = 2.0, max_connections: int = 1024, max_pending: int = 64,
-                 on_bad_frame: Callable[[str], None] = lambda reason: None,
-                 on_closed: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        bind_host: str,
+        regions_lookup: RegionLookup | Mapping[str, RegionMemory],
+        *,
+        port: int = 0,
+        max_chunk_nbytes: int = 64 << 20,
+        inline_nbytes: int = 256 << 10,
+        direct_min_nbytes: int = RECEIVE_DIRECT_MIN_NBYTES,
+        on_landed: LandedCallback | None = None,
+        auth: Authenticator | None = None,
+        policy: RoomPolicy = RoomPolicy.ANY,
+        handshake_timeout_s: float = 10.0,
+        fence_grace_s: float = 2.0,
+        max_connections: int = 1024,
+        max_pending: int = 64,
+        on_bad_frame: Callable[[str], None] = lambda reason: None,
+        on_closed: Callable[[], None] = lambda: None,
+    ) -> None:
         self.bind_host = bind_host
         self.port = port
-        self._lookup: RegionLookup = regions_lookup.get if isinstance(regions_lookup, Mapping) \
-            else regions_lookup
+        self._lookup: RegionLookup = (
+            regions_lookup.get if isinstance(regions_lookup, Mapping) else regions_lookup
+        )
         self.max_chunk_nbytes = max_chunk_nbytes
         self.inline_nbytes = inline_nbytes
         self.direct_min_nbytes = direct_min_nbytes
@@ -111,9 +123,9 @@ class TcpReceiver:
         self.fence_grace_s = fence_grace_s
         self.max_connections = max_connections
         self.max_pending = max_pending
-        self.on_bad_frame = on_bad_frame   # called from connection threads
-        self.on_closed = on_closed         # a connection ended (called on the event loop)
-        self._authenticated = 0            # connections past the handshake (under _stats_lock)
+        self.on_bad_frame = on_bad_frame  # called from connection threads
+        self.on_closed = on_closed  # a connection ended (called on the event loop)
+        self._authenticated = 0  # connections past the handshake (under _stats_lock)
         self.admission = RoomAdmission(policy)
         self.stats = ReceiverStats()
         self.address = ""
@@ -129,12 +141,15 @@ class TcpReceiver:
         """Bind and start serving; return the address peers connect to."""
         self.loop = asyncio.get_running_loop()
         try:
-            listener = socket.create_server((self.bind_host, self.port), backlog=128,
-                                            family=socket.AF_INET6 if ":" in self.bind_host
-                                            else socket.AF_INET)
+            listener = socket.create_server(
+                (self.bind_host, self.port),
+                backlog=128,
+                family=socket.AF_INET6 if ":" in self.bind_host else socket.AF_INET,
+            )
         except OSError as err:
-            raise TransportError(f"tcp receiver cannot bind {self.bind_host}:{self.port}: {err}",
-                                 code=Reason.TRANSPORT_FAILED) from None
+            raise TransportError(
+                f"tcp receiver cannot bind {self.bind_host}:{self.port}: {err}", code=Reason.TRANSPORT_FAILED
+            ) from None
         listener.setblocking(False)
         self._listener = listener
         self.address = format_address(self.bind_host, listener.getsockname()[1])
@@ -177,8 +192,12 @@ class TcpReceiver:
         for connection in list(self._connections):  # a chunk stalled mid-payload: cut it off
             ticket = connection.landing
             if ticket is not None and ticket.room == room and ticket.generation <= generation:
-                log.warning("tcp receiver %s: closing %s: its chunk of fenced room %s is stalled",
-                            self.address, connection.where, room)
+                log.warning(
+                    "tcp receiver %s: closing %s: its chunk of fenced room %s is stalled",
+                    self.address,
+                    connection.where,
+                    room,
+                )
                 connection.shutdown()
         await asyncio.to_thread(self.admission.wait_idle, room, generation, None)
 
@@ -186,8 +205,7 @@ class TcpReceiver:
     def region(self, region_id: str) -> Mapped:
         memory = self._lookup(region_id)
         if memory is None:
-            raise TransportError(f"region {region_id!r} is not registered here",
-                                 code=Reason.UNKNOWN_REGION)
+            raise TransportError(f"region {region_id!r} is not registered here", code=Reason.UNKNOWN_REGION)
         cached = self._mapped.get(region_id)
         if cached is None or cached[0] is not memory:
             cached = self._mapped[region_id] = (memory, map_one(region_id, memory, "destination"))
@@ -203,8 +221,7 @@ class TcpReceiver:
         self.count(code)
         self.on_bad_frame(code.value)
         if logged:
-            log.warning("tcp receiver %s: closing %s [%s]: %s", self.address, where, code.value,
-                        why)
+            log.warning("tcp receiver %s: closing %s [%s]: %s", self.address, where, code.value, why)
 
     def admit_authenticated(self, connection: Connection) -> bool:
         """Take an authenticated connection's slot; False (it is refused) when all are held."""
@@ -214,8 +231,11 @@ class TcpReceiver:
                 self._authenticated += 1
                 connection.holds_slot = True
         if full:
-            self.bad_frame(Reason.LIMIT_EXCEEDED, f"{self.max_connections} authenticated "
-                           f"connections already (max_connections)", connection.where)
+            self.bad_frame(
+                Reason.LIMIT_EXCEEDED,
+                f"{self.max_connections} authenticated connections already (max_connections)",
+                connection.where,
+            )
         return not full
 
     def landed(self, nbytes: int) -> None:
@@ -239,8 +259,11 @@ class TcpReceiver:
                 continue
             where = f"peer {peer[0]}:{peer[1]}"
             if self.auth is None and len(self._connections) >= self.max_connections:
-                self.bad_frame(Reason.LIMIT_EXCEEDED, f"{len(self._connections)} connections "
-                               f"already (max_connections)", where)
+                self.bad_frame(
+                    Reason.LIMIT_EXCEEDED,
+                    f"{len(self._connections)} connections already (max_connections)",
+                    where,
+                )
                 sock.close()
                 continue
             if self.auth is not None:
@@ -248,8 +271,9 @@ class TcpReceiver:
             sock.setblocking(True)
             configure(sock)
             connection = Connection(self, sock, where)
-            thread = threading.Thread(target=self._serve, args=(connection,), daemon=True,
-                                      name=f"pdt-tcp-recv-{peer[1]}")
+            thread = threading.Thread(
+                target=self._serve, args=(connection,), daemon=True, name=f"pdt-tcp-recv-{peer[1]}"
+            )
             self._connections[connection] = thread
             if self.auth is not None:
                 arm_deadline(loop, connection, self.handshake_timeout_s)

@@ -76,22 +76,31 @@ class ZmqTcpReceiver:
     hears of every frame refused unread (not ours, or malformed).
     """
 
-    def __init__(self, bind_host: str, regions_lookup: RegionLookup | Mapping[str, RegionMemory],
-                 *, port: int = 0, context: zmq.asyncio.Context | None = None,
-                 max_chunk_nbytes: int = 64 << 20, inline_nbytes: int = 256 << 10,
-                 max_scatters: int = 2, on_landed: LandedCallback | None = None,
-                 socket_options: Callable[[zmq.Socket], None] | None = None,
-                 policy: RoomPolicy = RoomPolicy.ANY,
-                 watch: Callable[[zmq.asyncio.Socket], Awaitable[None]] | None = None,
-                 on_bad_frame: Callable[[str], None] = lambda reason: None) -> None:
+    def __init__(
+        self,
+        bind_host: str,
+        regions_lookup: RegionLookup | Mapping[str, RegionMemory],
+        *,
+        port: int = 0,
+        context: zmq.asyncio.Context | None = None,
+        max_chunk_nbytes: int = 64 << 20,
+        inline_nbytes: int = 256 << 10,
+        max_scatters: int = 2,
+        on_landed: LandedCallback | None = None,
+        socket_options: Callable[[zmq.Socket], None] | None = None,
+        policy: RoomPolicy = RoomPolicy.ANY,
+        watch: Callable[[zmq.asyncio.Socket], Awaitable[None]] | None = None,
+        on_bad_frame: Callable[[str], None] = lambda reason: None,
+    ) -> None:
         self.socket_options = socket_options  # e.g. CURVE server keys, set by the agent
         self.watch = watch
         self.on_bad_frame = on_bad_frame
         self._watching: asyncio.Task | None = None
         self.bind_host = bind_host
         self.port = port
-        self._lookup: RegionLookup = regions_lookup.get if isinstance(regions_lookup, Mapping) \
-            else regions_lookup
+        self._lookup: RegionLookup = (
+            regions_lookup.get if isinstance(regions_lookup, Mapping) else regions_lookup
+        )
         self.context = context or zmq.asyncio.Context.instance()
         self.max_chunk_nbytes = max_chunk_nbytes
         self.inline_nbytes = inline_nbytes
@@ -120,14 +129,16 @@ class ZmqTcpReceiver:
             socket.bind(f"tcp://{self.bind_host}:{self.port or '*'}")
         except zmq.ZMQError as err:
             socket.close(linger=0)
-            raise TransportError(f"tcp receiver cannot bind {self.bind_host}:{self.port}: {err}",
-                                 code=Reason.TRANSPORT_FAILED) from None
+            raise TransportError(
+                f"tcp receiver cannot bind {self.bind_host}:{self.port}: {err}", code=Reason.TRANSPORT_FAILED
+            ) from None
         self._socket = socket
         self.address = socket.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._task = asyncio.create_task(self._serve(), name=f"tcp-receiver-{self.address}")
         if self.watch is not None:
-            self._watching = asyncio.create_task(self.watch(socket),
-                                                 name=f"tcp-receiver-watch-{self.address}")
+            self._watching = asyncio.create_task(
+                self.watch(socket), name=f"tcp-receiver-watch-{self.address}"
+            )
         return self.address
 
     async def stop(self) -> None:
@@ -209,11 +220,14 @@ class ZmqTcpReceiver:
         except TransportError as err:
             await self._refuse(identity, key, header.room, err)
 
-    async def _chunk(self, identity: bytes, key: tuple[bytes, int], header: ChunkHeader,
-                     payload_frames: list) -> None:
+    async def _chunk(
+        self, identity: bytes, key: tuple[bytes, int], header: ChunkHeader, payload_frames: list
+    ) -> None:
         if len(payload_frames) != 1:
-            raise TransportError(f"chunk {header.seq} carries {len(payload_frames)} payload "
-                                 f"frames, not 1", code=Reason.BAD_FRAME)
+            raise TransportError(
+                f"chunk {header.seq} carries {len(payload_frames)} payload frames, not 1",
+                code=Reason.BAD_FRAME,
+            )
         self.admission.check_fence(header.room, header.generation)
         progress = self._open.get(key)
         if progress is None:
@@ -243,20 +257,26 @@ class ZmqTcpReceiver:
         except TransportError:
             self._slots.release()
             raise
-        task = asyncio.ensure_future(self._land(identity, key, header, payload, regions, progress,
-                                                ticket))
+        task = asyncio.ensure_future(self._land(identity, key, header, payload, regions, progress, ticket))
         progress.landing.add(task)
         self._landing.add(task)
-        task.add_done_callback(lambda done: (progress.landing.discard(done),
-                                             self._landing.discard(done), self._slots.release()))
+        task.add_done_callback(
+            lambda done: (progress.landing.discard(done), self._landing.discard(done), self._slots.release())
+        )
 
     def _admit(self, header: ChunkHeader) -> Ticket:
-        return self.admission.admit(header.room, header.generation, header.wire.regions,
-                                    header.wire.runs)
+        return self.admission.admit(header.room, header.generation, header.wire.regions, header.wire.runs)
 
-    async def _land(self, identity: bytes, key: tuple[bytes, int], header: ChunkHeader,
-                    payload: np.ndarray, regions: dict[str, Mapped], progress: _Progress,
-                    ticket: Ticket) -> None:
+    async def _land(
+        self,
+        identity: bytes,
+        key: tuple[bytes, int],
+        header: ChunkHeader,
+        payload: np.ndarray,
+        regions: dict[str, Mapped],
+        progress: _Progress,
+        ticket: Ticket,
+    ) -> None:
         before = shm_guard.faults_total()
         try:
             await asyncio.to_thread(scatter_chunk, header.wire, payload, regions)
@@ -266,15 +286,20 @@ class ZmqTcpReceiver:
             return
         except Exception as err:  # checked before; a failure here is a bug, not the peer's
             log.exception("tcp receiver %s: scatter failed", self.address)
-            await self._refuse(identity, key, header.room, TransportError(
-                f"chunk {header.seq} could not be written: {err}", code=Reason.TRANSPORT_FAILED))
+            await self._refuse(
+                identity,
+                key,
+                header.room,
+                TransportError(
+                    f"chunk {header.seq} could not be written: {err}", code=Reason.TRANSPORT_FAILED
+                ),
+            )
             return
         finally:
             self.admission.release(ticket)
         await self._landed(identity, header, progress, int(payload.size))
 
-    async def _landed(self, identity: bytes, header: ChunkHeader, progress: _Progress,
-                      nbytes: int) -> None:
+    async def _landed(self, identity: bytes, header: ChunkHeader, progress: _Progress, nbytes: int) -> None:
         progress.chunks += 1
         progress.nbytes += nbytes
         self.stats.chunks_landed += 1
@@ -289,10 +314,12 @@ class ZmqTcpReceiver:
             if key in self._failed:
                 return  # one of them failed; the refusal was sent
         if (progress.chunks, progress.nbytes) != (header.num_chunks, header.nbytes):
-            raise TransportError(f"room {header.room}: {progress.chunks} chunk(s) / "
-                                 f"{progress.nbytes} bytes landed, sender sent "
-                                 f"{header.num_chunks} / {header.nbytes}",
-                                 code=Reason.TRANSFER_INCOMPLETE)
+            raise TransportError(
+                f"room {header.room}: {progress.chunks} chunk(s) / "
+                f"{progress.nbytes} bytes landed, sender sent "
+                f"{header.num_chunks} / {header.nbytes}",
+                code=Reason.TRANSFER_INCOMPLETE,
+            )
         self.stats.transfers_done += 1
         if self.on_landed is not None:
             self.on_landed(header.room, header.generation, header.nbytes)
@@ -301,15 +328,13 @@ class ZmqTcpReceiver:
     def _region(self, region_id: str) -> Mapped:
         memory = self._lookup(region_id)
         if memory is None:
-            raise TransportError(f"region {region_id!r} is not registered here",
-                                 code=Reason.UNKNOWN_REGION)
+            raise TransportError(f"region {region_id!r} is not registered here", code=Reason.UNKNOWN_REGION)
         cached = self._mapped.get(region_id)
         if cached is None or cached[0] is not memory:
             cached = self._mapped[region_id] = (memory, map_one(region_id, memory, "destination"))
         return cached[1]
 
-    async def _refuse(self, identity: bytes, key: tuple[bytes, int], room: str,
-                      err: TransportError) -> None:
+    async def _refuse(self, identity: bytes, key: tuple[bytes, int], room: str, err: TransportError) -> None:
         log.warning("tcp receiver %s: refused room %s: %s", self.address, room or "-", err.message)
         self.stats.refused[err.code] += 1
         self._open.pop(key, None)

@@ -67,8 +67,9 @@ class _Xfer:
 
 
 class ZmqTcpLink(Link):
-    def __init__(self, transport: ZmqTcpTransport, peer: PeerEndpoint, socket: zmq.asyncio.Socket,
-                 window_nbytes: int) -> None:
+    def __init__(
+        self, transport: ZmqTcpTransport, peer: PeerEndpoint, socket: zmq.asyncio.Socket, window_nbytes: int
+    ) -> None:
         super().__init__(transport, peer)
         self.socket = socket
         self.window_nbytes = window_nbytes
@@ -93,8 +94,13 @@ class ZmqTcpLink(Link):
 
     async def acquire(self, nbytes: int) -> None:
         async with self._credit:
-            await self._credit.wait_for(lambda: self._closed or self.in_flight_nbytes == 0
-                                        or self.in_flight_nbytes + nbytes <= self.window_nbytes)
+            await self._credit.wait_for(
+                lambda: (
+                    self._closed
+                    or self.in_flight_nbytes == 0
+                    or self.in_flight_nbytes + nbytes <= self.window_nbytes
+                )
+            )
             self.check_open()
             self.in_flight_nbytes += nbytes
             self.max_in_flight_nbytes = max(self.max_in_flight_nbytes, self.in_flight_nbytes)
@@ -117,8 +123,11 @@ class ZmqTcpLink(Link):
         except (asyncio.CancelledError, zmq.ZMQError):
             pass
         finally:
-            self._fail_all(TransportError(f"link to {self.peer.peer_id} closed with transfers "
-                                          f"in flight", code=Reason.LINK_CLOSED))
+            self._fail_all(
+                TransportError(
+                    f"link to {self.peer.peer_id} closed with transfers in flight", code=Reason.LINK_CLOSED
+                )
+            )
 
     async def _dispatch(self, reply: Ack | Done | Fail) -> None:
         xfer = self._xfers.get(reply.xfer)
@@ -132,9 +141,11 @@ class ZmqTcpLink(Link):
             if not xfer.result.done():
                 xfer.result.set_result(reply.nbytes)
         elif not xfer.result.done():
-            xfer.result.set_exception(TransportError(
-                f"{self.peer.peer_id} refused room {xfer.room or '-'}: {reply.text}",
-                code=reply.reason()))
+            xfer.result.set_exception(
+                TransportError(
+                    f"{self.peer.peer_id} refused room {xfer.room or '-'}: {reply.text}", code=reply.reason()
+                )
+            )
 
     def _fail_all(self, error: TransportError) -> None:
         for xfer in self._xfers.values():
@@ -152,11 +163,15 @@ class ZmqTcpLink(Link):
 class ZmqTcpTransport(Transport):
     kind = TransportKind.TCP
 
-    def __init__(self, context: zmq.asyncio.Context | None = None, *,
-                 chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
-                 window_nbytes: int = DEFAULT_WINDOW_NBYTES,
-                 socket_options: Callable[[zmq.Socket], None] | None = None,
-                 corrupt_payload: Callable[[memoryview], None] | None = None) -> None:
+    def __init__(
+        self,
+        context: zmq.asyncio.Context | None = None,
+        *,
+        chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
+        window_nbytes: int = DEFAULT_WINDOW_NBYTES,
+        socket_options: Callable[[zmq.Socket], None] | None = None,
+        corrupt_payload: Callable[[memoryview], None] | None = None,
+    ) -> None:
         super().__init__()
         self.corrupt_payload = corrupt_payload  # test-only: damages each (fresh) gathered payload
         # e.g. CURVE client keys: the agent knows them, this layer does not
@@ -167,9 +182,11 @@ class ZmqTcpTransport(Transport):
 
     async def connect(self, peer: PeerEndpoint) -> ZmqTcpLink:
         if not peer.data_address:
-            raise TransportError(f"peer {peer.peer_id} publishes no data address",
-                                 code=Reason.TRANSPORT_UNSUPPORTED,
-                                 hint="start a TcpReceiver on the decode side and register its address")
+            raise TransportError(
+                f"peer {peer.peer_id} publishes no data address",
+                code=Reason.TRANSPORT_UNSUPPORTED,
+                hint="start a TcpReceiver on the decode side and register its address",
+            )
         socket = self.context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, MAX_HEADER_NBYTES)  # replies are header-sized frames
@@ -179,18 +196,20 @@ class ZmqTcpTransport(Transport):
             socket.connect(peer.data_address)
         except zmq.ZMQError as err:
             socket.close(linger=0)
-            raise TransportError(f"cannot connect to {peer.peer_id} at {peer.data_address}: {err}",
-                                 code=Reason.TRANSPORT_FAILED) from None
+            raise TransportError(
+                f"cannot connect to {peer.peer_id} at {peer.data_address}: {err}",
+                code=Reason.TRANSPORT_FAILED,
+            ) from None
         return self._adopt(ZmqTcpLink(self, peer, socket, self.window_nbytes))
 
-    async def write(self, link: Link, plan, src_regions: Regions, *, room: str = "",
-                    generation: int = 0) -> int:
+    async def write(
+        self, link: Link, plan, src_regions: Regions, *, room: str = "", generation: int = 0
+    ) -> int:
         link = self._own(link, ZmqTcpLink)
         src = self._sources.map(src_regions, (b.src_region for b in plan.batches), "source")
         sizes = {region_id: mapped.nbytes for region_id, mapped in src.items()}
         dst_sizes = link.peer.region_nbytes or None  # checked again by the receiver
-        layouts = await asyncio.to_thread(layout_chunks, plan, sizes, self.chunk_nbytes,
-                                          dst_sizes=dst_sizes)
+        layouts = await asyncio.to_thread(layout_chunks, plan, sizes, self.chunk_nbytes, dst_sizes=dst_sizes)
         xfer = link.open_xfer(room)
         gathered = _Prefetch(layouts, src, depth=2)  # gathers run ahead while chunks are on the wire
         total = sum(layout.nbytes for layout in layouts)
@@ -206,15 +225,16 @@ class ZmqTcpTransport(Transport):
                 if xfer.result.done():
                     break  # refused mid-way: stop sending, report the receiver's reason
             if not xfer.result.done():
-                await _send(link, [encode(EndHeader(xfer.xfer_id, room, generation, len(layouts),
-                                                    total))])
+                await _send(link, [encode(EndHeader(xfer.xfer_id, room, generation, len(layouts), total))])
             landed = await xfer.result
         finally:
             gathered.cancel()
             await link.close_xfer(xfer)
         if landed != total:
-            raise TransportError(f"{link.peer.peer_id} acknowledged {landed} of {total} bytes of "
-                                 f"room {room or '-'}", code=Reason.TRANSFER_INCOMPLETE)
+            raise TransportError(
+                f"{link.peer.peer_id} acknowledged {landed} of {total} bytes of room {room or '-'}",
+                code=Reason.TRANSFER_INCOMPLETE,
+            )
         link.nbytes_written += total
         link.num_writes += 1
         return total
@@ -237,8 +257,7 @@ class _Prefetch:
     def _top_up(self) -> None:
         while self._next < len(self._layouts) and len(self._pending) < self._depth:
             layout = self._layouts[self._next]
-            self._pending.append(asyncio.ensure_future(
-                asyncio.to_thread(gather_chunk, layout, self._src)))
+            self._pending.append(asyncio.ensure_future(asyncio.to_thread(gather_chunk, layout, self._src)))
             self._next += 1
 
     def cancel(self) -> None:
@@ -251,5 +270,6 @@ async def _send(link: ZmqTcpLink, frames: list) -> None:
     try:
         await link.socket.send_multipart(frames, copy=False)
     except zmq.ZMQError as err:
-        raise TransportError(f"sending to {link.peer.peer_id} failed: {err}",
-                             code=Reason.TRANSPORT_FAILED) from None
+        raise TransportError(
+            f"sending to {link.peer.peer_id} failed: {err}", code=Reason.TRANSPORT_FAILED
+        ) from None

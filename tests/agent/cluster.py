@@ -41,7 +41,6 @@ from pd_transfer.testing import World
 _ids = itertools.count()
 
 
-
 def sidecar_environ(config: dict) -> dict[str, str]:
     """The environment of a sidecar process: this one's, which names the run's shared
     secret (tests/conftest.py, or :func:`use_ephemeral_secret`), unless ``config``
@@ -67,8 +66,15 @@ def worker_environ(insecure: bool):
 
 
 class Sidecar:
-    def __init__(self, workdir: Path, role: str, name: str, config: dict, bootstrap: str = "",
-                 worker_scheme: str = "unix") -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        role: str,
+        name: str,
+        config: dict,
+        bootstrap: str = "",
+        worker_scheme: str = "unix",
+    ) -> None:
         self.name, self.role = name, role
         self.endpoint = f"{worker_scheme}://{workdir}/{name}.sock"
         self.ready = workdir / f"{name}.ready.json"
@@ -76,13 +82,29 @@ class Sidecar:
         config_path = workdir / f"{name}.toml"
         lines = ["[sidecar]"] + [f"{k} = {json.dumps(v)}" for k, v in config.items()]
         config_path.write_text("\n".join(lines) + "\n")
-        cmd = [sys.executable, "-m", "pd_transfer.cli", "serve", "--role", role, "--agent-id", name,
-               "--worker-endpoint", self.endpoint, "--ready-file", str(self.ready),
-               "--config", str(config_path), "--log-level", "info"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pd_transfer.cli",
+            "serve",
+            "--role",
+            role,
+            "--agent-id",
+            name,
+            "--worker-endpoint",
+            self.endpoint,
+            "--ready-file",
+            str(self.ready),
+            "--config",
+            str(config_path),
+            "--log-level",
+            "info",
+        ]
         if bootstrap:
             cmd += ["--bootstrap", bootstrap]
-        self.proc = subprocess.Popen(cmd, stderr=self.log.open("w"), stdout=subprocess.DEVNULL,
-                                     env=sidecar_environ(config))
+        self.proc = subprocess.Popen(
+            cmd, stderr=self.log.open("w"), stdout=subprocess.DEVNULL, env=sidecar_environ(config)
+        )
 
     def wait_ready(self, timeout_s: float = 30.0) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -118,10 +140,21 @@ class Sidecar:
 class Cluster:
     """Sidecars + shm pools + clients for the given prefill and decode ranks."""
 
-    def __init__(self, workdir: Path, prefill: list[RankGeometry], decode: list[RankGeometry], *,
-                 transport: str = "shm", config: dict | None = None, seed: int = 0,
-                 decode_config: dict | None = None, attach: bool = True, device: str = "cpu",
-                 decode_device: str | None = None, worker_scheme: str = "unix") -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        prefill: list[RankGeometry],
+        decode: list[RankGeometry],
+        *,
+        transport: str = "shm",
+        config: dict | None = None,
+        seed: int = 0,
+        decode_config: dict | None = None,
+        attach: bool = True,
+        device: str = "cpu",
+        decode_device: str | None = None,
+        worker_scheme: str = "unix",
+    ) -> None:
         self.workdir = workdir
         # "cuda": pools are CUDA tensors shared through CUDA IPC handles
         self.devices = {"prefill": device, "decode": decode_device or device}
@@ -132,10 +165,18 @@ class Cluster:
         except GeometryError:
             self.world = None  # a pair meant to be rejected: no ground truth to lay out
         tag = f"{os.getpid()}-{next(_ids)}"
-        base = {"transport": transport, "http_port": 0, "heartbeat_interval_s": 0.2, "heartbeat_misses": 5,
-                "bootstrap_timeout_s": 10.0, "waiting_timeout_s": 20.0, "transfer_timeout_s": 20.0,
-                "abort_drain_timeout_s": 3.0, **(config or {})}
-        self.insecure = bool(base.get("allow_insecure"))   # then workers hold no secret either
+        base = {
+            "transport": transport,
+            "http_port": 0,
+            "heartbeat_interval_s": 0.2,
+            "heartbeat_misses": 5,
+            "bootstrap_timeout_s": 10.0,
+            "waiting_timeout_s": 20.0,
+            "transfer_timeout_s": 20.0,
+            "abort_drain_timeout_s": 3.0,
+            **(config or {}),
+        }
+        self.insecure = bool(base.get("allow_insecure"))  # then workers hold no secret either
         self.sidecars: dict[str, Sidecar] = {}
         for geometry in prefill + decode:
             role = geometry.role.value
@@ -144,8 +185,8 @@ class Cluster:
             if role == "decode" and config_for.get("prefill_bootstraps") == "this":
                 config_for["prefill_bootstraps"] = [self.bootstrap]
             self.sidecars[geometry.rank_id] = Sidecar(
-                workdir, role, name, config_for, self.bootstrap if role == "prefill" else "",
-                worker_scheme)
+                workdir, role, name, config_for, self.bootstrap if role == "prefill" else "", worker_scheme
+            )
         self.pools, self.clients = {}, {}
         self._tag = tag
         try:
@@ -164,6 +205,7 @@ class Cluster:
     def http(self, rank_id: str, path: str) -> tuple[int, str]:
         import urllib.error
         import urllib.request
+
         url = self.ready[rank_id]["http_address"] + path
         try:
             with urllib.request.urlopen(url, timeout=5) as response:
@@ -174,10 +216,15 @@ class Cluster:
     def metric(self, rank_id: str, name: str, **labels) -> float:
         """The sum of ``name``'s samples with ``labels`` in a scrape of ``rank_id``'s /metrics."""
         from prometheus_client.parser import text_string_to_metric_families
+
         status, text = self.http(rank_id, "/metrics")
         assert status == 200
-        return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+        return sum(
+            s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        )
 
     def _attach(self, geometry: RankGeometry, tag: str) -> None:
         rank = geometry.rank_id
@@ -185,11 +232,13 @@ class Cluster:
         if on_gpu:
             pools = self.pools[rank] = allocate_cuda_pools(geometry)
         else:
-            pools = self.pools[rank] = allocate_pools(geometry, f"t{tag}-{geometry.role.value}"
-                                                                f"{geometry.pp_rank}{geometry.tp_rank}")
+            pools = self.pools[rank] = allocate_pools(
+                geometry, f"t{tag}-{geometry.role.value}{geometry.pp_rank}{geometry.tp_rank}"
+            )
         if self.world is not None:
-            world = (self.world.prefill_buffers if geometry.role.value == "prefill"
-                     else self.world.decode_buffers)[rank]
+            world = (
+                self.world.prefill_buffers if geometry.role.value == "prefill" else self.world.decode_buffers
+            )[rank]
             for region_id, tensor in pools.tensors.items():
                 tensor.copy_(torch.from_numpy(world[region_id]))
             if on_gpu:  # the worker's writes are done before its sidecar reads
@@ -204,22 +253,33 @@ class Cluster:
         for geometry in self.decode:
             dst = {pool: _sides(request)[1] for pool, request in requests.items()}
             self.clients[geometry.rank_id].expect(
-                room, self.bootstrap, dst.get(Pool.KV, []), state_slots=dst.get(Pool.MAMBA, []),
+                room,
+                self.bootstrap,
+                dst.get(Pool.KV, []),
+                state_slots=dst.get(Pool.MAMBA, []),
                 aux_row=int(dst[Pool.AUX][0]) if Pool.AUX in dst else None,
-                swa_pages=dst.get(Pool.SWA, []))
+                swa_pages=dst.get(Pool.SWA, []),
+            )
 
     def send(self, room: int, requests: dict, chunk_pages: int = 0) -> None:
         src = {pool: _sides(request)[0] for pool, request in requests.items()}
         pages = list(src.get(Pool.KV, []))
-        chunks = [pages[i:i + chunk_pages] for i in range(0, len(pages), chunk_pages)] \
-            if chunk_pages else [pages]
+        chunks = (
+            [pages[i : i + chunk_pages] for i in range(0, len(pages), chunk_pages)]
+            if chunk_pages
+            else [pages]
+        )
         for geometry in self.prefill:
             client = self.clients[geometry.rank_id]
             for chunk in chunks[:-1]:
                 client.send(room, chunk, last_chunk=False)
-            client.send(room, chunks[-1], state_slots=src.get(Pool.MAMBA, []),
-                        aux_row=int(src[Pool.AUX][0]) if Pool.AUX in src else None,
-                        swa_pages=src.get(Pool.SWA, []))
+            client.send(
+                room,
+                chunks[-1],
+                state_slots=src.get(Pool.MAMBA, []),
+                aux_row=int(src[Pool.AUX][0]) if Pool.AUX in src else None,
+                swa_pages=src.get(Pool.SWA, []),
+            )
 
     def wait_decode(self, room: int, timeout_s: float = 30.0) -> dict:
         return {g.rank_id: self.clients[g.rank_id].wait(room, timeout_s) for g in self.decode}
@@ -270,8 +330,10 @@ def small_instances(model: str, tp_src: int, tp_dst: int, layout: Layout = Layou
     """A prefill (NHD) and a decode instance of a preset with small pools (6 pages, 2 slots)."""
     spec = load_preset(model)
     common = dict(page_size=16, num_pages=6, num_slots=2, num_aux_rows=2)
-    return (build_instance(spec, Role.PREFILL, tp_src, kv_layout=Layout.NHD, **common),
-            build_instance(spec, Role.DECODE, tp_dst, kv_layout=layout, **common))
+    return (
+        build_instance(spec, Role.PREFILL, tp_src, kv_layout=Layout.NHD, **common),
+        build_instance(spec, Role.DECODE, tp_dst, kv_layout=layout, **common),
+    )
 
 
 def random_requests(prefill, decode, rng: np.random.Generator, pages: int) -> dict:

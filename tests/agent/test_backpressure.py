@@ -14,8 +14,12 @@ from pd_transfer.layout.presets import model_from_table
 from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.views import Layout, Pool
 
-TINY = {"name": "tiny", "num_layers": 2, "layer_cycle": ["attention"],
-        "attention": {"num_kv_heads": 4, "head_dim": 8}}
+TINY = {
+    "name": "tiny",
+    "num_layers": 2,
+    "layer_cycle": ["attention"],
+    "attention": {"num_kv_heads": 4, "head_dim": 8},
+}
 TERMINAL = (RoomStatus.SUCCESS, RoomStatus.FAILED)
 
 
@@ -27,14 +31,18 @@ def _ranks(role, tp, **kwargs):
 def _room_requests(room: int, pages: int = 2) -> dict:
     """Distinct pages per room (rooms run at once), its own aux row (rooms 0-15 never share one)."""
     first = room * pages
-    return {Pool.KV: (np.arange(first, first + pages), np.arange(first, first + pages)[::-1].copy()),
-            Pool.AUX: (np.array([room % 16]), np.array([room % 16]))}
+    return {
+        Pool.KV: (np.arange(first, first + pages), np.arange(first, first + pages)[::-1].copy()),
+        Pool.AUX: (np.array([room % 16]), np.array([room % 16])),
+    }
 
 
 def _merged(*requests: dict) -> dict:
     """Several rooms' requests as one, to check every byte once all of them landed."""
-    return {pool: tuple(np.concatenate([r[pool][side] for r in requests]) for side in (0, 1))
-            for pool in requests[0]}
+    return {
+        pool: tuple(np.concatenate([r[pool][side] for r in requests]) for side in (0, 1))
+        for pool in requests[0]
+    }
 
 
 def _metric(cluster, rank_id: str, name: str, **labels) -> float:
@@ -55,15 +63,17 @@ def _statuses(client, rooms) -> list[RoomStatus]:
 
 def test_rooms_over_max_rooms_per_peer_wait_and_succeed_when_earlier_ones_finish(cluster_factory):
     prefill, decode = _ranks(Role.PREFILL, 1), _ranks(Role.DECODE, 1)
-    cluster = cluster_factory(prefill, decode, decode_config={"max_rooms_per_peer": 2,
-                                                              "admission_wait_s": 30.0})
+    cluster = cluster_factory(
+        prefill, decode, decode_config={"max_rooms_per_peer": 2, "admission_wait_s": 30.0}
+    )
     client = cluster.clients[decode[0].rank_id]
     rooms = [1, 2, 3, 4, 5]
     for room in rooms:
         cluster.expect(room, _room_requests(room))
     # two rooms got their slot and asked prefill; three wait for one, still bootstrapping
-    _wait_for(lambda: _statuses(client, rooms).count(RoomStatus.WAITING_FOR_INPUT) == 2, 10,
-              "two rooms admitted")
+    _wait_for(
+        lambda: _statuses(client, rooms).count(RoomStatus.WAITING_FOR_INPUT) == 2, 10, "two rooms admitted"
+    )
     assert _statuses(client, rooms).count(RoomStatus.BOOTSTRAPPING) == 3
     assert _metric(cluster, decode[0].rank_id, "pd_transfer_admission_waiting", resource="rooms") == 3
     for room in rooms:
@@ -80,11 +90,12 @@ def test_rooms_over_max_rooms_per_peer_wait_and_succeed_when_earlier_ones_finish
 
 def test_rooms_waiting_past_admission_wait_s_fail_with_backpressure_timeout(cluster_factory):
     prefill, decode = _ranks(Role.PREFILL, 1), _ranks(Role.DECODE, 1)
-    cluster = cluster_factory(prefill, decode, decode_config={"max_rooms_per_peer": 2,
-                                                              "admission_wait_s": 0.5})
+    cluster = cluster_factory(
+        prefill, decode, decode_config={"max_rooms_per_peer": 2, "admission_wait_s": 0.5}
+    )
     client, rank = cluster.clients[decode[0].rank_id], decode[0].rank_id
     rooms = list(range(1, 11))
-    for room in rooms:   # prefill's worker sends nothing yet: the peer is stalled
+    for room in rooms:  # prefill's worker sends nothing yet: the peer is stalled
         cluster.expect(room, _room_requests(room))
     # which two rooms get the slots depends on when each resumed after the bootstrap
     # (rooms expected once it resolved go straight to admission): any two, never more
@@ -99,8 +110,9 @@ def test_rooms_waiting_past_admission_wait_s_fail_with_backpressure_timeout(clus
         assert "raise max_rooms_per_peer or admission_wait_s" in state.reason
     # nothing is left queued, and the limit's refusals are counted
     assert _metric(cluster, rank, "pd_transfer_admission_waiting", resource="rooms") == 0
-    assert _metric(cluster, rank, "pd_transfer_limit_rejections_total",
-                   limit="max_rooms_per_peer") == len(excess)
+    assert _metric(cluster, rank, "pd_transfer_limit_rejections_total", limit="max_rooms_per_peer") == len(
+        excess
+    )
     # the sidecar keeps serving: the stalled rooms finish, then a new room gets a slot
     for room in stalled + [11]:
         if room == 11:
@@ -113,29 +125,33 @@ def test_rooms_waiting_past_admission_wait_s_fail_with_backpressure_timeout(clus
 
 def test_prefill_holds_a_room_slot_per_decode_peer_until_the_room_ends(cluster_factory):
     prefill, decode = _ranks(Role.PREFILL, 1), _ranks(Role.DECODE, 1)
-    cluster = cluster_factory(prefill, decode, config={"max_rooms_per_peer": 1,
-                                                       "admission_wait_s": 0.5},
-                              decode_config={"max_rooms_per_peer": 8})
+    cluster = cluster_factory(
+        prefill,
+        decode,
+        config={"max_rooms_per_peer": 1, "admission_wait_s": 0.5},
+        decode_config={"max_rooms_per_peer": 8},
+    )
     sender, client = cluster.clients[prefill[0].rank_id], cluster.clients[decode[0].rank_id]
-    first, second = _room_requests(1, 4), _room_requests(4)   # pages 4-7, 8-9
+    first, second = _room_requests(1, 4), _room_requests(4)  # pages 4-7, 8-9
     cluster.expect(1, first)
     cluster.expect(4, second)
-    _wait_for(lambda: _statuses(client, [1, 4]) == [RoomStatus.WAITING_FOR_INPUT] * 2, 10,
-              "both rooms requested")
-    sender.send(1, list(first[Pool.KV][0][:2]), last_chunk=False)   # room 1 writes: holds the slot
+    _wait_for(
+        lambda: _statuses(client, [1, 4]) == [RoomStatus.WAITING_FOR_INPUT] * 2, 10, "both rooms requested"
+    )
+    sender.send(1, list(first[Pool.KV][0][:2]), last_chunk=False)  # room 1 writes: holds the slot
     _wait_for(lambda: client.poll(1).status is RoomStatus.TRANSFERRING, 10, "room 1 transferring")
     cluster.send(4, second)
-    state = client.wait(4, timeout_s=10)           # decode hears prefill's failure
+    state = client.wait(4, timeout_s=10)  # decode hears prefill's failure
     assert state.status is RoomStatus.FAILED and state.code_text == "backpressure_timeout"
     assert "max_rooms_per_peer=1" in state.reason and decode[0].rank_id in state.reason
     assert sender.wait(4, timeout_s=5).code_text == "backpressure_timeout"
     sender.send(1, list(first[Pool.KV][0][2:]), aux_row=int(first[Pool.AUX][0][0]))
     assert client.wait(1, timeout_s=10).status is RoomStatus.SUCCESS
-    third = _room_requests(5)                       # the slot came back when room 1 ended
+    third = _room_requests(5)  # the slot came back when room 1 ended
     cluster.expect(5, third)
     cluster.send(5, third)
     assert client.wait(5, timeout_s=10).status is RoomStatus.SUCCESS
-    assert cluster.verify(_merged(first, third)) == []   # room 4 wrote nothing
+    assert cluster.verify(_merged(first, third)) == []  # room 4 wrote nothing
 
 
 def test_bytes_in_flight_to_two_decode_peers_stay_under_the_total(cluster_factory):
@@ -144,9 +160,12 @@ def test_bytes_in_flight_to_two_decode_peers_stay_under_the_total(cluster_factor
     # 8 x 2 B) = 4 KiB; a total of 6 KiB lets one such chunk be in flight at a time.
     total_nbytes = 6 * 1024
     prefill, decode = _ranks(Role.PREFILL, 1), _ranks(Role.DECODE, 2)
-    cluster = cluster_factory(prefill, decode, transport="tcp",
-                              config={"max_inflight_nbytes_total": total_nbytes,
-                                      "admission_wait_s": 10.0})
+    cluster = cluster_factory(
+        prefill,
+        decode,
+        transport="tcp",
+        config={"max_inflight_nbytes_total": total_nbytes, "admission_wait_s": 10.0},
+    )
     rooms = {room: _room_requests(room, pages=8) for room in (1, 2, 3, 4)}
     for room, requests in rooms.items():
         cluster.expect(room, requests)
@@ -173,13 +192,17 @@ def test_a_room_over_max_chunks_per_room_fails_with_over_limit_and_others_go_on(
     pages = [int(p) for p in requests[Pool.KV][0]]
     sender.send(1, pages[:1], last_chunk=False)
     sender.send(1, pages[1:2], last_chunk=False)
-    sender.send(1, pages[2:3], last_chunk=False)      # the third chunk: one too many
+    sender.send(1, pages[2:3], last_chunk=False)  # the third chunk: one too many
     state = sender.poll(1)
     assert state.status is RoomStatus.FAILED and state.code_text == "over_limit"
     assert "max_chunks_per_room=2" in state.reason
     assert client.wait(1, timeout_s=10).code_text == "over_limit"
-    assert _metric(cluster, prefill[0].rank_id, "pd_transfer_limit_rejections_total",
-                   limit="max_chunks_per_room") == 1
+    assert (
+        _metric(
+            cluster, prefill[0].rank_id, "pd_transfer_limit_rejections_total", limit="max_chunks_per_room"
+        )
+        == 1
+    )
     other = _room_requests(3)
     cluster.expect(3, other)
     cluster.send(3, other)

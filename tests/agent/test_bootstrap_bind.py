@@ -32,9 +32,9 @@ def test_a_bootstrap_address_in_use_refuses_rank_0s_registration_until_it_is_fre
             assert refused.value.code_text == "bootstrap_failed"
             assert bootstrap in refused.value.reason and "in use" in refused.value.reason
             squatter.close()
-            client.register(prefill[0], pools.handles)   # registered now, not half before
+            client.register(prefill[0], pools.handles)  # registered now, not half before
         with socket.create_connection(("127.0.0.1", int(bootstrap.rsplit(":", 1)[1])), timeout=5):
-            pass   # the rank table is served
+            pass  # the rank table is served
     finally:
         squatter.close()
         sidecar.stop()

@@ -25,10 +25,18 @@ from transfer_check import instance  # noqa: E402
 
 
 def _pair(kind="gqa", sizes=(16, 64)):
-    prefill = instance(kind, Role.PREFILL, 1, page_size=sizes[0], num_pages=256 // sizes[0],
-                       num_swa_pages=256 // sizes[0])
-    decode = instance(kind, Role.DECODE, 1, layout=Layout.PAGE_FIRST, page_size=sizes[1],
-                      num_pages=256 // sizes[1], num_swa_pages=256 // sizes[1])
+    prefill = instance(
+        kind, Role.PREFILL, 1, page_size=sizes[0], num_pages=256 // sizes[0], num_swa_pages=256 // sizes[0]
+    )
+    decode = instance(
+        kind,
+        Role.DECODE,
+        1,
+        layout=Layout.PAGE_FIRST,
+        page_size=sizes[1],
+        num_pages=256 // sizes[1],
+        num_swa_pages=256 // sizes[1],
+    )
     return prefill, decode, PairPlanner(reconcile(prefill, decode), prefill[0], decode[0])
 
 
@@ -42,7 +50,7 @@ def _target(planner, dst):
 
 def test_chunks_of_prefill_pages_land_at_their_tokens_in_larger_decode_pages():
     prefill, decode, planner = _pair()
-    src, dst = np.array([9, 3, 0, 5, 7]), np.array([2, 1])     # 70 tokens: 5 x 16, 2 x 64
+    src, dst = np.array([9, 3, 0, 5, 7]), np.array([2, 1])  # 70 tokens: 5 x 16, 2 x 64
     room = _room([{Pool.KV: src[:3]}, {Pool.KV: src[3:]}])
     target = _target(planner, {Pool.KV: dst})
     world = World.build(prefill, decode, 1)
@@ -52,8 +60,7 @@ def test_chunks_of_prefill_pages_land_at_their_tokens_in_larger_decode_pages():
     target.kv_cursor = 3
     second = chunk_requests(room, target, 1)[Pool.KV]
     # tokens 48-79: the rest of decode page 2 and the start of page 1
-    assert (second.src_first_token, second.dst_first_token, second.dst_pages.tolist()) == \
-        (48, 0, [2, 1])
+    assert (second.src_first_token, second.dst_first_token, second.dst_pages.tolist()) == (48, 0, [2, 1])
     world.execute(planner.plan({Pool.KV: second}))
     assert world.verify({Pool.KV: (src, dst)}) == []
 
@@ -79,12 +86,10 @@ def test_a_chunk_past_the_tokens_decode_allocated_is_refused_not_truncated():
 def test_swa_window_pages_end_with_each_sides_last_kv_page():
     _, _, planner = _pair("swa", (16, 1))
     # 37 tokens: 3 prefill pages of 16, 37 decode pages of 1; the window's last pages
-    chunk = {Pool.KV: np.arange(3), Pool.SWA: np.array([4, 6]),
-             Pool.AUX: np.array([0])}
-    target = _target(planner, {Pool.KV: np.arange(37), Pool.SWA: np.arange(9),
-                               Pool.AUX: np.array([1])})
+    chunk = {Pool.KV: np.arange(3), Pool.SWA: np.array([4, 6]), Pool.AUX: np.array([0])}
+    target = _target(planner, {Pool.KV: np.arange(37), Pool.SWA: np.arange(9), Pool.AUX: np.array([1])})
     requests = chunk_requests(_room([chunk]), target, 0)
     swa = requests[Pool.SWA]
     assert isinstance(swa, TokenSpan)
-    assert (swa.src_first_token, swa.dst_first_token) == (16, 28)   # 2 of 3 pages; 9 of 37
-    assert list(requests)[-1] is Pool.AUX   # aux still lands last
+    assert (swa.src_first_token, swa.dst_first_token) == (16, 28)  # 2 of 3 pages; 9 of 37
+    assert list(requests)[-1] is Pool.AUX  # aux still lands last

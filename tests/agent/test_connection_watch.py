@@ -14,7 +14,6 @@ from pd_transfer.ports import spare_port
 pytestmark = pytest.mark.asyncio
 
 
-
 async def _until(predicate, what: str, timeout_s: float = 5.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not predicate():
@@ -37,16 +36,16 @@ async def test_a_channel_is_down_while_its_peer_is_gone_and_up_when_it_is_back()
         channel.start(_nothing)
         await asyncio.sleep(0.2)
         assert channel.disconnected_s is None
-        peer.close(linger=0)              # the peer process is gone: its socket closed
+        peer.close(linger=0)  # the peer process is gone: its socket closed
         await _until(lambda: channel.disconnected_s is not None, "the channel saw it drop")
         since = channel.disconnected_s
-        await asyncio.sleep(0.3)          # ZeroMQ retries in vain: still down since then
+        await asyncio.sleep(0.3)  # ZeroMQ retries in vain: still down since then
         assert channel.disconnected_s == since
         peer = context.socket(zmq.ROUTER)
-        peer.bind(address)                # a peer listens there again: reconnected
+        peer.bind(address)  # a peer listens there again: reconnected
         await _until(lambda: channel.disconnected_s is None, "the channel saw it come back")
     finally:
         channel.close()
         peer.close(linger=0)
-        await asyncio.sleep(0)            # let the cancelled watcher close its monitor socket
+        await asyncio.sleep(0)  # let the cancelled watcher close its monitor socket
         context.destroy(linger=0)

@@ -14,15 +14,16 @@ from pd_transfer.client import RoomStatus
 from pd_transfer.cuda_ipc import cuda_available
 from pd_transfer.layout.views import Layout
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not cuda_available(), reason="no CUDA device on this machine")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not cuda_available(), reason="no CUDA device on this machine"),
+]
 
 CASES = [
     ("llama-3.1-8b", 2, 4, Layout.NHD),
     ("deepseek-v3", 4, 2, Layout.NHD),
     ("qwen3-next-80b-a3b", 2, 4, Layout.HND),
 ]
-
 
 
 def _move_and_check(cluster, prefill, decode, seed):
@@ -34,8 +35,9 @@ def _move_and_check(cluster, prefill, decode, seed):
     assert cluster.verify(requests) == []
 
 
-@pytest.mark.parametrize("model,tp_src,tp_dst,layout", CASES,
-                         ids=[f"{m}-tp{a}to{b}-{lay.value}" for m, a, b, lay in CASES])
+@pytest.mark.parametrize(
+    "model,tp_src,tp_dst,layout", CASES, ids=[f"{m}-tp{a}to{b}-{lay.value}" for m, a, b, lay in CASES]
+)
 def test_cuda_pools_move_byte_exact_between_sidecars(cluster_factory, model, tp_src, tp_dst, layout):
     prefill, decode = small_instances(model, tp_src, tp_dst, layout)
     cluster = cluster_factory(prefill, decode, transport="auto", device="cuda")
@@ -47,8 +49,9 @@ def test_cuda_pools_move_byte_exact_between_sidecars(cluster_factory, model, tp_
 @pytest.mark.parametrize("prefill_device,decode_device", [("cuda", "cpu"), ("cpu", "cuda")])
 def test_cuda_pools_and_host_pools_exchange_on_one_host(cluster_factory, prefill_device, decode_device):
     prefill, decode = small_instances("llama-3.1-8b", 2, 4, Layout.NHD)
-    cluster = cluster_factory(prefill, decode, transport="auto", device=prefill_device,
-                              decode_device=decode_device)
+    cluster = cluster_factory(
+        prefill, decode, transport="auto", device=prefill_device, decode_device=decode_device
+    )
     _move_and_check(cluster, prefill, decode, 5)
 
 

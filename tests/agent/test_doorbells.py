@@ -34,16 +34,17 @@ def _requests_reached_prefill(cluster, room: int) -> None:
     once they left: stopping decode earlier can hold one in its ZeroMQ I/O thread."""
     for g in cluster.prefill:
         client = cluster.clients[g.rank_id]
-        _until(lambda c=client: getattr(poll_known(c, room), "status", None)
-               is RoomStatus.WAITING_FOR_INPUT)
+        _until(lambda c=client: getattr(poll_known(c, room), "status", None) is RoomStatus.WAITING_FOR_INPUT)
 
 
-@pytest.mark.parametrize("model,tp_src,tp_dst,call", [("llama-3.1-8b", 1, 1, "wait"),
-                                                      ("llama-3.1-8b", 4, 2, "wait"),
-                                                      ("llama-3.1-8b", 4, 2, "poll")])
-def test_the_worker_learns_of_landed_bytes_while_its_sidecar_is_stopped(cluster_factory, model,
-                                                                        tp_src, tp_dst, call):
-    prefill, decode = small_instances(model, tp_src, tp_dst)   # 4 -> 2: two writers a room
+@pytest.mark.parametrize(
+    "model,tp_src,tp_dst,call",
+    [("llama-3.1-8b", 1, 1, "wait"), ("llama-3.1-8b", 4, 2, "wait"), ("llama-3.1-8b", 4, 2, "poll")],
+)
+def test_the_worker_learns_of_landed_bytes_while_its_sidecar_is_stopped(
+    cluster_factory, model, tp_src, tp_dst, call
+):
+    prefill, decode = small_instances(model, tp_src, tp_dst)  # 4 -> 2: two writers a room
     cluster = cluster_factory(prefill, decode)
     requests = random_requests(prefill, decode, np.random.default_rng(5), pages=3)
     cluster.expect(21, requests)
@@ -99,7 +100,7 @@ def test_a_failed_room_wakes_the_waiting_worker_with_its_reason(cluster_factory)
     prefill, decode = small_instances("llama-3.1-8b", 1, 1)
     cluster = cluster_factory(prefill, decode, config={"waiting_timeout_s": 1.0})
     requests = random_requests(prefill, decode, np.random.default_rng(7), pages=2)
-    cluster.expect(23, requests)   # prefill never sends: the room times out waiting for input
+    cluster.expect(23, requests)  # prefill never sends: the room times out waiting for input
     started = time.monotonic()
     state = cluster.clients[decode[0].rank_id].wait(23, 30)
     assert state.status is RoomStatus.FAILED and state.code is Reason.TIMEOUT, state
@@ -115,12 +116,10 @@ def test_an_asyncio_worker_learns_of_landed_bytes_while_its_sidecar_is_stopped(c
     procs = [cluster.sidecars[g.rank_id].proc for g in decode]
 
     async def run() -> list:
-        clients = [AsyncClient(cluster.sidecars[g.rank_id].endpoint, g.rank_id, timeout_s=20)
-                   for g in decode]
+        clients = [AsyncClient(cluster.sidecars[g.rank_id].endpoint, g.rank_id, timeout_s=20) for g in decode]
         try:
             for client in clients:
-                await client.expect(24, cluster.bootstrap, dst[Pool.KV],
-                                    aux_row=int(dst[Pool.AUX][0]))
+                await client.expect(24, cluster.bootstrap, dst[Pool.KV], aux_row=int(dst[Pool.AUX][0]))
             for client in clients:
                 while (await client.poll(24)).status is not RoomStatus.WAITING_FOR_INPUT:
                     await asyncio.sleep(0.02)

@@ -20,17 +20,17 @@ from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.views import Layout
 from pd_transfer.transport.engines import ENGINES, engine_unusable
 
-ENGINE_PARAMS = [pytest.param(e, marks=pytest.mark.skipif(
-    bool(engine_unusable(e)), reason=engine_unusable(e) or "-")) for e in ENGINES]
-_STRATEGY = re.compile(r'^pd_transfer_strategy\{([^}]*)\} (\S+)$', re.M)
+ENGINE_PARAMS = [
+    pytest.param(e, marks=pytest.mark.skipif(bool(engine_unusable(e)), reason=engine_unusable(e) or "-"))
+    for e in ENGINES
+]
+_STRATEGY = re.compile(r"^pd_transfer_strategy\{([^}]*)\} (\S+)$", re.M)
 
 
 def _sliced_pair(page_size: int = 16):
     spec = load_preset("llama-3.1-8b")
-    common = dict(page_size=page_size, num_pages=6, num_slots=2, num_aux_rows=2,
-                  kv_layout=Layout.NHD)
-    return (build_instance(spec, Role.PREFILL, 2, **common),
-            build_instance(spec, Role.DECODE, 4, **common))
+    common = dict(page_size=page_size, num_pages=6, num_slots=2, num_aux_rows=2, kv_layout=Layout.NHD)
+    return (build_instance(spec, Role.PREFILL, 2, **common), build_instance(spec, Role.DECODE, 4, **common))
 
 
 def _move_a_room(cluster, prefill, decode, room: int) -> None:
@@ -70,14 +70,23 @@ def test_the_verdict_and_metrics_report_each_pools_strategy(cluster_factory, eng
     cluster = cluster_factory(prefill, decode, transport=engine, config={"strategy": strategy})
     _move_a_room(cluster, prefill, decode, 22)
     # (prefill rank, decode rank, pool) -> strategy: as prefill chose it, as decode read it
-    chosen = {(p.rank_id, peer, pool): s for p in prefill
-              for (peer, pool), s in _strategies(cluster, p.rank_id).items()}
-    read = {(peer, d.rank_id, pool): s for d in decode
-            for (peer, pool), s in _strategies(cluster, d.rank_id).items()}
+    chosen = {
+        (p.rank_id, peer, pool): s
+        for p in prefill
+        for (peer, pool), s in _strategies(cluster, p.rank_id).items()
+    }
+    read = {
+        (peer, d.rank_id, pool): s
+        for d in decode
+        for (peer, pool), s in _strategies(cluster, d.rank_id).items()
+    }
     assert chosen == read and {pool for _, _, pool in chosen} == {"kv", "aux"}, cluster.logs()
     assert {d for _, d, _ in chosen} == {d.rank_id for d in decode}
-    assert set(chosen.values()) == {"staged"} if strategy == "staged" \
+    assert (
+        set(chosen.values()) == {"staged"}
+        if strategy == "staged"
         else set(chosen.values()) <= {"direct", "staged"}
+    )
 
 
 def test_tcp_reports_staged_and_shm_direct(cluster_factory):

@@ -10,8 +10,12 @@ from pd_transfer.layout.presets import model_from_table
 from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.views import Layout, Pool
 
-TINY = {"name": "tiny", "num_layers": 2, "layer_cycle": ["attention"],
-        "attention": {"num_kv_heads": 4, "head_dim": 8}}
+TINY = {
+    "name": "tiny",
+    "num_layers": 2,
+    "layer_cycle": ["attention"],
+    "attention": {"num_kv_heads": 4, "head_dim": 8},
+}
 
 
 def _ranks(role, tp, **kwargs):
@@ -45,6 +49,7 @@ def test_a_rejected_peer_does_not_stop_prefill_serving_another(cluster_factory):
     requests = _requests()
     # a second decode sidecar with a bad geometry talks to the same prefill instance
     from cluster import Cluster
+
     bad = Cluster(good.workdir, [], bad_decode)
     try:
         bad.clients[bad_decode[0].rank_id].expect(9, good.bootstrap, [0])

@@ -15,13 +15,14 @@ from cluster import random_requests, small_instances
 
 from pd_transfer.client import RoomStatus
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/maps").exists(),
-                                reason="reads /proc/<pid>/maps (Linux)")
+pytestmark = pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/<pid>/maps (Linux)")
 
 
 def test_the_sidecar_modules_import_without_torch():
-    code = ("import sys; import pd_transfer.cli, pd_transfer.agent.sidecar; "
-            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    code = (
+        "import sys; import pd_transfer.cli, pd_transfer.agent.sidecar; "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -36,6 +37,9 @@ def test_sidecars_moving_host_pools_never_map_libtorch(cluster_factory, transpor
     states = cluster.wait_decode(5)
     assert all(s.status is RoomStatus.SUCCESS for s in states.values()), (states, cluster.logs())
     assert cluster.verify(requests) == []
-    loaded = [name for name, sidecar in cluster.sidecars.items()
-              if "libtorch" in Path(f"/proc/{sidecar.proc.pid}/maps").read_text()]
+    loaded = [
+        name
+        for name, sidecar in cluster.sidecars.items()
+        if "libtorch" in Path(f"/proc/{sidecar.proc.pid}/maps").read_text()
+    ]
     assert loaded == []

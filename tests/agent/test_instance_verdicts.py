@@ -32,12 +32,17 @@ SMALL = dict(num_pages=4, num_slots=2, num_aux_rows=2)
 def _damaged(ranks, damage, stage, layers):
     """``ranks`` with one stage leaving ``layers`` out, or registering the stage before's."""
     if damage == "hole":
-        return [dataclasses.replace(g, views=tuple(v for v in g.views if v.layer_id not in layers))
-                if g.pp_rank == stage else g for g in ranks]
+        return [
+            dataclasses.replace(g, views=tuple(v for v in g.views if v.layer_id not in layers))
+            if g.pp_rank == stage
+            else g
+            for g in ranks
+        ]
     if damage == "overlap" and stage > 0:
         before = {g.tp_rank: g for g in ranks if g.pp_rank == stage - 1}
-        return [dataclasses.replace(before[g.tp_rank], pp_rank=stage) if g.pp_rank == stage else g
-                for g in ranks]
+        return [
+            dataclasses.replace(before[g.tp_rank], pp_rank=stage) if g.pp_rank == stage else g for g in ranks
+        ]
     return ranks
 
 
@@ -47,14 +52,17 @@ def instance_pairs(draw):
     spec = load_preset(model)
     sides = []
     for role in (Role.PREFILL, Role.DECODE):
-        shape = dict(tp_size=draw(st.sampled_from([1, 2, 4])), pp_size=draw(st.integers(1, 4)),
-                     kv_layout=draw(st.sampled_from(sorted(KV_LAYOUTS, key=lambda x: x.value)))
-                     if role is Role.DECODE else Layout.NHD,
-                     page_size=draw(st.sampled_from([16, 64])),
-                     kv_dtype=draw(st.sampled_from([None, None, "float8_e4m3fn"])))
+        shape = dict(
+            tp_size=draw(st.sampled_from([1, 2, 4])),
+            pp_size=draw(st.integers(1, 4)),
+            kv_layout=draw(st.sampled_from(sorted(KV_LAYOUTS, key=lambda x: x.value)))
+            if role is Role.DECODE
+            else Layout.NHD,
+            page_size=draw(st.sampled_from([16, 64])),
+            kv_dtype=draw(st.sampled_from([None, None, "float8_e4m3fn"])),
+        )
         try:
-            ranks = build_instance(spec, role, shape.pop("tp_size"), shape.pop("pp_size"),
-                                   **shape, **SMALL)
+            ranks = build_instance(spec, role, shape.pop("tp_size"), shape.pop("pp_size"), **shape, **SMALL)
         except PdTransferError:
             assume(False)
         damage = draw(st.sampled_from(["none", "none", "hole", "overlap"]))
@@ -72,8 +80,11 @@ def _live_lines(prefill, decode, own) -> list[str]:
     if recon.ok:
         return ["verdict: ACCEPTED"]
     hints = dict.fromkeys(r.hint for r in records if r.hint)
-    return (["verdict: REJECTED", headline] + [f"  - {r.render()}" for r in records]
-            + [f"  hint: {h}" for h in hints])
+    return (
+        ["verdict: REJECTED", headline]
+        + [f"  - {r.render()}" for r in records]
+        + [f"  hint: {h}" for h in hints]
+    )
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -88,20 +99,21 @@ def test_check_prints_the_verdict_live_reconciliation_reaches(pair):
         assert printed == live
         return
     assert printed[0] == "verdict: REJECTED"
-    assert printed[1].startswith(live[1] + ": ")   # check adds the count of mismatches
+    assert printed[1].startswith(live[1] + ": ")  # check adds the count of mismatches
     assert printed[2:] == live[2:]
 
 
 def _llama(role, tp, pp):
-    return build_instance(load_preset("llama-3.1-8b"), role, tp, pp, page_size=16, kv_layout=Layout.NHD, **SMALL)
+    return build_instance(
+        load_preset("llama-3.1-8b"), role, tp, pp, page_size=16, kv_layout=Layout.NHD, **SMALL
+    )
 
 
 def test_a_layer_two_decode_stages_register_is_named_with_both_stages():
     decode = _damaged(_llama(Role.DECODE, 1, 2), "overlap", 1, set())
     recon = reconcile_instances(_llama(Role.PREFILL, 2, 1), decode)
     text = str(recon.error())
-    assert "kv.layer[0-15].k: prefill=- decode=registered by stages pp0, pp1  [tensor_duplicate]" \
-        in text
+    assert "kv.layer[0-15].k: prefill=- decode=registered by stages pp0, pp1  [tensor_duplicate]" in text
     # stage 1 registers stage 0's layers instead of its own: those are missing too
     assert "kv.layer[16-31].k: prefill=registered (nhd) decode=<missing>  [layer_missing]" in text
 
@@ -112,15 +124,14 @@ def test_aux_rows_go_to_every_decode_stage_that_registers_them():
     assert recon.ok
     aux = [v.key for v in decode[0].views if v.layer_id is None]
     assert aux
-    for geometry in decode:   # each stage's ranks are fed the rows, by some prefill rank
+    for geometry in decode:  # each stage's ranks are fed the rows, by some prefill rank
         assert all(recon.pieces(key, geometry) for key in aux)
 
 
 def test_state_layers_stay_with_the_stage_that_owns_the_layer():
     spec = load_preset("qwen3-next-80b-a3b")
     decode = build_instance(spec, Role.DECODE, 1, 3, page_size=16, kv_layout=Layout.NHD, **SMALL)
-    prefill = build_instance(spec, Role.PREFILL, 2, 2, page_size=16, kv_layout=Layout.NHD,
-                             **SMALL)
+    prefill = build_instance(spec, Role.PREFILL, 2, 2, page_size=16, kv_layout=Layout.NHD, **SMALL)
     recon = reconcile_instances(prefill, decode)
     assert recon.ok
     by_id = {g.rank_id: g for g in prefill}
@@ -128,8 +139,8 @@ def test_state_layers_stay_with_the_stage_that_owns_the_layer():
         kv_layers = {v.layer_id for v in geometry.views if v.pool.value == "kv"}
         state_layers = {v.layer_id for v in geometry.views if v.pool.value == "mamba"}
         layers = kv_layers | state_layers
-        assert layers and max(layers) - min(layers) + 1 == len(layers)   # one contiguous span
-        for view in geometry.views:   # a layer's pieces come only from ranks holding it
+        assert layers and max(layers) - min(layers) + 1 == len(layers)  # one contiguous span
+        for view in geometry.views:  # a layer's pieces come only from ranks holding it
             if view.layer_id is not None:
                 sources = recon.pieces(view.key, geometry)
                 assert sources and all(by_id[s].view(view.key) is not None for s in sources)
@@ -154,7 +165,7 @@ def test_prefill_answers_a_decode_stage_once_every_stage_has_a_rank_registered()
     from pd_transfer.agent.decode_instances import DecodeInstances, instance_size
     from pd_transfer.protocol import Register
 
-    decode = _llama(Role.DECODE, 2, 2)   # stage major: pp0 tp0, pp0 tp1, pp1 tp0, pp1 tp1
+    decode = _llama(Role.DECODE, 2, 2)  # stage major: pp0 tp0, pp0 tp1, pp1 tp0, pp1 tp1
 
     def register(geometry, pp_size=2):
         return Register(agent_id="d", host_id="h", geometry=geometry, instance="dec", pp_size=pp_size)
@@ -162,14 +173,14 @@ def test_prefill_answers_a_decode_stage_once_every_stage_has_a_rank_registered()
     async def scenario():
         book = DecodeInstances()
         assert instance_size(register(decode[0])) == 4
-        assert await book.gathered(register(decode[0]), 0.05) is None   # stage 1 silent
+        assert await book.gathered(register(decode[0]), 0.05) is None  # stage 1 silent
         assert book.missing(register(decode[0])) == "decode[pp1,tp0-1]"
         waiting = asyncio.create_task(book.gathered(register(decode[1]), 5))
         await asyncio.sleep(0.01)
         assert not waiting.done()
         book.add(register(decode[3]))
         assert [g.rank_id for g in await waiting] == [decode[1].rank_id, decode[3].rank_id]
-        single = _llama(Role.DECODE, 2, 1)[1]   # PP 1: its own stage is the whole instance
+        single = _llama(Role.DECODE, 2, 1)[1]  # PP 1: its own stage is the whole instance
         assert await book.gathered(register(single, pp_size=1), 0.05) == [single]
 
     asyncio.run(scenario())

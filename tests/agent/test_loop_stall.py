@@ -25,8 +25,9 @@ def test_a_stalled_decode_sidecar_keeps_its_peers_and_its_rooms(cluster_factory)
     prefill, decode = small_instances("llama-3.1-8b", 1, 1)
     # decode loses a silent peer after 1 s, less than its stall; prefill only after 4 s,
     # so decode's own silence while it is stopped does not end the pair from that side
-    cluster = cluster_factory(prefill, decode, config={"heartbeat_misses": 20},
-                              decode_config={"heartbeat_misses": 5})
+    cluster = cluster_factory(
+        prefill, decode, config={"heartbeat_misses": 20}, decode_config={"heartbeat_misses": 5}
+    )
     rng = np.random.default_rng(8)
     rank = decode[0].rank_id
 
@@ -38,13 +39,13 @@ def test_a_stalled_decode_sidecar_keeps_its_peers_and_its_rooms(cluster_factory)
         assert state.status is RoomStatus.SUCCESS, (room, state, cluster.logs())
         return requests[Pool.KV]
 
-    moved = [move(0, 40)]                       # the session to prefill is open
+    moved = [move(0, 40)]  # the session to prefill is open
     pid = cluster.sidecars[rank].proc.pid
-    for i in (1, 2):   # twice: whether the timers or the readers run first on waking varies
-        os.kill(pid, signal.SIGSTOP)            # starved: no thread of it runs
+    for i in (1, 2):  # twice: whether the timers or the readers run first on waking varies
+        os.kill(pid, signal.SIGSTOP)  # starved: no thread of it runs
         time.sleep(STALL_S)
         os.kill(pid, signal.SIGCONT)
-        time.sleep(0.5)                         # it wakes, reads the queued heartbeats
+        time.sleep(0.5)  # it wakes, reads the queued heartbeats
         moved.append(move(i, 40 + i))
     assert cluster.verify({Pool.KV: tuple(np.concatenate(side) for side in zip(*moved))}) == []
 

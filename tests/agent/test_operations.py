@@ -14,8 +14,12 @@ from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.views import Layout, Pool
 from pd_transfer.metrics import METRIC_NAMES
 
-TINY = {"name": "tiny", "num_layers": 2, "layer_cycle": ["attention"],
-        "attention": {"num_kv_heads": 4, "head_dim": 8}}
+TINY = {
+    "name": "tiny",
+    "num_layers": 2,
+    "layer_cycle": ["attention"],
+    "attention": {"num_kv_heads": 4, "head_dim": 8},
+}
 
 
 def _ranks(role, tp, **kwargs):
@@ -28,8 +32,9 @@ def _samples(text: str) -> list:
 
 
 def _value(samples, name, **labels) -> float:
-    return sum(s.value for s in samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def _wait_status(cluster, rank, code, timeout_s=10.0):
@@ -65,19 +70,30 @@ def test_metrics_count_transfers_aborts_and_rejections_with_labels(cluster_facto
     assert status == 200
     p = _samples(text)
     peer = decode[0].rank_id
-    assert _value(p, "pd_transfer_transfers_total", role="prefill", outcome="success",
-                  transport="shm", mode="sliced") == 0  # same TP: not sliced
-    assert _value(p, "pd_transfer_transfers_total", role="prefill", outcome="success",
-                  transport="shm") == 2
-    assert _value(p, "pd_transfer_peer_transfers_total", role="prefill", peer=peer,
-                  outcome="success") == 2
+    assert (
+        _value(
+            p,
+            "pd_transfer_transfers_total",
+            role="prefill",
+            outcome="success",
+            transport="shm",
+            mode="sliced",
+        )
+        == 0
+    )  # same TP: not sliced
+    assert _value(p, "pd_transfer_transfers_total", role="prefill", outcome="success", transport="shm") == 2
+    assert _value(p, "pd_transfer_peer_transfers_total", role="prefill", peer=peer, outcome="success") == 2
     assert _value(p, "pd_transfer_aborts_total", role="prefill", side="decode", reason="aborted") == 1
     assert _value(p, "pd_transfer_transfer_failures_total", role="prefill", reason="aborted") == 1
-    assert _value(p, "pd_transfer_peer_transfer_failures_total", role="prefill", peer=peer,
-                  reason="aborted") == 1
+    assert (
+        _value(p, "pd_transfer_peer_transfer_failures_total", role="prefill", peer=peer, reason="aborted")
+        == 1
+    )
     assert _value(p, "pd_transfer_verdicts_total", role="prefill", outcome="accepted") == 1
-    assert _value(p, "pd_transfer_verdicts_total", role="prefill", outcome="rejected",
-                  reason="dtype_mismatch") == 1
+    assert (
+        _value(p, "pd_transfer_verdicts_total", role="prefill", outcome="rejected", reason="dtype_mismatch")
+        == 1
+    )
     assert _value(p, "pd_transfer_peers", role="prefill", state="rejected") == 1
     assert _value(p, "pd_transfer_transfer_bytes_count", role="prefill") == 2
     assert _value(p, "pd_transfer_build_info") == 1
@@ -90,8 +106,7 @@ def test_metrics_count_transfers_aborts_and_rejections_with_labels(cluster_facto
 
 def test_readyz_turns_ready_when_the_peer_is_accepted_and_back_when_it_is_lost(cluster_factory):
     prefill, decode = _ranks(Role.PREFILL, 1), _ranks(Role.DECODE, 1)
-    cluster = cluster_factory(prefill, decode, decode_config={"prefill_bootstraps": "this"},
-                              attach=False)
+    cluster = cluster_factory(prefill, decode, decode_config={"prefill_bootstraps": "this"}, attach=False)
     status, body = cluster.http(decode[0].rank_id, "/readyz")
     assert status == 503
     assert json.loads(body)["reasons"][0] == "the worker has not registered its pools"
@@ -111,6 +126,7 @@ def test_readyz_turns_ready_when_the_peer_is_accepted_and_back_when_it_is_lost(c
 def test_status_command_prints_peers_and_rooms(cluster_factory):
     import subprocess
     import sys
+
     prefill, decode = _ranks(Role.PREFILL, 1), _ranks(Role.DECODE, 1)
     cluster = cluster_factory(prefill, decode)
     requests = {Pool.KV: (np.array([0]), np.array([1]))}
@@ -118,27 +134,39 @@ def test_status_command_prints_peers_and_rooms(cluster_factory):
     cluster.send(4, requests)
     assert cluster.wait_decode(4)[decode[0].rank_id].status is RoomStatus.SUCCESS
     address = cluster.ready[prefill[0].rank_id]["http_address"].removeprefix("http://")
-    result = subprocess.run([sys.executable, "-m", "pd_transfer.cli", "status", "--addr", address],
-                            capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        [sys.executable, "-m", "pd_transfer.cli", "status", "--addr", address],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert result.returncode == 0, result.stderr
     assert "(prefill, rank prefill[pp0,tp0]): ready" in result.stdout
     assert "decode[pp0,tp0]" in result.stdout and "accepted" in result.stdout
     from pd_transfer.transport import native_copy
+
     assert f"copies: {native_copy.describe(native_copy.AVAILABLE)}" in result.stdout
     assert "control sessions: 1" in result.stdout  # the decode peer's
-    unreachable = subprocess.run([sys.executable, "-m", "pd_transfer.cli", "status", "--addr",
-                                  "127.0.0.1:1"], capture_output=True, text=True, timeout=30)
+    unreachable = subprocess.run(
+        [sys.executable, "-m", "pd_transfer.cli", "status", "--addr", "127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert unreachable.returncode == 2 and "cannot read http://127.0.0.1:1/status" in unreachable.stderr
 
 
 def test_without_the_native_copy_loop_a_sidecar_warns_copies_with_numpy_and_says_so(
-        cluster_factory, monkeypatch):
+    cluster_factory, monkeypatch
+):
     monkeypatch.setenv("PD_TRANSFER_NATIVE_COPY", "0")  # the sidecars inherit it
     prefill, decode = _ranks(Role.PREFILL, 2), _ranks(Role.DECODE, 1, num_pages=8)
     cluster = cluster_factory(prefill, decode)
     rng = np.random.default_rng(8)
-    requests = {Pool.KV: (rng.permutation(8)[:5], rng.permutation(8)[:5]),
-                Pool.AUX: (np.array([1]), np.array([0]))}
+    requests = {
+        Pool.KV: (rng.permutation(8)[:5], rng.permutation(8)[:5]),
+        Pool.AUX: (np.array([1]), np.array([0])),
+    }
     cluster.expect(9, requests)
     cluster.send(9, requests)
     assert cluster.wait_decode(9)[decode[0].rank_id].status is RoomStatus.SUCCESS

@@ -26,8 +26,12 @@ from pd_transfer.layout.views import Layout
 from pd_transfer.metrics import BAD_FRAME_REASONS, LIMITS
 from pd_transfer.ports import spare_port
 
-TINY = {"name": "tiny", "num_layers": 2, "layer_cycle": ["attention"],
-        "attention": {"num_kv_heads": 4, "head_dim": 8}}
+TINY = {
+    "name": "tiny",
+    "num_layers": 2,
+    "layer_cycle": ["attention"],
+    "attention": {"num_kv_heads": 4, "head_dim": 8},
+}
 ALERTS = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "alerts.yml"
 
 
@@ -40,8 +44,11 @@ def _series(cluster: Cluster, rank: str) -> dict[tuple, float]:
     """Every sample of one scrape of ``rank``'s /metrics: (name, sorted labels) -> value."""
     status, text = cluster.http(rank, "/metrics")
     assert status == 200
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def _get(series, name, **labels):
@@ -69,8 +76,7 @@ def _send_garbage(control_address: str) -> None:
 
 def test_alerting_series_exist_at_zero_before_any_event_and_count_the_first(cluster_factory):
     prefill, decode = _ranks(Role.PREFILL, 1), _ranks(Role.DECODE, 1)
-    cluster = cluster_factory(prefill, decode, decode_config={"prefill_bootstraps": "this"},
-                              attach=False)
+    cluster = cluster_factory(prefill, decode, decode_config={"prefill_bootstraps": "this"}, attach=False)
     p, d = prefill[0].rank_id, decode[0].rank_id
     for rank, role in ((p, "prefill"), (d, "decode")):
         series = _series(cluster, rank)
@@ -82,21 +88,38 @@ def test_alerting_series_exist_at_zero_before_any_event_and_count_the_first(clus
         assert _get(series, "pd_transfer_peers", role=role, state="lost") == 0
     # once the pair is accepted, each side's loss and transfer series of the other exist at 0
     cluster.attach_all()
-    _until(lambda: _get(_series(cluster, d), "pd_transfer_peers", role="decode",
-                        state="accepted") == 1, 20, "the decode side accepts the prefill rank")
-    _until(lambda: _get(_series(cluster, p), "pd_transfer_peers", role="prefill",
-                        state="accepted") == 1, 20, "the prefill side accepts the decode rank")
+    _until(
+        lambda: _get(_series(cluster, d), "pd_transfer_peers", role="decode", state="accepted") == 1,
+        20,
+        "the decode side accepts the prefill rank",
+    )
+    _until(
+        lambda: _get(_series(cluster, p), "pd_transfer_peers", role="prefill", state="accepted") == 1,
+        20,
+        "the prefill side accepts the decode rank",
+    )
     for rank, role, peer in ((p, "prefill", d), (d, "decode", p)):
         series = _series(cluster, rank)
         assert _get(series, "pd_transfer_peer_heartbeat_misses_total", role=role, peer=peer) == 0
-        outcomes = {dict(labels)["outcome"]: value for (name, labels), value in series.items()
-                    if name == "pd_transfer_peer_transfers_total" and dict(labels)["peer"] == peer}
+        outcomes = {
+            dict(labels)["outcome"]: value
+            for (name, labels), value in series.items()
+            if name == "pd_transfer_peer_transfers_total" and dict(labels)["peer"] == peer
+        }
         assert outcomes == {"success": 0, "failed": 0}
     # one garbage frame on the control socket is counted: a step from 0 that increase() sees
     # (a sidecar with a shared secret counts a frame before the handshake as unauthenticated)
     _send_garbage(cluster.ready[p]["control_address"])
-    _until(lambda: _get(_series(cluster, p), "pd_transfer_bad_frames_total", role="prefill",
-                        reason="unauthenticated") == 1, 20, "the garbage frame is counted")
+    _until(
+        lambda: (
+            _get(
+                _series(cluster, p), "pd_transfer_bad_frames_total", role="prefill", reason="unauthenticated"
+            )
+            == 1
+        ),
+        20,
+        "the garbage frame is counted",
+    )
 
 
 def _prometheus_json(base: str, path: str, **params) -> dict:
@@ -107,22 +130,36 @@ def _prometheus_json(base: str, path: str, **params) -> dict:
 
 def _start_prometheus(tmp_path: Path, target: str) -> tuple[subprocess.Popen, str]:
     config = tmp_path / "prometheus.yml"
-    config.write_text(json.dumps({   # JSON is YAML
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(ALERTS)],
-        "scrape_configs": [{"job_name": "pd-transfer-static",
-                            "static_configs": [{"targets": [target]}]}]}))
+    config.write_text(
+        json.dumps(
+            {  # JSON is YAML
+                "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                "rule_files": [str(ALERTS)],
+                "scrape_configs": [
+                    {"job_name": "pd-transfer-static", "static_configs": [{"targets": [target]}]}
+                ],
+            }
+        )
+    )
     port = spare_port()
     log = (tmp_path / "prometheus.log").open("w")
-    proc = subprocess.Popen([shutil.which("prometheus"), f"--config.file={config}",
-                             f"--storage.tsdb.path={tmp_path / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            shutil.which("prometheus"),
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     return proc, f"http://127.0.0.1:{port}"
 
 
-@pytest.mark.skipif(shutil.which("prometheus") is None,
-                    reason="the prometheus binary is not installed (Debian: apt-get install prometheus)")
+@pytest.mark.skipif(
+    shutil.which("prometheus") is None,
+    reason="the prometheus binary is not installed (Debian: apt-get install prometheus)",
+)
 def test_a_real_prometheus_fires_bad_frames_on_the_first_garbage_frame(cluster_factory, tmp_path):
     prefill = _ranks(Role.PREFILL, 1)
     cluster = cluster_factory(prefill, [], attach=False)
@@ -130,20 +167,27 @@ def test_a_real_prometheus_fires_bad_frames_on_the_first_garbage_frame(cluster_f
     target = cluster.ready[rank]["http_address"].removeprefix("http://")
     proc, base = _start_prometheus(tmp_path, target)
     try:
+
         def scraped_at_zero():
             try:
-                result = _prometheus_json(base, "/api/v1/query",
-                                          query='pd_transfer_bad_frames_total{reason="unauthenticated"}')
+                result = _prometheus_json(
+                    base, "/api/v1/query", query='pd_transfer_bad_frames_total{reason="unauthenticated"}'
+                )
             except (urllib.error.URLError, ConnectionError):
-                return False   # still starting
+                return False  # still starting
             return [r["value"][1] for r in result["data"]["result"]] == ["0"]
+
         _until(scraped_at_zero, 60, "Prometheus scrapes the bad-frame series at 0")
         _send_garbage(cluster.ready[rank]["control_address"])
 
         def firing():
             alerts = _prometheus_json(base, "/api/v1/alerts")["data"]["alerts"]
-            return [a for a in alerts if a["labels"]["alertname"] == "PdTransferBadFrames"
-                    and a["state"] == "firing"]
+            return [
+                a
+                for a in alerts
+                if a["labels"]["alertname"] == "PdTransferBadFrames" and a["state"] == "firing"
+            ]
+
         (alert,) = _until(firing, 60, "PdTransferBadFrames fires")
         assert alert["labels"]["reason"] == "unauthenticated" and alert["labels"]["role"] == "prefill"
         assert alert["labels"]["instance"] == target
@@ -167,6 +211,7 @@ def test_a_rejected_prefill_instance_is_retried_with_backoff_and_readyz_says_whe
 
     def rejected(rank):
         return cluster.metric(rank, "pd_transfer_verdicts_total", outcome="rejected")
+
     _until(lambda: rejected(d) >= 1, 20, "the first rejection")
     time.sleep(4.0)
     # tries start at least 0.25, 0.5, 1 and 2 s apart after failures 1-4 (the lower halves of
@@ -177,23 +222,31 @@ def test_a_rejected_prefill_instance_is_retried_with_backoff_and_readyz_says_whe
     status, body = cluster.http(d, "/readyz")
     assert status == 503
     (reason,) = json.loads(body)["reasons"]
-    assert re.match(rf"prefill instance {re.escape(cluster.bootstrap)}: next try in \d+\.\d s "
-                    rf"\(\d+ failed tries\): ", reason), reason
+    assert re.match(
+        rf"prefill instance {re.escape(cluster.bootstrap)}: next try in \d+\.\d s "
+        rf"\(\d+ failed tries\): ",
+        reason,
+    ), reason
     assert "kv.layer[0-1].k.dtype: prefill=bfloat16 decode=float16" in reason
     # each side warns once; the same rejection again is steady state (debug)
     decode_log = _messages(cluster.sidecars[d].log.read_text())
     prefill_log = _messages(cluster.sidecars[p].log.read_text())
-    assert sum(m.startswith(f"decode: prefill instance {cluster.bootstrap}: ")
-               for m in decode_log) == 1, decode_log
+    assert sum(m.startswith(f"decode: prefill instance {cluster.bootstrap}: ") for m in decode_log) == 1, (
+        decode_log
+    )
     assert sum(m.startswith("prefill: rejected ") for m in prefill_log) == 1, prefill_log
 
 
 def _messages(log_text: str) -> list[str]:
     """The messages of the info lines and above (warnings: nothing in steady state should
     warn either)."""
-    return [json.loads(m.group(1)) for line in log_text.splitlines()
-            if re.search(r" level=(info|warning|error) ", line)
-            for m in [re.search(r' msg=(".*?")(?: exc=|$)', line)] if m]
+    return [
+        json.loads(m.group(1))
+        for line in log_text.splitlines()
+        if re.search(r" level=(info|warning|error) ", line)
+        for m in [re.search(r' msg=(".*?")(?: exc=|$)', line)]
+        if m
+    ]
 
 
 def test_steady_state_sidecars_repeat_no_info_line(cluster_factory):
@@ -205,6 +258,6 @@ def test_steady_state_sidecars_repeat_no_info_line(cluster_factory):
     time.sleep(4.0)
     for sidecar in cluster.sidecars.values():
         messages = _messages(sidecar.log.read_text())
-        assert messages, sidecar.name   # the parser reads this log
+        assert messages, sidecar.name  # the parser reads this log
         repeated = {m: n for m, n in Counter(messages).items() if n > 1}
         assert repeated == {}, (sidecar.name, repeated)

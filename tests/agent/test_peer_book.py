@@ -9,8 +9,9 @@ from pd_transfer.layout.geometry import Role
 
 
 def _observer() -> Observer:
-    return Observer(SimpleNamespace(config=SimpleNamespace(role=Role.PREFILL),
-                                    security=SimpleNamespace(enabled=True)))
+    return Observer(
+        SimpleNamespace(config=SimpleNamespace(role=Role.PREFILL), security=SimpleNamespace(enabled=True))
+    )
 
 
 def _channel(label: str, peer_rank: str = "") -> SimpleNamespace:

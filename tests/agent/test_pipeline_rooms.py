@@ -22,21 +22,23 @@ from pd_transfer.layout.views import Layout
 SMALL = dict(page_size=16, num_pages=6, num_slots=2, num_aux_rows=2)
 
 CASES = [  # model, prefill (pp, tp), decode (pp, tp), decode layout
-    ("llama-3.1-8b", (1, 2), (2, 2), Layout.NHD),     # the issue's reproduction
-    ("llama-3.1-8b", (2, 2), (4, 1), Layout.HND),     # PP 2 -> 4, TP 2 -> 1
-    ("llama-3.1-8b", (3, 1), (2, 2), Layout.NHD),     # uneven: 11/11/10 layers -> 16/16
+    ("llama-3.1-8b", (1, 2), (2, 2), Layout.NHD),  # the issue's reproduction
+    ("llama-3.1-8b", (2, 2), (4, 1), Layout.HND),  # PP 2 -> 4, TP 2 -> 1
+    ("llama-3.1-8b", (3, 1), (2, 2), Layout.NHD),  # uneven: 11/11/10 layers -> 16/16
     ("qwen3-next-80b-a3b", (1, 2), (2, 1), Layout.NHD),  # GDN state + attention + aux
     ("kimi-linear-48b-a3b", (2, 1), (3, 2), Layout.NHD),  # KDA state, 14/13 -> 9/9/9 layers
-    ("deepseek-v3", (2, 2), (3, 1), Layout.NHD),      # MLA, 31/30 -> 21/20/20 layers
-    ("gpt-oss-20b", (1, 2), (2, 1), Layout.HND),      # sliding window + full attention
+    ("deepseek-v3", (2, 2), (3, 1), Layout.NHD),  # MLA, 31/30 -> 21/20/20 layers
+    ("gpt-oss-20b", (1, 2), (2, 1), Layout.HND),  # sliding window + full attention
 ]
 
 
 def _instances(model, prefill_shape, decode_shape, layout):
     spec = load_preset(model)
     (pp_src, tp_src), (pp_dst, tp_dst) = prefill_shape, decode_shape
-    return (build_instance(spec, Role.PREFILL, tp_src, pp_src, kv_layout=Layout.NHD, **SMALL),
-            build_instance(spec, Role.DECODE, tp_dst, pp_dst, kv_layout=layout, **SMALL))
+    return (
+        build_instance(spec, Role.PREFILL, tp_src, pp_src, kv_layout=Layout.NHD, **SMALL),
+        build_instance(spec, Role.DECODE, tp_dst, pp_dst, kv_layout=layout, **SMALL),
+    )
 
 
 def _case_id(case):
@@ -49,14 +51,15 @@ def test_pipelined_instances_move_a_room_byte_exact(cluster_factory, case):
     prefill, decode = _instances(*case)
     assert reconcile_instances(prefill, decode).ok
     cluster = cluster_factory(prefill, decode)
-    requests = random_requests(prefill, decode, np.random.default_rng(len(prefill) * 5 + len(decode)),
-                               pages=4)
+    requests = random_requests(
+        prefill, decode, np.random.default_rng(len(prefill) * 5 + len(decode)), pages=4
+    )
     cluster.expect(21, requests)
     cluster.send(21, requests, chunk_pages=2)
     states = cluster.wait_decode(21)
     assert all(s.status is RoomStatus.SUCCESS for s in states.values()), (states, cluster.logs())
     assert cluster.verify(requests) == []
-    for geometry in prefill:   # prefill finishes only once every decode stage has its bytes
+    for geometry in prefill:  # prefill finishes only once every decode stage has its bytes
         assert cluster.clients[geometry.rank_id].wait(21, 5).status is RoomStatus.SUCCESS
 
 
@@ -65,12 +68,15 @@ def _without_layers(geometry, layers):
     return dataclasses.replace(geometry, views=views)
 
 
-DAMAGES = {   # a decode PP 2 whose stage 1 leaves layers 20-22 out, or takes stage 0's layers
-    "hole": (lambda stages: [stages[0], _without_layers(stages[1], {20, 21, 22})],
-             "kv.layer[20-22].k: prefill=registered (nhd) decode=<missing>  [layer_missing]"),
-    "overlap": (lambda stages: [stages[0], dataclasses.replace(stages[0], pp_rank=1)],
-                "kv.layer[0-15].k: prefill=- decode=registered by stages pp0, pp1  "
-                "[tensor_duplicate]"),
+DAMAGES = {  # a decode PP 2 whose stage 1 leaves layers 20-22 out, or takes stage 0's layers
+    "hole": (
+        lambda stages: [stages[0], _without_layers(stages[1], {20, 21, 22})],
+        "kv.layer[20-22].k: prefill=registered (nhd) decode=<missing>  [layer_missing]",
+    ),
+    "overlap": (
+        lambda stages: [stages[0], dataclasses.replace(stages[0], pp_rank=1)],
+        "kv.layer[0-15].k: prefill=- decode=registered by stages pp0, pp1  [tensor_duplicate]",
+    ),
 }
 
 
@@ -82,9 +88,9 @@ def test_a_decode_coverage_fault_is_rejected_live_as_check_rejects_it(cluster_fa
     expected = reconcile_instances(prefill, decode)
     assert line in str(expected.error())
     cluster = cluster_factory(prefill, decode)
-    for geometry in decode:   # each stage registers with prefill when a room first asks
+    for geometry in decode:  # each stage registers with prefill when a room first asks
         cluster.clients[geometry.rank_id].expect(5, cluster.bootstrap, [0, 1], aux_row=0)
-    for geometry in decode:   # every stage is told, with the lines check prints
+    for geometry in decode:  # every stage is told, with the lines check prints
         state = cluster.clients[geometry.rank_id].wait(5, timeout_s=10)
         assert state.status is RoomStatus.FAILED and state.code_text == "peer_rejected", state
         for printed in str(expected.error()).splitlines()[1:]:

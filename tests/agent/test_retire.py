@@ -6,16 +6,16 @@ from pd_transfer.agent.retire import rooms_state
 
 
 def _room(instance, terminal, sources=("p0", "p1"), acks=(), done=()):
-    return SimpleNamespace(instance=instance, terminal=terminal, sources=list(sources),
-                           acks=set(acks), done_from=set(done))
+    return SimpleNamespace(
+        instance=instance, terminal=terminal, sources=list(sources), acks=set(acks), done_from=set(done)
+    )
 
 
 def test_a_lost_instance_stays_open_while_a_room_uses_it_or_a_survivor_may_still_answer():
     lost = SimpleNamespace(lost_ranks={"p1"})
     other = SimpleNamespace(lost_ranks=set())
-    assert rooms_state([_room(other, False)], lost) == "quiet"           # not its rooms
+    assert rooms_state([_room(other, False)], lost) == "quiet"  # not its rooms
     assert rooms_state([_room(lost, False)], lost) == "live"
-    assert rooms_state([_room(lost, True)], lost) == "pending"           # p0 has not answered
+    assert rooms_state([_room(lost, True)], lost) == "pending"  # p0 has not answered
     assert rooms_state([_room(lost, True, acks={"p0"})], lost) == "quiet"  # p1 never will
-    assert rooms_state([_room(lost, True, done={"p0"}), _room(lost, True, acks={"p0"})],
-                       lost) == "quiet"
+    assert rooms_state([_room(lost, True, done={"p0"}), _room(lost, True, acks={"p0"})], lost) == "quiet"

@@ -25,9 +25,9 @@ def test_waits_double_within_their_jitter_band_up_to_the_cap():
 
 def test_the_wait_runs_from_the_start_of_the_failed_try():
     backoff = Backoff(base_s=4.0, rng=random.Random(2))
-    next_try = backoff.failed(10.0)               # refused at once: it waits it all
+    next_try = backoff.failed(10.0)  # refused at once: it waits it all
     assert backoff.wait_s(10.0) == pytest.approx(next_try - 10.0) and next_try > 10.0
-    backoff.failed(20.0)                          # a try of 30 s that timed out
+    backoff.failed(20.0)  # a try of 30 s that timed out
     assert backoff.wait_s(50.0) == 0.0 and backoff.due(50.0)
 
 

@@ -10,18 +10,34 @@ from pd_transfer.layout.presets import model_from_table
 from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.views import Layout
 
-TINY = {"name": "tiny", "num_layers": 2, "layer_cycle": ["attention"],
-        "attention": {"num_kv_heads": 4, "head_dim": 8}}
+TINY = {
+    "name": "tiny",
+    "num_layers": 2,
+    "layer_cycle": ["attention"],
+    "attention": {"num_kv_heads": 4, "head_dim": 8},
+}
 
 
 def _ranks(role, kv_dtype):
-    return build_instance(model_from_table(dict(TINY), "tiny"), role, 1, page_size=4, kv_dtype=kv_dtype,
-                          kv_layout=Layout.NHD, num_pages=8, num_aux_rows=2)
+    return build_instance(
+        model_from_table(dict(TINY), "tiny"),
+        role,
+        1,
+        page_size=4,
+        kv_dtype=kv_dtype,
+        kv_layout=Layout.NHD,
+        num_pages=8,
+        num_aux_rows=2,
+    )
 
 
 def _status(address: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pd_transfer.cli", "status", "--addr", address],
-                          capture_output=True, text=True, timeout=30)
+    return subprocess.run(
+        [sys.executable, "-m", "pd_transfer.cli", "status", "--addr", address],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
 def test_status_prints_the_readiness_reasons_and_the_whole_rejection(cluster_factory):

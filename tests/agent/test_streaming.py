@@ -24,17 +24,26 @@ from pd_transfer.layout.views import Layout, Pool
 def _instances(model: str, tp_src: int, tp_dst: int):
     spec = load_preset(model)
     common = dict(page_size=16, num_pages=6, num_slots=2, num_aux_rows=2, kv_layout=Layout.NHD)
-    return build_instance(spec, Role.PREFILL, tp_src, **common), \
-        build_instance(spec, Role.DECODE, tp_dst, **common)
+    return build_instance(spec, Role.PREFILL, tp_src, **common), build_instance(
+        spec, Role.DECODE, tp_dst, **common
+    )
 
 
 def _send_chunk(cluster, room: int, requests: dict, pages: slice, last: bool) -> None:
     src = {pool: idx for pool, (idx, _) in requests.items()}
-    extra = dict(state_slots=src.get(Pool.MAMBA, []), swa_pages=src.get(Pool.SWA, []),
-                 aux_row=int(src[Pool.AUX][0]) if Pool.AUX in src else None) if last else {}
+    extra = (
+        dict(
+            state_slots=src.get(Pool.MAMBA, []),
+            swa_pages=src.get(Pool.SWA, []),
+            aux_row=int(src[Pool.AUX][0]) if Pool.AUX in src else None,
+        )
+        if last
+        else {}
+    )
     for geometry in cluster.prefill:
-        cluster.clients[geometry.rank_id].send(room, list(src[Pool.KV][pages]), last_chunk=last,
-                                               stream=True, **extra)
+        cluster.clients[geometry.rank_id].send(
+            room, list(src[Pool.KV][pages]), last_chunk=last, stream=True, **extra
+        )
 
 
 def _announce(cluster, room: int, layers) -> None:
@@ -48,13 +57,17 @@ def _kv_regions(geometry, layer: int) -> list[str]:
 
 
 def _snapshot(cluster) -> dict:
-    return {(g.rank_id, r): a.copy() for g in cluster.decode
-            for r, a in cluster.pools[g.rank_id].arrays.items()}
+    return {
+        (g.rank_id, r): a.copy() for g in cluster.decode for r, a in cluster.pools[g.rank_id].arrays.items()
+    }
 
 
 def _changed(cluster, before: dict, regions_of) -> bool:
-    return any(not np.array_equal(cluster.pools[g.rank_id].arrays[r], before[(g.rank_id, r)])
-               for g in cluster.decode for r in regions_of(g))
+    return any(
+        not np.array_equal(cluster.pools[g.rank_id].arrays[r], before[(g.rank_id, r)])
+        for g in cluster.decode
+        for r in regions_of(g)
+    )
 
 
 def _wait_for(predicate, timeout_s: float = 10.0) -> bool:
@@ -83,8 +96,9 @@ def test_a_streamed_hybrid_room_moves_layer_by_layer_and_lands_byte_exact(cluste
     start = _snapshot(cluster)
     _send_chunk(cluster, 21, requests, slice(0, 2), last=False)
     time.sleep(0.3)
-    assert not _changed(cluster, start, lambda g: [r.id for r in g.regions]), \
+    assert not _changed(cluster, start, lambda g: [r.id for r in g.regions]), (
         "bytes landed before any layer was announced"
+    )
     _announce(cluster, 21, layers)  # chunk 1: every layer, any order
     assert _wait_for(lambda: all(_changed(cluster, start, kv_of([layer])) for layer in kv_layers))
     time.sleep(0.2)

@@ -26,8 +26,12 @@ from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.views import Layout, Pool
 
 AGENT = Path(pd_transfer.agent.__file__).resolve().parent
-TINY = {"name": "tiny", "num_layers": 2, "layer_cycle": ["attention"],
-        "attention": {"num_kv_heads": 4, "head_dim": 8}}
+TINY = {
+    "name": "tiny",
+    "num_layers": 2,
+    "layer_cycle": ["attention"],
+    "attention": {"num_kv_heads": 4, "head_dim": 8},
+}
 ORPHANS = ("Task exception was never retrieved", "Task was destroyed but it is pending")
 
 
@@ -35,9 +39,12 @@ def test_no_task_result_is_dropped_in_the_agent():
     dropped = []
     for path in sorted(AGENT.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) \
-                    and isinstance(node.value.func, ast.Attribute) \
-                    and node.value.func.attr in ("create_task", "ensure_future"):
+            if (
+                isinstance(node, ast.Expr)
+                and isinstance(node.value, ast.Call)
+                and isinstance(node.value.func, ast.Attribute)
+                and node.value.func.attr in ("create_task", "ensure_future")
+            ):
                 dropped.append(f"{path.name}:{node.lineno}")
     assert dropped == [], f"tasks started and dropped (use sidecar.spawn): {dropped}"
 
@@ -85,7 +92,7 @@ def test_a_busy_sidecar_stops_with_no_task_left_behind(cluster_factory, first):
     deadline = time.monotonic() + 5
     while client.poll(3).status is RoomStatus.BOOTSTRAPPING and time.monotonic() < deadline:
         time.sleep(0.02)
-    cluster.clients[prefill[0].rank_id].send(1, [1], last_chunk=False)   # live on both sides
+    cluster.clients[prefill[0].rank_id].send(1, [1], last_chunk=False)  # live on both sides
     order = [prefill[0].rank_id, decode[0].rank_id]
     if first == "decode":
         order.reverse()

@@ -19,10 +19,10 @@ CASES = [
 ]
 
 
-
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("model,tp_src,tp_dst,layout", CASES,
-                         ids=[f"{m}-tp{a}to{b}-{lay.value}" for m, a, b, lay in CASES])
+@pytest.mark.parametrize(
+    "model,tp_src,tp_dst,layout", CASES, ids=[f"{m}-tp{a}to{b}-{lay.value}" for m, a, b, lay in CASES]
+)
 def test_sidecars_move_a_room_byte_exact(cluster_factory, model, tp_src, tp_dst, layout, transport):
     prefill, decode = small_instances(model, tp_src, tp_dst, layout)
     cluster = cluster_factory(prefill, decode, transport=transport)

@@ -50,19 +50,24 @@ def test_the_asyncio_client_waits_on_many_rooms_over_one_unix_connection(cluster
     # three live rooms at once: each its own destination pages and aux row (decode refuses
     # two live rooms on one page)
     dst_pages = np.random.default_rng(4).permutation(6)
-    rooms = {21 + i: {Pool.KV: (np.array([0, 1]), dst_pages[2 * i:2 * i + 2])} for i in range(3)}
+    rooms = {21 + i: {Pool.KV: (np.array([0, 1]), dst_pages[2 * i : 2 * i + 2])} for i in range(3)}
     for i, room in enumerate((21, 22)):
         rooms[room][Pool.AUX] = (np.array([0]), np.array([i]))
 
     async def decode_side():
-        clients = [AsyncClient(cluster.sidecars[g.rank_id].endpoint, f"aio-{g.rank_id}")
-                   for g in cluster.decode]
+        clients = [
+            AsyncClient(cluster.sidecars[g.rank_id].endpoint, f"aio-{g.rank_id}") for g in cluster.decode
+        ]
         try:
             for room, requests in rooms.items():
                 aux = requests.get(Pool.AUX)
                 for client in clients:
-                    await client.expect(room, cluster.bootstrap, requests[Pool.KV][1],
-                                        aux_row=int(aux[1][0]) if aux is not None else None)
+                    await client.expect(
+                        room,
+                        cluster.bootstrap,
+                        requests[Pool.KV][1],
+                        aux_row=int(aux[1][0]) if aux is not None else None,
+                    )
             waits = [client.wait(room, 20) for room in rooms for client in clients]
             sending = asyncio.to_thread(lambda: [cluster.send(room, r) for room, r in rooms.items()])
             *states, _ = await asyncio.gather(*waits, sending)
@@ -77,6 +82,7 @@ def test_the_asyncio_client_waits_on_many_rooms_over_one_unix_connection(cluster
 
 
 # -- one sidecar, hostile bytes ------------------------------------------------------------
+
 
 def _lone(config: dict):
     workdir = Path(tempfile.mkdtemp(prefix="pdt-"))
@@ -125,8 +131,10 @@ def _raw(sidecar) -> socket.socket:
 
 def _serves(sidecar) -> None:
     """A real client's call is answered (the sidecar has no worker: not_registered)."""
-    with Client(sidecar.endpoint, "probe", timeout_s=5) as client, \
-            pytest.raises(Refused, match="not_registered"):
+    with (
+        Client(sidecar.endpoint, "probe", timeout_s=5) as client,
+        pytest.raises(Refused, match="not_registered"),
+    ):
         client.expect(1, "tcp://127.0.0.1:1", [0])
 
 
@@ -150,7 +158,7 @@ def test_a_header_announcing_too_much_is_refused_and_the_endpoint_keeps_serving(
         reply = _reply(sock)
         assert reply["ok"] is False and reply["code"] == "frame_too_large" and reply["id"] == -1
         assert str(MAX_FRAME_NBYTES) in reply["reason"]
-        assert sock.recv(1) == b""   # closed: the stream cannot be read on after that
+        assert sock.recv(1) == b""  # closed: the stream cannot be read on after that
     assert _metric(ready, 'pd_transfer_bad_frames_total{reason="frame_too_large",role="decode"}') == 1
     _serves(sidecar)
 
@@ -168,7 +176,7 @@ def test_a_frame_that_is_not_msgpack_is_answered_and_the_connection_stays_usable
 
 def test_workers_gone_mid_frame_leave_the_endpoint_serving(lone):
     sidecar, _ = lone
-    for cut in (2, 4, 40):   # inside the header, after it, inside the body
+    for cut in (2, 4, 40):  # inside the header, after it, inside the body
         with _raw(sidecar) as sock:
             sock.sendall(pack(msgpack.packb({"op": "poll", "id": 1, "room": 1, "pad": "x" * 64}))[:cut])
     _serves(sidecar)
@@ -177,10 +185,10 @@ def test_workers_gone_mid_frame_leave_the_endpoint_serving(lone):
 def test_a_second_sidecar_on_a_served_path_refuses_to_start(lone):
     sidecar, _ = lone
     workdir = Path(_path(sidecar)).parent
-    second = Sidecar(workdir, "decode", "d0", {"http_port": 0})   # the same endpoint path
+    second = Sidecar(workdir, "decode", "d0", {"http_port": 0})  # the same endpoint path
     assert second.proc.wait(timeout=30) == 3
     assert "another process serves the worker endpoint" in second.log.read_text()
-    assert _doorbells_of(second) == []   # a failed start removes what it made
+    assert _doorbells_of(second) == []  # a failed start removes what it made
     _serves(sidecar)
 
 
@@ -206,7 +214,7 @@ def test_a_stale_socket_file_left_by_a_crash_is_replaced():
     try:
         stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         stale.bind(str(workdir / "d2.sock"))
-        stale.close()   # the file stays; nobody listens
+        stale.close()  # the file stays; nobody listens
         sidecar = Sidecar(workdir, "decode", "d2", {"http_port": 0})
         try:
             sidecar.wait_ready()
@@ -221,20 +229,24 @@ def test_an_endpoint_path_too_long_for_a_unix_socket_is_a_config_error(capsys):
     endpoint = "unix:///tmp/" + "d" * 120 + "/w.sock"
     assert cli_main(["serve", "--role", "decode", "--worker-endpoint", endpoint]) == 2
     err = capsys.readouterr().err
-    assert "--worker-endpoint: " in err and "107" in err   # names the flag it came from
+    assert "--worker-endpoint: " in err and "107" in err  # names the flag it came from
 
 
 # -- the client's connection -------------------------------------------------------------
 
+
 def test_a_client_waits_for_a_sidecar_that_starts_after_it():
     workdir = Path(tempfile.mkdtemp(prefix="pdt-"))
     holder = {}
-    starter = threading.Timer(0.5, lambda: holder.setdefault(
-        "sidecar", Sidecar(workdir, "decode", "d3", {"http_port": 0})))
+    starter = threading.Timer(
+        0.5, lambda: holder.setdefault("sidecar", Sidecar(workdir, "decode", "d3", {"http_port": 0}))
+    )
     try:
         starter.start()
-        with Client(f"unix://{workdir}/d3.sock", "early", timeout_s=30) as client, \
-                pytest.raises(Refused, match="not_registered"):
+        with (
+            Client(f"unix://{workdir}/d3.sock", "early", timeout_s=30) as client,
+            pytest.raises(Refused, match="not_registered"),
+        ):
             client.poll(1)
     finally:
         starter.join()
@@ -244,8 +256,10 @@ def test_a_client_waits_for_a_sidecar_that_starts_after_it():
 
 def test_a_call_to_no_sidecar_times_out_with_the_endpoint_named():
     started = time.monotonic()
-    with Client("unix:///tmp/pdt-nobody-here/w.sock", "alone", timeout_s=0.3) as client, \
-            pytest.raises(ReplyTimeout, match="pdt-nobody-here"):
+    with (
+        Client("unix:///tmp/pdt-nobody-here/w.sock", "alone", timeout_s=0.3) as client,
+        pytest.raises(ReplyTimeout, match="pdt-nobody-here"),
+    ):
         client.poll(1)
     assert time.monotonic() - started < 3
 
@@ -299,15 +313,17 @@ def _decode_waiting_on_its_doorbell(cluster_factory, scheme="unix"):
     """A decode room expected, never sent: its worker's wait sleeps on the doorbell."""
     cluster, requests = _pair(cluster_factory, worker_scheme=scheme)
     rank = cluster.decode[0].rank_id
-    cluster.clients[rank].expect(8, cluster.bootstrap, requests[Pool.KV][1],
-                                 aux_row=int(requests[Pool.AUX][1][0]))
+    cluster.clients[rank].expect(
+        8, cluster.bootstrap, requests[Pool.KV][1], aux_row=int(requests[Pool.AUX][1][0])
+    )
     assert 8 in cluster.clients[rank]._bells._rooms, "the room has no doorbell to sleep on"
     return cluster, rank
 
 
 @pytest.mark.parametrize("scheme", ["unix", "ipc"])
 def test_a_decode_sidecar_killed_while_its_worker_sleeps_on_a_doorbell_fails_the_wait(
-        cluster_factory, scheme):
+    cluster_factory, scheme
+):
     cluster, rank = _decode_waiting_on_its_doorbell(cluster_factory, scheme)
     threading.Timer(0.5, cluster.sidecars[rank].kill).start()
     started = time.monotonic()
@@ -330,8 +346,9 @@ def test_the_same_for_an_asyncio_wait_on_a_doorbell(cluster_factory, scheme):
     async def waiting():
         async with AsyncClient(cluster.sidecars[rank].endpoint, "aio-decode") as client:
             await client.register(cluster.decode[0], cluster.pools[rank].handles)
-            await client.expect(9, cluster.bootstrap, requests[Pool.KV][1],
-                                aux_row=int(requests[Pool.AUX][1][0]))
+            await client.expect(
+                9, cluster.bootstrap, requests[Pool.KV][1], aux_row=int(requests[Pool.AUX][1][0])
+            )
             assert 9 in client._bells._rooms
             asyncio.get_running_loop().call_later(0.5, cluster.sidecars[rank].kill)
             started = time.monotonic()
@@ -352,10 +369,9 @@ def test_an_idle_client_reaches_its_restarted_sidecar_on_the_next_call(cluster_f
     client = cluster.clients[rank]
     cluster.sidecars[rank].kill()
     restart_sidecar(cluster, rank)
-    with pytest.raises(Refused, match="not_registered"):   # answered by the new sidecar
+    with pytest.raises(Refused, match="not_registered"):  # answered by the new sidecar
         client.poll(1)
     client.register(cluster.decode[0], cluster.pools[rank].handles)
-
 
 
 def test_an_asyncio_client_closed_after_its_event_loop_closes_quietly(lone):
@@ -363,6 +379,6 @@ def test_an_asyncio_client_closed_after_its_event_loop_closes_quietly(lone):
     client = AsyncClient(sidecar.endpoint, "late-close", timeout_s=5)
     loop = asyncio.new_event_loop()
     with pytest.raises(Refused, match="not_registered"):
-        loop.run_until_complete(client.poll(1))   # connected: there is a transport to close
+        loop.run_until_complete(client.poll(1))  # connected: there is a transport to close
     loop.close()
     client.close()

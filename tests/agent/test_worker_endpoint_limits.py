@@ -20,11 +20,12 @@ async def test_a_request_over_max_worker_requests_is_refused_with_over_limit_and
     refused = []
 
     async def handler(op, request, connection):
-        await release.wait()            # e.g. a worker's wait() that has not returned yet
+        await release.wait()  # e.g. a worker's wait() that has not returned yet
         return {"status": "success"}
 
-    endpoint = WorkerEndpoint(context, f"ipc://{tmp_path}/w.sock", handler, max_requests=2,
-                              on_over_limit=lambda: refused.append(1))
+    endpoint = WorkerEndpoint(
+        context, f"ipc://{tmp_path}/w.sock", handler, max_requests=2, on_over_limit=lambda: refused.append(1)
+    )
     server = asyncio.create_task(endpoint.serve())
     worker = context.socket(zmq.DEALER)
     worker.connect(endpoint.address)
@@ -35,9 +36,8 @@ async def test_a_request_over_max_worker_requests_is_refused_with_over_limit_and
         assert reply["id"] == 3 and reply["ok"] is False and reply["code"] == "over_limit"
         assert "2 worker requests are in progress, the limit is max_worker_requests=2" in reply["reason"]
         assert refused == [1]
-        release.set()                   # the two in progress finish normally
-        replies = [msgpack.unpackb(await asyncio.wait_for(worker.recv(), 10), raw=False)
-                   for _ in range(2)]
+        release.set()  # the two in progress finish normally
+        replies = [msgpack.unpackb(await asyncio.wait_for(worker.recv(), 10), raw=False) for _ in range(2)]
         assert sorted(r["id"] for r in replies) == [1, 2] and all(r["ok"] for r in replies)
     finally:
         worker.close(linger=0)

@@ -31,10 +31,15 @@ SITECUSTOMIZE = textwrap.dedent(f"""
 
 
 def test_a_bug_in_a_write_fails_the_room_at_once_and_the_sidecar_serves_on(
-        cluster_factory, tmp_path, monkeypatch):
+    cluster_factory, tmp_path, monkeypatch
+):
     (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        [str(tmp_path)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    monkeypatch.setenv(
+        "PYTHONPATH",
+        os.pathsep.join(
+            [str(tmp_path)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        ),
+    )
     prefill, decode = small_instances("llama-3.1-8b", 1, 1)
     # the transfer timeout is long: a room failed within seconds did not wait for it
     cluster = cluster_factory(prefill, decode, config={"transfer_timeout_s": 60.0})

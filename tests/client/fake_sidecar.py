@@ -39,7 +39,7 @@ class FakeSidecar:
         self.script = script
         self.delays: dict[WorkerOp, float] = {}
         self.requests: list[tuple[WorkerOp, dict[str, Any]]] = []
-        self.raw_replies: list[bytes] = []   # sent verbatim before the scripted reply
+        self.raw_replies: list[bytes] = []  # sent verbatim before the scripted reply
         self._dir = tempfile.mkdtemp(prefix="pdt-")
         self.endpoint = f"ipc://{self._dir}/worker.sock"
         self._context = zmq.Context()
@@ -78,7 +78,6 @@ class FakeSidecar:
                 reply = self.script(op, message)
                 if reply is not None:
                     frames = [identity, worker_api.encode({"id": message["id"], **reply})]
-                    heapq.heappush(due, (time.monotonic() + self.delays.get(op, 0.0),
-                                         next(order), frames))
+                    heapq.heappush(due, (time.monotonic() + self.delays.get(op, 0.0), next(order), frames))
             while due and due[0][0] <= time.monotonic():
                 self._socket.send_multipart(heapq.heappop(due)[2])

@@ -25,10 +25,10 @@ async def test_concurrent_waits_each_get_their_own_rooms_reply(sidecar):
     sidecar.script = script
     sidecar.delays[WorkerOp.WAIT] = 0.2
     async with AsyncClient(sidecar.endpoint, "decode-tp0", timeout_s=2.0) as client:
-        first, second, _ = await asyncio.gather(client.wait(1, 5.0), client.wait(2, 5.0),
-                                                client.expect(3, "tcp://127.0.0.1:9", [0, 1]))
-    assert (first.status, first.code, first.reason) == (RoomStatus.FAILED, Reason.TIMEOUT,
-                                                        "room 1 timed out")
+        first, second, _ = await asyncio.gather(
+            client.wait(1, 5.0), client.wait(2, 5.0), client.expect(3, "tcp://127.0.0.1:9", [0, 1])
+        )
+    assert (first.status, first.code, first.reason) == (RoomStatus.FAILED, Reason.TIMEOUT, "room 1 timed out")
     assert second.succeeded
     assert sorted(op.value for op in sidecar.ops()) == ["expect", "wait", "wait"]
 
@@ -41,15 +41,19 @@ async def test_async_calls_encode_like_the_blocking_client(sidecar):
         assert (await client.poll(4)).succeeded
         assert await client.abort(4) is True
     send = sidecar.requests[0][1]
-    assert (send["pages"], send["state_slots"], send["aux_row"], send["swa_pages"], send["last"]) == \
-           ([3, 1], [0], 2, [5], True)
+    assert (send["pages"], send["state_slots"], send["aux_row"], send["swa_pages"], send["last"]) == (
+        [3, 1],
+        [0],
+        2,
+        [5],
+        True,
+    )
     assert sidecar.ops() == [WorkerOp.SEND, WorkerOp.LAYER_READY, WorkerOp.POLL, WorkerOp.ABORT]
 
 
 @pytest.mark.asyncio
 async def test_async_refusal_raises_with_code_and_reason(sidecar):
-    sidecar.script = lambda op, m: {"ok": False, "code": "not_registered",
-                                    "reason": "register before expect"}
+    sidecar.script = lambda op, m: {"ok": False, "code": "not_registered", "reason": "register before expect"}
     async with AsyncClient(sidecar.endpoint, "w") as client:
         with pytest.raises(Refused) as caught:
             await client.expect(1, "tcp://127.0.0.1:9", [0])

@@ -16,13 +16,30 @@ from pd_transfer.layout.rank_builder import WorkerShape, build_rank
 from pd_transfer.layout.views import Layout
 from pd_transfer.shm import SEGMENT_DIR, open_segment
 
-MODEL = model_from_table({"name": "tiny", "num_layers": 2, "layer_cycle": ["attention"],
-                          "attention": {"num_kv_heads": 4, "head_dim": 8}}, "<tiny>")
+MODEL = model_from_table(
+    {
+        "name": "tiny",
+        "num_layers": 2,
+        "layer_cycle": ["attention"],
+        "attention": {"num_kv_heads": 4, "head_dim": 8},
+    },
+    "<tiny>",
+)
 
 
 def _geometry():
-    return build_rank(MODEL, WorkerShape(role=Role.PREFILL, tp_size=2, tp_rank=0, page_size=4,
-                                         kv_layout=Layout.NHD, num_pages=8, num_aux_rows=2))
+    return build_rank(
+        MODEL,
+        WorkerShape(
+            role=Role.PREFILL,
+            tp_size=2,
+            tp_rank=0,
+            page_size=4,
+            kv_layout=Layout.NHD,
+            num_pages=8,
+            num_aux_rows=2,
+        ),
+    )
 
 
 def _owner(request):

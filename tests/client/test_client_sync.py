@@ -25,13 +25,30 @@ from pd_transfer.protocol import worker_api
 from pd_transfer.protocol.geometry_codec import geometry_from_data
 from pd_transfer.protocol.worker_api import WorkerOp
 
-MODEL = model_from_table({"name": "tiny", "num_layers": 2, "layer_cycle": ["attention"],
-                          "attention": {"num_kv_heads": 4, "head_dim": 8}}, "<tiny>")
+MODEL = model_from_table(
+    {
+        "name": "tiny",
+        "num_layers": 2,
+        "layer_cycle": ["attention"],
+        "attention": {"num_kv_heads": 4, "head_dim": 8},
+    },
+    "<tiny>",
+)
 
 
 def _geometry():
-    return build_rank(MODEL, WorkerShape(role=Role.DECODE, tp_size=2, tp_rank=1, page_size=4,
-                                         kv_layout=Layout.NHD, num_pages=8, num_aux_rows=2))
+    return build_rank(
+        MODEL,
+        WorkerShape(
+            role=Role.DECODE,
+            tp_size=2,
+            tp_rank=1,
+            page_size=4,
+            kv_layout=Layout.NHD,
+            num_pages=8,
+            num_aux_rows=2,
+        ),
+    )
 
 
 @pytest.fixture
@@ -44,7 +61,7 @@ def test_register_sends_the_codec_geometry_handles_and_worker_id(sidecar, client
     geometry = _geometry()
     handles = {r.id: f"/pdt-decode-tp1-{r.id}" for r in geometry.regions}
     client.register(geometry, handles)
-    (op, message), = sidecar.requests
+    ((op, message),) = sidecar.requests
     assert op is WorkerOp.REGISTER
     assert geometry_from_data(message["geometry"]) == geometry
     assert message["handles"] == handles
@@ -54,8 +71,9 @@ def test_register_sends_the_codec_geometry_handles_and_worker_id(sidecar, client
 def test_register_refuses_handles_that_miss_a_region_before_sending(sidecar, client):
     geometry = _geometry()
     with pytest.raises(ValueError, match=r"missing \['aux'\], unknown \['extra'\]"):
-        client.register(geometry, {**{r.id: "seg" for r in geometry.regions if r.id != "aux"},
-                                   "extra": "seg"})
+        client.register(
+            geometry, {**{r.id: "seg" for r in geometry.regions if r.id != "aux"}, "extra": "seg"}
+        )
     assert sidecar.requests == []
 
 
@@ -64,16 +82,27 @@ def test_send_carries_pages_state_aux_and_last_flag(sidecar, client):
     client.send(7, [1], state_slots=(2,), aux_row=0, swa_pages=range(3))
     first, second = (m for _, m in sidecar.requests)
     assert (first["room"], first["pages"], first["last"], first["aux_row"]) == (7, [5, 3, 9], False, None)
-    assert (second["pages"], second["state_slots"], second["aux_row"], second["swa_pages"],
-            second["last"]) == ([1], [2], 0, [0, 1, 2], True)
+    assert (
+        second["pages"],
+        second["state_slots"],
+        second["aux_row"],
+        second["swa_pages"],
+        second["last"],
+    ) == ([1], [2], 0, [0, 1, 2], True)
 
 
 def test_expect_carries_the_bootstrap_address_and_destination(sidecar, client):
     client.expect(9, "tcp://127.0.0.1:7000", [4, 2], state_slots=[1], aux_row=3, swa_pages=[6])
-    (op, message), = sidecar.requests
+    ((op, message),) = sidecar.requests
     assert op is WorkerOp.EXPECT
-    assert (message["room"], message["bootstrap"], message["pages"], message["state_slots"],
-            message["aux_row"], message["swa_pages"]) == (9, "tcp://127.0.0.1:7000", [4, 2], [1], 3, [6])
+    assert (
+        message["room"],
+        message["bootstrap"],
+        message["pages"],
+        message["state_slots"],
+        message["aux_row"],
+        message["swa_pages"],
+    ) == (9, "tcp://127.0.0.1:7000", [4, 2], [1], 3, [6])
 
 
 def test_layer_ready_names_room_and_layer(sidecar, client):
@@ -101,9 +130,11 @@ def test_negative_page_is_refused_before_sending(sidecar, client):
     assert sidecar.requests == []
 
 
-@pytest.mark.parametrize("pages", [[0, 2 ** 63], np.array([2 ** 63], np.uint64),
-                                   list(range(100)) + [2 ** 63]],
-                         ids=["short list", "uint64 array", "long list"])
+@pytest.mark.parametrize(
+    "pages",
+    [[0, 2**63], np.array([2**63], np.uint64), list(range(100)) + [2**63]],
+    ids=["short list", "uint64 array", "long list"],
+)
 def test_a_page_beyond_int64_is_refused_not_wrapped(sidecar, client, pages):
     # numpy once turned uint64 2**63 into int64 -2**63 on the way to the wire
     with pytest.raises(ValueError, match=r"pages: index 9223372036854775808 is beyond any pool"):
@@ -111,11 +142,12 @@ def test_a_page_beyond_int64_is_refused_not_wrapped(sidecar, client, pages):
     assert sidecar.requests == []
 
 
-@pytest.mark.parametrize("pages", [[3, 1], (3, 1), range(3, 0, -2), np.array([3, 1]),
-                                   [np.int64(3), 1], list(range(200))[3:0:-2]])
+@pytest.mark.parametrize(
+    "pages", [[3, 1], (3, 1), range(3, 0, -2), np.array([3, 1]), [np.int64(3), 1], list(range(200))[3:0:-2]]
+)
 def test_pages_of_any_integer_kind_reach_the_sidecar_as_plain_ints(sidecar, client, pages):
     client.send(1, pages)
-    (_, message), = sidecar.requests
+    ((_, message),) = sidecar.requests
     assert message["pages"] == [3, 1] and all(type(p) is int for p in message["pages"])
 
 
@@ -134,20 +166,23 @@ def test_a_wait_timeout_that_is_no_duration_is_refused_before_sending(sidecar, c
 
 
 def test_poll_returns_the_status_and_a_failure_reason(sidecar, client):
-    sidecar.script = lambda op, m: {"ok": True, "status": "failed", "code": "peer_lost",
-                                    "reason": "prefill peer prefill[pp0,tp1] lost"}
+    sidecar.script = lambda op, m: {
+        "ok": True,
+        "status": "failed",
+        "code": "peer_lost",
+        "reason": "prefill peer prefill[pp0,tp1] lost",
+    }
     state = client.poll(4)
-    assert state == RoomState(RoomStatus.FAILED, Reason.PEER_LOST,
-                              "prefill peer prefill[pp0,tp1] lost", "peer_lost")
+    assert state == RoomState(
+        RoomStatus.FAILED, Reason.PEER_LOST, "prefill peer prefill[pp0,tp1] lost", "peer_lost"
+    )
     assert state.is_terminal and state.failed
 
 
 def test_poll_keeps_a_failure_code_this_version_does_not_know(sidecar, client):
-    sidecar.script = lambda op, m: {"ok": True, "status": "failed", "code": "brand_new",
-                                    "reason": "x"}
+    sidecar.script = lambda op, m: {"ok": True, "status": "failed", "code": "brand_new", "reason": "x"}
     state = client.poll(4)
-    assert (state.code, state.code_text, state.describe()) == (None, "brand_new",
-                                                               "failed [brand_new]: x")
+    assert (state.code, state.code_text, state.describe()) == (None, "brand_new", "failed [brand_new]: x")
 
 
 def test_unknown_status_is_a_bad_reply(sidecar, client):
@@ -157,8 +192,11 @@ def test_unknown_status_is_a_bad_reply(sidecar, client):
 
 
 def test_refusal_raises_with_the_sidecars_code_and_reason(sidecar, client):
-    sidecar.script = lambda op, m: {"ok": False, "code": "duplicate_room",
-                                    "reason": "room 5 is already expected"}
+    sidecar.script = lambda op, m: {
+        "ok": False,
+        "code": "duplicate_room",
+        "reason": "room 5 is already expected",
+    }
     with pytest.raises(Refused) as caught:
         client.expect(5, "tcp://127.0.0.1:1", [0])
     assert caught.value.code is Reason.DUPLICATE_ROOM
@@ -195,7 +233,7 @@ def test_a_late_reply_is_not_taken_for_the_next_calls(sidecar):
     with Client(sidecar.endpoint, "w", timeout_s=0.2) as client:
         with pytest.raises(ReplyTimeout):
             client.poll(1)
-        time.sleep(0.4)     # the poll reply ("success") is now queued at the client
+        time.sleep(0.4)  # the poll reply ("success") is now queued at the client
         sidecar.script = lambda op, m: {"ok": True, "drained": False}
         assert client.abort(1) is False
 

@@ -12,8 +12,12 @@ from deploy_files import DASHBOARD, KUBERNETES, PROMETHEUS, exported_families, l
 
 @pytest.fixture(scope="session")
 def k8s_docs() -> list[tuple[Path, dict]]:
-    return [(path, doc) for path in sorted(KUBERNETES.glob("*.yaml"))
-            if path.name != "kustomization.yaml" for doc in load_yaml_docs(path)]
+    return [
+        (path, doc)
+        for path in sorted(KUBERNETES.glob("*.yaml"))
+        if path.name != "kustomization.yaml"
+        for doc in load_yaml_docs(path)
+    ]
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ import re
 import pytest
 from deploy_files import PROMETHEUS, ROOT
 
-RUNBOOK = re.compile(r"^docs/operations\.md#([a-z0-9-]+)$")   # relative to the source tree
+RUNBOOK = re.compile(r"^docs/operations\.md#([a-z0-9-]+)$")  # relative to the source tree
 
 
 def _rules(alert_rules):
@@ -43,15 +43,18 @@ def test_failure_rate_alert_is_per_reason(alert_rules):
     assert "pd_transfer_transfers_total" in expr
 
 
-@pytest.mark.parametrize("alert, needle", [
-    ("PdTransferPeerLost", 'pd_transfer_peers{state="lost"}'),
-    ("PdTransferPeerFlapping", "pd_transfer_peer_heartbeat_misses_total"),
-    ("PdTransferPeerRejected", 'pd_transfer_peers{state="rejected"}'),
-    ("PdTransferSidecarNotReady", 'probe_success{job="blackbox-pd-transfer-readyz"}'),
-    ("PdTransferSidecarNotReady", 'kube_pod_init_container_status_ready{container="pd-transfer"}'),
-    ("PdTransferBuildInfoMissing", "unless on (job, instance) pd_transfer_build_info"),
-    ("PdTransferSidecarDown", "up{"),
-])
+@pytest.mark.parametrize(
+    "alert, needle",
+    [
+        ("PdTransferPeerLost", 'pd_transfer_peers{state="lost"}'),
+        ("PdTransferPeerFlapping", "pd_transfer_peer_heartbeat_misses_total"),
+        ("PdTransferPeerRejected", 'pd_transfer_peers{state="rejected"}'),
+        ("PdTransferSidecarNotReady", 'probe_success{job="blackbox-pd-transfer-readyz"}'),
+        ("PdTransferSidecarNotReady", 'kube_pod_init_container_status_ready{container="pd-transfer"}'),
+        ("PdTransferBuildInfoMissing", "unless on (job, instance) pd_transfer_build_info"),
+        ("PdTransferSidecarDown", "up{"),
+    ],
+)
 def test_required_alert_watches_its_signal(alert_rules, alert, needle):
     assert needle in _by_name(alert_rules)[alert]["expr"]
 
@@ -73,8 +76,9 @@ def test_runbook_anchors_are_sections_of_the_operations_doc(alert_rules):
     doc = ROOT / "docs" / "operations.md"
     if not doc.exists():
         pytest.skip("docs/operations.md is not written yet")
-    anchors = {_github_anchor(line.lstrip("#")) for line in doc.read_text().splitlines()
-               if line.startswith("#")}
+    anchors = {
+        _github_anchor(line.lstrip("#")) for line in doc.read_text().splitlines() if line.startswith("#")
+    }
     wanted = {RUNBOOK.match(r["annotations"]["runbook_url"]).group(1) for r in _rules(alert_rules)}
     assert wanted <= anchors, f"sections missing in docs/operations.md: {sorted(wanted - anchors)}"
 
@@ -85,8 +89,11 @@ def test_scrape_config_loads_the_rules_and_finds_sidecars_both_ways(scrape_confi
     jobs = {job["job_name"]: job for job in scrape_config["scrape_configs"]}
     kubernetes = jobs["pd-transfer"]
     assert kubernetes["kubernetes_sd_configs"] == [{"role": "pod"}]
-    keep_port = {"source_labels": ["__meta_kubernetes_pod_container_port_name"], "regex": "metrics",
-                 "action": "keep"}
+    keep_port = {
+        "source_labels": ["__meta_kubernetes_pod_container_port_name"],
+        "regex": "metrics",
+        "action": "keep",
+    }
     assert keep_port in kubernetes["relabel_configs"]
     static = jobs["pd-transfer-static"]["static_configs"]
     assert all(target.rsplit(":", 1)[1].startswith("94") for group in static for target in group["targets"])

@@ -16,12 +16,21 @@ def test_metric_names_list_every_family_the_registry_exports(families):
 
 
 def test_checker_rejects_unknown_bare_histogram_and_suffixless_counter_names(families):
-    names = {"pd_transfer_nope", "pd_transfer_transfer_duration_seconds", "pd_transfer_transfers",
-             "pd_transfer_rooms_bucket", "pd_transfer_transfer_duration_seconds_bucket",
-             "pd_transfer_transfers_total", "pd_transfer_rooms"}
+    names = {
+        "pd_transfer_nope",
+        "pd_transfer_transfer_duration_seconds",
+        "pd_transfer_transfers",
+        "pd_transfer_rooms_bucket",
+        "pd_transfer_transfer_duration_seconds_bucket",
+        "pd_transfer_transfers_total",
+        "pd_transfer_rooms",
+    }
     assert unexported(names, METRIC_NAMES, families) == [
-        "pd_transfer_nope", "pd_transfer_rooms_bucket", "pd_transfer_transfer_duration_seconds",
-        "pd_transfer_transfers"]
+        "pd_transfer_nope",
+        "pd_transfer_rooms_bucket",
+        "pd_transfer_transfer_duration_seconds",
+        "pd_transfer_transfers",
+    ]
 
 
 def test_dashboard_uses_only_exported_metrics(dashboard, families):

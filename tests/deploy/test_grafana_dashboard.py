@@ -41,8 +41,9 @@ def test_panel_ids_are_unique_and_panels_do_not_overlap(dashboard):
     for panel in dashboard["panels"]:
         pos = panel["gridPos"]
         assert 0 <= pos["x"] and pos["x"] + pos["w"] <= 24, panel["title"]
-        mine = {(x, y) for x in range(pos["x"], pos["x"] + pos["w"])
-                for y in range(pos["y"], pos["y"] + pos["h"])}
+        mine = {
+            (x, y) for x in range(pos["x"], pos["x"] + pos["w"]) for y in range(pos["y"], pos["y"] + pos["h"])
+        }
         assert not mine & cells, f"{panel['title']} overlaps another panel"
         cells |= mine
 
@@ -56,28 +57,31 @@ def test_query_ref_ids_are_unique_per_panel(dashboard):
 def test_dashboard_covers_the_operators_questions(dashboard):
     used = metric_names_in(dashboard)
     assert {
-        "pd_transfer_transfer_bytes_sum",                   # throughput
-        "pd_transfer_transfer_duration_seconds_bucket",     # latency quantiles
-        "pd_transfer_transfer_failures_total",              # failures by reason
-        "pd_transfer_rooms",                                # rooms by state
-        "pd_transfer_peers",                                # peers by state
-        "pd_transfer_peer_heartbeat_age_seconds",           # heartbeat age
-        "pd_transfer_verdicts_total",                       # verdicts by outcome/reason
-        "pd_transfer_bad_frames_total",                     # bad frames
-        "pd_transfer_bootstrap_duration_seconds_bucket",    # bootstrap duration
+        "pd_transfer_transfer_bytes_sum",  # throughput
+        "pd_transfer_transfer_duration_seconds_bucket",  # latency quantiles
+        "pd_transfer_transfer_failures_total",  # failures by reason
+        "pd_transfer_rooms",  # rooms by state
+        "pd_transfer_peers",  # peers by state
+        "pd_transfer_peer_heartbeat_age_seconds",  # heartbeat age
+        "pd_transfer_verdicts_total",  # verdicts by outcome/reason
+        "pd_transfer_bad_frames_total",  # bad frames
+        "pd_transfer_bootstrap_duration_seconds_bucket",  # bootstrap duration
     } <= used
 
 
 def test_latency_panel_shows_p50_p90_p99(dashboard):
-    exprs = [e for p in _panels(dashboard) for e in _exprs(p)
-             if "pd_transfer_transfer_duration_seconds_bucket" in e]
+    exprs = [
+        e
+        for p in _panels(dashboard)
+        for e in _exprs(p)
+        if "pd_transfer_transfer_duration_seconds_bucket" in e
+    ]
     quantiles = {e.split("histogram_quantile(", 1)[1].split(",", 1)[0] for e in exprs}
     assert {"0.5", "0.9", "0.99"} <= quantiles
 
 
 def test_failures_are_broken_down_by_reason(dashboard):
-    exprs = [e for p in _panels(dashboard) for e in _exprs(p)
-             if "pd_transfer_transfer_failures_total" in e]
+    exprs = [e for p in _panels(dashboard) for e in _exprs(p) if "pd_transfer_transfer_failures_total" in e]
     assert any("by (role, reason)" in e for e in exprs)
 
 
@@ -87,5 +91,6 @@ def test_panels_over_counters_show_zero_rather_than_no_data(dashboard):
     for panel in _panels(dashboard):
         if any("_total" in expr for expr in _exprs(panel)):
             no_value = panel["fieldConfig"]["defaults"].get("noValue")
-            assert no_value == ("no transfers" if panel["title"] == "Transfer success (1h)"
-                                else "0"), panel["title"]
+            assert no_value == ("no transfers" if panel["title"] == "Transfer success (1h)" else "0"), panel[
+                "title"
+            ]

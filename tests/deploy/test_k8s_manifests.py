@@ -13,7 +13,7 @@ from deploy_files import KUBERNETES, PROMETHEUS
 
 from pd_transfer.config import SidecarConfig, load_sidecar_config
 
-SIDECAR_IMAGE = "pd-transfer:0.1.0"   # the Dockerfile's (test_dockerfile.py)
+SIDECAR_IMAGE = "pd-transfer:0.1.0"  # the Dockerfile's (test_dockerfile.py)
 CONFIG_PATH = "/etc/pd-transfer/sidecar.toml"
 
 
@@ -37,8 +37,9 @@ def _ports(container):
 def _sidecar_config(kustomization, statefulset):
     """The sidecar's config: the TOML file behind the ConfigMap its pod mounts."""
     volume = next(v for v in _pod(statefulset)["volumes"] if "configMap" in v)
-    generator = next(g for g in kustomization["configMapGenerator"]
-                     if g["name"] == volume["configMap"]["name"])
+    generator = next(
+        g for g in kustomization["configMapGenerator"] if g["name"] == volume["configMap"]["name"]
+    )
     key, source = generator["files"][0].split("=")
     assert key == CONFIG_PATH.rsplit("/", 1)[1]
     return volume, load_sidecar_config(str(KUBERNETES / source), {})
@@ -103,8 +104,12 @@ def test_sidecar_probes_hit_healthz_and_readyz_on_the_metrics_port(statefulsets,
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_dev_shm_is_a_memory_emptydir_shared_by_both_containers(statefulsets, role):
     statefulset = statefulsets[role]
-    shm_volumes = {m["name"] for c in _containers(statefulset).values() for m in c["volumeMounts"]
-                   if m["mountPath"] == "/dev/shm"}
+    shm_volumes = {
+        m["name"]
+        for c in _containers(statefulset).values()
+        for m in c["volumeMounts"]
+        if m["mountPath"] == "/dev/shm"
+    }
     assert len(shm_volumes) == 1
     volume = next(v for v in _pod(statefulset)["volumes"] if v["name"] in shm_volumes)
     assert volume["emptyDir"]["medium"] == "Memory"
@@ -117,8 +122,11 @@ def test_sidecar_ports_match_each_roles_config(statefulsets, kustomization):
     prefill, decode = statefulsets["prefill"], statefulsets["decode"]
     _, prefill_config = _sidecar_config(kustomization, prefill)
     _, decode_config = _sidecar_config(kustomization, decode)
-    assert _ports(_sidecar(prefill)) == {"control": prefill_config.control_port, "bootstrap": 8998,
-                                         "metrics": 9400}
+    assert _ports(_sidecar(prefill)) == {
+        "control": prefill_config.control_port,
+        "bootstrap": 8998,
+        "metrics": 9400,
+    }
     assert _ports(_sidecar(decode)) == {"data": decode_config.data_port, "metrics": 9400}
 
 
@@ -165,8 +173,11 @@ def test_services_select_pods_and_target_their_named_ports(statefulsets, k8s_doc
     for service in services:
         selector = dict(service["spec"]["selector"])
         pod_name = selector.pop("statefulset.kubernetes.io/pod-name", None)
-        matches = [s for s in statefulsets.values()
-                   if selector.items() <= s["spec"]["template"]["metadata"]["labels"].items()]
+        matches = [
+            s
+            for s in statefulsets.values()
+            if selector.items() <= s["spec"]["template"]["metadata"]["labels"].items()
+        ]
         assert len(matches) == 1, service["metadata"]["name"]
         statefulset = matches[0]
         if pod_name is not None:
@@ -211,8 +222,9 @@ def test_sidecar_config_files_are_plain_toml_with_a_sidecar_table():
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
 def test_kustomize_renders_with_generated_configmaps_wired_in():
-    result = subprocess.run(["kubectl", "kustomize", str(KUBERNETES)], capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        ["kubectl", "kustomize", str(KUBERNETES)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     docs = [d for d in yaml.safe_load_all(result.stdout) if d]
     configmaps = {d["metadata"]["name"] for d in docs if d["kind"] == "ConfigMap"}
@@ -236,8 +248,9 @@ def test_sidecar_environment_holds_no_unknown_config_variables(statefulsets, kus
             assert name.removeprefix("PD_TRANSFER_") in fields, name
     # the start as the sidecar sees it: the ConfigMap's file, the literal variables, --role
     volume = next(v for v in _pod(statefulset)["volumes"] if "configMap" in v)
-    generator = next(g for g in kustomization["configMapGenerator"]
-                     if g["name"] == volume["configMap"]["name"])
+    generator = next(
+        g for g in kustomization["configMapGenerator"] if g["name"] == volume["configMap"]["name"]
+    )
     source = KUBERNETES / generator["files"][0].split("=")[1]
     environ = {e["name"]: e["value"] for e in env if "value" in e}
     assert load_sidecar_config(str(source), {"role": role}, environ, from_flags=True).role.value == role
@@ -246,23 +259,24 @@ def test_sidecar_environment_holds_no_unknown_config_variables(statefulsets, kus
 def _secret_mounts(container, pod) -> dict[str, str]:
     """mountPath -> Secret name of the Secret volumes ``container`` mounts."""
     secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
-    return {m["mountPath"]: secrets[m["name"]] for m in container.get("volumeMounts", [])
-            if m["name"] in secrets}
+    return {
+        m["mountPath"]: secrets[m["name"]] for m in container.get("volumeMounts", []) if m["name"] in secrets
+    }
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_sidecar_and_worker_read_the_shared_secret_from_a_mounted_secret(statefulsets, kustomization,
-                                                                         role):
+def test_sidecar_and_worker_read_the_shared_secret_from_a_mounted_secret(statefulsets, kustomization, role):
     statefulset = statefulsets[role]
     pod, containers = _pod(statefulset), _containers(statefulset)
     volume = next(v for v in pod["volumes"] if "configMap" in v)
-    generator = next(g for g in kustomization["configMapGenerator"]
-                     if g["name"] == volume["configMap"]["name"])
+    generator = next(
+        g for g in kustomization["configMapGenerator"] if g["name"] == volume["configMap"]["name"]
+    )
     source = generator["files"][0].split("=")[1]
     # read without this process's environment: PD_TRANSFER_SECRET_FILE would override the file
     config = load_sidecar_config(str(KUBERNETES / source), {}, {})
     assert config.secret_file and not config.allow_insecure
-    if role == "decode":   # one name for every rank: rooms are bound to it (docs/security.md)
+    if role == "decode":  # one name for every rank: rooms are bound to it (docs/security.md)
         assert config.instance_id == statefulset["metadata"]["name"]
     secret_dir, secret_name = config.secret_file.rsplit("/", 1)[0], "pd-transfer-secret"
     assert _secret_mounts(containers["pd-transfer"], pod) == {secret_dir: secret_name}
@@ -272,7 +286,7 @@ def test_sidecar_and_worker_read_the_shared_secret_from_a_mounted_secret(statefu
     assert _secret_mounts(containers["worker"], pod) == {secret_dir: secret_name}
     secret_volume = next(v for v in pod["volumes"] if "secret" in v)
     assert secret_volume["secret"]["defaultMode"] == 0o400
-    assert secret_volume["secret"].get("optional", False) is False   # no Secret: the pod waits
+    assert secret_volume["secret"].get("optional", False) is False  # no Secret: the pod waits
 
 
 def test_the_secret_is_made_per_deployment_never_committed(kustomization):

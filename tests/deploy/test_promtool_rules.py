@@ -18,7 +18,8 @@ from deploy_files import DASHBOARD, KUBERNETES, PROMETHEUS, ROOT
 CASES = ROOT / "tests" / "deploy" / "promtool" / "alerts_test.yml"
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
-    PROMTOOL is None, reason="promtool is not installed (Debian: apt-get install prometheus)")
+    PROMTOOL is None, reason="promtool is not installed (Debian: apt-get install prometheus)"
+)
 
 
 def _rules() -> dict[str, dict]:
@@ -41,8 +42,9 @@ def test_every_alert_has_a_firing_and_a_quiet_promtool_case():
 
 
 def test_the_cases_test_the_shipped_rules_file():
-    assert [(CASES.parent / f).resolve() for f in _cases()["rule_files"]] == \
-        [(PROMETHEUS / "alerts.yml").resolve()]
+    assert [(CASES.parent / f).resolve() for f in _cases()["rule_files"]] == [
+        (PROMETHEUS / "alerts.yml").resolve()
+    ]
 
 
 @needs_promtool
@@ -52,8 +54,9 @@ def test_promtool_checks_the_rules(path, tmp_path):
         rules = tmp_path / "rules.yml"
         rules.write_text(yaml.safe_dump({"groups": yaml.safe_load(path.read_text())["spec"]["groups"]}))
         path = rules
-    result = subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [PROMTOOL, "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -64,28 +67,45 @@ def test_promtool_unit_tests_of_every_alert_pass(tmp_path):
     for test in cases["tests"]:
         for case in test["alert_rule_test"]:
             for alert in case.get("exp_alerts") or []:
-                alert["exp_annotations"]["runbook_url"] = \
-                    rules[case["alertname"]]["annotations"]["runbook_url"]
+                alert["exp_annotations"]["runbook_url"] = rules[case["alertname"]]["annotations"][
+                    "runbook_url"
+                ]
     path = tmp_path / "alerts_test.yml"
     path.write_text(yaml.safe_dump(cases, sort_keys=False, width=10000))
-    result = subprocess.run([PROMTOOL, "test", "rules", str(path)], capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [PROMTOOL, "test", "rules", str(path)], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout + result.stderr
 
 
 @needs_promtool
 def test_every_dashboard_query_parses(tmp_path):
-    values = {"$__rate_interval": "1m", "$__range": "1h", "$job": ".*", "$instance": ".*",
-              "$role": ".*"}
-    exprs = [target["expr"] for panel in json.loads(DASHBOARD.read_text())["panels"]
-             for target in panel.get("targets", [])]
+    values = {"$__rate_interval": "1m", "$__range": "1h", "$job": ".*", "$instance": ".*", "$role": ".*"}
+    exprs = [
+        target["expr"]
+        for panel in json.loads(DASHBOARD.read_text())["panels"]
+        for target in panel.get("targets", [])
+    ]
     for name in sorted(values, key=len, reverse=True):
         exprs = [expr.replace(name, values[name]) for expr in exprs]
     assert exprs and not [e for e in exprs if "$" in e]
     rules = tmp_path / "dashboard.yml"
-    rules.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": [
-        {"record": f"dashboard:query{i}", "expr": expr} for i, expr in enumerate(exprs)]}]}))
-    result = subprocess.run([PROMTOOL, "check", "rules", str(rules)], capture_output=True,
-                            text=True, timeout=60)
+    rules.write_text(
+        yaml.safe_dump(
+            {
+                "groups": [
+                    {
+                        "name": "dashboard",
+                        "rules": [
+                            {"record": f"dashboard:query{i}", "expr": expr} for i, expr in enumerate(exprs)
+                        ],
+                    }
+                ]
+            }
+        )
+    )
+    result = subprocess.run(
+        [PROMTOOL, "check", "rules", str(rules)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -63,8 +63,8 @@ def test_sigterm_drains_within_the_stop_timeout(unit):
 
 def test_hardening_keeps_dev_shm_shared(unit):
     service = unit["Service"]
-    assert service["RemoveIPC"] == ["no"]          # would delete the worker's pools on stop
-    assert service.get("DynamicUser", ["no"])[-1] == "no"    # implies RemoveIPC=yes
+    assert service["RemoveIPC"] == ["no"]  # would delete the worker's pools on stop
+    assert service.get("DynamicUser", ["no"])[-1] == "no"  # implies RemoveIPC=yes
     assert service.get("PrivateDevices", ["no"])[-1] == "no"
     assert "/dev/shm" in service["ReadWritePaths"][-1].split()
     for key in ("InaccessiblePaths", "ReadOnlyPaths", "TemporaryFileSystem"):
@@ -80,8 +80,9 @@ def test_runtime_directory_is_per_instance(unit):
 
 
 def _documented_venv() -> str:
-    (venv,) = re.findall(r"^#\s+python3 -m venv (\S+) && \1/bin/pip install .* \.$",
-                         SYSTEMD_UNIT.read_text(), re.M)
+    (venv,) = re.findall(
+        r"^#\s+python3 -m venv (\S+) && \1/bin/pip install .* \.$", SYSTEMD_UNIT.read_text(), re.M
+    )
     return venv
 
 
@@ -97,8 +98,10 @@ def test_the_unit_names_no_placeholder_url():
     assert "example" not in SYSTEMD_UNIT.read_text()
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
-                    reason="systemd-analyze is not installed (Debian's systemd package)")
+@pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None,
+    reason="systemd-analyze is not installed (Debian's systemd package)",
+)
 def test_systemd_analyze_verify_passes(tmp_path):
     # systemd-analyze checks that ExecStart's program exists: point it at this environment's
     # pd-transfer (the README's install), everything else as shipped
@@ -106,10 +109,10 @@ def test_systemd_analyze_verify_passes(tmp_path):
     if not program.exists():
         pytest.skip(f"{program} is not installed")
     copy = tmp_path / SYSTEMD_UNIT.name
-    copy.write_text(SYSTEMD_UNIT.read_text().replace(f"{_documented_venv()}/bin/pd-transfer",
-                                                     str(program)))
-    result = subprocess.run(["systemd-analyze", "verify", str(copy)], capture_output=True,
-                            text=True, timeout=120)
+    copy.write_text(SYSTEMD_UNIT.read_text().replace(f"{_documented_venv()}/bin/pd-transfer", str(program)))
+    result = subprocess.run(
+        ["systemd-analyze", "verify", str(copy)], capture_output=True, text=True, timeout=120
+    )
     # verify exits 0 on warnings too ("Unknown key ..., ignoring"): none may name the unit
     said = [line for line in (result.stdout + result.stderr).splitlines() if "pd-transfer@" in line]
     assert result.returncode == 0 and said == [], result.stdout + result.stderr

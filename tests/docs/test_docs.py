@@ -22,8 +22,7 @@ from pd_transfer.metrics import METRIC_NAMES
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 SHAPE = {"page_size": 16, "kv_layout": Layout.NHD, "num_pages": 64, "num_slots": 8}
-RUNBOOK_ANCHORS = ("transfer-failures", "peer-lost", "not-ready", "rejected-peer", "timeouts",
-                   "bad-frames")
+RUNBOOK_ANCHORS = ("transfer-failures", "peer-lost", "not-ready", "rejected-peer", "timeouts", "bad-frames")
 
 
 def _doc(name: str) -> str:
@@ -53,6 +52,7 @@ def _rank(ranks, rank_id: str):
 
 # -- generated tables ---------------------------------------------------------------
 
+
 def test_generated_tables_match_the_code():
     diff = docgen.check(DOCS)
     assert diff == "", f"docs are stale; run `python -m pd_transfer.docgen`:\n{diff[:4000]}"
@@ -62,11 +62,14 @@ def test_docgen_check_reports_a_stale_table_and_exits_1(tmp_path):
     docs = tmp_path / "docs"
     shutil.copytree(DOCS, docs)
     path = docs / "protocol.md"
-    path.write_text(path.read_text().replace("| `idle` | decode | `hello` | `greeting` |",
-                                             "| `idle` | prefill | `hello` | `greeting` |"))
+    path.write_text(
+        path.read_text().replace(
+            "| `idle` | decode | `hello` | `greeting` |", "| `idle` | prefill | `hello` | `greeting` |"
+        )
+    )
     assert "-| `idle` | prefill | `hello` | `greeting` |" in docgen.check(docs)
     assert docgen.main(["--check", "--docs", str(docs)]) == 1
-    assert docgen.main(["--docs", str(docs)]) == 0      # rewrites the block
+    assert docgen.main(["--docs", str(docs)]) == 0  # rewrites the block
     assert docgen.check(docs) == ""
 
 
@@ -79,14 +82,16 @@ def test_transition_table_lists_every_transition_of_the_code():
     rows = set(re.findall(r"^\| `(\w+)` \| (\w+) \| `(\w+)` \| `(\w+)` \|$", _doc("protocol.md"), re.M))
     expanded = set()
     for state, sender, trigger, next_state in rows:
-        for role in ((Role.PREFILL, Role.DECODE) if sender == "either" else (Role(sender),)):
+        for role in (Role.PREFILL, Role.DECODE) if sender == "either" else (Role(sender),):
             expanded.add((state, role.value, trigger, next_state))
     from pd_transfer.protocol import TRANSITIONS
+
     code = {(s.value, r.value, t.value, n.value) for (s, r, t), n in TRANSITIONS.items()}
     assert expanded == code
 
 
 # -- catalogs -----------------------------------------------------------------------
+
 
 def test_every_reason_code_has_a_catalog_entry_with_a_fix():
     text = _without_generated(_doc("errors.md"))
@@ -113,6 +118,7 @@ def test_runbook_has_the_anchors_alert_rules_link_to():
 
 def test_docs_state_the_default_http_port():
     from pd_transfer.config import SidecarConfig
+
     port = SidecarConfig(role=Role.DECODE).http_port
     assert f"default port {port}" in _doc("architecture.md")
     assert f"(default {port})" in _doc("operations.md")
@@ -120,10 +126,11 @@ def test_docs_state_the_default_http_port():
 
 # -- worked examples in layouts.md ----------------------------------------------------
 
+
 def _piece_rows(recon, decode, key, *, with_shard: bool) -> list[str]:
     rows = []
     for geometry in decode:
-        (writer, pieces), = recon.pieces(key, geometry).items()
+        ((writer, pieces),) = recon.pieces(key, geometry).items()
         cells = [f"`{geometry.rank_id}`"]
         if with_shard:
             cells.append(f"`{geometry.view(key).shard.describe()}`")
@@ -142,19 +149,23 @@ def test_layouts_gqa_tp2_to_tp4_example_matches_the_planner():
     assert set(modes[Pool.KV]) == {Mode.SLICED}
     assert f"{modes[Pool.KV][Mode.SLICED]} `kv` tensors `sliced`" in text
     from pd_transfer.layout.fanout import decode_ranks_fed
+
     for rank in prefill:
         assert f"{decode_ranks_fed(recon, rank.rank_id, decode[0])}" in text
     src, dst = _rank(prefill, "prefill[pp0,tp1]"), _rank(decode, "decode[pp0,tp3]")
     plan = plan_pair(recon, src, dst, {Pool.KV: ([3], [5])})
     batch = plan.batches[0]
-    assert (f"**{plan.num_descriptors} descriptors, {plan.num_runs} runs, "
-            f"{plan.total_nbytes} bytes**") in text
+    assert (
+        f"**{plan.num_descriptors} descriptors, {plan.num_runs} runs, {plan.total_nbytes} bytes**"
+    ) in text
     assert f"`count` {batch.count[0]}" in text
     assert f"each piece {batch.nbytes[0]} bytes" in text
     assert f"source stride {batch.src_stride}, destination stride {batch.dst_stride}" in text
     merged = plan_pair(recon, src, dst, {Pool.KV: ([3, 4], [5, 6])})
-    assert f"{merged.num_descriptors} descriptors of count {merged.batches[0].count[0]} " \
-           f"({merged.num_runs} runs)" in text
+    assert (
+        f"{merged.num_descriptors} descriptors of count {merged.batches[0].count[0]} "
+        f"({merged.num_runs} runs)" in text
+    )
     scattered = plan_pair(recon, src, dst, {Pool.KV: ([3, 9], [5, 6])})
     assert f"give {scattered.num_descriptors} descriptors" in text
 
@@ -167,8 +178,10 @@ def test_layouts_hnd_and_replicated_head_notes_match_the_planner():
     recon = reconcile(prefill, decode)
     assert {v.mode.value for v in recon.verdicts if v.key[0] is Pool.KV} == {"converted"}
     plan = plan_pair(recon, prefill[0], decode[0], {Pool.KV: ([3], [5])})
-    assert f"{plan.num_descriptors} descriptors of {plan.batches[0].count[0]} pieces of " \
-           f"{plan.batches[0].nbytes[0]} bytes" in text
+    assert (
+        f"{plan.num_descriptors} descriptors of {plan.batches[0].count[0]} pieces of "
+        f"{plan.batches[0].nbytes[0]} bytes" in text
+    )
     _, q_decode, q_recon = _pair("qwen3-next-80b-a3b", 2, 4)
     key = next(v.key for v in q_decode[0].views if v.pool is Pool.KV)
     assert {w for g in q_decode[:2] for w in q_recon.pieces(key, g)} == {"prefill[pp0,tp0]"}
@@ -185,8 +198,10 @@ def test_layouts_mla_tp4_to_tp2_example_matches_the_planner():
         assert re.search(rf"^\| `{re.escape(geometry.rank_id)}` \|.*\| `{re.escape(writer)}`", text, re.M)
     modes = recon.modes_by_pool()
     assert set(modes[Pool.KV]) == set(modes[Pool.AUX]) == {Mode.REPLICATED}
-    assert f"{modes[Pool.KV][Mode.REPLICATED]} `kv` tensors and " \
-           f"{modes[Pool.AUX][Mode.REPLICATED]} `aux` tensors `replicated`" in flat
+    assert (
+        f"{modes[Pool.KV][Mode.REPLICATED]} `kv` tensors and "
+        f"{modes[Pool.AUX][Mode.REPLICATED]} `aux` tensors `replicated`" in flat
+    )
     plan = plan_pair(recon, prefill[0], decode[0], {Pool.KV: ([3], [5])})
     assert f"**{plan.num_descriptors} descriptors, {plan.num_runs} runs, {plan.total_nbytes} bytes**" in flat
     assert f"one contiguous run of {plan.batches[0].nbytes[0]} bytes" in flat
@@ -208,17 +223,30 @@ def test_layouts_gdn_conv_groups_example_matches_the_planner():
     temporal = (Pool.MAMBA, 0, "temporal")
     (piece,) = recon.pieces(temporal, decode[1])["prefill[pp0,tp0]"]
     head_nbytes = decode[1].view(temporal).item_nbytes // decode[1].view(temporal).shape[1]
-    assert f"`{piece!r}` of `prefill[pp0,tp0]`, that is {piece.length} heads = " \
-           f"{piece.length * head_nbytes} bytes" in text
+    assert (
+        f"`{piece!r}` of `prefill[pp0,tp0]`, that is {piece.length} heads = "
+        f"{piece.length * head_nbytes} bytes" in text
+    )
     plan = plan_pair(recon, prefill[0], decode[1], {Pool.MAMBA: ([2], [5])})
     assert f"**{plan.num_descriptors} descriptors, {plan.total_nbytes} bytes**" in text
 
 
-@pytest.mark.parametrize("layout", [Layout.NHD, Layout.HND, Layout.LAYER_FIRST, Layout.PAGE_FIRST,
-                                    Layout.PAGE_FIRST_DIRECT, Layout.PAGE_HEAD])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout.NHD,
+        Layout.HND,
+        Layout.LAYER_FIRST,
+        Layout.PAGE_FIRST,
+        Layout.PAGE_FIRST_DIRECT,
+        Layout.PAGE_HEAD,
+    ],
+)
 def test_layouts_stride_table_matches_the_pool_builders(layout):
-    geometry = build_rank(load_preset("llama-3.1-8b"), WorkerShape(
-        role=Role.PREFILL, tp_size=2, tp_rank=0, page_size=16, kv_layout=layout, num_pages=1024))
+    geometry = build_rank(
+        load_preset("llama-3.1-8b"),
+        WorkerShape(role=Role.PREFILL, tp_size=2, tp_rank=0, page_size=16, kv_layout=layout, num_pages=1024),
+    )
     k0, k1, v0 = (geometry.view((Pool.KV, layer, name)) for layer, name in ((0, "k"), (1, "k"), (0, "v")))
     row = f"| `{layout.value}` | `{k0.region}` | `{tuple(k0.strides_nbytes)}` |"
     if layout.is_host:
@@ -229,17 +257,25 @@ def test_layouts_stride_table_matches_the_pool_builders(layout):
 
 
 def test_integration_example_views_equal_the_pool_builders():
-    block = next(b for b in re.findall(r"```python\n(.*?)```", _doc("integration.md"), re.S)
-                 if "def nhd_kv_geometry" in b)
+    block = next(
+        b
+        for b in re.findall(r"```python\n(.*?)```", _doc("integration.md"), re.S)
+        if "def nhd_kv_geometry" in b
+    )
     namespace: dict = {}
     exec(compile(block, "integration.md", "exec"), namespace)
-    built = build_rank(load_preset("llama-3.1-8b"), WorkerShape(
-        role=Role.PREFILL, tp_size=2, tp_rank=1, page_size=16, kv_layout=Layout.NHD, num_pages=1024))
+    built = build_rank(
+        load_preset("llama-3.1-8b"),
+        WorkerShape(
+            role=Role.PREFILL, tp_size=2, tp_rank=1, page_size=16, kv_layout=Layout.NHD, num_pages=1024
+        ),
+    )
     mine = namespace["nhd_kv_geometry"](Role.PREFILL, 2, 1)
     assert mine.views == tuple(v for v in built.views if v.pool is Pool.KV)
 
 
 # -- links ---------------------------------------------------------------------------
+
 
 def _anchors(text: str) -> set[str]:
     text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
@@ -278,5 +314,6 @@ def test_worked_example_plans_are_vectorised_not_truncated():
     # guard for the examples above: the request sizes used in layouts.md plan exactly
     prefill, decode, recon = _pair("llama-3.1-8b", 2, 4)
     plan = plan_pair(recon, prefill[1], decode[3], {Pool.KV: (np.array([3, 9]), np.array([5, 6]))})
-    assert plan.total_nbytes == 2 * plan_pair(recon, prefill[1], decode[3],
-                                              {Pool.KV: ([3], [5])}).total_nbytes
+    assert (
+        plan.total_nbytes == 2 * plan_pair(recon, prefill[1], decode[3], {Pool.KV: ([3], [5])}).total_nbytes
+    )

@@ -30,8 +30,12 @@ from pd_transfer.layout.views import Layout, Pool
 from pd_transfer.shm import SEGMENT_DIR
 from pd_transfer.sim.content import check_destination, fill_source
 
-TINY = {"name": "tiny", "num_layers": 2, "layer_cycle": ["attention"],
-        "attention": {"num_kv_heads": 4, "head_dim": 8}}
+TINY = {
+    "name": "tiny",
+    "num_layers": 2,
+    "layer_cycle": ["attention"],
+    "attention": {"num_kv_heads": 4, "head_dim": 8},
+}
 TERMINAL = (RoomStatus.SUCCESS, RoomStatus.FAILED)
 
 
@@ -66,9 +70,9 @@ class Deployments:
             for client in cluster.clients.values():
                 client.close()
             running = [s for _, s in sidecars_of(cluster) if s.proc.poll() is None]
-            for sidecar in running:   # all at once: each drains on its own
+            for sidecar in running:  # all at once: each drains on its own
                 sidecar.proc.send_signal(signal.SIGTERM)
-            for sidecar in running:   # one signal each: a second one would force the stop
+            for sidecar in running:  # one signal each: a second one would force the stop
                 try:
                     sidecar.proc.wait(timeout=15)
                 except subprocess.TimeoutExpired:
@@ -77,8 +81,9 @@ class Deployments:
             for name, sidecar in sidecars_of(cluster):
                 code = sidecar.proc.returncode
                 if name not in killed and code != 0:
-                    problems.append(f"sidecar {name} exited {code} on SIGTERM: "
-                                    f"{sidecar.log.read_text()[-1500:]}")
+                    problems.append(
+                        f"sidecar {name} exited {code} on SIGTERM: {sidecar.log.read_text()[-1500:]}"
+                    )
             problems += [f"segment {s} left in {SEGMENT_DIR}" for s in segments_of(cluster)]
         shutil.rmtree(self.workdir, ignore_errors=True)
         return problems
@@ -113,8 +118,14 @@ def restart_sidecar(cluster: Cluster, rank_id: str) -> Sidecar:
     old.log.rename(saved_log)
     old.log = saved_log
     retired.append(old)
-    new = Sidecar(cluster.workdir, old.role, old.name, config,
-                  cluster.bootstrap if old.role == "prefill" else "", old.endpoint.split("://")[0])
+    new = Sidecar(
+        cluster.workdir,
+        old.role,
+        old.name,
+        config,
+        cluster.bootstrap if old.role == "prefill" else "",
+        old.endpoint.split("://")[0],
+    )
     cluster.sidecars[rank_id] = new
     cluster.ready[rank_id] = new.wait_ready()
     return new
@@ -136,15 +147,21 @@ def wait_status(client, room: int, statuses, timeout_s: float = 10.0):
     """Poll until ``room`` is in one of ``statuses``; a room the sidecar does not know
     yet (its request still on the way, over another socket) is polled again."""
     statuses = tuple(statuses)
-    return wait_for(lambda: (s := poll_known(client, room)) is not None and s.status in statuses
-                    and s, timeout_s, f"room {room} reaching {[s.value for s in statuses]}")
+    return wait_for(
+        lambda: (s := poll_known(client, room)) is not None and s.status in statuses and s,
+        timeout_s,
+        f"room {room} reaching {[s.value for s in statuses]}",
+    )
 
 
 def snapshot(cluster: Cluster, role: Role) -> dict[tuple[str, str], np.ndarray]:
     """A copy of every region of every rank of ``role``: the guard bytes."""
     ranks = cluster.prefill if role is Role.PREFILL else cluster.decode
-    return {(g.rank_id, region_id): array.copy()
-            for g in ranks for region_id, array in cluster.pools[g.rank_id].arrays.items()}
+    return {
+        (g.rank_id, region_id): array.copy()
+        for g in ranks
+        for region_id, array in cluster.pools[g.rank_id].arrays.items()
+    }
 
 
 def changed_regions(cluster: Cluster, before: dict[tuple[str, str], np.ndarray]) -> list[str]:
@@ -172,7 +189,7 @@ def check_sim(cluster: Cluster, seed: int, requests: dict) -> list[str]:
     return lines
 
 
-_SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$')
+_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$")
 
 
 def metric_total(text: str, name: str, **labels: str) -> float:
@@ -244,11 +261,17 @@ def start_child_worker(endpoint: str, requests: list[dict], workdir: Path) -> su
     returns once every request was answered ok (raises otherwise).
     """
     from pd_transfer.protocol.worker_api import encode
+
     path = workdir / f"child-worker-{os.getpid()}-{time.monotonic_ns()}.msgpack"
-    path.write_bytes(msgpack.packb([encode({**r, "id": i + 1}) for i, r in enumerate(requests)],
-                                   use_bin_type=True))
-    child = subprocess.Popen([sys.executable, "-c", _CHILD_WORKER, endpoint, str(path)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    path.write_bytes(
+        msgpack.packb([encode({**r, "id": i + 1}) for i, r in enumerate(requests)], use_bin_type=True)
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD_WORKER, endpoint, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     line = child.stdout.readline().strip()
     if line != "sent":
         child.kill()

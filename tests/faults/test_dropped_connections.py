@@ -27,10 +27,11 @@ LOST_BY_HEARTBEATS_S = HEARTBEAT_S * MISSES
 
 @pytest.fixture(scope="module")
 def cluster(module_deployment):
-    cluster = module_deployment(tiny_ranks(Role.PREFILL, 1, num_pages=NUM_PAGES),
-                                tiny_ranks(Role.DECODE, 1, num_pages=NUM_PAGES),
-                                config={"heartbeat_interval_s": HEARTBEAT_S,
-                                        "heartbeat_misses": MISSES, "bootstrap_timeout_s": 3.0})
+    cluster = module_deployment(
+        tiny_ranks(Role.PREFILL, 1, num_pages=NUM_PAGES),
+        tiny_ranks(Role.DECODE, 1, num_pages=NUM_PAGES),
+        config={"heartbeat_interval_s": HEARTBEAT_S, "heartbeat_misses": MISSES, "bootstrap_timeout_s": 3.0},
+    )
     fill_sim(cluster, SEED)
     return cluster
 
@@ -45,9 +46,9 @@ def test_a_killed_prefill_sidecar_fails_the_room_when_its_connection_closes(clus
 
     cluster.sidecars[prefill.rank_id].kill()
     started = time.monotonic()
-    time.sleep(0.05)   # the closed connection reaches decode in about a millisecond
+    time.sleep(0.05)  # the closed connection reaches decode in about a millisecond
     requests = kv_requests(range(8, 16), range(0, 8))
-    cluster.expect(2, requests)   # the peer is down, not yet declared lost
+    cluster.expect(2, requests)  # the peer is down, not yet declared lost
     state = decode_client.wait(1, timeout_s=LOST_BY_HEARTBEATS_S + 5)
     elapsed = time.monotonic() - started
     assert state.status is RoomStatus.FAILED and state.code_text == "peer_lost", state.reason
@@ -58,8 +59,9 @@ def test_a_killed_prefill_sidecar_fails_the_room_when_its_connection_closes(clus
 
     restart_sidecar(cluster, prefill.rank_id)
     cluster.clients[prefill.rank_id].close()
-    client = cluster.clients[prefill.rank_id] = Client(cluster.sidecars[prefill.rank_id].endpoint,
-                                                      prefill.rank_id, timeout_s=20)
+    client = cluster.clients[prefill.rank_id] = Client(
+        cluster.sidecars[prefill.rank_id].endpoint, prefill.rank_id, timeout_s=20
+    )
     client.register(prefill, cluster.pools[prefill.rank_id].handles)
     cluster.send(2, requests)
     state = decode_client.wait(2, timeout_s=15)

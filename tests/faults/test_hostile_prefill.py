@@ -32,8 +32,13 @@ class FakePrefill:
             sock.setsockopt(zmq.LINGER, 0)
         self.address = f"tcp://127.0.0.1:{self.bootstrap.bind_to_random_port('tcp://127.0.0.1')}"
         control = f"tcp://127.0.0.1:{self.control.bind_to_random_port('tcp://127.0.0.1')}"
-        self.entry = RankEntry(agent_id="fake-prefill-0", host_id=default_host_id(),
-                               control_address=control, pp_size=1, geometry=geometry)
+        self.entry = RankEntry(
+            agent_id="fake-prefill-0",
+            host_id=default_host_id(),
+            control_address=control,
+            pp_size=1,
+            geometry=geometry,
+        )
         self.verdict_frame = verdict_frame
         self.heard: list[str] = []
         self._stop = threading.Event()
@@ -53,8 +58,9 @@ class FakePrefill:
                 message = decode(frame)
                 self.heard.append(type(message).__name__)
                 if isinstance(message, Hello):
-                    sock.send_multipart([identity, encode(Hello(agent_id="fake-prefill-0",
-                                                                role=Role.PREFILL))])
+                    sock.send_multipart(
+                        [identity, encode(Hello(agent_id="fake-prefill-0", role=Role.PREFILL))]
+                    )
                 elif isinstance(message, Register):
                     sock.send_multipart([identity, self.verdict_frame])
 
@@ -65,13 +71,18 @@ class FakePrefill:
         self.control.close()
 
 
-@pytest.mark.parametrize("frame, code", [(b"\xc1", "bad_frame"),
-                                         (encode(Verdict(accepted=True)), "illegal_message")],
-                         ids=["not-msgpack", "verdict-out-of-turn"])
+@pytest.mark.parametrize(
+    "frame, code",
+    [(b"\xc1", "bad_frame"), (encode(Verdict(accepted=True)), "illegal_message")],
+    ids=["not-msgpack", "verdict-out-of-turn"],
+)
 def test_a_room_fails_at_once_when_decode_refuses_its_prefill_peer(deployment, frame, code):
     # the fake prefill speaks no handshake: its frames must reach the decode's parsers
-    cluster = deployment(tiny_ranks(Role.PREFILL, 1), tiny_ranks(Role.DECODE, 1),
-                         config={"bootstrap_timeout_s": 10.0, "allow_insecure": True})
+    cluster = deployment(
+        tiny_ranks(Role.PREFILL, 1),
+        tiny_ranks(Role.DECODE, 1),
+        config={"bootstrap_timeout_s": 10.0, "allow_insecure": True},
+    )
     decode_rank = cluster.decode[0].rank_id
     client = cluster.clients[decode_rank]
     fake = FakePrefill(cluster.prefill[0], frame)
@@ -92,8 +103,9 @@ def test_a_room_fails_at_once_when_decode_refuses_its_prefill_peer(deployment, f
 def test_refused_sessions_leave_no_socket_open(deployment):
     """Each refused session's socket is closed: a prefill that keeps sending bad frames
     must not run a decode sidecar out of descriptors (or ZeroMQ sockets)."""
-    cluster = deployment(tiny_ranks(Role.PREFILL, 1), tiny_ranks(Role.DECODE, 1),
-                         config={"allow_insecure": True})   # the fake prefill speaks no handshake
+    cluster = deployment(
+        tiny_ranks(Role.PREFILL, 1), tiny_ranks(Role.DECODE, 1), config={"allow_insecure": True}
+    )  # the fake prefill speaks no handshake
     decode_rank = cluster.decode[0].rank_id
     client, pid = cluster.clients[decode_rank], cluster.sidecars[decode_rank].proc.pid
     fake = FakePrefill(cluster.prefill[0], b"\xc1")

@@ -38,6 +38,7 @@ def _codes(problems):
 
 # -- the checks ----------------------------------------------------------------------
 
+
 def test_two_regions_on_one_segment_are_refused_as_overlapping():
     rank = _rank()
     handles = _handles(rank)
@@ -59,7 +60,9 @@ def test_handles_must_name_exactly_the_regions():
     del handles[missing]
     handles["stranger"] = "pdt-stranger"
     assert _codes(handle_problems(rank, handles)) == {
-        (Reason.BAD_FIELD, f"handles[{missing!r}]"), (Reason.UNKNOWN_REGION, "handles['stranger']")}
+        (Reason.BAD_FIELD, f"handles[{missing!r}]"),
+        (Reason.UNKNOWN_REGION, "handles['stranger']"),
+    }
 
 
 def test_absurd_region_size_is_refused_with_its_field():

@@ -47,9 +47,11 @@ NUM_PAGES = 16
 def cluster(module_deployment):
     # insecure on purpose: the hostile peers here speak the protocol without the handshake,
     # to show what the sidecar refuses behind authentication (tests/security: in front of it)
-    return module_deployment(tiny_ranks(Role.PREFILL, 1, num_pages=NUM_PAGES),
-                             tiny_ranks(Role.DECODE, 2, num_pages=NUM_PAGES),
-                             config={"allow_insecure": True})
+    return module_deployment(
+        tiny_ranks(Role.PREFILL, 1, num_pages=NUM_PAGES),
+        tiny_ranks(Role.DECODE, 2, num_pages=NUM_PAGES),
+        config={"allow_insecure": True},
+    )
 
 
 def _expect(cluster, room, pages):
@@ -93,8 +95,10 @@ def test_out_of_range_pages_are_refused_and_no_byte_is_written(cluster):
         refused_at_expect = _expect(cluster, 1, [0, 1, NUM_PAGES + 3])
         assert len(refused_at_expect) == len(cluster.decode)
         assert all(r.code_text == "index_out_of_range" for r in refused_at_expect)
-        assert all(f"index {NUM_PAGES + 3} is outside" in r.reason and "$.pages[2]" in r.reason
-                   for r in refused_at_expect), refused_at_expect
+        assert all(
+            f"index {NUM_PAGES + 3} is outside" in r.reason and "$.pages[2]" in r.reason
+            for r in refused_at_expect
+        ), refused_at_expect
 
         # prefill names page 1000 of its 16-page pool
         _expect(cluster, 2, [4, 5, 6])
@@ -126,6 +130,7 @@ def test_a_room_expected_twice_is_refused_and_the_first_still_lands(cluster):
 
 # -- an intruding peer ------------------------------------------------------------------
 
+
 class Intruder:
     """A raw decode peer on the prefill control socket."""
 
@@ -142,9 +147,14 @@ class Intruder:
 
     def join_with(self, agent_id: str, rank, pools) -> Verdict | None:
         """Register ``rank``'s geometry over pools of the intruder's own."""
-        return self.join(Register(
-            agent_id=agent_id, host_id=default_host_id(), geometry=rank,
-            region_handles=tuple(RegionHandle(r, h) for r, h in pools.handles.items())))
+        return self.join(
+            Register(
+                agent_id=agent_id,
+                host_id=default_host_id(),
+                geometry=rank,
+                region_handles=tuple(RegionHandle(r, h) for r, h in pools.handles.items()),
+            )
+        )
 
     def until(self, kind, timeout_s: float):
         deadline = time.monotonic() + timeout_s
@@ -168,9 +178,14 @@ def test_peer_register_with_regions_sharing_a_segment_is_rejected(cluster):
     biggest = max(rank.regions, key=lambda r: r.nbytes).id
     intruder = Intruder(cluster.ready[cluster.prefill[0].rank_id]["control_address"])
     try:
-        verdict = intruder.join(Register(
-            agent_id="intruder-0", host_id=default_host_id(), geometry=rank,
-            region_handles=tuple(RegionHandle(r.id, segments[biggest]) for r in rank.regions)))
+        verdict = intruder.join(
+            Register(
+                agent_id="intruder-0",
+                host_id=default_host_id(),
+                geometry=rank,
+                region_handles=tuple(RegionHandle(r.id, segments[biggest]) for r in rank.regions),
+            )
+        )
     finally:
         intruder.close()
     assert verdict is not None and not verdict.accepted
@@ -188,14 +203,16 @@ def test_a_peer_cannot_join_the_room_of_another_peer(cluster):
         cluster.expect(9, requests)
         for geometry in cluster.decode:
             wait_status(cluster.clients[geometry.rank_id], 9, [RoomStatus.WAITING_FOR_INPUT])
-        intruder.send(TransferRequest(room=9, generation=1, dst=(PoolIndices(Pool.KV, (4, 5, 6)),),
-                                      src_ranks=(prefill_rank,)))
+        intruder.send(
+            TransferRequest(
+                room=9, generation=1, dst=(PoolIndices(Pool.KV, (4, 5, 6)),), src_ranks=(prefill_rank,)
+            )
+        )
         intruder.send(Heartbeat(agent_id="intruder-1", sequence=1, sent_unix_s=time.time()))
         intruder.until(Done, 0.3)  # a refusal would come back at once
         cluster.send(9, requests)
         assert all(s.status is RoomStatus.SUCCESS for s in cluster.wait_decode(9, 10).values())
-        done = next((m for m in intruder.received if isinstance(m, Done)), None) \
-            or intruder.until(Done, 2.0)
+        done = next((m for m in intruder.received if isinstance(m, Done)), None) or intruder.until(Done, 2.0)
         written = {r: int(np.count_nonzero(a)) for r, a in own.arrays.items() if np.any(a)}
         assert written == {}, f"the victim's room was written into the intruder's regions: {written}"
         assert done is not None and done.reason is Reason.DUPLICATE_ROOM
@@ -214,8 +231,11 @@ def test_a_peer_refused_over_a_bad_frame_fails_its_rooms_at_once(cluster):
     try:
         verdict = intruder.join_with("refused-0", rank, own)
         assert verdict is not None and verdict.accepted
-        intruder.send(TransferRequest(room=21, generation=1, dst=(PoolIndices(Pool.KV, (1, 2)),),
-                                      src_ranks=(prefill_rank,)))
+        intruder.send(
+            TransferRequest(
+                room=21, generation=1, dst=(PoolIndices(Pool.KV, (1, 2)),), src_ranks=(prefill_rank,)
+            )
+        )
         # (bootstrapping: prefill waits for the other decode rank's request too)
         wait_status(prefill, 21, [RoomStatus.BOOTSTRAPPING, RoomStatus.WAITING_FOR_INPUT], 5)
         intruder.socket.send(b"\xc1")  # no msgpack at all
@@ -223,8 +243,7 @@ def test_a_peer_refused_over_a_bad_frame_fails_its_rooms_at_once(cluster):
         assert state.status is RoomStatus.FAILED and state.code_text == "bad_frame"
         assert "session closed after a bad frame" in state.reason
         status = json.loads(cluster.http(prefill_rank, "/status")[1])
-        record = next(p for p in status["peers"] if p["peer"] == rank.rank_id
-                      and "bad frame" in p["reason"])
+        record = next(p for p in status["peers"] if p["peer"] == rank.rank_id and "bad frame" in p["reason"])
         assert record["state"] == "lost"
     finally:
         intruder.close()

@@ -49,9 +49,11 @@ def _clean(cluster, room: int) -> None:
 
 
 def test_corrupted_write_fails_its_room_with_integrity_mismatch_and_sidecars_keep_serving(deployment):
-    cluster = deployment(tiny_ranks(Role.PREFILL, 2, num_pages=NUM_PAGES),
-                         tiny_ranks(Role.DECODE, 4, num_pages=NUM_PAGES),
-                         config={"integrity": True, "fault_corrupt_nth": 3})
+    cluster = deployment(
+        tiny_ranks(Role.PREFILL, 2, num_pages=NUM_PAGES),
+        tiny_ranks(Role.DECODE, 4, num_pages=NUM_PAGES),
+        config={"integrity": True, "fault_corrupt_nth": 3},
+    )
     fill_sim(cluster, SEED)
     _clean(cluster, 1)
 
@@ -67,37 +69,44 @@ def test_corrupted_write_fails_its_room_with_integrity_mismatch_and_sidecars_kee
         assert check_destination(geometry, cluster.pools[rank].arrays, SEED, requests) != []
     for geometry in cluster.decode:  # the decode ranks that succeeded hold exactly the right bytes
         if geometry.rank_id not in failed:
-            assert check_destination(geometry, cluster.pools[geometry.rank_id].arrays, SEED,
-                                     requests) == []
+            assert check_destination(geometry, cluster.pools[geometry.rank_id].arrays, SEED, requests) == []
     for rank in failed:
         _, text = cluster.http(rank, "/metrics")
-        assert metric_total(text, "pd_transfer_transfer_failures_total",
-                            reason="integrity_mismatch") == 1
+        assert metric_total(text, "pd_transfer_transfer_failures_total", reason="integrity_mismatch") == 1
 
-    _clean(cluster, 3)   # both sides still serve; the fault fired once
+    _clean(cluster, 3)  # both sides still serve; the fault fired once
 
 
 def test_one_sided_integrity_moves_rooms_unchecked(deployment):
     # decode asks for checks, prefill does not compute them: the room goes ahead (and the
     # corrupted byte really landed), the decode sidecar logs that rooms are not verified
-    cluster = deployment(tiny_ranks(Role.PREFILL, 1, num_pages=NUM_PAGES),
-                         tiny_ranks(Role.DECODE, 1, num_pages=NUM_PAGES),
-                         config={"fault_corrupt_nth": 1}, decode_config={"integrity": True})
+    cluster = deployment(
+        tiny_ranks(Role.PREFILL, 1, num_pages=NUM_PAGES),
+        tiny_ranks(Role.DECODE, 1, num_pages=NUM_PAGES),
+        config={"fault_corrupt_nth": 1},
+        decode_config={"integrity": True},
+    )
     fill_sim(cluster, SEED)
     requests, states = _run_room(cluster, 1)
     assert all(s.status is RoomStatus.SUCCESS for s in states.values()), states
     assert check_sim(cluster, SEED, requests) != []
     decode_log = cluster.sidecars[cluster.decode[0].rank_id].log.read_text()
-    assert ("integrity: rooms from prefill[pp0,tp0] are not verified: the prefill sidecar does "
-            "not send checksums") in decode_log
+    assert (
+        "integrity: rooms from prefill[pp0,tp0] are not verified: the prefill sidecar does not send checksums"
+    ) in decode_log
 
 
-@pytest.mark.skipif("corrupt_payload" not in inspect.signature(TcpTransport).parameters,
-                    reason="waits for the tcp transport rewrite: TcpTransport(corrupt_payload=...)")
+@pytest.mark.skipif(
+    "corrupt_payload" not in inspect.signature(TcpTransport).parameters,
+    reason="waits for the tcp transport rewrite: TcpTransport(corrupt_payload=...)",
+)
 def test_tcp_corrupted_payload_fails_its_room_with_integrity_mismatch(deployment):
-    cluster = deployment(tiny_ranks(Role.PREFILL, 1, num_pages=NUM_PAGES),
-                         tiny_ranks(Role.DECODE, 2, num_pages=NUM_PAGES), transport="tcp",
-                         config={"integrity": True, "fault_corrupt_nth": 2})
+    cluster = deployment(
+        tiny_ranks(Role.PREFILL, 1, num_pages=NUM_PAGES),
+        tiny_ranks(Role.DECODE, 2, num_pages=NUM_PAGES),
+        transport="tcp",
+        config={"integrity": True, "fault_corrupt_nth": 2},
+    )
     fill_sim(cluster, SEED)
     # payload chunks per room depend on the chunk size: run rooms until the bad one
     for room in range(1, 5):

@@ -32,14 +32,16 @@ from pd_transfer.layout.geometry import Role
 
 NUM_PAGES = 64
 SEED = 11
-LOST_WITHIN_S = 5 * 0.2 * 3   # a few heartbeat limits
+LOST_WITHIN_S = 5 * 0.2 * 3  # a few heartbeat limits
 
 
 @pytest.fixture(scope="module")
 def cluster(module_deployment):
-    cluster = module_deployment(tiny_ranks(Role.PREFILL, 2, num_pages=NUM_PAGES),
-                                tiny_ranks(Role.DECODE, 1, num_pages=NUM_PAGES),
-                                config={"bootstrap_timeout_s": 3.0})
+    cluster = module_deployment(
+        tiny_ranks(Role.PREFILL, 2, num_pages=NUM_PAGES),
+        tiny_ranks(Role.DECODE, 1, num_pages=NUM_PAGES),
+        config={"bootstrap_timeout_s": 3.0},
+    )
     fill_sim(cluster, SEED)
     return cluster
 
@@ -57,8 +59,9 @@ def _transferring(cluster, room: int) -> None:
 def _reattach(cluster, rank) -> None:
     """The worker of ``rank`` (alive, same pools) registers with the restarted sidecar."""
     cluster.clients[rank.rank_id].close()
-    client = cluster.clients[rank.rank_id] = Client(cluster.sidecars[rank.rank_id].endpoint,
-                                                   rank.rank_id, timeout_s=20)
+    client = cluster.clients[rank.rank_id] = Client(
+        cluster.sidecars[rank.rank_id].endpoint, rank.rank_id, timeout_s=20
+    )
     client.register(rank, cluster.pools[rank.rank_id].handles)
 
 
@@ -114,8 +117,9 @@ def test_restarts_leave_each_decode_segment_mapped_once_per_prefill_sidecar(clus
     segments = {name for g in cluster.decode for name in cluster.pools[g.rank_id].handles.values()}
     for geometry in cluster.prefill:
         maps = Path(f"/proc/{cluster.sidecars[geometry.rank_id].proc.pid}/maps").read_text()
-        counts = Counter(line.rsplit("/", 1)[-1] for line in maps.splitlines()
-                         if line.rsplit("/", 1)[-1] in segments)
+        counts = Counter(
+            line.rsplit("/", 1)[-1] for line in maps.splitlines() if line.rsplit("/", 1)[-1] in segments
+        )
         assert max(counts.values()) == 1, f"{geometry.rank_id} maps decode segments: {dict(counts)}"
 
 

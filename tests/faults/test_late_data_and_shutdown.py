@@ -30,9 +30,13 @@ def cluster(module_deployment):
     # a fixed data port: the ready file is written before the worker registers, when the
     # receiver (started at registration) has no address yet; insecure, so that the test's
     # hand-made late chunk (no handshake) reaches the receiver's room checks
-    return module_deployment(tiny_ranks(Role.PREFILL, 1), tiny_ranks(Role.DECODE, 1), transport="tcp",
-                             config={"allow_insecure": True}, decode_config={"data_port": spare_port()})
-
+    return module_deployment(
+        tiny_ranks(Role.PREFILL, 1),
+        tiny_ranks(Role.DECODE, 1),
+        transport="tcp",
+        config={"allow_insecure": True},
+        decode_config={"data_port": spare_port()},
+    )
 
 
 def _data_address(cluster) -> str:
@@ -43,9 +47,15 @@ def _data_address(cluster) -> str:
 
 def _late_chunk(address: str, room: int, generation: int, region: str, offset: int, nbytes: int):
     """A well-formed chunk of ``room`` sent straight to the decode receiver; its reply."""
-    header = encode(ChunkHeader(xfer=4242, room=str(room), generation=generation, seq=0,
-                                wire=WireRuns((region,), np.array([[0, offset, nbytes]],
-                                                                  dtype=np.int64))))
+    header = encode(
+        ChunkHeader(
+            xfer=4242,
+            room=str(room),
+            generation=generation,
+            seq=0,
+            wire=WireRuns((region,), np.array([[0, offset, nbytes]], dtype=np.int64)),
+        )
+    )
     with socket.create_connection(parse_address(address), timeout=5) as sock:
         sock.sendall(prefix(Kind.DATA, len(header), nbytes) + header + b"\xee" * nbytes)
         head = _recv_exactly(sock, PREFIX.size)  # the receiver did not answer if this times out
@@ -67,15 +77,14 @@ def test_a_chunk_arriving_after_the_abort_is_refused_and_writes_nothing(cluster)
     client.expect(1, cluster.bootstrap, list(range(8)))
     wait_status(client, 1, [RoomStatus.WAITING_FOR_INPUT])
     before = snapshot(cluster, Role.DECODE)
-    assert client.abort(1) is True   # drained: decode may reuse pages 0-7 now
+    assert client.abort(1) is True  # drained: decode may reuse pages 0-7 now
     # prefill's worker sends the room anyway: the room is aborted there too
     cluster.clients[prefill].send(1, list(range(8)))
     assert cluster.clients[prefill].poll(1).code_text == "aborted"
     # a chunk of room 1 (generation 1: the first room of this decode sidecar) turns up late,
     # aimed at page 0 of the first KV view
     view = decode.views[0]
-    reply = _late_chunk(_data_address(cluster), 1, 1, view.region,
-                        view.offset_nbytes, view.item_nbytes)
+    reply = _late_chunk(_data_address(cluster), 1, 1, view.region, view.offset_nbytes, view.item_nbytes)
     assert isinstance(reply, Fail) and reply.code == "stale_generation", reply
     assert "room 1 generation 1 was aborted" in reply.text
     assert changed_regions(cluster, before) == []
@@ -93,8 +102,14 @@ def test_a_chunk_of_a_room_decode_never_expected_is_refused(cluster):
     decode = cluster.decode[0]
     before = snapshot(cluster, Role.DECODE)
     view = decode.views[0]
-    reply = _late_chunk(_data_address(cluster), 999, 1, view.region,
-                        view.offset_nbytes + 15 * view.item_nbytes, view.item_nbytes)
+    reply = _late_chunk(
+        _data_address(cluster),
+        999,
+        1,
+        view.region,
+        view.offset_nbytes + 15 * view.item_nbytes,
+        view.item_nbytes,
+    )
     written = changed_regions(cluster, before)
     for (rank, region), old in before.items():  # undo it: later tests verify these bytes
         cluster.pools[rank].arrays[region][:] = old
@@ -109,7 +124,7 @@ def test_sigterm_stops_every_sidecar_with_exit_0_leaving_no_segment(cluster):
         sidecar.proc.send_signal(signal.SIGTERM)
     for sidecar in sidecars:
         assert sidecar.proc.wait(timeout=15) == 0, sidecar.log.read_text()[-2000:]
-    assert segments_of(cluster)   # the workers' pools are still there: they own them
+    assert segments_of(cluster)  # the workers' pools are still there: they own them
     for pools in cluster.pools.values():
         pools.close()
     assert segments_of(cluster) == []
@@ -121,6 +136,5 @@ def test_sigterm_removes_the_worker_endpoint_socket_file(cluster):
         if sidecar.proc.poll() is None:
             sidecar.proc.send_signal(signal.SIGTERM)
             sidecar.proc.wait(timeout=15)
-    left = [s.endpoint for s in cluster.sidecars.values()
-            if Path(s.endpoint.split("://", 1)[1]).exists()]
+    left = [s.endpoint for s in cluster.sidecars.values() if Path(s.endpoint.split("://", 1)[1]).exists()]
     assert left == []

@@ -22,11 +22,11 @@ SEED = 5
 
 
 def _pair(deployment, **config):
-    cluster = deployment(tiny_ranks(Role.PREFILL, 1), tiny_ranks(Role.DECODE, 1),
-                         config={"bootstrap_timeout_s": 3.0, **config})
+    cluster = deployment(
+        tiny_ranks(Role.PREFILL, 1), tiny_ranks(Role.DECODE, 1), config={"bootstrap_timeout_s": 3.0, **config}
+    )
     fill_sim(cluster, SEED)
-    return (cluster, cluster.clients[cluster.prefill[0].rank_id],
-            cluster.clients[cluster.decode[0].rank_id])
+    return (cluster, cluster.clients[cluster.prefill[0].rank_id], cluster.clients[cluster.decode[0].rank_id])
 
 
 def _room_lands(cluster, room: int, src, dst) -> None:
@@ -45,19 +45,19 @@ def _alive(cluster, role: Role) -> bool:
 
 def test_a_decode_segment_truncated_under_the_prefill_fails_the_room_not_the_sidecar(deployment):
     cluster, _, decode = _pair(deployment)
-    _room_lands(cluster, 1, [0, 1], [2, 3])           # the prefill has the segments mapped
+    _room_lands(cluster, 1, [0, 1], [2, 3])  # the prefill has the segments mapped
     pools = cluster.pools[cluster.decode[0].rank_id]
     region_id, segment = next(iter(pools.handles.items()))
     path = os.path.join(SEGMENT_DIR, segment)
     size = os.path.getsize(path)
-    os.truncate(path, 0)                               # the peer shrinks what it registered
+    os.truncate(path, 0)  # the peer shrinks what it registered
     try:
         requests = kv_requests([4, 5, 6], [7, 8, 9])
         cluster.expect(2, requests)
         cluster.send(2, requests)
         state = decode.wait(2, timeout_s=10)
     finally:
-        os.truncate(path, size)                        # zeros again, and mappable
+        os.truncate(path, size)  # zeros again, and mappable
     assert _alive(cluster, Role.PREFILL), "the prefill sidecar died (SIGBUS)"
     assert state.status is RoomStatus.FAILED
     assert state.code_text == "segment_truncated", state.reason
@@ -99,7 +99,7 @@ def test_a_decode_pool_truncated_by_its_worker_fails_tcp_rooms_not_the_decode_si
     os.truncate(path, 0)
     try:
         states = []
-        for room in (2, 3):    # the mapping holds zeros from then on: every room fails
+        for room in (2, 3):  # the mapping holds zeros from then on: every room fails
             requests = kv_requests([4, 5], [6 + room, 10 + room])
             cluster.expect(room, requests)
             cluster.send(room, requests)
@@ -112,8 +112,9 @@ def test_a_decode_pool_truncated_by_its_worker_fails_tcp_rooms_not_the_decode_si
         assert state.code_text == "segment_truncated", state.reason
 
 
-@pytest.mark.parametrize("pages", [[2**40 + 1], [0, 16], [3, 2**62 - 1]],
-                         ids=["2**40", "one-past", "last-of-two"])
+@pytest.mark.parametrize(
+    "pages", [[2**40 + 1], [0, 16], [3, 2**62 - 1]], ids=["2**40", "one-past", "last-of-two"]
+)
 def test_an_index_outside_the_pool_is_refused_at_expect_with_the_field(deployment, pages):
     cluster, prefill, decode = _pair(deployment)
     started = time.monotonic()
@@ -122,10 +123,10 @@ def test_an_index_outside_the_pool_is_refused_at_expect_with_the_field(deploymen
     assert time.monotonic() - started < 2.0
     assert refused.value.code_text == "index_out_of_range"
     assert "at $.pages[" in str(refused.value) and "pool of 16" in str(refused.value)
-    with pytest.raises(Refused) as refused:                # the prefill worker's send too
+    with pytest.raises(Refused) as refused:  # the prefill worker's send too
         prefill.send(8, pages)
     assert refused.value.code_text == "index_out_of_range"
-    _room_lands(cluster, 9, [0], [1])                      # and both keep serving
+    _room_lands(cluster, 9, [0], [1])  # and both keep serving
 
 
 def test_overlapping_rooms_and_repeated_destination_pages_are_refused(deployment):
@@ -139,7 +140,7 @@ def test_overlapping_rooms_and_repeated_destination_pages_are_refused(deployment
         decode.expect(3, cluster.bootstrap, [4, 5, 4])
     assert refused.value.code_text == "index_repeated"
     assert "index 4" in str(refused.value)
-    assert decode.abort(1)                                  # room 1 ends: its pages are free
+    assert decode.abort(1)  # room 1 ends: its pages are free
     _room_lands(cluster, 2, [0, 1], [2, 3])
 
 
@@ -148,7 +149,7 @@ def test_a_decode_stopped_past_its_heartbeat_limit_serves_the_next_room(deployme
     _room_lands(cluster, 1, [0, 1], [2, 3])
     decode_proc = cluster.sidecars[cluster.decode[0].rank_id].proc
     os.kill(decode_proc.pid, signal.SIGSTOP)
-    time.sleep(3.0)          # 3 x the 1 s heartbeat limit: prefill drops the session
+    time.sleep(3.0)  # 3 x the 1 s heartbeat limit: prefill drops the session
     os.kill(decode_proc.pid, signal.SIGCONT)
     _room_lands(cluster, 2, [4, 5], [6, 7])
 
@@ -159,17 +160,19 @@ def test_prefill_succeeds_only_once_decode_has_the_bytes(deployment):
     decode_sidecar = cluster.sidecars[cluster.decode[0].rank_id]
     decode.expect(2, cluster.bootstrap, [4, 5])
     wait_status(decode, 2, [RoomStatus.WAITING_FOR_INPUT])
-    os.kill(decode_sidecar.proc.pid, signal.SIGSTOP)      # it cannot take in the Done now
+    os.kill(decode_sidecar.proc.pid, signal.SIGSTOP)  # it cannot take in the Done now
     try:
         prefill.send(2, [6, 7])
         deadline = time.monotonic() + 0.6
-        while time.monotonic() < deadline:                # the bytes are written (shm) ...
+        while time.monotonic() < deadline:  # the bytes are written (shm) ...
             assert prefill.poll(2).status is not RoomStatus.SUCCESS  # ... but not confirmed
             time.sleep(0.05)
     finally:
-        decode_sidecar.kill()                             # dies without confirming
-    state = wait_for(lambda: (s := prefill.poll(2)).status in (RoomStatus.SUCCESS,
-                                                                RoomStatus.FAILED) and s,
-                     10.0, "prefill room 2 ending")
+        decode_sidecar.kill()  # dies without confirming
+    state = wait_for(
+        lambda: (s := prefill.poll(2)).status in (RoomStatus.SUCCESS, RoomStatus.FAILED) and s,
+        10.0,
+        "prefill room 2 ending",
+    )
     assert state.status is RoomStatus.FAILED, state
     assert state.code_text in ("peer_lost", "timeout"), state.reason

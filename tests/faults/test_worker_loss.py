@@ -24,7 +24,7 @@ from fault_tools import kill, kv_requests, tiny_ranks, wait_for, wait_status
 from pd_transfer.client import RoomStatus, allocate_pools
 from pd_transfer.layout.geometry import Role
 
-NUM_PAGES = 2048   # 2 layers x K,V x 2048 pages x 256 B = 2 MiB of KV per rank
+NUM_PAGES = 2048  # 2 layers x K,V x 2048 pages x 256 B = 2 MiB of KV per rank
 
 _WORKER = r"""
 import asyncio, json, pickle, sys
@@ -63,9 +63,20 @@ sys.stdin.read()   # until killed
 def _worker(cluster, geometry, pools, kind: str, actions: list) -> subprocess.Popen:
     path = cluster.workdir / f"geometry-{geometry.role.value}-{time.monotonic_ns()}.pickle"
     path.write_bytes(pickle.dumps((geometry, dict(pools.handles))))
-    child = subprocess.Popen([sys.executable, "-c", _WORKER, cluster.sidecars[geometry.rank_id].endpoint,
-                              str(path), kind, json.dumps(actions)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _WORKER,
+            cluster.sidecars[geometry.rank_id].endpoint,
+            str(path),
+            kind,
+            json.dumps(actions),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     line = child.stdout.readline().strip()
     if line != "ready":
         child.kill()
@@ -88,18 +99,23 @@ def _shmem_kib(pid: int) -> int:
 def _pair(deployment, scheme: str, child: Role):
     """A TP 1 pair; the worker of ``child`` is a child process (pools allocated here, filled
     with the oracle's bytes), the other one is this test."""
-    cluster = deployment(tiny_ranks(Role.PREFILL, 1, num_pages=NUM_PAGES),
-                         tiny_ranks(Role.DECODE, 1, num_pages=NUM_PAGES), attach=False,
-                         worker_scheme=scheme)
+    cluster = deployment(
+        tiny_ranks(Role.PREFILL, 1, num_pages=NUM_PAGES),
+        tiny_ranks(Role.DECODE, 1, num_pages=NUM_PAGES),
+        attach=False,
+        worker_scheme=scheme,
+    )
     pools = {}
     for geometry in cluster.prefill + cluster.decode:
         if geometry.role is not child:
             cluster._attach(geometry, cluster._tag)
             continue
         pools[geometry.rank_id] = cluster.pools[geometry.rank_id] = allocate_pools(
-            geometry, f"t{cluster._tag}-child")
-        world = (cluster.world.prefill_buffers if child is Role.PREFILL
-                 else cluster.world.decode_buffers)[geometry.rank_id]
+            geometry, f"t{cluster._tag}-child"
+        )
+        world = (cluster.world.prefill_buffers if child is Role.PREFILL else cluster.world.decode_buffers)[
+            geometry.rank_id
+        ]
         for region_id, array in pools[geometry.rank_id].arrays.items():
             array[:] = world[region_id]
     return cluster, pools
@@ -113,8 +129,9 @@ def test_a_killed_prefill_worker_is_let_go_and_its_restart_moves_a_room(deployme
     before_kib = _shmem_kib(pid)
     decode_client = cluster.clients[decode.rank_id]
     decode_client.expect(1, cluster.bootstrap, list(range(16, 32)))
-    child = _worker(cluster, prefill, pools[prefill.rank_id], kind,
-                    [["register"], ["send", 1, list(range(0, 8)), False]])
+    child = _worker(
+        cluster, prefill, pools[prefill.rank_id], kind, [["register"], ["send", 1, list(range(0, 8)), False]]
+    )
     try:
         wait_status(decode_client, 1, [RoomStatus.TRANSFERRING])
         assert cluster.http(prefill.rank_id, "/readyz")[0] == 200
@@ -130,11 +147,15 @@ def test_a_killed_prefill_worker_is_let_go_and_its_restart_moves_a_room(deployme
     state = decode_client.wait(1, timeout_s=10)
     assert state.status is RoomStatus.FAILED and state.code_text == "worker_lost", state.reason
     assert "the prefill worker is gone" in state.reason and "connection" in state.reason
-    status, body = wait_for(lambda: (r := cluster.http(prefill.rank_id, "/readyz"))[0] == 503 and r,
-                            10, "prefill /readyz 503")
+    status, body = wait_for(
+        lambda: (r := cluster.http(prefill.rank_id, "/readyz"))[0] == 503 and r, 10, "prefill /readyz 503"
+    )
     assert "worker child is gone" in body and "register again" in body, body
-    wait_for(lambda: not _mapped_segments(pid, pools[prefill.rank_id]), 10,
-             "the prefill sidecar unmapping the pools")
+    wait_for(
+        lambda: not _mapped_segments(pid, pools[prefill.rank_id]),
+        10,
+        "the prefill sidecar unmapping the pools",
+    )
     # its RssShmem drops by the pools' size (it keeps the decode peer's pools mapped)
     assert mapped_kib - _shmem_kib(pid) >= 0.9 * pools_kib, (mapped_kib, _shmem_kib(pid), pools_kib)
 
@@ -142,67 +163,89 @@ def test_a_killed_prefill_worker_is_let_go_and_its_restart_moves_a_room(deployme
     requests = kv_requests(range(40, 56), range(100, 116))
     child = _worker(cluster, prefill, pools[prefill.rank_id], kind, [["register"]])
     try:
-        assert wait_for(lambda: cluster.http(prefill.rank_id, "/readyz")[0] == 200, 10,
-                        "prefill /readyz 200 again")
+        assert wait_for(
+            lambda: cluster.http(prefill.rank_id, "/readyz")[0] == 200, 10, "prefill /readyz 200 again"
+        )
         cluster.expect(2, requests)
-        wait_status(decode_client, 2, [RoomStatus.WAITING_FOR_INPUT])   # prefill has room 2
-        kill(child)   # the room below is sent by a second restart, after this one died idle
+        wait_status(decode_client, 2, [RoomStatus.WAITING_FOR_INPUT])  # prefill has room 2
+        kill(child)  # the room below is sent by a second restart, after this one died idle
         wait_for(lambda: not _mapped_segments(pid, pools[prefill.rank_id]), 10, "released again")
-        child = _worker(cluster, prefill, pools[prefill.rank_id], kind,
-                        [["register"], ["send", 3, [int(p) for p in requests[list(requests)[0]][0]],
-                                        True]])
+        child = _worker(
+            cluster,
+            prefill,
+            pools[prefill.rank_id],
+            kind,
+            [["register"], ["send", 3, [int(p) for p in requests[list(requests)[0]][0]], True]],
+        )
         cluster.expect(3, requests)
         state = decode_client.wait(3, timeout_s=15)
         assert state.status is RoomStatus.SUCCESS, state.reason
         # room 3 byte-exact; of room 1 exactly its first chunk landed, nothing else anywhere
-        assert cluster.verify(kv_requests(list(range(0, 8)) + list(range(40, 56)),
-                                          list(range(16, 24)) + list(range(100, 116)))) == []
+        assert (
+            cluster.verify(
+                kv_requests(
+                    list(range(0, 8)) + list(range(40, 56)), list(range(16, 24)) + list(range(100, 116))
+                )
+            )
+            == []
+        )
         assert decode_client.wait(2, timeout_s=10).code_text == "worker_lost"
         # the decode peer was given a new verdict for each registration
-        assert cluster.metric(prefill.rank_id, "pd_transfer_verdicts_total",
-                              outcome="accepted") > verdicts
+        assert cluster.metric(prefill.rank_id, "pd_transfer_verdicts_total", outcome="accepted") > verdicts
     finally:
         kill(child)
 
 
 @pytest.mark.parametrize("scheme,kind", [("ipc", "sync"), ("unix", "async")])
 def test_a_killed_decode_worker_is_let_go_on_both_sides_and_its_restart_moves_a_room(
-        deployment, scheme, kind):
+    deployment, scheme, kind
+):
     cluster, pools = _pair(deployment, scheme, Role.DECODE)
     prefill, decode = cluster.prefill[0], cluster.decode[0]
     decode_pid = cluster.sidecars[decode.rank_id].proc.pid
     prefill_pid = cluster.sidecars[prefill.rank_id].proc.pid
-    child = _worker(cluster, decode, pools[decode.rank_id], kind,
-                    [["register"], ["expect", 1, cluster.bootstrap, list(range(16, 32))]])
+    child = _worker(
+        cluster,
+        decode,
+        pools[decode.rank_id],
+        kind,
+        [["register"], ["expect", 1, cluster.bootstrap, list(range(16, 32))]],
+    )
     try:
         wait_status(cluster.clients[prefill.rank_id], 1, [RoomStatus.WAITING_FOR_INPUT])
         assert _mapped_segments(decode_pid, pools[decode.rank_id])
-        assert _mapped_segments(prefill_pid, pools[decode.rank_id])   # shm: prefill writes in place
+        assert _mapped_segments(prefill_pid, pools[decode.rank_id])  # shm: prefill writes in place
     finally:
         kill(child)
 
     state = wait_status(cluster.clients[prefill.rank_id], 1, [RoomStatus.FAILED])
-    assert state.code_text == "aborted" and "the decode worker is gone" in state.reason, \
-        state.reason
-    status, body = wait_for(lambda: (r := cluster.http(decode.rank_id, "/readyz"))[0] == 503 and r,
-                            10, "decode /readyz 503")
+    assert state.code_text == "aborted" and "the decode worker is gone" in state.reason, state.reason
+    status, body = wait_for(
+        lambda: (r := cluster.http(decode.rank_id, "/readyz"))[0] == 503 and r, 10, "decode /readyz 503"
+    )
     assert "worker child is gone" in body, body
     peers = json.loads(cluster.http(decode.rank_id, "/status")[1])["peers"]
-    assert [(p["state"], "the decode worker is gone" in p["reason"]) for p in peers] == \
-        [("lost", True)], peers
+    assert [(p["state"], "the decode worker is gone" in p["reason"]) for p in peers] == [("lost", True)], (
+        peers
+    )
     # both sidecars let go of the decode pools: decode its own mapping, prefill its link's
     wait_for(lambda: not _mapped_segments(decode_pid, pools[decode.rank_id]), 10, "decode unmapped")
-    wait_for(lambda: not _mapped_segments(prefill_pid, pools[decode.rank_id]), 10,
-             "prefill unmapped the decode pools")
+    wait_for(
+        lambda: not _mapped_segments(prefill_pid, pools[decode.rank_id]),
+        10,
+        "prefill unmapped the decode pools",
+    )
 
     requests = kv_requests(range(40, 56), range(100, 116))
     src, dst = (list(map(int, idx)) for idx in requests[list(requests)[0]])
-    child = _worker(cluster, decode, pools[decode.rank_id], kind,
-                    [["register"], ["expect", 2, cluster.bootstrap, dst]])
+    child = _worker(
+        cluster, decode, pools[decode.rank_id], kind, [["register"], ["expect", 2, cluster.bootstrap, dst]]
+    )
     try:
         cluster.clients[prefill.rank_id].send(2, src)
-        state = wait_status(cluster.clients[prefill.rank_id], 2,
-                            [RoomStatus.SUCCESS, RoomStatus.FAILED], timeout_s=15)
+        state = wait_status(
+            cluster.clients[prefill.rank_id], 2, [RoomStatus.SUCCESS, RoomStatus.FAILED], timeout_s=15
+        )
         assert state.status is RoomStatus.SUCCESS, state.reason
         wait_for(lambda: cluster.http(decode.rank_id, "/readyz")[0] == 200, 10, "decode ready")
     finally:

@@ -27,10 +27,13 @@ TRANSFER_TIMEOUT_S = 1.0
 def cluster(module_deployment):
     # prefill gives up on a stalled transfer first (1 s), so decode hears prefill's
     # reason before its own 3 s pass; insecure, since the child worker is raw frames (no handshake)
-    return module_deployment(tiny_ranks(Role.PREFILL, 1, num_pages=NUM_PAGES),
-                             tiny_ranks(Role.DECODE, 1, num_pages=NUM_PAGES), attach=False,
-                             config={"transfer_timeout_s": TRANSFER_TIMEOUT_S, "allow_insecure": True},
-                             decode_config={"transfer_timeout_s": 3.0})
+    return module_deployment(
+        tiny_ranks(Role.PREFILL, 1, num_pages=NUM_PAGES),
+        tiny_ranks(Role.DECODE, 1, num_pages=NUM_PAGES),
+        attach=False,
+        config={"transfer_timeout_s": TRANSFER_TIMEOUT_S, "allow_insecure": True},
+        decode_config={"transfer_timeout_s": 3.0},
+    )
 
 
 def _refusal(client, request) -> Refused:
@@ -52,14 +55,15 @@ def test_hostile_registrations_are_refused_with_the_field_and_the_sidecar_serves
         assert "overlap" in err.reason
 
         huge = (Region(rank.regions[0].id, 2**47),) + rank.regions[1:]
-        err = _refusal(client, register_request(dataclasses.replace(rank, regions=huge),
-                                                scratch.handles, "hostile"))
+        err = _refusal(
+            client, register_request(dataclasses.replace(rank, regions=huge), scratch.handles, "hostile")
+        )
         assert err.code_text == "limit_exceeded" and "regions[0].nbytes" in err.reason
 
-        short = tuple(Region(r.id, r.nbytes - 1) if r.id == rank.views[0].region else r
-                      for r in rank.regions)
-        err = _refusal(client, register_request(dataclasses.replace(rank, regions=short),
-                                                scratch.handles, "hostile"))
+        short = tuple(Region(r.id, r.nbytes - 1) if r.id == rank.views[0].region else r for r in rank.regions)
+        err = _refusal(
+            client, register_request(dataclasses.replace(rank, regions=short), scratch.handles, "hostile")
+        )
         assert err.code_text == "view_out_of_region" and rank.views[0].path in err.reason
 
         request = register_request(rank, scratch.handles, "hostile")
@@ -100,17 +104,21 @@ def test_killed_prefill_worker_fails_its_room_on_both_sides_at_once(cluster):
         array[:] = cluster.world.prefill_buffers[prefill.rank_id][region_id]
     endpoint = cluster.sidecars[prefill.rank_id].endpoint
     cluster.clients[decode.rank_id].expect(1, cluster.bootstrap, list(range(32, 64)))
-    child = start_child_worker(endpoint, [
-        register_request(prefill, pools.handles, "child-worker"),
-        send_request(1, list(range(0, 16)), last_chunk=False)], cluster.workdir)
+    child = start_child_worker(
+        endpoint,
+        [
+            register_request(prefill, pools.handles, "child-worker"),
+            send_request(1, list(range(0, 16)), last_chunk=False),
+        ],
+        cluster.workdir,
+    )
     try:
         wait_status(cluster.clients[decode.rank_id], 1, [RoomStatus.TRANSFERRING])
     finally:
         kill(child)
     state = cluster.clients[decode.rank_id].wait(1, timeout_s=10)
     assert state.status is RoomStatus.FAILED and state.code_text == "worker_lost", state.reason
-    assert "prefill[pp0,tp0]: room 1: the prefill worker is gone (worker child-worker is gone" \
-        in state.reason
+    assert "prefill[pp0,tp0]: room 1: the prefill worker is gone (worker child-worker is gone" in state.reason
     # the worker's next process registers again, and sees the dead one's room
     with worker_environ(cluster.insecure):
         cluster.clients[prefill.rank_id] = Client(endpoint, "after-the-worker", timeout_s=20)
@@ -129,6 +137,5 @@ def test_after_the_worker_died_the_sidecars_still_move_a_room_byte_exact(cluster
     cluster.send(2, second)
     assert cluster.wait_decode(2)[cluster.decode[0].rank_id].status is RoomStatus.SUCCESS
     # room 2 byte-exact; of room 1 exactly its first chunk landed, nothing else anywhere
-    landed = kv_requests(list(range(0, 16)) + list(range(20, 28)),
-                         list(range(32, 48)) + list(range(0, 8)))
+    landed = kv_requests(list(range(0, 16)) + list(range(20, 28)), list(range(32, 48)) + list(range(0, 8)))
     assert cluster.verify(landed) == []

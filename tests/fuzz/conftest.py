@@ -27,4 +27,5 @@ def pytest_terminal_summary(terminalreporter):
         skipped = "".join(f"; not sent: {count} {why}" for why, count in FRAMES_SKIPPED.items())
         terminalreporter.write_line(
             f"sidecar fuzz: {sum(FRAMES_SENT.values())} frames sent to a live prefill sidecar "
-            f"({parts}){skipped}")
+            f"({parts}){skipped}"
+        )

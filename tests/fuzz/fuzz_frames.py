@@ -32,11 +32,12 @@ from pd_transfer.protocol.worker_api import WorkerApiError, WorkerOp, decode_req
 from pd_transfer.protocol.worker_api import encode as encode_request
 
 BYTE_OPS = ("flip", "delete", "insert", "truncate", "duplicate")
-FRAMES_SENT: Counter = Counter()   # socket -> frames sent by the tests (terminal summary)
+FRAMES_SENT: Counter = Counter()  # socket -> frames sent by the tests (terminal summary)
 FRAMES_SKIPPED: Counter = Counter()  # what the tests drew but did not send, and why
 
 
 # -- seeds ------------------------------------------------------------------------------
+
 
 def control_seeds(messages) -> list[bytes]:
     """Frames a decode peer may send (and some it may not: every message type)."""
@@ -50,6 +51,7 @@ def bootstrap_seeds(entry) -> list[bytes]:
 def worker_seeds(geometry: RankGeometry, handles: dict[str, str]) -> list[bytes]:
     """One request of every worker op, with small values (``wait`` for 10 ms)."""
     from pd_transfer.client import wire
+
     requests = [
         wire.register_request(geometry, handles, "fuzz-worker"),
         wire.send_request(70, [0, 1, 2], state_slots=[], aux_row=1, last_chunk=False),
@@ -65,6 +67,7 @@ def worker_seeds(geometry: RankGeometry, handles: dict[str, str]) -> list[bytes]
 
 # -- mutations ----------------------------------------------------------------------------
 
+
 def byte_mutation(frame: bytes, edits) -> bytes:
     """Apply ``edits`` [(op, where, value)] to the raw bytes."""
     data = bytearray(frame)
@@ -73,11 +76,11 @@ def byte_mutation(frame: bytes, edits) -> bytes:
         if op == "flip" and data:
             data[at] ^= value or 1
         elif op == "delete" and data:
-            del data[at:at + 1 + value % 8]
+            del data[at : at + 1 + value % 8]
         elif op == "insert":
             data[at:at] = bytes([value]) * (1 + value % 4)
         elif op == "duplicate" and data:
-            data[at:at] = data[at:at + 1 + value]
+            data[at:at] = data[at : at + 1 + value]
         else:
             del data[at:]
     return bytes(data)
@@ -111,8 +114,26 @@ def field_mutation(frame: bytes, which: int, new_value) -> bytes:
         return frame[: which % max(len(frame), 1)]
 
 
-_ODD_VALUES = [None, True, -1, 0, 2**31, 2**63 - 1, 2**64 - 1, -(2**63), 1e308, float("nan"),
-               float("inf"), "", "x" * 300, b"\x00" * 16, [], {}, [[[[[]]]]], {"op": "send"}]
+_ODD_VALUES = [
+    None,
+    True,
+    -1,
+    0,
+    2**31,
+    2**63 - 1,
+    2**64 - 1,
+    -(2**63),
+    1e308,
+    float("nan"),
+    float("inf"),
+    "",
+    "x" * 300,
+    b"\x00" * 16,
+    [],
+    {},
+    [[[[[]]]]],
+    {"op": "send"},
+]
 
 
 def random_value(rng: random.Random):
@@ -133,13 +154,16 @@ def random_mutation(rng: random.Random, seeds: list[bytes]) -> bytes:
         return rng.randbytes(rng.randrange(64))
     frame = rng.choice(seeds)
     if kind < 0.55:
-        edits = [(rng.choice(BYTE_OPS), rng.randrange(1 << 20), rng.randrange(256))
-                 for _ in range(rng.randint(1, 4))]
+        edits = [
+            (rng.choice(BYTE_OPS), rng.randrange(1 << 20), rng.randrange(256))
+            for _ in range(rng.randint(1, 4))
+        ]
         return byte_mutation(frame, edits)
     return field_mutation(frame, rng.randrange(1 << 20), random_value(rng))
 
 
 # -- classification -------------------------------------------------------------------------
+
 
 def control_is_valid(frame: bytes) -> bool:
     """True if the codec accepts the frame (the session may still refuse it in its state)."""
@@ -199,6 +223,7 @@ def worker_kind(frame: bytes) -> str:
 
 
 # -- live targets ------------------------------------------------------------------------------
+
 
 @dataclass
 class Target:
@@ -283,7 +308,7 @@ class FreshSessions:
         outcome = control_outcome(frame, after_hello)
         self.kinds[outcome] += 1
         socket = self._context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 1000)   # let the frames leave after close()
+        socket.setsockopt(zmq.LINGER, 1000)  # let the frames leave after close()
         socket.connect(self.address)
         if after_hello:
             socket.send(HELLO)

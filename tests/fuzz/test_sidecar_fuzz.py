@@ -46,25 +46,36 @@ from pd_transfer.client import Refused, RoomStatus
 from pd_transfer.layout.geometry import Role
 from pd_transfer.protocol import Close, RankTable, TableRequest, decode, encode
 
-EXAMPLES = 500   # per socket
+EXAMPLES = 500  # per socket
 INSECURE = {"allow_insecure": True}
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
-                suppress_health_check=list(HealthCheck))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
 msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
-    | st.text(max_size=20) | st.binary(max_size=24),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children,
-                                                                      max_size=4),
-    max_leaves=12)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=20)
+    | st.binary(max_size=24),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=12,
+)
 
 
 def frames(seeds: list[bytes]):
     return st.one_of(
         st.binary(max_size=128),
-        st.builds(byte_mutation, st.sampled_from(seeds),
-                  st.lists(st.tuples(st.sampled_from(BYTE_OPS), st.integers(0, 1 << 20),
-                                     st.integers(0, 255)), min_size=1, max_size=4)),
+        st.builds(
+            byte_mutation,
+            st.sampled_from(seeds),
+            st.lists(
+                st.tuples(st.sampled_from(BYTE_OPS), st.integers(0, 1 << 20), st.integers(0, 255)),
+                min_size=1,
+                max_size=4,
+            ),
+        ),
         st.builds(field_mutation, st.sampled_from(seeds), st.integers(0, 1 << 20), msgpack_values),
     )
 
@@ -75,8 +86,11 @@ def cluster(module_deployment):
     # left to drain when the sidecars stop
     # insecure on purpose: the fuzz aims at the frame parsers behind authentication
     # (tests/security checks what a sidecar with a secret refuses before the handshake)
-    return module_deployment(tiny_ranks(Role.PREFILL, 1), tiny_ranks(Role.DECODE, 1),
-                             config={"bootstrap_timeout_s": 2.0, **INSECURE})
+    return module_deployment(
+        tiny_ranks(Role.PREFILL, 1),
+        tiny_ranks(Role.DECODE, 1),
+        config={"bootstrap_timeout_s": 2.0, **INSECURE},
+    )
 
 
 def _prefill(cluster):
@@ -115,8 +129,11 @@ def test_control_socket_counts_every_frame_its_session_refuses(cluster, record_p
         fuzz()
         # every frame the session refuses is counted (and answered with a Close or a
         # room-level reply); valid ones are handled, and nothing else is counted
-        wait_for(lambda: _bad_frames(cluster) - before >= target.kinds["counted"], 15,
-                 f"{target.kinds['counted']} refused control frames counted")
+        wait_for(
+            lambda: _bad_frames(cluster) - before >= target.kinds["counted"],
+            15,
+            f"{target.kinds['counted']} refused control frames counted",
+        )
         time.sleep(0.2)
         assert _bad_frames(cluster) - before == target.kinds["counted"]
         _alive(cluster)
@@ -188,6 +205,7 @@ def test_bootstrap_socket_answers_table_requests_and_refuses_the_rest(cluster, r
 
 # -- frames the fuzz found neither answered nor counted ---------------------------------
 
+
 def _raw(address: str, *messages, parts=1, wait_s: float = 0.5) -> list[bytes]:
     """Send ``messages`` (each as ``parts`` frames) on a new DEALER; the replies."""
     socket = zmq.Context.instance().socket(zmq.DEALER)
@@ -206,8 +224,11 @@ def _raw(address: str, *messages, parts=1, wait_s: float = 0.5) -> list[bytes]:
 
 def test_a_bootstrap_frame_on_the_control_socket_is_counted_and_answered(cluster):
     before = _bad_frames(cluster)
-    replies = _raw(cluster.ready[_prefill(cluster)]["control_address"],
-                   encode(TableRequest(agent_id="lost-0")), wait_s=0.3)
+    replies = _raw(
+        cluster.ready[_prefill(cluster)]["control_address"],
+        encode(TableRequest(agent_id="lost-0")),
+        wait_s=0.3,
+    )
     assert _bad_frames(cluster) - before == 1
     assert [type(decode(r)).__name__ for r in replies] == ["Close"]
 
@@ -273,7 +294,7 @@ def test_sessions_refused_or_gone_silent_leave_nothing_behind(cluster):
     for i in range(150):  # Hello, then a frame the session refuses with a Close
         bad = encode(TableRequest(agent_id=f"lost-{i}")) if i % 2 else b"\xc1" * (i % 7 + 1)
         assert sessions.send(bad, after_hello=True) == "counted"
-    for _ in range(20):   # Hello, then silence: lost after 5 heartbeats of 0.2 s
+    for _ in range(20):  # Hello, then silence: lost after 5 heartbeats of 0.2 s
         assert sessions.send(HELLO, after_hello=False) == "accepted"
     wait_for(lambda: held() == before, 10, f"sessions and peers back to {before}")
     _alive(cluster)
@@ -292,7 +313,7 @@ def test_a_wait_timeout_that_is_no_duration_is_refused_naming_the_field(cluster,
 def test_after_the_fuzz_a_room_between_the_same_sidecars_is_byte_exact(cluster):
     _alive(cluster)
     requests = kv_requests([0, 5, 9, 15], [3, 2, 1, 0])
-    room = 2**40 + 17   # far from every room id the fuzz frames carry
+    room = 2**40 + 17  # far from every room id the fuzz frames carry
     cluster.expect(room, requests)
     cluster.send(room, requests)
     assert cluster.wait_decode(room)[cluster.decode[0].rank_id].status is RoomStatus.SUCCESS

@@ -13,16 +13,18 @@ TP_SIZES = (1, 2, 4, 8)
 TP_PAIRS = list(itertools.product(TP_SIZES, TP_SIZES))
 
 
-@pytest.mark.parametrize("src_layout,dst_layout", list(itertools.product(KV_LAYOUTS, KV_LAYOUTS)),
-                         ids=lambda layout: layout.value)
+@pytest.mark.parametrize(
+    "src_layout,dst_layout", list(itertools.product(KV_LAYOUTS, KV_LAYOUTS)), ids=lambda layout: layout.value
+)
 def test_identical_geometry_is_accepted_in_every_layout_pair(src_layout, dst_layout):
     prefill = instance("gqa", Role.PREFILL, 2, layout=src_layout)
     decode = instance("gqa", Role.DECODE, 2, layout=dst_layout)
     assert transfer_and_verify(prefill, decode) == []
 
 
-@pytest.mark.parametrize("src_layout,dst_layout", list(itertools.product(KV_LAYOUTS, KV_LAYOUTS)),
-                         ids=lambda layout: layout.value)
+@pytest.mark.parametrize(
+    "src_layout,dst_layout", list(itertools.product(KV_LAYOUTS, KV_LAYOUTS)), ids=lambda layout: layout.value
+)
 def test_asymmetric_kv_head_dims_move_in_every_layout_pair(src_layout, dst_layout):
     prefill = instance("asym", Role.PREFILL, 1, layout=src_layout)
     decode = instance("asym", Role.DECODE, 2, layout=dst_layout)
@@ -79,7 +81,10 @@ def test_aux_rows_have_one_writer_per_decode_rank():
     decode = instance("gqa", Role.DECODE, 2)
     recon = reconcile(prefill, decode)
     for dst in decode:
-        writers = [src for src in recon.sources_for(dst)
-                   if recon.pieces(next(v.key for v in dst.views if v.pool is Pool.AUX), dst).get(src)]
+        writers = [
+            src
+            for src in recon.sources_for(dst)
+            if recon.pieces(next(v.key for v in dst.views if v.pool is Pool.AUX), dst).get(src)
+        ]
         assert len(writers) == 1
     assert transfer_and_verify(prefill, decode) == []

@@ -8,8 +8,10 @@ from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.reconcile import reconcile
 
 
-@pytest.mark.parametrize("kind,tp_src,tp_dst", [("gqa", 2, 4), ("gqa", 4, 2), ("gqa2", 2, 8),
-                                                ("mla", 4, 2), ("gdn", 2, 4), ("mla", 1, 4)])
+@pytest.mark.parametrize(
+    "kind,tp_src,tp_dst",
+    [("gqa", 2, 4), ("gqa", 4, 2), ("gqa2", 2, 8), ("mla", 4, 2), ("gdn", 2, 4), ("mla", 1, 4)],
+)
 def test_fanout_from_one_template_matches_the_full_instance(kind, tp_src, tp_dst):
     prefill = instance(kind, Role.PREFILL, tp_src)
     decode = instance(kind, Role.DECODE, tp_dst)

@@ -26,13 +26,21 @@ def _layer_ids(geometry) -> list[int]:
 def _run_set(plan) -> set[tuple]:
     runs = set()
     for src_region, dst_region, src_off, dst_off, nbytes in plan.byte_runs():
-        runs.update(zip([src_region] * len(src_off), [dst_region] * len(src_off),
-                        src_off.tolist(), dst_off.tolist(), nbytes.tolist()))
+        runs.update(
+            zip(
+                [src_region] * len(src_off),
+                [dst_region] * len(src_off),
+                src_off.tolist(),
+                dst_off.tolist(),
+                nbytes.tolist(),
+            )
+        )
     return runs
 
 
-@pytest.mark.parametrize("kind,tp_src,tp_dst", [("gqa", 2, 4), ("mla", 4, 2), ("gdn", 2, 4),
-                                                ("swa", 1, 2), ("mamba2", 2, 1)])
+@pytest.mark.parametrize(
+    "kind,tp_src,tp_dst", [("gqa", 2, 4), ("mla", 4, 2), ("gdn", 2, 4), ("swa", 1, 2), ("mamba2", 2, 1)]
+)
 def test_layer_by_layer_plans_deliver_exactly_the_whole_transfer(kind, tp_src, tp_dst):
     prefill, decode = instance(kind, Role.PREFILL, tp_src), instance(kind, Role.DECODE, tp_dst)
     recon = reconcile(prefill, decode)

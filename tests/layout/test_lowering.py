@@ -58,8 +58,16 @@ def units(draw):
     axes = tuple(zip(extents, src_strides, dst_strides))
     src_index_stride = src_item + pad * extents[0] + draw(st.sampled_from([0, 64]))
     dst_index_stride = dst_item + draw(st.sampled_from([0, 16]))
-    return Unit("rs", "rd", draw(st.integers(0, 32)), draw(st.integers(0, 32)), itemsize,
-                axes, (src_index_stride, dst_index_stride), Pool.KV)
+    return Unit(
+        "rs",
+        "rd",
+        draw(st.integers(0, 32)),
+        draw(st.integers(0, 32)),
+        itemsize,
+        axes,
+        (src_index_stride, dst_index_stride),
+        Pool.KV,
+    )
 
 
 @settings(max_examples=150, deadline=None)
@@ -68,8 +76,9 @@ def test_lowering_moves_exactly_the_block_elements(unit, data):
     count = data.draw(st.integers(1, 6))
     src_idx = data.draw(st.lists(st.integers(0, 7), min_size=count, max_size=count, unique=True))
     dst_idx = data.draw(st.lists(st.integers(0, 7), min_size=count, max_size=count, unique=True))
-    assert np.array_equal(_lowered_byte_pairs(unit, src_idx, dst_idx),
-                          _naive_byte_pairs(unit, src_idx, dst_idx))
+    assert np.array_equal(
+        _lowered_byte_pairs(unit, src_idx, dst_idx), _naive_byte_pairs(unit, src_idx, dst_idx)
+    )
 
 
 def test_lowering_coalesces_consecutive_contiguous_pages_into_one_run():
@@ -105,8 +114,7 @@ def test_a_plans_totals_equal_the_sums_over_its_batches(first, second, data):
     equal what summing every batch gives (they size admission grants and metrics)."""
     count = data.draw(st.integers(1, 5))
     src_idx = np.array(data.draw(st.lists(st.integers(0, 7), min_size=count, max_size=count)))
-    dst_idx = np.array(data.draw(st.lists(st.integers(0, 7), min_size=count, max_size=count,
-                                          unique=True)))
+    dst_idx = np.array(data.draw(st.lists(st.integers(0, 7), min_size=count, max_size=count, unique=True)))
     other = Unit("rs2", "rd2", 0, 0, first.itemsize, first.axes, first.index_strides, Pool.KV)
     plan = lower("p", "d", [first, other, second], {Pool.KV: (src_idx, dst_idx)})
     assert plan.num_descriptors == sum(len(b.src_offset) for b in plan.batches)

@@ -25,14 +25,13 @@ from pd_transfer.layout.pools import (
 )
 from pd_transfer.layout.views import AxisRole, Layout
 
-P, PS, H, D = 5, 4, 2, 8            # pages, page size, local KV heads, head dim
+P, PS, H, D = 5, 4, 2, 8  # pages, page size, local KV heads, head dim
 S = P * PS
-LAYER_IDS = (3, 7, 11)              # global ids; positions 0-2 in the host buffer
+LAYER_IDS = (3, 7, 11)  # global ids; positions 0-2 in the host buffer
 L = len(LAYER_IDS)
-PAGES = [3, 0, 4]                   # deliberately out of order
-MIMO_K, MIMO_V = 192, 128           # MiMo-V2 head_dim / v_head_dim
-TINY_GDN = GdnSpec(num_key_heads=2, key_head_dim=4, num_value_heads=4, value_head_dim=4,
-                   conv_kernel=4)
+PAGES = [3, 0, 4]  # deliberately out of order
+MIMO_K, MIMO_V = 192, 128  # MiMo-V2 head_dim / v_head_dim
+TINY_GDN = GdnSpec(num_key_heads=2, key_head_dim=4, num_value_heads=4, value_head_dim=4, conv_kernel=4)
 
 
 def _tokens(pages, page_size: int = PS) -> np.ndarray:
@@ -42,8 +41,7 @@ def _tokens(pages, page_size: int = PS) -> np.ndarray:
 def _kv_views(layout: Layout, head_dim: int = D, v_head_dim: int | None = None):
     # 4 global KV heads over tp 2: rank 1 holds heads [2, 4), H = 2 local heads
     attn = AttentionSpec(num_kv_heads=4, head_dim=head_dim, v_head_dim=v_head_dim)
-    return build_kv_pool(attn, LAYER_IDS, KvPoolShape(P, PS, layout, "bfloat16"),
-                         tp_size=2, tp_rank=1).views
+    return build_kv_pool(attn, LAYER_IDS, KvPoolShape(P, PS, layout, "bfloat16"), tp_size=2, tp_rank=1).views
 
 
 def _filled(shape, dtype=torch.bfloat16) -> torch.Tensor:
@@ -69,54 +67,67 @@ def _assert_ranges_are_pages(meta, pages, sources) -> None:
             assert offset == page_tensor.storage_offset() * isz, (group.group, page)
             assert group.nbytes == page_tensor.numel() * isz
             expected = page_tensor.view(torch.uint8).view(-1)
-            assert torch.equal(raw[offset:offset + group.nbytes], expected), (group.group, page)
+            assert torch.equal(raw[offset : offset + group.nbytes], expected), (group.group, page)
 
 
 def test_page_first_gives_one_range_per_page_per_k_and_v_of_the_shared_buffer():
     kv = _filled((2, S, L, H, D))
     meta = page_buffer_meta(_kv_views(Layout.PAGE_FIRST), _tokens(PAGES), PS)
     assert [(m.region, m.nbytes) for m in meta] == [("kv_host", L * PS * H * D * 2)] * 2
-    _assert_ranges_are_pages(meta, PAGES, {
-        "k": (kv, lambda buf, p: buf[0, p * PS:(p + 1) * PS]),
-        "v": (kv, lambda buf, p: buf[1, p * PS:(p + 1) * PS]),
-    })
+    _assert_ranges_are_pages(
+        meta,
+        PAGES,
+        {
+            "k": (kv, lambda buf, p: buf[0, p * PS : (p + 1) * PS]),
+            "v": (kv, lambda buf, p: buf[1, p * PS : (p + 1) * PS]),
+        },
+    )
 
 
 def test_page_first_direct_gives_one_range_per_page_per_k_and_v_of_the_shared_buffer():
     kv = _filled((2, P, L, PS, H, D))
     meta = page_buffer_meta(_kv_views(Layout.PAGE_FIRST_DIRECT), _tokens(PAGES), PS)
     assert [(m.region, m.nbytes) for m in meta] == [("kv_host", L * PS * H * D * 2)] * 2
-    _assert_ranges_are_pages(meta, PAGES, {"k": (kv, lambda buf, p: buf[0, p]),
-                                           "v": (kv, lambda buf, p: buf[1, p])})
+    _assert_ranges_are_pages(
+        meta, PAGES, {"k": (kv, lambda buf, p: buf[0, p]), "v": (kv, lambda buf, p: buf[1, p])}
+    )
 
 
-@pytest.mark.parametrize("layout,k_shape,v_shape,page_of", [
-    (Layout.PAGE_FIRST, (S, L, H, MIMO_K), (S, L, H, MIMO_V),
-     lambda buf, p: buf[p * PS:(p + 1) * PS]),
-    (Layout.PAGE_FIRST_DIRECT, (P, L, PS, H, MIMO_K), (P, L, PS, H, MIMO_V),
-     lambda buf, p: buf[p]),
-], ids=["page_first", "page_first_direct"])
-def test_asymmetric_kv_gives_k_and_v_ranges_of_their_own_buffers(layout, k_shape, v_shape,
-                                                                  page_of):
-    meta = page_buffer_meta(_kv_views(layout, head_dim=MIMO_K, v_head_dim=MIMO_V),
-                            _tokens(PAGES), PS)
+@pytest.mark.parametrize(
+    "layout,k_shape,v_shape,page_of",
+    [
+        (Layout.PAGE_FIRST, (S, L, H, MIMO_K), (S, L, H, MIMO_V), lambda buf, p: buf[p * PS : (p + 1) * PS]),
+        (Layout.PAGE_FIRST_DIRECT, (P, L, PS, H, MIMO_K), (P, L, PS, H, MIMO_V), lambda buf, p: buf[p]),
+    ],
+    ids=["page_first", "page_first_direct"],
+)
+def test_asymmetric_kv_gives_k_and_v_ranges_of_their_own_buffers(layout, k_shape, v_shape, page_of):
+    meta = page_buffer_meta(_kv_views(layout, head_dim=MIMO_K, v_head_dim=MIMO_V), _tokens(PAGES), PS)
     assert [(m.region, m.nbytes) for m in meta] == [
-        ("kv_host.k", L * PS * H * MIMO_K * 2), ("kv_host.v", L * PS * H * MIMO_V * 2)]
-    _assert_ranges_are_pages(meta, PAGES, {"k": (_filled(k_shape), page_of),
-                                           "v": (_filled(v_shape), page_of)})
+        ("kv_host.k", L * PS * H * MIMO_K * 2),
+        ("kv_host.v", L * PS * H * MIMO_V * 2),
+    ]
+    _assert_ranges_are_pages(
+        meta, PAGES, {"k": (_filled(k_shape), page_of), "v": (_filled(v_shape), page_of)}
+    )
 
 
 @pytest.mark.parametrize("layout", [Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT])
 def test_mamba_host_state_gives_one_range_per_slot_per_tensor(layout):
     slots, picked = 6, [5, 1, 2]
-    tensors = TINY_GDN.state_tensors(tp_size=2, tp_rank=1)       # conv, temporal
+    tensors = TINY_GDN.state_tensors(tp_size=2, tp_rank=1)  # conv, temporal
     views = build_state_pool(tensors, LAYER_IDS, num_slots=slots, layout=layout).views
-    meta = page_buffer_meta(views, np.array(picked), 1)         # a host state page is one slot
+    meta = page_buffer_meta(views, np.array(picked), 1)  # a host state page is one slot
     assert [m.region for m in meta] == ["mamba_host.conv", "mamba_host.temporal"]
     # MambaPoolHost: (S, Lm, *shape) per tensor; slot s is buf[s], all Lm layers
-    _assert_ranges_are_pages(meta, picked, {
-        t.name: (_filled((slots, L) + t.shape, getattr(torch, t.dtype)), lambda buf, s: buf[s])
-        for t in tensors})
+    _assert_ranges_are_pages(
+        meta,
+        picked,
+        {
+            t.name: (_filled((slots, L) + t.shape, getattr(torch, t.dtype)), lambda buf, s: buf[s])
+            for t in tensors
+        },
+    )
 
 
 @pytest.mark.parametrize("layout", [Layout.LAYER_FIRST, Layout.PAGE_HEAD, Layout.NHD])
@@ -137,39 +148,45 @@ def test_page_meta_for_asymmetric_kv_outside_page_layouts_names_the_head_dims(la
     assert info.value.code is Reason.LAYOUT_UNSUPPORTED
     assert str(info.value).startswith(
         "zero-copy page metadata for models with head_dim != v_head_dim needs a page layout "
-        f"(page_first, page_first_direct); kv.layer[3].k is {layout.value}")
+        f"(page_first, page_first_direct); kv.layer[3].k is {layout.value}"
+    )
 
 
 def test_page_meta_refuses_mamba_pools_with_side_states():
     tensors = TINY_GDN.state_tensors(tp_size=1, tp_rank=0) + (
-        SideStateSpec("side0", 3, "int32").state_tensor(),)
+        SideStateSpec("side0", 3, "int32").state_tensor(),
+    )
     views = build_state_pool(tensors, LAYER_IDS, num_slots=4, layout=Layout.PAGE_FIRST).views
     with pytest.raises(LayoutError) as info:
         page_buffer_meta(views, np.array([0, 2]), 1)
     assert info.value.code is Reason.LAYOUT_UNSUPPORTED
-    assert str(info.value).startswith("mamba.layer[3].side0: zero-copy page metadata does not "
-                                      "cover registered per-slot side states")
+    assert str(info.value).startswith(
+        "mamba.layer[3].side0: zero-copy page metadata does not cover registered per-slot side states"
+    )
 
 
-@pytest.mark.parametrize("tokens,problem", [
-    (np.arange(6), "index list of 6 tokens is not a multiple of page_size 4"),
-    (np.arange(1, 5), "token indices do not form whole, aligned pages"),
-    (np.array([4, 5, 7, 6]), "token indices do not form whole, aligned pages"),
-], ids=["partial-page", "unaligned", "out-of-order"])
+@pytest.mark.parametrize(
+    "tokens,problem",
+    [
+        (np.arange(6), "index list of 6 tokens is not a multiple of page_size 4"),
+        (np.arange(1, 5), "token indices do not form whole, aligned pages"),
+        (np.array([4, 5, 7, 6]), "token indices do not form whole, aligned pages"),
+    ],
+    ids=["partial-page", "unaligned", "out-of-order"],
+)
 def test_page_meta_refuses_token_lists_that_are_not_whole_aligned_pages(tokens, problem):
     with pytest.raises(LayoutError, match=problem) as info:
         page_buffer_meta(_kv_views(Layout.PAGE_FIRST), tokens, PS)
     assert info.value.code is Reason.INDEX_NOT_PAGE_ALIGNED
 
 
-@pytest.mark.parametrize("layout", [Layout.PAGE_FIRST_DIRECT, Layout.NHD, Layout.HND,
-                                    Layout.LAYER_FIRST])
+@pytest.mark.parametrize("layout", [Layout.PAGE_FIRST_DIRECT, Layout.NHD, Layout.HND, Layout.LAYER_FIRST])
 @pytest.mark.parametrize("v_head_dim", [None, MIMO_V], ids=["symmetric", "asymmetric"])
 def test_page_granular_copy_accepts_pools_whose_layer_pages_are_contiguous(layout, v_head_dim):
     head_dim = D if v_head_dim is None else MIMO_K
     views = _kv_views(layout, head_dim=head_dim, v_head_dim=v_head_dim)
     assert require_page_granular(views) is None
-    for view in views:   # by enumeration: the bytes of one layer's page tile one range
+    for view in views:  # by enumeration: the bytes of one layer's page tile one range
         index = view.axis_index(AxisRole.INDEX)
         shape = [1 if i == index else n for i, n in enumerate(view.shape)]
         starts = sum(axis.ravel() * stride for axis, stride in zip(np.indices(shape), view.strides_nbytes))
@@ -183,15 +200,17 @@ def test_page_granular_copy_refuses_page_first_and_suggests_page_first_direct():
     assert str(info.value) == (
         "kv.layer[3].k (page_first): a page of one layer is not one contiguous range, so a "
         "page-granular (direct, no gather) copy is impossible\n"
-        "  hint: allocate the pool as page_first_direct, or use the gathering (kernel) path")
+        "  hint: allocate the pool as page_first_direct, or use the gathering (kernel) path"
+    )
 
 
 def test_page_granular_copy_of_asymmetric_kv_says_it_must_be_page_first_direct():
     with pytest.raises(LayoutError) as info:
         require_page_granular(_kv_views(Layout.PAGE_FIRST, head_dim=MIMO_K, v_head_dim=MIMO_V))
     assert info.value.code is Reason.LAYOUT_UNSUPPORTED
-    assert ("models with head_dim != v_head_dim must use page_first_direct for direct copies"
-            in str(info.value))
+    assert "models with head_dim != v_head_dim must use page_first_direct for direct copies" in str(
+        info.value
+    )
 
 
 def test_page_granular_copy_refuses_page_head():

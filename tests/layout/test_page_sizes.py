@@ -28,9 +28,8 @@ from pd_transfer.transport.copy_engine import CopyEngine
 PAGE_SIZES = (1, 16, 64)
 PAGE_PAIRS = [p for p in itertools.product(PAGE_SIZES, PAGE_SIZES) if p[0] != p[1]]
 ALL_PAGE_PAIRS = list(itertools.product(PAGE_SIZES, PAGE_SIZES))
-MLA_LAYOUTS = (Layout.NHD, Layout.HND, Layout.LAYER_FIRST, Layout.PAGE_FIRST,
-               Layout.PAGE_FIRST_DIRECT)
-TOKENS = 384      # tokens each pool holds on each side, whatever its page size
+MLA_LAYOUTS = (Layout.NHD, Layout.HND, Layout.LAYER_FIRST, Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT)
+TOKENS = 384  # tokens each pool holds on each side, whatever its page size
 
 
 def _side(kind: str, role: Role, tp: int, page_size: int, layout: Layout, **extra):
@@ -46,15 +45,16 @@ def _pair_id(value) -> str:
 
 def _plans(recon, prefill, decode, requests):
     by_id = {g.rank_id: g for g in prefill}
-    return [plan_pair(recon, by_id[src_id], dst, requests)
-            for dst in decode for src_id in recon.sources_for(dst)]
+    return [
+        plan_pair(recon, by_id[src_id], dst, requests) for dst in decode for src_id in recon.sources_for(dst)
+    ]
 
 
 @pytest.mark.parametrize("page_sizes", ALL_PAGE_PAIRS, ids=lambda p: f"{p[0]}x{p[1]}")
-@pytest.mark.parametrize("src_layout,dst_layout", list(itertools.product(KV_LAYOUTS, KV_LAYOUTS)),
-                         ids=_pair_id)
-def test_gqa_page_size_pairs_move_byte_exact_in_every_layout_pair(page_sizes, src_layout,
-                                                                 dst_layout):
+@pytest.mark.parametrize(
+    "src_layout,dst_layout", list(itertools.product(KV_LAYOUTS, KV_LAYOUTS)), ids=_pair_id
+)
+def test_gqa_page_size_pairs_move_byte_exact_in_every_layout_pair(page_sizes, src_layout, dst_layout):
     prefill = _side("gqa", Role.PREFILL, 1, page_sizes[0], src_layout)
     decode = _side("gqa", Role.DECODE, 1, page_sizes[1], dst_layout)
     recon = reconcile(prefill, decode)
@@ -94,8 +94,7 @@ def test_mla_latents_convert_page_sizes_with_one_writer(page_sizes, dst_layout, 
 def test_swa_window_pages_convert_aligned_at_the_request_end(page_sizes, dst_layout):
     prefill = _side("swa", Role.PREFILL, 2, page_sizes[0], Layout.NHD)
     decode = _side("swa", Role.DECODE, 1, page_sizes[1], dst_layout)
-    assert {v.page_sizes for v in reconcile(prefill, decode).verdicts
-            if v.key[0] is Pool.SWA} == {page_sizes}
+    assert {v.page_sizes for v in reconcile(prefill, decode).verdicts if v.key[0] is Pool.SWA} == {page_sizes}
     for seed in range(3):
         assert transfer_and_verify(prefill, decode, seed=seed) == []
 
@@ -111,9 +110,15 @@ def test_state_slots_and_aux_rows_are_unaffected_by_page_sizes(kind, page_sizes)
 
 
 @pytest.mark.parametrize("page_sizes", ALL_PAGE_PAIRS, ids=lambda p: f"{p[0]}x{p[1]}")
-@pytest.mark.parametrize("layouts", [(Layout.NHD, Layout.PAGE_HEAD), (Layout.LAYER_FIRST, Layout.HND),
-                                     (Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT)],
-                         ids=lambda p: f"{p[0].value}-{p[1].value}")
+@pytest.mark.parametrize(
+    "layouts",
+    [
+        (Layout.NHD, Layout.PAGE_HEAD),
+        (Layout.LAYER_FIRST, Layout.HND),
+        (Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT),
+    ],
+    ids=lambda p: f"{p[0].value}-{p[1].value}",
+)
 def test_copy_engine_moves_converted_plans_byte_exact(page_sizes, layouts):
     prefill = _side("gqa", Role.PREFILL, 2, page_sizes[0], layouts[0])
     decode = _side("gqa", Role.DECODE, 4, page_sizes[1], layouts[1])
@@ -124,14 +129,14 @@ def test_copy_engine_moves_converted_plans_byte_exact(page_sizes, layouts):
     try:
         plans = _plans(recon, prefill, decode, requests)
         for plan in plans:
-            engine.execute(plan, world.prefill_buffers[plan.src_rank],
-                           world.decode_buffers[plan.dst_rank])
+            engine.execute(plan, world.prefill_buffers[plan.src_rank], world.decode_buffers[plan.dst_rank])
     finally:
         engine.close()
     assert world.verify(requests) == []
 
 
 # -- what the plans look like -----------------------------------------------------
+
 
 def _gqa_pair(page_sizes, layouts=(Layout.NHD, Layout.NHD)):
     prefill = _side("gqa", Role.PREFILL, 1, page_sizes[0], layouts[0])
@@ -142,13 +147,12 @@ def _gqa_pair(page_sizes, layouts=(Layout.NHD, Layout.NHD)):
 def test_a_prefill_page_of_16_lands_as_one_run_in_a_decode_page_of_64():
     planner = _gqa_pair((16, 64))
     plan = planner.plan({Pool.KV: (np.array([7, 2, 9]), np.array([5]))})
-    token_nbytes = 8 * 4 * 2     # 8 heads x head_dim 4 x bfloat16
-    for batch in plan.batches:   # one batch per tensor: K and V of 3 layers
+    token_nbytes = 8 * 4 * 2  # 8 heads x head_dim 4 x bfloat16
+    for batch in plan.batches:  # one batch per tensor: K and V of 3 layers
         assert batch.nbytes.tolist() == [16 * token_nbytes] * 3
         assert batch.count.tolist() == [1, 1, 1]
         assert batch.src_offset.tolist() == [p * 16 * token_nbytes for p in (7, 2, 9)]
-        assert batch.dst_offset.tolist() == [5 * 64 * token_nbytes + k * 16 * token_nbytes
-                                             for k in range(3)]
+        assert batch.dst_offset.tolist() == [5 * 64 * token_nbytes + k * 16 * token_nbytes for k in range(3)]
 
 
 def test_consecutive_prefill_pages_coalesce_into_one_run_across_their_boundary():
@@ -196,7 +200,7 @@ def test_a_chunked_room_lands_each_chunk_at_its_tokens():
     planner = PairPlanner(recon, prefill[0], decode[0])
     src, dst = np.array([9, 3, 0, 5, 7]), np.array([2, 1])
     world = World.build(prefill, decode, 3)
-    for start, stop in ((0, 3), (3, 5)):   # 48 tokens, then 32 more
+    for start, stop in ((0, 3), (3, 5)):  # 48 tokens, then 32 more
         world.execute(planner.plan({Pool.KV: TokenSpan(src[start:stop], dst, 16 * start, 0)}))
     assert world.verify({Pool.KV: (src, dst)}) == []
 
@@ -207,9 +211,16 @@ def test_the_oracle_catches_a_conversion_that_drops_one_granule():
     prefill, decode = planner.src, planner.dst
     plan = planner.plan(requests)
     first = plan.batches[0]
-    short = RunBatch(first.src_region, first.dst_region, first.src_offset[:-1],
-                     first.dst_offset[:-1], first.nbytes[:-1], first.count[:-1],
-                     first.src_stride, first.dst_stride)
+    short = RunBatch(
+        first.src_region,
+        first.dst_region,
+        first.src_offset[:-1],
+        first.dst_offset[:-1],
+        first.nbytes[:-1],
+        first.count[:-1],
+        first.src_stride,
+        first.dst_stride,
+    )
     world = World.build([prefill], [decode], 0)
     world.execute(TransferPlan(plan.src_rank, plan.dst_rank, (short,) + plan.batches[1:]))
     lines = world.verify(requests)
@@ -218,25 +229,38 @@ def test_the_oracle_catches_a_conversion_that_drops_one_granule():
 
 # -- rejects: exactly where no token mapping exists ------------------------------
 
+
 def _opaque_rank(role: Role, page_size: int, token_axis: bool, inner_stride: int = 2):
     """One hand-registered KV tensor: with a token axis, or pages as opaque bytes."""
     if token_axis:
-        shape, axes = (4, page_size, 8), (Axis("page", AxisRole.INDEX),
-                                          Axis("token", AxisRole.TOKEN),
-                                          Axis("head_dim", AxisRole.INNER))
+        shape, axes = (
+            (4, page_size, 8),
+            (Axis("page", AxisRole.INDEX), Axis("token", AxisRole.TOKEN), Axis("head_dim", AxisRole.INNER)),
+        )
         strides = (page_size * 8 * inner_stride, 8 * inner_stride, inner_stride)
         nbytes = 4 * page_size * 8 * inner_stride
     else:
         shape, axes = (4, 64), (Axis("page", AxisRole.INDEX), Axis("bytes", AxisRole.INNER))
         strides, nbytes = (64, 1), 256
-    view = TensorView(Pool.KV, 0, "k", "kv", 0, "bfloat16" if token_axis else "uint8", shape,
-                      strides, axes, None, Layout.NHD)
+    view = TensorView(
+        Pool.KV,
+        0,
+        "k",
+        "kv",
+        0,
+        "bfloat16" if token_axis else "uint8",
+        shape,
+        strides,
+        axes,
+        None,
+        Layout.NHD,
+    )
     return RankGeometry(role, 1, 0, page_size, (view,), (Region("kv", nbytes),))
 
 
 def test_pages_registered_as_opaque_bytes_cannot_convert_and_say_how_to_fix_it():
     recon = reconcile(_opaque_rank(Role.PREFILL, 16, False), _opaque_rank(Role.DECODE, 64, False))
-    mismatch, = recon.mismatches
+    (mismatch,) = recon.mismatches
     assert mismatch.code is Reason.PAGE_SIZE_MISMATCH and mismatch.path == "kv.layer[0].k.page_size"
     assert mismatch.prefill == "16 tokens/page, no token axis"
     assert mismatch.decode == "64 tokens/page, no token axis"
@@ -244,16 +268,20 @@ def test_pages_registered_as_opaque_bytes_cannot_convert_and_say_how_to_fix_it()
 
 
 def test_a_strided_inner_axis_would_cut_pieces_below_the_minimum_and_is_refused():
-    recon = reconcile(_opaque_rank(Role.PREFILL, 16, True),
-                      _opaque_rank(Role.DECODE, 64, True, inner_stride=4))
-    mismatch, = recon.mismatches
+    recon = reconcile(
+        _opaque_rank(Role.PREFILL, 16, True), _opaque_rank(Role.DECODE, 64, True, inner_stride=4)
+    )
+    (mismatch,) = recon.mismatches
     assert mismatch.code is Reason.PAGE_SIZE_MISMATCH
-    assert (mismatch.prefill, mismatch.decode) == ("16 tokens/page, pieces of 16 B",
-                                                   "64 tokens/page, pieces of 2 B")
+    assert (mismatch.prefill, mismatch.decode) == (
+        "16 tokens/page, pieces of 16 B",
+        "64 tokens/page, pieces of 2 B",
+    )
     assert "one inner row" in mismatch.hint and "same --page-size" in mismatch.hint
     # the same strides with equal page sizes are no conversion, and are accepted
-    assert reconcile(_opaque_rank(Role.PREFILL, 16, True),
-                     _opaque_rank(Role.DECODE, 16, True, inner_stride=4)).ok
+    assert reconcile(
+        _opaque_rank(Role.PREFILL, 16, True), _opaque_rank(Role.DECODE, 16, True, inner_stride=4)
+    ).ok
 
 
 def test_the_same_hand_registered_tensor_converts_when_its_rows_are_contiguous():

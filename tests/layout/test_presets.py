@@ -8,8 +8,15 @@ from pd_transfer.errors import ConfigError, Reason
 from pd_transfer.layout import presets
 from pd_transfer.layout.presets import LayerKind, load_preset, model_from_table, preset_names
 
-EXPECTED_PRESETS = {"deepseek-v3", "gpt-oss-20b", "kimi-linear-48b-a3b", "llama-3.1-8b",
-                    "mimo-v2-flash", "nemotron-h-4b", "qwen3-next-80b-a3b"}
+EXPECTED_PRESETS = {
+    "deepseek-v3",
+    "gpt-oss-20b",
+    "kimi-linear-48b-a3b",
+    "llama-3.1-8b",
+    "mimo-v2-flash",
+    "nemotron-h-4b",
+    "qwen3-next-80b-a3b",
+}
 
 
 def test_every_expected_preset_is_listed_and_loads():
@@ -51,7 +58,7 @@ def test_gpt_oss_alternates_sliding_and_full_attention():
     assert spec.layer_ids(LayerKind.SLIDING_ATTENTION) == tuple(range(0, 24, 2))
     assert spec.layer_ids(LayerKind.ATTENTION) == tuple(range(1, 24, 2))
     assert spec.sliding_attention.window_tokens == 128
-    assert spec.swa_pages_per_request(page_size=16) == 9       # ceil(128/16) + 1
+    assert spec.swa_pages_per_request(page_size=16) == 9  # ceil(128/16) + 1
     assert spec.swa_pages_per_request(page_size=64) == 3
 
 
@@ -86,10 +93,19 @@ def test_unknown_preset_lists_known_names():
 
 
 def _table(**changes):
-    table = {"name": "m", "num_layers": 4, "layer_cycle": ["gdn", "attention"],
-             "attention": {"num_kv_heads": 8, "head_dim": 128},
-             "gdn": {"num_key_heads": 16, "key_head_dim": 128, "num_value_heads": 32,
-                     "value_head_dim": 128, "conv_kernel": 4}}
+    table = {
+        "name": "m",
+        "num_layers": 4,
+        "layer_cycle": ["gdn", "attention"],
+        "attention": {"num_kv_heads": 8, "head_dim": 128},
+        "gdn": {
+            "num_key_heads": 16,
+            "key_head_dim": 128,
+            "num_value_heads": 32,
+            "value_head_dim": 128,
+            "conv_kernel": 4,
+        },
+    }
     for key, value in changes.items():
         if value is None:
             table.pop(key)
@@ -105,8 +121,7 @@ def test_model_table_builds_explicit_geometry():
 
 
 def test_model_table_reports_every_bad_field_with_its_path():
-    table = _table(num_layers=0, attention={"num_kv_heads": 0, "head_dim": 128, "extra": 1},
-                   kv_dtype="fp9")
+    table = _table(num_layers=0, attention={"num_kv_heads": 0, "head_dim": 128, "extra": 1}, kv_dtype="fp9")
     with pytest.raises(ConfigError) as info:
         model_from_table(table, "cfg.toml")
     text = str(info.value)
@@ -126,8 +141,11 @@ def test_model_table_names_missing_fields():
 
 
 def test_model_table_lists_accepted_layer_kinds():
-    with pytest.raises(ConfigError, match=r"model.layer_cycle\[1\]: unknown layer kind 'ssm'; "
-                                          r"accepted: attention, sliding_attention, mla"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.layer_cycle\[1\]: unknown layer kind 'ssm'; "
+        r"accepted: attention, sliding_attention, mla",
+    ):
         model_from_table(_table(layer_cycle=["gdn", "ssm"]), "cfg.toml")
 
 

@@ -45,8 +45,9 @@ def _perturb(draw, table):
 
 def _build(table, role, tp, pp, layout, page_size):
     spec = model_from_table(table, f"<{role.value}>")
-    return build_instance(spec, role, tp, pp, page_size=page_size, kv_layout=layout,
-                          num_pages=5, num_slots=2, num_aux_rows=2)
+    return build_instance(
+        spec, role, tp, pp, page_size=page_size, kv_layout=layout, num_pages=5, num_slots=2, num_aux_rows=2
+    )
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -59,8 +60,10 @@ def test_every_geometry_pair_transfers_exactly_or_is_rejected_with_a_diagnostic(
     pp_src, pp_dst = draw(st.sampled_from([1, 1, 2])), draw(st.sampled_from([1, 1, 2]))
     layouts = (draw(st.sampled_from(KV_LAYOUTS)), draw(st.sampled_from(KV_LAYOUTS)))
     page_sizes = (4, draw(st.sampled_from([4, 4, 1, 8, 16])))
-    note(f"{src_table['name']} tp {tp_src}->{tp_dst} pp {pp_src}->{pp_dst} layouts "
-         f"{layouts[0].value}->{layouts[1].value} pages {page_sizes}")
+    note(
+        f"{src_table['name']} tp {tp_src}->{tp_dst} pp {pp_src}->{pp_dst} layouts "
+        f"{layouts[0].value}->{layouts[1].value} pages {page_sizes}"
+    )
     try:
         prefill = _build(src_table, Role.PREFILL, tp_src, pp_src, layouts[0], page_sizes[0])
         decode = _build(dst_table, Role.DECODE, tp_dst, pp_dst, layouts[1], page_sizes[1])

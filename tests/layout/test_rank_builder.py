@@ -12,8 +12,7 @@ from pd_transfer.layout.presets import LayerKind, load_preset, preset_names
 from pd_transfer.layout.rank_builder import WorkerShape, build_instance, build_rank, pp_layer_span
 from pd_transfer.layout.views import Layout, Pool
 
-SMALL = {"page_size": 4, "kv_layout": Layout.NHD, "num_pages": 3, "num_slots": 2,
-         "num_aux_rows": 2}
+SMALL = {"page_size": 4, "kv_layout": Layout.NHD, "num_pages": 3, "num_slots": 2, "num_aux_rows": 2}
 
 
 def _tp_sizes_for(name: str) -> list[int]:
@@ -84,56 +83,70 @@ def test_pp_stages_together_cover_every_layer_once():
 
 def test_swa_pool_uses_num_swa_pages_and_kv_dtype_override_spares_state():
     spec = load_preset("gpt-oss-20b")
-    shape = WorkerShape(role=Role.DECODE, tp_size=2, tp_rank=0, page_size=16,
-                        kv_layout=Layout.NHD, num_pages=20, num_swa_pages=9,
-                        kv_dtype="float8_e4m3fn")
+    shape = WorkerShape(
+        role=Role.DECODE,
+        tp_size=2,
+        tp_rank=0,
+        page_size=16,
+        kv_layout=Layout.NHD,
+        num_pages=20,
+        num_swa_pages=9,
+        kv_dtype="float8_e4m3fn",
+    )
     geometry = build_rank(spec, shape)
     assert geometry.view((Pool.SWA, 0, "k")).index_count == 9
     assert geometry.view((Pool.KV, 1, "k")).index_count == 20
     assert geometry.view((Pool.KV, 1, "k")).dtype == "float8_e4m3fn"
-    hybrid = build_rank(load_preset("qwen3-next-80b-a3b"),
-                        dataclasses.replace(shape, num_slots=4))
+    hybrid = build_rank(load_preset("qwen3-next-80b-a3b"), dataclasses.replace(shape, num_slots=4))
     assert hybrid.view((Pool.MAMBA, 0, "temporal")).dtype == "float32"
 
 
 def test_host_kv_and_state_layouts_build_shared_regions():
     shape = dict(SMALL, kv_layout=Layout.PAGE_FIRST_DIRECT, state_layout=Layout.PAGE_FIRST)
-    geometry = build_rank(load_preset("qwen3-next-80b-a3b"),
-                          WorkerShape(role=Role.DECODE, tp_size=4, tp_rank=1, **shape))
+    geometry = build_rank(
+        load_preset("qwen3-next-80b-a3b"), WorkerShape(role=Role.DECODE, tp_size=4, tp_rank=1, **shape)
+    )
     assert sorted(r.id for r in geometry.regions) == [
-        "aux", "kv_host", "mamba_host.conv", "mamba_host.temporal"]
+        "aux",
+        "kv_host",
+        "mamba_host.conv",
+        "mamba_host.temporal",
+    ]
 
 
 def test_heads_not_divisible_by_tp_name_num_kv_heads_and_attn_tp_size():
-    with pytest.raises(ConfigError, match="attention.num_kv_heads 8 is not divisible by "
-                                          "attn_tp_size 3") as info:
+    with pytest.raises(
+        ConfigError, match="attention.num_kv_heads 8 is not divisible by attn_tp_size 3"
+    ) as info:
         build_instance(load_preset("llama-3.1-8b"), Role.PREFILL, 3, **SMALL)
     assert info.value.code is Reason.SHARD_NOT_DIVISIBLE
 
 
 def test_tp_not_a_multiple_of_few_kv_heads_is_refused():
     # 2 KV heads cannot be replicated evenly over 3 ranks
-    with pytest.raises(ConfigError, match="attn_tp_size 3 is not a multiple of "
-                                          "attention.num_kv_heads 2"):
-        build_rank(load_preset("qwen3-next-80b-a3b"),
-                   WorkerShape(role=Role.DECODE, tp_size=3, tp_rank=0, **SMALL))
+    with pytest.raises(ConfigError, match="attn_tp_size 3 is not a multiple of attention.num_kv_heads 2"):
+        build_rank(
+            load_preset("qwen3-next-80b-a3b"), WorkerShape(role=Role.DECODE, tp_size=3, tp_rank=0, **SMALL)
+        )
 
 
 def test_hybrid_model_needs_num_slots():
     shape = dict(SMALL, num_slots=None)
     with pytest.raises(ConfigError, match="shape.num_slots is required"):
-        build_rank(load_preset("nemotron-h-4b"),
-                   WorkerShape(role=Role.DECODE, tp_size=1, tp_rank=0, **shape))
+        build_rank(load_preset("nemotron-h-4b"), WorkerShape(role=Role.DECODE, tp_size=1, tp_rank=0, **shape))
 
 
-@pytest.mark.parametrize("changes,field", [
-    ({"tp_rank": 2}, "shape.tp_rank"),
-    ({"page_size": 0}, "shape.page_size"),
-    ({"kv_layout": Layout.SLOT}, "shape.kv_layout"),
-    ({"state_layout": Layout.PAGE_HEAD}, "shape.state_layout"),
-    ({"kv_dtype": "fp8"}, "shape.kv_dtype"),
-    ({"pp_size": 2, "pp_rank": 2}, "shape.pp_rank"),
-])
+@pytest.mark.parametrize(
+    "changes,field",
+    [
+        ({"tp_rank": 2}, "shape.tp_rank"),
+        ({"page_size": 0}, "shape.page_size"),
+        ({"kv_layout": Layout.SLOT}, "shape.kv_layout"),
+        ({"state_layout": Layout.PAGE_HEAD}, "shape.state_layout"),
+        ({"kv_dtype": "fp8"}, "shape.kv_dtype"),
+        ({"pp_size": 2, "pp_rank": 2}, "shape.pp_rank"),
+    ],
+)
 def test_worker_shape_names_the_bad_field(changes, field):
     values = dict(SMALL, role=Role.PREFILL, tp_size=2, tp_rank=0) | changes
     with pytest.raises(ConfigError, match=field):

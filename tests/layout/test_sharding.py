@@ -10,15 +10,15 @@ def _holders(extent, tp, groups=None):
 
 def test_scatter_takes_a_slice_of_one_source_rank():
     # 8 heads, prefill tp=2 -> decode tp=4: decode rank 3 holds [6,8) = local heads 2..3 of p1
-    pieces, uncovered = assign_pieces(_holders(8, 2), ShardSpec.for_rank(8, 4, 3), 3, 2,
-                                      src_tp_size=2, dst_tp_size=4)
+    pieces, uncovered = assign_pieces(
+        _holders(8, 2), ShardSpec.for_rank(8, 4, 3), 3, 2, src_tp_size=2, dst_tp_size=4
+    )
     assert pieces == {"p1": (Piece(src_start=2, dst_start=0, length=2),)}
     assert uncovered == ()
 
 
 def test_aggregation_assembles_from_several_source_ranks():
-    pieces, _ = assign_pieces(_holders(8, 4), ShardSpec.for_rank(8, 2, 1), 1, 4,
-                              src_tp_size=4, dst_tp_size=2)
+    pieces, _ = assign_pieces(_holders(8, 4), ShardSpec.for_rank(8, 2, 1), 1, 4, src_tp_size=4, dst_tp_size=2)
     assert pieces == {"p2": (Piece(0, 0, 2),), "p3": (Piece(0, 2, 2),)}
 
 
@@ -33,16 +33,23 @@ def test_gqa_replicated_source_heads_get_one_writer_each():
 def test_shard_groups_are_sliced_per_group():
     # GDN conv [q | k | v] = [2048 | 2048 | 4096], prefill tp=2 -> decode tp=4, decode rank 1
     groups = (2048, 2048, 4096)
-    pieces, _ = assign_pieces(_holders(8192, 2, groups), ShardSpec.for_rank(8192, 4, 1, groups), 1, 2048,
-                              src_tp_size=2, dst_tp_size=4)
+    pieces, _ = assign_pieces(
+        _holders(8192, 2, groups),
+        ShardSpec.for_rank(8192, 4, 1, groups),
+        1,
+        2048,
+        src_tp_size=2,
+        dst_tp_size=4,
+    )
     assert pieces == {"p0": (Piece(512, 0, 512), Piece(1536, 512, 512), Piece(3072, 1024, 1024))}
 
 
 def test_replicated_tensor_is_written_by_the_aligned_source_rank():
     # MLA prefill tp=4 -> decode tp=2: decode rank d reads from the first rank of its block
     holders = tuple(Holder(f"p{r}", r, None) for r in range(4))
-    writers = [next(iter(assign_pieces(holders, None, d, 1, src_tp_size=4, dst_tp_size=2)[0]))
-               for d in range(2)]
+    writers = [
+        next(iter(assign_pieces(holders, None, d, 1, src_tp_size=4, dst_tp_size=2)[0])) for d in range(2)
+    ]
     assert writers == ["p0", "p2"]
 
 

@@ -16,8 +16,9 @@ from pd_transfer.layout.views import AxisRole, Layout, Pool
 
 SLOTS = 3
 LAYER_IDS = (0, 2, 5, 9)
-QWEN3_NEXT_GDN = GdnSpec(num_key_heads=16, key_head_dim=128, num_value_heads=32,
-                         value_head_dim=128, conv_kernel=4)
+QWEN3_NEXT_GDN = GdnSpec(
+    num_key_heads=16, key_head_dim=128, num_value_heads=32, value_head_dim=128, conv_kernel=4
+)
 NEMOTRON_MAMBA2 = Mamba2Spec(num_heads=112, head_dim=64, state_size=128, n_groups=8, conv_kernel=4)
 KIMI_KDA = KdaSpec(num_heads=32, head_dim=128, conv_kernel=4)
 
@@ -44,8 +45,7 @@ def _check_against_torch(tensors, layout: Layout) -> None:
 @pytest.mark.parametrize("layout", [Layout.SLOT, Layout.LAYER_FIRST, Layout.PAGE_FIRST])
 @pytest.mark.parametrize("spec", [QWEN3_NEXT_GDN, NEMOTRON_MAMBA2, KIMI_KDA], ids=["gdn", "mamba2", "kda"])
 def test_state_views_match_torch_buffers(spec, layout):
-    tensors = spec.state_tensors(tp_size=4, tp_rank=2) + (SideStateSpec("side0", 5, "int32")
-                                                          .state_tensor(),)
+    tensors = spec.state_tensors(tp_size=4, tp_rank=2) + (SideStateSpec("side0", 5, "int32").state_tensor(),)
     _check_against_torch(tensors, layout)
 
 
@@ -66,16 +66,14 @@ def test_mamba2_state_shapes_and_groups():
     assert NEMOTRON_MAMBA2.conv_dim == 7168 + 2 * 8 * 128
     assert conv.shard.groups == (7168, 1024, 1024)
     assert conv.shape == (9216 // 2, 3)
-    assert [(a.name, a.role) for a in conv.axes] == [("channel", AxisRole.SHARD),
-                                                     ("tap", AxisRole.INNER)]
+    assert [(a.name, a.role) for a in conv.axes] == [("channel", AxisRole.SHARD), ("tap", AxisRole.INNER)]
     assert ssm.shape == (56, 64, 128) and ssm.dtype == "float32"
     assert [a.name for a in ssm.axes] == ["head", "head_dim", "state"]
 
 
 def test_kda_conv_keeps_taps_in_front_of_channels():
     conv, temporal = KIMI_KDA.state_tensors(tp_size=4, tp_rank=3)
-    assert [(a.name, a.role) for a in conv.axes] == [("tap", AxisRole.OUTER),
-                                                     ("channel", AxisRole.SHARD)]
+    assert [(a.name, a.role) for a in conv.axes] == [("tap", AxisRole.OUTER), ("channel", AxisRole.SHARD)]
     assert conv.shape == (3, 3 * 4096 // 4)
     assert conv.shard.ranges == ((3072, 4096),) * 3
     assert temporal.shape == (8, 128, 128)
@@ -105,13 +103,18 @@ def test_state_pool_refuses_page_head_layout():
         build_state_pool(KIMI_KDA.state_tensors(1, 0), [0], num_slots=1, layout=Layout.PAGE_HEAD)
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    ({"conv_kernel": 1}, "gdn.conv_kernel"),
-    ({"num_value_heads": 0}, "gdn.num_value_heads"),
-    ({"temporal_dtype": "float99"}, "gdn.temporal_dtype"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"conv_kernel": 1}, "gdn.conv_kernel"),
+        ({"num_value_heads": 0}, "gdn.num_value_heads"),
+        ({"temporal_dtype": "float99"}, "gdn.temporal_dtype"),
+    ],
+)
 def test_state_spec_names_the_bad_field(kwargs, field):
-    values = dict(num_key_heads=16, key_head_dim=128, num_value_heads=32, value_head_dim=128,
-                  conv_kernel=4) | kwargs
+    values = (
+        dict(num_key_heads=16, key_head_dim=128, num_value_heads=32, value_head_dim=128, conv_kernel=4)
+        | kwargs
+    )
     with pytest.raises(ConfigError, match=field):
         GdnSpec(**values)

@@ -20,33 +20,78 @@ from pd_transfer.testing import World
 
 # Small stand-ins for each model family, sized so one transfer takes milliseconds.
 SMALL_MODELS = {
-    "gqa": {"name": "tiny-gqa", "num_layers": 3, "layer_cycle": ["attention"],
-            "attention": {"num_kv_heads": 8, "head_dim": 4}},
-    "gqa2": {"name": "tiny-gqa2", "num_layers": 2, "layer_cycle": ["attention"],
-             "attention": {"num_kv_heads": 2, "head_dim": 4}},
-    "asym": {"name": "tiny-asym", "num_layers": 2, "layer_cycle": ["attention"],
-             "attention": {"num_kv_heads": 4, "head_dim": 6, "v_head_dim": 4}},
-    "mla": {"name": "tiny-mla", "num_layers": 3, "layer_cycle": ["mla"],
-            "mla": {"kv_lora_rank": 8, "qk_rope_head_dim": 4}},
-    "swa": {"name": "tiny-swa", "num_layers": 4, "layer_cycle": ["sliding_attention", "attention"],
-            "attention": {"num_kv_heads": 8, "head_dim": 4},
-            "sliding_attention": {"num_kv_heads": 8, "head_dim": 4, "window_tokens": 8}},
-    "gdn": {"name": "tiny-gdn", "num_layers": 4, "layer_cycle": ["gdn", "gdn", "gdn", "attention"],
-            "attention": {"num_kv_heads": 2, "head_dim": 8},
-            "gdn": {"num_key_heads": 8, "key_head_dim": 2, "num_value_heads": 16,
-                    "value_head_dim": 2, "conv_kernel": 4}},
-    "mamba2": {"name": "tiny-mamba2", "num_layers": 4, "layer_pattern": "M*M-M",
-               "attention": {"num_kv_heads": 8, "head_dim": 4},
-               "mamba2": {"num_heads": 16, "head_dim": 2, "state_size": 4, "n_groups": 8,
-                          "conv_kernel": 4}},
-    "kda": {"name": "tiny-kda", "num_layers": 4, "layer_cycle": ["kda", "kda", "kda", "mla"],
-            "mla": {"kv_lora_rank": 8, "qk_rope_head_dim": 4},
-            "kda": {"num_heads": 8, "head_dim": 2, "conv_kernel": 4}},
-    "side": {"name": "tiny-side", "num_layers": 2, "layer_cycle": ["gdn", "attention"],
-             "attention": {"num_kv_heads": 8, "head_dim": 4},
-             "gdn": {"num_key_heads": 8, "key_head_dim": 2, "num_value_heads": 8,
-                     "value_head_dim": 2, "conv_kernel": 3},
-             "side_states": [{"name": "side0", "num_elems": 5, "dtype": "float32"}]},
+    "gqa": {
+        "name": "tiny-gqa",
+        "num_layers": 3,
+        "layer_cycle": ["attention"],
+        "attention": {"num_kv_heads": 8, "head_dim": 4},
+    },
+    "gqa2": {
+        "name": "tiny-gqa2",
+        "num_layers": 2,
+        "layer_cycle": ["attention"],
+        "attention": {"num_kv_heads": 2, "head_dim": 4},
+    },
+    "asym": {
+        "name": "tiny-asym",
+        "num_layers": 2,
+        "layer_cycle": ["attention"],
+        "attention": {"num_kv_heads": 4, "head_dim": 6, "v_head_dim": 4},
+    },
+    "mla": {
+        "name": "tiny-mla",
+        "num_layers": 3,
+        "layer_cycle": ["mla"],
+        "mla": {"kv_lora_rank": 8, "qk_rope_head_dim": 4},
+    },
+    "swa": {
+        "name": "tiny-swa",
+        "num_layers": 4,
+        "layer_cycle": ["sliding_attention", "attention"],
+        "attention": {"num_kv_heads": 8, "head_dim": 4},
+        "sliding_attention": {"num_kv_heads": 8, "head_dim": 4, "window_tokens": 8},
+    },
+    "gdn": {
+        "name": "tiny-gdn",
+        "num_layers": 4,
+        "layer_cycle": ["gdn", "gdn", "gdn", "attention"],
+        "attention": {"num_kv_heads": 2, "head_dim": 8},
+        "gdn": {
+            "num_key_heads": 8,
+            "key_head_dim": 2,
+            "num_value_heads": 16,
+            "value_head_dim": 2,
+            "conv_kernel": 4,
+        },
+    },
+    "mamba2": {
+        "name": "tiny-mamba2",
+        "num_layers": 4,
+        "layer_pattern": "M*M-M",
+        "attention": {"num_kv_heads": 8, "head_dim": 4},
+        "mamba2": {"num_heads": 16, "head_dim": 2, "state_size": 4, "n_groups": 8, "conv_kernel": 4},
+    },
+    "kda": {
+        "name": "tiny-kda",
+        "num_layers": 4,
+        "layer_cycle": ["kda", "kda", "kda", "mla"],
+        "mla": {"kv_lora_rank": 8, "qk_rope_head_dim": 4},
+        "kda": {"num_heads": 8, "head_dim": 2, "conv_kernel": 4},
+    },
+    "side": {
+        "name": "tiny-side",
+        "num_layers": 2,
+        "layer_cycle": ["gdn", "attention"],
+        "attention": {"num_kv_heads": 8, "head_dim": 4},
+        "gdn": {
+            "num_key_heads": 8,
+            "key_head_dim": 2,
+            "num_value_heads": 8,
+            "value_head_dim": 2,
+            "conv_kernel": 3,
+        },
+        "side_states": [{"name": "side0", "num_elems": 5, "dtype": "float32"}],
+    },
 }
 for _table in SMALL_MODELS.values():
     _table.setdefault("num_layers", len(_table.get("layer_pattern", "")))
@@ -60,20 +105,47 @@ def small_model(kind: str):
     return model_from_table(dict(SMALL_MODELS[kind]), f"<tiny {kind}>")
 
 
-def instance(kind: str, role: Role, tp: int, *, pp: int = 1, layout: Layout = Layout.NHD,
-             page_size: int = PAGE_SIZE, num_pages: int = NUM_PAGES, **extra) -> list[RankGeometry]:
-    return build_instance(small_model(kind), role, tp, pp, page_size=page_size, kv_layout=layout,
-                          num_pages=num_pages, num_slots=3, num_aux_rows=2, **extra)
+def instance(
+    kind: str,
+    role: Role,
+    tp: int,
+    *,
+    pp: int = 1,
+    layout: Layout = Layout.NHD,
+    page_size: int = PAGE_SIZE,
+    num_pages: int = NUM_PAGES,
+    **extra,
+) -> list[RankGeometry]:
+    return build_instance(
+        small_model(kind),
+        role,
+        tp,
+        pp,
+        page_size=page_size,
+        kv_layout=layout,
+        num_pages=num_pages,
+        num_slots=3,
+        num_aux_rows=2,
+        **extra,
+    )
 
 
 def page_size(ranks: list[RankGeometry], pool: Pool) -> int | None:
     """Tokens per page of ``pool`` on one side (None: no token axis)."""
-    return next((v.extent(AxisRole.TOKEN) for g in ranks for v in g.views
-                 if v.pool is pool and v.extent(AxisRole.TOKEN) is not None), None)
+    return next(
+        (
+            v.extent(AxisRole.TOKEN)
+            for g in ranks
+            for v in g.views
+            if v.pool is pool and v.extent(AxisRole.TOKEN) is not None
+        ),
+        None,
+    )
 
 
-def random_requests(prefill: list[RankGeometry], decode: list[RankGeometry],
-                    rng: np.random.Generator) -> dict:
+def random_requests(
+    prefill: list[RankGeometry], decode: list[RankGeometry], rng: np.random.Generator
+) -> dict:
     """Distinct random indices per pool present on both sides.
 
     Where a token-paged pool's page sizes differ, a random token count sets
@@ -92,27 +164,31 @@ def random_requests(prefill: list[RankGeometry], decode: list[RankGeometry],
             continue
         limit = min(min(src), min(dst))
         n = 1 if pool in (Pool.MAMBA, Pool.AUX) else int(rng.integers(1, limit + 1))
-        requests[pool] = (rng.choice(min(src), n, replace=False),
-                          rng.choice(min(dst), n, replace=False))
+        requests[pool] = (rng.choice(min(src), n, replace=False), rng.choice(min(dst), n, replace=False))
     return requests
 
 
-def _token_request(pool: Pool, src_pages: int, dst_pages: int, sizes: tuple[int, int],
-                   rng: np.random.Generator):
+def _token_request(
+    pool: Pool, src_pages: int, dst_pages: int, sizes: tuple[int, int], rng: np.random.Generator
+):
     tokens = int(rng.integers(1, min(src_pages * sizes[0], dst_pages * sizes[1]) + 1))
     counts = [-(-tokens // size) for size in sizes]
     if pool is Pool.KV:
-        return (rng.choice(src_pages, counts[0], replace=False),
-                rng.choice(dst_pages, counts[1], replace=False))
+        return (
+            rng.choice(src_pages, counts[0], replace=False),
+            rng.choice(dst_pages, counts[1], replace=False),
+        )
     # SWA: the request's last pages (at most a few) on each side
     last = [int(rng.integers(1, min(count, 3) + 1)) for count in counts]
-    return TokenSpan(rng.choice(src_pages, last[0], replace=False),
-                     rng.choice(dst_pages, last[1], replace=False),
-                     (counts[0] - last[0]) * sizes[0], (counts[1] - last[1]) * sizes[1])
+    return TokenSpan(
+        rng.choice(src_pages, last[0], replace=False),
+        rng.choice(dst_pages, last[1], replace=False),
+        (counts[0] - last[0]) * sizes[0],
+        (counts[1] - last[1]) * sizes[1],
+    )
 
 
-def transfer_and_verify(prefill: list[RankGeometry], decode: list[RankGeometry],
-                        seed: int = 0) -> list[str]:
+def transfer_and_verify(prefill: list[RankGeometry], decode: list[RankGeometry], seed: int = 0) -> list[str]:
     """Reconcile (must accept), plan every needed rank pair, execute, and verify."""
     recon = reconcile(prefill, decode)
     if not recon.ok:

@@ -19,8 +19,9 @@ def byte_window(marks: np.ndarray, view: TensorView) -> np.ndarray:
     """A writable window onto ``marks`` covering every byte of ``view``."""
     shape = view.shape + (view.itemsize,)
     strides = view.strides_nbytes + (1,)
-    return np.lib.stride_tricks.as_strided(marks[view.offset_nbytes:], shape=shape,
-                                           strides=strides, writeable=True)
+    return np.lib.stride_tricks.as_strided(
+        marks[view.offset_nbytes :], shape=shape, strides=strides, writeable=True
+    )
 
 
 def mark_views(regions: dict[str, int], views) -> dict[str, np.ndarray]:

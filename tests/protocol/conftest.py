@@ -8,4 +8,5 @@ def pytest_terminal_summary(terminalreporter):
         parts = ", ".join(f"{name} {count}" for name, count in sorted(FRAMES_TRIED.items()))
         terminalreporter.write_line(
             f"protocol fuzz: {sum(FRAMES_TRIED.values())} frames tried ({parts}); "
-            f"only ProtocolError escaped decode()")
+            f"only ProtocolError escaped decode()"
+        )

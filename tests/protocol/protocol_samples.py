@@ -43,13 +43,17 @@ GENERATION = 1
 @cache
 def geometry(role: Role) -> RankGeometry:
     """A small Llama-3.1-8B rank (TP 1, 2 pages) of ``role``."""
-    return build_instance(load_preset("llama-3.1-8b"), role, 1, page_size=16,
-                          kv_layout=Layout.NHD, num_pages=2)[0]
+    return build_instance(
+        load_preset("llama-3.1-8b"), role, 1, page_size=16, kv_layout=Layout.NHD, num_pages=2
+    )[0]
 
 
 def hello(role: Role) -> Hello:
-    return Hello(agent_id=f"{role.value}-0", role=role,
-                 capabilities=Capabilities(transports=("shm", "tcp"), features=("per_layer_send",)))
+    return Hello(
+        agent_id=f"{role.value}-0",
+        role=role,
+        capabilities=Capabilities(transports=("shm", "tcp"), features=("per_layer_send",)),
+    )
 
 
 def register(role: Role) -> Register:
@@ -58,37 +62,68 @@ def register(role: Role) -> Register:
 
 def register_with_handles() -> Register:
     g = geometry(Role.DECODE)
-    return Register(agent_id="decode-0", host_id="host-a", geometry=g,
-                    data_address="tcp://127.0.0.1:5601",
-                    region_handles=tuple(RegionHandle(r.id, f"pdt-w0-{i}") for i, r in enumerate(g.regions)),
-                    doorbell="pdt-decode-0-doorbells-1f0c2a9b7d3e")
+    return Register(
+        agent_id="decode-0",
+        host_id="host-a",
+        geometry=g,
+        data_address="tcp://127.0.0.1:5601",
+        region_handles=tuple(RegionHandle(r.id, f"pdt-w0-{i}") for i, r in enumerate(g.regions)),
+        doorbell="pdt-decode-0-doorbells-1f0c2a9b7d3e",
+    )
 
 
 def rank_entry() -> RankEntry:
-    return RankEntry(agent_id="prefill-0", host_id="host-a", control_address="tcp://127.0.0.1:5600",
-                     pp_size=1, geometry=geometry(Role.PREFILL))
+    return RankEntry(
+        agent_id="prefill-0",
+        host_id="host-a",
+        control_address="tcp://127.0.0.1:5600",
+        pp_size=1,
+        geometry=geometry(Role.PREFILL),
+    )
 
 
 def bootstrap_messages() -> list[Message]:
-    return [Announce(entry=rank_entry()), TableRequest(agent_id="decode-0"),
-            RankTable(expected=2, entries=(rank_entry(),))]
+    return [
+        Announce(entry=rank_entry()),
+        TableRequest(agent_id="decode-0"),
+        RankTable(expected=2, entries=(rank_entry(),)),
+    ]
 
 
-ACCEPTED = Verdict(accepted=True, plan=(
-    PoolPlan(Pool.KV, Mode.DIRECT, num_tensors=64, descriptors_per_item=64, nbytes_per_item=131072,
-             strategy="staged"),
-    PoolPlan(Pool.AUX, Mode.REPLICATED, num_tensors=3, descriptors_per_item=1, nbytes_per_item=136),
-))
+ACCEPTED = Verdict(
+    accepted=True,
+    plan=(
+        PoolPlan(
+            Pool.KV,
+            Mode.DIRECT,
+            num_tensors=64,
+            descriptors_per_item=64,
+            nbytes_per_item=131072,
+            strategy="staged",
+        ),
+        PoolPlan(Pool.AUX, Mode.REPLICATED, num_tensors=3, descriptors_per_item=1, nbytes_per_item=136),
+    ),
+)
 ACCEPTED_CHECKED = Verdict(accepted=True, plan=ACCEPTED.plan, integrity=True, doorbell=True)
-REJECTED = Verdict(accepted=False, headline="cannot reconcile prefill (attn_tp=1) with decode (attn_tp=1)",
-                   mismatches=(MismatchRecord("kv.layer[3].k.dtype", Reason.DTYPE_MISMATCH,
-                                              "bfloat16", "float8_e4m3fn", "use one kv dtype"),))
+REJECTED = Verdict(
+    accepted=False,
+    headline="cannot reconcile prefill (attn_tp=1) with decode (attn_tp=1)",
+    mismatches=(
+        MismatchRecord(
+            "kv.layer[3].k.dtype", Reason.DTYPE_MISMATCH, "bfloat16", "float8_e4m3fn", "use one kv dtype"
+        ),
+    ),
+)
 
 
 def transfer_request(room: int = ROOM, generation: int = GENERATION) -> TransferRequest:
-    return TransferRequest(room=room, generation=generation,
-                           dst=(PoolIndices(Pool.KV, (0, 1)), PoolIndices(Pool.AUX, (5,))),
-                           src_ranks=("prefill[pp0,tp0]",), doorbell=(17, 4_000_000_000, 1))
+    return TransferRequest(
+        room=room,
+        generation=generation,
+        dst=(PoolIndices(Pool.KV, (0, 1)), PoolIndices(Pool.AUX, (5,))),
+        src_ranks=("prefill[pp0,tp0]",),
+        doorbell=(17, 4_000_000_000, 1),
+    )
 
 
 def progress(room: int = ROOM, generation: int = GENERATION) -> Progress:
@@ -100,19 +135,31 @@ def done(room: int = ROOM, generation: int = GENERATION) -> Done:
 
 
 def done_with_checksums(room: int = ROOM, generation: int = GENERATION) -> Done:
-    return Done(room=room, generation=generation, status=DoneStatus.SUCCESS, checksums=(
-        PoolChecksums(Pool.KV, items=(0, 2**32 - 1), tensors=(7, 8, 9)),
-        PoolChecksums(Pool.AUX, items=(3,), tensors=(4,))))
+    return Done(
+        room=room,
+        generation=generation,
+        status=DoneStatus.SUCCESS,
+        checksums=(
+            PoolChecksums(Pool.KV, items=(0, 2**32 - 1), tensors=(7, 8, 9)),
+            PoolChecksums(Pool.AUX, items=(3,), tensors=(4,)),
+        ),
+    )
 
 
 def failed_done(room: int = ROOM, generation: int = GENERATION) -> Done:
-    return Done(room=room, generation=generation, status=DoneStatus.FAILED,
-                reason=Reason.VIEW_OUT_OF_REGION, reason_text="page 9 is outside region kv.k.L0")
+    return Done(
+        room=room,
+        generation=generation,
+        status=DoneStatus.FAILED,
+        reason=Reason.VIEW_OUT_OF_REGION,
+        reason_text="page 9 is outside region kv.k.L0",
+    )
 
 
 def abort(room: int = ROOM, generation: int = GENERATION) -> Abort:
-    return Abort(room=room, generation=generation, reason=Reason.ABORTED,
-                 reason_text="client cancelled the request")
+    return Abort(
+        room=room, generation=generation, reason=Reason.ABORTED, reason_text="client cancelled the request"
+    )
 
 
 def abort_ack(room: int = ROOM, generation: int = GENERATION) -> AbortAck:
@@ -143,10 +190,24 @@ def message_for(trigger: Trigger, sender: Role) -> Message:
 
 def every_message() -> list[Message]:
     """At least one message of every type, with non-default field values."""
-    return [hello(Role.DECODE), register(Role.PREFILL), register(Role.DECODE), ACCEPTED,
-            ACCEPTED_CHECKED, REJECTED, transfer_request(), progress(), done(),
-            done_with_checksums(), failed_done(), abort(), abort_ack(),
-            heartbeat(Role.PREFILL), Close(), Close(reason=Reason.ILLEGAL_MESSAGE, reason_text="done sent twice")]
+    return [
+        hello(Role.DECODE),
+        register(Role.PREFILL),
+        register(Role.DECODE),
+        ACCEPTED,
+        ACCEPTED_CHECKED,
+        REJECTED,
+        transfer_request(),
+        progress(),
+        done(),
+        done_with_checksums(),
+        failed_done(),
+        abort(),
+        abort_ack(),
+        heartbeat(Role.PREFILL),
+        Close(),
+        Close(reason=Reason.ILLEGAL_MESSAGE, reason_text="done sent twice"),
+    ]
 
 
 def every_frame_type() -> list[Message]:

@@ -49,7 +49,8 @@ def test_unknown_message_type_is_rejected_with_reason():
     assert str(error) == (
         "at $.t: unknown message type 'teleport'; protocol 1.0 knows hello, register, verdict, "
         "transfer_request, progress, done, abort, abort_ack, heartbeat, close, announce, "
-        "table_request, rank_table")
+        "table_request, rank_table"
+    )
 
 
 def test_newer_major_version_is_rejected():
@@ -57,8 +58,9 @@ def test_newer_major_version_is_rejected():
     raw["v"] = [PROTOCOL_VERSION[0] + 1, 0]
     error = _reject(raw)
     assert error.code is Reason.VERSION_UNSUPPORTED
-    assert str(error) == ("at $.v: peer speaks protocol 2.0, this agent speaks 1.0; "
-                          "major versions must match")
+    assert str(error) == (
+        "at $.v: peer speaks protocol 2.0, this agent speaks 1.0; major versions must match"
+    )
 
 
 def test_older_major_version_is_rejected():
@@ -83,19 +85,21 @@ def test_unknown_reason_code_from_a_newer_peer_is_kept_in_the_text():
     raw["reason"] = "gpu_fell_off_the_bus"
     message = _decode_raw(raw)
     assert message.reason is Reason.UNRECOGNIZED_REASON
-    assert message.reason_text == ("client cancelled the request "
-                                   "[peer reason code 'gpu_fell_off_the_bus']")
+    assert message.reason_text == ("client cancelled the request [peer reason code 'gpu_fell_off_the_bus']")
 
 
-@pytest.mark.parametrize("raw, text", [
-    ([1, 2], "at $: expected a map with a type tag \"t\", got list"),
-    ({"v": [1, 0]}, "at $.t: missing message type tag"),
-    ({"t": "close"}, "at $.v: missing protocol version"),
-    ({"t": 5, "v": [1, 0]}, "at $.t: expected str, got int"),
-    ({"t": "close", "v": "1.0"}, "at $.v: expected [int, int], got str"),
-    ({"t": "close", "v": [1]}, "at $.v: expected [int, int], got list of 1"),
-    ({"t": "close", "v": [1, True]}, "at $.v[1]: expected int, got bool"),
-])
+@pytest.mark.parametrize(
+    "raw, text",
+    [
+        ([1, 2], 'at $: expected a map with a type tag "t", got list'),
+        ({"v": [1, 0]}, "at $.t: missing message type tag"),
+        ({"t": "close"}, "at $.v: missing protocol version"),
+        ({"t": 5, "v": [1, 0]}, "at $.t: expected str, got int"),
+        ({"t": "close", "v": "1.0"}, "at $.v: expected [int, int], got str"),
+        ({"t": "close", "v": [1]}, "at $.v: expected [int, int], got list of 1"),
+        ({"t": "close", "v": [1, True]}, "at $.v[1]: expected int, got bool"),
+    ],
+)
 def test_malformed_envelope_is_rejected_with_the_path(raw, text):
     assert str(_reject(raw)) == text
 

@@ -40,9 +40,18 @@ def test_random_bytes_raise_only_protocol_error(frame):
 
 
 @settings(FUZZ, max_examples=1500)
-@given(st.sampled_from(FRAMES),
-       st.lists(st.tuples(st.sampled_from(["flip", "delete", "insert", "truncate"]),
-                          st.integers(0, 1 << 20), st.integers(0, 255)), min_size=1, max_size=4))
+@given(
+    st.sampled_from(FRAMES),
+    st.lists(
+        st.tuples(
+            st.sampled_from(["flip", "delete", "insert", "truncate"]),
+            st.integers(0, 1 << 20),
+            st.integers(0, 255),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+)
 def test_byte_mutated_frames_raise_only_protocol_error(frame, edits):
     data = bytearray(frame)
     for op, where, value in edits:
@@ -59,11 +68,17 @@ def test_byte_mutated_frames_raise_only_protocol_error(frame, edits):
 
 
 msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
-    | st.text(max_size=20) | st.binary(max_size=24),
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(st.text(max_size=8), children, max_size=4),
-    max_leaves=12)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=20)
+    | st.binary(max_size=24),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=12,
+)
 
 
 def _nodes(value, path=()):

@@ -23,8 +23,7 @@ def test_oversized_frame_is_rejected_before_unpacking():
     with pytest.raises(ProtocolError) as caught:
         decode(frame + b"\x00" * 5000, SMALL)
     assert caught.value.code is Reason.FRAME_TOO_LARGE
-    assert str(caught.value) == (f"at $: frame of {len(frame) + 5000} bytes exceeds the limit "
-                                 f"of 4096 bytes")
+    assert str(caught.value) == (f"at $: frame of {len(frame) + 5000} bytes exceeds the limit of 4096 bytes")
 
 
 def test_default_frame_limit_is_16_mib():

@@ -57,31 +57,40 @@ def test_transfer_request_indices_travel_packed_and_decode_from_a_list_too():
 
 
 def test_large_transfer_request_round_trips():
-    request = TransferRequest(room=2**64 - 1, generation=3,
-                              dst=(PoolIndices(Pool.KV, tuple(range(200_000))),))
+    request = TransferRequest(
+        room=2**64 - 1, generation=3, dst=(PoolIndices(Pool.KV, tuple(range(200_000))),)
+    )
     assert decode(encode(request)) == request
 
 
 def test_rejection_carries_every_mismatch_of_a_real_reconciliation():
     spec = load_preset("llama-3.1-8b")
     prefill = build_instance(spec, Role.PREFILL, 2, page_size=16, kv_layout=Layout.NHD, num_pages=2)
-    decode_ranks = build_instance(spec, Role.DECODE, 4, page_size=16, kv_layout=Layout.NHD,
-                                  num_pages=2, kv_dtype="float8_e4m3fn")
+    decode_ranks = build_instance(
+        spec, Role.DECODE, 4, page_size=16, kv_layout=Layout.NHD, num_pages=2, kv_dtype="float8_e4m3fn"
+    )
     error = reconcile(prefill, decode_ranks).error()
-    verdict = Verdict(accepted=False, headline=error.headline,
-                      mismatches=tuple(MismatchRecord.from_mismatch(m) for m in error.mismatches))
+    verdict = Verdict(
+        accepted=False,
+        headline=error.headline,
+        mismatches=tuple(MismatchRecord.from_mismatch(m) for m in error.mismatches),
+    )
     back = decode(encode(verdict))
     assert back == verdict
     assert len(back.mismatches) == len(error.mismatches) >= 1
-    assert back.mismatches[0].render().endswith(
-        ".k.dtype: prefill=bfloat16 decode=float8_e4m3fn  [dtype_mismatch]")
+    assert (
+        back.mismatches[0]
+        .render()
+        .endswith(".k.dtype: prefill=bfloat16 decode=float8_e4m3fn  [dtype_mismatch]")
+    )
 
 
 def test_a_verdict_plan_without_a_strategy_decodes_and_an_unknown_one_is_kept():
     from protocol_samples import ACCEPTED
+
     raw = msgpack.unpackb(encode(ACCEPTED))
     assert raw["plan"][0]["strategy"] == "staged"
-    del raw["plan"][0]["strategy"]               # a peer from before the field
-    raw["plan"][1]["strategy"] = "teleported"    # a newer peer's strategy
+    del raw["plan"][0]["strategy"]  # a peer from before the field
+    raw["plan"][1]["strategy"] = "teleported"  # a newer peer's strategy
     plan = decode(msgpack.packb(raw)).plan
     assert (plan[0].strategy, plan[1].strategy) == ("", "teleported")

@@ -13,22 +13,40 @@ from pd_transfer.protocol import Register, decode, encode, geometry_from_data, g
 
 PRESETS = ("llama-3.1-8b", "qwen3-next-80b-a3b", "deepseek-v3")
 # MLA latent pools have no page_head host layout
-LAYOUTS = {name: [lay for lay in KV_LAYOUTS if not (name == "deepseek-v3" and lay is Layout.PAGE_HEAD)]
-           for name in PRESETS}
+LAYOUTS = {
+    name: [lay for lay in KV_LAYOUTS if not (name == "deepseek-v3" and lay is Layout.PAGE_HEAD)]
+    for name in PRESETS
+}
 
 
 @cache
 def _instance(name, role, tp_size, pp_size, kv_layout, num_pages, page_size):
-    return tuple(build_instance(load_preset(name), role, tp_size, pp_size, page_size=page_size,
-                                kv_layout=kv_layout, num_pages=num_pages, num_slots=3))
+    return tuple(
+        build_instance(
+            load_preset(name),
+            role,
+            tp_size,
+            pp_size,
+            page_size=page_size,
+            kv_layout=kv_layout,
+            num_pages=num_pages,
+            num_slots=3,
+        )
+    )
 
 
 @st.composite
 def rank_geometries(draw):
     name = draw(st.sampled_from(PRESETS))
-    ranks = _instance(name, draw(st.sampled_from(list(Role))), draw(st.sampled_from([1, 2, 4, 8])),
-                      draw(st.sampled_from([1, 2])), draw(st.sampled_from(LAYOUTS[name])),
-                      draw(st.integers(1, 5)), draw(st.sampled_from([1, 16, 64])))
+    ranks = _instance(
+        name,
+        draw(st.sampled_from(list(Role))),
+        draw(st.sampled_from([1, 2, 4, 8])),
+        draw(st.sampled_from([1, 2])),
+        draw(st.sampled_from(LAYOUTS[name])),
+        draw(st.integers(1, 5)),
+        draw(st.sampled_from([1, 16, 64])),
+    )
     return draw(st.sampled_from(ranks))
 
 

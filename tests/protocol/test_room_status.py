@@ -6,8 +6,7 @@ from protocol_samples import ROOM, abort, done, failed_done, progress
 from pd_transfer.errors import LocalProtocolError, Reason
 from pd_transfer.protocol import ROOM_TRANSITIONS, RoomState, RoomStatus
 
-ORDER = [RoomStatus.BOOTSTRAPPING, RoomStatus.WAITING_FOR_INPUT, RoomStatus.TRANSFERRING,
-         RoomStatus.SUCCESS]
+ORDER = [RoomStatus.BOOTSTRAPPING, RoomStatus.WAITING_FOR_INPUT, RoomStatus.TRANSFERRING, RoomStatus.SUCCESS]
 
 
 def test_status_moves_forward():
@@ -32,7 +31,10 @@ def test_lower_or_equal_status_is_ignored(current, requested):
 def test_any_live_status_can_fail(current):
     state = RoomState(ROOM, 1, current).fail(Reason.TIMEOUT, "no Done within 30.0s")
     assert (state.status, state.reason, state.reason_text) == (
-        RoomStatus.FAILED, Reason.TIMEOUT, "no Done within 30.0s")
+        RoomStatus.FAILED,
+        Reason.TIMEOUT,
+        "no Done within 30.0s",
+    )
 
 
 def test_failed_is_sticky_and_first_reason_wins():
@@ -86,5 +88,7 @@ def test_message_about_another_room_is_a_caller_bug():
 
 def test_table_has_terminal_success_and_failed_only():
     assert {s for s, moves in ROOM_TRANSITIONS.items() if not moves} == {
-        RoomStatus.SUCCESS, RoomStatus.FAILED}
+        RoomStatus.SUCCESS,
+        RoomStatus.FAILED,
+    }
     assert all(RoomStatus.FAILED in moves for s, moves in ROOM_TRANSITIONS.items() if moves)

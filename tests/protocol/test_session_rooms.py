@@ -29,16 +29,19 @@ def test_every_freshness_has_a_rule():
     assert set(FRESHNESS_RULES) == set(Freshness)
 
 
-@pytest.mark.parametrize("make, sender", [(progress, P), (done, P), (abort, P), (abort, D),
-                                          (abort_ack, P), (abort_ack, D)])
+@pytest.mark.parametrize(
+    "make, sender", [(progress, P), (done, P), (abort, P), (abort, D), (abort_ack, P), (abort_ack, D)]
+)
 def test_message_of_an_older_generation_is_dropped_as_stale(pair, make, sender):
     pair.deliver(D, transfer_request(generation=1))
     pair.deliver(D, transfer_request(generation=2))  # retried after an abort
     dropped = pair.peer(sender).receive_data(encode(make(generation=1)))
     assert isinstance(dropped, Dropped)
     assert dropped.code is Reason.STALE_GENERATION
-    assert dropped.text == (f"{make(generation=1).TAG} for room {ROOM} generation 1 is stale "
-                            f"(current generation 2 on this session)")
+    assert dropped.text == (
+        f"{make(generation=1).TAG} for room {ROOM} generation 1 is stale "
+        f"(current generation 2 on this session)"
+    )
     assert pair.states == (SessionState.ACCEPTED, SessionState.ACCEPTED)
 
 
@@ -64,8 +67,12 @@ def test_forgotten_room_is_unknown(pair):
 
 def test_current_generation_messages_are_delivered(pair):
     pair.deliver(D, transfer_request(generation=4))
-    for sender, message in ((P, progress(generation=4)), (D, abort(generation=4)),
-                            (P, abort_ack(generation=4)), (P, failed_done(generation=4))):
+    for sender, message in (
+        (P, progress(generation=4)),
+        (D, abort(generation=4)),
+        (P, abort_ack(generation=4)),
+        (P, failed_done(generation=4)),
+    ):
         assert pair.deliver(sender, message) == message
 
 
@@ -75,8 +82,13 @@ def test_duplicate_request_fails_only_that_room_with_a_done_reply(pair):
         pair[P].receive_data(encode(transfer_request()))
     error = caught.value
     assert error.code is Reason.DUPLICATE_ROOM
-    assert error.reply == Done(room=ROOM, generation=1, status=DoneStatus.FAILED,
-                               reason=Reason.DUPLICATE_ROOM, reason_text=str(error))
+    assert error.reply == Done(
+        room=ROOM,
+        generation=1,
+        status=DoneStatus.FAILED,
+        reason=Reason.DUPLICATE_ROOM,
+        reason_text=str(error),
+    )
     assert pair[P].state is SessionState.ACCEPTED
     assert pair[D].receive_data(pair[P].send(error.reply)) == error.reply  # fresh for decode
 
@@ -87,20 +99,23 @@ def test_future_generation_fails_the_room_at_the_agreed_generation(pair):
         pair[D].receive_data(encode(progress(generation=5)))
     error = caught.value
     assert error.code is Reason.BAD_GENERATION
-    assert str(error) == (f"progress for room {ROOM} generation 5 is future "
-                          f"(current generation 1 on this session)")
-    assert error.reply == Abort(room=ROOM, generation=1, reason=Reason.BAD_GENERATION,
-                                reason_text=str(error))
+    assert str(error) == (
+        f"progress for room {ROOM} generation 5 is future (current generation 1 on this session)"
+    )
+    assert error.reply == Abort(room=ROOM, generation=1, reason=Reason.BAD_GENERATION, reason_text=str(error))
     assert pair[P].receive_data(pair[D].send(error.reply)) == error.reply  # fresh for prefill
     assert pair.states == (SessionState.ACCEPTED, SessionState.ACCEPTED)
 
 
-@pytest.mark.parametrize("make, sender, code", [
-    (lambda: progress(generation=1), P, Reason.STALE_GENERATION),
-    (lambda: transfer_request(generation=2), D, Reason.DUPLICATE_ROOM),
-    (lambda: abort(generation=9), D, Reason.BAD_GENERATION),
-    (lambda: done(room=99), P, Reason.UNKNOWN_ROOM),
-])
+@pytest.mark.parametrize(
+    "make, sender, code",
+    [
+        (lambda: progress(generation=1), P, Reason.STALE_GENERATION),
+        (lambda: transfer_request(generation=2), D, Reason.DUPLICATE_ROOM),
+        (lambda: abort(generation=9), D, Reason.BAD_GENERATION),
+        (lambda: done(room=99), P, Reason.UNKNOWN_ROOM),
+    ],
+)
 def test_sending_a_room_message_that_is_not_fresh_is_a_local_error(pair, make, sender, code):
     pair.deliver(D, transfer_request(generation=2))
     with pytest.raises(LocalProtocolError) as caught:

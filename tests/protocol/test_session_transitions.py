@@ -79,26 +79,26 @@ GOLDEN_LEGAL = {
 
 #: Transitions the protocol forbids, each for a reason the docs state.
 GOLDEN_ILLEGAL = [
-    (S.IDLE, P, T.HELLO),                  # decode speaks first
-    (S.IDLE, D, T.HEARTBEAT),              # no heartbeat before both said hello
-    (S.GREETING, D, T.HELLO),              # one hello each
+    (S.IDLE, P, T.HELLO),  # decode speaks first
+    (S.IDLE, D, T.HEARTBEAT),  # no heartbeat before both said hello
+    (S.GREETING, D, T.HELLO),  # one hello each
     (S.GREETING, D, T.HEARTBEAT),
-    (S.GREETING, D, T.REGISTER),           # register only after both hellos
-    (S.GREETED, P, T.REGISTER),            # decode registers first
-    (S.GREETED, P, T.VERDICT_ACCEPTED),    # no verdict before both geometries
-    (S.REGISTERING, D, T.REGISTER),        # one register each
+    (S.GREETING, D, T.REGISTER),  # register only after both hellos
+    (S.GREETED, P, T.REGISTER),  # decode registers first
+    (S.GREETED, P, T.VERDICT_ACCEPTED),  # no verdict before both geometries
+    (S.REGISTERING, D, T.REGISTER),  # one register each
     (S.REGISTERING, P, T.VERDICT_ACCEPTED),
-    (S.REGISTERED, D, T.VERDICT_ACCEPTED), # only prefill gives the verdict
+    (S.REGISTERED, D, T.VERDICT_ACCEPTED),  # only prefill gives the verdict
     (S.REGISTERED, D, T.VERDICT_REJECTED),
-    (S.REGISTERED, D, T.TRANSFER_REQUEST), # rooms only once accepted
+    (S.REGISTERED, D, T.TRANSFER_REQUEST),  # rooms only once accepted
     (S.REGISTERED, P, T.ABORT),
-    (S.ACCEPTED, P, T.TRANSFER_REQUEST),   # only decode requests a room
-    (S.ACCEPTED, D, T.PROGRESS),           # only prefill reports progress
-    (S.ACCEPTED, P, T.VERDICT_ACCEPTED),   # one verdict per session
+    (S.ACCEPTED, P, T.TRANSFER_REQUEST),  # only decode requests a room
+    (S.ACCEPTED, D, T.PROGRESS),  # only prefill reports progress
+    (S.ACCEPTED, P, T.VERDICT_ACCEPTED),  # one verdict per session
     (S.ACCEPTED, P, T.VERDICT_REJECTED),
-    (S.ACCEPTED, D, T.HELLO),              # the handshake does not restart
+    (S.ACCEPTED, D, T.HELLO),  # the handshake does not restart
     (S.ACCEPTED, P, T.REGISTER),
-    (S.REJECTED, D, T.TRANSFER_REQUEST),   # rejected: only heartbeats and close
+    (S.REJECTED, D, T.TRANSFER_REQUEST),  # rejected: only heartbeats and close
     (S.REJECTED, P, T.PROGRESS),
     (S.REJECTED, P, T.DONE),
     (S.REJECTED, D, T.ABORT),
@@ -106,8 +106,13 @@ GOLDEN_ILLEGAL = [
 ]
 
 LIVE = [s for s in SessionState if s not in TERMINAL_STATES]
-ILLEGAL = [(state, role, trigger) for state in LIVE for role in Role for trigger in Trigger
-           if (state, role, trigger) not in GOLDEN_LEGAL]
+ILLEGAL = [
+    (state, role, trigger)
+    for state in LIVE
+    for role in Role
+    for trigger in Trigger
+    if (state, role, trigger) not in GOLDEN_LEGAL
+]
 
 
 def _name(case):
@@ -132,7 +137,7 @@ def test_table_is_exactly_the_documented_session():
 
 
 def test_documented_illegal_transitions_are_absent_from_the_table():
-    assert not set(GOLDEN_ILLEGAL) & GOLDEN_LEGAL.keys()   # the golden lists agree
+    assert not set(GOLDEN_ILLEGAL) & GOLDEN_LEGAL.keys()  # the golden lists agree
     assert [_name(k) for k in GOLDEN_ILLEGAL if k in TRANSITIONS] == []
 
 
@@ -155,7 +160,8 @@ def test_illegal_message_we_send_is_a_local_error_and_changes_nothing(key):
         pair[sender].send(message_for(trigger, sender))
     assert caught.value.code is Reason.ILLEGAL_MESSAGE
     assert str(caught.value).startswith(
-        f"{sender.value} may not send {trigger.value} in session state {state.value}; allowed there: ")
+        f"{sender.value} may not send {trigger.value} in session state {state.value}; allowed there: "
+    )
     assert pair.states == (state, state)
 
 
@@ -178,8 +184,10 @@ def test_illegal_message_text_names_what_is_allowed():
     pair = SessionPair()
     with pytest.raises(LocalProtocolError) as caught:
         pair[Role.PREFILL].send(register(Role.PREFILL))
-    assert str(caught.value) == ("prefill may not send register in session state idle; allowed "
-                                 "there: decode hello, prefill close, decode close")
+    assert str(caught.value) == (
+        "prefill may not send register in session state idle; allowed "
+        "there: decode hello, prefill close, decode close"
+    )
 
 
 @pytest.mark.parametrize("trigger", list(Trigger), ids=lambda t: t.value)
@@ -201,8 +209,11 @@ def test_frame_crossing_our_close_is_dropped_not_an_error():
     late_done = pair[Role.PREFILL].send(message_for(Trigger.DONE, Role.PREFILL))
     pair[Role.DECODE].send(Close())  # decode closes before the Done arrives
     dropped = pair[Role.DECODE].receive_data(late_done)
-    assert dropped == Dropped(message_for(Trigger.DONE, Role.PREFILL), Reason.SESSION_CLOSED,
-                              "done arrived after the session closed")
+    assert dropped == Dropped(
+        message_for(Trigger.DONE, Role.PREFILL),
+        Reason.SESSION_CLOSED,
+        "done arrived after the session closed",
+    )
 
 
 def test_undecodable_frame_after_close_is_dropped():
@@ -231,8 +242,9 @@ def test_after_a_protocol_error_every_call_fails_fast(trigger):
         with pytest.raises(LocalProtocolError) as caught:
             call()
         assert caught.value.code is Reason.SESSION_FAILED
-        assert str(caught.value).startswith("the session failed earlier and must be torn down: "
-                                            "at $: not a valid msgpack frame")
+        assert str(caught.value).startswith(
+            "the session failed earlier and must be torn down: at $: not a valid msgpack frame"
+        )
 
 
 def test_bad_frame_fails_the_session_with_the_decoders_reason_and_path():
@@ -283,8 +295,12 @@ def test_handshake_records_what_each_end_learned():
 
 def test_path_to_rejected_is_the_documented_handshake():
     assert [(r.value, t.value) for r, t in path_to(SessionState.REJECTED)] == [
-        ("decode", "hello"), ("prefill", "hello"), ("decode", "register"),
-        ("prefill", "register"), ("prefill", "verdict_rejected")]
+        ("decode", "hello"),
+        ("prefill", "hello"),
+        ("decode", "register"),
+        ("prefill", "register"),
+        ("prefill", "verdict_rejected"),
+    ]
 
 
 def test_non_message_is_a_local_error():
@@ -300,6 +316,8 @@ def test_sending_a_message_the_peer_would_reject_is_a_local_error():
     with pytest.raises(LocalProtocolError) as caught:
         pair[Role.PREFILL].send(broken)
     assert caught.value.code is Reason.BAD_FIELD
-    assert str(caught.value) == ("at $.done.reason: refusing to send a frame the peer would reject: "
-                                 "a failed Done must carry a reason code and text")
+    assert str(caught.value) == (
+        "at $.done.reason: refusing to send a frame the peer would reject: "
+        "a failed Done must carry a reason code and text"
+    )
     assert pair.states == (SessionState.ACCEPTED, SessionState.ACCEPTED)

@@ -20,13 +20,19 @@ def rss_kib(pid: int, field: str = "VmRSS") -> int:
 
 def zmtp_greeting() -> bytes:
     """ZMTP 3.0 greeting of a NULL-mechanism client (64 bytes)."""
-    return (b"\xff" + b"\x00" * 8 + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\x00")
-            + b"\x00" + b"\x00" * 31)
+    return (
+        b"\xff" + b"\x00" * 8 + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\x00") + b"\x00" + b"\x00" * 31
+    )
 
 
 def zmtp_ready(socket_type: bytes = b"DEALER") -> bytes:
-    body = b"\x05READY" + bytes([len(b"Socket-Type")]) + b"Socket-Type" \
-        + struct.pack(">I", len(socket_type)) + socket_type
+    body = (
+        b"\x05READY"
+        + bytes([len(b"Socket-Type")])
+        + b"Socket-Type"
+        + struct.pack(">I", len(socket_type))
+        + socket_type
+    )
     return bytes([0x04, len(body)]) + body
 
 

@@ -18,8 +18,12 @@ from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.views import Layout, Pool
 from pd_transfer.security import SecuritySettings, parse_secret
 
-TINY = {"name": "tiny", "num_layers": 2, "layer_cycle": ["attention"],
-        "attention": {"num_kv_heads": 4, "head_dim": 8}}
+TINY = {
+    "name": "tiny",
+    "num_layers": 2,
+    "layer_cycle": ["attention"],
+    "attention": {"num_kv_heads": 4, "head_dim": 8},
+}
 SECRET_HEX = "a11ce5" + "0f" * 29
 WRONG_HEX = "b0b0b0" + "f0" * 29
 
@@ -38,8 +42,10 @@ ROOMS = {
 
 def requests(*rooms: int) -> dict:
     """The requests of ``rooms`` together (the oracle checks every byte so far)."""
-    return {pool: tuple(np.concatenate([ROOMS[r][pool][side] for r in rooms]) for side in (0, 1))
-            for pool in ROOMS[rooms[0]]}
+    return {
+        pool: tuple(np.concatenate([ROOMS[r][pool][side] for r in rooms]) for side in (0, 1))
+        for pool in ROOMS[rooms[0]]
+    }
 
 
 def write_secret(directory, name: str, text: str):
@@ -53,9 +59,14 @@ def start(workdir, prefill, decode, secret_file, config=None, **options) -> Clus
     """A cluster whose sidecars read ``secret_file``; its workers' clients get it from
     the environment (only while they attach, so later sidecars do not inherit it).
     ``options``: more :class:`Cluster` arguments (``transport``, ``decode_config``)."""
-    cluster = Cluster(workdir, prefill, decode, attach=False,
-                      config={"secret_file": str(secret_file), **(config or {})},
-                      **options)
+    cluster = Cluster(
+        workdir,
+        prefill,
+        decode,
+        attach=False,
+        config={"secret_file": str(secret_file), **(config or {})},
+        **options,
+    )
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("PD_TRANSFER_SECRET_FILE", str(secret_file))
@@ -73,20 +84,26 @@ def security(secret_hex: str | None = None, agent_id: str = "intruder", **settin
 
 def run_with(security_: Security, coroutine_factory):
     """Run ``coroutine_factory(context)`` on a fresh loop with a context carrying ``security_``."""
+
     async def main():
         context = SecureContext(security_)
         try:
             return await coroutine_factory(context)
         finally:
             context.destroy(linger=0)
+
     return asyncio.run(main())
 
 
 def metric(cluster: Cluster, rank: str, name: str, **labels) -> float:
     status, text = cluster.http(rank, "/metrics")
     assert status == 200
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 class RawPeer:

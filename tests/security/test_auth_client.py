@@ -60,11 +60,11 @@ def endpoint():
 def test_sync_client_retries_the_handshake_on_a_fresh_connection(endpoint):
     with Client(endpoint, "worker-0", timeout_s=0.3, secret=SECRET) as client:
         with pytest.raises(ReplyTimeout):
-            client.poll(1)                 # nobody listens yet: the hello waits in the socket
+            client.poll(1)  # nobody listens yet: the hello waits in the socket
         sidecar = GatedSidecar(endpoint)
         try:
             assert client.poll(1).status is RoomStatus.SUCCESS
-            assert client.poll(2).status is RoomStatus.SUCCESS   # authenticated once
+            assert client.poll(2).status is RoomStatus.SUCCESS  # authenticated once
         finally:
             sidecar.close()
     assert Decision.REFUSE not in sidecar.decisions

@@ -63,35 +63,42 @@ def test_sidecars_holding_the_secret_move_a_room_byte_exact(secured):
 def test_a_peer_without_the_key_is_refused_counted_and_never_registers(secured, no_secret):
     verdicts = metric(secured, P0, "pd_transfer_verdicts_total")
     intruder = RawPeer(_control(secured))
-    try:   # a decode without a key opens its session with Hello
+    try:  # a decode without a key opens its session with Hello
         reply = decode(intruder.ask(encode(Hello(agent_id="intruder", role=Role.DECODE))))
     finally:
         intruder.close()
     assert isinstance(reply, Close) and reply.reason is Reason.UNAUTHENTICATED
     assert "requires authentication" in reply.reason_text
-    with pytest.raises(PdTransferError) as err:   # the rank table is not handed out either
+    with pytest.raises(PdTransferError) as err:  # the rank table is not handed out either
         run_with(security(), lambda ctx: fetch_table(ctx, secured.bootstrap, "intruder", 3.0))
     assert err.value.code is Reason.UNAUTHENTICATED
     with Client(secured.sidecars[P0].endpoint, "intruder", timeout_s=3) as worker:
-        with pytest.raises(Refused) as refused:   # nor the worker API
+        with pytest.raises(Refused) as refused:  # nor the worker API
             worker.poll(1)
     assert refused.value.code is Reason.UNAUTHENTICATED
     assert metric(secured, P0, AUTH_FAILURES, role="prefill", reason="unauthenticated") >= 3
     # control and worker frames are bad frames too (the bootstrap counts its own)
     assert metric(secured, P0, "pd_transfer_bad_frames_total", reason="unauthenticated") >= 2
-    assert metric(secured, P0, "pd_transfer_verdicts_total") == verdicts   # never reached registration
+    assert metric(secured, P0, "pd_transfer_verdicts_total") == verdicts  # never reached registration
 
 
-def test_decode_sidecars_without_a_key_or_with_the_wrong_key_fail_rooms_with_the_reason(secured,
-                                                                                        no_secret):
-    before = {reason: metric(secured, P0, AUTH_FAILURES, reason=reason)
-              for reason in ("auth_failed", "unauthenticated")}
+def test_decode_sidecars_without_a_key_or_with_the_wrong_key_fail_rooms_with_the_reason(secured, no_secret):
+    before = {
+        reason: metric(secured, P0, AUTH_FAILURES, reason=reason)
+        for reason in ("auth_failed", "unauthenticated")
+    }
     geometry = ranks(Role.DECODE, 1)[0]
     base = {"http_port": 0, "bootstrap_timeout_s": 5.0}
     keys = {"no-key": None, "wrong-key": str(secured.wrong_secret)}
-    sidecars = {name: Sidecar(secured.workdir, "decode", f"decode-{name}",
-                              {**base, **({"secret_file": path} if path else {"allow_insecure": True})})
-                for name, path in keys.items()}
+    sidecars = {
+        name: Sidecar(
+            secured.workdir,
+            "decode",
+            f"decode-{name}",
+            {**base, **({"secret_file": path} if path else {"allow_insecure": True})},
+        )
+        for name, path in keys.items()
+    }
     pools, states = [], {}
     try:
         for name, sidecar in sidecars.items():
@@ -103,7 +110,7 @@ def test_decode_sidecars_without_a_key_or_with_the_wrong_key_fail_rooms_with_the
                 states[name] = client.wait(7, timeout_s=10)
             with urllib.request.urlopen(ready["http_address"] + "/metrics", timeout=5) as response:
                 text = response.read().decode()
-            if name == "wrong-key":   # the decode side counts the failed handshake too
+            if name == "wrong-key":  # the decode side counts the failed handshake too
                 assert 'pd_transfer_auth_failures_total{reason="auth_failed",role="decode"} 1.0' in text
     finally:
         for sidecar in sidecars.values():
@@ -135,8 +142,12 @@ def test_wrong_keys_are_refused_on_control_bootstrap_and_worker_sockets(secured)
     with pytest.raises(AuthError) as err:
         run_with(wrong, lambda ctx: fetch_table(ctx, secured.bootstrap, "intruder", 3.0))
     assert err.value.code is Reason.AUTH_FAILED
-    with Client(secured.sidecars[P0].endpoint, "intruder", timeout_s=3,
-                secret=bytes.fromhex(WRONG_HEX)) as worker, pytest.raises(AuthFailed):
+    with (
+        Client(
+            secured.sidecars[P0].endpoint, "intruder", timeout_s=3, secret=bytes.fromhex(WRONG_HEX)
+        ) as worker,
+        pytest.raises(AuthFailed),
+    ):
         worker.poll(1)
     # the right key through the same code paths is accepted
     table = run_with(security(SECRET_HEX), lambda ctx: fetch_table(ctx, secured.bootstrap, "ok", 3.0))
@@ -147,7 +158,7 @@ def test_a_replayed_handshake_is_refused_and_counted(secured):
     before = metric(secured, P0, AUTH_FAILURES, reason="auth_replayed")
     key = parse_secret(SECRET_HEX.encode(), "test")
     good = RawPeer(_control(secured), new_routing_id())
-    try:   # capture a good connection's handshake
+    try:  # capture a good connection's handshake
         handshake = ClientHandshake(key, "decode-captured")
         hello = handshake.hello()
         proof = handshake.receive(good.ask(hello))
@@ -156,11 +167,11 @@ def test_a_replayed_handshake_is_refused_and_counted(secured):
         good.close()
     replayer = RawPeer(_control(secured), new_routing_id())
     try:
-        refused = decode_auth(replayer.ask(hello))             # the captured hello, again
+        refused = decode_auth(replayer.ask(hello))  # the captured hello, again
         assert isinstance(refused, AuthResult) and refused.reason is Reason.AUTH_REPLAYED
         fresh = ClientHandshake(key, "decode-captured").hello()
-        assert replayer.ask(fresh) is not None                   # a new challenge ...
-        refused = decode_auth(replayer.ask(proof))             # ... answered with the old proof
+        assert replayer.ask(fresh) is not None  # a new challenge ...
+        refused = decode_auth(replayer.ask(proof))  # ... answered with the old proof
         assert refused.reason is Reason.AUTH_REPLAYED
         closed = decode(replayer.ask(encode(Hello(agent_id="replayer", role=Role.DECODE))))
         assert isinstance(closed, Close) and closed.reason is Reason.UNAUTHENTICATED
@@ -169,19 +180,19 @@ def test_a_replayed_handshake_is_refused_and_counted(secured):
     assert metric(secured, P0, AUTH_FAILURES, reason="auth_replayed") >= before + 2
 
 
-def test_async_clients_authenticate_once_for_concurrent_calls_or_fail_with_the_reason(secured,
-                                                                                      no_secret):
+def test_async_clients_authenticate_once_for_concurrent_calls_or_fail_with_the_reason(secured, no_secret):
     async def calls(secret):
-        async with AsyncClient(secured.sidecars[P0].endpoint, "async-worker", timeout_s=5,
-                               secret=secret) as client:
+        async with AsyncClient(
+            secured.sidecars[P0].endpoint, "async-worker", timeout_s=5, secret=secret
+        ) as client:
             return await asyncio.gather(*(client.poll(1) for _ in range(4)), return_exceptions=True)
 
     served = asyncio.run(calls(SECRET_HEX))
-    assert [s.status for s in served] == [RoomStatus.SUCCESS] * 4   # room 1 finished earlier
-    assert all(isinstance(e, AuthFailed) and e.code is Reason.AUTH_FAILED
-               for e in asyncio.run(calls(WRONG_HEX)))
-    assert all(isinstance(e, Refused) and e.code is Reason.UNAUTHENTICATED
-               for e in asyncio.run(calls(None)))
+    assert [s.status for s in served] == [RoomStatus.SUCCESS] * 4  # room 1 finished earlier
+    assert all(
+        isinstance(e, AuthFailed) and e.code is Reason.AUTH_FAILED for e in asyncio.run(calls(WRONG_HEX))
+    )
+    assert all(isinstance(e, Refused) and e.code is Reason.UNAUTHENTICATED for e in asyncio.run(calls(None)))
 
 
 def test_prefill_keeps_serving_the_good_decode_afterwards(secured):

@@ -57,7 +57,7 @@ def test_no_secret_is_a_config_error_that_names_keygen_and_the_opt_out(tmp_path)
     with pytest.raises(ConfigError) as err:
         SecuritySettings.from_config(_config(tmp_path, ""), {})
     text = str(err.value)
-    assert "\n" not in text   # one line
+    assert "\n" not in text  # one line
     assert "pd-transfer keygen" in text and "allow_insecure = true" in text and "--insecure" in text
     off = SecuritySettings.from_config(_config(tmp_path, "allow_insecure = true\n"), {})
     assert not off.auth_enabled
@@ -69,7 +69,7 @@ def test_allow_insecure_comes_from_file_variable_or_flag(tmp_path):
     with pytest.raises(ConfigError, match="PD_TRANSFER_ALLOW_INSECURE: expected true or false, got 'maybe'"):
         _config(tmp_path, "", {"PD_TRANSFER_ALLOW_INSECURE": "maybe"})
     assert build_parser().parse_args(["serve", "--insecure"]).allow_insecure is True
-    assert build_parser().parse_args(["serve"]).allow_insecure is None   # unset: the file decides
+    assert build_parser().parse_args(["serve"]).allow_insecure is None  # unset: the file decides
 
 
 def test_serve_has_no_secret_flag_and_its_help_says_why(capsys):
@@ -86,14 +86,24 @@ def test_print_config_shows_the_secret_file_path_never_the_secret(tmp_path):
     path = tmp_path / "secret"
     path.write_text(SECRET_HEX)
     env = {**os.environ, "PD_TRANSFER_SECRET_FILE": str(path)}
-    out = subprocess.run([sys.executable, "-m", "pd_transfer.cli", "serve", "--role", "decode",
-                          "--print-config"], capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "pd_transfer.cli", "serve", "--role", "decode", "--print-config"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
     assert f'secret_file = "{path}"' in out.stdout
     assert SECRET_HEX not in out.stdout + out.stderr
     env = {**os.environ, "PD_TRANSFER_SECRET": SECRET_HEX}
     env.pop("PD_TRANSFER_SECRET_FILE", None)
-    out = subprocess.run([sys.executable, "-m", "pd_transfer.cli", "serve", "--role", "decode",
-                          "--print-config"], capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "pd_transfer.cli", "serve", "--role", "decode", "--print-config"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
     assert SECRET_HEX not in out.stdout + out.stderr and 'secret_file = ""' in out.stdout
 
 
@@ -111,13 +121,15 @@ def test_keygen_writes_a_keypair_and_a_secret_readable_only_by_the_owner(tmp_pat
     assert main(["keygen", "--out", str(out)]) == 0
     for name in (SECRET_KEY_FILE, PUBLIC_KEY_FILE, SHARED_SECRET_FILE):
         assert stat.S_IMODE((out / name).stat().st_mode) == 0o600
-    config = _config(tmp_path, f'curve_secret_key_file = "{out / SECRET_KEY_FILE}"\n'
-                               f'secret_file = "{out / SHARED_SECRET_FILE}"\n')
+    config = _config(
+        tmp_path,
+        f'curve_secret_key_file = "{out / SECRET_KEY_FILE}"\nsecret_file = "{out / SHARED_SECRET_FILE}"\n',
+    )
     settings = SecuritySettings.from_config(config, {})
     assert settings.curve_keypair.public == (out / PUBLIC_KEY_FILE).read_text().strip()
-    assert settings.curve_server_key == settings.curve_keypair.public   # one deployment keypair
+    assert settings.curve_server_key == settings.curve_keypair.public  # one deployment keypair
     assert len(settings.secret.value) == 32
-    assert main(["keygen", "--out", str(out)]) == 2        # never overwrites silently
+    assert main(["keygen", "--out", str(out)]) == 2  # never overwrites silently
     assert "already exist" in capsys.readouterr().err
     assert main(["keygen", "--out", str(out), "--force"]) == 0
 
@@ -130,6 +142,7 @@ def test_a_malformed_curve_key_is_a_config_error(tmp_path):
 
 def test_an_insecure_sidecar_warns_that_authentication_is_off(caplog):
     from pd_transfer.agent.auth import Security
+
     with caplog.at_level("INFO", logger="pd_transfer.agent.auth"):
         Security(SecuritySettings()).log_mode()
         Security(SecuritySettings(secret=parse_secret(SECRET_HEX.encode(), "s"))).log_mode()

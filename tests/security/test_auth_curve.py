@@ -32,9 +32,15 @@ def curved(workdir):
     write_keys(str(keys))
     secret = write_secret(workdir, "secret", SECRET_HEX)
     data_port = spare_port()
-    cluster = start(workdir, ranks(Role.PREFILL, 1), ranks(Role.DECODE, 1), secret,
-                    config={"curve_secret_key_file": str(keys / SECRET_KEY_FILE)},
-                    transport="tcp", decode_config={"data_port": data_port})
+    cluster = start(
+        workdir,
+        ranks(Role.PREFILL, 1),
+        ranks(Role.DECODE, 1),
+        secret,
+        config={"curve_secret_key_file": str(keys / SECRET_KEY_FILE)},
+        transport="tcp",
+        decode_config={"data_port": data_port},
+    )
     cluster.data_address = ("127.0.0.1", data_port)
     cluster.public_key = (keys / PUBLIC_KEY_FILE).read_text().strip()
     yield cluster
@@ -75,12 +81,15 @@ def test_the_curve_data_port_counts_the_connections_it_ends(curved):
     bad = metric(curved, rank, "pd_transfer_bad_frames_total")
     stranger = socket.create_connection(curved.data_address, timeout=5)
     try:
-        stranger.sendall(zmtp_greeting())   # the NULL mechanism, where CURVE is required
+        stranger.sendall(zmtp_greeting())  # the NULL mechanism, where CURVE is required
         assert connection_dropped(stranger)
     finally:
         stranger.close()
-    wait_for(lambda: metric(curved, rank, "pd_transfer_connections_closed_total",
-                            socket="data") == closed + 1, 5, "the ended data connection counted")
+    wait_for(
+        lambda: metric(curved, rank, "pd_transfer_connections_closed_total", socket="data") == closed + 1,
+        5,
+        "the ended data connection counted",
+    )
     assert metric(curved, rank, "pd_transfer_bad_frames_total") == bad + 1
     # the prefill's own data connection is unaffected: a room still lands
     curved.expect(2, requests(2))

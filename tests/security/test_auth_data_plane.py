@@ -22,8 +22,9 @@ NBYTES = 1 << 16
 
 def _plan() -> TransferPlan:
     zero = np.array([0], np.int64)
-    return TransferPlan("p0", "d0", (RunBatch("s", "kv", zero, zero, np.array([NBYTES]),
-                                              np.array([1]), 0, 0),))
+    return TransferPlan(
+        "p0", "d0", (RunBatch("s", "kv", zero, zero, np.array([NBYTES]), np.array([1]), 0, 0),)
+    )
 
 
 def _counting(secret_hex: str | None, agent_id: str):
@@ -38,15 +39,19 @@ async def _write(sender_secret, receiver_secret):
     region = np.zeros(NBYTES, np.uint8)
     send_sec, send_failures = _counting(sender_secret, "prefill-0")
     recv_sec, recv_failures = _counting(receiver_secret, "decode-0")
-    receiver = TcpReceiver("127.0.0.1", {"kv": region}, handshake_timeout_s=3,
-                           auth=DataAuth(recv_sec) if receiver_secret else None)
-    transport = TcpTransport(auth=DataAuth(send_sec) if sender_secret else None,
-                             handshake_timeout_s=3)
+    receiver = TcpReceiver(
+        "127.0.0.1",
+        {"kv": region},
+        handshake_timeout_s=3,
+        auth=DataAuth(recv_sec) if receiver_secret else None,
+    )
+    transport = TcpTransport(auth=DataAuth(send_sec) if sender_secret else None, handshake_timeout_s=3)
     async with receiver:
         link = await transport.connect(PeerEndpoint("d0", data_address=receiver.address))
         try:
             result = await asyncio.wait_for(
-                transport.write(link, _plan(), {"s": np.full(NBYTES, 7, np.uint8)}), 10)
+                transport.write(link, _plan(), {"s": np.full(NBYTES, 7, np.uint8)}), 10
+            )
         except TransportError as err:
             result = err
         finally:
@@ -89,14 +94,14 @@ async def test_a_receiver_without_authentication_is_not_trusted_by_a_sender_with
 
 def test_sidecars_with_the_secret_move_a_room_over_tcp_byte_exact(workdir):
     secret = write_secret(workdir, "secret-tcp", SECRET_HEX)
-    cluster = start(workdir, ranks(Role.PREFILL, 1), ranks(Role.DECODE, 1), secret,
-                    config={"transport": "tcp"})
+    cluster = start(
+        workdir, ranks(Role.PREFILL, 1), ranks(Role.DECODE, 1), secret, config={"transport": "tcp"}
+    )
     try:
         cluster.expect(1, requests(1))
         cluster.send(1, requests(1))
         states = cluster.wait_decode(1, timeout_s=15)
-        assert all(s.status is RoomStatus.SUCCESS for s in states.values()), (states,
-                                                                              cluster.logs())
+        assert all(s.status is RoomStatus.SUCCESS for s in states.values()), (states, cluster.logs())
         assert cluster.verify(requests(1)) == []
         for rank in cluster.sidecars:
             assert metric(cluster, rank, "pd_transfer_auth_failures_total") == 0

@@ -82,7 +82,7 @@ def test_gate_refuses_a_tampered_proof():
 def test_client_refuses_a_tampered_challenge():
     gate, client = Gate(KEY, "prefill-0"), ClientHandshake(KEY, "decode-0")
     raw = msgpack.unpackb(gate.admit(new_routing_id(), client.hello()).reply)
-    raw["nonce"] = bytes(32)   # the listener's proof no longer covers this nonce
+    raw["nonce"] = bytes(32)  # the listener's proof no longer covers this nonce
     with pytest.raises(AuthError, match="did not prove"):
         client.receive(msgpack.packb(raw))
 
@@ -147,10 +147,19 @@ def test_authentication_off_passes_everything():
     assert Gate(None, "prefill-0").admit(b"\0abcd", b"garbage").decision is Decision.PASS
 
 
-@pytest.mark.parametrize("frame", [b"", b"\xc1", b"\x92\x01", msgpack.packb([1, 2]), b"x" * 5000,
-                                   msgpack.packb({"t": "auth_proof", "v": [1, 0], "nonce": b"1"}),
-                                   msgpack.packb({"t": "auth_hello", "v": [9, 0]}),
-                                   msgpack.packb({"t": "auth_hello"})])
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"",
+        b"\xc1",
+        b"\x92\x01",
+        msgpack.packb([1, 2]),
+        b"x" * 5000,
+        msgpack.packb({"t": "auth_proof", "v": [1, 0], "nonce": b"1"}),
+        msgpack.packb({"t": "auth_hello", "v": [9, 0]}),
+        msgpack.packb({"t": "auth_hello"}),
+    ],
+)
 def test_truncated_and_garbage_frames_are_refused_without_other_exceptions(frame):
     with pytest.raises(ProtocolError):
         decode(frame)
@@ -171,14 +180,17 @@ def _valid_frames():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.sampled_from(_valid_frames()), st.lists(st.tuples(st.integers(0, 200), st.integers(0, 255)),
-                                                   max_size=4), st.integers(0, 200))
+@given(
+    st.sampled_from(_valid_frames()),
+    st.lists(st.tuples(st.integers(0, 200), st.integers(0, 255)), max_size=4),
+    st.integers(0, 200),
+)
 def test_mutated_frames_only_raise_protocol_or_auth_errors(frame, flips, cut):
     data = bytearray(frame)
     for position, value in flips:
         if data:
             data[position % len(data)] = value
-    data = bytes(data[:max(cut, 1)] if cut < len(data) else data)
+    data = bytes(data[: max(cut, 1)] if cut < len(data) else data)
     gate = Gate(KEY, "p", NonceBook())
     assert gate.admit(new_routing_id(), data).decision in set(Decision) - {Decision.PASS}
     try:

@@ -36,8 +36,11 @@ def test_a_keyed_decode_against_a_bootstrap_without_auth_fails_at_once():
         server = BootstrapServer(context, "tcp://127.0.0.1:*")
         return server, asyncio.create_task(server.serve())
 
-    error = asyncio.run(_against_a_listener_without_auth(
-        listener, lambda ctx, server: fetch_table(ctx, server.address, "decode-0", 5.0)))
+    error = asyncio.run(
+        _against_a_listener_without_auth(
+            listener, lambda ctx, server: fetch_table(ctx, server.address, "decode-0", 5.0)
+        )
+    )
     assert error.code is Reason.AUTH_FAILED
     assert "answered the handshake with a close" in error.message
     assert "is authentication on at both ends?" in error.message

@@ -35,7 +35,7 @@ from pd_transfer.transport.sockets import FrameChannel, Kind, prefix
 DECODE = "decode[pp0,tp0]"
 BAD_FRAMES = "pd_transfer_bad_frames_total"
 DEADLINE_S = 2.0
-FLOOD = 1100                 # more than the 1024 connections a receiver serves at most
+FLOOD = 1100  # more than the 1024 connections a receiver serves at most
 
 
 def _cluster(workdir: Path, environ: dict[str, str]) -> tuple[Cluster, str]:
@@ -45,9 +45,15 @@ def _cluster(workdir: Path, environ: dict[str, str]) -> tuple[Cluster, str]:
     with pytest.MonkeyPatch.context() as patch:
         for name, value in environ.items():
             patch.setenv(name, value)
-        cluster = Cluster(workdir, ranks(Role.PREFILL, 1), ranks(Role.DECODE, 1), attach=False,
-                          transport="tcp", config={"secret_file": str(secret)},
-                          decode_config={"data_port": port})
+        cluster = Cluster(
+            workdir,
+            ranks(Role.PREFILL, 1),
+            ranks(Role.DECODE, 1),
+            attach=False,
+            transport="tcp",
+            config={"secret_file": str(secret)},
+            decode_config={"data_port": port},
+        )
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("PD_TRANSFER_SECRET_FILE", str(secret))
@@ -89,10 +95,16 @@ def test_garbage_and_a_wrong_magic_are_logged_counted_and_dropped(deployment):
         with socket.create_connection(host_port(address), timeout=5) as sock:
             sock.sendall(junk)
             assert connection_dropped(sock)
-    wait_for(lambda: metric(cluster, DECODE, BAD_FRAMES, reason="bad_frame") - before == 2, 5,
-             "both streams counted as bad frames")
-    wait_for(lambda: metric(cluster, DECODE, "pd_transfer_connections_closed_total",
-                            socket="data") - closed == 2, 5, "both ended connections counted")
+    wait_for(
+        lambda: metric(cluster, DECODE, BAD_FRAMES, reason="bad_frame") - before == 2,
+        5,
+        "both streams counted as bad frames",
+    )
+    wait_for(
+        lambda: metric(cluster, DECODE, "pd_transfer_connections_closed_total", socket="data") - closed == 2,
+        5,
+        "both ended connections counted",
+    )
     assert "not a pd-transfer data stream" in cluster.sidecars[DECODE].log.read_text()
 
 
@@ -122,10 +134,14 @@ def test_a_first_frame_declaring_8_mib_of_header_is_refused_before_it_is_held(de
     finally:
         for sock in socks:
             sock.close()
-    assert peak - baseline < 32 * 1024, \
+    assert peak - baseline < 32 * 1024, (
         f"peak RSS grew by {(peak - baseline) // 1024} MiB while {sent // MiB} MiB were sent"
-    wait_for(lambda: metric(cluster, DECODE, BAD_FRAMES, reason=reason) - before == 32, 5,
-             f"32 refusals counted as {reason}")
+    )
+    wait_for(
+        lambda: metric(cluster, DECODE, BAD_FRAMES, reason=reason) - before == 32,
+        5,
+        f"32 refusals counted as {reason}",
+    )
 
 
 def test_an_authenticated_frame_declaring_8_gib_is_refused_by_its_prefix(deployment):
@@ -145,8 +161,11 @@ def test_an_authenticated_frame_declaring_8_gib_is_refused_by_its_prefix(deploym
     peak = rss_kib(pid, "VmHWM")
     assert dropped and sent < 160 * MiB, f"the receiver took {sent // MiB} MiB"
     assert peak - baseline < 32 * 1024, f"peak RSS grew by {(peak - baseline) // 1024} MiB"
-    wait_for(lambda: metric(cluster, DECODE, BAD_FRAMES, reason="frame_too_large") - before == 1,
-             5, "the oversized frame counted")
+    wait_for(
+        lambda: metric(cluster, DECODE, BAD_FRAMES, reason="frame_too_large") - before == 1,
+        5,
+        "the oversized frame counted",
+    )
 
 
 def _stream(sock: socket.socket, nbytes: int) -> int:
@@ -183,9 +202,12 @@ def test_a_handshake_trickling_in_is_cut_off_at_its_deadline(deployment):
         sock.close()
     assert dropped_s is not None, f"still connected after {4 * DEADLINE_S} s of a slow handshake"
     assert dropped_s >= DEADLINE_S * 0.9
-    wait_for(lambda: metric(cluster, DECODE, BAD_FRAMES, reason="timeout") - before == 1, 5,
-             "the cut-off handshake counted")
-    _room_lands(cluster, 1)   # the receiver serves its real peer as before
+    wait_for(
+        lambda: metric(cluster, DECODE, BAD_FRAMES, reason="timeout") - before == 1,
+        5,
+        "the cut-off handshake counted",
+    )
+    _room_lands(cluster, 1)  # the receiver serves its real peer as before
 
 
 def _trickle(socks: list[socket.socket], stop: threading.Event) -> None:
@@ -202,7 +224,7 @@ def _trickle(socks: list[socket.socket], stop: threading.Event) -> None:
 
 
 def test_a_flood_of_strangers_does_not_keep_a_real_prefill_out(workdir):
-    cluster, address = _cluster(workdir, {})   # its prefill has not connected to the data port yet
+    cluster, address = _cluster(workdir, {})  # its prefill has not connected to the data port yet
     socks: list[socket.socket] = []
     stop = threading.Event()
     trickler = threading.Thread(target=_trickle, args=(socks, stop), daemon=True)

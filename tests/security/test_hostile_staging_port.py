@@ -41,9 +41,13 @@ class Port:
         self.bad = Counter()
         self.area = StagingArea(8, SLOT)
         self.receiver = StagingReceiver(
-            {"kv": np.zeros(1 << 16, np.uint8)}, self.area,
-            auth=DataAuth(security(SECRET_HEX, "decode-0")), handshake_timeout_s=DEADLINE_S,
-            max_pending=MAX_PENDING, on_bad_frame=lambda reason: self.bad.update([reason]))
+            {"kv": np.zeros(1 << 16, np.uint8)},
+            self.area,
+            auth=DataAuth(security(SECRET_HEX, "decode-0")),
+            handshake_timeout_s=DEADLINE_S,
+            max_pending=MAX_PENDING,
+            on_bad_frame=lambda reason: self.bad.update([reason]),
+        )
 
     async def __aenter__(self) -> Port:
         await self.receiver.start()
@@ -55,8 +59,15 @@ class Port:
 
     async def real_prefill_gets_a_ring(self) -> None:
         auth = DataAuth(security(SECRET_HEX, "prefill-0"))
-        channel = await asyncio.to_thread(open_channel, self.receiver.address, self.area.published,
-                                          "decode-0", ring_slots=2, auth=auth, timeout_s=10)
+        channel = await asyncio.to_thread(
+            open_channel,
+            self.receiver.address,
+            self.area.published,
+            "decode-0",
+            ring_slots=2,
+            auth=auth,
+            timeout_s=10,
+        )
         try:
             assert channel is not None and len(channel.slots) == 2
         finally:
@@ -67,10 +78,12 @@ def _connect(address) -> socket.socket:
     return socket.create_connection(address, timeout=5)
 
 
-@pytest.mark.parametrize("kind,reason", [(Kind.HANDSHAKE, Reason.FRAME_TOO_LARGE),
-                                         (Kind.DATA, Reason.FRAME_TOO_LARGE)])
+@pytest.mark.parametrize(
+    "kind,reason", [(Kind.HANDSHAKE, Reason.FRAME_TOO_LARGE), (Kind.DATA, Reason.FRAME_TOO_LARGE)]
+)
 async def test_a_first_frame_declaring_8_mib_of_header_is_dropped_by_its_prefix(kind, reason):
     async with Port() as port:
+
         def attack() -> tuple[int, bool]:
             sock = _connect(port.address)
             try:
@@ -87,14 +100,16 @@ async def test_a_first_frame_declaring_8_mib_of_header_is_dropped_by_its_prefix(
 
         sent, dropped = await asyncio.to_thread(attack)
         assert dropped, "the receiver kept a stranger that declared 8 MiB of header"
-        await asyncio.to_thread(wait_for, lambda: port.bad[reason.value] == 1, 5,
-                                f"the refusal reported as {reason.value}")
+        await asyncio.to_thread(
+            wait_for, lambda: port.bad[reason.value] == 1, 5, f"the refusal reported as {reason.value}"
+        )
         await port.real_prefill_gets_a_ring()
 
 
 async def test_a_handshake_trickling_in_is_cut_off_at_its_deadline():
     """One byte every 0.3 s never leaves the socket idle long, but the deadline is 1.5 s."""
     async with Port() as port:
+
         def trickle() -> float | None:
             sock = _connect(port.address)
             started = time.monotonic()
@@ -115,8 +130,9 @@ async def test_a_handshake_trickling_in_is_cut_off_at_its_deadline():
         dropped_s = await asyncio.to_thread(trickle)
         assert dropped_s is not None, f"still connected after {4 * DEADLINE_S} s"
         assert dropped_s >= DEADLINE_S * 0.9, f"dropped after {dropped_s:.2f} s"
-        await asyncio.to_thread(wait_for, lambda: port.bad[Reason.TIMEOUT.value] == 1, 5,
-                                "the cut-off handshake reported")
+        await asyncio.to_thread(
+            wait_for, lambda: port.bad[Reason.TIMEOUT.value] == 1, 5, "the cut-off handshake reported"
+        )
         await port.real_prefill_gets_a_ring()
 
 
@@ -128,8 +144,11 @@ async def test_a_flood_of_strangers_does_not_keep_a_real_prefill_out():
             await asyncio.sleep(0.2)
             await port.real_prefill_gets_a_ring()
             await asyncio.to_thread(
-                wait_for, lambda: port.bad[Reason.LIMIT_EXCEEDED.value] >= 3 * MAX_PENDING, 5,
-                "the oldest strangers cut off to make room")
+                wait_for,
+                lambda: port.bad[Reason.LIMIT_EXCEEDED.value] >= 3 * MAX_PENDING,
+                5,
+                "the oldest strangers cut off to make room",
+            )
             pending = [c for c in port.receiver._connections if c.authenticated is None]
             assert len(pending) <= MAX_PENDING
         finally:
@@ -139,6 +158,7 @@ async def test_a_flood_of_strangers_does_not_keep_a_real_prefill_out():
 
 async def test_a_request_before_the_handshake_is_refused_and_reported():
     async with Port() as port:
+
         def early() -> bool:
             sock = _connect(port.address)
             try:
@@ -148,6 +168,7 @@ async def test_a_request_before_the_handshake_is_refused_and_reported():
                 sock.close()
 
         assert await asyncio.to_thread(early)
-        await asyncio.to_thread(wait_for, lambda: port.bad[Reason.UNAUTHENTICATED.value] == 1, 5,
-                                "the early request reported")
+        await asyncio.to_thread(
+            wait_for, lambda: port.bad[Reason.UNAUTHENTICATED.value] == 1, 5, "the early request reported"
+        )
         await port.real_prefill_gets_a_ring()

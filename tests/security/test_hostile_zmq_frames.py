@@ -31,9 +31,9 @@ from secure_cluster import SECRET_HEX, metric, ranks, write_secret
 
 from pd_transfer.layout.geometry import Role
 
-DECLARED = 8 << 30        # the frame the stranger announces
-STREAMED = 160 * MiB      # what it sends of it
-BOUND_KIB = 48 * 1024     # the most the sidecar's peak RSS may grow meanwhile
+DECLARED = 8 << 30  # the frame the stranger announces
+STREAMED = 160 * MiB  # what it sends of it
+BOUND_KIB = 48 * 1024  # the most the sidecar's peak RSS may grow meanwhile
 CLOSED = "pd_transfer_connections_closed_total"
 
 
@@ -42,8 +42,14 @@ def cluster():
     """Prefill and decode with a secret, serving their workers on ZeroMQ ``ipc://``."""
     workdir = Path(tempfile.mkdtemp(prefix="pdt-"))
     secret = write_secret(workdir, "secret", SECRET_HEX)
-    made = Cluster(workdir, ranks(Role.PREFILL, 1), ranks(Role.DECODE, 1), attach=False,
-                   config={"secret_file": str(secret)}, worker_scheme="ipc")
+    made = Cluster(
+        workdir,
+        ranks(Role.PREFILL, 1),
+        ranks(Role.DECODE, 1),
+        attach=False,
+        config={"secret_file": str(secret)},
+        worker_scheme="ipc",
+    )
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("PD_TRANSFER_SECRET_FILE", str(secret))
@@ -75,9 +81,13 @@ def test_an_8_gib_frame_is_dropped_at_its_header_and_counted(cluster, socket_nam
     finally:
         sock.close()
     peak = rss_kib(pid, "VmHWM")
-    assert peak - baseline < BOUND_KIB, \
+    assert peak - baseline < BOUND_KIB, (
         f"peak RSS grew by {(peak - baseline) // 1024} MiB while {sent // MiB} MiB were sent"
+    )
     assert dropped and sent < STREAMED, f"the sidecar took {sent // MiB} MiB and kept the connection"
-    wait_for(lambda: metric(cluster, rank, CLOSED, socket=socket_name) - before >= 1, 5.0,
-             f"the dropped {socket_name} connection counted")
+    wait_for(
+        lambda: metric(cluster, rank, CLOSED, socket=socket_name) - before >= 1,
+        5.0,
+        f"the dropped {socket_name} connection counted",
+    )
     assert cluster.sidecars[rank].proc.poll() is None

@@ -60,8 +60,9 @@ def _chunks(requests):
 def _pairs(prefill, decode, dst_geometry):
     recon = reconcile(prefill, [dst_geometry])
     by_rank = {g.rank_id: g for g in prefill}
-    return recon, [(by_rank[r], PairPlanner(recon, by_rank[r], dst_geometry))
-                   for r in recon.sources_for(dst_geometry)]
+    return recon, [
+        (by_rank[r], PairPlanner(recon, by_rank[r], dst_geometry)) for r in recon.sources_for(dst_geometry)
+    ]
 
 
 def _sent_digest(layout, planner, requests, world, src_rank, execute=True):
@@ -86,8 +87,10 @@ def test_prefill_and_decode_sums_agree_on_every_correct_transfer(case):
             layout = BlockLayout(planner)
             sent = _sent_digest(layout, planner, requests, world, src_geometry.rank_id)
             landed = landed_digest(layout, _dst(requests), world.decode_buffers[dst_geometry.rank_id])
-            assert compare(layout, _dst(requests), sent, landed) == "", (src_geometry.rank_id,
-                                                                          dst_geometry.rank_id)
+            assert compare(layout, _dst(requests), sent, landed) == "", (
+                src_geometry.rank_id,
+                dst_geometry.rank_id,
+            )
             assert set(landed) == set(layout.pools) & set(requests)
     assert world.verify(requests) == []  # the transfers the sums vouched for were right
 
@@ -96,10 +99,16 @@ def test_cases_cover_sliced_replicated_converted_and_state():
     modes = set()
     for case in CASES:
         prefill, decode, _, _ = _setup(case)
-        modes |= {(p.value, m) for p, by_mode in reconcile(prefill, decode).modes_by_pool().items()
-                  for m in by_mode}
-    assert {("kv", Mode.SLICED), ("kv", Mode.REPLICATED), ("kv", Mode.CONVERTED),
-            ("mamba", Mode.SLICED), ("swa", Mode.SLICED)} <= modes
+        modes |= {
+            (p.value, m) for p, by_mode in reconcile(prefill, decode).modes_by_pool().items() for m in by_mode
+        }
+    assert {
+        ("kv", Mode.SLICED),
+        ("kv", Mode.REPLICATED),
+        ("kv", Mode.CONVERTED),
+        ("mamba", Mode.SLICED),
+        ("swa", Mode.SLICED),
+    } <= modes
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -119,15 +128,15 @@ def test_a_flipped_byte_in_any_block_names_that_block(case):
             blocks = [(u, k) for u in range(layout.num_units(pool)) for k in range(len(dst))]
             picked = [blocks[0], blocks[-1]] + [blocks[i] for i in rng.choice(len(blocks), 12)]
             for unit, position in picked:
-                region, offsets, nbytes = layout.block_runs(pool, unit, int(dst[position]),
-                                                            Side.DESTINATION)
+                region, offsets, nbytes = layout.block_runs(pool, unit, int(dst[position]), Side.DESTINATION)
                 run = int(rng.integers(len(offsets)))
                 at = int(offsets[run]) + int(rng.integers(int(nbytes[run])))
                 original = int(buffers[region][at])
                 buffers[region][at] ^= 1 << int(rng.integers(8))
                 try:
-                    text = compare(layout, _dst(requests), sent,
-                                   landed_digest(layout, _dst(requests), buffers))
+                    text = compare(
+                        layout, _dst(requests), sent, landed_digest(layout, _dst(requests), buffers)
+                    )
                 finally:
                     buffers[region][at] = original
                 expected = layout.describe(pool, unit, position, dst)
@@ -160,12 +169,14 @@ def test_mock_transport_corruption_is_caught_by_the_destination_sums():
     _, [(src_geometry, planner)] = _pairs(prefill, decode, dst_geometry)
     layout = BlockLayout(planner)
     buffers = world.decode_buffers[dst_geometry.rank_id]
-    transport = MockTransport({dst_geometry.rank_id: buffers},
-                              faults=[Fault.corrupt(on_write=2, byte_index=12345)])
+    transport = MockTransport(
+        {dst_geometry.rank_id: buffers}, faults=[Fault.corrupt(on_write=2, byte_index=12345)]
+    )
 
     async def run():
-        link = await transport.connect(PeerEndpoint.from_maps(
-            dst_geometry.rank_id, {r: len(a) for r, a in buffers.items()}))
+        link = await transport.connect(
+            PeerEndpoint.from_maps(dst_geometry.rank_id, {r: len(a) for r, a in buffers.items()})
+        )
         for chunk, _ in _chunks(requests):
             await transport.write(link, planner.plan(chunk), world.prefill_buffers[src_geometry.rank_id])
         await transport.close()
@@ -208,11 +219,12 @@ def test_the_test_only_fault_flips_one_byte_of_the_nth_write_once():
     fault = CorruptNth(2)
     sent = _sent_digest(layout, planner, requests, world, src_geometry.rank_id)
     plan = planner.plan({Pool.KV: requests[Pool.KV]})
-    fault.landed(plan, buffers)       # write 1: untouched
+    fault.landed(plan, buffers)  # write 1: untouched
     assert compare(layout, _dst(requests), sent, landed_digest(layout, _dst(requests), buffers)) == ""
-    fault.landed(plan, buffers)       # write 2: one byte flipped in what the plan wrote
-    assert "1 of 4 page(s)" in compare(layout, _dst(requests), sent,
-                                       landed_digest(layout, _dst(requests), buffers))
+    fault.landed(plan, buffers)  # write 2: one byte flipped in what the plan wrote
+    assert "1 of 4 page(s)" in compare(
+        layout, _dst(requests), sent, landed_digest(layout, _dst(requests), buffers)
+    )
     payload = np.zeros(64, np.uint8)
     fault.payload(memoryview(payload))  # write 3: never again
     assert not payload.any()

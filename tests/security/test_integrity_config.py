@@ -17,8 +17,9 @@ def test_integrity_is_off_by_default_and_no_fault_is_injected():
 def test_integrity_from_the_environment_and_the_flag():
     config = load_sidecar_config(None, {"role": "prefill"}, {"PD_TRANSFER_INTEGRITY": "1"})
     assert config.integrity is True
-    args = build_parser().parse_args(["serve", "--role", "prefill", "--integrity",
-                                      "--fault-corrupt-nth", "3"])
+    args = build_parser().parse_args(
+        ["serve", "--role", "prefill", "--integrity", "--fault-corrupt-nth", "3"]
+    )
     assert (args.integrity, args.fault_corrupt_nth) == (True, 3)
     assert build_parser().parse_args(["serve"]).integrity is None  # unset: the file decides
 

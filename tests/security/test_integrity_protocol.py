@@ -10,8 +10,12 @@ from pd_transfer.layout.views import Pool
 from pd_transfer.protocol import Done, DoneStatus, PoolChecksums, Verdict, decode, encode
 from pd_transfer.protocol.limits import MAX_CHECKSUM_TENSORS
 
-DONE = Done(room=7, generation=1, status=DoneStatus.SUCCESS, checksums=(
-    PoolChecksums(Pool.KV, items=(1, 2**32 - 1, 0), tensors=(5, 6)),))
+DONE = Done(
+    room=7,
+    generation=1,
+    status=DoneStatus.SUCCESS,
+    checksums=(PoolChecksums(Pool.KV, items=(1, 2**32 - 1, 0), tensors=(5, 6)),),
+)
 
 
 def _raw(message) -> dict:
@@ -47,15 +51,17 @@ def test_a_peer_without_integrity_reads_a_plain_done_and_verdict():
 def test_checksum_bytes_must_be_whole_uint32s():
     raw = _raw(DONE)
     raw["checksums"][0]["items"] = b"\x01\x02\x03\x04\x05"
-    assert str(_reject(raw)) == ("at $.done.checksums[0].items: expected packed uint32 bytes, "
-                                 "got 5 bytes (not a multiple of 4)")
+    assert str(_reject(raw)) == (
+        "at $.done.checksums[0].items: expected packed uint32 bytes, got 5 bytes (not a multiple of 4)"
+    )
 
 
 def test_checksums_as_a_list_are_refused():
     raw = _raw(DONE)
     raw["checksums"][0]["tensors"] = [1, 2]
-    assert str(_reject(raw)).startswith("at $.done.checksums[0].tensors: expected packed "
-                                        "little-endian uint32 bytes")
+    assert str(_reject(raw)).startswith(
+        "at $.done.checksums[0].tensors: expected packed little-endian uint32 bytes"
+    )
 
 
 def test_too_many_tensor_checksums_exceed_the_limit():

@@ -30,8 +30,12 @@ GRACE_S = 4.0
 def _series_of(cluster, rank: str, peer: str) -> list[str]:
     status, text = cluster.http(rank, "/metrics")
     assert status == 200
-    return [sample.name for family in text_string_to_metric_families(text)
-            for sample in family.samples if sample.labels.get("peer") == peer]
+    return [
+        sample.name
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.labels.get("peer") == peer
+    ]
 
 
 def _peer_state(cluster, rank: str, peer: str) -> str:
@@ -60,13 +64,13 @@ def test_the_series_of_a_departed_peer_go_after_the_grace_period(cluster):
     states = cluster.wait_decode(1)
     assert all(s.status is RoomStatus.SUCCESS for s in states.values()), cluster.logs()
     held = _series_of(cluster, PREFILL, DECODE)
-    assert len(held) >= 3, held   # transfers, in-flight bytes, heartbeat age at least
+    assert len(held) >= 3, held  # transfers, in-flight bytes, heartbeat age at least
 
     cluster.sidecars[DECODE].kill()
     wait_for(lambda: _peer_state(cluster, PREFILL, DECODE) == "lost", 10, "the decode peer lost")
     assert _series_of(cluster, PREFILL, DECODE), "removed before the grace period"
-    wait_for(lambda: not _series_of(cluster, PREFILL, DECODE), GRACE_S + 10,
-             "the departed peer's series removed")
-    assert cluster.metric(PREFILL, "pd_transfer_transfers_total", role="prefill",
-                          outcome="success") == 1
+    wait_for(
+        lambda: not _series_of(cluster, PREFILL, DECODE), GRACE_S + 10, "the departed peer's series removed"
+    )
+    assert cluster.metric(PREFILL, "pd_transfer_transfers_total", role="prefill", outcome="success") == 1
     assert cluster.metric(PREFILL, "pd_transfer_peers", state="lost") == 1

@@ -26,16 +26,22 @@ CONFIG = {"bootstrap_timeout_s": 5.0, "waiting_timeout_s": 8.0}
 
 @pytest.fixture(scope="module")
 def rooms(workdir):
-    cluster = Cluster(workdir, ranks(Role.PREFILL, 1), ranks(Role.DECODE, 1), config=CONFIG,
-                      decode_config={"instance_id": "dec-A"})
+    cluster = Cluster(
+        workdir,
+        ranks(Role.PREFILL, 1),
+        ranks(Role.DECODE, 1),
+        config=CONFIG,
+        decode_config={"instance_id": "dec-A"},
+    )
     geometry = ranks(Role.DECODE, 1)[0]
-    stranger = Sidecar(workdir, "decode", "decode-stranger",
-                       {"http_port": 0, "instance_id": "dec-B", **CONFIG})
+    stranger = Sidecar(
+        workdir, "decode", "decode-stranger", {"http_port": 0, "instance_id": "dec-B", **CONFIG}
+    )
     pools = None
     try:
         stranger.wait_ready()
         pools = allocate_pools(geometry, f"t-stranger-{id(cluster)}")
-        client = Client(stranger.endpoint, "stranger", timeout_s=15)   # holds the secret
+        client = Client(stranger.endpoint, "stranger", timeout_s=15)  # holds the secret
         client.register(geometry, pools.handles)
         cluster.stranger = client
         cluster.stranger_pools = pools
@@ -55,8 +61,9 @@ def _dst(room: int) -> list[int]:
 def _send(cluster, room: int, decode: str) -> None:
     src = ROOMS[room]
     for geometry in cluster.prefill:
-        cluster.clients[geometry.rank_id].send(room, src[Pool.KV][0], aux_row=int(src[Pool.AUX][0][0]),
-                                               decode=decode)
+        cluster.clients[geometry.rank_id].send(
+            room, src[Pool.KV][0], aux_row=int(src[Pool.AUX][0][0]), decode=decode
+        )
 
 
 def _prefill_knows(cluster, room: int, timeout_s: float = 15.0) -> None:
@@ -73,9 +80,9 @@ def _stranger_untouched(cluster) -> bool:
 
 
 def test_a_stranger_asking_first_is_refused_and_the_rightful_decode_gets_every_byte(rooms):
-    rooms.stranger.expect(1, rooms.bootstrap, _dst(1))          # the stranger asks first
+    rooms.stranger.expect(1, rooms.bootstrap, _dst(1))  # the stranger asks first
     _prefill_knows(rooms, 1)
-    rooms.expect(1, requests(1))                                # then the rightful decode
+    rooms.expect(1, requests(1))  # then the rightful decode
     _send(rooms, 1, decode="dec-A")
     states = rooms.wait_decode(1, timeout_s=15)
     assert all(s.status is RoomStatus.SUCCESS for s in states.values()), (states, rooms.logs())
@@ -113,8 +120,9 @@ def test_a_decode_registering_under_another_name_than_it_proved_is_refused(rooms
         try:
             await channel.send(Hello(agent_id="honest-name", role=Role.DECODE))
             assert isinstance(await asyncio.wait_for(got.get(), 10), Hello)
-            await channel.send(Register(agent_id="someone-else", host_id="h", geometry=geometry,
-                                        instance="dec-A"))
+            await channel.send(
+                Register(agent_id="someone-else", host_id="h", geometry=geometry, instance="dec-A")
+            )
             while True:
                 message = await asyncio.wait_for(got.get(), 10)
                 if isinstance(message, Close):

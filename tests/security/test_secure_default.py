@@ -16,9 +16,25 @@ from pd_transfer.cli import EXIT_INVALID
 
 def _serve(tmp_path, *args) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "pd_transfer.cli", "serve", "--role", "decode", "--http-port", "0",
-         "--worker-endpoint", f"unix://{tmp_path}/w.sock", "--ready-file", str(tmp_path / "ready"),
-         *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "pd_transfer.cli",
+            "serve",
+            "--role",
+            "decode",
+            "--http-port",
+            "0",
+            "--worker-endpoint",
+            f"unix://{tmp_path}/w.sock",
+            "--ready-file",
+            str(tmp_path / "ready"),
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _get(url: str) -> tuple[int, str]:
@@ -43,8 +59,14 @@ def test_a_sidecar_without_a_secret_does_not_start_and_says_how_to_fix_it(tmp_pa
 
 def test_keygen_makes_the_secret_that_lets_it_start(tmp_path, no_secret):
     keys = tmp_path / "keys"
-    assert subprocess.run([sys.executable, "-m", "pd_transfer.cli", "keygen", "--out", str(keys)],
-                          capture_output=True, timeout=60).returncode == 0
+    assert (
+        subprocess.run(
+            [sys.executable, "-m", "pd_transfer.cli", "keygen", "--out", str(keys)],
+            capture_output=True,
+            timeout=60,
+        ).returncode
+        == 0
+    )
     config = tmp_path / "sidecar.toml"
     config.write_text(f'[sidecar]\nsecret_file = "{keys / "secret"}"\n')
     proc = _serve(tmp_path, "--config", str(config))
@@ -69,8 +91,12 @@ def _wait_ready(tmp_path, proc) -> dict:
 
 def _gauge(ready: dict) -> float:
     text = _get(ready["http_address"] + "/metrics")[1]
-    (value,) = [s.value for f in text_string_to_metric_families(text) for s in f.samples
-                if s.name == "pd_transfer_insecure"]
+    (value,) = [
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "pd_transfer_insecure"
+    ]
     return value
 
 
@@ -81,7 +107,7 @@ def test_an_insecure_sidecar_says_so_in_log_status_readyz_and_metrics(tmp_path, 
         status = json.loads(_get(ready["http_address"] + "/status")[1])
         assert status["insecure"] is True
         code, body = _get(ready["http_address"] + "/readyz")
-        assert code == 503 and json.loads(body)["insecure"] is True   # no worker yet: not ready
+        assert code == 503 and json.loads(body)["insecure"] is True  # no worker yet: not ready
         assert _gauge(ready) == 1
     finally:
         proc.terminate()
@@ -92,6 +118,7 @@ def test_an_insecure_sidecar_says_so_in_log_status_readyz_and_metrics(tmp_path, 
 
 def test_the_status_command_shows_an_insecure_sidecar(tmp_path, no_secret):
     from pd_transfer.status_view import render_status
+
     proc = _serve(tmp_path, "--insecure")
     try:
         ready = _wait_ready(tmp_path, proc)

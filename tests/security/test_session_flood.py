@@ -26,7 +26,7 @@ from pd_transfer.security.messages import decode as decode_auth
 
 FRAMES = 96
 FRAME_NBYTES = 15 * MiB
-BOUND_KIB = 160 * 1024   # the most the sidecar's peak RSS may grow meanwhile
+BOUND_KIB = 160 * 1024  # the most the sidecar's peak RSS may grow meanwhile
 P0 = "prefill[pp0,tp0]"
 
 
@@ -46,7 +46,7 @@ def test_frames_under_the_limit_from_an_authenticated_peer_are_not_all_held(clus
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTING_ID, new_routing_id())
-    sock.setsockopt(zmq.SNDHWM, 0)       # the flooder queues everything it sends
+    sock.setsockopt(zmq.SNDHWM, 0)  # the flooder queues everything it sends
     sock.setsockopt(zmq.RCVTIMEO, 5000)
     sock.connect(cluster.ready[P0]["control_address"])
     try:
@@ -54,12 +54,12 @@ def test_frames_under_the_limit_from_an_authenticated_peer_are_not_all_held(clus
         sock.send(handshake.hello())
         sock.send(handshake.receive(sock.recv()))
         assert decode_auth(sock.recv()).accepted
-        garbage = b"\xc1" * FRAME_NBYTES   # 0xc1: never valid msgpack
+        garbage = b"\xc1" * FRAME_NBYTES  # 0xc1: never valid msgpack
         started = time.monotonic()
         for _ in range(FRAMES):
             sock.send(garbage, copy=False)
         peak = baseline
-        while time.monotonic() - started < 60:   # while the sidecar works through them
+        while time.monotonic() - started < 60:  # while the sidecar works through them
             peak = max(peak, rss_kib(pid, "VmHWM"))
             if metric(cluster, P0, "pd_transfer_bad_frames_total") - before >= FRAMES:
                 break
@@ -68,10 +68,12 @@ def test_frames_under_the_limit_from_an_authenticated_peer_are_not_all_held(clus
     finally:
         sock.close()
         context.term()
-    assert peak - baseline < BOUND_KIB, \
+    assert peak - baseline < BOUND_KIB, (
         f"peak RSS grew by {(peak - baseline) // 1024} MiB for {FRAMES} frames of 15 MiB"
-    assert metric(cluster, P0, "pd_transfer_bad_frames_total") - before == FRAMES, \
+    )
+    assert metric(cluster, P0, "pd_transfer_bad_frames_total") - before == FRAMES, (
         "every frame refused and counted"
+    )
     assert cluster.sidecars[P0].proc.poll() is None
     cluster.expect(1, requests(1))
     cluster.send(1, requests(1))

@@ -44,19 +44,19 @@ class Rank:
 
 @dataclass
 class Room:
-    sent: dict[str, dict[str, list]] = field(default_factory=dict)    # prefill rank -> fields
+    sent: dict[str, dict[str, list]] = field(default_factory=dict)  # prefill rank -> fields
     last: set[str] = field(default_factory=set)
     expected: dict[str, dict[str, Any]] = field(default_factory=dict)  # decode rank -> expect
-    done: set[str] = field(default_factory=set)                         # decode ranks copied
+    done: set[str] = field(default_factory=set)  # decode ranks copied
 
 
 class FakePair:
     def __init__(self, num_prefill: int, num_decode: int, resolve: Resolve) -> None:
         self.resolve = resolve
         self.hang_rooms: set[int] = set()
-        self.refuse_register: str | None = None     # a reason: every register is refused
-        self.silent_ops: set[WorkerOp] = set()      # requests never answered
-        self.drained = True                         # what abort answers
+        self.refuse_register: str | None = None  # a reason: every register is refused
+        self.silent_ops: set[WorkerOp] = set()  # requests never answered
+        self.drained = True  # what abort answers
         self.corrupt_rooms: set[int] = set()
         self._dir = tempfile.mkdtemp(prefix="pdt-pair-")
         self._context = zmq.Context()
@@ -108,25 +108,31 @@ class FakePair:
         room_id = message.get("room")
         if op is WorkerOp.REGISTER:
             rank.geometry = geometry_from_data(message["geometry"])
-            rank.arrays = {r.id: self.resolve(message["handles"][r.id], r.nbytes)
-                           for r in rank.geometry.regions}
+            rank.arrays = {
+                r.id: self.resolve(message["handles"][r.id], r.nbytes) for r in rank.geometry.regions
+            }
             return {}
         room = self.rooms.setdefault(room_id, Room()) if room_id is not None else None
         rank_id = rank.geometry.rank_id
         if op is WorkerOp.SEND:
-            fields = room.sent.setdefault(rank_id, {"pages": [], "swa_pages": [], "state_slots": [],
-                                                    "aux_row": None})
+            fields = room.sent.setdefault(
+                rank_id, {"pages": [], "swa_pages": [], "state_slots": [], "aux_row": None}
+            )
             fields["pages"] += message["pages"]
             if message["last"]:
-                fields.update(swa_pages=message["swa_pages"], state_slots=message["state_slots"],
-                              aux_row=message["aux_row"])
+                fields.update(
+                    swa_pages=message["swa_pages"],
+                    state_slots=message["state_slots"],
+                    aux_row=message["aux_row"],
+                )
                 room.last.add(rank_id)
         elif op is WorkerOp.EXPECT:
             room.expected[rank_id] = message
         elif op is WorkerOp.WAIT:
             deadline = time.monotonic() + message["timeout_s"]
-            self._waits.append((deadline, rank.endpoint, identity, message["id"], room_id,
-                                rank in self.prefill))
+            self._waits.append(
+                (deadline, rank.endpoint, identity, message["id"], room_id, rank in self.prefill)
+            )
             self._progress(room_id)
             return None
         elif op is WorkerOp.POLL:
@@ -188,7 +194,8 @@ class FakePair:
             status = self._status(room_id, is_prefill, rank.geometry.rank_id)
             if status == "success" or now >= deadline:
                 self._sockets[endpoint].send_multipart(
-                    [identity, worker_api.ok_reply(request_id, status=status)])
+                    [identity, worker_api.ok_reply(request_id, status=status)]
+                )
             else:
                 keep.append((deadline, endpoint, identity, request_id, room_id, is_prefill))
         self._waits = keep

@@ -36,8 +36,10 @@ def _requests(prefill, decode, rng):
         dst_n = [v.index_count for g in decode for v in g.views if v.pool is pool]
         if src_n and dst_n:
             n = 1 if pool in (Pool.MAMBA, Pool.AUX) else min(min(src_n), min(dst_n)) // 2
-            requests[pool] = (rng.choice(min(src_n), n, replace=False),
-                              rng.choice(min(dst_n), n, replace=False))
+            requests[pool] = (
+                rng.choice(min(src_n), n, replace=False),
+                rng.choice(min(dst_n), n, replace=False),
+            )
     return requests
 
 
@@ -54,10 +56,10 @@ def _transfer(prefill, decode, requests):
         for src_id in recon.sources_for(dst):
             plan = plan_pair(recon, by_id[src_id], dst, requests)
             for i, batch in enumerate(plan.batches):
-                loaded = runs.load_runs(batch, f"batch {i}", src_buffers[src_id],
-                                        dst_buffers[dst.rank_id])
-                runs.copy_runs(src_buffers[src_id][batch.src_region],
-                               dst_buffers[dst.rank_id][batch.dst_region], loaded)
+                loaded = runs.load_runs(batch, f"batch {i}", src_buffers[src_id], dst_buffers[dst.rank_id])
+                runs.copy_runs(
+                    src_buffers[src_id][batch.src_region], dst_buffers[dst.rank_id][batch.dst_region], loaded
+                )
     return dst_buffers
 
 
@@ -72,10 +74,14 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("kind", "prefill_tp", "decode_tp", "prefill_layout", "decode_layout"),
-                         CASES, ids=[f"{c[0]}-{c[1]}to{c[2]}-{c[3].value}-{c[4].value}" for c in CASES])
-def test_check_destination_accepts_a_planned_transfer(kind, prefill_tp, decode_tp,
-                                                      prefill_layout, decode_layout):
+@pytest.mark.parametrize(
+    ("kind", "prefill_tp", "decode_tp", "prefill_layout", "decode_layout"),
+    CASES,
+    ids=[f"{c[0]}-{c[1]}to{c[2]}-{c[3].value}-{c[4].value}" for c in CASES],
+)
+def test_check_destination_accepts_a_planned_transfer(
+    kind, prefill_tp, decode_tp, prefill_layout, decode_layout
+):
     prefill = instance(kind, Role.PREFILL, prefill_tp, layout=prefill_layout)
     decode = instance(kind, Role.DECODE, decode_tp, layout=decode_layout, num_pages=10)
     requests = _requests(prefill, decode, np.random.default_rng(7))
@@ -97,9 +103,11 @@ def test_check_destination_reports_one_corrupted_byte_with_its_coordinates():
     lines = check_destination(rank, dst_buffers[rank.rank_id], SEED, requests)
     assert len(lines) == 1
     assert lines[0].startswith(f"{rank.rank_id} kv.layer[1].v page dst=1 src=5: 1/")
-    assert lines[0].endswith("first at token=2 head=1 (global) head_dim=3: "
-                             f"got 0x{int(target[1, 2, 0, 3]):04x} "
-                             f"want 0x{int(target[1, 2, 0, 3]) ^ 0x0100:04x}")
+    assert lines[0].endswith(
+        "first at token=2 head=1 (global) head_dim=3: "
+        f"got 0x{int(target[1, 2, 0, 3]):04x} "
+        f"want 0x{int(target[1, 2, 0, 3]) ^ 0x0100:04x}"
+    )
     for other in decode:
         if other is not rank:
             assert check_destination(other, dst_buffers[other.rank_id], SEED, requests) == []
@@ -111,7 +119,7 @@ def test_check_destination_rejects_an_earlier_requests_bytes():
     requests = {Pool.KV: (np.array([0, 1, 2]), np.array([2, 3, 4]))}
     dst_buffers = _transfer(prefill, decode, requests)
     result = verify_destination(decode[0], dst_buffers[decode[0].rank_id], SEED + 1, requests)
-    assert result.items_wrong == 3 * 2 * 2       # 3 pages of K and V in 2 layers
+    assert result.items_wrong == 3 * 2 * 2  # 3 pages of K and V in 2 layers
     assert len(result.lines) == 12
 
 
@@ -123,8 +131,7 @@ def test_check_destination_caps_its_lines_and_counts_the_rest():
     assert result.items_wrong == 30 * 4
     assert len(result.lines) == 6
     assert result.lines[-1] == "... 120 wrong items in total, first 5 shown"
-    assert result.nbytes_checked == sum(v.item_nbytes for v in decode[0].views
-                                        if v.pool is Pool.KV) * 30
+    assert result.nbytes_checked == sum(v.item_nbytes for v in decode[0].views if v.pool is Pool.KV) * 30
 
 
 def test_fill_source_writes_only_the_given_indices():

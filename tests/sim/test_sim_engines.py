@@ -34,22 +34,48 @@ def _resolve(name: str, nbytes: int) -> np.ndarray:
 
 def _rank(kind, role, tp_size, tp_rank, layout=Layout.NHD):
     spec = tiny(kind)
-    return build_rank(spec, WorkerShape(role=role, tp_size=tp_size, tp_rank=tp_rank, page_size=4,
-                                        kv_layout=layout, num_pages=NUM_PAGES, num_aux_rows=3,
-                                        num_slots=3 if spec.linear else None))
+    return build_rank(
+        spec,
+        WorkerShape(
+            role=role,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            page_size=4,
+            kv_layout=layout,
+            num_pages=NUM_PAGES,
+            num_aux_rows=3,
+            num_slots=3 if spec.linear else None,
+        ),
+    )
 
 
 def _schedule(kind, num_requests=7):
     spec = tiny(kind)
     sizes = PoolSizes(NUM_PAGES, NUM_PAGES, 3, 3)
-    return build_schedule(ScheduleSpec(
-        seed=5, num_requests=num_requests, tokens=21, page_size=4, window=3, prefill=sizes,
-        decode=sizes, swa_pages_per_request=spec.swa_pages_per_request(4),
-        uses_state=spec.linear is not None))
+    return build_schedule(
+        ScheduleSpec(
+            seed=5,
+            num_requests=num_requests,
+            tokens=21,
+            page_size=4,
+            window=3,
+            prefill=sizes,
+            decode=sizes,
+            swa_pages_per_request=spec.swa_pages_per_request(4),
+            uses_state=spec.linear is not None,
+        )
+    )
 
 
-def _run(pair: FakePair, kind: str, prefill_tp: int, decode_tp: int, options: EngineOptions,
-         decode_layout=Layout.NHD, num_requests=7):
+def _run(
+    pair: FakePair,
+    kind: str,
+    prefill_tp: int,
+    decode_tp: int,
+    options: EngineOptions,
+    decode_layout=Layout.NHD,
+    num_requests=7,
+):
     schedule = _schedule(kind, num_requests)
     reports, threads, handles = {}, [], {}
 
@@ -78,6 +104,7 @@ def _run(pair: FakePair, kind: str, prefill_tp: int, decode_tp: int, options: En
             async with AsyncClient(pair.decode[tp_rank].endpoint, f"d{tp_rank}") as client:
                 await client.register(geometry, handles[geometry.rank_id])
                 await run_decode(client, geometry, arrays, schedule, options, report)
+
         asyncio.run(main())
 
     errors = []
@@ -85,7 +112,7 @@ def _run(pair: FakePair, kind: str, prefill_tp: int, decode_tp: int, options: En
     def guarded(target, *args):
         try:
             target(*args)
-        except BaseException as err:   # surfaced below
+        except BaseException as err:  # surfaced below
             errors.append(err)
 
     for r in range(prefill_tp):
@@ -108,19 +135,27 @@ def pair_factory():
     def make(num_prefill, num_decode):
         pairs.append(FakePair(num_prefill, num_decode, _resolve))
         return pairs[-1]
+
     yield make
     for pair in pairs:
         pair.close()
     SEGMENTS.clear()
 
 
-@pytest.mark.parametrize(("kind", "prefill_tp", "decode_tp", "layout"), [
-    ("gqa", 1, 2, Layout.NHD), ("gdn", 2, 1, Layout.NHD), ("swa", 2, 2, Layout.PAGE_FIRST)])
+@pytest.mark.parametrize(
+    ("kind", "prefill_tp", "decode_tp", "layout"),
+    [("gqa", 1, 2, Layout.NHD), ("gdn", 2, 1, Layout.NHD), ("swa", 2, 2, Layout.PAGE_FIRST)],
+)
 def test_engines_move_and_verify_every_room(pair_factory, kind, prefill_tp, decode_tp, layout):
     pair = pair_factory(prefill_tp, decode_tp)
-    reports = _run(pair, kind, prefill_tp, decode_tp, EngineOptions(chunk_pages=2, room_timeout_s=5,
-                                                                   bootstrap_addr=BOOTSTRAP),
-                   decode_layout=layout)
+    reports = _run(
+        pair,
+        kind,
+        prefill_tp,
+        decode_tp,
+        EngineOptions(chunk_pages=2, room_timeout_s=5, bootstrap_addr=BOOTSTRAP),
+        decode_layout=layout,
+    )
     for rank_id, report in reports.items():
         summary = report.to_dict()
         assert summary["ok"], (rank_id, summary)
@@ -137,7 +172,14 @@ def test_engines_move_and_verify_every_room(pair_factory, kind, prefill_tp, deco
 
 def test_prefill_sends_in_chunks_with_state_and_aux_last(pair_factory):
     pair = pair_factory(1, 1)
-    _run(pair, "gdn", 1, 1, EngineOptions(chunk_pages=2, room_timeout_s=5, bootstrap_addr=BOOTSTRAP), num_requests=1)
+    _run(
+        pair,
+        "gdn",
+        1,
+        1,
+        EngineOptions(chunk_pages=2, room_timeout_s=5, bootstrap_addr=BOOTSTRAP),
+        num_requests=1,
+    )
     room = pair.rooms[_schedule("gdn", 1)[0].room]
     sent = room.sent["prefill[pp0,tp0]"]
     assert len(sent["pages"]) == 6 and sent["state_slots"] == [0] and sent["aux_row"] == 0
@@ -147,7 +189,9 @@ def test_decode_reports_a_corrupted_room(pair_factory):
     pair = pair_factory(1, 1)
     bad = _schedule("gqa")[4].room
     pair.corrupt_rooms.add(bad)
-    reports = _run(pair, "gqa", 1, 1, EngineOptions(chunk_pages=3, room_timeout_s=5, bootstrap_addr=BOOTSTRAP))
+    reports = _run(
+        pair, "gqa", 1, 1, EngineOptions(chunk_pages=3, room_timeout_s=5, bootstrap_addr=BOOTSTRAP)
+    )
     decode = reports["decode[pp0,tp0]"].to_dict()
     assert not decode["ok"]
     assert decode["succeeded"] == 7
@@ -160,12 +204,26 @@ def test_a_room_that_never_finishes_fails_with_a_timeout(pair_factory):
     pair = pair_factory(1, 1)
     stuck = _schedule("gqa", 2)[1].room
     pair.hang_rooms.add(stuck)
-    reports = _run(pair, "gqa", 1, 1, EngineOptions(chunk_pages=8, room_timeout_s=0.3, bootstrap_addr=BOOTSTRAP), num_requests=2)
+    reports = _run(
+        pair,
+        "gqa",
+        1,
+        1,
+        EngineOptions(chunk_pages=8, room_timeout_s=0.3, bootstrap_addr=BOOTSTRAP),
+        num_requests=2,
+    )
     for report in reports.values():
         summary = report.to_dict()
         assert not summary["ok"]
-        assert summary["failed"] == [{"room": stuck, "index": 1, "status": "timeout", "code": "timeout",
-                                      "reason": "still waiting_for_input after waiting 0.3 s"}]
+        assert summary["failed"] == [
+            {
+                "room": stuck,
+                "index": 1,
+                "status": "timeout",
+                "code": "timeout",
+                "reason": "still waiting_for_input after waiting 0.3 s",
+            }
+        ]
 
 
 def test_a_silent_sidecar_ends_the_decode_run_with_one_timeout(pair_factory):
@@ -177,8 +235,9 @@ def test_a_silent_sidecar_ends_the_decode_run_with_one_timeout(pair_factory):
 
     async def main():
         async with AsyncClient(pair.decode[0].endpoint, "d0", timeout_s=0.2) as client:
-            await run_decode(client, geometry, arrays, _schedule("gqa"),
-                             EngineOptions(bootstrap_addr=BOOTSTRAP), report)
+            await run_decode(
+                client, geometry, arrays, _schedule("gqa"), EngineOptions(bootstrap_addr=BOOTSTRAP), report
+            )
 
     with pytest.raises(ReplyTimeout, match="expect: no reply from the sidecar"):
         asyncio.run(main())
@@ -190,11 +249,14 @@ def test_decode_retires_a_slot_whose_abort_does_not_drain(pair_factory):
     pair.drained = False
     schedule = _schedule("gqa")
     pair.hang_rooms.add(schedule[1].room)
-    reports = _run(pair, "gqa", 1, 1, EngineOptions(chunk_pages=8, room_timeout_s=0.3,
-                                                    bootstrap_addr=BOOTSTRAP))
+    reports = _run(
+        pair, "gqa", 1, 1, EngineOptions(chunk_pages=8, room_timeout_s=0.3, bootstrap_addr=BOOTSTRAP)
+    )
     # slot 1 holds requests 1 and 4 (window 3); other slots may time out too, since the
     # prefill side spends 0.3 s on every stuck room before moving on
     failed = [f for f in reports["decode[pp0,tp0]"].to_dict()["failed"] if f["index"] % 3 == 1]
     assert [(f["index"], f["status"]) for f in failed] == [(1, "timeout"), (4, "failed")]
-    assert failed[1]["reason"] == (f"not started: room {schedule[1].room} on the same pages ended "
-                                   f"timeout and its abort did not confirm the pages drained")
+    assert failed[1]["reason"] == (
+        f"not started: room {schedule[1].room} on the same pages ended "
+        f"timeout and its abort did not confirm the pages drained"
+    )

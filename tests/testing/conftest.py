@@ -19,8 +19,12 @@ from pd_transfer.layout.views import Axis, AxisRole, Layout, Pool, ShardSpec, Te
 BF16 = 2
 PAD_NBYTES = 64  # gap after every buffer, so stray writes into padding are visible
 
-PAGE, TOKEN, HEAD, DIM = (Axis("page", AxisRole.INDEX), Axis("token", AxisRole.TOKEN),
-                          Axis("head", AxisRole.SHARD), Axis("dim", AxisRole.INNER))
+PAGE, TOKEN, HEAD, DIM = (
+    Axis("page", AxisRole.INDEX),
+    Axis("token", AxisRole.TOKEN),
+    Axis("head", AxisRole.SHARD),
+    Axis("dim", AxisRole.INNER),
+)
 
 
 @dataclass
@@ -52,8 +56,18 @@ def head_range(num_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
     return tp_rank * per_rank, (tp_rank + 1) * per_rank
 
 
-def nhd_rank(role: Role, tp_size: int, tp_rank: int, *, num_heads=8, head_dim=4, num_pages=6,
-             page_size=2, layers=(0, 1), heads=None) -> RankGeometry:
+def nhd_rank(
+    role: Role,
+    tp_size: int,
+    tp_rank: int,
+    *,
+    num_heads=8,
+    head_dim=4,
+    num_pages=6,
+    page_size=2,
+    layers=(0, 1),
+    heads=None,
+) -> RankGeometry:
     """Device NHD pool: per layer a K and a V buffer [page, token, head, dim], one region."""
     start, end = heads or head_range(num_heads, tp_size, tp_rank)
     local = end - start
@@ -62,16 +76,28 @@ def nhd_rank(role: Role, tp_size: int, tp_rank: int, *, num_heads=8, head_dim=4,
     views, offset = [], 0
     for layer in layers:
         for name in ("k", "v"):
-            views.append(TensorView(Pool.KV, layer, name, "kv", offset, "bfloat16",
-                                    (num_pages, page_size, local, head_dim), strides,
-                                    (PAGE, TOKEN, HEAD, DIM),
-                                    ShardSpec.plain(num_heads, start, end), Layout.NHD))
+            views.append(
+                TensorView(
+                    Pool.KV,
+                    layer,
+                    name,
+                    "kv",
+                    offset,
+                    "bfloat16",
+                    (num_pages, page_size, local, head_dim),
+                    strides,
+                    (PAGE, TOKEN, HEAD, DIM),
+                    ShardSpec.plain(num_heads, start, end),
+                    Layout.NHD,
+                )
+            )
             offset += buffer_nbytes + PAD_NBYTES
     return RankGeometry(role, tp_size, tp_rank, page_size, tuple(views), (Region("kv", offset),))
 
 
-def hnd_rank(role: Role, tp_size: int, tp_rank: int, *, num_heads=4, head_dim=4, num_pages=5,
-             page_size=2, layers=(0,)) -> RankGeometry:
+def hnd_rank(
+    role: Role, tp_size: int, tp_rank: int, *, num_heads=4, head_dim=4, num_pages=5, page_size=2, layers=(0,)
+) -> RankGeometry:
     """Device HND pool: per layer a K and a V buffer [page, head, token, dim]."""
     start, end = head_range(num_heads, tp_size, tp_rank)
     local = end - start
@@ -79,16 +105,28 @@ def hnd_rank(role: Role, tp_size: int, tp_rank: int, *, num_heads=4, head_dim=4,
     views, offset = [], 0
     for layer in layers:
         for name in ("k", "v"):
-            views.append(TensorView(Pool.KV, layer, name, "kv", offset, "bfloat16",
-                                    (num_pages, local, page_size, head_dim), strides,
-                                    (PAGE, HEAD, TOKEN, DIM),
-                                    ShardSpec.plain(num_heads, start, end), Layout.HND))
+            views.append(
+                TensorView(
+                    Pool.KV,
+                    layer,
+                    name,
+                    "kv",
+                    offset,
+                    "bfloat16",
+                    (num_pages, local, page_size, head_dim),
+                    strides,
+                    (PAGE, HEAD, TOKEN, DIM),
+                    ShardSpec.plain(num_heads, start, end),
+                    Layout.HND,
+                )
+            )
             offset += num_pages * strides[0] + PAD_NBYTES
     return RankGeometry(role, tp_size, tp_rank, page_size, tuple(views), (Region("kv", offset),))
 
 
-def page_first_rank(role: Role, tp_size: int, tp_rank: int, *, num_heads=4, head_dim=4,
-                    num_pages=7, page_size=2, layers=(0,)) -> RankGeometry:
+def page_first_rank(
+    role: Role, tp_size: int, tp_rank: int, *, num_heads=4, head_dim=4, num_pages=7, page_size=2, layers=(0,)
+) -> RankGeometry:
     """Host page_first pool (2, S, L, H, D) in one region; a view per (layer, k/v)."""
     start, end = head_range(num_heads, tp_size, tp_rank)
     local, num_layers, num_slots = end - start, len(layers), num_pages * page_size
@@ -98,10 +136,21 @@ def page_first_rank(role: Role, tp_size: int, tp_rank: int, *, num_heads=4, head
     for kv, name in enumerate(("k", "v")):
         for position, layer in enumerate(layers):
             offset = kv * num_slots * slot_nbytes + position * local * head_dim * BF16
-            views.append(TensorView(Pool.KV, layer, name, "host", offset, "bfloat16",
-                                    (num_pages, page_size, local, head_dim), strides,
-                                    (PAGE, TOKEN, HEAD, DIM),
-                                    ShardSpec.plain(num_heads, start, end), Layout.PAGE_FIRST))
+            views.append(
+                TensorView(
+                    Pool.KV,
+                    layer,
+                    name,
+                    "host",
+                    offset,
+                    "bfloat16",
+                    (num_pages, page_size, local, head_dim),
+                    strides,
+                    (PAGE, TOKEN, HEAD, DIM),
+                    ShardSpec.plain(num_heads, start, end),
+                    Layout.PAGE_FIRST,
+                )
+            )
     region = Region("host", 2 * num_slots * slot_nbytes)
     return RankGeometry(role, tp_size, tp_rank, page_size, tuple(views), (region,))
 
@@ -112,16 +161,29 @@ def page_copy_plan(src: RankGeometry, dst: RankGeometry, src_pages, dst_pages) -
     for s_view in src.views:
         d_view = dst.view(s_view.key)
         page_nbytes = s_view.strides_nbytes[0]
-        batches.append(batch(s_view.region, d_view.region,
-                             s_view.offset_nbytes + np.asarray(src_pages) * page_nbytes,
-                             d_view.offset_nbytes + np.asarray(dst_pages) * page_nbytes,
-                             page_nbytes))
+        batches.append(
+            batch(
+                s_view.region,
+                d_view.region,
+                s_view.offset_nbytes + np.asarray(src_pages) * page_nbytes,
+                d_view.offset_nbytes + np.asarray(dst_pages) * page_nbytes,
+                page_nbytes,
+            )
+        )
     return Plan(src.rank_id, dst.rank_id, batches)
 
 
 @pytest.fixture
 def kit():
-    return SimpleNamespace(Batch=Batch, Plan=Plan, batch=batch, nhd_rank=nhd_rank,
-                           hnd_rank=hnd_rank, page_first_rank=page_first_rank,
-                           page_copy_plan=page_copy_plan, head_range=head_range,
-                           BF16=BF16, PAD_NBYTES=PAD_NBYTES)
+    return SimpleNamespace(
+        Batch=Batch,
+        Plan=Plan,
+        batch=batch,
+        nhd_rank=nhd_rank,
+        hnd_rank=hnd_rank,
+        page_first_rank=page_first_rank,
+        page_copy_plan=page_copy_plan,
+        head_range=head_range,
+        BF16=BF16,
+        PAD_NBYTES=PAD_NBYTES,
+    )

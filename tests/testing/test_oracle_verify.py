@@ -38,8 +38,10 @@ def test_verify_reports_a_corrupted_byte_in_a_requested_page(tp1):
     world.decode_buffers[dst.rank_id]["kv"][at] ^= 0xFF
     lines = world.verify(REQUEST)
     assert len(lines) == 1
-    assert lines[0].startswith("decode[pp0,tp0] kv.layer[1].k page dst=1 src=3: 1/128 bytes "
-                               "differ, first at token=0 head=3 (global) dim=0 byte=1")
+    assert lines[0].startswith(
+        "decode[pp0,tp0] kv.layer[1].k page dst=1 src=3: 1/128 bytes "
+        "differ, first at token=0 head=3 (global) dim=0 byte=1"
+    )
 
 
 def test_verify_reports_a_write_into_a_page_nobody_requested(tp1):
@@ -84,17 +86,21 @@ def test_verify_reports_bytes_written_by_two_plans(tp1):
     world.execute(plan)
     world.execute(plan)  # a second writer copies identical bytes: only the oracle's count sees it
     lines = world.verify(REQUEST)
-    assert lines == ["plan prefill[pp0,tp0] -> decode[pp0,tp0]: 1536 byte(s) of region 'kv' were "
-                     "already written by an earlier plan, first at byte 512 (one writer must be "
-                     "elected)"]  # 3 pages x 4 buffers x 128 bytes; page 4 of layer 0 k first
+    assert lines == [
+        "plan prefill[pp0,tp0] -> decode[pp0,tp0]: 1536 byte(s) of region 'kv' were "
+        "already written by an earlier plan, first at byte 512 (one writer must be "
+        "elected)"
+    ]  # 3 pages x 4 buffers x 128 bytes; page 4 of layer 0 k first
 
 
 def test_verify_reports_overlapping_runs_within_one_plan(tp1, kit):
     world, plan, dst = tp1
     plan.batches.append(kit.batch("kv", "kv", [0], [dst.views[0].offset_nbytes + 4 * 128 + 4], 8))
     world.execute(plan)
-    assert any("write destination bytes another run of the same plan writes" in line
-               for line in world.verify(REQUEST))
+    assert any(
+        "write destination bytes another run of the same plan writes" in line
+        for line in world.verify(REQUEST)
+    )
 
 
 def test_verify_caps_its_lines_and_counts_the_rest(tp1):
@@ -164,8 +170,12 @@ def _tp2_to_tp4_plan(kit, prefill, decode, src_pages, dst_pages):
         s_page, s_token, s_head, _ = s_view.strides_nbytes
         d_page, d_token, _, _ = d_view.strides_nbytes
         pages, tokens = np.meshgrid(np.arange(len(src_pages)), np.arange(2), indexing="ij")
-        src = (s_view.offset_nbytes + np.asarray(src_pages)[pages] * s_page + tokens * s_token
-               + 2 * (d % 2) * s_head)
+        src = (
+            s_view.offset_nbytes
+            + np.asarray(src_pages)[pages] * s_page
+            + tokens * s_token
+            + 2 * (d % 2) * s_head
+        )
         dst = d_view.offset_nbytes + np.asarray(dst_pages)[pages] * d_page + tokens * d_token
         batches.append(kit.batch("kv", "kv", src, dst, 2 * 4 * BF16))
     return kit.Plan(prefill.rank_id, decode.rank_id, batches)
@@ -189,8 +199,7 @@ def test_heterogeneous_tp_with_the_wrong_prefill_rank_is_reported(kit):
     for d in decode:  # bug: every decode rank reads prefill rank 0
         world.execute(_tp2_to_tp4_plan(kit, prefill[0], d, pages, pages))
     lines = world.verify({Pool.KV: (pages, pages)})
-    assert lines and all(line.startswith(("decode[pp0,tp2]", "decode[pp0,tp3]", "..."))
-                         for line in lines)
+    assert lines and all(line.startswith(("decode[pp0,tp2]", "decode[pp0,tp3]", "...")) for line in lines)
 
 
 def _hnd_to_page_first_plan(kit, prefill, decode, src_pages, dst_pages, head_shift=0):
@@ -202,8 +211,7 @@ def _hnd_to_page_first_plan(kit, prefill, decode, src_pages, dst_pages, head_shi
         s_page, s_head, s_token, _ = s_view.strides_nbytes
         d_page, d_token, d_head, _ = d_view.strides_nbytes
         i, h, t = np.meshgrid(np.arange(len(src_pages)), np.arange(2), np.arange(2), indexing="ij")
-        src = (s_view.offset_nbytes + np.asarray(src_pages)[i] * s_page
-               + (start + h) * s_head + t * s_token)
+        src = s_view.offset_nbytes + np.asarray(src_pages)[i] * s_page + (start + h) * s_head + t * s_token
         dst = d_view.offset_nbytes + np.asarray(dst_pages)[i] * d_page + h * d_head + t * d_token
         batches.append(kit.batch("kv", "host", src, dst, 4 * BF16))
     return kit.Plan(prefill.rank_id, decode.rank_id, batches)
@@ -238,7 +246,8 @@ def test_verify_reports_a_requested_decode_tensor_no_prefill_rank_has(kit):
         "decode[pp0,tp0] kv.layer[2].k: requested, but no prefill rank registers this tensor, "
         "so nothing can fill it",
         "decode[pp0,tp0] kv.layer[2].v: requested, but no prefill rank registers this tensor, "
-        "so nothing can fill it"]
+        "so nothing can fill it",
+    ]
     # KV is not requested now, so every page the plan wrote is a stray write
-    stray, = world.verify({Pool.AUX: (np.array([0]), np.array([0]))})
+    (stray,) = world.verify({Pool.AUX: (np.array([0]), np.array([0]))})
     assert "changed that the transfer must not touch" in stray

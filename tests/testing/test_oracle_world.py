@@ -29,7 +29,7 @@ def test_build_writes_each_prefill_shard_at_hand_computed_offsets(kit):
     base = 3 * (6 * 2 * 4 * 4 * BF16 + kit.PAD_NBYTES)
     for page, token, head, dim in np.ndindex(6, 2, 4, 4):
         at = base + ((page * 2 + token) * 4 + head) * 4 * BF16 + dim * BF16
-        assert bytes(buf[at:at + BF16]) == bytes(logical.data[page, token, 4 + head, dim])
+        assert bytes(buf[at : at + BF16]) == bytes(logical.data[page, token, 4 + head, dim])
 
 
 def test_build_lays_out_the_same_truth_through_differently_ordered_axes(kit):
@@ -41,7 +41,7 @@ def test_build_lays_out_the_same_truth_through_differently_ordered_axes(kit):
     buf = world.prefill_buffers["prefill[pp0,tp0]"]["kv"]
     for page, head, token, dim in np.ndindex(5, 4, 2, 4):
         at = ((page * 4 + head) * 2 + token) * 4 * BF16 + dim * BF16
-        assert bytes(buf[at:at + BF16]) == bytes(logical.data[page, head, token, dim])
+        assert bytes(buf[at : at + BF16]) == bytes(logical.data[page, head, token, dim])
 
 
 def test_build_writes_the_concatenation_of_grouped_shard_ranges():
@@ -51,9 +51,19 @@ def test_build_writes_the_concatenation_of_grouped_shard_ranges():
 
     def rank(role, tp_size, tp_rank):
         ranges = tuple((tp_rank * g // tp_size, (tp_rank + 1) * g // tp_size) for g in (4, 4, 8))
-        view = TensorView(Pool.MAMBA, 0, "conv", "state", 0, "float32", (3, 16 // tp_size, 3),
-                          (16 // tp_size * 12, 12, 4), axes,
-                          ShardSpec.grouped((4, 4, 8), ranges), Layout.SLOT)
+        view = TensorView(
+            Pool.MAMBA,
+            0,
+            "conv",
+            "state",
+            0,
+            "float32",
+            (3, 16 // tp_size, 3),
+            (16 // tp_size * 12, 12, 4),
+            axes,
+            ShardSpec.grouped((4, 4, 8), ranges),
+            Layout.SLOT,
+        )
         return RankGeometry(role, tp_size, tp_rank, 1, (view,), (Region("state", 3 * 16 * 12),))
 
     world = World.build([rank(Role.PREFILL, 2, r) for r in range(2)], [rank(Role.DECODE, 1, 0)], 3)
@@ -65,20 +75,22 @@ def test_build_writes_the_concatenation_of_grouped_shard_ranges():
 def test_build_accepts_gqa_replicated_heads(kit):
     # 2 KV heads over decode tp=4: ranks 0,1 hold head 0, ranks 2,3 head 1
     prefill = [kit.nhd_rank(Role.PREFILL, 1, 0, num_heads=2)]
-    decode = [kit.nhd_rank(Role.DECODE, 4, r, num_heads=2, heads=(r // 2, r // 2 + 1))
-              for r in range(4)]
+    decode = [kit.nhd_rank(Role.DECODE, 4, r, num_heads=2, heads=(r // 2, r // 2 + 1)) for r in range(4)]
     world = World.build(prefill, decode, seed=4)
     logical = world.tensors[(Pool.KV, 0, "k")]
-    assert logical.data.shape == (6, 2, 2, 4, BF16)   # page, token, both heads, dim, byte
+    assert logical.data.shape == (6, 2, 2, 4, BF16)  # page, token, both heads, dim, byte
     buf = world.prefill_buffers["prefill[pp0,tp0]"]["kv"]
-    assert bytes(buf[:logical.data.nbytes]) == logical.data.tobytes()   # tp 1 holds it whole
+    assert bytes(buf[: logical.data.nbytes]) == logical.data.tobytes()  # tp 1 holds it whole
 
 
 def test_build_refuses_a_shard_range_the_rank_should_not_hold(kit):
     prefill, decode = _tp2_tp4(kit)
     decode[1] = kit.nhd_rank(Role.DECODE, 4, 1, heads=(0, 2))
-    with pytest.raises(GeometryError, match=r"decode\[pp0,tp1\].*\n.*holds \[0,2\) of group 8 but "
-                                            r"tp_rank 1/4 should hold \[2,4\)"):
+    with pytest.raises(
+        GeometryError,
+        match=r"decode\[pp0,tp1\].*\n.*holds \[0,2\) of group 8 but "
+        r"tp_rank 1/4 should hold \[2,4\)",
+    ):
         World.build(prefill, decode, seed=0)
 
 
@@ -92,8 +104,19 @@ def test_build_refuses_a_view_reaching_outside_its_region(kit):
 def test_build_refuses_overlapping_views(kit):
     good = kit.nhd_rank(Role.PREFILL, 1, 0)
     k, v = good.views[0], good.views[1]
-    clash = TensorView(v.pool, v.layer_id, v.name, v.region, k.offset_nbytes + 8, v.dtype, v.shape,
-                       v.strides_nbytes, v.axes, v.shard, v.layout)
+    clash = TensorView(
+        v.pool,
+        v.layer_id,
+        v.name,
+        v.region,
+        k.offset_nbytes + 8,
+        v.dtype,
+        v.shape,
+        v.strides_nbytes,
+        v.axes,
+        v.shard,
+        v.layout,
+    )
     bad = RankGeometry(Role.PREFILL, 1, 0, 2, (k, clash), good.regions)
     with pytest.raises(GeometryError, match="overlaps an earlier view"):
         World.build([bad], [kit.nhd_rank(Role.DECODE, 1, 0)], seed=0)
@@ -101,10 +124,22 @@ def test_build_refuses_overlapping_views(kit):
 
 def test_build_refuses_axes_that_do_not_pair_by_name(kit):
     good = kit.nhd_rank(Role.DECODE, 1, 0)
-    renamed = tuple(TensorView(v.pool, v.layer_id, v.name, v.region, v.offset_nbytes, v.dtype,
-                               v.shape, v.strides_nbytes,
-                               v.axes[:2] + (Axis("heads", AxisRole.SHARD),) + v.axes[3:],
-                               v.shard, v.layout) for v in good.views)
+    renamed = tuple(
+        TensorView(
+            v.pool,
+            v.layer_id,
+            v.name,
+            v.region,
+            v.offset_nbytes,
+            v.dtype,
+            v.shape,
+            v.strides_nbytes,
+            v.axes[:2] + (Axis("heads", AxisRole.SHARD),) + v.axes[3:],
+            v.shard,
+            v.layout,
+        )
+        for v in good.views
+    )
     decode = RankGeometry(Role.DECODE, 1, 0, 2, renamed, good.regions)
     with pytest.raises(GeometryError, match="does not pair with its prefill tensor"):
         World.build([kit.nhd_rank(Role.PREFILL, 1, 0)], [decode], seed=0)
@@ -122,6 +157,7 @@ def test_build_is_deterministic_per_seed_and_starts_untouched(kit):
     key = (Pool.KV, 0, "k")
     assert np.array_equal(a.tensors[key].data, b.tensors[key].data)
     assert not np.array_equal(a.tensors[key].data, c.tensors[key].data)
-    assert np.array_equal(a.decode_buffers["decode[pp0,tp3]"]["kv"],
-                          b.decode_buffers["decode[pp0,tp3]"]["kv"])
+    assert np.array_equal(
+        a.decode_buffers["decode[pp0,tp3]"]["kv"], b.decode_buffers["decode[pp0,tp3]"]["kv"]
+    )
     assert a.verify({Pool.KV: (np.array([], int), np.array([], int))}) == []

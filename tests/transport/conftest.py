@@ -27,12 +27,25 @@ from pd_transfer.testing import World
 MODELS = {
     # Llama-3.1-8B's attention geometry (8 KV heads x 128, bf16), three layers:
     # a TP 2 page row is 16 KiB, a TP 2 -> 4 piece 512 B at a 1 KiB stride.
-    "llama": {"name": "mini-llama", "num_layers": 3, "layer_cycle": ["attention"],
-              "attention": {"num_kv_heads": 8, "head_dim": 128}},
-    "gdn": {"name": "tiny-gdn", "num_layers": 4, "layer_cycle": ["gdn", "gdn", "gdn", "attention"],
-            "attention": {"num_kv_heads": 2, "head_dim": 8},
-            "gdn": {"num_key_heads": 8, "key_head_dim": 2, "num_value_heads": 16,
-                    "value_head_dim": 2, "conv_kernel": 4}},
+    "llama": {
+        "name": "mini-llama",
+        "num_layers": 3,
+        "layer_cycle": ["attention"],
+        "attention": {"num_kv_heads": 8, "head_dim": 128},
+    },
+    "gdn": {
+        "name": "tiny-gdn",
+        "num_layers": 4,
+        "layer_cycle": ["gdn", "gdn", "gdn", "attention"],
+        "attention": {"num_kv_heads": 2, "head_dim": 8},
+        "gdn": {
+            "num_key_heads": 8,
+            "key_head_dim": 2,
+            "num_value_heads": 16,
+            "value_head_dim": 2,
+            "conv_kernel": 4,
+        },
+    },
 }
 
 
@@ -54,13 +67,21 @@ class Scenario:
 
 def instance(kind: str, role: Role, tp: int, layout: Layout, num_pages: int) -> list[RankGeometry]:
     spec = model_from_table(dict(MODELS[kind]), f"<test {kind}>")
-    return build_instance(spec, role, tp, page_size=16, kv_layout=layout, num_pages=num_pages,
-                          num_slots=3, num_aux_rows=2)
+    return build_instance(
+        spec, role, tp, page_size=16, kv_layout=layout, num_pages=num_pages, num_slots=3, num_aux_rows=2
+    )
 
 
-def build_scenario(kind: str = "llama", prefill_tp: int = 2, decode_tp: int = 2, *,
-                   src_layout: Layout = Layout.NHD, dst_layout: Layout = Layout.NHD,
-                   num_pages: int = 12, seed: int = 0) -> Scenario:
+def build_scenario(
+    kind: str = "llama",
+    prefill_tp: int = 2,
+    decode_tp: int = 2,
+    *,
+    src_layout: Layout = Layout.NHD,
+    dst_layout: Layout = Layout.NHD,
+    num_pages: int = 12,
+    seed: int = 0,
+) -> Scenario:
     prefill = instance(kind, Role.PREFILL, prefill_tp, src_layout, num_pages)
     decode = instance(kind, Role.DECODE, decode_tp, dst_layout, num_pages)
     recon = reconcile(prefill, decode)
@@ -73,11 +94,11 @@ def build_scenario(kind: str = "llama", prefill_tp: int = 2, decode_tp: int = 2,
         dst = [v.index_count for g in decode for v in g.views if v.pool is pool]
         if src and dst:
             n = 1 if pool in (Pool.MAMBA, Pool.AUX) else min(min(src), min(dst)) - 2
-            requests[pool] = (rng.choice(min(src), n, replace=False),
-                              rng.choice(min(dst), n, replace=False))
+            requests[pool] = (rng.choice(min(src), n, replace=False), rng.choice(min(dst), n, replace=False))
     by_id = {g.rank_id: g for g in prefill}
-    plans = [plan_pair(recon, by_id[src_id], dst, requests)
-             for dst in decode for src_id in recon.sources_for(dst)]
+    plans = [
+        plan_pair(recon, by_id[src_id], dst, requests) for dst in decode for src_id in recon.sources_for(dst)
+    ]
     return Scenario(World.build(prefill, decode, seed), plans, requests)
 
 

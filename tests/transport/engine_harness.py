@@ -22,14 +22,17 @@ from pd_transfer.transport.engines import engine_unusable
 from pd_transfer.transport.strategy import StrategyMode
 
 FAST = Recovery(settle_s=0.05, probe_attempts=2, probe_backoff_s=0.05)
-ORACLE_CASES = pytest.mark.parametrize("case", [("llama", 2, 2), ("llama", 2, 4), ("gdn", 4, 2)],
-                                       ids=["direct", "sliced", "gdn"])
+ORACLE_CASES = pytest.mark.parametrize(
+    "case", [("llama", 2, 2), ("llama", 2, 4), ("gdn", 4, 2)], ids=["direct", "sliced", "gdn"]
+)
 
 
 def engine_marks(kind: str) -> list:
     """asyncio, and skipped (naming the pip extra) where the engine is not installed."""
-    return [pytest.mark.asyncio,
-            pytest.mark.skipif(bool(engine_unusable(kind)), reason=engine_unusable(kind) or "-")]
+    return [
+        pytest.mark.asyncio,
+        pytest.mark.skipif(bool(engine_unusable(kind)), reason=engine_unusable(kind) or "-"),
+    ]
 
 
 def direct_transport(kind: str, **kwargs):
@@ -45,6 +48,7 @@ def direct_transport(kind: str, **kwargs):
 
 def receivers_fixture(kind: str):
     """A fixture starting receiver processes of ``kind`` (stopped after the test)."""
+
     @pytest_asyncio.fixture
     async def receivers():
         made = []
@@ -57,6 +61,7 @@ def receivers_fixture(kind: str):
         yield start
         for process in made:
             await process.stop()
+
     return receivers
 
 
@@ -68,11 +73,11 @@ async def write_and_verify(transport, scenario, segments, receivers, case) -> No
     peer = await receivers(placed)
     links = {rank: await transport.connect(peer.endpoint(rank)) for rank in placed}
     for plan in sc.plans:
-        assert await transport.write(links[plan.dst_rank], plan, sc.src(plan), room="r") \
-            == plan.total_nbytes
+        assert await transport.write(links[plan.dst_rank], plan, sc.src(plan), room="r") == plan.total_nbytes
     await transport.close()
     copy_back(sc, placed)
     assert sc.world.verify(sc.requests) == []
+
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_receiver_child.py")
 
@@ -93,8 +98,14 @@ class ReceiverProcess:
         env = dict(os.environ, PYTHONPATH=os.getcwd())
         env.setdefault("UCX_MODULES", "^ib")
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, CHILD, json.dumps({"kind": self.kind, "ranks": names, "agent": self.agent}), env=env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            sys.executable,
+            CHILD,
+            json.dumps({"kind": self.kind, "ranks": names, "agent": self.agent}),
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
         line = await asyncio.wait_for(self.proc.stdout.readline(), 120)
         if not line:
             raise RuntimeError(f"{self.kind} receiver child exited with {await self.proc.wait()}")
@@ -137,15 +148,23 @@ def scattered_plan(region: str, num_runs: int, run_nbytes: int, seed: int = 0) -
     rng = np.random.default_rng(seed)
     slots = rng.permutation(2 * num_runs)[:num_runs] * 2  # even slots only: never adjacent
     src = np.arange(num_runs, dtype=np.int64) * 2 * run_nbytes
-    batch = RunBatch(region, region, src, slots.astype(np.int64) * run_nbytes,
-                     np.full(num_runs, run_nbytes, np.int64), np.ones(num_runs, np.int64), 0, 0)
+    batch = RunBatch(
+        region,
+        region,
+        src,
+        slots.astype(np.int64) * run_nbytes,
+        np.full(num_runs, run_nbytes, np.int64),
+        np.ones(num_runs, np.int64),
+        0,
+        0,
+    )
     return TransferPlan("p0", "d0", (batch,))
 
 
 def expected_scatter(plan: TransferPlan, src: np.ndarray, dst_before: np.ndarray) -> np.ndarray:
     out = dst_before.copy()
     for s, d, n in zip(*plan.batches[0].byte_runs()):
-        out[d:d + n] = src[s:s + n]
+        out[d : d + n] = src[s : s + n]
     return out
 
 
@@ -196,6 +215,5 @@ async def short_engine_region_refused_at_connect(transport, segments, receivers)
 async def missing_engine_address_refused_at_connect(transport) -> None:
     """A peer that published only a plain tcp data address, none for this engine."""
     with pytest.raises(TransportError) as info:
-        await transport.connect(PeerEndpoint.from_maps("d0", {"kv": 64},
-                                                       data_address="tcp://127.0.0.1:1"))
+        await transport.connect(PeerEndpoint.from_maps("d0", {"kv": 64}, data_address="tcp://127.0.0.1:1"))
     assert info.value.code is Reason.TRANSPORT_UNSUPPORTED

@@ -28,6 +28,7 @@ def receiver_options(args: dict) -> dict:
         return {"transport": make_transport(args["kind"])}
     if agent == "unprogressed":
         from pd_transfer.transport.nixl import NixlEngine, NixlReceiver
+
         engine = NixlEngine("recv", progress_thread=False)
         return {"make": lambda regions: NixlReceiver(regions, engine=engine)}
     return {}

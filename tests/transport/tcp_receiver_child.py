@@ -23,9 +23,15 @@ async def main(ranks: dict) -> None:
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # parent closes stdin
     for receiver in receivers.values():
         await receiver.stop()
-    print(json.dumps({"chunks": sum(r.stats.chunks_landed for r in receivers.values()),
-                      "refused": sum(r.stats.frames_refused for r in receivers.values())}),
-          flush=True)
+    print(
+        json.dumps(
+            {
+                "chunks": sum(r.stats.chunks_landed for r in receivers.values()),
+                "refused": sum(r.stats.frames_refused for r in receivers.values()),
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

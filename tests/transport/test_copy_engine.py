@@ -19,30 +19,43 @@ from pd_transfer.transport.runs import row_nbytes_for, rows_of
 # (native=False) and, where it is built, the native copy loop's.
 ENGINES = {
     "direct-runs": dict(direct_max_runs=1 << 30, native=False),
-    "bounce": dict(direct_max_runs=0, stretch_nbytes=1 << 30, bounce_nbytes=64 << 10,
-                   num_workers=1, native=False),
+    "bounce": dict(
+        direct_max_runs=0, stretch_nbytes=1 << 30, bounce_nbytes=64 << 10, num_workers=1, native=False
+    ),
     "stretch": dict(direct_max_runs=0, stretch_nbytes=512, native=False),
-    "bounce-2-workers": dict(direct_max_runs=0, stretch_nbytes=1 << 30, bounce_nbytes=32 << 10,
-                             inline_nbytes=0, num_workers=2, native=False),
-    "3-workers-small-stretches": dict(direct_max_runs=0, inline_nbytes=0, num_workers=3,
-                                      stretch_nbytes=4096, bounce_nbytes=8192, native=False),
+    "bounce-2-workers": dict(
+        direct_max_runs=0,
+        stretch_nbytes=1 << 30,
+        bounce_nbytes=32 << 10,
+        inline_nbytes=0,
+        num_workers=2,
+        native=False,
+    ),
+    "3-workers-small-stretches": dict(
+        direct_max_runs=0,
+        inline_nbytes=0,
+        num_workers=3,
+        stretch_nbytes=4096,
+        bounce_nbytes=8192,
+        native=False,
+    ),
     "default": dict(),
 }
 if native_copy.AVAILABLE:
-    ENGINES.update({
-        "native-direct-runs": dict(direct_max_runs=1 << 30, native=True),
-        "native-1-worker": dict(direct_max_runs=0, num_workers=1, native=True),
-        "native-3-workers": dict(direct_max_runs=0, inline_nbytes=0, num_workers=3, native=True),
-    })
+    ENGINES.update(
+        {
+            "native-direct-runs": dict(direct_max_runs=1 << 30, native=True),
+            "native-1-worker": dict(direct_max_runs=0, num_workers=1, native=True),
+            "native-3-workers": dict(direct_max_runs=0, inline_nbytes=0, num_workers=3, native=True),
+        }
+    )
 
 CASES = {
     "direct tp2->2": dict(kind="llama", prefill_tp=2, decode_tp=2),
     "sliced tp2->4": dict(kind="llama", prefill_tp=2, decode_tp=4),
     "sliced tp4->2": dict(kind="llama", prefill_tp=4, decode_tp=2),
-    "converted nhd->page_first": dict(kind="llama", prefill_tp=2, decode_tp=2,
-                                      dst_layout=Layout.PAGE_FIRST),
-    "converted hnd->nhd tp2->4": dict(kind="llama", prefill_tp=2, decode_tp=4,
-                                      src_layout=Layout.HND),
+    "converted nhd->page_first": dict(kind="llama", prefill_tp=2, decode_tp=2, dst_layout=Layout.PAGE_FIRST),
+    "converted hnd->nhd tp2->4": dict(kind="llama", prefill_tp=2, decode_tp=4, src_layout=Layout.HND),
     "gdn state tp2->4": dict(kind="gdn", prefill_tp=2, decode_tp=4),
     "gdn state tp4->1": dict(kind="gdn", prefill_tp=4, decode_tp=1),
 }
@@ -86,7 +99,7 @@ GUARD = 64
 def _guarded(size: int, fill: int) -> tuple[np.ndarray, np.ndarray]:
     """A region with GUARD bytes of known value on both sides of it."""
     whole = np.full(size + 2 * GUARD, 0xAB, np.uint8)
-    region = whole[GUARD:GUARD + size]
+    region = whole[GUARD : GUARD + size]
     region[:] = fill
     return whole, region
 
@@ -95,24 +108,37 @@ def _plan(*batches: RunBatch) -> TransferPlan:
     return TransferPlan("p0", "d0", batches)
 
 
-def _batch(src_offsets, dst_offsets, nbytes, count=None, src_stride=0, dst_stride=0,
-           src="s", dst="d") -> RunBatch:
+def _batch(
+    src_offsets, dst_offsets, nbytes, count=None, src_stride=0, dst_stride=0, src="s", dst="d"
+) -> RunBatch:
     n = len(src_offsets)
-    return RunBatch(src, dst, np.array(src_offsets, np.int64), np.array(dst_offsets, np.int64),
-                    np.array(nbytes, np.int64), np.array(count or [1] * n, np.int64),
-                    src_stride, dst_stride)
+    return RunBatch(
+        src,
+        dst,
+        np.array(src_offsets, np.int64),
+        np.array(dst_offsets, np.int64),
+        np.array(nbytes, np.int64),
+        np.array(count or [1] * n, np.int64),
+        src_stride,
+        dst_stride,
+    )
 
 
 BAD_RUNS = {
     "past the end": (_batch([0, 0], [0, 4000], [64, 128]), "destination", "4000"),
     "negative offset": (_batch([0], [-8], [16]), "destination", "-8"),
     "last strided piece past the end": (
-        _batch([0], [0], [16], count=[300], src_stride=0, dst_stride=16), "destination",
-        "last piece ends at 4800"),
+        _batch([0], [0], [16], count=[300], src_stride=0, dst_stride=16),
+        "destination",
+        "last piece ends at 4800",
+    ),
     "source past the end": (_batch([2048 - 8], [0], [16]), "source", "2040"),
-    "overflowing length": (_batch([8], [0], [2 ** 62]), "source", "offset 8"),
-    "overflowing stride": (_batch([0], [0], [1], count=[3], src_stride=2 ** 62, dst_stride=1),
-                           "source", "stride"),
+    "overflowing length": (_batch([8], [0], [2**62]), "source", "offset 8"),
+    "overflowing stride": (
+        _batch([0], [0], [1], count=[3], src_stride=2**62, dst_stride=1),
+        "source",
+        "stride",
+    ),
 }
 
 
@@ -143,12 +169,13 @@ def test_unknown_region_is_refused_before_copying():
     assert not dst.any()
 
 
-@pytest.mark.parametrize("region", [np.zeros(16, np.float32), np.zeros((4, 4), np.uint8),
-                                    torch.zeros(16, dtype=torch.int16), [0] * 16])
+@pytest.mark.parametrize(
+    "region",
+    [np.zeros(16, np.float32), np.zeros((4, 4), np.uint8), torch.zeros(16, dtype=torch.int16), [0] * 16],
+)
 def test_region_that_is_not_flat_uint8_memory_is_refused(region):
     with pytest.raises(TransportError) as info:
-        CopyEngine().execute(_plan(_batch([0], [0], [4])), {"s": np.ones(16, np.uint8)},
-                             {"d": region})
+        CopyEngine().execute(_plan(_batch([0], [0], [4])), {"s": np.ones(16, np.uint8)}, {"d": region})
     assert info.value.code is Reason.REGION_INVALID
 
 
@@ -162,7 +189,8 @@ def test_engine_guards_with_its_bounce_path_as_well():
     bad = _batch([0], [n * 64 - 32], [64])
     with pytest.raises(TransportError):
         CopyEngine(native=False, direct_max_runs=0, inline_nbytes=0).execute(
-            _plan(runs, bad), {"s": src}, {"d": dst})
+            _plan(runs, bad), {"s": src}, {"d": dst}
+        )
     assert not whole[GUARD:-GUARD].any() and (whole[:GUARD] == 0xAB).all()
 
 
@@ -188,8 +216,7 @@ def run_sets(draw):
     n = draw(st.integers(1, min(40, slots)))
     lengths = draw(st.lists(st.integers(1, 8), min_size=n, max_size=n))
     # destination: disjoint runs, in shuffled order; source: anywhere
-    starts = sorted(draw(st.lists(st.integers(0, slots - 1), min_size=n, max_size=n,
-                                  unique=True)))
+    starts = sorted(draw(st.lists(st.integers(0, slots - 1), min_size=n, max_size=n, unique=True)))
     runs = []
     for i, start in enumerate(starts):
         end = starts[i + 1] if i + 1 < n else slots
@@ -208,7 +235,7 @@ def test_engine_equals_naive_copy_for_any_disjoint_runs(case, engine_name):
     dst = np.zeros(size, np.uint8)
     expected = dst.copy()
     for s, d, n in runs:
-        expected[d:d + n] = src[s:s + n]
+        expected[d : d + n] = src[s : s + n]
     s, d, n = (list(x) for x in zip(*runs))
     CopyEngine(**ENGINES[engine_name]).execute(_plan(_batch(s, d, n)), {"s": src}, {"d": dst})
     assert np.array_equal(dst, expected)
@@ -238,8 +265,16 @@ def strided_plans(draw):
             src.append(draw(st.integers(low // align, high // align)) * align)
         if src:
             order = draw(st.permutations(range(len(src))))
-            batches.append(_batch([src[i] for i in order], [dst[i] for i in order],
-                                  [nbytes] * len(src), [count] * len(src), src_stride, dst_stride))
+            batches.append(
+                _batch(
+                    [src[i] for i in order],
+                    [dst[i] for i in order],
+                    [nbytes] * len(src),
+                    [count] * len(src),
+                    src_stride,
+                    dst_stride,
+                )
+            )
     return batches, size
 
 
@@ -254,37 +289,43 @@ def test_engine_equals_naive_copy_for_strided_descriptors(case, engine_name):
         for s, d, n, c in zip(b.src_offset, b.dst_offset, b.nbytes, b.count):
             for j in range(c):
                 a, z = s + j * b.src_stride, d + j * b.dst_stride
-                expected[z:z + n] = src[a:a + n]
+                expected[z : z + n] = src[a : a + n]
     CopyEngine(**ENGINES[engine_name]).execute(_plan(*batches), {"s": src}, {"d": dst})
     assert np.array_equal(dst, expected)
 
 
 @pytest.mark.parametrize("piece_nbytes, kind", [(512, "TakeInto"), (16 << 10, "Bounce")])
-def test_a_mid_length_stretch_of_small_pieces_is_gathered_in_place_and_of_pages_bounced(
-        piece_nbytes, kind):
+def test_a_mid_length_stretch_of_small_pieces_is_gathered_in_place_and_of_pages_bounced(piece_nbytes, kind):
     """A 96 KiB destination stretch (under the 128 KiB stretch length, over half of it):
     512-byte head slices go straight into the destination (no second pass through a
     bounce buffer), 16 KiB page runs through the bounce buffer; both copy exactly."""
     from pd_transfer.transport.copy_tasks import compile_tasks
     from pd_transfer.transport.regions import map_regions
     from pd_transfer.transport.runs import flatten
+
     count = (96 << 10) // piece_nbytes
     # source pieces at twice their length apart (every other slice), destination packed
-    batch = _batch([0], [4096], [piece_nbytes], [count], src_stride=2 * piece_nbytes,
-                   dst_stride=piece_nbytes)
+    batch = _batch([0], [4096], [piece_nbytes], [count], src_stride=2 * piece_nbytes, dst_stride=piece_nbytes)
     rng = np.random.default_rng(piece_nbytes)
     src = rng.integers(0, 256, 2 * count * piece_nbytes, dtype=np.uint8)
     dst = np.zeros(4096 + count * piece_nbytes + 4096, np.uint8)
-    mapped_src, mapped_dst = map_regions({"s": src}, ["s"], "source"), \
-        map_regions({"d": dst}, ["d"], "destination")
+    mapped_src, mapped_dst = (
+        map_regions({"s": src}, ["s"], "source"),
+        map_regions({"d": dst}, ["d"], "destination"),
+    )
     engine = CopyEngine(native=False, direct_max_runs=0)
-    tasks = compile_tasks(flatten(_plan(batch)), mapped_src, mapped_dst,
-                          stretch_nbytes=engine.stretch_nbytes, bounce_nbytes=engine.bounce_nbytes)
+    tasks = compile_tasks(
+        flatten(_plan(batch)),
+        mapped_src,
+        mapped_dst,
+        stretch_nbytes=engine.stretch_nbytes,
+        bounce_nbytes=engine.bounce_nbytes,
+    )
     assert [type(task).__name__ for task in tasks] == [kind]
     engine.execute(_plan(batch), {"s": src}, {"d": dst})
     expected = src.reshape(count, 2 * piece_nbytes)[:, :piece_nbytes].ravel()
-    assert np.array_equal(dst[4096:4096 + count * piece_nbytes], expected)
-    assert not dst[:4096].any() and not dst[4096 + count * piece_nbytes:].any()
+    assert np.array_equal(dst[4096 : 4096 + count * piece_nbytes], expected)
+    assert not dst[:4096].any() and not dst[4096 + count * piece_nbytes :].any()
 
 
 # -- stretches in the source, long tasks split, the sort ----------------------------------
@@ -292,10 +333,15 @@ def _task_kinds(plan, src, dst, **engine_kwargs):
     from pd_transfer.transport.copy_tasks import compile_tasks
     from pd_transfer.transport.regions import map_regions
     from pd_transfer.transport.runs import flatten
+
     engine = CopyEngine(native=False, direct_max_runs=0, **engine_kwargs)
-    tasks = compile_tasks(flatten(plan), map_regions(src, list(src), "source"),
-                          map_regions(dst, list(dst), "destination"),
-                          stretch_nbytes=engine.stretch_nbytes, bounce_nbytes=engine.bounce_nbytes)
+    tasks = compile_tasks(
+        flatten(plan),
+        map_regions(src, list(src), "source"),
+        map_regions(dst, list(dst), "destination"),
+        stretch_nbytes=engine.stretch_nbytes,
+        bounce_nbytes=engine.bounce_nbytes,
+    )
     return [type(task).__name__ for task in tasks]
 
 
@@ -312,17 +358,17 @@ def test_pages_back_to_back_in_the_source_are_scattered_straight_from_it():
     CopyEngine(native=False, direct_max_runs=0, inline_nbytes=0).execute(plan, {"s": src}, {"d": dst})
     expected = np.zeros_like(dst)
     for i, p in enumerate(dst_pages.tolist()):
-        expected[p * page:(p + 1) * page] = src[i * page:(i + 1) * page]
+        expected[p * page : (p + 1) * page] = src[i * page : (i + 1) * page]
     assert np.array_equal(dst, expected)
 
 
 def test_random_pieces_of_a_sparse_source_are_bounced_not_sorted_by_source():
     page, n = 2048, 512
     rng = np.random.default_rng(4)
-    plan = _plan(_batch(rng.permutation(4 * n)[:n] * page, rng.permutation(4 * n)[:n] * page,
-                        [page] * n))
-    kinds = _task_kinds(plan, {"s": np.zeros(4 * n * page, np.uint8)},
-                        {"d": np.zeros(4 * n * page, np.uint8)})
+    plan = _plan(_batch(rng.permutation(4 * n)[:n] * page, rng.permutation(4 * n)[:n] * page, [page] * n))
+    kinds = _task_kinds(
+        plan, {"s": np.zeros(4 * n * page, np.uint8)}, {"d": np.zeros(4 * n * page, np.uint8)}
+    )
     assert set(kinds) == {"Bounce"}
 
 
@@ -336,19 +382,25 @@ def scattered_pieces(draw):
     batches, used_src = [], draw(st.integers(8, 48))
     src_slots = draw(st.permutations(range(slots)))[:used_src]
     at = 0
-    for region in ("d", "e")[:draw(st.integers(1, 2))]:
+    for region in ("d", "e")[: draw(st.integers(1, 2))]:
         n = min(draw(st.integers(2, 24)), used_src - at)
         if n < 2:
             break
         free = draw(st.permutations(range(slots)))
         dst_slots = list(free[:n])
         run = draw(st.integers(0, 6))  # a run of consecutive destination slots at the start
-        dst_slots[:min(run, n)] = range(40, 40 + min(run, n))
+        dst_slots[: min(run, n)] = range(40, 40 + min(run, n))
         dst_slots = list(dict.fromkeys(dst_slots))  # distinct, the run first
-        dst_slots += [x for x in free if x not in dst_slots][:n - len(dst_slots)]
+        dst_slots += [x for x in free if x not in dst_slots][: n - len(dst_slots)]
         order = draw(st.permutations(range(n)))
-        batches.append(_batch([src_slots[at + i] * size for i in order],
-                              [dst_slots[i] * size for i in order], [size] * n, dst=region))
+        batches.append(
+            _batch(
+                [src_slots[at + i] * size for i in order],
+                [dst_slots[i] * size for i in order],
+                [size] * n,
+                dst=region,
+            )
+        )
         at += n
     return batches, size, slots
 
@@ -362,6 +414,7 @@ def test_scattered_pieces_of_one_size_are_bounced_by_the_shortcut_exactly(case, 
     from pd_transfer.transport.copy_tasks import SOURCE_FILL_MIN, _uniform_bounce
     from pd_transfer.transport.regions import map_regions
     from pd_transfer.transport.runs import flatten
+
     batches, size, slots = case
     stretch = 8 * size
     src = np.random.default_rng(size).integers(0, 256, slots * size, dtype=np.uint8)
@@ -369,19 +422,35 @@ def test_scattered_pieces_of_one_size_are_bounced_by_the_shortcut_exactly(case, 
     expected = {r: a.copy() for r, a in dst.items()}
     for b in batches:
         for s, d in zip(b.src_offset.tolist(), b.dst_offset.tolist()):
-            expected[b.dst_region][d:d + size] = src[s:s + size]
+            expected[b.dst_region][d : d + size] = src[s : s + size]
     plan = _plan(*batches)
     flat = flatten(plan)
-    shortcut = _uniform_bounce(flat, map_regions({"s": src}, ["s"], "source"),
-                               map_regions(dst, list(dst), "destination"), stretch, 1 << 20)
+    shortcut = _uniform_bounce(
+        flat,
+        map_regions({"s": src}, ["s"], "source"),
+        map_regions(dst, list(dst), "destination"),
+        stretch,
+        1 << 20,
+    )
     spans = [(b.src_offset.max() - b.src_offset.min() + size) for b in batches]
     sparse = sum(len(b.src_offset) * size for b in batches) / sum(spans) <= SOURCE_FILL_MIN
     k = (stretch // 2 if size < 4096 else stretch) // size  # rows of a stretch filled in place
-    long_run = any(any(set(range(x, x + k)) <= set((b.dst_offset // size).tolist())
-                       for x in (b.dst_offset // size).tolist()) for b in batches)
+    long_run = any(
+        any(
+            set(range(x, x + k)) <= set((b.dst_offset // size).tolist())
+            for x in (b.dst_offset // size).tolist()
+        )
+        for b in batches
+    )
     assert (shortcut is not None) == (sparse and not long_run)
-    CopyEngine(native=False, direct_max_runs=0, inline_nbytes=0, num_workers=2 if two_workers else 1,
-               stretch_nbytes=stretch, bounce_nbytes=4 * size).execute(plan, {"s": src}, dst)
+    CopyEngine(
+        native=False,
+        direct_max_runs=0,
+        inline_nbytes=0,
+        num_workers=2 if two_workers else 1,
+        stretch_nbytes=stretch,
+        bounce_nbytes=4 * size,
+    ).execute(plan, {"s": src}, dst)
     for region in dst:
         assert np.array_equal(dst[region], expected[region])
 
@@ -414,8 +483,9 @@ def source_stretches(draw):
     for length in lengths:
         src_offsets.append(at * align)
         at += length + (1 if draw(st.integers(0, 5)) == 0 else 0)  # now and then a gap
-    return (src_offsets, [s * align for s in starts],
-            [n * align for n in lengths]), max(size, (at + 1) * align, (cursor + 1) * align)
+    return (src_offsets, [s * align for s in starts], [n * align for n in lengths]), max(
+        size, (at + 1) * align, (cursor + 1) * align
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -426,20 +496,30 @@ def test_engine_equals_naive_copy_for_pieces_back_to_back_in_the_source(case, st
     dst = np.zeros(size, np.uint8)
     expected = dst.copy()
     for a, z, k in zip(s, d, n):
-        expected[z:z + k] = src[a:a + k]
-    CopyEngine(native=False, direct_max_runs=0, stretch_nbytes=stretch, bounce_nbytes=64, inline_nbytes=0,
-               num_workers=2).execute(_plan(_batch(s, d, n)), {"s": src}, {"d": dst})
+        expected[z : z + k] = src[a : a + k]
+    CopyEngine(
+        native=False,
+        direct_max_runs=0,
+        stretch_nbytes=stretch,
+        bounce_nbytes=64,
+        inline_nbytes=0,
+        num_workers=2,
+    ).execute(_plan(_batch(s, d, n)), {"s": src}, {"d": dst})
     assert np.array_equal(dst, expected)
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5000)), min_size=0, max_size=300),
-       st.sampled_from([1, 3, 512, 2048]), st.booleans())
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5000)), min_size=0, max_size=300),
+    st.sampled_from([1, 3, 512, 2048]),
+    st.booleans(),
+)
 def test_batch_order_sorts_by_batch_then_offset(pairs, row, many):
     from pd_transfer.transport.runs import batch_order
+
     if many:  # many pieces: two batches of distinct offsets
-        rng = np.random.default_rng(len(pairs))    # spread over twice as many slots,
-        n = 4096 + len(pairs)                      # with a few duplicates now and then
+        rng = np.random.default_rng(len(pairs))  # spread over twice as many slots,
+        n = 4096 + len(pairs)  # with a few duplicates now and then
         offsets = [rng.permutation(2 * n)[:n] for _ in range(2)]
         offsets[1][: len(pairs) // 100] = offsets[1][-1]
         pairs = [(b, int(o)) for b in range(2) for o in offsets[b]]
@@ -450,7 +530,8 @@ def test_batch_order_sorts_by_batch_then_offset(pairs, row, many):
     got = np.arange(len(batch)) if order is None else np.asarray(order)
     assert sorted(got.tolist()) == list(range(len(batch)))
     assert list(zip(batch[got].tolist(), offset[got].tolist())) == sorted(
-        zip(batch.tolist(), offset.tolist()))
+        zip(batch.tolist(), offset.tolist())
+    )
 
 
 def test_the_last_small_run_is_copied_after_every_other_task(monkeypatch):
@@ -459,6 +540,7 @@ def test_the_last_small_run_is_copied_after_every_other_task(monkeypatch):
     import time as clock
 
     import pd_transfer.transport.copy_engine as engine_module
+
     spans, compiled = [], []
 
     class Timed:
@@ -477,20 +559,30 @@ def test_the_last_small_run_is_copied_after_every_other_task(monkeypatch):
         compiled.append(flat.total_nbytes)
         call = len(compiled)
         return [Timed(task, call) for task in real(flat, *args, **kwargs)]
+
     monkeypatch.setattr(engine_module, "compile_tasks", recording)
     n, page = 64, 4096
     rng = np.random.default_rng(9)
     src = rng.integers(0, 256, 2 * n * page + 64, dtype=np.uint8)
     dst = np.zeros_like(src)
     src_pages, dst_pages = rng.permutation(2 * n)[:n], rng.permutation(2 * n)[:n]
-    plan = _plan(_batch(src_pages * page, dst_pages * page, [page] * n),
-                 _batch([2 * n * page], [2 * n * page], [64]))
-    CopyEngine(native=False, direct_max_runs=0, inline_nbytes=0, num_workers=2, stretch_nbytes=1 << 30,
-               bounce_nbytes=8192).execute(plan, {"s": src}, {"d": dst})
+    plan = _plan(
+        _batch(src_pages * page, dst_pages * page, [page] * n), _batch([2 * n * page], [2 * n * page], [64])
+    )
+    CopyEngine(
+        native=False,
+        direct_max_runs=0,
+        inline_nbytes=0,
+        num_workers=2,
+        stretch_nbytes=1 << 30,
+        bounce_nbytes=8192,
+    ).execute(plan, {"s": src}, {"d": dst})
     assert compiled == [n * page, 64]  # the body, then the last run alone
     body = [span for span in spans if span[0] == 1]
-    (_, tail_start, _), = [span for span in spans if span[0] == 2]
+    ((_, tail_start, _),) = [span for span in spans if span[0] == 2]
     assert len(body) > 2 and tail_start >= max(end for _, _, end in body)
-    assert np.array_equal(dst[2 * n * page:], src[2 * n * page:])
-    assert all(np.array_equal(dst[d * page:(d + 1) * page], src[s * page:(s + 1) * page])
-               for s, d in zip(src_pages.tolist(), dst_pages.tolist()))
+    assert np.array_equal(dst[2 * n * page :], src[2 * n * page :])
+    assert all(
+        np.array_equal(dst[d * page : (d + 1) * page], src[s * page : (s + 1) * page])
+        for s, d in zip(src_pages.tolist(), dst_pages.tolist())
+    )

@@ -15,15 +15,25 @@ from pd_transfer.layout.views import Layout, Pool
 from pd_transfer.testing import World
 from pd_transfer.transport.device_copy import execute_on_device
 
-ON_GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not cuda_available(), reason="no CUDA device on this machine")])
+ON_GPU = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not cuda_available(), reason="no CUDA device on this machine"),
+    ],
+)
 
 
 @pytest.mark.parametrize("per_run_max", [0, 1 << 20], ids=["rows", "per-run"])
 @pytest.mark.parametrize("device", ["cpu", ON_GPU])
-@pytest.mark.parametrize("model,tp_src,tp_dst,layout", [
-    ("llama-3.1-8b", 2, 4, Layout.NHD), ("llama-3.1-8b", 4, 1, Layout.PAGE_FIRST),
-    ("qwen3-next-80b-a3b", 2, 4, Layout.HND)])
+@pytest.mark.parametrize(
+    "model,tp_src,tp_dst,layout",
+    [
+        ("llama-3.1-8b", 2, 4, Layout.NHD),
+        ("llama-3.1-8b", 4, 1, Layout.PAGE_FIRST),
+        ("qwen3-next-80b-a3b", 2, 4, Layout.HND),
+    ],
+)
 def test_device_executor_is_byte_exact(model, tp_src, tp_dst, layout, device, per_run_max):
     spec = load_preset(model)
     shape = {"page_size": 16, "num_pages": 5, "num_slots": 2, "num_aux_rows": 2}
@@ -34,10 +44,14 @@ def test_device_executor_is_byte_exact(model, tp_src, tp_dst, layout, device, pe
     requests = {Pool.KV: (np.array([4, 0, 2]), np.array([1, 3, 0])), Pool.AUX: (np.array([1]), np.array([0]))}
     if any(v.pool is Pool.MAMBA for v in prefill[0].views):
         requests[Pool.MAMBA] = (np.array([1]), np.array([0]))
-    src = {g.rank_id: {k: torch.from_numpy(v).to(device) for k, v in world.prefill_buffers[g.rank_id].items()}
-           for g in prefill}
-    dst = {g.rank_id: {k: torch.from_numpy(v).to(device) for k, v in world.decode_buffers[g.rank_id].items()}
-           for g in decode}
+    src = {
+        g.rank_id: {k: torch.from_numpy(v).to(device) for k, v in world.prefill_buffers[g.rank_id].items()}
+        for g in prefill
+    }
+    dst = {
+        g.rank_id: {k: torch.from_numpy(v).to(device) for k, v in world.decode_buffers[g.rank_id].items()}
+        for g in decode
+    }
     assert _execute_all(world, recon, requests, src, dst, per_run_max) == []
 
 
@@ -58,10 +72,8 @@ def test_host_regions_as_numpy_arrays_meet_tensors_byte_exact(host_side, device,
     def regions(buffers, host):
         return {k: v if host else torch.from_numpy(v.copy()).to(device) for k, v in buffers.items()}
 
-    src = {g.rank_id: regions(world.prefill_buffers[g.rank_id], host_side == "source")
-           for g in prefill}
-    dst = {g.rank_id: regions(world.decode_buffers[g.rank_id], host_side == "destination")
-           for g in decode}
+    src = {g.rank_id: regions(world.prefill_buffers[g.rank_id], host_side == "source") for g in prefill}
+    dst = {g.rank_id: regions(world.decode_buffers[g.rank_id], host_side == "destination") for g in decode}
     assert _execute_all(world, recon, requests, src, dst, per_run_max) == []
 
 
@@ -71,8 +83,9 @@ def _execute_all(world, recon, requests, src: dict, dst: dict, per_run_max: int)
     prefill = {g.rank_id: g for g in recon.prefill}
     for d in recon.decode:
         for s in recon.sources_for(d):
-            execute_on_device(plan_pair(recon, prefill[s], d, requests), src[s], dst[d.rank_id],
-                              per_run_max=per_run_max)
+            execute_on_device(
+                plan_pair(recon, prefill[s], d, requests), src[s], dst[d.rank_id], per_run_max=per_run_max
+            )
     for d in recon.decode:
         for k, memory in dst[d.rank_id].items():
             if isinstance(memory, torch.Tensor):
@@ -82,11 +95,13 @@ def _execute_all(world, recon, requests, src: dict, dst: dict, per_run_max: int)
 
 def test_device_executor_refuses_out_of_bounds_runs_before_moving_anything():
     from pd_transfer.layout.lowering import RunBatch, TransferPlan
+
     src = torch.arange(64, dtype=torch.uint8)
     dst = torch.zeros(32, dtype=torch.uint8)
     one = np.ones(2, np.int64)
-    plan = TransferPlan("p", "d", (RunBatch("a", "b", np.array([0, 8]), np.array([0, 30]),
-                                            np.array([8, 8]), one, 8, 8),))
+    plan = TransferPlan(
+        "p", "d", (RunBatch("a", "b", np.array([0, 8]), np.array([0, 30]), np.array([8, 8]), one, 8, 8),)
+    )
     with pytest.raises(TransportError):
         execute_on_device(plan, {"a": src}, {"b": dst})
     assert int(dst.sum()) == 0

@@ -21,9 +21,11 @@ def bells(owned_doorbells):
 
 
 def _ring_from_another_process(name: str, slot: int, token: int, writer: int, delay_s: float = 0.0):
-    code = ("import sys, time; from pd_transfer.doorbell import Doorbells\n"
-            f"time.sleep({delay_s}); b = Doorbells.open({name!r})\n"
-            f"sys.exit(0 if b.ring({slot}, {token}, {writer}) else 3)")
+    code = (
+        "import sys, time; from pd_transfer.doorbell import Doorbells\n"
+        f"time.sleep({delay_s}); b = Doorbells.open({name!r})\n"
+        f"sys.exit(0 if b.ring({slot}, {token}, {writer}) else 3)"
+    )
     return subprocess.Popen([sys.executable, "-c", code])
 
 
@@ -80,10 +82,10 @@ def test_rings_for_anything_but_the_armed_room_write_nothing(bells):
     slot, token = bells.arm()
     bells.set_writers(slot, token, 1)
     before = bells.words.copy()
-    assert not bells.ring(slot, token + 1, 0)          # a stale or forged token
-    assert not bells.ring(bells.slots, token, 0)       # past the segment
+    assert not bells.ring(slot, token + 1, 0)  # a stale or forged token
+    assert not bells.ring(bells.slots, token, 0)  # past the segment
     assert not bells.ring(-1, token, 0)
-    assert not bells.ring(slot, token, MAX_WRITERS)    # past the slot
+    assert not bells.ring(slot, token, MAX_WRITERS)  # past the slot
     assert (bells.words[:, 1:] == before[:, 1:]).all()  # bells may move, nothing else
     ringer = _ring_from_another_process(bells.name, slot, token + 1, 0)
     assert ringer.wait(10) == 3
@@ -117,8 +119,9 @@ def test_the_segment_bell_moves_with_every_slot(bells):
     slot, token = bells.arm()
     bells.set_writers(slot, token, 1)
     woke = []
-    sleeper = threading.Thread(target=lambda: (bells.sleep(0, bells.bell(), 30.0),
-                                               woke.append(time.monotonic())))
+    sleeper = threading.Thread(
+        target=lambda: (bells.sleep(0, bells.bell(), 30.0), woke.append(time.monotonic()))
+    )
     sleeper.start()
     time.sleep(0.2)
     rang = time.monotonic()
@@ -130,7 +133,7 @@ def test_the_segment_bell_moves_with_every_slot(bells):
 def test_no_writer_count_yet_is_never_rung(bells):
     slot, token = bells.arm()
     assert bells.ring(slot, token, 0)
-    assert not bells.rung(slot, token)   # how many write this room is not known yet
+    assert not bells.rung(slot, token)  # how many write this room is not known yet
     bells.set_writers(slot, token, 1)
     assert bells.rung(slot, token)
 

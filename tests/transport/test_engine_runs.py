@@ -30,19 +30,24 @@ def test_an_engine_address_round_trips():
     assert EngineAddress.parse(address.encode(), "nixl") == address
 
 
-@pytest.mark.parametrize("text,fragment", [
-    ("mooncake://h:1/" + _payload({"r": [["kv", 0, 16]]}), "out of range"),
-    ("mooncake://h:1/" + _payload({"r": [["kv", 4096, 1 << 50]]}), "out of range"),
-    ("mooncake://h:1/" + _payload({"r": [["kv", 4096, 16], ["kv", 8192, 16]]}), "listed twice"),
-    ("mooncake://h:1/" + _payload({"r": [["kv", "4096", 16]]}), "$.r[0]"),
-    ("mooncake://h:1/" + _payload({"r": "kv"}), "region list"),
-    ("mooncake://h:1/" + _payload({"r": [], "m": "text"}), "$.m"),
-    ("mooncake://h:1/!!not base64!!", "does not decode"),
-    ("mooncake://bad host/" + _payload({"r": []}), "session"),
-    ("mooncake://h:1/" + base64.urlsafe_b64encode(zlib.compress(b"\0" * (4 << 20))).decode(),
-     "inflates past"),
-    ("mooncake://h:1/" + "A" * MAX_ADDRESS_CHARS, "characters"),
-])
+@pytest.mark.parametrize(
+    "text,fragment",
+    [
+        ("mooncake://h:1/" + _payload({"r": [["kv", 0, 16]]}), "out of range"),
+        ("mooncake://h:1/" + _payload({"r": [["kv", 4096, 1 << 50]]}), "out of range"),
+        ("mooncake://h:1/" + _payload({"r": [["kv", 4096, 16], ["kv", 8192, 16]]}), "listed twice"),
+        ("mooncake://h:1/" + _payload({"r": [["kv", "4096", 16]]}), "$.r[0]"),
+        ("mooncake://h:1/" + _payload({"r": "kv"}), "region list"),
+        ("mooncake://h:1/" + _payload({"r": [], "m": "text"}), "$.m"),
+        ("mooncake://h:1/!!not base64!!", "does not decode"),
+        ("mooncake://bad host/" + _payload({"r": []}), "session"),
+        (
+            "mooncake://h:1/" + base64.urlsafe_b64encode(zlib.compress(b"\0" * (4 << 20))).decode(),
+            "inflates past",
+        ),
+        ("mooncake://h:1/" + "A" * MAX_ADDRESS_CHARS, "characters"),
+    ],
+)
 def test_a_malformed_peer_address_is_refused_naming_the_field(text, fragment):
     with pytest.raises(TransportError) as info:
         EngineAddress.parse(text, "mooncake")
@@ -64,9 +69,16 @@ def test_too_many_regions_to_publish_are_refused_at_the_source():
 
 def _plan(src_offset, dst_offset, nbytes, count=None, src_stride=0, dst_stride=0) -> TransferPlan:
     n = len(src_offset)
-    batch = RunBatch("s", "d", np.array(src_offset, np.int64), np.array(dst_offset, np.int64),
-                     np.array(nbytes, np.int64), np.array(count or [1] * n, np.int64),
-                     src_stride, dst_stride)
+    batch = RunBatch(
+        "s",
+        "d",
+        np.array(src_offset, np.int64),
+        np.array(dst_offset, np.int64),
+        np.array(nbytes, np.int64),
+        np.array(count or [1] * n, np.int64),
+        src_stride,
+        dst_stride,
+    )
     return TransferPlan("p0", "d0", (batch,))
 
 
@@ -102,8 +114,11 @@ def test_a_destination_region_the_peer_did_not_publish_is_unknown():
 
 
 def test_long_runs_split_and_batches_are_capped():
-    runs = AddressRuns(np.array([0, 1 << 30], np.uint64), np.array([1 << 32, 1 << 33], np.uint64),
-                       np.array([10, 25], np.int64))
+    runs = AddressRuns(
+        np.array([0, 1 << 30], np.uint64),
+        np.array([1 << 32, 1 << 33], np.uint64),
+        np.array([10, 25], np.int64),
+    )
     pieces = split_long(runs, 10)
     assert pieces.nbytes.tolist() == [10, 10, 10, 5]
     assert pieces.src_addr.tolist() == [0, 1 << 30, (1 << 30) + 10, (1 << 30) + 20]

@@ -28,17 +28,20 @@ from pd_transfer.transport.strategy import Strategy, StrategyMode
 
 pytestmark = pytest.mark.asyncio
 FAST = Recovery(settle_s=0.05, probe_attempts=2, probe_backoff_s=0.05)
-KINDS = [pytest.param(e, marks=pytest.mark.skipif(bool(engine_unusable(e)),
-                                                  reason=engine_unusable(e) or "-"))
-         for e in ENGINES]
+KINDS = [
+    pytest.param(e, marks=pytest.mark.skipif(bool(engine_unusable(e)), reason=engine_unusable(e) or "-"))
+    for e in ENGINES
+]
 
 
 def _transport(kind: str, mode: StrategyMode = StrategyMode.STAGED, **kwargs):
     options = StagingOptions(mode=mode)
     if kind == "mooncake":
         from pd_transfer.transport.mooncake import MooncakeTransport
+
         return MooncakeTransport(staging=options, **kwargs)
     from pd_transfer.transport.nixl import NixlTransport
+
     return NixlTransport(staging=options, **kwargs)
 
 
@@ -57,10 +60,10 @@ async def receivers():
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("case", [("llama", 2, 2), ("llama", 2, 4), ("gdn", 4, 2)],
-                         ids=["direct", "sliced", "gdn"])
-async def test_staged_writes_land_exactly_the_oracle_bytes(scenario, segments, receivers, kind,
-                                                            case):
+@pytest.mark.parametrize(
+    "case", [("llama", 2, 2), ("llama", 2, 4), ("gdn", 4, 2)], ids=["direct", "sliced", "gdn"]
+)
+async def test_staged_writes_land_exactly_the_oracle_bytes(scenario, segments, receivers, kind, case):
     sc = scenario(*case)
     placed = {rank: segments(regions) for rank, regions in sc.world.decode_buffers.items()}
     peer = await receivers(kind, placed)
@@ -81,10 +84,11 @@ async def test_auto_splits_a_plan_at_the_links_crossover(segments, receivers, ki
     # one batch of 2 KiB runs, one of 64 KiB runs; the crossover pinned at 16 KiB
     small, large = scattered_plan("a", 512, 2048), scattered_plan("b", 32, 65536, seed=1)
     plan = TransferPlan("p0", "d0", small.batches + large.batches)
-    src = {"a": np.random.default_rng(2).integers(0, 256, 2 * 512 * 2048, np.uint8),
-           "b": np.random.default_rng(3).integers(0, 256, 2 * 32 * 65536, np.uint8)}
-    segs = segments({"a": np.zeros(4 * 512 * 2048, np.uint8),
-                     "b": np.zeros(4 * 32 * 65536, np.uint8)})
+    src = {
+        "a": np.random.default_rng(2).integers(0, 256, 2 * 512 * 2048, np.uint8),
+        "b": np.random.default_rng(3).integers(0, 256, 2 * 32 * 65536, np.uint8),
+    }
+    segs = segments({"a": np.zeros(4 * 512 * 2048, np.uint8), "b": np.zeros(4 * 32 * 65536, np.uint8)})
     peer = await receivers(kind, {"d0": segs})
     transport = _transport(kind, StrategyMode.AUTO)
     link = await transport.connect(peer.endpoint("d0"))
@@ -96,7 +100,7 @@ async def test_auto_splits_a_plan_at_the_links_crossover(segments, receivers, ki
     for region, part in (("a", small), ("b", large)):
         zeros = np.zeros(segs[region].nbytes, np.uint8)
         assert np.array_equal(segs[region].array, expected_scatter(part, src[region], zeros))
-    link.set_strategy(["a", "b"], Strategy.DIRECT)   # the agent's per-pool choice wins
+    link.set_strategy(["a", "b"], Strategy.DIRECT)  # the agent's per-pool choice wins
     assert await transport.write(link, plan, src) == plan.total_nbytes
     assert link.last_strategies == {Strategy.DIRECT}
     await transport.close()
@@ -113,18 +117,24 @@ async def test_a_staged_run_outside_the_region_is_refused_by_decode(segments, re
     # past our own check (we believe the region is 8x larger): decode's check refuses
     address, nbytes = link.dst_bases["kv"]
     link.dst_bases["kv"] = (address, 8 * nbytes)
-    far = TransferPlan("p0", "d0", (RunBatch("kv", "kv", np.array([0]), np.array([5 * nbytes]),
-                                             np.array([512]), np.ones(1, np.int64), 0, 0),))
+    far = TransferPlan(
+        "p0",
+        "d0",
+        (
+            RunBatch(
+                "kv", "kv", np.array([0]), np.array([5 * nbytes]), np.array([512]), np.ones(1, np.int64), 0, 0
+            ),
+        ),
+    )
     bigger = type(link.peer).from_maps("d0", {"kv": 8 * nbytes}, data_address=link.peer.data_address)
     link.peer = bigger
     with pytest.raises(TransportError) as info:
         await transport.write(link, TransferPlan("p0", "d0", plan.batches + far.batches), {"kv": src})
     assert info.value.code is Reason.RUN_OUT_OF_REGION and "refused" in str(info.value)
-    assert not segs["kv"].array.any()   # nothing of the chunk was scattered
+    assert not segs["kv"].array.any()  # nothing of the chunk was scattered
     # the link and its staging channel stay usable
     assert await transport.write(link, plan, {"kv": src}) == 64 * 512
-    assert np.array_equal(segs["kv"].array, expected_scatter(plan, src, np.zeros(4 * 64 * 512,
-                                                                                 np.uint8)))
+    assert np.array_equal(segs["kv"].array, expected_scatter(plan, src, np.zeros(4 * 64 * 512, np.uint8)))
     await transport.close()
 
 
@@ -165,34 +175,33 @@ async def test_direct_mode_opens_no_staging_channel(segments, receivers, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-async def test_a_dead_peer_fails_a_staged_write_and_the_link_is_then_refused(segments, receivers,
-                                                                             kind):
-    await dead_peer_fails_then_refuses(_transport(kind, recovery=FAST), receivers, segments,
-                                       lambda spawn, segs: spawn(kind, segs), seed=7)
+async def test_a_dead_peer_fails_a_staged_write_and_the_link_is_then_refused(segments, receivers, kind):
+    await dead_peer_fails_then_refuses(
+        _transport(kind, recovery=FAST), receivers, segments, lambda spawn, segs: spawn(kind, segs), seed=7
+    )
 
 
 @pytest.mark.parametrize("kind", KINDS)
 async def test_an_engine_error_on_a_staged_write_leaves_no_stuck_peer(segments, receivers, kind):
-    plan = scattered_plan("kv", 4096, 2048)   # three slots' worth: chunks are in flight
+    plan = scattered_plan("kv", 4096, 2048)  # three slots' worth: chunks are in flight
     src = np.random.default_rng(8).integers(0, 256, 2 * 4096 * 2048, np.uint8)
     segs = segments({"kv": np.zeros(4 * 4096 * 2048, np.uint8)})
     peer = await receivers(kind, {"d0": segs})
     transport = _transport(kind, recovery=FAST)
     link = await transport.connect(peer.endpoint("d0"))
     channel = link.staging.channel
-    if kind == "mooncake":   # the peer's engine refuses writes into its staging area
+    if kind == "mooncake":  # the peer's engine refuses writes into its staging area
         await peer.unregister("d0", "staging")
-    else:                    # past the area NIXL knows: it refuses the request
+    else:  # past the area NIXL knows: it refuses the request
         channel.remote_base += 1 << 30
     with pytest.raises(TransportError) as info:
         await transport.write(link, plan, {"kv": src})
     assert info.value.code is Reason.TRANSPORT_FAILED and link.failed is None
-    assert channel.broken is None   # every answer due was read: the stream is in step
+    assert channel.broken is None  # every answer due was read: the stream is in step
     if kind == "mooncake":
         await peer.unregister("d0", "staging", verb="register")
     else:
         channel.remote_base -= 1 << 30
     assert await transport.write(link, plan, {"kv": src}) == 4096 * 2048
-    assert np.array_equal(segs["kv"].array, expected_scatter(plan, src, np.zeros(4 * 4096 * 2048,
-                                                                                 np.uint8)))
+    assert np.array_equal(segs["kv"].array, expected_scatter(plan, src, np.zeros(4 * 4096 * 2048, np.uint8)))
     await transport.close()

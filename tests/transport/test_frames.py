@@ -19,8 +19,16 @@ from pd_transfer.transport.packing import WireRuns
 
 
 def _pack(**fields) -> bytes:
-    body = {"v": 1, "t": "chunk", "xfer": 1, "room": "r", "gen": 0, "seq": 0, "regions": ["kv"],
-            "runs": np.zeros((1, 3), "<i8").tobytes()}
+    body = {
+        "v": 1,
+        "t": "chunk",
+        "xfer": 1,
+        "room": "r",
+        "gen": 0,
+        "seq": 0,
+        "regions": ["kv"],
+        "runs": np.zeros((1, 3), "<i8").tobytes(),
+    }
     body.update(fields)
     return msgpack.packb({k: v for k, v in body.items() if v is not ...}, use_bin_type=True)
 
@@ -36,23 +44,41 @@ def test_frames_round_trip():
     assert Fail(1, "from_the_future", "").reason() is Reason.UNRECOGNIZED_REASON
 
 
-@pytest.mark.parametrize("frame,code", [
-    (b"\xc1", Reason.BAD_FRAME),
-    (msgpack.packb([1, 2]), Reason.BAD_FRAME),
-    (_pack(v=2), Reason.VERSION_UNSUPPORTED),
-    (_pack(t="launch"), Reason.UNKNOWN_MESSAGE),
-    (_pack(xfer=-1), Reason.BAD_FRAME),
-    (_pack(xfer=True), Reason.BAD_FRAME),
-    (_pack(gen=2 ** 63), Reason.BAD_FRAME),
-    (_pack(room=...), Reason.BAD_FRAME),
-    (_pack(room="x" * 300), Reason.BAD_FRAME),
-    (_pack(regions="kv"), Reason.BAD_FRAME),
-    (_pack(regions=[""]), Reason.BAD_FRAME),
-    (_pack(regions=["kv"] * 5000), Reason.BAD_FRAME),
-    (_pack(runs=b"\x00" * 23), Reason.BAD_FRAME),
-    (_pack(runs=[[0, 0, 1]]), Reason.BAD_FRAME),
-], ids=["not-msgpack", "not-a-map", "version", "type", "negative", "bool", "huge", "missing",
-        "long-room", "regions-str", "empty-region", "many-regions", "ragged-runs", "runs-list"])
+@pytest.mark.parametrize(
+    "frame,code",
+    [
+        (b"\xc1", Reason.BAD_FRAME),
+        (msgpack.packb([1, 2]), Reason.BAD_FRAME),
+        (_pack(v=2), Reason.VERSION_UNSUPPORTED),
+        (_pack(t="launch"), Reason.UNKNOWN_MESSAGE),
+        (_pack(xfer=-1), Reason.BAD_FRAME),
+        (_pack(xfer=True), Reason.BAD_FRAME),
+        (_pack(gen=2**63), Reason.BAD_FRAME),
+        (_pack(room=...), Reason.BAD_FRAME),
+        (_pack(room="x" * 300), Reason.BAD_FRAME),
+        (_pack(regions="kv"), Reason.BAD_FRAME),
+        (_pack(regions=[""]), Reason.BAD_FRAME),
+        (_pack(regions=["kv"] * 5000), Reason.BAD_FRAME),
+        (_pack(runs=b"\x00" * 23), Reason.BAD_FRAME),
+        (_pack(runs=[[0, 0, 1]]), Reason.BAD_FRAME),
+    ],
+    ids=[
+        "not-msgpack",
+        "not-a-map",
+        "version",
+        "type",
+        "negative",
+        "bool",
+        "huge",
+        "missing",
+        "long-room",
+        "regions-str",
+        "empty-region",
+        "many-regions",
+        "ragged-runs",
+        "runs-list",
+    ],
+)
 def test_malformed_headers_are_refused_with_a_reason(frame, code):
     with pytest.raises(TransportError) as info:
         decode_data(frame)

@@ -20,28 +20,33 @@ CASES = {
     "direct tp2->2": dict(kind="llama", prefill_tp=2, decode_tp=2),
     "sliced tp2->4 (strided pieces)": dict(kind="llama", prefill_tp=2, decode_tp=4),
     "sliced tp4->2": dict(kind="llama", prefill_tp=4, decode_tp=2),
-    "hnd -> page_first tp2->4": dict(kind="llama", prefill_tp=2, decode_tp=4,
-                                     src_layout=Layout.HND, dst_layout=Layout.PAGE_FIRST),
+    "hnd -> page_first tp2->4": dict(
+        kind="llama", prefill_tp=2, decode_tp=4, src_layout=Layout.HND, dst_layout=Layout.PAGE_FIRST
+    ),
     "gdn state tp2->4": dict(kind="gdn", prefill_tp=2, decode_tp=4),
 }
-needs_native = pytest.mark.skipif(not native_copy.AVAILABLE,
-                                  reason=f"native copy loop: {native_copy.UNAVAILABLE_WHY}")
+needs_native = pytest.mark.skipif(
+    not native_copy.AVAILABLE, reason=f"native copy loop: {native_copy.UNAVAILABLE_WHY}"
+)
 
 
-def _grid_world(instance, kind, prefill_tp, decode_tp, src_layout=Layout.NHD, dst_layout=Layout.NHD,
-                num_pages=8):
+def _grid_world(
+    instance, kind, prefill_tp, decode_tp, src_layout=Layout.NHD, dst_layout=Layout.NHD, num_pages=8
+):
     """A world and, per rank pair, the grid plan of a 2-page room (plus state and aux)."""
     prefill = instance(kind, Role.PREFILL, prefill_tp, src_layout, num_pages)
     decode = instance(kind, Role.DECODE, decode_tp, dst_layout, num_pages)
     recon = reconcile(prefill, decode)
     requests = {}
-    for pool, (src, dst) in {Pool.KV: ([5, 1], [2, 7]), Pool.MAMBA: ([2], [0]),
-                             Pool.AUX: ([1], [0])}.items():
+    for pool, (src, dst) in {Pool.KV: ([5, 1], [2, 7]), Pool.MAMBA: ([2], [0]), Pool.AUX: ([1], [0])}.items():
         if any(v.pool is pool for g in decode for v in g.views):
             requests[pool] = (np.array(src), np.array(dst))
     by_id = {g.rank_id: g for g in prefill}
-    plans = [PairPlanner(recon, by_id[src_id], dst).plan(requests, grid_max_runs=1 << 20)
-             for dst in decode for src_id in recon.sources_for(dst)]
+    plans = [
+        PairPlanner(recon, by_id[src_id], dst).plan(requests, grid_max_runs=1 << 20)
+        for dst in decode
+        for src_id in recon.sources_for(dst)
+    ]
     return World.build(prefill, decode, 3), plans, requests
 
 
@@ -51,12 +56,12 @@ def test_grid_plans_move_exactly_the_oracles_bytes(ranks, case):
     world, plans, requests = _grid_world(ranks, **CASES[case])
     assert plans and all(isinstance(plan, GridPlan) for plan in plans)
     engine, programs = CopyEngine(native=True), {}
-    for _ in range(2):   # the second pass reuses the programs
+    for _ in range(2):  # the second pass reuses the programs
         for plan in plans:
             src, dst = world.prefill_buffers[plan.src_rank], world.decode_buffers[plan.dst_rank]
             assert "batches" not in plan.__dict__
             assert engine.execute(plan, src, dst, programs=programs) == plan.total_nbytes
-            assert "batches" not in plan.__dict__   # copied without lowering
+            assert "batches" not in plan.__dict__  # copied without lowering
     assert programs
     assert world.verify(requests) == []
 
@@ -64,10 +69,12 @@ def test_grid_plans_move_exactly_the_oracles_bytes(ranks, case):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_grid_plan_lowers_on_demand_for_any_other_writer(ranks, case):
     world, plans, requests = _grid_world(ranks, **CASES[case])
-    engine = CopyEngine(native=False)   # numpy tasks: they read the lowered batches
+    engine = CopyEngine(native=False)  # numpy tasks: they read the lowered batches
     for plan in plans:
-        assert engine.execute(plan, world.prefill_buffers[plan.src_rank],
-                              world.decode_buffers[plan.dst_rank]) == plan.total_nbytes
+        assert (
+            engine.execute(plan, world.prefill_buffers[plan.src_rank], world.decode_buffers[plan.dst_rank])
+            == plan.total_nbytes
+        )
         assert sum(b.total_nbytes for b in plan.batches) == plan.total_nbytes
         assert sum(b.num_runs for b in plan.batches) <= plan.num_runs
     assert world.verify(requests) == []
@@ -81,8 +88,11 @@ def test_a_region_too_short_for_the_grid_refuses_the_plan_and_writes_nothing(ran
     src = dict(world.prefill_buffers[plan.src_rank])
     dst = dict(world.decode_buffers[plan.dst_rank])
     regions = src if side == "source" else dst
-    region_id = plan.grids[0].group.units[-1].src_region if side == "source" \
+    region_id = (
+        plan.grids[0].group.units[-1].src_region
+        if side == "source"
         else plan.grids[0].group.units[-1].dst_region
+    )
     # source page 5 and destination page 7 of 8-page pools are in the plan: cut the
     # region after 5 pages
     regions[region_id] = regions[region_id][: regions[region_id].size * 5 // 8]
@@ -105,11 +115,11 @@ def test_a_replaced_region_is_written_at_its_new_address(ranks):
     old = dst[region_id]
     landed = old.copy()
     old[:] = 0
-    new = dst[region_id] = np.zeros_like(old)   # re-registered: same size, new memory
+    new = dst[region_id] = np.zeros_like(old)  # re-registered: same size, new memory
     engine.execute(plan, src, dst, programs=programs)
     written = new != 0
     assert written.any() and np.array_equal(new[written], landed[written])  # the room is here
-    assert not old.any()                                                    # not there
+    assert not old.any()  # not there
 
 
 @needs_native

@@ -25,11 +25,15 @@ def test_join_makes_continuing_runs_one():
 
 @pytest.mark.parametrize("direct_min", [1, 4096, 1 << 30], ids=["in-place", "mixed", "staged"])
 @pytest.mark.parametrize("stage_nbytes", [1000, 8192, 2 << 20])
-@pytest.mark.parametrize("case", [dict(kind="llama", prefill_tp=2, decode_tp=4),
-                                  dict(kind="llama", prefill_tp=4, decode_tp=2,
-                                       dst_layout=Layout.PAGE_FIRST),
-                                  dict(kind="gdn", prefill_tp=2, decode_tp=4)],
-                         ids=["sliced", "converted", "gdn"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(kind="llama", prefill_tp=2, decode_tp=4),
+        dict(kind="llama", prefill_tp=4, decode_tp=2, dst_layout=Layout.PAGE_FIRST),
+        dict(kind="gdn", prefill_tp=2, decode_tp=4),
+    ],
+    ids=["sliced", "converted", "gdn"],
+)
 def test_parts_carry_exactly_the_payload(scenario, case, direct_min, stage_nbytes):
     sc = scenario(**case)
     for plan in sc.plans:
@@ -49,10 +53,9 @@ def test_parts_carry_exactly_the_payload(scenario, case, direct_min, stage_nbyte
                 assert iov[:, 1].sum() == len(sent[-1])
             assert b"".join(sent) == payload.tobytes()
             at = 0
-            for part in destination_parts(layout.wire, got_dst, staging_in, direct_min,
-                                          stage_nbytes):
+            for part in destination_parts(layout.wire, got_dst, staging_in, direct_min, stage_nbytes):
                 for view in part.views():  # "receive" the payload's next bytes into the part
-                    view[:] = payload[at:at + len(view)]
+                    view[:] = payload[at : at + len(view)]
                     at += len(view)
                 finish(part)
             assert at == payload.size
@@ -64,21 +67,37 @@ def test_parts_carry_exactly_the_payload(scenario, case, direct_min, stage_nbyte
 def _wire_of(run_nbytes: int, count: int = 64):
     """One chunk of ``count`` runs of ``run_nbytes`` at scattered offsets, both sides."""
     from pd_transfer.layout.lowering import RunBatch, TransferPlan
+
     offsets = np.arange(count, dtype=np.int64)[::-1] * 2 * run_nbytes
-    plan = TransferPlan("p", "d", (RunBatch("src", "dst", offsets, offsets,
-                                            np.full(count, run_nbytes, np.int64),
-                                            np.ones(count, np.int64), 0, 0),))
+    plan = TransferPlan(
+        "p",
+        "d",
+        (
+            RunBatch(
+                "src",
+                "dst",
+                offsets,
+                offsets,
+                np.full(count, run_nbytes, np.int64),
+                np.ones(count, np.int64),
+                0,
+                0,
+            ),
+        ),
+    )
     size = 2 * run_nbytes * count
     return layout_chunks(plan, {"src": size}, 8 << 20)[0], size
 
 
-@pytest.mark.parametrize("run_nbytes, staged_in, staged_out",
-                         [(2048, True, False), (4096, False, False), (512, True, True)])
+@pytest.mark.parametrize(
+    "run_nbytes, staged_in, staged_out", [(2048, True, False), (4096, False, False), (512, True, True)]
+)
 def test_default_thresholds_stage_small_runs_on_receipt_first(run_nbytes, staged_in, staged_out):
     """Sending, the kernel reads 2 KiB runs in place; receiving, they are staged and
     scattered (the kernel's writes into small scattered runs cost more than its reads);
     from 4 KiB both sides go in place, below 1 KiB both stage."""
     from pd_transfer.transport import native_copy, native_io
+
     if not (native_io.AVAILABLE and native_copy.AVAILABLE):
         pytest.skip("the thresholds under test are those of the native iovec path and copy loop")
     layout, size = _wire_of(run_nbytes)

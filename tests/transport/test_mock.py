@@ -15,9 +15,10 @@ pytestmark = pytest.mark.asyncio
 
 async def _setup(sc, *faults):
     transport = MockTransport(sc.world.decode_buffers, faults=faults)
-    links = {rank: await transport.connect(PeerEndpoint.from_maps(
-        rank, {r: b.size for r, b in regions.items()}))
-        for rank, regions in sc.world.decode_buffers.items()}
+    links = {
+        rank: await transport.connect(PeerEndpoint.from_maps(rank, {r: b.size for r, b in regions.items()}))
+        for rank, regions in sc.world.decode_buffers.items()
+    }
     return transport, links
 
 
@@ -25,11 +26,12 @@ async def test_mock_write_lands_exactly_the_oracle_bytes(scenario):
     sc = scenario("llama", 2, 4)
     transport, links = await _setup(sc)
     for plan in sc.plans:
-        assert await transport.write(links[plan.dst_rank], plan, sc.src(plan), room="r",
-                                     generation=2) == plan.total_nbytes
+        assert (
+            await transport.write(links[plan.dst_rank], plan, sc.src(plan), room="r", generation=2)
+            == plan.total_nbytes
+        )
     assert sc.world.verify(sc.requests) == []
-    assert [(w.room, w.generation, w.faults) for w in transport.writes] == \
-        [("r", 2, ())] * len(sc.plans)
+    assert [(w.room, w.generation, w.faults) for w in transport.writes] == [("r", 2, ())] * len(sc.plans)
 
 
 async def test_nth_write_fails_with_the_scripted_reason_and_writes_nothing(scenario):
@@ -48,8 +50,9 @@ async def test_nth_write_fails_with_the_scripted_reason_and_writes_nothing(scena
 async def test_partial_write_lands_a_prefix_then_raises(scenario):
     sc = scenario("llama", 2, 2)
     plan = sc.plans[0]
-    transport, links = await _setup(sc, Fault.partial(on_write=1, prefix_nbytes=20000,
-                                                      reason=Reason.TRANSPORT_FAILED))
+    transport, links = await _setup(
+        sc, Fault.partial(on_write=1, prefix_nbytes=20000, reason=Reason.TRANSPORT_FAILED)
+    )
     dst = sc.dst(plan)
     before = {r: b.copy() for r, b in dst.items()}
     with pytest.raises(TransportError) as info:
@@ -91,8 +94,9 @@ async def test_dropped_write_never_returns_so_the_callers_timeout_fires(scenario
 async def test_faults_can_count_writes_of_one_peer(scenario):
     sc = scenario("llama", 2, 2)
     first, second = sc.plans
-    transport, links = await _setup(sc, Fault.fail(on_write=1, peer_id=second.dst_rank,
-                                                   reason=Reason.TIMEOUT))
+    transport, links = await _setup(
+        sc, Fault.fail(on_write=1, peer_id=second.dst_rank, reason=Reason.TIMEOUT)
+    )
     await transport.write(links[first.dst_rank], first, sc.src(first))  # other peer: no fault
     with pytest.raises(TransportError) as info:
         await transport.write(links[second.dst_rank], second, sc.src(second))

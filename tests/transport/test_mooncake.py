@@ -65,8 +65,7 @@ async def test_a_run_out_of_bounds_is_refused_before_submission(scenario, segmen
     await overrun_refused_before_submission(_transport(), scenario, segments, receivers)
 
 
-async def test_connect_refuses_a_peer_whose_engine_holds_less_than_its_geometry(segments,
-                                                                                receivers):
+async def test_connect_refuses_a_peer_whose_engine_holds_less_than_its_geometry(segments, receivers):
     await short_engine_region_refused_at_connect(_transport(), segments, receivers)
 
 
@@ -91,5 +90,6 @@ async def test_an_engine_error_fails_the_write_and_the_link_stays_usable(segment
 
 
 async def test_a_dead_peer_fails_the_write_and_the_link_is_then_refused(segments, receivers):
-    await dead_peer_fails_then_refuses(_transport(recovery=FAST), receivers, segments,
-                                       lambda spawn, segs: spawn(segs), seed=4)
+    await dead_peer_fails_then_refuses(
+        _transport(recovery=FAST), receivers, segments, lambda spawn, segs: spawn(segs), seed=4
+    )

@@ -19,8 +19,9 @@ from pd_transfer.transport.copy_engine import CopyEngine
 from pd_transfer.transport.regions import map_one
 from pd_transfer.transport.runs import flatten
 
-needs_library = pytest.mark.skipif(not native_copy.AVAILABLE,
-                                reason=f"native copy loop unavailable: {native_copy.UNAVAILABLE_WHY}")
+needs_library = pytest.mark.skipif(
+    not native_copy.AVAILABLE, reason=f"native copy loop unavailable: {native_copy.UNAVAILABLE_WHY}"
+)
 
 
 def _batch(src, dst, nbytes, count, src_stride=0, dst_stride=0) -> RunBatch:
@@ -34,13 +35,14 @@ def _naive(plan: TransferPlan, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         for s, d, n, c in zip(b.src_offset, b.dst_offset, b.nbytes, b.count):
             for k in range(c):
                 s_k, d_k = s + k * b.src_stride, d + k * b.dst_stride
-                want[d_k:d_k + n] = src[s_k:s_k + n]
+                want[d_k : d_k + n] = src[s_k : s_k + n]
     return want
 
 
 def _pieces(plan, src, dst, **kwargs) -> native_copy.Pieces:
-    return native_copy.Pieces(flatten(plan), {"s": map_one("s", src, "source")},
-                              {"d": map_one("d", dst, "destination")}, **kwargs)
+    return native_copy.Pieces(
+        flatten(plan), {"s": map_one("s", src, "source")}, {"d": map_one("d", dst, "destination")}, **kwargs
+    )
 
 
 @st.composite
@@ -53,8 +55,11 @@ def scattered_plans(draw):
     counts = draw(st.lists(st.integers(0, 3), min_size=len(sizes), max_size=len(sizes)))
     src = [draw(st.integers(0, 5000)) for _ in sizes]
     dst = [3 + i * 4 * slot for i in order]  # 4 slots each: a strided descriptor stays inside
-    return _batch(src, dst, sizes, counts, src_stride=draw(st.integers(0, 400)), dst_stride=slot), \
-        draw(st.integers(1, 5)), draw(st.sampled_from([1, 16, 64, 1 << 62]))
+    return (
+        _batch(src, dst, sizes, counts, src_stride=draw(st.integers(0, 400)), dst_stride=slot),
+        draw(st.integers(1, 5)),
+        draw(st.sampled_from([1, 16, 64, 1 << 62])),
+    )
 
 
 @needs_library
@@ -89,8 +94,8 @@ def test_one_huge_piece_is_shared_by_ranges_and_streamed():
     assert len(ranges) == 3 and all(start % 4096 == 0 for start, _ in ranges)
     for start, length in ranges:
         pieces.copy(start, length)
-    assert np.array_equal(dst[33:33 + (8 << 20)], src[7:7 + (8 << 20)])
-    assert not dst[:33].any() and not dst[33 + (8 << 20):].any()
+    assert np.array_equal(dst[33 : 33 + (8 << 20)], src[7 : 7 + (8 << 20)])
+    assert not dst[:33].any() and not dst[33 + (8 << 20) :].any()
 
 
 @needs_library
@@ -106,18 +111,26 @@ def test_the_last_small_run_is_copied_after_every_range(monkeypatch):
         time.sleep(0.002)
         spans.append((self.nbytes, begin, time.perf_counter()))
         return done
+
     monkeypatch.setattr(native_copy.Pieces, "copy", timed)
     n, page = 64, 4096
     rng = np.random.default_rng(3)
     src = rng.integers(0, 256, 2 * n * page + 64, dtype=np.uint8)
     dst = np.zeros_like(src)
     src_pages, dst_pages = rng.permutation(2 * n)[:n], rng.permutation(2 * n)[:n]
-    plan = TransferPlan("p0", "d0", (_batch(src_pages * page, dst_pages * page, [page] * n, [1] * n),
-                                     _batch([2 * n * page], [2 * n * page], [64], [1])))
+    plan = TransferPlan(
+        "p0",
+        "d0",
+        (
+            _batch(src_pages * page, dst_pages * page, [page] * n, [1] * n),
+            _batch([2 * n * page], [2 * n * page], [64], [1]),
+        ),
+    )
     CopyEngine(native=True, direct_max_runs=0, inline_nbytes=0, num_workers=2).execute(
-        plan, {"s": src}, {"d": dst})
+        plan, {"s": src}, {"d": dst}
+    )
     body = [span for span in spans if span[0] == n * page]
-    (_, tail_start, _), = [span for span in spans if span[0] == 64]
+    ((_, tail_start, _),) = [span for span in spans if span[0] == 64]
     assert len(body) == 2 and tail_start >= max(end for _, _, end in body)
     assert np.array_equal(dst, _naive(plan, src, np.zeros_like(src)))
 
@@ -149,31 +162,34 @@ def test_without_the_library_the_reason_names_the_build_command(tmp_path):
 
 
 def test_turned_off_the_engine_copies_with_numpy_and_refuses_native():
-    code = ("import numpy as np\n"
-            "from pd_transfer.transport import native_copy\n"
-            "from pd_transfer.transport.copy_engine import CopyEngine\n"
-            "from pd_transfer.layout.lowering import RunBatch, TransferPlan\n"
-            "assert not native_copy.AVAILABLE, native_copy.UNAVAILABLE_WHY\n"
-            "print(native_copy.UNAVAILABLE_WHY)\n"
-            "a = np.arange(1 << 16, dtype=np.int64).view(np.uint8); b = np.zeros_like(a)\n"
-            "i = lambda v: np.array(v, np.int64)\n"
-            "plan = TransferPlan('p', 'd', (RunBatch('s', 'd', i([0, 4096]), i([8192, 0]), i([4096, 4096]),"
-            " i([1, 1]), 0, 0),))\n"
-            "engine = CopyEngine(direct_max_runs=0)\n"
-            "assert not engine.native and engine.execute(plan, {'s': a}, {'d': b}) == 8192\n"
-            "assert (b[8192:12288] == a[:4096]).all() and (b[:4096] == a[4096:8192]).all()\n"
-            "try:\n    CopyEngine(native=True)\nexcept ValueError as err:\n    print(err)\n")
+    code = (
+        "import numpy as np\n"
+        "from pd_transfer.transport import native_copy\n"
+        "from pd_transfer.transport.copy_engine import CopyEngine\n"
+        "from pd_transfer.layout.lowering import RunBatch, TransferPlan\n"
+        "assert not native_copy.AVAILABLE, native_copy.UNAVAILABLE_WHY\n"
+        "print(native_copy.UNAVAILABLE_WHY)\n"
+        "a = np.arange(1 << 16, dtype=np.int64).view(np.uint8); b = np.zeros_like(a)\n"
+        "i = lambda v: np.array(v, np.int64)\n"
+        "plan = TransferPlan('p', 'd', (RunBatch('s', 'd', i([0, 4096]), i([8192, 0]), i([4096, 4096]),"
+        " i([1, 1]), 0, 0),))\n"
+        "engine = CopyEngine(direct_max_runs=0)\n"
+        "assert not engine.native and engine.execute(plan, {'s': a}, {'d': b}) == 8192\n"
+        "assert (b[8192:12288] == a[:4096]).all() and (b[:4096] == a[4096:8192]).all()\n"
+        "try:\n    CopyEngine(native=True)\nexcept ValueError as err:\n    print(err)\n"
+    )
     env = {**os.environ, "PD_TRANSFER_NATIVE_COPY": "0"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
         "turned off by PD_TRANSFER_NATIVE_COPY",
-        "the native copy loop is unavailable: turned off by PD_TRANSFER_NATIVE_COPY"]
+        "the native copy loop is unavailable: turned off by PD_TRANSFER_NATIVE_COPY",
+    ]
 
 
 def test_the_loader_looks_for_what_the_build_makes():
     from pd_transfer.transport.native import build
+
     assert native_copy.LIBRARY_PATH == build.HERE / build.LIBRARY_NAME
 
 
@@ -185,11 +201,11 @@ def test_gather_and_scatter_runs_round_trip_and_refuse_a_short_buffer():
     nbytes = rng.integers(1, 1000, 300).astype(np.int64)
     packed = np.zeros(int(nbytes.sum()), np.uint8)
     native_copy.gather_runs(region, offset, nbytes, packed)
-    assert np.array_equal(packed, np.concatenate([region[o:o + n] for o, n in zip(offset, nbytes)]))
+    assert np.array_equal(packed, np.concatenate([region[o : o + n] for o, n in zip(offset, nbytes)]))
     landed = np.zeros_like(region)
     native_copy.scatter_runs(landed, offset, nbytes, packed)
     for o, n in zip(offset, nbytes):
-        assert np.array_equal(landed[o:o + n], region[o:o + n])
+        assert np.array_equal(landed[o : o + n], region[o : o + n])
     assert int(np.count_nonzero(landed)) <= int(nbytes.sum())
     with pytest.raises(ValueError, match="do not fit"):
         native_copy.gather_runs(region, offset, nbytes, packed[:-1])
@@ -206,6 +222,7 @@ def test_gather_and_scatter_runs_round_trip_and_refuse_a_short_buffer():
 @pytest.mark.skipif(not shutil.which(os.environ.get("CC", "cc")), reason="no C compiler here")
 def test_the_build_compiles_a_library_the_loader_accepts(tmp_path):
     from pd_transfer.transport.native import build
+
     library = build.build(tmp_path, quiet=True)
     assert library == tmp_path / build.LIBRARY_NAME
     lib, why = native_copy._load(library)
@@ -215,6 +232,7 @@ def test_the_build_compiles_a_library_the_loader_accepts(tmp_path):
 
 def test_a_failing_compiler_is_named_with_its_output(tmp_path, monkeypatch):
     from pd_transfer.transport.native import build
+
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with pytest.raises(RuntimeError, match="cannot run the C compiler '/nonexistent/cc'"):
         build.build(tmp_path, quiet=True)

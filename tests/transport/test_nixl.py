@@ -46,8 +46,7 @@ async def test_nixl_write_lands_exactly_the_oracle_bytes(scenario, segments, rec
 
 
 @pytest.mark.parametrize("max_prepared_rows", [1 << 21, 16], ids=["prepared", "direct"])
-async def test_many_scattered_runs_land_and_prepared_rows_are_reused(segments, receivers,
-                                                                     max_prepared_rows):
+async def test_many_scattered_runs_land_and_prepared_rows_are_reused(segments, receivers, max_prepared_rows):
     # 20,000 scattered 2 KiB runs, twice: the second write reuses the rows the first
     # prepared (or, with too many rows to prepare, describes its runs directly)
     plan = scattered_plan("kv", 20000, 2048)
@@ -70,8 +69,7 @@ async def test_a_run_out_of_bounds_is_refused_before_submission(scenario, segmen
     await overrun_refused_before_submission(_transport(), scenario, segments, receivers)
 
 
-async def test_connect_refuses_a_peer_whose_engine_holds_less_than_its_geometry(segments,
-                                                                                receivers):
+async def test_connect_refuses_a_peer_whose_engine_holds_less_than_its_geometry(segments, receivers):
     await short_engine_region_refused_at_connect(_transport(), segments, receivers)
 
 
@@ -79,8 +77,7 @@ async def test_connect_refuses_a_peer_without_a_nixl_address():
     await missing_engine_address_refused_at_connect(_transport())
 
 
-async def test_a_request_nixl_refuses_fails_the_write_and_the_link_stays_usable(segments,
-                                                                                receivers):
+async def test_a_request_nixl_refuses_fails_the_write_and_the_link_stays_usable(segments, receivers):
     plan_a, plan_b = scattered_plan("a", 64, 512), scattered_plan("b", 64, 512)
     src = np.random.default_rng(3).integers(0, 256, 2 * 64 * 512, np.uint8)
     segs = segments({"a": np.zeros(4 * 64 * 512, np.uint8), "b": np.zeros(4 * 64 * 512, np.uint8)})
@@ -102,8 +99,9 @@ async def test_a_request_nixl_refuses_fails_the_write_and_the_link_stays_usable(
 
 
 async def test_a_dead_peer_fails_the_write_and_the_link_is_then_refused(segments, receivers):
-    await dead_peer_fails_then_refuses(_transport(recovery=FAST), receivers, segments,
-                                       lambda spawn, segs: spawn(segs), seed=4)
+    await dead_peer_fails_then_refuses(
+        _transport(recovery=FAST), receivers, segments, lambda spawn, segs: spawn(segs), seed=4
+    )
 
 
 IDLE_AGENT = """
@@ -122,8 +120,14 @@ async def test_an_idle_agent_leaves_the_cpu_alone():
     # NIXL's wrapper would start the agent's progress thread with no pause between
     # polls: a whole core per idle agent, which starved sidecars' event loops in CI
     root = str(Path(__file__).resolve().parents[2])
-    out = subprocess.run([sys.executable, "-c", IDLE_AGENT], capture_output=True, text=True,
-                         timeout=60, cwd=root, env={**os.environ, "PYTHONPATH": root})
+    out = subprocess.run(
+        [sys.executable, "-c", IDLE_AGENT],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": root},
+    )
     assert out.returncode == 0, out.stderr
     share = float(out.stdout.strip().splitlines()[-1])
     assert share < 0.3, f"an idle NIXL agent used {share:.2f} of a CPU"
@@ -139,7 +143,8 @@ def _pages(seed: int):
 
 @pytest.mark.parametrize("agent", ["own", "shared"])
 async def test_a_writer_without_a_progress_thread_fills_a_passive_receiver_over_tcp(
-        segments, receivers, monkeypatch, agent):
+    segments, receivers, monkeypatch, agent
+):
     # the writing agent has no progress thread (its polls of the transfer progress it);
     # the receiver's agent, its own or its process's transport's as in a decode sidecar,
     # is progressed by its thread while the receiver process only waits on stdin
@@ -156,8 +161,7 @@ async def test_a_writer_without_a_progress_thread_fills_a_passive_receiver_over_
     await transport.close()
 
 
-async def test_a_stopped_receiver_ends_the_write_at_its_deadline(segments, receivers,
-                                                                 monkeypatch):
+async def test_a_stopped_receiver_ends_the_write_at_its_deadline(segments, receivers, monkeypatch):
     # the receiver process stopped after connect: the writer, polling the transfer's
     # state itself (no progress thread), gives up at its deadline; the link is then refused
     monkeypatch.setenv("UCX_TLS", "tcp")
@@ -180,8 +184,7 @@ async def test_a_stopped_receiver_ends_the_write_at_its_deadline(segments, recei
     await transport.close()
 
 
-async def test_a_receiving_agent_nothing_progresses_is_refused_at_connect(segments, receivers,
-                                                                          monkeypatch):
+async def test_a_receiving_agent_nothing_progresses_is_refused_at_connect(segments, receivers, monkeypatch):
     # the negative control of the receivers' progress thread: over tcp, an agent without
     # one does not even answer the connect probe
     monkeypatch.setenv("UCX_TLS", "tcp")

@@ -11,11 +11,15 @@ from pd_transfer.transport.packing import WireRuns, check_wire, gather, layout_c
 
 
 @pytest.mark.parametrize("chunk_nbytes", [300, 4096, 64 << 10, 64 << 20])
-@pytest.mark.parametrize("case", [dict(kind="llama", prefill_tp=2, decode_tp=4),
-                                  dict(kind="llama", prefill_tp=4, decode_tp=2,
-                                       dst_layout=Layout.PAGE_FIRST),
-                                  dict(kind="gdn", prefill_tp=2, decode_tp=4)],
-                         ids=["sliced", "converted", "gdn"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(kind="llama", prefill_tp=2, decode_tp=4),
+        dict(kind="llama", prefill_tp=4, decode_tp=2, dst_layout=Layout.PAGE_FIRST),
+        dict(kind="gdn", prefill_tp=2, decode_tp=4),
+    ],
+    ids=["sliced", "converted", "gdn"],
+)
 def test_gather_then_scatter_matches_oracle(scenario, case, chunk_nbytes):
     sc = scenario(**case)
     for plan in sc.plans:
@@ -33,9 +37,12 @@ def test_destination_contiguous_pieces_travel_as_one_run(scenario):
     sc = scenario("llama", 2, 4)
     plan = sc.plans[0]
     layouts = layout_chunks(plan, {k: v.size for k, v in sc.src(plan).items()}, 64 << 20)
-    kv_runs = np.concatenate([
-        layout.wire.runs[[layout.wire.regions[slot].startswith("kv.")
-                          for slot in layout.wire.runs[:, 0]]] for layout in layouts])
+    kv_runs = np.concatenate(
+        [
+            layout.wire.runs[[layout.wire.regions[slot].startswith("kv.") for slot in layout.wire.runs[:, 0]]]
+            for layout in layouts
+        ]
+    )
     kv_pieces = sum(int(b.count.sum()) for b in plan.batches if b.dst_region.startswith("kv."))
     assert kv_pieces == 16 * len(kv_runs)
     assert (kv_runs[:, 2] == 8192).all()
@@ -45,15 +52,19 @@ def _wire(rows, regions=("kv",)) -> WireRuns:
     return WireRuns(tuple(regions), np.array(rows, np.int64).reshape(-1, 3))
 
 
-@pytest.mark.parametrize("rows,regions,payload,code", [
-    ([[0, 4090, 16]], ("kv",), 16, Reason.RUN_OUT_OF_REGION),
-    ([[0, -1, 16]], ("kv",), 16, Reason.RUN_OUT_OF_REGION),
-    ([[0, 0, 0]], ("kv",), 0, Reason.RUN_OUT_OF_REGION),
-    ([[0, 2 ** 62, 2 ** 62]], ("kv",), 0, Reason.RUN_OUT_OF_REGION),
-    ([[1, 0, 16]], ("kv",), 16, Reason.BAD_FRAME),
-    ([[0, 0, 16]], ("kv",), 15, Reason.BAD_FRAME),
-    ([[0, 0, 16]], ("secret",), 16, Reason.UNKNOWN_REGION),
-], ids=["past-end", "negative", "empty-run", "overflow", "bad-slot", "short-payload", "unknown"])
+@pytest.mark.parametrize(
+    "rows,regions,payload,code",
+    [
+        ([[0, 4090, 16]], ("kv",), 16, Reason.RUN_OUT_OF_REGION),
+        ([[0, -1, 16]], ("kv",), 16, Reason.RUN_OUT_OF_REGION),
+        ([[0, 0, 0]], ("kv",), 0, Reason.RUN_OUT_OF_REGION),
+        ([[0, 2**62, 2**62]], ("kv",), 0, Reason.RUN_OUT_OF_REGION),
+        ([[1, 0, 16]], ("kv",), 16, Reason.BAD_FRAME),
+        ([[0, 0, 16]], ("kv",), 15, Reason.BAD_FRAME),
+        ([[0, 0, 16]], ("secret",), 16, Reason.UNKNOWN_REGION),
+    ],
+    ids=["past-end", "negative", "empty-run", "overflow", "bad-slot", "short-payload", "unknown"],
+)
 def test_check_wire_refuses_runs_outside_registered_regions(rows, regions, payload, code):
     with pytest.raises(TransportError) as info:
         check_wire(_wire(rows, regions), {"kv": 4096}, payload)

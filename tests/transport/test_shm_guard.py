@@ -14,8 +14,9 @@ import pytest
 
 from pd_transfer import shm_guard
 
-pytestmark = pytest.mark.skipif(not shm_guard.available(),
-                                reason=f"no SIGBUS guard: {shm_guard.why_unavailable()}")
+pytestmark = pytest.mark.skipif(
+    not shm_guard.available(), reason=f"no SIGBUS guard: {shm_guard.why_unavailable()}"
+)
 
 _PRELUDE = """
 import mmap, os, threading
@@ -32,8 +33,9 @@ seen = open_segment(name, 1 << 20)
 
 def _run(body: str, **env) -> subprocess.CompletedProcess:
     code = _PRELUDE + textwrap.dedent(body)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, **env})
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env={**os.environ, **env}
+    )
 
 
 def test_copies_into_a_truncated_segment_fail_and_the_process_lives():
@@ -82,7 +84,8 @@ def test_a_sigbus_outside_the_watched_segments_still_kills(tmp_path):
 
 
 def test_without_the_guard_a_shrunk_segment_is_seen_before_the_copy():
-    done = _run("""
+    done = _run(
+        """
         try:
             print(seen.watched, seen.shrunk())
             os.truncate(seen.path, 0)
@@ -91,6 +94,8 @@ def test_without_the_guard_a_shrunk_segment_is_seen_before_the_copy():
             seen.close()
             owner.close()
             owner.unlink()
-    """, PD_TRANSFER_SIGBUS_GUARD="0")
+    """,
+        PD_TRANSFER_SIGBUS_GUARD="0",
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", "False", "True"]

@@ -35,8 +35,7 @@ def test_segment_names_are_prefixed_safe_and_distinct():
     assert len(segment_name("o" * 500, "r" * 500)) <= 200
 
 
-@pytest.mark.parametrize("bad", ["", "../x", "a/b", "pdt-..-x", ".hidden", "x" * 201, "a b",
-                                 "naïve"])
+@pytest.mark.parametrize("bad", ["", "../x", "a/b", "pdt-..-x", ".hidden", "x" * 201, "a b", "naïve"])
 def test_unsafe_segment_names_are_refused(bad):
     with pytest.raises(TransportError) as info:
         open_segment(bad, 1)
@@ -107,7 +106,7 @@ def test_opening_a_sparse_segment_allocates_none_of_it(name):
         opened = open_segment(name)
         try:
             assert os.stat(os.path.join(SEGMENT_DIR, name)).st_blocks == 0
-            created.array[:4096] = 1            # the worker touches one page
+            created.array[:4096] = 1  # the worker touches one page
             assert opened.array[:4096].sum() == 4096
             assert os.stat(os.path.join(SEGMENT_DIR, name)).st_blocks * 512 <= 1 << 20
         finally:

@@ -29,16 +29,16 @@ def _copy_back(sc, placed: dict) -> None:
             sc.world.decode_buffers[rank][region_id][:] = segment.array
 
 
-@pytest.mark.parametrize("case", [("llama", 2, 2), ("llama", 2, 4), ("gdn", 4, 2)],
-                         ids=["direct", "sliced", "gdn"])
+@pytest.mark.parametrize(
+    "case", [("llama", 2, 2), ("llama", 2, 4), ("gdn", 4, 2)], ids=["direct", "sliced", "gdn"]
+)
 async def test_shm_write_lands_exactly_the_oracle_bytes(scenario, segments, case):
     sc = scenario(*case)
     placed = {rank: segments(regions) for rank, regions in sc.world.decode_buffers.items()}
     transport = ShmTransport()
     links = {rank: await transport.connect(_endpoint(rank, segs)) for rank, segs in placed.items()}
     for plan in sc.plans:
-        assert await transport.write(links[plan.dst_rank], plan, sc.src(plan), room="r") \
-            == plan.total_nbytes
+        assert await transport.write(links[plan.dst_rank], plan, sc.src(plan), room="r") == plan.total_nbytes
     await transport.close()
     assert all(link.closed for link in links.values())
     _copy_back(sc, placed)
@@ -52,6 +52,7 @@ async def test_torch_copies_land_through_the_links_tensor_views(scenario, segmen
     import torch
 
     from pd_transfer.transport.device_copy import execute_on_device
+
     sc = scenario("llama", 2, 4)
     placed = {rank: segments(regions) for rank, regions in sc.world.decode_buffers.items()}
     transport = ShmTransport()
@@ -74,8 +75,12 @@ async def test_shm_write_from_another_process(scenario, segments):
     names = {rank: {r: s.name for r, s in segs.items()} for rank, segs in placed.items()}
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, CHILD, json.dumps({"scenario": args, "segments": names}), env=env,
-        stderr=subprocess.PIPE)
+        sys.executable,
+        CHILD,
+        json.dumps({"scenario": args, "segments": names}),
+        env=env,
+        stderr=subprocess.PIPE,
+    )
     _, err = await asyncio.wait_for(proc.communicate(), 120)
     assert proc.returncode == 0, err.decode()
     _copy_back(sc, placed)

@@ -62,13 +62,16 @@ def test_receive_raises_when_the_peer_closes_mid_payload():
     b.close()
 
 
-@pytest.mark.parametrize("raw, code", [
-    (b"HTTP/1.1 200 OK\r\n\r\n", Reason.BAD_FRAME),
-    (PREFIX.pack(MAGIC, 9, 2, 0, 0, 0), Reason.VERSION_UNSUPPORTED),
-    (PREFIX.pack(MAGIC, 1, 7, 0, 0, 0), Reason.BAD_FRAME),
-    (PREFIX.pack(MAGIC, 1, 2, 0, 1 << 30, 0), Reason.FRAME_TOO_LARGE),
-    (PREFIX.pack(MAGIC, 1, 2, 0, 10, 1 << 40), Reason.FRAME_TOO_LARGE),
-])
+@pytest.mark.parametrize(
+    "raw, code",
+    [
+        (b"HTTP/1.1 200 OK\r\n\r\n", Reason.BAD_FRAME),
+        (PREFIX.pack(MAGIC, 9, 2, 0, 0, 0), Reason.VERSION_UNSUPPORTED),
+        (PREFIX.pack(MAGIC, 1, 7, 0, 0, 0), Reason.BAD_FRAME),
+        (PREFIX.pack(MAGIC, 1, 2, 0, 1 << 30, 0), Reason.FRAME_TOO_LARGE),
+        (PREFIX.pack(MAGIC, 1, 2, 0, 10, 1 << 40), Reason.FRAME_TOO_LARGE),
+    ],
+)
 def test_a_prefix_that_is_not_ours_is_refused_with_a_reason(raw, code):
     a, b = _pair()
     a.sendall(raw.ljust(PREFIX.size, b"\0"))
@@ -87,8 +90,9 @@ def test_a_clean_end_between_frames_is_not_an_error():
     b.close()
 
 
-@pytest.mark.parametrize("address", ["127.0.0.1:5", "tcp://host", "tcp://:80", "tcp://h:0",
-                                     "tcp://h:99999", "ipc:///tmp/x"])
+@pytest.mark.parametrize(
+    "address", ["127.0.0.1:5", "tcp://host", "tcp://:80", "tcp://h:0", "tcp://h:99999", "ipc:///tmp/x"]
+)
 def test_bad_data_addresses_are_refused(address):
     with pytest.raises(TransportError):
         parse_address(address)
@@ -119,7 +123,7 @@ def test_parts_send_and_receive_byte_exact_with_partial_transfers(monkeypatch, n
     sender.start()
     recv_part(b, receiving)
     sender.join()
-    assert all(np.array_equal(dst[d:d + 100], src[s:s + 100]) for s, d in zip(src_at, dst_at))
+    assert all(np.array_equal(dst[d : d + 100], src[s : s + 100]) for s, d in zip(src_at, dst_at))
     outside = np.ones(dst.size, bool)
     outside[(dst_at[:, None] + np.arange(100)).ravel()] = False
     assert not dst[outside].any()  # nothing landed anywhere else

@@ -56,19 +56,28 @@ class Decode:
         await self.receiver.stop()
 
     async def channel(self, ring_slots: int = 4, auth=None):
-        return await asyncio.to_thread(open_channel, self.receiver.address, self.area.published,
-                                       "d0", ring_slots=ring_slots, auth=auth, timeout_s=30)
+        return await asyncio.to_thread(
+            open_channel,
+            self.receiver.address,
+            self.area.published,
+            "d0",
+            ring_slots=ring_slots,
+            auth=auth,
+            timeout_s=30,
+        )
 
 
 async def _write(channel, plan, src_regions: dict, dst_sizes: dict | None = None, **kw) -> int:
     src = map_regions(src_regions, (b.src_region for b in plan.batches), "source")
-    layouts = layout_chunks(plan, {r: m.nbytes for r, m in src.items()}, channel.slot_nbytes,
-                            dst_sizes=dst_sizes)
+    layouts = layout_chunks(
+        plan, {r: m.nbytes for r, m in src.items()}, channel.slot_nbytes, dst_sizes=dst_sizes
+    )
     return await asyncio.to_thread(write_staged, channel, layouts, src, _memmove, **kw)
 
 
-@pytest.mark.parametrize("case", [("llama", 2, 2), ("llama", 2, 4), ("gdn", 4, 2)],
-                         ids=["direct", "sliced", "gdn"])
+@pytest.mark.parametrize(
+    "case", [("llama", 2, 2), ("llama", 2, 4), ("gdn", 4, 2)], ids=["direct", "sliced", "gdn"]
+)
 async def test_staged_writes_land_exactly_the_oracle_bytes(scenario, case):
     sc = scenario(*case)
     decodes = {rank: Decode(regions) for rank, regions in sc.world.decode_buffers.items()}
@@ -77,8 +86,7 @@ async def test_staged_writes_land_exactly_the_oracle_bytes(scenario, case):
     try:
         channels = {rank: await d.channel() for rank, d in decodes.items()}
         for plan in sc.plans:
-            assert await _write(channels[plan.dst_rank], plan, sc.src(plan), room="r") \
-                == plan.total_nbytes
+            assert await _write(channels[plan.dst_rank], plan, sc.src(plan), room="r") == plan.total_nbytes
         for channel in channels.values():
             channel.close()
     finally:
@@ -102,9 +110,10 @@ class _Posted:
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
 
         def wait() -> None:
-            time.sleep(0.002)   # long enough for decode to scatter a chunk announced early
+            time.sleep(0.002)  # long enough for decode to scatter a chunk announced early
             ctypes.memmove(remote, local, nbytes)
             self.in_flight -= 1
+
         return wait
 
 
@@ -120,8 +129,10 @@ async def test_posted_writes_overlap_and_every_chunk_is_announced_after_its_writ
             src = map_regions(sc.src(plan), (b.src_region for b in plan.batches), "source")
             # small chunks: many per plan, so the ring turns over several times
             layouts = layout_chunks(plan, {r: m.nbytes for r, m in src.items()}, 4096)
-            assert await asyncio.to_thread(write_staged, channel, layouts, src, bulk,
-                                           room="r") == plan.total_nbytes
+            assert (
+                await asyncio.to_thread(write_staged, channel, layouts, src, bulk, room="r")
+                == plan.total_nbytes
+            )
             channel.close()
     finally:
         for decode in decodes.values():
@@ -133,8 +144,7 @@ async def test_posted_writes_overlap_and_every_chunk_is_announced_after_its_writ
 
 def _plan(runs: list[tuple[int, int, int]], region: str = "kv") -> TransferPlan:
     src, dst, n = (np.array(c, np.int64) for c in zip(*runs))
-    return TransferPlan("p0", "d0", (RunBatch(region, region, src, dst, n,
-                                              np.ones(len(n), np.int64), 0, 0),))
+    return TransferPlan("p0", "d0", (RunBatch(region, region, src, dst, n, np.ones(len(n), np.int64), 0, 0),))
 
 
 async def test_a_run_outside_the_region_is_refused_before_any_byte_is_scattered():
@@ -145,7 +155,7 @@ async def test_a_run_outside_the_region_is_refused_before_any_byte_is_scattered(
     async with Decode({"kv": dst}) as decode:
         channel = await decode.channel()
         with pytest.raises(TransportError) as info:
-            await _write(channel, plan, {"kv": src})   # no sender-side check: decode's own
+            await _write(channel, plan, {"kv": src})  # no sender-side check: decode's own
         assert info.value.code is Reason.RUN_OUT_OF_REGION and "refused" in str(info.value)
         assert not dst.any()
         assert decode.receiver.stats.refused[Reason.RUN_OUT_OF_REGION] == 1
@@ -160,19 +170,34 @@ async def test_a_refused_chunk_stops_the_write_and_every_answer_still_due_is_rea
     src = np.random.default_rng(0).integers(0, 256, 16 * SLOT, np.uint8)
     # six slot-sized chunks; the fourth run is outside a region decode does not have
     good = [(k * SLOT, k * SLOT, SLOT) for k in range(6)]
-    plan = TransferPlan("p0", "d0", (
-        RunBatch("kv", "kv", *(np.array(c, np.int64) for c in zip(*good[:3])),
-                 np.ones(3, np.int64), 0, 0),
-        RunBatch("kv", "nope", np.array([3 * SLOT]), np.array([0]), np.array([SLOT]),
-                 np.ones(1, np.int64), 0, 0),
-        RunBatch("kv", "kv", *(np.array(c, np.int64) for c in zip(*good[4:])),
-                 np.ones(2, np.int64), 0, 0)))
+    plan = TransferPlan(
+        "p0",
+        "d0",
+        (
+            RunBatch(
+                "kv", "kv", *(np.array(c, np.int64) for c in zip(*good[:3])), np.ones(3, np.int64), 0, 0
+            ),
+            RunBatch(
+                "kv",
+                "nope",
+                np.array([3 * SLOT]),
+                np.array([0]),
+                np.array([SLOT]),
+                np.ones(1, np.int64),
+                0,
+                0,
+            ),
+            RunBatch(
+                "kv", "kv", *(np.array(c, np.int64) for c in zip(*good[4:])), np.ones(2, np.int64), 0, 0
+            ),
+        ),
+    )
     async with Decode({"kv": dst}) as decode:
         channel = await decode.channel(ring_slots=2)
         with pytest.raises(TransportError) as info:
             await _write(channel, plan, {"kv": src})
         assert info.value.code is Reason.UNKNOWN_REGION
-        assert np.array_equal(dst[:3 * SLOT], src[:3 * SLOT]) and not dst[3 * SLOT:].any()
+        assert np.array_equal(dst[: 3 * SLOT], src[: 3 * SLOT]) and not dst[3 * SLOT :].any()
         assert await _write(channel, _plan([(0, 5 * SLOT, 100)]), {"kv": src}) == 100
         channel.close()
 
@@ -186,8 +211,8 @@ async def test_rings_are_bounded_by_the_area_and_come_back_when_a_peer_leaves():
         first = await decode.channel(ring_slots=4)
         second = await decode.channel(ring_slots=4)
         assert (len(first.slots), len(second.slots)) == (4, 2)
-        assert await decode.channel() is None            # the area is leased out
-        for _ in range(10):                              # many writes reuse the same slots
+        assert await decode.channel() is None  # the area is leased out
+        for _ in range(10):  # many writes reuse the same slots
             assert await _write(second, plan, {"kv": src}) == 40 * 4096
         assert decode.area.num_free == 0
         first.close()
@@ -196,7 +221,7 @@ async def test_rings_are_bounded_by_the_area_and_come_back_when_a_peer_leaves():
         for channel in (second, third):
             channel.close()
     expected = src.reshape(-1, 4096)[0:80:2].ravel()
-    assert np.array_equal(dst[:40 * 4096], expected)
+    assert np.array_equal(dst[: 40 * 4096], expected)
 
 
 async def _until(decode: Decode):
@@ -213,7 +238,7 @@ async def test_a_slot_outside_the_connections_ring_is_refused():
     dst = np.zeros(4096, np.uint8)
     async with Decode({"kv": dst}, num_slots=4) as decode:
         channel = await decode.channel(ring_slots=1)
-        channel.slots = (3,)      # pretend decode granted slot 3 (it granted 0)
+        channel.slots = (3,)  # pretend decode granted slot 3 (it granted 0)
         with pytest.raises(TransportError) as info:
             await _write(channel, _plan([(0, 0, 64)]), {"kv": np.ones(64, np.uint8)})
         assert info.value.code is Reason.RUN_OUT_OF_REGION and "slot 3" in str(info.value)
@@ -235,30 +260,39 @@ def _engine_like(per_tiny_s: float, per_run_s: float, bytes_per_s: float):
     """A submit that takes the time an engine would and moves nothing: ``per_tiny_s`` for
     each descriptor of 64 B or less beyond the first, ``per_run_s`` for each larger one,
     the bytes at ``bytes_per_s``."""
+
     def submit(src: list, dst: list, nbytes: list) -> None:
         extra = [per_tiny_s if n <= 64 else per_run_s for n in nbytes[1:]]
         time.sleep(sum(extra) + sum(nbytes) / bytes_per_s)
+
     return submit
 
 
-@pytest.mark.parametrize("per_tiny_s, per_run_s, floor_s", [
-    # Mooncake tcp-like: runs of 4 KiB go out in parallel, and 256 of them take no longer
-    # than their bytes as one run; each descriptor still costs tens of us
-    (40e-6, 0.0, 20e-6),
-    # NIXL UCX-like: a tiny descriptor costs next to nothing, a run of a few KiB does
-    (0.5e-6, 60e-6, 20e-6),
-])
-async def test_the_probe_prices_a_descriptor_by_whichever_way_shows_its_cost(
-        per_tiny_s, per_run_s, floor_s):
+@pytest.mark.parametrize(
+    "per_tiny_s, per_run_s, floor_s",
+    [
+        # Mooncake tcp-like: runs of 4 KiB go out in parallel, and 256 of them take no longer
+        # than their bytes as one run; each descriptor still costs tens of us
+        (40e-6, 0.0, 20e-6),
+        # NIXL UCX-like: a tiny descriptor costs next to nothing, a run of a few KiB does
+        (0.5e-6, 60e-6, 20e-6),
+    ],
+)
+async def test_the_probe_prices_a_descriptor_by_whichever_way_shows_its_cost(per_tiny_s, per_run_s, floor_s):
     async with Decode({"kv": np.zeros(4096, np.uint8)}) as decode:
         channel = await decode.channel()
-        cost = await asyncio.to_thread(measure_path, channel,
-                                       _engine_like(per_tiny_s, per_run_s, 0.2e9), repeats=3)
+        cost = await asyncio.to_thread(
+            measure_path, channel, _engine_like(per_tiny_s, per_run_s, 0.2e9), repeats=3
+        )
         channel.close()
     assert cost.per_descriptor_s >= floor_s, cost.describe()
     # so 512-byte head slices are staged (over Mooncake they went direct at 7 s a request)
-    assert choose(RunProfile.of(np.full(1024, 512)), cost, slot_nbytes=SLOT,
-                  batch_descriptors=2048, ring_slots=4).strategy is Strategy.STAGED
+    assert (
+        choose(
+            RunProfile.of(np.full(1024, 512)), cost, slot_nbytes=SLOT, batch_descriptors=2048, ring_slots=4
+        ).strategy
+        is Strategy.STAGED
+    )
 
 
 class TokenAuth:
@@ -286,7 +320,7 @@ async def test_the_control_channel_runs_the_handshake_before_anything_else():
     dst = np.zeros(4096, np.uint8)
     async with Decode({"kv": dst}, auth=auth) as decode:
         with pytest.raises(TransportError) as info:
-            await decode.channel()                        # no handshake at all
+            await decode.channel()  # no handshake at all
         assert info.value.code is Reason.UNAUTHENTICATED
         with pytest.raises(TransportError):
             await decode.channel(auth=TokenAuth(b"guess"))
@@ -301,8 +335,9 @@ async def test_a_garbled_request_is_answered_and_refused():
     async with Decode({"kv": np.zeros(4096, np.uint8)}) as decode:
         channel = await decode.channel()
         await asyncio.to_thread(send_frame, channel.sock, Kind.DATA, b"\x93not a map")
-        head = await asyncio.to_thread(read_prefix, channel.sock, max_header_nbytes=4096,
-                                       max_payload_nbytes=0)
+        head = await asyncio.to_thread(
+            read_prefix, channel.sock, max_header_nbytes=4096, max_payload_nbytes=0
+        )
         raw = await asyncio.to_thread(recv_exact, channel.sock, head.header_nbytes)
         reply = decode_reply(raw)
         assert head.kind is Kind.REPLY and isinstance(reply, Fail) and reply.code == "bad_frame"
@@ -318,18 +353,29 @@ async def test_a_plan_is_cut_into_parts_written_in_plan_order():
 
     def batch(region: str, run_nbytes: int) -> RunBatch:
         n = np.full(4, run_nbytes, np.int64)
-        return RunBatch(region, region, np.arange(4, dtype=np.int64) * 2 * run_nbytes,
-                        np.arange(4, dtype=np.int64) * 2 * run_nbytes, n, np.ones(4, np.int64), 0, 0)
+        return RunBatch(
+            region,
+            region,
+            np.arange(4, dtype=np.int64) * 2 * run_nbytes,
+            np.arange(4, dtype=np.int64) * 2 * run_nbytes,
+            n,
+            np.ones(4, np.int64),
+            0,
+            0,
+        )
 
     # small KV runs stage (crossover 8 KiB), a big block goes direct, and the aux row
     # (set direct by the agent) stays last: its arrival means everything before landed
-    plan = TransferPlan("p0", "d0", (batch("kv", 512), batch("kv", 1 << 20), batch("kv", 512),
-                                     batch("aux", 64)))
+    plan = TransferPlan(
+        "p0", "d0", (batch("kv", 512), batch("kv", 1 << 20), batch("kv", 512), batch("aux", 64))
+    )
     link = SimpleNamespace(staging=LinkStaging(None, None, 8192, {"aux": Strategy.DIRECT}))
     parts = segments(plan, link, StrategyMode.AUTO)
     assert [(s, [int(b.nbytes[0]) for b in p.batches]) for s, p in parts] == [
-        (Strategy.STAGED, [512]), (Strategy.DIRECT, [1 << 20]), (Strategy.STAGED, [512]),
-        (Strategy.DIRECT, [64])]
+        (Strategy.STAGED, [512]),
+        (Strategy.DIRECT, [1 << 20]),
+        (Strategy.STAGED, [512]),
+        (Strategy.DIRECT, [64]),
+    ]
     assert [p.batches for _, p in segments(plan, link, StrategyMode.STAGED)] == [plan.batches]
-    assert segments(plan, SimpleNamespace(staging=None), StrategyMode.AUTO) == \
-        [(Strategy.DIRECT, plan)]
+    assert segments(plan, SimpleNamespace(staging=None), StrategyMode.AUTO) == [(Strategy.DIRECT, plan)]

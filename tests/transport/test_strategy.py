@@ -19,11 +19,23 @@ from pd_transfer.transport.strategy import (
 )
 
 # the worked example of strategy.py's docstring: Mooncake's tcp path on loopback
-MOONCAKE_TCP = PathCost(fixed_s=2e-6, per_descriptor_s=80e-6, engine_bytes_per_s=0.5e9,
-                        copy_bytes_per_s=4e9, copy_per_run_s=40e-9, round_trip_s=300e-6)
+MOONCAKE_TCP = PathCost(
+    fixed_s=2e-6,
+    per_descriptor_s=80e-6,
+    engine_bytes_per_s=0.5e9,
+    copy_bytes_per_s=4e9,
+    copy_per_run_s=40e-9,
+    round_trip_s=300e-6,
+)
 # a path where descriptors are nearly free (RDMA-like): staging never pays
-CHEAP_DESCRIPTORS = PathCost(fixed_s=5e-6, per_descriptor_s=50e-9, engine_bytes_per_s=20e9,
-                             copy_bytes_per_s=4e9, copy_per_run_s=40e-9, round_trip_s=50e-6)
+CHEAP_DESCRIPTORS = PathCost(
+    fixed_s=5e-6,
+    per_descriptor_s=50e-9,
+    engine_bytes_per_s=20e9,
+    copy_bytes_per_s=4e9,
+    copy_per_run_s=40e-9,
+    round_trip_s=50e-6,
+)
 SLOT = 4 << 20
 
 
@@ -44,11 +56,19 @@ def test_a_slow_round_trip_at_start_up_is_shared_out_over_the_ring():
     sidecar's log): a 16 ms round trip. Charged whole to every chunk it sent 512-byte
     head slices direct, one descriptor each (a request took 2-5 s instead of 1); shared
     over the four chunks in flight, they go staged."""
-    noisy = PathCost(fixed_s=118e-6, per_descriptor_s=1.1e-6, engine_bytes_per_s=0.84e9,
-                     copy_bytes_per_s=6.10e9, copy_per_run_s=188e-9, round_trip_s=15.894e-3)
+    noisy = PathCost(
+        fixed_s=118e-6,
+        per_descriptor_s=1.1e-6,
+        engine_bytes_per_s=0.84e9,
+        copy_bytes_per_s=6.10e9,
+        copy_per_run_s=188e-9,
+        round_trip_s=15.894e-3,
+    )
     profile = RunProfile.of(np.full(1024, 512))
-    one, ring = (choose(profile, noisy, slot_nbytes=SLOT, batch_descriptors=1 << 30,
-                        ring_slots=r).strategy for r in (1, 4))
+    one, ring = (
+        choose(profile, noisy, slot_nbytes=SLOT, batch_descriptors=1 << 30, ring_slots=r).strategy
+        for r in (1, 4)
+    )
     assert (one, ring) == (Strategy.DIRECT, Strategy.STAGED)
 
 
@@ -68,9 +88,10 @@ def test_a_path_with_cheap_descriptors_never_stages():
     assert _choose(64, CHEAP_DESCRIPTORS).strategy is Strategy.DIRECT
 
 
-@pytest.mark.parametrize("mode,run_nbytes,expected", [
-    (StrategyMode.DIRECT, 512, Strategy.DIRECT),
-    (StrategyMode.STAGED, 256 << 20, Strategy.STAGED)])
+@pytest.mark.parametrize(
+    "mode,run_nbytes,expected",
+    [(StrategyMode.DIRECT, 512, Strategy.DIRECT), (StrategyMode.STAGED, 256 << 20, Strategy.STAGED)],
+)
 def test_the_configured_strategy_overrides_the_estimate(mode, run_nbytes, expected):
     decision = _choose(run_nbytes, mode=mode)
     assert decision.strategy is expected and decision.reason == "configured"
@@ -88,9 +109,12 @@ def test_the_choice_agrees_with_the_time_estimates(run_nbytes, ring_slots):
     # a request of 256 MiB in runs of run_nbytes: the chosen way is the faster estimate
     total = 256 << 20
     profile = RunProfile.of(np.full(total // run_nbytes, run_nbytes))
-    times = {s: estimate_s(profile, MOONCAKE_TCP, s, slot_nbytes=SLOT, batch_descriptors=1024,
-                           ring_slots=ring_slots)
-             for s in Strategy}
+    times = {
+        s: estimate_s(
+            profile, MOONCAKE_TCP, s, slot_nbytes=SLOT, batch_descriptors=1024, ring_slots=ring_slots
+        )
+        for s in Strategy
+    }
     assert _choose(run_nbytes, ring_slots=ring_slots).strategy is min(times, key=times.get)
 
 
@@ -103,16 +127,28 @@ def test_run_profile_reports_percentiles_and_mean():
 
 
 def _batch(src, dst, n, region="kv"):
-    return RunBatch(region, region, np.array(src, np.int64), np.array(dst, np.int64),
-                    np.array(n, np.int64), np.ones(len(n), np.int64), 0, 0)
+    return RunBatch(
+        region,
+        region,
+        np.array(src, np.int64),
+        np.array(dst, np.int64),
+        np.array(n, np.int64),
+        np.ones(len(n), np.int64),
+        0,
+        0,
+    )
 
 
 def test_runs_that_continue_on_both_sides_are_joined_before_profiling():
     # pages 0-3 land in pages 10-13: one run of 4 KiB; then two runs that do not continue
-    plan = TransferPlan("p", "d", (_batch([0, 1024, 2048, 3072, 8192], [10240, 11264, 12288,
-                                                                        13312, 0],
-                                          [1024] * 5),
-                                   _batch([0, 4096], [4096, 0], [64, 64], region="aux")))
+    plan = TransferPlan(
+        "p",
+        "d",
+        (
+            _batch([0, 1024, 2048, 3072, 8192], [10240, 11264, 12288, 13312, 0], [1024] * 5),
+            _batch([0, 4096], [4096, 0], [64, 64], region="aux"),
+        ),
+    )
     batch, nbytes = joined_runs(plan)
     assert batch.tolist() == [0, 0, 1, 1] and nbytes.tolist() == [4096, 1024, 64, 64]
     assert staged_batches(plan, crossover=1000).tolist() == [False, True]
@@ -122,5 +158,6 @@ def test_runs_that_continue_on_both_sides_are_joined_before_profiling():
 def test_the_config_and_the_metrics_name_the_same_strategies():
     from pd_transfer.agent.observe import STRATEGIES as reported
     from pd_transfer.config import STRATEGIES as configurable
+
     assert configurable == tuple(m.value for m in StrategyMode)
     assert reported == tuple(s.value for s in Strategy)

@@ -21,8 +21,9 @@ CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tcp_receiver_c
 
 
 def _endpoint(rank: str, regions: dict, address: str, *, sizes: bool = True) -> PeerEndpoint:
-    return PeerEndpoint.from_maps(rank, {r: b.size for r, b in regions.items()} if sizes else {},
-                                  data_address=address)
+    return PeerEndpoint.from_maps(
+        rank, {r: b.size for r, b in regions.items()} if sizes else {}, data_address=address
+    )
 
 
 class Decode:
@@ -30,8 +31,10 @@ class Decode:
 
     def __init__(self, sc, **options) -> None:
         self.sc = sc
-        self.receivers = {rank: TcpReceiver("127.0.0.1", regions, **options)
-                          for rank, regions in sc.world.decode_buffers.items()}
+        self.receivers = {
+            rank: TcpReceiver("127.0.0.1", regions, **options)
+            for rank, regions in sc.world.decode_buffers.items()
+        }
 
     async def __aenter__(self) -> Decode:
         for receiver in self.receivers.values():
@@ -47,15 +50,19 @@ class Decode:
 
 
 @pytest.mark.parametrize("inline_nbytes", [256 << 10, 0], ids=["inline", "threaded-scatter"])
-@pytest.mark.parametrize("case", [("llama", 2, 2), ("llama", 2, 4), ("llama", 4, 2), ("gdn", 2, 4)],
-                         ids=["direct", "sliced-2-4", "sliced-4-2", "gdn"])
+@pytest.mark.parametrize(
+    "case",
+    [("llama", 2, 2), ("llama", 2, 4), ("llama", 4, 2), ("gdn", 2, 4)],
+    ids=["direct", "sliced-2-4", "sliced-4-2", "gdn"],
+)
 async def test_tcp_write_lands_exactly_the_oracle_bytes(scenario, case, inline_nbytes):
     sc = scenario(*case)
     transport = TcpTransport(chunk_nbytes=96 << 10)
     async with Decode(sc, inline_nbytes=inline_nbytes) as decode:
         links = {rank: await transport.connect(decode.endpoint(rank)) for rank in decode.receivers}
-        results = await asyncio.gather(*(
-            transport.write(links[p.dst_rank], p, sc.src(p), room="r1") for p in sc.plans))
+        results = await asyncio.gather(
+            *(transport.write(links[p.dst_rank], p, sc.src(p), room="r1") for p in sc.plans)
+        )
         assert results == [p.total_nbytes for p in sc.plans]
         assert sum(r.stats.nbytes_landed for r in decode.receivers.values()) == sum(results)
         assert all(r.stats.frames_refused == 0 for r in decode.receivers.values())
@@ -76,12 +83,15 @@ async def test_bytes_in_flight_never_exceed_the_window(scenario):
         async def watched(nbytes):
             await original(nbytes)
             seen.append(link.in_flight_nbytes)
+
         link.acquire = watched
         plan = sc.plans[0]
         # two rooms writing the same pages (same bytes) on one link share its window
-        await asyncio.gather(transport.write(link, plan, sc.src(plan), room="a"),
-                             transport.write(link, plan, sc.src(plan), room="b"),
-                             *(transport.write(links[p.dst_rank], p, sc.src(p)) for p in sc.plans[1:]))
+        await asyncio.gather(
+            transport.write(link, plan, sc.src(plan), room="a"),
+            transport.write(link, plan, sc.src(plan), room="b"),
+            *(transport.write(links[p.dst_rank], p, sc.src(p)) for p in sc.plans[1:]),
+        )
         assert plan.total_nbytes > 8 * window  # the window really had to bind
         assert len(seen) >= 2 * plan.total_nbytes // chunk
         assert max(seen) <= window and link.max_in_flight_nbytes <= window
@@ -105,15 +115,19 @@ async def test_a_long_write_is_striped_over_the_streams_within_one_window(scenar
         assert len(link.lanes) == 3 and all(lane.window_nbytes == window // 3 for lane in link.lanes)
         together, per_lane = [], {id(lane): 0 for lane in link.lanes}
         for lane in link.lanes:
+
             def watch(lane=lane, original=lane.acquire):
                 async def watched(nbytes):
                     await original(nbytes)
                     per_lane[id(lane)] += 1
                     together.append(sum(other.in_flight_nbytes for other in link.lanes))
+
                 lane.acquire = watched
+
             watch()
-        results = await asyncio.gather(*(transport.write(links[p.dst_rank], p, sc.src(p), room="r")
-                                         for p in sc.plans))
+        results = await asyncio.gather(
+            *(transport.write(links[p.dst_rank], p, sc.src(p), room="r") for p in sc.plans)
+        )
         assert results == [p.total_nbytes for p in sc.plans]
         receiver = decode.receivers[plan.dst_rank]
         assert plan.total_nbytes > 8 * window
@@ -125,26 +139,45 @@ async def test_a_long_write_is_striped_over_the_streams_within_one_window(scenar
     assert sc.world.verify(sc.requests) == []
 
 
-@pytest.mark.parametrize("tail_nbytes, alone", [(64, True), (40 << 10, False)],
-                         ids=["small-last-run-alone", "large-last-run-in-the-last-chunk"])
+@pytest.mark.parametrize(
+    "tail_nbytes, alone",
+    [(64, True), (40 << 10, False)],
+    ids=["small-last-run-alone", "large-last-run-in-the-last-chunk"],
+)
 async def test_a_striped_write_lands_its_last_run_last(tail_nbytes, alone):
     """As on one connection, the plan's last run (a room's aux row) lands after every
     other byte: sent on its own once the striped rest has landed, or, when it is large,
     inside the last chunk sent after the others."""
     from pd_transfer.layout.lowering import RunBatch, TransferPlan
+
     chunk, body = 16 << 10, 20
     src = {"s": np.random.default_rng(1).integers(0, 256, (body << 12) + tail_nbytes, np.uint8)}
     region = np.zeros(src["s"].size, np.uint8)
     pages = np.arange(body, dtype=np.int64) << 12
-    plan = TransferPlan("p0", "d0", (
-        RunBatch("s", "kv", pages, pages[::-1].copy(), np.full(body, 4096), np.ones(body, np.int64),
-                 0, 0),
-        RunBatch("s", "kv", np.array([body << 12]), np.array([body << 12]),
-                 np.array([tail_nbytes]), np.array([1]), 0, 0)))
+    plan = TransferPlan(
+        "p0",
+        "d0",
+        (
+            RunBatch(
+                "s", "kv", pages, pages[::-1].copy(), np.full(body, 4096), np.ones(body, np.int64), 0, 0
+            ),
+            RunBatch(
+                "s",
+                "kv",
+                np.array([body << 12]),
+                np.array([body << 12]),
+                np.array([tail_nbytes]),
+                np.array([1]),
+                0,
+                0,
+            ),
+        ),
+    )
     landed = []
     transport = TcpTransport(chunk_nbytes=chunk, streams=2)
-    async with TcpReceiver("127.0.0.1", {"kv": region},
-                           on_landed=lambda room, gen, n: landed.append(n)) as receiver:
+    async with TcpReceiver(
+        "127.0.0.1", {"kv": region}, on_landed=lambda room, gen, n: landed.append(n)
+    ) as receiver:
         link = await transport.connect(PeerEndpoint("d0", data_address=receiver.address))
         assert await transport.write(link, plan, src, room="r") == plan.total_nbytes
         await transport.close()
@@ -152,7 +185,7 @@ async def test_a_striped_write_lands_its_last_run_last(tail_nbytes, alone):
     assert landed[-1] == (tail_nbytes if alone else last_chunk)
     assert len(landed) == 3 and sum(landed) == plan.total_nbytes  # two striped shares first
     expected = src["s"].copy()
-    expected[:body << 12] = src["s"][:body << 12].reshape(body, 4096)[::-1].ravel()
+    expected[: body << 12] = src["s"][: body << 12].reshape(body, 4096)[::-1].ravel()
     assert np.array_equal(region, expected)
 
 
@@ -160,9 +193,9 @@ async def test_a_one_chunk_write_takes_the_least_busy_stream():
     region = np.zeros(4096, np.uint8)
     src = {"s": np.arange(4096, dtype=np.uint16).astype(np.uint8)}
     from pd_transfer.layout.lowering import RunBatch, TransferPlan
+
     zero = np.array([0], np.int64)
-    plan = TransferPlan("p0", "d0", (RunBatch("s", "kv", zero, zero, np.array([4096]),
-                                              np.array([1]), 0, 0),))
+    plan = TransferPlan("p0", "d0", (RunBatch("s", "kv", zero, zero, np.array([4096]), np.array([1]), 0, 0),))
     transport = TcpTransport(streams=2)
     async with TcpReceiver("127.0.0.1", {"kv": region}) as receiver:
         link = await transport.connect(PeerEndpoint("d0", data_address=receiver.address))
@@ -200,9 +233,19 @@ class RawPeer:
 
 
 def _chunk_header(xfer: int, runs: list, regions=("kv",), room="evil", gen=0) -> bytes:
-    return msgpack.packb({"v": 1, "t": "chunk", "xfer": xfer, "room": room, "gen": gen, "seq": 0,
-                          "regions": list(regions),
-                          "runs": np.array(runs, "<i8").tobytes()}, use_bin_type=True)
+    return msgpack.packb(
+        {
+            "v": 1,
+            "t": "chunk",
+            "xfer": xfer,
+            "room": room,
+            "gen": gen,
+            "seq": 0,
+            "regions": list(regions),
+            "runs": np.array(runs, "<i8").tobytes(),
+        },
+        use_bin_type=True,
+    )
 
 
 async def test_out_of_region_frames_are_refused_and_the_receiver_keeps_serving():
@@ -268,8 +311,7 @@ async def test_fenced_generation_is_refused_and_the_next_one_lands(scenario):
         with pytest.raises(TransportError) as info:
             await transport.write(link, plan, sc.src(plan), room="r", generation=0)
         assert info.value.code is Reason.STALE_GENERATION
-        assert await transport.write(link, plan, sc.src(plan), room="r", generation=1) \
-            == plan.total_nbytes
+        assert await transport.write(link, plan, sc.src(plan), room="r", generation=1) == plan.total_nbytes
         await transport.close()
 
 
@@ -277,9 +319,9 @@ async def test_write_to_a_silent_peer_waits_for_the_callers_timeout():
     transport = TcpTransport()
     link = await transport.connect(PeerEndpoint("d0", data_address="tcp://127.0.0.1:1"))
     from pd_transfer.layout.lowering import RunBatch, TransferPlan
+
     one = np.array([0], np.int64)
-    plan = TransferPlan("p0", "d0", (RunBatch("s", "kv", one, one, np.array([64]), np.array([1]),
-                                              0, 0),))
+    plan = TransferPlan("p0", "d0", (RunBatch("s", "kv", one, one, np.array([64]), np.array([1]), 0, 0),))
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(transport.write(link, plan, {"s": np.ones(64, np.uint8)}), 0.3)
     assert link.in_flight_nbytes == 0  # the abandoned chunk's credit came back
@@ -297,16 +339,22 @@ async def test_receiver_in_another_process(scenario, segments):
     placed = {rank: segments(regions) for rank, regions in sc.world.decode_buffers.items()}
     names = {rank: {r: s.name for r, s in segs.items()} for rank, segs in placed.items()}
     child = await asyncio.create_subprocess_exec(
-        sys.executable, CHILD, json.dumps(names), stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+        sys.executable,
+        CHILD,
+        json.dumps(names),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
+    )
     transport = TcpTransport(chunk_nbytes=128 << 10)
     try:
         addresses = json.loads(await asyncio.wait_for(child.stdout.readline(), 60))
         for plan in sc.plans:
-            link = await transport.connect(_endpoint(plan.dst_rank, sc.dst(plan),
-                                                     addresses[plan.dst_rank]))
-            assert await asyncio.wait_for(transport.write(link, plan, sc.src(plan), room="x"), 30) \
+            link = await transport.connect(_endpoint(plan.dst_rank, sc.dst(plan), addresses[plan.dst_rank]))
+            assert (
+                await asyncio.wait_for(transport.write(link, plan, sc.src(plan), room="x"), 30)
                 == plan.total_nbytes
+            )
         await transport.close()
     finally:
         child.stdin.close()

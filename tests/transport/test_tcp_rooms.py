@@ -24,14 +24,26 @@ from pd_transfer.transport.sockets import PREFIX, Kind, parse_address, prefix
 
 
 def _ranges(**regions) -> dict[str, ByteRanges]:
-    return {r: ByteRanges.merged(np.array([a for a, _ in pairs]), np.array([b for _, b in pairs]))
-            for r, pairs in regions.items()}
+    return {
+        r: ByteRanges.merged(np.array([a for a, _ in pairs]), np.array([b for _, b in pairs]))
+        for r, pairs in regions.items()
+    }
 
 
 def _chunk(xfer: int, runs: list, room: str, gen: int = 0, regions=("kv",)) -> bytes:
-    return msgpack.packb({"v": 1, "t": "chunk", "xfer": xfer, "room": room, "gen": gen, "seq": 0,
-                          "regions": list(regions), "runs": np.array(runs, "<i8").tobytes()},
-                         use_bin_type=True)
+    return msgpack.packb(
+        {
+            "v": 1,
+            "t": "chunk",
+            "xfer": xfer,
+            "room": room,
+            "gen": gen,
+            "seq": 0,
+            "regions": list(regions),
+            "runs": np.array(runs, "<i8").tobytes(),
+        },
+        use_bin_type=True,
+    )
 
 
 async def _exchange(address: str, frames: list[tuple[bytes, bytes]]) -> list:
@@ -49,8 +61,9 @@ async def _exchange(address: str, frames: list[tuple[bytes, bytes]]) -> list:
 def test_byte_ranges_merge_and_cover():
     ranges = ByteRanges.merged(np.array([100, 0, 16, 200, 50]), np.array([150, 16, 32, 210, 60]))
     assert ranges.starts.tolist() == [0, 50, 100, 200] and ranges.ends.tolist() == [32, 60, 150, 210]
-    covered = ranges.covers(np.array([0, 8, 31, 32, 100, 149, 199, 205]),
-                            np.array([32, 24, 1, 1, 50, 2, 2, 5]))
+    covered = ranges.covers(
+        np.array([0, 8, 31, 32, 100, 149, 199, 205]), np.array([32, 24, 1, 1, 50, 2, 2, 5])
+    )
     assert covered.tolist() == [True, True, True, False, True, False, False, True]
 
 
@@ -74,22 +87,29 @@ async def test_only_expected_rooms_write_and_only_into_their_pages():
     receiver = TcpReceiver("127.0.0.1", {"kv": region}, policy=RoomPolicy.EXPECTED)
     async with receiver:
         receiver.expect("7", 3, _ranges(kv=[(1024, 2048)]))
-        replies = await _exchange(receiver.address, [
-            (_chunk(1, [[0, 0, 16]], room="8", gen=3), b"\x01" * 16),        # not expected
-            (_chunk(2, [[0, 2040, 16]], room="7", gen=3), b"\x01" * 16),     # leaves its pages
-            (_chunk(3, [[0, 1024, 16]], room="7", gen=2), b"\x01" * 16),     # older generation
-            (_chunk(4, [[0, 1024, 16]], room="7", gen=4), b"\x01" * 16),     # newer generation
-            (_chunk(5, [[0, 1024, 16], [0, 2032, 16]], room="7", gen=3), b"\x02" * 32),
-        ])
+        replies = await _exchange(
+            receiver.address,
+            [
+                (_chunk(1, [[0, 0, 16]], room="8", gen=3), b"\x01" * 16),  # not expected
+                (_chunk(2, [[0, 2040, 16]], room="7", gen=3), b"\x01" * 16),  # leaves its pages
+                (_chunk(3, [[0, 1024, 16]], room="7", gen=2), b"\x01" * 16),  # older generation
+                (_chunk(4, [[0, 1024, 16]], room="7", gen=4), b"\x01" * 16),  # newer generation
+                (_chunk(5, [[0, 1024, 16], [0, 2032, 16]], room="7", gen=3), b"\x02" * 32),
+            ],
+        )
         assert [r.reason() for r in replies[:4]] == [
-            Reason.UNKNOWN_ROOM, Reason.RUN_OUT_OF_REGION, Reason.STALE_GENERATION,
-            Reason.BAD_GENERATION]
+            Reason.UNKNOWN_ROOM,
+            Reason.RUN_OUT_OF_REGION,
+            Reason.STALE_GENERATION,
+            Reason.BAD_GENERATION,
+        ]
         assert "outside the pages this room expects" in replies[1].text
         assert (replies[4].xfer, replies[4].nbytes) == (5, 32)
         assert int(np.count_nonzero(region)) == 32 and region[1024:1040].tolist() == [2] * 16
         receiver.forget("7")  # landed: its later chunks are refused
-        late = await _exchange(receiver.address, [(_chunk(6, [[0, 1024, 16]], room="7", gen=3),
-                                                   b"\x03" * 16)])
+        late = await _exchange(
+            receiver.address, [(_chunk(6, [[0, 1024, 16]], room="7", gen=3), b"\x03" * 16)]
+        )
         assert late[0].reason() is Reason.UNKNOWN_ROOM
         assert region[1024:1040].tolist() == [2] * 16
         assert receiver.stats.refused[Reason.UNKNOWN_ROOM] == 2
@@ -102,8 +122,9 @@ async def test_fence_drops_the_expectation_and_refuses_the_generation():
     async with receiver:
         receiver.expect("r", 1, _ranges(kv=[(0, 4096)]))
         await receiver.fence("r", 1)
-        reply = (await _exchange(receiver.address, [(_chunk(1, [[0, 0, 16]], room="r", gen=1),
-                                                     b"\x01" * 16)]))[0]
+        reply = (
+            await _exchange(receiver.address, [(_chunk(1, [[0, 0, 16]], room="r", gen=1), b"\x01" * 16)])
+        )[0]
         assert reply.reason() is Reason.STALE_GENERATION and "was aborted" in reply.text
         assert not region.any()
 
@@ -130,14 +151,19 @@ async def test_a_fence_cuts_off_a_chunk_stalled_mid_payload():
 
 def _one_run_plan(nbytes: int):
     from pd_transfer.layout.lowering import RunBatch, TransferPlan
+
     zero = np.array([0], np.int64)
-    return TransferPlan("p0", "d0", (RunBatch("s", "kv", zero, zero, np.array([nbytes]),
-                                              np.array([1]), 0, 0),))
+    return TransferPlan(
+        "p0", "d0", (RunBatch("s", "kv", zero, zero, np.array([nbytes]), np.array([1]), 0, 0),)
+    )
 
 
 def _lost_records(caplog, level: int) -> list:
-    return [r for r in caplog.records if "lost" in r.getMessage() and r.levelno == level
-            and r.name == "pd_transfer.transport.tcp"]
+    return [
+        r
+        for r in caplog.records
+        if "lost" in r.getMessage() and r.levelno == level and r.name == "pd_transfer.transport.tcp"
+    ]
 
 
 async def _write_to_failing_peer(serve, nbytes: int):
@@ -151,10 +177,12 @@ async def _write_to_failing_peer(serve, nbytes: int):
     async def close() -> None:
         await transport.close()
         server.close()
+
     try:
         with pytest.raises(TransportError) as info:
-            await asyncio.wait_for(transport.write(link, _one_run_plan(nbytes),
-                                                   {"s": np.ones(nbytes, np.uint8)}), 5)
+            await asyncio.wait_for(
+                transport.write(link, _one_run_plan(nbytes), {"s": np.ones(nbytes, np.uint8)}), 5
+            )
     except BaseException:  # the test fails: do not leave the link's threads behind
         await close()
         raise
@@ -247,11 +275,14 @@ async def test_corrupt_payload_damages_a_copy_never_the_source(scenario):
 @pytest.mark.asyncio
 async def test_without_native_io_the_memoryview_path_lands_the_same_bytes(scenario, monkeypatch):
     from pd_transfer.transport import native_io
+
     monkeypatch.setattr(native_io, "AVAILABLE", False)
     sc = scenario("llama", 2, 4)
     transport = TcpTransport(chunk_nbytes=256 << 10)
-    receivers = {rank: TcpReceiver("127.0.0.1", regions, inline_nbytes=0)
-                 for rank, regions in sc.world.decode_buffers.items()}
+    receivers = {
+        rank: TcpReceiver("127.0.0.1", regions, inline_nbytes=0)
+        for rank, regions in sc.world.decode_buffers.items()
+    }
     for receiver in receivers.values():
         await receiver.start()
     for plan in sc.plans:
@@ -263,9 +294,18 @@ async def test_without_native_io_the_memoryview_path_lands_the_same_bytes(scenar
     assert sc.world.verify(sc.requests) == []
 
 
-@pytest.mark.parametrize("layout", [Layout.NHD, Layout.HND, Layout.LAYER_FIRST, Layout.PAGE_FIRST,
-                                    Layout.PAGE_FIRST_DIRECT, Layout.PAGE_HEAD],
-                         ids=lambda layout: layout.value)
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout.NHD,
+        Layout.HND,
+        Layout.LAYER_FIRST,
+        Layout.PAGE_FIRST,
+        Layout.PAGE_FIRST_DIRECT,
+        Layout.PAGE_HEAD,
+    ],
+    ids=lambda layout: layout.value,
+)
 @pytest.mark.parametrize("kind, tps", [("llama", (2, 4)), ("llama", (4, 2)), ("gdn", (2, 4))])
 def test_every_planned_run_lies_in_the_ranges_of_the_rooms_items(scenario, layout, kind, tps):
     sc = scenario(kind, *tps, dst_layout=layout)

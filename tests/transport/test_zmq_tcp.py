@@ -28,14 +28,19 @@ pytestmark = pytest.mark.asyncio
 async def test_zmq_write_lands_exactly_the_oracle_bytes(scenario, case, inline_nbytes):
     sc = scenario(*case)
     transport = ZmqTcpTransport(chunk_nbytes=96 << 10)
-    receivers = {rank: ZmqTcpReceiver("127.0.0.1", regions, inline_nbytes=inline_nbytes)
-                 for rank, regions in sc.world.decode_buffers.items()}
+    receivers = {
+        rank: ZmqTcpReceiver("127.0.0.1", regions, inline_nbytes=inline_nbytes)
+        for rank, regions in sc.world.decode_buffers.items()
+    }
     for receiver in receivers.values():
         await receiver.start()
-    links = {rank: await transport.connect(PeerEndpoint("d", data_address=r.address))
-             for rank, r in receivers.items()}
-    results = await asyncio.gather(*(
-        transport.write(links[p.dst_rank], p, sc.src(p), room="r1") for p in sc.plans))
+    links = {
+        rank: await transport.connect(PeerEndpoint("d", data_address=r.address))
+        for rank, r in receivers.items()
+    }
+    results = await asyncio.gather(
+        *(transport.write(links[p.dst_rank], p, sc.src(p), room="r1") for p in sc.plans)
+    )
     assert results == [p.total_nbytes for p in sc.plans]
     await transport.close()
     for receiver in receivers.values():
@@ -45,9 +50,19 @@ async def test_zmq_write_lands_exactly_the_oracle_bytes(scenario, case, inline_n
 
 
 def _chunk_header(xfer: int, runs: list, regions=("kv",), room="evil", gen=0) -> bytes:
-    return msgpack.packb({"v": 1, "t": "chunk", "xfer": xfer, "room": room, "gen": gen, "seq": 0,
-                          "regions": list(regions),
-                          "runs": np.array(runs, "<i8").tobytes()}, use_bin_type=True)
+    return msgpack.packb(
+        {
+            "v": 1,
+            "t": "chunk",
+            "xfer": xfer,
+            "room": room,
+            "gen": gen,
+            "seq": 0,
+            "regions": list(regions),
+            "runs": np.array(runs, "<i8").tobytes(),
+        },
+        use_bin_type=True,
+    )
 
 
 async def test_zmq_receiver_refuses_bad_frames_and_unexpected_rooms_and_keeps_serving():
@@ -61,6 +76,7 @@ async def test_zmq_receiver_refuses_bad_frames_and_unexpected_rooms_and_keeps_se
 
         async def reply():
             return decode_reply(await asyncio.wait_for(peer.recv(), 5))
+
         await peer.send_multipart([_chunk_header(1, [[0, 4000, 128]], room="r"), b"\x01" * 128])
         assert (await reply()).reason() is Reason.RUN_OUT_OF_REGION
         await peer.send_multipart([_chunk_header(2, [[0, 2048, 16]], room="r"), b"\x01" * 16])

@@ -32,7 +32,8 @@ def add_backend_member(transfer_backend: Any) -> Any:
         raise UnknownSglangVersion(
             f"pd-transfer's SGLang plugin knows TransferBackend members {sorted(KNOWN_MEMBERS)}, this SGLang "
             f"has {sorted(members)}; install the SGLang version pd-transfer supports (0.5.23) or a "
-            f"pd-transfer release that knows this one")
+            f"pd-transfer release that knows this one"
+        )
     # Enum members cannot be added through the class; build one as EnumType does
     member = object.__new__(transfer_backend)
     member._name_ = MEMBER_NAME

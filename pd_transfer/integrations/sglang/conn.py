@@ -48,16 +48,21 @@ log = logging.getLogger(__name__)
 
 # Set around SGLang's _init_kv_manager by the plugin's hook (or by a caller that
 # builds the manager itself): the pool tensors and model facts kv_args lacks.
-ENGINE_MEMORY: contextvars.ContextVar[tuple[EngineMemory, EngineFacts] | None] = \
-    contextvars.ContextVar("pd_transfer_sglang_engine_memory", default=None)
+ENGINE_MEMORY: contextvars.ContextVar[tuple[EngineMemory, EngineFacts] | None] = contextvars.ContextVar(
+    "pd_transfer_sglang_engine_memory", default=None
+)
 
 # a receiver whose doorbell is still open asks its sidecar this often all the same
 # (a sidecar that died closes no slot); in between, a poll is a memory read
 ASK_EVERY_S = 0.05
 
-_POLL = {RoomStatus.BOOTSTRAPPING: KVPoll.Bootstrapping, RoomStatus.WAITING_FOR_INPUT: KVPoll.WaitingForInput,
-         RoomStatus.TRANSFERRING: KVPoll.Transferring, RoomStatus.SUCCESS: KVPoll.Success,
-         RoomStatus.FAILED: KVPoll.Failed}
+_POLL = {
+    RoomStatus.BOOTSTRAPPING: KVPoll.Bootstrapping,
+    RoomStatus.WAITING_FOR_INPUT: KVPoll.WaitingForInput,
+    RoomStatus.TRANSFERRING: KVPoll.Transferring,
+    RoomStatus.SUCCESS: KVPoll.Success,
+    RoomStatus.FAILED: KVPoll.Failed,
+}
 
 
 @dataclass(frozen=True)
@@ -96,9 +101,12 @@ class BackendSettings:
         return cls(**values)
 
     def endpoint_for(self, kv_args: Any) -> str:
-        return self.worker_endpoint.format(gpu_id=getattr(kv_args, "gpu_id", 0), tp_rank=kv_args.engine_rank,
-                                           pp_rank=kv_args.pp_rank,
-                                           dp_rank=getattr(kv_args, "system_dp_rank", 0) or 0)
+        return self.worker_endpoint.format(
+            gpu_id=getattr(kv_args, "gpu_id", 0),
+            tp_rank=kv_args.engine_rank,
+            pp_rank=kv_args.pp_rank,
+            dp_rank=getattr(kv_args, "system_dp_rank", 0) or 0,
+        )
 
 
 class PdTransferKVManager(BaseKVManager):
@@ -106,13 +114,20 @@ class PdTransferKVManager(BaseKVManager):
 
     supports_deferred_decode_kv_release = True
 
-    def __init__(self, args: Any, disaggregation_mode: DisaggregationMode, server_args: Any,
-                 is_mla_backend: bool | None = False) -> None:
+    def __init__(
+        self,
+        args: Any,
+        disaggregation_mode: DisaggregationMode,
+        server_args: Any,
+        is_mla_backend: bool | None = False,
+    ) -> None:
         context = ENGINE_MEMORY.get()
         if context is None:
-            raise ConfigError("pd_transfer's SGLang backend was built without its pool tensors",
-                              hint="install pd-transfer[sglang] so SGLang loads its plugin "
-                                   "(sglang.srt.plugins entry point), or set SGLANG_PLUGINS to include it")
+            raise ConfigError(
+                "pd_transfer's SGLang backend was built without its pool tensors",
+                hint="install pd-transfer[sglang] so SGLang loads its plugin "
+                "(sglang.srt.plugins entry point), or set SGLANG_PLUGINS to include it",
+            )
         self.memory, self.facts = context
         self.kv_args = args
         self.mode = disaggregation_mode
@@ -128,14 +143,19 @@ class PdTransferKVManager(BaseKVManager):
         self.deferred: dict[int, PdTransferKVReceiver] = {}
         self.geometry = describe_rank(args, self.memory, self.facts, role)
         self.worker_id = f"sglang-{role.value}-pp{args.pp_rank}-tp{args.engine_rank}"
-        self.client = Client(self.settings.endpoint_for(args), self.worker_id,
-                             timeout_s=self.settings.call_timeout_s)
-        handles = self.memory.handles       # only the regions a view uses (not a device pool a host pool replaces)
+        self.client = Client(
+            self.settings.endpoint_for(args), self.worker_id, timeout_s=self.settings.call_timeout_s
+        )
+        handles = self.memory.handles  # only the regions a view uses (not a device pool a host pool replaces)
         handles = {region.id: handles[region.id] for region in self.geometry.regions}
-        self.client.register(self.geometry, handles, pp_size=self.facts.pp_size,
-                             timeout_s=self.settings.register_timeout_s)
-        log.info("pd-transfer: %s registered %d views with its sidecar", self.geometry.rank_id,
-                 len(self.geometry.views))
+        self.client.register(
+            self.geometry, handles, pp_size=self.facts.pp_size, timeout_s=self.settings.register_timeout_s
+        )
+        log.info(
+            "pd-transfer: %s registered %d views with its sidecar",
+            self.geometry.rank_id,
+            len(self.geometry.views),
+        )
 
     def register_to_bootstrap(self) -> None:
         """Nothing to do: prefill rank 0's sidecar serves the bootstrap."""
@@ -171,6 +191,7 @@ class PdTransferKVManager(BaseKVManager):
 def _deferred_release_enabled() -> bool:
     try:
         from sglang.srt.environ import envs
+
         return bool(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get())
     except (ImportError, AttributeError):
         return False
@@ -209,8 +230,10 @@ class _Room:
     def _not_yet_known(self, before_known: int) -> int:
         waited = time.monotonic() - self.created_s
         if waited > self.mgr.settings.bootstrap_timeout_s:
-            return self._fail(f"[timeout] room {self.room} was not bootstrapped within "
-                              f"{self.mgr.settings.bootstrap_timeout_s:g} s")
+            return self._fail(
+                f"[timeout] room {self.room} was not bootstrapped within "
+                f"{self.mgr.settings.bootstrap_timeout_s:g} s"
+            )
         return before_known
 
     def _fail(self, text: str) -> int:
@@ -227,8 +250,13 @@ class _Room:
 class PdTransferKVSender(_Room, BaseKVSender):
     """Prefill: one request's pages, sent per chunk through the sidecar."""
 
-    def __init__(self, mgr: PdTransferKVManager, bootstrap_addr: str, bootstrap_room: int,
-                 req_has_disagg_prefill_dp_rank: bool = False) -> None:
+    def __init__(
+        self,
+        mgr: PdTransferKVManager,
+        bootstrap_addr: str,
+        bootstrap_room: int,
+        req_has_disagg_prefill_dp_rank: bool = False,
+    ) -> None:
         _Room.__init__(self, mgr, bootstrap_addr, bootstrap_room)
         self.num_pages: int | None = None
         self.aux_index: int | None = None
@@ -246,8 +274,14 @@ class PdTransferKVSender(_Room, BaseKVSender):
         last = self.pages_sent >= self.num_pages
         slots, swa = self.mgr.split_state(state_indices) if last else ([], [])
         try:
-            self.mgr.client.send(self.room, pages, state_slots=slots, swa_pages=swa,
-                                 aux_row=self.aux_index if last else None, last_chunk=last)
+            self.mgr.client.send(
+                self.room,
+                pages,
+                state_slots=slots,
+                swa_pages=swa,
+                aux_row=self.aux_index if last else None,
+                last_chunk=last,
+            )
         except ClientError as err:
             self._fail(f"[{err.code_text}] {err.reason if isinstance(err, Refused) else err}")
 
@@ -265,13 +299,15 @@ class PdTransferKVSender(_Room, BaseKVSender):
 class PdTransferKVReceiver(_Room, BaseKVReceiver):
     """Decode: one request's destination pages, announced to the sidecar with expect."""
 
-    def __init__(self, mgr: PdTransferKVManager, bootstrap_addr: str, bootstrap_room: int | None = None) -> None:
+    def __init__(
+        self, mgr: PdTransferKVManager, bootstrap_addr: str, bootstrap_room: int | None = None
+    ) -> None:
         _Room.__init__(self, mgr, bootstrap_addr, bootstrap_room or 0)
         self.expected = False
         self.drained = False
         self.aborted = False
         self.abort_notified = False
-        self.bootstrap_infos = [bootstrap_addr]    # SGLang counts one acknowledgement per entry
+        self.bootstrap_infos = [bootstrap_addr]  # SGLang counts one acknowledgement per entry
 
     @property
     def kv_mgr(self) -> PdTransferKVManager:
@@ -281,17 +317,30 @@ class PdTransferKVReceiver(_Room, BaseKVReceiver):
     def init(self, prefill_dp_rank: int) -> None:
         """Nothing to resolve here: the sidecar resolves the prefill instance at expect."""
 
-    def send_metadata(self, kv_indices: Any, aux_index: int | None = None, state_indices: Any = None,
-                      decode_prefix_len: int | None = None, destination: Any = None) -> None:
+    def send_metadata(
+        self,
+        kv_indices: Any,
+        aux_index: int | None = None,
+        state_indices: Any = None,
+        decode_prefix_len: int | None = None,
+        destination: Any = None,
+    ) -> None:
         if decode_prefix_len:
-            self._fail("[layout_unsupported] a decode-side prefix hit (decode_prefix_len "
-                       f"{decode_prefix_len}) is not supported by pd-transfer's SGLang backend")
+            self._fail(
+                "[layout_unsupported] a decode-side prefix hit (decode_prefix_len "
+                f"{decode_prefix_len}) is not supported by pd-transfer's SGLang backend"
+            )
             return
         slots, swa = self.mgr.split_state(state_indices)
         try:
-            self.mgr.client.expect(self.room, self.mgr.bootstrap_address(self.bootstrap_addr),
-                                   [int(p) for p in kv_indices], state_slots=slots, swa_pages=swa,
-                                   aux_row=None if aux_index is None else int(aux_index))
+            self.mgr.client.expect(
+                self.room,
+                self.mgr.bootstrap_address(self.bootstrap_addr),
+                [int(p) for p in kv_indices],
+                state_slots=slots,
+                swa_pages=swa,
+                aux_row=None if aux_index is None else int(aux_index),
+            )
             self.expected = True
         except ClientError as err:
             self._fail(f"[{err.code_text}] {err.reason if isinstance(err, Refused) else err}")
@@ -347,8 +396,11 @@ class PdTransferKVBootstrapServer(BaseKVBootstrapServer):
 
     def __init__(self, host: str, port: int, *args: Any, **kwargs: Any) -> None:
         self.host, self.port = host, port
-        log.info("pd-transfer: bootstrap for this prefill instance is served by prefill rank 0's sidecar "
-                 "at %s:%s", host, port)
+        log.info(
+            "pd-transfer: bootstrap for this prefill instance is served by prefill rank 0's sidecar at %s:%s",
+            host,
+            port,
+        )
 
     def run(self) -> None:
         """Nothing to serve."""

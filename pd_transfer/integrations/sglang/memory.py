@@ -37,13 +37,13 @@ class PoolTensor:
     at ``offset_nbytes`` in it.
     """
 
-    region: str         # e.g. "kv.k.0" (the storage's first tensor), "mamba.conv0", "aux.output_ids"
-    tensor: Any         # torch.Tensor (CPU in shared memory, or CUDA)
-    kind: str           # "k", "v", "kv" (MLA latent), "swa_k", "swa_v", "conv", "temporal", "aux",
-                        # "host_kv" (a host pool's K and V), "host_k", "host_v", "host_conv",
-                        # "host_temporal"
-    index: int          # layer position in its pool (aux: position in MetadataBuffers)
-    layer_id: int | None = None   # the model layer, where the pool maps positions to layers
+    region: str  # e.g. "kv.k.0" (the storage's first tensor), "mamba.conv0", "aux.output_ids"
+    tensor: Any  # torch.Tensor (CPU in shared memory, or CUDA)
+    kind: str  # "k", "v", "kv" (MLA latent), "swa_k", "swa_v", "conv", "temporal", "aux",
+    # "host_kv" (a host pool's K and V), "host_k", "host_v", "host_conv",
+    # "host_temporal"
+    index: int  # layer position in its pool (aux: position in MetadataBuffers)
+    layer_id: int | None = None  # the model layer, where the pool maps positions to layers
 
     @property
     def base_ptr(self) -> int:
@@ -69,7 +69,7 @@ class PoolTensor:
 class HostKvPool:
     """What a host (HiCache) KV pool's buffers alone do not say: their layout and extents."""
 
-    layout: str          # SGLang's --hicache-mem-layout: layer_first, page_first, ...
+    layout: str  # SGLang's --hicache-mem-layout: layer_first, page_first, ...
     page_size: int
     layer_num: int
 
@@ -79,8 +79,8 @@ class EngineMemory:
     """Every registrable tensor of one SGLang rank, and how the sidecar opens it."""
 
     tensors: list[PoolTensor] = field(default_factory=list)
-    segments: dict[str, Segment] = field(default_factory=dict)   # CPU only
-    host: HostKvPool | None = None     # decode's KV destination when it is a host (HiCache) pool
+    segments: dict[str, Segment] = field(default_factory=dict)  # CPU only
+    host: HostKvPool | None = None  # decode's KV destination when it is a host (HiCache) pool
 
     @property
     def handles(self) -> dict[str, str]:
@@ -90,8 +90,9 @@ class EngineMemory:
             if entry.region in out:
                 continue
             segment = self.segments.get(entry.region)
-            out[entry.region] = (segment.name if segment is not None
-                                 else cuda_ipc.share(_whole_storage(entry.tensor)))
+            out[entry.region] = (
+                segment.name if segment is not None else cuda_ipc.share(_whole_storage(entry.tensor))
+            )
         return out
 
     def locate(self, ptr: int, nbytes: int, what: str) -> tuple[PoolTensor, int]:
@@ -103,8 +104,10 @@ class EngineMemory:
                 return entry, offset
         raise GeometryError(
             f"{what}: SGLang registered {nbytes} bytes at 0x{ptr:x}, which lie in no pool tensor "
-            f"pd-transfer was given", code=Reason.BAD_VIEW,
-            hint="load the pd_transfer SGLang plugin before the scheduler builds its KV manager")
+            f"pd-transfer was given",
+            code=Reason.BAD_VIEW,
+            hint="load the pd_transfer SGLang plugin before the scheduler builds its KV manager",
+        )
 
     def close(self) -> None:
         """Unlink the shared-memory names (CPU); the pools keep their mappings."""
@@ -113,9 +116,15 @@ class EngineMemory:
         self.segments.clear()
 
 
-def share_engine_memory(owner_id: str, *, kv_pool: Any, metadata_buffers: Any,
-                        mamba_pool: Any | None = None, host_kv_pool: Any | None = None,
-                        host_mamba_pool: Any | None = None) -> EngineMemory:
+def share_engine_memory(
+    owner_id: str,
+    *,
+    kv_pool: Any,
+    metadata_buffers: Any,
+    mamba_pool: Any | None = None,
+    host_kv_pool: Any | None = None,
+    host_mamba_pool: Any | None = None,
+) -> EngineMemory:
     """Collect (and on CPU, move into shared memory) every tensor a transfer touches.
 
     ``kv_pool`` is SGLang's ``token_to_kv_pool`` (MHA, MLA, SWA or hybrid
@@ -130,20 +139,21 @@ def share_engine_memory(owner_id: str, *, kv_pool: Any, metadata_buffers: Any,
     """
     memory = EngineMemory()
     if host_kv_pool is not None:
-        memory.host = HostKvPool(str(host_kv_pool.layout), int(host_kv_pool.page_size),
-                                 int(host_kv_pool.layer_num))
+        memory.host = HostKvPool(
+            str(host_kv_pool.layout), int(host_kv_pool.page_size), int(host_kv_pool.layer_num)
+        )
     owner = f"{owner_id}-{os.getpid()}"
-    moved: dict[int, tuple[str, Any]] = {}     # old storage pointer -> (region, shared uint8 storage)
+    moved: dict[int, tuple[str, Any]] = {}  # old storage pointer -> (region, shared uint8 storage)
     try:
         layers = _global_layers(kv_pool)
-        for kind, index, holder, attr, position in _pool_tensors(kv_pool, mamba_pool, metadata_buffers,
-                                                                 host_kv_pool, host_mamba_pool):
+        for kind, index, holder, attr, position in _pool_tensors(
+            kv_pool, mamba_pool, metadata_buffers, host_kv_pool, host_mamba_pool
+        ):
             tensor = _get(holder, attr, position)
             storage_ptr = tensor.untyped_storage().data_ptr()
             if storage_ptr not in moved:
                 region = f"aux.{attr}" if kind == "aux" else f"{_REGION_PREFIX[kind]}.{index}"
-                shared = (_move_to_shm(memory, owner, region, tensor) if tensor.device.type == "cpu"
-                          else None)
+                shared = _move_to_shm(memory, owner, region, tensor) if tensor.device.type == "cpu" else None
                 moved[storage_ptr] = (region, shared)
             region, shared = moved[storage_ptr]
             if shared is not None:
@@ -156,10 +166,20 @@ def share_engine_memory(owner_id: str, *, kv_pool: Any, metadata_buffers: Any,
     return memory
 
 
-_REGION_PREFIX = {"k": "kv.k", "v": "kv.v", "kv": "kv.latent", "swa_k": "swa.k", "swa_v": "swa.v",
-                  "conv": "mamba.conv", "temporal": "mamba.temporal",
-                  "host_kv": "host.kv", "host_k": "host.k", "host_v": "host.v",
-                  "host_conv": "host.mamba.conv", "host_temporal": "host.mamba.temporal"}
+_REGION_PREFIX = {
+    "k": "kv.k",
+    "v": "kv.v",
+    "kv": "kv.latent",
+    "swa_k": "swa.k",
+    "swa_v": "swa.v",
+    "conv": "mamba.conv",
+    "temporal": "mamba.temporal",
+    "host_kv": "host.kv",
+    "host_k": "host.k",
+    "host_v": "host.v",
+    "host_conv": "host.mamba.conv",
+    "host_temporal": "host.mamba.temporal",
+}
 
 
 _KV_KINDS = ("k", "v", "kv", "swa_k", "swa_v")
@@ -176,11 +196,16 @@ def _global_layers(kv_pool: Any) -> dict[tuple[bool, int], int]:
     return {(bool(is_swa), int(position)): int(layer) for layer, (position, is_swa) in mapping.items()}
 
 
-def _pool_tensors(kv_pool: Any, mamba_pool: Any | None, metadata_buffers: Any, host_kv_pool: Any | None,
-                  host_mamba_pool: Any | None):
+def _pool_tensors(
+    kv_pool: Any,
+    mamba_pool: Any | None,
+    metadata_buffers: Any,
+    host_kv_pool: Any | None,
+    host_mamba_pool: Any | None,
+):
     """``(kind, index, holder, attribute, list position or None)`` of every tensor."""
     full = getattr(kv_pool, "full_kv_pool", kv_pool)
-    if hasattr(full, "kv_buffer"):                          # MLA
+    if hasattr(full, "kv_buffer"):  # MLA
         for i in range(len(full.kv_buffer)):
             yield "kv", i, full, "kv_buffer", i
     else:
@@ -198,12 +223,12 @@ def _pool_tensors(kv_pool: Any, mamba_pool: Any | None, metadata_buffers: Any, h
             yield "conv", i, cache, "conv", i
         yield "temporal", 0, cache, "temporal", None
     if host_kv_pool is not None:
-        if isinstance(host_kv_pool.kv_buffer, (tuple, list)):    # head_dim != v_head_dim: K and V apart
+        if isinstance(host_kv_pool.kv_buffer, (tuple, list)):  # head_dim != v_head_dim: K and V apart
             yield "host_k", 0, host_kv_pool, "kv_buffer", 0
             yield "host_v", 0, host_kv_pool, "kv_buffer", 1
-        else:                                                     # (2, ...): K then V
+        else:  # (2, ...): K then V
             yield "host_kv", 0, host_kv_pool, "kv_buffer", None
-    if host_mamba_pool is not None:                               # (slots, Lm, 1, *state shape)
+    if host_mamba_pool is not None:  # (slots, Lm, 1, *state shape)
         for i in range(len(host_mamba_pool.conv_buffer)):
             yield "host_conv", i, host_mamba_pool, "conv_buffer", i
         yield "host_temporal", 0, host_mamba_pool, "temporal_buffer", None
@@ -214,8 +239,11 @@ def _pool_tensors(kv_pool: Any, mamba_pool: Any | None, metadata_buffers: Any, h
 def _aux_names(metadata_buffers: Any) -> list[str]:
     """Attribute names of the tensors ``get_buf_infos`` registers, in its order."""
     ptrs = metadata_buffers.get_buf_infos()[0]
-    by_ptr = {value.data_ptr(): name for name, value in vars(metadata_buffers).items()
-              if hasattr(value, "data_ptr") and hasattr(value, "nbytes")}
+    by_ptr = {
+        value.data_ptr(): name
+        for name, value in vars(metadata_buffers).items()
+        if hasattr(value, "data_ptr") and hasattr(value, "nbytes")
+    }
     return [by_ptr[ptr] for ptr in ptrs]
 
 
@@ -229,7 +257,7 @@ def _move_to_shm(memory: EngineMemory, owner: str, region: str, tensor: Any) -> 
     storage = _whole_storage(tensor)
     segment = create_segment(segment_name(owner, region), max(storage.numel(), 1))
     memory.segments[region] = segment
-    shared = segment.tensor[:storage.numel()]
+    shared = segment.tensor[: storage.numel()]
     shared.copy_(storage)
     return shared
 
@@ -237,6 +265,7 @@ def _move_to_shm(memory: EngineMemory, owner: str, region: str, tensor: Any) -> 
 def _whole_storage(tensor: Any) -> Any:
     """``tensor``'s whole storage as a flat uint8 tensor (same memory)."""
     import torch
+
     return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
 
 

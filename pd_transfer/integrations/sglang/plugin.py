@@ -24,8 +24,10 @@ from pd_transfer.integrations.sglang.registration import EngineFacts
 
 log = logging.getLogger(__name__)
 
-_QUEUES = ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
-           "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager")
+_QUEUES = (
+    "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
+    "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager",
+)
 
 
 def load() -> None:
@@ -44,8 +46,13 @@ def load() -> None:
 def kv_classes() -> dict[str, type]:
     """pd-transfer's classes by SGLang ``KVClassType`` name."""
     from pd_transfer.integrations.sglang import conn
-    return {"MANAGER": conn.PdTransferKVManager, "SENDER": conn.PdTransferKVSender,
-            "RECEIVER": conn.PdTransferKVReceiver, "BOOTSTRAP_SERVER": conn.PdTransferKVBootstrapServer}
+
+    return {
+        "MANAGER": conn.PdTransferKVManager,
+        "SENDER": conn.PdTransferKVSender,
+        "RECEIVER": conn.PdTransferKVReceiver,
+        "BOOTSTRAP_SERVER": conn.PdTransferKVBootstrapServer,
+    }
 
 
 def _is_ours(backend: Any) -> bool:
@@ -63,13 +70,23 @@ def _init_kv_manager(original: Any, queue: Any, *args: Any, **kwargs: Any) -> An
         return original(queue, *args, **kwargs)
     from pd_transfer.integrations.sglang.conn import ENGINE_MEMORY
     from pd_transfer.integrations.sglang.memory import share_engine_memory
+
     scheduler = queue.scheduler
     mamba_pool = _mamba_pool(queue.token_to_kv_pool, getattr(scheduler, "req_to_token_pool", None))
-    memory = share_engine_memory(f"sglang-tp{queue.tp_rank}", kv_pool=queue.token_to_kv_pool,
-                                 metadata_buffers=queue.metadata_buffers, mamba_pool=mamba_pool)
+    memory = share_engine_memory(
+        f"sglang-tp{queue.tp_rank}",
+        kv_pool=queue.token_to_kv_pool,
+        metadata_buffers=queue.metadata_buffers,
+        mamba_pool=mamba_pool,
+    )
     hf_config = getattr(scheduler.model_config, "hf_config", None)
-    facts = engine_facts(scheduler.model_config, _parallel(), queue.token_to_kv_pool,
-                         getattr(hf_config, "mamba2_cache_params", None), is_mla=queue.is_mla_backend)
+    facts = engine_facts(
+        scheduler.model_config,
+        _parallel(),
+        queue.token_to_kv_pool,
+        getattr(hf_config, "mamba2_cache_params", None),
+        is_mla=queue.is_mla_backend,
+    )
     token = ENGINE_MEMORY.set((memory, facts))
     try:
         return original(queue, *args, **kwargs)
@@ -79,6 +96,7 @@ def _init_kv_manager(original: Any, queue: Any, *args: Any, **kwargs: Any) -> An
 
 def _parallel() -> Any:
     from sglang.srt.disaggregation.prefill import get_parallel
+
     return get_parallel()
 
 
@@ -90,15 +108,18 @@ def _mamba_pool(kv_pool: Any, req_to_token_pool: Any) -> Any:
     return None
 
 
-def engine_facts(model_config: Any, parallel: Any, kv_pool: Any, cache_params: Any = None, *,
-                 is_mla: bool = False) -> EngineFacts:
+def engine_facts(
+    model_config: Any, parallel: Any, kv_pool: Any, cache_params: Any = None, *, is_mla: bool = False
+) -> EngineFacts:
     """What ``kv_args`` lacks, from SGLang's model config, parallel state and pool."""
     return EngineFacts(
-        attn_tp_size=int(parallel.attn_tp_size), pp_size=int(getattr(parallel, "pp_size", 1)),
+        attn_tp_size=int(parallel.attn_tp_size),
+        pp_size=int(getattr(parallel, "pp_size", 1)),
         start_layer=int(getattr(kv_pool, "start_layer", 0) or 0),
         total_kv_heads=None if is_mla else int(model_config.get_total_num_kv_heads()),
         mamba2_conv_groups=mamba2_conv_groups(cache_params),
-        model=str(getattr(model_config, "model_path", "") or ""))
+        model=str(getattr(model_config, "model_path", "") or ""),
+    )
 
 
 def mamba2_conv_groups(cache_params: Any) -> tuple[int, ...] | None:
@@ -110,7 +131,7 @@ def mamba2_conv_groups(cache_params: Any) -> tuple[int, ...] | None:
     its own: slicing them as one contiguous range across different TP sizes
     moves B's channels into x's place.
     """
-    shape = getattr(cache_params, "shape", None)   # SGLang's Mamba2CacheParams, from its model config
+    shape = getattr(cache_params, "shape", None)  # SGLang's Mamba2CacheParams, from its model config
     if shape is None or getattr(shape, "conv_shard_groups", None) is not None:
         return None
     if getattr(shape, "conv_slice_axis", 0) != 0 or not hasattr(shape, "intermediate_size"):

@@ -28,7 +28,7 @@ from pd_transfer.integrations.sglang.memory import EngineMemory, PoolTensor
 from pd_transfer.layout.geometry import RankGeometry, Region, Role
 from pd_transfer.layout.views import Axis, AxisRole, Layout, Pool, ShardSpec, TensorView
 
-_DTYPE_NAMES = {"uint64": "int64", "bool": "uint8"}   # same bytes; the planner only moves bytes
+_DTYPE_NAMES = {"uint64": "int64", "bool": "uint8"}  # same bytes; the planner only moves bytes
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class EngineFacts:
     attn_tp_size: int
     pp_size: int = 1
     start_layer: int = 0
-    total_kv_heads: int | None = None          # None for MLA
+    total_kv_heads: int | None = None  # None for MLA
     mamba2_conv_groups: tuple[int, ...] | None = None
     model: str = ""
 
@@ -65,13 +65,21 @@ def describe_rank(kv_args: Any, memory: EngineMemory, facts: EngineFacts, role: 
     used = {v.region for v in views}
     sizes = {e.region: e.nbytes for e in memory.tensors if e.region in used}
     regions = tuple(Region(region, nbytes) for region, nbytes in sizes.items())
-    return RankGeometry(role=role, tp_size=tp_size, tp_rank=tp_rank, page_size=page_size,
-                        views=tuple(views), regions=regions, pp_rank=int(kv_args.pp_rank),
-                        model=facts.model)
+    return RankGeometry(
+        role=role,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        page_size=page_size,
+        views=tuple(views),
+        regions=regions,
+        pp_rank=int(kv_args.pp_rank),
+        model=facts.model,
+    )
 
 
-def _kv_views(kv_args: Any, memory: EngineMemory, facts: EngineFacts, page_size: int,
-              tp_rank: int) -> list[TensorView]:
+def _kv_views(
+    kv_args: Any, memory: EngineMemory, facts: EngineFacts, page_size: int, tp_rank: int
+) -> list[TensorView]:
     num_entries = len(kv_args.kv_data_ptrs) - int(getattr(kv_args, "num_draft_entries", 0) or 0)
     layer_ids = list(kv_args.kv_layer_ids or [])
     views = []
@@ -80,53 +88,103 @@ def _kv_views(kv_args: Any, memory: EngineMemory, facts: EngineFacts, page_size:
         entry, offset = memory.locate(kv_args.kv_data_ptrs[i], kv_args.kv_data_lens[i], what)
         if entry.kind not in ("k", "v", "kv"):
             raise GeometryError(f"{what} points into {entry.region}, not a KV buffer", code=Reason.BAD_VIEW)
-        layer_id = (layer_ids[i] if layer_ids else entry.layer_id if entry.layer_id is not None
-                    else facts.start_layer + entry.index)
-        views.append(_kv_view(entry, offset, layer_id, Pool.KV, page_size, tp_rank, facts,
-                              kv_args.kv_item_lens[i], getattr(kv_args, "kv_head_num", None)))
+        layer_id = (
+            layer_ids[i]
+            if layer_ids
+            else entry.layer_id
+            if entry.layer_id is not None
+            else facts.start_layer + entry.index
+        )
+        views.append(
+            _kv_view(
+                entry,
+                offset,
+                layer_id,
+                Pool.KV,
+                page_size,
+                tp_rank,
+                facts,
+                kv_args.kv_item_lens[i],
+                getattr(kv_args, "kv_head_num", None),
+            )
+        )
     return views
 
 
-def _kv_view(entry: PoolTensor, offset: int, layer_id: int, pool: Pool, page_size: int, tp_rank: int,
-             facts: EngineFacts, item_nbytes: int, local_heads: int | None) -> TensorView:
+def _kv_view(
+    entry: PoolTensor,
+    offset: int,
+    layer_id: int,
+    pool: Pool,
+    page_size: int,
+    tp_rank: int,
+    facts: EngineFacts,
+    item_nbytes: int,
+    local_heads: int | None,
+) -> TensorView:
     tensor = entry.tensor
     name = entry.kind.removeprefix("swa_")
     path = f"{pool.value}.layer[{layer_id}].{'latent' if name == 'kv' else name}"
     if tensor.dim() != 3:
-        raise GeometryError(f"{path}: expected a (tokens, heads, dim) pool tensor, got shape "
-                            f"{tuple(tensor.shape)}", code=Reason.BAD_VIEW)
+        raise GeometryError(
+            f"{path}: expected a (tokens, heads, dim) pool tensor, got shape {tuple(tensor.shape)}",
+            code=Reason.BAD_VIEW,
+        )
     rows, heads, dim = tensor.shape
     dtype = _dtype(tensor)
     isz = tensor.element_size()
     _check_item(path, "kv_item_lens", item_nbytes, page_size * heads * dim * isz)
     if rows % page_size:
-        raise GeometryError(f"{path}: {rows} token rows are not whole pages of {page_size}",
-                            code=Reason.BAD_VIEW)
+        raise GeometryError(
+            f"{path}: {rows} token rows are not whole pages of {page_size}", code=Reason.BAD_VIEW
+        )
     row_stride, head_stride, elem_stride = (s * isz for s in tensor.stride())
     page_axis, token_axis = Axis("page", AxisRole.INDEX), Axis("token", AxisRole.TOKEN)
-    if name == "kv":                                         # MLA latent: one replicated "head"
-        return TensorView(pool=pool, layer_id=layer_id, name="latent", region=entry.region,
-                          offset_nbytes=offset, dtype=dtype, shape=(rows // page_size, page_size, dim),
-                          strides_nbytes=(row_stride * page_size, row_stride, elem_stride),
-                          axes=(page_axis, token_axis, Axis("latent_dim", AxisRole.INNER)),
-                          shard=None, layout=Layout.NHD)
+    if name == "kv":  # MLA latent: one replicated "head"
+        return TensorView(
+            pool=pool,
+            layer_id=layer_id,
+            name="latent",
+            region=entry.region,
+            offset_nbytes=offset,
+            dtype=dtype,
+            shape=(rows // page_size, page_size, dim),
+            strides_nbytes=(row_stride * page_size, row_stride, elem_stride),
+            axes=(page_axis, token_axis, Axis("latent_dim", AxisRole.INNER)),
+            shard=None,
+            layout=Layout.NHD,
+        )
     if local_heads is not None and local_heads and local_heads != heads:
-        raise GeometryError(f"{path}: kv_args.kv_head_num is {local_heads} but the pool tensor holds "
-                            f"{heads} heads", code=Reason.BAD_VIEW)
+        raise GeometryError(
+            f"{path}: kv_args.kv_head_num is {local_heads} but the pool tensor holds {heads} heads",
+            code=Reason.BAD_VIEW,
+        )
     if facts.total_kv_heads is None:
-        raise GeometryError(f"{path}: the model's total KV head count is not known",
-                            code=Reason.BAD_VIEW, hint="pass total_kv_heads from SGLang's model config")
+        raise GeometryError(
+            f"{path}: the model's total KV head count is not known",
+            code=Reason.BAD_VIEW,
+            hint="pass total_kv_heads from SGLang's model config",
+        )
     shard = ShardSpec.for_rank(facts.total_kv_heads, facts.attn_tp_size, tp_rank)
     if shard.local_extent != heads:
         raise GeometryError(
             f"{path}: {facts.total_kv_heads} KV heads over attn_tp_size {facts.attn_tp_size} give rank "
-            f"{tp_rank} {shard.local_extent} heads, but its pool tensor holds {heads}", code=Reason.BAD_VIEW)
-    return TensorView(pool=pool, layer_id=layer_id, name=name, region=entry.region, offset_nbytes=offset,
-                      dtype=dtype, shape=(rows // page_size, page_size, heads, dim),
-                      strides_nbytes=(row_stride * page_size, row_stride, head_stride, elem_stride),
-                      axes=(page_axis, token_axis, Axis("head", AxisRole.SHARD),
-                            Axis("head_dim", AxisRole.INNER)),
-                      shard=shard, layout=Layout.NHD)
+            f"{tp_rank} {shard.local_extent} heads, but its pool tensor holds {heads}",
+            code=Reason.BAD_VIEW,
+        )
+    return TensorView(
+        pool=pool,
+        layer_id=layer_id,
+        name=name,
+        region=entry.region,
+        offset_nbytes=offset,
+        dtype=dtype,
+        shape=(rows // page_size, page_size, heads, dim),
+        strides_nbytes=(row_stride * page_size, row_stride, head_stride, elem_stride),
+        axes=(page_axis, token_axis, Axis("head", AxisRole.SHARD), Axis("head_dim", AxisRole.INNER)),
+        shard=shard,
+        layout=Layout.NHD,
+    )
 
 
 def _state_views(kv_args: Any, memory: EngineMemory, facts: EngineFacts, tp_rank: int) -> list[TensorView]:
@@ -138,14 +196,18 @@ def _state_views(kv_args: Any, memory: EngineMemory, facts: EngineFacts, tp_rank
         elif kind == "swa":
             views += _swa_views(kv_args, c, memory, facts, tp_rank)
         else:
-            raise GeometryError(f"kv_args.state_types[{c}]: state component {kind!r} is not supported by "
-                                f"pd-transfer's SGLang backend", code=Reason.LAYOUT_UNSUPPORTED,
-                                hint="use SGLang's mooncake or nixl backend for this model")
+            raise GeometryError(
+                f"kv_args.state_types[{c}]: state component {kind!r} is not supported by "
+                f"pd-transfer's SGLang backend",
+                code=Reason.LAYOUT_UNSUPPORTED,
+                hint="use SGLang's mooncake or nixl backend for this model",
+            )
     return views
 
 
-def _swa_views(kv_args: Any, c: int, memory: EngineMemory, facts: EngineFacts,
-               tp_rank: int) -> list[TensorView]:
+def _swa_views(
+    kv_args: Any, c: int, memory: EngineMemory, facts: EngineFacts, tp_rank: int
+) -> list[TensorView]:
     views = []
     layer_ids = kv_args.state_layer_ids[c] if kv_args.state_layer_ids else []
     for j, ptr in enumerate(kv_args.state_data_ptrs[c]):
@@ -153,15 +215,28 @@ def _swa_views(kv_args: Any, c: int, memory: EngineMemory, facts: EngineFacts,
         entry, offset = memory.locate(ptr, kv_args.state_data_lens[c][j], what)
         if entry.kind not in ("swa_k", "swa_v"):
             raise GeometryError(f"{what} points into {entry.region}, not an SWA buffer", code=Reason.BAD_VIEW)
-        layer_id = (layer_ids[j] if layer_ids else entry.layer_id if entry.layer_id is not None
-                    else entry.index)
-        views.append(_kv_view(entry, offset, layer_id, Pool.SWA, int(kv_args.page_size), tp_rank, facts,
-                              kv_args.state_item_lens[c][j], None))
+        layer_id = (
+            layer_ids[j] if layer_ids else entry.layer_id if entry.layer_id is not None else entry.index
+        )
+        views.append(
+            _kv_view(
+                entry,
+                offset,
+                layer_id,
+                Pool.SWA,
+                int(kv_args.page_size),
+                tp_rank,
+                facts,
+                kv_args.state_item_lens[c][j],
+                None,
+            )
+        )
     return views
 
 
-def _mamba_views(kv_args: Any, c: int, memory: EngineMemory, facts: EngineFacts,
-                 tp_rank: int) -> list[TensorView]:
+def _mamba_views(
+    kv_args: Any, c: int, memory: EngineMemory, facts: EngineFacts, tp_rank: int
+) -> list[TensorView]:
     views = []
     convs = sum(1 for e in memory.tensors if e.kind == "conv")
     for j, ptr in enumerate(kv_args.state_data_ptrs[c]):
@@ -183,13 +258,29 @@ def _mamba_views(kv_args: Any, c: int, memory: EngineMemory, facts: EngineFacts,
         if groups is None and entry.kind == "conv":
             groups = facts.mamba2_conv_groups
         axes, shard = _state_axes(path, entry.kind, slot_shape, dim, outer, groups, facts, tp_rank)
-        where = (entry.region, offset, (tensor.shape[1],) + slot_shape, tuple(s * isz for s in tensor.stride()[1:]),
-                 Layout.SLOT)
+        where = (
+            entry.region,
+            offset,
+            (tensor.shape[1],) + slot_shape,
+            tuple(s * isz for s in tensor.stride()[1:]),
+            Layout.SLOT,
+        )
         host = _host_state(memory, entry, offset, path)
-        views.append(TensorView(
-            pool=Pool.MAMBA, layer_id=layer_id, name=name, region=(host or where)[0], offset_nbytes=(host or where)[1],
-            dtype=_dtype(tensor), shape=(host or where)[2], strides_nbytes=(host or where)[3],
-            axes=(Axis("slot", AxisRole.INDEX),) + axes, shard=shard, layout=(host or where)[4]))
+        views.append(
+            TensorView(
+                pool=Pool.MAMBA,
+                layer_id=layer_id,
+                name=name,
+                region=(host or where)[0],
+                offset_nbytes=(host or where)[1],
+                dtype=_dtype(tensor),
+                shape=(host or where)[2],
+                strides_nbytes=(host or where)[3],
+                axes=(Axis("slot", AxisRole.INDEX),) + axes,
+                shard=shard,
+                layout=(host or where)[4],
+            )
+        )
     return views
 
 
@@ -200,42 +291,63 @@ def _host_state(memory: EngineMemory, entry: PoolTensor, offset: int, path: str)
     page_first_direct, the same bytes for one-slot pages); the layer is the one at
     the same position of the device pool.
     """
-    host = next((e for e in memory.tensors if e.kind == f"host_{entry.kind}" and e.index == entry.index), None)
+    host = next(
+        (e for e in memory.tensors if e.kind == f"host_{entry.kind}" and e.index == entry.index), None
+    )
     if host is None:
         return None
     tensor, buf = entry.tensor, host.tensor
     isz = buf.element_size()
     position = (offset - entry.offset_nbytes) // (tensor.stride()[0] * tensor.element_size())
     if tuple(buf.shape[3:]) != tuple(tensor.shape[2:]) or buf.dtype != tensor.dtype or buf.shape[2] != 1:
-        raise GeometryError(f"{path}: the host pool's {host.region} holds {tuple(buf.shape[3:])} {buf.dtype} per "
-                            f"layer and slot, the device pool {tuple(tensor.shape[2:])} {tensor.dtype}",
-                            code=Reason.BAD_VIEW)
+        raise GeometryError(
+            f"{path}: the host pool's {host.region} holds {tuple(buf.shape[3:])} {buf.dtype} per "
+            f"layer and slot, the device pool {tuple(tensor.shape[2:])} {tensor.dtype}",
+            code=Reason.BAD_VIEW,
+        )
     strides = buf.stride()
-    return (host.region, (buf.storage_offset() + position * strides[1]) * isz,
-            (buf.shape[0],) + tuple(buf.shape[3:]), tuple(s * isz for s in (strides[0],) + tuple(strides[3:])),
-            Layout.PAGE_FIRST)
+    return (
+        host.region,
+        (buf.storage_offset() + position * strides[1]) * isz,
+        (buf.shape[0],) + tuple(buf.shape[3:]),
+        tuple(s * isz for s in (strides[0],) + tuple(strides[3:])),
+        Layout.PAGE_FIRST,
+    )
 
 
-def _state_axes(path: str, kind: str, slot_shape: tuple[int, ...], dim: int, outer: int,
-                groups: Sequence[int] | None, facts: EngineFacts,
-                tp_rank: int) -> tuple[tuple[Axis, ...], ShardSpec | None]:
+def _state_axes(
+    path: str,
+    kind: str,
+    slot_shape: tuple[int, ...],
+    dim: int,
+    outer: int,
+    groups: Sequence[int] | None,
+    facts: EngineFacts,
+    tp_rank: int,
+) -> tuple[tuple[Axis, ...], ShardSpec | None]:
     """Axes of one slot (slot axis excluded) and the shard of its sliced axis.
 
     The sliced axis follows ``outer`` rows (1 normally; K-1 taps in front
     for a Kimi conv state): ``prod(slot_shape[:axis]) == outer``.
     """
-    if not dim:                                             # replicated across attention TP
+    if not dim:  # replicated across attention TP
         return tuple(Axis(f"d{i}", AxisRole.INNER) for i in range(len(slot_shape))), None
     axis = 0
     while axis < len(slot_shape) and math.prod(slot_shape[:axis]) < outer:
         axis += 1
     if axis >= len(slot_shape) or math.prod(slot_shape[:axis]) != outer or slot_shape[axis] != dim:
-        raise GeometryError(f"{path}: SGLang says {outer} outer rows and a sliced extent of {dim}, "
-                            f"which does not fit the slot shape {list(slot_shape)}", code=Reason.BAD_VIEW)
+        raise GeometryError(
+            f"{path}: SGLang says {outer} outer rows and a sliced extent of {dim}, "
+            f"which does not fit the slot shape {list(slot_shape)}",
+            code=Reason.BAD_VIEW,
+        )
     names = {"conv": "channel", "temporal": "head"}
-    axes = tuple(Axis("tap" if i < axis else f"d{i}", AxisRole.OUTER if i < axis else AxisRole.INNER)
-                 if i != axis else Axis(names.get(kind, "channel"), AxisRole.SHARD)
-                 for i in range(len(slot_shape)))
+    axes = tuple(
+        Axis("tap" if i < axis else f"d{i}", AxisRole.OUTER if i < axis else AxisRole.INNER)
+        if i != axis
+        else Axis(names.get(kind, "channel"), AxisRole.SHARD)
+        for i in range(len(slot_shape))
+    )
     if axis == 0 and kind == "conv" and len(slot_shape) == 2:
         axes = (Axis("channel", AxisRole.SHARD), Axis("tap", AxisRole.INNER))
     tp = facts.attn_tp_size
@@ -244,9 +356,11 @@ def _state_axes(path: str, kind: str, slot_shape: tuple[int, ...], dim: int, out
     else:
         shard = ShardSpec.for_rank(dim * tp, tp, tp_rank)
     if shard.local_extent != dim:
-        raise GeometryError(f"{path}: groups {list(groups or [])} over attn_tp_size {tp} give "
-                            f"{shard.local_extent} channels on rank {tp_rank}, SGLang holds {dim}",
-                            code=Reason.BAD_VIEW)
+        raise GeometryError(
+            f"{path}: groups {list(groups or [])} over attn_tp_size {tp} give "
+            f"{shard.local_extent} channels on rank {tp_rank}, SGLang holds {dim}",
+            code=Reason.BAD_VIEW,
+        )
     return axes, shard
 
 
@@ -261,11 +375,21 @@ def _aux_views(kv_args: Any, memory: EngineMemory) -> list[TensorView]:
         _check_item(f"aux.{name}", "aux_item_lens", kv_args.aux_item_lens[j], row_nbytes)
         isz = tensor.element_size()
         flat = row_nbytes // isz
-        views.append(TensorView(
-            pool=Pool.AUX, layer_id=None, name=name, region=entry.region, offset_nbytes=offset,
-            dtype=_dtype(tensor), shape=(tensor.shape[0], flat),
-            strides_nbytes=(tensor.stride()[0] * isz, isz),
-            axes=(Axis("row", AxisRole.INDEX), Axis("elem", AxisRole.INNER)), shard=None, layout=Layout.ROW))
+        views.append(
+            TensorView(
+                pool=Pool.AUX,
+                layer_id=None,
+                name=name,
+                region=entry.region,
+                offset_nbytes=offset,
+                dtype=_dtype(tensor),
+                shape=(tensor.shape[0], flat),
+                strides_nbytes=(tensor.stride()[0] * isz, isz),
+                axes=(Axis("row", AxisRole.INDEX), Axis("elem", AxisRole.INNER)),
+                shard=None,
+                layout=Layout.ROW,
+            )
+        )
     return views
 
 
@@ -279,8 +403,11 @@ def _entry(kv_args: Any, field: str, c: int, j: int, default: Any) -> Any:
 
 def _check_item(path: str, field: str, sglang_nbytes: int, view_nbytes: int) -> None:
     if int(sglang_nbytes) != view_nbytes:
-        raise GeometryError(f"{path}: SGLang's {field} says {sglang_nbytes} bytes per item, the pool "
-                            f"tensor gives {view_nbytes}", code=Reason.BAD_VIEW)
+        raise GeometryError(
+            f"{path}: SGLang's {field} says {sglang_nbytes} bytes per item, the pool "
+            f"tensor gives {view_nbytes}",
+            code=Reason.BAD_VIEW,
+        )
 
 
 def _dtype(tensor: Any) -> str:

@@ -22,5 +22,6 @@ __all__ = ["PdTransferConnector", "PdTransferConnectorMetadata"]
 def __getattr__(name: str):
     if name in __all__:
         from pd_transfer.integrations.vllm import connector
+
         return getattr(connector, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -75,8 +75,10 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
         self._extra = dict(config.kv_connector_extra_config or {})
         self._pd_role = _ROLES.get(config.kv_role)
         if self._pd_role is None:
-            raise ConfigError(f"kv_transfer_config.kv_role is {config.kv_role!r}; the pd-transfer connector "
-                              f"runs as 'kv_producer' (prefill) or 'kv_consumer' (decode)")
+            raise ConfigError(
+                f"kv_transfer_config.kv_role is {config.kv_role!r}; the pd-transfer connector "
+                f"runs as 'kv_producer' (prefill) or 'kv_consumer' (decode)"
+            )
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._groups, self._specs = _cache_groups(kv_cache_config, tp_size)
         self._group = self._groups[Pool.KV]
@@ -85,14 +87,21 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
         if role is KVConnectorRole.SCHEDULER:
             _refuse_unscheduled_groups(self._groups, kv_cache_config)
             bootstrap = self._extra.get("bootstrap_addr", "")
-            if self._pd_role is Role.PREFILL and not (isinstance(bootstrap, str) and bootstrap.startswith("tcp://")):
-                raise ConfigError(f"kv_connector_extra_config.bootstrap_addr is {bootstrap!r}; a prefill "
-                                  f"instance needs its sidecars' bootstrap address 'tcp://host:port'")
+            if self._pd_role is Role.PREFILL and not (
+                isinstance(bootstrap, str) and bootstrap.startswith("tcp://")
+            ):
+                raise ConfigError(
+                    f"kv_connector_extra_config.bootstrap_addr is {bootstrap!r}; a prefill "
+                    f"instance needs its sidecars' bootstrap address 'tcp://host:port'"
+                )
             block_size = kv_cache_config.kv_cache_groups[self._group].kv_cache_spec.block_size
             swa = self._groups.get(Pool.SWA)
-            window = kv_cache_config.kv_cache_groups[swa].kv_cache_spec.sliding_window if swa is not None else None
-            self._scheduler = SchedulerSide(block_size=block_size, bootstrap_addr=bootstrap,
-                                            sliding_window=window)
+            window = (
+                kv_cache_config.kv_cache_groups[swa].kv_cache_spec.sliding_window if swa is not None else None
+            )
+            self._scheduler = SchedulerSide(
+                block_size=block_size, bootstrap_addr=bootstrap, sliding_window=window
+            )
 
     # -- scheduler side ---------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -100,21 +109,32 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         ids = blocks.get_block_ids() if num_external_tokens > 0 else None
-        self._scheduler.update_state_after_alloc(request, self._ids(ids, Pool.KV), num_external_tokens,
-                                                 self._ids(ids, Pool.SWA))
+        self._scheduler.update_state_after_alloc(
+            request, self._ids(ids, Pool.KV), num_external_tokens, self._ids(ids, Pool.SWA)
+        )
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            self._scheduler.scheduled(new.req_id, self._ids(new.block_ids, Pool.KV), True,
-                                      new.num_computed_tokens, scheduled.get(new.req_id, 0),
-                                      self._ids(new.block_ids, Pool.SWA))
+            self._scheduler.scheduled(
+                new.req_id,
+                self._ids(new.block_ids, Pool.KV),
+                True,
+                new.num_computed_tokens,
+                scheduled.get(new.req_id, 0),
+                self._ids(new.block_ids, Pool.SWA),
+            )
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
-            self._scheduler.scheduled(req_id, self._ids(new_ids, Pool.KV),
-                                      req_id in cached.resumed_req_ids, cached.num_computed_tokens[i],
-                                      scheduled.get(req_id, 0), self._ids(new_ids, Pool.SWA))
+            self._scheduler.scheduled(
+                req_id,
+                self._ids(new_ids, Pool.KV),
+                req_id in cached.resumed_req_ids,
+                cached.num_computed_tokens[i],
+                scheduled.get(req_id, 0),
+                self._ids(new_ids, Pool.SWA),
+            )
         return PdTransferConnectorMetadata(self._scheduler.build_step())
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -123,8 +143,9 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
         capped = request.status == RequestStatus.FINISHED_LENGTH_CAPPED
-        return self._scheduler.request_finished(request, self._ids(block_ids, Pool.KV), capped,
-                                                self._ids(block_ids, Pool.SWA))
+        return self._scheduler.request_finished(
+            request, self._ids(block_ids, Pool.KV), capped, self._ids(block_ids, Pool.SWA)
+        )
 
     def _ids(self, per_group, pool: Pool) -> list[int]:
         """One pool's block ids out of vLLM's per-group tuple (empty without that group or tuple)."""
@@ -132,30 +153,47 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
         return list(per_group[group]) if per_group and group is not None else []
 
     def update_connector_output(self, connector_output) -> None:
-        self._scheduler.update_connector_output(connector_output.finished_sending,
-                                                connector_output.finished_recving)
+        self._scheduler.update_connector_output(
+            connector_output.finished_sending, connector_output.finished_recving
+        )
 
     # -- worker side ------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict) -> None:
         tp_size, tp_rank = _tp_position(self._vllm_config)
         endpoint = self._extra.get("worker_endpoint")
         if not isinstance(endpoint, str) or not endpoint:
-            raise ConfigError("kv_connector_extra_config.worker_endpoint is missing: give each rank's "
-                              "sidecar, e.g. 'unix:///run/pd/decode-tp{tp_rank}.sock'")
+            raise ConfigError(
+                "kv_connector_extra_config.worker_endpoint is missing: give each rank's "
+                "sidecar, e.g. 'unix:///run/pd/decode-tp{tp_rank}.sock'"
+            )
         endpoint = endpoint.replace("{tp_rank}", str(tp_rank))
         memory = describe_kv_caches(
-            {name: t for name, t in kv_caches.items() if name in self._specs}, self._specs,
-            role=self._pd_role, tp_size=tp_size, tp_rank=tp_rank,
+            {name: t for name, t in kv_caches.items() if name in self._specs},
+            self._specs,
+            role=self._pd_role,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
             total_kv_heads=self._vllm_config.model_config.get_total_num_kv_heads(),
-            model=str(self._vllm_config.model_config.model))
+            model=str(self._vllm_config.model_config.model),
+        )
         worker_id = f"vllm-{self._pd_role.value}-tp{tp_rank}"
-        client = Client(endpoint, worker_id, timeout_s=float(self._extra.get("timeout_s", 10.0)),
-                        secret_file=str(self._extra.get("secret_file", "")))
+        client = Client(
+            endpoint,
+            worker_id,
+            timeout_s=float(self._extra.get("timeout_s", 10.0)),
+            secret_file=str(self._extra.get("secret_file", "")),
+        )
         self._worker = WorkerSide(client)
-        self._worker.register(memory, f"{worker_id}-{os.getpid()}",
-                              timeout_s=float(self._extra.get("register_timeout_s", 60.0)))
-        log.info("pd-transfer connector: %s registered %d layers in %d regions with %s",
-                 memory.geometry.rank_id, len(memory.layers), len(memory.storages), endpoint)
+        self._worker.register(
+            memory, f"{worker_id}-{os.getpid()}", timeout_s=float(self._extra.get("register_timeout_s", 60.0))
+        )
+        log.info(
+            "pd-transfer connector: %s registered %d layers in %d regions with %s",
+            memory.geometry.rank_id,
+            len(memory.layers),
+            len(memory.storages),
+            endpoint,
+        )
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         if self._worker is not None and self.has_connector_metadata():
@@ -178,8 +216,9 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None:
             return KVConnectorTransferResults()
         results = self._worker.finished(finished_req_ids)
-        return KVConnectorTransferResults(results.finished_sending, results.finished_recving,
-                                          results.failed_recving)
+        return KVConnectorTransferResults(
+            results.finished_sending, results.finished_recving, results.failed_recving
+        )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
@@ -217,9 +256,10 @@ def _cache_groups(kv_cache_config, tp_size: int) -> tuple[dict[Pool, int], dict[
     if Pool.KV not in pools and not refused:
         refused.append("no full-attention or MLA group")
     if refused:
-        raise ConfigError("the pd-transfer vLLM connector moves one full-attention or MLA group and at most "
-                          "one sliding-window and one Mamba/GDN group; this model's KV-cache groups: "
-                          + "; ".join(refused))
+        raise ConfigError(
+            "the pd-transfer vLLM connector moves one full-attention or MLA group and at most "
+            "one sliding-window and one Mamba/GDN group; this model's KV-cache groups: " + "; ".join(refused)
+        )
     return pools, specs
 
 
@@ -230,21 +270,34 @@ def _refuse_unscheduled_groups(pools: dict[Pool, int], kv_cache_config) -> None:
     yet (prefill's state also holds the last prompt token, which vLLM's
     decode computes again).
     """
-    others = [f"group {i} ({type(kv_cache_config.kv_cache_groups[i].kv_cache_spec).__name__})"
-              for pool, i in pools.items() if pool is Pool.MAMBA]
+    others = [
+        f"group {i} ({type(kv_cache_config.kv_cache_groups[i].kv_cache_spec).__name__})"
+        for pool, i in pools.items()
+        if pool is Pool.MAMBA
+    ]
     if others:
-        raise ConfigError("the pd-transfer vLLM connector's scheduler side moves full-attention, MLA and "
-                          f"sliding-window KV; this model also has {', '.join(others)}: Mamba/GDN "
-                          "requests are not scheduled through pd-transfer yet")
+        raise ConfigError(
+            "the pd-transfer vLLM connector's scheduler side moves full-attention, MLA and "
+            f"sliding-window KV; this model also has {', '.join(others)}: Mamba/GDN "
+            "requests are not scheduled through pd-transfer yet"
+        )
 
 
 def _layer_spec(spec, tp_size: int) -> tuple[Pool | None, LayerSpec | StateSpec | None]:
     if isinstance(spec, FullAttentionSpec):
-        return Pool.KV, LayerSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
-                                  head_size=spec.head_size, mla=isinstance(spec, MLAAttentionSpec))
+        return Pool.KV, LayerSpec(
+            block_size=spec.block_size,
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            mla=isinstance(spec, MLAAttentionSpec),
+        )
     if isinstance(spec, SlidingWindowSpec) and not isinstance(spec, SlidingWindowMLASpec):
-        return Pool.SWA, LayerSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
-                                   head_size=spec.head_size, pool=Pool.SWA)
+        return Pool.SWA, LayerSpec(
+            block_size=spec.block_size,
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            pool=Pool.SWA,
+        )
     if isinstance(spec, MambaSpec):
         return Pool.MAMBA, mamba_state_spec(spec, tp_size)
     return None, None
@@ -262,26 +315,38 @@ def mamba_state_spec(spec: MambaSpec, tp_size: int) -> StateSpec:
     groups are not the model's: such a model across TP sizes is not supported.
     """
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
     dim_first = is_conv_state_dim_first()
     groups = None
     kind = getattr(spec.mamba_type, "name", str(spec.mamba_type))
     if kind in ("GDN_ATTN", "MAMBA2") and len(spec.shapes) >= 2 and not spec.tp_replicated:
         conv, temporal = spec.shapes[0], spec.shapes[1]
         channels = conv[0] if dim_first else conv[-1]
-        first = temporal[0] * temporal[1]          # GDN: value dim; Mamba2: x (d_inner)
+        first = temporal[0] * temporal[1]  # GDN: value dim; Mamba2: x (d_inner)
         rest = channels - first
         if rest <= 0 or rest % 2:
-            raise ConfigError(f"MambaSpec {kind}: {channels} conv channels on this rank do not split into "
-                              f"{first} (from the temporal state {list(temporal)}) and two equal groups")
-        groups = ((rest // 2 * tp_size,) * 2 + (first * tp_size,) if kind == "GDN_ATTN"
-                  else (first * tp_size,) + (rest // 2 * tp_size,) * 2)
-    return StateSpec(shapes=tuple(tuple(s) for s in spec.shapes), dtypes=tuple(spec.dtypes),
-                     conv_groups=groups, conv_dim_first=dim_first, tp_replicated=spec.tp_replicated)
+            raise ConfigError(
+                f"MambaSpec {kind}: {channels} conv channels on this rank do not split into "
+                f"{first} (from the temporal state {list(temporal)}) and two equal groups"
+            )
+        groups = (
+            (rest // 2 * tp_size,) * 2 + (first * tp_size,)
+            if kind == "GDN_ATTN"
+            else (first * tp_size,) + (rest // 2 * tp_size,) * 2
+        )
+    return StateSpec(
+        shapes=tuple(tuple(s) for s in spec.shapes),
+        dtypes=tuple(spec.dtypes),
+        conv_groups=groups,
+        conv_dim_first=dim_first,
+        tp_replicated=spec.tp_replicated,
+    )
 
 
 def _tp_position(vllm_config) -> tuple[int, int]:
     """(tp_size, tp_rank) of this worker process."""
     from vllm.distributed import parallel_state
+
     tp_size = vllm_config.parallel_config.tensor_parallel_size
     if parallel_state.model_parallel_is_initialized():
         return tp_size, parallel_state.get_tensor_model_parallel_rank()

@@ -45,8 +45,13 @@ HEAD_AXIS = Axis("head", AxisRole.SHARD)
 HEAD_DIM_AXIS = Axis("head_dim", AxisRole.INNER)
 LATENT_DIM_AXIS = Axis("latent_dim", AxisRole.INNER)
 
-_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
-           torch.uint8: "uint8", torch.int8: "int8"}
+_DTYPES = {
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float32",
+    torch.uint8: "uint8",
+    torch.int8: "int8",
+}
 for _name in ("float8_e4m3fn", "float8_e5m2"):
     if hasattr(torch, _name):
         _DTYPES[getattr(torch, _name)] = _name
@@ -57,10 +62,10 @@ class LayerSpec:
     """What vLLM's KV-cache spec says of one layer (local to this rank)."""
 
     block_size: int
-    num_kv_heads: int      # on this rank; ignored for MLA
+    num_kv_heads: int  # on this rank; ignored for MLA
     head_size: int
     mla: bool = False
-    pool: Pool = Pool.KV   # Pool.SWA for a sliding-window layer
+    pool: Pool = Pool.KV  # Pool.SWA for a sliding-window layer
 
 
 @dataclass(frozen=True)
@@ -81,21 +86,30 @@ class KvMemory:
 
     geometry: RankGeometry
     layers: tuple[LayerCache, ...]
-    storages: dict[str, torch.Tensor]   # region id -> the whole storage as a flat uint8 tensor
+    storages: dict[str, torch.Tensor]  # region id -> the whole storage as a flat uint8 tensor
 
 
 def layer_index(layer_name: str) -> int:
     """The model layer id in a vLLM layer name: ``model.layers.3.self_attn.attn`` -> 3."""
     numbers = [int(part) for part in layer_name.split(".") if part.isdigit()]
     if len(numbers) != 1:
-        raise ConfigError(f"vLLM layer {layer_name!r}: expected exactly one layer number in the name, "
-                          f"found {numbers}; pd-transfer pairs prefill and decode tensors by layer id")
+        raise ConfigError(
+            f"vLLM layer {layer_name!r}: expected exactly one layer number in the name, "
+            f"found {numbers}; pd-transfer pairs prefill and decode tensors by layer id"
+        )
     return numbers[0]
 
 
-def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor], specs: Mapping[str, LayerSpec | StateSpec], *,
-                       role: Role, tp_size: int, tp_rank: int, total_kv_heads: int,
-                       model: str = "") -> KvMemory:
+def describe_kv_caches(
+    kv_caches: Mapping[str, torch.Tensor],
+    specs: Mapping[str, LayerSpec | StateSpec],
+    *,
+    role: Role,
+    tp_size: int,
+    tp_rank: int,
+    total_kv_heads: int,
+    model: str = "",
+) -> KvMemory:
     """The geometry of ``kv_caches`` (vLLM's ``register_kv_caches`` argument) on one rank.
 
     ``specs`` maps every layer name to its :class:`LayerSpec` (or
@@ -121,42 +135,67 @@ def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor], specs: Mapping[str
             layers.append(LayerCache(name, layer_index(name), tensor, region, 0, Pool.MAMBA))
             continue
         if block_size is not None and spec.block_size != block_size:
-            raise ConfigError(f"vLLM layer {name!r}: block size {spec.block_size}, other layers "
-                              f"{block_size}; one page size per rank is supported")
+            raise ConfigError(
+                f"vLLM layer {name!r}: block size {spec.block_size}, other layers "
+                f"{block_size}; one page size per rank is supported"
+            )
         block_size = spec.block_size
-        layer_views, page_axis = _layer_views(name, tensor, spec, region, tp_size, tp_rank,
-                                              total_kv_heads)
+        layer_views, page_axis = _layer_views(name, tensor, spec, region, tp_size, tp_rank, total_kv_heads)
         views += layer_views
         layers.append(LayerCache(name, layer_index(name), tensor, region, page_axis, spec.pool))
     if block_size is None:
-        raise ConfigError("register_kv_caches got no attention KV-cache tensors (a model of Mamba "
-                          "layers only is not supported by the pd-transfer connector)")
+        raise ConfigError(
+            "register_kv_caches got no attention KV-cache tensors (a model of Mamba "
+            "layers only is not supported by the pd-transfer connector)"
+        )
     regions = tuple(Region(rid, int(t.numel())) for rid, t in flat.items())
-    geometry = RankGeometry(role=role, tp_size=tp_size, tp_rank=tp_rank, page_size=block_size,
-                            views=tuple(views), regions=regions, model=model)
+    geometry = RankGeometry(
+        role=role,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        page_size=block_size,
+        views=tuple(views),
+        regions=regions,
+        model=model,
+    )
     return KvMemory(geometry, tuple(layers), flat)
 
 
-def _layer_views(name: str, tensor: torch.Tensor, spec: LayerSpec, region: str, tp_size: int,
-                 tp_rank: int, total_kv_heads: int) -> tuple[list[TensorView], int]:
+def _layer_views(
+    name: str,
+    tensor: torch.Tensor,
+    spec: LayerSpec,
+    region: str,
+    tp_size: int,
+    tp_rank: int,
+    total_kv_heads: int,
+) -> tuple[list[TensorView], int]:
     """``k``/``v`` (or ``latent``) views of one layer, and its page axis in ``tensor``."""
     dtype = _DTYPES.get(tensor.dtype)
     if dtype is None:
         raise ConfigError(f"vLLM layer {name!r}: KV dtype {tensor.dtype} is not supported")
     isz = tensor.element_size()
-    base = (tensor.data_ptr() - tensor.untyped_storage().data_ptr())
+    base = tensor.data_ptr() - tensor.untyped_storage().data_ptr()
     stride = [s * isz for s in tensor.stride()]
     shape = tuple(tensor.shape)
     layer_id = layer_index(name)
     bs, heads, dim = spec.block_size, spec.num_kv_heads, spec.head_size
 
-    def view(view_name, offset, axes_dims):   # axes_dims: (axis, tensor dim) in logical order
+    def view(view_name, offset, axes_dims):  # axes_dims: (axis, tensor dim) in logical order
         axes = tuple(a for a, _ in axes_dims)
         return TensorView(
-            pool=spec.pool, layer_id=layer_id, name=view_name, region=region,
-            offset_nbytes=base + offset, dtype=dtype, shape=tuple(shape[d] for _, d in axes_dims),
-            strides_nbytes=tuple(stride[d] for _, d in axes_dims), axes=axes,
-            shard=None if spec.mla else shard, layout=layout)
+            pool=spec.pool,
+            layer_id=layer_id,
+            name=view_name,
+            region=region,
+            offset_nbytes=base + offset,
+            dtype=dtype,
+            shape=tuple(shape[d] for _, d in axes_dims),
+            strides_nbytes=tuple(stride[d] for _, d in axes_dims),
+            axes=axes,
+            shard=None if spec.mla else shard,
+            layout=layout,
+        )
 
     if spec.mla:
         if len(shape) != 3 or shape[1] != bs or shape[2] != dim:
@@ -165,8 +204,10 @@ def _layer_views(name: str, tensor: torch.Tensor, spec: LayerSpec, region: str, 
         return [view("latent", 0, ((PAGE_AXIS, 0), (TOKEN_AXIS, 1), (LATENT_DIM_AXIS, 2)))], 0
     shard = ShardSpec.for_rank(total_kv_heads, tp_size, tp_rank)
     if shard.local_extent != heads:
-        raise ConfigError(f"vLLM layer {name!r}: {heads} KV heads on tp rank {tp_rank} of {tp_size}, "
-                          f"but {total_kv_heads} model KV heads split into {shard.local_extent}")
+        raise ConfigError(
+            f"vLLM layer {name!r}: {heads} KV heads on tp rank {tp_rank} of {tp_size}, "
+            f"but {total_kv_heads} model KV heads split into {shard.local_extent}"
+        )
     if len(shape) == 4 and shape[1:] == (heads, bs, 2 * dim):
         page, token, head, kv_axis, kv_step = 0, 2, 1, 3, dim * stride[3]
     elif len(shape) == 5 and shape[0] == 2 and shape[2:] == (bs, heads, dim):
@@ -174,8 +215,12 @@ def _layer_views(name: str, tensor: torch.Tensor, spec: LayerSpec, region: str, 
     elif len(shape) == 5 and shape[1] == 2 and shape[2:] == (bs, heads, dim):
         page, token, head, kv_axis, kv_step = 0, 2, 3, 1, stride[1]
     else:
-        raise _bad_shape(name, shape, f"[blocks, {heads}, {bs}, {2 * dim}], "
-                                      f"[2, blocks, {bs}, {heads}, {dim}] or [blocks, 2, {bs}, {heads}, {dim}]")
+        raise _bad_shape(
+            name,
+            shape,
+            f"[blocks, {heads}, {bs}, {2 * dim}], "
+            f"[2, blocks, {bs}, {heads}, {dim}] or [blocks, 2, {bs}, {heads}, {dim}]",
+        )
     layout = Layout.HND if stride[head] > stride[token] else Layout.NHD
     inner = len(shape) - 1
     axes_dims = ((PAGE_AXIS, page), (TOKEN_AXIS, token), (HEAD_AXIS, head), (HEAD_DIM_AXIS, inner))
@@ -185,5 +230,7 @@ def _layer_views(name: str, tensor: torch.Tensor, spec: LayerSpec, region: str, 
 
 
 def _bad_shape(name: str, shape: tuple, expected: str) -> ConfigError:
-    return ConfigError(f"vLLM layer {name!r}: KV-cache tensor of shape {list(shape)}; expected {expected}. "
-                       f"This attention backend's layout is not supported by the pd-transfer connector")
+    return ConfigError(
+        f"vLLM layer {name!r}: KV-cache tensor of shape {list(shape)}; expected {expected}. "
+        f"This attention backend's layout is not supported by the pd-transfer connector"
+    )

@@ -62,8 +62,13 @@ def room_for(request_id: str, params: dict[str, Any] | None) -> int:
 
 def decode_params(room: int, bootstrap_addr: str, num_pages: int) -> dict[str, Any]:
     """Prefill's ``kv_transfer_params`` for the router to forward to decode."""
-    return {"do_remote_prefill": True, "do_remote_decode": False, ROOM_KEY: room,
-            BOOTSTRAP_KEY: bootstrap_addr, NUM_PAGES_KEY: num_pages}
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        ROOM_KEY: room,
+        BOOTSTRAP_KEY: bootstrap_addr,
+        NUM_PAGES_KEY: num_pages,
+    }
 
 
 def parse_remote_prefill(params: dict[str, Any]) -> RemotePrefill | str:
@@ -71,13 +76,18 @@ def parse_remote_prefill(params: dict[str, Any]) -> RemotePrefill | str:
     room, bootstrap = params.get(ROOM_KEY), params.get(BOOTSTRAP_KEY)
     num_pages = params.get(NUM_PAGES_KEY)
     if not _is_room(room):
-        return (f"kv_transfer_params.{ROOM_KEY} is {room!r}; expected the int in [0, 2**63) that "
-                f"the prefill instance returned (forward prefill's kv_transfer_params unchanged)")
+        return (
+            f"kv_transfer_params.{ROOM_KEY} is {room!r}; expected the int in [0, 2**63) that "
+            f"the prefill instance returned (forward prefill's kv_transfer_params unchanged)"
+        )
     if not isinstance(bootstrap, str) or not bootstrap.startswith("tcp://"):
-        return (f"kv_transfer_params.{BOOTSTRAP_KEY} is {bootstrap!r}; expected prefill's "
-                f"bootstrap address 'tcp://host:port' (forward prefill's kv_transfer_params unchanged)")
-    if num_pages is not None and (isinstance(num_pages, bool) or not isinstance(num_pages, int)
-                                  or num_pages < 0):
+        return (
+            f"kv_transfer_params.{BOOTSTRAP_KEY} is {bootstrap!r}; expected prefill's "
+            f"bootstrap address 'tcp://host:port' (forward prefill's kv_transfer_params unchanged)"
+        )
+    if num_pages is not None and (
+        isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0
+    ):
         return f"kv_transfer_params.{NUM_PAGES_KEY} is {num_pages!r}; expected a page count"
     return RemotePrefill(room, bootstrap, num_pages)
 

@@ -65,21 +65,25 @@ class SchedulerSide:
     def __init__(self, *, block_size: int, bootstrap_addr: str, sliding_window: int | None = None) -> None:
         self.block_size = block_size
         self.bootstrap_addr = bootstrap_addr
-        self.sliding_window = sliding_window   # a sliding-window group's window (tokens), if any
-        self._local_tokens: dict[str, int] = {}   # decode: prefix-cache hit at the last lookup
+        self.sliding_window = sliding_window  # a sliding-window group's window (tokens), if any
+        self._local_tokens: dict[str, int] = {}  # decode: prefix-cache hit at the last lookup
         self._step = StepSpecs()
-        self._loading: dict[str, int] = {}        # decode: req id -> room, with the workers
-        self._sending: dict[str, int] = {}        # prefill: req id -> room, blocks held
+        self._loading: dict[str, int] = {}  # decode: req id -> room, with the workers
+        self._sending: dict[str, int] = {}  # prefill: req id -> room, blocks held
         self._prefilling: dict[str, tuple[int, int, list[int], list[int]]] = {}
         # req id -> room, prompt len, blocks, sliding-window blocks
-        self._streamed: dict[str, tuple[int, int]] = {}   # req id -> room, pages: streamed, not finished
+        self._streamed: dict[str, tuple[int, int]] = {}  # req id -> room, pages: streamed, not finished
 
     # -- decode --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if kvparams.wants_remote_decode(params) and request.request_id not in self._streamed:
-            self._prefilling[request.request_id] = (kvparams.room_for(request.request_id, params),
-                                                    len(request.prompt_token_ids or ()), [], [])
+            self._prefilling[request.request_id] = (
+                kvparams.room_for(request.request_id, params),
+                len(request.prompt_token_ids or ()),
+                [],
+                [],
+            )
         if not kvparams.wants_remote_prefill(params):
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
@@ -88,8 +92,9 @@ class SchedulerSide:
         self._local_tokens[request.request_id] = num_computed_tokens
         return count, True
 
-    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int,
-                                 swa_block_ids: list[int] = ()) -> None:
+    def update_state_after_alloc(
+        self, request: Any, block_ids: list[int], num_external_tokens: int, swa_block_ids: list[int] = ()
+    ) -> None:
         params = request.kv_transfer_params
         if num_external_tokens <= 0 or not kvparams.wants_remote_prefill(params):
             return
@@ -99,22 +104,39 @@ class SchedulerSide:
         error = parsed if isinstance(parsed, str) else ""
         room = 0 if error else parsed.room
         if not error and parsed.num_pages is not None and parsed.num_pages != len(block_ids):
-            error = (f"prefill sent {parsed.num_pages} pages for room {room}, decode allocated "
-                     f"{len(block_ids)} blocks of {self.block_size} tokens for the same prompt; "
-                     f"both instances need the same block size")
+            error = (
+                f"prefill sent {parsed.num_pages} pages for room {room}, decode allocated "
+                f"{len(block_ids)} blocks of {self.block_size} tokens for the same prompt; "
+                f"both instances need the same block size"
+            )
         # loaded once: a preempted request recomputes instead of loading again
         params["do_remote_prefill"] = False
         first, window = self._window(len(request.prompt_token_ids or ()), swa_block_ids)
-        spec = RecvSpec(req_id, room, "" if error else parsed.bootstrap_addr, tuple(block_ids),
-                        local_tokens // self.block_size, error, swa_pages=window, swa_first=first)
+        spec = RecvSpec(
+            req_id,
+            room,
+            "" if error else parsed.bootstrap_addr,
+            tuple(block_ids),
+            local_tokens // self.block_size,
+            error,
+            swa_pages=window,
+            swa_first=first,
+        )
         if error:
             log.error("request %s cannot load its KV: %s", req_id, error)
         self._step.recvs.append(spec)
         self._loading[req_id] = room
 
     # -- prefill -------------------------------------------------------------------
-    def scheduled(self, req_id: str, block_ids: list[int] | None, replace: bool, num_computed: int,
-                  num_scheduled: int, swa_block_ids: list[int] | None = None) -> None:
+    def scheduled(
+        self,
+        req_id: str,
+        block_ids: list[int] | None,
+        replace: bool,
+        num_computed: int,
+        num_scheduled: int,
+        swa_block_ids: list[int] | None = None,
+    ) -> None:
         """One scheduled request of this step: its new blocks (all of them if ``replace``) and tokens.
 
         A remote-decode request whose prompt this step completes is streamed.
@@ -135,8 +157,9 @@ class SchedulerSide:
         if num_pages == 0 or len(blocks) < num_pages:
             return
         _, window = self._window(prompt_len, swa_blocks)
-        self._step.sends.append(SendSpec(req_id, room, tuple(blocks[:num_pages]), swa_pages=window,
-                                         stream=True))
+        self._step.sends.append(
+            SendSpec(req_id, room, tuple(blocks[:num_pages]), swa_pages=window, stream=True)
+        )
         self._streamed[req_id] = (room, num_pages)
 
     # -- both ------------------------------------------------------------------------
@@ -144,18 +167,22 @@ class SchedulerSide:
         step, self._step = self._step, StepSpecs()
         return step
 
-    def request_finished(self, request: Any, block_ids: list[int], length_capped: bool,
-                         swa_block_ids: list[int] = ()) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Any, block_ids: list[int], length_capped: bool, swa_block_ids: list[int] = ()
+    ) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         self._local_tokens.pop(req_id, None)
         self._prefilling.pop(req_id, None)
-        if req_id in self._streamed:   # its blocks are being read: held until the room ends
+        if req_id in self._streamed:  # its blocks are being read: held until the room ends
             room, num_pages = self._streamed.pop(req_id)
             self._sending[req_id] = room
             if kvparams.wants_remote_decode(request.kv_transfer_params) and length_capped:
                 return True, kvparams.decode_params(room, self.bootstrap_addr, num_pages)
-            log.warning("request %s finished without its one token; room %d was streamed and ends "
-                        "unclaimed", req_id, room)
+            log.warning(
+                "request %s finished without its one token; room %d was streamed and ends unclaimed",
+                req_id,
+                room,
+            )
             return True, None
         if req_id in self._loading:
             # decode: a write may still land in these blocks until the room is drained
@@ -184,7 +211,7 @@ class SchedulerSide:
         if self.sliding_window is None:
             return 0, ()
         first = first_window_page(prompt_len, self.block_size, self.sliding_window)
-        return first, tuple(list(swa_block_ids)[first:pages_to_send(prompt_len, self.block_size)])
+        return first, tuple(list(swa_block_ids)[first : pages_to_send(prompt_len, self.block_size)])
 
     @property
     def num_in_flight(self) -> int:

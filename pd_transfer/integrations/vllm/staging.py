@@ -25,7 +25,7 @@ from pd_transfer.client import allocate_pools
 from pd_transfer.integrations.vllm.memory import KvMemory
 from pd_transfer.layout.views import Pool
 
-Blocks = Mapping[Pool, Sequence[int]]   # a request's blocks per pool (KV pages, SWA pages, state slots)
+Blocks = Mapping[Pool, Sequence[int]]  # a request's blocks per pool (KV pages, SWA pages, state slots)
 
 
 class StagedPages:
@@ -35,7 +35,7 @@ class StagedPages:
         self.memory = memory
         self.pools = allocate_pools(memory.geometry, owner_id)
         twins = {rid: t for rid, t in self.pools.tensors.items()}
-        self._pairs = []   # (vLLM tensor, its twin, page axis, pool)
+        self._pairs = []  # (vLLM tensor, its twin, page axis, pool)
         for layer in memory.layers:
             t = layer.tensor
             base = twins[layer.region].view(t.dtype)
@@ -74,7 +74,7 @@ class DirectPages:
         self.handles = {rid: cuda_ipc.share(t) for rid, t in memory.storages.items()}
 
     def stage(self, blocks: Blocks, layer_id: int | None = None) -> None:
-        torch.cuda.synchronize()   # the forward pass's writes are visible to the sidecar's stream
+        torch.cuda.synchronize()  # the forward pass's writes are visible to the sidecar's stream
 
     def unstage(self, blocks: Blocks) -> None:
         pass

@@ -52,40 +52,65 @@ class StateSpec:
     tp_replicated: bool = False
 
 
-def state_views(name: str, layer_id: int, tensor: torch.Tensor, spec: StateSpec, region: str,
-                tp_size: int, tp_rank: int, dtype_names: dict) -> list[TensorView]:
+def state_views(
+    name: str,
+    layer_id: int,
+    tensor: torch.Tensor,
+    spec: StateSpec,
+    region: str,
+    tp_size: int,
+    tp_rank: int,
+    dtype_names: dict,
+) -> list[TensorView]:
     """One view per state of a ``[blocks, 1, 1, C]`` int8 layer tensor (see the module docstring)."""
     if tensor.dim() != 4 or tensor.shape[1:3] != (1, 1) or tensor.element_size() != 1:
-        raise ConfigError(f"vLLM layer {name!r}: Mamba state tensor of shape {list(tensor.shape)} "
-                          f"and dtype {tensor.dtype}; expected a raw [blocks, 1, 1, bytes] int8 page view")
+        raise ConfigError(
+            f"vLLM layer {name!r}: Mamba state tensor of shape {list(tensor.shape)} "
+            f"and dtype {tensor.dtype}; expected a raw [blocks, 1, 1, bytes] int8 page view"
+        )
     if len(spec.shapes) != len(spec.dtypes) or not spec.shapes:
-        raise ConfigError(f"vLLM layer {name!r}: MambaSpec declares {len(spec.shapes)} state shapes "
-                          f"and {len(spec.dtypes)} dtypes; expected one dtype per state")
+        raise ConfigError(
+            f"vLLM layer {name!r}: MambaSpec declares {len(spec.shapes)} state shapes "
+            f"and {len(spec.dtypes)} dtypes; expected one dtype per state"
+        )
     sizes = [math.prod(s) * torch.empty(0, dtype=d).element_size() for s, d in zip(spec.shapes, spec.dtypes)]
     if sum(sizes) > tensor.shape[3] or tensor.stride(3) != 1:
-        raise ConfigError(f"vLLM layer {name!r}: its states take {sum(sizes)} bytes per block, the page "
-                          f"view holds {tensor.shape[3]} (stride {tensor.stride(3)})")
+        raise ConfigError(
+            f"vLLM layer {name!r}: its states take {sum(sizes)} bytes per block, the page "
+            f"view holds {tensor.shape[3]} (stride {tensor.stride(3)})"
+        )
     base = tensor.data_ptr() - tensor.untyped_storage().data_ptr()
     views, offset = [], 0
     for i, (shape, dtype, size) in enumerate(zip(spec.shapes, spec.dtypes, sizes)):
         kind = "conv" if i == 0 else "temporal"
         axes, shard = _state_axes(name, kind, shape, spec, tp_size, tp_rank)
         isz = torch.empty(0, dtype=dtype).element_size()
-        inner = [isz * math.prod(shape[d + 1:]) for d in range(len(shape))]
+        inner = [isz * math.prod(shape[d + 1 :]) for d in range(len(shape))]
         dtype_name = dtype_names.get(dtype)
         if dtype_name is None:
             raise ConfigError(f"vLLM layer {name!r}: state dtype {dtype} is not supported")
-        views.append(TensorView(
-            pool=Pool.MAMBA, layer_id=layer_id, name=kind if i < 2 else f"state{i}", region=region,
-            offset_nbytes=base + offset, dtype=dtype_name, shape=(tensor.shape[0],) + tuple(shape),
-            strides_nbytes=(tensor.stride(0),) + tuple(inner), axes=(SLOT_AXIS,) + axes,
-            shard=shard, layout=Layout.SLOT))
+        views.append(
+            TensorView(
+                pool=Pool.MAMBA,
+                layer_id=layer_id,
+                name=kind if i < 2 else f"state{i}",
+                region=region,
+                offset_nbytes=base + offset,
+                dtype=dtype_name,
+                shape=(tensor.shape[0],) + tuple(shape),
+                strides_nbytes=(tensor.stride(0),) + tuple(inner),
+                axes=(SLOT_AXIS,) + axes,
+                shard=shard,
+                layout=Layout.SLOT,
+            )
+        )
         offset += size
     return views
 
 
-def _state_axes(name: str, kind: str, shape: tuple[int, ...], spec: StateSpec, tp_size: int,
-                tp_rank: int) -> tuple[tuple[Axis, ...], ShardSpec | None]:
+def _state_axes(
+    name: str, kind: str, shape: tuple[int, ...], spec: StateSpec, tp_size: int, tp_rank: int
+) -> tuple[tuple[Axis, ...], ShardSpec | None]:
     """Axes of one slot of a state, and the shard of its TP-split axis."""
     if spec.tp_replicated:
         return tuple(Axis(f"d{i}", AxisRole.INNER) for i in range(len(shape))), None
@@ -95,17 +120,26 @@ def _state_axes(name: str, kind: str, shape: tuple[int, ...], spec: StateSpec, t
         axis = 0 if spec.conv_dim_first else 1
         # "tap" is an INNER axis in either order, as SGLang's (channels, taps) conv state names it:
         # the sidecars match axes by name and role, so the two engines' layouts reconcile
-        axes = ((Axis("channel", AxisRole.SHARD), Axis("tap", AxisRole.INNER)) if axis == 0 else
-                (Axis("tap", AxisRole.INNER), Axis("channel", AxisRole.SHARD)))
+        axes = (
+            (Axis("channel", AxisRole.SHARD), Axis("tap", AxisRole.INNER))
+            if axis == 0
+            else (Axis("tap", AxisRole.INNER), Axis("channel", AxisRole.SHARD))
+        )
         groups = spec.conv_groups
     else:
         axis, groups = 0, None
-        axes = (Axis("head", AxisRole.SHARD),) + tuple(Axis(f"d{i}", AxisRole.INNER)
-                                                        for i in range(1, len(shape)))
+        axes = (Axis("head", AxisRole.SHARD),) + tuple(
+            Axis(f"d{i}", AxisRole.INNER) for i in range(1, len(shape))
+        )
     local = shape[axis]
-    shard = (ShardSpec.for_rank(sum(groups), tp_size, tp_rank, tuple(groups)) if groups
-             else ShardSpec.for_rank(local * tp_size, tp_size, tp_rank))
+    shard = (
+        ShardSpec.for_rank(sum(groups), tp_size, tp_rank, tuple(groups))
+        if groups
+        else ShardSpec.for_rank(local * tp_size, tp_size, tp_rank)
+    )
     if shard.local_extent != local:
-        raise ConfigError(f"vLLM layer {name!r}: conv groups {list(groups or [])} over tp size {tp_size} "
-                          f"give rank {tp_rank} {shard.local_extent} channels, its {kind} state holds {local}")
+        raise ConfigError(
+            f"vLLM layer {name!r}: conv groups {list(groups or [])} over tp size {tp_size} "
+            f"give rank {tp_rank} {shard.local_extent} channels, its {kind} state holds {local}"
+        )
     return axes, shard

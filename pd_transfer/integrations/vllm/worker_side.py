@@ -55,14 +55,14 @@ class WorkerSide:
         self.client = client
         self.pages: StagedPages | DirectPages | None = None
         self._sending: dict[str, SendSpec] = {}
-        self._streaming: dict[str, set[int]] = {}   # req id -> layers still to announce this step
-        self._layer_ids: dict[str, int] = {}        # vLLM layer name -> layer id
+        self._streaming: dict[str, set[int]] = {}  # req id -> layers still to announce this step
+        self._layer_ids: dict[str, int] = {}  # vLLM layer name -> layer id
         self._receiving: dict[str, RecvSpec] = {}
-        self._draining: dict[str, int] = {}      # aborted req id -> room
-        self._finished_reqs: set[str] = set()    # vLLM's finished_req_ids, seen so far
+        self._draining: dict[str, int] = {}  # aborted req id -> room
+        self._finished_reqs: set[str] = set()  # vLLM's finished_req_ids, seen so far
         self._load_errors: set[int] = set()
-        self._failed_now: set[str] = set()       # failed receives not yet reported
-        self.failures: dict[str, str] = {}       # req id -> why its transfer failed (kept for logs)
+        self._failed_now: set[str] = set()  # failed receives not yet reported
+        self.failures: dict[str, str] = {}  # req id -> why its transfer failed (kept for logs)
 
     def register(self, memory: KvMemory, owner_id: str, *, timeout_s: float | None = None) -> None:
         on_gpu = next(iter(memory.storages.values())).is_cuda
@@ -100,8 +100,11 @@ class WorkerSide:
     def finished(self, finished_req_ids: set[str]) -> TransferResults:
         """What finished since the last call (see the module docstring)."""
         self._finished_reqs |= set(finished_req_ids)
-        sending = {req_id for req_id, spec in self._sending.items()
-                   if req_id in self._finished_reqs and self._terminal(req_id, spec.room)}
+        sending = {
+            req_id
+            for req_id, spec in self._sending.items()
+            if req_id in self._finished_reqs and self._terminal(req_id, spec.room)
+        }
         for req_id in sending:
             del self._sending[req_id]
             self._finished_reqs.discard(req_id)
@@ -114,9 +117,14 @@ class WorkerSide:
             del self._receiving[req_id]
             if state is not None and state.succeeded:
                 local_swa = max(0, spec.num_local_blocks - spec.swa_first)
-                self.pages.unstage({Pool.KV: spec.block_ids[spec.num_local_blocks:],
-                                    Pool.SWA: spec.swa_pages[local_swa:], Pool.MAMBA: spec.state_slots})
-            else:   # failed, or the sidecar could not say: never decode from these blocks
+                self.pages.unstage(
+                    {
+                        Pool.KV: spec.block_ids[spec.num_local_blocks :],
+                        Pool.SWA: spec.swa_pages[local_swa:],
+                        Pool.MAMBA: spec.state_slots,
+                    }
+                )
+            else:  # failed, or the sidecar could not say: never decode from these blocks
                 self._fail(spec, f"room {spec.room}: {self.failures.get(req_id, 'no status')}")
                 failed.add(req_id)
             recving.add(req_id)
@@ -142,8 +150,14 @@ class WorkerSide:
         try:
             if not spec.stream:
                 self.pages.stage(_blocks(spec))
-            self.client.send(spec.room, list(spec.block_ids), state_slots=list(spec.state_slots),
-                             swa_pages=list(spec.swa_pages), last_chunk=True, stream=spec.stream)
+            self.client.send(
+                spec.room,
+                list(spec.block_ids),
+                state_slots=list(spec.state_slots),
+                swa_pages=list(spec.swa_pages),
+                last_chunk=True,
+                stream=spec.stream,
+            )
         except ClientError as err:
             self._send_failed(spec, err)
             return
@@ -166,8 +180,9 @@ class WorkerSide:
 
     def _send_failed(self, spec: SendSpec, err: ClientError) -> None:
         self.failures[spec.req_id] = str(err)
-        log.error("request %s: send of room %d failed, its blocks are released: %s",
-                  spec.req_id, spec.room, err)
+        log.error(
+            "request %s: send of room %d failed, its blocks are released: %s", spec.req_id, spec.room, err
+        )
 
     def _expect(self, spec: RecvSpec) -> None:
         if spec.error:
@@ -175,8 +190,13 @@ class WorkerSide:
             self._failed_now.add(spec.req_id)
             return
         try:
-            self.client.expect(spec.room, spec.bootstrap_addr, list(spec.block_ids),
-                               state_slots=list(spec.state_slots), swa_pages=list(spec.swa_pages))
+            self.client.expect(
+                spec.room,
+                spec.bootstrap_addr,
+                list(spec.block_ids),
+                state_slots=list(spec.state_slots),
+                swa_pages=list(spec.swa_pages),
+            )
         except ClientError as err:
             self._fail(spec, f"room {spec.room}: expect refused: {err}")
             self._failed_now.add(spec.req_id)
@@ -186,30 +206,35 @@ class WorkerSide:
     def _abort(self, req_id: str, room: int) -> None:
         spec = self._receiving.pop(req_id, None)
         if spec is None:
-            return   # finished (or failed) before the abort arrived: already reported
+            return  # finished (or failed) before the abort arrived: already reported
         try:
             drained = self.client.abort(room)
         except ClientError as err:
-            log.warning("request %s: abort of room %d failed (%s); waiting for the room to end",
-                        req_id, room, err)
+            log.warning(
+                "request %s: abort of room %d failed (%s); waiting for the room to end", req_id, room, err
+            )
             drained = False
         if drained:
             self._failed_now.discard(req_id)
-            self._draining[req_id] = -1   # reported at the next pass
+            self._draining[req_id] = -1  # reported at the next pass
         else:
             self._draining[req_id] = room
 
     def _fail(self, spec: RecvSpec, reason: str) -> None:
         self.failures[spec.req_id] = reason
         self._load_errors |= set(spec.block_ids) | set(spec.state_slots) | set(spec.swa_pages)
-        log.error("request %s: KV load failed, %d blocks reported to vLLM: %s",
-                  spec.req_id, len(spec.block_ids), reason)
+        log.error(
+            "request %s: KV load failed, %d blocks reported to vLLM: %s",
+            spec.req_id,
+            len(spec.block_ids),
+            reason,
+        )
 
     def _terminal(self, req_id: str, room: int) -> bool:
         if room < 0:
             return True
         if req_id in self.failures and req_id in self._sending:
-            return True   # the send itself was refused: nothing in flight
+            return True  # the send itself was refused: nothing in flight
         state = self._poll(req_id, room)
         return state is None or state.is_terminal
 
@@ -223,9 +248,10 @@ class WorkerSide:
             return None
         if state.failed and req_id not in self.failures:
             self.failures[req_id] = state.describe()
-            if req_id in self._sending:   # a failed receive is logged by _fail
-                log.error("request %s: room %d failed, its blocks are released: %s",
-                          req_id, room, state.describe())
+            if req_id in self._sending:  # a failed receive is logged by _fail
+                log.error(
+                    "request %s: room %d failed, its blocks are released: %s", req_id, room, state.describe()
+                )
         return state
 
 

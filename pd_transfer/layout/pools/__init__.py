@@ -25,7 +25,20 @@ from pd_transfer.layout.pools.state_specs import (
 )
 
 __all__ = [
-    "AttentionSpec", "AuxField", "DEFAULT_AUX_FIELDS", "GdnSpec", "KdaSpec", "KvPoolShape",
-    "LinearSpec", "Mamba2Spec", "MlaSpec", "PoolViews", "SideStateSpec", "StateTensor",
-    "build_aux_rows", "build_kv_pool", "build_mla_pool", "build_state_pool",
+    "AttentionSpec",
+    "AuxField",
+    "DEFAULT_AUX_FIELDS",
+    "GdnSpec",
+    "KdaSpec",
+    "KvPoolShape",
+    "LinearSpec",
+    "Mamba2Spec",
+    "MlaSpec",
+    "PoolViews",
+    "SideStateSpec",
+    "StateTensor",
+    "build_aux_rows",
+    "build_kv_pool",
+    "build_mla_pool",
+    "build_state_pool",
 ]

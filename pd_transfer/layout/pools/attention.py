@@ -75,7 +75,7 @@ class MlaSpec:
 
     @property
     def latent_dim(self) -> int:
-        return self.kv_lora_rank + self.qk_rope_head_dim   # DeepSeek-V3: 512 + 64 = 576
+        return self.kv_lora_rank + self.qk_rope_head_dim  # DeepSeek-V3: 512 + 64 = 576
 
 
 @dataclass(frozen=True)
@@ -121,12 +121,13 @@ class KvTensor:
     pool: Pool
     name: str
     layer_id: int
-    dim: int                      # head_dim, v_head_dim or latent_dim
-    shard: ShardSpec | None       # None: MLA latent, no head axis
+    dim: int  # head_dim, v_head_dim or latent_dim
+    shard: ShardSpec | None  # None: MLA latent, no head axis
 
 
-def kv_view(tensor: KvTensor, grid: KvPoolShape, *, region: str, offset_elems: int,
-            strides_elems: Mapping[str, int]) -> TensorView:
+def kv_view(
+    tensor: KvTensor, grid: KvPoolShape, *, region: str, offset_elems: int, strides_elems: Mapping[str, int]
+) -> TensorView:
     """The view of ``tensor`` in a buffer with the given element strides.
 
     ``strides_elems`` maps page/token/head/dim (see :mod:`.memory_order`)
@@ -142,20 +143,28 @@ def kv_view(tensor: KvTensor, grid: KvPoolShape, *, region: str, offset_elems: i
         axes = (PAGE_AXIS, TOKEN_AXIS, HEAD_AXIS, HEAD_DIM_AXIS)
         shape = (grid.num_pages, grid.page_size, tensor.shard.local_extent, tensor.dim)
     return TensorView(
-        pool=tensor.pool, layer_id=tensor.layer_id, name=tensor.name, region=region,
-        offset_nbytes=offset_elems * isz, dtype=grid.dtype, shape=shape,
-        strides_nbytes=tuple(strides_elems[n] * isz for n in names), axes=axes,
-        shard=tensor.shard, layout=grid.layout)
+        pool=tensor.pool,
+        layer_id=tensor.layer_id,
+        name=tensor.name,
+        region=region,
+        offset_nbytes=offset_elems * isz,
+        dtype=grid.dtype,
+        shape=shape,
+        strides_nbytes=tuple(strides_elems[n] * isz for n in names),
+        axes=axes,
+        shard=tensor.shard,
+        layout=grid.layout,
+    )
 
 
 def buffer_sizes(grid: KvPoolShape, *, num_layers: int, num_heads: int, dim: int) -> dict[str, int]:
     """Sizes of the memory-order dimensions of one buffer."""
-    return {LAYER: num_layers, PAGE: grid.num_pages, TOKEN: grid.page_size,
-            HEAD: num_heads, DIM: dim}
+    return {LAYER: num_layers, PAGE: grid.num_pages, TOKEN: grid.page_size, HEAD: num_heads, DIM: dim}
 
 
 def kv_head_shard(attn: AttentionSpec, pool: Pool, tp_size: int, tp_rank: int) -> ShardSpec:
     """This rank's KV heads; fewer heads than ranks replicates one head per rank."""
     section = "sliding_attention" if pool is Pool.SWA else "attention"
-    return shard_for_rank(f"{section}.num_kv_heads", attn.num_kv_heads, tp_size, tp_rank,
-                          allow_replication=True)
+    return shard_for_rank(
+        f"{section}.num_kv_heads", attn.num_kv_heads, tp_size, tp_rank, allow_replication=True
+    )

@@ -52,8 +52,9 @@ DEFAULT_AUX_FIELDS: tuple[AuxField, ...] = (
 )
 
 
-def build_aux_rows(num_rows: int, fields: Sequence[AuxField] = DEFAULT_AUX_FIELDS, *,
-                   region_id: str = AUX_REGION) -> PoolViews:
+def build_aux_rows(
+    num_rows: int, fields: Sequence[AuxField] = DEFAULT_AUX_FIELDS, *, region_id: str = AUX_REGION
+) -> PoolViews:
     """One view per field, ``[num_rows, num_elems]`` row-major, in one region."""
     require_positive("num_aux_rows", num_rows)
     names = [f.name for f in fields]
@@ -64,10 +65,20 @@ def build_aux_rows(num_rows: int, fields: Sequence[AuxField] = DEFAULT_AUX_FIELD
     for field in fields:
         offset = -(-offset // BLOCK_ALIGN_NBYTES) * BLOCK_ALIGN_NBYTES
         isz = itemsize(field.dtype)
-        views.append(TensorView(
-            pool=Pool.AUX, layer_id=None, name=field.name, region=region_id,
-            offset_nbytes=offset, dtype=field.dtype, shape=(num_rows, field.num_elems),
-            strides_nbytes=(field.row_nbytes, isz), axes=(ROW_AXIS, ELEM_AXIS),
-            shard=None, layout=Layout.ROW))
+        views.append(
+            TensorView(
+                pool=Pool.AUX,
+                layer_id=None,
+                name=field.name,
+                region=region_id,
+                offset_nbytes=offset,
+                dtype=field.dtype,
+                shape=(num_rows, field.num_elems),
+                strides_nbytes=(field.row_nbytes, isz),
+                axes=(ROW_AXIS, ELEM_AXIS),
+                shard=None,
+                layout=Layout.ROW,
+            )
+        )
         offset += num_rows * field.row_nbytes
     return PoolViews(tuple(views), (Region(region_id, offset),))

@@ -36,12 +36,15 @@ def require_dtype(field_path: str, value: object) -> str:
 def require_tp_position(tp_size: int, tp_rank: int) -> None:
     require_positive("attn_tp_size", tp_size)
     if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
-        raise ConfigError(f"tp_rank must be in [0, {tp_size}) for attn_tp_size {tp_size}, "
-                          f"got {tp_rank!r}", code=Reason.SHARD_RANGE_INVALID)
+        raise ConfigError(
+            f"tp_rank must be in [0, {tp_size}) for attn_tp_size {tp_size}, got {tp_rank!r}",
+            code=Reason.SHARD_RANGE_INVALID,
+        )
 
 
-def shard_for_rank(field_path: str, extent: int, tp_size: int, tp_rank: int, *,
-                   allow_replication: bool = False) -> ShardSpec:
+def shard_for_rank(
+    field_path: str, extent: int, tp_size: int, tp_rank: int, *, allow_replication: bool = False
+) -> ShardSpec:
     """The canonical range of ``tp_rank`` on a plain sharded axis.
 
     The extent must divide by ``tp_size``. With ``allow_replication`` (KV heads
@@ -54,8 +57,7 @@ def shard_for_rank(field_path: str, extent: int, tp_size: int, tp_rank: int, *,
     return ShardSpec.for_rank(extent, tp_size, tp_rank)
 
 
-def grouped_shard_for_rank(groups: tuple[tuple[str, int], ...], tp_size: int,
-                           tp_rank: int) -> ShardSpec:
+def grouped_shard_for_rank(groups: tuple[tuple[str, int], ...], tp_size: int, tp_rank: int) -> ShardSpec:
     """The shard of a concatenated axis whose ``groups`` split independently.
 
     ``groups`` are ``(field name, full size)`` pairs in axis order, e.g. GDN
@@ -72,11 +74,16 @@ def grouped_shard_for_rank(groups: tuple[tuple[str, int], ...], tp_size: int,
 def _require_split(field_path: str, extent: int, tp_size: int, allow_replication: bool) -> None:
     if extent < tp_size and allow_replication:
         if tp_size % extent:
-            raise ConfigError(f"attn_tp_size {tp_size} is not a multiple of {field_path} "
-                              f"{extent}: {extent} heads cannot be replicated evenly over "
-                              f"{tp_size} ranks", code=Reason.SHARD_NOT_DIVISIBLE)
+            raise ConfigError(
+                f"attn_tp_size {tp_size} is not a multiple of {field_path} "
+                f"{extent}: {extent} heads cannot be replicated evenly over "
+                f"{tp_size} ranks",
+                code=Reason.SHARD_NOT_DIVISIBLE,
+            )
         return
     if extent % tp_size:
-        raise ConfigError(f"{field_path} {extent} is not divisible by attn_tp_size {tp_size}",
-                          code=Reason.SHARD_NOT_DIVISIBLE,
-                          hint=f"use an attn_tp_size that divides {extent}")
+        raise ConfigError(
+            f"{field_path} {extent} is not divisible by attn_tp_size {tp_size}",
+            code=Reason.SHARD_NOT_DIVISIBLE,
+            hint=f"use an attn_tp_size that divides {extent}",
+        )

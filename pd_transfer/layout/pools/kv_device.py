@@ -30,8 +30,10 @@ from pd_transfer.layout.pools.pool_views import PoolViews
 def place_device(tensors: Sequence[KvTensor], grid: KvPoolShape, region_prefix: str) -> PoolViews:
     """One region per tensor, each holding one layer's K, V or latent buffer."""
     if grid.layout not in DEVICE_KV_LAYOUTS:
-        raise ConfigError(f"kv_layout {grid.layout.value!r} is not a device layout; "
-                          f"device pools accept {[option.value for option in DEVICE_KV_LAYOUTS]}")
+        raise ConfigError(
+            f"kv_layout {grid.layout.value!r} is not a device layout; "
+            f"device pools accept {[option.value for option in DEVICE_KV_LAYOUTS]}"
+        )
     views, regions = [], []
     for tensor in tensors:
         order = KV_ORDER[grid.layout]
@@ -40,7 +42,10 @@ def place_device(tensors: Sequence[KvTensor], grid: KvPoolShape, region_prefix: 
         num_heads = 1 if tensor.shard is None else tensor.shard.local_extent
         sizes = buffer_sizes(grid, num_layers=1, num_heads=num_heads, dim=tensor.dim)
         region_id = f"{region_prefix}.{tensor.name}.L{tensor.layer_id}"
-        views.append(kv_view(tensor, grid, region=region_id, offset_elems=0,
-                             strides_elems=element_strides(order, sizes)))
+        views.append(
+            kv_view(
+                tensor, grid, region=region_id, offset_elems=0, strides_elems=element_strides(order, sizes)
+            )
+        )
         regions.append(Region(region_id, num_elements(order, sizes) * grid.itemsize))
     return PoolViews(tuple(views), tuple(regions))

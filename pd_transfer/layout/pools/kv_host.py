@@ -38,7 +38,7 @@ from pd_transfer.layout.pools.memory_order import (
 from pd_transfer.layout.pools.pool_views import PoolViews
 from pd_transfer.layout.views import HOST_LAYOUTS, Layout
 
-KV_PAIR = "kv"      # the leading axis of size 2 (K, V) of a shared buffer
+KV_PAIR = "kv"  # the leading axis of size 2 (K, V) of a shared buffer
 MLA_HOST_LAYOUTS = (Layout.LAYER_FIRST, Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT)
 
 
@@ -54,15 +54,13 @@ def place_host(tensors: Sequence[KvTensor], grid: KvPoolShape, region_prefix: st
     for tensor in tensors:
         by_name.setdefault(tensor.name, []).append(tensor)
     dims = {group[0].dim for group in by_name.values()}
-    if len(dims) == 1:        # K and V of one head dim, or one MLA latent
+    if len(dims) == 1:  # K and V of one head dim, or one MLA latent
         return _place_buffer(tuple(by_name.values()), grid, region_prefix)
-    parts = [_place_buffer((group,), grid, f"{region_prefix}.{name}")
-             for name, group in by_name.items()]
+    parts = [_place_buffer((group,), grid, f"{region_prefix}.{name}") for name, group in by_name.items()]
     return PoolViews.merge(parts)
 
 
-def _place_buffer(groups: tuple[list[KvTensor], ...], grid: KvPoolShape,
-                  region_id: str) -> PoolViews:
+def _place_buffer(groups: tuple[list[KvTensor], ...], grid: KvPoolShape, region_id: str) -> PoolViews:
     """One region holding each group (all layers of one tensor name) in turn."""
     first = groups[0][0]
     order = KV_ORDER[grid.layout]
@@ -81,20 +79,22 @@ def _place_buffer(groups: tuple[list[KvTensor], ...], grid: KvPoolShape,
         base = pair_index * strides.get(KV_PAIR, 0)
         for position, tensor in enumerate(group):
             offset = base + position * strides[LAYER]
-            views.append(kv_view(tensor, grid, region=region_id, offset_elems=offset,
-                                 strides_elems=strides))
+            views.append(kv_view(tensor, grid, region=region_id, offset_elems=offset, strides_elems=strides))
     region = Region(region_id, num_elements(order, sizes) * grid.itemsize)
     return PoolViews(tuple(views), (region,))
 
 
 def _check_host_layout(tensors: Sequence[KvTensor], layout: Layout) -> None:
     if layout not in HOST_LAYOUTS:
-        raise ConfigError(f"kv_layout {layout.value!r} is not a host layout; host pools "
-                          f"accept {[option.value for option in HOST_LAYOUTS]}")
+        raise ConfigError(
+            f"kv_layout {layout.value!r} is not a host layout; host pools "
+            f"accept {[option.value for option in HOST_LAYOUTS]}"
+        )
     is_mla = any(t.shard is None for t in tensors)
     if is_mla and layout not in MLA_HOST_LAYOUTS:
-        raise ConfigError(f"kv_layout {layout.value!r} is not supported for an MLA latent pool; "
-                          f"MLA host pools accept {[option.value for option in MLA_HOST_LAYOUTS]}",
-                          code=Reason.LAYOUT_UNSUPPORTED,
-                          hint="page_head splits heads and an MLA latent has none; "
-                               "use page_first_direct")
+        raise ConfigError(
+            f"kv_layout {layout.value!r} is not supported for an MLA latent pool; "
+            f"MLA host pools accept {[option.value for option in MLA_HOST_LAYOUTS]}",
+            code=Reason.LAYOUT_UNSUPPORTED,
+            hint="page_head splits heads and an MLA latent has none; use page_first_direct",
+        )

@@ -29,9 +29,16 @@ from pd_transfer.layout.views import Pool
 MLA_TENSOR = "latent"
 
 
-def build_kv_pool(attn: AttentionSpec, layer_ids: Sequence[int], grid: KvPoolShape, *,
-                  tp_size: int, tp_rank: int, pool: Pool = Pool.KV,
-                  region_prefix: str | None = None) -> PoolViews:
+def build_kv_pool(
+    attn: AttentionSpec,
+    layer_ids: Sequence[int],
+    grid: KvPoolShape,
+    *,
+    tp_size: int,
+    tp_rank: int,
+    pool: Pool = Pool.KV,
+    region_prefix: str | None = None,
+) -> PoolViews:
     """K and V views of ``layer_ids`` (global ids) for one TP rank.
 
     ``pool`` is ``Pool.KV`` for full attention and ``Pool.SWA`` for
@@ -41,13 +48,20 @@ def build_kv_pool(attn: AttentionSpec, layer_ids: Sequence[int], grid: KvPoolSha
     if not ids:
         return PoolViews()
     shard = kv_head_shard(attn, pool, tp_size, tp_rank)
-    tensors = [KvTensor(pool, name, layer_id, dim, shard)
-               for layer_id in ids for name, dim in attn.head_dims()]
+    tensors = [
+        KvTensor(pool, name, layer_id, dim, shard) for layer_id in ids for name, dim in attn.head_dims()
+    ]
     return _place(tensors, grid, pool, region_prefix)
 
 
-def build_mla_pool(mla: MlaSpec, layer_ids: Sequence[int], grid: KvPoolShape, *,
-                   pool: Pool = Pool.KV, region_prefix: str | None = None) -> PoolViews:
+def build_mla_pool(
+    mla: MlaSpec,
+    layer_ids: Sequence[int],
+    grid: KvPoolShape,
+    *,
+    pool: Pool = Pool.KV,
+    region_prefix: str | None = None,
+) -> PoolViews:
     """Latent views of ``layer_ids``: replicated on every TP rank, no head axis."""
     ids = check_layer_ids(layer_ids)
     if not ids:
@@ -56,8 +70,7 @@ def build_mla_pool(mla: MlaSpec, layer_ids: Sequence[int], grid: KvPoolShape, *,
     return _place(tensors, grid, pool, region_prefix)
 
 
-def _place(tensors: list[KvTensor], grid: KvPoolShape, pool: Pool,
-           region_prefix: str | None) -> PoolViews:
+def _place(tensors: list[KvTensor], grid: KvPoolShape, pool: Pool, region_prefix: str | None) -> PoolViews:
     if grid.layout.is_host:
         return place_host(tensors, grid, region_prefix or f"{pool.value}_host")
     return place_device(tensors, grid, region_prefix or pool.value)

@@ -31,12 +31,12 @@ DIM = "dim"
 
 # outermost first; "dim" is head_dim for MHA/GQA and latent_dim for MLA
 KV_ORDER: dict[Layout, tuple[str, ...]] = {
-    Layout.NHD: (PAGE, TOKEN, HEAD, DIM),                     # per layer [P*ps, H, D]
-    Layout.HND: (PAGE, HEAD, TOKEN, DIM),                     # per layer [P, H, ps, D]
-    Layout.LAYER_FIRST: (LAYER, PAGE, TOKEN, HEAD, DIM),      # (L, S, H, D)
-    Layout.PAGE_FIRST: (PAGE, TOKEN, LAYER, HEAD, DIM),       # (S, L, H, D)
+    Layout.NHD: (PAGE, TOKEN, HEAD, DIM),  # per layer [P*ps, H, D]
+    Layout.HND: (PAGE, HEAD, TOKEN, DIM),  # per layer [P, H, ps, D]
+    Layout.LAYER_FIRST: (LAYER, PAGE, TOKEN, HEAD, DIM),  # (L, S, H, D)
+    Layout.PAGE_FIRST: (PAGE, TOKEN, LAYER, HEAD, DIM),  # (S, L, H, D)
     Layout.PAGE_FIRST_DIRECT: (PAGE, LAYER, TOKEN, HEAD, DIM),  # (P, L, ps, H, D)
-    Layout.PAGE_HEAD: (PAGE, HEAD, TOKEN, LAYER, DIM),        # (P, H, ps, L, D)
+    Layout.PAGE_HEAD: (PAGE, HEAD, TOKEN, LAYER, DIM),  # (P, H, ps, L, D)
 }
 
 DEVICE_KV_LAYOUTS = (Layout.NHD, Layout.HND)

@@ -33,16 +33,23 @@ STATE_LAYOUTS = (Layout.SLOT, Layout.LAYER_FIRST, Layout.PAGE_FIRST, Layout.PAGE
 _SLOT_MAJOR = (Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT)
 
 
-def build_state_pool(tensors: Sequence[StateTensor], layer_ids: Sequence[int], *,
-                     num_slots: int, layout: Layout = Layout.SLOT,
-                     region_prefix: str | None = None) -> PoolViews:
+def build_state_pool(
+    tensors: Sequence[StateTensor],
+    layer_ids: Sequence[int],
+    *,
+    num_slots: int,
+    layout: Layout = Layout.SLOT,
+    region_prefix: str | None = None,
+) -> PoolViews:
     """Views of every tensor in ``tensors`` for each of ``layer_ids`` (global ids)."""
     ids = check_layer_ids(layer_ids)
     require_positive("num_slots", num_slots)
     if layout not in STATE_LAYOUTS:
-        raise ConfigError(f"state_layout {layout.value!r} is not supported for state pools; "
-                          f"accepted: {[option.value for option in STATE_LAYOUTS]}",
-                          code=Reason.LAYOUT_UNSUPPORTED)
+        raise ConfigError(
+            f"state_layout {layout.value!r} is not supported for state pools; "
+            f"accepted: {[option.value for option in STATE_LAYOUTS]}",
+            code=Reason.LAYOUT_UNSUPPORTED,
+        )
     names = [t.name for t in tensors]
     if len(set(names)) != len(names):
         raise ConfigError(f"state tensor names repeat: {names}")
@@ -53,21 +60,32 @@ def build_state_pool(tensors: Sequence[StateTensor], layer_ids: Sequence[int], *
     return PoolViews.merge(parts)
 
 
-def _place_tensor(tensor: StateTensor, layer_ids: tuple[int, ...], num_slots: int,
-                  layout: Layout, region_id: str) -> PoolViews:
+def _place_tensor(
+    tensor: StateTensor, layer_ids: tuple[int, ...], num_slots: int, layout: Layout, region_id: str
+) -> PoolViews:
     item = tensor.item_nbytes
     num_layers = len(layer_ids)
     if layout in _SLOT_MAJOR:
-        slot_stride, layer_stride = num_layers * item, item       # (S, Lm, *shape)
+        slot_stride, layer_stride = num_layers * item, item  # (S, Lm, *shape)
     else:
-        slot_stride, layer_stride = item, num_slots * item        # (Lm, S, *shape)
+        slot_stride, layer_stride = item, num_slots * item  # (Lm, S, *shape)
     inner = _contiguous_strides(tensor.shape, itemsize(tensor.dtype))
     views = tuple(
-        TensorView(pool=Pool.MAMBA, layer_id=layer_id, name=tensor.name, region=region_id,
-                   offset_nbytes=position * layer_stride, dtype=tensor.dtype,
-                   shape=(num_slots,) + tensor.shape, strides_nbytes=(slot_stride,) + inner,
-                   axes=(SLOT_AXIS,) + tensor.axes, shard=tensor.shard, layout=layout)
-        for position, layer_id in enumerate(layer_ids))
+        TensorView(
+            pool=Pool.MAMBA,
+            layer_id=layer_id,
+            name=tensor.name,
+            region=region_id,
+            offset_nbytes=position * layer_stride,
+            dtype=tensor.dtype,
+            shape=(num_slots,) + tensor.shape,
+            strides_nbytes=(slot_stride,) + inner,
+            axes=(SLOT_AXIS,) + tensor.axes,
+            shard=tensor.shard,
+            layout=layout,
+        )
+        for position, layer_id in enumerate(layer_ids)
+    )
     return PoolViews(views, (Region(region_id, num_layers * num_slots * item),))
 
 

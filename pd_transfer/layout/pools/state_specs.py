@@ -57,9 +57,9 @@ class StateTensor:
 
 @dataclass(frozen=True)
 class Mamba2Spec:
-    num_heads: int            # mamba_num_heads
-    head_dim: int             # mamba_head_dim
-    state_size: int           # ssm_state_size
+    num_heads: int  # mamba_num_heads
+    head_dim: int  # mamba_head_dim
+    state_size: int  # ssm_state_size
     n_groups: int
     conv_kernel: int
     conv_dtype: str = "bfloat16"
@@ -85,25 +85,34 @@ class Mamba2Spec:
         shard_for_rank("mamba2.n_groups", self.n_groups, tp_size, tp_rank)
         bc = self.n_groups * self.state_size
         conv_shard = grouped_shard_for_rank(
-            (("mamba2.d_inner (num_heads*head_dim)", self.d_inner),
-             ("mamba2.n_groups*state_size", bc), ("mamba2.n_groups*state_size", bc)),
-            tp_size, tp_rank)
+            (
+                ("mamba2.d_inner (num_heads*head_dim)", self.d_inner),
+                ("mamba2.n_groups*state_size", bc),
+                ("mamba2.n_groups*state_size", bc),
+            ),
+            tp_size,
+            tp_rank,
+        )
         head_shard = shard_for_rank("mamba2.num_heads", self.num_heads, tp_size, tp_rank)
         return (
             _channel_conv(conv_shard, self.conv_kernel, self.conv_dtype),
-            StateTensor(SSM, (_HEAD, Axis("head_dim", AxisRole.INNER), Axis("state", AxisRole.INNER)),
-                        (head_shard.local_extent, self.head_dim, self.state_size),
-                        head_shard, self.ssm_dtype),
+            StateTensor(
+                SSM,
+                (_HEAD, Axis("head_dim", AxisRole.INNER), Axis("state", AxisRole.INNER)),
+                (head_shard.local_extent, self.head_dim, self.state_size),
+                head_shard,
+                self.ssm_dtype,
+            ),
         )
 
 
 @dataclass(frozen=True)
 class GdnSpec:
-    num_key_heads: int        # linear_num_key_heads
-    key_head_dim: int         # linear_key_head_dim
-    num_value_heads: int      # linear_num_value_heads
-    value_head_dim: int       # linear_value_head_dim
-    conv_kernel: int          # linear_conv_kernel_dim
+    num_key_heads: int  # linear_num_key_heads
+    key_head_dim: int  # linear_key_head_dim
+    num_value_heads: int  # linear_num_value_heads
+    value_head_dim: int  # linear_value_head_dim
+    conv_kernel: int  # linear_conv_kernel_dim
     conv_dtype: str = "bfloat16"
     temporal_dtype: str = "float32"
 
@@ -124,15 +133,17 @@ class GdnSpec:
 
     @property
     def conv_dim(self) -> int:
-        return 2 * self.key_dim + self.value_dim   # Qwen3-Next: 2048 + 2048 + 4096 = 8192
+        return 2 * self.key_dim + self.value_dim  # Qwen3-Next: 2048 + 2048 + 4096 = 8192
 
     def state_tensors(self, tp_size: int, tp_rank: int) -> tuple[StateTensor, ...]:
         # whole heads per rank: checking heads is stricter than checking channels
         shard_for_rank("gdn.num_key_heads", self.num_key_heads, tp_size, tp_rank)
         head_shard = shard_for_rank("gdn.num_value_heads", self.num_value_heads, tp_size, tp_rank)
         conv_shard = grouped_shard_for_rank(
-            (("gdn.key_dim", self.key_dim), ("gdn.key_dim", self.key_dim),
-             ("gdn.value_dim", self.value_dim)), tp_size, tp_rank)
+            (("gdn.key_dim", self.key_dim), ("gdn.key_dim", self.key_dim), ("gdn.value_dim", self.value_dim)),
+            tp_size,
+            tp_rank,
+        )
         return (
             _channel_conv(conv_shard, self.conv_kernel, self.conv_dtype),
             _temporal(head_shard, self.value_head_dim, self.key_head_dim, self.temporal_dtype),
@@ -143,7 +154,7 @@ class GdnSpec:
 class KdaSpec:
     num_heads: int
     head_dim: int
-    conv_kernel: int          # short_conv_kernel_size
+    conv_kernel: int  # short_conv_kernel_size
     conv_dtype: str = "bfloat16"
     temporal_dtype: str = "float32"
 
@@ -163,8 +174,13 @@ class KdaSpec:
         proj = ("kda.num_heads*head_dim", self.projection_dim)
         conv_shard = grouped_shard_for_rank((proj, proj, proj), tp_size, tp_rank)
         taps = self.conv_kernel - 1
-        conv = StateTensor(CONV, (Axis("tap", AxisRole.OUTER), _CHANNEL),
-                           (taps, conv_shard.local_extent), conv_shard, self.conv_dtype)
+        conv = StateTensor(
+            CONV,
+            (Axis("tap", AxisRole.OUTER), _CHANNEL),
+            (taps, conv_shard.local_extent),
+            conv_shard,
+            self.conv_dtype,
+        )
         return (conv, _temporal(head_shard, self.head_dim, self.head_dim, self.temporal_dtype))
 
 
@@ -180,14 +196,15 @@ class SideStateSpec:
         if not isinstance(self.name, str) or not self.name.isidentifier():
             raise ConfigError(f"side state name must be an identifier, got {self.name!r}")
         if self.name in STATE_TENSOR_NAMES:
-            raise ConfigError(f"side state name {self.name!r} collides with a state tensor "
-                              f"name; reserved: {list(STATE_TENSOR_NAMES)}")
+            raise ConfigError(
+                f"side state name {self.name!r} collides with a state tensor "
+                f"name; reserved: {list(STATE_TENSOR_NAMES)}"
+            )
         require_positive(f"side_states.{self.name}.num_elems", self.num_elems)
         require_dtype(f"side_states.{self.name}.dtype", self.dtype)
 
     def state_tensor(self) -> StateTensor:
-        return StateTensor(self.name, (Axis("elem", AxisRole.INNER),), (self.num_elems,),
-                           None, self.dtype)
+        return StateTensor(self.name, (Axis("elem", AxisRole.INNER),), (self.num_elems,), None, self.dtype)
 
 
 LinearSpec = Mamba2Spec | GdnSpec | KdaSpec
@@ -197,18 +214,20 @@ _CHANNEL = Axis("channel", AxisRole.SHARD)
 
 
 def _channel_conv(shard: ShardSpec, conv_kernel: int, dtype: str) -> StateTensor:
-    return StateTensor(CONV, (_CHANNEL, Axis("tap", AxisRole.INNER)),
-                       (shard.local_extent, conv_kernel - 1), shard, dtype)
+    return StateTensor(
+        CONV, (_CHANNEL, Axis("tap", AxisRole.INNER)), (shard.local_extent, conv_kernel - 1), shard, dtype
+    )
 
 
 def _temporal(head_shard: ShardSpec, value_dim: int, key_dim: int, dtype: str) -> StateTensor:
     axes = (_HEAD, Axis("value_dim", AxisRole.INNER), Axis("key_dim", AxisRole.INNER))
-    return StateTensor(TEMPORAL, axes, (head_shard.local_extent, value_dim, key_dim),
-                       head_shard, dtype)
+    return StateTensor(TEMPORAL, axes, (head_shard.local_extent, value_dim, key_dim), head_shard, dtype)
 
 
 def _check_kernel(section: str, conv_kernel: int) -> None:
     require_positive(f"{section}.conv_kernel", conv_kernel)
     if conv_kernel < 2:
-        raise ConfigError(f"{section}.conv_kernel must be at least 2 (the state keeps "
-                          f"conv_kernel - 1 taps), got {conv_kernel}")
+        raise ConfigError(
+            f"{section}.conv_kernel must be at least 2 (the state keeps "
+            f"conv_kernel - 1 taps), got {conv_kernel}"
+        )

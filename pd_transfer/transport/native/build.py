@@ -42,8 +42,7 @@ def build(out_dir: Path = HERE, *, quiet: bool = False) -> Path:
         except (OSError, subprocess.TimeoutExpired) as err:
             raise RuntimeError(f"cannot run the C compiler {compiler[0]!r}: {err}") from None
         if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n"
-                               f"{done.stderr.strip()}")
+            raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr.strip()}")
         os.replace(partial, target)
     if not quiet:
         print(f"built {target}")

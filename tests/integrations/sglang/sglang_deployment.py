@@ -17,9 +17,16 @@ from pd_transfer.integrations.sglang.conn import PdTransferKVReceiver, PdTransfe
 from pd_transfer.ports import spare_port
 
 _tags = itertools.count()
-SIDECAR_CONFIG = {"transport": "shm", "http_port": 0, "heartbeat_interval_s": 0.2, "heartbeat_misses": 5,
-                  "bootstrap_timeout_s": 10.0, "waiting_timeout_s": 20.0, "transfer_timeout_s": 20.0,
-                  "abort_drain_timeout_s": 3.0}
+SIDECAR_CONFIG = {
+    "transport": "shm",
+    "http_port": 0,
+    "heartbeat_interval_s": 0.2,
+    "heartbeat_misses": 5,
+    "bootstrap_timeout_s": 10.0,
+    "waiting_timeout_s": 20.0,
+    "transfer_timeout_s": 20.0,
+    "abort_drain_timeout_s": 3.0,
+}
 
 
 class Deployment:
@@ -28,7 +35,7 @@ class Deployment:
     def __init__(self, workdir: Path, prefill_tp: int, decode_tp: int, config: dict | None = None) -> None:
         self.workdir = workdir
         self.port = spare_port()
-        self.sglang_bootstrap = f"127.0.0.1:{self.port}"      # what SGLang hands a sender/receiver
+        self.sglang_bootstrap = f"127.0.0.1:{self.port}"  # what SGLang hands a sender/receiver
         tag = f"{os.getpid()}-{next(_tags)}"
         cfg = {**SIDECAR_CONFIG, **(config or {})}
         self.sidecars: dict[tuple[str, int], Sidecar] = {}
@@ -66,9 +73,21 @@ def wait_for(pollers, wanted: int, timeout_s: float = 30.0) -> list[int]:
         time.sleep(0.005)
 
 
-def run_room(prefill, decode, deployment: Deployment, room: int, src_pages, dst_pages, *,
-             src_aux: int, dst_aux: int, src_state=None, dst_state=None, chunk_pages: int = 0,
-             timeout_s: float = 30.0) -> tuple[list[int], list[int], list, list]:
+def run_room(
+    prefill,
+    decode,
+    deployment: Deployment,
+    room: int,
+    src_pages,
+    dst_pages,
+    *,
+    src_aux: int,
+    dst_aux: int,
+    src_state=None,
+    dst_state=None,
+    chunk_pages: int = 0,
+    timeout_s: float = 30.0,
+) -> tuple[list[int], list[int], list, list]:
     """One request through SGLang's interface: receivers announce, senders send per chunk."""
     receivers = [PdTransferKVReceiver(r.manager, deployment.sglang_bootstrap, room) for r in decode]
     senders = [PdTransferKVSender(r.manager, deployment.sglang_bootstrap, room) for r in prefill]
@@ -76,8 +95,11 @@ def run_room(prefill, decode, deployment: Deployment, room: int, src_pages, dst_
         receiver.init(0)
         receiver.send_metadata(dst_pages, dst_aux, dst_state)
     wait_for(senders, KVPoll.WaitingForInput, timeout_s)
-    chunks = ([src_pages[i:i + chunk_pages] for i in range(0, len(src_pages), chunk_pages)]
-              if chunk_pages else [src_pages])
+    chunks = (
+        [src_pages[i : i + chunk_pages] for i in range(0, len(src_pages), chunk_pages)]
+        if chunk_pages
+        else [src_pages]
+    )
     for sender in senders:
         sender.init(len(src_pages), src_aux)
         for i, chunk in enumerate(chunks):

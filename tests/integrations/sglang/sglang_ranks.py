@@ -49,8 +49,13 @@ class SglangRank:
 
 
 def metadata_buffers() -> MetadataBuffers:
-    return MetadataBuffers(size=NUM_AUX_ROWS, hidden_size=16, hidden_states_dtype=torch.float32,
-                           max_sampling_mask_tokens=4, max_top_logprobs_num=4)
+    return MetadataBuffers(
+        size=NUM_AUX_ROWS,
+        hidden_size=16,
+        hidden_states_dtype=torch.float32,
+        max_sampling_mask_tokens=4,
+        max_top_logprobs_num=4,
+    )
 
 
 def fill_kv_args(rank: SglangRank, *, page_size: int, num_layers: int, total_kv_heads: int | None) -> Any:
@@ -64,8 +69,9 @@ def fill_kv_args(rank: SglangRank, *, page_size: int, num_layers: int, total_kv_
     kv_args.kv_cache_dtype_str = "auto"
     kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = get_kv_transfer_buf_infos(pool)
     kv_args.num_draft_entries = 0
-    kv_args.kv_layer_ids = build_kv_layer_ids(token_to_kv_pool=pool, draft_token_to_kv_pool=None,
-                                              num_draft_entries=0, num_hidden_layers=num_layers)
+    kv_args.kv_layer_ids = build_kv_layer_ids(
+        token_to_kv_pool=pool, draft_token_to_kv_pool=None, num_draft_entries=0, num_hidden_layers=num_layers
+    )
     if total_kv_heads is not None:
         kv_args.kv_head_num = pool.head_num
         kv_args.total_kv_head_num = total_kv_heads
@@ -76,24 +82,42 @@ def fill_kv_args(rank: SglangRank, *, page_size: int, num_layers: int, total_kv_
     return kv_args
 
 
-def build_rank(role: str, tp_rank: int, pool: Any, *, page_size: int, num_layers: int,
-               facts: EngineFacts, owner: str, mamba_pool: Any = None, host_kv_pool: Any = None,
-               host_mamba_pool: Any = None) -> SglangRank:
+def build_rank(
+    role: str,
+    tp_rank: int,
+    pool: Any,
+    *,
+    page_size: int,
+    num_layers: int,
+    facts: EngineFacts,
+    owner: str,
+    mamba_pool: Any = None,
+    host_kv_pool: Any = None,
+    host_mamba_pool: Any = None,
+) -> SglangRank:
     """Pools into shared memory, kv_args by SGLang's helpers, then the manager (registers).
 
     ``host_kv_pool`` / ``host_mamba_pool`` (decode): SGLang's host pools, registered as the
     KV / Mamba state destination.
     """
     rank = SglangRank(role, tp_rank, pool, metadata_buffers(), None, mamba_pool)
-    rank.memory = share_engine_memory(owner, kv_pool=pool, metadata_buffers=rank.metadata,
-                                      mamba_pool=mamba_pool, host_kv_pool=host_kv_pool,
-                                      host_mamba_pool=host_mamba_pool)
-    rank.kv_args = fill_kv_args(rank, page_size=page_size, num_layers=num_layers,
-                                total_kv_heads=facts.total_kv_heads)
+    rank.memory = share_engine_memory(
+        owner,
+        kv_pool=pool,
+        metadata_buffers=rank.metadata,
+        mamba_pool=mamba_pool,
+        host_kv_pool=host_kv_pool,
+        host_mamba_pool=host_mamba_pool,
+    )
+    rank.kv_args = fill_kv_args(
+        rank, page_size=page_size, num_layers=num_layers, total_kv_heads=facts.total_kv_heads
+    )
     mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
     token = ENGINE_MEMORY.set((rank.memory, facts))
     try:
-        rank.manager = PdTransferKVManager(rank.kv_args, mode, SimpleNamespace(), facts.total_kv_heads is None)
+        rank.manager = PdTransferKVManager(
+            rank.kv_args, mode, SimpleNamespace(), facts.total_kv_heads is None
+        )
     finally:
         ENGINE_MEMORY.reset(token)
     return rank

@@ -27,9 +27,16 @@ POOL_TOKENS = 64
 
 
 def mha_pool(tp_size: int) -> MHATokenToKVPool:
-    return MHATokenToKVPool(size=POOL_TOKENS, page_size=PAGE_SIZE, dtype=torch.bfloat16,
-                            head_num=TOTAL_KV_HEADS // tp_size, head_dim=HEAD_DIM, layer_num=NUM_LAYERS,
-                            device="cpu", enable_memory_saver=False)
+    return MHATokenToKVPool(
+        size=POOL_TOKENS,
+        page_size=PAGE_SIZE,
+        dtype=torch.bfloat16,
+        head_num=TOTAL_KV_HEADS // tp_size,
+        head_dim=HEAD_DIM,
+        layer_num=NUM_LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+    )
 
 
 def ranks(role: str, tp_size: int, deployment: Deployment, monkeypatch, tag: str):
@@ -37,8 +44,17 @@ def ranks(role: str, tp_size: int, deployment: Deployment, monkeypatch, tag: str
     for tp_rank in range(tp_size):
         monkeypatch.setenv("PD_TRANSFER_SGLANG_WORKER_ENDPOINT", deployment.endpoint(role, tp_rank))
         facts = EngineFacts(attn_tp_size=tp_size, total_kv_heads=TOTAL_KV_HEADS, model="tiny-gqa")
-        out.append(build_rank(role, tp_rank, mha_pool(tp_size), page_size=PAGE_SIZE, num_layers=NUM_LAYERS,
-                              facts=facts, owner=f"{tag}-{role}{tp_rank}"))
+        out.append(
+            build_rank(
+                role,
+                tp_rank,
+                mha_pool(tp_size),
+                page_size=PAGE_SIZE,
+                num_layers=NUM_LAYERS,
+                facts=facts,
+                owner=f"{tag}-{role}{tp_rank}",
+            )
+        )
     return out
 
 
@@ -59,8 +75,8 @@ def write_prefill(rank, tp_size: int, kv: np.ndarray, pages: list[int]) -> None:
         for layer, buf in enumerate(buffers):
             bits = buf.view(torch.int16)
             for i, page in enumerate(pages):
-                tokens = kv[which, layer, i * PAGE_SIZE:(i + 1) * PAGE_SIZE, heads]
-                bits[page * PAGE_SIZE:(page + 1) * PAGE_SIZE] = torch.from_numpy(tokens)
+                tokens = kv[which, layer, i * PAGE_SIZE : (i + 1) * PAGE_SIZE, heads]
+                bits[page * PAGE_SIZE : (page + 1) * PAGE_SIZE] = torch.from_numpy(tokens)
 
 
 def check_decode(rank, tp_size: int, kv: np.ndarray, pages: list[int]) -> None:
@@ -69,8 +85,10 @@ def check_decode(rank, tp_size: int, kv: np.ndarray, pages: list[int]) -> None:
         for layer, buf in enumerate(buffers):
             got = buf.view(torch.int16).numpy().reshape(-1, PAGE_SIZE, TOTAL_KV_HEADS // tp_size, HEAD_DIM)
             for i, page in enumerate(pages):
-                want = kv[which, layer, i * PAGE_SIZE:(i + 1) * PAGE_SIZE, heads]
-                np.testing.assert_array_equal(got[page], want, err_msg=f"{'kv'[which]} layer {layer} page {page}")
+                want = kv[which, layer, i * PAGE_SIZE : (i + 1) * PAGE_SIZE, heads]
+                np.testing.assert_array_equal(
+                    got[page], want, err_msg=f"{'kv'[which]} layer {layer} page {page}"
+                )
             others = [p for p in range(got.shape[0]) if p not in pages]
             assert not got[others].any(), f"{'kv'[which]} layer {layer}: bytes outside the request's pages"
 
@@ -89,8 +107,9 @@ def test_gqa_kv_lands_byte_exact_across_tp(tmp_path, monkeypatch, prefill_tp, de
             write_prefill(rank, prefill_tp, kv, src_pages)
             rank.metadata.output_ids[2] = torch.arange(16, dtype=torch.int32) + 100
             rank.metadata.bootstrap_room[2, 0] = 4242
-        p_states, d_states, _, receivers = run_room(prefill, decode, deployment, 4242, src_pages, dst_pages,
-                                                    src_aux=2, dst_aux=5, chunk_pages=2)
+        p_states, d_states, _, receivers = run_room(
+            prefill, decode, deployment, 4242, src_pages, dst_pages, src_aux=2, dst_aux=5, chunk_pages=2
+        )
         assert d_states == [KVPoll.Success] * decode_tp, [r.failure for r in receivers]
         assert p_states == [KVPoll.Success] * prefill_tp
         for rank in decode:

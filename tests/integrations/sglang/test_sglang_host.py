@@ -53,14 +53,33 @@ FACTS = EngineFacts(attn_tp_size=1, total_kv_heads=HEADS, model="tiny-host")
 
 def device_pool(k_dim: int, v_dim: int) -> MHATokenToKVPool:
     extra = {} if k_dim == v_dim else {"v_head_dim": v_dim}
-    return MHATokenToKVPool(size=POOL_TOKENS, page_size=PAGE, dtype=torch.bfloat16, head_num=HEADS, head_dim=k_dim,
-                            layer_num=LAYERS, device="cpu", enable_memory_saver=False, **extra)
+    return MHATokenToKVPool(
+        size=POOL_TOKENS,
+        page_size=PAGE,
+        dtype=torch.bfloat16,
+        head_num=HEADS,
+        head_dim=k_dim,
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+        **extra,
+    )
 
 
 def host_pool(device: MHATokenToKVPool, layout: str):
     info = device.get_device_pool_infos()[0].buffer_info
-    return get_mha_host_pool_cls(info)(info, 2, 0, PAGE, layout, pin_memory=False, device="cpu",
-                                       device_capacity_tokens=device.size, start_layer=0, end_layer=LAYERS)
+    return get_mha_host_pool_cls(info)(
+        info,
+        2,
+        0,
+        PAGE,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=device.size,
+        start_layer=0,
+        end_layer=LAYERS,
+    )
 
 
 def host_tokens(pool, which: int, layer: int, tokens: list[int]) -> np.ndarray:
@@ -68,13 +87,13 @@ def host_tokens(pool, which: int, layer: int, tokens: list[int]) -> np.ndarray:
     buf = pool.kv_buffer[which] if isinstance(pool.kv_buffer, (tuple, list)) else pool.kv_buffer[which]
     bits = buf.view(torch.int16)
     pages, offsets = [t // PAGE for t in tokens], [t % PAGE for t in tokens]
-    if pool.layout == "layer_first":          # (L, S, H, D)
+    if pool.layout == "layer_first":  # (L, S, H, D)
         return bits[layer, tokens].numpy()
-    if pool.layout == "page_first":           # (S, L, H, D)
+    if pool.layout == "page_first":  # (S, L, H, D)
         return bits[tokens, layer].numpy()
-    if pool.layout == "page_first_direct":    # (P, L, ps, H, D)
+    if pool.layout == "page_first_direct":  # (P, L, ps, H, D)
         return bits[pages, layer, offsets].numpy()
-    if pool.layout == "page_head":            # (P, H, ps, L, D)
+    if pool.layout == "page_head":  # (P, H, ps, L, D)
         return bits[pages, :, offsets, layer].numpy()
     raise AssertionError(pool.layout)
 
@@ -84,21 +103,42 @@ def run_to_host(tmp_path, monkeypatch, layout: str, k_dim: int, v_dim: int, tag:
     ranks = []
     try:
         monkeypatch.setenv("PD_TRANSFER_SGLANG_WORKER_ENDPOINT", deployment.endpoint("prefill", 0))
-        ranks.append(build_rank("prefill", 0, device_pool(k_dim, v_dim), page_size=PAGE, num_layers=LAYERS,
-                                facts=FACTS, owner=f"{tag}-p"))
+        ranks.append(
+            build_rank(
+                "prefill",
+                0,
+                device_pool(k_dim, v_dim),
+                page_size=PAGE,
+                num_layers=LAYERS,
+                facts=FACTS,
+                owner=f"{tag}-p",
+            )
+        )
         decode_device = device_pool(k_dim, v_dim)
         host = host_pool(decode_device, layout)
         monkeypatch.setenv("PD_TRANSFER_SGLANG_WORKER_ENDPOINT", deployment.endpoint("decode", 0))
-        ranks.append(build_rank("decode", 0, decode_device, page_size=PAGE, num_layers=LAYERS, facts=FACTS,
-                                owner=f"{tag}-d", host_kv_pool=host))
+        ranks.append(
+            build_rank(
+                "decode",
+                0,
+                decode_device,
+                page_size=PAGE,
+                num_layers=LAYERS,
+                facts=FACTS,
+                owner=f"{tag}-d",
+                host_kv_pool=host,
+            )
+        )
         prefill = ranks[0]
         src_pages, dst_pages = [2, 5, 1], [7, 3, 10]
         rng = np.random.default_rng(len(layout) * 7 + k_dim + v_dim)
         for buf in prefill.pool.k_buffer + prefill.pool.v_buffer:
-            buf.view(torch.int16).copy_(torch.from_numpy(
-                rng.integers(1, 2**15, size=tuple(buf.shape), dtype=np.int16)))
-        p_states, d_states, _, receivers = run_room([prefill], [ranks[1]], deployment, 61, src_pages, dst_pages,
-                                                    src_aux=0, dst_aux=1, chunk_pages=2)
+            buf.view(torch.int16).copy_(
+                torch.from_numpy(rng.integers(1, 2**15, size=tuple(buf.shape), dtype=np.int16))
+            )
+        p_states, d_states, _, receivers = run_room(
+            [prefill], [ranks[1]], deployment, 61, src_pages, dst_pages, src_aux=0, dst_aux=1, chunk_pages=2
+        )
         assert d_states == [KVPoll.Success], [r.failure for r in receivers]
         assert p_states == [KVPoll.Success]
         src_tokens = [p * PAGE + t for p in src_pages for t in range(PAGE)]
@@ -106,8 +146,11 @@ def run_to_host(tmp_path, monkeypatch, layout: str, k_dim: int, v_dim: int, tag:
         for which, buffers in enumerate((prefill.pool.k_buffer, prefill.pool.v_buffer)):
             for layer, buf in enumerate(buffers):
                 want = buf.view(torch.int16)[src_tokens].numpy()
-                np.testing.assert_array_equal(host_tokens(host, which, layer, dst_tokens), want,
-                                              err_msg=f"{'kv'[which]} layer {layer} ({layout})")
+                np.testing.assert_array_equal(
+                    host_tokens(host, which, layer, dst_tokens),
+                    want,
+                    err_msg=f"{'kv'[which]} layer {layer} ({layout})",
+                )
                 others = [t for t in range(host.size) if t not in dst_tokens]
                 assert not host_tokens(host, which, layer, others).any(), "bytes outside the request's pages"
         assert not decode_device.k_buffer[0].any(), "the device pool was written, not the host pool"
@@ -123,21 +166,28 @@ def test_kv_lands_byte_exact_in_sglangs_host_pool(tmp_path, monkeypatch, layout)
 
 
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
-def test_seeds_002_004_asymmetric_head_dims_land_byte_exact_in_both_host_layouts(tmp_path, monkeypatch, layout):
+def test_seeds_002_004_asymmetric_head_dims_land_byte_exact_in_both_host_layouts(
+    tmp_path, monkeypatch, layout
+):
     run_to_host(tmp_path, monkeypatch, layout, 16, 8, f"a-{layout}")
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_head"])
 def test_seed_004_sglang_itself_refuses_other_asymmetric_host_layouts(layout):
-    with pytest.raises(ValueError, match=f"head_dim != v_head_dim: {layout}; expected 'page_first' or "
-                                         f"'page_first_direct'"):
+    with pytest.raises(
+        ValueError, match=f"head_dim != v_head_dim: {layout}; expected 'page_first' or 'page_first_direct'"
+    ):
         host_pool(device_pool(16, 8), layout)
 
 
 def test_a_host_layout_pd_transfer_cannot_address_is_refused_at_registration_naming_the_fix(tmp_path):
     device = device_pool(16, 16)
-    memory = share_engine_memory("hostref", kv_pool=device, metadata_buffers=metadata_buffers(),
-                                 host_kv_pool=host_pool(device, "page_first"))
+    memory = share_engine_memory(
+        "hostref",
+        kv_pool=device,
+        metadata_buffers=metadata_buffers(),
+        host_kv_pool=host_pool(device, "page_first"),
+    )
     try:
         memory.host = HostKvPool("page_unified", PAGE, LAYERS)
         with pytest.raises(GeometryError, match="host pool layout 'page_unified'") as caught:
@@ -151,20 +201,44 @@ MAMBA_LAYERS = [1, 3]
 
 
 def mamba_pools():
-    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=16, n_groups=4, num_heads=4, head_dim=4,
-                                    state_size=4, conv_kernel=4, conv_shard_groups=None)
+    shape = Mamba2StateShape.create(
+        tp_world_size=1,
+        intermediate_size=16,
+        n_groups=4,
+        num_heads=4,
+        head_dim=4,
+        state_size=4,
+        conv_kernel=4,
+        conv_shard_groups=None,
+    )
     params = Mamba2CacheParams(shape=shape, layers=MAMBA_LAYERS)
-    mamba = MambaPool(size=4, spec_state_size=0, cache_params=params, mamba_layer_ids=MAMBA_LAYERS, device="cpu")
-    kv = HybridLinearKVPool(size=POOL_TOKENS, dtype=torch.bfloat16, page_size=PAGE, head_num=HEADS, head_dim=8,
-                            full_attention_layer_ids=[0, 2], device="cpu", mamba_pool=mamba)
-    facts = EngineFacts(attn_tp_size=1, total_kv_heads=HEADS, mamba2_conv_groups=mamba2_conv_groups(params),
-                        model="tiny-nemotron-h")
+    mamba = MambaPool(
+        size=4, spec_state_size=0, cache_params=params, mamba_layer_ids=MAMBA_LAYERS, device="cpu"
+    )
+    kv = HybridLinearKVPool(
+        size=POOL_TOKENS,
+        dtype=torch.bfloat16,
+        page_size=PAGE,
+        head_num=HEADS,
+        head_dim=8,
+        full_attention_layer_ids=[0, 2],
+        device="cpu",
+        mamba_pool=mamba,
+    )
+    facts = EngineFacts(
+        attn_tp_size=1,
+        total_kv_heads=HEADS,
+        mamba2_conv_groups=mamba2_conv_groups(params),
+        model="tiny-nemotron-h",
+    )
     return mamba, kv, facts
 
 
 def mamba_host(mamba: MambaPool, layout: str) -> MambaPoolHost:
     info = mamba.get_device_pool_infos()[0].buffer_info
-    return MambaPoolHost(info, 2, 0, device_capacity=mamba.size, pin_memory=False, device="cpu", layout=layout)
+    return MambaPoolHost(
+        info, 2, 0, device_capacity=mamba.size, pin_memory=False, device="cpu", layout=layout
+    )
 
 
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
@@ -174,27 +248,61 @@ def test_seed_000_mamba_state_lands_byte_exact_in_sglangs_host_pool(tmp_path, mo
     try:
         monkeypatch.setenv("PD_TRANSFER_SGLANG_WORKER_ENDPOINT", deployment.endpoint("prefill", 0))
         mamba, kv, facts = mamba_pools()
-        ranks.append(build_rank("prefill", 0, kv, page_size=PAGE, num_layers=4, facts=facts, owner=f"m-{layout}-p",
-                                mamba_pool=mamba))
+        ranks.append(
+            build_rank(
+                "prefill",
+                0,
+                kv,
+                page_size=PAGE,
+                num_layers=4,
+                facts=facts,
+                owner=f"m-{layout}-p",
+                mamba_pool=mamba,
+            )
+        )
         monkeypatch.setenv("PD_TRANSFER_SGLANG_WORKER_ENDPOINT", deployment.endpoint("decode", 0))
         d_mamba, d_kv, _ = mamba_pools()
         host = mamba_host(d_mamba, layout)
-        ranks.append(build_rank("decode", 0, d_kv, page_size=PAGE, num_layers=4, facts=facts,
-                                owner=f"m-{layout}-d", mamba_pool=d_mamba, host_mamba_pool=host))
+        ranks.append(
+            build_rank(
+                "decode",
+                0,
+                d_kv,
+                page_size=PAGE,
+                num_layers=4,
+                facts=facts,
+                owner=f"m-{layout}-d",
+                mamba_pool=d_mamba,
+                host_mamba_pool=host,
+            )
+        )
         cache = mamba.mamba_cache
         rng = np.random.default_rng(0)
         for buf in [cache.temporal, *cache.conv]:
             buf.copy_(torch.from_numpy(rng.standard_normal(tuple(buf.shape))).to(buf.dtype))
         src_slot, dst_slot = 2, 6
         p_states, d_states, _, receivers = run_room(
-            [ranks[0]], [ranks[1]], deployment, 62, [1, 3], [2, 5], src_aux=0, dst_aux=1,
-            src_state=[np.array([src_slot])], dst_state=[np.array([dst_slot])])
+            [ranks[0]],
+            [ranks[1]],
+            deployment,
+            62,
+            [1, 3],
+            [2, 5],
+            src_aux=0,
+            dst_aux=1,
+            src_state=[np.array([src_slot])],
+            dst_state=[np.array([dst_slot])],
+        )
         assert d_states == [KVPoll.Success], [r.failure for r in receivers]
         assert p_states == [KVPoll.Success]
-        for position in range(len(MAMBA_LAYERS)):     # host (slots, Lm, 1, *shape); device (Lm, slots, *shape)
-            for name, src, dst in [("temporal", cache.temporal, host.temporal_buffer),
-                                   *(("conv", c, h) for c, h in zip(cache.conv, host.conv_buffer))]:
-                assert torch.equal(dst[dst_slot, position, 0], src[position, src_slot]), f"{name} layer {position}"
+        for position in range(len(MAMBA_LAYERS)):  # host (slots, Lm, 1, *shape); device (Lm, slots, *shape)
+            for name, src, dst in [
+                ("temporal", cache.temporal, host.temporal_buffer),
+                *(("conv", c, h) for c, h in zip(cache.conv, host.conv_buffer)),
+            ]:
+                assert torch.equal(dst[dst_slot, position, 0], src[position, src_slot]), (
+                    f"{name} layer {position}"
+                )
                 others = [s for s in range(dst.shape[0]) if s != dst_slot]
                 assert not dst[others].any(), f"{name}: a host slot the room did not name was written"
         assert not d_mamba.mamba_cache.temporal.any(), "the device state was written, not the host pool"

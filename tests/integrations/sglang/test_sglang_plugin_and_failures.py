@@ -31,16 +31,22 @@ def test_sglang_loads_the_plugin_and_routes_its_backend_to_pd_transfer():
     names = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
     assert names.get("pd_transfer") == "pd_transfer.integrations.sglang.plugin:load"
     from sglang.srt.plugins import load_plugins
+
     load_plugins()
     from sglang.srt.disaggregation import prefill, utils
+
     backend = utils.TransferBackend("pd_transfer")
-    for kind, cls in (("MANAGER", conn.PdTransferKVManager), ("SENDER", conn.PdTransferKVSender),
-                      ("RECEIVER", conn.PdTransferKVReceiver),
-                      ("BOOTSTRAP_SERVER", conn.PdTransferKVBootstrapServer)):
+    for kind, cls in (
+        ("MANAGER", conn.PdTransferKVManager),
+        ("SENDER", conn.PdTransferKVSender),
+        ("RECEIVER", conn.PdTransferKVReceiver),
+        ("BOOTSTRAP_SERVER", conn.PdTransferKVBootstrapServer),
+    ):
         assert utils.get_kv_class(backend, utils.KVClassType[kind]) is cls
-        assert prefill.get_kv_class(backend, utils.KVClassType[kind]) is cls   # every module's copy
+        assert prefill.get_kv_class(backend, utils.KVClassType[kind]) is cls  # every module's copy
     assert utils.get_kv_class(utils.TransferBackend.FAKE, utils.KVClassType.SENDER).__name__ == "FakeKVSender"
     from sglang.srt.server_args import ServerArgs
+
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(["--model-path", "x", "--disaggregation-transfer-backend", "pd_transfer"])
@@ -64,10 +70,25 @@ def test_the_backend_enum_hack_refuses_an_sglang_it_does_not_know():
 
 def _rank(role, deployment, monkeypatch, dtype, tag):
     monkeypatch.setenv("PD_TRANSFER_SGLANG_WORKER_ENDPOINT", deployment.endpoint(role, 0))
-    pool = MHATokenToKVPool(size=32, page_size=4, dtype=dtype, head_num=2, head_dim=8, layer_num=2,
-                            device="cpu", enable_memory_saver=False)
-    return build_rank(role, 0, pool, page_size=4, num_layers=2, owner=f"{tag}-{role}",
-                      facts=EngineFacts(attn_tp_size=1, total_kv_heads=2, model="tiny"))
+    pool = MHATokenToKVPool(
+        size=32,
+        page_size=4,
+        dtype=dtype,
+        head_num=2,
+        head_dim=8,
+        layer_num=2,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    return build_rank(
+        role,
+        0,
+        pool,
+        page_size=4,
+        num_layers=2,
+        owner=f"{tag}-{role}",
+        facts=EngineFacts(attn_tp_size=1, total_kv_heads=2, model="tiny"),
+    )
 
 
 @contextlib.contextmanager
@@ -81,7 +102,11 @@ def requested_room(tmp_path, monkeypatch, room: int, decode_dtype=torch.bfloat16
         receiver = conn.PdTransferKVReceiver(ranks[1].manager, deployment.sglang_bootstrap, room)
         receiver.init(0)
         receiver.send_metadata([1, 2], 0, None)
-        yield deployment, receiver, conn.PdTransferKVSender(ranks[0].manager, deployment.sglang_bootstrap, room)
+        yield (
+            deployment,
+            receiver,
+            conn.PdTransferKVSender(ranks[0].manager, deployment.sglang_bootstrap, room),
+        )
     finally:
         for rank in ranks:
             rank.close()

@@ -49,8 +49,11 @@ from pd_transfer.ports import spare_port
 
 LAYERS, HEADS, HEAD_DIM, PAGE, POOL_TOKENS = 2, 2, 8, 4, 64
 # SGLang's server defaults for what its queues read from the published disagg config
-DISAGG_DEFAULTS = SimpleNamespace(disaggregation_decode_allocation_policy="early", optimistic_prefill_attempts=0,
-                                  disaggregation_decode_host_receive_threshold=1.0)
+DISAGG_DEFAULTS = SimpleNamespace(
+    disaggregation_decode_allocation_policy="early",
+    optimistic_prefill_attempts=0,
+    disaggregation_decode_host_receive_threshold=1.0,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -64,6 +67,7 @@ def one_rank_gloo_group():
 @pytest.fixture(autouse=True)
 def sglang_backend(monkeypatch):
     from sglang.srt.plugins import load_plugins
+
     load_plugins()
     monkeypatch.setattr(sgl_prefill, "get_disagg", lambda: DISAGG_DEFAULTS)
     monkeypatch.setattr(sgl_decode, "get_disagg", lambda: DISAGG_DEFAULTS)
@@ -106,9 +110,18 @@ def bootstrap_queue(rank, backend, port: int):
     queue.scheduler, queue.scheduler_stage_metrics = MagicMock(), None
     queue.scheduler.attn_tp_cpu_group = queue.scheduler.attn_cp_cpu_group = None
     queue.scheduler.token_to_kv_pool_allocator.page_size = PAGE
-    real(queue, PrefillBootstrapQueue, "create_sender", "pop_bootstrapped", "finalize_bootstrap",
-         "ensure_metadata_buffer", "_num_pages_to_send", "_check_if_req_exceed_kv_capacity", "_process_req",
-         "can_prefill_before_bootstrap")
+    real(
+        queue,
+        PrefillBootstrapQueue,
+        "create_sender",
+        "pop_bootstrapped",
+        "finalize_bootstrap",
+        "ensure_metadata_buffer",
+        "_num_pages_to_send",
+        "_check_if_req_exceed_kv_capacity",
+        "_process_req",
+        "can_prefill_before_bootstrap",
+    )
     return queue
 
 
@@ -123,15 +136,29 @@ def decode_queues(rank, backend):
     transfer.enable_deferred_kv_release = True
     transfer.deferred_kv_release_timeout = 30.0
     transfer._deferred_releases = []
-    transfer.scheduler, transfer.spec_algorithm, transfer.scheduler_stage_metrics = MagicMock(), MagicMock(), None
+    transfer.scheduler, transfer.spec_algorithm, transfer.scheduler_stage_metrics = (
+        MagicMock(),
+        MagicMock(),
+        None,
+    )
     transfer.spec_algorithm.is_none.return_value = True
     transfer.scheduler.enable_decode_hicache = False
     transfer.scheduler.kv_checksum_computer = None
     transfer.released = []
-    transfer._release_request = transfer.released.append        # the radix tree's part
-    real(transfer, DecodeTransferQueue, "pop_transferred", "_poll_with_metadata_gate", "_pollers",
-         "_commit_transfer_to_req", "_is_host_destination", "_abort_failed_transfer", "_defer_release",
-         "_do_release", "resolve_deferred_releases")
+    transfer._release_request = transfer.released.append  # the radix tree's part
+    real(
+        transfer,
+        DecodeTransferQueue,
+        "pop_transferred",
+        "_poll_with_metadata_gate",
+        "_pollers",
+        "_commit_transfer_to_req",
+        "_is_host_destination",
+        "_abort_failed_transfer",
+        "_defer_release",
+        "_do_release",
+        "resolve_deferred_releases",
+    )
     prealloc = MagicMock(spec=DecodePreallocQueue)
     prealloc.queue = []
     prealloc.kv_manager = rank.manager
@@ -139,17 +166,38 @@ def decode_queues(rank, backend):
     prealloc.transfer_queue = transfer
     prealloc.req_to_metadata_buffer_idx_allocator = allocator
     prealloc._num_published_destinations = 0
-    real(prealloc, DecodePreallocQueue, "_create_receiver_and_enqueue", "_init_receiver", "_send_kv_metadata",
-         "_transfer_page_indices")
+    real(
+        prealloc,
+        DecodePreallocQueue,
+        "_create_receiver_and_enqueue",
+        "_init_receiver",
+        "_send_kv_metadata",
+        "_transfer_page_indices",
+    )
     return prealloc, transfer
 
 
 def mha_rank(role, deployment, monkeypatch, dtype, tag):
     monkeypatch.setenv("PD_TRANSFER_SGLANG_WORKER_ENDPOINT", deployment.endpoint(role, 0))
-    pool = MHATokenToKVPool(size=POOL_TOKENS, page_size=PAGE, dtype=dtype, head_num=HEADS, head_dim=HEAD_DIM,
-                            layer_num=LAYERS, device="cpu", enable_memory_saver=False)
-    return build_rank(role, 0, pool, page_size=PAGE, num_layers=LAYERS, owner=f"{tag}-{role}",
-                      facts=EngineFacts(attn_tp_size=1, total_kv_heads=HEADS, model="tiny-gqa"))
+    pool = MHATokenToKVPool(
+        size=POOL_TOKENS,
+        page_size=PAGE,
+        dtype=dtype,
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    return build_rank(
+        role,
+        0,
+        pool,
+        page_size=PAGE,
+        num_layers=LAYERS,
+        owner=f"{tag}-{role}",
+        facts=EngineFacts(attn_tp_size=1, total_kv_heads=HEADS, model="tiny-gqa"),
+    )
 
 
 def poll_until(step, done, timeout_s: float = 30.0):
@@ -176,12 +224,12 @@ def through_the_queues(prefill, decode, deployment, backend, room, src_pages, ds
     prealloc._send_kv_metadata(decode_req, dst_tokens, PAGE)
     transfer.queue.append(decode_req)
     popped = poll_until(bootstrap.pop_bootstrapped, lambda out: out or not bootstrap.queue)
-    if popped:                                     # bootstrapped: the forward runs; sent as send_kv_chunk does
+    if popped:  # bootstrapped: the forward runs; sent as send_kv_chunk does
         if forward is not None:
             forward(p_req)
         sender = p_req.disagg_kv_sender
         for start in range(0, len(src_pages), 2):
-            sender.send(np.array(src_pages[start:start + 2], dtype=np.int64))
+            sender.send(np.array(src_pages[start : start + 2], dtype=np.int64))
     return p_req, d_req, bootstrap, transfer
 
 
@@ -189,30 +237,37 @@ def test_a_request_goes_through_sglangs_queues_byte_exact(tmp_path, monkeypatch,
     deployment = Deployment(tmp_path, 1, 1)
     ranks = []
     try:
-        ranks = [mha_rank("prefill", deployment, monkeypatch, torch.bfloat16, "q1"),
-                 mha_rank("decode", deployment, monkeypatch, torch.bfloat16, "q1")]
+        ranks = [
+            mha_rank("prefill", deployment, monkeypatch, torch.bfloat16, "q1"),
+            mha_rank("decode", deployment, monkeypatch, torch.bfloat16, "q1"),
+        ]
         prefill, decode = ranks
         src_pages, dst_pages = [5, 2, 9], [3, 11, 7]
         rng = np.random.default_rng(23)
         for buf in prefill.pool.k_buffer + prefill.pool.v_buffer:
-            buf.view(torch.int16).copy_(torch.from_numpy(rng.integers(1, 2**15, size=tuple(buf.shape),
-                                                                      dtype=np.int16)))
+            buf.view(torch.int16).copy_(
+                torch.from_numpy(rng.integers(1, 2**15, size=tuple(buf.shape), dtype=np.int16))
+            )
 
-        def forward(req):          # what prefill's forward leaves in the request's metadata row
+        def forward(req):  # what prefill's forward leaves in the request's metadata row
             prefill.metadata.output_ids[req.metadata_buffer_index, 0] = 31337
             prefill.metadata.bootstrap_room[req.metadata_buffer_index, 0] = 4711
 
-        p_req, d_req, bootstrap, transfer = through_the_queues(prefill, decode, deployment, sglang_backend,
-                                                               4711, src_pages, dst_pages, forward)
+        p_req, d_req, bootstrap, transfer = through_the_queues(
+            prefill, decode, deployment, sglang_backend, 4711, src_pages, dst_pages, forward
+        )
         assert bootstrap.queue == [] and p_req.metadata_buffer_index >= 0, "the request never bootstrapped"
-        assert p_req.disagg_kv_sender.num_pages == len(src_pages)   # finalize_bootstrap's init
+        assert p_req.disagg_kv_sender.num_pages == len(src_pages)  # finalize_bootstrap's init
         done = poll_until(transfer.pop_transferred, lambda out: out or not transfer.queue)
         assert done == [d_req], [r.kv_receiver.failure for r in transfer.queue if r.kv_receiver]
         assert d_req.output_ids == [31337], "the first token did not reach decode's request"
-        assert poll_until(p_req.disagg_kv_sender.poll, lambda s: s in (KVPoll.Success, KVPoll.Failed)) \
+        assert (
+            poll_until(p_req.disagg_kv_sender.poll, lambda s: s in (KVPoll.Success, KVPoll.Failed))
             == KVPoll.Success
-        for src, dst in zip(prefill.pool.k_buffer + prefill.pool.v_buffer,
-                            decode.pool.k_buffer + decode.pool.v_buffer):
+        )
+        for src, dst in zip(
+            prefill.pool.k_buffer + prefill.pool.v_buffer, decode.pool.k_buffer + decode.pool.v_buffer
+        ):
             s = src.view(torch.int16).numpy().reshape(-1, PAGE, HEADS, HEAD_DIM)
             d = dst.view(torch.int16).numpy().reshape(-1, PAGE, HEADS, HEAD_DIM)
             np.testing.assert_array_equal(d[dst_pages], s[src_pages])
@@ -225,16 +280,20 @@ def test_a_request_goes_through_sglangs_queues_byte_exact(tmp_path, monkeypatch,
 
 
 def test_a_refused_pair_aborts_the_request_in_sglangs_transfer_queue_with_the_reason(
-        tmp_path, monkeypatch, sglang_backend):
+    tmp_path, monkeypatch, sglang_backend
+):
     deployment = Deployment(tmp_path, 1, 1)
     monkeypatch.setenv("PD_TRANSFER_SGLANG_BOOTSTRAP_TIMEOUT_S", "3")
     ranks = []
     try:
-        ranks = [mha_rank("prefill", deployment, monkeypatch, torch.bfloat16, "q2"),
-                 mha_rank("decode", deployment, monkeypatch, torch.float16, "q2")]
+        ranks = [
+            mha_rank("prefill", deployment, monkeypatch, torch.bfloat16, "q2"),
+            mha_rank("decode", deployment, monkeypatch, torch.float16, "q2"),
+        ]
         prefill, decode = ranks
-        p_req, d_req, bootstrap, transfer = through_the_queues(prefill, decode, deployment, sglang_backend,
-                                                               4712, [1, 2], [3, 4])
+        p_req, d_req, bootstrap, transfer = through_the_queues(
+            prefill, decode, deployment, sglang_backend, 4712, [1, 2], [3, 4]
+        )
         assert poll_until(transfer.pop_transferred, lambda out: out or not transfer.queue) == []
         assert isinstance(d_req.finished_reason, FINISH_ABORT), "the refused request was not aborted"
         message = d_req.finished_reason.message
@@ -244,8 +303,11 @@ def test_a_refused_pair_aborts_the_request_in_sglangs_transfer_queue_with_the_re
         transfer.scheduler.output_streamer.stream_output.assert_called()
         # SGLang holds the pages until the backend says no write can land; then frees them
         assert [entry[0].req for entry in transfer._deferred_releases] == [d_req]
-        assert poll_until(lambda: (transfer.resolve_deferred_releases(), transfer.released)[1], bool, 15) \
-            == [transfer.released[0]] and transfer.released[0].req is d_req
+        assert (
+            poll_until(lambda: (transfer.resolve_deferred_releases(), transfer.released)[1], bool, 15)
+            == [transfer.released[0]]
+            and transfer.released[0].req is d_req
+        )
         assert transfer._deferred_releases == [] and decode.manager.deferred == {}
         # prefill: the bootstrap queue hands the failure to the scheduler
         # prefill: the refused decode never asked for the room, so its sender fails by the

@@ -21,10 +21,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "agent"))
 
 
 TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-    "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
-    "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-6, "torch_dtype": "float16", "bos_token_id": 1, "eos_token_id": 2,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "float16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
 
 
@@ -49,6 +58,7 @@ def workdir():
 def instances(workdir, model_dir):
     """``make(kv_role, tp_size, bootstrap, ...)``: a vLLM instance's worker connectors on real sidecars."""
     import vllm_instances  # imports vLLM: only once a test asks for it
+
     made = []
 
     def make(role, tp_size, bootstrap, **kwargs):

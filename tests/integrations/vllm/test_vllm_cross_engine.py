@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base",
-                    reason="vLLM is not installed here: run tests/integrations/vllm with the "
-                           "python printed by .ci/engine-venv-vllm")
+pytest.importorskip(
+    "vllm.distributed.kv_transfer.kv_connector.v1.base",
+    reason="vLLM is not installed here: run tests/integrations/vllm with the "
+    "python printed by .ci/engine-venv-vllm",
+)
 
 import time  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
@@ -78,25 +80,47 @@ class SglangShapedRank:
     temporal state ``(v_heads, v_dim, k_dim)``.
     """
 
-    def __init__(self, sidecar: Sidecar, tp_rank: int, tp_size: int, model: str, *,
-                 attn_layers=tuple(range(NUM_LAYERS)), gdn_layers=()) -> None:
+    def __init__(
+        self,
+        sidecar: Sidecar,
+        tp_rank: int,
+        tp_size: int,
+        model: str,
+        *,
+        attn_layers=tuple(range(NUM_LAYERS)),
+        gdn_layers=(),
+    ) -> None:
         heads = TOTAL_HEADS // tp_size
         rows = NUM_BLOCKS * BLOCK_SIZE
         n = len(attn_layers)
         storage = torch.zeros(2, n, rows, heads, HEAD_SIZE, dtype=torch.float16)
-        pool = SimpleNamespace(k_buffer=[storage[0, i] for i in range(n)],
-                               v_buffer=[storage[1, i] for i in range(n)], head_num=heads)
+        pool = SimpleNamespace(
+            k_buffer=[storage[0, i] for i in range(n)],
+            v_buffer=[storage[1, i] for i in range(n)],
+            head_num=heads,
+        )
         no_aux = SimpleNamespace(get_buf_infos=lambda: ([], [], []))
         self.pool, self.heads, self.tp = pool, rank_heads(tp_size, tp_rank), (tp_size, tp_rank)
         self.mamba = _gdn_pool(len(gdn_layers), tp_size) if gdn_layers else None
-        self.memory = share_engine_memory(f"sgl-{tp_rank}", kv_pool=pool, metadata_buffers=no_aux,
-                                          mamba_pool=self.mamba)
-        buffers = pool.k_buffer + pool.v_buffer           # SGLang's order: every K, then every V
+        self.memory = share_engine_memory(
+            f"sgl-{tp_rank}", kv_pool=pool, metadata_buffers=no_aux, mamba_pool=self.mamba
+        )
+        buffers = pool.k_buffer + pool.v_buffer  # SGLang's order: every K, then every V
         kv_args = SimpleNamespace(
-            engine_rank=tp_rank, pp_rank=0, page_size=BLOCK_SIZE, num_draft_entries=0,
-            kv_data_ptrs=[b.data_ptr() for b in buffers], kv_data_lens=[b.nbytes for b in buffers],
-            kv_item_lens=[b[0].nbytes * BLOCK_SIZE for b in buffers], kv_layer_ids=list(attn_layers) * 2,
-            kv_head_num=heads, state_types=None, aux_data_ptrs=[], aux_data_lens=[], aux_item_lens=[])
+            engine_rank=tp_rank,
+            pp_rank=0,
+            page_size=BLOCK_SIZE,
+            num_draft_entries=0,
+            kv_data_ptrs=[b.data_ptr() for b in buffers],
+            kv_data_lens=[b.nbytes for b in buffers],
+            kv_item_lens=[b[0].nbytes * BLOCK_SIZE for b in buffers],
+            kv_layer_ids=list(attn_layers) * 2,
+            kv_head_num=heads,
+            state_types=None,
+            aux_data_ptrs=[],
+            aux_data_lens=[],
+            aux_item_lens=[],
+        )
         if self.mamba is not None:
             _gdn_kv_args(kv_args, self.mamba.mamba_cache, list(gdn_layers))
         facts = EngineFacts(attn_tp_size=tp_size, total_kv_heads=TOTAL_HEADS, model=model)
@@ -189,12 +213,14 @@ def test_sglang_shaped_gdn_hybrid_prefill_to_vllm_decode_lands_byte_exact(instan
     try:
         for sidecar in sidecars:
             sidecar.wait_ready(timeout_s=120)
-        ranks = [SglangShapedRank(s, r, 2, str(model_dir), attn_layers=(1, 3), gdn_layers=(0, 2))
-                 for r, s in enumerate(sidecars)]
+        ranks = [
+            SglangShapedRank(s, r, 2, str(model_dir), attn_layers=(1, 3), gdn_layers=(0, 2))
+            for r, s in enumerate(sidecars)
+        ]
         gen = torch.Generator().manual_seed(27)
         src, dst, src_slot, dst_slot = [3, 7], [5, 0], 9, 2
         kv = torch.randn(2, 2, NUM_BLOCKS, BLOCK_SIZE, TOTAL_HEADS, HEAD_SIZE, generator=gen).half()
-        conv = torch.randn(2, KERNEL - 1, sum(CONV_GROUPS), generator=gen).half()   # [layer, tap, channel]
+        conv = torch.randn(2, KERNEL - 1, sum(CONV_GROUPS), generator=gen).half()  # [layer, tap, channel]
         temporal = torch.randn(2, V_HEADS, V_DIM, K_DIM, generator=gen)
         for rank in ranks:
             rank.fill(kv, src)
@@ -214,7 +240,9 @@ def test_sglang_shaped_gdn_hybrid_prefill_to_vllm_decode_lands_byte_exact(instan
                 c[dst_slot] = conv[i][:, local_channels(4, tp_rank)]
                 t[dst_slot] = temporal[i][heads_of(4, tp_rank, V_HEADS)]
             expected.append(flat)
-        decode.start(StepSpecs(recvs=[RecvSpec("req-xh", 85, bootstrap, tuple(dst), state_slots=(dst_slot,))]))
+        decode.start(
+            StepSpecs(recvs=[RecvSpec("req-xh", 85, bootstrap, tuple(dst), state_slots=(dst_slot,))])
+        )
         for rank in ranks:
             rank.client.send(85, src, state_slots=[src_slot], last_chunk=True)
         _wait_received(decode, "req-xh", sidecars)
@@ -239,5 +267,9 @@ def _wait_received(decode, req_id: str, sidecars) -> None:
             done[i] = done[i] or req_id in got.finished_recving
         return all(done)
 
-    run_until(finished, 90, f"{req_id} on decode",
-              lambda: decode.logs() + "".join(s.log.read_text()[-2000:] for s in sidecars))
+    run_until(
+        finished,
+        90,
+        f"{req_id} on decode",
+        lambda: decode.logs() + "".join(s.log.read_text()[-2000:] for s in sidecars),
+    )

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base",
-                    reason="vLLM is not installed here: run tests/integrations/vllm with the "
-                           "python printed by .ci/engine-venv-vllm")
+pytest.importorskip(
+    "vllm.distributed.kv_transfer.kv_connector.v1.base",
+    reason="vLLM is not installed here: run tests/integrations/vllm with the "
+    "python printed by .ci/engine-venv-vllm",
+)
 
 import torch  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheGroupSpec  # noqa: E402
@@ -65,6 +67,7 @@ def _bootstrap():
 def conv_layout(request, monkeypatch):
     """vLLM's conv state layout for this test: "SD" (taps, channels), its default, or "DS"."""
     from vllm.model_executor.layers.mamba import mamba_utils
+
     monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", request.param)
     mamba_utils.get_conv_state_layout.cache_clear()
     yield request.param
@@ -88,7 +91,7 @@ def test_gdn_hybrid_state_and_kv_land_byte_exact_from_tp2_to_tp4(instances, conv
             put_kv(caches[n], kv[n], blocks, heads_of(tp_size, rank, TOTAL_HEADS))
         for n in GDN:
             c, t = gdn_states(caches[n], tp_size)
-            share = conv[n][:, local_channels(tp_size, rank)]      # (taps, channels)
+            share = conv[n][:, local_channels(tp_size, rank)]  # (taps, channels)
             c[slot] = share if conv_layout == "SD" else share.T
             t[slot] = temporal[n][heads_of(tp_size, rank, V_HEADS)]
 
@@ -99,10 +102,15 @@ def test_gdn_hybrid_state_and_kv_land_byte_exact_from_tp2_to_tp4(instances, conv
         flat = flat_copy(caches)
         write(twin(caches, flat), 4, rank, dst, dst_slot)
         expected.append(flat)
-    results, errors = transfer(prefill, decode, SendSpec("req-gdn", 81, tuple(src), state_slots=(src_slot,)),
-                               RecvSpec("req-gdn", 81, bootstrap, tuple(dst), state_slots=(dst_slot,)))
-    assert all(not r.failed_recving for r in results) and all(not e for e in errors), \
-        [c._worker.failures for c in decode.connectors]
+    results, errors = transfer(
+        prefill,
+        decode,
+        SendSpec("req-gdn", 81, tuple(src), state_slots=(src_slot,)),
+        RecvSpec("req-gdn", 81, bootstrap, tuple(dst), state_slots=(dst_slot,)),
+    )
+    assert all(not r.failed_recving for r in results) and all(not e for e in errors), [
+        c._worker.failures for c in decode.connectors
+    ]
     for rank, caches in enumerate(decode.caches):
         assert_same_bytes(flat_copy(caches), expected[rank], f"decode tp{rank}/4")
     # the conv groups matter: a contiguous slice of the 32 channels would not be rank 1's q|k|v share
@@ -134,10 +142,14 @@ def test_sliding_window_pages_land_byte_exact_from_tp1_to_tp2(instances):
         write(twin(caches, flat), 2, rank, full_dst, win_dst)
         expected.append(flat)
     results, errors = transfer(
-        prefill, decode, SendSpec("req-swa", 82, tuple(full_src), swa_pages=tuple(win_src)),
-        RecvSpec("req-swa", 82, bootstrap, tuple(full_dst), swa_pages=tuple(win_dst)))
-    assert all(not r.failed_recving for r in results) and all(not e for e in errors), \
-        [c._worker.failures for c in decode.connectors]
+        prefill,
+        decode,
+        SendSpec("req-swa", 82, tuple(full_src), swa_pages=tuple(win_src)),
+        RecvSpec("req-swa", 82, bootstrap, tuple(full_dst), swa_pages=tuple(win_dst)),
+    )
+    assert all(not r.failed_recving for r in results) and all(not e for e in errors), [
+        c._worker.failures for c in decode.connectors
+    ]
     for rank, caches in enumerate(decode.caches):
         assert_same_bytes(flat_copy(caches), expected[rank], f"decode tp{rank}/2")
 
@@ -155,8 +167,11 @@ def test_a_hybrid_scheduler_and_a_second_state_group_are_refused_naming_the_grou
         PdTransferConnector(config, KVConnectorRole.SCHEDULER, cache_config)
     second = KVCacheGroupSpec(["model.layers.4.linear_attn"], cache_config.kv_cache_groups[1].kv_cache_spec)
     cache_config.kv_cache_groups.append(second)
-    with pytest.raises(ConfigError, match=r"group 2 \(MambaSpec: model.layers.4.linear_attn\) is a second "
-                                          r"mamba group \(group 1 is the first\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"group 2 \(MambaSpec: model.layers.4.linear_attn\) is a second "
+        r"mamba group \(group 1 is the first\)",
+    ):
         PdTransferConnector(config, KVConnectorRole.WORKER, cache_config)
 
 
@@ -169,11 +184,17 @@ def test_conv_groups_are_rebuilt_from_vllms_own_state_shapes(tp_size):
     from pd_transfer.integrations.vllm.connector import mamba_state_spec
 
     def spec(kind, shapes):
-        return MambaSpec(shapes=shapes, dtypes=(torch.float16, torch.float32), block_size=BLOCK_SIZE,
-                         mamba_type=getattr(MambaAttentionBackendEnum, kind))
+        return MambaSpec(
+            shapes=shapes,
+            dtypes=(torch.float16, torch.float32),
+            block_size=BLOCK_SIZE,
+            mamba_type=getattr(MambaAttentionBackendEnum, kind),
+        )
 
-    gdn = MambaStateShapeCalculator.gated_delta_net_state_shape(tp_size, K_HEADS, V_HEADS, K_DIM, V_DIM, KERNEL)
-    assert mamba_state_spec(spec("GDN_ATTN", gdn), tp_size).conv_groups == CONV_GROUPS      # q | k | v
+    gdn = MambaStateShapeCalculator.gated_delta_net_state_shape(
+        tp_size, K_HEADS, V_HEADS, K_DIM, V_DIM, KERNEL
+    )
+    assert mamba_state_spec(spec("GDN_ATTN", gdn), tp_size).conv_groups == CONV_GROUPS  # q | k | v
     # Mamba2: x (d_inner 16) | B | C (n_groups 2 x state 4 each)
     mamba2 = MambaStateShapeCalculator.mamba2_state_shape(tp_size, 16, 2, 4, 4, 4, KERNEL)
     assert mamba_state_spec(spec("MAMBA2", mamba2), tp_size).conv_groups == (16, 8, 8)
@@ -218,7 +239,7 @@ def test_both_schedulers_send_the_sliding_window_pages_decode_attends_to(model_d
     (recv,) = out.kv_connector_metadata.step.recvs
     full_ids, window_ids = (list(g) for g in decode.kv_cache_manager.get_block_ids(second.request_id))
     null = decode.kv_cache_manager.block_pool.null_block.block_id
-    assert window_ids[:4] == [null] * 4                     # vLLM skips what the window cannot reach
+    assert window_ids[:4] == [null] * 4  # vLLM skips what the window cannot reach
     assert null not in window_ids[4:7]
     assert (list(recv.block_ids), list(recv.swa_pages), recv.swa_first) == (full_ids[:7], window_ids[4:7], 4)
     assert recv.room == params[ROOM_KEY] == send.room and len(recv.swa_pages) == len(send.swa_pages)

@@ -16,9 +16,11 @@ from __future__ import annotations
 import pytest
 
 # a specific module: the directory tests/integrations/vllm/ itself imports as a namespace "vllm"
-pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base",
-                    reason="vLLM is not installed here: run tests/integrations/vllm with the "
-                           "python printed by .ci/engine-venv-vllm")
+pytest.importorskip(
+    "vllm.distributed.kv_transfer.kv_connector.v1.base",
+    reason="vLLM is not installed here: run tests/integrations/vllm with the "
+    "python printed by .ci/engine-venv-vllm",
+)
 
 from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm_harness import block_ids, request, runner_output, scheduler, vllm_config  # noqa: E402
@@ -50,7 +52,7 @@ class Engine:
         for rank, connector in enumerate(self.instance.connectors):
             connector.bind_connector_metadata(meta)
             connector.start_load_kv(None)
-            for name in LAYERS:                  # the forward pass, layer by layer
+            for name in LAYERS:  # the forward pass, layer by layer
                 connector.save_kv_layer(name, None, None)
             connector.wait_for_save()
             results = connector.get_transfer_results(out.finished_req_ids)
@@ -59,23 +61,34 @@ class Engine:
             self._seen[rank]["sending"] |= results.finished_sending
             self._seen[rank]["recving"] |= results.finished_recving
         report = {}
-        for kind in ("sending", "recving"):   # finished once EVERY rank reported it
+        for kind in ("sending", "recving"):  # finished once EVERY rank reported it
             done = set.intersection(*(seen[kind] for seen in self._seen)) - self.reports[kind]
             self.reports[kind] |= done
             report[f"finished_{kind}"] = done
         engine_outputs = self.sched.update_from_output(
-            out, runner_output([r for r in running if r.request_id in out.num_scheduled_tokens],
-                               invalid_block_ids=errors, **report))
+            out,
+            runner_output(
+                [r for r in running if r.request_id in out.num_scheduled_tokens],
+                invalid_block_ids=errors,
+                **report,
+            ),
+        )
         return out, [o for outs in engine_outputs.values() for o in outs.outputs]
 
 
 def test_a_request_prefilled_on_tp2_decodes_on_tp4_from_prefills_kv(instances, model_dir):
     bootstrap = f"tcp://127.0.0.1:{spare_port()}"
-    prefill = Engine(scheduler(vllm_config(model_dir, kv_role="kv_producer",
-                                           extra={"bootstrap_addr": bootstrap}), num_blocks=NUM_BLOCKS),
-                     instances("kv_producer", 2, bootstrap))
-    decode = Engine(scheduler(vllm_config(model_dir, kv_role="kv_consumer"), num_blocks=NUM_BLOCKS),
-                    instances("kv_consumer", 4, bootstrap))
+    prefill = Engine(
+        scheduler(
+            vllm_config(model_dir, kv_role="kv_producer", extra={"bootstrap_addr": bootstrap}),
+            num_blocks=NUM_BLOCKS,
+        ),
+        instances("kv_producer", 2, bootstrap),
+    )
+    decode = Engine(
+        scheduler(vllm_config(model_dir, kv_role="kv_consumer"), num_blocks=NUM_BLOCKS),
+        instances("kv_consumer", 4, bootstrap),
+    )
     kv = logical_kv(seed=24)
     before = [{n: t.clone() for n, t in caches.items()} for caches in decode.instance.caches]
 
@@ -97,13 +110,18 @@ def test_a_request_prefilled_on_tp2_decodes_on_tp4_from_prefills_kv(instances, m
         out, _ = decode.step([second])
         return second.request_id in out.num_scheduled_tokens
 
-    run_until(both_step, 120, "decode to run the request",
-              lambda: prefill.instance.logs() + decode.instance.logs())
+    run_until(
+        both_step, 120, "decode to run the request", lambda: prefill.instance.logs() + decode.instance.logs()
+    )
     assert second.status == RequestStatus.RUNNING and second.num_computed_tokens == 40
-    run_until(lambda: (prefill.step(), first.request_id in prefill.reports["sending"])[1], 60,
-              "prefill to release its blocks", prefill.instance.logs)
+    run_until(
+        lambda: (prefill.step(), first.request_id in prefill.reports["sending"])[1],
+        60,
+        "prefill to release its blocks",
+        prefill.instance.logs,
+    )
     assert first.request_id not in prefill.sched.requests
 
-    dst = block_ids(decode.sched, second.request_id)[:len(src)]
+    dst = block_ids(decode.sched, second.request_id)[: len(src)]
     for rank, want in enumerate(expected_decode(decode.instance, before, kv, src, dst)):
         assert_bit_equal(decode.instance.caches[rank], want, f"decode tp{rank}/4")

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 
 # a specific module: the directory tests/integrations/vllm/ itself imports as a namespace "vllm"
-pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base",
-                    reason="vLLM is not installed here: run tests/integrations/vllm with the "
-                           "python printed by .ci/engine-venv-vllm")
+pytest.importorskip(
+    "vllm.distributed.kv_transfer.kv_connector.v1.base",
+    reason="vLLM is not installed here: run tests/integrations/vllm with the "
+    "python printed by .ci/engine-venv-vllm",
+)
 
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
@@ -34,8 +36,13 @@ def _step(sched, reqs, **report):
 
 
 def _decode_params(room=42, num_pages=3):
-    return {"do_remote_prefill": True, "do_remote_decode": False, ROOM_KEY: room,
-            BOOTSTRAP_KEY: BOOTSTRAP, NUM_PAGES_KEY: num_pages}
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        ROOM_KEY: room,
+        BOOTSTRAP_KEY: BOOTSTRAP,
+        NUM_PAGES_KEY: num_pages,
+    }
 
 
 def test_scheduler_loads_the_connector_by_module_path_with_hma(model_dir):
@@ -53,7 +60,7 @@ def test_prefill_holds_blocks_until_the_send_finished_and_returns_room_and_boots
     out, outputs = _step(sched, [req])
     assert out.num_scheduled_tokens[req.request_id] == 40
     held = block_ids(sched, req.request_id)
-    assert len(held) == 3                                   # 40 tokens in 16-token blocks
+    assert len(held) == 3  # 40 tokens in 16-token blocks
     # the step that computes the prompt streams it: the workers hand over each layer as it is written
     (send,) = out.kv_connector_metadata.step.sends
     assert (send.req_id, list(send.block_ids), send.stream) == (req.request_id, held, True)
@@ -62,11 +69,11 @@ def test_prefill_holds_blocks_until_the_send_finished_and_returns_room_and_boots
     assert params["do_remote_prefill"] is True and params[BOOTSTRAP_KEY] == BOOTSTRAP
     assert params[NUM_PAGES_KEY] == 3 and isinstance(params[ROOM_KEY], int)
     assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
-    assert num_free_blocks(sched) == free_before - 3         # delay free: still held
+    assert num_free_blocks(sched) == free_before - 3  # delay free: still held
 
     assert send.room == params[ROOM_KEY]
     out, _ = _step(sched, [])
-    assert not out.kv_connector_metadata.step.sends          # sent once
+    assert not out.kv_connector_metadata.step.sends  # sent once
     assert num_free_blocks(sched) == free_before - 3
 
     _step(sched, [], finished_sending={req.request_id})
@@ -81,7 +88,7 @@ def test_prefill_sends_the_pages_decode_loads_not_the_last_token_alone(model_dir
     sched.add_request(req)
     out, (finished,) = _step(sched, [req])
     assert finished.kv_transfer_params[NUM_PAGES_KEY] == 3
-    assert finished.kv_transfer_params[ROOM_KEY] == 1234     # the router's room is kept
+    assert finished.kv_transfer_params[ROOM_KEY] == 1234  # the router's room is kept
     (send,) = out.kv_connector_metadata.step.sends
     assert (len(send.block_ids), send.room) == (3, 1234)
 
@@ -97,7 +104,7 @@ def test_decode_parks_the_request_until_the_load_finished_then_computes_one_toke
     assert (recv.room, recv.bootstrap_addr, recv.error) == (42, BOOTSTRAP, "")
     assert list(recv.block_ids) == block_ids(sched, req.request_id) and len(recv.block_ids) == 3
 
-    out, _ = _step(sched, [])                               # still loading: nothing runs
+    out, _ = _step(sched, [])  # still loading: nothing runs
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not out.num_scheduled_tokens
     _step(sched, [], finished_recving={req.request_id})
     out, _ = _step(sched, [req])
@@ -120,13 +127,14 @@ def test_a_failed_load_is_handled_by_vllms_policy_never_decoded(model_dir, polic
         assert req.request_id not in sched.requests or req.is_finished()
     else:
         out, _ = _step(sched, [req])
-        assert out.num_scheduled_tokens[req.request_id] == 40   # recomputed from scratch
+        assert out.num_scheduled_tokens[req.request_id] == 40  # recomputed from scratch
 
 
 def test_decode_with_bad_params_fails_that_request_through_the_worker(model_dir):
     sched = scheduler(vllm_config(model_dir, kv_role="kv_consumer"))
-    req = request(40, kv_transfer_params={"do_remote_prefill": True, ROOM_KEY: "not-a-room",
-                                          BOOTSTRAP_KEY: BOOTSTRAP})
+    req = request(
+        40, kv_transfer_params={"do_remote_prefill": True, ROOM_KEY: "not-a-room", BOOTSTRAP_KEY: BOOTSTRAP}
+    )
     sched.add_request(req)
     out, _ = _step(sched, [])
     (recv,) = out.kv_connector_metadata.step.recvs
@@ -152,8 +160,8 @@ def test_an_abort_during_the_load_keeps_the_blocks_until_the_room_drained(model_
     out, _ = _step(sched, [])
     (abort,) = out.kv_connector_metadata.step.aborts
     assert (abort.req_id, abort.room) == (req.request_id, 42)
-    assert num_free_blocks(sched) == free_before - 3        # a late write could still land
-    _step(sched, [], finished_recving={req.request_id})     # the worker saw the drain
+    assert num_free_blocks(sched) == free_before - 3  # a late write could still land
+    _step(sched, [], finished_recving={req.request_id})  # the worker saw the drain
     assert num_free_blocks(sched) == free_before
 
 

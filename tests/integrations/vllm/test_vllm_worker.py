@@ -9,9 +9,11 @@ from __future__ import annotations
 import pytest
 
 # a specific module: the directory tests/integrations/vllm/ itself imports as a namespace "vllm"
-pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base",
-                    reason="vLLM is not installed here: run tests/integrations/vllm with the "
-                           "python printed by .ci/engine-venv-vllm")
+pytest.importorskip(
+    "vllm.distributed.kv_transfer.kv_connector.v1.base",
+    reason="vLLM is not installed here: run tests/integrations/vllm with the "
+    "python printed by .ci/engine-venv-vllm",
+)
 
 import torch  # noqa: E402
 from vllm_harness import BLOCK_SIZE  # noqa: E402
@@ -34,8 +36,9 @@ from pd_transfer.ports import spare_port  # noqa: E402
 
 
 def transfer(prefill: Instance, decode: Instance, req: str, room: int, src: list[int], dst: list[int]):
-    return transfer_specs(prefill, decode, SendSpec(req, room, tuple(src)),
-                          RecvSpec(req, room, prefill.bootstrap, tuple(dst)))
+    return transfer_specs(
+        prefill, decode, SendSpec(req, room, tuple(src)), RecvSpec(req, room, prefill.bootstrap, tuple(dst))
+    )
 
 
 def _bootstrap():
@@ -61,9 +64,10 @@ def test_mla_latent_moves_byte_exact_from_tp4_to_tp2(instances):
     bootstrap = _bootstrap()
     prefill = instances("kv_producer", 4, bootstrap, mla=True)
     decode = instances("kv_consumer", 2, bootstrap, mla=True)
-    latent = torch.randn(NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, LATENT,
-                         generator=torch.Generator().manual_seed(5)).half()
-    for caches in prefill.caches:            # replicated: every prefill rank holds the same latent
+    latent = torch.randn(
+        NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, LATENT, generator=torch.Generator().manual_seed(5)
+    ).half()
+    for caches in prefill.caches:  # replicated: every prefill rank holds the same latent
         for layer, name in enumerate(LAYERS):
             caches[name].copy_(latent[layer])
     before = [{n: t.clone() for n, t in caches.items()} for caches in decode.caches]
@@ -79,7 +83,7 @@ def test_mla_latent_moves_byte_exact_from_tp4_to_tp2(instances):
 
 def test_a_room_nobody_sends_is_reported_finished_failed_with_its_blocks(instances):
     bootstrap = _bootstrap()
-    instances("kv_producer", 1, bootstrap)   # a prefill that never sends the room
+    instances("kv_producer", 1, bootstrap)  # a prefill that never sends the room
     decode = instances("kv_consumer", 1, bootstrap, config={"waiting_timeout_s": 2.0})
     connector = decode.connectors[0]
     before = {n: t.clone() for n, t in decode.caches[0].items()}
@@ -94,8 +98,8 @@ def test_a_room_nobody_sends_is_reported_finished_failed_with_its_blocks(instanc
 
     run_until(step, 60, "the lost room to fail", decode.logs)
     assert "req-lost" in got[-1].failed_recving
-    assert errors == {1, 2, 3}                  # reported in the same pass as the finish
-    assert_bit_equal(decode.caches[0], before, "decode")   # nothing unstaged from a failed room
+    assert errors == {1, 2, 3}  # reported in the same pass as the finish
+    assert_bit_equal(decode.caches[0], before, "decode")  # nothing unstaged from a failed room
     assert "req-lost" in connector._worker.failures
 
 
@@ -116,11 +120,11 @@ def test_a_streamed_send_hands_each_layer_over_as_vllm_saves_it(instances):
     kv = logical_kv(seed=31)
     fill_prefill(prefill, kv)
     late = prefill.caches[0][LAYERS[1]].clone()
-    prefill.caches[0][LAYERS[1]].zero_()             # layer 1 is not computed yet
+    prefill.caches[0][LAYERS[1]].zero_()  # layer 1 is not computed yet
     before = [{n: t.clone() for n, t in caches.items()} for caches in decode.caches]
     want = expected_decode(decode, before, kv, [2, 5], [8, 1])
     src, dst = (2, 5), (8, 1)
-    for connector in decode.connectors:              # a sentinel where layer 1 will land
+    for connector in decode.connectors:  # a sentinel where layer 1 will land
         connector._worker.pages._pairs[1][1][list(dst)] = 7.0
     decode.start(StepSpecs(recvs=[RecvSpec("req-s", 83, bootstrap, dst)]))
     prefill.start(StepSpecs(sends=[SendSpec("req-s", 83, src, stream=True)]))
@@ -131,18 +135,22 @@ def test_a_streamed_send_hands_each_layer_over_as_vllm_saves_it(instances):
         out = []
         for rank, connector in enumerate(decode.connectors):
             twin = connector._worker.pages._pairs[layer][1]
-            out.append(torch.equal(twin[list(dst)].view(torch.int16),
-                                   want[rank][LAYERS[layer]][list(dst)].view(torch.int16)))
+            out.append(
+                torch.equal(
+                    twin[list(dst)].view(torch.int16), want[rank][LAYERS[layer]][list(dst)].view(torch.int16)
+                )
+            )
         return out
 
-    sender.save_kv_layer(LAYERS[0], None, None)      # the forward pass wrote layer 0
+    sender.save_kv_layer(LAYERS[0], None, None)  # the forward pass wrote layer 0
     run_until(lambda: all(landed(0)), 60, "layer 0 to land", lambda: prefill.logs() + decode.logs())
     for connector in decode.connectors:
-        assert bool((connector._worker.pages._pairs[1][1][list(dst)] == 7.0).all()), \
+        assert bool((connector._worker.pages._pairs[1][1][list(dst)] == 7.0).all()), (
             "layer 1 moved before it was announced"
+        )
     assert all("req-s" not in c.get_transfer_results(set()).finished_recving for c in decode.connectors)
 
-    prefill.caches[0][LAYERS[1]].copy_(late)         # the forward pass writes layer 1, then saves it
+    prefill.caches[0][LAYERS[1]].copy_(late)  # the forward pass writes layer 1, then saves it
     sender.save_kv_layer(LAYERS[1], None, None)
     sender.wait_for_save()
     done = [False] * len(decode.connectors)

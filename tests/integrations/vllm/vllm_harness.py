@@ -44,65 +44,119 @@ _ids = itertools.count(1)
 init_none_hash(sha256)
 
 
-def vllm_config(model_dir, *, kv_role: str, extra: dict[str, Any] | None = None,
-                policy: str = "fail", tp_size: int = 1, rank: int = 0) -> VllmConfig:
+def vllm_config(
+    model_dir,
+    *,
+    kv_role: str,
+    extra: dict[str, Any] | None = None,
+    policy: str = "fail",
+    tp_size: int = 1,
+    rank: int = 0,
+) -> VllmConfig:
     model = ModelConfig(model=str(model_dir), dtype="float16", seed=0, skip_tokenizer_init=True)
     return VllmConfig(
         model_config=model,
-        scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256,
-                                         max_model_len=4096, enable_chunked_prefill=True,
-                                         is_encoder_decoder=False, async_scheduling=False),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9,
-                                 cache_dtype="auto", enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=16,
+            max_num_batched_tokens=256,
+            max_model_len=4096,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+            async_scheduling=False,
+        ),
+        cache_config=CacheConfig(
+            block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=True
+        ),
         kv_transfer_config=KVTransferConfig(
-            kv_connector=CONNECTOR, kv_connector_module_path=MODULE_PATH, kv_role=kv_role,
-            kv_connector_extra_config=extra or {}, kv_load_failure_policy=policy),
+            kv_connector=CONNECTOR,
+            kv_connector_module_path=MODULE_PATH,
+            kv_role=kv_role,
+            kv_connector_extra_config=extra or {},
+            kv_load_failure_policy=policy,
+        ),
         device_config=DeviceConfig("cpu"),
         parallel_config=ParallelConfig(tensor_parallel_size=tp_size, rank=rank),
     )
 
 
-def attention_cache_config(layer_names: list[str], *, num_blocks: int, num_kv_heads: int = 4,
-                           head_size: int = 16, mla: bool = False,
-                           tensors: list[KVCacheTensor] | None = None) -> KVCacheConfig:
+def attention_cache_config(
+    layer_names: list[str],
+    *,
+    num_blocks: int,
+    num_kv_heads: int = 4,
+    head_size: int = 16,
+    mla: bool = False,
+    tensors: list[KVCacheTensor] | None = None,
+) -> KVCacheConfig:
     spec_type = MLAAttentionSpec if mla else FullAttentionSpec
-    spec = spec_type(block_size=BLOCK_SIZE, num_kv_heads=num_kv_heads, head_size=head_size,
-                     dtype=torch.float16)
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors or [],
-                         kv_cache_groups=[KVCacheGroupSpec(layer_names, spec)])
+    spec = spec_type(
+        block_size=BLOCK_SIZE, num_kv_heads=num_kv_heads, head_size=head_size, dtype=torch.float16
+    )
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=tensors or [],
+        kv_cache_groups=[KVCacheGroupSpec(layer_names, spec)],
+    )
 
 
-def scheduler(config: VllmConfig, num_blocks: int = 1000, kv_cache_config: KVCacheConfig | None = None) -> Scheduler:
-    kv_cache_config = kv_cache_config or attention_cache_config(["model.layers.0.self_attn.attn"],
-                                                                 num_blocks=num_blocks)
+def scheduler(
+    config: VllmConfig, num_blocks: int = 1000, kv_cache_config: KVCacheConfig | None = None
+) -> Scheduler:
+    kv_cache_config = kv_cache_config or attention_cache_config(
+        ["model.layers.0.self_attn.attn"], num_blocks=num_blocks
+    )
     config.cache_config.num_gpu_blocks = num_blocks
-    return Scheduler(vllm_config=config, kv_cache_config=kv_cache_config, log_stats=True,
-                     structured_output_manager=StructuredOutputManager(config),
-                     block_size=BLOCK_SIZE)
+    return Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_cache_config,
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK_SIZE,
+    )
 
 
 def request(num_tokens: int, *, kv_transfer_params: dict | None, max_tokens: int = 16) -> Request:
     n = next(_ids)
     params = SamplingParams(max_tokens=max_tokens)
     params.update_from_generation_config({}, EOS_TOKEN_ID)
-    req = Request(request_id=f"req-{n}", prompt_token_ids=[3 + (i * n) % 200 for i in range(num_tokens)],
-                  sampling_params=params, pooling_params=None, mm_features=None,
-                  block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
+    req = Request(
+        request_id=f"req-{n}",
+        prompt_token_ids=[3 + (i * n) % 200 for i in range(num_tokens)],
+        sampling_params=params,
+        pooling_params=None,
+        mm_features=None,
+        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+    )
     req.kv_transfer_params = kv_transfer_params
     return req
 
 
-def runner_output(reqs: list[Request], *, finished_sending=None, finished_recving=None,
-                  invalid_block_ids=None, token_id: int = 7) -> ModelRunnerOutput:
+def runner_output(
+    reqs: list[Request],
+    *,
+    finished_sending=None,
+    finished_recving=None,
+    invalid_block_ids=None,
+    token_id: int = 7,
+) -> ModelRunnerOutput:
     """One model-runner step: a token for each of ``reqs`` and the connector's report."""
     ids = [r.request_id for r in reqs]
     report = None
     if finished_sending is not None or finished_recving is not None or invalid_block_ids is not None:
-        report = KVConnectorOutput(finished_sending=finished_sending, finished_recving=finished_recving,
-                                   invalid_block_ids=invalid_block_ids or set())
-    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                             sampled_token_ids=[[token_id] for _ in ids], logprobs=None,
-                             prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=report)
+        report = KVConnectorOutput(
+            finished_sending=finished_sending,
+            finished_recving=finished_recving,
+            invalid_block_ids=invalid_block_ids or set(),
+        )
+    return ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[token_id] for _ in ids],
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=None,
+        kv_connector_output=report,
+    )
 
 
 def num_free_blocks(sched: Scheduler) -> int:

@@ -29,7 +29,7 @@ from vllm_instances import HEAD_SIZE, NUM_BLOCKS, TOTAL_HEADS
 
 K_HEADS, V_HEADS, K_DIM, V_DIM, KERNEL = 2, 4, 4, 4, 4
 KEY_DIM, VALUE_DIM = K_HEADS * K_DIM, V_HEADS * V_DIM
-CONV_GROUPS = (KEY_DIM, KEY_DIM, VALUE_DIM)            # q | k | v
+CONV_GROUPS = (KEY_DIM, KEY_DIM, VALUE_DIM)  # q | k | v
 ATTN = ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"]
 GDN = ["model.layers.0.linear_attn", "model.layers.2.linear_attn"]
 SWA_FULL, SWA_WINDOW = ["model.layers.0.self_attn.attn"], ["model.layers.1.self_attn.attn"]
@@ -38,41 +38,64 @@ STATE_DTYPES = (torch.float16, torch.float32)
 
 def _overlaid(groups: list[tuple[list[str], object]], page: int) -> tuple[KVCacheConfig, dict]:
     """vLLM's allocation of groups overlaid on one buffer, layer-outermost, one page per block."""
-    tensors = [KVCacheTensor(size=page * NUM_BLOCKS * 2, layers=names, layer_stride=page * NUM_BLOCKS,
-                             block_stride=page) for names, _ in groups]
-    config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=tensors,
-                           kv_cache_groups=[KVCacheGroupSpec(names, spec) for names, spec in groups])
+    tensors = [
+        KVCacheTensor(
+            size=page * NUM_BLOCKS * 2, layers=names, layer_stride=page * NUM_BLOCKS, block_stride=page
+        )
+        for names, _ in groups
+    ]
+    config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=tensors,
+        kv_cache_groups=[KVCacheGroupSpec(names, spec) for names, spec in groups],
+    )
     caches = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC)
     torch.manual_seed(len(caches))
-    next(iter(caches.values())).untyped_storage().copy_(   # stale bytes everywhere: nothing is zero by luck
-        torch.randint(-128, 127, (page * NUM_BLOCKS * 2,), dtype=torch.int8).untyped_storage())
+    next(iter(caches.values())).untyped_storage().copy_(  # stale bytes everywhere: nothing is zero by luck
+        torch.randint(-128, 127, (page * NUM_BLOCKS * 2,), dtype=torch.int8).untyped_storage()
+    )
     return config, caches
 
 
 def gdn_hybrid(tp_size: int, rank: int):
     conv, temporal = MambaStateShapeCalculator.gated_delta_net_state_shape(
-        tp_size, K_HEADS, V_HEADS, K_DIM, V_DIM, KERNEL)
-    attn = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=TOTAL_HEADS // tp_size,
-                             head_size=HEAD_SIZE, dtype=torch.float16)
-    gdn = MambaSpec(shapes=(conv, temporal), dtypes=STATE_DTYPES, block_size=BLOCK_SIZE,
-                    page_size_padded=attn.page_size_bytes, mamba_type=MambaAttentionBackendEnum.GDN_ATTN)
+        tp_size, K_HEADS, V_HEADS, K_DIM, V_DIM, KERNEL
+    )
+    attn = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=TOTAL_HEADS // tp_size, head_size=HEAD_SIZE, dtype=torch.float16
+    )
+    gdn = MambaSpec(
+        shapes=(conv, temporal),
+        dtypes=STATE_DTYPES,
+        block_size=BLOCK_SIZE,
+        page_size_padded=attn.page_size_bytes,
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+    )
     return _overlaid([(ATTN, attn), (GDN, gdn)], attn.page_size_bytes)
 
 
 def gpt_oss_like(tp_size: int, rank: int):
     heads = TOTAL_HEADS // tp_size
-    full = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=HEAD_SIZE,
-                             dtype=torch.float16)
-    window = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=HEAD_SIZE,
-                               dtype=torch.float16, sliding_window=2 * BLOCK_SIZE)
+    full = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=HEAD_SIZE, dtype=torch.float16
+    )
+    window = SlidingWindowSpec(
+        block_size=BLOCK_SIZE,
+        num_kv_heads=heads,
+        head_size=HEAD_SIZE,
+        dtype=torch.float16,
+        sliding_window=2 * BLOCK_SIZE,
+    )
     return _overlaid([(SWA_FULL, full), (SWA_WINDOW, window)], full.page_size_bytes)
 
 
 # -- the oracle: plain torch on a copy of the buffer ------------------------------------------
 def twin(caches: dict, flat: torch.Tensor) -> dict:
     """Every layer tensor of ``caches`` re-pointed at ``flat`` (a copy of their backing buffer)."""
-    return {name: torch.as_strided(flat.view(t.dtype), t.shape, t.stride(), t.storage_offset())
-            for name, t in caches.items()}
+    return {
+        name: torch.as_strided(flat.view(t.dtype), t.shape, t.stride(), t.storage_offset())
+        for name, t in caches.items()
+    }
 
 
 def flat_copy(caches: dict) -> torch.Tensor:
@@ -83,12 +106,13 @@ def flat_copy(caches: dict) -> torch.Tensor:
 def gdn_states(page_view: torch.Tensor, tp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(conv, temporal) of every block of a GDN layer, unpacked as vLLM's MambaBase does."""
     conv, temporal = MambaStateShapeCalculator.gated_delta_net_state_shape(
-        tp_size, K_HEADS, V_HEADS, K_DIM, V_DIM, KERNEL)
+        tp_size, K_HEADS, V_HEADS, K_DIM, V_DIM, KERNEL
+    )
     pages = page_view.squeeze(1).squeeze(1)
     out, offset = [], 0
     for shape, dtype in zip((conv, temporal), STATE_DTYPES):
         n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-        out.append(pages[:, offset:offset + n].view(dtype).view(-1, *shape))
+        out.append(pages[:, offset : offset + n].view(dtype).view(-1, *shape))
         offset += n
     return out[0], out[1]
 

@@ -24,33 +24,67 @@ from pd_transfer.integrations.vllm.specs import RecvSpec, SendSpec, StepSpecs
 
 NUM_LAYERS, NUM_BLOCKS, TOTAL_HEADS, HEAD_SIZE, LATENT = 2, 12, 4, 16, 24
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
-SIDECAR_CONFIG = {"transport": "shm", "http_port": 0, "heartbeat_interval_s": 0.2, "heartbeat_misses": 5,
-                  "bootstrap_timeout_s": 20.0, "waiting_timeout_s": 30.0, "transfer_timeout_s": 30.0,
-                  "abort_drain_timeout_s": 3.0}
+SIDECAR_CONFIG = {
+    "transport": "shm",
+    "http_port": 0,
+    "heartbeat_interval_s": 0.2,
+    "heartbeat_misses": 5,
+    "bootstrap_timeout_s": 20.0,
+    "waiting_timeout_s": 30.0,
+    "transfer_timeout_s": 30.0,
+    "abort_drain_timeout_s": 3.0,
+}
 
 
 class Instance:
     """One vLLM instance's worker connectors (one per TP rank), each with its own sidecar."""
 
-    def __init__(self, workdir, model_dir, role: str, tp_size: int, bootstrap: str, *, mla=False,
-                 config=None, build=None) -> None:
+    def __init__(
+        self,
+        workdir,
+        model_dir,
+        role: str,
+        tp_size: int,
+        bootstrap: str,
+        *,
+        mla=False,
+        config=None,
+        build=None,
+    ) -> None:
         """``build(tp_size, rank)``: (KVCacheConfig, kv_caches) of a rank; default: the Llama layers."""
         self.role, self.tp_size, self.mla, self.bootstrap = role, tp_size, mla, bootstrap
         pd_role = "prefill" if role == "kv_producer" else "decode"
-        self.sidecars = [Sidecar(workdir, pd_role, f"{pd_role[:3]}{tp_size}-{r}",
-                                 {**SIDECAR_CONFIG, **(config or {})},
-                                 bootstrap if pd_role == "prefill" else "") for r in range(tp_size)]
+        self.sidecars = [
+            Sidecar(
+                workdir,
+                pd_role,
+                f"{pd_role[:3]}{tp_size}-{r}",
+                {**SIDECAR_CONFIG, **(config or {})},
+                bootstrap if pd_role == "prefill" else "",
+            )
+            for r in range(tp_size)
+        ]
         self.connectors, self.caches = [], []
         try:
             for sidecar in self.sidecars:
                 sidecar.wait_ready(timeout_s=120)
             for rank, sidecar in enumerate(self.sidecars):
                 heads = 1 if mla else TOTAL_HEADS // tp_size
-                config = vllm_config(model_dir, kv_role=role, tp_size=tp_size, rank=rank,
-                                     extra={"worker_endpoint": sidecar.endpoint})
+                config = vllm_config(
+                    model_dir,
+                    kv_role=role,
+                    tp_size=tp_size,
+                    rank=rank,
+                    extra={"worker_endpoint": sidecar.endpoint},
+                )
                 if build is None:
-                    cache_config = attention_cache_config(LAYERS, num_blocks=NUM_BLOCKS, num_kv_heads=heads,
-                                                          head_size=LATENT if mla else HEAD_SIZE, mla=mla)
+                    cache_config = attention_cache_config(
+                        LAYERS,
+                        num_blocks=NUM_BLOCKS,
+                        num_kv_heads=heads,
+                        head_size=LATENT if mla else HEAD_SIZE,
+                        mla=mla,
+                    )
                     caches = vllm_shaped_caches(heads, mla)
                 else:
                     cache_config, caches = build(tp_size, rank)
@@ -85,7 +119,7 @@ def vllm_shaped_caches(heads: int, mla: bool) -> dict[str, torch.Tensor]:
     shape = (NUM_BLOCKS, BLOCK_SIZE, LATENT) if mla else (NUM_BLOCKS, heads, BLOCK_SIZE, 2 * HEAD_SIZE)
     per_layer = torch.Size(shape).numel()
     storage = torch.randn(NUM_LAYERS * per_layer, generator=torch.Generator().manual_seed(heads)).half()
-    return {name: storage[i * per_layer:(i + 1) * per_layer].view(shape) for i, name in enumerate(LAYERS)}
+    return {name: storage[i * per_layer : (i + 1) * per_layer].view(shape) for i, name in enumerate(LAYERS)}
 
 
 def logical_kv(seed: int) -> torch.Tensor:
@@ -103,13 +137,14 @@ def fill_prefill(instance: Instance, kv: torch.Tensor) -> None:
     for rank, caches in enumerate(instance.caches):
         heads = rank_heads(instance.tp_size, rank)
         for layer, name in enumerate(LAYERS):
-            t = caches[name]   # [block, head, token, 2 * dim]; kv: [k|v, block, token, head, dim]
+            t = caches[name]  # [block, head, token, 2 * dim]; kv: [k|v, block, token, head, dim]
             t[..., :HEAD_SIZE] = kv[layer, 0][:, :, heads].permute(0, 2, 1, 3)
             t[..., HEAD_SIZE:] = kv[layer, 1][:, :, heads].permute(0, 2, 1, 3)
 
 
-def expected_decode(instance: Instance, before: list[dict], kv: torch.Tensor, src: list[int],
-                    dst: list[int]) -> list[dict]:
+def expected_decode(
+    instance: Instance, before: list[dict], kv: torch.Tensor, src: list[int], dst: list[int]
+) -> list[dict]:
     out = []
     for rank, caches in enumerate(before):
         heads = rank_heads(instance.tp_size, rank)
@@ -159,5 +194,3 @@ def run_until(predicate, timeout_s: float, what: str, logs) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}\n{logs()}")
         time.sleep(0.05)
-
-

@@ -21,9 +21,11 @@ import json
 import sys
 from pathlib import Path
 
-PROMPTS = [[1, 15, 27, 3, 99, 42, 7, 61, 250, 12, 5, 88, 31, 17, 200, 9, 71],
-           [1, 300, 301, 302, 303, 304, 305, 306, 307, 308],
-           [1, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 40]]
+PROMPTS = [
+    [1, 15, 27, 3, 99, 42, 7, 61, 250, 12, 5, 88, 31, 17, 200, 9, 71],
+    [1, 300, 301, 302, 303, 304, 305, 306, 307, 308],
+    [1, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 40],
+]
 MAX_TOKENS = 8
 
 
@@ -32,40 +34,68 @@ def write_model(path: Path) -> None:
         return
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, torch_dtype="float16")
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        torch_dtype="float16",
+    )
     model = LlamaForCausalLM(config).to(torch.float16)
     model.save_pretrained(str(path))
 
 
 def engine(model: Path, transfer: dict | None):
     from vllm import LLM
+
     kwargs = {}
     if transfer is not None:
         from vllm.config import KVTransferConfig
+
         kwargs["kv_transfer_config"] = KVTransferConfig(**transfer)
-    return LLM(model=str(model), dtype="float16", skip_tokenizer_init=True, enforce_eager=True,
-               max_model_len=128, block_size=32, seed=0, **kwargs)
+    return LLM(
+        model=str(model),
+        dtype="float16",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=128,
+        block_size=32,
+        seed=0,
+        **kwargs,
+    )
 
 
 def transfer_config(run: dict, role: str) -> dict:
     extra = {"worker_endpoint": run[f"{role}_endpoint"], "secret_file": run["secret_file"]}
     if role == "prefill":
         extra["bootstrap_addr"] = run["bootstrap"]
-    return {"kv_connector": "PdTransferConnector",
-            "kv_connector_module_path": "pd_transfer.integrations.vllm",
-            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-            "kv_load_failure_policy": "fail", "kv_connector_extra_config": extra}
+    return {
+        "kv_connector": "PdTransferConnector",
+        "kv_connector_module_path": "pd_transfer.integrations.vllm",
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "kv_load_failure_policy": "fail",
+        "kv_connector_extra_config": extra,
+    }
 
 
 def generate(llm, prompts, params_per_prompt, max_tokens: int):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
-    sampling = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                               extra_args={"kv_transfer_params": p} if p is not None else None)
-                for p in params_per_prompt]
+
+    sampling = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            extra_args={"kv_transfer_params": p} if p is not None else None,
+        )
+        for p in params_per_prompt
+    ]
     return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling)
 
 

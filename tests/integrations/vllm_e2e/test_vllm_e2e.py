@@ -38,8 +38,12 @@ RUN = HERE / "pd_run.py"
 
 def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PD_TRANSFER_")}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", UCX_MODULES="^ib",
-               TOKENIZERS_PARALLELISM="false")
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        UCX_MODULES="^ib",
+        TOKENIZERS_PARALLELISM="false",
+    )
     return env
 
 
@@ -50,15 +54,31 @@ class Sidecars:
         secret.write_text(secrets.token_hex(32))
         secret.chmod(0o600)
         bootstrap = f"tcp://127.0.0.1:{spare_port()}"
-        self.run = {"secret_file": str(secret), "bootstrap": bootstrap,
-                    "prefill_endpoint": f"unix://{workdir}/prefill.sock",
-                    "decode_endpoint": f"unix://{workdir}/decode.sock"}
+        self.run = {
+            "secret_file": str(secret),
+            "bootstrap": bootstrap,
+            "prefill_endpoint": f"unix://{workdir}/prefill.sock",
+            "decode_endpoint": f"unix://{workdir}/decode.sock",
+        }
         (workdir / "run.json").write_text(json.dumps(self.run))
         self.procs = []
         for role in ("prefill", "decode"):
-            cmd = [sys.executable, "-m", "pd_transfer.cli", "serve", "--role", role,
-                   "--agent-id", role, "--worker-endpoint", self.run[f"{role}_endpoint"],
-                   "--http-port", "0", "--ready-file", str(workdir / f"{role}.ready.json")]
+            cmd = [
+                sys.executable,
+                "-m",
+                "pd_transfer.cli",
+                "serve",
+                "--role",
+                role,
+                "--agent-id",
+                role,
+                "--worker-endpoint",
+                self.run[f"{role}_endpoint"],
+                "--http-port",
+                "0",
+                "--ready-file",
+                str(workdir / f"{role}.ready.json"),
+            ]
             if role == "prefill":
                 cmd += ["--bootstrap", bootstrap]
             env = {**_env(), "PD_TRANSFER_SECRET_FILE": str(secret)}
@@ -86,8 +106,13 @@ class Sidecars:
 
 
 def _run(workdir: Path, mode: str) -> dict:
-    done = subprocess.run([sys.executable, str(RUN), str(workdir), mode], env=_env(),
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(RUN), str(workdir), mode],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, f"{mode} run printed no result (rc {done.returncode}):\n{done.stderr[-6000:]}"
     return json.loads(lines[-1].removeprefix("RESULT "))
