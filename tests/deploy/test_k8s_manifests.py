@@ -253,7 +253,8 @@ def test_sidecar_environment_holds_no_unknown_config_variables(statefulsets, kus
     )
     source = KUBERNETES / generator["files"][0].split("=")[1]
     environ = {e["name"]: e["value"] for e in env if "value" in e}
-    assert load_sidecar_config(str(source), {"role": role}, environ, from_flags=True).role.value == role
+    flags = {"role": "--role"}
+    assert load_sidecar_config(str(source), {"role": role}, environ, flags=flags).role.value == role
 
 
 def _secret_mounts(container, pod) -> dict[str, str]:
