@@ -29,7 +29,7 @@ COPY pd_transfer ./pd_transfer
 RUN python -m venv /opt/pd-transfer \
     && /opt/pd-transfer/bin/pip install "torch==${TORCH_VERSION}" \
     && /opt/pd-transfer/bin/pip install . \
-    && /opt/pd-transfer/bin/python -c "import sys; from pd_transfer.transport import native_copy as n; sys.exit(0 if n.AVAILABLE else 'native copy loop missing: ' + n.UNAVAILABLE_WHY)"
+    && /opt/pd-transfer/bin/python -c "import sys; from pd_transfer.transport.copy import native_loop as n; sys.exit(0 if n.AVAILABLE else 'native copy loop missing: ' + n.UNAVAILABLE_WHY)"
 
 # -- run: the interpreter, the virtual environment, no compiler, not root -----------------
 FROM python:${PYTHON_VERSION}-slim-bookworm

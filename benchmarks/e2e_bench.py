@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sidecar_bench import memcpy_gbps, raw_tcp_gbps, transfer_case  # noqa: E402
 
-from pd_transfer.transport.engines import ENGINES, engine_unusable  # noqa: E402
+from pd_transfer.transport.engines.registry import ENGINES, engine_unusable  # noqa: E402
 
 MODELS = [("Llama-3.1-8B", "llama-3.1-8b"), ("Qwen3-Next hybrid", "qwen3-next-80b-a3b")]
 

@@ -75,8 +75,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pd_transfer.shm import create_segment, open_segment  # noqa: E402
-from pd_transfer.transport.tcp import DEFAULT_STREAMS  # noqa: E402
+from pd_transfer.shm_segments import create_segment, open_segment  # noqa: E402
+from pd_transfer.transport.tcp.transport import DEFAULT_STREAMS  # noqa: E402
 
 MIB = 1 << 20
 SRC_NBYTES, DST_NBYTES = 256 * MIB, 512 * MIB
@@ -138,8 +138,8 @@ def descriptors(case: str, rng: np.random.Generator) -> tuple[np.ndarray, np.nda
 
 # -- children ---------------------------------------------------------------------------
 def receiver_main(args: dict) -> None:
-    from pd_transfer.transport.engines import make_receiver
-    from pd_transfer.transport.tcp_receiver import TcpReceiver
+    from pd_transfer.transport.engines.registry import make_receiver
+    from pd_transfer.transport.tcp.receiver import TcpReceiver
 
     segment = open_segment(args["dst"])
 
@@ -200,8 +200,8 @@ def _timed(fn, repeats: int, budget_s: float = 6.0) -> list[float]:
 
 
 def _mooncake_raw(state, mode, address, src, s, d, n, repeats) -> list[float]:
-    from pd_transfer.transport.engine_address import EngineAddress
-    from pd_transfer.transport.mooncake import MooncakeEngine
+    from pd_transfer.transport.engines.address import EngineAddress
+    from pd_transfer.transport.engines.mooncake import MooncakeEngine
 
     peer = EngineAddress.parse(address, "mooncake")
     if "engine" not in state:
@@ -222,8 +222,8 @@ def _mooncake_raw(state, mode, address, src, s, d, n, repeats) -> list[float]:
 
 
 def _nixl_raw(state, mode, address, src, s, d, n, repeats) -> list[float]:
-    from pd_transfer.transport.engine_address import EngineAddress
-    from pd_transfer.transport.nixl import NixlEngine
+    from pd_transfer.transport.engines.address import EngineAddress
+    from pd_transfer.transport.engines.nixl import NixlEngine
 
     peer = EngineAddress.parse(address, "nixl")
     if "engine" not in state:
@@ -252,7 +252,7 @@ def _table(addresses: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
 
 def _pd_transport(state, mode, address, src, s, d, n, repeats) -> list[float]:
     from pd_transfer.layout.lowering import RunBatch, TransferPlan
-    from pd_transfer.transport.engines import make_transport
+    from pd_transfer.transport.engines.registry import make_transport
 
     loop = state.setdefault("loop", asyncio.new_event_loop())
     if "transport" not in state:
@@ -318,7 +318,7 @@ def raw_tcp_seconds(sizes: list[int]) -> dict[int, list[float]]:
 
 
 def _raw_iov_receiver(port_queue, names: dict, sets_path: str, repeats: int) -> None:
-    from pd_transfer.transport.native_io import recv_iov
+    from pd_transfer.transport.tcp.native_io import recv_iov
 
     dst, sets = open_segment(names["dst"]), np.load(sets_path)
     server = socket.create_server(("127.0.0.1", 0))
@@ -361,7 +361,7 @@ def _both(call, conns: list[socket.socket], shares: list[np.ndarray]) -> None:
 def raw_iov_seconds(names: dict, sets_path: str, src, dst) -> dict[str, list[float]]:
     """Per case: the case's pieces through bare loopback sockets (as many as pd-transfer's
     tcp streams), straight from the source runs into the destination runs."""
-    from pd_transfer.transport.native_io import AVAILABLE, send_iov
+    from pd_transfer.transport.tcp.native_io import AVAILABLE, send_iov
 
     if not AVAILABLE:
         return {}
@@ -402,7 +402,7 @@ def run_group(
     setting of one engine alone and for pd-transfer through it; seconds (or why not) per
     row and case."""
     kind = modes[0][1].split("-")[0]
-    from pd_transfer.transport.engines import engine_unusable
+    from pd_transfer.transport.engines.registry import engine_unusable
 
     problem = engine_unusable(kind) if kind != "builtin" else ""
     if problem:

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pd_transfer import doorbell  # noqa: E402
 from pd_transfer.doorbell import Doorbells, Outcome  # noqa: E402
-from pd_transfer.shm import create_segment, open_segment, segment_name  # noqa: E402
+from pd_transfer.shm_segments import create_segment, open_segment, segment_name  # noqa: E402
 from pd_transfer.transport import native_copy  # noqa: E402
 
 MODES = ("wait after send", "wait in flight", "back to back")

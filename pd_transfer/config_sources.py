@@ -31,8 +31,8 @@ TABLE = "sidecar"
 # read by other parts of pd-transfer, not settings of the [sidecar] table
 OTHER_VARIABLES = {
     "PD_TRANSFER_SECRET": "the shared secret itself (security/secret.py)",
-    "PD_TRANSFER_NATIVE_COPY": "0 turns the native copy loop off (transport/native_copy.py)",
-    "PD_TRANSFER_NO_NATIVE_IO": "set: socket reads without the native helper (transport/native_io.py)",
+    "PD_TRANSFER_NATIVE_COPY": "0 turns the native copy loop off (transport/copy/native_loop.py)",
+    "PD_TRANSFER_NO_NATIVE_IO": "set: socket reads without the native helper (transport/tcp/native_io.py)",
 }
 
 # What kubelet injects for a Service named pd-transfer[-<rest>] when the pod has

@@ -97,7 +97,7 @@ class Reason(enum.Enum):
     BOOTSTRAP_FAILED = "bootstrap_failed"
     SHUTTING_DOWN = "shutting_down"
     WORKER_LOST = "worker_lost"  # the worker's connection closed: it exited
-    # data plane (pd_transfer.transport, pd_transfer.shm)
+    # data plane (pd_transfer.transport, pd_transfer.shm_segments)
     RUN_OUT_OF_REGION = "run_out_of_region"  # a byte run outside its region
     REGION_INVALID = "region_invalid"  # not a contiguous 1-D uint8 CPU tensor
     SEGMENT_NAME_INVALID = "segment_name_invalid"  # '/', '..' or other unsafe characters

@@ -32,16 +32,16 @@ from pd_transfer.doorbell import Doorbells
 from pd_transfer.errors import PdTransferError, Reason, TransportError
 from pd_transfer.layout.geometry import RankGeometry, Role
 from pd_transfer.protocol import Register
-from pd_transfer.shm import Segment, open_segment
-from pd_transfer.transport import native_copy
-from pd_transfer.transport.admission import item_ranges
+from pd_transfer.shm_segments import Segment, open_segment
 from pd_transfer.transport.base import Link, PeerEndpoint, Transport
-from pd_transfer.transport.copy_engine import CopyEngine
-from pd_transfer.transport.device_copy import execute_on_device
-from pd_transfer.transport.engines import ENGINES, make_receiver, make_transport
+from pd_transfer.transport.copy import native_loop
+from pd_transfer.transport.copy.device import execute_on_device
+from pd_transfer.transport.copy.engine import CopyEngine
+from pd_transfer.transport.engines.registry import ENGINES, make_receiver, make_transport
+from pd_transfer.transport.engines.strategy import StrategyMode
 from pd_transfer.transport.mock import CorruptNth
+from pd_transfer.transport.receiver_rooms import item_ranges
 from pd_transfer.transport.shm import ShmLink, ShmTransport
-from pd_transfer.transport.strategy import StrategyMode
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class DataPlane:
     @property
     def copies(self) -> str:
         """How shm copies run here: the native loop, or numpy and why."""
-        return native_copy.describe(self._shm.engine.native)
+        return native_loop.describe(self._shm.engine.native)
 
     def transport_names(self) -> tuple[str, ...]:
         return ("shm", "tcp") + ((self.config.transport,) if self._engine is not None else ())

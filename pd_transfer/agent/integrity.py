@@ -1,5 +1,5 @@
 """Integrity checks of rooms as the sidecars run them; the checksums are in
-:mod:`pd_transfer.transport.integrity`.
+:mod:`pd_transfer.transport.copy.checksums`.
 
 Who checks. A sidecar with ``integrity = true`` advertises the ``integrity``
 feature in its Hello (only while its regions are host memory: the sums are
@@ -31,7 +31,7 @@ from pd_transfer.errors import TransportError
 from pd_transfer.layout.planner import PairPlanner
 from pd_transfer.layout.views import Pool
 from pd_transfer.protocol import PoolChecksums
-from pd_transfer.transport.integrity import BlockLayout, RoomDigest, compare, landed_digest
+from pd_transfer.transport.copy.checksums import BlockLayout, RoomDigest, compare, landed_digest
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 For an engine link (Mooncake, NIXL) the prefill sidecar profiles each pool's
 runs on a sample plan (one item: a page, slot or row; index 0 on both sides,
 as the verdict's plan summary does) and weighs them against the path the link
-measured at connect (:func:`pd_transfer.transport.strategy.choose`); the
+measured at connect (:func:`pd_transfer.transport.engines.strategy.choose`); the
 choice is set on the link for the pool's destination regions, so every later
 write of the pool goes that way. The other transports move bytes one way by
 construction (shm: a copy per run, direct; tcp: runs streamed in chunks,
@@ -29,10 +29,10 @@ from pd_transfer.agent.tcp_plane import DataAuth
 from pd_transfer.errors import PdTransferError
 from pd_transfer.layout.planner import PairPlanner
 from pd_transfer.layout.views import Pool
-from pd_transfer.transport.engine_link import EngineLink
-from pd_transfer.transport.engine_staging import ReceiverStaging, StagingOptions
-from pd_transfer.transport.staging_receiver import DEFAULT_SLOT_NBYTES
-from pd_transfer.transport.strategy import (
+from pd_transfer.transport.engines.link import EngineLink
+from pd_transfer.transport.engines.staging.engine import ReceiverStaging, StagingOptions
+from pd_transfer.transport.engines.staging.receiver import DEFAULT_SLOT_NBYTES
+from pd_transfer.transport.engines.strategy import (
     INHERENT,
     Decision,
     RunProfile,

@@ -1,17 +1,17 @@
 """The tcp data plane as the sidecar's security configures it: which variant, which handshake.
 
-Without CURVE keys the data plane is :class:`~pd_transfer.transport.tcp.TcpTransport`
-and :class:`~pd_transfer.transport.tcp_receiver.TcpReceiver` on plain sockets
+Without CURVE keys the data plane is :class:`~pd_transfer.transport.tcp.transport.TcpTransport`
+and :class:`~pd_transfer.transport.tcp.receiver.TcpReceiver` on plain sockets
 (the fast path), authenticated by the shared secret when one is configured.
 With CURVE keys it is the ZeroMQ variant
-(:class:`~pd_transfer.transport.zmq_tcp.ZmqTcpTransport`,
-:class:`~pd_transfer.transport.zmq_receiver.ZmqTcpReceiver`), which ZeroMQ
+(:class:`~pd_transfer.transport.zmq.transport.ZmqTcpTransport`,
+:class:`~pd_transfer.transport.zmq.receiver.ZmqTcpReceiver`), which ZeroMQ
 encrypts, at about half the speed: the deployment asked for encryption.
 Either receiver admits only the rooms the decode side expects, into their
 own pages (``RoomPolicy.EXPECTED``).
 
 The transport layer knows no security code (it may not import it); it runs
-an :class:`~pd_transfer.transport.sockets.Authenticator` the agent gives it.
+an :class:`~pd_transfer.transport.tcp.sockets.Authenticator` the agent gives it.
 :class:`DataAuth` is that hook, built from the sidecar's :class:`Security`:
 the same mutual HMAC-SHA256 challenge-response as on the control sockets
 (:mod:`pd_transfer.security.handshake`), with the same nonce book, so a
@@ -35,13 +35,13 @@ from pd_transfer.errors import AuthError, ProtocolError, Reason, TransportError
 from pd_transfer.security import ClientHandshake, ServerHandshake
 from pd_transfer.security.handshake import derive_key, refusal
 from pd_transfer.security.messages import AuthHello, AuthProof, AuthResult, decode
-from pd_transfer.transport.admission import RoomPolicy
 from pd_transfer.transport.base import Transport
-from pd_transfer.transport.sockets import FrameChannel
-from pd_transfer.transport.tcp import TcpTransport
-from pd_transfer.transport.tcp_receiver import TcpReceiver
-from pd_transfer.transport.zmq_receiver import ZmqTcpReceiver
-from pd_transfer.transport.zmq_tcp import ZmqTcpTransport
+from pd_transfer.transport.receiver_rooms import RoomPolicy
+from pd_transfer.transport.tcp.receiver import TcpReceiver
+from pd_transfer.transport.tcp.sockets import FrameChannel
+from pd_transfer.transport.tcp.transport import TcpTransport
+from pd_transfer.transport.zmq.receiver import ZmqTcpReceiver
+from pd_transfer.transport.zmq.transport import ZmqTcpTransport
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def tcp_receiver(
 
 
 class DataAuth:
-    """:class:`~pd_transfer.transport.sockets.Authenticator` over a sidecar's secret."""
+    """:class:`~pd_transfer.transport.tcp.sockets.Authenticator` over a sidecar's secret."""
 
     def __init__(self, security: Security) -> None:
         if security.settings.secret is None:

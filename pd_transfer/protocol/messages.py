@@ -105,7 +105,7 @@ class Register(Message):
 
     ``data_address`` is where a tcp data plane reaches this rank (decode),
     or, for the mooncake and nixl transports, the engine's address with the
-    addresses of the registered regions (``transport/engine_address.py``);
+    addresses of the registered regions (``transport/engines/address.py``);
     ``region_handles`` let a writer on the same host (``host_id``) map the
     regions directly. Both optional (added in 1.0, before any release).
     ``doorbell`` (decode, optional, same release): the shared-memory segment
@@ -262,7 +262,7 @@ class PoolChecksums:
 
     ``items[k]`` covers every block of the k-th destination index (page, slot,
     row), ``tensors[u]`` every block of unit ``u`` (a tensor and shard piece);
-    see :mod:`pd_transfer.transport.integrity`.
+    see :mod:`pd_transfer.transport.copy.checksums`.
     """
 
     pool: Pool

@@ -6,24 +6,24 @@
     zmq    the tcp data plane over ZeroMQ sockets, for CURVE encryption
     mock   in-process, scripted faults, for tests
 
-Every transport runs plans through :mod:`.copy_engine` (or its gather and
-scatter halves in :mod:`.packing`), which bounds-checks every run against the
+Every transport runs plans through :mod:`~pd_transfer.transport.copy.engine` (or its gather and
+scatter halves in :mod:`~pd_transfer.transport.copy.packing`), which bounds-checks every run against the
 destination region before a byte moves.
 
-Layering: may import ``pd_transfer.layout``, ``pd_transfer.shm``, numpy,
+Layering: may import ``pd_transfer.layout``, ``pd_transfer.shm_segments``, numpy,
 torch, zmq and asyncio; never ``pd_transfer.agent`` or ``pd_transfer.protocol``.
 """
 
-from pd_transfer.transport.admission import ByteRanges, RoomAdmission, RoomPolicy, item_ranges
 from pd_transfer.transport.base import Link, PeerEndpoint, RegionHandle, Transport, TransportKind
-from pd_transfer.transport.copy_engine import CopyEngine, default_engine
+from pd_transfer.transport.copy.engine import CopyEngine, default_engine
+from pd_transfer.transport.copy.packing import WireRuns, check_wire, gather, scatter, scatter_chunk
 from pd_transfer.transport.mock import Fault, FaultKind, MockTransport
-from pd_transfer.transport.packing import WireRuns, check_wire, gather, scatter, scatter_chunk
+from pd_transfer.transport.receiver_rooms import ByteRanges, ReceiverRooms, RoomPolicy, item_ranges
 from pd_transfer.transport.shm import ShmTransport
-from pd_transfer.transport.tcp import TcpTransport
-from pd_transfer.transport.tcp_receiver import ReceiverStats, TcpReceiver
-from pd_transfer.transport.zmq_receiver import ZmqTcpReceiver
-from pd_transfer.transport.zmq_tcp import ZmqTcpTransport
+from pd_transfer.transport.tcp.receiver import ReceiverStats, TcpReceiver
+from pd_transfer.transport.tcp.transport import TcpTransport
+from pd_transfer.transport.zmq.receiver import ZmqTcpReceiver
+from pd_transfer.transport.zmq.transport import ZmqTcpTransport
 
 __all__ = [
     "ByteRanges",
@@ -35,7 +35,7 @@ __all__ = [
     "PeerEndpoint",
     "ReceiverStats",
     "RegionHandle",
-    "RoomAdmission",
+    "ReceiverRooms",
     "RoomPolicy",
     "ShmTransport",
     "TcpReceiver",

@@ -12,10 +12,10 @@ regions into a peer's registered regions. The agent uses it like this::
 
 Receiving side: ``shm`` needs nothing running (the decode worker publishes
 its segment names as region handles and the writer maps them); ``tcp`` needs
-a :class:`~pd_transfer.transport.tcp_receiver.TcpReceiver` serving the
+a :class:`~pd_transfer.transport.tcp.receiver.TcpReceiver` serving the
 decode rank's regions at the address the peer connects to; ``mock`` writes
 into regions registered with it in-process; ``mooncake`` and ``nixl`` need a
-receiver (:mod:`.mooncake`, :mod:`.nixl`) that registers the decode rank's
+receiver (:mod:`~pd_transfer.transport.engines.mooncake`, :mod:`~pd_transfer.transport.engines.nixl`) that registers the decode rank's
 regions with the engine and publishes them as the ``data_address``.
 
 Contracts every implementation keeps:

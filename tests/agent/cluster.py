@@ -35,7 +35,7 @@ from pd_transfer.layout.spans import TokenSpan
 from pd_transfer.layout.views import Layout, Pool
 from pd_transfer.ports import spare_port
 from pd_transfer.security.secret import SECRET_ENV, SECRET_FILE_ENV
-from pd_transfer.shm import SEGMENT_DIR, SEGMENT_PREFIX
+from pd_transfer.shm_segments import SEGMENT_DIR, SEGMENT_PREFIX
 from pd_transfer.testing import World
 
 _ids = itertools.count()

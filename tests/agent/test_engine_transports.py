@@ -18,7 +18,7 @@ from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.presets import load_preset
 from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.views import Layout
-from pd_transfer.transport.engines import ENGINES, engine_unusable
+from pd_transfer.transport.engines.registry import ENGINES, engine_unusable
 
 ENGINE_PARAMS = [
     pytest.param(e, marks=pytest.mark.skipif(bool(engine_unusable(e)), reason=engine_unusable(e) or "-"))

@@ -143,7 +143,7 @@ def test_status_command_prints_peers_and_rooms(cluster_factory):
     assert result.returncode == 0, result.stderr
     assert "(prefill, rank prefill[pp0,tp0]): ready" in result.stdout
     assert "decode[pp0,tp0]" in result.stdout and "accepted" in result.stdout
-    from pd_transfer.transport import native_copy
+    from pd_transfer.transport.copy import native_loop as native_copy
 
     assert f"copies: {native_copy.describe(native_copy.AVAILABLE)}" in result.stdout
     assert "control sessions: 1" in result.stdout  # the decode peer's

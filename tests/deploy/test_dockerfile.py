@@ -78,7 +78,7 @@ def test_the_build_stage_compiles_the_native_copy_loop_and_checks_it_loads(stage
     runs = " ".join(args for keyword, args in stages[0] if keyword == "RUN")
     assert "apt-get install" in runs and " gcc " in runs
     assert "pip install ." in runs
-    assert "native_copy" in runs and "n.AVAILABLE" in runs  # fails the build without the loop
+    assert "native_loop" in runs and "n.AVAILABLE" in runs  # fails the build without the loop
 
 
 def test_the_run_stage_has_no_compiler_and_runs_as_the_pods_user(stages):

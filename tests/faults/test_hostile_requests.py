@@ -38,7 +38,7 @@ from pd_transfer.protocol import (
     decode,
     encode,
 )
-from pd_transfer.shm import create_segment
+from pd_transfer.shm_segments import create_segment
 
 NUM_PAGES = 16
 

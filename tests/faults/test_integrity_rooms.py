@@ -22,7 +22,7 @@ from pd_transfer.errors import Reason
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.views import Pool
 from pd_transfer.sim.content import check_destination
-from pd_transfer.transport.tcp import TcpTransport
+from pd_transfer.transport.tcp.transport import TcpTransport
 
 NUM_PAGES = 32
 SEED = 5

@@ -30,7 +30,7 @@ from pd_transfer.agent.tcp_plane import DataAuth
 from pd_transfer.client import RoomStatus
 from pd_transfer.layout.geometry import Role
 from pd_transfer.ports import spare_port
-from pd_transfer.transport.sockets import FrameChannel, Kind, prefix
+from pd_transfer.transport.tcp.sockets import FrameChannel, Kind, prefix
 
 DECODE = "decode[pp0,tp0]"
 BAD_FRAMES = "pd_transfer_bad_frames_total"

@@ -1,7 +1,7 @@
 """Strangers on the engines' staging port: the same gate as the tcp data port.
 
 A decode rank on an engine transport (mooncake, nixl) serves a staging
-control channel (:class:`~pd_transfer.transport.staging_receiver.StagingReceiver`)
+control channel (:class:`~pd_transfer.transport.engines.staging.receiver.StagingReceiver`)
 on a plain socket. With a secret, a stranger there may declare at most 4 KiB of
 header before it authenticates, has one deadline for the whole handshake, and
 waits among at most ``max_pending`` others, so that a flood of them does not
@@ -24,9 +24,9 @@ from secure_cluster import SECRET_HEX, security
 
 from pd_transfer.agent.tcp_plane import DataAuth
 from pd_transfer.errors import Reason
-from pd_transfer.transport.sockets import Kind, prefix
-from pd_transfer.transport.staging import open_channel
-from pd_transfer.transport.staging_receiver import StagingArea, StagingReceiver
+from pd_transfer.transport.engines.staging.receiver import StagingArea, StagingReceiver
+from pd_transfer.transport.engines.staging.sender import open_channel
+from pd_transfer.transport.tcp.sockets import Kind, prefix
 
 pytestmark = pytest.mark.asyncio
 DEADLINE_S = 1.5

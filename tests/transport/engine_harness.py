@@ -16,10 +16,10 @@ import pytest_asyncio
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.layout.lowering import RunBatch, TransferPlan
 from pd_transfer.transport import PeerEndpoint
-from pd_transfer.transport.engine_link import Recovery
-from pd_transfer.transport.engine_staging import StagingOptions
-from pd_transfer.transport.engines import engine_unusable
-from pd_transfer.transport.strategy import StrategyMode
+from pd_transfer.transport.engines.link import Recovery
+from pd_transfer.transport.engines.registry import engine_unusable
+from pd_transfer.transport.engines.staging.engine import StagingOptions
+from pd_transfer.transport.engines.strategy import StrategyMode
 
 FAST = Recovery(settle_s=0.05, probe_attempts=2, probe_backoff_s=0.05)
 ORACLE_CASES = pytest.mark.parametrize(
@@ -39,9 +39,9 @@ def direct_transport(kind: str, **kwargs):
     """The engine's transport pinned to the direct path (one descriptor per run);
     test_engine_staging covers staged writes and the choice between the two."""
     if kind == "mooncake":
-        from pd_transfer.transport.mooncake import MooncakeTransport as transport_type
+        from pd_transfer.transport.engines.mooncake import MooncakeTransport as transport_type
     else:
-        from pd_transfer.transport.nixl import NixlTransport as transport_type
+        from pd_transfer.transport.engines.nixl import NixlTransport as transport_type
     kwargs.setdefault("staging", StagingOptions(mode=StrategyMode.DIRECT))
     return transport_type(**kwargs)
 

@@ -18,8 +18,8 @@ import asyncio
 import json
 import sys
 
-from pd_transfer.shm import open_segment
-from pd_transfer.transport.engines import make_receiver, make_transport
+from pd_transfer.shm_segments import open_segment
+from pd_transfer.transport.engines.registry import make_receiver, make_transport
 
 
 def receiver_options(args: dict) -> dict:
@@ -27,7 +27,7 @@ def receiver_options(args: dict) -> dict:
     if agent == "shared":
         return {"transport": make_transport(args["kind"])}
     if agent == "unprogressed":
-        from pd_transfer.transport.nixl import NixlEngine, NixlReceiver
+        from pd_transfer.transport.engines.nixl import NixlEngine, NixlReceiver
 
         engine = NixlEngine("recv", progress_thread=False)
         return {"make": lambda regions: NixlReceiver(regions, engine=engine)}

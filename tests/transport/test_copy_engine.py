@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.layout.lowering import RunBatch, TransferPlan
 from pd_transfer.layout.views import Layout
-from pd_transfer.transport import native_copy
-from pd_transfer.transport.copy_engine import CopyEngine
-from pd_transfer.transport.runs import row_nbytes_for, rows_of
+from pd_transfer.transport.copy import native_loop as native_copy
+from pd_transfer.transport.copy.engine import CopyEngine
+from pd_transfer.transport.copy.runs import row_nbytes_for, rows_of
 
 # Each engine configuration forces one copy path through the same plans: numpy's
 # (native=False) and, where it is built, the native copy loop's.
@@ -299,9 +299,9 @@ def test_a_mid_length_stretch_of_small_pieces_is_gathered_in_place_and_of_pages_
     """A 96 KiB destination stretch (under the 128 KiB stretch length, over half of it):
     512-byte head slices go straight into the destination (no second pass through a
     bounce buffer), 16 KiB page runs through the bounce buffer; both copy exactly."""
-    from pd_transfer.transport.copy_tasks import compile_tasks
+    from pd_transfer.transport.copy.runs import flatten
+    from pd_transfer.transport.copy.tasks import compile_tasks
     from pd_transfer.transport.regions import map_regions
-    from pd_transfer.transport.runs import flatten
 
     count = (96 << 10) // piece_nbytes
     # source pieces at twice their length apart (every other slice), destination packed
@@ -330,9 +330,9 @@ def test_a_mid_length_stretch_of_small_pieces_is_gathered_in_place_and_of_pages_
 
 # -- stretches in the source, long tasks split, the sort ----------------------------------
 def _task_kinds(plan, src, dst, **engine_kwargs):
-    from pd_transfer.transport.copy_tasks import compile_tasks
+    from pd_transfer.transport.copy.runs import flatten
+    from pd_transfer.transport.copy.tasks import compile_tasks
     from pd_transfer.transport.regions import map_regions
-    from pd_transfer.transport.runs import flatten
 
     engine = CopyEngine(native=False, direct_max_runs=0, **engine_kwargs)
     tasks = compile_tasks(
@@ -411,9 +411,9 @@ def test_scattered_pieces_of_one_size_are_bounced_by_the_shortcut_exactly(case, 
     """Same-size pieces one per descriptor: the shortcut bounces them when the source is
     sparse and no destination run is long enough to fill in place, and leaves every
     other plan to the general compiler; either way the bytes are the oracle's."""
-    from pd_transfer.transport.copy_tasks import SOURCE_FILL_MIN, _uniform_bounce
+    from pd_transfer.transport.copy.runs import flatten
+    from pd_transfer.transport.copy.tasks import SOURCE_FILL_MIN, _uniform_bounce
     from pd_transfer.transport.regions import map_regions
-    from pd_transfer.transport.runs import flatten
 
     batches, size, slots = case
     stretch = 8 * size
@@ -515,7 +515,7 @@ def test_engine_equals_naive_copy_for_pieces_back_to_back_in_the_source(case, st
     st.booleans(),
 )
 def test_batch_order_sorts_by_batch_then_offset(pairs, row, many):
-    from pd_transfer.transport.runs import batch_order
+    from pd_transfer.transport.copy.runs import batch_order
 
     if many:  # many pieces: two batches of distinct offsets
         rng = np.random.default_rng(len(pairs))  # spread over twice as many slots,
@@ -539,7 +539,7 @@ def test_the_last_small_run_is_copied_after_every_other_task(monkeypatch):
     aux row) back until every other task has finished, then copies it."""
     import time as clock
 
-    import pd_transfer.transport.copy_engine as engine_module
+    import pd_transfer.transport.copy.engine as engine_module
 
     spans, compiled = [], []
 

@@ -13,7 +13,7 @@ from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.reconcile import reconcile
 from pd_transfer.layout.views import Layout, Pool
 from pd_transfer.testing import World
-from pd_transfer.transport.device_copy import execute_on_device
+from pd_transfer.transport.copy.device import execute_on_device
 
 ON_GPU = pytest.param(
     "cuda",

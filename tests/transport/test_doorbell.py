@@ -10,7 +10,7 @@ import pytest
 from pd_transfer import doorbell
 from pd_transfer.doorbell import MAX_WRITERS, Doorbells, Outcome
 from pd_transfer.errors import Reason, TransportError
-from pd_transfer.shm import create_segment, segment_name
+from pd_transfer.shm_segments import create_segment, segment_name
 
 pytestmark = pytest.mark.skipif(not doorbell.AVAILABLE, reason="doorbells need Linux on x86-64")
 

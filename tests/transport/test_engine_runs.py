@@ -11,8 +11,8 @@ import pytest
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.layout.lowering import RunBatch, TransferPlan
-from pd_transfer.transport.engine_address import MAX_ADDRESS_CHARS, EngineAddress
-from pd_transfer.transport.engine_runs import (
+from pd_transfer.transport.engines.address import MAX_ADDRESS_CHARS, EngineAddress
+from pd_transfer.transport.engines.runs import (
     AddressRuns,
     batches,
     join,

@@ -21,10 +21,10 @@ from engine_harness import (
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.layout.lowering import RunBatch, TransferPlan
-from pd_transfer.transport.engine_link import Recovery
-from pd_transfer.transport.engine_staging import StagingOptions
-from pd_transfer.transport.engines import ENGINES, engine_unusable
-from pd_transfer.transport.strategy import Strategy, StrategyMode
+from pd_transfer.transport.engines.link import Recovery
+from pd_transfer.transport.engines.registry import ENGINES, engine_unusable
+from pd_transfer.transport.engines.staging.engine import StagingOptions
+from pd_transfer.transport.engines.strategy import Strategy, StrategyMode
 
 pytestmark = pytest.mark.asyncio
 FAST = Recovery(settle_s=0.05, probe_attempts=2, probe_backoff_s=0.05)
@@ -37,10 +37,10 @@ KINDS = [
 def _transport(kind: str, mode: StrategyMode = StrategyMode.STAGED, **kwargs):
     options = StagingOptions(mode=mode)
     if kind == "mooncake":
-        from pd_transfer.transport.mooncake import MooncakeTransport
+        from pd_transfer.transport.engines.mooncake import MooncakeTransport
 
         return MooncakeTransport(staging=options, **kwargs)
-    from pd_transfer.transport.nixl import NixlTransport
+    from pd_transfer.transport.engines.nixl import NixlTransport
 
     return NixlTransport(staging=options, **kwargs)
 

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from pd_transfer.errors import Reason, TransportError
-from pd_transfer.transport.frames import (
+from pd_transfer.transport.copy.packing import WireRuns
+from pd_transfer.transport.tcp.frames import (
     Ack,
     ChunkHeader,
     Done,
@@ -15,7 +16,6 @@ from pd_transfer.transport.frames import (
     decode_reply,
     encode,
 )
-from pd_transfer.transport.packing import WireRuns
 
 
 def _pack(**fields) -> bytes:

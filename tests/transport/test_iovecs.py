@@ -6,16 +6,16 @@ import numpy as np
 import pytest
 
 from pd_transfer.layout.views import Layout
-from pd_transfer.transport.iovecs import (
+from pd_transfer.transport.copy.packing import gather_chunk, layout_chunks, scatter_chunk
+from pd_transfer.transport.regions import map_one
+from pd_transfer.transport.tcp.iovecs import (
     Staging,
     destination_parts,
     finish,
     join,
     source_parts,
 )
-from pd_transfer.transport.packing import gather_chunk, layout_chunks, scatter_chunk
-from pd_transfer.transport.regions import map_one
-from pd_transfer.transport.sockets import IOV_MAX
+from pd_transfer.transport.tcp.sockets import IOV_MAX
 
 
 def test_join_makes_continuing_runs_one():
@@ -96,7 +96,8 @@ def test_default_thresholds_stage_small_runs_on_receipt_first(run_nbytes, staged
     """Sending, the kernel reads 2 KiB runs in place; receiving, they are staged and
     scattered (the kernel's writes into small scattered runs cost more than its reads);
     from 4 KiB both sides go in place, below 1 KiB both stage."""
-    from pd_transfer.transport import native_copy, native_io
+    from pd_transfer.transport.copy import native_loop as native_copy
+    from pd_transfer.transport.tcp import native_io
 
     if not (native_io.AVAILABLE and native_copy.AVAILABLE):
         pytest.skip("the thresholds under test are those of the native iovec path and copy loop")

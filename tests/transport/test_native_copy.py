@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pd_transfer.layout.lowering import RunBatch, TransferPlan
-from pd_transfer.transport import native_copy
-from pd_transfer.transport.copy_engine import CopyEngine
+from pd_transfer.transport.copy import native_loop as native_copy
+from pd_transfer.transport.copy.engine import CopyEngine
+from pd_transfer.transport.copy.runs import flatten
 from pd_transfer.transport.regions import map_one
-from pd_transfer.transport.runs import flatten
 
 needs_library = pytest.mark.skipif(
     not native_copy.AVAILABLE, reason=f"native copy loop unavailable: {native_copy.UNAVAILABLE_WHY}"
@@ -164,8 +164,8 @@ def test_without_the_library_the_reason_names_the_build_command(tmp_path):
 def test_turned_off_the_engine_copies_with_numpy_and_refuses_native():
     code = (
         "import numpy as np\n"
-        "from pd_transfer.transport import native_copy\n"
-        "from pd_transfer.transport.copy_engine import CopyEngine\n"
+        "from pd_transfer.transport.copy import native_loop as native_copy\n"
+        "from pd_transfer.transport.copy.engine import CopyEngine\n"
         "from pd_transfer.layout.lowering import RunBatch, TransferPlan\n"
         "assert not native_copy.AVAILABLE, native_copy.UNAVAILABLE_WHY\n"
         "print(native_copy.UNAVAILABLE_WHY)\n"

@@ -106,7 +106,7 @@ async def test_a_dead_peer_fails_the_write_and_the_link_is_then_refused(segments
 
 IDLE_AGENT = """
 import os, time
-from pd_transfer.transport.nixl_engine import NixlEngine
+from pd_transfer.transport.engines.nixl_agent import NixlEngine
 engine = NixlEngine("recv")
 time.sleep(0.3)
 before, start = os.times(), time.monotonic()

@@ -7,7 +7,7 @@ import pytest
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.layout.views import Layout
-from pd_transfer.transport.packing import WireRuns, check_wire, gather, layout_chunks, scatter
+from pd_transfer.transport.copy.packing import WireRuns, check_wire, gather, layout_chunks, scatter
 
 
 @pytest.mark.parametrize("chunk_nbytes", [300, 4096, 64 << 10, 64 << 20])

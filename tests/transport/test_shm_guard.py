@@ -23,8 +23,8 @@ import mmap, os, threading
 import numpy as np
 from pd_transfer import shm_guard
 from pd_transfer.errors import TransportError
-from pd_transfer.shm import create_segment, open_segment
-from pd_transfer.transport import native_copy
+from pd_transfer.shm_segments import create_segment, open_segment
+from pd_transfer.transport.copy import native_loop as native_copy
 name = f"pdt-guardtest-{os.getpid()}"
 owner = create_segment(name, 1 << 20)
 seen = open_segment(name, 1 << 20)

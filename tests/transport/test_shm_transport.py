@@ -51,7 +51,7 @@ async def test_torch_copies_land_through_the_links_tensor_views(scenario, segmen
     as the numpy ``regions`` the host copies use."""
     import torch
 
-    from pd_transfer.transport.device_copy import execute_on_device
+    from pd_transfer.transport.copy.device import execute_on_device
 
     sc = scenario("llama", 2, 4)
     placed = {rank: segments(regions) for rank, regions in sc.world.decode_buffers.items()}

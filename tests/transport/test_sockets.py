@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from pd_transfer.errors import Reason, TransportError
-from pd_transfer.transport import native_io
-from pd_transfer.transport.iovecs import Part
-from pd_transfer.transport.sockets import (
+from pd_transfer.transport.tcp import native_io
+from pd_transfer.transport.tcp.iovecs import Part
+from pd_transfer.transport.tcp.sockets import (
     IOV_MAX,
     MAGIC,
     PREFIX,

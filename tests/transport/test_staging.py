@@ -1,6 +1,6 @@
 """Staged writes without an engine: gather, a memmove standing in for the engine, decode scatters.
 
-The staging protocol (:mod:`pd_transfer.transport.staging`, ``staging_receiver``)
+The staging protocol (:mod:`pd_transfer.transport.engines.staging.sender`, ``staging_receiver``)
 runs here in one process: the "engine" copies a local ring slot into the
 decode staging area with ``ctypes.memmove``, exactly what Mooncake or NIXL do
 across processes. Byte-exactness, the decode-side checks, the bounded ring
@@ -19,14 +19,14 @@ import pytest
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.layout.lowering import RunBatch, TransferPlan
-from pd_transfer.transport.frames import Fail, decode_reply
-from pd_transfer.transport.packing import layout_chunks
-from pd_transfer.transport.path_probe import measure_path
+from pd_transfer.transport.copy.packing import layout_chunks
+from pd_transfer.transport.engines.probe import measure_path
+from pd_transfer.transport.engines.staging.receiver import StagingArea, StagingReceiver
+from pd_transfer.transport.engines.staging.sender import open_channel, write_staged
+from pd_transfer.transport.engines.strategy import RunProfile, Strategy, choose
 from pd_transfer.transport.regions import map_regions
-from pd_transfer.transport.sockets import Kind, read_prefix, recv_exact, send_frame
-from pd_transfer.transport.staging import open_channel, write_staged
-from pd_transfer.transport.staging_receiver import StagingArea, StagingReceiver
-from pd_transfer.transport.strategy import RunProfile, Strategy, choose
+from pd_transfer.transport.tcp.frames import Fail, decode_reply
+from pd_transfer.transport.tcp.sockets import Kind, read_prefix, recv_exact, send_frame
 
 pytestmark = pytest.mark.asyncio
 SLOT = 64 << 10
@@ -348,8 +348,8 @@ async def test_a_garbled_request_is_answered_and_refused():
 async def test_a_plan_is_cut_into_parts_written_in_plan_order():
     from types import SimpleNamespace
 
-    from pd_transfer.transport.engine_staging import LinkStaging, segments
-    from pd_transfer.transport.strategy import Strategy, StrategyMode
+    from pd_transfer.transport.engines.staging.engine import LinkStaging, segments
+    from pd_transfer.transport.engines.strategy import Strategy, StrategyMode
 
     def batch(region: str, run_nbytes: int) -> RunBatch:
         n = np.full(4, run_nbytes, np.int64)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pd_transfer.layout.lowering import RunBatch, TransferPlan
-from pd_transfer.transport.strategy import (
+from pd_transfer.transport.engines.strategy import (
     PathCost,
     RunProfile,
     Strategy,

@@ -13,8 +13,8 @@ import pytest
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport import PeerEndpoint, TcpReceiver, TcpTransport
-from pd_transfer.transport.frames import decode_reply
-from pd_transfer.transport.sockets import PREFIX, Kind, parse_address, prefix
+from pd_transfer.transport.tcp.frames import decode_reply
+from pd_transfer.transport.tcp.sockets import PREFIX, Kind, parse_address, prefix
 
 pytestmark = pytest.mark.asyncio
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tcp_receiver_child.py")

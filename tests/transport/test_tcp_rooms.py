@@ -19,8 +19,8 @@ from pd_transfer.transport import (
     TcpTransport,
     item_ranges,
 )
-from pd_transfer.transport.frames import decode_reply
-from pd_transfer.transport.sockets import PREFIX, Kind, parse_address, prefix
+from pd_transfer.transport.tcp.frames import decode_reply
+from pd_transfer.transport.tcp.sockets import PREFIX, Kind, parse_address, prefix
 
 
 def _ranges(**regions) -> dict[str, ByteRanges]:
@@ -162,7 +162,7 @@ def _lost_records(caplog, level: int) -> list:
     return [
         r
         for r in caplog.records
-        if "lost" in r.getMessage() and r.levelno == level and r.name == "pd_transfer.transport.tcp"
+        if "lost" in r.getMessage() and r.levelno == level and r.name == "pd_transfer.transport.tcp.transport"
     ]
 
 
@@ -191,7 +191,7 @@ async def _write_to_failing_peer(serve, nbytes: int):
 
 @pytest.mark.asyncio
 async def test_a_connection_lost_mid_transfer_fails_the_write(caplog):
-    caplog.set_level(logging.INFO, logger="pd_transfer.transport.tcp")
+    caplog.set_level(logging.INFO, logger="pd_transfer.transport.tcp.transport")
 
     async def hang_up(reader, writer):
         await reader.readexactly(PREFIX.size)  # the first chunk starts: drop the connection
@@ -209,7 +209,7 @@ async def test_a_connection_lost_mid_transfer_fails_the_write(caplog):
 async def test_a_receiver_that_hangs_up_on_unacknowledged_bytes_is_an_alarm(caplog):
     """A clean close (FIN, every byte read) with a chunk not acknowledged yet: the write
     fails and the log says so as a warning, unlike the close of an idle connection."""
-    caplog.set_level(logging.INFO, logger="pd_transfer.transport.tcp")
+    caplog.set_level(logging.INFO, logger="pd_transfer.transport.tcp.transport")
 
     async def read_then_hang_up(reader, writer):
         head = PREFIX.unpack(await reader.readexactly(PREFIX.size))
@@ -224,7 +224,7 @@ async def test_a_receiver_that_hangs_up_on_unacknowledged_bytes_is_an_alarm(capl
 
 @pytest.mark.asyncio
 async def test_the_link_reconnects_when_the_receiver_is_back(caplog):
-    caplog.set_level(logging.INFO, logger="pd_transfer.transport.tcp")
+    caplog.set_level(logging.INFO, logger="pd_transfer.transport.tcp.transport")
     region = np.zeros(1 << 16, np.uint8)
     src = {"s": np.arange(1 << 16, dtype=np.uint64).astype(np.uint8)}
     plan = _one_run_plan(1 << 16)
@@ -274,7 +274,7 @@ async def test_corrupt_payload_damages_a_copy_never_the_source(scenario):
 
 @pytest.mark.asyncio
 async def test_without_native_io_the_memoryview_path_lands_the_same_bytes(scenario, monkeypatch):
-    from pd_transfer.transport import native_io
+    from pd_transfer.transport.tcp import native_io
 
     monkeypatch.setattr(native_io, "AVAILABLE", False)
     sc = scenario("llama", 2, 4)

@@ -18,7 +18,7 @@ from pd_transfer.transport import (
     ZmqTcpReceiver,
     ZmqTcpTransport,
 )
-from pd_transfer.transport.frames import decode_reply
+from pd_transfer.transport.tcp.frames import decode_reply
 
 pytestmark = pytest.mark.asyncio
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from pd_transfer import cuda_ipc
 from pd_transfer.errors import GeometryError, Reason
-from pd_transfer.shm import Segment, create_segment, segment_name
+from pd_transfer.shm_segments import Segment, create_segment, segment_name
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ hand in a source checkout::
 
     python -m pd_transfer.transport.native.build
 
-The library is loaded with ctypes (:mod:`pd_transfer.transport.native_copy`);
+The library is loaded with ctypes (:mod:`pd_transfer.transport.copy.native_loop`);
 it is not a Python extension module, so one build serves every Python version.
 Without a C compiler nothing is built and copies run through numpy, slower.
 ``CC`` picks the compiler (default ``cc``).

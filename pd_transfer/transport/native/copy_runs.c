@@ -3,7 +3,7 @@
  * A plan is a list of descriptors; descriptor i is count[i] pieces of
  * nbytes[i] bytes, piece k read at src[i] + k * src_stride[i] and written at
  * dst[i] + k * dst_stride[i] (absolute addresses). The Python side
- * (pd_transfer/transport/native_copy.py) bounds-checks every piece against its
+ * (pd_transfer/transport/copy/native_loop.py) bounds-checks every piece against its
  * regions before calling here; this file trusts the addresses it is given.
  *
  * Pieces of at least stream_min bytes are written with non-temporal stores

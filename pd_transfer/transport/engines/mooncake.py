@@ -1,0 +1,355 @@
+"""Mooncake Transfer Engine transport (optional: ``pip install 'pd-transfer[mooncake]'``).
+
+Both sides run a ``mooncake.engine.TransferEngine`` with ``P2PHANDSHAKE``
+metadata (no etcd or metadata server: the writer fetches the target's
+segment description from the target's RPC port itself) over the ``tcp``
+protocol, or ``rdma`` where RDMA NICs exist::
+
+    receiver = MooncakeReceiver(decode_regions, host="127.0.0.1")  # decode side
+    await receiver.start()              # registers every region with the engine once
+    receiver.address                    # 'mooncake://127.0.0.1:15795/...', Register.data_address
+
+    transport = MooncakeTransport(host="127.0.0.1")                # prefill side
+    link = await transport.connect(PeerEndpoint.from_maps(rank, sizes, data_address=address))
+    await transport.write(link, plan, prefill_regions)
+
+A write lowers the plan to absolute addresses (bounds-checked against the
+smaller of the peer's geometry and what its engine registered, before
+anything is submitted), joins neighbouring runs, and submits them with
+``batch_transfer_sync_write`` in batches of at most ``max_batch_descriptors``
+(default 1,024), one batch at a time per link: the engine's tcp path refuses
+a batch once about 2,048 transfers are queued for a peer, and what it had
+already accepted of that batch keeps writing. After an engine error the link
+settles and probes (:mod:`~pd_transfer.transport.engines.link`). Plans of small runs go staged
+instead where the peer offers a staging area (:mod:`~pd_transfer.transport.engines.staging.engine`):
+gathered into 4 MiB slots, one descriptor each, scattered by decode.
+
+The engine is imported only when a transport or receiver is built; without
+the package this module still imports and says which extra to install.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+
+from pd_transfer.errors import Reason, TransportError
+from pd_transfer.transport.base import Link, PeerEndpoint, Transport, TransportKind
+from pd_transfer.transport.engines.address import EngineAddress
+from pd_transfer.transport.engines.link import EngineLink, Recovery, check_published, recover
+from pd_transfer.transport.engines.runs import (
+    AddressRuns,
+    batches,
+    lower_to_addresses,
+    region_bases,
+    split_long,
+)
+from pd_transfer.transport.engines.staging.engine import (
+    EngineReceiver,
+    ReceiverStaging,
+    StagingOptions,
+    attach,
+    run_staged,
+    staged_layouts,
+    write_parts,
+)
+from pd_transfer.transport.engines.strategy import Strategy
+from pd_transfer.transport.regions import Regions
+
+PROTOCOLS = ("tcp", "rdma")
+QUEUE_LIMIT = 2048  # transfers the engine's tcp path queues per peer
+MAX_RUN_NBYTES = 64 << 20  # one descriptor at most (the engine slices it further)
+
+
+def load_engine_class() -> type:
+    """``mooncake.engine.TransferEngine``, or TransportError naming the extra to install."""
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as err:
+        raise TransportError(
+            f"the mooncake transport needs Mooncake's transfer engine ({err})",
+            code=Reason.TRANSPORT_UNSUPPORTED,
+            hint="pip install 'pd-transfer[mooncake]' (and apt-get install libibverbs1)",
+        ) from None
+    return TransferEngine
+
+
+class MooncakeEngine:
+    """One initialised TransferEngine and the memory registered with it."""
+
+    def __init__(
+        self, host: str = "127.0.0.1", protocol: str = "tcp", port: int = 0, device_name: str = ""
+    ) -> None:
+        if protocol not in PROTOCOLS:
+            raise TransportError(
+                f"mooncake protocol {protocol!r} is not one of {list(PROTOCOLS)}", code=Reason.INVALID_CONFIG
+            )
+        self.engine = load_engine_class()()
+        hostname = f"{host}:{port}" if port else host
+        rc = self.engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
+        if rc != 0:
+            raise TransportError(
+                f"mooncake engine did not start on {hostname} over {protocol} (rc {rc})",
+                code=Reason.TRANSPORT_FAILED,
+                hint="rdma needs RDMA NICs; use protocol tcp elsewhere",
+            )
+        self.session = f"{host}:{self.engine.get_rpc_port()}"
+        self._registered: dict[int, int] = {}  # address -> nbytes
+        self._lock = threading.Lock()
+        # a few bytes of our own to read probes into
+        self.scratch = np.zeros(64, np.uint8)
+        self.register({"scratch": (int(self.scratch.ctypes.data), self.scratch.nbytes)})
+
+    def register(self, bases: dict[str, tuple[int, int]]) -> None:
+        """Register each ``(address, nbytes)`` not registered yet (once per buffer)."""
+        with self._lock:
+            for region_id, (address, nbytes) in bases.items():
+                if self._registered.get(address) == nbytes:
+                    continue
+                if address in self._registered:
+                    self.engine.unregister_memory(address)
+                rc = self.engine.register_memory(address, nbytes)
+                if rc != 0:
+                    raise TransportError(
+                        f"mooncake engine refused to register region {region_id!r} ({nbytes} bytes, rc {rc})",
+                        code=Reason.REGION_INVALID,
+                    )
+                self._registered[address] = nbytes
+
+    def unregistered(self, bases: dict[str, tuple[int, int]]) -> bool:
+        return any(self._registered.get(a) != n for a, n in bases.values())
+
+    def unregister(self, address: int) -> None:
+        with self._lock:
+            if self._registered.pop(address, None) is not None:
+                self.engine.unregister_memory(address)
+
+    def probe(self, target: str, remote_address: int) -> bool:
+        """Read one byte of the peer's memory: does its engine answer?"""
+        rc = self.engine.batch_transfer_sync_read(
+            target, [int(self.scratch.ctypes.data)], [remote_address], [1]
+        )
+        return rc == 0
+
+    def close(self) -> None:
+        with self._lock:
+            for address in list(self._registered):
+                self.engine.unregister_memory(address)
+            self._registered.clear()
+
+
+class MooncakeReceiver(EngineReceiver):
+    """The decode side: registers the rank's regions once and publishes them.
+
+    ``engine``: share a started engine (the sidecar's own transport's, see
+    :meth:`MooncakeTransport.start`) instead of starting one; stopping the
+    receiver then unregisters its regions and leaves the engine running.
+    """
+
+    def __init__(
+        self,
+        regions: Regions,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        protocol: str = "tcp",
+        engine: MooncakeEngine | None = None,
+        staging: ReceiverStaging | None = None,
+    ) -> None:
+        self.regions = regions
+        self.host, self.port, self.protocol = host, port, protocol
+        self.engine = engine
+        self._owns_engine = engine is None
+        self._bases: dict[str, tuple[int, int]] = {}
+        self.staging = staging if staging is not None else ReceiverStaging(bind_host=host)
+        self.address = ""
+
+    async def start(self) -> str:
+        self._bases = region_bases(self.regions, "destination")
+        if self.engine is None:
+            self.engine = await asyncio.to_thread(MooncakeEngine, self.host, self.protocol, self.port)
+        await asyncio.to_thread(self.engine.register, self._bases)
+        control, area = await self.staging.start(self.regions, self.engine.register)
+        self.address = EngineAddress(
+            "mooncake", self.engine.session, self._bases, control=control, staging=area
+        ).encode()
+        return self.address
+
+
+class MooncakeLink(EngineLink):
+    pass
+
+
+class MooncakeTransport(Transport):
+    kind = TransportKind.MOONCAKE
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        protocol: str = "tcp",
+        *,
+        port: int = 0,
+        max_batch_descriptors: int = 1024,
+        recovery: Recovery | None = None,
+        staging: StagingOptions | None = None,
+    ) -> None:
+        super().__init__()
+        if not 1 <= max_batch_descriptors <= QUEUE_LIMIT // 2:
+            raise TransportError(
+                f"max_batch_descriptors must be 1..{QUEUE_LIMIT // 2} (the "
+                f"engine queues at most {QUEUE_LIMIT} per peer), got "
+                f"{max_batch_descriptors}",
+                code=Reason.INVALID_CONFIG,
+            )
+        self.host, self.protocol, self.port = host, protocol, port
+        self.max_batch_descriptors = max_batch_descriptors
+        self.recovery = recovery or Recovery()
+        self.staging = staging or StagingOptions()
+        self._engine: MooncakeEngine | None = None
+        self._engine_lock = threading.Lock()
+
+    def start(self) -> MooncakeEngine:
+        """Start the engine now (blocking, seconds: loading it holds the GIL, so a sidecar
+        does this before it serves, not on its event loop); idempotent."""
+        with self._engine_lock:
+            if self._engine is None:
+                self._engine = MooncakeEngine(self.host, self.protocol, self.port)
+            return self._engine
+
+    async def engine(self) -> MooncakeEngine:
+        return self._engine or await asyncio.to_thread(self.start)
+
+    async def connect(self, peer: PeerEndpoint) -> MooncakeLink:
+        """Check what the peer published and that its engine answers; raises TransportError."""
+        address = EngineAddress.parse(peer.data_address, "mooncake")
+        check_published(peer, address)
+        engine = await self.engine()
+        first = next(iter(address.regions.values()))[0]
+        if not await asyncio.to_thread(engine.probe, address.session, first):
+            raise TransportError(
+                f"mooncake engine of {peer.peer_id} at {address.session} does not answer",
+                code=Reason.TRANSPORT_FAILED,
+                hint="is the decode sidecar running with transport mooncake?",
+            )
+        link = MooncakeLink(self, peer, address)
+        await attach(
+            link,
+            address,
+            self.staging,
+            register=engine.register,
+            submit=lambda s, d, n: self._probe_write(engine, link, s, d, n),
+            batch_descriptors=self.max_batch_descriptors,
+        )
+        return self._adopt(link)
+
+    def _probe_write(
+        self, engine: MooncakeEngine, link: MooncakeLink, src: list, dst: list, nbytes: list
+    ) -> None:
+        rc = engine.engine.batch_transfer_sync_write(link.address.session, src, dst, nbytes)
+        if rc != 0:
+            raise TransportError(
+                f"mooncake engine failed a probe write (rc {rc})", code=Reason.TRANSPORT_FAILED
+            )
+
+    async def write(
+        self, link: Link, plan, src_regions: Regions, *, room: str = "", generation: int = 0
+    ) -> int:
+        link = self._own(link, MooncakeLink)
+        link.check_usable()
+        engine = await self.engine()
+        return await write_parts(self, link, engine, plan, src_regions, room, generation)
+
+    def _submit_all(
+        self,
+        engine: MooncakeEngine,
+        link: MooncakeLink,
+        parts: list,
+        bases: dict,
+        src: dict,
+        where: str,
+        room: str,
+        generation: int,
+    ) -> int:
+        """Each part its way, in plan order (a worker thread); return the bytes written.
+
+        Every part is bounds-checked (lowered, or cut into slot-sized chunks)
+        before anything is submitted.
+        """
+        work = [
+            (
+                strategy,
+                split_long(
+                    lower_to_addresses(part, bases, link.dst_bases, where, dst_sizes=link.peer.region_nbytes),
+                    MAX_RUN_NBYTES,
+                )
+                if strategy is Strategy.DIRECT
+                else staged_layouts(link, part, src),
+            )
+            for strategy, part in parts
+        ]
+        written = {Strategy.DIRECT: 0, Strategy.STAGED: 0}
+        with link.lock:
+            link.check_usable()
+            for strategy, todo in work:
+                if strategy is Strategy.DIRECT:
+                    written[strategy] += self._submit(engine, link, todo, where)
+                else:
+                    written[strategy] += run_staged(
+                        link, todo, src, self._bulk(engine, link, where), room=room, generation=generation
+                    )
+            link.wrote(written)
+            return sum(written.values())
+
+    def _bulk(self, engine: MooncakeEngine, link: MooncakeLink, where: str):
+        """One staged slot, one descriptor, submitted: the returned waiter ends it (several
+        are kept in flight); an engine error settles the link as a batch's does."""
+
+        def bulk(local: int, remote: int, nbytes: int):
+            batch = engine.engine.batch_transfer_async_write(
+                link.address.session, [local], [remote], [nbytes]
+            )
+            link.counted(1)
+
+            def wait() -> None:
+                # blocks until the batch ends (0: every byte written), and frees it
+                rc = engine.engine.get_batch_transfer_status([batch]) if batch else -1
+                if rc != 0:
+                    first = next(iter(link.dst_bases.values()))[0]
+                    recover(
+                        link,
+                        self.recovery,
+                        lambda: engine.probe(link.address.session, first),
+                        f"{where}: mooncake engine failed a staged write of {nbytes} bytes (rc {rc})",
+                    )
+
+            return wait
+
+        return bulk
+
+    def _submit(self, engine: MooncakeEngine, link: MooncakeLink, runs: AddressRuns, where: str) -> int:
+        """Submit ``runs`` batch after batch (holding ``link.lock``); return the bytes written."""
+        link.check_usable()
+        done = 0
+        for batch in batches(runs, self.max_batch_descriptors):
+            rc = engine.engine.batch_transfer_sync_write(
+                link.address.session, batch.src_addr.tolist(), batch.dst_addr.tolist(), batch.nbytes.tolist()
+            )
+            link.counted(len(batch))
+            if rc != 0:
+                first = next(iter(link.dst_bases.values()))[0]
+                recover(
+                    link,
+                    self.recovery,
+                    lambda first=first: engine.probe(link.address.session, first),
+                    f"{where}: mooncake engine failed a batch of {len(batch)} "
+                    f"descriptors (rc {rc}) after {done} of {runs.total_nbytes} bytes",
+                )
+            done += batch.total_nbytes
+        return done
+
+    async def close(self) -> None:
+        await super().close()
+        if self._engine is not None:
+            await asyncio.to_thread(self._engine.close)
+            self._engine = None

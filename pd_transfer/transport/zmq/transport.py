@@ -1,0 +1,275 @@
+"""The tcp data plane over ZeroMQ: gathered chunks on a DEALER socket (the CURVE variant).
+
+The agent uses this variant when CURVE keys are configured: ZeroMQ encrypts
+the bytes. It keeps every contract of :class:`~pd_transfer.transport.tcp.transport.TcpTransport` and speaks
+to a :class:`~pd_transfer.transport.zmq.receiver.ZmqTcpReceiver`, but each payload is gathered into
+a buffer and copied by ZeroMQ on the way in, so it runs at about half the
+plain transport's speed (docs/performance.md).
+
+``write`` cuts the plan into chunks (:func:`~pd_transfer.transport.copy.packing.layout_chunks`),
+gathers each into a fresh buffer in a worker thread while the previous one is
+on the wire, and sends ``[header, payload]`` with ``copy=False`` (zmq sends
+from our buffer; no copy into a message). The receiver
+(:class:`~pd_transfer.transport.tcp.receiver.TcpReceiver`) checks and scatters each chunk and
+acks it; the write returns after the receiver's final ``done``.
+
+Flow control: per link (= per peer) at most ``window_nbytes`` of chunks are
+sent and not yet acked, across all writes sharing the link. A chunk waits for
+credit unless nothing is in flight (so a chunk larger than the window still
+goes, alone). ``TcpLink.max_in_flight_nbytes`` records the high-water mark.
+
+A receiver that stops answering makes ``write`` wait for credit or for its
+``done``: callers bound every write with their room timeout; liveness is the
+agent's heartbeat's job. zmq errors are translated to TransportError here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from pd_transfer.errors import Reason, TransportError
+from pd_transfer.transport.base import Link, PeerEndpoint, Transport, TransportKind
+from pd_transfer.transport.copy.packing import gather_chunk, layout_chunks
+from pd_transfer.transport.regions import Regions
+from pd_transfer.transport.tcp.frames import (
+    MAX_HEADER_NBYTES,
+    Ack,
+    ChunkHeader,
+    Done,
+    EndHeader,
+    Fail,
+    decode_reply,
+    encode,
+)
+
+log = logging.getLogger("pd_transfer.transport.zmq")
+
+DEFAULT_CHUNK_NBYTES = 4 << 20
+DEFAULT_WINDOW_NBYTES = 64 << 20
+
+
+class _Xfer:
+    """One write in flight on a link: its unacked chunks and its final answer."""
+
+    def __init__(self, xfer_id: int, room: str) -> None:
+        self.xfer_id = xfer_id
+        self.room = room
+        self.unacked: dict[int, int] = {}  # chunk seq -> nbytes
+        self.result: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+
+class ZmqTcpLink(Link):
+    def __init__(
+        self, transport: ZmqTcpTransport, peer: PeerEndpoint, socket: zmq.asyncio.Socket, window_nbytes: int
+    ) -> None:
+        super().__init__(transport, peer)
+        self.socket = socket
+        self.window_nbytes = window_nbytes
+        self.in_flight_nbytes = 0
+        self.max_in_flight_nbytes = 0
+        self._credit = asyncio.Condition()
+        self._xfers: dict[int, _Xfer] = {}
+        self._ids = itertools.count(1)
+        self._reader = asyncio.create_task(self._read_replies(), name=f"tcp-replies-{peer.peer_id}")
+
+    def open_xfer(self, room: str) -> _Xfer:
+        xfer = _Xfer(next(self._ids), room)
+        self._xfers[xfer.xfer_id] = xfer
+        return xfer
+
+    async def close_xfer(self, xfer: _Xfer) -> None:
+        """Forget a finished or abandoned write and give back the credit its chunks hold."""
+        self._xfers.pop(xfer.xfer_id, None)
+        if xfer.unacked:
+            await self._give_back(sum(xfer.unacked.values()))
+            xfer.unacked.clear()
+
+    async def acquire(self, nbytes: int) -> None:
+        async with self._credit:
+            await self._credit.wait_for(
+                lambda: (
+                    self._closed
+                    or self.in_flight_nbytes == 0
+                    or self.in_flight_nbytes + nbytes <= self.window_nbytes
+                )
+            )
+            self.check_open()
+            self.in_flight_nbytes += nbytes
+            self.max_in_flight_nbytes = max(self.max_in_flight_nbytes, self.in_flight_nbytes)
+
+    async def _give_back(self, nbytes: int) -> None:
+        async with self._credit:
+            self.in_flight_nbytes -= nbytes
+            self._credit.notify_all()
+
+    async def _read_replies(self) -> None:
+        try:
+            while True:
+                frame = await self.socket.recv()
+                try:
+                    reply = decode_reply(frame)
+                except TransportError as err:
+                    log.warning("link %s: unreadable reply dropped: %s", self.peer.peer_id, err)
+                    continue
+                await self._dispatch(reply)
+        except (asyncio.CancelledError, zmq.ZMQError):
+            pass
+        finally:
+            self._fail_all(
+                TransportError(
+                    f"link to {self.peer.peer_id} closed with transfers in flight", code=Reason.LINK_CLOSED
+                )
+            )
+
+    async def _dispatch(self, reply: Ack | Done | Fail) -> None:
+        xfer = self._xfers.get(reply.xfer)
+        if xfer is None:
+            return  # a reply for a write that was abandoned (its caller timed out)
+        if isinstance(reply, Ack):
+            nbytes = xfer.unacked.pop(reply.seq, None)
+            if nbytes is not None:
+                await self._give_back(nbytes)
+        elif isinstance(reply, Done):
+            if not xfer.result.done():
+                xfer.result.set_result(reply.nbytes)
+        elif not xfer.result.done():
+            xfer.result.set_exception(
+                TransportError(
+                    f"{self.peer.peer_id} refused room {xfer.room or '-'}: {reply.text}", code=reply.reason()
+                )
+            )
+
+    def _fail_all(self, error: TransportError) -> None:
+        for xfer in self._xfers.values():
+            if not xfer.result.done():
+                xfer.result.set_exception(error)
+
+    async def _release(self) -> None:
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
+        async with self._credit:  # wake writers waiting for credit: they see the link closed
+            self._credit.notify_all()
+        self.socket.close(linger=0)
+
+
+class ZmqTcpTransport(Transport):
+    kind = TransportKind.TCP
+
+    def __init__(
+        self,
+        context: zmq.asyncio.Context | None = None,
+        *,
+        chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
+        window_nbytes: int = DEFAULT_WINDOW_NBYTES,
+        socket_options: Callable[[zmq.Socket], None] | None = None,
+        corrupt_payload: Callable[[memoryview], None] | None = None,
+    ) -> None:
+        super().__init__()
+        self.corrupt_payload = corrupt_payload  # test-only: damages each (fresh) gathered payload
+        # e.g. CURVE client keys: the agent knows them, this layer does not
+        self.socket_options = socket_options
+        self.context = context or zmq.asyncio.Context.instance()
+        self.chunk_nbytes = chunk_nbytes
+        self.window_nbytes = window_nbytes
+
+    async def connect(self, peer: PeerEndpoint) -> ZmqTcpLink:
+        if not peer.data_address:
+            raise TransportError(
+                f"peer {peer.peer_id} publishes no data address",
+                code=Reason.TRANSPORT_UNSUPPORTED,
+                hint="start a TcpReceiver on the decode side and register its address",
+            )
+        socket = self.context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_HEADER_NBYTES)  # replies are header-sized frames
+        if self.socket_options is not None:
+            self.socket_options(socket)
+        try:
+            socket.connect(peer.data_address)
+        except zmq.ZMQError as err:
+            socket.close(linger=0)
+            raise TransportError(
+                f"cannot connect to {peer.peer_id} at {peer.data_address}: {err}",
+                code=Reason.TRANSPORT_FAILED,
+            ) from None
+        return self._adopt(ZmqTcpLink(self, peer, socket, self.window_nbytes))
+
+    async def write(
+        self, link: Link, plan, src_regions: Regions, *, room: str = "", generation: int = 0
+    ) -> int:
+        link = self._own(link, ZmqTcpLink)
+        src = self._sources.map(src_regions, (b.src_region for b in plan.batches), "source")
+        sizes = {region_id: mapped.nbytes for region_id, mapped in src.items()}
+        dst_sizes = link.peer.region_nbytes or None  # checked again by the receiver
+        layouts = await asyncio.to_thread(layout_chunks, plan, sizes, self.chunk_nbytes, dst_sizes=dst_sizes)
+        xfer = link.open_xfer(room)
+        gathered = _Prefetch(layouts, src, depth=2)  # gathers run ahead while chunks are on the wire
+        total = sum(layout.nbytes for layout in layouts)
+        try:
+            for layout in layouts:
+                payload = await gathered.next()
+                if self.corrupt_payload is not None:
+                    self.corrupt_payload(memoryview(payload))  # a fresh buffer: the source is intact
+                await link.acquire(layout.nbytes)
+                xfer.unacked[layout.seq] = layout.nbytes
+                header = ChunkHeader(xfer.xfer_id, room, generation, layout.seq, layout.wire)
+                await _send(link, [encode(header), payload])
+                if xfer.result.done():
+                    break  # refused mid-way: stop sending, report the receiver's reason
+            if not xfer.result.done():
+                await _send(link, [encode(EndHeader(xfer.xfer_id, room, generation, len(layouts), total))])
+            landed = await xfer.result
+        finally:
+            gathered.cancel()
+            await link.close_xfer(xfer)
+        if landed != total:
+            raise TransportError(
+                f"{link.peer.peer_id} acknowledged {landed} of {total} bytes of room {room or '-'}",
+                code=Reason.TRANSFER_INCOMPLETE,
+            )
+        link.nbytes_written += total
+        link.num_writes += 1
+        return total
+
+
+class _Prefetch:
+    """Gathers of the next ``depth`` chunks, each in a worker thread, in order."""
+
+    def __init__(self, layouts: list, src: dict, depth: int) -> None:
+        self._layouts, self._src, self._depth = layouts, src, depth
+        self._next = 0
+        self._pending: deque[asyncio.Future] = deque()
+
+    async def next(self) -> np.ndarray:
+        self._top_up()
+        payload = await self._pending.popleft()
+        self._top_up()
+        return payload
+
+    def _top_up(self) -> None:
+        while self._next < len(self._layouts) and len(self._pending) < self._depth:
+            layout = self._layouts[self._next]
+            self._pending.append(asyncio.ensure_future(asyncio.to_thread(gather_chunk, layout, self._src)))
+            self._next += 1
+
+    def cancel(self) -> None:
+        for future in self._pending:
+            future.cancel()
+        self._pending.clear()
+
+
+async def _send(link: ZmqTcpLink, frames: list) -> None:
+    try:
+        await link.socket.send_multipart(frames, copy=False)
+    except zmq.ZMQError as err:
+        raise TransportError(
+            f"sending to {link.peer.peer_id} failed: {err}", code=Reason.TRANSPORT_FAILED
+        ) from None
