@@ -72,7 +72,11 @@ class Security:
         """Count and log a failed handshake (``where``: the listening socket and peer)."""
         self.on_failure(error.code.value)
         log.warning(
-            "%sauthentication failed [%s]: %s", f"{where}: " if where else "", error.code.value, error.message
+            "%sauthentication failed [%s]: %s",
+            f"{where}: " if where else "",
+            error.code.value,
+            error.message,
+            extra={"reason": error.code.value},  # repeats are limited per reason
         )
 
     # -- sockets ------------------------------------------------------------------------
