@@ -17,12 +17,24 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "pd_transfer"
 
 IO = ["asyncio", "zmq", "socket", "selectors", "threading", "uvloop", "prometheus_client"]
-ABOVE_TRANSPORT = ["pd_transfer.agent", "pd_transfer.client", "pd_transfer.integrations", "pd_transfer.server"]
+ABOVE_TRANSPORT = [
+    "pd_transfer.agent",
+    "pd_transfer.client",
+    "pd_transfer.integrations",
+    "pd_transfer.server",
+]
 ENTRY = ["pd_transfer.cli", "pd_transfer.server", "pd_transfer.demo"]
 
 FORBIDDEN: dict[str, list[str]] = {
     # pure: tensor views, planning; numpy only
-    "pd_transfer.layout": [*IO, "torch", "msgpack", "pd_transfer.protocol", "pd_transfer.transport", "pd_transfer.wire"],
+    "pd_transfer.layout": [
+        *IO,
+        "torch",
+        "msgpack",
+        "pd_transfer.protocol",
+        "pd_transfer.transport",
+        "pd_transfer.wire",
+    ],
     # sans-I/O framing below the protocol
     "pd_transfer.wire": [*IO, "torch", "pd_transfer.protocol", "pd_transfer.transport", *ABOVE_TRANSPORT],
     # sans-I/O messages and the session state machine
@@ -50,7 +62,12 @@ FORBIDDEN: dict[str, list[str]] = {
         *ABOVE_TRANSPORT,
     ],
     "pd_transfer.transport.zmq": ["pd_transfer.transport.engines", "pd_transfer.protocol", *ABOVE_TRANSPORT],
-    "pd_transfer.transport.engines": ["zmq", "pd_transfer.transport.zmq", "pd_transfer.protocol", *ABOVE_TRANSPORT],
+    "pd_transfer.transport.engines": [
+        "zmq",
+        "pd_transfer.transport.zmq",
+        "pd_transfer.protocol",
+        *ABOVE_TRANSPORT,
+    ],
     # the sidecar never imports what a worker or an engine imports
     "pd_transfer.agent": ["pd_transfer.client", "pd_transfer.integrations", *ENTRY],
     # what a GPU worker imports: the wire to its sidecar, never the sidecar itself
