@@ -37,13 +37,13 @@ from pathlib import Path
 
 from pd_transfer.errors import Reason
 from pd_transfer.layout.geometry import Role
-from pd_transfer.protocol import fields as kinds
 from pd_transfer.protocol.generations import FRESHNESS_RULES, Freshness, Handling
-from pd_transfer.protocol.limits import Limits
 from pd_transfer.protocol.messages import BOOTSTRAP_MESSAGE_TYPES, MESSAGE_TYPES, PROTOCOL_VERSION
 from pd_transfer.protocol.room_status import ROOM_TRANSITIONS, TERMINAL_STATUSES, RoomStatus
 from pd_transfer.protocol.schema import RECORDS
 from pd_transfer.protocol.transitions import TERMINAL_STATES, TRANSITIONS, SessionState, Trigger
+from pd_transfer.wire import fields as kinds
+from pd_transfer.wire.limits import Limits
 
 DOCS_DIR = Path(__file__).resolve().parents[1] / "docs"
 _BLOCK = re.compile(r"<!-- BEGIN GENERATED: ([\w-]+) -->\n.*?<!-- END GENERATED: \1 -->", re.DOTALL)

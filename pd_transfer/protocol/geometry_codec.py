@@ -26,7 +26,7 @@ from typing import Any
 from pd_transfer.layout.dtypes import ITEMSIZE_BY_DTYPE
 from pd_transfer.layout.geometry import RankGeometry, Region, Role, check_geometry
 from pd_transfer.layout.views import Axis, AxisRole, Layout, Pool, ShardSpec, TensorView
-from pd_transfer.protocol.fields import (
+from pd_transfer.wire.fields import (
     Bool,
     EnumOf,
     Field,
@@ -38,18 +38,15 @@ from pd_transfer.protocol.fields import (
     TupleOf,
     bad_field,
 )
+from pd_transfer.wire.limits import MAX_ID_LEN, MAX_NDIM, MAX_REGIONS, MAX_SHARD_GROUPS, MAX_VIEWS
 
 MAX_NBYTES = 2**48  # 256 TiB: larger than any memory a worker registers
 MAX_EXTENT = 2**40  # elements along one axis
-MAX_VIEWS = 8192  # DeepSeek-V3 registers 64; a 512-layer model with 16 tensors fits
-MAX_REGIONS = 8192
-MAX_NDIM = 8
-MAX_SHARD_GROUPS = 64
 MAX_TP_SIZE = 4096
 MAX_PP_SIZE = 1024
 MAX_PAGE_SIZE = 1 << 20
 MAX_LAYER_ID = 1 << 20
-NAME = Str(max_len=256, min_len=1)
+NAME = Str(max_len=MAX_ID_LEN, min_len=1)
 
 
 def _check_dtype(values: dict[str, Any], raw: dict[str, Any], path: str) -> None:

@@ -23,26 +23,8 @@ from pd_transfer.errors import Reason
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.reconcile import Mode
 from pd_transfer.layout.views import Pool
-from pd_transfer.protocol.fields import (
-    Bool,
-    Checksums,
-    EnumOf,
-    Field,
-    Float,
-    Indices,
-    Int,
-    ListOf,
-    Optional,
-    ReasonCode,
-    Record,
-    Str,
-    TupleOf,
-    bad_field,
-)
 from pd_transfer.protocol.geometry_codec import GEOMETRY
-from pd_transfer.protocol.limits import MAX_CHECKSUM_ITEMS, MAX_CHECKSUM_TENSORS
 from pd_transfer.protocol.messages import (
-    MAX_TEXT_LEN,
     Abort,
     AbortAck,
     Announce,
@@ -66,10 +48,35 @@ from pd_transfer.protocol.messages import (
     TransferRequest,
     Verdict,
 )
+from pd_transfer.wire.fields import (
+    Bool,
+    Checksums,
+    EnumOf,
+    Field,
+    Float,
+    Indices,
+    Int,
+    ListOf,
+    Optional,
+    ReasonCode,
+    Record,
+    Str,
+    TupleOf,
+    bad_field,
+)
+from pd_transfer.wire.limits import (
+    MAX_CHECKSUM_ITEMS,
+    MAX_CHECKSUM_TENSORS,
+    MAX_HANDLE_LEN,
+    MAX_ID_LEN,
+    MAX_MISMATCHES,
+    MAX_SRC_RANKS,
+    MAX_TEXT_LEN,
+)
 
 U64 = Int(hi=2**64 - 1)
 U32 = Int(hi=2**32 - 1)
-ID = Str(max_len=256, min_len=1)
+ID = Str(max_len=MAX_ID_LEN, min_len=1)
 TEXT = Str(max_len=MAX_TEXT_LEN)
 NAMES = ListOf(Str(max_len=64, min_len=1), 64)
 
@@ -166,7 +173,7 @@ _ROOM = (Field("room", U64), Field("generation", U64))
 ADDRESS = Str(max_len=512)
 REGION_HANDLE = Record(
     RegionHandle,
-    (Field("region", Str(max_len=256, min_len=1)), Field("handle", Str(max_len=1024, min_len=1))),
+    (Field("region", ID), Field("handle", Str(max_len=MAX_HANDLE_LEN, min_len=1))),
 )
 RANK_ENTRY = Record(
     RankEntry,
@@ -209,7 +216,7 @@ RECORDS: dict[type[Message], Record] = {
             Field("accepted", Bool()),
             Field("plan", ListOf(POOL_PLAN, 64), default=()),
             Field("headline", TEXT, default=""),
-            Field("mismatches", ListOf(MISMATCH, 4096), default=()),
+            Field("mismatches", ListOf(MISMATCH, MAX_MISMATCHES), default=()),
             Field("integrity", Bool(), default=False),
             Field("doorbell", Bool(), default=False),
         ),
@@ -220,7 +227,7 @@ RECORDS: dict[type[Message], Record] = {
         (
             *_ROOM,
             Field("dst", ListOf(POOL_INDICES, 8)),
-            Field("src_ranks", ListOf(ID, 4096), default=()),
+            Field("src_ranks", ListOf(ID, MAX_SRC_RANKS), default=()),
             # (slot, token, writer); tokens start at 1: a zeroed word is never a room's
             Field("doorbell", Optional(TupleOf((U32, Int(lo=1, hi=2**32 - 1), Int(hi=255)))), default=None),
         ),

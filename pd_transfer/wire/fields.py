@@ -15,6 +15,10 @@ unknown reason code becomes ``unrecognized_reason``. Everything else is
 strict: ``True`` is not an int, ``1.5`` is not an int, a missing field
 without a default is an error.
 
+Every framing of the project (the protocol, the handshake, the tcp data
+plane, the staging channel) reads its fields with these kinds; their caps come
+from :mod:`pd_transfer.wire.limits`.
+
 Pure; imports only the standard library and ``pd_transfer.errors``.
 """
 
@@ -28,6 +32,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from pd_transfer.errors import PdTransferError, ProtocolError, Reason
+from pd_transfer.wire.limits import (
+    MAX_CHECKSUM_TENSORS,
+    MAX_ID_LEN,
+    MAX_INDICES,
+    MAX_LIST_LEN,
+    MAX_REASON_CODE_LEN,
+    MAX_TEXT_LEN,
+)
 
 MISSING: Any = object()
 INT64_MAX = 2**63 - 1
@@ -47,6 +59,14 @@ _TYPE_NAMES = {
 def type_name(value: Any) -> str:
     """The msgpack name of a decoded value's type (``map``, not ``dict``)."""
     return _TYPE_NAMES.get(type(value), type(value).__name__)
+
+
+def clip_text(text: str, limit: int = MAX_TEXT_LEN) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was cut."""
+    if len(text) <= limit:
+        return text
+    marker = f"... ({len(text) - limit + 40} more characters)"
+    return text[: limit - 40] + marker[:40]
 
 
 def bad_field(path: str, problem: str, code: Reason = Reason.BAD_FIELD) -> ProtocolError:
@@ -112,7 +132,7 @@ class Bool(Kind):
 
 @dataclass(frozen=True)
 class Str(Kind):
-    max_len: int = 256
+    max_len: int = MAX_ID_LEN
     min_len: int = 0
 
     description = "str"
@@ -161,9 +181,11 @@ class ReasonCode(Kind):
         return value.value
 
     def decode(self, raw: Any, path: str) -> Reason:
-        if not isinstance(raw, str) or len(raw) > 64:
+        if not isinstance(raw, str) or len(raw) > MAX_REASON_CODE_LEN:
             raise bad_field(
-                path, f"expected a reason code str of at most 64 characters, got {type_name(raw)}"
+                path,
+                f"expected a reason code str of at most {MAX_REASON_CODE_LEN} characters, "
+                f"got {type_name(raw)}",
             )
         try:
             return Reason(raw)
@@ -191,7 +213,7 @@ class ListOf(Kind):
     """A list decoded into a tuple, at most ``max_len`` items."""
 
     item: Kind
-    max_len: int = 1024
+    max_len: int = MAX_LIST_LEN
 
     @property
     def description(self) -> str:  # type: ignore[override]
@@ -242,7 +264,7 @@ class Indices(Kind):
     up to ``max_list_len`` items, for peers that cannot pack.
     """
 
-    max_len: int = 1 << 22
+    max_len: int = MAX_INDICES
     hi: int = 2**40
 
     description = "list of int or packed int64 bytes"
@@ -278,7 +300,7 @@ class Checksums(Kind):
     """CRC32 values: a tuple of ints in ``[0, 2**32)``, packed little-endian
     uint32 bytes on the wire (4 bytes each), at most ``max_len``."""
 
-    max_len: int = 1 << 16
+    max_len: int = MAX_CHECKSUM_TENSORS
 
     @property
     def description(self) -> str:  # type: ignore[override]
@@ -299,6 +321,46 @@ class Checksums(Kind):
                 code=Reason.LIMIT_EXCEEDED,
             )
         return struct.unpack(f"<{len(raw) // 4}I", raw)
+
+
+@dataclass(frozen=True)
+class Bytes(Kind):
+    """At most ``max_len`` bytes, a multiple of ``multiple_of`` (24 for a table
+    of three int64 columns)."""
+
+    max_len: int
+    multiple_of: int = 1
+
+    description = "bytes"
+
+    def decode(self, raw: Any, path: str) -> bytes:
+        if not isinstance(raw, bytes):
+            raise self.expected(raw, path)
+        if len(raw) > self.max_len:
+            raise bad_field(
+                path, f"expected at most {self.max_len} bytes, got {len(raw)}", code=Reason.LIMIT_EXCEEDED
+            )
+        if len(raw) % self.multiple_of:
+            raise bad_field(path, f"expected a multiple of {self.multiple_of} bytes, got {len(raw)}")
+        return raw
+
+
+@dataclass(frozen=True)
+class Blob(Kind):
+    """Exactly ``nbytes`` bytes (a nonce, an HMAC)."""
+
+    nbytes: int
+
+    @property
+    def description(self) -> str:  # type: ignore[override]
+        return f"{self.nbytes} bytes"
+
+    def decode(self, raw: Any, path: str) -> bytes:
+        if not isinstance(raw, bytes):
+            raise self.expected(raw, path)
+        if len(raw) != self.nbytes:
+            raise bad_field(path, f"expected {self.nbytes} bytes, got {len(raw)}")
+        return raw
 
 
 @dataclass(frozen=True)
@@ -336,15 +398,7 @@ class Record(Kind):
     def decode(self, raw: Any, path: str) -> Any:
         if not isinstance(raw, dict):
             raise self.expected(raw, path)
-        values = {}
-        for f in self.fields:
-            item = raw.get(f.name, MISSING)
-            if item is MISSING:
-                if f.default is MISSING:
-                    raise bad_field(f"{path}.{f.name}", "missing required field")
-                values[f.name] = f.default
-            else:
-                values[f.name] = f.kind.decode(item, f"{path}.{f.name}")
+        values = {f.name: read_field(raw, f, path) for f in self.fields}
         if self.finish is not None:
             self.finish(values, raw, path)
         try:
@@ -354,3 +408,13 @@ class Record(Kind):
         except PdTransferError as exc:
             raise ProtocolError(exc.message, code=exc.code, path=path) from None
         return built
+
+
+def read_field(raw: dict[str, Any], field: Field, path: str) -> Any:
+    """``field`` of the map ``raw`` at ``path``, decoded; its default when absent."""
+    item = raw.get(field.name, MISSING)
+    if item is MISSING:
+        if field.default is MISSING:
+            raise bad_field(f"{path}.{field.name}", "missing required field")
+        return field.default
+    return field.kind.decode(item, f"{path}.{field.name}")
