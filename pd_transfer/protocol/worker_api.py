@@ -40,16 +40,16 @@ import enum
 import math
 from typing import Any
 
-import msgpack
+from pd_transfer.errors import PdTransferError, ProtocolError, Reason
+from pd_transfer.protocol.geometry_codec import MAX_PP_SIZE
+from pd_transfer.wire.envelope import pack, translated, unpack
+from pd_transfer.wire.limits import MAX_ID_LEN, MAX_WORKER_REQUEST_NBYTES, WORKER_LIMITS
 
-from pd_transfer.errors import PdTransferError, Reason
-
-MAX_REQUEST_NBYTES = 64 * 1024 * 1024
-MAX_INDICES = 1 << 22
+MAX_REQUEST_NBYTES = MAX_WORKER_REQUEST_NBYTES
 MAX_INDEX = (1 << 62) - 1  # page, slot and row indices (int64 arithmetic stays exact)
 MAX_ROOM = (1 << 64) - 1  # room ids are unsigned 64-bit, as on the wire
 MAX_WAIT_S = 86400.0  # one wait's timeout (rooms time out long before)
-MAX_INSTANCE_LEN = 256  # a decode instance's name (send's ``decode``)
+MAX_INSTANCE_LEN = MAX_ID_LEN  # a decode instance's name (send's ``decode``)
 
 
 class WorkerOp(enum.Enum):
@@ -82,19 +82,15 @@ _REQUIRED: dict[WorkerOp, dict[str, tuple]] = {
 
 
 def encode(message: dict[str, Any]) -> bytes:
-    return msgpack.packb(message, use_bin_type=True)
+    return pack(message)
 
 
 def decode_request(frame: bytes) -> tuple[WorkerOp, dict[str, Any]]:
     """Parse and validate one request; raise :class:`WorkerApiError` with the field."""
-    if len(frame) > MAX_REQUEST_NBYTES:
-        raise WorkerApiError(f"request of {len(frame)} bytes exceeds {MAX_REQUEST_NBYTES}")
     try:
-        message = msgpack.unpackb(
-            frame, raw=False, strict_map_key=True, max_array_len=MAX_INDICES, max_map_len=1 << 16
-        )
-    except Exception as err:  # msgpack raises several unrelated types
-        raise WorkerApiError(f"request is not valid msgpack: {err}") from None
+        message = unpack(frame, WORKER_LIMITS, "request")
+    except ProtocolError as err:
+        raise translated(err, WorkerApiError, "worker request", ()) from None
     if not isinstance(message, dict):
         raise WorkerApiError("request must be a map")
     try:
@@ -136,8 +132,8 @@ def _validated(op: WorkerOp, message: dict[str, Any]) -> dict[str, Any]:
         ):
             raise WorkerApiError(f"at $.{name}: expected a list of ints in [0, 2**62)", code=Reason.BAD_FIELD)
     pp_size = message.setdefault("pp_size", 1)
-    if not isinstance(pp_size, int) or isinstance(pp_size, bool) or not 1 <= pp_size <= 1024:
-        raise WorkerApiError("at $.pp_size: expected an int in [1, 1024]")
+    if not isinstance(pp_size, int) or isinstance(pp_size, bool) or not 1 <= pp_size <= MAX_PP_SIZE:
+        raise WorkerApiError(f"at $.pp_size: expected an int in [1, {MAX_PP_SIZE}]")
     if not isinstance(message.setdefault("stream", False), bool):
         raise WorkerApiError("at $.stream: expected bool")
     decode = message.setdefault("decode", "")

@@ -35,9 +35,9 @@ TAG = Str(max_len=MAX_TAG_LEN, min_len=1)
 VERSION = TupleOf((Int(hi=65535), Int(hi=65535)))
 
 
-def pack(fields: dict[str, Any]) -> bytes:
-    """The msgpack bytes of a map (bytes as bin, str as str; key order kept)."""
-    return msgpack.packb(fields, use_bin_type=True)
+def pack(data: Any) -> bytes:
+    """The msgpack bytes of plain data (bytes as bin, str as str; map key order kept)."""
+    return msgpack.packb(data, use_bin_type=True)
 
 
 def unpack(frame: Any, limits: Limits, what: str = "frame") -> Any:

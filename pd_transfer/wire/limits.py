@@ -64,6 +64,8 @@ MAX_FAIL_TEXT_LEN = 4000
 MAX_HANDLE_LEN = 1024
 #: a CUDA IPC handle string: base64 of eight small fields, about 200 characters.
 MAX_CUDA_IPC_HANDLE_LEN = 4096
+#: a staging control channel's address in an engine address (tcp://host:port).
+MAX_STAGING_CONTROL_LEN = 300
 #: an engine transport's data address (Register.data_address): base64 of
 #: zlib'd regions; 8192 holds a few hundred regions.
 MAX_ENGINE_ADDRESS_LEN = 8192
@@ -127,6 +129,17 @@ DATA_PLANE_LIMITS = Limits(
 MAX_WORKER_REQUEST_NBYTES = 64 * 1024 * 1024
 #: a worker request's map entries: a register's handles map has one per region.
 MAX_WORKER_MAP_LEN = 1 << 16
+#: a worker request: index lists travel as plain msgpack lists (up to
+#: MAX_INDICES items); strings are ids and handles (a CUDA IPC handle is the
+#: longest, MAX_CUDA_IPC_HANDLE_LEN, so 64 KiB is 16 times it); a register nests its geometry as deep as
+#: a protocol Register does.
+WORKER_LIMITS = Limits(
+    max_frame_nbytes=MAX_WORKER_REQUEST_NBYTES,
+    max_list_len=MAX_INDICES,
+    max_map_len=MAX_WORKER_MAP_LEN,
+    max_str_len=1 << 16,
+    max_depth=PROTOCOL_LIMITS.max_depth,
+)
 #: an engine address's payload once inflated: refuses zlib bombs.
 MAX_ENGINE_ADDRESS_PAYLOAD_NBYTES = 1 << 20
 ENGINE_ADDRESS_LIMITS = Limits(
@@ -137,12 +150,19 @@ ENGINE_ADDRESS_LIMITS = Limits(
     max_depth=4,
 )
 
+#: a CUDA IPC handle: one flat list of eight ints, blobs and a bool.
+CUDA_IPC_HANDLE_LIMITS = Limits(
+    max_frame_nbytes=MAX_CUDA_IPC_HANDLE_LEN, max_list_len=8, max_map_len=0, max_str_len=0, max_depth=1
+)
+
 #: every framing's unpacking caps, by name (docs and tests read this).
 FRAMINGS: dict[str, Limits] = {
     "protocol": PROTOCOL_LIMITS,
     "handshake": HANDSHAKE_LIMITS,
     "data_plane": DATA_PLANE_LIMITS,
     "engine_address": ENGINE_ADDRESS_LIMITS,
+    "worker_request": WORKER_LIMITS,
+    "cuda_ipc_handle": CUDA_IPC_HANDLE_LIMITS,
 }
 
 DEFAULT_LIMITS = PROTOCOL_LIMITS
