@@ -38,7 +38,14 @@ from pd_transfer.wire.fields import (
     TupleOf,
     bad_field,
 )
-from pd_transfer.wire.limits import MAX_ID_LEN, MAX_NDIM, MAX_REGIONS, MAX_SHARD_GROUPS, MAX_VIEWS
+from pd_transfer.wire.limits import (
+    MAX_ID_LEN,
+    MAX_NDIM,
+    MAX_REGIONS,
+    MAX_SHARD_GROUPS,
+    MAX_SHORT_NAME_LEN,
+    MAX_VIEWS,
+)
 
 MAX_NBYTES = 2**48  # 256 TiB: larger than any memory a worker registers
 MAX_EXTENT = 2**40  # elements along one axis
@@ -85,7 +92,7 @@ VIEW = Record(
         Field("name", NAME),
         Field("region", NAME),
         Field("offset_nbytes", Int(hi=MAX_NBYTES)),
-        Field("dtype", Str(max_len=32)),
+        Field("dtype", Str(max_len=MAX_SHORT_NAME_LEN)),
         Field("shape", ListOf(Int(lo=1, hi=MAX_EXTENT), MAX_NDIM)),
         Field("strides_nbytes", ListOf(Int(hi=MAX_NBYTES), MAX_NDIM)),
         Field("axes", ListOf(AXIS, MAX_NDIM)),
@@ -106,7 +113,7 @@ GEOMETRY = Record(
         Field("tp_rank", Int(hi=MAX_TP_SIZE)),
         Field("pp_rank", Int(hi=MAX_PP_SIZE), default=0),
         Field("page_size", Int(lo=1, hi=MAX_PAGE_SIZE)),
-        Field("model", Str(max_len=256), default=""),
+        Field("model", Str(max_len=MAX_ID_LEN), default=""),
         Field("regions", ListOf(REGION, MAX_REGIONS)),
         Field("views", ListOf(VIEW, MAX_VIEWS)),
     ),

@@ -60,6 +60,10 @@ MAX_HANDSHAKE_TEXT_LEN = 1024
 #: up to MAX_FAIL_TEXT_LEN so a peer that clips a little later is not refused.
 FAIL_TEXT_SENT_LEN = 2000
 MAX_FAIL_TEXT_LEN = 4000
+#: a dtype or strategy name ("float8_e4m3fn" is the longest dtype).
+MAX_SHORT_NAME_LEN = 32
+#: an endpoint or config path: tcp://[ipv6]:port, an ipc:// socket path.
+MAX_ADDRESS_LEN = 512
 #: a registered region's handle (shm name, CUDA IPC or engine handle string).
 MAX_HANDLE_LEN = 1024
 #: a CUDA IPC handle string: base64 of eight small fields, about 200 characters.
@@ -81,6 +85,16 @@ MAX_VIEWS = 8192
 MAX_REGIONS = 8192
 MAX_NDIM = 8
 MAX_SHARD_GROUPS = 64
+#: capability names (transports, features) one side announces.
+MAX_CAPABILITIES = 64
+#: pools of one rank: a request or a Done names each at most once (kv, swa,
+#: mamba, aux, and room to grow); a verdict's plan lists them with their modes.
+MAX_REQUEST_POOLS = 8
+MAX_PLAN_POOLS = 64
+#: region handles one registration carries (one per registered region).
+MAX_REGION_HANDLES = 65536
+#: ranks in one bootstrap rank table (TP x PP x DP of one instance group).
+MAX_RANK_ENTRIES = 1 << 16
 #: mismatches in one verdict, and source ranks one decode rank reads from.
 MAX_MISMATCHES = 4096
 MAX_SRC_RANKS = 4096
