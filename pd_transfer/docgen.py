@@ -43,6 +43,7 @@ from pd_transfer.protocol.room_status import ROOM_TRANSITIONS, TERMINAL_STATUSES
 from pd_transfer.protocol.schema import RECORDS
 from pd_transfer.protocol.transitions import TERMINAL_STATES, TRANSITIONS, SessionState, Trigger
 from pd_transfer.wire import fields as kinds
+from pd_transfer.wire import limits as wire_limits
 from pd_transfer.wire.limits import Limits
 
 DOCS_DIR = Path(__file__).resolve().parents[1] / "docs"
@@ -287,6 +288,50 @@ def render_limits() -> str:
     return _table(("Limit", "Default"), rows)
 
 
+def _commented_constants(module) -> Iterator[tuple[str, str]]:
+    """``(name, why)`` of each module-level constant, ``why`` from the ``#:`` lines above it
+    (one comment serves the assignments that follow it without a blank line)."""
+    why, collecting = "", False
+    for line in inspect.getsource(module).splitlines():
+        if line.startswith("#:"):
+            why = f"{why} {line[2:].strip()}" if collecting else line[2:].strip()
+            collecting = True
+            continue
+        collecting = False
+        match = re.match(r"^([A-Z][A-Z0-9_]+)(?::[^=]*)? = ", line)
+        if match:
+            yield match.group(1), why
+        elif not line.startswith((" ", ")")):  # a blank line or another statement ends its reach
+            why = ""
+
+
+def render_wire_limits() -> str:
+    """Every named cap of :mod:`pd_transfer.wire.limits`, with why it is that value."""
+    rows, seen_why = [], ""
+    for name, why in _commented_constants(wire_limits):
+        value = getattr(wire_limits, name)
+        if not isinstance(value, int) or isinstance(value, bool):
+            continue
+        rows.append((f"`{name}`", _number(value), "" if why == seen_why else why))
+        seen_why = why
+    framings = [
+        (
+            f"`{name}`",
+            _number(lim.max_frame_nbytes),
+            _number(lim.max_str_len),
+            _number(lim.max_list_len),
+            _number(lim.max_map_len),
+            str(lim.max_depth),
+        )
+        for name, lim in wire_limits.FRAMINGS.items()
+    ]
+    return (
+        _table(("Cap", "Value", "Why"), rows)
+        + "\n\n"
+        + _table(("Framing", "Frame bytes", "String", "List", "Map", "Depth"), framings)
+    )
+
+
 def render_worker_ops() -> str:
     from pd_transfer.protocol import worker_api
 
@@ -370,6 +415,7 @@ BLOCKS: dict[str, dict[str, Renderer]] = {
         "room-status": render_room_status,
         "freshness": render_freshness,
         "limits": render_limits,
+        "wire-limits": render_wire_limits,
         "worker-ops": render_worker_ops,
     },
     "errors.md": {"reason-codes": render_reason_codes},

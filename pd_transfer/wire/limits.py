@@ -48,7 +48,8 @@ class Limits:
 #: an id or name: agent, instance, rank, room on the data plane, region id.
 #: Operators choose these; 256 fits any hostname:port plus a suffix.
 MAX_ID_LEN = 256
-#: a message type tag ("t") or a reason code: the longest we define is under 32.
+#: a message type tag ("t") or a reason code: the longest we define has 22
+#: characters; a newer minor version may add longer ones.
 MAX_TAG_LEN = 64
 MAX_REASON_CODE_LEN = 64
 #: a human-readable reason in a protocol message (Close, a failed Done): long
@@ -66,7 +67,7 @@ MAX_SHORT_NAME_LEN = 32
 MAX_ADDRESS_LEN = 512
 #: a registered region's handle (shm name, CUDA IPC or engine handle string).
 MAX_HANDLE_LEN = 1024
-#: a CUDA IPC handle string: base64 of eight small fields, about 200 characters.
+#: a CUDA IPC handle string: base64 of eight small fields, a few hundred characters.
 MAX_CUDA_IPC_HANDLE_LEN = 4096
 #: a staging control channel's address in an engine address (tcp://host:port).
 MAX_STAGING_CONTROL_LEN = 300
@@ -98,15 +99,15 @@ MAX_RANK_ENTRIES = 1 << 16
 #: mismatches in one verdict, and source ranks one decode rank reads from.
 MAX_MISMATCHES = 4096
 MAX_SRC_RANKS = 4096
-#: page, slot or row indices in one request: 4M pages of 4 KiB tokens each is
-#: far beyond any context; packed as int64 this is 32 MiB.
+#: page, slot or row indices in one request: 4M is a 4M-token context at one
+#: token a page. Packed as int64 that is 32 MiB, so the frame cap binds first.
 MAX_INDICES = 1 << 22
 #: integrity checksums in one Done, per pool: one per destination index (as
 #: many as a request may name) and one per tensor piece.
 MAX_CHECKSUM_ITEMS = MAX_INDICES
 MAX_CHECKSUM_TENSORS = 1 << 16
-#: destination regions one tcp chunk names: a chunk covers at most every
-#: layer's K and V of one rank (2 x 61 layers x a few pools).
+#: destination regions one tcp chunk names: at most one per region of a rank,
+#: and a rank registers one region a tensor (K and V of each layer, per pool).
 MAX_REGIONS_PER_CHUNK = 4096
 #: staging slots in one ring: enough to keep a link busy, few enough that one
 #: peer cannot take a decode's whole staging area.
@@ -127,7 +128,8 @@ HANDSHAKE_LIMITS = Limits(
     max_frame_nbytes=2048, max_list_len=16, max_map_len=16, max_str_len=MAX_HANDSHAKE_TEXT_LEN, max_depth=2
 )
 #: a tcp data-plane header or staging control frame: a chunk's runs table is
-#: 24 bytes a run, so 8 MiB holds 350k runs (a 4 MiB chunk of 12-byte runs).
+#: 24 bytes a run, so 8 MiB holds 350k runs, as many as a 4 MiB chunk has when
+#: its runs are 12 bytes long.
 DATA_PLANE_HEADER_NBYTES = 8 << 20
 #: data-plane headers are flat maps of under 16 keys with one list (regions,
 #: slots) at depth 2; strings are ids or a Fail's text.
