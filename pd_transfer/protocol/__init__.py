@@ -18,7 +18,7 @@ message it gets back, and writes the frames :meth:`Session.send` returns.
 
 Field kinds, the envelope and every size cap come from :mod:`pd_transfer.wire`.
 
-May import: the standard library, msgpack, ``pd_transfer.errors``,
+May import: the standard library, ``pd_transfer.errors``,
 ``pd_transfer.wire`` and ``pd_transfer.layout``. Never the transport or agent layers.
 """
 
