@@ -337,10 +337,7 @@ def render_worker_ops() -> str:
 
     rows = []
     for op in worker_api.WorkerOp:
-        required = ", ".join(
-            f"`{name}` ({'/'.join(k.__name__ for k in types)})"
-            for name, types in worker_api._REQUIRED[op].items()
-        )
+        required = ", ".join(f"`{f.name}` ({describe_kind(f.kind)})" for f in worker_api._REQUIRED[op])
         rows.append((f"`{op.value}`", required or "-"))
     return _table(("Op", "Required fields besides `op` and `id`"), rows)
 

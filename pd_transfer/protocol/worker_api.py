@@ -37,13 +37,19 @@ Sans-IO: no sockets here.
 from __future__ import annotations
 
 import enum
-import math
 from typing import Any
 
 from pd_transfer.errors import PdTransferError, ProtocolError, Reason
 from pd_transfer.protocol.geometry_codec import MAX_PP_SIZE
 from pd_transfer.wire.envelope import pack, translated, unpack
-from pd_transfer.wire.limits import MAX_ID_LEN, MAX_WORKER_REQUEST_NBYTES, WORKER_LIMITS
+from pd_transfer.wire.fields import INT64_MAX, Bool, Field, Float, Int, ListOf, Map, Optional, Str, read_field
+from pd_transfer.wire.limits import (
+    MAX_ADDRESS_LEN,
+    MAX_ID_LEN,
+    MAX_INDICES,
+    MAX_WORKER_REQUEST_NBYTES,
+    WORKER_LIMITS,
+)
 
 MAX_REQUEST_NBYTES = MAX_WORKER_REQUEST_NBYTES
 MAX_INDEX = (1 << 62) - 1  # page, slot and row indices (int64 arithmetic stays exact)
@@ -68,17 +74,34 @@ class WorkerApiError(PdTransferError):
     default_code = Reason.BAD_FRAME
 
 
-_INDEX_FIELDS = ("pages", "swa_pages", "state_slots")
+_ROOM = Int(hi=MAX_ROOM)
+_INDICES = ListOf(Int(hi=MAX_INDEX), MAX_INDICES)
 
-_REQUIRED: dict[WorkerOp, dict[str, tuple]] = {
-    WorkerOp.REGISTER: {"geometry": (dict,), "handles": (dict,), "worker_id": (str,)},
-    WorkerOp.SEND: {"room": (int,), "last": (bool,)},
-    WorkerOp.EXPECT: {"room": (int,), "bootstrap": (str,)},
-    WorkerOp.LAYER_READY: {"room": (int,), "layer_id": (int,)},
-    WorkerOp.POLL: {"room": (int,)},
-    WorkerOp.WAIT: {"room": (int,), "timeout_s": (int, float)},
-    WorkerOp.ABORT: {"room": (int,)},
+#: each op's required fields besides ``op`` and ``id``
+_REQUIRED: dict[WorkerOp, tuple[Field, ...]] = {
+    WorkerOp.REGISTER: (
+        Field("geometry", Map()),
+        Field("handles", Map()),
+        Field("worker_id", Str(max_len=MAX_ID_LEN)),
+    ),
+    WorkerOp.SEND: (Field("room", _ROOM), Field("last", Bool())),
+    WorkerOp.EXPECT: (Field("room", _ROOM), Field("bootstrap", Str(max_len=MAX_ADDRESS_LEN))),
+    WorkerOp.LAYER_READY: (Field("room", _ROOM), Field("layer_id", Int(lo=-INT64_MAX - 1))),
+    WorkerOp.POLL: (Field("room", _ROOM),),
+    WorkerOp.WAIT: (Field("room", _ROOM), Field("timeout_s", Float())),
+    WorkerOp.ABORT: (Field("room", _ROOM),),
 }
+
+#: fields every request may carry, with their defaults
+_OPTIONAL: tuple[Field, ...] = (
+    Field("pages", _INDICES, default=[]),
+    Field("swa_pages", _INDICES, default=[]),
+    Field("state_slots", _INDICES, default=[]),
+    Field("pp_size", Int(lo=1, hi=MAX_PP_SIZE), default=1),
+    Field("stream", Bool(), default=False),
+    Field("decode", Str(max_len=MAX_INSTANCE_LEN), default=""),
+    Field("aux_row", Optional(Int(hi=MAX_INDEX)), default=None),
+)
 
 
 def encode(message: dict[str, Any]) -> bytes:
@@ -109,45 +132,22 @@ def decode_request(frame: bytes) -> tuple[WorkerOp, dict[str, Any]]:
 
 
 def _validated(op: WorkerOp, message: dict[str, Any]) -> dict[str, Any]:
-    for name, kinds in _REQUIRED[op].items():
-        value = message.get(name)
-        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-            raise WorkerApiError(
-                f"at $.{name}: expected {'/'.join(k.__name__ for k in kinds)}, got {type(value).__name__}"
-            )
-    if "room" in message and not 0 <= message["room"] <= MAX_ROOM:
-        raise WorkerApiError(
-            f"at $.room: expected an int in [0, 2**64), got {message['room']}", code=Reason.BAD_FIELD
-        )
+    """``message`` with every field checked (WorkerApiError naming it) and defaults filled.
+    Lists are kept as sent (a send's pages go on to numpy as they are)."""
+    try:
+        for field in _REQUIRED[op] + _OPTIONAL:
+            value = read_field(message, field, "$")
+            if isinstance(value, tuple) and field.name in message:
+                continue  # a list as sent, checked
+            message[field.name] = list(value) if isinstance(value, list) else value
+    except ProtocolError as err:
+        raise WorkerApiError(err.message, code=err.code) from None
     timeout_s = message.get("timeout_s")
-    if op is WorkerOp.WAIT and not (math.isfinite(timeout_s) and 0 <= timeout_s <= MAX_WAIT_S):
+    if op is WorkerOp.WAIT and timeout_s > MAX_WAIT_S:
         raise WorkerApiError(
             f"at $.timeout_s: expected seconds in [0, {MAX_WAIT_S:.0f}], got {timeout_s!r}",
             code=Reason.BAD_FIELD,
         )
-    for name in _INDEX_FIELDS:
-        value = message.setdefault(name, [])
-        if not isinstance(value, list) or not all(
-            isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_INDEX for v in value
-        ):
-            raise WorkerApiError(f"at $.{name}: expected a list of ints in [0, 2**62)", code=Reason.BAD_FIELD)
-    pp_size = message.setdefault("pp_size", 1)
-    if not isinstance(pp_size, int) or isinstance(pp_size, bool) or not 1 <= pp_size <= MAX_PP_SIZE:
-        raise WorkerApiError(f"at $.pp_size: expected an int in [1, {MAX_PP_SIZE}]")
-    if not isinstance(message.setdefault("stream", False), bool):
-        raise WorkerApiError("at $.stream: expected bool")
-    decode = message.setdefault("decode", "")
-    if not isinstance(decode, str) or len(decode) > MAX_INSTANCE_LEN:
-        raise WorkerApiError(
-            f"at $.decode: expected the decode instance's name, a string of at "
-            f"most {MAX_INSTANCE_LEN} characters",
-            code=Reason.BAD_FIELD,
-        )
-    aux_row = message.setdefault("aux_row", None)
-    if aux_row is not None and (
-        not isinstance(aux_row, int) or isinstance(aux_row, bool) or not 0 <= aux_row <= MAX_INDEX
-    ):
-        raise WorkerApiError("at $.aux_row: expected a non-negative int or nil")
     return message
 
 

@@ -229,7 +229,23 @@ class ListOf(Kind):
             raise bad_field(
                 path, f"expected at most {self.max_len} items, got {len(raw)}", code=Reason.LIMIT_EXCEEDED
             )
-        return tuple(self.item.decode(v, f"{path}[{i}]") for i, v in enumerate(raw))
+        item = self.item
+        if type(item) is Int and all(type(v) is int and item.lo <= v <= item.hi for v in raw):
+            return tuple(raw)  # a long index list, checked in one pass; else each item names itself
+        return tuple(item.decode(v, f"{path}[{i}]") for i, v in enumerate(raw))
+
+
+@dataclass(frozen=True)
+class Map(Kind):
+    """A map kept as plain data, for a part that its own codec checks later
+    (a worker's geometry, its handles)."""
+
+    description = "map"
+
+    def decode(self, raw: Any, path: str) -> dict:
+        if not isinstance(raw, dict):
+            raise self.expected(raw, path)
+        return raw
 
 
 @dataclass(frozen=True)

@@ -144,3 +144,12 @@ def test_clip_text_keeps_the_limit_and_says_how_much_was_cut():
     assert clip_text("abc", 3) == "abc"
     clipped = clip_text("x" * 5000, 100)
     assert len(clipped) <= 100 and clipped.startswith("x" * 60) and "more characters" in clipped
+
+
+def test_a_long_int_list_is_checked_in_one_pass_and_a_bad_item_still_named():
+    kind = ListOf(Int(hi=10), 100_000)
+    assert kind.decode(list(range(11)) * 9000, "$.pages") == tuple(range(11)) * 9000
+    assert (
+        str(_refused(kind, [1] * 500 + [11], "$.pages")) == "at $.pages[500]: expected int in [0, 10], got 11"
+    )
+    assert str(_refused(kind, [1, True], "$.pages")) == "at $.pages[1]: expected int, got bool"
