@@ -44,6 +44,7 @@ from pd_transfer.protocol.schema import RECORDS
 from pd_transfer.protocol.transitions import TERMINAL_STATES, TRANSITIONS, SessionState, Trigger
 from pd_transfer.wire import fields as kinds
 from pd_transfer.wire import limits as wire_limits
+from pd_transfer.wire import packed
 from pd_transfer.wire.limits import Limits
 
 DOCS_DIR = Path(__file__).resolve().parents[1] / "docs"
@@ -132,7 +133,7 @@ def describe_kind(kind: kinds.Kind) -> str:
         return f"list (at most {_number(kind.max_len)}) of {describe_kind(kind.item)}"
     if isinstance(kind, kinds.TupleOf):
         return "[" + "; ".join(describe_kind(k) for k in kind.items) + "]"
-    if isinstance(kind, kinds.Indices):
+    if isinstance(kind, packed.Indices):
         return (
             f"indices in [0, {_number(kind.hi)}], at most {_number(kind.max_len)}: packed "
             "little-endian int64 bytes, or a list of int"

@@ -50,11 +50,9 @@ from pd_transfer.protocol.messages import (
 )
 from pd_transfer.wire.fields import (
     Bool,
-    Checksums,
     EnumOf,
     Field,
     Float,
-    Indices,
     Int,
     ListOf,
     Optional,
@@ -82,6 +80,7 @@ from pd_transfer.wire.limits import (
     MAX_TAG_LEN,
     MAX_TEXT_LEN,
 )
+from pd_transfer.wire.packed import Checksums, Indices
 
 U64 = Int(hi=2**64 - 1)
 U32 = Int(hi=2**32 - 1)

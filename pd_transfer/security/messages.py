@@ -28,8 +28,9 @@ from typing import Any, ClassVar
 from pd_transfer.errors import Reason
 from pd_transfer.protocol.messages import PROTOCOL_VERSION
 from pd_transfer.wire.envelope import Envelope
-from pd_transfer.wire.fields import Blob, Bool, Field, Optional, ReasonCode, Record, Str, bad_field, clip_text
+from pd_transfer.wire.fields import Bool, Field, Optional, ReasonCode, Record, Str, bad_field, clip_text
 from pd_transfer.wire.limits import HANDSHAKE_LIMITS, MAX_HANDSHAKE_TEXT_LEN, MAX_ID_LEN
+from pd_transfer.wire.packed import Blob
 
 NONCE_NBYTES = 32
 PROOF_NBYTES = 32  # HMAC-SHA256

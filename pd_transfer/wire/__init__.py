@@ -8,6 +8,7 @@ with the kinds of :mod:`fields`, so each error names its field path
 msgspec-style (``at $.chunk.regions[2]: expected str, got int``).
 
     fields.py    field kinds: typed encode/decode with $.paths in errors; Record
+    packed.py    byte-valued kinds: packed indices and checksums, blobs, row tables
     envelope.py  pack/unpack under limits; Envelope: the tagged, versioned header
     limits.py    every size cap of every framing, named, each with its reason
 

@@ -7,9 +7,7 @@ import pytest
 
 from pd_transfer.errors import PdTransferError, ProtocolError, Reason
 from pd_transfer.wire.fields import (
-    Blob,
     Bool,
-    Bytes,
     EnumOf,
     Field,
     Float,
@@ -23,6 +21,7 @@ from pd_transfer.wire.fields import (
     clip_text,
     read_field,
 )
+from pd_transfer.wire.packed import Blob, Bytes
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import numpy as np
 from pd_transfer.errors import ProtocolError, Reason, TransportError
 from pd_transfer.transport.copy.packing import WireRuns
 from pd_transfer.wire.envelope import Envelope, translated
-from pd_transfer.wire.fields import Bytes, Field, Int, ListOf, Record, Str
+from pd_transfer.wire.fields import Field, Int, ListOf, Record, Str
 from pd_transfer.wire.limits import (
     DATA_PLANE_HEADER_NBYTES,
     DATA_PLANE_LIMITS,
@@ -40,6 +40,7 @@ from pd_transfer.wire.limits import (
     MAX_ID_LEN,
     MAX_REGIONS_PER_CHUNK,
 )
+from pd_transfer.wire.packed import Bytes
 
 WIRE_VERSION = 1
 MAX_HEADER_NBYTES = DATA_PLANE_HEADER_NBYTES

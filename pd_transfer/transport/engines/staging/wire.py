@@ -31,8 +31,9 @@ from pd_transfer.errors import ProtocolError, Reason, TransportError
 from pd_transfer.transport.tcp.frames import ChunkHeader, decode_data
 from pd_transfer.transport.tcp.frames import encode as encode_chunk
 from pd_transfer.wire.envelope import Envelope, translated
-from pd_transfer.wire.fields import Bytes, Field, Int, ListOf, Record, bad_field
+from pd_transfer.wire.fields import Field, Int, ListOf, Record, bad_field
 from pd_transfer.wire.limits import DATA_PLANE_HEADER_NBYTES, DATA_PLANE_LIMITS, MAX_RING_SLOTS
+from pd_transfer.wire.packed import Bytes
 
 WIRE_VERSION = 1
 MAX_HEADER_NBYTES = DATA_PLANE_HEADER_NBYTES
