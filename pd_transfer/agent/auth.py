@@ -25,8 +25,8 @@ import zmq.asyncio
 
 from pd_transfer.errors import AuthError, PdTransferError, Reason
 from pd_transfer.protocol import Close, encode
-from pd_transfer.protocol.messages import clip_text
 from pd_transfer.security import ClientHandshake, Decision, Gate, NonceBook, SecuritySettings, new_routing_id
+from pd_transfer.wire.fields import clip_text
 
 log = logging.getLogger(__name__)
 
