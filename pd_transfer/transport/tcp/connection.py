@@ -51,8 +51,6 @@ from pd_transfer.transport.tcp.handshake_gate import GatedConnection
 from pd_transfer.transport.tcp.iovecs import Staging, destination_parts, finish
 from pd_transfer.transport.tcp.sockets import (
     MAX_HANDSHAKE_NBYTES,
-    STREAM_ERRORS,
-    FrameChannel,
     Kind,
     PeerClosed,
     discard,
@@ -82,7 +80,6 @@ class Connection(GatedConnection):
     def __init__(self, receiver, sock: socket.socket, where: str) -> None:
         super().__init__(sock, where, pending=receiver.auth is not None)
         self.receiver = receiver
-        self.peer_agent = ""
         self.landing: Ticket | None = None  # the chunk being received (for fences)
         self._open: OrderedDict[int, _Progress] = OrderedDict()
         self._failed: OrderedDict[int, None] = OrderedDict()
@@ -128,48 +125,7 @@ class Connection(GatedConnection):
 
     # -- authentication ------------------------------------------------------------------
     def _authenticate(self) -> bool:
-        receiver = self.receiver
-        self.sock.settimeout(receiver.handshake_timeout_s)  # the deadline cuts in earlier
-        try:
-            head = self._prefix()
-            if head is None:  # closed: by the peer, or cut off by the gate
-                raise PeerClosed(partial=False)
-            if head.kind is not Kind.HANDSHAKE:
-                self._refuse_unauthenticated(head)
-                return False
-            if head.header_nbytes > MAX_HANDSHAKE_NBYTES or head.payload_nbytes:
-                raise TransportError(
-                    f"a handshake frame of {head.header_nbytes} header and "
-                    f"{head.payload_nbytes} payload bytes exceeds the limits "
-                    f"({MAX_HANDSHAKE_NBYTES}, 0)",
-                    code=Reason.FRAME_TOO_LARGE,
-                )
-            first = recv_exact(self.sock, head.header_nbytes)
-            self.peer_agent = receiver.auth.server(
-                first, FrameChannel(self.sock), f"{receiver.address}: {self.where}"
-            )
-        except TransportError as err:
-            if err.code in STREAM_ERRORS:  # garbage, not a refused handshake (counted there)
-                receiver.bad_frame(err.code, err.message, self.where)
-            else:
-                receiver.count(err.code)
-            return False
-        except OSError as err:  # PeerClosed too: a cut-off shuts the socket down
-            if self.cut_off is not None:
-                receiver.bad_frame(*self.cut_off, self.where)
-            elif isinstance(err, TimeoutError):
-                receiver.bad_frame(
-                    Reason.TIMEOUT,
-                    f"no authentication handshake within {receiver.handshake_timeout_s:g} s",
-                    self.where,
-                )
-            else:
-                raise
-            return False
-        self.sock.settimeout(None)
-        if not self.settle():
-            return False  # cut off just as it finished
-        return receiver.admit_authenticated(self)
+        return self.authenticate(self.receiver, self._prefix, self._refuse_unauthenticated)
 
     def _refuse_unauthenticated(self, head) -> None:
         """A data frame before the handshake: refused, its header read only if it is as

@@ -8,8 +8,8 @@ and acks; after a transfer's ``end`` it answers ``done`` if every chunk
 landed. A frame that fails any check is refused with a reason, counted in
 :attr:`TcpReceiver.stats`, and never written; the transfer it belongs to is
 failed (the sender's ``write`` raises with that reason), and the receiver
-keeps serving everyone else. Rooms are admitted as by the plain receiver
-(:class:`~pd_transfer.transport.receiver_rooms.ReceiverRooms`: ``expect``, ``forget``, ``fence``).
+keeps serving everyone else. Rooms are admitted as by every receiver
+(:class:`~pd_transfer.transport.base.Receiver`: ``expect``, ``forget``, ``fence``).
 
 Frames are read one at a time, in arrival order, and checked before anything
 else happens; chunks of ``inline_nbytes`` or more are then scattered in
@@ -34,9 +34,10 @@ import zmq.asyncio
 
 from pd_transfer import shm_guard
 from pd_transfer.errors import Reason, TransportError
+from pd_transfer.transport.base import Receiver
 from pd_transfer.transport.copy.packing import check_wire, scatter_chunk
-from pd_transfer.transport.receiver_rooms import ByteRanges, ReceiverRooms, RoomPolicy, Ticket
-from pd_transfer.transport.regions import Mapped, RegionMemory, map_one
+from pd_transfer.transport.receiver_rooms import RoomPolicy, Ticket
+from pd_transfer.transport.regions import Mapped, MappedCache, RegionMemory
 from pd_transfer.transport.tcp.frames import (
     Ack,
     ChunkHeader,
@@ -46,7 +47,7 @@ from pd_transfer.transport.tcp.frames import (
     decode_data,
     encode,
 )
-from pd_transfer.transport.tcp.receiver import ReceiverStats
+from pd_transfer.transport.tcp.serving import ReceiverStats
 
 log = logging.getLogger("pd_transfer.transport.zmq")
 
@@ -64,7 +65,7 @@ class _Progress:
     landing: set = field(default_factory=set)  # scatters of this transfer still running
 
 
-class ZmqTcpReceiver:
+class ZmqTcpReceiver(Receiver):
     """Serve the regions behind ``regions_lookup`` at ``tcp://bind_host:port``.
 
     ``port=0`` picks a free port; :attr:`address` is the endpoint to publish.
@@ -92,6 +93,7 @@ class ZmqTcpReceiver:
         watch: Callable[[zmq.asyncio.Socket], Awaitable[None]] | None = None,
         on_bad_frame: Callable[[str], None] = lambda reason: None,
     ) -> None:
+        super().__init__(policy)
         self.socket_options = socket_options  # e.g. CURVE server keys, set by the agent
         self.watch = watch
         self.on_bad_frame = on_bad_frame
@@ -106,13 +108,11 @@ class ZmqTcpReceiver:
         self.inline_nbytes = inline_nbytes
         self.on_landed = on_landed
         self.stats = ReceiverStats()
-        self.address = ""
         self._socket: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task | None = None
-        self._mapped: dict[str, tuple[RegionMemory, Mapped]] = {}
+        self._mapped = MappedCache()
         self._open: OrderedDict[tuple[bytes, int], _Progress] = OrderedDict()
         self._failed: OrderedDict[tuple[bytes, int], None] = OrderedDict()
-        self.admission = ReceiverRooms(policy)
         self._landing: set[asyncio.Future] = set()
         self._slots = asyncio.Semaphore(max_scatters)
 
@@ -153,34 +153,11 @@ class ZmqTcpReceiver:
             self._socket.close(linger=0)
             self._socket = None
 
-    async def __aenter__(self) -> ZmqTcpReceiver:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
-
-    async def fence(self, room: str, generation: int) -> None:
-        """Refuse every later chunk of ``room`` with a generation <= ``generation``.
-
-        Returns once no chunk of it can still be written (a scatter in
-        progress has finished).
-        """
-        self.admission.fence(room, generation)
-        if self._landing:  # chunks accepted before the fence may still be writing
+    async def _settle(self, room: str, generation: int) -> None:
+        """Chunks admitted before the fence may still be scattering in threads: wait for
+        them all."""
+        if self._landing:
             await asyncio.gather(*list(self._landing), return_exceptions=True)
-
-    def expect(self, room: str, generation: int, ranges: Mapping[str, ByteRanges]) -> None:
-        """Admit chunks of ``room`` at ``generation``, only inside ``ranges`` (per region)."""
-        self.admission.expect(room, generation, ranges)
-
-    def forget(self, room: str) -> None:
-        """The room is finished: refuse its later chunks."""
-        self.admission.forget(room)
-
-    def forget_room(self, room: str) -> None:
-        """Drop the fence and expectation of a room that is finished for good."""
-        self.admission.forget_room(room)
 
     # -- serving ----------------------------------------------------------------------
     async def _serve(self) -> None:
@@ -326,13 +303,7 @@ class ZmqTcpReceiver:
         await self._reply(identity, Done(header.xfer, header.nbytes))
 
     def _region(self, region_id: str) -> Mapped:
-        memory = self._lookup(region_id)
-        if memory is None:
-            raise TransportError(f"region {region_id!r} is not registered here", code=Reason.UNKNOWN_REGION)
-        cached = self._mapped.get(region_id)
-        if cached is None or cached[0] is not memory:
-            cached = self._mapped[region_id] = (memory, map_one(region_id, memory, "destination"))
-        return cached[1]
+        return self._mapped.destination(self._lookup, region_id)
 
     async def _refuse(self, identity: bytes, key: tuple[bytes, int], room: str, err: TransportError) -> None:
         log.warning("tcp receiver %s: refused room %s: %s", self.address, room or "-", err.message)
