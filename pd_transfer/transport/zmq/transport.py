@@ -49,21 +49,12 @@ from pd_transfer.transport.tcp.frames import (
     decode_reply,
     encode,
 )
+from pd_transfer.transport.tcp.xfers import Xfer, settle
 
 log = logging.getLogger("pd_transfer.transport.zmq")
 
 DEFAULT_CHUNK_NBYTES = 4 << 20
 DEFAULT_WINDOW_NBYTES = 64 << 20
-
-
-class _Xfer:
-    """One write in flight on a link: its unacked chunks and its final answer."""
-
-    def __init__(self, xfer_id: int, room: str) -> None:
-        self.xfer_id = xfer_id
-        self.room = room
-        self.unacked: dict[int, int] = {}  # chunk seq -> nbytes
-        self.result: asyncio.Future[int] = asyncio.get_running_loop().create_future()
 
 
 class ZmqTcpLink(Link):
@@ -76,16 +67,16 @@ class ZmqTcpLink(Link):
         self.in_flight_nbytes = 0
         self.max_in_flight_nbytes = 0
         self._credit = asyncio.Condition()
-        self._xfers: dict[int, _Xfer] = {}
+        self._xfers: dict[int, Xfer] = {}
         self._ids = itertools.count(1)
         self._reader = asyncio.create_task(self._read_replies(), name=f"tcp-replies-{peer.peer_id}")
 
-    def open_xfer(self, room: str) -> _Xfer:
-        xfer = _Xfer(next(self._ids), room)
+    def open_xfer(self, room: str) -> Xfer:
+        xfer = Xfer(next(self._ids), room)
         self._xfers[xfer.xfer_id] = xfer
         return xfer
 
-    async def close_xfer(self, xfer: _Xfer) -> None:
+    async def close_xfer(self, xfer: Xfer) -> None:
         """Forget a finished or abandoned write and give back the credit its chunks hold."""
         self._xfers.pop(xfer.xfer_id, None)
         if xfer.unacked:
@@ -130,22 +121,9 @@ class ZmqTcpLink(Link):
             )
 
     async def _dispatch(self, reply: Ack | Done | Fail) -> None:
-        xfer = self._xfers.get(reply.xfer)
-        if xfer is None:
-            return  # a reply for a write that was abandoned (its caller timed out)
-        if isinstance(reply, Ack):
-            nbytes = xfer.unacked.pop(reply.seq, None)
-            if nbytes is not None:
-                await self._give_back(nbytes)
-        elif isinstance(reply, Done):
-            if not xfer.result.done():
-                xfer.result.set_result(reply.nbytes)
-        elif not xfer.result.done():
-            xfer.result.set_exception(
-                TransportError(
-                    f"{self.peer.peer_id} refused room {xfer.room or '-'}: {reply.text}", code=reply.reason()
-                )
-            )
+        nbytes = settle(self._xfers, reply, self.peer.peer_id)
+        if nbytes is not None:
+            await self._give_back(nbytes)
 
     def _fail_all(self, error: TransportError) -> None:
         for xfer in self._xfers.values():
