@@ -17,6 +17,9 @@ Flow control: per link (= per peer) at most ``window_nbytes`` of chunks are
 sent and not yet acked, across all writes sharing the link. A chunk waits for
 credit unless nothing is in flight (so a chunk larger than the window still
 goes, alone). ``TcpLink.max_in_flight_nbytes`` records the high-water mark.
+The last chunk of a write of several goes only once the others are acked:
+the receiver scatters large chunks in threads, and the plan's last run (a
+room's aux row) must land last.
 
 A receiver that stops answering makes ``write`` wait for credit or for its
 ``done``: callers bound every write with their room timeout; liveness is the
@@ -96,6 +99,11 @@ class ZmqTcpLink(Link):
             self.in_flight_nbytes += nbytes
             self.max_in_flight_nbytes = max(self.max_in_flight_nbytes, self.in_flight_nbytes)
 
+    async def wait_acked(self, xfer: Xfer) -> None:
+        """Return once every chunk of ``xfer`` sent so far is acknowledged, or it ended."""
+        async with self._credit:
+            await self._credit.wait_for(lambda: self._closed or not xfer.unacked or xfer.result.done())
+
     async def _give_back(self, nbytes: int) -> None:
         async with self._credit:
             self.in_flight_nbytes -= nbytes
@@ -119,11 +127,12 @@ class ZmqTcpLink(Link):
                     f"link to {self.peer.peer_id} closed with transfers in flight", code=Reason.LINK_CLOSED
                 )
             )
+            async with self._credit:  # wake writers waiting for credit or acks: they see it
+                self._credit.notify_all()
 
     async def _dispatch(self, reply: Ack | Done | Fail) -> None:
         nbytes = settle(self._xfers, reply, self.peer.peer_id)
-        if nbytes is not None:
-            await self._give_back(nbytes)
+        await self._give_back(nbytes or 0)  # also wakes a writer waiting for the acks (wait_acked)
 
     def _fail_all(self, error: TransportError) -> None:
         for xfer in self._xfers.values():
@@ -192,8 +201,13 @@ class ZmqTcpTransport(Transport):
         gathered = _Prefetch(layouts, src, depth=2)  # gathers run ahead while chunks are on the wire
         total = sum(layout.nbytes for layout in layouts)
         try:
-            for layout in layouts:
+            for index, layout in enumerate(layouts):
                 payload = await gathered.next()
+                if index and index == len(layouts) - 1:
+                    # the receiver scatters large chunks in threads, so a small last chunk
+                    # could land first: the plan's last run (a room's aux row) goes only
+                    # once the rest has landed
+                    await link.wait_acked(xfer)
                 if self.corrupt_payload is not None:
                     self.corrupt_payload(memoryview(payload))  # a fresh buffer: the source is intact
                 await link.acquire(layout.nbytes)
