@@ -32,6 +32,23 @@ Contracts every implementation keeps:
   still write, which is what an abort must wait for before it tells decode
   that its pages are free again.
 
+The invariants every transport keeps (tested once for each, in
+``tests/transport/test_transport_invariants.py``):
+
+(a) **the aux row lands last.** A room's plan ends with its aux row; its
+    last run lands after every other byte of the plan, whatever runs in
+    parallel (copy threads, tcp lanes, a receiver's scatter threads), so a
+    reader that sees the aux row sees the whole room;
+(b) **no byte outside a registered region.** Every run is checked against
+    the destination's registered sizes before the first byte of the write
+    moves; a plan with one run out of bounds is refused
+    (``RUN_OUT_OF_REGION``) and writes nothing;
+(c) **a fenced room takes no late byte.** Where a :class:`Receiver` lands
+    the bytes, once :meth:`Receiver.fence` returns no chunk of that room
+    generation can land and later ones are refused (``STALE_GENERATION``);
+    where the writer writes in place (shm, device, mock, engines' direct
+    writes) the abort waits for :meth:`Link.drain` instead.
+
 This layer may import numpy, torch, zmq and asyncio; never ``pd_transfer.agent``
 or ``pd_transfer.protocol``.
 """
