@@ -52,7 +52,6 @@ from pd_transfer.transport.tcp.iovecs import Staging, destination_parts, finish
 from pd_transfer.transport.tcp.sockets import (
     MAX_HANDSHAKE_NBYTES,
     Kind,
-    PeerClosed,
     discard,
     read_prefix,
     recv_all_into,
@@ -85,38 +84,21 @@ class Connection(GatedConnection):
         self._failed: OrderedDict[int, None] = OrderedDict()
         self._staging = Staging()
 
-    def serve(self) -> None:
+    def _frames(self) -> None:
         receiver = self.receiver
-        try:
-            if receiver.auth is not None and not self._authenticate():
-                self.settle(ok=False)
+        while (head := self._prefix()) is not None:
+            header = recv_exact(self.sock, head.header_nbytes)
+            if head.kind is Kind.DATA:
+                self._frame(header, head.payload_nbytes)
+                continue
+            discard(self.sock, head.payload_nbytes)
+            why = f"a {head.kind.name.lower()} frame is not accepted here" + (
+                "" if receiver.auth else ": this receiver runs no authentication handshake"
+            )
+            receiver.bad_frame(Reason.BAD_FRAME, why, self.where)
+            self._reply(Fail(-1, Reason.BAD_FRAME.value, why))
+            if head.kind is Kind.HANDSHAKE:
                 return
-            while (head := self._prefix()) is not None:
-                header = recv_exact(self.sock, head.header_nbytes)
-                if head.kind is Kind.DATA:
-                    self._frame(header, head.payload_nbytes)
-                    continue
-                discard(self.sock, head.payload_nbytes)
-                why = f"a {head.kind.name.lower()} frame is not accepted here" + (
-                    "" if receiver.auth else ": this receiver runs no authentication handshake"
-                )
-                receiver.bad_frame(Reason.BAD_FRAME, why, self.where)
-                self._reply(Fail(-1, Reason.BAD_FRAME.value, why))
-                if head.kind is Kind.HANDSHAKE:
-                    return
-        except TransportError as err:  # a prefix that is not ours: the stream is lost
-            receiver.bad_frame(err.code, err.message, self.where)
-        except PeerClosed as err:
-            if err.partial:
-                log.info("tcp receiver %s: %s went away mid-frame", receiver.address, self.where)
-        except OSError as err:
-            log.info("tcp receiver %s: %s: %s", receiver.address, self.where, err)
-        except Exception:  # never let a bug of ours kill the thread silently
-            log.exception("tcp receiver %s: %s: frame handling failed", receiver.address, self.where)
-            receiver.count(Reason.TRANSPORT_FAILED)
-        finally:
-            self.shutdown()
-            self.sock.close()
 
     def _prefix(self):
         return read_prefix(
@@ -124,8 +106,8 @@ class Connection(GatedConnection):
         )
 
     # -- authentication ------------------------------------------------------------------
-    def _authenticate(self) -> bool:
-        return self.authenticate(self.receiver, self._prefix, self._refuse_unauthenticated)
+    def _handshake_head(self):
+        return self._prefix()  # the handshake's own limits are checked on its prefix
 
     def _refuse_unauthenticated(self, head) -> None:
         """A data frame before the handshake: refused, its header read only if it is as

@@ -16,6 +16,9 @@ stranger's, and the gate bounds what a stranger can hold:
 - a connection authenticated just as it was cut off stays cut off
   (:meth:`GatedConnection.settle`).
 
+:meth:`GatedConnection.serve` is every such connection's thread: the
+handshake first, then the receiver's frames, and one way of logging,
+counting and reporting whatever ends the stream.
 :meth:`GatedConnection.authenticate` runs the handshake on the connection's
 thread and sorts its failures the same way for every such receiver: garbage
 (a stream error) is a bad frame, a refused handshake is counted (the
@@ -58,6 +61,57 @@ class GatedConnection:
         self.holds_slot = False  # counted among the receiver's authenticated connections
         self.peer_agent = ""  # who authenticated (the authenticator's name for the peer)
         self._state = threading.Lock()
+
+    def serve(self) -> None:
+        """The connection thread's body: the handshake when the receiver authenticates,
+        then :meth:`_frames` until the peer closes. What ends the stream is logged,
+        counted and reported once (a prefix that is not ours is a bad frame; a bug of
+        ours is logged, never a silently dead thread), then the socket is closed.
+
+        Subclasses set ``receiver`` (a :class:`~pd_transfer.transport.tcp.serving.ThreadedReceiver`)
+        and give :meth:`_frames`, :meth:`_handshake_head` and :meth:`_refuse_unauthenticated`.
+        """
+        receiver = self.receiver
+        try:
+            if receiver.auth is not None and not self.authenticate(
+                receiver, self._handshake_head, self._refuse_unauthenticated
+            ):
+                self.settle(ok=False)
+                return
+            self._frames()
+        except TransportError as err:  # a prefix that is not ours: the stream is lost
+            receiver.bad_frame(err.code, err.message, self.where)
+        except PeerClosed as err:
+            if err.partial:
+                receiver.log.info(
+                    "%s %s: %s went away mid-frame", receiver.label, receiver.address, self.where
+                )
+        except OSError as err:
+            receiver.log.info("%s %s: %s: %s", receiver.label, receiver.address, self.where, err)
+        except Exception:  # never let a bug of ours kill the thread silently
+            receiver.log.exception(
+                "%s %s: %s: frame handling failed", receiver.label, receiver.address, self.where
+            )
+            receiver.count(Reason.TRANSPORT_FAILED)
+        finally:
+            self._ended()
+            self.shutdown()
+            self.sock.close()
+
+    def _frames(self) -> None:
+        """Serve the authenticated stream until the peer closes it."""
+        raise NotImplementedError
+
+    def _handshake_head(self) -> Prefix | None:
+        """Read the first frame's prefix, bounded for a stranger."""
+        raise NotImplementedError
+
+    def _refuse_unauthenticated(self, head: Prefix) -> None:
+        """Answer a first frame that is not a handshake."""
+        raise NotImplementedError
+
+    def _ended(self) -> None:
+        """The connection ends (its thread, before the socket closes)."""
 
     def authenticate(
         self, receiver, read_head: Callable[[], Prefix | None], refuse: Callable[[Prefix], None]

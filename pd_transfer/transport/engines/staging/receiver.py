@@ -61,7 +61,6 @@ from pd_transfer.transport.tcp.sockets import (
     MAX_HANDSHAKE_NBYTES,
     Authenticator,
     Kind,
-    PeerClosed,
     read_prefix,
     recv_exact,
     send_frame,
@@ -199,39 +198,24 @@ class _Connection(GatedConnection):
         self.ring: tuple[int, ...] = ()
         self._failed: set[int] = set()  # transfers refused: their later chunks are too
 
-    def serve(self) -> None:
+    def _frames(self) -> None:
         receiver = self.receiver
-        try:
-            if receiver.auth is not None and not self._authenticate():
-                self.settle(ok=False)
+        while (
+            head := read_prefix(self.sock, max_header_nbytes=MAX_HEADER_NBYTES, max_payload_nbytes=0)
+        ) is not None:
+            header = recv_exact(self.sock, head.header_nbytes)
+            if head.kind is not Kind.DATA:
+                receiver.bad_frame(
+                    Reason.BAD_FRAME, f"a {head.kind.name.lower()} frame is not accepted here", self.where
+                )
                 return
-            while (
-                head := read_prefix(self.sock, max_header_nbytes=MAX_HEADER_NBYTES, max_payload_nbytes=0)
-            ) is not None:
-                header = recv_exact(self.sock, head.header_nbytes)
-                if head.kind is not Kind.DATA:
-                    receiver.bad_frame(
-                        Reason.BAD_FRAME, f"a {head.kind.name.lower()} frame is not accepted here", self.where
-                    )
-                    return
-                self._request(header)
-        except TransportError as err:  # a prefix that is not ours: the stream is lost
-            receiver.bad_frame(err.code, err.message, self.where)
-        except (PeerClosed, OSError) as err:
-            log.info("staging receiver %s: %s: %s", receiver.address, self.where, err)
-        except Exception:  # never let a bug of ours kill the thread silently
-            log.exception("staging receiver %s: %s: request failed", receiver.address, self.where)
-            receiver.count(Reason.TRANSPORT_FAILED)
-        finally:
-            receiver.area.give_back(self.ring)
-            self.ring = ()
-            self.shutdown()
-            self.sock.close()
+            self._request(header)
 
-    def _authenticate(self) -> bool:
-        return self.authenticate(self.receiver, self._head, self._refuse_unauthenticated)
+    def _ended(self) -> None:
+        self.receiver.area.give_back(self.ring)
+        self.ring = ()
 
-    def _head(self):
+    def _handshake_head(self):
         return read_prefix(self.sock, max_header_nbytes=MAX_HANDSHAKE_NBYTES, max_payload_nbytes=0)
 
     def _refuse_unauthenticated(self, head) -> None:
