@@ -30,8 +30,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import socket
-from collections import OrderedDict
-from dataclasses import dataclass
 
 from pd_transfer import shm_guard
 from pd_transfer.errors import Reason, TransportError
@@ -59,18 +57,11 @@ from pd_transfer.transport.tcp.sockets import (
     recv_part,
     send_frame,
 )
+from pd_transfer.transport.tcp.xfers import Incoming, check_complete
 
 log = logging.getLogger("pd_transfer.transport.tcp.transport")
 
-_MAX_OPEN_XFERS = 4096
-_MAX_REMEMBERED_FAILURES = 4096
 _ON_LANDED_TIMEOUT_S = 30.0
-
-
-@dataclass
-class _Progress:
-    chunks: int = 0
-    nbytes: int = 0
 
 
 class Connection(GatedConnection):
@@ -80,8 +71,7 @@ class Connection(GatedConnection):
         super().__init__(sock, where, pending=receiver.auth is not None)
         self.receiver = receiver
         self.landing: Ticket | None = None  # the chunk being received (for fences)
-        self._open: OrderedDict[int, _Progress] = OrderedDict()
-        self._failed: OrderedDict[int, None] = OrderedDict()
+        self._xfers = Incoming(log)
         self._staging = Staging()
 
     def _frames(self) -> None:
@@ -138,7 +128,7 @@ class Connection(GatedConnection):
             receiver.bad_frame(err.code, err.message, self.where)
             discard(self.sock, payload_nbytes)
             return
-        if header.xfer in self._failed:
+        if self._xfers.refused(None, header.xfer):
             receiver.count(Reason.TRANSPORT_FAILED)  # the rest of a refused transfer
             discard(self.sock, payload_nbytes)
             return
@@ -164,13 +154,7 @@ class Connection(GatedConnection):
         except TransportError:
             discard(self.sock, payload_nbytes)  # nothing of it is written
             raise
-        progress = self._open.get(header.xfer)
-        if progress is None:
-            if len(self._open) >= _MAX_OPEN_XFERS:
-                # a sender that gave up mid-transfer never sends its end: forget the oldest
-                stale, _ = self._open.popitem(last=False)
-                log.warning("tcp receiver %s: dropped stale transfer %d", receiver.address, stale)
-            progress = self._open[header.xfer] = _Progress()
+        progress = self._xfers.progress(None, header.xfer, f"tcp receiver {receiver.address}")
         self.landing = ticket
         before = shm_guard.faults_total()
         try:
@@ -197,14 +181,7 @@ class Connection(GatedConnection):
     def _end(self, header: EndHeader) -> None:
         receiver = self.receiver
         receiver.admission.check_end(header.room, header.generation)
-        progress = self._open.pop(header.xfer, _Progress())
-        if (progress.chunks, progress.nbytes) != (header.num_chunks, header.nbytes):
-            raise TransportError(
-                f"room {header.room}: {progress.chunks} chunk(s) / "
-                f"{progress.nbytes} bytes landed, sender sent "
-                f"{header.num_chunks} / {header.nbytes}",
-                code=Reason.TRANSFER_INCOMPLETE,
-            )
+        check_complete(self._xfers.end(None, header.xfer), header)
         receiver.transfer_done()
         if receiver.on_landed is not None:
             self._on_landed(header)
@@ -236,10 +213,7 @@ class Connection(GatedConnection):
             err.message,
         )
         self.receiver.count(err.code)
-        self._open.pop(xfer, None)
-        self._failed[xfer] = None
-        while len(self._failed) > _MAX_REMEMBERED_FAILURES:
-            self._failed.popitem(last=False)
+        self._xfers.refuse(None, xfer)
         self._reply(Fail(xfer, err.code.value, err.message))
 
     def _reply(self, message: Ack | Done | Fail) -> None:

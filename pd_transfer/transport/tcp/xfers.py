@@ -1,20 +1,30 @@
-"""One write in flight on a sender link, and how the receiver's replies settle it.
+"""Transfers on the wire, at both ends: a sender's write in flight and how the
+receiver's replies settle it; a receiver's transfers landing and the ones it refused.
 
 Both tcp senders (the plain link of :mod:`~pd_transfer.transport.tcp.link`
 and the ZeroMQ one of :mod:`~pd_transfer.transport.zmq.transport`) number
 their writes (``xfer``) and their chunks (``seq``); the receiver answers each
 chunk with an ``ack``, each transfer with ``done`` or ``fail``
 (:mod:`~pd_transfer.transport.tcp.frames`). :func:`settle` applies one reply
-to the write it names; it runs on the event loop.
+to the write it names; it runs on the event loop. On the receiving side
+(the tcp connection, the ZeroMQ receiver) :class:`Incoming` counts each
+transfer's chunks until its ``end`` and remembers the transfers it refused
+(their later frames are dropped), both bounded.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+import logging
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
 
-from pd_transfer.errors import TransportError
-from pd_transfer.transport.tcp.frames import Ack, Done, Fail
+from pd_transfer.errors import Reason, TransportError
+from pd_transfer.transport.tcp.frames import Ack, Done, EndHeader, Fail
+
+MAX_OPEN_XFERS = 4096
+MAX_REMEMBERED_FAILURES = 4096
 
 
 class Xfer:
@@ -47,3 +57,60 @@ def settle(xfers: Mapping[int, Xfer], reply: Ack | Done | Fail, peer_id: str) ->
             TransportError(f"{peer_id} refused room {xfer.room or '-'}: {reply.text}", code=reply.reason())
         )
     return None
+
+
+@dataclass
+class Progress:
+    """What landed of one incoming transfer so far."""
+
+    chunks: int = 0
+    nbytes: int = 0
+    landing: set = field(default_factory=set)  # scatters of it still running (ZeroMQ receiver)
+
+
+class Incoming:
+    """A receiver's incoming transfers, keyed by ``(peer, xfer)`` (``peer``: the ZeroMQ
+    identity, or None on a connection of its own), and those it refused."""
+
+    def __init__(self, log: logging.Logger) -> None:
+        self.log = log
+        self._open: OrderedDict[tuple[Hashable, int], Progress] = OrderedDict()
+        self._failed: OrderedDict[tuple[Hashable, int], None] = OrderedDict()
+
+    def refused(self, peer: Hashable, xfer: int) -> bool:
+        """Was this transfer refused (its later frames are dropped)?"""
+        return (peer, xfer) in self._failed
+
+    def progress(self, peer: Hashable, xfer: int, where: str) -> Progress:
+        """The transfer's progress, opened at its first chunk (``where`` names the
+        receiver in the log)."""
+        progress = self._open.get((peer, xfer))
+        if progress is None:
+            if len(self._open) >= MAX_OPEN_XFERS:
+                # a sender that vanished mid-transfer never sends its end: forget the
+                # oldest open transfer (should it resume, its end reports it incomplete)
+                (_, stale), _ = self._open.popitem(last=False)
+                self.log.warning("%s: dropped stale transfer %d", where, stale)
+            progress = self._open[(peer, xfer)] = Progress()
+        return progress
+
+    def end(self, peer: Hashable, xfer: int) -> Progress:
+        """The transfer ends: its progress (empty if no chunk of it landed)."""
+        return self._open.pop((peer, xfer), Progress())
+
+    def refuse(self, peer: Hashable, xfer: int) -> None:
+        self._open.pop((peer, xfer), None)
+        self._failed[(peer, xfer)] = None
+        while len(self._failed) > MAX_REMEMBERED_FAILURES:
+            self._failed.popitem(last=False)
+
+
+def check_complete(progress: Progress, header: EndHeader) -> None:
+    """Raise TRANSFER_INCOMPLETE unless every chunk the sender counted landed."""
+    if (progress.chunks, progress.nbytes) != (header.num_chunks, header.nbytes):
+        raise TransportError(
+            f"room {header.room}: {progress.chunks} chunk(s) / "
+            f"{progress.nbytes} bytes landed, sender sent "
+            f"{header.num_chunks} / {header.nbytes}",
+            code=Reason.TRANSFER_INCOMPLETE,
+        )

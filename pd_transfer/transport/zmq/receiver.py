@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
@@ -48,21 +46,12 @@ from pd_transfer.transport.tcp.frames import (
     encode,
 )
 from pd_transfer.transport.tcp.serving import ReceiverStats
+from pd_transfer.transport.tcp.xfers import Incoming, Progress, check_complete
 
 log = logging.getLogger("pd_transfer.transport.zmq")
 
 RegionLookup = Callable[[str], RegionMemory | None]
 LandedCallback = Callable[[str, int, int], None]  # (room, generation, nbytes)
-
-_MAX_OPEN_XFERS = 4096
-_MAX_REMEMBERED_FAILURES = 4096
-
-
-@dataclass
-class _Progress:
-    chunks: int = 0
-    nbytes: int = 0
-    landing: set = field(default_factory=set)  # scatters of this transfer still running
 
 
 class ZmqTcpReceiver(Receiver):
@@ -111,8 +100,7 @@ class ZmqTcpReceiver(Receiver):
         self._socket: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task | None = None
         self._mapped = MappedCache()
-        self._open: OrderedDict[tuple[bytes, int], _Progress] = OrderedDict()
-        self._failed: OrderedDict[tuple[bytes, int], None] = OrderedDict()
+        self._xfers = Incoming(log)
         self._landing: set[asyncio.Future] = set()
         self._slots = asyncio.Semaphore(max_scatters)
 
@@ -186,7 +174,7 @@ class ZmqTcpReceiver(Receiver):
             self.on_bad_frame(err.code.value)
             return
         key = (identity, header.xfer)
-        if key in self._failed:
+        if self._xfers.refused(*key):
             self.stats.refused[Reason.TRANSPORT_FAILED] += 1  # rest of a refused transfer
             return
         try:
@@ -206,14 +194,7 @@ class ZmqTcpReceiver(Receiver):
                 code=Reason.BAD_FRAME,
             )
         self.admission.check_fence(header.room, header.generation)
-        progress = self._open.get(key)
-        if progress is None:
-            if len(self._open) >= _MAX_OPEN_XFERS:
-                # a sender that vanished mid-transfer never sends its end: forget the
-                # oldest open transfer (should it resume, its end reports it incomplete)
-                stale, _ = self._open.popitem(last=False)
-                log.warning("tcp receiver %s: dropped stale transfer %d", self.address, stale[1])
-            progress = self._open[key] = _Progress()
+        progress = self._xfers.progress(*key, f"tcp receiver {self.address}")
         payload = np.frombuffer(payload_frames[0].buffer, dtype=np.uint8)
         regions = {region_id: self._region(region_id) for region_id in header.wire.regions}
         check_wire(header.wire, {r: m.nbytes for r, m in regions.items()}, payload.size)
@@ -251,7 +232,7 @@ class ZmqTcpReceiver(Receiver):
         header: ChunkHeader,
         payload: np.ndarray,
         regions: dict[str, Mapped],
-        progress: _Progress,
+        progress: Progress,
         ticket: Ticket,
     ) -> None:
         before = shm_guard.faults_total()
@@ -276,7 +257,7 @@ class ZmqTcpReceiver(Receiver):
             self.admission.release(ticket)
         await self._landed(identity, header, progress, int(payload.size))
 
-    async def _landed(self, identity: bytes, header: ChunkHeader, progress: _Progress, nbytes: int) -> None:
+    async def _landed(self, identity: bytes, header: ChunkHeader, progress: Progress, nbytes: int) -> None:
         progress.chunks += 1
         progress.nbytes += nbytes
         self.stats.chunks_landed += 1
@@ -285,18 +266,12 @@ class ZmqTcpReceiver(Receiver):
 
     async def _end(self, identity: bytes, key: tuple[bytes, int], header: EndHeader) -> None:
         self.admission.check_end(header.room, header.generation)
-        progress = self._open.pop(key, _Progress())
+        progress = self._xfers.end(*key)
         if progress.landing:  # chunks still being written in threads
             await asyncio.gather(*list(progress.landing), return_exceptions=True)
-            if key in self._failed:
+            if self._xfers.refused(*key):
                 return  # one of them failed; the refusal was sent
-        if (progress.chunks, progress.nbytes) != (header.num_chunks, header.nbytes):
-            raise TransportError(
-                f"room {header.room}: {progress.chunks} chunk(s) / "
-                f"{progress.nbytes} bytes landed, sender sent "
-                f"{header.num_chunks} / {header.nbytes}",
-                code=Reason.TRANSFER_INCOMPLETE,
-            )
+        check_complete(progress, header)
         self.stats.transfers_done += 1
         if self.on_landed is not None:
             self.on_landed(header.room, header.generation, header.nbytes)
@@ -308,10 +283,7 @@ class ZmqTcpReceiver(Receiver):
     async def _refuse(self, identity: bytes, key: tuple[bytes, int], room: str, err: TransportError) -> None:
         log.warning("tcp receiver %s: refused room %s: %s", self.address, room or "-", err.message)
         self.stats.refused[err.code] += 1
-        self._open.pop(key, None)
-        self._failed[key] = None
-        while len(self._failed) > _MAX_REMEMBERED_FAILURES:
-            self._failed.popitem(last=False)
+        self._xfers.refuse(*key)
         await self._reply(identity, Fail(key[1], err.code.value, err.message))
 
     async def _reply(self, identity: bytes, message: Ack | Done | Fail) -> None:
