@@ -37,6 +37,7 @@ from pd_transfer.transport.base import Link, PeerEndpoint, Transport
 from pd_transfer.transport.copy import native_loop
 from pd_transfer.transport.copy.device import execute_on_device
 from pd_transfer.transport.copy.engine import CopyEngine
+from pd_transfer.transport.device import DeviceLink, DeviceTransport
 from pd_transfer.transport.engines.registry import ENGINES, make_receiver, make_transport
 from pd_transfer.transport.engines.strategy import StrategyMode
 from pd_transfer.transport.mock import CorruptNth
@@ -55,17 +56,6 @@ class SegmentTruncated(PdTransferError):
     def __init__(self, message: str, *, local: bool, hint: str = "") -> None:
         super().__init__(message, code=Reason.SEGMENT_TRUNCATED, hint=hint)
         self.local = local
-
-
-class DeviceLink:
-    """Same-host link to CUDA regions opened from the peer's IPC handles."""
-
-    def __init__(self, peer_id: str, regions: dict) -> None:
-        self.peer_id = peer_id
-        self.regions = regions
-
-    async def close(self) -> None:
-        self.regions.clear()
 
 
 class DataPlane:
@@ -91,7 +81,7 @@ class DataPlane:
         self._tcp = tcp_transport(config, context, self._corrupt.payload if self._corrupt else None)
         self._receiver = None  # TcpReceiver or ZmqTcpReceiver (decode)
         self._geometry: RankGeometry | None = None
-        self._device_links: list[DeviceLink] = []
+        self._device = DeviceTransport()  # CUDA IPC handles of a same-host peer
         # transport mooncake or nixl: the engine writes (prefill) or receives (decode) everything
         self._engine = (
             make_transport(
@@ -196,7 +186,7 @@ class DataPlane:
         return self._receiver.address if self._receiver is not None else ""
 
     # -- links ----------------------------------------------------------------------
-    async def connect(self, register: Register) -> Link | DeviceLink:
+    async def connect(self, register: Register) -> Link:
         handles = {h.region: h.handle for h in register.region_handles}
         same_host = register.host_id == self.config.host_id and bool(handles)
         wanted = self.config.transport
@@ -224,12 +214,7 @@ class DataPlane:
                     PeerEndpoint.from_maps(peer_id, sizes, None, register.data_address)
                 )
             if use_shm and any(cuda_ipc.is_cuda_handle(h) for h in handles.values()):
-                regions = await asyncio.to_thread(  # the first handle initializes CUDA
-                    lambda: {r: cuda_ipc.open_handle(handles[r], n)[:n] for r, n in sizes.items()}
-                )
-                link = DeviceLink(peer_id, regions)
-                self._device_links.append(link)
-                return link
+                return await self._device.connect(PeerEndpoint.from_maps(peer_id, sizes, handles))
             if use_shm:
                 return await self._shm.connect(PeerEndpoint.from_maps(peer_id, sizes, handles))
             return await self._tcp.connect(
@@ -250,21 +235,13 @@ class DataPlane:
         try:
             return Doorbells.open(name)
         except PdTransferError as err:  # not fatal: its rooms end through Done alone
-            log.warning(
-                "cannot map the doorbells of %s: %s",
-                link.peer_id if isinstance(link, DeviceLink) else link.peer.peer_id,
-                err.message,
-            )
+            log.warning("cannot map the doorbells of %s: %s", link.peer.peer_id, err.message)
             return None
 
     def strategies(self, link, planner) -> dict:
         """``{pool: Decision}``: how each pool moves over ``link`` (set on engine links);
         see :mod:`.strategies`. Report it in the verdict, metrics and log."""
-        kind = (
-            "device"
-            if isinstance(link, DeviceLink)
-            else getattr(getattr(link, "transport", None), "name", "")
-        )
+        kind = getattr(getattr(link, "transport", None), "name", "")
         return choose_strategies(link, planner, StrategyMode(self.config.strategy), kind)
 
     async def write(self, link, plan, room: int, generation: int) -> int:
@@ -337,15 +314,10 @@ class DataPlane:
 
     async def _write(self, link, plan, room: int, generation: int) -> int:
         try:
-            if isinstance(link, DeviceLink) or self.on_device:
-                # CUDA on either side: torch copies (device to device, or to / from the
-                # peer's shared memory, which a ShmLink also offers as host tensors)
-                return await asyncio.to_thread(
-                    execute_on_device,
-                    plan,
-                    self.local_regions,
-                    link.tensors if isinstance(link, ShmLink) else link.regions,
-                )
+            if self.on_device and isinstance(link, ShmLink):
+                # CUDA here, shared memory there: torch copies into the peer's segments,
+                # which a ShmLink also offers as host tensors
+                return await asyncio.to_thread(execute_on_device, plan, self.local_regions, link.tensors)
             transport = link.transport
             nbytes = await transport.write(
                 link, plan, self.local_regions, room=str(room), generation=generation
@@ -359,8 +331,6 @@ class DataPlane:
     async def release(self, link) -> None:
         """Close one peer's link (its session was lost or closed): unmaps what it mapped,
         after the writes it started (Link.drain)."""
-        if link in self._device_links:
-            self._device_links.remove(link)
         await link.close()
 
     async def close(self) -> None:
@@ -370,8 +340,7 @@ class DataPlane:
             await self._engine.close()
         if self._engine_receiver is not None:
             await self._engine_receiver.stop()
-        for link in self._device_links:
-            await link.close()
+        await self._device.close()
         if self._receiver is not None:
             await self._receiver.stop()
         for segment in self._segments:

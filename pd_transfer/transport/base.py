@@ -10,7 +10,7 @@ regions into a peer's registered regions. The agent uses it like this::
     ...
     await transport.close()                         # closes every link
 
-Receiving side: ``shm`` needs nothing running (the decode worker publishes
+Receiving side (:class:`Receiver`): ``shm`` needs nothing running (the decode worker publishes
 its segment names as region handles and the writer maps them); ``tcp`` needs
 a :class:`~pd_transfer.transport.tcp.receiver.TcpReceiver` serving the
 decode rank's regions at the address the peer connects to; ``mock`` writes
@@ -32,6 +32,23 @@ Contracts every implementation keeps:
   still write, which is what an abort must wait for before it tells decode
   that its pages are free again.
 
+The invariants every transport keeps (tested once for each, in
+``tests/transport/test_transport_invariants.py``):
+
+(a) **the aux row lands last.** A room's plan ends with its aux row; its
+    last run lands after every other byte of the plan, whatever runs in
+    parallel (copy threads, tcp lanes, a receiver's scatter threads), so a
+    reader that sees the aux row sees the whole room;
+(b) **no byte outside a registered region.** Every run is checked against
+    the destination's registered sizes before the first byte of the write
+    moves; a plan with one run out of bounds is refused
+    (``RUN_OUT_OF_REGION``) and writes nothing;
+(c) **a fenced room takes no late byte.** Where a :class:`Receiver` lands
+    the bytes, once :meth:`Receiver.fence` returns no chunk of that room
+    generation can land and later ones are refused (``STALE_GENERATION``);
+    where the writer writes in place (shm, device, mock, engines' direct
+    writes) the abort waits for :meth:`Link.drain` instead.
+
 This layer may import numpy, torch, zmq and asyncio; never ``pd_transfer.agent``
 or ``pd_transfer.protocol``.
 """
@@ -46,6 +63,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from pd_transfer.errors import Reason, TransportError
+from pd_transfer.transport.receiver_rooms import ByteRanges, ReceiverRooms, RoomPolicy
 from pd_transfer.transport.regions import MappedCache, Regions
 
 
@@ -55,6 +73,7 @@ class TransportKind(enum.Enum):
     MOCK = "mock"
     MOONCAKE = "mooncake"  # optional extra: Mooncake Transfer Engine
     NIXL = "nixl"  # optional extra: NIXL (UCX)
+    DEVICE = "device"  # same host, CUDA IPC handles: torch copies
 
 
 @dataclass(frozen=True)
@@ -214,3 +233,97 @@ class Transport(ABC):
             )
         link.check_open()
         return link
+
+
+class Receiver(ABC):
+    """The decode side of a transport that needs something running to receive.
+
+    One per decode rank (tcp, its ZeroMQ/CURVE variant, the engines' staging
+    channel, the mooncake and nixl receivers); the agent drives each the
+    same way::
+
+        receiver = TcpReceiver(host, regions, policy=RoomPolicy.EXPECTED)
+        address = await receiver.start()        # published to prefill peers
+        receiver.expect("r1", 0, ranges)         # before asking prefill for the room
+        ...                                      # chunks land; the room completes
+        receiver.forget("r1")                    # its later chunks are refused
+        await receiver.fence("r2", 3)            # abort: no byte of r2 <= 3 lands after this
+        await receiver.stop()
+
+    Which chunk may land where is one book, :attr:`admission`
+    (:class:`~pd_transfer.transport.receiver_rooms.ReceiverRooms`), shared by
+    every receiver. Contracts:
+
+    - :meth:`start` binds and serves; it returns the address peers connect to
+      (for an engine, its encoded region table). :meth:`stop` stops accepting,
+      ends every connection and waits for every chunk already landing; after
+      it no byte is written. :meth:`close` is :meth:`stop` (both idempotent).
+    - :meth:`expect`, :meth:`forget` and :meth:`forget_room` are called from
+      the event loop and may not block: they only update the room book (under
+      its lock; connection threads read it).
+    - a chunk is admitted, then written, then released; the admission checks
+      (in one step under the book's lock) that every run lies inside a
+      registered region and, for an expected room, inside that room's
+      ranges, and that the room is not fenced. A refused chunk writes
+      nothing; its transfer fails with the reason and the receiver keeps
+      serving every other peer.
+    - :meth:`fence` is called from the event loop and may wait (it never
+      blocks the loop): once it returns, no chunk of ``room`` at a generation
+      ``<= generation`` can still land. A chunk admitted before the fence is
+      waited for (:meth:`_settle`); one arriving after it is refused with
+      ``STALE_GENERATION``. This is what decode waits for before it hands an
+      aborted room's pages back to its worker.
+    - the aux row (a room's last piece) is the writer's to order: a sender
+      writes it only after every other byte of the room was acknowledged, so
+      a receiver that lands chunks in arrival order lands it last.
+    """
+
+    def __init__(self, policy: RoomPolicy = RoomPolicy.ANY, admission: ReceiverRooms | None = None) -> None:
+        self.admission = admission if admission is not None else ReceiverRooms(policy)
+        self.address = ""
+
+    # -- lifecycle ----------------------------------------------------------------------
+    @abstractmethod
+    async def start(self) -> str:
+        """Bind and start serving; return the address peers connect to."""
+
+    @abstractmethod
+    async def stop(self) -> None:
+        """Stop serving; returns once no byte can be written any more (idempotent)."""
+
+    async def close(self) -> None:
+        await self.stop()
+
+    async def __aenter__(self):
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- rooms (see ReceiverRooms; event loop, never blocking) -----------------------------
+    def expect(self, room: str, generation: int, ranges: Mapping[str, ByteRanges]) -> None:
+        """Admit chunks of ``room`` at ``generation``, only inside ``ranges`` (per region)."""
+        self.admission.expect(room, generation, ranges)
+
+    def forget(self, room: str) -> None:
+        """The room is finished: refuse its later chunks."""
+        self.admission.forget(room)
+
+    def forget_room(self, room: str) -> None:
+        """Drop the fence and expectation of a room that is finished for good."""
+        self.admission.forget_room(room)
+
+    async def fence(self, room: str, generation: int) -> None:
+        """Refuse every later chunk of ``room`` with a generation <= ``generation``.
+
+        Returns once no chunk of it can still be written.
+        """
+        self.admission.fence(room, generation)
+        await self._settle(room, generation)
+
+    async def _settle(self, room: str, generation: int) -> None:
+        """Wait until no chunk of ``room`` up to ``generation`` admitted before the fence
+        is still landing (off the event loop)."""
+        if self.admission.busy(room, generation):
+            await asyncio.to_thread(self.admission.wait_idle, room, generation, None)

@@ -11,7 +11,7 @@ keeps the result for regions that stay registered.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Union
 
@@ -146,3 +146,14 @@ class MappedCache:
 
     def clear(self) -> None:
         self._entries.clear()
+
+    def destination(self, lookup: Callable[[str], RegionMemory | None], region_id: str) -> Mapped:
+        """The region a receiver's ``lookup`` finds for ``region_id``, mapped (once per
+        registered memory); UNKNOWN_REGION when it finds none."""
+        memory = lookup(region_id)
+        if memory is None:
+            raise TransportError(f"region {region_id!r} is not registered here", code=Reason.UNKNOWN_REGION)
+        entry = self._entries.get(region_id)
+        if entry is None or entry[0] is not memory:
+            entry = self._entries[region_id] = (memory, map_one(region_id, memory, "destination"))
+        return entry[1]

@@ -157,20 +157,20 @@ class MooncakeReceiver(EngineReceiver):
         engine: MooncakeEngine | None = None,
         staging: ReceiverStaging | None = None,
     ) -> None:
+        super().__init__()
         self.regions = regions
         self.host, self.port, self.protocol = host, port, protocol
         self.engine = engine
         self._owns_engine = engine is None
         self._bases: dict[str, tuple[int, int]] = {}
         self.staging = staging if staging is not None else ReceiverStaging(bind_host=host)
-        self.address = ""
 
     async def start(self) -> str:
         self._bases = region_bases(self.regions, "destination")
         if self.engine is None:
             self.engine = await asyncio.to_thread(MooncakeEngine, self.host, self.protocol, self.port)
         await asyncio.to_thread(self.engine.register, self._bases)
-        control, area = await self.staging.start(self.regions, self.engine.register)
+        control, area = await self.staging.start(self.regions, self.engine.register, self.admission)
         self.address = EngineAddress(
             "mooncake", self.engine.session, self._bases, control=control, staging=area
         ).encode()

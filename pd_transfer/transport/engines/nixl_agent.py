@@ -239,13 +239,13 @@ class NixlReceiver(EngineReceiver):
         engine: NixlEngine | None = None,
         staging: ReceiverStaging | None = None,
     ) -> None:
+        super().__init__()
         self.regions = regions
         self.error_handling_mode = error_handling_mode
         self.engine = engine
         self._owns_engine = engine is None
         self._bases: dict[str, tuple[int, int]] = {}
         self.staging = staging if staging is not None else ReceiverStaging()
-        self.address = ""
 
     async def start(self) -> str:
         self._bases = region_bases(self.regions, "destination")
@@ -253,7 +253,7 @@ class NixlReceiver(EngineReceiver):
             self.engine = await asyncio.to_thread(NixlEngine, "recv", self.error_handling_mode)
         await asyncio.to_thread(self.engine.register, self._bases)
         # the staging area is registered before the metadata is taken: it has to be in it
-        control, area = await self.staging.start(self.regions, self.engine.register)
+        control, area = await self.staging.start(self.regions, self.engine.register, self.admission)
         self.address = EngineAddress(
             "nixl", self.engine.name, self._bases, self.engine.metadata(), control=control, staging=area
         ).encode()

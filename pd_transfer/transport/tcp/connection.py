@@ -30,8 +30,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import socket
-from collections import OrderedDict
-from dataclasses import dataclass
 
 from pd_transfer import shm_guard
 from pd_transfer.errors import Reason, TransportError
@@ -51,10 +49,7 @@ from pd_transfer.transport.tcp.handshake_gate import GatedConnection
 from pd_transfer.transport.tcp.iovecs import Staging, destination_parts, finish
 from pd_transfer.transport.tcp.sockets import (
     MAX_HANDSHAKE_NBYTES,
-    STREAM_ERRORS,
-    FrameChannel,
     Kind,
-    PeerClosed,
     discard,
     read_prefix,
     recv_all_into,
@@ -62,18 +57,11 @@ from pd_transfer.transport.tcp.sockets import (
     recv_part,
     send_frame,
 )
+from pd_transfer.transport.tcp.xfers import Incoming, check_complete
 
 log = logging.getLogger("pd_transfer.transport.tcp.transport")
 
-_MAX_OPEN_XFERS = 4096
-_MAX_REMEMBERED_FAILURES = 4096
 _ON_LANDED_TIMEOUT_S = 30.0
-
-
-@dataclass
-class _Progress:
-    chunks: int = 0
-    nbytes: int = 0
 
 
 class Connection(GatedConnection):
@@ -82,44 +70,25 @@ class Connection(GatedConnection):
     def __init__(self, receiver, sock: socket.socket, where: str) -> None:
         super().__init__(sock, where, pending=receiver.auth is not None)
         self.receiver = receiver
-        self.peer_agent = ""
         self.landing: Ticket | None = None  # the chunk being received (for fences)
-        self._open: OrderedDict[int, _Progress] = OrderedDict()
-        self._failed: OrderedDict[int, None] = OrderedDict()
+        self._xfers = Incoming(log)
         self._staging = Staging()
 
-    def serve(self) -> None:
+    def _frames(self) -> None:
         receiver = self.receiver
-        try:
-            if receiver.auth is not None and not self._authenticate():
-                self.settle(ok=False)
+        while (head := self._prefix()) is not None:
+            header = recv_exact(self.sock, head.header_nbytes)
+            if head.kind is Kind.DATA:
+                self._frame(header, head.payload_nbytes)
+                continue
+            discard(self.sock, head.payload_nbytes)
+            why = f"a {head.kind.name.lower()} frame is not accepted here" + (
+                "" if receiver.auth else ": this receiver runs no authentication handshake"
+            )
+            receiver.bad_frame(Reason.BAD_FRAME, why, self.where)
+            self._reply(Fail(-1, Reason.BAD_FRAME.value, why))
+            if head.kind is Kind.HANDSHAKE:
                 return
-            while (head := self._prefix()) is not None:
-                header = recv_exact(self.sock, head.header_nbytes)
-                if head.kind is Kind.DATA:
-                    self._frame(header, head.payload_nbytes)
-                    continue
-                discard(self.sock, head.payload_nbytes)
-                why = f"a {head.kind.name.lower()} frame is not accepted here" + (
-                    "" if receiver.auth else ": this receiver runs no authentication handshake"
-                )
-                receiver.bad_frame(Reason.BAD_FRAME, why, self.where)
-                self._reply(Fail(-1, Reason.BAD_FRAME.value, why))
-                if head.kind is Kind.HANDSHAKE:
-                    return
-        except TransportError as err:  # a prefix that is not ours: the stream is lost
-            receiver.bad_frame(err.code, err.message, self.where)
-        except PeerClosed as err:
-            if err.partial:
-                log.info("tcp receiver %s: %s went away mid-frame", receiver.address, self.where)
-        except OSError as err:
-            log.info("tcp receiver %s: %s: %s", receiver.address, self.where, err)
-        except Exception:  # never let a bug of ours kill the thread silently
-            log.exception("tcp receiver %s: %s: frame handling failed", receiver.address, self.where)
-            receiver.count(Reason.TRANSPORT_FAILED)
-        finally:
-            self.shutdown()
-            self.sock.close()
 
     def _prefix(self):
         return read_prefix(
@@ -127,49 +96,8 @@ class Connection(GatedConnection):
         )
 
     # -- authentication ------------------------------------------------------------------
-    def _authenticate(self) -> bool:
-        receiver = self.receiver
-        self.sock.settimeout(receiver.handshake_timeout_s)  # the deadline cuts in earlier
-        try:
-            head = self._prefix()
-            if head is None:  # closed: by the peer, or cut off by the gate
-                raise PeerClosed(partial=False)
-            if head.kind is not Kind.HANDSHAKE:
-                self._refuse_unauthenticated(head)
-                return False
-            if head.header_nbytes > MAX_HANDSHAKE_NBYTES or head.payload_nbytes:
-                raise TransportError(
-                    f"a handshake frame of {head.header_nbytes} header and "
-                    f"{head.payload_nbytes} payload bytes exceeds the limits "
-                    f"({MAX_HANDSHAKE_NBYTES}, 0)",
-                    code=Reason.FRAME_TOO_LARGE,
-                )
-            first = recv_exact(self.sock, head.header_nbytes)
-            self.peer_agent = receiver.auth.server(
-                first, FrameChannel(self.sock), f"{receiver.address}: {self.where}"
-            )
-        except TransportError as err:
-            if err.code in STREAM_ERRORS:  # garbage, not a refused handshake (counted there)
-                receiver.bad_frame(err.code, err.message, self.where)
-            else:
-                receiver.count(err.code)
-            return False
-        except OSError as err:  # PeerClosed too: a cut-off shuts the socket down
-            if self.cut_off is not None:
-                receiver.bad_frame(*self.cut_off, self.where)
-            elif isinstance(err, TimeoutError):
-                receiver.bad_frame(
-                    Reason.TIMEOUT,
-                    f"no authentication handshake within {receiver.handshake_timeout_s:g} s",
-                    self.where,
-                )
-            else:
-                raise
-            return False
-        self.sock.settimeout(None)
-        if not self.settle():
-            return False  # cut off just as it finished
-        return receiver.admit_authenticated(self)
+    def _handshake_head(self):
+        return self._prefix()  # the handshake's own limits are checked on its prefix
 
     def _refuse_unauthenticated(self, head) -> None:
         """A data frame before the handshake: refused, its header read only if it is as
@@ -200,7 +128,7 @@ class Connection(GatedConnection):
             receiver.bad_frame(err.code, err.message, self.where)
             discard(self.sock, payload_nbytes)
             return
-        if header.xfer in self._failed:
+        if self._xfers.refused(None, header.xfer):
             receiver.count(Reason.TRANSPORT_FAILED)  # the rest of a refused transfer
             discard(self.sock, payload_nbytes)
             return
@@ -226,13 +154,7 @@ class Connection(GatedConnection):
         except TransportError:
             discard(self.sock, payload_nbytes)  # nothing of it is written
             raise
-        progress = self._open.get(header.xfer)
-        if progress is None:
-            if len(self._open) >= _MAX_OPEN_XFERS:
-                # a sender that gave up mid-transfer never sends its end: forget the oldest
-                stale, _ = self._open.popitem(last=False)
-                log.warning("tcp receiver %s: dropped stale transfer %d", receiver.address, stale)
-            progress = self._open[header.xfer] = _Progress()
+        progress = self._xfers.progress(None, header.xfer, f"tcp receiver {receiver.address}")
         self.landing = ticket
         before = shm_guard.faults_total()
         try:
@@ -259,14 +181,7 @@ class Connection(GatedConnection):
     def _end(self, header: EndHeader) -> None:
         receiver = self.receiver
         receiver.admission.check_end(header.room, header.generation)
-        progress = self._open.pop(header.xfer, _Progress())
-        if (progress.chunks, progress.nbytes) != (header.num_chunks, header.nbytes):
-            raise TransportError(
-                f"room {header.room}: {progress.chunks} chunk(s) / "
-                f"{progress.nbytes} bytes landed, sender sent "
-                f"{header.num_chunks} / {header.nbytes}",
-                code=Reason.TRANSFER_INCOMPLETE,
-            )
+        check_complete(self._xfers.end(None, header.xfer), header)
         receiver.transfer_done()
         if receiver.on_landed is not None:
             self._on_landed(header)
@@ -298,10 +213,7 @@ class Connection(GatedConnection):
             err.message,
         )
         self.receiver.count(err.code)
-        self._open.pop(xfer, None)
-        self._failed[xfer] = None
-        while len(self._failed) > _MAX_REMEMBERED_FAILURES:
-            self._failed.popitem(last=False)
+        self._xfers.refuse(None, xfer)
         self._reply(Fail(xfer, err.code.value, err.message))
 
     def _reply(self, message: Ack | Done | Fail) -> None:

@@ -56,6 +56,7 @@ from pd_transfer.transport.tcp.sockets import (
     send_frame,
     send_part,
 )
+from pd_transfer.transport.tcp.xfers import Xfer, settle
 
 log = logging.getLogger("pd_transfer.transport.tcp.transport")
 
@@ -71,19 +72,6 @@ class LinkOptions:
     direct_min_nbytes: int = DIRECT_MIN_NBYTES
     auth: Authenticator | None = None
     corrupt_payload: Callable[[memoryview], None] | None = None
-
-
-class Xfer:
-    """One write in flight on a link: its unacked chunks and its final answer."""
-
-    def __init__(self, xfer_id: int, room: str, generation: int) -> None:
-        self.xfer_id = xfer_id
-        self.room = room
-        self.generation = generation
-        self.unacked: dict[int, int] = {}  # chunk seq -> nbytes
-        self.result: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self.conn_id: int | None = None  # the connection its first chunk went out on
-        self.abandoned = False  # the writer stopped waiting: skip its jobs
 
 
 @dataclass
@@ -172,22 +160,9 @@ class TcpLink(Link):
                 waiter.set_result(None)
 
     def _dispatch(self, reply: Ack | Done | Fail) -> None:
-        xfer = self._xfers.get(reply.xfer)
-        if xfer is None:
-            return  # a reply for a write that was abandoned (its caller timed out)
-        if isinstance(reply, Ack):
-            nbytes = xfer.unacked.pop(reply.seq, None)
-            if nbytes is not None:
-                self._give_back(nbytes)
-        elif isinstance(reply, Done):
-            if not xfer.result.done():
-                xfer.result.set_result(reply.nbytes)
-        elif not xfer.result.done():
-            xfer.result.set_exception(
-                TransportError(
-                    f"{self.peer.peer_id} refused room {xfer.room or '-'}: {reply.text}", code=reply.reason()
-                )
-            )
+        nbytes = settle(self._xfers, reply, self.peer.peer_id)
+        if nbytes is not None:
+            self._give_back(nbytes)
 
     def _fail(self, error: TransportError, conn_id: int | None = None, xfer: Xfer | None = None) -> None:
         """Fail one transfer, the transfers of one connection, or (both None) all of them."""

@@ -44,43 +44,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import threading
-from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from typing import ClassVar
 
-from pd_transfer.errors import Reason, TransportError
-from pd_transfer.transport.receiver_rooms import ByteRanges, ReceiverRooms, RoomPolicy
-from pd_transfer.transport.regions import Mapped, RegionMemory, map_one
+from pd_transfer.transport.receiver_rooms import RoomPolicy
+from pd_transfer.transport.regions import Mapped, MappedCache, RegionMemory
 from pd_transfer.transport.tcp.connection import Connection
-from pd_transfer.transport.tcp.handshake_gate import arm_deadline, make_room
 from pd_transfer.transport.tcp.iovecs import RECEIVE_DIRECT_MIN_NBYTES
-from pd_transfer.transport.tcp.sockets import (
-    Authenticator,
-    configure,
-    format_address,
-    stop_serving,
-)
+from pd_transfer.transport.tcp.serving import ReceiverStats, ThreadedReceiver
+from pd_transfer.transport.tcp.sockets import Authenticator
 
 log = logging.getLogger("pd_transfer.transport.tcp.transport")
 
 RegionLookup = Callable[[str], RegionMemory | None]
 LandedCallback = Callable[[str, int, int], None]  # (room, generation, nbytes)
 
-
-@dataclass
-class ReceiverStats:
-    chunks_landed: int = 0
-    nbytes_landed: int = 0
-    transfers_done: int = 0
-    refused: Counter = field(default_factory=Counter)  # Reason -> frames refused
-
-    @property
-    def frames_refused(self) -> int:
-        return sum(self.refused.values())
+__all__ = ["LandedCallback", "ReceiverStats", "RegionLookup", "TcpReceiver"]
 
 
-class TcpReceiver:
+class TcpReceiver(ThreadedReceiver):
     """Serve the regions behind ``regions_lookup`` at ``tcp://bind_host:port``.
 
     ``port=0`` picks a free port; :attr:`address` is the endpoint to publish.
@@ -89,6 +71,11 @@ class TcpReceiver:
     ``inline_nbytes`` are received whole and scattered with numpy; larger ones
     straight into place (runs of ``direct_min_nbytes`` or more on average).
     """
+
+    label: ClassVar[str] = "tcp receiver"
+    thread_prefix: ClassVar[str] = "pdt-tcp-recv"
+    task_prefix: ClassVar[str] = "tcp-receiver"
+    log: ClassVar[logging.Logger] = log
 
     def __init__(
         self,
@@ -109,8 +96,17 @@ class TcpReceiver:
         on_bad_frame: Callable[[str], None] = lambda reason: None,
         on_closed: Callable[[], None] = lambda: None,
     ) -> None:
-        self.bind_host = bind_host
-        self.port = port
+        super().__init__(
+            bind_host,
+            port,
+            auth=auth,
+            handshake_timeout_s=handshake_timeout_s,
+            max_connections=max_connections,
+            max_pending=max_pending,
+            on_bad_frame=on_bad_frame,
+            on_closed=on_closed,
+            policy=policy,
+        )
         self._lookup: RegionLookup = (
             regions_lookup.get if isinstance(regions_lookup, Mapping) else regions_lookup
         )
@@ -118,73 +114,16 @@ class TcpReceiver:
         self.inline_nbytes = inline_nbytes
         self.direct_min_nbytes = direct_min_nbytes
         self.on_landed = on_landed
-        self.auth = auth
-        self.handshake_timeout_s = handshake_timeout_s
         self.fence_grace_s = fence_grace_s
-        self.max_connections = max_connections
-        self.max_pending = max_pending
-        self.on_bad_frame = on_bad_frame  # called from connection threads
-        self.on_closed = on_closed  # a connection ended (called on the event loop)
-        self._authenticated = 0  # connections past the handshake (under _stats_lock)
-        self.admission = ReceiverRooms(policy)
-        self.stats = ReceiverStats()
-        self.address = ""
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self._listener: socket.socket | None = None
-        self._accepting: asyncio.Task | None = None
-        self._connections: dict[Connection, threading.Thread] = {}
-        self._mapped: dict[str, tuple[RegionMemory, Mapped]] = {}
-        self._stats_lock = threading.Lock()
+        self._mapped = MappedCache()
 
-    # -- lifecycle ------------------------------------------------------------------
-    async def start(self) -> str:
-        """Bind and start serving; return the address peers connect to."""
-        self.loop = asyncio.get_running_loop()
-        try:
-            listener = socket.create_server(
-                (self.bind_host, self.port),
-                backlog=128,
-                family=socket.AF_INET6 if ":" in self.bind_host else socket.AF_INET,
-            )
-        except OSError as err:
-            raise TransportError(
-                f"tcp receiver cannot bind {self.bind_host}:{self.port}: {err}", code=Reason.TRANSPORT_FAILED
-            ) from None
-        listener.setblocking(False)
-        self._listener = listener
-        self.address = format_address(self.bind_host, listener.getsockname()[1])
-        self._accepting = asyncio.create_task(self._accept(), name=f"tcp-receiver-{self.address}")
-        return self.address
+    def _connection(self, sock: socket.socket, where: str) -> Connection:
+        return Connection(self, sock, where)
 
-    async def stop(self) -> None:
-        await stop_serving(self)
-
-    async def __aenter__(self) -> TcpReceiver:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
-
-    # -- rooms (see ReceiverRooms) ------------------------------------------------------
-    def expect(self, room: str, generation: int, ranges: Mapping[str, ByteRanges]) -> None:
-        """Admit chunks of ``room`` at ``generation``, only inside ``ranges`` (per region)."""
-        self.admission.expect(room, generation, ranges)
-
-    def forget(self, room: str) -> None:
-        """The room is finished: refuse its later chunks."""
-        self.admission.forget(room)
-
-    def forget_room(self, room: str) -> None:
-        """Drop the fence and expectation of a room that is finished for good."""
-        self.admission.forget_room(room)
-
-    async def fence(self, room: str, generation: int) -> None:
-        """Refuse every later chunk of ``room`` with a generation <= ``generation``.
-
-        Returns once no chunk of it can still be written.
-        """
-        self.admission.fence(room, generation)
+    async def _settle(self, room: str, generation: int) -> None:
+        """Wait for chunks of the fenced room still landing; after ``fence_grace_s`` shut
+        down the connection of one stalled mid-payload, so a stalled peer cannot hold the
+        fence open."""
         if not self.admission.busy(room, generation):
             return
         if await asyncio.to_thread(self.admission.wait_idle, room, generation, self.fence_grace_s):
@@ -201,103 +140,6 @@ class TcpReceiver:
                 connection.shutdown()
         await asyncio.to_thread(self.admission.wait_idle, room, generation, None)
 
-    # -- for the connections ----------------------------------------------------------
     def region(self, region_id: str) -> Mapped:
-        memory = self._lookup(region_id)
-        if memory is None:
-            raise TransportError(f"region {region_id!r} is not registered here", code=Reason.UNKNOWN_REGION)
-        cached = self._mapped.get(region_id)
-        if cached is None or cached[0] is not memory:
-            cached = self._mapped[region_id] = (memory, map_one(region_id, memory, "destination"))
-        return cached[1]
-
-    def count(self, code: Reason) -> None:
-        with self._stats_lock:
-            self.stats.refused[code] += 1
-
-    def bad_frame(self, code: Reason, why: str, where: str, *, logged: bool = True) -> None:
-        """A frame (or connection) refused for breaking the stream: counted, reported, logged
-        (the log filter rate-limits repeats of one line, per reason)."""
-        self.count(code)
-        self.on_bad_frame(code.value)
-        if logged:
-            log.warning(
-                "tcp receiver %s: closing %s [%s]: %s",
-                self.address,
-                where,
-                code.value,
-                why,
-                extra={"reason": code.value},
-            )
-
-    def admit_authenticated(self, connection: Connection) -> bool:
-        """Take an authenticated connection's slot; False (it is refused) when all are held."""
-        with self._stats_lock:
-            full = self._authenticated >= self.max_connections
-            if not full:
-                self._authenticated += 1
-                connection.holds_slot = True
-        if full:
-            self.bad_frame(
-                Reason.LIMIT_EXCEEDED,
-                f"{self.max_connections} authenticated connections already (max_connections)",
-                connection.where,
-            )
-        return not full
-
-    def landed(self, nbytes: int) -> None:
-        with self._stats_lock:
-            self.stats.chunks_landed += 1
-            self.stats.nbytes_landed += nbytes
-
-    def transfer_done(self) -> None:
-        with self._stats_lock:
-            self.stats.transfers_done += 1
-
-    # -- accepting ----------------------------------------------------------------------
-    async def _accept(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                sock, peer = await loop.sock_accept(self._listener)
-            except OSError as err:  # e.g. out of descriptors: keep serving the others
-                log.warning("tcp receiver %s: accept failed: %s", self.address, err)
-                await asyncio.sleep(0.1)
-                continue
-            where = f"peer {peer[0]}:{peer[1]}"
-            if self.auth is None and len(self._connections) >= self.max_connections:
-                self.bad_frame(
-                    Reason.LIMIT_EXCEEDED,
-                    f"{len(self._connections)} connections already (max_connections)",
-                    where,
-                )
-                sock.close()
-                continue
-            if self.auth is not None:
-                make_room(self._connections, self.max_pending)
-            sock.setblocking(True)
-            configure(sock)
-            connection = Connection(self, sock, where)
-            thread = threading.Thread(
-                target=self._serve, args=(connection,), daemon=True, name=f"pdt-tcp-recv-{peer[1]}"
-            )
-            self._connections[connection] = thread
-            if self.auth is not None:
-                arm_deadline(loop, connection, self.handshake_timeout_s)
-            thread.start()
-
-    def _ended(self, connection: Connection) -> None:
-        self._connections.pop(connection, None)
-        self.on_closed()
-
-    def _serve(self, connection: Connection) -> None:
-        try:
-            connection.serve()
-        finally:
-            if connection.holds_slot:
-                with self._stats_lock:
-                    self._authenticated -= 1
-            try:
-                self.loop.call_soon_threadsafe(self._ended, connection)
-            except RuntimeError:
-                pass  # the loop is gone
+        """The destination region ``region_id``, mapped (for the connections)."""
+        return self._mapped.destination(self._lookup, region_id)

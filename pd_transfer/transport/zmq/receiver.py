@@ -8,8 +8,8 @@ and acks; after a transfer's ``end`` it answers ``done`` if every chunk
 landed. A frame that fails any check is refused with a reason, counted in
 :attr:`TcpReceiver.stats`, and never written; the transfer it belongs to is
 failed (the sender's ``write`` raises with that reason), and the receiver
-keeps serving everyone else. Rooms are admitted as by the plain receiver
-(:class:`~pd_transfer.transport.receiver_rooms.ReceiverRooms`: ``expect``, ``forget``, ``fence``).
+keeps serving everyone else. Rooms are admitted as by every receiver
+(:class:`~pd_transfer.transport.base.Receiver`: ``expect``, ``forget``, ``fence``).
 
 Frames are read one at a time, in arrival order, and checked before anything
 else happens; chunks of ``inline_nbytes`` or more are then scattered in
@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
@@ -34,9 +32,10 @@ import zmq.asyncio
 
 from pd_transfer import shm_guard
 from pd_transfer.errors import Reason, TransportError
+from pd_transfer.transport.base import Receiver
 from pd_transfer.transport.copy.packing import check_wire, scatter_chunk
-from pd_transfer.transport.receiver_rooms import ByteRanges, ReceiverRooms, RoomPolicy, Ticket
-from pd_transfer.transport.regions import Mapped, RegionMemory, map_one
+from pd_transfer.transport.receiver_rooms import RoomPolicy, Ticket
+from pd_transfer.transport.regions import Mapped, MappedCache, RegionMemory
 from pd_transfer.transport.tcp.frames import (
     Ack,
     ChunkHeader,
@@ -46,25 +45,16 @@ from pd_transfer.transport.tcp.frames import (
     decode_data,
     encode,
 )
-from pd_transfer.transport.tcp.receiver import ReceiverStats
+from pd_transfer.transport.tcp.serving import ReceiverStats
+from pd_transfer.transport.tcp.xfers import Incoming, Progress, check_complete
 
 log = logging.getLogger("pd_transfer.transport.zmq")
 
 RegionLookup = Callable[[str], RegionMemory | None]
 LandedCallback = Callable[[str, int, int], None]  # (room, generation, nbytes)
 
-_MAX_OPEN_XFERS = 4096
-_MAX_REMEMBERED_FAILURES = 4096
 
-
-@dataclass
-class _Progress:
-    chunks: int = 0
-    nbytes: int = 0
-    landing: set = field(default_factory=set)  # scatters of this transfer still running
-
-
-class ZmqTcpReceiver:
+class ZmqTcpReceiver(Receiver):
     """Serve the regions behind ``regions_lookup`` at ``tcp://bind_host:port``.
 
     ``port=0`` picks a free port; :attr:`address` is the endpoint to publish.
@@ -92,6 +82,7 @@ class ZmqTcpReceiver:
         watch: Callable[[zmq.asyncio.Socket], Awaitable[None]] | None = None,
         on_bad_frame: Callable[[str], None] = lambda reason: None,
     ) -> None:
+        super().__init__(policy)
         self.socket_options = socket_options  # e.g. CURVE server keys, set by the agent
         self.watch = watch
         self.on_bad_frame = on_bad_frame
@@ -106,13 +97,10 @@ class ZmqTcpReceiver:
         self.inline_nbytes = inline_nbytes
         self.on_landed = on_landed
         self.stats = ReceiverStats()
-        self.address = ""
         self._socket: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task | None = None
-        self._mapped: dict[str, tuple[RegionMemory, Mapped]] = {}
-        self._open: OrderedDict[tuple[bytes, int], _Progress] = OrderedDict()
-        self._failed: OrderedDict[tuple[bytes, int], None] = OrderedDict()
-        self.admission = ReceiverRooms(policy)
+        self._mapped = MappedCache()
+        self._xfers = Incoming(log)
         self._landing: set[asyncio.Future] = set()
         self._slots = asyncio.Semaphore(max_scatters)
 
@@ -153,34 +141,11 @@ class ZmqTcpReceiver:
             self._socket.close(linger=0)
             self._socket = None
 
-    async def __aenter__(self) -> ZmqTcpReceiver:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
-
-    async def fence(self, room: str, generation: int) -> None:
-        """Refuse every later chunk of ``room`` with a generation <= ``generation``.
-
-        Returns once no chunk of it can still be written (a scatter in
-        progress has finished).
-        """
-        self.admission.fence(room, generation)
-        if self._landing:  # chunks accepted before the fence may still be writing
+    async def _settle(self, room: str, generation: int) -> None:
+        """Chunks admitted before the fence may still be scattering in threads: wait for
+        them all."""
+        if self._landing:
             await asyncio.gather(*list(self._landing), return_exceptions=True)
-
-    def expect(self, room: str, generation: int, ranges: Mapping[str, ByteRanges]) -> None:
-        """Admit chunks of ``room`` at ``generation``, only inside ``ranges`` (per region)."""
-        self.admission.expect(room, generation, ranges)
-
-    def forget(self, room: str) -> None:
-        """The room is finished: refuse its later chunks."""
-        self.admission.forget(room)
-
-    def forget_room(self, room: str) -> None:
-        """Drop the fence and expectation of a room that is finished for good."""
-        self.admission.forget_room(room)
 
     # -- serving ----------------------------------------------------------------------
     async def _serve(self) -> None:
@@ -209,7 +174,7 @@ class ZmqTcpReceiver:
             self.on_bad_frame(err.code.value)
             return
         key = (identity, header.xfer)
-        if key in self._failed:
+        if self._xfers.refused(*key):
             self.stats.refused[Reason.TRANSPORT_FAILED] += 1  # rest of a refused transfer
             return
         try:
@@ -229,14 +194,7 @@ class ZmqTcpReceiver:
                 code=Reason.BAD_FRAME,
             )
         self.admission.check_fence(header.room, header.generation)
-        progress = self._open.get(key)
-        if progress is None:
-            if len(self._open) >= _MAX_OPEN_XFERS:
-                # a sender that vanished mid-transfer never sends its end: forget the
-                # oldest open transfer (should it resume, its end reports it incomplete)
-                stale, _ = self._open.popitem(last=False)
-                log.warning("tcp receiver %s: dropped stale transfer %d", self.address, stale[1])
-            progress = self._open[key] = _Progress()
+        progress = self._xfers.progress(*key, f"tcp receiver {self.address}")
         payload = np.frombuffer(payload_frames[0].buffer, dtype=np.uint8)
         regions = {region_id: self._region(region_id) for region_id in header.wire.regions}
         check_wire(header.wire, {r: m.nbytes for r, m in regions.items()}, payload.size)
@@ -274,7 +232,7 @@ class ZmqTcpReceiver:
         header: ChunkHeader,
         payload: np.ndarray,
         regions: dict[str, Mapped],
-        progress: _Progress,
+        progress: Progress,
         ticket: Ticket,
     ) -> None:
         before = shm_guard.faults_total()
@@ -299,7 +257,7 @@ class ZmqTcpReceiver:
             self.admission.release(ticket)
         await self._landed(identity, header, progress, int(payload.size))
 
-    async def _landed(self, identity: bytes, header: ChunkHeader, progress: _Progress, nbytes: int) -> None:
+    async def _landed(self, identity: bytes, header: ChunkHeader, progress: Progress, nbytes: int) -> None:
         progress.chunks += 1
         progress.nbytes += nbytes
         self.stats.chunks_landed += 1
@@ -308,39 +266,24 @@ class ZmqTcpReceiver:
 
     async def _end(self, identity: bytes, key: tuple[bytes, int], header: EndHeader) -> None:
         self.admission.check_end(header.room, header.generation)
-        progress = self._open.pop(key, _Progress())
+        progress = self._xfers.end(*key)
         if progress.landing:  # chunks still being written in threads
             await asyncio.gather(*list(progress.landing), return_exceptions=True)
-            if key in self._failed:
+            if self._xfers.refused(*key):
                 return  # one of them failed; the refusal was sent
-        if (progress.chunks, progress.nbytes) != (header.num_chunks, header.nbytes):
-            raise TransportError(
-                f"room {header.room}: {progress.chunks} chunk(s) / "
-                f"{progress.nbytes} bytes landed, sender sent "
-                f"{header.num_chunks} / {header.nbytes}",
-                code=Reason.TRANSFER_INCOMPLETE,
-            )
+        check_complete(progress, header)
         self.stats.transfers_done += 1
         if self.on_landed is not None:
             self.on_landed(header.room, header.generation, header.nbytes)
         await self._reply(identity, Done(header.xfer, header.nbytes))
 
     def _region(self, region_id: str) -> Mapped:
-        memory = self._lookup(region_id)
-        if memory is None:
-            raise TransportError(f"region {region_id!r} is not registered here", code=Reason.UNKNOWN_REGION)
-        cached = self._mapped.get(region_id)
-        if cached is None or cached[0] is not memory:
-            cached = self._mapped[region_id] = (memory, map_one(region_id, memory, "destination"))
-        return cached[1]
+        return self._mapped.destination(self._lookup, region_id)
 
     async def _refuse(self, identity: bytes, key: tuple[bytes, int], room: str, err: TransportError) -> None:
         log.warning("tcp receiver %s: refused room %s: %s", self.address, room or "-", err.message)
         self.stats.refused[err.code] += 1
-        self._open.pop(key, None)
-        self._failed[key] = None
-        while len(self._failed) > _MAX_REMEMBERED_FAILURES:
-            self._failed.popitem(last=False)
+        self._xfers.refuse(*key)
         await self._reply(identity, Fail(key[1], err.code.value, err.message))
 
     async def _reply(self, identity: bytes, message: Ack | Done | Fail) -> None:

@@ -17,6 +17,9 @@ Flow control: per link (= per peer) at most ``window_nbytes`` of chunks are
 sent and not yet acked, across all writes sharing the link. A chunk waits for
 credit unless nothing is in flight (so a chunk larger than the window still
 goes, alone). ``TcpLink.max_in_flight_nbytes`` records the high-water mark.
+The last chunk of a write of several goes only once the others are acked:
+the receiver scatters large chunks in threads, and the plan's last run (a
+room's aux row) must land last.
 
 A receiver that stops answering makes ``write`` wait for credit or for its
 ``done``: callers bound every write with their room timeout; liveness is the
@@ -49,21 +52,12 @@ from pd_transfer.transport.tcp.frames import (
     decode_reply,
     encode,
 )
+from pd_transfer.transport.tcp.xfers import Xfer, settle
 
 log = logging.getLogger("pd_transfer.transport.zmq")
 
 DEFAULT_CHUNK_NBYTES = 4 << 20
 DEFAULT_WINDOW_NBYTES = 64 << 20
-
-
-class _Xfer:
-    """One write in flight on a link: its unacked chunks and its final answer."""
-
-    def __init__(self, xfer_id: int, room: str) -> None:
-        self.xfer_id = xfer_id
-        self.room = room
-        self.unacked: dict[int, int] = {}  # chunk seq -> nbytes
-        self.result: asyncio.Future[int] = asyncio.get_running_loop().create_future()
 
 
 class ZmqTcpLink(Link):
@@ -76,16 +70,16 @@ class ZmqTcpLink(Link):
         self.in_flight_nbytes = 0
         self.max_in_flight_nbytes = 0
         self._credit = asyncio.Condition()
-        self._xfers: dict[int, _Xfer] = {}
+        self._xfers: dict[int, Xfer] = {}
         self._ids = itertools.count(1)
         self._reader = asyncio.create_task(self._read_replies(), name=f"tcp-replies-{peer.peer_id}")
 
-    def open_xfer(self, room: str) -> _Xfer:
-        xfer = _Xfer(next(self._ids), room)
+    def open_xfer(self, room: str) -> Xfer:
+        xfer = Xfer(next(self._ids), room)
         self._xfers[xfer.xfer_id] = xfer
         return xfer
 
-    async def close_xfer(self, xfer: _Xfer) -> None:
+    async def close_xfer(self, xfer: Xfer) -> None:
         """Forget a finished or abandoned write and give back the credit its chunks hold."""
         self._xfers.pop(xfer.xfer_id, None)
         if xfer.unacked:
@@ -104,6 +98,11 @@ class ZmqTcpLink(Link):
             self.check_open()
             self.in_flight_nbytes += nbytes
             self.max_in_flight_nbytes = max(self.max_in_flight_nbytes, self.in_flight_nbytes)
+
+    async def wait_acked(self, xfer: Xfer) -> None:
+        """Return once every chunk of ``xfer`` sent so far is acknowledged, or it ended."""
+        async with self._credit:
+            await self._credit.wait_for(lambda: self._closed or not xfer.unacked or xfer.result.done())
 
     async def _give_back(self, nbytes: int) -> None:
         async with self._credit:
@@ -128,24 +127,12 @@ class ZmqTcpLink(Link):
                     f"link to {self.peer.peer_id} closed with transfers in flight", code=Reason.LINK_CLOSED
                 )
             )
+            async with self._credit:  # wake writers waiting for credit or acks: they see it
+                self._credit.notify_all()
 
     async def _dispatch(self, reply: Ack | Done | Fail) -> None:
-        xfer = self._xfers.get(reply.xfer)
-        if xfer is None:
-            return  # a reply for a write that was abandoned (its caller timed out)
-        if isinstance(reply, Ack):
-            nbytes = xfer.unacked.pop(reply.seq, None)
-            if nbytes is not None:
-                await self._give_back(nbytes)
-        elif isinstance(reply, Done):
-            if not xfer.result.done():
-                xfer.result.set_result(reply.nbytes)
-        elif not xfer.result.done():
-            xfer.result.set_exception(
-                TransportError(
-                    f"{self.peer.peer_id} refused room {xfer.room or '-'}: {reply.text}", code=reply.reason()
-                )
-            )
+        nbytes = settle(self._xfers, reply, self.peer.peer_id)
+        await self._give_back(nbytes or 0)  # also wakes a writer waiting for the acks (wait_acked)
 
     def _fail_all(self, error: TransportError) -> None:
         for xfer in self._xfers.values():
@@ -214,8 +201,13 @@ class ZmqTcpTransport(Transport):
         gathered = _Prefetch(layouts, src, depth=2)  # gathers run ahead while chunks are on the wire
         total = sum(layout.nbytes for layout in layouts)
         try:
-            for layout in layouts:
+            for index, layout in enumerate(layouts):
                 payload = await gathered.next()
+                if index and index == len(layouts) - 1:
+                    # the receiver scatters large chunks in threads, so a small last chunk
+                    # could land first: the plan's last run (a room's aux row) goes only
+                    # once the rest has landed
+                    await link.wait_acked(xfer)
                 if self.corrupt_payload is not None:
                     self.corrupt_payload(memoryview(payload))  # a fresh buffer: the source is intact
                 await link.acquire(layout.nbytes)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.layout.lowering import TransferPlan
+from pd_transfer.transport.base import Receiver
 from pd_transfer.transport.copy.packing import layout_chunks
 from pd_transfer.transport.engines.address import EngineAddress
 from pd_transfer.transport.engines.probe import measure_path
@@ -51,6 +52,7 @@ from pd_transfer.transport.engines.strategy import (
     crossover_nbytes,
     staged_batches,
 )
+from pd_transfer.transport.receiver_rooms import ReceiverRooms
 from pd_transfer.transport.tcp.sockets import Authenticator
 
 log = logging.getLogger(__name__)
@@ -100,29 +102,8 @@ async def attach(
     peer_id = link.peer.peer_id
     if options.mode is StrategyMode.DIRECT or not address.control or address.staging is None:
         return
-    try:
-        channel = await asyncio.to_thread(
-            open_channel,
-            address.control,
-            address.staging,
-            peer_id,
-            auth=options.auth,
-            ring_slots=options.ring_slots,
-            timeout_s=options.timeout_s,
-            handshake_timeout_s=options.handshake_timeout_s,
-        )
-    except TransportError as err:
-        if err.code in _AUTH_REFUSALS:  # a refused handshake is the peer's verdict, not a fallback
-            raise
-        log.warning(
-            "staging channel of %s unusable, writing directly: %s",
-            peer_id,
-            err.message,
-            extra={"peer": peer_id},
-        )
-        return
+    channel = await _open(peer_id, address, options)
     if channel is None:
-        log.warning("%s has no staging slot free: writing directly", peer_id, extra={"peer": peer_id})
         return
     try:
         await asyncio.to_thread(register, {f"staging:{peer_id}": (channel.local_base, channel.local.nbytes)})
@@ -152,6 +133,35 @@ async def attach(
         crossover,
         extra={"peer": peer_id},
     )
+
+
+async def _open(peer_id: str, address: EngineAddress, options: StagingOptions) -> StagingChannel | None:
+    """The peer's staging channel, or None (logged) when it is unusable or has no slot
+    free; a refused handshake raises (it is the peer's verdict, not a fallback)."""
+    try:
+        channel = await asyncio.to_thread(
+            open_channel,
+            address.control,
+            address.staging,
+            peer_id,
+            auth=options.auth,
+            ring_slots=options.ring_slots,
+            timeout_s=options.timeout_s,
+            handshake_timeout_s=options.handshake_timeout_s,
+        )
+    except TransportError as err:
+        if err.code in _AUTH_REFUSALS:  # a refused handshake is the peer's verdict, not a fallback
+            raise
+        log.warning(
+            "staging channel of %s unusable, writing directly: %s",
+            peer_id,
+            err.message,
+            extra={"peer": peer_id},
+        )
+        return None
+    if channel is None:
+        log.warning("%s has no staging slot free: writing directly", peer_id, extra={"peer": peer_id})
+    return channel
 
 
 def segments(plan, link, mode: StrategyMode) -> list[tuple[Strategy, TransferPlan]]:
@@ -229,8 +239,12 @@ class ReceiverStaging:
         self.area: StagingArea | None = None
         self.receiver: StagingReceiver | None = None
 
-    async def start(self, regions, register: Callable[[dict], None]) -> tuple[str, tuple | None]:
-        """Register the area and serve it: ``(control address, published area)``."""
+    async def start(
+        self, regions, register: Callable[[dict], None], admission: ReceiverRooms | None = None
+    ) -> tuple[str, tuple | None]:
+        """Register the area and serve it: ``(control address, published area)``.
+
+        ``admission``: the engine receiver's room book, which staged chunks answer to."""
         if self.num_slots <= 0:
             return "", None
         self.area = StagingArea(self.num_slots, self.slot_nbytes)
@@ -243,12 +257,9 @@ class ReceiverStaging:
             handshake_timeout_s=self.handshake_timeout_s,
             max_pending=self.max_pending,
             on_bad_frame=self.on_bad_frame,
+            admission=admission,
         )
         return await self.receiver.start(), self.area.published
-
-    async def fence(self, room: str, generation: int) -> None:
-        if self.receiver is not None:
-            await self.receiver.fence(room, generation)
 
     async def stop(self, unregister: Callable[[int], None] | None) -> None:
         if self.receiver is not None:
@@ -278,11 +289,15 @@ async def write_parts(transport, link, engine, plan, src_regions, room: str, gen
     return nbytes
 
 
-class EngineReceiver:
+class EngineReceiver(Receiver):
     """What the mooncake and nixl receivers share once started: fencing staged chunks,
     and stopping (unregistering their regions, closing the engine when they own it).
 
-    Subclasses set ``engine``, ``staging``, ``_owns_engine`` and ``_bases``.
+    Direct engine writes land without this side knowing (one-sided), so only staged
+    chunks answer to :attr:`admission`; a fence waits for those (direct writes are the
+    writer's to drain, :meth:`~pd_transfer.transport.base.Link.drain`). Subclasses set
+    ``engine``, ``staging``, ``_owns_engine`` and ``_bases``, and start the staging
+    channel with :attr:`admission`.
     """
 
     engine = None
@@ -290,10 +305,9 @@ class EngineReceiver:
     _owns_engine: bool
     _bases: dict[str, tuple[int, int]]
 
-    async def fence(self, room: str, generation: int) -> None:
-        """Refuse later staged chunks of ``room`` up to ``generation`` (direct writes are
-        the writer's to drain)."""
-        await self.staging.fence(room, generation)
+    async def _settle(self, room: str, generation: int) -> None:
+        if self.staging.receiver is not None:
+            await self.staging.receiver._settle(room, generation)
 
     def unregister(self, address: int) -> None:
         """Take one region away from the engine (tests: make the engine fail a write)."""

@@ -20,7 +20,7 @@ the connection ends, so memory is bounded by the area whatever the number of
 prefill peers; a peer that finds no slot free is told so and writes directly.
 
 Connections: one thread per connection, as :class:`~pd_transfer.transport.tcp.receiver.TcpReceiver`
-(blocking socket I/O and numpy scatters, which release the GIL), the same
+(both are a :class:`~pd_transfer.transport.tcp.serving.ThreadedReceiver`), the same
 framing (:mod:`~pd_transfer.transport.tcp.sockets`) and, when ``auth`` is set, the same HMAC handshake
 before the first frame, behind the same gate (:mod:`~pd_transfer.transport.tcp.handshake_gate`): a
 stranger's first frame may declare at most
@@ -33,11 +33,11 @@ refused, are logged, counted and reported to ``on_bad_frame(reason)``.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import socket
 import threading
 from collections.abc import Callable
+from typing import ClassVar
 
 import numpy as np
 
@@ -51,25 +51,19 @@ from pd_transfer.transport.engines.staging.wire import (
     decode_request,
 )
 from pd_transfer.transport.engines.staging.wire import encode as encode_staging
-from pd_transfer.transport.receiver_rooms import ReceiverRooms, RoomPolicy
+from pd_transfer.transport.receiver_rooms import ReceiverRooms
 from pd_transfer.transport.regions import Mapped, Regions, map_one
 from pd_transfer.transport.tcp.frames import Ack, Fail
 from pd_transfer.transport.tcp.frames import encode as encode_reply
-from pd_transfer.transport.tcp.handshake_gate import GatedConnection, arm_deadline, make_room
-from pd_transfer.transport.tcp.receiver import ReceiverStats
+from pd_transfer.transport.tcp.handshake_gate import GatedConnection
+from pd_transfer.transport.tcp.serving import ThreadedReceiver
 from pd_transfer.transport.tcp.sockets import (
     MAX_HANDSHAKE_NBYTES,
-    STREAM_ERRORS,
     Authenticator,
-    FrameChannel,
     Kind,
-    PeerClosed,
-    configure,
-    format_address,
     read_prefix,
     recv_exact,
     send_frame,
-    stop_serving,
 )
 
 log = logging.getLogger(__name__)
@@ -121,8 +115,17 @@ class StagingArea:
         return self.buffer[start : start + nbytes]
 
 
-class StagingReceiver:
-    """Serve staged-chunk requests for ``regions`` out of ``area`` at ``tcp://bind_host:port``."""
+class StagingReceiver(ThreadedReceiver):
+    """Serve staged-chunk requests for ``regions`` out of ``area`` at ``tcp://bind_host:port``.
+
+    ``admission``: share the room book of the engine receiver this channel
+    belongs to (its fences then hold for staged chunks too).
+    """
+
+    label: ClassVar[str] = "staging receiver"
+    thread_prefix: ClassVar[str] = "pdt-staging"
+    task_prefix: ClassVar[str] = "staging"
+    log: ClassVar[logging.Logger] = log
 
     def __init__(
         self,
@@ -136,89 +139,24 @@ class StagingReceiver:
         max_connections: int = 256,
         max_pending: int = 64,
         on_bad_frame: Callable[[str], None] = lambda reason: None,
+        admission: ReceiverRooms | None = None,
     ) -> None:
+        super().__init__(
+            bind_host,
+            port,
+            auth=auth,
+            handshake_timeout_s=handshake_timeout_s,
+            max_connections=max_connections,
+            max_pending=max_pending,
+            on_bad_frame=on_bad_frame,
+            admission=admission,
+        )
         self.area = area
-        self.bind_host, self.port = bind_host, port
-        self.auth = auth
-        self.handshake_timeout_s = handshake_timeout_s
-        self.max_connections = max_connections
-        self.max_pending = max_pending
-        self.on_bad_frame = on_bad_frame  # called from connection threads
-        self._authenticated = 0  # connections past the handshake (under _stats_lock)
-        self.admission = ReceiverRooms(RoomPolicy.ANY)
-        self.stats = ReceiverStats()
-        self.address = ""
         self._regions: dict[str, Mapped] = {r: map_one(r, m, "destination") for r, m in regions.items()}
         self._sizes = {r: m.nbytes for r, m in self._regions.items()}
-        self._listener: socket.socket | None = None
-        self._accepting: asyncio.Task | None = None
-        self._connections: dict[_Connection, threading.Thread] = {}
-        self._stats_lock = threading.Lock()
 
-    async def start(self) -> str:
-        try:
-            listener = socket.create_server(
-                (self.bind_host, self.port),
-                backlog=128,
-                family=socket.AF_INET6 if ":" in self.bind_host else socket.AF_INET,
-            )
-        except OSError as err:
-            raise TransportError(
-                f"staging receiver cannot bind {self.bind_host}:{self.port}: {err}",
-                code=Reason.TRANSPORT_FAILED,
-            ) from None
-        listener.setblocking(False)
-        self._listener = listener
-        self.address = format_address(self.bind_host, listener.getsockname()[1])
-        self._accepting = asyncio.create_task(self._accept(), name=f"staging-{self.address}")
-        return self.address
-
-    async def stop(self) -> None:
-        await stop_serving(self)
-
-    async def fence(self, room: str, generation: int) -> None:
-        """Refuse later chunks of ``room`` up to ``generation``; return once none is landing."""
-        self.admission.fence(room, generation)
-        if self.admission.busy(room, generation):
-            await asyncio.to_thread(self.admission.wait_idle, room, generation, None)
-
-    def count(self, code: Reason) -> None:
-        with self._stats_lock:
-            self.stats.refused[code] += 1
-
-    def bad_frame(self, code: Reason, why: str, where: str) -> None:
-        """A frame or connection refused for breaking the stream or the handshake rules:
-        counted, reported, logged."""
-        self.count(code)
-        self.on_bad_frame(code.value)
-        log.warning(
-            "staging receiver %s: closing %s [%s]: %s",
-            self.address,
-            where,
-            code.value,
-            why,
-            extra={"reason": code.value},  # repeats are limited per reason
-        )
-
-    def admit_authenticated(self, connection: GatedConnection) -> bool:
-        """Take an authenticated connection's slot; False (it is refused) when all are held."""
-        with self._stats_lock:
-            full = self._authenticated >= self.max_connections
-            if not full:
-                self._authenticated += 1
-                connection.holds_slot = True
-        if full:
-            self.bad_frame(
-                Reason.LIMIT_EXCEEDED,
-                f"{self.max_connections} authenticated connections already (max_connections)",
-                connection.where,
-            )
-        return not full
-
-    def landed(self, nbytes: int) -> None:
-        with self._stats_lock:
-            self.stats.chunks_landed += 1
-            self.stats.nbytes_landed += nbytes
+    def _connection(self, sock: socket.socket, where: str) -> _Connection:
+        return _Connection(self, sock, where)
 
     def scatter(self, ring: tuple[int, ...], request: Staged) -> None:
         """Check one staged chunk completely, then scatter it; raises before any byte moves."""
@@ -250,49 +188,6 @@ class StagingReceiver:
             self.admission.release(ticket)
         self.landed(request.nbytes)
 
-    async def _accept(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                sock, peer = await loop.sock_accept(self._listener)
-            except OSError as err:
-                log.warning("staging receiver %s: accept failed: %s", self.address, err)
-                await asyncio.sleep(0.1)
-                continue
-            where = f"peer {peer[0]}:{peer[1]}"
-            if self.auth is None and len(self._connections) >= self.max_connections:
-                self.bad_frame(
-                    Reason.LIMIT_EXCEEDED,
-                    f"{len(self._connections)} connections already (max_connections)",
-                    where,
-                )
-                sock.close()
-                continue
-            if self.auth is not None:
-                make_room(self._connections, self.max_pending)
-            sock.setblocking(True)
-            configure(sock)
-            connection = _Connection(self, sock, where)
-            thread = threading.Thread(
-                target=self._serve, args=(connection, loop), daemon=True, name=f"pdt-staging-{peer[1]}"
-            )
-            self._connections[connection] = thread
-            if self.auth is not None:
-                arm_deadline(loop, connection, self.handshake_timeout_s)
-            thread.start()
-
-    def _serve(self, connection: _Connection, loop: asyncio.AbstractEventLoop) -> None:
-        try:
-            connection.serve()
-        finally:
-            if connection.holds_slot:
-                with self._stats_lock:
-                    self._authenticated -= 1
-            try:
-                loop.call_soon_threadsafe(self._connections.pop, connection, None)
-            except RuntimeError:
-                pass  # the loop is gone
-
 
 class _Connection(GatedConnection):
     """One prefill peer's control connection (its own thread)."""
@@ -303,77 +198,38 @@ class _Connection(GatedConnection):
         self.ring: tuple[int, ...] = ()
         self._failed: set[int] = set()  # transfers refused: their later chunks are too
 
-    def serve(self) -> None:
+    def _frames(self) -> None:
         receiver = self.receiver
-        try:
-            if receiver.auth is not None and not self._authenticate():
-                self.settle(ok=False)
+        while (
+            head := read_prefix(self.sock, max_header_nbytes=MAX_HEADER_NBYTES, max_payload_nbytes=0)
+        ) is not None:
+            header = recv_exact(self.sock, head.header_nbytes)
+            if head.kind is not Kind.DATA:
+                receiver.bad_frame(
+                    Reason.BAD_FRAME, f"a {head.kind.name.lower()} frame is not accepted here", self.where
+                )
                 return
-            while (
-                head := read_prefix(self.sock, max_header_nbytes=MAX_HEADER_NBYTES, max_payload_nbytes=0)
-            ) is not None:
-                header = recv_exact(self.sock, head.header_nbytes)
-                if head.kind is not Kind.DATA:
-                    receiver.bad_frame(
-                        Reason.BAD_FRAME, f"a {head.kind.name.lower()} frame is not accepted here", self.where
-                    )
-                    return
-                self._request(header)
-        except TransportError as err:  # a prefix that is not ours: the stream is lost
-            receiver.bad_frame(err.code, err.message, self.where)
-        except (PeerClosed, OSError) as err:
-            log.info("staging receiver %s: %s: %s", receiver.address, self.where, err)
-        except Exception:  # never let a bug of ours kill the thread silently
-            log.exception("staging receiver %s: %s: request failed", receiver.address, self.where)
-            receiver.count(Reason.TRANSPORT_FAILED)
-        finally:
-            receiver.area.give_back(self.ring)
-            self.ring = ()
-            self.shutdown()
-            self.sock.close()
+            self._request(header)
 
-    def _authenticate(self) -> bool:
+    def _ended(self) -> None:
+        self.receiver.area.give_back(self.ring)
+        self.ring = ()
+
+    def _handshake_head(self):
+        return read_prefix(self.sock, max_header_nbytes=MAX_HANDSHAKE_NBYTES, max_payload_nbytes=0)
+
+    def _refuse_unauthenticated(self, head) -> None:
         receiver = self.receiver
-        self.sock.settimeout(receiver.handshake_timeout_s)  # the gate's deadline cuts in earlier
-        try:
-            head = read_prefix(self.sock, max_header_nbytes=MAX_HANDSHAKE_NBYTES, max_payload_nbytes=0)
-            if head is None:  # closed: by the peer, or cut off by the gate
-                raise PeerClosed(partial=False)
-            first = recv_exact(self.sock, head.header_nbytes)
-            if head.kind is not Kind.HANDSHAKE:
-                receiver.bad_frame(
-                    Reason.UNAUTHENTICATED, "a request before the authentication handshake", self.where
-                )
-                receiver.auth.unauthenticated(f"{receiver.address}: {self.where}")
-                self._reply(
-                    encode_reply(
-                        Fail(-1, Reason.UNAUTHENTICATED.value, "this staging channel requires authentication")
-                    )
-                )
-                return False
-            receiver.auth.server(first, FrameChannel(self.sock), f"{receiver.address}: {self.where}")
-        except TransportError as err:
-            if err.code in STREAM_ERRORS:  # garbage, not a refused handshake (counted there)
-                receiver.bad_frame(err.code, err.message, self.where)
-            else:
-                receiver.count(err.code)
-            return False
-        except OSError as err:  # PeerClosed too: a cut-off shuts the socket down
-            if self.cut_off is not None:
-                receiver.bad_frame(*self.cut_off, self.where)
-            elif isinstance(err, TimeoutError):
-                receiver.bad_frame(
-                    Reason.TIMEOUT,
-                    f"no authentication handshake within {receiver.handshake_timeout_s:g} s",
-                    self.where,
-                )
-            else:
-                raise
-            return False
-        self.sock.settimeout(None)
-        if not self.settle():
-            return False  # cut off just as it finished
-        return receiver.admit_authenticated(self)
+        recv_exact(self.sock, head.header_nbytes)
+        receiver.bad_frame(
+            Reason.UNAUTHENTICATED, "a request before the authentication handshake", self.where
+        )
+        receiver.auth.unauthenticated(f"{receiver.address}: {self.where}")
+        self._reply(
+            encode_reply(
+                Fail(-1, Reason.UNAUTHENTICATED.value, "this staging channel requires authentication")
+            )
+        )
 
     def _request(self, raw: bytes) -> None:
         receiver = self.receiver
