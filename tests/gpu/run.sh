@@ -14,7 +14,7 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c "import torch, zmq, msgpack, uvloop; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'zmq', zmq.__version__)"
-timeout 150 python3 -m pytest -m gpu -rs -p no:cacheprovider tests/gpu tests/transport/test_device_copy.py \
+timeout 150 python3 -m pytest -m gpu -rs -p no:cacheprovider tests/gpu tests/transport/copy/test_device_copy.py \
     tests/agent/test_device_transfers.py 2>&1 | tee "$out/gpu-tests.log"
 status=${PIPESTATUS[0]}
 timeout 60 python3 benchmarks/sidecar_bench.py --device cuda --tokens 4096 --repeats 3 2>&1 | tee "$out/bench-cuda.log"

@@ -119,7 +119,7 @@ print((after.user + after.system - before.user - before.system) / (time.monotoni
 async def test_an_idle_agent_leaves_the_cpu_alone():
     # NIXL's wrapper would start the agent's progress thread with no pause between
     # polls: a whole core per idle agent, which starved sidecars' event loops in CI
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(Path(__file__).resolve().parents[3])
     out = subprocess.run(
         [sys.executable, "-c", IDLE_AGENT],
         capture_output=True,
