@@ -2,8 +2,8 @@
 
 A sidecar is the same process for both roles: the worker endpoint, the
 rooms, the timers, the data plane, the HTTP server. What differs is its
-side: :class:`~pd_transfer.agent.prefill.PrefillSide` answers decode peers
-and sends; :class:`~pd_transfer.agent.decode.DecodeSide` resolves prefill
+side: :class:`~pd_transfer.agent.prefill.side.PrefillSide` answers decode peers
+and sends; :class:`~pd_transfer.agent.decode.side.DecodeSide` resolves prefill
 instances, requests rooms and receives. The sidecar calls its side only
 through this protocol and never asks which role it has.
 """

@@ -28,11 +28,11 @@ from pd_transfer.agent.auth import SecureContext, Security
 from pd_transfer.agent.bootstrap import BootstrapServer, fetch_table
 from pd_transfer.agent.channels import Channel, IncomingChannels
 from pd_transfer.agent.dataplane import DataPlane
-from pd_transfer.agent.decode import DecodeSide
+from pd_transfer.agent.decode.side import DecodeSide
 from pd_transfer.agent.http import HttpServer
 from pd_transfer.agent.liveness import LoopStalls, why_lost
 from pd_transfer.agent.observe import Observer
-from pd_transfer.agent.prefill import PrefillSide
+from pd_transfer.agent.prefill.side import PrefillSide
 from pd_transfer.agent.retry import Backoff
 from pd_transfer.agent.rooms import RoomTable, pool_requests
 from pd_transfer.agent.side import Side

@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import Hashable
 
-from pd_transfer.agent import retire
+from pd_transfer.agent.decode import retire
 from pd_transfer.errors import Reason
 from pd_transfer.layout.geometry import Role
 from pd_transfer.protocol import Close

@@ -23,7 +23,7 @@ from pd_transfer.doorbell import AVAILABLE, MAX_WRITERS, Doorbells
 from pd_transfer.errors import PdTransferError
 from pd_transfer.protocol import RoomStatus
 
-log = logging.getLogger("pd_transfer.agent.decode")
+log = logging.getLogger(__package__)
 
 
 class RoomBells:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 
-from pd_transfer.agent.decode_instances import instance_size
+from pd_transfer.agent.prefill.instances import instance_size
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.protocol import Done, DoneStatus
 

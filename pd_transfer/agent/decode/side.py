@@ -10,7 +10,7 @@ pages are safe to reuse only after every prefill rank acknowledged that no
 write of the room's generation can still land.
 
 Same-host rooms also end through a doorbell the sources ring, which the
-worker's ``wait`` sleeps on (:mod:`pd_transfer.agent.room_bells`).
+worker's ``wait`` sleeps on (:mod:`pd_transfer.agent.decode.bells`).
 
 Sessions are released, never only replaced (:mod:`retire`). A room waits for
 a slot under ``max_rooms_per_peer`` (per prefill instance,
@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pd_transfer.agent import integrity
+from pd_transfer.agent.decode.bells import RoomBells
+from pd_transfer.agent.decode.instances import PrefillInstance, PrefillInstances, PrefillPeer
 from pd_transfer.agent.indices import Claims, check_indices
-from pd_transfer.agent.prefill_instances import PrefillInstance, PrefillInstances, PrefillPeer
-from pd_transfer.agent.room_bells import RoomBells
 from pd_transfer.agent.rooms import Room
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.views import Pool
@@ -47,7 +47,7 @@ from pd_transfer.protocol import (
 )
 from pd_transfer.protocol.worker_api import WorkerOp
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(__package__)
 
 
 @dataclass

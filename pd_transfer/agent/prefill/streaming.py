@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pd_transfer.agent.flow import write_chunk
+from pd_transfer.agent.prefill.flow import write_chunk
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.views import Pool
 from pd_transfer.protocol import Progress, RoomStatus

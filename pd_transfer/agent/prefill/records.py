@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pd_transfer.agent.channels import Channel
+from pd_transfer.agent.prefill.streaming import ChunkLayers
 from pd_transfer.agent.rooms import Room
-from pd_transfer.agent.streaming import ChunkLayers
 from pd_transfer.doorbell import Doorbells
 from pd_transfer.layout.planner import PairPlanner
 from pd_transfer.layout.reconcile import Reconciliation
@@ -58,7 +58,7 @@ class Target:
     done: bool = False
     succeeded: bool = False
     failed: bool = False
-    admitted: bool = False  # holds a room slot with the peer (agent/flow.py)
+    admitted: bool = False  # holds a room slot with the peer (agent/prefill/flow.py)
     layers_sent: set = field(default_factory=set)  # of the streamed chunk being written
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     sums: object = None  # RoomDigest of what was sent, when the pair checks integrity
@@ -82,5 +82,5 @@ class PrefillRoom(Room):
     expected_targets: int = 0
     refused: bool = False  # a send of it was refused: requests still arriving get its failure
     nbytes: int = 0
-    owner: str = ""  # the decode instance the room is bound to (agent/ownership.py)
+    owner: str = ""  # the decode instance the room is bound to (agent/prefill/ownership.py)
     contenders: list = field(default_factory=list)  # other instances' requests, until bound

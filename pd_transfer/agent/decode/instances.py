@@ -23,11 +23,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pd_transfer.agent import integrity, retire
+from pd_transfer.agent import integrity
 from pd_transfer.agent.bootstrap import fetch_table
 from pd_transfer.agent.channels import OutgoingChannel
+from pd_transfer.agent.decode import retire
+from pd_transfer.agent.decode.bells import RoomBells
 from pd_transfer.agent.retry import Backoff
-from pd_transfer.agent.room_bells import RoomBells
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.reconcile import reconcile
@@ -257,7 +258,7 @@ class PrefillInstances:
             await self._await_verdict(peer)
 
     def release_retired(self, now_s: float) -> None:
-        """Close the sessions of lost instances once quiet (timer tick; agent/retire.py)."""
+        """Close the sessions of lost instances once quiet (timer tick; agent/decode/retire.py)."""
         retire.release_retired(self, now_s)
 
     async def _await_verdict(self, peer: PrefillPeer) -> None:

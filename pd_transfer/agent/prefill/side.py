@@ -22,17 +22,18 @@ import time
 
 import numpy as np
 
-from pd_transfer.agent import integrity, ownership
-from pd_transfer.agent.acceptance import send_verdict
+from pd_transfer.agent import integrity
 from pd_transfer.agent.channels import Channel
-from pd_transfer.agent.chunks import chunk_refusal, chunk_requests
 from pd_transfer.agent.dataplane import SegmentTruncated
-from pd_transfer.agent.decode_instances import DecodeInstances, instance_size
-from pd_transfer.agent.flow import peer_key, refuse_new_room, write_chunk
 from pd_transfer.agent.indices import check_indices
-from pd_transfer.agent.prefill_records import DecodePeer, PrefillRoom, Target
+from pd_transfer.agent.prefill import ownership
+from pd_transfer.agent.prefill.acceptance import send_verdict
+from pd_transfer.agent.prefill.chunks import chunk_refusal, chunk_requests
+from pd_transfer.agent.prefill.flow import peer_key, refuse_new_room, write_chunk
+from pd_transfer.agent.prefill.instances import DecodeInstances, instance_size
+from pd_transfer.agent.prefill.records import DecodePeer, PrefillRoom, Target
+from pd_transfer.agent.prefill.streaming import ChunkLayers, chunk_plan, latest_streamed, span_of
 from pd_transfer.agent.rooms import Room
-from pd_transfer.agent.streaming import ChunkLayers, chunk_plan, latest_streamed, span_of
 from pd_transfer.agent.worker_loss import close_stale_sessions
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import Role
@@ -54,7 +55,7 @@ from pd_transfer.protocol import (
 from pd_transfer.protocol.messages import clip_text
 from pd_transfer.protocol.worker_api import WorkerOp
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(__package__)
 
 
 class PrefillSide:

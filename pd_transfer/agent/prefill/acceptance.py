@@ -17,7 +17,7 @@ import asyncio
 import logging
 
 from pd_transfer.agent import integrity
-from pd_transfer.agent.verdicts import plan_summary
+from pd_transfer.agent.prefill.verdicts import plan_summary
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.fanout import decode_ranks_fed
 from pd_transfer.layout.geometry import handle_problems
@@ -26,7 +26,7 @@ from pd_transfer.layout.planner import PairPlanner
 from pd_transfer.layout.reconcile import Reconciliation
 from pd_transfer.protocol import MismatchRecord, Verdict
 
-log = logging.getLogger("pd_transfer.agent.prefill")
+log = logging.getLogger(__package__)
 MAX_REJECTIONS_KEPT = 64  # last rejection text per decode rank, to log only what changed
 
 
