@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 
 from pd_transfer.agent.prefill.instances import instance_size
+from pd_transfer.agent.prefill.records import TargetState
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.protocol import Done, DoneStatus
 
@@ -116,7 +117,7 @@ async def bind(side, room, decode: str) -> None:
     for key, target in list(room.targets.items()):
         if instance_of(target.peer) != room.owner:
             del room.targets[key]
-            target.done = target.failed = True
+            target.state = TargetState.FAILED
             await refuse(
                 target.peer,
                 _Request(room.room, target.generation),

@@ -31,7 +31,7 @@ from pd_transfer.agent.prefill.acceptance import send_verdict
 from pd_transfer.agent.prefill.chunks import chunk_refusal, chunk_requests
 from pd_transfer.agent.prefill.flow import peer_key, refuse_new_room, write_chunk
 from pd_transfer.agent.prefill.instances import DecodeInstances, instance_size
-from pd_transfer.agent.prefill.records import DecodePeer, PrefillRoom, Target
+from pd_transfer.agent.prefill.records import DecodePeer, PrefillRoom, Target, TargetState
 from pd_transfer.agent.prefill.streaming import ChunkLayers, chunk_plan, latest_streamed, span_of
 from pd_transfer.agent.rooms import Room
 from pd_transfer.agent.worker_loss import close_stale_sessions
@@ -300,7 +300,7 @@ class PrefillSide:
         async with target.lock:
             if not target.writes:
                 if room.last_received and not target.done and not room.terminal:
-                    target.done = True
+                    target.end()
                     self._maybe_succeed(room)
                 return
             while target.chunks_done < len(room.chunks) and not target.failed and not room.terminal:
@@ -358,7 +358,7 @@ class PrefillSide:
                 and not target.failed
                 and not room.terminal
             ):
-                target.done = target.succeeded = True
+                target.state = TargetState.SUCCEEDED
                 bells = target.peer.bells
                 if target.bell is not None and bells is not None:
                     # the worker learns it here, Done tells its sidecar
@@ -446,9 +446,9 @@ class PrefillSide:
 
     async def _finish_target(self, room: PrefillRoom, target: Target) -> None:
         if target.done or not target.writes:
-            target.done = True
+            target.end()
             return
-        target.done = target.failed = True
+        target.state = TargetState.FAILED
         await self.send_quietly(
             target,
             Done(
@@ -465,10 +465,10 @@ class PrefillSide:
         target = room.targets.get(id(peer.channel)) if room else None
         if target is not None:
             self.sidecar.observe.abort("decode", message.reason.value)
-            target.failed = True
+            target.abort()
             self.sidecar.admission.withdraw(room, peer_key(target))  # a queued write gives up now
             async with target.lock:  # wait for the write in flight, if any
-                target.done = True
+                target.end()
             if isinstance(room, PrefillRoom):
                 await self.fail_room(
                     room, Reason.ABORTED, f"aborted by decode {peer.rank_id}: {message.reason_text}"
