@@ -44,6 +44,11 @@ class Side(Protocol):
         """The worker registered (the sidecar holds its geometry and mapped its
         regions): start what serves it (join the instance, resolve peers)."""
 
+    async def on_worker_lost(self, why: str) -> None:
+        """The registered worker is gone (``why``): fail its live rooms with
+        ``worker_lost``, stop what served it, and close the sessions that relied on its
+        registration. Returns once no copy reads its regions any more."""
+
     def on_tick(self, now_s: float) -> None:
         """The sidecar's timer tick (every 0.1 s at most): periodic work of the side."""
 

@@ -229,7 +229,10 @@ class PrefillInstances:
         if not recon.ok:  # every prefill rank accepted what this side cannot plan: a bug
             self.sidecar.spawn(retire.close_sessions(instance))
             raise PdTransferError(str(recon.error()), code=Reason.PEER_REJECTED)
-        integrity.attach_decode(self.sidecar, instance, recon, table)
+        sidecar = self.sidecar
+        integrity.attach_decode(
+            sidecar.config, sidecar.dataplane.on_device, sidecar.geometry, instance, recon, table
+        )
         return instance
 
     async def _connect_all(self, instance: PrefillInstance, table) -> None:
@@ -257,9 +260,29 @@ class PrefillInstances:
         for peer in instance.peers.values():
             await self._await_verdict(peer)
 
+    async def release_all(self, text: str) -> None:
+        """The worker is gone: close every session of every instance, resolved, resolving or
+        retired, saying ``text``; its next worker resolves them afresh."""
+        instances = list(self.retired)
+        for task in self.instances.values():
+            if not task.done():
+                task.cancel()  # a resolution closes the sessions it opened
+            elif not task.cancelled() and task.exception() is None:
+                instances.append(task.result())
+        self.instances.clear()
+        self.retired.clear()
+        self.backoffs.clear()  # the next worker resolves its instances afresh
+        for instance in instances:
+            for peer in instance.peers.values():
+                if not peer.channel.closed:
+                    self.sidecar.observe.peer(peer.rank_id, "lost", f"session closed: {text}", peer.channel)
+        await asyncio.gather(
+            *(retire.close_sessions(instance) for instance in instances), return_exceptions=True
+        )
+
     def release_retired(self, now_s: float) -> None:
         """Close the sessions of lost instances once quiet (timer tick; agent/decode/retire.py)."""
-        retire.release_retired(self, now_s)
+        retire.release_retired(self, self.sidecar.rooms.rooms.values(), self.sidecar.spawn, now_s)
 
     async def _await_verdict(self, peer: PrefillPeer) -> None:
         try:

@@ -85,6 +85,12 @@ class DecodeSide:
     async def on_registered(self) -> None:
         self.prefill.resolve_configured()
 
+    async def on_worker_lost(self, why: str) -> None:
+        text = f"the decode worker is gone ({why})"
+        for room in self.sidecar.rooms.live():
+            self._fail(room, Reason.WORKER_LOST, f"room {room.room}: {text}")
+        await self.prefill.release_all(text)
+
     def on_tick(self, now_s: float) -> None:
         self.prefill.resolve_configured()
         self.prefill.release_retired(now_s)
