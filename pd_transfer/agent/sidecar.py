@@ -17,7 +17,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Hashable
 from typing import Any
 
 import zmq
@@ -34,7 +34,7 @@ from pd_transfer.agent.liveness import LoopStalls
 from pd_transfer.agent.observe import Observer
 from pd_transfer.agent.peer_watch import PeerWatch
 from pd_transfer.agent.prefill.side import PrefillSide
-from pd_transfer.agent.rooms import RoomTable, pool_requests
+from pd_transfer.agent.rooms import Room, RoomTable, pool_requests
 from pd_transfer.agent.side import Side
 from pd_transfer.agent.startup import ReadyFile, binding, prepare_worker_endpoint
 from pd_transfer.agent.tasks import Tasks
@@ -221,7 +221,9 @@ class Sidecar:
         )
 
     # -- worker API ----------------------------------------------------------------
-    async def handle_worker(self, op: WorkerOp, request: dict[str, Any], connection=None) -> dict[str, Any]:
+    async def handle_worker(
+        self, op: WorkerOp, request: dict[str, Any], connection: Hashable | None = None
+    ) -> dict[str, Any]:
         if op is WorkerOp.REGISTER:
             async with self.worker.lock:
                 return await self._register(request, connection)
@@ -248,13 +250,13 @@ class Sidecar:
             )
         return await self.side.on_worker_op(op, request, pool_requests(request))
 
-    def _room(self, room_id: int):
+    def _room(self, room_id: int) -> Room:
         room = self.rooms.get(room_id)
         if room is None:
             raise PdTransferError(f"room {room_id} is unknown", code=Reason.UNKNOWN_ROOM)
         return room
 
-    async def _register(self, request: dict[str, Any], connection) -> dict[str, Any]:
+    async def _register(self, request: dict[str, Any], connection: Hashable | None) -> dict[str, Any]:
         if self.geometry is not None:
             raise PdTransferError(
                 f"worker {self.worker.worker_id} is registered, and the connection it registered "
@@ -387,7 +389,7 @@ class Sidecar:
             await self.peer_watch.tick(now)
 
 
-async def _bounded(step, what: str, timeout_s: float = 5.0) -> None:
+async def _bounded(step: Awaitable[Any], what: str, timeout_s: float = 5.0) -> None:
     """Shutdown never hangs on one step: past ``timeout_s`` it is logged and left behind."""
     try:
         async with asyncio.timeout(timeout_s):

@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pd_transfer.agent import integrity
 from pd_transfer.agent.bootstrap import fetch_table
@@ -43,6 +44,11 @@ from pd_transfer.protocol import (
     Register,
     Verdict,
 )
+
+if TYPE_CHECKING:
+    from pd_transfer.agent.sidecar import Sidecar
+    from pd_transfer.config import SidecarConfig
+    from pd_transfer.protocol import Message, RankTable
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +87,9 @@ class PrefillInstances:
 
     def __init__(
         self,
-        sidecar,
+        sidecar: Sidecar,
         bells: RoomBells,
-        on_room_message: Callable[[PrefillPeer, object], None],
+        on_room_message: Callable[[PrefillPeer, Message], None],
         on_peer_lost: Callable[[PrefillInstance, PrefillPeer, str, Reason], None],
     ) -> None:
         self.sidecar = sidecar
@@ -95,7 +101,7 @@ class PrefillInstances:
         self._on_peer_lost = on_peer_lost
 
     @property
-    def config(self):
+    def config(self) -> SidecarConfig:
         return self.sidecar.config
 
     def resolved(self, bootstrap: str) -> asyncio.Task:
@@ -235,7 +241,7 @@ class PrefillInstances:
         )
         return instance
 
-    async def _connect_all(self, instance: PrefillInstance, table) -> None:
+    async def _connect_all(self, instance: PrefillInstance, table: RankTable) -> None:
         sidecar = self.sidecar
         # every prefill rank hears about every room, sources or not: a rank that
         # writes nothing to this decode rank still learns the room is done
@@ -315,7 +321,7 @@ class PrefillInstances:
             self.sidecar.observe.peer(peer.rank_id, "rejected", "\n".join(lines), peer.channel)
             raise PdTransferError("\n".join(lines), code=Reason.PEER_REJECTED)
 
-    async def _on_message(self, instance: PrefillInstance, peer: PrefillPeer, message) -> None:
+    async def _on_message(self, instance: PrefillInstance, peer: PrefillPeer, message: Message) -> None:
         sidecar = self.sidecar
         if isinstance(message, Hello):
             await peer.channel.send(

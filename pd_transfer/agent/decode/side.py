@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -47,6 +48,11 @@ from pd_transfer.protocol import (
 )
 from pd_transfer.protocol.worker_api import WorkerOp
 
+if TYPE_CHECKING:
+    from pd_transfer.agent.sidecar import Sidecar
+    from pd_transfer.config import SidecarConfig
+    from pd_transfer.protocol import Message
+
 log = logging.getLogger(__package__)
 
 
@@ -63,14 +69,14 @@ class DecodeRoom(Room):
 
 
 class DecodeSide:
-    def __init__(self, sidecar) -> None:
+    def __init__(self, sidecar: Sidecar) -> None:
         self.sidecar = sidecar
         self.bells = RoomBells(sidecar.config, sidecar.observe)
         self.prefill = PrefillInstances(sidecar, self.bells, self._on_room_message, self._on_peer_lost)
         self.claims = Claims()  # the destination pages and slots of the live rooms
 
     @property
-    def config(self):
+    def config(self) -> SidecarConfig:
         return self.sidecar.config
 
     # -- the Side protocol (agent/side.py) ------------------------------------------
@@ -185,7 +191,7 @@ class DecodeSide:
             )
         room.advance(RoomStatus.WAITING_FOR_INPUT, time.monotonic() + self.config.waiting_timeout_s)
 
-    def _on_room_message(self, peer: PrefillPeer, message) -> None:
+    def _on_room_message(self, peer: PrefillPeer, message: Message) -> None:
         room = self.sidecar.rooms.get(message.room)
         if not isinstance(room, DecodeRoom) or message.generation != room.generation:
             return  # stale: an earlier generation of the room

@@ -24,28 +24,34 @@ docs/security.md for what that does and does not prove.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from pd_transfer.agent.prefill.instances import instance_size
 from pd_transfer.agent.prefill.records import TargetState
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.protocol import Done, DoneStatus
 
+if TYPE_CHECKING:
+    from pd_transfer.agent.prefill.records import DecodePeer, PrefillRoom
+    from pd_transfer.agent.prefill.side import PrefillSide
+    from pd_transfer.protocol import TransferRequest
+
 log = logging.getLogger(__name__)
 
 MAX_CONTENDERS = 16  # requests from other instances parked per room before its owner is known
 
 
-def instance_of(peer) -> str:
+def instance_of(peer: DecodePeer) -> str:
     """The decode instance a registered peer belongs to ('' if it names none)."""
     return peer.register.instance
 
 
-def claimant(room) -> str:
+def claimant(room: PrefillRoom) -> str:
     """The named instance among the room's current targets ('' while there is none)."""
     return next((instance_of(t.peer) for t in room.targets.values() if instance_of(t.peer)), "")
 
 
-async def refuse(peer, message, reason: Reason, text: str) -> None:
+async def refuse(peer: DecodePeer, message: TransferRequest | _Request, reason: Reason, text: str) -> None:
     """Answer a decode peer's TransferRequest with a failed Done; the room is untouched."""
     log.warning(
         "prefill: refused %s's request for room %d: %s",
@@ -68,7 +74,7 @@ async def refuse(peer, message, reason: Reason, text: str) -> None:
         log.debug("prefill: cannot refuse room %d to %s: %s", message.room, peer.rank_id, err)
 
 
-async def admit_request(room, peer, message) -> bool:
+async def admit_request(room: PrefillRoom, peer: DecodePeer, message: TransferRequest) -> bool:
     """True when ``peer``'s request for ``room`` may become a target; otherwise it
     was refused or parked as a contender."""
     instance = instance_of(peer)
@@ -100,7 +106,7 @@ async def admit_request(room, peer, message) -> bool:
     return False
 
 
-async def bind(side, room, decode: str) -> None:
+async def bind(side: PrefillSide, room: PrefillRoom, decode: str) -> None:
     """The worker's ``send`` for ``room``, naming ``decode`` ('' for none): fix the
     room's owner, refuse the targets and contenders of any other instance, and
     admit the owner's contenders (through ``side.on_request``)."""
@@ -131,7 +137,7 @@ async def bind(side, room, decode: str) -> None:
         await side.on_request(peer, message)
 
 
-async def release_contenders(room, reason: Reason, text: str) -> None:
+async def release_contenders(room: PrefillRoom, reason: Reason, text: str) -> None:
     """The room ended before its owner was known: its contenders learn why."""
     contenders, room.contenders = room.contenders, []
     for peer, message in contenders:
