@@ -24,6 +24,7 @@ docs/security.md for what that does and does not prove.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from pd_transfer.agent.prefill.instances import instance_size
@@ -33,11 +34,11 @@ from pd_transfer.protocol import Done, DoneStatus
 
 if TYPE_CHECKING:
     from pd_transfer.agent.prefill.records import DecodePeer, PrefillRoom
-    from pd_transfer.agent.prefill.side import PrefillSide
     from pd_transfer.protocol import TransferRequest
 
 log = logging.getLogger(__name__)
 
+OnRequest = Callable[["DecodePeer", "TransferRequest"], Awaitable[None]]
 MAX_CONTENDERS = 16  # requests from other instances parked per room before its owner is known
 
 
@@ -106,10 +107,10 @@ async def admit_request(room: PrefillRoom, peer: DecodePeer, message: TransferRe
     return False
 
 
-async def bind(side: PrefillSide, room: PrefillRoom, decode: str) -> None:
+async def bind(room: PrefillRoom, decode: str, request: OnRequest) -> None:
     """The worker's ``send`` for ``room``, naming ``decode`` ('' for none): fix the
     room's owner, refuse the targets and contenders of any other instance, and
-    admit the owner's contenders (through ``side.on_request``)."""
+    admit the owner's contenders (through ``request``, the side's ``on_request``)."""
     if room.owner:
         if decode and decode != room.owner:
             raise PdTransferError(
@@ -134,7 +135,7 @@ async def bind(side: PrefillSide, room: PrefillRoom, decode: str) -> None:
     room.expected_targets = max((instance_size(t.peer.register) for t in room.targets.values()), default=0)
     contenders, room.contenders = room.contenders, []
     for peer, message in contenders:
-        await side.on_request(peer, message)
+        await request(peer, message)
 
 
 async def release_contenders(room: PrefillRoom, reason: Reason, text: str) -> None:

@@ -293,7 +293,7 @@ class PrefillSide(PrefillWrites):
             raise PdTransferError(f"room {room.room}: send after the last chunk", code=Reason.DUPLICATE_ROOM)
         if room.terminal:
             return room.reply()
-        await ownership.bind(self, room, request["decode"])
+        await ownership.bind(room, request["decode"], self.on_request)
         if chunk_refusal(self.config, room):
             self.sidecar.observe.limit_refused("max_chunks_per_room")
             await self.fail_room(room, Reason.OVER_LIMIT, chunk_refusal(self.config, room))
