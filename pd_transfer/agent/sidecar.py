@@ -3,7 +3,7 @@
 Owns the event loop's tasks (one task group), the sockets (worker endpoint,
 control ROUTER, bootstrap on prefill rank 0), the room table, the worker's
 registration and mapped regions, and the data plane; the role's logic lives
-in :mod:`prefill` and :mod:`decode`. Timers (room deadlines, heartbeats,
+in :mod:`.prefill` and :mod:`.decode`. Timers (room deadlines, heartbeats,
 lost peers) run here.
 
 Shutdown: the first stop request drains (new rooms are refused, live rooms

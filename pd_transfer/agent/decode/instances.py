@@ -6,13 +6,13 @@ or not), register, and wait for each one's Verdict. A rejection fails with
 the full diagnostic, never after a timeout. A resolved instance is reused
 by every room with its address until one of its ranks is lost; the next
 room then resolves it anew, and the lost one's sessions are retired
-(:mod:`retire`). A resolution that failed (rejected, or no rank table) is
-tried again after a backoff (:mod:`retry`), not at every timer tick or room:
+(:mod:`.retire`). A resolution that failed (rejected, or no rank table) is
+tried again after a backoff (:mod:`pd_transfer.agent.retry`), not at every timer tick or room:
 until then rooms fail with its error, and the readiness reason says when the
 next try is.
 
 Room messages (Done, Progress, AbortAck) and a lost rank's rooms are the
-decode side's (:mod:`decode`), handed over through two callbacks.
+decode side's (:mod:`.side`), handed over through two callbacks.
 """
 
 from __future__ import annotations

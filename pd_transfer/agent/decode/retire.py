@@ -12,7 +12,7 @@ passed since the loss. Then each gets a Close, on which the prefill rank
 releases that session's link (unmapping the decode segments it mapped); a
 Close that gets lost ends the same way, once prefill misses its heartbeats.
 
-Called from the sidecar's timer tick; the role logic stays in :mod:`decode`.
+Called from the sidecar's timer tick; the role logic stays in :mod:`.side`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The decode side: request rooms from prefill instances, end them, drain aborts.
 
 ``expect(room, bootstrap, ...)`` takes the prefill instance of ``bootstrap``,
-resolved once per address (:mod:`prefill_instances`: rank table, reconciled
+resolved once per address (:mod:`.instances`: rank table, reconciled
 with this rank, a session and a Verdict per prefill rank; a rejected pair
 fails its rooms at once with the full diagnostic, never after a timeout).
 Then each needed prefill rank gets a TransferRequest; the room succeeds when
@@ -12,7 +12,7 @@ write of the room's generation can still land.
 Same-host rooms also end through a doorbell the sources ring, which the
 worker's ``wait`` sleeps on (:mod:`pd_transfer.agent.decode.bells`).
 
-Sessions are released, never only replaced (:mod:`retire`). A room waits for
+Sessions are released, never only replaced (:mod:`.retire`). A room waits for
 a slot under ``max_rooms_per_peer`` (per prefill instance,
 :mod:`pd_transfer.agent.admission`) before its requests go out.
 """
