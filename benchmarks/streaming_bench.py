@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_cluster import PAGE, Cluster  # noqa: E402
-from pd_transfer.agent.streaming import span_of  # noqa: E402
+from pd_transfer.agent.prefill.streaming import span_of  # noqa: E402
 
 
 def one_room(cluster: Cluster, room: int, src, dst, layers: list[int], layer_s: float, stream: bool) -> float:

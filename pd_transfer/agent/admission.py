@@ -35,8 +35,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pd_transfer.errors import PdTransferError, Reason
+
+if TYPE_CHECKING:
+    from pd_transfer.agent.rooms import Room
+    from pd_transfer.config import SidecarConfig
 
 
 @dataclass(eq=False)
@@ -263,7 +268,7 @@ class Limiter:
 class Admission:
     """The sidecar's limiters; rooms release what they hold when they end."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: SidecarConfig) -> None:
         self.wait_s = config.admission_wait_s
         self.rooms = Limiter(
             "rooms",
@@ -280,34 +285,34 @@ class Admission:
     def limiters(self) -> tuple[Limiter, ...]:
         return (self.rooms, self.nbytes)
 
-    def deadline_s(self, room) -> float:
+    def deadline_s(self, room: Room) -> float:
         return min(time.monotonic() + self.wait_s, room.deadline_s)
 
-    async def admit_room(self, peer: str, room) -> None:
+    async def admit_room(self, peer: str, room: Room) -> None:
         """Hold a room slot with ``peer`` until ``room`` ends (success or failure)."""
         self._watch(room)
         await self.rooms.acquire(
             peer, 1, room.room, self.deadline_s(room), what="a room slot"
         )  # the text names the peer next
 
-    async def admit_nbytes(self, peer: str, room, nbytes: int) -> Grant:
+    async def admit_nbytes(self, peer: str, room: Room, nbytes: int) -> Grant:
         """Hold ``nbytes`` of in-flight budget to ``peer``; the caller releases the grant."""
         self._watch(room)
         return await self.nbytes.acquire(
             peer, nbytes, room.room, self.deadline_s(room), what=f"{_nbytes_text(nbytes)} to {peer}"
         )
 
-    def withdraw(self, room, peer: str) -> None:
+    def withdraw(self, room: Room, peer: str) -> None:
         """Stop ``room``'s waits for ``peer`` now (an abort that must not wait for them)."""
         for limiter in self.limiters():
             limiter.end_room(room.room, release=False, peer=peer)
 
-    def _watch(self, room) -> None:
+    def _watch(self, room: Room) -> None:
         if room.terminal:  # its end hooks ran already: nothing would release what it gets
             raise PdTransferError(f"room {room.room} ended before admission", code=Reason.ABORTED)
         if self._room_ended not in room.on_end:
             room.on_end.append(self._room_ended)
 
-    def _room_ended(self, room) -> None:
+    def _room_ended(self, room: Room) -> None:
         self.rooms.end_room(room.room, release=True)
         self.nbytes.end_room(room.room, release=False)  # a write in progress releases its own

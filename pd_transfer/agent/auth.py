@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.asyncio
@@ -27,6 +28,9 @@ from pd_transfer.errors import AuthError, PdTransferError, Reason
 from pd_transfer.protocol import Close, encode
 from pd_transfer.security import ClientHandshake, Decision, Gate, NonceBook, SecuritySettings, new_routing_id
 from pd_transfer.wire.fields import clip_text
+
+if TYPE_CHECKING:
+    from pd_transfer.config import SidecarConfig
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +50,7 @@ class Security:
     on_failure: Callable[[str], None] = lambda reason: None  # reason code -> metrics
 
     @classmethod
-    def from_config(cls, config) -> Security:
+    def from_config(cls, config: SidecarConfig) -> Security:
         """ConfigError (exit code 2) for an unusable secret or key; see SecuritySettings."""
         return cls(SecuritySettings.from_config(config), config.agent_id, config.bootstrap_timeout_s)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
@@ -44,8 +45,8 @@ class BootstrapServer:
         self,
         context: zmq.asyncio.Context,
         address: str,
-        on_bad_frame=lambda reason: None,
-        on_closed=lambda socket: None,
+        on_bad_frame: Callable[[str], None] = lambda reason: None,
+        on_closed: Callable[[str], None] = lambda socket: None,
     ) -> None:
         self._on_bad_frame = on_bad_frame
         security = security_of(context)

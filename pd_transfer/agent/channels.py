@@ -34,6 +34,7 @@ from pd_transfer.protocol import Close, Dropped, Message, Session, encode
 log = logging.getLogger(__name__)
 
 OnMessage = Callable[["Channel", Message], Awaitable[None]]
+CLOSE_SEND_TIMEOUT_S = 1.0  # how long a Close that ends a session may wait to leave
 
 
 def _without_frames(err: PdTransferError) -> PdTransferError:

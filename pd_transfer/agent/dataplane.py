@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import zmq.asyncio
 
@@ -43,6 +44,10 @@ from pd_transfer.transport.engines.strategy import StrategyMode
 from pd_transfer.transport.mock import CorruptNth
 from pd_transfer.transport.receiver_rooms import item_ranges
 from pd_transfer.transport.shm import ShmLink, ShmTransport
+
+if TYPE_CHECKING:
+    from pd_transfer.layout.lowering import TransferPlan
+    from pd_transfer.layout.planner import PairPlanner
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +230,7 @@ class DataPlane:
                 f"cannot reach {peer_id}: {err.message}", code=Reason.TRANSPORT_FAILED, hint=err.hint
             ) from None
 
-    def doorbells(self, link, name: str) -> Doorbells | None:
+    def doorbells(self, link: Link, name: str) -> Doorbells | None:
         """The decode peer's doorbells (named in its Register), mapped when this link writes
         into its memory in place (shm, CUDA IPC) and doorbells are on; else None."""
         if not (
@@ -238,13 +243,13 @@ class DataPlane:
             log.warning("cannot map the doorbells of %s: %s", link.peer.peer_id, err.message)
             return None
 
-    def strategies(self, link, planner) -> dict:
+    def strategies(self, link: Link, planner: PairPlanner) -> dict:
         """``{pool: Decision}``: how each pool moves over ``link`` (set on engine links);
         see :mod:`.strategies`. Report it in the verdict, metrics and log."""
         kind = getattr(getattr(link, "transport", None), "name", "")
         return choose_strategies(link, planner, StrategyMode(self.config.strategy), kind)
 
-    async def write(self, link, plan, room: int, generation: int) -> int:
+    async def write(self, link: Link, plan: TransferPlan, room: int, generation: int) -> int:
         """Move every byte of ``plan``; returns only when all of it landed.
 
         A segment truncated under its mapping meanwhile (on either side) fails the
@@ -262,7 +267,7 @@ class DataPlane:
         self._check_truncated(link, before)
         return nbytes
 
-    def _check_sizes(self, link) -> None:
+    def _check_sizes(self, link: Link) -> None:
         """Without the SIGBUS guard: refuse to copy into or out of a segment whose file is
         already smaller than its mapping (fstat per segment, before each write)."""
         local = [s.name for s in self._segments if s.shrunk()]
@@ -285,7 +290,7 @@ class DataPlane:
                 return err
         return self._local_truncated
 
-    def _check_truncated(self, link, before: int) -> None:
+    def _check_truncated(self, link: Link, before: int) -> None:
         """Raise :class:`SegmentTruncated` if a copy since ``before`` faulted in the
         segments of ``link`` or of this worker (one memory read when none did)."""
         if shm_guard.faults_total() == before:
@@ -312,7 +317,7 @@ class DataPlane:
                 hint="the peer must keep its segments at their registered size; its session is closed",
             )
 
-    async def _write(self, link, plan, room: int, generation: int) -> int:
+    async def _write(self, link: Link, plan: TransferPlan, room: int, generation: int) -> int:
         try:
             if self.on_device and isinstance(link, ShmLink):
                 # CUDA here, shared memory there: torch copies into the peer's segments,
@@ -328,7 +333,7 @@ class DataPlane:
         except TransportError as err:
             raise PdTransferError(err.message, code=err.code, hint=err.hint) from None
 
-    async def release(self, link) -> None:
+    async def release(self, link: Link) -> None:
         """Close one peer's link (its session was lost or closed): unmaps what it mapped,
         after the writes it started (Link.drain)."""
         await link.close()

@@ -13,8 +13,12 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 log = logging.getLogger(__name__)
 
@@ -107,5 +111,5 @@ def _json(value: dict) -> bytes:
     return (json.dumps(value, indent=1, sort_keys=True) + "\n").encode()
 
 
-def render_metrics(registry) -> bytes:
+def render_metrics(registry: CollectorRegistry) -> bytes:
     return generate_latest(registry)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -32,6 +33,14 @@ from pd_transfer.layout.planner import PairPlanner
 from pd_transfer.layout.views import Pool
 from pd_transfer.protocol import PoolChecksums
 from pd_transfer.transport.copy.checksums import BlockLayout, RoomDigest, compare, landed_digest
+
+if TYPE_CHECKING:
+    from pd_transfer.agent.decode.instances import PrefillInstance
+    from pd_transfer.agent.prefill.chunks import ChunkRequests
+    from pd_transfer.agent.prefill.records import Target
+    from pd_transfer.layout.geometry import RankGeometry
+    from pd_transfer.layout.reconcile import Reconciliation
+    from pd_transfer.protocol import RankTable
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +56,11 @@ def features(config: SidecarConfig, on_device: bool) -> tuple[str, ...]:
 
 
 def prefill_layout(
-    sidecar, planner: PairPlanner, decode_features: tuple[str, ...], peer: str
+    config: SidecarConfig, on_device: bool, planner: PairPlanner, decode_features: tuple[str, ...], peer: str
 ) -> BlockLayout | None:
-    """The blocks to sum for a decode peer, or None when the pair does not check."""
-    ours = FEATURE in features(sidecar.config, sidecar.dataplane.on_device)
+    """The blocks to sum for a decode peer, or None when the pair does not check
+    (``on_device``: this rank's regions are device memory)."""
+    ours = FEATURE in features(config, on_device)
     theirs = FEATURE in decode_features
     converted = [pool.value for pool in Pool if planner.page_sizes(pool)]
     if ours and theirs and converted:
@@ -65,7 +75,7 @@ def prefill_layout(
         return None
     if ours and theirs:
         return BlockLayout(planner)
-    if sidecar.config.integrity:
+    if config.integrity:
         log.warning(
             "integrity: rooms to %s are not checked: %s",
             peer,
@@ -75,7 +85,7 @@ def prefill_layout(
     return None
 
 
-async def sum_chunk(target, requests: dict, regions: dict) -> None:
+async def sum_chunk(target: Target, requests: ChunkRequests, regions: dict) -> None:
     """Fold one chunk's source bytes into the target's digest (before ``kv_cursor`` moves)."""
     layout = target.peer.integrity
     if layout is None:
@@ -85,7 +95,7 @@ async def sum_chunk(target, requests: dict, regions: dict) -> None:
     await asyncio.to_thread(target.sums.add_sent, requests, {Pool.KV: target.kv_cursor}, regions)
 
 
-def checksums(target) -> tuple[PoolChecksums, ...]:
+def checksums(target: Target) -> tuple[PoolChecksums, ...]:
     """What a successful Done to this target carries (empty when the pair does not check)."""
     layout = target.peer.integrity
     if layout is None:
@@ -101,17 +111,25 @@ def checksums(target) -> tuple[PoolChecksums, ...]:
 # -- decode -------------------------------------------------------------------------
 
 
-def attach_decode(sidecar, instance, recon, table) -> None:
-    """Give each source whose Verdict promised checksums the blocks to verify."""
-    ours = FEATURE in features(sidecar.config, sidecar.dataplane.on_device)
+def attach_decode(
+    config: SidecarConfig,
+    on_device: bool,
+    geometry: RankGeometry,
+    instance: PrefillInstance,
+    recon: Reconciliation,
+    table: RankTable,
+) -> None:
+    """Give each source whose Verdict promised checksums the blocks to verify into this
+    rank's ``geometry`` (``on_device``: its regions are device memory)."""
+    ours = FEATURE in features(config, on_device)
     geometries = {e.geometry.rank_id: e.geometry for e in table.entries}
     for peer in instance.peers.values():
         if peer.rank_id not in instance.sources:
             continue
         promised = peer.verdict.result().integrity
         if ours and promised:
-            peer.integrity = BlockLayout(PairPlanner(recon, geometries[peer.rank_id], sidecar.geometry))
-        elif sidecar.config.integrity:
+            peer.integrity = BlockLayout(PairPlanner(recon, geometries[peer.rank_id], geometry))
+        elif config.integrity:
             log.warning(
                 "integrity: rooms from %s are not verified: %s",
                 peer.rank_id,

@@ -9,14 +9,23 @@ live state (rooms by status, heartbeat ages) are refreshed at scrape time.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 from pd_transfer.agent.peer_series import PeerSeries
 from pd_transfer.layout.geometry import Role
 from pd_transfer.metrics import SidecarMetrics
 from pd_transfer.protocol import RoomStatus
+
+if TYPE_CHECKING:
+    from pd_transfer.agent.admission import Admission
+    from pd_transfer.agent.channels import Channel
+    from pd_transfer.agent.sidecar import Sidecar
+    from pd_transfer.protocol.messages import PoolPlan
 
 PEER_STATES = ("connecting", "accepted", "rejected", "lost")
 LIVE_STATES = ("connecting", "accepted")
@@ -38,7 +47,7 @@ class PeerRecord:
 
 
 class Observer:
-    def __init__(self, sidecar) -> None:
+    def __init__(self, sidecar: Sidecar) -> None:
         self.sidecar = sidecar
         self.role = sidecar.config.role.value
         self.registry = CollectorRegistry()
@@ -53,7 +62,7 @@ class Observer:
         peer: str,
         state: str,
         reason: str = "",
-        channel=None,
+        channel: Channel | None = None,
         *,
         transport: str = "",
         modes: list[str] | None = None,
@@ -116,7 +125,7 @@ class Observer:
         for pool, decision in decisions.items():
             self._strategy(peer, pool.value, decision.strategy.value)
 
-    def verdict_strategies(self, peer: str, plan) -> None:
+    def verdict_strategies(self, peer: str, plan: Iterable[PoolPlan]) -> None:
         """Decode: the strategies an accepted Verdict's plan summary reports."""
         for pool_plan in plan:
             self._strategy(peer, pool_plan.pool.value, pool_plan.strategy)
@@ -129,7 +138,7 @@ class Observer:
                 1 if strategy == chosen else 0
             )
 
-    def inflight(self, peer: str):
+    def inflight(self, peer: str) -> MetricWrapperBase:
         """The gauge of bytes being written to ``peer`` (prefill)."""
         return self.series.child(self.metrics.inflight_bytes, self.role, peer, peer=peer)
 
@@ -160,7 +169,7 @@ class Observer:
     def abort(self, side: str, reason: str) -> None:
         self.metrics.aborts.labels(self.role, side, reason).inc()
 
-    def lost(self, peer: str, why: str, channel=None, *, missed: bool = True) -> None:
+    def lost(self, peer: str, why: str, channel: Channel | None = None, *, missed: bool = True) -> None:
         """``peer``'s session is gone: silent or disconnected (``missed``), or closed by
         this side over a bad frame. A session that never registered has no record: only
         the total counts it."""
@@ -193,7 +202,7 @@ class Observer:
     def bootstrap(self, seconds: float) -> None:
         self.metrics.bootstrap.labels(self.role).observe(seconds)
 
-    def watch_admission(self, admission) -> None:
+    def watch_admission(self, admission: Admission) -> None:
         """Count admission waits and timeouts of the sidecar's limiters (agent/admission.py)."""
         for limiter in admission.limiters():
             limiter.on_admitted = lambda resource, waited_s: self.metrics.admission_wait.labels(

@@ -28,7 +28,7 @@ class PeerSeries:
         self._gone_since: dict[str, float] = {}
         self._live: set[str] = set()
 
-    def child(self, metric: MetricWrapperBase, *labels: str, peer: str):
+    def child(self, metric: MetricWrapperBase, *labels: str, peer: str) -> MetricWrapperBase:
         """``metric.labels(*labels)``, remembered as a series of ``peer`` (one of ``labels``).
         A series of a peer not live (a room failing after its peer was lost) goes with the
         peer's others, or ``grace_s`` from now."""

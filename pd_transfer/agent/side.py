@@ -2,8 +2,8 @@
 
 A sidecar is the same process for both roles: the worker endpoint, the
 rooms, the timers, the data plane, the HTTP server. What differs is its
-side: :class:`~pd_transfer.agent.prefill.PrefillSide` answers decode peers
-and sends; :class:`~pd_transfer.agent.decode.DecodeSide` resolves prefill
+side: :class:`~pd_transfer.agent.prefill.side.PrefillSide` answers decode peers
+and sends; :class:`~pd_transfer.agent.decode.side.DecodeSide` resolves prefill
 instances, requests rooms and receives. The sidecar calls its side only
 through this protocol and never asks which role it has.
 """
@@ -43,6 +43,11 @@ class Side(Protocol):
     async def on_registered(self) -> None:
         """The worker registered (the sidecar holds its geometry and mapped its
         regions): start what serves it (join the instance, resolve peers)."""
+
+    async def on_worker_lost(self, why: str) -> None:
+        """The registered worker is gone (``why``): fail its live rooms with
+        ``worker_lost``, stop what served it, and close the sessions that relied on its
+        registration. Returns once no copy reads its regions any more."""
 
     def on_tick(self, now_s: float) -> None:
         """The sidecar's timer tick (every 0.1 s at most): periodic work of the side."""

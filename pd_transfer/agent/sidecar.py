@@ -3,7 +3,7 @@
 Owns the event loop's tasks (one task group), the sockets (worker endpoint,
 control ROUTER, bootstrap on prefill rank 0), the room table, the worker's
 registration and mapped regions, and the data plane; the role's logic lives
-in :mod:`prefill` and :mod:`decode`. Timers (room deadlines, heartbeats,
+in :mod:`.prefill` and :mod:`.decode`. Timers (room deadlines, heartbeats,
 lost peers) run here.
 
 Shutdown: the first stop request drains (new rooms are refused, live rooms
@@ -17,7 +17,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Hashable
 from typing import Any
 
 import zmq
@@ -25,16 +25,16 @@ import zmq
 from pd_transfer.agent import integrity
 from pd_transfer.agent.admission import Admission
 from pd_transfer.agent.auth import SecureContext, Security
-from pd_transfer.agent.bootstrap import BootstrapServer, fetch_table
+from pd_transfer.agent.bootstrap import BootstrapServer
 from pd_transfer.agent.channels import Channel, IncomingChannels
 from pd_transfer.agent.dataplane import DataPlane
-from pd_transfer.agent.decode import DecodeSide
+from pd_transfer.agent.decode.side import DecodeSide
 from pd_transfer.agent.http import HttpServer
-from pd_transfer.agent.liveness import LoopStalls, why_lost
+from pd_transfer.agent.liveness import LoopStalls
 from pd_transfer.agent.observe import Observer
-from pd_transfer.agent.prefill import PrefillSide
-from pd_transfer.agent.retry import Backoff
-from pd_transfer.agent.rooms import RoomTable, pool_requests
+from pd_transfer.agent.peer_watch import PeerWatch
+from pd_transfer.agent.prefill.side import PrefillSide
+from pd_transfer.agent.rooms import Room, RoomTable, pool_requests
 from pd_transfer.agent.side import Side
 from pd_transfer.agent.startup import ReadyFile, binding, prepare_worker_endpoint
 from pd_transfer.agent.tasks import Tasks
@@ -45,22 +45,12 @@ from pd_transfer.layout.geometry import RankGeometry, Role, check_geometry
 from pd_transfer.protocol import (
     CONFIRM_DONE,
     Capabilities,
-    Heartbeat,
-    RankEntry,
-    SessionState,
+    Message,
     geometry_from_data,
 )
 from pd_transfer.protocol.worker_api import WorkerOp
 
 log = logging.getLogger(__name__)
-
-_HEARTBEAT_STATES = {
-    SessionState.GREETED,
-    SessionState.REGISTERING,
-    SessionState.REGISTERED,
-    SessionState.ACCEPTED,
-    SessionState.REJECTED,
-}
 
 
 class Sidecar:
@@ -78,7 +68,8 @@ class Sidecar:
         self.geometry: RankGeometry | None = None
         self.handles: dict[str, str] = {}
         self.pp_size = 1
-        self.worker = WorkerBinding(self)  # the registration's connection (agent/worker_loss.py)
+        # the registration's connection (agent/worker_loss.py)
+        self.worker = WorkerBinding(self, config.worker_endpoint)
         self.worker_tasks: list[asyncio.Task] = []  # what lives only while the worker is registered
         self.endpoint = None
         self.dataplane = DataPlane(
@@ -94,15 +85,14 @@ class Sidecar:
         self._stop = asyncio.Event()
         self._force = False
         self._stopping = False
-        self._watched: list[tuple[Channel, Callable[[float], None]]] = []
         self.http: HttpServer | None = None
-        self._heartbeat_seq = itertools.count(1)
         interval = config.heartbeat_interval_s  # the timers tick at min(interval, 0.1 s)
         self.stalls = LoopStalls(
             tick_s=min(interval, 0.1),
             warn_s=max(interval, 0.5),
             keep_s=2 * interval * config.heartbeat_misses + 1.0,
         )
+        self.peer_watch = PeerWatch(config, self.stalls, self.observe)  # heartbeats, lost peers
         self._generations = itertools.count(1)
         self.tasks = Tasks()  # every background task, owned (agent/tasks.py)
         self.ready_file = ReadyFile(config.ready_file)
@@ -117,44 +107,11 @@ class Sidecar:
         self._stop.set()
 
     async def run(self) -> None:
-        from pd_transfer.agent.worker_endpoint import WorkerEndpoint
-
-        endpoint = None
-        config = self.config
         try:  # a failed start (an address in use) still removes what was made: doorbells
-            prepare_worker_endpoint(config.worker_endpoint)
-            endpoint = self.endpoint = WorkerEndpoint(
-                self.context,
-                config.worker_endpoint,
-                self.handle_worker,
-                on_bad_request=self.observe.bad_frame,
-                max_requests=config.max_worker_requests,
-                on_over_limit=lambda: self.observe.limit_refused("max_worker_requests"),
-                on_closed=self.worker.on_closed,
-                on_connection_closed=self.observe.connection_closed,
-            )
-            self.spawn(endpoint.serve())
+            self._serve_worker()
             if self.config.role is Role.PREFILL:
-                with binding("control_host", config.control_host, "control_port", config.control_port):
-                    self.control = IncomingChannels(
-                        self.context,
-                        config.control_host,
-                        config.control_port,
-                        Role.PREFILL,
-                        on_bad_frame=self.observe.bad_frame,
-                        on_refused=self._on_control_refused,
-                        on_closed=self.observe.connection_closed,
-                    )
-                self.spawn(self.control.serve(self._on_control))
-            self.http = HttpServer(
-                self.config.http_host,
-                self.config.http_port,
-                metrics=self.observe.render,
-                ready=self.observe.ready,
-                status=self.observe.status,
-            )
-            with binding("http_host", config.http_host, "http_port", config.http_port):
-                await self.http.start()
+                self._serve_control()
+            await self._serve_http()
             self.spawn(self._timers())
             self._write_ready_file()
             self.security.log_mode()
@@ -174,20 +131,68 @@ class Sidecar:
             if not self._force:
                 await self._drain()
         finally:
-            await _bounded(self.tasks.close(), "stopping tasks")
-            if endpoint is not None:
-                endpoint.close()
-            if self.http:
-                await _bounded(self.http.close(), "closing the http server")
-            if self.control:
-                self.control.close()
-            if self.bootstrap_server:
-                self.bootstrap_server.close()
-            await _bounded(self.dataplane.close(), "closing the data plane")
-            self.side.close()
-            self.context.destroy(linger=0)
-            self.ready_file.remove()
-            log.info("sidecar %s stopped", self.config.agent_id)
+            await self._close()
+
+    def _serve_worker(self) -> None:
+        from pd_transfer.agent.worker_endpoint import WorkerEndpoint
+
+        config = self.config
+        prepare_worker_endpoint(config.worker_endpoint)
+        self.endpoint = WorkerEndpoint(
+            self.context,
+            config.worker_endpoint,
+            self.handle_worker,
+            on_bad_request=self.observe.bad_frame,
+            max_requests=config.max_worker_requests,
+            on_over_limit=lambda: self.observe.limit_refused("max_worker_requests"),
+            on_closed=self.worker.on_closed,
+            on_connection_closed=self.observe.connection_closed,
+        )
+        self.spawn(self.endpoint.serve())
+
+    def _serve_control(self) -> None:
+        """Prefill: the ROUTER decode peers connect to."""
+        config = self.config
+        with binding("control_host", config.control_host, "control_port", config.control_port):
+            self.control = IncomingChannels(
+                self.context,
+                config.control_host,
+                config.control_port,
+                Role.PREFILL,
+                on_bad_frame=self.observe.bad_frame,
+                on_refused=self._on_control_refused,
+                on_closed=self.observe.connection_closed,
+            )
+        self.spawn(self.control.serve(self._on_control))
+
+    async def _serve_http(self) -> None:
+        config = self.config
+        self.http = HttpServer(
+            config.http_host,
+            config.http_port,
+            metrics=self.observe.render,
+            ready=self.observe.ready,
+            status=self.observe.status,
+        )
+        with binding("http_host", config.http_host, "http_port", config.http_port):
+            await self.http.start()
+
+    async def _close(self) -> None:
+        """Stop every task, then close what :meth:`run` opened, each step bounded."""
+        await _bounded(self.tasks.close(), "stopping tasks")
+        if self.endpoint is not None:
+            self.endpoint.close()
+        if self.http:
+            await _bounded(self.http.close(), "closing the http server")
+        if self.control:
+            self.control.close()
+        if self.bootstrap_server:
+            self.bootstrap_server.close()
+        await _bounded(self.dataplane.close(), "closing the data plane")
+        self.side.close()
+        self.context.destroy(linger=0)
+        self.ready_file.remove()
+        log.info("sidecar %s stopped", self.config.agent_id)
 
     async def _drain(self) -> None:
         self._stopping = True
@@ -216,7 +221,9 @@ class Sidecar:
         )
 
     # -- worker API ----------------------------------------------------------------
-    async def handle_worker(self, op: WorkerOp, request: dict[str, Any], connection=None) -> dict[str, Any]:
+    async def handle_worker(
+        self, op: WorkerOp, request: dict[str, Any], connection: Hashable | None = None
+    ) -> dict[str, Any]:
         if op is WorkerOp.REGISTER:
             async with self.worker.lock:
                 return await self._register(request, connection)
@@ -243,13 +250,13 @@ class Sidecar:
             )
         return await self.side.on_worker_op(op, request, pool_requests(request))
 
-    def _room(self, room_id: int):
+    def _room(self, room_id: int) -> Room:
         room = self.rooms.get(room_id)
         if room is None:
             raise PdTransferError(f"room {room_id} is unknown", code=Reason.UNKNOWN_ROOM)
         return room
 
-    async def _register(self, request: dict[str, Any], connection) -> dict[str, Any]:
+    async def _register(self, request: dict[str, Any], connection: Hashable | None) -> dict[str, Any]:
         if self.geometry is not None:
             raise PdTransferError(
                 f"worker {self.worker.worker_id} is registered, and the connection it registered "
@@ -299,16 +306,15 @@ class Sidecar:
         except TimeoutError:
             raise PdTransferError("the worker did not register in time", code=Reason.NOT_REGISTERED) from None
 
-    def _rank_entry(self) -> RankEntry:
-        return RankEntry(
-            agent_id=self.config.agent_id,
-            host_id=self.config.host_id,
-            control_address=self.control.address,
-            pp_size=self.pp_size,
-            geometry=self.geometry,
-        )
+    async def unregister(self, why: str) -> None:
+        """The worker is gone (``why``): its side lets go of what served it, then its pools
+        are released and the next registration is taken like the first."""
+        self.registered.clear()
+        await self.side.on_worker_lost(why)
+        await self.dataplane.unmap_local()
+        self.geometry, self.handles, self.pp_size = None, {}, 1
 
-    def _rank_table_server(self, geometry) -> BootstrapServer | None:
+    def _rank_table_server(self, geometry: RankGeometry) -> BootstrapServer | None:
         """Prefill rank 0 serves its instance's rank table at the bootstrap address. A
         bind that fails refuses the registration (the worker may try again), rather
         than leaving a registered rank 0 whose instance no decode can find."""
@@ -333,59 +339,8 @@ class Sidecar:
                 "each prefill instance its own bootstrap address",
             ) from None
 
-    async def announce_first(self) -> None:
-        """Serve the rank table (rank 0), then announce this rank once before the
-        worker's register returns, so a restarted rank is in the table before any
-        new room can look it up (rank 0 may still be starting: then later)."""
-        address = self.config.bootstrap
-        if not address:
-            log.error("prefill sidecar has no bootstrap address: decode cannot find this rank")
-            return
-        try:
-            await fetch_table(
-                self.context,
-                address,
-                self.config.agent_id,
-                min(2.0, self.config.bootstrap_timeout_s),
-                announce=self._rank_entry(),
-                until_complete=False,
-            )
-        except PdTransferError as err:
-            log.warning("prefill: first announcement failed (%s); retrying in the background", err.message)
-
-    async def join_prefill_instance(self) -> None:
-        address = self.config.bootstrap
-        if not address:
-            return
-        entry, backoff = self._rank_entry(), Backoff()
-        while True:
-            started = time.monotonic()
-            try:
-                self.side.table = await fetch_table(
-                    self.context,
-                    address,
-                    self.config.agent_id,
-                    self.config.bootstrap_timeout_s,
-                    announce=entry,
-                )
-                if not self.side.table_ready.is_set() or backoff.failures:
-                    log.info("prefill: rank table complete (%d ranks)", len(self.side.table.entries))
-                backoff.succeeded()
-                self.side.table_ready.set()
-                # keep announcing: a restarted rank 0 rebuilds its table from these
-                await asyncio.sleep(self.config.heartbeat_interval_s * self.config.heartbeat_misses)
-            except PdTransferError as err:  # refused at once, or no table in time
-                backoff.failed(started, err.message)
-                log.log(
-                    logging.DEBUG if backoff.same_error else logging.WARNING,
-                    "prefill: %s; %s",
-                    err.message,
-                    backoff.describe(time.monotonic()),
-                )
-                await asyncio.sleep(backoff.wait_s(time.monotonic()))
-
-    async def _on_control(self, channel: Channel, message) -> None:
-        self.watch_once(channel)
+    async def _on_control(self, channel: Channel, message: Message) -> None:
+        self.peer_watch.watch_once(channel, lambda why, ch=channel: self.side.on_peer_lost(ch, why))
         await self.side.on_message(channel, message)
 
     def _on_control_refused(self, channel: Channel) -> None:
@@ -416,24 +371,11 @@ class Sidecar:
         return next(self._generations)
 
     def watch(self, channel: Channel, on_lost: Callable[[str], None]) -> None:
-        """Call ``on_lost(why)`` once ``channel``'s peer is lost: silent for
-        ``heartbeat_misses`` heartbeat intervals, or its connection down (a peer process
-        that died closed it) for longer than one interval without coming back."""
-        self._watched.append((channel, on_lost))
-
-    def watch_once(self, channel: Channel) -> None:
-        if not any(ch is channel for ch, _ in self._watched):
-            self.watch(channel, lambda why, ch=channel: self.side.on_peer_lost(ch, why))
-
-    def _lost(self, channel: Channel, on_lost: Callable[[str], None], why: str) -> None:
-        self.observe.lost(getattr(channel, "peer_rank", "") or channel.label, why, channel)
-        log.warning("peer %s lost: %s", channel.label, why)
-        on_lost(why)
+        """Call ``on_lost(why)`` once ``channel``'s peer is lost (see :class:`PeerWatch`)."""
+        self.peer_watch.watch(channel, on_lost)
 
     async def _timers(self) -> None:
-        interval = self.config.heartbeat_interval_s
-        limit = interval * self.config.heartbeat_misses
-        tick = min(interval, 0.1)
+        tick = min(self.config.heartbeat_interval_s, 0.1)
         now = time.monotonic()
         while True:
             await asyncio.sleep(tick)
@@ -444,34 +386,10 @@ class Sidecar:
             self.rooms.expire(now, self.side.on_timeout)
             if self.geometry is not None:
                 self.side.on_tick(now)
-            for channel, on_lost in list(self._watched):
-                if channel.closed:
-                    self._watched.remove((channel, on_lost))
-                    continue
-                why = why_lost(channel, now, interval, limit, self.stalls)
-                if why:
-                    self._watched.remove((channel, on_lost))
-                    channel.close()
-                    self._lost(channel, on_lost, why)
-                    continue
-                if channel.session.state in _HEARTBEAT_STATES and now - channel.last_beat_s >= interval:
-                    channel.last_beat_s = now
-                    try:
-                        # bounded: a peer that stops reading fills ZeroMQ's send queue;
-                        # its heartbeat is skipped (and it is soon lost), the timers go on
-                        async with asyncio.timeout(interval):
-                            await channel.send(
-                                Heartbeat(
-                                    agent_id=self.config.agent_id,
-                                    sequence=next(self._heartbeat_seq),
-                                    sent_unix_s=time.time(),
-                                )
-                            )
-                    except Exception as err:
-                        log.debug("heartbeat to %s failed: %s", channel.label, err)
+            await self.peer_watch.tick(now)
 
 
-async def _bounded(step, what: str, timeout_s: float = 5.0) -> None:
+async def _bounded(step: Awaitable[Any], what: str, timeout_s: float = 5.0) -> None:
     """Shutdown never hangs on one step: past ``timeout_s`` it is logged and left behind."""
     try:
         async with asyncio.timeout(timeout_s):

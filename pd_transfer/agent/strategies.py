@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import zmq.asyncio
@@ -41,15 +42,19 @@ from pd_transfer.transport.engines.strategy import (
     joined_runs,
 )
 
+if TYPE_CHECKING:
+    from pd_transfer.config import SidecarConfig
+    from pd_transfer.transport.base import Link
+
 log = logging.getLogger(__name__)
 
 
-def _auth(context: zmq.asyncio.Context):
+def _auth(context: zmq.asyncio.Context) -> tuple[DataAuth | None, float]:
     security = security_of(context)
     return (DataAuth(security) if security.enabled else None), security.handshake_timeout_s
 
 
-def staging_options(config, context: zmq.asyncio.Context) -> StagingOptions:
+def staging_options(config: SidecarConfig, context: zmq.asyncio.Context) -> StagingOptions:
     """The prefill side's: the configured strategy, authenticated staging channels."""
     auth, handshake_timeout_s = _auth(context)
     return StagingOptions(
@@ -61,7 +66,9 @@ def staging_options(config, context: zmq.asyncio.Context) -> StagingOptions:
 
 
 def receiver_staging(
-    config, context: zmq.asyncio.Context, on_bad_frame: Callable[[str], None] = lambda reason: None
+    config: SidecarConfig,
+    context: zmq.asyncio.Context,
+    on_bad_frame: Callable[[str], None] = lambda reason: None,
 ) -> ReceiverStaging:
     """The decode side's staging area (none under ``strategy = "direct"``) and channel,
     gated as the tcp data port is (``data_handshake_timeout_s``,
@@ -92,7 +99,9 @@ def sample_plans(planner: PairPlanner) -> dict:
     return plans
 
 
-def choose_strategies(link, planner: PairPlanner, mode: StrategyMode, transport: str) -> dict[Pool, Decision]:
+def choose_strategies(
+    link: Link, planner: PairPlanner, mode: StrategyMode, transport: str
+) -> dict[Pool, Decision]:
     """The strategy of each pool for ``link`` (set on engine links); ``transport`` names
     the link's kind for the others (``shm``, ``tcp``, ``device``)."""
     decisions: dict[Pool, Decision] = {}

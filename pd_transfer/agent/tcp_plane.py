@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.asyncio
@@ -43,6 +44,10 @@ from pd_transfer.transport.tcp.transport import TcpTransport
 from pd_transfer.transport.zmq.receiver import ZmqTcpReceiver
 from pd_transfer.transport.zmq.transport import ZmqTcpTransport
 
+if TYPE_CHECKING:
+    from pd_transfer.config import SidecarConfig
+    from pd_transfer.protocol import Message
+
 log = logging.getLogger(__name__)
 
 #: the ``socket`` label of the data receiver's ended connections
@@ -50,7 +55,9 @@ DATA_SOCKET = "data"
 
 
 def tcp_transport(
-    config, context: zmq.asyncio.Context, corrupt_payload: Callable[[memoryview], None] | None = None
+    config: SidecarConfig,
+    context: zmq.asyncio.Context,
+    corrupt_payload: Callable[[memoryview], None] | None = None,
 ) -> Transport:
     """The sending side: ZeroMQ with CURVE when a CURVE server key is expected, else plain."""
     security = security_of(context)
@@ -71,7 +78,7 @@ def tcp_transport(
 
 
 def tcp_receiver(
-    config,
+    config: SidecarConfig,
     regions: Mapping,
     context: zmq.asyncio.Context,
     on_bad_frame: Callable[[str], None] = lambda reason: None,
@@ -177,7 +184,7 @@ class DataAuth:
             where,
         )
 
-    def _decode(self, frame: bytes):
+    def _decode(self, frame: bytes) -> Message:
         try:
             return decode(frame)
         except ProtocolError as err:

@@ -7,7 +7,8 @@ the client it registered with), the worker is gone, and the sidecar lets go
 of everything it held for it:
 
 1. its live rooms fail with ``worker_lost`` and the reason (prefill writes in
-   flight finish first; decode fences its sources as for an abort);
+   flight finish first; decode fences its sources as for an abort): each side
+   does this and step 2 in its ``on_worker_lost`` (:class:`~pd_transfer.agent.side.Side`);
 2. decode closes its sessions to the prefill ranks (which unmap its
    segments). Prefill keeps its decode sessions, since rooms of the other
    prefill ranks may still be running on them (a TP 2 instance whose rank 0
@@ -28,29 +29,45 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Hashable
+from collections.abc import Coroutine, Hashable
+from typing import TYPE_CHECKING, Any, Protocol
 
-from pd_transfer.agent import retire
-from pd_transfer.errors import Reason
-from pd_transfer.layout.geometry import Role
-from pd_transfer.protocol import Close
+if TYPE_CHECKING:
+    from pd_transfer.agent.rooms import RoomTable
+    from pd_transfer.agent.worker_endpoint import WorkerEndpoint
+    from pd_transfer.layout.geometry import RankGeometry
 
 log = logging.getLogger(__name__)
+
+
+class WorkerHost(Protocol):
+    """What the binding asks of its sidecar."""
+
+    geometry: RankGeometry | None
+    rooms: RoomTable
+
+    @property
+    def stopping(self) -> bool: ...
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], *, room: str = "", peer: str = "") -> asyncio.Task: ...
+
+    async def unregister(self, why: str) -> None:
+        """Fail the worker's rooms (its side's ``on_worker_lost``) and release its pools."""
 
 
 class WorkerBinding:
     """Which connection the registered worker holds, and why the last one was let go."""
 
-    def __init__(self, sidecar) -> None:
-        self.sidecar = sidecar
+    def __init__(self, host: WorkerHost, worker_endpoint: str) -> None:
+        self.host = host
+        self.worker_endpoint = worker_endpoint
         self.lock = asyncio.Lock()  # a registration and a release never interleave
         self.worker_id = ""
         self.connection: Hashable | None = None
         self.lost_reason = ""  # for /readyz until the worker registers again
         self.releases = 0
-        self.stale_peers: set[int] = set()  # prefill: decode sessions verdicted before the loss
 
-    def bind(self, worker_id: str, connection: Hashable | None, endpoint) -> None:
+    def bind(self, worker_id: str, connection: Hashable | None, endpoint: WorkerEndpoint | None) -> None:
         """The registration of ``worker_id`` through ``connection`` is committed; a
         connection that closed meanwhile releases it at once."""
         self.worker_id, self.connection, self.lost_reason = worker_id, connection, ""
@@ -64,23 +81,22 @@ class WorkerBinding:
 
     def on_closed(self, connection: Hashable) -> None:
         """The worker endpoint saw ``connection`` close."""
-        sidecar = self.sidecar
-        if connection != self.connection or sidecar.geometry is None or sidecar.stopping:
+        host = self.host
+        if connection != self.connection or host.geometry is None or host.stopping:
             return
         self.connection = None
         stamp = time.strftime("%H:%M:%S", time.gmtime())
         why = (
-            f"worker {self.worker_id} is gone: its connection to {sidecar.config.worker_endpoint} "
-            f"closed at {stamp} UTC"
+            f"worker {self.worker_id} is gone: its connection to {self.worker_endpoint} closed at {stamp} UTC"
         )
-        sidecar.spawn(self.release(why))
+        host.spawn(self.release(why))
 
     async def release(self, why: str) -> None:
-        sidecar = self.sidecar
+        host = self.host
         async with self.lock:
-            if sidecar.geometry is None:
+            if host.geometry is None:
                 return
-            live = len(sidecar.rooms.live())
+            live = len(host.rooms.live())
             # a worker that finished its rooms and exited is routine; one that left rooms is not
             log.log(
                 logging.WARNING if live else logging.INFO,
@@ -90,74 +106,5 @@ class WorkerBinding:
             )
             self.lost_reason = f"{why}; waiting for it to register again"
             self.releases += 1
-            sidecar.registered.clear()
-            if sidecar.config.role is Role.PREFILL:
-                await _release_prefill(sidecar, why)
-            else:
-                await _release_decode(sidecar, why)
-            await sidecar.dataplane.unmap_local()
-            sidecar.geometry, sidecar.handles, sidecar.pp_size = None, {}, 1
+            await host.unregister(why)
             log.info("the pools of worker %s are released; a new registration is welcome", self.worker_id)
-
-
-async def _release_prefill(sidecar, why: str) -> None:
-    side = sidecar.side
-    text = f"the prefill worker is gone ({why})"
-    # fail_room waits for each target's write in flight: no copy reads the regions after
-    await asyncio.gather(
-        *(
-            side.fail_room(room, Reason.WORKER_LOST, f"room {room.room}: {text}")
-            for room in sidecar.rooms.live()
-        ),
-        return_exceptions=True,
-    )
-    for task in sidecar.worker_tasks:
-        task.cancel()
-    sidecar.worker_tasks.clear()
-    if sidecar.bootstrap_server is not None:  # rank 0: no table until its worker is back
-        sidecar.bootstrap_server.close()
-        sidecar.bootstrap_server = None
-    side.table = None
-    side.table_ready.clear()
-    sidecar.worker.stale_peers = {key for key, peer in side.peers.items() if peer.accepted}
-
-
-async def close_stale_sessions(sidecar) -> None:
-    """Prefill, once a new registration is committed: the decode sessions verdicted on the
-    lost worker's registration get a Close, and resolve this instance anew."""
-    side, stale = sidecar.side, sidecar.worker.stale_peers
-    sidecar.worker.stale_peers = set()
-    text = "the prefill worker registered again: resolve this instance anew for a new verdict"
-    for key in stale:
-        peer = side.peers.get(key)
-        if peer is None:
-            continue
-        try:
-            async with asyncio.timeout(retire.CLOSE_SEND_TIMEOUT_S):
-                await peer.channel.send(Close(reason=Reason.WORKER_LOST, reason_text=text))
-        except Exception as err:  # a peer already gone: released all the same
-            log.debug("prefill: no Close to %s: %s", peer.rank_id, err)
-        sidecar.observe.peer(peer.rank_id, "lost", f"session closed: {text}", peer.channel)
-        side.release_peer(peer.channel, Reason.WORKER_LOST, f"decode peer {{}}: {text}")
-
-
-async def _release_decode(sidecar, why: str) -> None:
-    side = sidecar.side
-    text = f"the decode worker is gone ({why})"
-    for room in sidecar.rooms.live():
-        side._fail(room, Reason.WORKER_LOST, f"room {room.room}: {text}")
-    prefill = side.prefill
-    instances = list(prefill.retired)
-    for task in prefill.instances.values():
-        if not task.done():
-            task.cancel()  # a resolution closes the sessions it opened
-        elif not task.cancelled() and task.exception() is None:
-            instances.append(task.result())
-    prefill.instances.clear()
-    prefill.retired.clear()
-    prefill.backoffs.clear()  # the next worker resolves its instances afresh
-    for instance in instances:
-        for peer in instance.peers.values():
-            if not peer.channel.closed:
-                sidecar.observe.peer(peer.rank_id, "lost", f"session closed: {text}", peer.channel)
-    await asyncio.gather(*(retire.close_sessions(instance) for instance in instances), return_exceptions=True)

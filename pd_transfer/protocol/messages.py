@@ -104,7 +104,7 @@ class Register(Message):
     prefill worker's ``send(..., decode=NAME)`` binds a room to it.
     ``pp_size`` (decode, optional, same release): its instance's pipeline
     stages; prefill answers once all ``attn_tp_size * pp_size`` ranks of the
-    instance registered (:mod:`pd_transfer.agent.decode_instances`).
+    instance registered (:mod:`pd_transfer.agent.prefill.instances`).
     """
 
     TAG: ClassVar[str] = "register"

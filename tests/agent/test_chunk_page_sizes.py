@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pd_transfer.agent.chunks import chunk_requests
+from pd_transfer.agent.prefill.chunks import chunk_requests
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.planner import PairPlanner

@@ -6,7 +6,7 @@ TP on each side, layouts, dtypes, page sizes, and stages that leave layers
 out or register another stage's layers) through both entry points: the
 verdict lines ``check`` prints (:func:`pd_transfer.reports.verdict_report`)
 and the Verdict a prefill sidecar sends a decode rank (:func:`pd_transfer
-.agent.acceptance.instance_verdict` over that rank and one rank of every
+.agent.prefill.acceptance.instance_verdict` over that rank and one rank of every
 other stage), rendered as the decode side reports it.
 """
 
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from pd_transfer.agent.acceptance import instance_verdict
+from pd_transfer.agent.prefill.acceptance import instance_verdict
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.instances import reconcile_instances, stage_representatives
@@ -162,7 +162,7 @@ def test_a_hole_on_either_side_names_the_layers_and_the_side(side):
 def test_prefill_answers_a_decode_stage_once_every_stage_has_a_rank_registered():
     import asyncio
 
-    from pd_transfer.agent.decode_instances import DecodeInstances, instance_size
+    from pd_transfer.agent.prefill.instances import DecodeInstances, instance_size
     from pd_transfer.protocol import Register
 
     decode = _llama(Role.DECODE, 2, 2)  # stage major: pp0 tp0, pp0 tp1, pp1 tp0, pp1 tp1

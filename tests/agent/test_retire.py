@@ -1,8 +1,8 @@
-"""When decode may close the sessions of a lost prefill instance (agent/retire.py)."""
+"""When decode may close the sessions of a lost prefill instance (agent/decode/retire.py)."""
 
 from types import SimpleNamespace
 
-from pd_transfer.agent.retire import rooms_state
+from pd_transfer.agent.decode.retire import rooms_state
 
 
 def _room(instance, terminal, sources=("p0", "p1"), acks=(), done=()):

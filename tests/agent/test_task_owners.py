@@ -37,7 +37,7 @@ ORPHANS = ("Task exception was never retrieved", "Task was destroyed but it is p
 
 def test_no_task_result_is_dropped_in_the_agent():
     dropped = []
-    for path in sorted(AGENT.glob("*.py")):
+    for path in sorted(AGENT.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if (
                 isinstance(node, ast.Expr)

@@ -24,27 +24,35 @@ docs/security.md for what that does and does not prove.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
-from pd_transfer.agent.decode_instances import instance_size
+from pd_transfer.agent.prefill.instances import instance_size
+from pd_transfer.agent.prefill.records import TargetState
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.protocol import Done, DoneStatus
 
+if TYPE_CHECKING:
+    from pd_transfer.agent.prefill.records import DecodePeer, PrefillRoom
+    from pd_transfer.protocol import TransferRequest
+
 log = logging.getLogger(__name__)
 
+OnRequest = Callable[["DecodePeer", "TransferRequest"], Awaitable[None]]
 MAX_CONTENDERS = 16  # requests from other instances parked per room before its owner is known
 
 
-def instance_of(peer) -> str:
+def instance_of(peer: DecodePeer) -> str:
     """The decode instance a registered peer belongs to ('' if it names none)."""
     return peer.register.instance
 
 
-def claimant(room) -> str:
+def claimant(room: PrefillRoom) -> str:
     """The named instance among the room's current targets ('' while there is none)."""
     return next((instance_of(t.peer) for t in room.targets.values() if instance_of(t.peer)), "")
 
 
-async def refuse(peer, message, reason: Reason, text: str) -> None:
+async def refuse(peer: DecodePeer, message: TransferRequest | _Request, reason: Reason, text: str) -> None:
     """Answer a decode peer's TransferRequest with a failed Done; the room is untouched."""
     log.warning(
         "prefill: refused %s's request for room %d: %s",
@@ -67,7 +75,7 @@ async def refuse(peer, message, reason: Reason, text: str) -> None:
         log.debug("prefill: cannot refuse room %d to %s: %s", message.room, peer.rank_id, err)
 
 
-async def admit_request(room, peer, message) -> bool:
+async def admit_request(room: PrefillRoom, peer: DecodePeer, message: TransferRequest) -> bool:
     """True when ``peer``'s request for ``room`` may become a target; otherwise it
     was refused or parked as a contender."""
     instance = instance_of(peer)
@@ -99,10 +107,10 @@ async def admit_request(room, peer, message) -> bool:
     return False
 
 
-async def bind(side, room, decode: str) -> None:
+async def bind(room: PrefillRoom, decode: str, request: OnRequest) -> None:
     """The worker's ``send`` for ``room``, naming ``decode`` ('' for none): fix the
     room's owner, refuse the targets and contenders of any other instance, and
-    admit the owner's contenders (through ``side.on_request``)."""
+    admit the owner's contenders (through ``request``, the side's ``on_request``)."""
     if room.owner:
         if decode and decode != room.owner:
             raise PdTransferError(
@@ -116,7 +124,7 @@ async def bind(side, room, decode: str) -> None:
     for key, target in list(room.targets.items()):
         if instance_of(target.peer) != room.owner:
             del room.targets[key]
-            target.done = target.failed = True
+            target.state = TargetState.FAILED
             await refuse(
                 target.peer,
                 _Request(room.room, target.generation),
@@ -127,10 +135,10 @@ async def bind(side, room, decode: str) -> None:
     room.expected_targets = max((instance_size(t.peer.register) for t in room.targets.values()), default=0)
     contenders, room.contenders = room.contenders, []
     for peer, message in contenders:
-        await side.on_request(peer, message)
+        await request(peer, message)
 
 
-async def release_contenders(room, reason: Reason, text: str) -> None:
+async def release_contenders(room: PrefillRoom, reason: Reason, text: str) -> None:
     """The room ended before its owner was known: its contenders learn why."""
     contenders, room.contenders = room.contenders, []
     for peer, message in contenders:

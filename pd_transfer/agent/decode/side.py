@@ -1,7 +1,7 @@
 """The decode side: request rooms from prefill instances, end them, drain aborts.
 
 ``expect(room, bootstrap, ...)`` takes the prefill instance of ``bootstrap``,
-resolved once per address (:mod:`prefill_instances`: rank table, reconciled
+resolved once per address (:mod:`.instances`: rank table, reconciled
 with this rank, a session and a Verdict per prefill rank; a rejected pair
 fails its rooms at once with the full diagnostic, never after a timeout).
 Then each needed prefill rank gets a TransferRequest; the room succeeds when
@@ -10,9 +10,9 @@ pages are safe to reuse only after every prefill rank acknowledged that no
 write of the room's generation can still land.
 
 Same-host rooms also end through a doorbell the sources ring, which the
-worker's ``wait`` sleeps on (:mod:`pd_transfer.agent.room_bells`).
+worker's ``wait`` sleeps on (:mod:`pd_transfer.agent.decode.bells`).
 
-Sessions are released, never only replaced (:mod:`retire`). A room waits for
+Sessions are released, never only replaced (:mod:`.retire`). A room waits for
 a slot under ``max_rooms_per_peer`` (per prefill instance,
 :mod:`pd_transfer.agent.admission`) before its requests go out.
 """
@@ -24,13 +24,14 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pd_transfer.agent import integrity
+from pd_transfer.agent.decode.bells import RoomBells
+from pd_transfer.agent.decode.instances import PrefillInstance, PrefillInstances, PrefillPeer
 from pd_transfer.agent.indices import Claims, check_indices
-from pd_transfer.agent.prefill_instances import PrefillInstance, PrefillInstances, PrefillPeer
-from pd_transfer.agent.room_bells import RoomBells
 from pd_transfer.agent.rooms import Room
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.views import Pool
@@ -47,7 +48,12 @@ from pd_transfer.protocol import (
 )
 from pd_transfer.protocol.worker_api import WorkerOp
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from pd_transfer.agent.sidecar import Sidecar
+    from pd_transfer.config import SidecarConfig
+    from pd_transfer.protocol import Message
+
+log = logging.getLogger(__package__)
 
 
 @dataclass
@@ -63,14 +69,14 @@ class DecodeRoom(Room):
 
 
 class DecodeSide:
-    def __init__(self, sidecar) -> None:
+    def __init__(self, sidecar: Sidecar) -> None:
         self.sidecar = sidecar
         self.bells = RoomBells(sidecar.config, sidecar.observe)
         self.prefill = PrefillInstances(sidecar, self.bells, self._on_room_message, self._on_peer_lost)
         self.claims = Claims()  # the destination pages and slots of the live rooms
 
     @property
-    def config(self):
+    def config(self) -> SidecarConfig:
         return self.sidecar.config
 
     # -- the Side protocol (agent/side.py) ------------------------------------------
@@ -84,6 +90,12 @@ class DecodeSide:
 
     async def on_registered(self) -> None:
         self.prefill.resolve_configured()
+
+    async def on_worker_lost(self, why: str) -> None:
+        text = f"the decode worker is gone ({why})"
+        for room in self.sidecar.rooms.live():
+            self._fail(room, Reason.WORKER_LOST, f"room {room.room}: {text}")
+        await self.prefill.release_all(text)
 
     def on_tick(self, now_s: float) -> None:
         self.prefill.resolve_configured()
@@ -179,7 +191,7 @@ class DecodeSide:
             )
         room.advance(RoomStatus.WAITING_FOR_INPUT, time.monotonic() + self.config.waiting_timeout_s)
 
-    def _on_room_message(self, peer: PrefillPeer, message) -> None:
+    def _on_room_message(self, peer: PrefillPeer, message: Message) -> None:
         room = self.sidecar.rooms.get(message.room)
         if not isinstance(room, DecodeRoom) or message.generation != room.generation:
             return  # stale: an earlier generation of the room

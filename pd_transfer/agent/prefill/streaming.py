@@ -28,11 +28,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from pd_transfer.agent.flow import write_chunk
+from pd_transfer.agent.prefill.chunks import ChunkRequests
+from pd_transfer.agent.prefill.flow import ChunkWrites, write_chunk
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.views import Pool
 from pd_transfer.protocol import Progress, RoomStatus
+
+if TYPE_CHECKING:
+    from pd_transfer.agent.prefill.records import PrefillRoom, Target
+    from pd_transfer.layout.geometry import RankGeometry
+    from pd_transfer.layout.lowering import TransferPlan
 
 
 @dataclass
@@ -62,7 +69,7 @@ class ChunkLayers:
         return sorted(self.ready - sent)
 
 
-def span_of(geometry) -> frozenset[int]:
+def span_of(geometry: RankGeometry) -> frozenset[int]:
     """Every layer id a rank's registered views carry (its pipeline span)."""
     return frozenset(v.layer_id for v in geometry.views if v.layer_id is not None)
 
@@ -78,7 +85,9 @@ def latest_streamed(chunks: list[ChunkLayers | None], room: int) -> ChunkLayers:
     )
 
 
-async def write_ready_layers(side, room, target, requests: dict, layers: ChunkLayers) -> bool:
+async def write_ready_layers(
+    writes: ChunkWrites, room: PrefillRoom, target: Target, requests: ChunkRequests, layers: ChunkLayers
+) -> bool:
     """Write the chunk's KV of every announced layer not yet sent to ``target``.
 
     Loops while layers keep arriving during the writes; a Progress after each
@@ -89,12 +98,12 @@ async def write_ready_layers(side, room, target, requests: dict, layers: ChunkLa
     while pending := layers.pending(target.layers_sent):
         if Pool.KV in requests:
             plan = target.peer.planner.plan({Pool.KV: requests[Pool.KV]}, layers=pending)
-            room.advance(RoomStatus.TRANSFERRING, time.monotonic() + side.config.transfer_timeout_s)
-            nbytes = await write_chunk(side.sidecar, room, target, plan)
+            room.advance(RoomStatus.TRANSFERRING, time.monotonic() + writes.transfer_timeout_s)
+            nbytes = await write_chunk(writes.plane, room, target, plan)
             target.nbytes += nbytes
             target.descriptors += plan.num_descriptors
             room.nbytes += nbytes
-            await side.send_quietly(
+            await writes.progress(
                 target,
                 Progress(
                     room=room.room,
@@ -109,7 +118,9 @@ async def write_ready_layers(side, room, target, requests: dict, layers: ChunkLa
     return layers.complete
 
 
-async def chunk_plan(side, room, target, index: int, requests: dict):
+async def chunk_plan(
+    writes: ChunkWrites, room: PrefillRoom, target: Target, index: int, requests: ChunkRequests
+) -> TransferPlan | None:
     """What is left to write of chunk ``index`` for ``target`` (None: wait for layers).
 
     A chunk that is not streamed: its whole plan. A streamed one: its ready
@@ -120,6 +131,6 @@ async def chunk_plan(side, room, target, index: int, requests: dict):
     if layers is None:
         # a link that copies small plans as grids (shm, native loop) gets them unlowered
         return target.peer.planner.plan(requests, grid_max_runs=getattr(target.peer.link, "grid_max_runs", 0))
-    if not await write_ready_layers(side, room, target, requests, layers):
+    if not await write_ready_layers(writes, room, target, requests, layers):
         return None
     return target.peer.planner.plan({p: r for p, r in requests.items() if p is not Pool.KV})

@@ -1,7 +1,7 @@
 """The prefill side's verdict on a decode peer, decided before any traffic.
 
 Once the rank table is complete and every PP stage of the decode instance
-has a rank registered (:mod:`.decode_instances`), the whole prefill instance
+has a rank registered (:mod:`.instances`), the whole prefill instance
 is reconciled with the decode instance by the function ``pd-transfer check``
 calls (:func:`~pd_transfer.layout.instances.reconcile_instances`);
 the registering rank's region handles are checked, its data plane is
@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING, Protocol
 
 from pd_transfer.agent import integrity
-from pd_transfer.agent.verdicts import plan_summary
+from pd_transfer.agent.prefill.verdicts import plan_summary
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.fanout import decode_ranks_fed
 from pd_transfer.layout.geometry import handle_problems
@@ -26,12 +27,79 @@ from pd_transfer.layout.planner import PairPlanner
 from pd_transfer.layout.reconcile import Reconciliation
 from pd_transfer.protocol import MismatchRecord, Verdict
 
-log = logging.getLogger("pd_transfer.agent.prefill")
+if TYPE_CHECKING:
+    from pd_transfer.agent.dataplane import DataPlane
+    from pd_transfer.agent.observe import Observer
+    from pd_transfer.agent.prefill.instances import DecodeInstances
+    from pd_transfer.agent.prefill.records import DecodePeer
+    from pd_transfer.config import SidecarConfig
+    from pd_transfer.layout.geometry import RankGeometry
+    from pd_transfer.protocol import RankTable
+
+log = logging.getLogger(__package__)
 MAX_REJECTIONS_KEPT = 64  # last rejection text per decode rank, to log only what changed
 
 
-async def send_verdict(side, peer) -> None:
+class Acceptor(Protocol):
+    """What a verdict uses of the prefill side: its rank table, this rank's geometry and
+    data plane, the decode instances registered, and what it counts and logs."""
+
+    table: RankTable | None
+    table_ready: asyncio.Event
+    decode_instances: DecodeInstances
+    rejections: dict[str, str]  # decode rank -> its last rejection
+
+    @property
+    def config(self) -> SidecarConfig: ...
+
+    @property
+    def geometry(self) -> RankGeometry | None: ...
+
+    @property
+    def dataplane(self) -> DataPlane: ...
+
+    @property
+    def observe(self) -> Observer: ...
+
+
+async def send_verdict(side: Acceptor, peer: DecodePeer) -> None:
     """Reconcile the prefill instance with ``peer``, connect its data plane, answer the Verdict."""
+    if not await _table_ready(side, peer) or await _registration_rejected(side, peer):
+        return
+    decode = await _decode_instance(side, peer)
+    if decode is None:
+        return
+    recon, headline, mismatches = instance_verdict([e.geometry for e in side.table.entries], decode)
+    if not recon.ok:
+        await _reject(side, peer, headline, mismatches)
+        return
+    decode_geometry = peer.register.geometry
+    peer.reconciliation = recon
+    peer.planner = PairPlanner(recon, side.geometry, decode_geometry)
+    peer.fed = decode_ranks_fed(recon, side.geometry.rank_id, decode_geometry)
+    try:
+        peer.link = await side.dataplane.connect(peer.register)
+    except PdTransferError as err:
+        await _reject(
+            side,
+            peer,
+            f"no data plane to {peer.rank_id}",
+            [
+                MismatchRecord(
+                    path="transport",
+                    code=err.code,
+                    prefill=side.config.transport,
+                    decode=peer.register.data_address or "<no data address>",
+                    hint=str(err),
+                )
+            ],
+        )
+        return
+    await _accept(side, peer, recon)
+
+
+async def _table_ready(side: Acceptor, peer: DecodePeer) -> bool:
+    """Wait for the complete rank table; False once ``peer`` was rejected for want of it."""
     try:
         async with asyncio.timeout(side.config.bootstrap_timeout_s):
             await side.table_ready.wait()
@@ -50,10 +118,14 @@ async def send_verdict(side, peer) -> None:
                 )
             ],
         )
-        return
-    decode_geometry = peer.register.geometry
+        return False
+    return True
+
+
+async def _registration_rejected(side: Acceptor, peer: DecodePeer) -> bool:
+    """Reject ``peer`` (True) when its region handles are invalid."""
     handles = {h.region: h.handle for h in peer.register.region_handles}
-    problems = handle_problems(decode_geometry, handles) if handles else []
+    problems = handle_problems(peer.register.geometry, handles) if handles else []
     if problems:
         await _reject(
             side,
@@ -70,38 +142,14 @@ async def send_verdict(side, peer) -> None:
                 for p in problems
             ],
         )
-        return
-    decode = await _decode_instance(side, peer)
-    if decode is None:
-        return
-    recon, headline, mismatches = instance_verdict([e.geometry for e in side.table.entries], decode)
-    if not recon.ok:
-        await _reject(side, peer, headline, mismatches)
-        return
-    peer.reconciliation = recon
-    peer.planner = PairPlanner(recon, side.sidecar.geometry, decode_geometry)
-    peer.fed = decode_ranks_fed(recon, side.sidecar.geometry.rank_id, decode_geometry)
-    try:
-        peer.link = await side.sidecar.dataplane.connect(peer.register)
-    except PdTransferError as err:
-        await _reject(
-            side,
-            peer,
-            f"no data plane to {peer.rank_id}",
-            [
-                MismatchRecord(
-                    path="transport",
-                    code=err.code,
-                    prefill=side.config.transport,
-                    decode=peer.register.data_address or "<no data address>",
-                    hint=str(err),
-                )
-            ],
-        )
-        return
+    return bool(problems)
+
+
+async def _accept(side: Acceptor, peer: DecodePeer, recon: Reconciliation) -> None:
+    """``peer`` is accepted: count it, log it, and send the Verdict with the plan summary."""
     peer.accepted = True
     side.rejections.pop(peer.rank_id, None)
-    observe = side.sidecar.observe
+    observe = side.observe
     modes = [v.mode.value for v in recon.verdicts]
     observe.peer(
         peer.rank_id,
@@ -112,7 +160,7 @@ async def send_verdict(side, peer) -> None:
     )
     observe.verdict(True)
     observe.verdict_modes({m: modes.count(m) for m in set(modes)})
-    strategies = side.sidecar.dataplane.strategies(peer.link, peer.planner)
+    strategies = side.dataplane.strategies(peer.link, peer.planner)
     observe.strategies(peer.rank_id, strategies)
     log.info(
         "prefill: accepted %s (feeds decode tp ranks %s)",
@@ -120,8 +168,10 @@ async def send_verdict(side, peer) -> None:
         peer.fed,
         extra={"peer": peer.rank_id},
     )
-    peer.integrity = integrity.prefill_layout(side.sidecar, peer.planner, peer.features, peer.rank_id)
-    peer.bells = side.sidecar.dataplane.doorbells(peer.link, peer.register.doorbell)
+    peer.integrity = integrity.prefill_layout(
+        side.config, side.dataplane.on_device, peer.planner, peer.features, peer.rank_id
+    )
+    peer.bells = side.dataplane.doorbells(peer.link, peer.register.doorbell)
     await peer.channel.send(
         Verdict(
             accepted=True,
@@ -132,7 +182,9 @@ async def send_verdict(side, peer) -> None:
     )
 
 
-def instance_verdict(prefill: list, decode: list) -> tuple[Reconciliation, str, list[MismatchRecord]]:
+def instance_verdict(
+    prefill: list[RankGeometry], decode: list[RankGeometry]
+) -> tuple[Reconciliation, str, list[MismatchRecord]]:
     """The pair's reconciliation and, when rejected, the headline and mismatch records a
     Verdict carries: what ``pd-transfer check`` prints for the same instances."""
     recon = reconcile_instances(prefill, decode)
@@ -142,7 +194,7 @@ def instance_verdict(prefill: list, decode: list) -> tuple[Reconciliation, str, 
     return recon, error.headline, [MismatchRecord.from_mismatch(m) for m in error.mismatches]
 
 
-async def _decode_instance(side, peer) -> list | None:
+async def _decode_instance(side: Acceptor, peer: DecodePeer) -> list[RankGeometry] | None:
     """``peer``'s rank and one rank of every other stage of its decode instance, or None
     once ``peer`` was rejected (an impossible stage, or a stage that never registered)."""
     register = peer.register
@@ -183,10 +235,10 @@ async def _decode_instance(side, peer) -> list | None:
     return decode
 
 
-async def _reject(side, peer, headline: str, mismatches: list[MismatchRecord]) -> None:
+async def _reject(side: Acceptor, peer: DecodePeer, headline: str, mismatches: list[MismatchRecord]) -> None:
     text = "\n".join([headline] + [f"  - {m.render()}" for m in mismatches])
-    side.sidecar.observe.peer(peer.rank_id, "rejected", text, peer.channel)
-    side.sidecar.observe.verdict(False, mismatches[0].code.value if mismatches else "")
+    side.observe.peer(peer.rank_id, "rejected", text, peer.channel)
+    side.observe.verdict(False, mismatches[0].code.value if mismatches else "")
     text = "; ".join(m.render() for m in mismatches[:8])
     # a decode rank retrying (with backoff) is rejected again for the same reasons: debug
     again = side.rejections.pop(peer.rank_id, None) == text

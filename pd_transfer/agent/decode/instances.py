@@ -6,13 +6,13 @@ or not), register, and wait for each one's Verdict. A rejection fails with
 the full diagnostic, never after a timeout. A resolved instance is reused
 by every room with its address until one of its ranks is lost; the next
 room then resolves it anew, and the lost one's sessions are retired
-(:mod:`retire`). A resolution that failed (rejected, or no rank table) is
-tried again after a backoff (:mod:`retry`), not at every timer tick or room:
+(:mod:`.retire`). A resolution that failed (rejected, or no rank table) is
+tried again after a backoff (:mod:`pd_transfer.agent.retry`), not at every timer tick or room:
 until then rooms fail with its error, and the readiness reason says when the
 next try is.
 
 Room messages (Done, Progress, AbortAck) and a lost rank's rooms are the
-decode side's (:mod:`decode`), handed over through two callbacks.
+decode side's (:mod:`.side`), handed over through two callbacks.
 """
 
 from __future__ import annotations
@@ -22,12 +22,14 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from pd_transfer.agent import integrity, retire
+from pd_transfer.agent import integrity
 from pd_transfer.agent.bootstrap import fetch_table
 from pd_transfer.agent.channels import OutgoingChannel
+from pd_transfer.agent.decode import retire
+from pd_transfer.agent.decode.bells import RoomBells
 from pd_transfer.agent.retry import Backoff
-from pd_transfer.agent.room_bells import RoomBells
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.reconcile import reconcile
@@ -42,6 +44,11 @@ from pd_transfer.protocol import (
     Register,
     Verdict,
 )
+
+if TYPE_CHECKING:
+    from pd_transfer.agent.sidecar import Sidecar
+    from pd_transfer.config import SidecarConfig
+    from pd_transfer.protocol import Message, RankTable
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +87,9 @@ class PrefillInstances:
 
     def __init__(
         self,
-        sidecar,
+        sidecar: Sidecar,
         bells: RoomBells,
-        on_room_message: Callable[[PrefillPeer, object], None],
+        on_room_message: Callable[[PrefillPeer, Message], None],
         on_peer_lost: Callable[[PrefillInstance, PrefillPeer, str, Reason], None],
     ) -> None:
         self.sidecar = sidecar
@@ -94,7 +101,7 @@ class PrefillInstances:
         self._on_peer_lost = on_peer_lost
 
     @property
-    def config(self):
+    def config(self) -> SidecarConfig:
         return self.sidecar.config
 
     def resolved(self, bootstrap: str) -> asyncio.Task:
@@ -228,10 +235,13 @@ class PrefillInstances:
         if not recon.ok:  # every prefill rank accepted what this side cannot plan: a bug
             self.sidecar.spawn(retire.close_sessions(instance))
             raise PdTransferError(str(recon.error()), code=Reason.PEER_REJECTED)
-        integrity.attach_decode(self.sidecar, instance, recon, table)
+        sidecar = self.sidecar
+        integrity.attach_decode(
+            sidecar.config, sidecar.dataplane.on_device, sidecar.geometry, instance, recon, table
+        )
         return instance
 
-    async def _connect_all(self, instance: PrefillInstance, table) -> None:
+    async def _connect_all(self, instance: PrefillInstance, table: RankTable) -> None:
         sidecar = self.sidecar
         # every prefill rank hears about every room, sources or not: a rank that
         # writes nothing to this decode rank still learns the room is done
@@ -256,9 +266,29 @@ class PrefillInstances:
         for peer in instance.peers.values():
             await self._await_verdict(peer)
 
+    async def release_all(self, text: str) -> None:
+        """The worker is gone: close every session of every instance, resolved, resolving or
+        retired, saying ``text``; its next worker resolves them afresh."""
+        instances = list(self.retired)
+        for task in self.instances.values():
+            if not task.done():
+                task.cancel()  # a resolution closes the sessions it opened
+            elif not task.cancelled() and task.exception() is None:
+                instances.append(task.result())
+        self.instances.clear()
+        self.retired.clear()
+        self.backoffs.clear()  # the next worker resolves its instances afresh
+        for instance in instances:
+            for peer in instance.peers.values():
+                if not peer.channel.closed:
+                    self.sidecar.observe.peer(peer.rank_id, "lost", f"session closed: {text}", peer.channel)
+        await asyncio.gather(
+            *(retire.close_sessions(instance) for instance in instances), return_exceptions=True
+        )
+
     def release_retired(self, now_s: float) -> None:
-        """Close the sessions of lost instances once quiet (timer tick; agent/retire.py)."""
-        retire.release_retired(self, now_s)
+        """Close the sessions of lost instances once quiet (timer tick; agent/decode/retire.py)."""
+        retire.release_retired(self, self.sidecar.rooms.rooms.values(), self.sidecar.spawn, now_s)
 
     async def _await_verdict(self, peer: PrefillPeer) -> None:
         try:
@@ -291,7 +321,7 @@ class PrefillInstances:
             self.sidecar.observe.peer(peer.rank_id, "rejected", "\n".join(lines), peer.channel)
             raise PdTransferError("\n".join(lines), code=Reason.PEER_REJECTED)
 
-    async def _on_message(self, instance: PrefillInstance, peer: PrefillPeer, message) -> None:
+    async def _on_message(self, instance: PrefillInstance, peer: PrefillPeer, message: Message) -> None:
         sidecar = self.sidecar
         if isinstance(message, Hello):
             await peer.channel.send(

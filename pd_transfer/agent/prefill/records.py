@@ -3,7 +3,7 @@
 A :class:`Target` is one decode rank's request for one room: where its bytes go,
 how far the writes got, and whether decode confirmed it has them (prefill's
 Success waits for that, see docs/architecture.md#what-success-means). Plain
-records; the logic is :mod:`prefill`'s.
+records; the logic is :mod:`~pd_transfer.agent.prefill.side`'s.
 """
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 
 import numpy as np
 
 from pd_transfer.agent.channels import Channel
+from pd_transfer.agent.prefill.streaming import ChunkLayers
 from pd_transfer.agent.rooms import Room
-from pd_transfer.agent.streaming import ChunkLayers
 from pd_transfer.doorbell import Doorbells
 from pd_transfer.layout.planner import PairPlanner
 from pd_transfer.layout.reconcile import Reconciliation
@@ -42,6 +43,26 @@ class DecodePeer:
         return self.register.geometry.rank_id if self.register else self.channel.label
 
 
+class TargetState(Enum):
+    """Where a :class:`Target` is in its life.
+
+    ``OPEN`` -> ``SUCCEEDED`` (every byte written, Done SUCCESS sent) or ``FAILED``
+    (Done FAILED sent where it writes); ``OPEN`` -> ``ABORTING`` (decode aborted:
+    no write starts, the one in flight finishes) -> ``FAILED``; ``OPEN`` -> ``ENDED``
+    (a target this rank writes nothing to, once the room needs nothing more of it).
+    The last three are final.
+    """
+
+    OPEN = "open"
+    ABORTING = "aborting"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    ENDED = "ended"
+
+
+FINAL = frozenset({TargetState.SUCCEEDED, TargetState.FAILED, TargetState.ENDED})
+
+
 @dataclass
 class Target:
     """One decode rank's request for a room."""
@@ -55,15 +76,39 @@ class Target:
     nbytes: int = 0
     descriptors: int = 0
     started_s: float = field(default_factory=time.monotonic)
-    done: bool = False
-    succeeded: bool = False
-    failed: bool = False
-    admitted: bool = False  # holds a room slot with the peer (agent/flow.py)
+    state: TargetState = TargetState.OPEN
+    admitted: bool = False  # holds a room slot with the peer (agent/prefill/flow.py)
     layers_sent: set = field(default_factory=set)  # of the streamed chunk being written
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     sums: object = None  # RoomDigest of what was sent, when the pair checks integrity
     bell: tuple[int, int, int] | None = None  # (slot, token, writer) to ring once all landed
     confirmed: bool = False  # decode confirmed it has the bytes (its own Done)
+
+    @property
+    def done(self) -> bool:
+        """Final: nothing more is written to it."""
+        return self.state in FINAL
+
+    @property
+    def succeeded(self) -> bool:
+        return self.state is TargetState.SUCCEEDED
+
+    @property
+    def failed(self) -> bool:
+        """Aborted or failed: no further write starts."""
+        return self.state in (TargetState.ABORTING, TargetState.FAILED)
+
+    def abort(self) -> None:
+        """Decode aborted it: an open target writes no more (the write in flight finishes)."""
+        if self.state is TargetState.OPEN:
+            self.state = TargetState.ABORTING
+
+    def end(self) -> None:
+        """No more writes to it: an aborting target ends failed, an open one ended."""
+        if self.state is TargetState.ABORTING:
+            self.state = TargetState.FAILED
+        elif self.state is TargetState.OPEN:
+            self.state = TargetState.ENDED
 
     @property
     def settled(self) -> bool:
@@ -82,5 +127,5 @@ class PrefillRoom(Room):
     expected_targets: int = 0
     refused: bool = False  # a send of it was refused: requests still arriving get its failure
     nbytes: int = 0
-    owner: str = ""  # the decode instance the room is bound to (agent/ownership.py)
+    owner: str = ""  # the decode instance the room is bound to (agent/prefill/ownership.py)
     contenders: list = field(default_factory=list)  # other instances' requests, until bound

@@ -21,14 +21,24 @@ list is placed to end with its side's last KV page. Pure: no I/O.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, TypeAlias
+
 import numpy as np
 
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.spans import TokenSpan, request_lengths_agree
 from pd_transfer.layout.views import Pool
 
+if TYPE_CHECKING:
+    from pd_transfer.agent.prefill.records import PrefillRoom, Target
+    from pd_transfer.config import SidecarConfig
+    from pd_transfer.layout.planner import PairPlanner
 
-def chunk_refusal(config, room) -> str:
+ChunkRequests: TypeAlias = "dict[Pool, tuple[np.ndarray, np.ndarray] | TokenSpan]"
+"""One chunk's ``{pool: (src indices, dst indices)}`` for one target (a span where page sizes differ)."""
+
+
+def chunk_refusal(config: SidecarConfig, room: PrefillRoom) -> str:
     """Why the room may not take one more chunk ('' when it may)."""
     limit = config.max_chunks_per_room
     if len(room.chunks) < limit:
@@ -39,7 +49,7 @@ def chunk_refusal(config, room) -> str:
     )
 
 
-def chunk_requests(room, target, index: int) -> dict:
+def chunk_requests(room: PrefillRoom, target: Target, index: int) -> ChunkRequests:
     """``{pool: (src indices, dst indices)}`` of chunk ``index`` for ``target``."""
     chunk = room.chunks[index]
     last = room.last_received and index == len(room.chunks) - 1
@@ -68,7 +78,9 @@ def chunk_requests(room, target, index: int) -> dict:
     return requests
 
 
-def _last_pools(chunk, target, planner, num_chunk_kv: int) -> dict:
+def _last_pools(
+    chunk: dict[Pool, np.ndarray], target: Target, planner: PairPlanner | None, num_chunk_kv: int
+) -> ChunkRequests:
     """SWA pages, state slots and aux rows of the last chunk, aux last."""
     requests = {}
     swa_sizes = planner.page_sizes(Pool.SWA) if planner is not None else None

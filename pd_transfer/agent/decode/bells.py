@@ -18,16 +18,22 @@ See :mod:`pd_transfer.doorbell` for the slot and its memory order.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from pd_transfer.doorbell import AVAILABLE, MAX_WRITERS, Doorbells
 from pd_transfer.errors import PdTransferError
 from pd_transfer.protocol import RoomStatus
 
-log = logging.getLogger("pd_transfer.agent.decode")
+if TYPE_CHECKING:
+    from pd_transfer.agent.decode.side import DecodeRoom
+    from pd_transfer.agent.observe import Observer
+    from pd_transfer.config import SidecarConfig
+
+log = logging.getLogger(__package__)
 
 
 class RoomBells:
-    def __init__(self, config, observe) -> None:
+    def __init__(self, config: SidecarConfig, observe: Observer) -> None:
         self.observe = observe
         self.segment: Doorbells | None = None
         if config.doorbell and AVAILABLE:
@@ -41,7 +47,7 @@ class RoomBells:
         """The segment's name, for Register ('' without doorbells)."""
         return self.segment.name if self.segment is not None else ""
 
-    def arm(self, room) -> dict | None:
+    def arm(self, room: DecodeRoom) -> dict | None:
         """Give ``room`` a slot; the ``doorbell`` entry of the worker's expect reply."""
         if self.segment is None:
             return None
@@ -49,7 +55,7 @@ class RoomBells:
         room.on_end.append(self.ended)
         return {"segment": self.segment.name, "slot": room.bell[0], "token": room.bell[1]}
 
-    def writers(self, room, peers: list) -> dict[str, int]:
+    def writers(self, room: DecodeRoom, peers: list) -> dict[str, int]:
         """``{rank id: writer number}`` for ``room``'s source ``peers`` (PrefillPeer) when
         every one rings; otherwise none, and the slot closes at once."""
         if room.bell is None:
@@ -62,19 +68,19 @@ class RoomBells:
         self.segment.set_writers(*room.bell, len(peers))
         return {p.rank_id: k for k, p in enumerate(peers)}
 
-    def landed(self, room) -> bool:
+    def landed(self, room: DecodeRoom) -> bool:
         """This sidecar is about to fail ``room``: close its slot; True when every writer
         had rung first (the bytes landed, the worker may know it: the room succeeded)."""
         return self._live(room) and self.segment.close_slot(*room.bell)
 
-    def rung(self, room) -> bool:
+    def rung(self, room: DecodeRoom) -> bool:
         """Every writer of live ``room`` rang (it succeeded, Done or not)."""
         return self._live(room) and self.segment.rung(*room.bell)
 
-    def _live(self, room) -> bool:
+    def _live(self, room: DecodeRoom) -> bool:
         return getattr(room, "bell", None) is not None and not room.terminal and self.segment is not None
 
-    def ended(self, room) -> None:
+    def ended(self, room: DecodeRoom) -> None:
         if self.segment is None:
             return
         if room.status is RoomStatus.SUCCESS and self.segment.rung(*room.bell):

@@ -12,23 +12,43 @@ passed since the loss. Then each gets a Close, on which the prefill rank
 releases that session's link (unmapping the decode segments it mapped); a
 Close that gets lost ends the same way, once prefill misses its heartbeats.
 
-Called from the sidecar's timer tick; the role logic stays in :mod:`decode`.
+Called from the sidecar's timer tick; the role logic stays in :mod:`.side`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Collection, Coroutine, Iterable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pd_transfer.agent.auth import REFUSAL_LINGER_MS
+from pd_transfer.agent.channels import CLOSE_SEND_TIMEOUT_S
 from pd_transfer.protocol import Close
+
+if TYPE_CHECKING:
+    from pd_transfer.agent.decode.instances import PrefillInstance
+    from pd_transfer.agent.retry import Backoff
+    from pd_transfer.agent.rooms import Room
+    from pd_transfer.config import SidecarConfig
 
 log = logging.getLogger(__name__)
 
-CLOSE_SEND_TIMEOUT_S = 1.0
+Spawn = Callable[[Coroutine[Any, Any, Any]], asyncio.Task]
 
 
-async def close_sessions(instance) -> None:
+class Resolutions(Protocol):
+    """What retiring reads and prunes of the decode side's prefill instances."""
+
+    retired: list[PrefillInstance]  # lost: sessions to close once quiet
+    instances: dict[str, asyncio.Task]  # by bootstrap address, resolved or resolving
+    backoffs: dict[str, Backoff]  # by bootstrap address
+
+    @property
+    def config(self) -> SidecarConfig: ...
+
+
+async def close_sessions(instance: PrefillInstance) -> None:
     """Close every session of ``instance`` still open, saying so first."""
     for peer in instance.peers.values():
         if peer.channel.closed:
@@ -41,19 +61,20 @@ async def close_sessions(instance) -> None:
         peer.channel.close(linger_ms=REFUSAL_LINGER_MS)  # let the Close leave first
 
 
-def release_retired(side, now_s: float) -> None:
-    """Close the sessions of lost instances nothing can still arrive on."""
+def release_retired(side: Resolutions, rooms: Collection[Room], spawn: Spawn, now_s: float) -> None:
+    """Close the sessions of lost instances nothing can still arrive on (``rooms``: every
+    room of the table; ``spawn`` starts the closes)."""
     for instance in list(side.retired):
         if instance.resolving:
             continue  # a rank lost while resolving: the resolution fails and closes them
-        state = rooms_state(side.sidecar.rooms.rooms.values(), instance)
+        state = rooms_state(rooms, instance)
         if state == "live" or (
             state == "pending" and now_s - instance.lost_s < side.config.abort_drain_timeout_s
         ):
             continue
         side.retired.remove(instance)
         log.info("decode: closing the sessions of lost prefill instance %s", instance.bootstrap)
-        side.sidecar.spawn(close_sessions(instance))
+        spawn(close_sessions(instance))
     for address, task in list(side.instances.items()):
         # failed or lost resolutions of unconfigured addresses: the next expect resolves
         # again (a failed one once its backoff has passed: side.backoffs keeps its count)
@@ -65,7 +86,7 @@ def release_retired(side, now_s: float) -> None:
             del side.instances[address]
 
 
-def _over(side, address: str, task, now_s: float) -> bool:
+def _over(side: Resolutions, address: str, task: asyncio.Task, now_s: float) -> bool:
     if task.cancelled():
         return True
     if task.exception() is not None:
@@ -73,7 +94,7 @@ def _over(side, address: str, task, now_s: float) -> bool:
     return task.result().lost
 
 
-def rooms_state(rooms, instance) -> str:
+def rooms_state(rooms: Iterable[Room], instance: PrefillInstance) -> str:
     """'live' while a room uses ``instance``; 'pending' while a surviving source of an
     ended room has not answered (Done or AbortAck); else 'quiet'."""
     state = "quiet"

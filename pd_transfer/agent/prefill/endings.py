@@ -1,0 +1,166 @@
+"""How a prefill room ends: success once decode confirmed, failure, abort, timeout.
+
+A room succeeds when every decode rank it feeds holds its bytes (each target
+:attr:`~pd_transfer.agent.prefill.records.Target.settled`). It fails once, with
+one reason: every target that still writes gets a failed Done, after its
+write in flight stopped (its lock). A decode peer lost or closed fails its
+rooms and its link closes once their writes stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from pd_transfer.agent.prefill import ownership
+from pd_transfer.agent.prefill.flow import peer_key
+from pd_transfer.agent.prefill.records import DecodePeer, PrefillRoom, Target, TargetState
+from pd_transfer.errors import PdTransferError, Reason
+from pd_transfer.protocol import Abort, AbortAck, Done, DoneStatus, Message, RoomStatus
+
+if TYPE_CHECKING:
+    from pd_transfer.agent.channels import Channel
+    from pd_transfer.agent.sidecar import Sidecar
+    from pd_transfer.config import SidecarConfig
+    from pd_transfer.transport.base import Link
+
+log = logging.getLogger(__package__)
+
+
+class PrefillEndings:
+    """The prefill side's decode peers and how its rooms end (the base of
+    :class:`~pd_transfer.agent.prefill.side.PrefillSide`)."""
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        self.sidecar = sidecar
+        self.peers: dict[int, DecodePeer] = {}
+
+    @property
+    def config(self) -> SidecarConfig:
+        return self.sidecar.config
+
+    async def send_quietly(self, target: Target, message: Message) -> None:
+        try:
+            await target.peer.channel.send(message)
+        except Exception as err:
+            log.warning("prefill: cannot send %s to %s: %s", type(message).__name__, target.peer.rank_id, err)
+
+    def _on_confirm(self, peer: DecodePeer, message: Done) -> None:
+        """Decode has the room's bytes: what this side's Success waits for."""
+        room = self.sidecar.rooms.get(message.room)
+        target = room.targets.get(id(peer.channel)) if isinstance(room, PrefillRoom) else None
+        if target is None or target.generation != message.generation:
+            log.info(
+                "prefill: confirmation of room %d from %s for no write of it", message.room, peer.rank_id
+            )
+            return
+        target.confirmed = True
+        self._maybe_succeed(room)
+
+    def _maybe_succeed(self, room: PrefillRoom) -> None:
+        # Success: every decode rank fed has the bytes (it confirmed), so the worker may
+        # free its pages; bytes written but unconfirmed are not yet a success
+        if (
+            room.last_received
+            and len(room.targets) >= room.expected_targets > 0
+            and all(t.settled for t in room.targets.values())
+        ):
+            room.advance(RoomStatus.SUCCESS)
+
+    async def fail_room(
+        self, room: PrefillRoom, reason: Reason, text: str, lock_held: Target | None = None
+    ) -> None:
+        if not room.fail(reason, text):
+            return
+        await ownership.release_contenders(room, reason, text)
+        peers = ",".join(t.peer.rank_id for t in room.targets.values()) or "-"
+        log.warning("prefill: room %d failed: %s", room.room, text, extra={"room": room.room, "peer": peers})
+        for target in room.targets.values():
+            if target.writes and not target.succeeded:
+                self.sidecar.observe.transfer_failed(target.peer.rank_id, reason.value)
+        for target in list(room.targets.values()):
+            if target is lock_held:
+                await self._finish_target(room, target)
+            else:
+                async with target.lock:  # no write of this target in flight afterwards
+                    await self._finish_target(room, target)
+        room.drained.set()
+
+    async def _finish_target(self, room: PrefillRoom, target: Target) -> None:
+        if target.done or not target.writes:
+            target.end()
+            return
+        target.state = TargetState.FAILED
+        await self.send_quietly(
+            target,
+            Done(
+                room=room.room,
+                generation=target.generation,
+                status=DoneStatus.FAILED,
+                reason=room.state.reason or Reason.ABORTED,
+                reason_text=room.state.reason_text or "room failed",
+            ),
+        )
+
+    async def _on_abort(self, peer: DecodePeer, message: Abort) -> None:
+        room = self.sidecar.rooms.get(message.room)
+        target = room.targets.get(id(peer.channel)) if room else None
+        if target is not None:
+            self.sidecar.observe.abort("decode", message.reason.value)
+            target.abort()
+            self.sidecar.admission.withdraw(room, peer_key(target))  # a queued write gives up now
+            async with target.lock:  # wait for the write in flight, if any
+                target.end()
+            if isinstance(room, PrefillRoom):
+                await self.fail_room(
+                    room, Reason.ABORTED, f"aborted by decode {peer.rank_id}: {message.reason_text}"
+                )
+        await peer.channel.send(AbortAck(room=message.room, generation=message.generation, drained=True))
+
+    async def on_worker_abort(self, room_id: int) -> dict:
+        room = self.sidecar.rooms.get(room_id)
+        if room is None:
+            raise PdTransferError(f"room {room_id} is unknown", code=Reason.UNKNOWN_ROOM)
+        self.sidecar.observe.abort("prefill", Reason.ABORTED.value)
+        await self.fail_room(room, Reason.ABORTED, f"room {room_id} aborted by the prefill worker")
+        return {"drained": True, **room.reply()}
+
+    def on_timeout(self, room: PrefillRoom) -> None:
+        waiting = {
+            RoomStatus.BOOTSTRAPPING: "no transfer request from decode",
+            RoomStatus.WAITING_FOR_INPUT: "the prefill worker did not send the room's pages",
+            RoomStatus.TRANSFERRING: "the transfer did not finish",
+        }[room.status]
+        if room.targets and all(t.done for t in room.targets.values()):
+            waiting = "every byte was written, but decode did not confirm it has them"
+        self.sidecar.spawn(
+            self.fail_room(
+                room, Reason.TIMEOUT, f"room {room.room} timed out in {room.status.value}: {waiting}"
+            )
+        )
+
+    def on_peer_lost(self, channel: Channel, why: str) -> None:
+        self.release_peer(channel, Reason.PEER_LOST, f"lost decode peer {{}}: {why}")
+
+    def release_peer(self, channel: Channel, reason: Reason, text: str) -> None:
+        """Forget a decode peer's session: its rooms fail with ``text`` (``{}``: the peer),
+        and its link closes once their writes stopped."""
+        peer = self.peers.pop(id(channel), None)
+        channel.close()
+        text = text.format(peer.rank_id if peer else channel.label)
+        fails = [
+            self.sidecar.spawn(self.fail_room(room, reason, text), room=room.room)
+            for room in self.sidecar.rooms.live()
+            if isinstance(room, PrefillRoom) and id(channel) in room.targets
+        ]
+        if peer is not None and peer.link is not None:
+            link, peer.link = peer.link, None
+            self.sidecar.spawn(self._close_link(link, fails, peer), peer=peer.rank_id)
+
+    async def _close_link(self, link: Link, fails: list[asyncio.Task], peer: DecodePeer) -> None:
+        await asyncio.gather(*fails, return_exceptions=True)
+        if peer.bells is not None:  # no write of its rooms is left to ring
+            bells, peer.bells = peer.bells, None
+            bells.close()
+        await self.sidecar.dataplane.release(link)
