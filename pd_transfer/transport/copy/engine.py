@@ -40,8 +40,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pd_transfer.layout.grids import GridPlan
 from pd_transfer.transport.copy import grid, native_loop
+from pd_transfer.transport.copy.bounds import check_bounds
 from pd_transfer.transport.copy.kinds import BounceBuffer
-from pd_transfer.transport.copy.runs import check_bounds, flatten
+from pd_transfer.transport.copy.runs import flatten
 from pd_transfer.transport.copy.tasks import compile_tasks
 from pd_transfer.transport.regions import Mapped, Regions, map_one, map_regions, sizes_of
 
