@@ -100,29 +100,8 @@ async def attach(
     peer_id = link.peer.peer_id
     if options.mode is StrategyMode.DIRECT or not address.control or address.staging is None:
         return
-    try:
-        channel = await asyncio.to_thread(
-            open_channel,
-            address.control,
-            address.staging,
-            peer_id,
-            auth=options.auth,
-            ring_slots=options.ring_slots,
-            timeout_s=options.timeout_s,
-            handshake_timeout_s=options.handshake_timeout_s,
-        )
-    except TransportError as err:
-        if err.code in _AUTH_REFUSALS:  # a refused handshake is the peer's verdict, not a fallback
-            raise
-        log.warning(
-            "staging channel of %s unusable, writing directly: %s",
-            peer_id,
-            err.message,
-            extra={"peer": peer_id},
-        )
-        return
+    channel = await _open(address, options, peer_id)
     if channel is None:
-        log.warning("%s has no staging slot free: writing directly", peer_id, extra={"peer": peer_id})
         return
     try:
         await asyncio.to_thread(register, {f"staging:{peer_id}": (channel.local_base, channel.local.nbytes)})
@@ -152,6 +131,34 @@ async def attach(
         crossover,
         extra={"peer": peer_id},
     )
+
+
+async def _open(address: EngineAddress, options: StagingOptions, peer_id: str):
+    """The staging channel to ``peer_id``; None (logged) when it cannot be used."""
+    try:
+        channel = await asyncio.to_thread(
+            open_channel,
+            address.control,
+            address.staging,
+            peer_id,
+            auth=options.auth,
+            ring_slots=options.ring_slots,
+            timeout_s=options.timeout_s,
+            handshake_timeout_s=options.handshake_timeout_s,
+        )
+    except TransportError as err:
+        if err.code in _AUTH_REFUSALS:  # a refused handshake is the peer's verdict, not a fallback
+            raise
+        log.warning(
+            "staging channel of %s unusable, writing directly: %s",
+            peer_id,
+            err.message,
+            extra={"peer": peer_id},
+        )
+        return None
+    if channel is None:
+        log.warning("%s has no staging slot free: writing directly", peer_id, extra={"peer": peer_id})
+    return channel
 
 
 def segments(plan, link, mode: StrategyMode) -> list[tuple[Strategy, TransferPlan]]:
