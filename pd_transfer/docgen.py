@@ -22,19 +22,15 @@ writing the docs.
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import difflib
-import inspect
-import io
 import json
 import re
 import sys
-import textwrap
-import tokenize
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from pd_transfer.docgen_markdown import github_anchor, markdown_table, readable_number, source_comments
 from pd_transfer.errors import Reason
 from pd_transfer.layout.geometry import Role
 from pd_transfer.protocol import fields as kinds
@@ -56,66 +52,13 @@ BOOTSTRAP_SENDERS = {
 }
 
 
-# -- small helpers ------------------------------------------------------------------
-
-
-def github_anchor(heading: str) -> str:
-    """The anchor GitHub gives a Markdown heading (``Peer lost`` -> ``peer-lost``)."""
-    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
-    return text.replace(" ", "-")
-
-
-def source_comments(obj: object) -> dict[str, str]:
-    """``name -> comment`` of each ``name ... = value  # comment`` assignment in ``obj``'s
-    body, the comment on its first line or, where the formatter wrapped a long line as
-    ``name = (\n    value  # comment\n)``, inside the parentheses."""
-    source = textwrap.dedent(inspect.getsource(obj))
-    comments: dict[int, str] = {}
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT:
-            comments[token.start[0]] = token.string.lstrip("#").strip()
-    found = {}
-    for node in ast.walk(ast.parse(source)):
-        target = (
-            node.target
-            if isinstance(node, ast.AnnAssign)
-            else (node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
-        )
-        if isinstance(target, ast.Name) and node.value is not None:
-            lines = range(node.lineno, node.end_lineno + 1)
-            text = next((comments[n] for n in lines if n in comments), None)
-            if text:
-                found[target.id] = text
-    return found
-
-
-def _cell(text: object) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
-
-
-def _table(header: tuple[str, ...], rows: list[tuple]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def _number(n: float) -> str:
-    """Bounds as people write them: ``2^64-1``, ``2^48``, ``65535``."""
-    if isinstance(n, int) and n >= 1 << 16:
-        if (n + 1) & n == 0:
-            return f"2^{(n + 1).bit_length() - 1}-1"
-        if n & (n - 1) == 0:
-            return f"2^{n.bit_length() - 1}"
-    return str(n)
-
-
 # -- field kinds ----------------------------------------------------------------------
 
 
 def describe_kind(kind: kinds.Kind) -> str:
     """A field kind with its bounds, for a field table."""
     if isinstance(kind, kinds.Int):
-        return f"int in [{_number(kind.lo)}, {_number(kind.hi)}]"
+        return f"int in [{readable_number(kind.lo)}, {readable_number(kind.hi)}]"
     if isinstance(kind, kinds.Float):
         return f"float >= {kind.lo:g}, finite"
     if isinstance(kind, kinds.Str):
@@ -128,12 +71,12 @@ def describe_kind(kind: kinds.Kind) -> str:
     if isinstance(kind, kinds.Optional):
         return f"{describe_kind(kind.inner)}, or nil"
     if isinstance(kind, kinds.ListOf):
-        return f"list (at most {_number(kind.max_len)}) of {describe_kind(kind.item)}"
+        return f"list (at most {readable_number(kind.max_len)}) of {describe_kind(kind.item)}"
     if isinstance(kind, kinds.TupleOf):
         return "[" + "; ".join(describe_kind(k) for k in kind.items) + "]"
     if isinstance(kind, kinds.Indices):
         return (
-            f"indices in [0, {_number(kind.hi)}], at most {_number(kind.max_len)}: packed "
+            f"indices in [0, {readable_number(kind.hi)}], at most {readable_number(kind.max_len)}: packed "
             "little-endian int64 bytes, or a list of int"
         )
     if isinstance(kind, kinds.Record):
@@ -168,7 +111,7 @@ def _nested(kind: kinds.Kind) -> Iterator[kinds.Record]:
 
 def _field_table(record: kinds.Record) -> str:
     rows = [(f"`{f.name}`", describe_kind(f.kind), _default(f)) for f in record.fields]
-    return _table(("Field", "Kind", "Default"), rows)
+    return markdown_table(("Field", "Kind", "Default"), rows)
 
 
 # -- protocol tables --------------------------------------------------------------------
@@ -186,7 +129,7 @@ def render_messages() -> str:
         (f"`{tag}`", f"[{t.cls.__name__}](#{github_anchor(t.cls.__name__)})", _senders(tag), t.description)
         for tag, t in MESSAGE_TYPES.items()
     ]
-    return _table(("Tag `t`", "Message", "Sent by", "Meaning"), rows)
+    return markdown_table(("Tag `t`", "Message", "Sent by", "Meaning"), rows)
 
 
 def render_bootstrap_messages() -> str:
@@ -202,7 +145,7 @@ def render_bootstrap_messages() -> str:
         )
         for tag, t in BOOTSTRAP_MESSAGE_TYPES.items()
     ]
-    return _table(("Tag `t`", "Message", "From -> to", "Meaning"), rows)
+    return markdown_table(("Tag `t`", "Message", "From -> to", "Meaning"), rows)
 
 
 def render_message_fields() -> str:
@@ -227,7 +170,7 @@ def render_session_states() -> str:
         (f"`{s.value}`", comments.get(s.name, ""), "yes" if s in TERMINAL_STATES else "")
         for s in SessionState
     ]
-    return _table(("State", "Meaning", "Terminal"), rows)
+    return markdown_table(("State", "Meaning", "Terminal"), rows)
 
 
 def render_transitions() -> str:
@@ -242,7 +185,7 @@ def render_transitions() -> str:
     ):
         sender = "either" if len(roles) == 2 else next(iter(roles)).value
         rows.append((f"`{state.value}`", sender, f"`{trigger.value}`", f"`{next_state.value}`"))
-    return _table(("State", "Sender", "Trigger", "Next state"), rows)
+    return markdown_table(("State", "Sender", "Trigger", "Next state"), rows)
 
 
 def render_room_status() -> str:
@@ -256,7 +199,7 @@ def render_room_status() -> str:
         )
         for s in RoomStatus
     ]
-    return _table(("Status", "Meaning", "May move to"), rows)
+    return markdown_table(("Status", "Meaning", "May move to"), rows)
 
 
 def render_freshness() -> str:
@@ -272,19 +215,20 @@ def render_freshness() -> str:
                 f"`{reason.value}`" if reason else "-",
             )
         )
-    return _table(("Freshness", "The room message is", "Receiving session does", "Reason"), rows)
+    return markdown_table(("Freshness", "The room message is", "Receiving session does", "Reason"), rows)
 
 
 def render_limits() -> str:
     rows = [
         (
             f"`{f.name}`",
-            _number(f.default) + ("" if _number(f.default) == str(f.default) else f" ({f.default})"),
+            readable_number(f.default)
+            + ("" if readable_number(f.default) == str(f.default) else f" ({f.default})"),
         )
         for f in dataclasses.fields(Limits)
     ]
     rows.append(("protocol version", ".".join(map(str, PROTOCOL_VERSION))))
-    return _table(("Limit", "Default"), rows)
+    return markdown_table(("Limit", "Default"), rows)
 
 
 def render_worker_ops() -> str:
@@ -297,7 +241,7 @@ def render_worker_ops() -> str:
             for name, types in worker_api._REQUIRED[op].items()
         )
         rows.append((f"`{op.value}`", required or "-"))
-    return _table(("Op", "Required fields besides `op` and `id`"), rows)
+    return markdown_table(("Op", "Required fields besides `op` and `id`"), rows)
 
 
 # -- errors, metrics, configuration --------------------------------------------------------
@@ -306,7 +250,7 @@ def render_worker_ops() -> str:
 def render_reason_codes() -> str:
     notes = source_comments(Reason)
     rows = [(f"[`{r.value}`](#{github_anchor(r.value)})", notes.get(r.name, "")) for r in Reason]
-    return _table(("Code", "Note in `errors.py`"), rows)
+    return markdown_table(("Code", "Note in `errors.py`"), rows)
 
 
 def render_metrics() -> str:
@@ -324,7 +268,7 @@ def render_metrics() -> str:
         name = family.name + ("_total" if family.type == "counter" else "")
         labels = ", ".join(f"`{label}`" for label in wrapper._labelnames) or "-"
         rows.append((f"`{name}`", family.type, labels, family.documentation))
-    return _table(("Metric", "Type", "Labels", "Help"), rows)
+    return markdown_table(("Metric", "Type", "Labels", "Help"), rows)
 
 
 def render_sidecar_config() -> str:
@@ -353,7 +297,7 @@ def render_sidecar_config() -> str:
             row += (f"`{env_prefix}{f.name.upper()}`",)
         rows.append(row + (meaning,))
     header = ("Key in `[sidecar]`", "Default", "Flag") + (("Variable",) if env_prefix else ())
-    return _table(header + ("Meaning",), rows)
+    return markdown_table(header + ("Meaning",), rows)
 
 
 # -- the docs ------------------------------------------------------------------------------
