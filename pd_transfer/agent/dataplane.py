@@ -258,7 +258,7 @@ class DataPlane:
             return None
 
     def strategies(self, link, planner) -> dict:
-        """``{pool: Decision}``: how each pool moves over ``link`` (set on engine links);
+        """``{pool: StrategyChoice}``: how each pool moves over ``link`` (set on engine links);
         see :mod:`.strategies`. Report it in the verdict, metrics and log."""
         kind = (
             "device"
