@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pd_transfer.layout.lowering import RunBatch, TransferPlan  # noqa: E402
-from pd_transfer.transport import native_copy  # noqa: E402
+from pd_transfer.transport.copy import native_loop  # noqa: E402
 from pd_transfer.transport.copy.engine import CopyEngine  # noqa: E402
 from pd_transfer.transport.regions import Mapped  # noqa: E402
 
@@ -100,10 +100,10 @@ def main() -> None:
     regions = ({"s": Mapped("s", src)}, {"d": Mapped("d", dst)})
     a, b = torch.ones(256 * MIB, dtype=torch.uint8), torch.zeros(256 * MIB, dtype=torch.uint8)
     floor = 256 * MIB / timed(lambda: b.copy_(a), args.repeats) / 1e9
-    paths = [("numpy", False)] + ([("native", True)] if native_copy.AVAILABLE else [])
+    paths = [("numpy", False)] + ([("native", True)] if native_loop.AVAILABLE else [])
     print(
         f"median of {args.repeats}, one process; floor: torch copy_ of 256 MiB, {floor:.2f} GB/s"
-        + ("" if native_copy.AVAILABLE else f"; native loop unavailable: {native_copy.UNAVAILABLE_WHY}")
+        + ("" if native_loop.AVAILABLE else f"; native loop unavailable: {native_loop.UNAVAILABLE_WHY}")
     )
     print(f"{'case':<20}{'path':<8}{'ms':>8}{'GB/s':>8}{'x copy_':>9}")
     for title, run, count in CASES:

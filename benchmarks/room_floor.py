@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pd_transfer import doorbell  # noqa: E402
 from pd_transfer.doorbell import Doorbells, Outcome  # noqa: E402
 from pd_transfer.shm_segments import create_segment, open_segment, segment_name  # noqa: E402
-from pd_transfer.transport import native_copy  # noqa: E402
+from pd_transfer.transport.copy import native_loop  # noqa: E402
 
 MODES = ("wait after send", "wait in flight", "back to back")
 IDLE_S = 0.05
@@ -65,7 +65,7 @@ def _relay(
         try:
             while True:
                 src_page, dst_page, slot, token = REQUEST.unpack(await reader.readexactly(REQUEST.size))
-                if native_copy.AVAILABLE:
+                if native_loop.AVAILABLE:
                     runs = []
                     for piece in range(pieces):  # one page of every region, as a 1-page room
                         runs += (
@@ -73,7 +73,7 @@ def _relay(
                             src_base + piece * region + src_page * page_nbytes,
                             page_nbytes,
                         )
-                    native_copy.copy_list(runs)
+                    native_loop.copy_list(runs)
                 else:  # as the sidecars copy without the native loop: numpy slices
                     for piece in range(pieces):
                         d, s = (

@@ -14,12 +14,11 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-import msgpack
-
-from pd_transfer.errors import PdTransferError, Reason
+from pd_transfer.errors import PdTransferError, ProtocolError, Reason
+from pd_transfer.wire.envelope import pack, unpack
+from pd_transfer.wire.limits import CUDA_IPC_HANDLE_LIMITS, MAX_CUDA_IPC_HANDLE_LEN
 
 PREFIX = "cuda-ipc:"
-_MAX_HANDLE_CHARS = 4096
 
 
 def cuda_available() -> bool:
@@ -39,7 +38,7 @@ def share(tensor: Any) -> str:
     if not tensor.is_cuda:
         raise PdTransferError("only CUDA tensors have CUDA IPC handles", code=Reason.BAD_FIELD)
     fields = tensor.untyped_storage()._share_cuda_()
-    packed = msgpack.packb(
+    packed = pack(
         [
             int(fields[0]),
             bytes(fields[1]),
@@ -49,8 +48,7 @@ def share(tensor: Any) -> str:
             int(fields[5]),
             bytes(fields[6]),
             bool(fields[7]),
-        ],
-        use_bin_type=True,
+        ]
     )
     return PREFIX + base64.b64encode(packed).decode()
 
@@ -79,11 +77,11 @@ def open_handle(handle: str, min_nbytes: int) -> Any:
 
 
 def _decode(handle: str) -> list:
-    if not is_cuda_handle(handle) or len(handle) > _MAX_HANDLE_CHARS:
+    if not is_cuda_handle(handle) or len(handle) > MAX_CUDA_IPC_HANDLE_LEN:
         raise PdTransferError("not a CUDA IPC handle", code=Reason.BAD_FIELD)
     try:
-        fields = msgpack.unpackb(base64.b64decode(handle[len(PREFIX) :], validate=True), raw=False)
-    except Exception:
+        fields = unpack(base64.b64decode(handle[len(PREFIX) :], validate=True), CUDA_IPC_HANDLE_LIMITS)
+    except (ValueError, ProtocolError):  # binascii.Error is a ValueError
         raise PdTransferError("malformed CUDA IPC handle", code=Reason.BAD_FIELD) from None
     kinds = (int, bytes, int, int, bytes, int, bytes, bool)
     if (

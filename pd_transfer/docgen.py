@@ -33,13 +33,15 @@ from pathlib import Path
 from pd_transfer.docgen_markdown import github_anchor, markdown_table, readable_number, source_comments
 from pd_transfer.errors import Reason
 from pd_transfer.layout.geometry import Role
-from pd_transfer.protocol import fields as kinds
 from pd_transfer.protocol.generations import FRESHNESS_RULES, Freshness, Handling
-from pd_transfer.protocol.limits import Limits
 from pd_transfer.protocol.messages import BOOTSTRAP_MESSAGE_TYPES, MESSAGE_TYPES, PROTOCOL_VERSION
 from pd_transfer.protocol.room_status import ROOM_TRANSITIONS, TERMINAL_STATUSES, RoomStatus
 from pd_transfer.protocol.schema import RECORDS
 from pd_transfer.protocol.transitions import TERMINAL_STATES, TRANSITIONS, SessionState, Trigger
+from pd_transfer.wire import fields as kinds
+from pd_transfer.wire import limits as wire_limits
+from pd_transfer.wire import packed
+from pd_transfer.wire.limits import Limits
 
 DOCS_DIR = Path(__file__).resolve().parents[1] / "docs"
 _BLOCK = re.compile(r"<!-- BEGIN GENERATED: ([\w-]+) -->\n.*?<!-- END GENERATED: \1 -->", re.DOTALL)
@@ -74,7 +76,7 @@ def describe_kind(kind: kinds.Kind) -> str:
         return f"list (at most {readable_number(kind.max_len)}) of {describe_kind(kind.item)}"
     if isinstance(kind, kinds.TupleOf):
         return "[" + "; ".join(describe_kind(k) for k in kind.items) + "]"
-    if isinstance(kind, kinds.Indices):
+    if isinstance(kind, packed.Indices):
         return (
             f"indices in [0, {readable_number(kind.hi)}], at most {readable_number(kind.max_len)}: packed "
             "little-endian int64 bytes, or a list of int"
@@ -231,15 +233,56 @@ def render_limits() -> str:
     return markdown_table(("Limit", "Default"), rows)
 
 
+def _commented_constants(module) -> Iterator[tuple[str, str]]:
+    """``(name, why)`` of each module-level constant, ``why`` from the ``#:`` lines above it
+    (one comment serves the assignments that follow it without a blank line)."""
+    why, collecting = "", False
+    for line in inspect.getsource(module).splitlines():
+        if line.startswith("#:"):
+            why = f"{why} {line[2:].strip()}" if collecting else line[2:].strip()
+            collecting = True
+            continue
+        collecting = False
+        match = re.match(r"^([A-Z][A-Z0-9_]+)(?::[^=]*)? = ", line)
+        if match:
+            yield match.group(1), why
+        elif not line.startswith((" ", ")")):  # a blank line or another statement ends its reach
+            why = ""
+
+
+def render_wire_limits() -> str:
+    """Every named cap of :mod:`pd_transfer.wire.limits`, with why it is that value."""
+    rows, seen_why = [], ""
+    for name, why in _commented_constants(wire_limits):
+        value = getattr(wire_limits, name)
+        if not isinstance(value, int) or isinstance(value, bool):
+            continue
+        rows.append((f"`{name}`", _number(value), "" if why == seen_why else why))
+        seen_why = why
+    framings = [
+        (
+            f"`{name}`",
+            _number(lim.max_frame_nbytes),
+            _number(lim.max_str_len),
+            _number(lim.max_list_len),
+            _number(lim.max_map_len),
+            str(lim.max_depth),
+        )
+        for name, lim in wire_limits.FRAMINGS.items()
+    ]
+    return (
+        _table(("Cap", "Value", "Why"), rows)
+        + "\n\n"
+        + _table(("Framing", "Frame bytes", "String", "List", "Map", "Depth"), framings)
+    )
+
+
 def render_worker_ops() -> str:
     from pd_transfer.protocol import worker_api
 
     rows = []
     for op in worker_api.WorkerOp:
-        required = ", ".join(
-            f"`{name}` ({'/'.join(k.__name__ for k in types)})"
-            for name, types in worker_api._REQUIRED[op].items()
-        )
+        required = ", ".join(f"`{f.name}` ({describe_kind(f.kind)})" for f in worker_api._REQUIRED[op])
         rows.append((f"`{op.value}`", required or "-"))
     return markdown_table(("Op", "Required fields besides `op` and `id`"), rows)
 
@@ -314,6 +357,7 @@ BLOCKS: dict[str, dict[str, Renderer]] = {
         "room-status": render_room_status,
         "freshness": render_freshness,
         "limits": render_limits,
+        "wire-limits": render_wire_limits,
         "worker-ops": render_worker_ops,
     },
     "errors.md": {"reason-codes": render_reason_codes},

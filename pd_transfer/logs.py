@@ -48,15 +48,20 @@ class JsonFormatter(logging.Formatter):
 
 
 class RepeatLimiter(logging.Filter):
-    """At most ``burst`` records per (logger, format string) per ``interval_s``."""
+    """At most ``burst`` records per (logger, format string, reason) per ``interval_s``.
+
+    ``reason`` is a record's ``extra={"reason": code}``: a flood of one refusal
+    (32 oversized headers) does not hide the first of another kind (a stream
+    that is not ours at all) logged through the same call.
+    """
 
     def __init__(self, burst: int = 5, interval_s: float = 10.0) -> None:
         super().__init__()
         self.burst, self.interval_s = burst, interval_s
-        self._windows: dict[tuple[str, str], list] = {}
+        self._windows: dict[tuple[str, str, str], list] = {}
 
     def filter(self, record: logging.LogRecord) -> bool:
-        key = (record.name, str(record.msg))
+        key = (record.name, str(record.msg), str(getattr(record, "reason", "")))
         now = time.monotonic()
         window = self._windows.get(key)
         if window is None or now - window[0] > self.interval_s:

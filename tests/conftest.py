@@ -6,11 +6,15 @@ processes (``pd-transfer serve``), in-process sidecars and the client library
 all read. A test of insecure behaviour passes ``--insecure`` (or
 ``allow_insecure = true``) explicitly; a test of a missing secret removes the
 variable (``no_secret``).
+
+Tests do not depend on the order they run in. ``pytest --shuffle SEED`` checks
+that: modules run in an order drawn from SEED, the tests of each in reverse.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import tempfile
 from pathlib import Path
@@ -18,6 +22,28 @@ from pathlib import Path
 import pytest
 
 from pd_transfer.security.secret import SECRET_ENV, SECRET_FILE_ENV, new_secret_file
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--shuffle",
+        type=int,
+        default=None,
+        metavar="SEED",
+        help="run test modules in an order drawn from SEED, each module's tests in reverse",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    seed = config.getoption("--shuffle")
+    if seed is None:
+        return
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    order = list(modules)
+    random.Random(seed).shuffle(order)
+    items[:] = [item for name in order for item in reversed(modules[name])]
 
 
 @pytest.fixture(scope="session", autouse=True)

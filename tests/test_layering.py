@@ -16,6 +16,22 @@ FORBIDDEN = {
         "pd_transfer.transport",
         "pd_transfer.agent",
     ],
+    "pd_transfer.wire": [
+        "asyncio",
+        "zmq",
+        "socket",
+        "selectors",
+        "uvloop",
+        "prometheus_client",
+        "torch",
+        "numpy",
+        "pd_transfer.layout",
+        "pd_transfer.protocol",
+        "pd_transfer.security",
+        "pd_transfer.transport",
+        "pd_transfer.client",
+        "pd_transfer.agent",
+    ],
 }
 
 

@@ -32,3 +32,13 @@ def test_repeats_beyond_the_burst_are_suppressed_and_then_counted():
     time.sleep(0.06)
     record = _record("bad frame from %s", 99)
     assert limiter.filter(record) and "(and 7 similar messages suppressed)" in record.getMessage()
+
+
+def test_a_flood_of_one_reason_does_not_hide_the_first_of_another():
+    limiter = RepeatLimiter(burst=3, interval_s=60)
+    flood = [
+        limiter.filter(_record("refused [%s]", "frame_too_large", reason="frame_too_large")) for _ in range(8)
+    ]
+    assert flood == [True] * 3 + [False] * 5
+    assert limiter.filter(_record("refused [%s]", "bad_frame", reason="bad_frame"))
+    assert not limiter.filter(_record("refused [%s]", "frame_too_large", reason="frame_too_large"))

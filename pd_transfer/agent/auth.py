@@ -25,8 +25,8 @@ import zmq.asyncio
 
 from pd_transfer.errors import AuthError, PdTransferError, Reason
 from pd_transfer.protocol import Close, encode
-from pd_transfer.protocol.messages import clip_text
 from pd_transfer.security import ClientHandshake, Decision, Gate, NonceBook, SecuritySettings, new_routing_id
+from pd_transfer.wire.fields import clip_text
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,11 @@ class Security:
         """Count and log a failed handshake (``where``: the listening socket and peer)."""
         self.on_failure(error.code.value)
         log.warning(
-            "%sauthentication failed [%s]: %s", f"{where}: " if where else "", error.code.value, error.message
+            "%sauthentication failed [%s]: %s",
+            f"{where}: " if where else "",
+            error.code.value,
+            error.message,
+            extra={"reason": error.code.value},  # repeats are limited per reason
         )
 
     # -- sockets ------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from pd_transfer.agent.auth import (
 from pd_transfer.agent.zmq_bounds import CONTROL_QUEUED_FRAMES, ConnectionWatch, bound_frames
 from pd_transfer.errors import AuthError, PdTransferError, ProtocolError, Reason
 from pd_transfer.protocol import Announce, Close, RankEntry, RankTable, TableRequest, decode, encode
-from pd_transfer.protocol.messages import clip_text
+from pd_transfer.wire.fields import clip_text
 
 log = logging.getLogger(__name__)
 

@@ -51,8 +51,8 @@ from pd_transfer.protocol import (
     RoomStatus,
     TransferRequest,
 )
-from pd_transfer.protocol.messages import clip_text
 from pd_transfer.protocol.worker_api import WorkerOp
+from pd_transfer.wire.fields import clip_text
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ a cap, a stranger who declares an 8 GiB frame on the control or bootstrap port
 makes the sidecar hold everything it sends, before the codec's frame limit or
 the authentication handshake runs. :func:`bound_frames` sets ``MAXMSGSIZE`` on
 a socket from the one frame limit of the protocol
-(:data:`~pd_transfer.protocol.limits.DEFAULT_LIMITS`, 16 MiB; the worker API
+(:data:`~pd_transfer.wire.limits.DEFAULT_LIMITS`, 16 MiB; the worker API
 and the data plane pass their own), so ZeroMQ drops the connection as soon as
 a frame header declares more, having buffered nothing of it. Frames under the
 cap are bounded in number instead: ZeroMQ queues at most
@@ -32,7 +32,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from pd_transfer.errors import Reason
-from pd_transfer.protocol.limits import DEFAULT_LIMITS
+from pd_transfer.wire.limits import DEFAULT_LIMITS
 
 log = logging.getLogger(__name__)
 

@@ -14,14 +14,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from pd_transfer.client.errors import BadReply, Refused
 from pd_transfer.client.status import RoomState, RoomStatus, reason_of
+from pd_transfer.errors import ProtocolError
 from pd_transfer.layout.geometry import RankGeometry
 from pd_transfer.protocol.geometry_codec import geometry_to_data
 from pd_transfer.protocol.worker_api import MAX_INSTANCE_LEN, MAX_WAIT_S, WorkerOp
+from pd_transfer.wire.envelope import unpack
+from pd_transfer.wire.limits import WORKER_LIMITS
 
 Request = dict[str, Any]
 
@@ -193,8 +195,8 @@ def reply_id(frame: bytes) -> tuple[int | None, dict[str, Any] | None]:
     (logging it) rather than failing an unrelated call.
     """
     try:
-        reply = msgpack.unpackb(frame, raw=False)
-    except Exception:  # msgpack raises several unrelated types
+        reply = unpack(frame, WORKER_LIMITS, "reply")
+    except ProtocolError:
         return None, None
     if not isinstance(reply, dict):
         return None, None

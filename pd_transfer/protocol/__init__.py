@@ -7,10 +7,8 @@ message it gets back, and writes the frames :meth:`Session.send` returns.
 
     messages.py        the frozen, tagged message dataclasses; PROTOCOL_VERSION;
                        MESSAGE_TYPES (tag -> class, one-line description)
-    fields.py          field kinds: typed encode/decode with $.paths in errors
     geometry_codec.py  RankGeometry <-> plain data, strictly checked
     schema.py          every message's fields and cross-field invariants
-    limits.py          frame, list, string, map and nesting caps
     codec.py           encode(message) -> bytes, decode(bytes) -> message
     transitions.py     session states, triggers, TRANSITIONS (the table)
     generations.py     room generations: fresh, stale, unknown, duplicate, future
@@ -18,15 +16,16 @@ message it gets back, and writes the frames :meth:`Session.send` returns.
     session.py         Session: applies the tables to what is sent and received
     worker_api.py      the worker <-> sidecar requests (a separate, local contract)
 
-May import: the standard library, msgpack, ``pd_transfer.errors`` and
-``pd_transfer.layout``. Never the transport or agent layers.
+Field kinds, the envelope and every size cap come from :mod:`pd_transfer.wire`.
+
+May import: the standard library, ``pd_transfer.errors``,
+``pd_transfer.wire`` and ``pd_transfer.layout``. Never the transport or agent layers.
 """
 
 from pd_transfer.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from pd_transfer.protocol.codec import decode, encode
 from pd_transfer.protocol.generations import FRESHNESS_RULES, Freshness
 from pd_transfer.protocol.geometry_codec import geometry_from_data, geometry_to_data
-from pd_transfer.protocol.limits import DEFAULT_LIMITS, Limits
 from pd_transfer.protocol.messages import (
     BOOTSTRAP_MESSAGE_TYPES,
     CONFIRM_DONE,
@@ -58,6 +57,7 @@ from pd_transfer.protocol.messages import (
 from pd_transfer.protocol.room_status import ROOM_TRANSITIONS, RoomGeneration, RoomStatus
 from pd_transfer.protocol.session import Dropped, Session
 from pd_transfer.protocol.transitions import TRANSITIONS, SessionState, Trigger, allowed, trigger_of
+from pd_transfer.wire.limits import DEFAULT_LIMITS, Limits
 
 __all__ = [
     "DEFAULT_LIMITS",

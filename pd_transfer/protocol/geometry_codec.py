@@ -26,7 +26,7 @@ from typing import Any
 from pd_transfer.layout.dtypes import ITEMSIZE_BY_DTYPE
 from pd_transfer.layout.geometry import RankGeometry, Region, Role, check_geometry
 from pd_transfer.layout.views import Axis, AxisRole, Layout, Pool, ShardSpec, TensorView
-from pd_transfer.protocol.fields import (
+from pd_transfer.wire.fields import (
     Bool,
     EnumOf,
     Field,
@@ -38,18 +38,22 @@ from pd_transfer.protocol.fields import (
     TupleOf,
     bad_field,
 )
+from pd_transfer.wire.limits import (
+    MAX_ID_LEN,
+    MAX_NDIM,
+    MAX_REGIONS,
+    MAX_SHARD_GROUPS,
+    MAX_SHORT_NAME_LEN,
+    MAX_VIEWS,
+)
 
 MAX_NBYTES = 2**48  # 256 TiB: larger than any memory a worker registers
 MAX_EXTENT = 2**40  # elements along one axis
-MAX_VIEWS = 8192  # DeepSeek-V3 registers 64; a 512-layer model with 16 tensors fits
-MAX_REGIONS = 8192
-MAX_NDIM = 8
-MAX_SHARD_GROUPS = 64
 MAX_TP_SIZE = 4096
 MAX_PP_SIZE = 1024
 MAX_PAGE_SIZE = 1 << 20
 MAX_LAYER_ID = 1 << 20
-NAME = Str(max_len=256, min_len=1)
+NAME = Str(max_len=MAX_ID_LEN, min_len=1)
 
 
 def _check_dtype(values: dict[str, Any], raw: dict[str, Any], path: str) -> None:
@@ -88,7 +92,7 @@ VIEW = Record(
         Field("name", NAME),
         Field("region", NAME),
         Field("offset_nbytes", Int(hi=MAX_NBYTES)),
-        Field("dtype", Str(max_len=32)),
+        Field("dtype", Str(max_len=MAX_SHORT_NAME_LEN)),
         Field("shape", ListOf(Int(lo=1, hi=MAX_EXTENT), MAX_NDIM)),
         Field("strides_nbytes", ListOf(Int(hi=MAX_NBYTES), MAX_NDIM)),
         Field("axes", ListOf(AXIS, MAX_NDIM)),
@@ -109,7 +113,7 @@ GEOMETRY = Record(
         Field("tp_rank", Int(hi=MAX_TP_SIZE)),
         Field("pp_rank", Int(hi=MAX_PP_SIZE), default=0),
         Field("page_size", Int(lo=1, hi=MAX_PAGE_SIZE)),
-        Field("model", Str(max_len=256), default=""),
+        Field("model", Str(max_len=MAX_ID_LEN), default=""),
         Field("regions", ListOf(REGION, MAX_REGIONS)),
         Field("views", ListOf(VIEW, MAX_VIEWS)),
     ),

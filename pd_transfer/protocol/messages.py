@@ -35,17 +35,6 @@ from pd_transfer.layout.views import Pool
 
 PROTOCOL_VERSION: tuple[int, int] = (1, 0)
 
-#: longest reason text, hint or headline a peer accepts (characters)
-MAX_TEXT_LEN = 4096
-
-
-def clip_text(text: str, limit: int = MAX_TEXT_LEN) -> str:
-    """``text`` cut to ``limit`` characters, saying how much was cut."""
-    if len(text) <= limit:
-        return text
-    marker = f"... ({len(text) - limit + 40} more characters)"
-    return text[: limit - 40] + marker[:40]
-
 
 class Message:
     """Base of all wire messages. ``TAG`` is the ``"t"`` value on the wire."""

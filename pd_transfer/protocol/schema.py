@@ -23,26 +23,8 @@ from pd_transfer.errors import Reason
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.reconcile import Mode
 from pd_transfer.layout.views import Pool
-from pd_transfer.protocol.fields import (
-    Bool,
-    Checksums,
-    EnumOf,
-    Field,
-    Float,
-    Indices,
-    Int,
-    ListOf,
-    Optional,
-    ReasonCode,
-    Record,
-    Str,
-    TupleOf,
-    bad_field,
-)
 from pd_transfer.protocol.geometry_codec import GEOMETRY
-from pd_transfer.protocol.limits import MAX_CHECKSUM_ITEMS, MAX_CHECKSUM_TENSORS
 from pd_transfer.protocol.messages import (
-    MAX_TEXT_LEN,
     Abort,
     AbortAck,
     Announce,
@@ -66,12 +48,45 @@ from pd_transfer.protocol.messages import (
     TransferRequest,
     Verdict,
 )
+from pd_transfer.wire.fields import (
+    Bool,
+    EnumOf,
+    Field,
+    Float,
+    Int,
+    ListOf,
+    Optional,
+    ReasonCode,
+    Record,
+    Str,
+    TupleOf,
+    bad_field,
+)
+from pd_transfer.wire.limits import (
+    MAX_ADDRESS_LEN,
+    MAX_CAPABILITIES,
+    MAX_CHECKSUM_ITEMS,
+    MAX_CHECKSUM_TENSORS,
+    MAX_ENGINE_ADDRESS_LEN,
+    MAX_HANDLE_LEN,
+    MAX_ID_LEN,
+    MAX_MISMATCHES,
+    MAX_PLAN_POOLS,
+    MAX_RANK_ENTRIES,
+    MAX_REGION_HANDLES,
+    MAX_REQUEST_POOLS,
+    MAX_SHORT_NAME_LEN,
+    MAX_SRC_RANKS,
+    MAX_TAG_LEN,
+    MAX_TEXT_LEN,
+)
+from pd_transfer.wire.packed import Checksums, Indices
 
 U64 = Int(hi=2**64 - 1)
 U32 = Int(hi=2**32 - 1)
-ID = Str(max_len=256, min_len=1)
+ID = Str(max_len=MAX_ID_LEN, min_len=1)
 TEXT = Str(max_len=MAX_TEXT_LEN)
-NAMES = ListOf(Str(max_len=64, min_len=1), 64)
+NAMES = ListOf(Str(max_len=MAX_TAG_LEN, min_len=1), MAX_CAPABILITIES)
 
 
 def _note_unknown_reason(values: dict[str, Any], raw: dict[str, Any], path: str) -> None:
@@ -135,14 +150,14 @@ POOL_PLAN = Record(
         Field("num_tensors", Int(hi=1 << 20)),
         Field("descriptors_per_item", Int(hi=1 << 32)),
         Field("nbytes_per_item", Int(hi=2**48)),
-        Field("strategy", Str(max_len=32), default=""),
+        Field("strategy", Str(max_len=MAX_SHORT_NAME_LEN), default=""),
     ),
 )
 
 MISMATCH = Record(
     MismatchRecord,
     (
-        Field("path", Str(max_len=512)),
+        Field("path", Str(max_len=MAX_ADDRESS_LEN)),
         Field("code", ReasonCode()),
         Field("prefill", TEXT),
         Field("decode", TEXT),
@@ -163,17 +178,17 @@ POOL_INDICES = Record(PoolIndices, (Field("pool", EnumOf(Pool)), Field("indices"
 
 _ROOM = (Field("room", U64), Field("generation", U64))
 
-ADDRESS = Str(max_len=512)
+ADDRESS = Str(max_len=MAX_ADDRESS_LEN)
 REGION_HANDLE = Record(
     RegionHandle,
-    (Field("region", Str(max_len=256, min_len=1)), Field("handle", Str(max_len=1024, min_len=1))),
+    (Field("region", ID), Field("handle", Str(max_len=MAX_HANDLE_LEN, min_len=1))),
 )
 RANK_ENTRY = Record(
     RankEntry,
     (
         Field("agent_id", ID),
         Field("host_id", ID),
-        Field("control_address", Str(max_len=512, min_len=1)),
+        Field("control_address", Str(max_len=MAX_ADDRESS_LEN, min_len=1)),
         Field("pp_size", Int(lo=1, hi=1024)),
         Field("geometry", GEOMETRY),
     ),
@@ -196,10 +211,10 @@ RECORDS: dict[type[Message], Record] = {
             Field("host_id", ID),
             Field("geometry", GEOMETRY),
             # tcp://host:port, or an engine's address with its region table (engine_address.py)
-            Field("data_address", Str(max_len=8192), default=""),
-            Field("region_handles", ListOf(REGION_HANDLE, 65536), default=()),
-            Field("doorbell", Str(max_len=256), default=""),
-            Field("instance", Str(max_len=256), default=""),
+            Field("data_address", Str(max_len=MAX_ENGINE_ADDRESS_LEN), default=""),
+            Field("region_handles", ListOf(REGION_HANDLE, MAX_REGION_HANDLES), default=()),
+            Field("doorbell", Str(max_len=MAX_ID_LEN), default=""),
+            Field("instance", Str(max_len=MAX_ID_LEN), default=""),
             Field("pp_size", Int(lo=1, hi=1024), default=1),
         ),
     ),
@@ -207,9 +222,9 @@ RECORDS: dict[type[Message], Record] = {
         Verdict,
         (
             Field("accepted", Bool()),
-            Field("plan", ListOf(POOL_PLAN, 64), default=()),
+            Field("plan", ListOf(POOL_PLAN, MAX_PLAN_POOLS), default=()),
             Field("headline", TEXT, default=""),
-            Field("mismatches", ListOf(MISMATCH, 4096), default=()),
+            Field("mismatches", ListOf(MISMATCH, MAX_MISMATCHES), default=()),
             Field("integrity", Bool(), default=False),
             Field("doorbell", Bool(), default=False),
         ),
@@ -219,8 +234,8 @@ RECORDS: dict[type[Message], Record] = {
         TransferRequest,
         (
             *_ROOM,
-            Field("dst", ListOf(POOL_INDICES, 8)),
-            Field("src_ranks", ListOf(ID, 4096), default=()),
+            Field("dst", ListOf(POOL_INDICES, MAX_REQUEST_POOLS)),
+            Field("src_ranks", ListOf(ID, MAX_SRC_RANKS), default=()),
             # (slot, token, writer); tokens start at 1: a zeroed word is never a room's
             Field("doorbell", Optional(TupleOf((U32, Int(lo=1, hi=2**32 - 1), Int(hi=255)))), default=None),
         ),
@@ -242,7 +257,7 @@ RECORDS: dict[type[Message], Record] = {
             Field("status", EnumOf(DoneStatus)),
             Field("reason", Optional(ReasonCode()), default=None),
             Field("reason_text", TEXT, default=""),
-            Field("checksums", ListOf(POOL_CHECKSUMS, 8), default=()),
+            Field("checksums", ListOf(POOL_CHECKSUMS, MAX_REQUEST_POOLS), default=()),
         ),
         finish=_check_done,
     ),
@@ -280,7 +295,10 @@ RECORDS.update(
         TableRequest: Record(TableRequest, (Field("agent_id", ID),)),
         RankTable: Record(
             RankTable,
-            (Field("expected", Int(hi=1 << 16)), Field("entries", ListOf(RANK_ENTRY, 1 << 16), default=())),
+            (
+                Field("expected", Int(hi=1 << 16)),
+                Field("entries", ListOf(RANK_ENTRY, MAX_RANK_ENTRIES), default=()),
+            ),
         ),
     }
 )

@@ -41,7 +41,6 @@ from pd_transfer.errors import LocalProtocolError, ProtocolError, Reason, Remote
 from pd_transfer.layout.geometry import Role
 from pd_transfer.protocol.codec import decode, encode
 from pd_transfer.protocol.generations import FRESHNESS_RULES, Freshness, Handling, RoomGenerations
-from pd_transfer.protocol.limits import DEFAULT_LIMITS, Limits
 from pd_transfer.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -52,7 +51,6 @@ from pd_transfer.protocol.messages import (
     Message,
     Register,
     Verdict,
-    clip_text,
 )
 from pd_transfer.protocol.transitions import (
     ROOM_TRIGGERS,
@@ -61,6 +59,8 @@ from pd_transfer.protocol.transitions import (
     allowed,
     trigger_of,
 )
+from pd_transfer.wire.fields import clip_text
+from pd_transfer.wire.limits import DEFAULT_LIMITS, Limits
 
 
 @dataclass(frozen=True)

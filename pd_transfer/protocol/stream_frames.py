@@ -15,10 +15,11 @@ from __future__ import annotations
 import struct
 
 from pd_transfer.errors import Reason
-from pd_transfer.protocol.worker_api import MAX_REQUEST_NBYTES, WorkerApiError
+from pd_transfer.protocol.worker_api import WorkerApiError
+from pd_transfer.wire.limits import MAX_WORKER_REQUEST_NBYTES
 
 HEADER = struct.Struct("<I")
-MAX_FRAME_NBYTES = MAX_REQUEST_NBYTES
+MAX_FRAME_NBYTES = MAX_WORKER_REQUEST_NBYTES
 UNIX_SCHEME = "unix://"
 
 

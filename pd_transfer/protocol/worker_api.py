@@ -37,19 +37,25 @@ Sans-IO: no sockets here.
 from __future__ import annotations
 
 import enum
-import math
 from typing import Any
 
-import msgpack
+from pd_transfer.errors import PdTransferError, ProtocolError, Reason
+from pd_transfer.protocol.geometry_codec import MAX_PP_SIZE
+from pd_transfer.wire.envelope import pack, translated, unpack
+from pd_transfer.wire.fields import INT64_MAX, Bool, Field, Float, Int, ListOf, Map, Optional, Str, read_field
+from pd_transfer.wire.limits import (
+    MAX_ADDRESS_LEN,
+    MAX_ID_LEN,
+    MAX_INDICES,
+    MAX_WORKER_REQUEST_NBYTES,
+    WORKER_LIMITS,
+)
 
-from pd_transfer.errors import PdTransferError, Reason
-
-MAX_REQUEST_NBYTES = 64 * 1024 * 1024
-MAX_INDICES = 1 << 22
+MAX_REQUEST_NBYTES = MAX_WORKER_REQUEST_NBYTES
 MAX_INDEX = (1 << 62) - 1  # page, slot and row indices (int64 arithmetic stays exact)
 MAX_ROOM = (1 << 64) - 1  # room ids are unsigned 64-bit, as on the wire
 MAX_WAIT_S = 86400.0  # one wait's timeout (rooms time out long before)
-MAX_INSTANCE_LEN = 256  # a decode instance's name (send's ``decode``)
+MAX_INSTANCE_LEN = MAX_ID_LEN  # a decode instance's name (send's ``decode``)
 
 
 class WorkerOp(enum.Enum):
@@ -68,33 +74,46 @@ class WorkerApiError(PdTransferError):
     default_code = Reason.BAD_FRAME
 
 
-_INDEX_FIELDS = ("pages", "swa_pages", "state_slots")
+_ROOM = Int(hi=MAX_ROOM)
+_INDICES = ListOf(Int(hi=MAX_INDEX), MAX_INDICES)
 
-_REQUIRED: dict[WorkerOp, dict[str, tuple]] = {
-    WorkerOp.REGISTER: {"geometry": (dict,), "handles": (dict,), "worker_id": (str,)},
-    WorkerOp.SEND: {"room": (int,), "last": (bool,)},
-    WorkerOp.EXPECT: {"room": (int,), "bootstrap": (str,)},
-    WorkerOp.LAYER_READY: {"room": (int,), "layer_id": (int,)},
-    WorkerOp.POLL: {"room": (int,)},
-    WorkerOp.WAIT: {"room": (int,), "timeout_s": (int, float)},
-    WorkerOp.ABORT: {"room": (int,)},
+#: each op's required fields besides ``op`` and ``id``
+_REQUIRED: dict[WorkerOp, tuple[Field, ...]] = {
+    WorkerOp.REGISTER: (
+        Field("geometry", Map()),
+        Field("handles", Map()),
+        Field("worker_id", Str(max_len=MAX_ID_LEN)),
+    ),
+    WorkerOp.SEND: (Field("room", _ROOM), Field("last", Bool())),
+    WorkerOp.EXPECT: (Field("room", _ROOM), Field("bootstrap", Str(max_len=MAX_ADDRESS_LEN))),
+    WorkerOp.LAYER_READY: (Field("room", _ROOM), Field("layer_id", Int(lo=-INT64_MAX - 1))),
+    WorkerOp.POLL: (Field("room", _ROOM),),
+    WorkerOp.WAIT: (Field("room", _ROOM), Field("timeout_s", Float())),
+    WorkerOp.ABORT: (Field("room", _ROOM),),
 }
+
+#: fields every request may carry, with their defaults
+_OPTIONAL: tuple[Field, ...] = (
+    Field("pages", _INDICES, default=[]),
+    Field("swa_pages", _INDICES, default=[]),
+    Field("state_slots", _INDICES, default=[]),
+    Field("pp_size", Int(lo=1, hi=MAX_PP_SIZE), default=1),
+    Field("stream", Bool(), default=False),
+    Field("decode", Str(max_len=MAX_INSTANCE_LEN), default=""),
+    Field("aux_row", Optional(Int(hi=MAX_INDEX)), default=None),
+)
 
 
 def encode(message: dict[str, Any]) -> bytes:
-    return msgpack.packb(message, use_bin_type=True)
+    return pack(message)
 
 
 def decode_request(frame: bytes) -> tuple[WorkerOp, dict[str, Any]]:
     """Parse and validate one request; raise :class:`WorkerApiError` with the field."""
-    if len(frame) > MAX_REQUEST_NBYTES:
-        raise WorkerApiError(f"request of {len(frame)} bytes exceeds {MAX_REQUEST_NBYTES}")
     try:
-        message = msgpack.unpackb(
-            frame, raw=False, strict_map_key=True, max_array_len=MAX_INDICES, max_map_len=1 << 16
-        )
-    except Exception as err:  # msgpack raises several unrelated types
-        raise WorkerApiError(f"request is not valid msgpack: {err}") from None
+        message = unpack(frame, WORKER_LIMITS, "request")
+    except ProtocolError as err:
+        raise translated(err, WorkerApiError, "worker request", ()) from None
     if not isinstance(message, dict):
         raise WorkerApiError("request must be a map")
     try:
@@ -113,45 +132,22 @@ def decode_request(frame: bytes) -> tuple[WorkerOp, dict[str, Any]]:
 
 
 def _validated(op: WorkerOp, message: dict[str, Any]) -> dict[str, Any]:
-    for name, kinds in _REQUIRED[op].items():
-        value = message.get(name)
-        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-            raise WorkerApiError(
-                f"at $.{name}: expected {'/'.join(k.__name__ for k in kinds)}, got {type(value).__name__}"
-            )
-    if "room" in message and not 0 <= message["room"] <= MAX_ROOM:
-        raise WorkerApiError(
-            f"at $.room: expected an int in [0, 2**64), got {message['room']}", code=Reason.BAD_FIELD
-        )
+    """``message`` with every field checked (WorkerApiError naming it) and defaults filled.
+    Lists are kept as sent (a send's pages go on to numpy as they are)."""
+    try:
+        for field in _REQUIRED[op] + _OPTIONAL:
+            value = read_field(message, field, "$")
+            if isinstance(value, tuple) and field.name in message:
+                continue  # a list as sent, checked
+            message[field.name] = list(value) if isinstance(value, list) else value
+    except ProtocolError as err:
+        raise WorkerApiError(err.message, code=err.code) from None
     timeout_s = message.get("timeout_s")
-    if op is WorkerOp.WAIT and not (math.isfinite(timeout_s) and 0 <= timeout_s <= MAX_WAIT_S):
+    if op is WorkerOp.WAIT and timeout_s > MAX_WAIT_S:
         raise WorkerApiError(
             f"at $.timeout_s: expected seconds in [0, {MAX_WAIT_S:.0f}], got {timeout_s!r}",
             code=Reason.BAD_FIELD,
         )
-    for name in _INDEX_FIELDS:
-        value = message.setdefault(name, [])
-        if not isinstance(value, list) or not all(
-            isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_INDEX for v in value
-        ):
-            raise WorkerApiError(f"at $.{name}: expected a list of ints in [0, 2**62)", code=Reason.BAD_FIELD)
-    pp_size = message.setdefault("pp_size", 1)
-    if not isinstance(pp_size, int) or isinstance(pp_size, bool) or not 1 <= pp_size <= 1024:
-        raise WorkerApiError("at $.pp_size: expected an int in [1, 1024]")
-    if not isinstance(message.setdefault("stream", False), bool):
-        raise WorkerApiError("at $.stream: expected bool")
-    decode = message.setdefault("decode", "")
-    if not isinstance(decode, str) or len(decode) > MAX_INSTANCE_LEN:
-        raise WorkerApiError(
-            f"at $.decode: expected the decode instance's name, a string of at "
-            f"most {MAX_INSTANCE_LEN} characters",
-            code=Reason.BAD_FIELD,
-        )
-    aux_row = message.setdefault("aux_row", None)
-    if aux_row is not None and (
-        not isinstance(aux_row, int) or isinstance(aux_row, bool) or not 0 <= aux_row <= MAX_INDEX
-    ):
-        raise WorkerApiError("at $.aux_row: expected a non-negative int or nil")
     return message
 
 

@@ -17,8 +17,8 @@ Optionally ZeroMQ CURVE encrypts the tcp sockets as well.
 The agent drives these over its sockets (:mod:`pd_transfer.agent.auth`), the
 client library over its own (:mod:`pd_transfer.client.auth`).
 
-May import the standard library, msgpack, ``pd_transfer.errors`` and
-``pd_transfer.protocol``. Never asyncio, sockets, the transport or the agent
+May import the standard library, ``pd_transfer.errors``, ``pd_transfer.wire``
+and ``pd_transfer.protocol``. Never asyncio, sockets, the transport or the agent
 (:mod:`curve` imports zmq inside functions for libzmq's key functions only).
 """
 

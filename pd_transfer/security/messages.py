@@ -11,12 +11,13 @@ the protocol version ``v`` and named fields::
     AuthProof(nonce, proof)         ->
                                     <-    AuthResult(accepted, reason, reason_text)
 
-The handshake frames are tiny, so the limits are tighter than the
+The handshake frames are tiny, so their limits
+(:data:`~pd_transfer.wire.limits.HANDSHAKE_LIMITS`) are tighter than the
 protocol's: 2 KiB a frame, 16 map entries, 1 KiB strings, depth 2. Every
 failure is a :class:`~pd_transfer.errors.ProtocolError` with a reason code;
 a frame of another type (``hello``, a worker request) is ``unknown_message``.
 
-Pure; imports msgpack and the protocol layer's field kinds.
+Pure; imports the wire layer's envelope and field kinds.
 """
 
 from __future__ import annotations
@@ -24,48 +25,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import msgpack
-
-from pd_transfer.errors import ProtocolError, Reason
-from pd_transfer.protocol.fields import (
-    Bool,
-    Field,
-    Int,
-    Kind,
-    Optional,
-    ReasonCode,
-    Record,
-    Str,
-    TupleOf,
-    bad_field,
-    type_name,
-)
-from pd_transfer.protocol.limits import Limits, check_depth
-from pd_transfer.protocol.messages import PROTOCOL_VERSION, clip_text
+from pd_transfer.errors import Reason
+from pd_transfer.protocol.messages import PROTOCOL_VERSION
+from pd_transfer.wire.envelope import Envelope
+from pd_transfer.wire.fields import Bool, Field, Optional, ReasonCode, Record, Str, bad_field, clip_text
+from pd_transfer.wire.limits import HANDSHAKE_LIMITS, MAX_HANDSHAKE_TEXT_LEN, MAX_ID_LEN
+from pd_transfer.wire.packed import Blob
 
 NONCE_NBYTES = 32
 PROOF_NBYTES = 32  # HMAC-SHA256
-MAX_AUTH_TEXT_LEN = 1024
 
-AUTH_LIMITS = Limits(max_frame_nbytes=2048, max_list_len=16, max_map_len=16, max_str_len=1024, max_depth=2)
-
-
-@dataclass(frozen=True)
-class Blob(Kind):
-    """Exactly ``nbytes`` bytes (a nonce, an HMAC)."""
-
-    nbytes: int
-
-    @property
-    def description(self) -> str:  # type: ignore[override]
-        return f"{self.nbytes} bytes"
-
-    def decode(self, raw: Any, path: str) -> bytes:
-        if not isinstance(raw, bytes):
-            raise self.expected(raw, path)
-        if len(raw) != self.nbytes:
-            raise bad_field(path, f"expected {self.nbytes} bytes, got {len(raw)}")
-        return raw
+_ENVELOPE = Envelope(PROTOCOL_VERSION, HANDSHAKE_LIMITS, what="handshake frame", tag_noun="handshake message")
 
 
 class AuthMessage:
@@ -110,7 +80,7 @@ class AuthResult(AuthMessage):
     reason_text: str = ""
 
 
-_ID = Str(max_len=256, min_len=1)
+_ID = Str(max_len=MAX_ID_LEN, min_len=1)
 _NONCE = Blob(NONCE_NBYTES)
 _PROOF = Blob(PROOF_NBYTES)
 
@@ -131,14 +101,11 @@ AUTH_RECORDS: dict[str, Record] = {
         (
             Field("accepted", Bool()),
             Field("reason", Optional(ReasonCode()), default=None),
-            Field("reason_text", Str(max_len=MAX_AUTH_TEXT_LEN), default=""),
+            Field("reason_text", Str(max_len=MAX_HANDSHAKE_TEXT_LEN), default=""),
         ),
         finish=_check_result,
     ),
 }
-
-_TAG = Str(max_len=64, min_len=1)
-_VERSION = TupleOf((Int(hi=65535), Int(hi=65535)))
 
 
 def encode(message: AuthMessage) -> bytes:
@@ -146,44 +113,12 @@ def encode(message: AuthMessage) -> bytes:
         message = AuthResult(
             accepted=message.accepted,
             reason=message.reason,
-            reason_text=clip_text(message.reason_text, MAX_AUTH_TEXT_LEN),
+            reason_text=clip_text(message.reason_text, MAX_HANDSHAKE_TEXT_LEN),
         )
-    frame = {"t": message.TAG, "v": list(PROTOCOL_VERSION)}
-    frame.update(AUTH_RECORDS[message.TAG].encode(message))
-    return msgpack.packb(frame, use_bin_type=True)
+    return _ENVELOPE.pack(message.TAG, AUTH_RECORDS[message.TAG].encode(message))
 
 
 def decode(frame: bytes | bytearray | memoryview) -> AuthMessage:
     """The handshake message in ``frame``; ProtocolError (with a code) otherwise."""
-    if not isinstance(frame, (bytes, bytearray, memoryview)):
-        raise ProtocolError(f"expected a bytes frame, got {type(frame).__name__}", path="$")
-    if len(frame) > AUTH_LIMITS.max_frame_nbytes:
-        raise ProtocolError(
-            f"a handshake frame of {len(frame)} bytes exceeds the limit of "
-            f"{AUTH_LIMITS.max_frame_nbytes} bytes",
-            code=Reason.FRAME_TOO_LARGE,
-            path="$",
-        )
-    try:
-        raw = msgpack.unpackb(frame, **AUTH_LIMITS.unpack_options())
-    # msgpack signals bad input with several unrelated types; translated here, at the edge
-    except (msgpack.UnpackException, ValueError, TypeError, OverflowError) as exc:
-        raise ProtocolError(
-            f"not a valid msgpack frame: {str(exc) or type(exc).__name__}", path="$"
-        ) from None
-    check_depth(raw, AUTH_LIMITS.max_depth)
-    if not isinstance(raw, dict) or "t" not in raw or "v" not in raw:
-        raise ProtocolError(f'expected a map with "t" and "v", got {type_name(raw)}', path="$")
-    tag = _TAG.decode(raw["t"], "$.t")
-    major, minor = _VERSION.decode(raw["v"], "$.v")
-    if major != PROTOCOL_VERSION[0]:
-        raise ProtocolError(
-            f"peer speaks protocol {major}.{minor}, this agent speaks "
-            f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}",
-            code=Reason.VERSION_UNSUPPORTED,
-            path="$.v",
-        )
-    record = AUTH_RECORDS.get(tag)
-    if record is None:
-        raise bad_field("$.t", f"{tag[:64]!r} is not a handshake message", code=Reason.UNKNOWN_MESSAGE)
-    return record.decode(raw, f"$.{tag}")
+    tag, raw = _ENVELOPE.open(frame, AUTH_RECORDS)
+    return AUTH_RECORDS[tag].decode(raw, f"$.{tag}")

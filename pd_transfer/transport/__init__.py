@@ -10,8 +10,9 @@ Every transport runs plans through :mod:`~pd_transfer.transport.copy.engine` (or
 scatter halves in :mod:`~pd_transfer.transport.copy.packing`), which bounds-checks every run against the
 destination region before a byte moves.
 
-Layering: may import ``pd_transfer.layout``, ``pd_transfer.shm_segments``, numpy,
-torch, zmq and asyncio; never ``pd_transfer.agent`` or ``pd_transfer.protocol``.
+Layering: may import ``pd_transfer.wire`` (its frames' codec), ``pd_transfer.layout``,
+``pd_transfer.shm_segments``, numpy, torch, zmq and asyncio; never
+``pd_transfer.agent`` or ``pd_transfer.protocol``.
 """
 
 from pd_transfer.transport.base import Link, PeerEndpoint, RegionHandle, Transport, TransportKind

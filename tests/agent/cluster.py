@@ -164,6 +164,7 @@ class Cluster:
             self.world = World.build(prefill, decode, seed)
         except GeometryError:
             self.world = None  # a pair meant to be rejected: no ground truth to lay out
+        self.landed: dict[int, dict] = {}  # room -> requests, for verify_landed
         tag = f"{os.getpid()}-{next(_ids)}"
         base = {
             "transport": transport,
@@ -290,6 +291,14 @@ class Cluster:
             for region_id, tensor in self.pools[geometry.rank_id].tensors.items():
                 world[region_id][:] = tensor.cpu().numpy()
         return self.world.verify(requests)
+
+    def verify_landed(self, room: int, requests: dict) -> list[str]:
+        """Like :meth:`verify`, for ``room`` and every room checked this way before it.
+
+        Tests that share one cluster then check every byte landed so far, whatever
+        order they run in (their rooms' destinations must be disjoint)."""
+        self.landed[room] = requests
+        return self.verify(list(self.landed.values()))
 
     def close(self) -> None:
         for client in self.clients.values():

@@ -124,8 +124,8 @@ def test_a_room_expected_twice_is_refused_and_the_first_still_lands(cluster):
     cluster.send(3, requests)
     assert all(s.status is RoomStatus.SUCCESS for s in cluster.wait_decode(3, 10).values())
     # byte-exact on both decode ranks, and nothing else written (the second expect's
-    # pages 0, 1, 6, and rooms 1 and 2 of the test above)
-    assert cluster.verify(requests) == []
+    # pages 0, 1, 6, nor any page of the refused rooms of the other tests)
+    assert cluster.verify_landed(3, requests) == []
 
 
 # -- an intruding peer ------------------------------------------------------------------
@@ -212,6 +212,7 @@ def test_a_peer_cannot_join_the_room_of_another_peer(cluster):
         intruder.until(Done, 0.3)  # a refusal would come back at once
         cluster.send(9, requests)
         assert all(s.status is RoomStatus.SUCCESS for s in cluster.wait_decode(9, 10).values())
+        assert cluster.verify_landed(9, requests) == []
         done = next((m for m in intruder.received if isinstance(m, Done)), None) or intruder.until(Done, 2.0)
         written = {r: int(np.count_nonzero(a)) for r, a in own.arrays.items() if np.any(a)}
         assert written == {}, f"the victim's room was written into the intruder's regions: {written}"

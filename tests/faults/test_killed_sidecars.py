@@ -9,7 +9,8 @@ connection closes; see test_dropped_connections.py). A restarted sidecar gets th
 address and config; its worker (still alive: these are sidecar faults)
 registers again, and a new room must succeed without restarting the other
 side. Bytes are checked against the sim's content (pd_transfer.sim.content),
-item by item for the rooms that succeeded. The tests run in file order.
+item by item for the rooms that succeeded. Each test makes its own kill, on
+pages no other test uses, so they run in any order.
 """
 
 import time
@@ -113,13 +114,27 @@ def test_killed_decode_sidecar_fails_the_prefill_rooms_and_a_restart_serves_new_
     _room_lands(cluster, 4, range(48, 56), range(8, 16))
 
 
-def test_restarts_leave_each_decode_segment_mapped_once_per_prefill_sidecar(cluster):
+def _decode_maps(cluster, geometry) -> Counter:
+    """How often ``geometry``'s prefill sidecar maps each decode segment."""
     segments = {name for g in cluster.decode for name in cluster.pools[g.rank_id].handles.values()}
+    maps = Path(f"/proc/{cluster.sidecars[geometry.rank_id].proc.pid}/maps").read_text()
+    return Counter(
+        line.rsplit("/", 1)[-1] for line in maps.splitlines() if line.rsplit("/", 1)[-1] in segments
+    )
+
+
+def test_restarts_leave_each_decode_segment_mapped_once_per_prefill_sidecar(cluster):
+    decode = cluster.decode[0]
+    cluster.sidecars[decode.rank_id].kill()
+    # each prefill sidecar lets go of the dead sidecar's mappings once it notices the loss
+    deadline = time.monotonic() + 10
+    while any(_decode_maps(cluster, g) for g in cluster.prefill) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    restart_sidecar(cluster, decode.rank_id)
+    _reattach(cluster, decode)
+    _room_lands(cluster, 6, range(24, 32), range(24, 32))  # prefill maps the new sidecar's segments
     for geometry in cluster.prefill:
-        maps = Path(f"/proc/{cluster.sidecars[geometry.rank_id].proc.pid}/maps").read_text()
-        counts = Counter(
-            line.rsplit("/", 1)[-1] for line in maps.splitlines() if line.rsplit("/", 1)[-1] in segments
-        )
+        counts = _decode_maps(cluster, geometry)
         assert max(counts.values()) == 1, f"{geometry.rank_id} maps decode segments: {dict(counts)}"
 
 

@@ -1,10 +1,11 @@
 """The worker side of a sidecar: hostile registrations, and a worker process that dies.
 
-One prefill TP 1 / decode TP 1 deployment whose sidecars start with no worker
-registered. The tests run in file order: hostile registrations are refused
-(each with its reason code and the field at fault) while the sidecars keep
-serving; the prefill worker, a child process, registers, starts a room and is
-SIGKILLed, and the room fails on both sides at once with ``worker_lost``;
+Prefill TP 1 / decode TP 1 deployments whose sidecars start with no worker
+registered. On one of its own, hostile registrations are refused (each with its
+reason code and the field at fault) while the sidecars keep serving. On the
+module's deployment the prefill worker, a child process, registers, starts a
+room and is SIGKILLed (the ``worker_died`` fixture, whichever test asks
+first), and the room fails on both sides at once with ``worker_lost``;
 afterwards the worker registers again and a room moves byte-exact through the
 same sidecars (tests/faults/test_worker_loss.py has the rest of that story).
 """
@@ -23,11 +24,10 @@ NUM_PAGES = 64
 TRANSFER_TIMEOUT_S = 1.0
 
 
-@pytest.fixture(scope="module")
-def cluster(module_deployment):
+def _deploy(make):
     # prefill gives up on a stalled transfer first (1 s), so decode hears prefill's
     # reason before its own 3 s pass; insecure, since the child worker is raw frames (no handshake)
-    return module_deployment(
+    return make(
         tiny_ranks(Role.PREFILL, 1, num_pages=NUM_PAGES),
         tiny_ranks(Role.DECODE, 1, num_pages=NUM_PAGES),
         attach=False,
@@ -36,13 +36,25 @@ def cluster(module_deployment):
     )
 
 
+@pytest.fixture(scope="module")
+def cluster(module_deployment):
+    return _deploy(module_deployment)
+
+
+@pytest.fixture
+def fresh(deployment):
+    """A deployment of the test's own: no worker has registered with it yet."""
+    return _deploy(deployment)
+
+
 def _refusal(client, request) -> Refused:
     with pytest.raises(Refused) as err:
         client._call(request)
     return err.value
 
 
-def test_hostile_registrations_are_refused_with_the_field_and_the_sidecar_serves_on(cluster):
+def test_hostile_registrations_are_refused_with_the_field_and_the_sidecar_serves_on(fresh):
+    cluster = fresh
     rank, prefill = cluster.decode[0], cluster.prefill[0]
     scratch = allocate_pools(rank, f"t{cluster._tag}-hostile")
     with worker_environ(cluster.insecure):
@@ -94,7 +106,11 @@ def test_hostile_registrations_are_refused_with_the_field_and_the_sidecar_serves
     assert cluster.http(rank.rank_id, "/healthz")[0] == 200
 
 
-def test_killed_prefill_worker_fails_its_room_on_both_sides_at_once(cluster):
+@pytest.fixture(scope="module")
+def worker_died(cluster):
+    """The prefill worker, a child process, SIGKILLed mid-room; its next process registers.
+
+    Returns decode's and the new prefill worker's view of that room (1)."""
     prefill, decode = cluster.prefill[0], cluster.decode[0]
     if decode.rank_id not in cluster.clients:
         cluster._attach(decode, cluster._tag)
@@ -116,21 +132,23 @@ def test_killed_prefill_worker_fails_its_room_on_both_sides_at_once(cluster):
         wait_status(cluster.clients[decode.rank_id], 1, [RoomStatus.TRANSFERRING])
     finally:
         kill(child)
-    state = cluster.clients[decode.rank_id].wait(1, timeout_s=10)
-    assert state.status is RoomStatus.FAILED and state.code_text == "worker_lost", state.reason
-    assert "prefill[pp0,tp0]: room 1: the prefill worker is gone (worker child-worker is gone" in state.reason
+    decode_state = cluster.clients[decode.rank_id].wait(1, timeout_s=10)
     # the worker's next process registers again, and sees the dead one's room
     with worker_environ(cluster.insecure):
         cluster.clients[prefill.rank_id] = Client(endpoint, "after-the-worker", timeout_s=20)
     cluster.clients[prefill.rank_id].register(prefill, pools.handles)
-    state = wait_status(cluster.clients[prefill.rank_id], 1, [RoomStatus.FAILED])
+    return decode_state, wait_status(cluster.clients[prefill.rank_id], 1, [RoomStatus.FAILED])
+
+
+def test_killed_prefill_worker_fails_its_room_on_both_sides_at_once(worker_died):
+    state, prefill_state = worker_died
+    assert state.status is RoomStatus.FAILED and state.code_text == "worker_lost", state.reason
+    assert "prefill[pp0,tp0]: room 1: the prefill worker is gone (worker child-worker is gone" in state.reason
+    state = prefill_state
     assert state.code_text == "worker_lost" and "the prefill worker is gone" in state.reason
 
 
-def test_after_the_worker_died_the_sidecars_still_move_a_room_byte_exact(cluster):
-    prefill = cluster.prefill[0]
-    if prefill.rank_id not in cluster.clients:
-        pytest.skip("needs the registration of the test above")
+def test_after_the_worker_died_the_sidecars_still_move_a_room_byte_exact(cluster, worker_died):
     # the restarted worker's registration: the decode peer resolves it anew (a new verdict)
     second = kv_requests(range(20, 28), range(0, 8))
     cluster.expect(2, second)

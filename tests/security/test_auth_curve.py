@@ -52,7 +52,7 @@ def test_sidecars_with_curve_move_a_room_byte_exact(curved):
     curved.send(1, requests(1))
     states = curved.wait_decode(1, timeout_s=15)
     assert all(s.status is RoomStatus.SUCCESS for s in states.values()), (states, curved.logs())
-    assert curved.verify(requests(1)) == []
+    assert curved.verify_landed(1, requests(1)) == []
     assert "CURVE server key" in "".join(s.log.read_text() for s in curved.sidecars.values())
 
 
@@ -96,3 +96,4 @@ def test_the_curve_data_port_counts_the_connections_it_ends(curved):
     curved.send(2, requests(2))
     states = curved.wait_decode(2, timeout_s=15)
     assert all(s.status is RoomStatus.SUCCESS for s in states.values()), (states, curved.logs())
+    assert curved.verify_landed(2, requests(2)) == []

@@ -84,7 +84,7 @@ def _room_lands(cluster: Cluster, room: int) -> None:
     cluster.send(room, wanted)
     states = cluster.wait_decode(room, timeout_s=30)
     assert all(s.status is RoomStatus.SUCCESS for s in states.values()), (states, cluster.logs())
-    assert cluster.verify(wanted) == []
+    assert cluster.verify_landed(room, wanted) == []
 
 
 def test_garbage_and_a_wrong_magic_are_logged_counted_and_dropped(deployment):

@@ -8,7 +8,7 @@ import pytest
 from pd_transfer.errors import ProtocolError, Reason
 from pd_transfer.layout.views import Pool
 from pd_transfer.protocol import Done, DoneStatus, PoolChecksums, Verdict, decode, encode
-from pd_transfer.protocol.limits import MAX_CHECKSUM_TENSORS
+from pd_transfer.wire.limits import MAX_CHECKSUM_TENSORS
 
 DONE = Done(
     room=7,

@@ -86,7 +86,7 @@ def test_a_stranger_asking_first_is_refused_and_the_rightful_decode_gets_every_b
     _send(rooms, 1, decode="dec-A")
     states = rooms.wait_decode(1, timeout_s=15)
     assert all(s.status is RoomStatus.SUCCESS for s in states.values()), (states, rooms.logs())
-    assert rooms.verify(requests(1)) == []
+    assert rooms.verify_landed(1, requests(1)) == []
     refused = rooms.stranger.wait(1, timeout_s=15)
     assert refused.status is RoomStatus.FAILED and refused.code is Reason.NOT_ROOM_OWNER, refused
     assert "belongs to decode instance 'dec-A'" in refused.reason
@@ -102,7 +102,7 @@ def test_a_stranger_asking_after_the_room_is_bound_is_refused_at_once(rooms):
     assert "not to 'dec-B'" in refused.reason
     states = rooms.wait_decode(2, timeout_s=15)
     assert all(s.status is RoomStatus.SUCCESS for s in states.values()), (states, rooms.logs())
-    assert rooms.verify(requests(1, 2)) == []
+    assert rooms.verify_landed(2, requests(2)) == []
     assert _stranger_untouched(rooms)
 
 

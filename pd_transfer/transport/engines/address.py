@@ -30,13 +30,16 @@ import re
 import zlib
 from dataclasses import dataclass, field
 
-import msgpack
+from pd_transfer.errors import ProtocolError, Reason, TransportError
+from pd_transfer.wire.envelope import pack, unpack
+from pd_transfer.wire.limits import (
+    ENGINE_ADDRESS_LIMITS,
+    MAX_ENGINE_ADDRESS_LEN,
+    MAX_ENGINE_ADDRESS_PAYLOAD_NBYTES,
+    MAX_STAGING_CONTROL_LEN,
+)
 
-from pd_transfer.errors import Reason, TransportError
-
-MAX_ADDRESS_CHARS = 8192  # what Register.data_address may carry
-_MAX_PAYLOAD_NBYTES = 1 << 20  # decompressed: refuse zlib bombs
-_MAX_REGIONS = 65536
+MAX_ADDRESS_CHARS = MAX_ENGINE_ADDRESS_LEN  # what Register.data_address may carry
 _MAX_REGION_NBYTES = 1 << 48
 _SESSION = re.compile(r"^[A-Za-z0-9_.:\-\[\]]{1,255}$")
 
@@ -54,7 +57,7 @@ class EngineAddress:
         body = {"r": [[r, a, n] for r, (a, n) in self.regions.items()], "m": self.metadata}
         if self.control and self.staging is not None:
             body.update(c=self.control, s=list(self.staging))
-        packed = msgpack.packb(body, use_bin_type=True)
+        packed = pack(body)
         payload = base64.urlsafe_b64encode(zlib.compress(packed, 6)).decode()
         text = f"{self.kind}://{self.session}/{payload}"
         if len(text) > MAX_ADDRESS_CHARS:
@@ -86,20 +89,15 @@ class EngineAddress:
         try:
             raw = base64.urlsafe_b64decode(payload.encode("ascii"))
             inflater = zlib.decompressobj()
-            packed = inflater.decompress(raw, _MAX_PAYLOAD_NBYTES)
+            packed = inflater.decompress(raw, MAX_ENGINE_ADDRESS_PAYLOAD_NBYTES)
             if inflater.unconsumed_tail:
-                raise _bad(f"payload inflates past {_MAX_PAYLOAD_NBYTES} bytes")
-            value = msgpack.unpackb(
-                packed,
-                raw=False,
-                max_bin_len=_MAX_PAYLOAD_NBYTES,
-                max_str_len=4096,
-                max_array_len=_MAX_REGIONS,
-                max_map_len=8,
-            )
+                raise _bad(f"payload inflates past {MAX_ENGINE_ADDRESS_PAYLOAD_NBYTES} bytes")
+            value = unpack(packed, ENGINE_ADDRESS_LIMITS, "engine address payload")
         except TransportError:
             raise
-        except (binascii.Error, UnicodeEncodeError, zlib.error, ValueError, msgpack.UnpackException) as err:
+        except ProtocolError as err:
+            raise _bad(f"payload does not decode: {err.message}") from None
+        except (binascii.Error, UnicodeEncodeError, zlib.error, ValueError) as err:
             raise _bad(f"payload does not decode ({type(err).__name__})") from None
         return cls(kind, session, _regions(value), _metadata(value), *_staging(value))
 
@@ -141,7 +139,9 @@ def _staging(value: dict) -> tuple[str, tuple[int, int, int] | None]:
     control, area = value.get("c", ""), value.get("s")
     if area is None and not control:
         return "", None
-    if not (isinstance(control, str) and control.startswith("tcp://") and len(control) <= 300):
+    if not (
+        isinstance(control, str) and control.startswith("tcp://") and len(control) <= MAX_STAGING_CONTROL_LEN
+    ):
         raise _bad("at $.c: staging control address must be tcp://host:port")
     if not (isinstance(area, list) and len(area) == 3 and all(type(x) is int for x in area)):
         raise _bad("at $.s: expected [address, nbytes, slot_nbytes]")

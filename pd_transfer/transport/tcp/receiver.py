@@ -217,11 +217,18 @@ class TcpReceiver:
 
     def bad_frame(self, code: Reason, why: str, where: str, *, logged: bool = True) -> None:
         """A frame (or connection) refused for breaking the stream: counted, reported, logged
-        (the log filter rate-limits repeats of one line)."""
+        (the log filter rate-limits repeats of one line, per reason)."""
         self.count(code)
         self.on_bad_frame(code.value)
         if logged:
-            log.warning("tcp receiver %s: closing %s [%s]: %s", self.address, where, code.value, why)
+            log.warning(
+                "tcp receiver %s: closing %s [%s]: %s",
+                self.address,
+                where,
+                code.value,
+                why,
+                extra={"reason": code.value},
+            )
 
     def admit_authenticated(self, connection: Connection) -> bool:
         """Take an authenticated connection's slot; False (it is refused) when all are held."""

@@ -191,7 +191,14 @@ class StagingReceiver:
         counted, reported, logged."""
         self.count(code)
         self.on_bad_frame(code.value)
-        log.warning("staging receiver %s: closing %s [%s]: %s", self.address, where, code.value, why)
+        log.warning(
+            "staging receiver %s: closing %s [%s]: %s",
+            self.address,
+            where,
+            code.value,
+            why,
+            extra={"reason": code.value},  # repeats are limited per reason
+        )
 
     def admit_authenticated(self, connection: GatedConnection) -> bool:
         """Take an authenticated connection's slot; False (it is refused) when all are held."""

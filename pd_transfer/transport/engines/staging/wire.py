@@ -17,8 +17,9 @@ Decode -> prefill, as REPLY frames: ``{"v": 1, "t": "ring", "slots": [...],
 exactly one :class:`~pd_transfer.transport.tcp.frames.Ack` or
 :class:`~pd_transfer.transport.tcp.frames.Fail` per staged chunk, in order.
 
-A peer's frame is untrusted: every field is checked here and a bad one
-raises :class:`TransportError` with BAD_FRAME naming the field.
+A peer's frame is untrusted: the envelope and every field are checked with
+:mod:`pd_transfer.wire` (caps from :mod:`pd_transfer.wire.limits`) and a bad
+one raises :class:`TransportError` with BAD_FRAME naming the field path.
 """
 
 from __future__ import annotations
@@ -26,16 +27,45 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
-
-from pd_transfer.errors import Reason, TransportError
+from pd_transfer.errors import ProtocolError, Reason, TransportError
 from pd_transfer.transport.tcp.frames import ChunkHeader, decode_data
 from pd_transfer.transport.tcp.frames import encode as encode_chunk
+from pd_transfer.wire.envelope import Envelope, translated
+from pd_transfer.wire.fields import Field, Int, ListOf, Record, bad_field
+from pd_transfer.wire.limits import DATA_PLANE_HEADER_NBYTES, DATA_PLANE_LIMITS, MAX_RING_SLOTS
+from pd_transfer.wire.packed import Bytes
 
 WIRE_VERSION = 1
-MAX_RING_SLOTS = 64
-MAX_HEADER_NBYTES = 8 << 20
-_MAX_INT = 2**62
+MAX_HEADER_NBYTES = DATA_PLANE_HEADER_NBYTES
+ENVELOPE = Envelope(WIRE_VERSION, DATA_PLANE_LIMITS, tag_noun="staging frame type")
+#: envelope codes a staging error keeps; any other (an unknown type too) becomes bad_frame
+KEPT_CODES = frozenset({Reason.FRAME_TOO_LARGE, Reason.VERSION_UNSUPPORTED})
+_COUNT = Int(hi=2**62 - 1)
+
+
+def _distinct_slots(values: dict[str, Any], raw: dict[str, Any], path: str) -> None:
+    if len(set(values["slots"])) != len(values["slots"]):
+        raise bad_field(f"{path}.slots", "expected distinct slot indices")
+    if values["slots"] and values["slot_nbytes"] <= 0:
+        raise bad_field(f"{path}.slot_nbytes", "expected a positive size")
+
+
+_RECORDS = {
+    "open": Record(dict, (Field("slots", Int(lo=1, hi=MAX_RING_SLOTS)),)),
+    "staged": Record(
+        dict,
+        (
+            Field("chunk", Bytes(max_len=DATA_PLANE_HEADER_NBYTES)),
+            Field("slot", _COUNT),
+            Field("nbytes", _COUNT),
+        ),
+    ),
+    "ring": Record(
+        dict,
+        (Field("slots", ListOf(_COUNT, MAX_RING_SLOTS)), Field("slot_nbytes", _COUNT)),
+        finish=_distinct_slots,
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -60,90 +90,43 @@ class Staged:
 
 def encode(message: OpenRing | Ring | Staged) -> bytes:
     if isinstance(message, OpenRing):
-        body: dict[str, Any] = {"t": "open", "slots": message.slots}
+        tag, body = "open", {"slots": message.slots}
     elif isinstance(message, Ring):
-        body = {"t": "ring", "slots": list(message.slots), "slot_nbytes": message.slot_nbytes}
+        tag, body = "ring", {"slots": list(message.slots), "slot_nbytes": message.slot_nbytes}
     elif isinstance(message, Staged):
-        body = {
-            "t": "staged",
-            "slot": message.slot,
-            "nbytes": message.nbytes,
-            "chunk": encode_chunk(message.chunk),
-        }
+        tag, body = (
+            "staged",
+            {"slot": message.slot, "nbytes": message.nbytes, "chunk": encode_chunk(message.chunk)},
+        )
     else:
         raise TypeError(f"not a staging frame: {message!r}")
-    return msgpack.packb({"v": WIRE_VERSION, **body}, use_bin_type=True)
+    return ENVELOPE.pack(tag, body)
 
 
 def decode_request(frame: bytes) -> OpenRing | Staged:
     """A prefill side's request, checked field by field."""
-    body = _envelope(frame, ("open", "staged"))
-    if body["t"] == "open":
-        slots = _int(body, "slots")
-        if not 1 <= slots <= MAX_RING_SLOTS:
-            raise _bad("slots", f"1 to {MAX_RING_SLOTS}")
-        return OpenRing(slots)
-    chunk = body.get("chunk")
-    if not isinstance(chunk, bytes):
-        raise _bad("chunk", "bytes holding a chunk header")
-    header = decode_data(chunk)
+    tag, f = _decoded(frame, ("open", "staged"))
+    if tag == "open":
+        return OpenRing(f["slots"])
+    header = decode_data(f["chunk"])
     if not isinstance(header, ChunkHeader):
-        raise _bad("chunk", "a chunk header, not an end header")
-    return Staged(_int(body, "slot"), _int(body, "nbytes"), header)
+        raise TransportError(
+            "staging frame: at $.staged.chunk: expected a chunk header, not an end header",
+            code=Reason.BAD_FRAME,
+        )
+    return Staged(f["slot"], f["nbytes"], header)
 
 
 def decode_ring(frame: bytes) -> Ring:
     """Decode's answer to an open."""
-    body = _envelope(frame, ("ring",))
-    slots = body.get("slots")
-    if (
-        not isinstance(slots, list)
-        or len(slots) > MAX_RING_SLOTS
-        or not all(type(s) is int and 0 <= s < _MAX_INT for s in slots)
-        or len(set(slots)) != len(slots)
-    ):
-        raise _bad("slots", f"a list of at most {MAX_RING_SLOTS} distinct slot indices")
-    slot_nbytes = _int(body, "slot_nbytes")
-    if slots and slot_nbytes <= 0:
-        raise _bad("slot_nbytes", "a positive size")
-    return Ring(tuple(slots), slot_nbytes)
+    _, f = _decoded(frame, ("ring",))
+    return Ring(f["slots"], f["slot_nbytes"])
 
 
-def _envelope(frame: bytes, kinds: tuple[str, ...]) -> dict:
-    if len(frame) > MAX_HEADER_NBYTES:
-        raise TransportError(
-            f"staging frame of {len(frame)} bytes is over {MAX_HEADER_NBYTES}", code=Reason.FRAME_TOO_LARGE
-        )
+def _decoded(frame: bytes, tags: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
+    """The tag and checked fields of a staging frame; TransportError naming the field."""
     try:
-        body = msgpack.unpackb(
-            frame,
-            raw=False,
-            max_bin_len=MAX_HEADER_NBYTES,
-            max_str_len=4096,
-            max_array_len=1 << 16,
-            max_map_len=16,
-        )
-    except (ValueError, msgpack.UnpackException) as err:
-        raise TransportError(
-            f"staging frame is not msgpack ({type(err).__name__})", code=Reason.BAD_FRAME
-        ) from None
-    if not isinstance(body, dict):
-        raise TransportError("staging frame is not a map", code=Reason.BAD_FRAME)
-    if body.get("v") != WIRE_VERSION:
-        raise TransportError(
-            f"staging frame version {body.get('v')!r} is not {WIRE_VERSION}", code=Reason.VERSION_UNSUPPORTED
-        )
-    if body.get("t") not in kinds:
-        raise _bad("t", f"one of {list(kinds)}")
-    return body
-
-
-def _int(body: dict, name: str) -> int:
-    value = body.get(name)
-    if type(value) is not int or not 0 <= value < _MAX_INT:
-        raise _bad(name, "a non-negative integer")
-    return value
-
-
-def _bad(name: str, expected: str) -> TransportError:
-    return TransportError(f"staging frame field {name!r}: expected {expected}", code=Reason.BAD_FRAME)
+        tag, raw = ENVELOPE.open(frame, tags)
+        return tag, _RECORDS[tag].decode(raw, f"$.{tag}")
+    except ProtocolError as err:
+        raise translated(err, TransportError, "staging frame", KEPT_CODES) from None

@@ -15,6 +15,10 @@ unknown reason code becomes ``unrecognized_reason``. Everything else is
 strict: ``True`` is not an int, ``1.5`` is not an int, a missing field
 without a default is an error.
 
+Every framing of the project (the protocol, the handshake, the tcp data
+plane, the staging channel) reads its fields with these kinds; their caps come
+from :mod:`pd_transfer.wire.limits`.
+
 Pure; imports only the standard library and ``pd_transfer.errors``.
 """
 
@@ -22,12 +26,17 @@ from __future__ import annotations
 
 import enum
 import math
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pd_transfer.errors import PdTransferError, ProtocolError, Reason
+from pd_transfer.wire.limits import (
+    MAX_ID_LEN,
+    MAX_LIST_LEN,
+    MAX_REASON_CODE_LEN,
+    MAX_TEXT_LEN,
+)
 
 MISSING: Any = object()
 INT64_MAX = 2**63 - 1
@@ -47,6 +56,14 @@ _TYPE_NAMES = {
 def type_name(value: Any) -> str:
     """The msgpack name of a decoded value's type (``map``, not ``dict``)."""
     return _TYPE_NAMES.get(type(value), type(value).__name__)
+
+
+def clip_text(text: str, limit: int = MAX_TEXT_LEN) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was cut."""
+    if len(text) <= limit:
+        return text
+    marker = f"... ({len(text) - limit + 40} more characters)"
+    return text[: limit - 40] + marker[:40]
 
 
 def bad_field(path: str, problem: str, code: Reason = Reason.BAD_FIELD) -> ProtocolError:
@@ -112,7 +129,7 @@ class Bool(Kind):
 
 @dataclass(frozen=True)
 class Str(Kind):
-    max_len: int = 256
+    max_len: int = MAX_ID_LEN
     min_len: int = 0
 
     description = "str"
@@ -161,9 +178,11 @@ class ReasonCode(Kind):
         return value.value
 
     def decode(self, raw: Any, path: str) -> Reason:
-        if not isinstance(raw, str) or len(raw) > 64:
+        if not isinstance(raw, str) or len(raw) > MAX_REASON_CODE_LEN:
             raise bad_field(
-                path, f"expected a reason code str of at most 64 characters, got {type_name(raw)}"
+                path,
+                f"expected a reason code str of at most {MAX_REASON_CODE_LEN} characters, "
+                f"got {type_name(raw)}",
             )
         try:
             return Reason(raw)
@@ -191,7 +210,7 @@ class ListOf(Kind):
     """A list decoded into a tuple, at most ``max_len`` items."""
 
     item: Kind
-    max_len: int = 1024
+    max_len: int = MAX_LIST_LEN
 
     @property
     def description(self) -> str:  # type: ignore[override]
@@ -207,7 +226,23 @@ class ListOf(Kind):
             raise bad_field(
                 path, f"expected at most {self.max_len} items, got {len(raw)}", code=Reason.LIMIT_EXCEEDED
             )
-        return tuple(self.item.decode(v, f"{path}[{i}]") for i, v in enumerate(raw))
+        item = self.item
+        if type(item) is Int and all(type(v) is int and item.lo <= v <= item.hi for v in raw):
+            return tuple(raw)  # a long index list, checked in one pass; else each item names itself
+        return tuple(item.decode(v, f"{path}[{i}]") for i, v in enumerate(raw))
+
+
+@dataclass(frozen=True)
+class Map(Kind):
+    """A map kept as plain data, for a part that its own codec checks later
+    (a worker's geometry, its handles)."""
+
+    description = "map"
+
+    def decode(self, raw: Any, path: str) -> dict:
+        if not isinstance(raw, dict):
+            raise self.expected(raw, path)
+        return raw
 
 
 @dataclass(frozen=True)
@@ -231,74 +266,6 @@ class TupleOf(Kind):
 
 def _shape_of(raw: Any) -> str:
     return f"list of {len(raw)}" if isinstance(raw, list) else type_name(raw)
-
-
-@dataclass(frozen=True)
-class Indices(Kind):
-    """Page, slot or row indices: a tuple of ints in ``[0, hi]``.
-
-    Encoded as packed little-endian int64 bytes (8 bytes an index, no per-item
-    msgpack header, so 64k pages are 512 KB). A list of ints is accepted too,
-    up to ``max_list_len`` items, for peers that cannot pack.
-    """
-
-    max_len: int = 1 << 22
-    hi: int = 2**40
-
-    description = "list of int or packed int64 bytes"
-
-    def encode(self, value: Any) -> Any:
-        return struct.pack(f"<{len(value)}q", *value)
-
-    def decode(self, raw: Any, path: str) -> tuple[int, ...]:
-        if isinstance(raw, bytes):
-            if len(raw) % 8:
-                raise bad_field(
-                    path, f"expected packed int64 bytes, got {len(raw)} bytes (not a multiple of 8)"
-                )
-            values = struct.unpack(f"<{len(raw) // 8}q", raw)
-        elif isinstance(raw, list):
-            values = ListOf(Int(lo=-INT64_MAX - 1), self.max_len).decode(raw, path)
-        else:
-            raise self.expected(raw, path)
-        if len(values) > self.max_len:
-            raise bad_field(
-                path,
-                f"expected at most {self.max_len} indices, got {len(values)}",
-                code=Reason.LIMIT_EXCEEDED,
-            )
-        if values and not 0 <= min(values) <= max(values) <= self.hi:
-            bad = next(i for i, v in enumerate(values) if not 0 <= v <= self.hi)
-            raise bad_field(f"{path}[{bad}]", f"expected an index in [0, {self.hi}], got {values[bad]}")
-        return values
-
-
-@dataclass(frozen=True)
-class Checksums(Kind):
-    """CRC32 values: a tuple of ints in ``[0, 2**32)``, packed little-endian
-    uint32 bytes on the wire (4 bytes each), at most ``max_len``."""
-
-    max_len: int = 1 << 16
-
-    @property
-    def description(self) -> str:  # type: ignore[override]
-        return f"packed little-endian uint32 bytes, at most {self.max_len} values"
-
-    def encode(self, value: Any) -> Any:
-        return struct.pack(f"<{len(value)}I", *value)
-
-    def decode(self, raw: Any, path: str) -> tuple[int, ...]:
-        if not isinstance(raw, bytes):
-            raise self.expected(raw, path)
-        if len(raw) % 4:
-            raise bad_field(path, f"expected packed uint32 bytes, got {len(raw)} bytes (not a multiple of 4)")
-        if len(raw) // 4 > self.max_len:
-            raise bad_field(
-                path,
-                f"expected at most {self.max_len} checksums, got {len(raw) // 4}",
-                code=Reason.LIMIT_EXCEEDED,
-            )
-        return struct.unpack(f"<{len(raw) // 4}I", raw)
 
 
 @dataclass(frozen=True)
@@ -336,15 +303,7 @@ class Record(Kind):
     def decode(self, raw: Any, path: str) -> Any:
         if not isinstance(raw, dict):
             raise self.expected(raw, path)
-        values = {}
-        for f in self.fields:
-            item = raw.get(f.name, MISSING)
-            if item is MISSING:
-                if f.default is MISSING:
-                    raise bad_field(f"{path}.{f.name}", "missing required field")
-                values[f.name] = f.default
-            else:
-                values[f.name] = f.kind.decode(item, f"{path}.{f.name}")
+        values = {f.name: read_field(raw, f, path) for f in self.fields}
         if self.finish is not None:
             self.finish(values, raw, path)
         try:
@@ -354,3 +313,13 @@ class Record(Kind):
         except PdTransferError as exc:
             raise ProtocolError(exc.message, code=exc.code, path=path) from None
         return built
+
+
+def read_field(raw: dict[str, Any], field: Field, path: str) -> Any:
+    """``field`` of the map ``raw`` at ``path``, decoded; its default when absent."""
+    item = raw.get(field.name, MISSING)
+    if item is MISSING:
+        if field.default is MISSING:
+            raise bad_field(f"{path}.{field.name}", "missing required field")
+        return field.default
+    return field.kind.decode(item, f"{path}.{field.name}")
