@@ -24,12 +24,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import inspect
 import json
 import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from pd_transfer.docgen_fields import describe_kind, field_table, nested_records
 from pd_transfer.docgen_markdown import github_anchor, markdown_table, readable_number, source_comments
 from pd_transfer.errors import Reason
 from pd_transfer.layout.geometry import Role
@@ -38,9 +40,7 @@ from pd_transfer.protocol.messages import BOOTSTRAP_MESSAGE_TYPES, MESSAGE_TYPES
 from pd_transfer.protocol.room_status import ROOM_TRANSITIONS, TERMINAL_STATUSES, RoomStatus
 from pd_transfer.protocol.schema import RECORDS
 from pd_transfer.protocol.transitions import TERMINAL_STATES, TRANSITIONS, SessionState, Trigger
-from pd_transfer.wire import fields as kinds
 from pd_transfer.wire import limits as wire_limits
-from pd_transfer.wire import packed
 from pd_transfer.wire.limits import Limits
 
 DOCS_DIR = Path(__file__).resolve().parents[1] / "docs"
@@ -52,68 +52,6 @@ BOOTSTRAP_SENDERS = {
     "table_request": "decode sidecars (and prefill ranks, after announcing) -> the bootstrap",
     "rank_table": "the bootstrap -> whoever asked (reply to announce or table_request)",
 }
-
-
-# -- field kinds ----------------------------------------------------------------------
-
-
-def describe_kind(kind: kinds.Kind) -> str:
-    """A field kind with its bounds, for a field table."""
-    if isinstance(kind, kinds.Int):
-        return f"int in [{readable_number(kind.lo)}, {readable_number(kind.hi)}]"
-    if isinstance(kind, kinds.Float):
-        return f"float >= {kind.lo:g}, finite"
-    if isinstance(kind, kinds.Str):
-        low = f"{kind.min_len}-" if kind.min_len else "up to "
-        return f"str, {low}{kind.max_len} chars"
-    if isinstance(kind, kinds.EnumOf):
-        return "one of " + ", ".join(f"`{m.value}`" for m in kind.cls)
-    if isinstance(kind, kinds.ReasonCode):
-        return "[reason code](errors.md#reason-codes) str"
-    if isinstance(kind, kinds.Optional):
-        return f"{describe_kind(kind.inner)}, or nil"
-    if isinstance(kind, kinds.ListOf):
-        return f"list (at most {readable_number(kind.max_len)}) of {describe_kind(kind.item)}"
-    if isinstance(kind, kinds.TupleOf):
-        return "[" + "; ".join(describe_kind(k) for k in kind.items) + "]"
-    if isinstance(kind, packed.Indices):
-        return (
-            f"indices in [0, {readable_number(kind.hi)}], at most {readable_number(kind.max_len)}: packed "
-            "little-endian int64 bytes, or a list of int"
-        )
-    if isinstance(kind, kinds.Record):
-        name = kind.cls.__name__
-        return f"map [{name}](#{github_anchor(name)})"
-    return kind.description
-
-
-def _default(field: kinds.Field) -> str:
-    if field.default is kinds.MISSING:
-        return "required"
-    if field.default is None:
-        return "`nil`"
-    try:
-        return "`" + json.dumps(field.kind.encode(field.default)) + "`"
-    except (TypeError, ValueError):
-        return f"`{field.default!r}`"
-
-
-def _nested(kind: kinds.Kind) -> Iterator[kinds.Record]:
-    """Records reachable from ``kind`` (a list of views, an optional shard, ...)."""
-    if isinstance(kind, kinds.Record):
-        yield kind
-    elif isinstance(kind, kinds.Optional):
-        yield from _nested(kind.inner)
-    elif isinstance(kind, kinds.ListOf):
-        yield from _nested(kind.item)
-    elif isinstance(kind, kinds.TupleOf):
-        for item in kind.items:
-            yield from _nested(item)
-
-
-def _field_table(record: kinds.Record) -> str:
-    rows = [(f"`{f.name}`", describe_kind(f.kind), _default(f)) for f in record.fields]
-    return markdown_table(("Field", "Kind", "Default"), rows)
 
 
 # -- protocol tables --------------------------------------------------------------------
@@ -154,15 +92,15 @@ def render_message_fields() -> str:
     """A field table per message, then one per record those messages contain."""
     parts, records, seen = [], [], set()
     for cls, record in RECORDS.items():
-        parts.append(f'#### {cls.__name__}\n\n`t = "{cls.TAG}"`\n\n{_field_table(record)}')
-        records += [r for f in record.fields for r in _nested(f.kind)]
+        parts.append(f'#### {cls.__name__}\n\n`t = "{cls.TAG}"`\n\n{field_table(record)}')
+        records += [r for f in record.fields for r in nested_records(f.kind)]
     while records:
         record = records.pop(0)
         if record.cls in seen:
             continue
         seen.add(record.cls)
-        parts.append(f"#### {record.cls.__name__}\n\n{_field_table(record)}")
-        records += [r for f in record.fields for r in _nested(f.kind)]
+        parts.append(f"#### {record.cls.__name__}\n\n{field_table(record)}")
+        records += [r for f in record.fields for r in nested_records(f.kind)]
     return "\n\n".join(parts)
 
 
@@ -257,23 +195,23 @@ def render_wire_limits() -> str:
         value = getattr(wire_limits, name)
         if not isinstance(value, int) or isinstance(value, bool):
             continue
-        rows.append((f"`{name}`", _number(value), "" if why == seen_why else why))
+        rows.append((f"`{name}`", readable_number(value), "" if why == seen_why else why))
         seen_why = why
     framings = [
         (
             f"`{name}`",
-            _number(lim.max_frame_nbytes),
-            _number(lim.max_str_len),
-            _number(lim.max_list_len),
-            _number(lim.max_map_len),
+            readable_number(lim.max_frame_nbytes),
+            readable_number(lim.max_str_len),
+            readable_number(lim.max_list_len),
+            readable_number(lim.max_map_len),
             str(lim.max_depth),
         )
         for name, lim in wire_limits.FRAMINGS.items()
     ]
     return (
-        _table(("Cap", "Value", "Why"), rows)
+        markdown_table(("Cap", "Value", "Why"), rows)
         + "\n\n"
-        + _table(("Framing", "Frame bytes", "String", "List", "Map", "Depth"), framings)
+        + markdown_table(("Framing", "Frame bytes", "String", "List", "Map", "Depth"), framings)
     )
 
 
