@@ -42,7 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pd-transfer {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    _add_check(sub)
+    _add_plan(sub)
+    _add_serve(sub)
+    _add_demo(sub)
+    _add_keygen(sub)
+    _add_status(sub)
+    return parser
 
+
+def _add_check(sub) -> None:
     check = sub.add_parser(
         "check",
         help="reconcile two worker configs offline and print the verdicts",
@@ -55,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pair_args(check)
     check.set_defaults(handler=_cmd_check)
 
+
+def _add_plan(sub) -> None:
     plan = sub.add_parser(
         "plan",
         help="print the detailed transfer plan of one rank pair",
@@ -77,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="descriptors to print per pool (default 12)",
     )
     plan.set_defaults(handler=_cmd_plan)
-    _add_serve(sub)
-    _add_demo(sub)
+
+
+def _add_keygen(sub) -> None:
     keygen = sub.add_parser(
         "keygen",
         help="write a CURVE keypair and a shared secret for a deployment",
@@ -91,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.add_argument("--out", required=True, metavar="DIR", help="directory to write the keys to")
     keygen.add_argument("--force", action="store_true", help="replace existing key files")
     keygen.set_defaults(handler=_cmd_keygen)
+
+
+def _add_status(sub) -> None:
     status = sub.add_parser(
         "status",
         help="print a running sidecar's peers, verdicts and live rooms",
@@ -106,7 +121,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--json", action="store_true", help="print the raw JSON document")
     status.set_defaults(handler=_cmd_status)
-    return parser
 
 
 def _add_serve(sub) -> None:

@@ -176,6 +176,7 @@ def _stop_children(procs: list[Proc]) -> None:
 
 
 def _run(args: argparse.Namespace, workdir: Path, procs: list[Proc], verdicts: str) -> int:
+    """Start the sidecars, then the workers, follow them to the end; the exit code."""
     pages = math.ceil(args.tokens / args.page_size)
     num_pages = args.window * pages + 8
     bootstrap = f"tcp://127.0.0.1:{spare_port()}"
@@ -191,75 +192,93 @@ def _run(args: argparse.Namespace, workdir: Path, procs: list[Proc], verdicts: s
         for rank in range(tp):
             name = f"{role}{rank}"
             ready.append(workdir / f"{name}.ready.json")
-            cmd = [
-                "-m",
-                "pd_transfer.cli",
-                "serve",
-                "--role",
-                role,
-                "--agent-id",
-                f"{role}-tp{rank}",
-                "--worker-endpoint",
-                f"unix://{workdir}/{name}.sock",
-                "--transport",
-                args.transport,
-                "--ready-file",
-                str(ready[-1]),
-                "--http-port",
-                "0",
-                "--log-level",
-                "warning",
-            ]
-            if role == "prefill":
-                cmd += ["--bootstrap", bootstrap]
+            cmd = _sidecar_command(args, role, rank, workdir, ready[-1], bootstrap)
             procs.append(_spawn(f"sidecar-{name}", cmd, workdir))
     _wait_ready(ready, procs, 60)
     workers = []
     for role, tp in sides:
         for rank in range(tp):
             name = f"{role}{rank}"
-            cmd = [
-                "-m",
-                "pd_transfer.sim.worker",
-                "--role",
-                role,
-                "--model",
-                args.model,
-                "--tp-size",
-                str(tp),
-                "--tp-rank",
-                str(rank),
-                "--page-size",
-                str(args.page_size),
-                "--kv-layout",
-                args.kv_layout if role == "decode" else "nhd",
-                "--num-pages",
-                str(num_pages),
-                "--endpoint",
-                f"unix://{workdir}/{name}.sock",
-                "--requests",
-                str(args.requests),
-                "--tokens",
-                str(args.tokens),
-                "--seed",
-                str(args.seed),
-                "--window",
-                str(args.window),
-                "--report",
-                str(workdir / f"{name}.report.json"),
-                "--progress",
-                str(workdir / f"{name}.progress"),
-                "--log-level",
-                "WARNING",
-            ]
-            if role == "decode":
-                cmd += ["--bootstrap", bootstrap]
+            cmd = _worker_command(args, role, tp, rank, workdir, num_pages, bootstrap)
             workers.append(_spawn(f"worker-{name}", cmd, workdir))
     sidecars = list(procs)
     procs += workers
     started = time.monotonic()
     _show_progress(args, workdir, sidecars, workers, started)
     return _summarise(args, workdir, workers, time.monotonic() - started, verdicts)
+
+
+def _sidecar_command(
+    args: argparse.Namespace, role: str, rank: int, workdir: Path, ready_file: Path, bootstrap: str
+) -> list[str]:
+    """The ``python`` arguments that serve the sidecar of ``role`` rank ``rank``."""
+    name = f"{role}{rank}"
+    cmd = [
+        "-m",
+        "pd_transfer.cli",
+        "serve",
+        "--role",
+        role,
+        "--agent-id",
+        f"{role}-tp{rank}",
+        "--worker-endpoint",
+        f"unix://{workdir}/{name}.sock",
+        "--transport",
+        args.transport,
+        "--ready-file",
+        str(ready_file),
+        "--http-port",
+        "0",
+        "--log-level",
+        "warning",
+    ]
+    if role == "prefill":
+        cmd += ["--bootstrap", bootstrap]
+    return cmd
+
+
+def _worker_command(
+    args: argparse.Namespace, role: str, tp: int, rank: int, workdir: Path, num_pages: int, bootstrap: str
+) -> list[str]:
+    """The ``python`` arguments that run the simulated worker of ``role`` rank ``rank``."""
+    name = f"{role}{rank}"
+    cmd = [
+        "-m",
+        "pd_transfer.sim.worker",
+        "--role",
+        role,
+        "--model",
+        args.model,
+        "--tp-size",
+        str(tp),
+        "--tp-rank",
+        str(rank),
+        "--page-size",
+        str(args.page_size),
+        "--kv-layout",
+        args.kv_layout if role == "decode" else "nhd",
+        "--num-pages",
+        str(num_pages),
+        "--endpoint",
+        f"unix://{workdir}/{name}.sock",
+        "--requests",
+        str(args.requests),
+        "--tokens",
+        str(args.tokens),
+        "--seed",
+        str(args.seed),
+        "--window",
+        str(args.window),
+        "--report",
+        str(workdir / f"{name}.report.json"),
+        "--progress",
+        str(workdir / f"{name}.progress"),
+        "--log-level",
+        "WARNING",
+    ]
+    if role == "decode":
+        cmd += ["--bootstrap", bootstrap]
+    return cmd
 
 
 def _check_children(sidecars: list[Proc], workers: list[Proc]) -> None:

@@ -22,19 +22,17 @@ writing the docs.
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import difflib
 import inspect
-import io
 import json
 import re
 import sys
-import textwrap
-import tokenize
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from pd_transfer.docgen_fields import describe_kind, field_table, nested_records
+from pd_transfer.docgen_markdown import github_anchor, markdown_table, readable_number, source_comments
 from pd_transfer.errors import Reason
 from pd_transfer.layout.geometry import Role
 from pd_transfer.protocol.generations import FRESHNESS_RULES, Freshness, Handling
@@ -42,9 +40,7 @@ from pd_transfer.protocol.messages import BOOTSTRAP_MESSAGE_TYPES, MESSAGE_TYPES
 from pd_transfer.protocol.room_status import ROOM_TRANSITIONS, TERMINAL_STATUSES, RoomStatus
 from pd_transfer.protocol.schema import RECORDS
 from pd_transfer.protocol.transitions import TERMINAL_STATES, TRANSITIONS, SessionState, Trigger
-from pd_transfer.wire import fields as kinds
 from pd_transfer.wire import limits as wire_limits
-from pd_transfer.wire import packed
 from pd_transfer.wire.limits import Limits
 
 DOCS_DIR = Path(__file__).resolve().parents[1] / "docs"
@@ -56,121 +52,6 @@ BOOTSTRAP_SENDERS = {
     "table_request": "decode sidecars (and prefill ranks, after announcing) -> the bootstrap",
     "rank_table": "the bootstrap -> whoever asked (reply to announce or table_request)",
 }
-
-
-# -- small helpers ------------------------------------------------------------------
-
-
-def github_anchor(heading: str) -> str:
-    """The anchor GitHub gives a Markdown heading (``Peer lost`` -> ``peer-lost``)."""
-    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
-    return text.replace(" ", "-")
-
-
-def source_comments(obj: object) -> dict[str, str]:
-    """``name -> comment`` of each ``name ... = value  # comment`` assignment in ``obj``'s
-    body, the comment on its first line or, where the formatter wrapped a long line as
-    ``name = (\n    value  # comment\n)``, inside the parentheses."""
-    source = textwrap.dedent(inspect.getsource(obj))
-    comments: dict[int, str] = {}
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT:
-            comments[token.start[0]] = token.string.lstrip("#").strip()
-    found = {}
-    for node in ast.walk(ast.parse(source)):
-        target = (
-            node.target
-            if isinstance(node, ast.AnnAssign)
-            else (node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
-        )
-        if isinstance(target, ast.Name) and node.value is not None:
-            lines = range(node.lineno, node.end_lineno + 1)
-            text = next((comments[n] for n in lines if n in comments), None)
-            if text:
-                found[target.id] = text
-    return found
-
-
-def _cell(text: object) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
-
-
-def _table(header: tuple[str, ...], rows: list[tuple]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def _number(n: float) -> str:
-    """Bounds as people write them: ``2^64-1``, ``2^48``, ``65535``."""
-    if isinstance(n, int) and n >= 1 << 16:
-        if (n + 1) & n == 0:
-            return f"2^{(n + 1).bit_length() - 1}-1"
-        if n & (n - 1) == 0:
-            return f"2^{n.bit_length() - 1}"
-    return str(n)
-
-
-# -- field kinds ----------------------------------------------------------------------
-
-
-def describe_kind(kind: kinds.Kind) -> str:
-    """A field kind with its bounds, for a field table."""
-    if isinstance(kind, kinds.Int):
-        return f"int in [{_number(kind.lo)}, {_number(kind.hi)}]"
-    if isinstance(kind, kinds.Float):
-        return f"float >= {kind.lo:g}, finite"
-    if isinstance(kind, kinds.Str):
-        low = f"{kind.min_len}-" if kind.min_len else "up to "
-        return f"str, {low}{kind.max_len} chars"
-    if isinstance(kind, kinds.EnumOf):
-        return "one of " + ", ".join(f"`{m.value}`" for m in kind.cls)
-    if isinstance(kind, kinds.ReasonCode):
-        return "[reason code](errors.md#reason-codes) str"
-    if isinstance(kind, kinds.Optional):
-        return f"{describe_kind(kind.inner)}, or nil"
-    if isinstance(kind, kinds.ListOf):
-        return f"list (at most {_number(kind.max_len)}) of {describe_kind(kind.item)}"
-    if isinstance(kind, kinds.TupleOf):
-        return "[" + "; ".join(describe_kind(k) for k in kind.items) + "]"
-    if isinstance(kind, packed.Indices):
-        return (
-            f"indices in [0, {_number(kind.hi)}], at most {_number(kind.max_len)}: packed "
-            "little-endian int64 bytes, or a list of int"
-        )
-    if isinstance(kind, kinds.Record):
-        name = kind.cls.__name__
-        return f"map [{name}](#{github_anchor(name)})"
-    return kind.description
-
-
-def _default(field: kinds.Field) -> str:
-    if field.default is kinds.MISSING:
-        return "required"
-    if field.default is None:
-        return "`nil`"
-    try:
-        return "`" + json.dumps(field.kind.encode(field.default)) + "`"
-    except (TypeError, ValueError):
-        return f"`{field.default!r}`"
-
-
-def _nested(kind: kinds.Kind) -> Iterator[kinds.Record]:
-    """Records reachable from ``kind`` (a list of views, an optional shard, ...)."""
-    if isinstance(kind, kinds.Record):
-        yield kind
-    elif isinstance(kind, kinds.Optional):
-        yield from _nested(kind.inner)
-    elif isinstance(kind, kinds.ListOf):
-        yield from _nested(kind.item)
-    elif isinstance(kind, kinds.TupleOf):
-        for item in kind.items:
-            yield from _nested(item)
-
-
-def _field_table(record: kinds.Record) -> str:
-    rows = [(f"`{f.name}`", describe_kind(f.kind), _default(f)) for f in record.fields]
-    return _table(("Field", "Kind", "Default"), rows)
 
 
 # -- protocol tables --------------------------------------------------------------------
@@ -188,7 +69,7 @@ def render_messages() -> str:
         (f"`{tag}`", f"[{t.cls.__name__}](#{github_anchor(t.cls.__name__)})", _senders(tag), t.description)
         for tag, t in MESSAGE_TYPES.items()
     ]
-    return _table(("Tag `t`", "Message", "Sent by", "Meaning"), rows)
+    return markdown_table(("Tag `t`", "Message", "Sent by", "Meaning"), rows)
 
 
 def render_bootstrap_messages() -> str:
@@ -204,22 +85,22 @@ def render_bootstrap_messages() -> str:
         )
         for tag, t in BOOTSTRAP_MESSAGE_TYPES.items()
     ]
-    return _table(("Tag `t`", "Message", "From -> to", "Meaning"), rows)
+    return markdown_table(("Tag `t`", "Message", "From -> to", "Meaning"), rows)
 
 
 def render_message_fields() -> str:
     """A field table per message, then one per record those messages contain."""
     parts, records, seen = [], [], set()
     for cls, record in RECORDS.items():
-        parts.append(f'#### {cls.__name__}\n\n`t = "{cls.TAG}"`\n\n{_field_table(record)}')
-        records += [r for f in record.fields for r in _nested(f.kind)]
+        parts.append(f'#### {cls.__name__}\n\n`t = "{cls.TAG}"`\n\n{field_table(record)}')
+        records += [r for f in record.fields for r in nested_records(f.kind)]
     while records:
         record = records.pop(0)
         if record.cls in seen:
             continue
         seen.add(record.cls)
-        parts.append(f"#### {record.cls.__name__}\n\n{_field_table(record)}")
-        records += [r for f in record.fields for r in _nested(f.kind)]
+        parts.append(f"#### {record.cls.__name__}\n\n{field_table(record)}")
+        records += [r for f in record.fields for r in nested_records(f.kind)]
     return "\n\n".join(parts)
 
 
@@ -229,7 +110,7 @@ def render_session_states() -> str:
         (f"`{s.value}`", comments.get(s.name, ""), "yes" if s in TERMINAL_STATES else "")
         for s in SessionState
     ]
-    return _table(("State", "Meaning", "Terminal"), rows)
+    return markdown_table(("State", "Meaning", "Terminal"), rows)
 
 
 def render_transitions() -> str:
@@ -244,7 +125,7 @@ def render_transitions() -> str:
     ):
         sender = "either" if len(roles) == 2 else next(iter(roles)).value
         rows.append((f"`{state.value}`", sender, f"`{trigger.value}`", f"`{next_state.value}`"))
-    return _table(("State", "Sender", "Trigger", "Next state"), rows)
+    return markdown_table(("State", "Sender", "Trigger", "Next state"), rows)
 
 
 def render_room_status() -> str:
@@ -258,7 +139,7 @@ def render_room_status() -> str:
         )
         for s in RoomStatus
     ]
-    return _table(("Status", "Meaning", "May move to"), rows)
+    return markdown_table(("Status", "Meaning", "May move to"), rows)
 
 
 def render_freshness() -> str:
@@ -274,19 +155,20 @@ def render_freshness() -> str:
                 f"`{reason.value}`" if reason else "-",
             )
         )
-    return _table(("Freshness", "The room message is", "Receiving session does", "Reason"), rows)
+    return markdown_table(("Freshness", "The room message is", "Receiving session does", "Reason"), rows)
 
 
 def render_limits() -> str:
     rows = [
         (
             f"`{f.name}`",
-            _number(f.default) + ("" if _number(f.default) == str(f.default) else f" ({f.default})"),
+            readable_number(f.default)
+            + ("" if readable_number(f.default) == str(f.default) else f" ({f.default})"),
         )
         for f in dataclasses.fields(Limits)
     ]
     rows.append(("protocol version", ".".join(map(str, PROTOCOL_VERSION))))
-    return _table(("Limit", "Default"), rows)
+    return markdown_table(("Limit", "Default"), rows)
 
 
 def _commented_constants(module) -> Iterator[tuple[str, str]]:
@@ -313,23 +195,23 @@ def render_wire_limits() -> str:
         value = getattr(wire_limits, name)
         if not isinstance(value, int) or isinstance(value, bool):
             continue
-        rows.append((f"`{name}`", _number(value), "" if why == seen_why else why))
+        rows.append((f"`{name}`", readable_number(value), "" if why == seen_why else why))
         seen_why = why
     framings = [
         (
             f"`{name}`",
-            _number(lim.max_frame_nbytes),
-            _number(lim.max_str_len),
-            _number(lim.max_list_len),
-            _number(lim.max_map_len),
+            readable_number(lim.max_frame_nbytes),
+            readable_number(lim.max_str_len),
+            readable_number(lim.max_list_len),
+            readable_number(lim.max_map_len),
             str(lim.max_depth),
         )
         for name, lim in wire_limits.FRAMINGS.items()
     ]
     return (
-        _table(("Cap", "Value", "Why"), rows)
+        markdown_table(("Cap", "Value", "Why"), rows)
         + "\n\n"
-        + _table(("Framing", "Frame bytes", "String", "List", "Map", "Depth"), framings)
+        + markdown_table(("Framing", "Frame bytes", "String", "List", "Map", "Depth"), framings)
     )
 
 
@@ -340,7 +222,7 @@ def render_worker_ops() -> str:
     for op in worker_api.WorkerOp:
         required = ", ".join(f"`{f.name}` ({describe_kind(f.kind)})" for f in worker_api._REQUIRED[op])
         rows.append((f"`{op.value}`", required or "-"))
-    return _table(("Op", "Required fields besides `op` and `id`"), rows)
+    return markdown_table(("Op", "Required fields besides `op` and `id`"), rows)
 
 
 # -- errors, metrics, configuration --------------------------------------------------------
@@ -349,7 +231,7 @@ def render_worker_ops() -> str:
 def render_reason_codes() -> str:
     notes = source_comments(Reason)
     rows = [(f"[`{r.value}`](#{github_anchor(r.value)})", notes.get(r.name, "")) for r in Reason]
-    return _table(("Code", "Note in `errors.py`"), rows)
+    return markdown_table(("Code", "Note in `errors.py`"), rows)
 
 
 def render_metrics() -> str:
@@ -367,7 +249,7 @@ def render_metrics() -> str:
         name = family.name + ("_total" if family.type == "counter" else "")
         labels = ", ".join(f"`{label}`" for label in wrapper._labelnames) or "-"
         rows.append((f"`{name}`", family.type, labels, family.documentation))
-    return _table(("Metric", "Type", "Labels", "Help"), rows)
+    return markdown_table(("Metric", "Type", "Labels", "Help"), rows)
 
 
 def render_sidecar_config() -> str:
@@ -396,7 +278,7 @@ def render_sidecar_config() -> str:
             row += (f"`{env_prefix}{f.name.upper()}`",)
         rows.append(row + (meaning,))
     header = ("Key in `[sidecar]`", "Default", "Flag") + (("Variable",) if env_prefix else ())
-    return _table(header + ("Meaning",), rows)
+    return markdown_table(header + ("Meaning",), rows)
 
 
 # -- the docs ------------------------------------------------------------------------------

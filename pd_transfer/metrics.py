@@ -79,6 +79,17 @@ class SidecarMetrics:
         self.registry = registry
         self.role = role
         r = registry
+        self._declare_outcomes(r)
+        self._declare_room_shape(r)
+        self._declare_occupancy(r)
+        self._declare_peers(r)
+        self._declare_negotiation(r)
+        self._declare_losses(r)
+        self._declare_health(r)
+        self._export_known_series()
+
+    def _declare_outcomes(self, r: CollectorRegistry) -> None:
+        """Transfers and failed rooms, in total and per peer rank."""
         self.transfers = Counter(
             "pd_transfer_transfers",
             "Finished transfers (one per room and peer rank pair).",
@@ -104,6 +115,9 @@ class SidecarMetrics:
             ["role", "peer", "reason"],
             registry=r,
         )
+
+    def _declare_room_shape(self, r: CollectorRegistry) -> None:
+        """Per-room histograms: duration, size, rate, descriptors; bootstrap time."""
         self.duration = Histogram(
             "pd_transfer_transfer_duration_seconds",
             "Room duration from request to done.",
@@ -139,6 +153,9 @@ class SidecarMetrics:
             buckets=_DURATION_BUCKETS,
             registry=r,
         )
+
+    def _declare_occupancy(self, r: CollectorRegistry) -> None:
+        """Rooms, registered and in-flight bytes, and admission under the limits."""
         self.rooms = Gauge("pd_transfer_rooms", "Rooms by status.", ["role", "state"], registry=r)
         self.registered_bytes = Gauge(
             "pd_transfer_registered_bytes",
@@ -184,6 +201,9 @@ class SidecarMetrics:
             ["role", "limit"],
             registry=r,
         )
+
+    def _declare_peers(self, r: CollectorRegistry) -> None:
+        """Peers by state, and how long since each was heard."""
         self.peers = Gauge(
             "pd_transfer_peers", "Peers by state (accepted, rejected, lost).", ["role", "state"], registry=r
         )
@@ -193,6 +213,9 @@ class SidecarMetrics:
             ["role", "peer"],
             registry=r,
         )
+
+    def _declare_negotiation(self, r: CollectorRegistry) -> None:
+        """What peers agreed: verdicts, copy modes, strategies, doorbells."""
         self.verdicts = Counter(
             "pd_transfer_verdicts",
             "Verdicts by outcome and reason.",
@@ -222,6 +245,9 @@ class SidecarMetrics:
             ["role", "event"],
             registry=r,
         )
+
+    def _declare_losses(self, r: CollectorRegistry) -> None:
+        """Rooms aborted and peers declared lost."""
         self.aborts = Counter(
             "pd_transfer_aborts",
             "Aborts by side that started them and reason.",
@@ -243,6 +269,9 @@ class SidecarMetrics:
             ["role", "peer"],
             registry=r,
         )
+
+    def _declare_health(self, r: CollectorRegistry) -> None:
+        """The sidecar's own health: loop stalls, bad frames, connections, auth, build."""
         self.loop_stalls = Counter(
             "pd_transfer_loop_stall_seconds",
             "Seconds this sidecar's event loop woke later than a "
@@ -283,7 +312,6 @@ class SidecarMetrics:
             "pd_transfer_build_info", "Version of this sidecar.", ["version", "protocol_version"], registry=r
         )
         self.build_info.labels(__version__, f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}").set(1)
-        self._export_known_series()
 
     def _export_known_series(self) -> None:
         """Every series whose labels are known before any event, at 0."""

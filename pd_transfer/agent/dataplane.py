@@ -244,7 +244,7 @@ class DataPlane:
             return None
 
     def strategies(self, link: Link, planner: PairPlanner) -> dict:
-        """``{pool: Decision}``: how each pool moves over ``link`` (set on engine links);
+        """``{pool: StrategyChoice}``: how each pool moves over ``link`` (set on engine links);
         see :mod:`.strategies`. Report it in the verdict, metrics and log."""
         kind = getattr(getattr(link, "transport", None), "name", "")
         return choose_strategies(link, planner, StrategyMode(self.config.strategy), kind)

@@ -121,7 +121,7 @@ class Observer:
             self.metrics.verdict_modes.labels(self.role, mode).inc(count)
 
     def strategies(self, peer: str, decisions: dict) -> None:
-        """``{pool: Decision}`` chosen for ``peer`` (agent/strategies.py): 1 for the one in use."""
+        """``{pool: StrategyChoice}`` chosen for ``peer`` (agent/strategies.py): 1 for the one in use."""
         for pool, decision in decisions.items():
             self._strategy(peer, pool.value, decision.strategy.value)
 

@@ -1,7 +1,7 @@
 """Rooms as the agent tracks them: status, deadline, waiters, index lists.
 
 The status rules (monotonic, Failed sticky with a reason, Success final) are
-:class:`pd_transfer.protocol.RoomState`'s; this module adds what needs a
+:class:`pd_transfer.protocol.RoomGeneration`'s; this module adds what needs a
 clock and an event loop: a deadline per non-terminal status, futures the
 worker's ``wait`` calls sleep on, and a table that forgets terminal rooms
 after a TTL.
@@ -19,7 +19,7 @@ import numpy as np
 
 from pd_transfer.errors import Reason
 from pd_transfer.layout.views import Pool
-from pd_transfer.protocol import RoomState, RoomStatus
+from pd_transfer.protocol import RoomGeneration, RoomStatus
 
 
 @dataclass
@@ -28,7 +28,7 @@ class Room:
 
     room: int
     generation: int
-    state: RoomState = field(init=False)
+    state: RoomGeneration = field(init=False)
     created_s: float = field(default_factory=time.monotonic)
     deadline_s: float = float("inf")
     finished_s: float = 0.0
@@ -37,7 +37,7 @@ class Room:
     on_end: list[Callable[[Room], None]] = field(default_factory=list)  # called once, when terminal
 
     def __post_init__(self) -> None:
-        self.state = RoomState(self.room, self.generation)
+        self.state = RoomGeneration(self.room, self.generation)
 
     @property
     def status(self) -> RoomStatus:

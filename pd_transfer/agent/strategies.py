@@ -35,8 +35,8 @@ from pd_transfer.transport.engines.staging.engine import ReceiverStaging, Stagin
 from pd_transfer.transport.engines.staging.receiver import DEFAULT_SLOT_NBYTES
 from pd_transfer.transport.engines.strategy import (
     INHERENT,
-    Decision,
     RunProfile,
+    StrategyChoice,
     StrategyMode,
     choose,
     joined_runs,
@@ -101,16 +101,16 @@ def sample_plans(planner: PairPlanner) -> dict:
 
 def choose_strategies(
     link: Link, planner: PairPlanner, mode: StrategyMode, transport: str
-) -> dict[Pool, Decision]:
+) -> dict[Pool, StrategyChoice]:
     """The strategy of each pool for ``link`` (set on engine links); ``transport`` names
     the link's kind for the others (``shm``, ``tcp``, ``device``)."""
-    decisions: dict[Pool, Decision] = {}
+    decisions: dict[Pool, StrategyChoice] = {}
     for pool, plan in sample_plans(planner).items():
         profile = RunProfile.of(joined_runs(plan)[1])
         if not isinstance(link, EngineLink):
             inherent = INHERENT.get(transport)
             if inherent is not None:
-                decisions[pool] = Decision(inherent, f"inherent to {transport}", profile)
+                decisions[pool] = StrategyChoice(inherent, f"inherent to {transport}", profile)
             continue
         staging = link.staging
         slot_nbytes = staging.channel.slot_nbytes if staging is not None else DEFAULT_SLOT_NBYTES

@@ -26,7 +26,7 @@ import zmq
 import zmq.asyncio
 
 from pd_transfer.client import auth, wire
-from pd_transfer.client.bells import RoomBells
+from pd_transfer.client.bells import WorkerBells
 from pd_transfer.client.errors import ClientClosed, ReplyTimeout, SidecarLost
 from pd_transfer.client.links import open_async_link
 from pd_transfer.client.status import RoomState, RoomStatus
@@ -74,7 +74,7 @@ class AsyncClient:
         self._reader: asyncio.Task | None = None
         self._gone: asyncio.Future | None = None  # resolved once the reader loses the connection
         self._closed = False
-        self._bells = RoomBells()
+        self._bells = WorkerBells()
 
     # -- calls ----------------------------------------------------------------------
     async def register(

@@ -36,7 +36,9 @@ MAX_ROOMS = 65536  # rooms remembered at most (the oldest go first): waits past 
 LIVENESS_CHECK_S = 0.25  # a blocking wait on a doorbell looks at the sidecar's connection this often
 
 
-class RoomBells:
+class WorkerBells:
+    """The worker client's doorbells: which room rings where, and the waits on them."""
+
     def __init__(self) -> None:
         self._segments: dict[str, Doorbells | None] = {}  # None: could not be mapped
         self._rooms: dict[int, tuple[Doorbells, int, int]] = {}
@@ -204,4 +206,4 @@ def _settle(future: asyncio.Future, outcome: Outcome) -> None:
         future.set_result(outcome)
 
 
-__all__ = ["RoomBells"]
+__all__ = ["WorkerBells"]

@@ -5,29 +5,16 @@ WaitingForInput -> Transferring -> Success, or Failed (terminal, sticky,
 always with a reason code and text). ``poll`` and ``wait`` replies carry it as
 ``status`` plus, when failed, ``code`` and ``reason``.
 
-Pure data; imports only :mod:`pd_transfer.errors`.
+Pure data; imports only :mod:`pd_transfer.errors` and the protocol's
+:class:`~pd_transfer.protocol.room_status.RoomStatus` (one status, on both sides).
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 from pd_transfer.errors import Reason
-
-
-class RoomStatus(enum.Enum):
-    """A room's status. The value is the wire spelling."""
-
-    BOOTSTRAPPING = "bootstrapping"
-    WAITING_FOR_INPUT = "waiting_for_input"
-    TRANSFERRING = "transferring"
-    SUCCESS = "success"
-    FAILED = "failed"
-
-    @property
-    def is_terminal(self) -> bool:
-        return self in (RoomStatus.SUCCESS, RoomStatus.FAILED)
+from pd_transfer.protocol.room_status import RoomStatus
 
 
 def reason_of(code_text: str | None) -> Reason | None:

@@ -32,7 +32,7 @@ from typing import Any
 import zmq
 
 from pd_transfer.client import auth, wire
-from pd_transfer.client.bells import RoomBells
+from pd_transfer.client.bells import WorkerBells
 from pd_transfer.client.errors import ClientClosed, ReplyTimeout, SidecarLost
 from pd_transfer.client.links import open_link
 from pd_transfer.client.status import RoomState, RoomStatus
@@ -79,7 +79,7 @@ class Client:
         )
         self._next_id = 1
         self._closed = False
-        self._bells = RoomBells()
+        self._bells = WorkerBells()
 
     # -- calls ----------------------------------------------------------------------
     def register(

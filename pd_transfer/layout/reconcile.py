@@ -17,12 +17,13 @@ import enum
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from pd_transfer.errors import GeometryError, Mismatch, Reason, ReconcileError
+from pd_transfer.errors import Mismatch, Reason, ReconcileError
 from pd_transfer.layout import diagnostics
 from pd_transfer.layout.geometry import RankGeometry, RegistrationProblem, registration_problems
 from pd_transfer.layout.page_sizes import converted_pages, page_size_mismatches
 from pd_transfer.layout.sharding import Holder, Piece, assign_pieces
-from pd_transfer.layout.views import AxisRole, Layout, Pool, TensorView, canonical_range
+from pd_transfer.layout.tensor_compare import compare_tensors
+from pd_transfer.layout.views import AxisRole, Layout, Pool, TensorView
 
 
 class Mode(enum.Enum):
@@ -121,7 +122,7 @@ def reconcile(
             mismatches.append(_missing(views[0], Reason.LAYER_MISSING, decode_side=True))
             continue
         src = _view_of(prefill, key, holders[key][0])
-        pair_mismatches = _compare(src, views[0], _tp(prefill), _tp(decode))
+        pair_mismatches = compare_tensors(src, views[0], _tp(prefill), _tp(decode))
         pages = page_size_mismatches(src, views[0], prefill[0].page_size, decode[0].page_size)
         if pages:  # opaque pages of other sizes differ in bytes too: one cause, one line
             pair_mismatches = [
@@ -219,133 +220,6 @@ def _missing(view: TensorView, code: Reason, *, decode_side: bool) -> Mismatch:
     if decode_side:
         return Mismatch(view.path, code, None, present, hint)
     return Mismatch(view.path, code, present, None, hint)
-
-
-def _compare(src: TensorView, dst: TensorView, tp_src: int, tp_dst: int) -> list[Mismatch]:
-    found: list[Mismatch] = []
-    if src.dtype != dst.dtype:
-        found.append(
-            Mismatch(
-                f"{src.path}.dtype",
-                Reason.DTYPE_MISMATCH,
-                src.dtype,
-                dst.dtype,
-                "configure the same KV/state dtype on prefill and decode",
-            )
-        )
-    src_axes = {a.name: a.role for a in src.axes}
-    dst_axes = {a.name: a.role for a in dst.axes}
-    if src_axes != dst_axes:
-        found.append(
-            Mismatch(
-                f"{src.path}.axes",
-                Reason.AXES_MISMATCH,
-                ",".join(f"{n}:{r.value}" for n, r in src_axes.items()),
-                ",".join(f"{n}:{r.value}" for n, r in dst_axes.items()),
-                "both sides must describe the tensor with the same named axes",
-            )
-        )
-        return found
-    for i, axis in enumerate(src.axes):
-        j = dst.axis_named(axis.name)
-        if axis.role in (AxisRole.INNER, AxisRole.OUTER) and src.shape[i] != dst.shape[j]:
-            found.append(
-                Mismatch(
-                    f"{src.path}.{axis.name}",
-                    Reason.INNER_SHAPE_MISMATCH,
-                    src.shape[i],
-                    dst.shape[j],
-                    "both sides must serve the same model (same head and state dims)",
-                )
-            )
-    if src.is_sharded:
-        found += _compare_shard(src, dst, tp_src, tp_dst)
-    return found
-
-
-def _compare_shard(src: TensorView, dst: TensorView, tp_src: int, tp_dst: int) -> list[Mismatch]:
-    axis = src.axes[src.axis_index(AxisRole.SHARD)].name
-    if src.shard is None or dst.shard is None:
-        same_item = src.item_nbytes == dst.item_nbytes
-        if tp_src == tp_dst and same_item:
-            return []
-        reasons = [] if same_item else [f"item sizes differ ({src.item_nbytes} B vs {dst.item_nbytes} B)"]
-        if tp_src != tp_dst:
-            reasons.append(f"attention TP differs ({tp_src} vs {tp_dst})")
-        return [
-            Mismatch(
-                f"{src.path}.shard",
-                Reason.SHARD_METADATA_MISSING,
-                diagnostics.describe_shard(src, axis),
-                diagnostics.describe_shard(dst, axis),
-                f"{' and '.join(reasons)}, so '{axis}' must be resliced, which needs "
-                "per-tensor dim metadata on both sides: register the global extent and "
-                "the local [start, end) of the sharded axis, or run both sides with equal "
-                "attention TP",
-            )
-        ]
-    found = []
-    if src.shard.global_extent != dst.shard.global_extent:
-        found.append(
-            Mismatch(
-                f"{src.path}.{axis}.global_extent",
-                Reason.GLOBAL_EXTENT_MISMATCH,
-                src.shard.global_extent,
-                dst.shard.global_extent,
-                "both sides must serve the same model (same global head/channel count)",
-            )
-        )
-        return found
-    sharded = not (src.shard.is_full and dst.shard.is_full)
-    if sharded and (
-        src.shard.groups != dst.shard.groups or src.shard.declared_groups != dst.shard.declared_groups
-    ):
-        code = (
-            Reason.SHARD_GROUPS_MISSING
-            if src.shard.declared_groups != dst.shard.declared_groups
-            else Reason.SHARD_GROUPS_MISMATCH
-        )
-        found.append(
-            Mismatch(
-                f"{src.path}.{axis}.shard_groups",
-                code,
-                list(src.shard.groups) if src.shard.declared_groups else None,
-                list(dst.shard.groups) if dst.shard.declared_groups else None,
-                f"'{axis}' is a concatenation of independently sharded groups: both sides must "
-                "register the same shard groups, or slicing would mix channels of different groups",
-            )
-        )
-        return found
-    for group in src.shard.groups:
-        # the same group on both sides (global extents and groups are equal here)
-        splits = {
-            side: spec.is_full or _splits(group, tp)
-            for side, spec, tp in (("prefill", src.shard, tp_src), ("decode", dst.shard, tp_dst))
-        }
-        if all(splits.values()):
-            continue
-        values = {
-            side: f"{group} over attn_tp {tp}" + ("" if splits[side] else " (does not split)")
-            for side, tp in (("prefill", tp_src), ("decode", tp_dst))
-        }
-        found.append(
-            Mismatch(
-                f"{src.path}.{axis}",
-                Reason.SHARD_NOT_DIVISIBLE,
-                values["prefill"],
-                values["decode"],
-                f"choose attention TP sizes that divide {group} (or that {group} divides)",
-            )
-        )
-    return found
-
-
-def _splits(extent: int, tp_size: int) -> bool:
-    try:
-        canonical_range(extent, tp_size, 0)
-    except GeometryError:
-        return False
-    return True
 
 
 def _coverage(holders, dst_views, decode, prefill) -> list[Mismatch]:

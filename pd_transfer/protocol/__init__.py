@@ -54,7 +54,7 @@ from pd_transfer.protocol.messages import (
     TransferRequest,
     Verdict,
 )
-from pd_transfer.protocol.room_status import ROOM_TRANSITIONS, RoomState, RoomStatus
+from pd_transfer.protocol.room_status import ROOM_TRANSITIONS, RoomGeneration, RoomStatus
 from pd_transfer.protocol.session import Dropped, Session
 from pd_transfer.protocol.transitions import TRANSITIONS, SessionState, Trigger, allowed, trigger_of
 from pd_transfer.wire.limits import DEFAULT_LIMITS, Limits
@@ -87,7 +87,7 @@ __all__ = [
     "ProtocolError",
     "Register",
     "RemoteProtocolError",
-    "RoomState",
+    "RoomGeneration",
     "RoomStatus",
     "Session",
     "SessionState",

@@ -15,9 +15,9 @@ Rules (data: :data:`ROOM_TRANSITIONS`):
   into Failed. Decode may already have handed the pages to the model;
   reporting Failed then would make the worker discard good data or, worse,
   reuse pages it believes are unwritten while it consumes them.
-- A :class:`RoomState` is one *generation* (attempt) of a room. Messages of
+- A :class:`RoomGeneration` is one *generation* (attempt) of a room. Messages of
   another generation do not touch it: older ones are stale, and a newer
-  generation is a new attempt that gets a fresh :class:`RoomState`.
+  generation is a new attempt that gets a fresh :class:`RoomGeneration`.
 
 Pure; no I/O, no clocks (timeouts belong to the agent).
 """
@@ -32,11 +32,17 @@ from pd_transfer.protocol.messages import Abort, Done, DoneStatus, Message, Prog
 
 
 class RoomStatus(enum.Enum):
+    """A room's status, on the sidecar and as its worker sees it. The value is the wire spelling."""
+
     BOOTSTRAPPING = "bootstrapping"  # decode resolving peers / prefill awaiting the request
     WAITING_FOR_INPUT = "waiting_for_input"  # request sent or received, no bytes yet
     TRANSFERRING = "transferring"  # some bytes have moved
     SUCCESS = "success"  # every byte landed (terminal)
     FAILED = "failed"  # terminal, sticky, with a reason
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (RoomStatus.SUCCESS, RoomStatus.FAILED)
 
 
 _S = RoomStatus
@@ -54,7 +60,7 @@ TERMINAL_STATUSES = frozenset(s for s, moves in ROOM_TRANSITIONS.items() if not 
 
 
 @dataclass(frozen=True)
-class RoomState:
+class RoomGeneration:
     """One generation of one room. Immutable: every change returns a new state."""
 
     room: int
@@ -67,7 +73,7 @@ class RoomState:
     def is_terminal(self) -> bool:
         return self.status in TERMINAL_STATUSES
 
-    def advance(self, status: RoomStatus) -> RoomState:
+    def advance(self, status: RoomStatus) -> RoomGeneration:
         """Move forward to ``status``; a lower or equal status is ignored."""
         if status is RoomStatus.FAILED:
             raise LocalProtocolError(
@@ -77,7 +83,7 @@ class RoomState:
             return self
         return replace(self, status=status)
 
-    def fail(self, reason: Reason, text: str) -> RoomState:
+    def fail(self, reason: Reason, text: str) -> RoomGeneration:
         """Fail with ``reason``; ignored once the room is terminal (first failure wins)."""
         if not isinstance(reason, Reason) or not text:
             raise LocalProtocolError(
@@ -88,7 +94,7 @@ class RoomState:
             return self
         return replace(self, status=RoomStatus.FAILED, reason=reason, reason_text=text)
 
-    def apply(self, message: Message) -> RoomState:
+    def apply(self, message: Message) -> RoomGeneration:
         """The state after a Progress, Done or Abort of this room.
 
         A message of another generation is ignored (see the module docstring);

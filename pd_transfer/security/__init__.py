@@ -23,13 +23,13 @@ and ``pd_transfer.protocol``. Never asyncio, sockets, the transport or the agent
 """
 
 from pd_transfer.errors import AuthError
-from pd_transfer.security.gate import Admission, Decision, Gate, new_routing_id
+from pd_transfer.security.gate import Decision, Gate, GateAnswer, new_routing_id
 from pd_transfer.security.handshake import ClientHandshake, NonceBook, ServerHandshake
 from pd_transfer.security.secret import SharedSecret, load_secret, parse_secret
 from pd_transfer.security.settings import SecuritySettings
 
 __all__ = [
-    "Admission",
+    "GateAnswer",
     "AuthError",
     "ClientHandshake",
     "Decision",

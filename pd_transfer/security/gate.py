@@ -56,13 +56,15 @@ class Decision(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Admission:
+class GateAnswer:
+    """The gate's answer to one frame: its decision, the reply to send, the error behind it."""
+
     decision: Decision
     reply: bytes | None = None
     error: AuthError | None = None
 
 
-PASS = Admission(Decision.PASS)
+PASS = GateAnswer(Decision.PASS)
 
 
 class Gate:
@@ -92,7 +94,7 @@ class Gate:
         """The agent id an authenticated identity proved itself as ('' if none)."""
         return self._peers.get(identity, "")
 
-    def admit(self, identity: bytes, frame: bytes) -> Admission:
+    def admit(self, identity: bytes, frame: bytes) -> GateAnswer:
         if self._key is None:
             return PASS
         if identity in self._peers:
@@ -103,8 +105,8 @@ class Gate:
         except ProtocolError as err:
             if err.code is Reason.BAD_FIELD:  # a handshake frame, malformed or tampered with
                 error = refusal(Reason.AUTH_FAILED, f"malformed handshake frame: {err.message}")
-                return Admission(Decision.REFUSE, error.reply, error)
-            return Admission(
+                return GateAnswer(Decision.REFUSE, error.reply, error)
+            return GateAnswer(
                 Decision.UNAUTHENTICATED,
                 error=AuthError(
                     "this sidecar requires authentication and the peer sent a frame before "
@@ -116,14 +118,14 @@ class Gate:
             )
         try:
             if isinstance(message, AuthHello):
-                return Admission(Decision.ANSWER, self._hello(identity, message))
+                return GateAnswer(Decision.ANSWER, self._hello(identity, message))
             if isinstance(message, AuthProof):
-                return Admission(Decision.ANSWER, self._proof(identity, message))
+                return GateAnswer(Decision.ANSWER, self._proof(identity, message))
             if isinstance(message, AuthResult) and not message.accepted:
                 # the peer could not verify our proof: nothing to answer, but count it
                 self._pending.pop(identity, None)
                 text = message.reason_text or "no reason given"
-                return Admission(
+                return GateAnswer(
                     Decision.REFUSE,
                     error=AuthError(
                         f"the peer refused this sidecar's proof: {text}",
@@ -132,7 +134,7 @@ class Gate:
                 )
             raise refusal(Reason.AUTH_FAILED, f"unexpected {message.TAG} from a connecting peer")
         except AuthError as err:
-            return Admission(Decision.REFUSE, err.reply, err)
+            return GateAnswer(Decision.REFUSE, err.reply, err)
 
     def _hello(self, identity: bytes, hello: AuthHello) -> bytes:
         self._pending.pop(identity, None)

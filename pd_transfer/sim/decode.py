@@ -37,7 +37,7 @@ from pd_transfer.layout.views import Pool
 from pd_transfer.sim.content import verify_destination
 from pd_transfer.sim.engine import (
     EngineOptions,
-    Progress,
+    ProgressLog,
     call_args,
     own_indices,
     refused_outcome,
@@ -58,7 +58,7 @@ async def run_decode(
     report: WorkerReport,
 ) -> None:
     """Expect and verify every request of ``schedule``, one task per window slot."""
-    progress = Progress(geometry.rank_id, report, options.progress_path)
+    progress = ProgressLog(geometry.rank_id, report, options.progress_path)
     by_slot: dict[int, list[ScheduledRequest]] = {}
     for request in schedule:
         by_slot.setdefault(request.window_slot, []).append(request)
@@ -77,7 +77,7 @@ async def _run_slot(
     arrays: Mapping[str, np.ndarray],
     requests: list[ScheduledRequest],
     options: EngineOptions,
-    progress: Progress,
+    progress: ProgressLog,
 ) -> None:
     retired_by: RoomOutcome | None = None
     for request in requests:

@@ -61,7 +61,7 @@ def call_args(geometry: RankGeometry, request: ScheduledRequest, side: int) -> d
     }
 
 
-class Progress:
+class ProgressLog:
     """Records outcomes; logs a line every tenth of the rooms (and at the end).
 
     Also appends one line per room to the progress file, if any.

@@ -25,7 +25,7 @@ from pd_transfer.layout.views import Pool
 from pd_transfer.sim.content import fill_source
 from pd_transfer.sim.engine import (
     EngineOptions,
-    Progress,
+    ProgressLog,
     call_args,
     log,
     own_indices,
@@ -45,7 +45,7 @@ def run_prefill(
     report: WorkerReport,
 ) -> None:
     """Send every request of ``schedule``, at most one room per window slot in flight."""
-    progress = Progress(geometry.rank_id, report, options.progress_path)
+    progress = ProgressLog(geometry.rank_id, report, options.progress_path)
     in_flight: dict[int, ScheduledRequest] = {}
     for request in schedule:
         previous = in_flight.pop(request.window_slot, None)
@@ -85,7 +85,7 @@ def _send(
     return filled
 
 
-def _finish(client: Client, request: ScheduledRequest, options: EngineOptions, progress: Progress) -> None:
+def _finish(client: Client, request: ScheduledRequest, options: EngineOptions, progress: ProgressLog) -> None:
     try:
         state = client.wait(request.room, options.room_timeout_s)
     except Refused as err:

@@ -66,7 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="exit codes: 0 ok, 1 a room failed or a byte differed, 2 invalid input, "
         "130/143 interrupted/terminated",
     )
-    add = parser.add_argument
+    _add_shape_flags(parser.add_argument)
+    _add_run_flags(parser.add_argument)
+    return parser
+
+
+def _add_shape_flags(add) -> None:
+    """The model and this rank's shape and pools, and the peer's pool sizes."""
     add("--role", required=True, choices=[r.value for r in Role])
     add(
         "--model",
@@ -98,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="SWA pages of the other side (default: --peer-num-pages)",
     )
+
+
+def _add_run_flags(add) -> None:
+    """The sidecar to drive, the requests to send, timeouts and outputs."""
     add("--endpoint", required=True, help="the sidecar's worker endpoint, unix://PATH or ipc://PATH")
     add("--bootstrap", default="", help="the prefill instance's bootstrap address (decode)")
     add("--worker-id", default=None, help="default: ROLE-ppP-tpT")
@@ -127,7 +137,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="append one line per finished room to PATH (for a supervisor counting them)",
     )
     add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    return parser
 
 
 def _positive(text: str) -> int:
@@ -198,7 +207,23 @@ def make_setup(args: argparse.Namespace) -> Setup:
     spec = load_model(args.model)
     num_slots = args.num_slots or args.window
     num_aux_rows = args.num_aux_rows or args.window
-    geometry = build_rank(
+    geometry = _geometry(args, role, spec, num_slots, num_aux_rows)
+    schedule = _schedule(args, role, spec, num_slots, num_aux_rows)
+    worker_id = args.worker_id or f"{role.value}-pp{args.pp_rank}-tp{args.tp_rank}"
+    options = EngineOptions(
+        chunk_pages=args.chunk_pages,
+        room_timeout_s=args.room_timeout_s,
+        bootstrap_addr=args.bootstrap,
+        progress_path=args.progress,
+    )
+    return Setup(role, worker_id, geometry, schedule, options)
+
+
+def _geometry(
+    args: argparse.Namespace, role: Role, spec: ModelSpec, num_slots: int, num_aux_rows: int
+) -> RankGeometry:
+    """This worker's rank geometry, from the shape flags."""
+    return build_rank(
         spec,
         WorkerShape(
             role=role,
@@ -215,6 +240,12 @@ def make_setup(args: argparse.Namespace) -> Setup:
             kv_dtype=args.kv_dtype,
         ),
     )
+
+
+def _schedule(
+    args: argparse.Namespace, role: Role, spec: ModelSpec, num_slots: int, num_aux_rows: int
+) -> list[ScheduledRequest]:
+    """The request schedule both sides derive from the seed: this side's pool sizes and the peer's."""
     has_swa = spec.sliding_attention is not None
     own = PoolSizes(
         args.num_pages, (args.num_swa_pages or args.num_pages) if has_swa else 0, num_slots, num_aux_rows
@@ -225,7 +256,7 @@ def make_setup(args: argparse.Namespace) -> Setup:
     peer = PoolSizes(
         peer_pages, (args.peer_num_swa_pages or peer_pages) if has_swa else 0, args.window, args.window
     )
-    schedule = build_schedule(
+    return build_schedule(
         ScheduleSpec(
             seed=args.seed,
             num_requests=args.requests,
@@ -239,14 +270,6 @@ def make_setup(args: argparse.Namespace) -> Setup:
             shuffle=not args.contiguous_pages,
         )
     )
-    worker_id = args.worker_id or f"{role.value}-pp{args.pp_rank}-tp{args.tp_rank}"
-    options = EngineOptions(
-        chunk_pages=args.chunk_pages,
-        room_timeout_s=args.room_timeout_s,
-        bootstrap_addr=args.bootstrap,
-        progress_path=args.progress,
-    )
-    return Setup(role, worker_id, geometry, schedule, options)
 
 
 # -- running ---------------------------------------------------------------------

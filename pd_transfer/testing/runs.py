@@ -30,7 +30,7 @@ CHUNK_NBYTES = 1 << 24  # bounds the index arrays (16 B of indices per byte copi
 
 
 @dataclass(frozen=True)
-class Runs:
+class BatchRuns:
     """The validated byte runs of one batch."""
 
     src_region: str
@@ -42,7 +42,7 @@ class Runs:
 
 def load_runs(
     batch, where: str, src_regions: dict[str, np.ndarray], dst_regions: dict[str, np.ndarray]
-) -> Runs:
+) -> BatchRuns:
     """Read one batch's runs and refuse any that leave its regions."""
     for side, region, regions in (
         ("source", batch.src_region, src_regions),
@@ -65,7 +65,7 @@ def load_runs(
     _check_bounds(
         where, "destination", batch.dst_region, dst_offset, nbytes, dst_regions[batch.dst_region].size
     )
-    return Runs(batch.src_region, batch.dst_region, src_offset, dst_offset, nbytes)
+    return BatchRuns(batch.src_region, batch.dst_region, src_offset, dst_offset, nbytes)
 
 
 def _check_bounds(
@@ -105,7 +105,7 @@ def _chunks(nbytes: np.ndarray):
         start = stop
 
 
-def copy_runs(src: np.ndarray, dst: np.ndarray, runs: Runs) -> None:
+def copy_runs(src: np.ndarray, dst: np.ndarray, runs: BatchRuns) -> None:
     """Copy validated runs from ``src`` to ``dst``, a bounded chunk of runs at a time."""
     for part in _chunks(runs.nbytes):
         dst[flat_indices(runs.dst_offset[part], runs.nbytes[part])] = src[

@@ -104,7 +104,7 @@ class World:
         for batch in batches:
             runs.copy_runs(src_regions[batch.src_region], dst_regions[batch.dst_region], batch)
 
-    def _record_rewrites(self, where: str, dst_rank: str, batches: list[runs.Runs]) -> None:
+    def _record_rewrites(self, where: str, dst_rank: str, batches: list[runs.BatchRuns]) -> None:
         for region_id in sorted({b.dst_region for b in batches}):
             mine = [b for b in batches if b.dst_region == region_id]
             offset = np.concatenate([b.dst_offset for b in mine])

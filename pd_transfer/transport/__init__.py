@@ -17,7 +17,7 @@ Layering: may import ``pd_transfer.wire`` (its frames' codec), ``pd_transfer.lay
 ``pd_transfer.agent`` or ``pd_transfer.protocol``.
 """
 
-from pd_transfer.transport.base import Link, PeerEndpoint, Receiver, RegionHandle, Transport, TransportKind
+from pd_transfer.transport.base import Link, PeerEndpoint, PeerRegion, Receiver, Transport, TransportKind
 from pd_transfer.transport.copy.engine import CopyEngine, default_engine
 from pd_transfer.transport.copy.packing import WireRuns, check_wire, gather, scatter, scatter_chunk
 from pd_transfer.transport.device import DeviceTransport
@@ -40,7 +40,7 @@ __all__ = [
     "PeerEndpoint",
     "Receiver",
     "ReceiverStats",
-    "RegionHandle",
+    "PeerRegion",
     "ReceiverRooms",
     "RoomPolicy",
     "ShmTransport",

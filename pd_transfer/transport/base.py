@@ -77,7 +77,7 @@ class TransportKind(enum.Enum):
 
 
 @dataclass(frozen=True)
-class RegionHandle:
+class PeerRegion:
     """One destination region of a peer: its id, size and, on the same host, its segment."""
 
     region_id: str
@@ -95,9 +95,9 @@ class PeerEndpoint:
     """
 
     peer_id: str
-    regions: tuple[RegionHandle, ...] = ()
+    regions: tuple[PeerRegion, ...] = ()
     data_address: str = ""
-    _by_id: dict[str, RegionHandle] = field(init=False, repr=False, compare=False)
+    _by_id: dict[str, PeerRegion] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_id", {r.region_id: r for r in self.regions})
@@ -113,11 +113,11 @@ class PeerEndpoint:
         segments = segments or {}
         return cls(
             peer_id,
-            tuple(RegionHandle(r, int(n), segments.get(r, "")) for r, n in region_nbytes.items()),
+            tuple(PeerRegion(r, int(n), segments.get(r, "")) for r, n in region_nbytes.items()),
             data_address,
         )
 
-    def region(self, region_id: str) -> RegionHandle | None:
+    def region(self, region_id: str) -> PeerRegion | None:
         return self._by_id.get(region_id)
 
     @property

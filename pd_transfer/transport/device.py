@@ -56,7 +56,7 @@ class DeviceTransport(Transport):
         self._open_region = open_region
 
     async def connect(self, peer: PeerEndpoint) -> DeviceLink:
-        """Open every region of ``peer`` from its handle (``RegionHandle.segment``); an
+        """Open every region of ``peer`` from its handle (``PeerRegion.segment``); an
         opener's error (a handle that is not one, a device gone) propagates as it is."""
         regions = await asyncio.to_thread(
             lambda: {r.region_id: self._open_region(r.segment, r.nbytes)[: r.nbytes] for r in peer.regions}

@@ -70,7 +70,7 @@ def bad_field(path: str, problem: str, code: Reason = Reason.BAD_FIELD) -> Proto
     return ProtocolError(problem, code=code, path=path)
 
 
-class Kind:
+class FieldKind:
     """Base of all field kinds; subclasses override the three members."""
 
     description = "value"
@@ -86,7 +86,7 @@ class Kind:
 
 
 @dataclass(frozen=True)
-class Int(Kind):
+class Int(FieldKind):
     lo: int = 0
     hi: int = INT64_MAX
 
@@ -101,7 +101,7 @@ class Int(Kind):
 
 
 @dataclass(frozen=True)
-class Float(Kind):
+class Float(FieldKind):
     """A finite float >= ``lo``; an int is accepted (other encoders write 0 as int)."""
 
     lo: float = 0.0
@@ -118,7 +118,7 @@ class Float(Kind):
 
 
 @dataclass(frozen=True)
-class Bool(Kind):
+class Bool(FieldKind):
     description = "bool"
 
     def decode(self, raw: Any, path: str) -> bool:
@@ -128,7 +128,7 @@ class Bool(Kind):
 
 
 @dataclass(frozen=True)
-class Str(Kind):
+class Str(FieldKind):
     max_len: int = MAX_ID_LEN
     min_len: int = 0
 
@@ -145,7 +145,7 @@ class Str(Kind):
 
 
 @dataclass(frozen=True)
-class EnumOf(Kind):
+class EnumOf(FieldKind):
     """An enum member on the wire as its ``.value`` string."""
 
     cls: type[enum.Enum]
@@ -168,7 +168,7 @@ class EnumOf(Kind):
 
 
 @dataclass(frozen=True)
-class ReasonCode(Kind):
+class ReasonCode(FieldKind):
     """A :class:`Reason`; a code this version does not know is kept as
     ``unrecognized_reason`` (a newer minor version may add codes)."""
 
@@ -191,8 +191,8 @@ class ReasonCode(Kind):
 
 
 @dataclass(frozen=True)
-class Optional(Kind):
-    inner: Kind
+class Optional(FieldKind):
+    inner: FieldKind
 
     @property
     def description(self) -> str:  # type: ignore[override]
@@ -206,10 +206,10 @@ class Optional(Kind):
 
 
 @dataclass(frozen=True)
-class ListOf(Kind):
+class ListOf(FieldKind):
     """A list decoded into a tuple, at most ``max_len`` items."""
 
-    item: Kind
+    item: FieldKind
     max_len: int = MAX_LIST_LEN
 
     @property
@@ -233,7 +233,7 @@ class ListOf(Kind):
 
 
 @dataclass(frozen=True)
-class Map(Kind):
+class Map(FieldKind):
     """A map kept as plain data, for a part that its own codec checks later
     (a worker's geometry, its handles)."""
 
@@ -246,10 +246,10 @@ class Map(Kind):
 
 
 @dataclass(frozen=True)
-class TupleOf(Kind):
+class TupleOf(FieldKind):
     """A fixed-length list of differently typed items, decoded into a tuple."""
 
-    items: tuple[Kind, ...]
+    items: tuple[FieldKind, ...]
 
     @property
     def description(self) -> str:  # type: ignore[override]
@@ -271,7 +271,7 @@ def _shape_of(raw: Any) -> str:
 @dataclass(frozen=True)
 class Field:
     name: str
-    kind: Kind
+    kind: FieldKind
     default: Any = MISSING
 
 
@@ -279,7 +279,7 @@ Finish = Callable[[dict[str, Any], dict[str, Any], str], None]
 
 
 @dataclass(frozen=True)
-class Record(Kind):
+class Record(FieldKind):
     """A map of named fields decoded into ``cls(**fields)``.
 
     ``finish(values, raw, path)`` checks invariants across fields (a failed

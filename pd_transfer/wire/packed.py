@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from pd_transfer.errors import Reason
-from pd_transfer.wire.fields import INT64_MAX, Int, Kind, ListOf, bad_field
+from pd_transfer.wire.fields import INT64_MAX, FieldKind, Int, ListOf, bad_field
 from pd_transfer.wire.limits import MAX_CHECKSUM_TENSORS, MAX_INDICES
 
 
 @dataclass(frozen=True)
-class Indices(Kind):
+class Indices(FieldKind):
     """Page, slot or row indices: a tuple of ints in ``[0, hi]``.
 
     Encoded as packed little-endian int64 bytes (8 bytes an index, no per-item
@@ -60,7 +60,7 @@ class Indices(Kind):
 
 
 @dataclass(frozen=True)
-class Checksums(Kind):
+class Checksums(FieldKind):
     """CRC32 values: a tuple of ints in ``[0, 2**32)``, packed little-endian
     uint32 bytes on the wire (4 bytes each), at most ``max_len``."""
 
@@ -88,7 +88,7 @@ class Checksums(Kind):
 
 
 @dataclass(frozen=True)
-class Bytes(Kind):
+class Bytes(FieldKind):
     """At most ``max_len`` bytes, a multiple of ``multiple_of`` (24 for a table
     of three int64 columns)."""
 
@@ -110,7 +110,7 @@ class Bytes(Kind):
 
 
 @dataclass(frozen=True)
-class Blob(Kind):
+class Blob(FieldKind):
     """Exactly ``nbytes`` bytes (a nonce, an HMAC)."""
 
     nbytes: int

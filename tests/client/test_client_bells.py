@@ -5,7 +5,7 @@ import logging
 import pytest
 
 from pd_transfer import doorbell
-from pd_transfer.client.bells import RoomBells
+from pd_transfer.client.bells import WorkerBells as RoomBells
 from pd_transfer.doorbell import Outcome
 
 pytestmark = pytest.mark.skipif(not doorbell.AVAILABLE, reason="doorbells need Linux on x86-64")

@@ -4,7 +4,8 @@ import pytest
 from protocol_samples import ROOM, abort, done, failed_done, progress
 
 from pd_transfer.errors import LocalProtocolError, Reason
-from pd_transfer.protocol import ROOM_TRANSITIONS, RoomState, RoomStatus
+from pd_transfer.protocol import ROOM_TRANSITIONS, RoomStatus
+from pd_transfer.protocol import RoomGeneration as RoomState
 
 ORDER = [RoomStatus.BOOTSTRAPPING, RoomStatus.WAITING_FOR_INPUT, RoomStatus.TRANSFERRING, RoomStatus.SUCCESS]
 

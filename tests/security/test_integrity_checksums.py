@@ -18,7 +18,8 @@ from pd_transfer.layout.reconcile import Mode, reconcile
 from pd_transfer.layout.views import Layout, Pool
 from pd_transfer.testing import World
 from pd_transfer.transport import Fault, MockTransport, PeerEndpoint
-from pd_transfer.transport.copy.checksums import BlockLayout, RoomDigest, Side, compare, landed_digest
+from pd_transfer.transport.copy.checksums import BlockLayout, RoomDigest, compare, landed_digest
+from pd_transfer.transport.copy.checksums import CopySide as Side
 from pd_transfer.transport.mock import CorruptNth
 
 CASES = {

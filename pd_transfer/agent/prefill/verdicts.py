@@ -19,7 +19,7 @@ def plan_summary(
 ) -> tuple[PoolPlan, ...]:
     """Tensors per (pool, mode), with descriptors and bytes of one page, slot or row.
 
-    ``strategies``: ``{pool: Decision}`` (:func:`.strategies.choose_strategies`).
+    ``strategies``: ``{pool: StrategyChoice}`` (:func:`.strategies.choose_strategies`).
     """
     strategies = strategies or {}
     one_item = (np.zeros(1, np.int64), np.zeros(1, np.int64))

@@ -15,16 +15,14 @@ move the bytes:
     abort            client.abort; is_abort_release_safe is True only once the sidecar drained
 
 Calls run on the scheduler thread, one client per manager. Configuration
-comes from the environment (:class:`BackendSettings`).
+comes from the environment (:class:`~.settings.BackendSettings`).
 """
 
 from __future__ import annotations
 
 import contextvars
 import logging
-import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from sglang.srt.disaggregation.base.conn import (
@@ -42,6 +40,7 @@ from pd_transfer.client import Client, ClientError, Refused, RoomState, RoomStat
 from pd_transfer.errors import ConfigError, Reason
 from pd_transfer.integrations.sglang.memory import EngineMemory
 from pd_transfer.integrations.sglang.registration import EngineFacts, describe_rank
+from pd_transfer.integrations.sglang.settings import BackendSettings, deferred_release_enabled
 from pd_transfer.layout.geometry import Role
 
 log = logging.getLogger(__name__)
@@ -63,50 +62,6 @@ _POLL = {
     RoomStatus.SUCCESS: KVPoll.Success,
     RoomStatus.FAILED: KVPoll.Failed,
 }
-
-
-@dataclass(frozen=True)
-class BackendSettings:
-    """The backend's settings, from ``PD_TRANSFER_SGLANG_*`` variables.
-
-    ``worker_endpoint`` is this rank's sidecar; ``{gpu_id}``, ``{tp_rank}``,
-    ``{pp_rank}`` and ``{dp_rank}`` are filled in per rank.
-    ``bootstrap_port`` (0: SGLang's ``--disaggregation-bootstrap-port``) is
-    where prefill rank 0's sidecar serves its bootstrap. The client's shared
-    secret comes from ``PD_TRANSFER_SECRET_FILE`` / ``PD_TRANSFER_SECRET``.
-    """
-
-    worker_endpoint: str = "unix:///run/pd-transfer/gpu{gpu_id}/worker.sock"
-    bootstrap_port: int = 0
-    call_timeout_s: float = 10.0
-    register_timeout_s: float = 60.0
-    bootstrap_timeout_s: float = 300.0
-
-    @classmethod
-    def from_environ(cls, environ: Any = None) -> BackendSettings:
-        environ = os.environ if environ is None else environ
-        prefix = "PD_TRANSFER_SGLANG_"
-        values: dict[str, Any] = {}
-        for name, default in cls.__dataclass_fields__.items():
-            raw = environ.get(prefix + name.upper())
-            if raw is None:
-                continue
-            kind = type(default.default)
-            try:
-                values[name] = kind(raw)
-            except ValueError:
-                raise ConfigError(f"{prefix}{name.upper()}={raw!r}: expected {kind.__name__}") from None
-            if kind is not str and values[name] < 0:
-                raise ConfigError(f"{prefix}{name.upper()}={raw!r}: must not be negative")
-        return cls(**values)
-
-    def endpoint_for(self, kv_args: Any) -> str:
-        return self.worker_endpoint.format(
-            gpu_id=getattr(kv_args, "gpu_id", 0),
-            tp_rank=kv_args.engine_rank,
-            pp_rank=kv_args.pp_rank,
-            dp_rank=getattr(kv_args, "system_dp_rank", 0) or 0,
-        )
 
 
 class PdTransferKVManager(BaseKVManager):
@@ -139,7 +94,7 @@ class PdTransferKVManager(BaseKVManager):
         self.role = role
         # SGLang holds a failed or aborted room's pages until is_abort_release_safe (its
         # SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE switch); answered by the sidecar's drain
-        self.enable_deferred_decode_kv_release = _deferred_release_enabled()
+        self.enable_deferred_decode_kv_release = deferred_release_enabled()
         self.deferred: dict[int, PdTransferKVReceiver] = {}
         self.geometry = describe_rank(args, self.memory, self.facts, role)
         self.worker_id = f"sglang-{role.value}-pp{args.pp_rank}-tp{args.engine_rank}"
@@ -186,15 +141,6 @@ class PdTransferKVManager(BaseKVManager):
 
     def close(self) -> None:
         self.client.close()
-
-
-def _deferred_release_enabled() -> bool:
-    try:
-        from sglang.srt.environ import envs
-
-        return bool(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get())
-    except (ImportError, AttributeError):
-        return False
 
 
 class _Room:

@@ -24,11 +24,10 @@ from typing import Any
 
 from pd_transfer.errors import GeometryError, Reason
 from pd_transfer.integrations.sglang.host_views import host_kv_views
+from pd_transfer.integrations.sglang.kv_views import check_item, dtype_name, kv_view
 from pd_transfer.integrations.sglang.memory import EngineMemory, PoolTensor
 from pd_transfer.layout.geometry import RankGeometry, Region, Role
 from pd_transfer.layout.views import Axis, AxisRole, Layout, Pool, ShardSpec, TensorView
-
-_DTYPE_NAMES = {"uint64": "int64", "bool": "uint8"}  # same bytes; the planner only moves bytes
 
 
 @dataclass(frozen=True)
@@ -96,7 +95,7 @@ def _kv_views(
             else facts.start_layer + entry.index
         )
         views.append(
-            _kv_view(
+            kv_view(
                 entry,
                 offset,
                 layer_id,
@@ -109,82 +108,6 @@ def _kv_views(
             )
         )
     return views
-
-
-def _kv_view(
-    entry: PoolTensor,
-    offset: int,
-    layer_id: int,
-    pool: Pool,
-    page_size: int,
-    tp_rank: int,
-    facts: EngineFacts,
-    item_nbytes: int,
-    local_heads: int | None,
-) -> TensorView:
-    tensor = entry.tensor
-    name = entry.kind.removeprefix("swa_")
-    path = f"{pool.value}.layer[{layer_id}].{'latent' if name == 'kv' else name}"
-    if tensor.dim() != 3:
-        raise GeometryError(
-            f"{path}: expected a (tokens, heads, dim) pool tensor, got shape {tuple(tensor.shape)}",
-            code=Reason.BAD_VIEW,
-        )
-    rows, heads, dim = tensor.shape
-    dtype = _dtype(tensor)
-    isz = tensor.element_size()
-    _check_item(path, "kv_item_lens", item_nbytes, page_size * heads * dim * isz)
-    if rows % page_size:
-        raise GeometryError(
-            f"{path}: {rows} token rows are not whole pages of {page_size}", code=Reason.BAD_VIEW
-        )
-    row_stride, head_stride, elem_stride = (s * isz for s in tensor.stride())
-    page_axis, token_axis = Axis("page", AxisRole.INDEX), Axis("token", AxisRole.TOKEN)
-    if name == "kv":  # MLA latent: one replicated "head"
-        return TensorView(
-            pool=pool,
-            layer_id=layer_id,
-            name="latent",
-            region=entry.region,
-            offset_nbytes=offset,
-            dtype=dtype,
-            shape=(rows // page_size, page_size, dim),
-            strides_nbytes=(row_stride * page_size, row_stride, elem_stride),
-            axes=(page_axis, token_axis, Axis("latent_dim", AxisRole.INNER)),
-            shard=None,
-            layout=Layout.NHD,
-        )
-    if local_heads is not None and local_heads and local_heads != heads:
-        raise GeometryError(
-            f"{path}: kv_args.kv_head_num is {local_heads} but the pool tensor holds {heads} heads",
-            code=Reason.BAD_VIEW,
-        )
-    if facts.total_kv_heads is None:
-        raise GeometryError(
-            f"{path}: the model's total KV head count is not known",
-            code=Reason.BAD_VIEW,
-            hint="pass total_kv_heads from SGLang's model config",
-        )
-    shard = ShardSpec.for_rank(facts.total_kv_heads, facts.attn_tp_size, tp_rank)
-    if shard.local_extent != heads:
-        raise GeometryError(
-            f"{path}: {facts.total_kv_heads} KV heads over attn_tp_size {facts.attn_tp_size} give rank "
-            f"{tp_rank} {shard.local_extent} heads, but its pool tensor holds {heads}",
-            code=Reason.BAD_VIEW,
-        )
-    return TensorView(
-        pool=pool,
-        layer_id=layer_id,
-        name=name,
-        region=entry.region,
-        offset_nbytes=offset,
-        dtype=dtype,
-        shape=(rows // page_size, page_size, heads, dim),
-        strides_nbytes=(row_stride * page_size, row_stride, head_stride, elem_stride),
-        axes=(page_axis, token_axis, Axis("head", AxisRole.SHARD), Axis("head_dim", AxisRole.INNER)),
-        shard=shard,
-        layout=Layout.NHD,
-    )
 
 
 def _state_views(kv_args: Any, memory: EngineMemory, facts: EngineFacts, tp_rank: int) -> list[TensorView]:
@@ -219,7 +142,7 @@ def _swa_views(
             layer_ids[j] if layer_ids else entry.layer_id if entry.layer_id is not None else entry.index
         )
         views.append(
-            _kv_view(
+            kv_view(
                 entry,
                 offset,
                 layer_id,
@@ -251,7 +174,7 @@ def _mamba_views(
         tensor = entry.tensor
         slot_shape = tuple(tensor.shape[2:])
         isz = tensor.element_size()
-        _check_item(path, "state_item_lens", item_nbytes, math.prod(slot_shape) * isz)
+        check_item(path, "state_item_lens", item_nbytes, math.prod(slot_shape) * isz)
         dim = _entry(kv_args, "state_dim_per_tensor", c, j, 0)
         outer = _entry(kv_args, "state_slice_outer_counts", c, j, 1)
         groups = _entry(kv_args, "state_conv_shard_groups", c, j, None)
@@ -273,7 +196,7 @@ def _mamba_views(
                 name=name,
                 region=(host or where)[0],
                 offset_nbytes=(host or where)[1],
-                dtype=_dtype(tensor),
+                dtype=dtype_name(tensor),
                 shape=(host or where)[2],
                 strides_nbytes=(host or where)[3],
                 axes=(Axis("slot", AxisRole.INDEX),) + axes,
@@ -372,7 +295,7 @@ def _aux_views(kv_args: Any, memory: EngineMemory) -> list[TensorView]:
         tensor = entry.tensor
         name = entry.region.removeprefix("aux.")
         row_nbytes = math.prod(tensor.shape[1:]) * tensor.element_size()
-        _check_item(f"aux.{name}", "aux_item_lens", kv_args.aux_item_lens[j], row_nbytes)
+        check_item(f"aux.{name}", "aux_item_lens", kv_args.aux_item_lens[j], row_nbytes)
         isz = tensor.element_size()
         flat = row_nbytes // isz
         views.append(
@@ -382,7 +305,7 @@ def _aux_views(kv_args: Any, memory: EngineMemory) -> list[TensorView]:
                 name=name,
                 region=entry.region,
                 offset_nbytes=offset,
-                dtype=_dtype(tensor),
+                dtype=dtype_name(tensor),
                 shape=(tensor.shape[0], flat),
                 strides_nbytes=(tensor.stride()[0] * isz, isz),
                 axes=(Axis("row", AxisRole.INDEX), Axis("elem", AxisRole.INNER)),
@@ -399,17 +322,3 @@ def _entry(kv_args: Any, field: str, c: int, j: int, default: Any) -> Any:
         return default
     value = table[c][j]
     return default if value is None else value
-
-
-def _check_item(path: str, field: str, sglang_nbytes: int, view_nbytes: int) -> None:
-    if int(sglang_nbytes) != view_nbytes:
-        raise GeometryError(
-            f"{path}: SGLang's {field} says {sglang_nbytes} bytes per item, the pool "
-            f"tensor gives {view_nbytes}",
-            code=Reason.BAD_VIEW,
-        )
-
-
-def _dtype(tensor: Any) -> str:
-    name = str(tensor.dtype).removeprefix("torch.")
-    return _DTYPE_NAMES.get(name, name)

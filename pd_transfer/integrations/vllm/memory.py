@@ -208,25 +208,32 @@ def _layer_views(
             f"vLLM layer {name!r}: {heads} KV heads on tp rank {tp_rank} of {tp_size}, "
             f"but {total_kv_heads} model KV heads split into {shard.local_extent}"
         )
-    if len(shape) == 4 and shape[1:] == (heads, bs, 2 * dim):
-        page, token, head, kv_axis, kv_step = 0, 2, 1, 3, dim * stride[3]
-    elif len(shape) == 5 and shape[0] == 2 and shape[2:] == (bs, heads, dim):
-        page, token, head, kv_axis, kv_step = 1, 2, 3, 0, stride[0]
-    elif len(shape) == 5 and shape[1] == 2 and shape[2:] == (bs, heads, dim):
-        page, token, head, kv_axis, kv_step = 0, 2, 3, 1, stride[1]
-    else:
-        raise _bad_shape(
-            name,
-            shape,
-            f"[blocks, {heads}, {bs}, {2 * dim}], "
-            f"[2, blocks, {bs}, {heads}, {dim}] or [blocks, 2, {bs}, {heads}, {dim}]",
-        )
+    page, token, head, kv_axis, kv_step = _kv_axes(name, shape, stride, bs, heads, dim)
     layout = Layout.HND if stride[head] > stride[token] else Layout.NHD
     inner = len(shape) - 1
     axes_dims = ((PAGE_AXIS, page), (TOKEN_AXIS, token), (HEAD_AXIS, head), (HEAD_DIM_AXIS, inner))
     if kv_axis == inner:  # K | V side by side on the last axis: V starts head_size elements in
         shape = shape[:inner] + (dim,)
     return [view("k", 0, axes_dims), view("v", kv_step, axes_dims)], page
+
+
+def _kv_axes(
+    name: str, shape: tuple, stride: list[int], bs: int, heads: int, dim: int
+) -> tuple[int, int, int, int, int]:
+    """Which tensor dims are page, token, head and K/V in one of vLLM's KV shapes, and
+    the bytes from K to V."""
+    if len(shape) == 4 and shape[1:] == (heads, bs, 2 * dim):
+        return 0, 2, 1, 3, dim * stride[3]
+    if len(shape) == 5 and shape[0] == 2 and shape[2:] == (bs, heads, dim):
+        return 1, 2, 3, 0, stride[0]
+    if len(shape) == 5 and shape[1] == 2 and shape[2:] == (bs, heads, dim):
+        return 0, 2, 3, 1, stride[1]
+    raise _bad_shape(
+        name,
+        shape,
+        f"[blocks, {heads}, {bs}, {2 * dim}], "
+        f"[2, blocks, {bs}, {heads}, {dim}] or [blocks, 2, {bs}, {heads}, {dim}]",
+    )
 
 
 def _bad_shape(name: str, shape: tuple, expected: str) -> ConfigError:

@@ -54,7 +54,9 @@ _ITEM_WORD = {Pool.KV: "page", Pool.SWA: "page", Pool.MAMBA: "slot", Pool.AUX: "
 IndexPair = tuple[np.ndarray, np.ndarray]
 
 
-class Side(enum.Enum):
+class CopySide(enum.Enum):
+    """Which end of a copy a checksum reads."""
+
     SOURCE = "source"  # prefill: the bytes it sends
     DESTINATION = "destination"  # decode: the bytes that landed
 
@@ -74,9 +76,9 @@ class _UnitRuns:
     dst_nbytes: np.ndarray
     block_nbytes: int
 
-    def side(self, side: Side) -> tuple[str, int, int, np.ndarray, np.ndarray]:
+    def side(self, side: CopySide) -> tuple[str, int, int, np.ndarray, np.ndarray]:
         unit = self.unit
-        if side is Side.SOURCE:
+        if side is CopySide.SOURCE:
             return (unit.src_region, unit.src_base, unit.index_strides[0], self.src_offset, self.src_nbytes)
         return (unit.dst_region, unit.dst_base, unit.index_strides[1], self.dst_offset, self.dst_nbytes)
 
@@ -126,7 +128,7 @@ class BlockLayout:
     def num_units(self, pool: Pool) -> int:
         return len(self._units.get(pool, ()))
 
-    def block_sums(self, pool: Pool, indices: np.ndarray, regions: Regions, side: Side) -> np.ndarray:
+    def block_sums(self, pool: Pool, indices: np.ndarray, regions: Regions, side: CopySide) -> np.ndarray:
         """``C[u, k]``: crc32 of unit ``u``'s block at ``indices[k]``, read on ``side``."""
         units = self._units.get(pool, ())
         idx = np.asarray(indices, np.int64).reshape(-1)
@@ -141,7 +143,9 @@ class BlockLayout:
             out[row] = _crc_blocks(mapped[region_id], starts, rel, nbytes, runs.block_nbytes)
         return out
 
-    def block_runs(self, pool: Pool, unit: int, index: int, side: Side) -> tuple[str, np.ndarray, np.ndarray]:
+    def block_runs(
+        self, pool: Pool, unit: int, index: int, side: CopySide
+    ) -> tuple[str, np.ndarray, np.ndarray]:
         """Region, offsets and lengths of unit ``unit``'s block at ``index`` on ``side``."""
         region_id, base, stride, rel, nbytes = self._units[pool][unit].side(side)
         return region_id, base + index * stride + rel, nbytes
@@ -149,7 +153,7 @@ class BlockLayout:
     def describe(self, pool: Pool, unit: int, position: int, dst_indices: np.ndarray) -> str:
         """``kv page 17 (position 3) in region kv.k.L3 at offset 81920``."""
         index = int(dst_indices[position])
-        region_id, offsets, _ = self.block_runs(pool, unit, index, Side.DESTINATION)
+        region_id, offsets, _ = self.block_runs(pool, unit, index, CopySide.DESTINATION)
         return (
             f"{pool.value} {_ITEM_WORD.get(pool, 'item')} {index} (position {position}) in "
             f"region {region_id} at offset {int(offsets[0])}"
@@ -157,7 +161,7 @@ class BlockLayout:
 
 
 def _check_inside(
-    region: Mapped, starts: np.ndarray, rel: np.ndarray, nbytes: np.ndarray, side: Side
+    region: Mapped, starts: np.ndarray, rel: np.ndarray, nbytes: np.ndarray, side: CopySide
 ) -> None:
     low = int(starts.min()) + int(rel.min())
     high = int(starts.max()) + int((rel + nbytes).max())
@@ -246,7 +250,7 @@ class RoomDigest:
         """Hash one chunk's source bytes; ``starts`` gives each pool's first item position."""
         for pool, (src_idx, _) in requests.items():
             if pool in self.pools:
-                sums = self.layout.block_sums(pool, src_idx, regions, Side.SOURCE)
+                sums = self.layout.block_sums(pool, src_idx, regions, CopySide.SOURCE)
                 self.pools[pool].add(starts.get(pool, 0), sums)
 
 
@@ -258,7 +262,7 @@ def landed_digest(
     for pool, idx in dst.items():
         if layout.num_units(pool):
             digest = PoolDigest.empty(layout.num_units(pool), len(idx))
-            digest.add(0, layout.block_sums(pool, idx, regions, Side.DESTINATION))
+            digest.add(0, layout.block_sums(pool, idx, regions, CopySide.DESTINATION))
             out[pool] = digest
     return out
 

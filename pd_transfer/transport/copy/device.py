@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from pd_transfer.transport.copy.runs import check_bounds, expand_batch, flatten, row_nbytes_for, rows_of
+from pd_transfer.transport.copy.bounds import check_bounds
+from pd_transfer.transport.copy.runs import expand_batch, flatten, row_nbytes_for, rows_of
 
 _ROW_CAP = 1 << 16
 _CHUNK_ROWS = 1 << 16

@@ -40,8 +40,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pd_transfer.layout.grids import GridPlan
 from pd_transfer.transport.copy import grid, native_loop
-from pd_transfer.transport.copy.runs import check_bounds, flatten
-from pd_transfer.transport.copy.tasks import Scratch, compile_tasks
+from pd_transfer.transport.copy.bounds import check_bounds
+from pd_transfer.transport.copy.kinds import BounceBuffer
+from pd_transfer.transport.copy.runs import flatten
+from pd_transfer.transport.copy.tasks import compile_tasks
 from pd_transfer.transport.regions import Mapped, Regions, map_one, map_regions, sizes_of
 
 LAST_RUN_NBYTES = 1 << 20  # a last run up to this size is copied after the others
@@ -176,7 +178,7 @@ class CopyEngine:
     def _drain(self, tasks: Iterator) -> None:
         scratch = getattr(self._local, "scratch", None)
         if scratch is None:
-            scratch = self._local.scratch = Scratch(self.bounce_nbytes + self.stretch_nbytes)
+            scratch = self._local.scratch = BounceBuffer(self.bounce_nbytes + self.stretch_nbytes)
         for task in tasks:
             task.run(scratch)
 

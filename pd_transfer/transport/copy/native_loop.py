@@ -14,7 +14,7 @@ the library was not built (no C compiler at install time), does not load, or
 tasks instead (:mod:`~pd_transfer.transport.copy.tasks`).
 
 Safety: every address is a mapped region's base plus an offset that
-:func:`~pd_transfer.transport.copy.runs.check_bounds` accepted; the caller keeps the regions mapped for
+:func:`~pd_transfer.transport.copy.bounds.check_bounds` accepted; the caller keeps the regions mapped for
 the call.
 """
 

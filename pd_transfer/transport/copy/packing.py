@@ -28,16 +28,8 @@ import numpy as np
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.copy import native_loop
-from pd_transfer.transport.copy.runs import (
-    Flat,
-    Runs,
-    check_bounds,
-    dst_groups,
-    expand,
-    flatten,
-    row_nbytes_for,
-    rows_of,
-)
+from pd_transfer.transport.copy.bounds import check_bounds
+from pd_transfer.transport.copy.runs import Flat, Runs, dst_groups, expand, flatten, row_nbytes_for, rows_of
 from pd_transfer.transport.regions import Mapped, Regions, map_regions
 
 _ROW_CAP_NBYTES = 1 << 20

@@ -2,7 +2,7 @@
 
 Pieces are grouped into *stretches*: pieces of one batch that fill consecutive
 destination bytes (descriptors are sorted by destination first, so
-neighbouring decode pages join). Four kinds of task:
+neighbouring decode pages join). Four kinds of task (:mod:`.kinds`):
 
 - :class:`CopyRun`: a long stretch that is one source run, one memcpy;
 - :class:`TakeInto`: a long stretch of several source runs, gathered straight
@@ -39,10 +39,9 @@ more, and every index was bounds-checked before compiling.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 
+from pd_transfer.transport.copy.kinds import Bounce, CopyRun, PutFrom, TakeInto, split_tasks, void_dtype
 from pd_transfer.transport.copy.runs import (
     Flat,
     Items,
@@ -57,78 +56,8 @@ from pd_transfer.transport.regions import Mapped
 ROW_CAP_NBYTES = 1 << 20
 SMALL_PIECE_NBYTES = 4 << 10
 SPLIT_NBYTES = 4 << 20
-PUT_MIN_ROWS = 512
 # sorting by source pays only where the pieces fill most of the source bytes they span
 SOURCE_FILL_MIN = 2 / 3
-
-
-_VOID_DTYPES: dict[int, np.dtype] = {}
-
-
-def void_dtype(nbytes: int) -> np.dtype:
-    """The (cached) numpy dtype of an opaque ``nbytes``-byte item."""
-    dtype = _VOID_DTYPES.get(nbytes)
-    if dtype is None:
-        dtype = _VOID_DTYPES[nbytes] = np.dtype((np.void, nbytes))
-    return dtype
-
-
-class Scratch:
-    """A worker thread's bounce buffer."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.array = np.empty(nbytes, np.uint8)
-
-
-class CopyRun(NamedTuple):  # NamedTuples: a plan makes thousands, and they build fastest
-    src: np.ndarray
-    dst: np.ndarray
-
-    @property
-    def nbytes(self) -> int:
-        return self.dst.size
-
-    def run(self, scratch: Scratch) -> None:
-        np.copyto(self.dst, self.src)
-
-
-class TakeInto(NamedTuple):
-    src_rows: np.ndarray
-    index: np.ndarray
-    dst: np.ndarray  # the stretch, as rows of the source row size
-
-    @property
-    def nbytes(self) -> int:
-        return self.dst.nbytes
-
-    def run(self, scratch: Scratch) -> None:
-        np.take(self.src_rows, self.index, out=self.dst, mode="clip")
-
-
-class PutFrom(NamedTuple):
-    dst_rows: np.ndarray
-    index: np.ndarray
-    src: np.ndarray  # the source stretch, as rows of the destination row size
-
-    @property
-    def nbytes(self) -> int:
-        return self.src.nbytes
-
-    def run(self, scratch: Scratch) -> None:
-        np.put(self.dst_rows, self.index, self.src)
-
-
-class Bounce(NamedTuple):
-    src_rows: np.ndarray
-    src_index: np.ndarray
-    dst_rows: np.ndarray
-    dst_index: np.ndarray
-    nbytes: int
-
-    def run(self, scratch: Scratch) -> None:
-        buf = scratch.array[: self.nbytes]
-        np.take(self.src_rows, self.src_index, out=buf.view(self.src_rows.dtype), mode="clip")
-        np.put(self.dst_rows, self.dst_index, buf.view(self.dst_rows.dtype))
 
 
 def compile_tasks(
@@ -178,7 +107,7 @@ def compile_tasks(
         tasks += _bounce_tasks(
             items, starts, np.add.reduceat(items.nbytes, starts), flat.batches, src, dst, bounce_nbytes
         )
-    return _split(tasks, split_nbytes)
+    return split_tasks(tasks, split_nbytes)
 
 
 def _uniform_bounce(
@@ -229,7 +158,24 @@ def _uniform_bounce(
         ).any()
     ):
         return None
+    return _uniform_bounces(flat, src, dst, size, batch, src_rows, dst_rows, bounce_nbytes)
+
+
+def _uniform_bounces(
+    flat: Flat,
+    src: dict[str, Mapped],
+    dst: dict[str, Mapped],
+    size: int,
+    batch: np.ndarray,
+    src_rows: np.ndarray,
+    dst_rows: np.ndarray,
+    bounce_nbytes: int,
+) -> list:
+    """The uniform plan's bounces: ``size``-byte rows in destination order, a bounce
+    buffer's worth at a time, never across a batch."""
+    n = len(batch)
     per_task = max(1, bounce_nbytes // size)
+    one_batch = len(flat.batches) == 1
     edges = np.zeros(0, np.int64) if one_batch else np.flatnonzero(batch[1:] != batch[:-1]) + 1
     tasks = []
     for lo, hi in zip([0, *edges.tolist()], [*edges.tolist(), n]):
@@ -386,34 +332,6 @@ def _fill(batch: np.ndarray, offset: np.ndarray, nbytes: np.ndarray | int) -> fl
         return len(offset) * nbytes / max(1, int(span.sum()))
     span = np.maximum.reduceat(offset + nbytes, first) - np.minimum.reduceat(offset, first)
     return int(nbytes.sum()) / max(1, int(span.sum()))
-
-
-def _split(tasks: list, split_nbytes: int) -> list:
-    """Tasks of more than ``split_nbytes`` cut into consecutive pieces of about that length."""
-    if not any(task.nbytes > split_nbytes for task in tasks):
-        return tasks
-    out = []
-    for task in tasks:
-        if task.nbytes <= split_nbytes or isinstance(task, Bounce):
-            out.append(task)
-        elif isinstance(task, CopyRun):
-            out += [
-                CopyRun(task.src[a : a + split_nbytes], task.dst[a : a + split_nbytes])
-                for a in range(0, task.nbytes, split_nbytes)
-            ]
-        elif isinstance(task, TakeInto):
-            step = max(1, split_nbytes // task.dst.itemsize)
-            out += [
-                TakeInto(task.src_rows, task.index[a : a + step], task.dst[a : a + step])
-                for a in range(0, len(task.index), step)
-            ]
-        else:  # a put of a few hundred rows keeps the GIL (numpy 2.4: 256 rows did, 8,192 not)
-            step = max(PUT_MIN_ROWS, split_nbytes // task.src.itemsize)
-            out += [
-                PutFrom(task.dst_rows, task.index[a : a + step], task.src[a : a + step])
-                for a in range(0, len(task.index), step)
-            ]
-    return out
 
 
 def _bounce_tasks(

@@ -42,7 +42,8 @@ import numpy as np
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.base import Link, PeerEndpoint, Transport, TransportKind
-from pd_transfer.transport.copy.runs import check_bounds, expand, flatten, row_nbytes_for, rows_of
+from pd_transfer.transport.copy.bounds import check_bounds
+from pd_transfer.transport.copy.runs import expand, flatten, row_nbytes_for, rows_of
 from pd_transfer.transport.engines.address import EngineAddress
 from pd_transfer.transport.engines.link import EngineLink, Recovery, check_published, recover
 from pd_transfer.transport.engines.nixl_agent import NixlEngine, NixlReceiver, load_api

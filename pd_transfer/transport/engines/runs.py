@@ -5,7 +5,7 @@ address, not by region and offset. :func:`lower_to_addresses` turns a plan
 into three arrays (source address, destination address, length) after
 
 - bounds-checking every piece against both sides' registered region sizes
-  (:func:`pd_transfer.transport.copy.runs.check_bounds`): an engine writes
+  (:func:`pd_transfer.transport.copy.bounds.check_bounds`): an engine writes
   wherever it is told, so nothing out of bounds may ever reach it;
 - joining runs that continue each other on *both* sides (consecutive pages
   of a contiguous pool become one descriptor), without a Python loop.
@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from pd_transfer.errors import Reason, TransportError
-from pd_transfer.transport.copy.runs import check_bounds, expand, flatten
+from pd_transfer.transport.copy.bounds import check_bounds
+from pd_transfer.transport.copy.runs import expand, flatten
 from pd_transfer.transport.regions import Regions, map_one
 
 

@@ -128,7 +128,7 @@ class RunProfile:
 
 
 @dataclass(frozen=True)
-class Decision:
+class StrategyChoice:
     """The strategy for one (peer, pool), and why."""
 
     strategy: Strategy
@@ -202,7 +202,7 @@ def choose(
     batch_descriptors: int,
     staging: bool = True,
     ring_slots: int = 1,
-) -> Decision:
+) -> StrategyChoice:
     """Direct or staged for runs like ``profile`` over a path costing ``cost``.
 
     ``staging`` False (the peer offers no staging area, or it is full)
@@ -210,20 +210,20 @@ def choose(
     direct under ``auto``.
     """
     if not staging:
-        return Decision(Strategy.DIRECT, "the peer offers no staging slots", profile)
+        return StrategyChoice(Strategy.DIRECT, "the peer offers no staging slots", profile)
     if mode is StrategyMode.DIRECT:
-        return Decision(Strategy.DIRECT, "configured", profile)
+        return StrategyChoice(Strategy.DIRECT, "configured", profile)
     if mode is StrategyMode.STAGED:
-        return Decision(Strategy.STAGED, "configured", profile)
+        return StrategyChoice(Strategy.STAGED, "configured", profile)
     if cost is None:
-        return Decision(Strategy.DIRECT, "path not measured", profile)
+        return StrategyChoice(Strategy.DIRECT, "path not measured", profile)
     if not profile.num_runs:
-        return Decision(Strategy.DIRECT, "no runs", profile)
+        return StrategyChoice(Strategy.DIRECT, "no runs", profile)
     crossover = crossover_nbytes(
         cost, slot_nbytes=slot_nbytes, batch_descriptors=batch_descriptors, ring_slots=ring_slots
     )
     staged = profile.mean_nbytes < crossover
-    return Decision(
+    return StrategyChoice(
         Strategy.STAGED if staged else Strategy.DIRECT,
         f"mean run {profile.mean_nbytes:.0f} B {'<' if staged else '>='} crossover {crossover:.0f} B",
         profile,

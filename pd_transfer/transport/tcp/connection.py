@@ -39,9 +39,9 @@ from pd_transfer.transport.tcp.frames import (
     MAX_HEADER_NBYTES,
     Ack,
     ChunkHeader,
-    Done,
     EndHeader,
     Fail,
+    XferDone,
     decode_data,
     encode,
 )
@@ -185,7 +185,7 @@ class Connection(GatedConnection):
         receiver.transfer_done()
         if receiver.on_landed is not None:
             self._on_landed(header)
-        self._reply(Done(header.xfer, header.nbytes))
+        self._reply(XferDone(header.xfer, header.nbytes))
 
     def _on_landed(self, header: EndHeader) -> None:
         """Run the receiver's callback on its event loop, and wait for it (before ``done``)."""
@@ -216,7 +216,7 @@ class Connection(GatedConnection):
         self._xfers.refuse(None, xfer)
         self._reply(Fail(xfer, err.code.value, err.message))
 
-    def _reply(self, message: Ack | Done | Fail) -> None:
+    def _reply(self, message: Ack | XferDone | Fail) -> None:
         try:
             send_frame(self.sock, Kind.REPLY, encode(message))
         except OSError as err:  # the peer went away; its write fails or times out

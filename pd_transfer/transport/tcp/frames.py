@@ -78,7 +78,7 @@ class Ack:
 
 
 @dataclass(frozen=True)
-class Done:
+class XferDone:
     xfer: int
     nbytes: int
 
@@ -133,7 +133,7 @@ _RECORDS = {
 }
 
 
-def encode(message: ChunkHeader | EndHeader | Ack | Done | Fail) -> bytes:
+def encode(message: ChunkHeader | EndHeader | Ack | XferDone | Fail) -> bytes:
     if isinstance(message, ChunkHeader):
         tag, body = (
             "chunk",
@@ -159,7 +159,7 @@ def encode(message: ChunkHeader | EndHeader | Ack | Done | Fail) -> bytes:
         )
     elif isinstance(message, Ack):
         tag, body = "ack", {"xfer": message.xfer, "seq": message.seq, "nbytes": message.nbytes}
-    elif isinstance(message, Done):
+    elif isinstance(message, XferDone):
         tag, body = "done", {"xfer": message.xfer, "nbytes": message.nbytes}
     elif isinstance(message, Fail):
         tag, body = (
@@ -180,13 +180,13 @@ def decode_data(frame: bytes) -> ChunkHeader | EndHeader:
     return ChunkHeader(f["xfer"], f["room"], f["gen"], f["seq"], WireRuns(f["regions"], runs))
 
 
-def decode_reply(frame: bytes) -> Ack | Done | Fail:
+def decode_reply(frame: bytes) -> Ack | XferDone | Fail:
     """A receiver's reply frame."""
     tag, f = _decoded(frame, ("ack", "done", "fail"))
     if tag == "ack":
         return Ack(f["xfer"], f["seq"], f["nbytes"])
     if tag == "done":
-        return Done(f["xfer"], f["nbytes"])
+        return XferDone(f["xfer"], f["nbytes"])
     return Fail(f["xfer"], f["code"], f["text"])
 
 

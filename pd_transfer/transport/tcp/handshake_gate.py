@@ -45,6 +45,7 @@ from pd_transfer.transport.tcp.sockets import (
     PeerClosed,
     Prefix,
     recv_exact,
+    shutdown,
 )
 
 
@@ -165,10 +166,7 @@ class GatedConnection:
 
     def shutdown(self) -> None:
         """Wake the thread out of any blocking call: the connection ends."""
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        shutdown(self.sock)
 
     def cut_handshake(self, code: Reason, why: str) -> bool:
         """End the connection if it has not authenticated yet (the deadline passed, or

@@ -64,7 +64,7 @@ class Staging:
 
 
 @dataclass(frozen=True)
-class Staged:
+class StagedRuns:
     """Runs of one region received into ``buffer`` (staging), to scatter after."""
 
     region: Mapped
@@ -84,7 +84,7 @@ class Part:
 
     def __init__(self) -> None:
         self.segments: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        self.staged: list[Staged] = []
+        self.staged: list[StagedRuns] = []
         self.num_iov = 0
         self.staged_nbytes = 0
 
@@ -191,7 +191,7 @@ def _stretches(
         at = parts.part.staged_nbytes
         buffer = staging.take(parts.stage_nbytes)[at : at + total]
         if receiving:
-            parts.part.staged.append(Staged(region, offset[a:b], nbytes[a:b], buffer))
+            parts.part.staged.append(StagedRuns(region, offset[a:b], nbytes[a:b], buffer))
         else:
             gather_pieces(region, offset[a:b], nbytes[a:b], buffer)
         parts.part.add_whole(buffer)

@@ -1,27 +1,27 @@
 """One tcp sender link: a plain TCP connection to a peer's receiver, driven by two threads.
 
-The event loop side (``write`` in :mod:`~pd_transfer.transport.tcp.transport`) takes window credit and
-queues jobs (a chunk to send, a transfer's end); everything that blocks runs
-in the link's threads:
+The event loop side (``write`` in :mod:`~pd_transfer.transport.tcp.transport`) takes
+window credit and queues jobs (a chunk to send, a transfer's end); everything that
+blocks runs in the link's threads:
 
-- the *sender* thread connects (retrying every 0.1-1 s while the peer is not
-  there, as ZeroMQ did), runs the authentication handshake, then takes jobs
-  in order: it encodes each chunk's header and ``sendmsg``-s it with the
-  payload as memoryviews of the source regions (:mod:`~pd_transfer.transport.tcp.iovecs`);
-- the *reader* thread of each connection reads the receiver's replies (ack,
-  done, fail) and hands them to the loop with ``call_soon_threadsafe``.
+- the *sender* thread connects (retrying every 0.1-1 s while the peer is not there,
+  as ZeroMQ did), runs the authentication handshake, then takes jobs in order: it
+  encodes each chunk's header and ``sendmsg``-s it with the payload as memoryviews of
+  the source regions (:mod:`~pd_transfer.transport.tcp.iovecs`);
+- the *reader* thread of each connection reads the receiver's replies (ack, done,
+  fail) and hands them to the loop with ``call_soon_threadsafe``.
 
-Blocking socket calls release the GIL, so the two copies of a payload (into
-the kernel here, out of it in the receiver) run while Python waits.
+Blocking socket calls release the GIL, so the two copies of a payload (into the
+kernel here, out of it in the receiver) run while Python waits.
 
-A transfer lives on one connection (the receiver counts its chunks there):
-if the connection breaks, every transfer on it fails with TRANSPORT_FAILED
-and the next write reconnects. Jobs of a transfer that finished or was
-abandoned (its caller timed out) are skipped, not sent; the one chunk the
-sender thread may be sending at that moment is not waited for by
-:meth:`Link.drain` (a stalled receiver could hold it forever): as with any
-bytes already in the network, the decode receiver's fence is what keeps a
-late chunk of an aborted room out (:meth:`~pd_transfer.transport.tcp.receiver.TcpReceiver.fence`).
+A transfer lives on one connection (the receiver counts its chunks there): if the
+connection breaks, every transfer on it fails with TRANSPORT_FAILED and the next
+write reconnects. Jobs of a transfer that finished or was abandoned (its caller timed
+out) are skipped, not sent; the one chunk the sender thread may be sending at that
+moment is not waited for by :meth:`Link.drain` (a stalled receiver could hold it
+forever): as with any bytes already in the network, the decode receiver's fence is
+what keeps a late chunk of an aborted room out
+(:meth:`~pd_transfer.transport.tcp.receiver.TcpReceiver.fence`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.base import Link, PeerEndpoint
 from pd_transfer.transport.copy.packing import ChunkLayout, gather_chunk
 from pd_transfer.transport.regions import Mapped
-from pd_transfer.transport.tcp.frames import Ack, ChunkHeader, Done, EndHeader, Fail, decode_reply, encode
+from pd_transfer.transport.tcp.frames import Ack, ChunkHeader, EndHeader, Fail, XferDone, decode_reply, encode
 from pd_transfer.transport.tcp.iovecs import DIRECT_MIN_NBYTES, Part, Staging, source_parts
 from pd_transfer.transport.tcp.sockets import (
     Authenticator,
@@ -55,6 +55,7 @@ from pd_transfer.transport.tcp.sockets import (
     recv_exact,
     send_frame,
     send_part,
+    shutdown,
 )
 from pd_transfer.transport.tcp.xfers import Xfer, settle
 
@@ -159,7 +160,7 @@ class TcpLink(Link):
             if not waiter.done():
                 waiter.set_result(None)
 
-    def _dispatch(self, reply: Ack | Done | Fail) -> None:
+    def _dispatch(self, reply: Ack | XferDone | Fail) -> None:
         nbytes = settle(self._xfers, reply, self.peer.peer_id)
         if nbytes is not None:
             self._give_back(nbytes)
@@ -181,7 +182,7 @@ class TcpLink(Link):
         with self._lock:
             sock = self._sock
         if sock is not None:
-            _shutdown(sock)
+            shutdown(sock)
         await asyncio.to_thread(self._join)
         self._fail(
             TransportError(
@@ -193,7 +194,7 @@ class TcpLink(Link):
     def _join(self) -> None:
         self._sender.join()  # it may have connected after _release looked: shut every socket
         for sock, _ in self._readers:
-            _shutdown(sock)
+            shutdown(sock)
         for sock, reader in self._readers:
             reader.join()
             sock.close()
@@ -373,7 +374,7 @@ class TcpLink(Link):
                 self._sock = None
         if not current:
             return
-        _shutdown(sock)  # wakes the other thread; the sender thread closes it later
+        shutdown(sock)  # wakes the other thread; the sender thread closes it later
         code = Reason.LINK_CLOSED if self._stopping.is_set() else Reason.TRANSPORT_FAILED
         if code is Reason.TRANSPORT_FAILED:
             # an idle connection the receiver closed cleanly (its sidecar stopped) is news:
@@ -394,10 +395,3 @@ class TcpLink(Link):
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:
             pass  # the loop is closed: nobody is waiting any more
-
-
-def _shutdown(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass

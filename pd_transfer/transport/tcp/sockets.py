@@ -85,6 +85,15 @@ def configure(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+def shutdown(sock: socket.socket) -> None:
+    """End both directions of ``sock`` now, waking any thread blocked on it; an already
+    dead socket is no error."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 def prefix(kind: Kind, header_nbytes: int, payload_nbytes: int = 0) -> bytes:
     return PREFIX.pack(MAGIC, VERSION, int(kind), 0, header_nbytes, payload_nbytes)
 

@@ -21,7 +21,7 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 
 from pd_transfer.errors import Reason, TransportError
-from pd_transfer.transport.tcp.frames import Ack, Done, EndHeader, Fail
+from pd_transfer.transport.tcp.frames import Ack, EndHeader, Fail, XferDone
 
 MAX_OPEN_XFERS = 4096
 MAX_REMEMBERED_FAILURES = 4096
@@ -40,7 +40,7 @@ class Xfer:
         self.abandoned = False  # the writer stopped waiting: skip its jobs
 
 
-def settle(xfers: Mapping[int, Xfer], reply: Ack | Done | Fail, peer_id: str) -> int | None:
+def settle(xfers: Mapping[int, Xfer], reply: Ack | XferDone | Fail, peer_id: str) -> int | None:
     """Apply ``reply`` to the write it names; return the window credit an ack gives back
     (None when there is none to give back)."""
     xfer = xfers.get(reply.xfer)
@@ -50,7 +50,7 @@ def settle(xfers: Mapping[int, Xfer], reply: Ack | Done | Fail, peer_id: str) ->
         return xfer.unacked.pop(reply.seq, None)
     if xfer.result.done():
         return None
-    if isinstance(reply, Done):
+    if isinstance(reply, XferDone):
         xfer.result.set_result(reply.nbytes)
     else:
         xfer.result.set_exception(
@@ -60,7 +60,7 @@ def settle(xfers: Mapping[int, Xfer], reply: Ack | Done | Fail, peer_id: str) ->
 
 
 @dataclass
-class Progress:
+class XferProgress:
     """What landed of one incoming transfer so far."""
 
     chunks: int = 0
@@ -74,14 +74,14 @@ class Incoming:
 
     def __init__(self, log: logging.Logger) -> None:
         self.log = log
-        self._open: OrderedDict[tuple[Hashable, int], Progress] = OrderedDict()
+        self._open: OrderedDict[tuple[Hashable, int], XferProgress] = OrderedDict()
         self._failed: OrderedDict[tuple[Hashable, int], None] = OrderedDict()
 
     def refused(self, peer: Hashable, xfer: int) -> bool:
         """Was this transfer refused (its later frames are dropped)?"""
         return (peer, xfer) in self._failed
 
-    def progress(self, peer: Hashable, xfer: int, where: str) -> Progress:
+    def progress(self, peer: Hashable, xfer: int, where: str) -> XferProgress:
         """The transfer's progress, opened at its first chunk (``where`` names the
         receiver in the log)."""
         progress = self._open.get((peer, xfer))
@@ -91,12 +91,12 @@ class Incoming:
                 # oldest open transfer (should it resume, its end reports it incomplete)
                 (_, stale), _ = self._open.popitem(last=False)
                 self.log.warning("%s: dropped stale transfer %d", where, stale)
-            progress = self._open[(peer, xfer)] = Progress()
+            progress = self._open[(peer, xfer)] = XferProgress()
         return progress
 
-    def end(self, peer: Hashable, xfer: int) -> Progress:
+    def end(self, peer: Hashable, xfer: int) -> XferProgress:
         """The transfer ends: its progress (empty if no chunk of it landed)."""
-        return self._open.pop((peer, xfer), Progress())
+        return self._open.pop((peer, xfer), XferProgress())
 
     def refuse(self, peer: Hashable, xfer: int) -> None:
         self._open.pop((peer, xfer), None)
@@ -105,7 +105,7 @@ class Incoming:
             self._failed.popitem(last=False)
 
 
-def check_complete(progress: Progress, header: EndHeader) -> None:
+def check_complete(progress: XferProgress, header: EndHeader) -> None:
     """Raise TRANSFER_INCOMPLETE unless every chunk the sender counted landed."""
     if (progress.chunks, progress.nbytes) != (header.num_chunks, header.nbytes):
         raise TransportError(

@@ -39,14 +39,14 @@ from pd_transfer.transport.regions import Mapped, MappedCache, RegionMemory
 from pd_transfer.transport.tcp.frames import (
     Ack,
     ChunkHeader,
-    Done,
     EndHeader,
     Fail,
+    XferDone,
     decode_data,
     encode,
 )
 from pd_transfer.transport.tcp.serving import ReceiverStats
-from pd_transfer.transport.tcp.xfers import Incoming, Progress, check_complete
+from pd_transfer.transport.tcp.xfers import Incoming, XferProgress, check_complete
 
 log = logging.getLogger("pd_transfer.transport.zmq")
 
@@ -232,7 +232,7 @@ class ZmqTcpReceiver(Receiver):
         header: ChunkHeader,
         payload: np.ndarray,
         regions: dict[str, Mapped],
-        progress: Progress,
+        progress: XferProgress,
         ticket: Ticket,
     ) -> None:
         before = shm_guard.faults_total()
@@ -257,7 +257,9 @@ class ZmqTcpReceiver(Receiver):
             self.admission.release(ticket)
         await self._landed(identity, header, progress, int(payload.size))
 
-    async def _landed(self, identity: bytes, header: ChunkHeader, progress: Progress, nbytes: int) -> None:
+    async def _landed(
+        self, identity: bytes, header: ChunkHeader, progress: XferProgress, nbytes: int
+    ) -> None:
         progress.chunks += 1
         progress.nbytes += nbytes
         self.stats.chunks_landed += 1
@@ -275,7 +277,7 @@ class ZmqTcpReceiver(Receiver):
         self.stats.transfers_done += 1
         if self.on_landed is not None:
             self.on_landed(header.room, header.generation, header.nbytes)
-        await self._reply(identity, Done(header.xfer, header.nbytes))
+        await self._reply(identity, XferDone(header.xfer, header.nbytes))
 
     def _region(self, region_id: str) -> Mapped:
         return self._mapped.destination(self._lookup, region_id)
@@ -286,7 +288,7 @@ class ZmqTcpReceiver(Receiver):
         self._xfers.refuse(*key)
         await self._reply(identity, Fail(key[1], err.code.value, err.message))
 
-    async def _reply(self, identity: bytes, message: Ack | Done | Fail) -> None:
+    async def _reply(self, identity: bytes, message: Ack | XferDone | Fail) -> None:
         if self._socket is None:
             return
         try:

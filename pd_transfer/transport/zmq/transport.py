@@ -46,9 +46,9 @@ from pd_transfer.transport.tcp.frames import (
     MAX_HEADER_NBYTES,
     Ack,
     ChunkHeader,
-    Done,
     EndHeader,
     Fail,
+    XferDone,
     decode_reply,
     encode,
 )
@@ -130,7 +130,7 @@ class ZmqTcpLink(Link):
             async with self._credit:  # wake writers waiting for credit or acks: they see it
                 self._credit.notify_all()
 
-    async def _dispatch(self, reply: Ack | Done | Fail) -> None:
+    async def _dispatch(self, reply: Ack | XferDone | Fail) -> None:
         nbytes = settle(self._xfers, reply, self.peer.peer_id)
         await self._give_back(nbytes or 0)  # also wakes a writer waiting for the acks (wait_acked)
 

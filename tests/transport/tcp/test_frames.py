@@ -9,12 +9,14 @@ from pd_transfer.transport.copy.packing import WireRuns
 from pd_transfer.transport.tcp.frames import (
     Ack,
     ChunkHeader,
-    Done,
     EndHeader,
     Fail,
     decode_data,
     decode_reply,
     encode,
+)
+from pd_transfer.transport.tcp.frames import (
+    XferDone as Done,
 )
 
 

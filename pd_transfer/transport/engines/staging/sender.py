@@ -59,6 +59,7 @@ from pd_transfer.transport.tcp.sockets import (
     read_prefix,
     recv_exact,
     send_frame,
+    shutdown,
 )
 
 log = logging.getLogger(__name__)
@@ -95,10 +96,7 @@ class StagingChannel:
         return self.remote_base + self.slots[i] * self.slot_nbytes
 
     def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        shutdown(self.sock)
         self.sock.close()
 
     # -- frames ----------------------------------------------------------------------
@@ -256,40 +254,64 @@ def write_staged(
     """
     if channel.broken is not None:
         raise channel.broken
-    xfer = next(channel._ids)
-    ring = len(channel.slots)
-    flights: deque[_Flight] = deque()  # posted, not announced
-    pending: deque[tuple[int, int]] = deque()  # (seq, nbytes) announced, not answered
-    refused: TransportError | None = None
-    acked = 0
+    write = _StagedWrite(channel, room, generation)
+    try:
+        write.post(layouts, src, bulk)
+    finally:
+        write.finish()
+    if write.refused is not None:
+        raise write.refused
+    return write.acked
 
-    def land() -> None:  # the oldest write finished: announce it
-        flight = flights.popleft()
+
+class _StagedWrite:
+    """One :func:`write_staged` call: writes posted, chunks announced, answers read."""
+
+    def __init__(self, channel: StagingChannel, room: str, generation: int) -> None:
+        self.channel = channel
+        self.room = room
+        self.generation = generation
+        self.xfer = next(channel._ids)
+        self.ring = len(channel.slots)
+        self.flights: deque[_Flight] = deque()  # posted, not announced
+        self.pending: deque[tuple[int, int]] = deque()  # (seq, nbytes) announced, not answered
+        self.refused: TransportError | None = None
+        self.acked = 0
+
+    def land(self) -> None:
+        """The oldest write finished: announce it."""
+        flight = self.flights.popleft()
         if flight.wait is not None:
             flight.wait()
         layout = flight.layout
-        channel.send(
+        self.channel.send(
             Staged(
-                channel.slots[flight.slot],
+                self.channel.slots[flight.slot],
                 layout.nbytes,
-                ChunkHeader(xfer, room, generation, layout.seq, layout.wire),
+                ChunkHeader(self.xfer, self.room, self.generation, layout.seq, layout.wire),
             )
         )
-        pending.append((layout.seq, layout.nbytes))
+        self.pending.append((layout.seq, layout.nbytes))
 
-    try:
+    def settle(self) -> None:
+        """Read decode's answer to the oldest announced chunk."""
+        self.refused, self.acked = _settle(self.channel, self.xfer, self.pending, self.refused, self.acked)
+
+    def post(self, layouts: list[ChunkLayout], src: Mapping[str, Mapped], bulk: Bulk) -> None:
+        """Gather each chunk into its slot, post its write, announce the writes that ended."""
+        channel, ring, flights = self.channel, self.ring, self.flights
         for layout in layouts:
             i = layout.seq % ring
             while any(f.slot == i for f in flights):  # local slot i: its write must be done
-                land()
+                self.land()
             out = channel.local[i * channel.slot_nbytes : (i + 1) * channel.slot_nbytes]
             gather_chunk(layout, src, out=out)
-            while len(flights) + len(pending) >= ring:  # remote slot i is free once answered
-                if pending:
-                    refused, acked = _settle(channel, xfer, pending, refused, acked)
+            while len(flights) + len(self.pending) >= ring:  # remote slot i is free once answered
+                if self.pending:
+                    self.settle()
                 else:
-                    land()
-            if refused is not None:
+                    self.land()
+            if self.refused is not None:
                 break
             flights.append(
                 _Flight(bulk(channel.local_addr(i), channel.remote_addr(i), layout.nbytes), i, layout)
@@ -297,22 +319,21 @@ def write_staged(
             # a write already done is announced at once; of posted ones, at most half the
             # ring stays in flight (the other slots: chunks decode is scattering)
             while flights and (flights[0].wait is None or len(flights) > max(1, ring // 2)):
-                land()
-        while flights and refused is None:
-            land()
-    finally:
-        for flight in flights:  # an error left writes posted: let them end, never announce
+                self.land()
+        while flights and self.refused is None:
+            self.land()
+
+    def finish(self) -> None:
+        """Let posted writes end (never announced after an error), then read every answer due."""
+        for flight in self.flights:  # an error left writes posted: let them end, never announce
             if flight.wait is not None:
                 try:
                     flight.wait()
                 except TransportError:
                     pass
-        flights.clear()
-        while pending and channel.broken is None:  # keep the stream in step, even on errors
-            refused, acked = _settle(channel, xfer, pending, refused, acked)
-    if refused is not None:
-        raise refused
-    return acked
+        self.flights.clear()
+        while self.pending and self.channel.broken is None:  # keep the stream in step, even on errors
+            self.settle()
 
 
 def _settle(
