@@ -5,7 +5,10 @@ rooms, the timers, the data plane, the HTTP server. What differs is its
 side: :class:`~pd_transfer.agent.prefill.side.PrefillSide` answers decode peers
 and sends; :class:`~pd_transfer.agent.decode.side.DecodeSide` resolves prefill
 instances, requests rooms and receives. The sidecar calls its side only
-through this protocol and never asks which role it has.
+through this protocol and never asks which role it has. A side that serves
+peers' sessions on the control port (prefill: decode ranks connect to it)
+is also a :class:`PeerServer`; the sidecar listens on that port only for
+such a side.
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from pd_transfer.agent.channels import Channel
 from pd_transfer.agent.rooms import Room
 from pd_transfer.errors import Reason
 from pd_transfer.layout.views import Pool
+from pd_transfer.protocol import Message
 from pd_transfer.protocol.worker_api import WorkerOp
 
 
@@ -57,3 +62,20 @@ class Side(Protocol):
 
     def close(self) -> None:
         """The sidecar stopped: release what the side holds (doorbells)."""
+
+
+class PeerServer(Protocol):
+    """A side whose peers open sessions to it on the control port; called from the
+    event loop, once per event, and may not block."""
+
+    async def on_peer_message(self, channel: Channel, message: Message) -> None:
+        """A checked message of a peer's session (its first is its Hello)."""
+
+    def on_peer_lost(self, channel: Channel, why: str) -> None:
+        """The peer of ``channel`` is gone (missed heartbeats, a closed connection):
+        fail its rooms with ``peer_lost`` and forget the session."""
+
+    def on_peer_refused(self, channel: Channel) -> None:
+        """This sidecar closed ``channel``'s session over a bad frame
+        (``channel.refusal``): its rooms fail with that reason now, not at their
+        timeout, and nothing of it is kept."""

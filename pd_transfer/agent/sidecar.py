@@ -35,7 +35,7 @@ from pd_transfer.agent.observe import Observer
 from pd_transfer.agent.peer_watch import PeerWatch
 from pd_transfer.agent.prefill.side import PrefillSide
 from pd_transfer.agent.rooms import Room, RoomTable, pool_requests
-from pd_transfer.agent.side import Side
+from pd_transfer.agent.side import PeerServer, Side
 from pd_transfer.agent.startup import ReadyFile, binding, prepare_worker_endpoint
 from pd_transfer.agent.tasks import Tasks
 from pd_transfer.agent.worker_loss import WorkerBinding
@@ -78,7 +78,9 @@ class Sidecar:
             on_bad_frame=self.observe.bad_frame,
             on_connection_closed=self.observe.connection_closed,
         )
-        self.side: Side = PrefillSide(self) if config.role is Role.PREFILL else DecodeSide(self)
+        prefill = PrefillSide(self) if config.role is Role.PREFILL else None
+        self.side: Side = prefill or DecodeSide(self)
+        self.peer_server: PeerServer | None = prefill  # the control port serves its sessions
         self.control: IncomingChannels | None = None
         self.bootstrap_server: BootstrapServer | None = None
         self.registered = asyncio.Event()
@@ -109,8 +111,8 @@ class Sidecar:
     async def run(self) -> None:
         try:  # a failed start (an address in use) still removes what was made: doorbells
             self._serve_worker()
-            if self.config.role is Role.PREFILL:
-                self._serve_control()
+            if self.peer_server is not None:
+                self._serve_control(self.peer_server)
             await self._serve_http()
             self.spawn(self._timers())
             self._write_ready_file()
@@ -150,8 +152,8 @@ class Sidecar:
         )
         self.spawn(self.endpoint.serve())
 
-    def _serve_control(self) -> None:
-        """Prefill: the ROUTER decode peers connect to."""
+    def _serve_control(self, server: PeerServer) -> None:
+        """The ROUTER peers open their sessions on (prefill: decode ranks)."""
         config = self.config
         with binding("control_host", config.control_host, "control_port", config.control_port):
             self.control = IncomingChannels(
@@ -160,10 +162,15 @@ class Sidecar:
                 config.control_port,
                 Role.PREFILL,
                 on_bad_frame=self.observe.bad_frame,
-                on_refused=self._on_control_refused,
+                on_refused=server.on_peer_refused,
                 on_closed=self.observe.connection_closed,
             )
-        self.spawn(self.control.serve(self._on_control))
+
+        async def on_message(channel: Channel, message: Message) -> None:
+            self.peer_watch.watch_once(channel, lambda why, ch=channel: server.on_peer_lost(ch, why))
+            await server.on_peer_message(channel, message)
+
+        self.spawn(self.control.serve(on_message))
 
     async def _serve_http(self) -> None:
         config = self.config
@@ -338,27 +345,6 @@ class Sidecar:
                 hint="another process holds that address (another instance's rank 0?); give "
                 "each prefill instance its own bootstrap address",
             ) from None
-
-    async def _on_control(self, channel: Channel, message: Message) -> None:
-        self.peer_watch.watch_once(channel, lambda why, ch=channel: self.side.on_peer_lost(ch, why))
-        await self.side.on_message(channel, message)
-
-    def _on_control_refused(self, channel: Channel) -> None:
-        """This sidecar closed a decode peer's session over a bad frame: its rooms fail
-        with that reason now (not at their timeout), and nothing of it is kept."""
-        if id(channel) not in self.side.peers:
-            return  # refused at its first frame: it holds nothing (and rooms need no scan)
-        refusal = channel.refusal
-        self.observe.lost(
-            channel.peer_rank or channel.label,
-            f"session closed after a bad frame: {refusal}",
-            channel,
-            missed=False,
-        )
-        text = str(refusal).replace("{", "{{").replace("}", "}}")
-        self.side.release_peer(
-            channel, refusal.code, f"decode peer {{}}: session closed after a bad frame: {text}"
-        )
 
     # -- peers and timers ----------------------------------------------------------
     def capabilities(self) -> Capabilities:

@@ -143,6 +143,23 @@ class PrefillEndings:
     def on_peer_lost(self, channel: Channel, why: str) -> None:
         self.release_peer(channel, Reason.PEER_LOST, f"lost decode peer {{}}: {why}")
 
+    def on_peer_refused(self, channel: Channel) -> None:
+        """This sidecar closed a decode peer's session over a bad frame: its rooms fail
+        with that reason now (not at their timeout), and nothing of it is kept."""
+        if id(channel) not in self.peers:
+            return  # refused at its first frame: it holds nothing (and rooms need no scan)
+        refusal = channel.refusal
+        self.sidecar.observe.lost(
+            channel.peer_rank or channel.label,
+            f"session closed after a bad frame: {refusal}",
+            channel,
+            missed=False,
+        )
+        text = str(refusal).replace("{", "{{").replace("}", "}}")
+        self.release_peer(
+            channel, refusal.code, f"decode peer {{}}: session closed after a bad frame: {text}"
+        )
+
     def release_peer(self, channel: Channel, reason: Reason, text: str) -> None:
         """Forget a decode peer's session: its rooms fail with ``text`` (``{}``: the peer),
         and its link closes once their writes stopped."""

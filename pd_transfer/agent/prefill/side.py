@@ -160,7 +160,7 @@ class PrefillSide(PrefillWrites):
             self.release_peer(peer.channel, Reason.WORKER_LOST, f"decode peer {{}}: {text}")
 
     # -- decode sessions ----------------------------------------------------------
-    async def on_message(self, channel: Channel, message: Message) -> None:
+    async def on_peer_message(self, channel: Channel, message: Message) -> None:
         peer = self.peers.setdefault(id(channel), DecodePeer(channel))
         if isinstance(message, Hello):
             channel.peer_agent_id, peer.features = message.agent_id, message.capabilities.features
