@@ -246,7 +246,7 @@ class DataPlane:
     def strategies(self, link: Link, planner: PairPlanner) -> dict:
         """``{pool: StrategyChoice}``: how each pool moves over ``link`` (set on engine links);
         see :mod:`.strategies`. Report it in the verdict, metrics and log."""
-        kind = getattr(getattr(link, "transport", None), "name", "")
+        kind = link.transport.name
         return choose_strategies(link, planner, StrategyMode(self.config.strategy), kind)
 
     async def write(self, link: Link, plan: TransferPlan, room: int, generation: int) -> int:

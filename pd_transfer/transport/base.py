@@ -128,6 +128,10 @@ class PeerEndpoint:
 class Link(ABC):
     """One connected peer. Created by :meth:`Transport.connect`, closed by :meth:`close`."""
 
+    #: a plan of at most this many runs may come as a grid plan (copied by the native
+    #: loop in one call); 0: this link takes none
+    grid_max_runs: int = 0
+
     def __init__(self, transport: Transport, peer: PeerEndpoint) -> None:
         self.transport = transport
         self.peer = peer

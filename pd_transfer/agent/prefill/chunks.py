@@ -56,7 +56,7 @@ def chunk_requests(room: PrefillRoom, target: Target, index: int) -> ChunkReques
     requests = {}
     src_kv = chunk.get(Pool.KV, np.zeros(0, np.int64))
     dst_kv = target.dst.get(Pool.KV, np.zeros(0, np.int64))
-    planner = getattr(target.peer, "planner", None)
+    planner = target.peer.planner
     kv_sizes = planner.page_sizes(Pool.KV) if planner is not None else None
     if kv_sizes is not None:
         if len(src_kv):

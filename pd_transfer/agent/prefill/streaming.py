@@ -130,7 +130,7 @@ async def chunk_plan(
     layers = room.layers[index]
     if layers is None:
         # a link that copies small plans as grids (shm, native loop) gets them unlowered
-        return target.peer.planner.plan(requests, grid_max_runs=getattr(target.peer.link, "grid_max_runs", 0))
+        return target.peer.planner.plan(requests, grid_max_runs=target.peer.link.grid_max_runs)
     if not await write_ready_layers(writes, room, target, requests, layers):
         return None
     return target.peer.planner.plan({p: r for p, r in requests.items() if p is not Pool.KV})
