@@ -24,7 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 from pd_transfer.errors import GeometryError, Reason
-from pd_transfer.layout.views import Axis, AxisRole, Layout, Pool, ShardSpec, TensorView
+from pd_transfer.integrations.sglang.kv_views import head_shard
+from pd_transfer.layout.views import Axis, AxisRole, Layout, Pool, TensorView
 
 # per layout: (axis of the layer, axis of pages or None, axis of tokens, axis of heads, axis of dims)
 _AXES = {
@@ -100,7 +101,7 @@ def _layer_view(
     else:
         pages, page_stride = shape[page_ax], strides[page_ax]
     heads, dim = shape[head_ax], shape[dim_ax]
-    shard = _head_shard(path, facts, tp_rank, heads)
+    shard = head_shard(path, facts, tp_rank, heads, holder="the host buffer")
     return TensorView(
         pool=Pool.KV,
         layer_id=layer_id,
@@ -124,20 +125,3 @@ def _layer_view(
         shard=shard,
         layout=Layout(host.layout),
     )
-
-
-def _head_shard(path: str, facts: Any, tp_rank: int, heads: int) -> ShardSpec:
-    if facts.total_kv_heads is None:
-        raise GeometryError(
-            f"{path}: the model's total KV head count is not known",
-            code=Reason.BAD_VIEW,
-            hint="pass total_kv_heads from SGLang's model config",
-        )
-    shard = ShardSpec.for_rank(facts.total_kv_heads, facts.attn_tp_size, tp_rank)
-    if shard.local_extent != heads:
-        raise GeometryError(
-            f"{path}: {facts.total_kv_heads} KV heads over attn_tp_size {facts.attn_tp_size} give rank "
-            f"{tp_rank} {shard.local_extent} heads, but the host buffer holds {heads}",
-            code=Reason.BAD_VIEW,
-        )
-    return shard

@@ -91,6 +91,12 @@ def _head_shard(
             f"{path}: kv_args.kv_head_num is {local_heads} but the pool tensor holds {heads} heads",
             code=Reason.BAD_VIEW,
         )
+    return head_shard(path, facts, tp_rank, heads, holder="its pool tensor")
+
+
+def head_shard(path: str, facts: Any, tp_rank: int, heads: int, *, holder: str) -> ShardSpec:
+    """Rank ``tp_rank``'s share of the model's KV heads, checked against the ``heads``
+    that ``holder`` (a device pool tensor, a host buffer) holds."""
     if facts.total_kv_heads is None:
         raise GeometryError(
             f"{path}: the model's total KV head count is not known",
@@ -101,7 +107,7 @@ def _head_shard(
     if shard.local_extent != heads:
         raise GeometryError(
             f"{path}: {facts.total_kv_heads} KV heads over attn_tp_size {facts.attn_tp_size} give rank "
-            f"{tp_rank} {shard.local_extent} heads, but its pool tensor holds {heads}",
+            f"{tp_rank} {shard.local_extent} heads, but {holder} holds {heads}",
             code=Reason.BAD_VIEW,
         )
     return shard
