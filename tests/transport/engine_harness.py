@@ -4,10 +4,13 @@ the engine's transport pinned to direct writes, and the byte-exact write check."
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import subprocess
 import sys
+import weakref
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -16,7 +19,7 @@ import pytest_asyncio
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.layout.lowering import RunBatch, TransferPlan
 from pd_transfer.transport import PeerEndpoint
-from pd_transfer.transport.engines.link import Recovery
+from pd_transfer.transport.engines.link import PROBE_LANDING, Recovery
 from pd_transfer.transport.engines.registry import engine_unusable
 from pd_transfer.transport.engines.staging.engine import StagingOptions
 from pd_transfer.transport.engines.strategy import StrategyMode
@@ -210,6 +213,7 @@ async def short_engine_region_refused_at_connect(transport, segments, receivers)
     with pytest.raises(TransportError) as info:
         await transport.connect(peer.endpoint("d0", {"kv": 8192}))
     assert info.value.code is Reason.SEGMENT_TOO_SMALL
+    await transport.close()
 
 
 async def missing_engine_address_refused_at_connect(transport) -> None:
@@ -217,3 +221,25 @@ async def missing_engine_address_refused_at_connect(transport) -> None:
     with pytest.raises(TransportError) as info:
         await transport.connect(PeerEndpoint.from_maps("d0", {"kv": 64}, data_address="tcp://127.0.0.1:1"))
     assert info.value.code is Reason.TRANSPORT_UNSUPPORTED
+    await transport.close()
+
+
+async def probe_lands_and_close_drops_the_engine(transport, segments, receivers, natives: Callable) -> None:
+    """Connect probes the peer's first byte into PROBE_LANDING (memory no engine frees: a
+    probe given up on may still land); close then drops the engine's native objects at once,
+    on the closing call, with the garbage collector off. ``natives(transport)``: those objects.
+    """
+    region = np.zeros(4096, np.uint8)
+    region[0] = 0xA5
+    peer = await receivers({"d0": segments({"kv": region})})
+    PROBE_LANDING[0] = 0
+    await transport.connect(peer.endpoint("d0"))
+    assert PROBE_LANDING[0] == 0xA5
+    refs = [weakref.ref(native) for native in natives(transport)]
+    assert all(ref() is not None for ref in refs)
+    gc.disable()
+    try:
+        await transport.close()
+        assert [ref() for ref in refs] == [None] * len(refs)
+    finally:
+        gc.enable()

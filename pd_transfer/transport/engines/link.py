@@ -13,6 +13,11 @@ A peer that answers leaves the link usable and the write fails with
 (``peer_lost``), and every later write on it is refused at once. The settle
 wait runs inside the write's background work, so :meth:`Link.drain` (what an
 abort waits for before decode may reuse its pages) covers it.
+
+A probe reads into :data:`PROBE_LANDING`, which lives as long as the
+process. A probe the engine gave up on (a stopped peer, a deadline) has no
+cancel either, and its byte may still arrive later, after the engine that
+asked was closed and collected; it must land in memory nobody else owns.
 """
 
 from __future__ import annotations
@@ -24,12 +29,16 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.base import Link, PeerEndpoint, Transport
 from pd_transfer.transport.engines.address import EngineAddress
 from pd_transfer.transport.engines.strategy import Strategy
 
 log = logging.getLogger(__name__)
+
+PROBE_LANDING = np.zeros(64, np.uint8)  # every engine's probe reads land here (module docstring)
 
 
 @dataclass(frozen=True)

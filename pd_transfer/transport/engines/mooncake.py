@@ -33,12 +33,10 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import numpy as np
-
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.base import Link, PeerEndpoint, Transport, TransportKind
 from pd_transfer.transport.engines.address import EngineAddress
-from pd_transfer.transport.engines.link import EngineLink, Recovery, check_published, recover
+from pd_transfer.transport.engines.link import PROBE_LANDING, EngineLink, Recovery, check_published, recover
 from pd_transfer.transport.engines.runs import (
     AddressRuns,
     batches,
@@ -98,8 +96,7 @@ class MooncakeEngine:
         self.session = f"{host}:{self.engine.get_rpc_port()}"
         self._registered: dict[int, int] = {}  # address -> nbytes
         self._lock = threading.Lock()
-        # a few bytes of our own to read probes into
-        self.scratch = np.zeros(64, np.uint8)
+        self.scratch = PROBE_LANDING  # where probes read into: never freed (engines.link)
         self.register({"scratch": (int(self.scratch.ctypes.data), self.scratch.nbytes)})
 
     def register(self, bases: dict[str, tuple[int, int]]) -> None:
@@ -134,10 +131,13 @@ class MooncakeEngine:
         return rc == 0
 
     def close(self) -> None:
+        """Unregister every region and drop the TransferEngine now: its threads stop here, on
+        the closing thread, not at whichever later garbage collection finds it."""
         with self._lock:
             for address in list(self._registered):
                 self.engine.unregister_memory(address)
             self._registered.clear()
+            self.engine = None
 
 
 class MooncakeReceiver(EngineReceiver):

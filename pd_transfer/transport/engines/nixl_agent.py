@@ -30,6 +30,7 @@ import numpy as np
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.engines.address import EngineAddress
+from pd_transfer.transport.engines.link import PROBE_LANDING
 from pd_transfer.transport.engines.runs import region_bases
 from pd_transfer.transport.engines.staging.engine import EngineReceiver, ReceiverStaging
 from pd_transfer.transport.regions import Regions
@@ -117,6 +118,48 @@ def _new_agent(api, name: str, config, delay_us: int):
             bindings.nixlAgentConfig = base
 
 
+class _Unreleased:
+    """Transfer handles NIXL could not release when their wait ended, kept until it can.
+
+    Releasing a handle cancels what UCX still can; a transfer it cannot cancel (a peer
+    stopped mid-write) keeps its handle, and the handle keeps its agent. Dropped, such a
+    handle would be released by garbage collection, on any thread, perhaps after the
+    agent's worker went with the transfer still in it. Kept here, it is released by a later
+    post or close of any agent in this process, once NIXL agrees.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._handles: list = []
+
+    def release(self, handle) -> None:
+        try:
+            handle.release()
+        except Exception:  # NIXL cannot cancel it yet
+            log.warning("a nixl transfer could not be cancelled; its release is retried later")
+            with self._lock:
+                self._handles.append(handle)
+
+    def retry(self) -> None:
+        with self._lock:
+            handles, self._handles = self._handles, []
+        kept = []
+        for handle in handles:
+            try:
+                handle.release()
+            except Exception:
+                kept.append(handle)
+        if kept:
+            with self._lock:
+                self._handles.extend(kept)
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+
+_UNRELEASED = _Unreleased()
+
+
 class NixlEngine:
     """One NIXL agent with the UCX backend, and the memory registered with it.
 
@@ -141,7 +184,7 @@ class NixlEngine:
         except Exception as err:  # the bindings raise their own error types
             raise TransportError(f"nixl agent did not start: {err}", code=Reason.TRANSPORT_FAILED) from None
         self._registered: dict[int, tuple[int, object]] = {}  # address -> (nbytes, reg dlist)
-        self.scratch = np.zeros(64, np.uint8)
+        self.scratch = PROBE_LANDING  # where probes read into: never freed (engines.link)
         self.register({"scratch": (int(self.scratch.ctypes.data), self.scratch.nbytes)})
 
     def register(self, bases: dict[str, tuple[int, int]]) -> None:
@@ -179,6 +222,7 @@ class NixlEngine:
 
     def post(self, handle) -> str:
         """Start ``handle``; its first state ("PROC" while it runs). Then :meth:`wait`, once."""
+        _UNRELEASED.retry()
         try:
             return self.agent.transfer(handle)
         except Exception as err:  # e.g. nixlRemoteDisconnectError: the peer went away
@@ -197,10 +241,7 @@ class NixlEngine:
                 state = self.agent.check_xfer_state(handle)
         except Exception as err:  # e.g. nixlRemoteDisconnectError: the peer went away
             state = f"ERR: {type(err).__name__}: {err}"
-        try:
-            self.agent.release_xfer_handle(handle)  # cancels what UCX still can
-        except Exception:
-            pass  # a handle NIXL cannot cancel: the link settles (engine_link) or fails
+        _UNRELEASED.release(handle)  # cancels what UCX still can; keeps what it cannot
         return state
 
     def probe(self, remote: str, remote_address: int, timeout_s: float = 5.0) -> bool:
@@ -221,8 +262,17 @@ class NixlEngine:
         return self.agent.get_agent_metadata()
 
     def close(self) -> None:
+        """Unregister every region and drop the agent now, on the closing thread.
+
+        Left to garbage collection, the agent's UCX worker would be destroyed at some later
+        moment, on whichever thread collects. A transfer NIXL could not cancel keeps its
+        agent alive until it can (:class:`_Unreleased`), never the other way round.
+        """
+        _UNRELEASED.retry()
         for address in list(self._registered):
             self.unregister(address)
+        self._registered.clear()
+        self.agent = None
 
 
 class NixlReceiver(EngineReceiver):

@@ -17,6 +17,7 @@ from engine_harness import (
     expected_scatter,
     missing_engine_address_refused_at_connect,
     overrun_refused_before_submission,
+    probe_lands_and_close_drops_the_engine,
     receivers_fixture,
     scattered_plan,
     short_engine_region_refused_at_connect,
@@ -67,6 +68,12 @@ async def test_a_run_out_of_bounds_is_refused_before_submission(scenario, segmen
 
 async def test_connect_refuses_a_peer_whose_engine_holds_less_than_its_geometry(segments, receivers):
     await short_engine_region_refused_at_connect(_transport(), segments, receivers)
+
+
+async def test_probes_land_in_process_memory_and_close_drops_the_engine(segments, receivers):
+    transport = _transport()
+    engine = await transport.engine()
+    await probe_lands_and_close_drops_the_engine(transport, segments, receivers, lambda t: [engine.engine])
 
 
 async def test_connect_refuses_a_peer_without_a_mooncake_address():

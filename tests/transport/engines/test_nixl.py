@@ -24,6 +24,7 @@ from engine_harness import (
     expected_scatter,
     missing_engine_address_refused_at_connect,
     overrun_refused_before_submission,
+    probe_lands_and_close_drops_the_engine,
     receivers_fixture,
     scattered_plan,
     short_engine_region_refused_at_connect,
@@ -75,6 +76,13 @@ async def test_connect_refuses_a_peer_whose_engine_holds_less_than_its_geometry(
 
 async def test_connect_refuses_a_peer_without_a_nixl_address():
     await missing_engine_address_refused_at_connect(_transport())
+
+
+async def test_probes_land_in_process_memory_and_close_drops_both_agents(segments, receivers):
+    transport = _transport()
+    await probe_lands_and_close_drops_the_engine(
+        transport, segments, receivers, lambda t: [t.engine().agent, t.receiving_engine().agent]
+    )
 
 
 async def test_a_request_nixl_refuses_fails_the_write_and_the_link_stays_usable(segments, receivers):
