@@ -21,7 +21,7 @@ from pd_transfer.client.status import RoomState, RoomStatus, reason_of
 from pd_transfer.errors import ProtocolError
 from pd_transfer.layout.geometry import RankGeometry
 from pd_transfer.protocol.geometry_codec import geometry_to_data
-from pd_transfer.protocol.worker_api import MAX_INSTANCE_LEN, MAX_WAIT_S, WorkerOp
+from pd_transfer.protocol.worker_api import MAX_INDEX, MAX_INSTANCE_LEN, MAX_WAIT_S, WorkerOp
 from pd_transfer.wire.envelope import unpack
 from pd_transfer.wire.limits import WORKER_LIMITS
 
@@ -31,7 +31,7 @@ Request = dict[str, Any]
 # -- arguments ------------------------------------------------------------------
 
 _PLAIN_MAX = 64  # index lists up to this long are checked without numpy
-_INDEX_MAX = 2**63 - 1
+_INDEX_MAX = MAX_INDEX  # what the sidecar takes: refused here, before the request goes
 
 
 def index_list(name: str, values: Iterable[int] | np.ndarray) -> list[int]:
@@ -47,7 +47,7 @@ def index_list(name: str, values: Iterable[int] | np.ndarray) -> list[int]:
         if plain and min(plain) < 0:
             raise ValueError(f"{name}: index {min(plain)} is negative")
         if plain and max(plain) > _INDEX_MAX:
-            raise ValueError(f"{name}: index {max(plain)} is beyond any pool")
+            raise ValueError(f"{name}: index {max(plain)} is beyond any pool (at most {_INDEX_MAX})")
         return plain
     array = np.asarray(values if plain is None else plain)
     if array.size == 0:
@@ -57,12 +57,12 @@ def index_list(name: str, values: Iterable[int] | np.ndarray) -> list[int]:
     if array.dtype.kind not in "iu":
         huge = [v for v in plain or () if type(v) is int and v > _INDEX_MAX]
         if huge:  # numpy made floats or objects of them
-            raise ValueError(f"{name}: index {huge[0]} is beyond any pool")
+            raise ValueError(f"{name}: index {huge[0]} is beyond any pool (at most {_INDEX_MAX})")
         raise TypeError(f"{name}: expected integer indices, got {array.dtype}")
     if int(array.min()) < 0:
         raise ValueError(f"{name}: index {int(array.min())} is negative")
     if int(array.max()) > _INDEX_MAX:  # (uint64 would wrap to negative in int64)
-        raise ValueError(f"{name}: index {int(array.max())} is beyond any pool")
+        raise ValueError(f"{name}: index {int(array.max())} is beyond any pool (at most {_INDEX_MAX})")
     return array.astype(np.int64).tolist()
 
 
@@ -75,8 +75,8 @@ def room_id(room: int) -> int:
 def optional_index(name: str, value: int | None) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"{name}: expected a non-negative int or None, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= _INDEX_MAX:
+        raise ValueError(f"{name}: expected an int in [0, {_INDEX_MAX}] or None, got {value!r}")
     return int(value)
 
 

@@ -142,6 +142,19 @@ def test_a_page_beyond_int64_is_refused_not_wrapped(sidecar, client, pages):
     assert sidecar.requests == []
 
 
+def test_the_client_refuses_an_index_past_the_sidecars_cap_and_sends_the_cap(sidecar, client):
+    with pytest.raises(ValueError, match=rf"index {2**62} is beyond any pool \(at most {2**62 - 1}\)"):
+        client.send(1, np.array([0, 2**62], np.int64))
+    with pytest.raises(
+        ValueError, match=rf"aux_row: expected an int in \[0, {2**62 - 1}\] or None, got {2**62}"
+    ):
+        client.send(1, [0], aux_row=2**62)
+    assert sidecar.requests == []
+    client.send(1, [2**62 - 1])
+    ((_, message),) = sidecar.requests
+    assert message["pages"] == [2**62 - 1]
+
+
 @pytest.mark.parametrize(
     "pages", [[3, 1], (3, 1), range(3, 0, -2), np.array([3, 1]), [np.int64(3), 1], list(range(200))[3:0:-2]]
 )
