@@ -153,9 +153,6 @@ class _Unreleased:
             with self._lock:
                 self._handles.extend(kept)
 
-    def __len__(self) -> int:
-        return len(self._handles)
-
 
 _UNRELEASED = _Unreleased()
 
