@@ -3,12 +3,15 @@
 from types import SimpleNamespace
 
 from pd_transfer.agent.decode.retire import rooms_state
+from pd_transfer.agent.decode.room import DecodeRoom
+from pd_transfer.errors import Reason
 
 
 def _room(instance, terminal, sources=("p0", "p1"), acks=(), done=()):
-    return SimpleNamespace(
-        instance=instance, terminal=terminal, sources=list(sources), acks=set(acks), done_from=set(done)
-    )
+    room = DecodeRoom(1, 0, instance=instance, sources=list(sources), acks=set(acks), done_from=set(done))
+    if terminal:
+        room.fail(Reason.PEER_LOST, "a source was lost")
+    return room
 
 
 def test_a_lost_instance_stays_open_while_a_room_uses_it_or_a_survivor_may_still_answer():

@@ -25,7 +25,7 @@ from pd_transfer.errors import PdTransferError
 from pd_transfer.protocol import RoomStatus
 
 if TYPE_CHECKING:
-    from pd_transfer.agent.decode.side import DecodeRoom
+    from pd_transfer.agent.decode.room import DecodeRoom
     from pd_transfer.agent.observe import Observer
     from pd_transfer.config import SidecarConfig
 
@@ -78,7 +78,7 @@ class RoomBells:
         return self._live(room) and self.segment.rung(*room.bell)
 
     def _live(self, room: DecodeRoom) -> bool:
-        return getattr(room, "bell", None) is not None and not room.terminal and self.segment is not None
+        return room.bell is not None and not room.terminal and self.segment is not None
 
     def ended(self, room: DecodeRoom) -> None:
         if self.segment is None:

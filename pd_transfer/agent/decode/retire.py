@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pd_transfer.agent.auth import REFUSAL_LINGER_MS
 from pd_transfer.agent.channels import CLOSE_SEND_TIMEOUT_S
+from pd_transfer.agent.decode.room import DecodeRoom
 from pd_transfer.protocol import Close
 
 if TYPE_CHECKING:
@@ -99,7 +100,7 @@ def rooms_state(rooms: Iterable[Room], instance: PrefillInstance) -> str:
     ended room has not answered (Done or AbortAck); else 'quiet'."""
     state = "quiet"
     for room in rooms:
-        if getattr(room, "instance", None) is not instance:
+        if not isinstance(room, DecodeRoom) or room.instance is not instance:
             continue
         if not room.terminal:
             return "live"

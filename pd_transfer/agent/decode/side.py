@@ -23,7 +23,6 @@ import asyncio
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -31,6 +30,7 @@ import numpy as np
 from pd_transfer.agent import integrity
 from pd_transfer.agent.decode.bells import RoomBells
 from pd_transfer.agent.decode.instances import PrefillInstance, PrefillInstances, PrefillPeer
+from pd_transfer.agent.decode.room import DecodeRoom
 from pd_transfer.agent.indices import Claims, check_indices
 from pd_transfer.agent.rooms import Room
 from pd_transfer.errors import PdTransferError, Reason
@@ -54,18 +54,6 @@ if TYPE_CHECKING:
     from pd_transfer.protocol import Message
 
 log = logging.getLogger(__package__)
-
-
-@dataclass
-class DecodeRoom(Room):
-    bootstrap: str = ""
-    dst: dict[Pool, np.ndarray] = field(default_factory=dict)
-    sources: list[str] = field(default_factory=list)
-    done_from: set[str] = field(default_factory=set)
-    acks: set[str] = field(default_factory=set)
-    instance: PrefillInstance | None = None
-    bell: tuple[int, int] | None = None  # doorbell (slot, token)
-    requested: bool = False  # a TransferRequest went to a prefill rank
 
 
 class DecodeSide:
@@ -247,7 +235,7 @@ class DecodeSide:
 
     def check_bell(self, room: Room) -> None:
         """A poll or wait of the worker: a room every writer rang has succeeded, Done or not."""
-        if self.bells.rung(room):
+        if isinstance(room, DecodeRoom) and self.bells.rung(room):
             self._succeed(room)
 
     def close(self) -> None:
