@@ -271,7 +271,7 @@ class DataPlane:
         """Without the SIGBUS guard: refuse to copy into or out of a segment whose file is
         already smaller than its mapping (fstat per segment, before each write)."""
         local = [s.name for s in self._segments if s.shrunk()]
-        peer = [s.name for s in getattr(link, "segments", {}).values() if s.shrunk()]
+        peer = [s.name for s in link.mapped_segments().values() if s.shrunk()]
         if local or peer:
             whose = "this sidecar's worker" if local else f"peer {link.peer.peer_id}"
             raise SegmentTruncated(
@@ -290,7 +290,7 @@ class DataPlane:
                 return err
         return self._local_truncated
 
-    def _check_truncated(self, link: Link, before: int) -> None:
+    def _check_truncated(self, link: Link | None, before: int) -> None:
         """Raise :class:`SegmentTruncated` if a copy since ``before`` faulted in the
         segments of ``link`` or of this worker (one memory read when none did)."""
         if shm_guard.faults_total() == before:
@@ -306,9 +306,9 @@ class DataPlane:
             )
             log.error("%s", self._local_truncated.message)
             raise self._local_truncated
-        peer = [s.name for s in getattr(link, "segments", {}).values() if s.truncated]
         if link is None:
             return
+        peer = [s.name for s in link.mapped_segments().values() if s.truncated]
         if peer:
             raise SegmentTruncated(
                 f"peer {link.peer.peer_id} truncated its segment(s) {peer[:3]} under this "

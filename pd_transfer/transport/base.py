@@ -60,11 +60,14 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.receiver_rooms import ByteRanges, ReceiverRooms, RoomPolicy
 from pd_transfer.transport.regions import MappedCache, Regions
+
+if TYPE_CHECKING:
+    from pd_transfer.shm_segments import Segment
 
 
 class TransportKind(enum.Enum):
@@ -169,6 +172,11 @@ class Link(ABC):
         self._inflight.discard(future)
         if not future.cancelled():
             future.exception()  # retrieved: the awaiter (if still there) re-raises it
+
+    def mapped_segments(self) -> Mapping[str, Segment]:
+        """The peer's shared-memory segments this link mapped into this process, by region
+        (shm links); none for a link that reaches its peer's memory any other way."""
+        return {}
 
     def check_open(self) -> None:
         if self._closed:

@@ -44,6 +44,9 @@ class ShmLink(Link):
         # rooms this small come as grid plans when the engine copies them natively
         self.grid_max_runs = transport.inline_max_runs if transport.engine.native else 0
 
+    def mapped_segments(self) -> dict[str, Segment]:
+        return self.segments
+
     @property
     def tensors(self) -> dict:
         """``regions`` as torch uint8 tensors on the same memory."""
