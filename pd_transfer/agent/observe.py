@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
 PEER_STATES = ("connecting", "accepted", "rejected", "lost")
 LIVE_STATES = ("connecting", "accepted")
-PEER_SERIES_GRACE_S = 300.0  # SidecarConfig.peer_series_grace_s's default
 MAX_PAST_PEERS = 64  # records of peers rejected or lost, kept for /status (oldest go first)
 _MODE_ORDER = ("sliced", "replicated", "converted", "direct")
 STRATEGIES = ("direct", "staged")  # transport.strategy.Strategy's values
@@ -53,7 +52,7 @@ class Observer:
         self.registry = CollectorRegistry()
         self.metrics = SidecarMetrics(self.registry, self.role)
         self.peers: dict[str, PeerRecord] = {}
-        self.series = PeerSeries(getattr(sidecar.config, "peer_series_grace_s", PEER_SERIES_GRACE_S))
+        self.series = PeerSeries(sidecar.config.peer_series_grace_s)
         self.metrics.insecure.labels(self.role).set(0 if sidecar.security.enabled else 1)
 
     # -- events ---------------------------------------------------------------------

@@ -57,7 +57,7 @@ class PeerWatch:
             self.watch(channel, on_lost)
 
     def _lost(self, channel: Channel, on_lost: Callable[[str], None], why: str) -> None:
-        self.observe.lost(getattr(channel, "peer_rank", "") or channel.label, why, channel)
+        self.observe.lost(channel.peer_rank or channel.label, why, channel)
         log.warning("peer %s lost: %s", channel.label, why)
         on_lost(why)
 

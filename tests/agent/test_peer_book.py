@@ -10,7 +10,10 @@ from pd_transfer.layout.geometry import Role
 
 def _observer() -> Observer:
     return Observer(
-        SimpleNamespace(config=SimpleNamespace(role=Role.PREFILL), security=SimpleNamespace(enabled=True))
+        SimpleNamespace(
+            config=SimpleNamespace(role=Role.PREFILL, peer_series_grace_s=300.0),
+            security=SimpleNamespace(enabled=True),
+        )
     )
 
 
