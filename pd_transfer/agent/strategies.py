@@ -121,8 +121,7 @@ def choose_strategies(
             slot_nbytes=slot_nbytes,
             staging=staging is not None,
             ring_slots=len(staging.channel.slots) if staging is not None else 1,
-            # Mooncake submits 1,024 a batch; NIXL one request whatever its size
-            batch_descriptors=getattr(link.transport, "max_batch_descriptors", 1 << 30),
+            batch_descriptors=link.descriptors_per_batch,
         )
         link.set_strategy({b.dst_region for b in plan.batches}, decision.strategy)
         decisions[pool] = decision

@@ -53,6 +53,9 @@ class Recovery:
 class EngineLink(Link):
     """A peer reached through an engine: its published regions, a lock, a failure state."""
 
+    #: descriptors the transport submits in one batch (NIXL: one request whatever its size)
+    descriptors_per_batch: int = 1 << 30
+
     def __init__(self, transport: Transport, peer: PeerEndpoint, address: EngineAddress) -> None:
         super().__init__(transport, peer)
         self.address = address

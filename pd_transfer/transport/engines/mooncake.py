@@ -178,7 +178,9 @@ class MooncakeReceiver(EngineReceiver):
 
 
 class MooncakeLink(EngineLink):
-    pass
+    def __init__(self, transport: MooncakeTransport, peer: PeerEndpoint, address: EngineAddress) -> None:
+        super().__init__(transport, peer, address)
+        self.descriptors_per_batch = transport.max_batch_descriptors
 
 
 class MooncakeTransport(Transport):
@@ -239,7 +241,6 @@ class MooncakeTransport(Transport):
             self.staging,
             register=engine.register,
             submit=lambda s, d, n: self._probe_write(engine, link, s, d, n),
-            batch_descriptors=self.max_batch_descriptors,
         )
         return self._adopt(link)
 

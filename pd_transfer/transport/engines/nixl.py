@@ -168,8 +168,7 @@ class NixlTransport(Transport):
             self.staging,
             register=engine.register,
             submit=lambda s, d, n: self._probe_write(engine, link, s, d, n),
-            batch_descriptors=1 << 30,
-        )  # one request whatever its size
+        )
         return self._adopt(link)
 
     def _probe_write(self, engine: NixlEngine, link: NixlLink, src: list, dst: list, nbytes: list) -> None:

@@ -24,6 +24,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.layout.lowering import TransferPlan
@@ -55,6 +56,9 @@ from pd_transfer.transport.engines.strategy import (
 from pd_transfer.transport.receiver_rooms import ReceiverRooms
 from pd_transfer.transport.tcp.sockets import Authenticator
 
+if TYPE_CHECKING:
+    from pd_transfer.transport.engines.link import EngineLink
+
 log = logging.getLogger(__name__)
 
 _AUTH_REFUSALS = frozenset({Reason.AUTH_FAILED, Reason.AUTH_REPLAYED, Reason.UNAUTHENTICATED})
@@ -85,13 +89,12 @@ class LinkStaging:
 
 
 async def attach(
-    link,
+    link: EngineLink,
     address: EngineAddress,
     options: StagingOptions,
     *,
     submit: Submit,
     register: Callable[[dict], None],
-    batch_descriptors: int,
 ) -> None:
     """Give ``link`` a staging channel if the peer offers one (else it stays direct-only).
 
@@ -120,7 +123,7 @@ async def attach(
     crossover = crossover_nbytes(
         cost,
         slot_nbytes=channel.slot_nbytes,
-        batch_descriptors=batch_descriptors,
+        batch_descriptors=link.descriptors_per_batch,
         ring_slots=len(channel.slots),
     )
     link.staging = LinkStaging(channel, cost, crossover)
