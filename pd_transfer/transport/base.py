@@ -173,6 +173,10 @@ class Link(ABC):
         if not future.cancelled():
             future.exception()  # retrieved: the awaiter (if still there) re-raises it
 
+    def forget_sources(self) -> None:
+        """Drop whatever this link keeps of this sidecar's own regions (nothing by default)."""
+        return
+
     def mapped_segments(self) -> Mapping[str, Segment]:
         """The peer's shared-memory segments this link mapped into this process, by region
         (shm links); none for a link that reaches its peer's memory any other way."""
@@ -232,7 +236,7 @@ class Transport(ABC):
         this transport keeps, so that they can be unmapped."""
         self._sources.clear()
         for link in self._links:
-            getattr(link, "programs", {}).clear()  # shm: grid programs hold source addresses
+            link.forget_sources()
 
     def _adopt(self, link: Link) -> Link:
         self._links.add(link)

@@ -47,6 +47,9 @@ class ShmLink(Link):
     def mapped_segments(self) -> dict[str, Segment]:
         return self.segments
 
+    def forget_sources(self) -> None:
+        self.programs.clear()  # the grid programs hold source addresses
+
     @property
     def tensors(self) -> dict:
         """``regions`` as torch uint8 tensors on the same memory."""

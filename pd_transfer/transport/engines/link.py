@@ -97,10 +97,7 @@ class EngineLink(Link):
         self.dst_bases = {}
         staging, self.staging = self.staging, None
         if staging is not None:
-            staging.close()
-            engine = getattr(self.transport, "_engine", None)
-            if engine is not None:  # the local ring goes with the link
-                engine.unregister(staging.channel.local_base)
+            staging.close()  # the local ring goes with the link
 
 
 def check_published(peer: PeerEndpoint, address: EngineAddress) -> None:

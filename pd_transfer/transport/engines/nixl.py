@@ -167,6 +167,7 @@ class NixlTransport(Transport):
             address,
             self.staging,
             register=engine.register,
+            unregister=engine.unregister,
             submit=lambda s, d, n: self._probe_write(engine, link, s, d, n),
         )
         return self._adopt(link)

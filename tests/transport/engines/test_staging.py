@@ -369,7 +369,8 @@ async def test_a_plan_is_cut_into_parts_written_in_plan_order():
     plan = TransferPlan(
         "p0", "d0", (batch("kv", 512), batch("kv", 1 << 20), batch("kv", 512), batch("aux", 64))
     )
-    link = SimpleNamespace(staging=LinkStaging(None, None, 8192, {"aux": Strategy.DIRECT}))
+    staging = LinkStaging(None, None, 8192, unregister=lambda _: None, by_region={"aux": Strategy.DIRECT})
+    link = SimpleNamespace(staging=staging)
     parts = segments(plan, link, StrategyMode.AUTO)
     assert [(s, [int(b.nbytes[0]) for b in p.batches]) for s, p in parts] == [
         (Strategy.STAGED, [512]),

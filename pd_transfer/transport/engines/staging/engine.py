@@ -82,10 +82,13 @@ class LinkStaging:
     channel: StagingChannel
     cost: PathCost | None
     crossover_nbytes: float
+    unregister: Callable[[int], None]  # takes the local ring away from this side's engine
     by_region: dict[str, Strategy] = field(default_factory=dict)  # destination region -> set
 
     def close(self) -> None:
+        """Close the channel; the local ring goes with it."""
         self.channel.close()
+        self.unregister(self.channel.local_base)
 
 
 async def attach(
@@ -95,12 +98,14 @@ async def attach(
     *,
     submit: Submit,
     register: Callable[[dict], None],
+    unregister: Callable[[int], None],
 ) -> None:
     """Give ``link`` a staging channel if the peer offers one (else it stays direct-only).
 
-    ``register`` registers the local ring with this side's engine; ``submit``
-    writes descriptors through it (for the probe). A peer that offers staging
-    but cannot be reached or probed is logged and written directly.
+    ``register`` registers the local ring with this side's engine, ``unregister`` takes
+    it back when the staging closes; ``submit`` writes descriptors through it (for the
+    probe). A peer that offers staging but cannot be reached or probed is logged and
+    written directly.
     """
     peer_id = link.peer.peer_id
     if options.mode is StrategyMode.DIRECT or not address.control or address.staging is None:
@@ -126,7 +131,7 @@ async def attach(
         batch_descriptors=link.descriptors_per_batch,
         ring_slots=len(channel.slots),
     )
-    link.staging = LinkStaging(channel, cost, crossover)
+    link.staging = LinkStaging(channel, cost, crossover, unregister)
     log.info(
         "staging to %s: %d slots of %d B; %s; staged below a mean run of %.0f B",
         peer_id,
