@@ -167,7 +167,7 @@ class WorkerEndpoint:
             self.bad_requests += 1
             self._on_bad_request(err.code.value)
             log.warning("worker endpoint: bad request: %s", err)
-            reply = worker_api.error_reply(getattr(err, "request_id", request_id), err)
+            reply = worker_api.error_reply(err.request_id if err.request_id >= 0 else request_id, err)
         except PdTransferError as err:
             reply = worker_api.error_reply(request_id, err)
         except Exception as err:  # a bug must not take the endpoint down

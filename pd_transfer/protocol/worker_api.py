@@ -72,6 +72,7 @@ class WorkerApiError(PdTransferError):
     """A malformed worker request; the sidecar replies with this reason."""
 
     default_code = Reason.BAD_FRAME
+    request_id: int = -1  # the request's id, once it was read (the reply carries it)
 
 
 _ROOM = Int(hi=MAX_ROOM)

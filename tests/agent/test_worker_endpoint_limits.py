@@ -44,3 +44,34 @@ async def test_a_request_over_max_worker_requests_is_refused_with_over_limit_and
         server.cancel()
         endpoint.close()
         context.destroy(linger=0)
+
+
+async def test_a_malformed_request_is_answered_with_its_own_id_and_the_endpoint_keeps_serving(tmp_path):
+    context = SecureContext(Security())
+    bad = []
+
+    async def handler(op, request, connection):
+        if request["room"] == 8:  # a refusal of the handler's own, after the id was read
+            raise worker_api.WorkerApiError("at $.room: not expected here")
+        return {"status": "success"}
+
+    endpoint = WorkerEndpoint(context, f"ipc://{tmp_path}/w.sock", handler, on_bad_request=bad.append)
+    server = asyncio.create_task(endpoint.serve())
+    worker = context.socket(zmq.DEALER)
+    worker.connect(endpoint.address)
+    try:
+        replies = []
+        for message in ({"op": "poll", "id": 5, "room": "x"}, {"op": "poll", "id": 6, "room": 8}):
+            await worker.send(worker_api.encode(message))
+            replies.append(msgpack.unpackb(await asyncio.wait_for(worker.recv(), 10), raw=False))
+        assert [(r["id"], r["ok"]) for r in replies] == [(5, False), (6, False)]
+        assert "at $.room" in replies[0]["reason"] and "not expected here" in replies[1]["reason"]
+        await worker.send(worker_api.encode({"op": "poll", "id": 7, "room": 7}))
+        served = msgpack.unpackb(await asyncio.wait_for(worker.recv(), 10), raw=False)
+        assert served["id"] == 7 and served["ok"] is True
+        assert len(bad) == 2
+    finally:
+        worker.close(linger=0)
+        server.cancel()
+        endpoint.close()
+        context.destroy(linger=0)
