@@ -81,3 +81,13 @@ def _is_host(host: str) -> bool:
     except ValueError:
         return bool(_HOST_NAME.fullmatch(host)) and ".." not in host and not host.isdigit()
     return True
+
+
+def dialable_host(host: str) -> str:
+    """A host a process on this machine can dial for a socket bound to ``host``: a
+    wildcard bind (``0.0.0.0``, ``::``) is reached on the loopback of its family."""
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host in ("::", "[::]"):
+        return "::1"
+    return host

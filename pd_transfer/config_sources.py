@@ -8,9 +8,11 @@ Pure reading: the values are checked in :mod:`pd_transfer.config`.
 Nothing is ignored without a word. In a file, a key outside ``[sidecar]`` and
 a table of any other name are problems. A ``PD_TRANSFER_*`` variable is a
 setting when the rest of its name is a ``[sidecar]`` key in upper case; the
-few other variables pd-transfer reads (:data:`OTHER_VARIABLES`) and the ones
+few other variables pd-transfer reads (:data:`OTHER_VARIABLES`), those of
+pd-transfer's components that share a shell with the sidecar
+(:data:`COMPONENT_VARIABLES`: an engine backend started beside it) and the ones
 Kubernetes service links inject (:data:`SERVICE_LINK`) are left alone; any
-other is a problem, with the nearest setting as a suggestion.
+other is a problem, with the nearest known name as a suggestion.
 """
 
 from __future__ import annotations
@@ -33,6 +35,22 @@ OTHER_VARIABLES = {
     "PD_TRANSFER_SECRET": "the shared secret itself (security/secret.py)",
     "PD_TRANSFER_NATIVE_COPY": "0 turns the native copy loop off (transport/copy/native_loop.py)",
     "PD_TRANSFER_NO_NATIVE_IO": "set: socket reads without the native helper (transport/tcp/native_io.py)",
+    "PD_TRANSFER_SIGBUS_GUARD": "0 turns the mapped-segment fault guard off (shm_guard.py)",
+}
+
+# read by pd-transfer's components in the engine's process, which often shares the
+# sidecar's environment (one shell, one pod spec): the SGLang backend's settings
+# (integrations/sglang/settings.py; a test keeps the two lists equal). The sidecar
+# never imports integrations/, so the names are listed here.
+COMPONENT_VARIABLES = {
+    f"PD_TRANSFER_SGLANG_{name}": "a setting of the SGLang backend (docs/sglang.md)"
+    for name in (
+        "WORKER_ENDPOINT",
+        "BOOTSTRAP_PORT",
+        "CALL_TIMEOUT_S",
+        "REGISTER_TIMEOUT_S",
+        "BOOTSTRAP_TIMEOUT_S",
+    )
 }
 
 # What kubelet injects for a Service named pd-transfer[-<rest>] when the pod has
@@ -105,10 +123,14 @@ def environ_settings(
         name = variable[len(ENV_PREFIX) :].lower()
         kind = kinds.get(name)
         if kind is None:
-            if variable not in OTHER_VARIABLES and not SERVICE_LINK.fullmatch(variable[len(ENV_PREFIX) :]):
+            if not _known_elsewhere(variable):
+                known = [
+                    *kinds,
+                    *(v[len(ENV_PREFIX) :].lower() for v in (*OTHER_VARIABLES, *COMPONENT_VARIABLES)),
+                ]
                 problems.append(
                     f"{variable}: not a pd-transfer setting"
-                    f"{_did_you_mean(name, kinds, ENV_PREFIX + '{}', upper=True)}: a "
+                    f"{_did_you_mean(name, known, ENV_PREFIX + '{}', upper=True)}: a "
                     f"setting's variable is {ENV_PREFIX} and a [{TABLE}] key in upper "
                     f"case (docs/operations.md#configuration)"
                 )
@@ -123,6 +145,15 @@ def environ_settings(
             continue
         settings[name] = Setting(_typed(kind, text), variable)
     return settings, problems
+
+
+def _known_elsewhere(variable: str) -> bool:
+    """``variable`` is read by another part of pd-transfer, or is a Kubernetes service link."""
+    return (
+        variable in OTHER_VARIABLES
+        or variable in COMPONENT_VARIABLES
+        or SERVICE_LINK.fullmatch(variable[len(ENV_PREFIX) :]) is not None
+    )
 
 
 def _typed(kind: str, text: str) -> Any:

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from pd_transfer.config_addresses import dialable_host
+
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
@@ -39,6 +41,7 @@ class HttpServer:
         self._metrics, self._ready, self._status = metrics, ready, status
         self._server: asyncio.AbstractServer | None = None
         self.address = ""
+        self.dial_address = ""  # address, with a wildcard host as loopback (the ready file)
 
     async def start(self) -> str:
         self._server = await asyncio.start_server(
@@ -46,6 +49,8 @@ class HttpServer:
         )
         host, port = self._server.sockets[0].getsockname()[:2]
         self.address = f"http://{host}:{port}"
+        dial = dialable_host(host)
+        self.dial_address = f"http://{f'[{dial}]' if ':' in dial else dial}:{port}"
         return self.address
 
     async def close(self) -> None:

@@ -216,14 +216,19 @@ class Sidecar:
         """Run ``coro`` in the background, owned by this sidecar (see :class:`Tasks`)."""
         return self.tasks.spawn(coro, room=room, peer=peer)
 
-    def _write_ready_file(self) -> None:
+    def _write_ready_file(self, *, again: bool = False) -> None:
+        """The bound addresses, each one a process on this host can dial (a wildcard
+        bind is written as loopback). ``again``: the data receiver started or stopped
+        with a worker's registration; the file changes only once serving wrote it."""
+        if again and (not self.ready_file.written or self.stopping):
+            return
         self.ready_file.write(
             {
                 "agent_id": self.config.agent_id,
                 "worker_endpoint": self.config.worker_endpoint,
                 "control_address": self.control.address if self.control else "",
                 "data_address": self.dataplane.receive_address(),
-                "http_address": self.http.address if self.http else "",
+                "http_address": self.http.dial_address if self.http else "",
             }
         )
 
@@ -289,6 +294,7 @@ class Sidecar:
             if table is not None:
                 table.close()
             raise
+        self._write_ready_file(again=True)  # decode's data receiver listens from here on
         if table is not None:
             self.bootstrap_server = table
             self.worker_tasks.append(self.spawn(table.serve()))
@@ -320,6 +326,7 @@ class Sidecar:
         await self.side.on_worker_lost(why)
         await self.dataplane.unmap_local()
         self.geometry, self.handles, self.pp_size = None, {}, 1
+        self._write_ready_file(again=True)
 
     def _rank_table_server(self, geometry: RankGeometry) -> BootstrapServer | None:
         """Prefill rank 0 serves its instance's rank table at the bootstrap address. A

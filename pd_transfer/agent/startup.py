@@ -110,6 +110,10 @@ class ReadyFile:
         temporary.replace(self.path)
         self._written = True
 
+    @property
+    def written(self) -> bool:
+        return self._written
+
     def remove(self) -> None:
         if self.path is not None and self._written:
             self.path.unlink(missing_ok=True)
