@@ -281,3 +281,30 @@ def test_a_bad_flag_is_named_as_the_flag(tmp_path):
         "--bootstrap: 'localhost:8998' has no scheme: did you mean 'tcp://localhost:8998'?",
         "--http-port: must be a port number, 0-65535 (0: any free port), got 70000",
     ]
+
+
+def test_the_sglang_backends_variables_are_the_ones_the_sidecar_leaves_alone():
+    from pd_transfer.config_sources import COMPONENT_VARIABLES
+    from pd_transfer.integrations.sglang.settings import BackendSettings
+
+    backend = {f"PD_TRANSFER_SGLANG_{name.upper()}" for name in BackendSettings.__dataclass_fields__}
+    assert set(COMPONENT_VARIABLES) == backend
+    config = load_sidecar_config(
+        None, {"role": "decode"}, {v: "1" for v in backend} | {"PD_TRANSFER_SIGBUS_GUARD": "0"}
+    )
+    assert config.role.value == "decode"
+
+
+def test_a_typo_of_an_sglang_backend_variable_is_refused_by_both_readers():
+    from pd_transfer.integrations.sglang.settings import BackendSettings
+
+    typo = {"PD_TRANSFER_SGLANG_CALL_TIMEOUT": "20"}
+    with pytest.raises(ConfigError) as err:
+        load_sidecar_config(None, {"role": "decode"}, typo)
+    assert "PD_TRANSFER_SGLANG_CALL_TIMEOUT: not a pd-transfer setting (did you mean " in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        BackendSettings.from_environ(typo)
+    assert str(err.value).startswith(
+        "PD_TRANSFER_SGLANG_CALL_TIMEOUT: not a setting of the SGLang backend "
+        "(did you mean PD_TRANSFER_SGLANG_CALL_TIMEOUT_S?)"
+    )

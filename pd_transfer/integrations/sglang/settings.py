@@ -8,6 +8,7 @@ deferred release of decode's KV. A bad value is a
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,15 @@ class BackendSettings:
         environ = os.environ if environ is None else environ
         prefix = "PD_TRANSFER_SGLANG_"
         values: dict[str, Any] = {}
+        names = {prefix + name.upper() for name in cls.__dataclass_fields__}
+        unknown = sorted(v for v in environ if v.startswith(prefix) and v not in names)
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], sorted(names), n=1)
+            raise ConfigError(
+                f"{unknown[0]}: not a setting of the SGLang backend"
+                + (f" (did you mean {close[0]}?)" if close else "")
+                + f"; its settings are {', '.join(sorted(names))}"
+            )
         for name, default in cls.__dataclass_fields__.items():
             raw = environ.get(prefix + name.upper())
             if raw is None:
