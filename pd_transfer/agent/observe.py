@@ -27,9 +27,12 @@ if TYPE_CHECKING:
     from pd_transfer.agent.sidecar import Sidecar
     from pd_transfer.protocol.messages import PoolPlan
 
-PEER_STATES = ("connecting", "accepted", "rejected", "lost")
+# lost: the peer went silent or its connection broke; left: its session ended in order
+# (a Close from either side, its worker or this side's gone), which pages nobody
+PEER_STATES = ("connecting", "accepted", "rejected", "lost", "left")
 LIVE_STATES = ("connecting", "accepted")
-MAX_PAST_PEERS = 64  # records of peers rejected or lost, kept for /status (oldest go first)
+PAST_STATES = ("rejected", "lost", "left")
+MAX_PAST_PEERS = 64  # records of past peers, kept for /status (oldest go first)
 _MODE_ORDER = ("sliced", "replicated", "converted", "direct")
 STRATEGIES = ("direct", "staged")  # transport.strategy.Strategy's values
 
@@ -77,18 +80,26 @@ class Observer:
         if modes:
             record.mode = next((m for m in _MODE_ORDER if m in modes), modes[0])
         if state == "accepted":
+            self._forget_past(peer, key)
             for metric, labels in self.metrics.peer_accepted(
                 peer, record.transport or "-", record.mode or "-"
             ):
                 self.series.child(metric, *labels, peer=peer)
-        if state in ("rejected", "lost"):
+        if state in PAST_STATES:
             self._prune()
         self._track(peer)
+
+    def _forget_past(self, peer: str, key: str) -> None:
+        """``peer`` is back (a new session accepted): its past records, lost, left or
+        rejected, describe a session that no longer matters, and alerts on them resolve."""
+        for old in [k for k, r in self.peers.items() if r.peer == peer and k != key]:
+            if self.peers[old].state in PAST_STATES:
+                self.peers.pop(old)
 
     def _prune(self) -> None:
         """Keep the newest :data:`MAX_PAST_PEERS` records of past peers: peers that come
         and go (restarts, or a stream of bogus sessions) must not grow the book forever."""
-        past = [key for key, record in self.peers.items() if record.state in ("rejected", "lost")]
+        past = [key for key, record in self.peers.items() if record.state in PAST_STATES]
         for key in past[: max(0, len(past) - MAX_PAST_PEERS)]:
             self.peers.pop(key)
 
@@ -179,11 +190,25 @@ class Observer:
             return
         if missed:
             self.series.child(self.metrics.peer_heartbeat_misses, self.role, peer, peer=peer).inc()
-        if self.peers[key].state == "rejected":
-            return  # a rejected peer that went away stays rejected: that is what to fix
         if channel is not None and self.peers[key].channel not in (None, channel):
             return  # an old session of a peer whose new session owns the record now
+        if self.peers[key].state == "rejected":  # nothing flows with it, lost or not
+            self.left(peer, f"its session ended: {why}", channel)
+            return
         self.peer(peer, "lost", why, channel)
+
+    def left(self, peer: str, why: str, channel: Channel | None = None) -> None:
+        """``peer``'s session ended in order (``why``): a Close from either side. A peer
+        that was rejected keeps that in its reason; no alert fires for a peer that left."""
+        key = (channel.label if channel is not None else "") or self._key_of(peer)
+        record = self.peers.get(key)
+        if record is None or record.state in ("left", "lost"):
+            return
+        if channel is not None and record.channel not in (None, channel):
+            return  # an old session of a peer whose new session owns the record now
+        if record.state == "rejected":
+            why = f"rejected ({record.reason.splitlines()[0] if record.reason else 'no reason'}), then left: {why}"
+        self.peer(peer, "left", why, channel)
 
     def bad_frame(self, reason: str) -> None:
         self.metrics.bad_frames.labels(self.role, reason).inc()

@@ -63,6 +63,8 @@ def test_metrics_count_transfers_aborts_and_rejections_with_labels(cluster_facto
     try:
         bad.clients[bad.decode[0].rank_id].expect(9, cluster.bootstrap, [0])
         assert bad.clients[bad.decode[0].rank_id].wait(9, 5).code_text == "peer_rejected"
+        # the refused decode counts its prefill peer as rejected while it runs
+        assert bad.metric(bad.decode[0].rank_id, "pd_transfer_peers", state="rejected") == 1
     finally:
         bad.close()
 
@@ -94,7 +96,12 @@ def test_metrics_count_transfers_aborts_and_rejections_with_labels(cluster_facto
         _value(p, "pd_transfer_verdicts_total", role="prefill", outcome="rejected", reason="dtype_mismatch")
         == 1
     )
-    assert _value(p, "pd_transfer_peers", role="prefill", state="rejected") == 1
+    # the rejected decode ended its session: prefill keeps why, and nothing pages for it
+    assert _value(p, "pd_transfer_peers", role="prefill", state="rejected") == 0
+    assert _value(p, "pd_transfer_peers", role="prefill", state="lost") == 0
+    peers = json.loads(cluster.http(prefill[0].rank_id, "/status")[1])["peers"]
+    (left,) = [r for r in peers if r["state"] == "left"]
+    assert left["reason"].startswith("rejected (cannot reconcile prefill"), left
     assert _value(p, "pd_transfer_transfer_bytes_count", role="prefill") == 2
     assert _value(p, "pd_transfer_build_info") == 1
     families = {f.name for f in text_string_to_metric_families(text)}

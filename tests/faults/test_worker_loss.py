@@ -225,7 +225,7 @@ def test_a_killed_decode_worker_is_let_go_on_both_sides_and_its_restart_moves_a_
     )
     assert "worker child is gone" in body, body
     peers = json.loads(cluster.http(decode.rank_id, "/status")[1])["peers"]
-    assert [(p["state"], "the decode worker is gone" in p["reason"]) for p in peers] == [("lost", True)], (
+    assert [(p["state"], "the decode worker is gone" in p["reason"]) for p in peers] == [("left", True)], (
         peers
     )
     # both sidecars let go of the decode pools: decode its own mapping, prefill its link's

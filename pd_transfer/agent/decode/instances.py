@@ -281,7 +281,7 @@ class PrefillInstances:
         for instance in instances:
             for peer in instance.peers.values():
                 if not peer.channel.closed:
-                    self.sidecar.observe.peer(peer.rank_id, "lost", f"session closed: {text}", peer.channel)
+                    self.sidecar.observe.left(peer.rank_id, f"session closed: {text}", peer.channel)
         await asyncio.gather(
             *(retire.close_sessions(instance) for instance in instances), return_exceptions=True
         )
@@ -346,6 +346,7 @@ class PrefillInstances:
             # the prefill rank ended the session (it lost this rank or its worker, or is shutting
             # down): the instance is resolved anew for the next room, and its rooms fail now
             why = f"{message.reason.value}: {message.reason_text}" if message.reason else "no reason given"
+            self.sidecar.observe.left(peer.rank_id, f"it closed its session ({why})", peer.channel)
             self._end(
                 instance,
                 peer,

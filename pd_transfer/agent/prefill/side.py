@@ -156,7 +156,7 @@ class PrefillSide(PrefillWrites):
                     await peer.channel.send(Close(reason=Reason.WORKER_LOST, reason_text=text))
             except Exception as err:  # a peer already gone: released all the same
                 log.debug("prefill: no Close to %s: %s", peer.rank_id, err)
-            self.observe.peer(peer.rank_id, "lost", f"session closed: {text}", peer.channel)
+            self.observe.left(peer.rank_id, f"session closed: {text}", peer.channel)
             self.release_peer(peer.channel, Reason.WORKER_LOST, f"decode peer {{}}: {text}")
 
     # -- decode sessions ----------------------------------------------------------
@@ -180,6 +180,8 @@ class PrefillSide(PrefillWrites):
         elif isinstance(message, Heartbeat):
             pass  # last_heard_s is updated by the channel
         elif isinstance(message, Close):
+            why = f"{message.reason.value}: {message.reason_text}" if message.reason else "no reason given"
+            self.observe.left(peer.rank_id, f"it closed its session ({why})", channel)
             self.release_peer(channel, Reason.SESSION_CLOSED, "decode peer {} closed its session")
         else:
             log.debug("prefill: ignoring %s from %s", type(message).__name__, peer.rank_id)
