@@ -43,7 +43,11 @@ def alert_rules() -> dict:
 
 @pytest.fixture(scope="session")
 def scrape_config() -> dict:
-    return yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())
+    # the shipped config and the Kubernetes job shipped beside it, as one
+    config = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())
+    kubernetes = yaml.safe_load((PROMETHEUS / "kubernetes-scrape.yml").read_text())
+    config["scrape_configs"] += kubernetes["scrape_configs"]
+    return config
 
 
 @pytest.fixture(scope="session")

@@ -53,6 +53,12 @@ def test_failure_rate_alert_is_per_reason(alert_rules):
         ("PdTransferSidecarNotReady", 'kube_pod_init_container_status_ready{container="pd-transfer"}'),
         ("PdTransferBuildInfoMissing", "unless on (job, instance) pd_transfer_build_info"),
         ("PdTransferSidecarDown", "up{"),
+        (
+            "PdTransferRoomsFailed",
+            'pd_transfer_transfer_failures_total{reason!~"aborted|shutting_down|timeout"}',
+        ),
+        ("PdTransferAuthFailures", "pd_transfer_auth_failures_total"),
+        ("PdTransferInsecure", "pd_transfer_insecure == 1"),
     ],
 )
 def test_required_alert_watches_its_signal(alert_rules, alert, needle):

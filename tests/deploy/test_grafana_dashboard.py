@@ -94,3 +94,14 @@ def test_panels_over_counters_show_zero_rather_than_no_data(dashboard):
             assert no_value == ("no transfers" if panel["title"] == "Transfer success (1h)" else "0"), panel[
                 "title"
             ]
+
+
+def test_dashboard_shows_security_the_event_loop_doorbells_strategy_and_closed_connections(dashboard):
+    assert {
+        "pd_transfer_auth_failures_total",
+        "pd_transfer_insecure",
+        "pd_transfer_loop_stall_seconds_total",
+        "pd_transfer_doorbells_total",
+        "pd_transfer_strategy",
+        "pd_transfer_connections_closed_total",
+    } <= metric_names_in(dashboard)
