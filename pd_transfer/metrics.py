@@ -205,7 +205,10 @@ class SidecarMetrics:
     def _declare_peers(self, r: CollectorRegistry) -> None:
         """Peers by state, and how long since each was heard."""
         self.peers = Gauge(
-            "pd_transfer_peers", "Peers by state (connecting, accepted, rejected, lost, left).", ["role", "state"], registry=r
+            "pd_transfer_peers",
+            "Peers by state (connecting, accepted, rejected, lost, left).",
+            ["role", "state"],
+            registry=r,
         )
         self.heartbeat_age = Gauge(
             "pd_transfer_peer_heartbeat_age_seconds",

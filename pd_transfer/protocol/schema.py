@@ -227,6 +227,7 @@ RECORDS: dict[type[Message], Record] = {
             Field("mismatches", ListOf(MISMATCH, MAX_MISMATCHES), default=()),
             Field("integrity", Bool(), default=False),
             Field("doorbell", Bool(), default=False),
+            Field("transport", Str(max_len=MAX_SHORT_NAME_LEN), default=""),
         ),
         finish=_check_verdict,
     ),

@@ -42,6 +42,10 @@ def test_a_clean_exit_is_left_a_kill_is_lost_and_a_return_clears_it(cluster_fact
     cluster = cluster_factory(prefill, decode)
     p, d = prefill[0].rank_id, decode[0].rank_id
     assert _a_room(cluster, cluster, 1, requests) is RoomStatus.SUCCESS, cluster.logs()
+    # both sides name the transport prefill writes with
+    for rank in (p, d):
+        (record,) = json.loads(cluster.http(rank, "/status")[1])["peers"]
+        assert (record["state"], record["transport"]) == ("accepted", "shm"), (rank, record)
 
     # the decode worker exits after its room: both sides count the other as left, not lost
     cluster.clients[d].close()

@@ -308,7 +308,7 @@ class PrefillInstances:
                 peer.rank_id,
                 "accepted",
                 channel=peer.channel,
-                transport="-",
+                transport=verdict.transport or "-",
                 modes=[p.mode.value for p in verdict.plan],
             )
             self.sidecar.observe.verdict_strategies(peer.rank_id, verdict.plan)

@@ -145,19 +145,18 @@ async def _registration_rejected(side: Acceptor, peer: DecodePeer) -> bool:
     return bool(problems)
 
 
+def link_transport(peer: DecodePeer) -> str:
+    """The name of the transport ``peer``'s link writes with (``ShmLink`` -> ``shm``)."""
+    return type(peer.link).__name__.removesuffix("Link").lower() or "-"
+
+
 async def _accept(side: Acceptor, peer: DecodePeer, recon: Reconciliation) -> None:
     """``peer`` is accepted: count it, log it, and send the Verdict with the plan summary."""
     peer.accepted = True
     side.rejections.pop(peer.rank_id, None)
     observe = side.observe
     modes = [v.mode.value for v in recon.verdicts]
-    observe.peer(
-        peer.rank_id,
-        "accepted",
-        channel=peer.channel,
-        transport=type(peer.link).__name__.removesuffix("Link").lower() or "-",
-        modes=modes,
-    )
+    observe.peer(peer.rank_id, "accepted", channel=peer.channel, transport=link_transport(peer), modes=modes)
     observe.verdict(True)
     observe.verdict_modes({m: modes.count(m) for m in set(modes)})
     strategies = side.dataplane.strategies(peer.link, peer.planner)
@@ -178,6 +177,7 @@ async def _accept(side: Acceptor, peer: DecodePeer, recon: Reconciliation) -> No
             integrity=peer.integrity is not None,
             doorbell=peer.bells is not None,
             plan=plan_summary(recon, peer.planner, strategies),
+            transport=link_transport(peer),
         )
     )
 
