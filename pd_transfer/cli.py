@@ -260,19 +260,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from pd_transfer.agent.auth import Security
     from pd_transfer.config import load_sidecar_config
     from pd_transfer.serve_flags import FLAG_OF, flag_overrides
     from pd_transfer.server import configure_logging, serve
 
     config = load_sidecar_config(args.config, flag_overrides(args), flags=FLAG_OF)
+    # an unusable or missing secret or key is invalid config (2), for --print-config too:
+    # a config it prints is one serve starts with
+    security = Security.from_config(config)
     if args.print_config:
         from pd_transfer.config import render_toml
 
         print(render_toml(config), end="")  # secret_file is a path; the secret is never printed
         return EXIT_OK
-    from pd_transfer.agent.auth import Security
-
-    security = Security.from_config(config)  # an unusable secret or key is invalid config (2)
     configure_logging(args.log_level, args.log_format)
     return serve(config, security)
 

@@ -187,6 +187,7 @@ def sidecar_config_from(settings: dict[str, Setting], problems: list[str] | None
             clean[name] = Role(setting.value)
         else:
             clean[name] = tuple(setting.value) if isinstance(setting.value, list) else setting.value
+    problems += _role_problems(settings, clean.get("role"))
     if "role" not in settings:
         problems.append(
             f"sidecar.role: required (prefill or decode): --role, role in [sidecar], or {ENV_PREFIX}ROLE"
@@ -195,6 +196,22 @@ def sidecar_config_from(settings: dict[str, Setting], problems: list[str] | None
         lines = "\n".join(f"  - {p}" for p in problems)
         raise ConfigError(f"invalid sidecar config: {len(problems)} problem(s)\n{lines}")
     return SidecarConfig(**clean)
+
+
+# settings only one role reads: given to the other, they would be ignored without a word
+_ONE_ROLE_ONLY = {"instance_id": Role.DECODE, "prefill_bootstraps": Role.DECODE}
+
+
+def _role_problems(settings: dict[str, Setting], role: Role | None) -> list[str]:
+    return [
+        f"{settings[name].origin}: a {only.value} setting, which a {role.value} sidecar does not "
+        f"read: remove it here, or set it on the {only.value} sidecars"
+        for name, only in _ONE_ROLE_ONLY.items()
+        if role is not None
+        and role is not only
+        and name in settings
+        and settings[name].value not in ("", [], ())
+    ]
 
 
 def _suggestions(names: list[str]) -> str:

@@ -308,3 +308,35 @@ def test_a_typo_of_an_sglang_backend_variable_is_refused_by_both_readers():
         "PD_TRANSFER_SGLANG_CALL_TIMEOUT: not a setting of the SGLang backend "
         "(did you mean PD_TRANSFER_SGLANG_CALL_TIMEOUT_S?)"
     )
+
+
+def test_decode_only_settings_on_a_prefill_are_refused_by_name():
+    with pytest.raises(ConfigError) as err:
+        load_sidecar_config(
+            None,
+            {"role": "prefill"},
+            {"PD_TRANSFER_PREFILL_BOOTSTRAPS": "tcp://p0:8998", "PD_TRANSFER_INSTANCE_ID": "decode-a"},
+        )
+    assert _problems(str(err.value)) == [
+        "PD_TRANSFER_INSTANCE_ID: a decode setting, which a prefill sidecar does not read: "
+        "remove it here, or set it on the decode sidecars",
+        "PD_TRANSFER_PREFILL_BOOTSTRAPS: a decode setting, which a prefill sidecar does not read: "
+        "remove it here, or set it on the decode sidecars",
+    ]
+    config = load_sidecar_config(None, {"role": "decode", "instance_id": "decode-a"}, {})
+    assert config.instance_id == "decode-a"
+
+
+def test_print_config_refuses_what_serve_refuses_a_missing_secret(tmp_path):
+    config = tmp_path / "sidecar.toml"
+    config.write_text('[sidecar]\nrole = "decode"\nsecret_file = ""\n')
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("PD_TRANSFER_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "pd_transfer.cli", "serve", "--config", str(config), "--print-config"],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "secret" in result.stderr and "[sidecar]" not in result.stdout
