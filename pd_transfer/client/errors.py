@@ -18,10 +18,12 @@ as the sidecar being gone. Local argument mistakes (a negative page index, a
 bool where an int is expected) raise ``ValueError``/``TypeError`` before
 anything is sent.
 
-Imports only :mod:`pd_transfer.errors`.
+Imports only :mod:`pd_transfer.errors` (and :mod:`os`, to say a socket file is missing).
 """
 
 from __future__ import annotations
+
+import os
 
 from pd_transfer.errors import PdTransferError, Reason
 
@@ -68,11 +70,22 @@ class ReplyTimeout(ClientError):
     default_code = Reason.TIMEOUT
 
     def __init__(self, op: str, timeout_s: float, endpoint: str) -> None:
+        missing = _missing_socket(endpoint)
         super().__init__(
             op,
-            f"no reply from the sidecar at {endpoint} within {timeout_s:g} s",
-            hint="is `pd-transfer serve` running with this worker endpoint?",
+            f"no reply from the sidecar at {endpoint} within {timeout_s:g} s"
+            + (f": no socket exists at {missing}" if missing else ""),
+            hint="is `pd-transfer serve` running with this worker endpoint?"
+            + (" (its --worker-endpoint, or worker_endpoint in its config)" if missing else ""),
         )
+
+
+def _missing_socket(endpoint: str) -> str:
+    """The path of a ``unix://`` or ``ipc://`` endpoint whose socket file does not exist."""
+    scheme, _, path = endpoint.partition("://")
+    if scheme in ("unix", "ipc") and path and not os.path.exists(path):
+        return path
+    return ""
 
 
 class BadReply(ClientError):

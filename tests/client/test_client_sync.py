@@ -274,3 +274,13 @@ def test_a_refusal_without_reason_is_a_bad_reply(sidecar, client):
     sidecar.script = lambda op, m: {"ok": False}
     with pytest.raises(BadReply, match="must carry string 'code' and 'reason'"):
         client.abort(1)
+
+
+@pytest.mark.parametrize("scheme", ["unix", "ipc"])
+def test_a_call_to_a_socket_that_does_not_exist_says_the_socket_is_missing(tmp_path, scheme):
+    path = tmp_path / "no-sidecar.sock"
+    with Client(f"{scheme}://{path}", "w", timeout_s=0.3) as client:
+        with pytest.raises(ReplyTimeout) as err:
+            client.poll(1)
+    assert f"no socket exists at {path}" in str(err.value)
+    assert "worker_endpoint" in err.value.hint
