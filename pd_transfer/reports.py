@@ -169,19 +169,30 @@ def plan_report(
                 f"  {'src region':<16} {'dst region':<16} {'src off':>12} {'dst off':>12} "
                 f"{'nbytes':>8} {'count':>6} {'src stride':>10} {'dst stride':>10}"
             )
-            shown = 0
-            for batch in plan.batches:
-                for i in range(min(batch.num_descriptors, limit - shown)):
-                    lines.append(
-                        f"  {batch.src_region:<16} {batch.dst_region:<16} {batch.src_offset[i]:>12} "
-                        f"{batch.dst_offset[i]:>12} {batch.nbytes[i]:>8} {batch.count[i]:>6} "
-                        f"{batch.src_stride:>10} {batch.dst_stride:>10}"
-                    )
-                    shown += 1
-                if shown >= limit:
-                    lines.append(f"  ... ({plan.num_descriptors - shown} more)")
-                    break
+            lines += _descriptor_lines(plan.batches, {v.region: v.pool for v in dst.views}, limit)
     return "\n".join(lines), True
+
+
+def _descriptor_lines(batches: list, pool_of: dict[str, Pool], limit: int) -> list[str]:
+    """Up to ``limit`` descriptors of each pool (a batch's pool is its destination
+    region's), then how many more that pool has."""
+    lines: list[str] = []
+    by_pool: dict[Pool, list] = {}
+    for batch in batches:
+        by_pool.setdefault(pool_of[batch.dst_region], []).append(batch)
+    for pool in _ordered(by_pool):
+        shown, total = 0, sum(b.num_descriptors for b in by_pool[pool])
+        for batch in by_pool[pool]:
+            for i in range(min(batch.num_descriptors, limit - shown)):
+                lines.append(
+                    f"  {batch.src_region:<16} {batch.dst_region:<16} {batch.src_offset[i]:>12} "
+                    f"{batch.dst_offset[i]:>12} {batch.nbytes[i]:>8} {batch.count[i]:>6} "
+                    f"{batch.src_stride:>10} {batch.dst_stride:>10}"
+                )
+                shown += 1
+        if total > shown:
+            lines.append(f"  ... ({total - shown} more {pool.value} descriptors)")
+    return lines
 
 
 def _ordered(requests: dict[Pool, Request]) -> list[Pool]:

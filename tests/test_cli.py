@@ -303,3 +303,16 @@ def test_a_bad_serve_flag_value_is_refused_naming_the_flag(capsys, monkeypatch):
     code = main(["serve", "--role", "prefill", "--insecure", "--control-port", "70000", "--print-config"])
     err = capsys.readouterr().err
     assert code == 2 and "--control-port" in err and "70000" in err, err
+
+
+def test_plan_limit_is_per_pool_so_every_pool_shows_its_first_descriptors(capsys):
+    prefill, decode = (
+        str(WORKERS / f"qwen3-next-80b-a3b.{side}.toml") for side in ("prefill-tp2", "decode-tp4")
+    )
+    assert main(["plan", "--prefill", prefill, "--decode", decode, "--limit", "2", *TOKENS]) == EXIT_OK
+    out = capsys.readouterr().out
+    listing = out[out.index("  src region") :].splitlines()[1:]
+    pools = [line.split()[0].split(".")[0] for line in listing if not line.startswith("  ...")]
+    assert pools == ["kv", "kv", "mamba", "mamba", "aux", "aux"], listing
+    more = [line for line in listing if line.startswith("  ...")]
+    assert [m.rsplit(" ", 2)[1] for m in more] == ["kv", "mamba", "aux"], more
