@@ -171,6 +171,7 @@ def _add_demo(sub) -> None:
         "between them, verify every destination byte against the ground truth and "
         "print a summary.",
         epilog="exit codes: 0 every byte verified, 1 a room failed or a byte differed, 2 invalid arguments",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_arguments(demo)
     demo.set_defaults(handler=_cmd_demo)

@@ -11,14 +11,14 @@ makes the demo exit 1.
 The arguments are checked before any process starts (the model preset, and
 both instances built and reconciled as the sidecars would): invalid ones
 exit 2 with the reason. A child that fails stops the demo at once, with the
-end of that child's log. SIGINT and SIGTERM stop every child and remove the
+end of that child's log, and a failed run keeps its work directory (every
+log) and prints where. SIGINT and SIGTERM stop every child and remove the
 work directory, then exit 130 or 143 with one line.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pd_transfer import demo_summary
+from pd_transfer.demo_summary import log_tail
 from pd_transfer.layout.views import KV_LAYOUTS
 from pd_transfer.ports import spare_port
 from pd_transfer.security.secret import SECRET_ENV, SECRET_FILE_ENV, new_secret_file
@@ -37,6 +39,7 @@ from pd_transfer.security.secret import SECRET_ENV, SECRET_FILE_ENV, new_secret_
 EXIT_OK, EXIT_FAILED = 0, 1
 DEMO_SECRET = "secret"  # an ephemeral shared secret in the work directory, made per run
 CHILD_STOP_S = 10.0  # after SIGTERM, how long a child may take before it is killed
+PLAIN_PROGRESS_S = 5.0  # progress lines at most this often when stdout is not a terminal
 
 
 class Stopped(BaseException):
@@ -66,18 +69,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tp", type=_positive(int), default=4, help="decode attention TP size")
     parser.add_argument("--requests", type=_positive(int), default=24, help="requests to run")
     parser.add_argument("--tokens", type=_positive(int), default=4096, help="tokens per request")
-    parser.add_argument("--page-size", type=_positive(int), default=16)
+    parser.add_argument(
+        "--page-size", type=_positive(int), default=16, help="tokens per KV page, both instances"
+    )
     parser.add_argument(
         "--kv-layout",
         default="nhd",
         choices=[x.value for x in KV_LAYOUTS],
         help="KV layout of the decode pools (prefill uses nhd)",
     )
-    parser.add_argument("--transport", default="shm", choices=["shm", "tcp"])
+    parser.add_argument(
+        "--transport", default="shm", choices=["shm", "tcp"], help="how prefill writes into decode's pools"
+    )
     parser.add_argument("--window", type=_positive(int), default=4, help="rooms in flight at most")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the requests' pages and content")
     parser.add_argument("--timeout-s", type=_positive(float), default=120.0, help="give up after this long")
-    parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, reports)")
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the work directory (logs, reports) after a run that passed; a failed run keeps it anyway",
+    )
 
 
 @dataclass
@@ -109,29 +120,23 @@ def _wait_ready(paths: list[Path], procs: list[Proc], timeout_s: float) -> None:
             if proc.popen.poll() is not None:
                 raise RuntimeError(
                     f"{proc.name} exited with {proc.popen.returncode} while starting; "
-                    f"see {proc.log_path}:\n{_tail(proc.log_path)}"
+                    f"see {proc.log_path}:\n{log_tail(proc.log_path)}"
                 )
         if time.monotonic() > deadline:
             raise RuntimeError("sidecars did not become ready in time")
         time.sleep(0.05)
 
 
-def _tail(path: Path, lines: int = 8) -> str:
-    try:
-        return "\n".join(path.read_text().splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
 def run_demo(args: argparse.Namespace) -> int:
     """ConfigError (exit 2) for invalid arguments, before any process starts."""
-    verdicts = _verdicts(args)
+    verdicts = demo_summary.verdicts(args)
     previous = {signum: signal.signal(signum, _raise_stopped) for signum in (signal.SIGINT, signal.SIGTERM)}
     workdir = Path(tempfile.mkdtemp(prefix="pd-transfer-demo-"))
     procs: list[Proc] = []
-    stopped = None
+    stopped, code = None, EXIT_FAILED
     try:
-        return _run(args, workdir, procs, verdicts)
+        code = _run(args, workdir, procs, verdicts)
+        return code
     except RuntimeError as err:
         print(f"demo failed: {err}", file=sys.stderr)
         return EXIT_FAILED
@@ -144,6 +149,12 @@ def run_demo(args: argparse.Namespace) -> int:
         _stop_children(procs)
         if args.keep:
             print(f"work directory kept: {workdir}")
+        elif code != EXIT_OK and stopped is None:  # a failed run keeps what tells why
+            print(
+                f"logs of the failed run kept in {workdir} (sidecar-*.log, worker-*.log; "
+                f"docs/operations.md#a-failed-demo); remove it when done",
+                file=sys.stderr,
+            )
         else:
             shutil.rmtree(workdir, ignore_errors=True)
         for signum, handler in previous.items():
@@ -205,7 +216,7 @@ def _run(args: argparse.Namespace, workdir: Path, procs: list[Proc], verdicts: s
     procs += workers
     started = time.monotonic()
     _show_progress(args, workdir, sidecars, workers, started)
-    return _summarise(args, workdir, workers, time.monotonic() - started, verdicts)
+    return demo_summary.summarise(args, workdir, workers, time.monotonic() - started, verdicts)
 
 
 def _sidecar_command(
@@ -291,24 +302,34 @@ def _check_children(sidecars: list[Proc], workers: list[Proc]) -> None:
             continue
         raise RuntimeError(
             f"{proc.name} exited with {code} during the run; the end of its log "
-            f"({proc.log_path.name}):\n{_tail(proc.log_path)}"
+            f"({proc.log_path.name}):\n{log_tail(proc.log_path)}"
         )
 
 
 def _show_progress(args, workdir: Path, sidecars: list[Proc], workers: list[Proc], started: float) -> None:
+    """One line that updates in place, with an ETA, on a terminal; elsewhere (a log, a
+    pipe) a plain line when the count changed, at most every :data:`PLAIN_PROGRESS_S`."""
     decode_progress = [workdir / f"decode{r}.progress" for r in range(args.decode_tp)]
     total = args.requests * args.decode_tp
-    shown = -1
+    on_terminal = sys.stdout.isatty()
+    shown, shown_s = -1, -PLAIN_PROGRESS_S
     while any(w.popen.poll() is None for w in workers):
         _check_children(sidecars, workers)
-        done = sum(_count_lines(p) for p in decode_progress)
-        if done != shown:
-            shown = done
-            rate = done / max(time.monotonic() - started, 1e-9)
-            print(f"  progress: {done}/{total} decode rank-rooms done  ({rate:.1f}/s)", flush=True)
-        if time.monotonic() - started > args.timeout_s:
+        done, now = sum(_count_lines(p) for p in decode_progress), time.monotonic()
+        if done != shown and (on_terminal or now - shown_s >= PLAIN_PROGRESS_S or done == total):
+            shown, shown_s = done, now
+            print(_progress_line(done, total, now - started), end="\r" if on_terminal else "\n", flush=True)
+        if now - started > args.timeout_s:
             raise RuntimeError(f"the demo did not finish within {args.timeout_s:.0f} s")
         time.sleep(0.5)
+    if on_terminal:
+        print()
+
+
+def _progress_line(done: int, total: int, elapsed_s: float) -> str:
+    rate = done / max(elapsed_s, 1e-9)
+    eta = f", about {(total - done) / rate:.0f} s left" if 0 < done < total else ""
+    return f"  progress: {done}/{total} decode rank-rooms done ({rate:.1f}/s{eta})   "
 
 
 def _count_lines(path: Path) -> int:
@@ -316,84 +337,3 @@ def _count_lines(path: Path) -> int:
         return path.read_text().count("\n")
     except OSError:
         return 0
-
-
-def _verdicts(args) -> str:
-    """The per-pool verdicts of this pairing: what every sidecar pair agreed on.
-
-    ConfigError naming the argument when the model is unknown, an instance cannot be
-    built (``--decode-tp 3`` with 8 KV heads) or the pair cannot be reconciled."""
-    from pd_transfer.errors import ConfigError, PdTransferError, Reason
-    from pd_transfer.layout.geometry import Role
-    from pd_transfer.layout.presets import load_preset
-    from pd_transfer.layout.rank_builder import build_instance
-    from pd_transfer.layout.reconcile import reconcile
-    from pd_transfer.layout.views import Layout
-
-    try:
-        spec = load_preset(args.model)
-    except ConfigError as err:
-        raise ConfigError(f"--model {args.model}: {err.message}", code=err.code, hint=err.hint) from None
-    shape = {"page_size": args.page_size, "num_pages": 8, "num_slots": 1, "num_aux_rows": 1}
-    instances = []
-    for role, flag, tp, layout in (
-        (Role.PREFILL, "--prefill-tp", args.prefill_tp, "nhd"),
-        (Role.DECODE, "--decode-tp", args.decode_tp, args.kv_layout),
-    ):
-        try:
-            instances.append(build_instance(spec, role, tp, kv_layout=Layout(layout), **shape))
-        except PdTransferError as err:
-            raise ConfigError(
-                f"{flag} {tp}: {args.model}: {err.message}", code=err.code, hint=err.hint
-            ) from None
-    recon = reconcile(*instances)
-    if not recon.ok:
-        raise ConfigError(
-            f"the prefill and decode instances cannot be reconciled: {recon.error()}",
-            code=Reason.INVALID_CONFIG,
-        )
-    modes = recon.modes_by_pool()
-    return ", ".join(
-        f"{pool.value} " + "/".join(f"{m.value} x{n}" for m, n in by_mode.items())
-        for pool, by_mode in modes.items()
-    )
-
-
-def _summarise(args, workdir: Path, workers: list[Proc], elapsed_s: float, verdicts: str) -> int:
-    reports = []
-    for worker in workers:
-        path = workdir / f"{worker.name.removeprefix('worker-')}.report.json"
-        try:
-            reports.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            print(
-                f"{worker.name}: no report (exit {worker.popen.returncode}); log tail:\n"
-                f"{_tail(worker.log_path)}",
-                file=sys.stderr,
-            )
-            return EXIT_FAILED
-    decode = [r for r in reports if r["role"] == "decode"]
-    failed = [f for r in reports for f in r["failed"]]
-    mismatches = sum(r["num_mismatches"] for r in decode)
-    verified = sum(r["bytes_verified"] for r in decode)
-    latencies = sorted(x for r in decode for x in r["latencies_s"])
-    print()
-    print(f"{'requests':<22}{args.requests}")
-    print(
-        f"{'decode rank-rooms':<22}{sum(r['succeeded'] for r in decode)} succeeded, "
-        f"{len([f for r in decode for f in r['failed']])} failed"
-    )
-    print(f"{'bytes verified':<22}{verified / 2**30:.2f} GiB (every destination byte checked)")
-    print(f"{'byte mismatches':<22}{mismatches}")
-    print(f"{'verdicts':<22}{verdicts}")
-    print(f"{'elapsed':<22}{elapsed_s:.1f} s")
-    print(f"{'throughput':<22}{verified / elapsed_s / 1e9:.2f} GB/s (verified bytes / wall time)")
-    if latencies:
-        p50 = latencies[len(latencies) // 2]
-        p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
-        print(f"{'room latency':<22}p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms (expect -> success)")
-    for failure in failed[:10]:
-        print(f"  failed room {failure['room']}: [{failure['code']}] {failure['reason']}")
-    ok = all(r["ok"] for r in reports) and not mismatches and not failed
-    print("result: OK" if ok else "result: FAILED")
-    return EXIT_OK if ok else EXIT_FAILED

@@ -31,12 +31,36 @@ def test_demo_moves_and_verifies_a_small_run():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "result: OK" in result.stdout
     assert "byte mismatches       0" in result.stdout
-    assert "kv sliced" in result.stdout  # the per-pool verdicts are shown
+    assert "kv sliced" in result.stdout  # the per-pool verdicts are shown, and what they mean
+    assert "sliced: a share of each tensor, between TP sizes" in result.stdout
+    # a pipe is not a terminal: plain progress lines, the last one at the end
+    progress = [line for line in result.stdout.splitlines() if "progress:" in line]
+    assert progress and progress[-1].startswith("  progress: 3/3 decode rank-rooms done"), progress
+
+
+def test_demo_help_shows_every_default_and_what_each_option_is():
+    result = subprocess.run(
+        [sys.executable, "-m", "pd_transfer.cli", "demo", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    for option, default in (
+        ("--page-size", "16"),
+        ("--transport", "shm"),
+        ("--requests", "24"),
+        ("--seed", "0"),
+    ):
+        assert f"{option}" in text and f"(default: {default})" in text, option
+    assert "tokens per KV page" in text
 
 
 # -- stopping: signals, invalid arguments, a child that fails ---------------------------
 
 import os  # noqa: E402
+import shutil  # noqa: E402
 import signal  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -127,7 +151,10 @@ def test_a_child_that_dies_stops_the_demo_at_once_with_its_log():
         "(sidecar-decode0.log)" in err
     ), err
     assert not [pid for pid in children if _alive(pid)], children
-    assert not workdir.exists()
+    # the failed run's logs stay, and the demo says where
+    assert f"logs of the failed run kept in {workdir} " in err, err
+    assert (workdir / "sidecar-decode0.log").is_file() and (workdir / "worker-decode0.log").is_file()
+    shutil.rmtree(workdir)
 
 
 @pytest.mark.parametrize(
