@@ -207,7 +207,7 @@ class Observer:
         if channel is not None and record.channel not in (None, channel):
             return  # an old session of a peer whose new session owns the record now
         if record.state == "rejected":
-            why = f"rejected ({record.reason.splitlines()[0] if record.reason else 'no reason'}), then left: {why}"
+            why = f"rejected, then left ({why}): {record.reason or 'no reason given'}"
         self.peer(peer, "left", why, channel)
 
     def bad_frame(self, reason: str) -> None:

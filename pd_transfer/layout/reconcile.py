@@ -58,9 +58,16 @@ class Reconciliation:
 
     @property
     def headline(self) -> str:
-        return (
-            f"cannot reconcile prefill (attn_tp={_tp(self.prefill)}) with decode (attn_tp={_tp(self.decode)})"
-        )
+        """Which sides, by attention TP; by model too where the two name different models
+        (``cannot reconcile prefill (llama-3.1-8b, attn_tp=1) with decode (nemotron-h-4b, ...)``)."""
+        models = {g.model for g in self.prefill[:1] + self.decode[:1]}
+        named = len(models) > 1 and "" not in models
+
+        def side(role: str, ranks: tuple[RankGeometry, ...]) -> str:
+            model = f"{ranks[0].model}, " if named and ranks else ""
+            return f"{role} ({model}attn_tp={_tp(ranks)})"
+
+        return f"cannot reconcile {side('prefill', self.prefill)} with {side('decode', self.decode)}"
 
     def error(self) -> ReconcileError:
         return ReconcileError(self.headline, diagnostics.collapse(list(self.mismatches)))

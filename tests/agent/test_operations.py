@@ -101,7 +101,8 @@ def test_metrics_count_transfers_aborts_and_rejections_with_labels(cluster_facto
     assert _value(p, "pd_transfer_peers", role="prefill", state="lost") == 0
     peers = json.loads(cluster.http(prefill[0].rank_id, "/status")[1])["peers"]
     (left,) = [r for r in peers if r["state"] == "left"]
-    assert left["reason"].startswith("rejected (cannot reconcile prefill"), left
+    assert left["reason"].startswith("rejected, then left (it closed its session"), left
+    assert "cannot reconcile prefill (attn_tp=1) with decode (attn_tp=1)" in left["reason"], left
     assert _value(p, "pd_transfer_transfer_bytes_count", role="prefill") == 2
     assert _value(p, "pd_transfer_build_info") == 1
     families = {f.name for f in text_string_to_metric_families(text)}

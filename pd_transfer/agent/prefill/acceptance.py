@@ -236,10 +236,11 @@ async def _decode_instance(side: Acceptor, peer: DecodePeer) -> list[RankGeometr
 
 
 async def _reject(side: Acceptor, peer: DecodePeer, headline: str, mismatches: list[MismatchRecord]) -> None:
-    text = "\n".join([headline] + [f"  - {m.render()}" for m in mismatches])
+    hints = [f"  hint: {h}" for h in dict.fromkeys(m.hint for m in mismatches if m.hint)]
+    text = "\n".join([headline] + [f"  - {m.render()}" for m in mismatches] + hints)
     side.observe.peer(peer.rank_id, "rejected", text, peer.channel)
     side.observe.verdict(False, mismatches[0].code.value if mismatches else "")
-    text = "; ".join(m.render() for m in mismatches[:8])
+    text = f"{headline}: " + "; ".join(m.render() for m in mismatches[:8]) + "".join(f";{h}" for h in hints)
     # a decode rank retrying (with backoff) is rejected again for the same reasons: debug
     again = side.rejections.pop(peer.rank_id, None) == text
     side.rejections[peer.rank_id] = text
