@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_keygen(sub)
     _add_status(sub)
+    _add_shm_clean(sub)
     return parser
 
 
@@ -121,6 +122,54 @@ def _add_status(sub) -> None:
     )
     status.add_argument("--json", action="store_true", help="print the raw JSON document")
     status.set_defaults(handler=_cmd_status)
+
+
+def _add_shm_clean(sub) -> None:
+    clean = sub.add_parser(
+        "shm-clean",
+        help="list (or remove) shared-memory segments a killed worker left behind",
+        description="List the pd-transfer segments in /dev/shm that no process on this host has "
+        "open or mapped: what a worker killed before it could unlink its pools leaves. "
+        "With --remove, unlink them. A segment any process holds is never touched.",
+        epilog="exit codes: 0 done (nothing orphaned, or removed), 1 orphans listed and left, "
+        "2 a process that could not be inspected may hold them (see --skip-uninspectable)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    clean.add_argument("--remove", action="store_true", help="unlink the orphaned segments")
+    clean.add_argument("--prefix", default="pdt-", help="only segments whose names start with this")
+    clean.add_argument(
+        "--skip-uninspectable",
+        action="store_true",
+        help="take processes this user cannot inspect as holding no segment (they are not workers "
+        "or sidecars, e.g. a sandbox's init)",
+    )
+    clean.set_defaults(handler=_cmd_shm_clean)
+
+
+def _cmd_shm_clean(args: argparse.Namespace) -> int:
+    from pd_transfer.shm_orphans import orphaned_segments, remove
+
+    scan = orphaned_segments(args.prefix)
+    if scan.uninspected and scan.orphaned and not args.skip_uninspectable:
+        print(
+            f"{len(scan.orphaned)} segments look unused, but these processes could not be "
+            f"inspected and may hold them: {', '.join(scan.uninspected)}. Run as root, or as the "
+            "user that runs the workers and sidecars; if none of them is a worker or a sidecar, "
+            "add --skip-uninspectable",
+            file=sys.stderr,
+        )
+        return EXIT_INVALID
+    for name in scan.orphaned:
+        print(name)
+    print(f"{len(scan.orphaned)} orphaned, {len(scan.in_use)} in use", file=sys.stderr)
+    if not scan.orphaned:
+        return EXIT_OK
+    if not args.remove:
+        print("run with --remove to unlink the orphaned segments", file=sys.stderr)
+        return EXIT_REJECTED
+    freed = remove(scan.orphaned)
+    print(f"removed {len(scan.orphaned)} segments, {freed / 2**20:.1f} MiB", file=sys.stderr)
+    return EXIT_OK
 
 
 def _add_serve(sub) -> None:
