@@ -39,34 +39,38 @@ from typing import Any
 class Reason(enum.Enum):
     """Stable reason codes. The value is what goes on the wire and in metrics."""
 
-    DTYPE_MISMATCH = "dtype_mismatch"
-    INNER_SHAPE_MISMATCH = "inner_shape_mismatch"
-    AXES_MISMATCH = "axes_mismatch"
-    GLOBAL_EXTENT_MISMATCH = "global_extent_mismatch"
-    PAGE_SIZE_MISMATCH = "page_size_mismatch"
-    SHARD_NOT_DIVISIBLE = "shard_not_divisible"
-    SHARD_RANGE_INVALID = "shard_range_invalid"
-    SHARD_GROUPS_MISMATCH = "shard_groups_mismatch"
-    SHARD_GROUPS_MISSING = "shard_groups_missing"
-    SHARD_METADATA_MISSING = "shard_metadata_missing"
-    REPLICATION_MISMATCH = "replication_mismatch"
-    SHARD_UNCOVERED = "shard_uncovered"
-    LAYER_MISSING = "layer_missing"
-    TENSOR_DUPLICATE = "tensor_duplicate"
-    INDEX_COUNT_MISMATCH = "index_count_mismatch"
-    INDEX_OUT_OF_RANGE = "index_out_of_range"
+    DTYPE_MISMATCH = "dtype_mismatch"  # the two sides store a tensor with different element types
+    INNER_SHAPE_MISMATCH = "inner_shape_mismatch"  # a tensor's per-item shape differs (head_dim, state size)
+    AXES_MISMATCH = "axes_mismatch"  # a tensor names its page, token or shard axes differently
+    GLOBAL_EXTENT_MISMATCH = (
+        "global_extent_mismatch"  # the sharded axis's full size differs: not the same model
+    )
+    PAGE_SIZE_MISMATCH = "page_size_mismatch"  # tokens per page differ where no conversion applies
+    SHARD_NOT_DIVISIBLE = "shard_not_divisible"  # a sharded axis does not split evenly over the TP size
+    SHARD_RANGE_INVALID = "shard_range_invalid"  # a rank's [start, end) is empty, reversed or past the axis
+    SHARD_GROUPS_MISMATCH = "shard_groups_mismatch"  # the sub-groups of a sharded axis differ (conv q|k|v)
+    SHARD_GROUPS_MISSING = "shard_groups_missing"  # one side declares sub-groups, the other does not
+    SHARD_METADATA_MISSING = "shard_metadata_missing"  # a sharded tensor lacks its global extent or range
+    REPLICATION_MISMATCH = "replication_mismatch"  # one side replicates what the other shards
+    SHARD_UNCOVERED = "shard_uncovered"  # no source rank holds part of a destination's range
+    LAYER_MISSING = "layer_missing"  # a layer one side has and the other lacks
+    TENSOR_DUPLICATE = "tensor_duplicate"  # one (pool, layer, name) registered twice
+    INDEX_COUNT_MISMATCH = (
+        "index_count_mismatch"  # prefill sends another number of pages or slots than decode expects
+    )
+    INDEX_OUT_OF_RANGE = "index_out_of_range"  # a page or slot index past the registered pool
     INDEX_REPEATED = "index_repeated"  # a destination names one page or slot twice
     INDEX_IN_USE = "index_in_use"  # a destination page or slot of another live room
-    INDEX_NOT_PAGE_ALIGNED = "index_not_page_aligned"
-    VIEW_OUT_OF_REGION = "view_out_of_region"
-    UNKNOWN_REGION = "unknown_region"
-    BAD_VIEW = "bad_view"
-    LAYOUT_UNSUPPORTED = "layout_unsupported"
-    INVALID_CONFIG = "invalid_config"
-    UNKNOWN_PRESET = "unknown_preset"
+    INDEX_NOT_PAGE_ALIGNED = "index_not_page_aligned"  # a token range that does not start on a page boundary
+    VIEW_OUT_OF_REGION = "view_out_of_region"  # a registered view reaches past its region
+    UNKNOWN_REGION = "unknown_region"  # a view names a region that was not registered
+    BAD_VIEW = "bad_view"  # a view's shape, strides or axes do not describe a tensor
+    LAYOUT_UNSUPPORTED = "layout_unsupported"  # a layout or pool kind this version cannot move
+    INVALID_CONFIG = "invalid_config"  # a setting, flag or worker config that is refused
+    UNKNOWN_PRESET = "unknown_preset"  # a model preset name that is not shipped
     # wire protocol (pd_transfer.protocol)
     BAD_FRAME = "bad_frame"  # not msgpack, not a map, no envelope
-    FRAME_TOO_LARGE = "frame_too_large"
+    FRAME_TOO_LARGE = "frame_too_large"  # a frame over the socket's size limit, dropped at its header
     LIMIT_EXCEEDED = "limit_exceeded"  # list, string, map or nesting too big
     BAD_FIELD = "bad_field"  # missing field, wrong type or value
     UNKNOWN_MESSAGE = "unknown_message"  # type tag this version does not know
@@ -77,36 +81,38 @@ class Reason(enum.Enum):
     BAD_GENERATION = "bad_generation"  # a generation not yet announced
     DUPLICATE_ROOM = "duplicate_room"  # a room requested twice
     NOT_ROOM_OWNER = "not_room_owner"  # a decode instance asked for another's room
-    UNKNOWN_ROOM = "unknown_room"
-    SESSION_CLOSED = "session_closed"
+    UNKNOWN_ROOM = "unknown_room"  # a message for a room this side does not hold
+    SESSION_CLOSED = "session_closed"  # the peer ended the session (a Close) with rooms still needing it
     SESSION_FAILED = "session_failed"  # used after a protocol error
-    ABORTED = "aborted"
+    ABORTED = "aborted"  # the worker aborted the room
     UNRECOGNIZED_REASON = "unrecognized_reason"  # a newer peer's code we do not know
     # runtime: rooms, peers
-    PEER_REJECTED = "peer_rejected"
-    PEER_LOST = "peer_lost"
-    TIMEOUT = "timeout"
-    TRANSPORT_FAILED = "transport_failed"
-    NOT_REGISTERED = "not_registered"
-    ALREADY_REGISTERED = "already_registered"
-    TOO_MANY_ROOMS = "too_many_rooms"
+    PEER_REJECTED = "peer_rejected"  # the pair's layout verdict refused it: see every mismatch
+    PEER_LOST = "peer_lost"  # the peer went silent or its connection broke
+    TIMEOUT = "timeout"  # a room's deadline passed (waiting_timeout_s, transfer_timeout_s)
+    TRANSPORT_FAILED = "transport_failed"  # the data plane could not connect or write
+    NOT_REGISTERED = "not_registered"  # a worker call before the worker registered its pools
+    ALREADY_REGISTERED = (
+        "already_registered"  # a second registration while the first one's worker is connected
+    )
+    TOO_MANY_ROOMS = "too_many_rooms"  # max_rooms live rooms already: refused at once
     BACKPRESSURE_TIMEOUT = (
         "backpressure_timeout"  # waited admission_wait_s under a limit (agent/admission.py)
     )
     OVER_LIMIT = "over_limit"  # refused at once: a bounded queue is full
-    BOOTSTRAP_FAILED = "bootstrap_failed"
-    SHUTTING_DOWN = "shutting_down"
+    BOOTSTRAP_FAILED = "bootstrap_failed"  # the prefill instance could not be resolved (rank table, verdicts)
+    SHUTTING_DOWN = "shutting_down"  # the sidecar stopped before the room finished
     WORKER_LOST = "worker_lost"  # the worker's connection closed: it exited
     # data plane (pd_transfer.transport, pd_transfer.shm_segments)
     RUN_OUT_OF_REGION = "run_out_of_region"  # a byte run outside its region
     REGION_INVALID = "region_invalid"  # not a contiguous 1-D uint8 CPU tensor
     SEGMENT_NAME_INVALID = "segment_name_invalid"  # '/', '..' or other unsafe characters
-    SEGMENT_NOT_FOUND = "segment_not_found"
-    SEGMENT_EXISTS = "segment_exists"
+    SEGMENT_NOT_FOUND = "segment_not_found"  # a registered shared-memory segment does not exist
+    SEGMENT_EXISTS = "segment_exists"  # a new segment's name is taken
     SEGMENT_TOO_SMALL = "segment_too_small"  # smaller than the region it should hold
     SEGMENT_TRUNCATED = "segment_truncated"  # shrunk under its mapping after registration
     TRANSFER_INCOMPLETE = "transfer_incomplete"  # the receiver counted other bytes than sent
-    LINK_CLOSED = "link_closed"
+    LINK_CLOSED = "link_closed"  # the peer's data link closed under a write
     TRANSPORT_UNSUPPORTED = "transport_unsupported"  # the peer offers no handle for this transport
     INTEGRITY_MISMATCH = "integrity_mismatch"  # landed bytes differ from the checksums sent
     # authentication (pd_transfer.security)
