@@ -43,7 +43,7 @@ class Reason(enum.Enum):
     INNER_SHAPE_MISMATCH = "inner_shape_mismatch"  # a tensor's per-item shape differs (head_dim, state size)
     AXES_MISMATCH = "axes_mismatch"  # a tensor names its page, token or shard axes differently
     GLOBAL_EXTENT_MISMATCH = (
-        "global_extent_mismatch"  # the sharded axis's full size differs: not the same model
+        "global_extent_mismatch"  # the sharded axis's full size differs between the sides
     )
     PAGE_SIZE_MISMATCH = "page_size_mismatch"  # tokens per page differ where no conversion applies
     SHARD_NOT_DIVISIBLE = "shard_not_divisible"  # a sharded axis does not split evenly over the TP size
