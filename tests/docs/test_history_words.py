@@ -162,7 +162,7 @@ def test_every_performance_table_has_its_command_and_its_limit():
     with_tables = {name: body for name, body in sections.items() if re.search(r"^\|.*\d.*\|$", body, re.M)}
     assert len(with_tables) >= 8, sorted(sections)
     command = re.compile(
-        r"^```\n(?:(?:PYTHONPATH|UCX_MODULES)=\S+ )*(?:python|bash) "
+        r"^```\n(?:(?:PYTHONPATH|UCX_MODULES)=\S+ )*(?:python|\.venv/bin/python|bash) "
         r"(?:benchmarks|tests)/\S+",
         re.M,
     )
