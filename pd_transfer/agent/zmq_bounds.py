@@ -100,7 +100,7 @@ class ConnectionWatch:
                     self.closed += 1
                     self._on_closed(self.name)
                     self._on_disconnected(int(message["value"]))
-                    log.info(
+                    log.debug(  # every departing peer ends one: routine, so not at info
                         "%s: a connection ended (%d so far): the peer left, or sent a "
                         "frame over the %d-byte limit or one ZeroMQ could not parse",
                         self.where,
