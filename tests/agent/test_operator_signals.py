@@ -19,6 +19,8 @@ import zmq
 from cluster import Cluster
 from prometheus_client.parser import text_string_to_metric_families
 
+from pd_transfer.client import Client
+from pd_transfer.client.errors import AuthFailed
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.presets import model_from_table
 from pd_transfer.layout.rank_builder import build_instance
@@ -160,7 +162,9 @@ def _start_prometheus(tmp_path: Path, target: str) -> tuple[subprocess.Popen, st
     shutil.which("prometheus") is None,
     reason="the prometheus binary is not installed (Debian: apt-get install prometheus)",
 )
-def test_a_real_prometheus_fires_bad_frames_on_the_first_garbage_frame(cluster_factory, tmp_path):
+def test_a_real_prometheus_fires_on_the_first_garbage_frame_and_the_first_refused_handshake(
+    cluster_factory, tmp_path
+):
     prefill = _ranks(Role.PREFILL, 1)
     cluster = cluster_factory(prefill, [], attach=False)
     rank = prefill[0].rank_id
@@ -191,6 +195,24 @@ def test_a_real_prometheus_fires_bad_frames_on_the_first_garbage_frame(cluster_f
         (alert,) = _until(firing, 60, "PdTransferBadFrames fires")
         assert alert["labels"]["reason"] == "unauthenticated" and alert["labels"]["role"] == "prefill"
         assert alert["labels"]["instance"] == target
+
+        # a worker holding another secret is refused, and the authentication alert fires
+        with Client(cluster.sidecars[rank].endpoint, "stranger", timeout_s=5, secret=b"x" * 32) as client:
+            with pytest.raises(AuthFailed):
+                client.poll(1)
+
+        def auth_firing():
+            alerts = _prometheus_json(base, "/api/v1/alerts")["data"]["alerts"]
+            return [
+                a
+                for a in alerts
+                if a["labels"]["alertname"] == "PdTransferAuthFailures"
+                and a["state"] == "firing"
+                and a["labels"]["reason"] == "auth_failed"  # the garbage frame fired "unauthenticated"
+            ]
+
+        (alert,) = _until(auth_firing, 60, "PdTransferAuthFailures fires for the wrong secret")
+        assert alert["labels"]["role"] == "prefill" and alert["labels"]["instance"] == target
     except AssertionError as err:
         log = (tmp_path / "prometheus.log").read_text()[-2000:]
         raise AssertionError(f"{err}\n-- prometheus log:\n{log}") from None
