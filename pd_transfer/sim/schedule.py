@@ -123,10 +123,6 @@ class ScheduledRequest:
             indices[Pool.AUX] = (row, row)
         return indices
 
-    def source_indices(self) -> dict[Pool, np.ndarray]:
-        """``Pool -> src`` indices: what prefill fills before sending."""
-        return {pool: src for pool, (src, _) in self.transfer_indices().items()}
-
 
 def build_schedule(spec: ScheduleSpec) -> list[ScheduledRequest]:
     """The schedule of ``spec``; raises :class:`ConfigError` naming a pool that is too small."""

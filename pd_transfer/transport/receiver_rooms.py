@@ -134,10 +134,6 @@ class ReceiverRooms:
             self._fences.pop(room, None)
             self._expected.pop(room, None)
 
-    def is_expected(self, room: str) -> bool:
-        with self._lock:
-            return room in self._expected
-
     # -- the receiver's calls ---------------------------------------------------------
     def check_fence(self, room: str, generation: int) -> None:
         with self._lock:

@@ -53,10 +53,6 @@ class AttentionSpec:
     def value_head_dim(self) -> int:
         return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
-    @property
-    def is_asymmetric(self) -> bool:
-        return self.value_head_dim != self.head_dim
-
     def head_dims(self) -> tuple[tuple[str, int], ...]:
         """``(tensor name, head dim)`` of K then V."""
         return (("k", self.head_dim), ("v", self.value_head_dim))
