@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 from cluster import random_requests
 
-from pd_transfer.client import RoomStatus
+from pd_transfer.client import Refused, RoomStatus
+from pd_transfer.errors import Reason
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.instances import reconcile_instances
+from pd_transfer.layout.model_spec import LayerKind
 from pd_transfer.layout.presets import load_preset
 from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.views import Layout
@@ -61,6 +63,61 @@ def test_pipelined_instances_move_a_room_byte_exact(cluster_factory, case):
     assert cluster.verify(requests) == []
     for geometry in prefill:  # prefill finishes only once every decode stage has its bytes
         assert cluster.clients[geometry.rank_id].wait(21, 5).status is RoomStatus.SUCCESS
+
+
+def _kinds(preset: str, name: str, kinds) -> object:
+    """``preset``'s geometry with its own layer kinds: where each pool's layers sit."""
+    return dataclasses.replace(load_preset(preset), name=name, layer_kinds=tuple(kinds))
+
+
+A, G, W = LayerKind.ATTENTION, LayerKind.GDN, LayerKind.SLIDING_ATTENTION
+SPLITS = {  # model, prefill (pp, tp), decode (pp, tp): stages that hold no layer of a pool
+    # the state layers all on decode stage 2, which holds no kv layer; stages 0-1 hold no state
+    "state-on-decode-stage-2": (_kinds("qwen3-next-80b-a3b", "gdn-tail", [A] * 4 + [G] * 2), (2, 1), (3, 1)),
+    # PP 2 -> PP 1: prefill stage 0 holds kv only, stage 1 the state only
+    "state-on-one-prefill-stage": (
+        _kinds("qwen3-next-80b-a3b", "gdn-back", [A] * 3 + [G] * 3),
+        (2, 2),
+        (1, 1),
+    ),
+    # a decode stage of sliding-window layers only, the other of full attention only
+    "swa-only-decode-stage": (_kinds("gpt-oss-20b", "swa-tail", [A] * 2 + [W] * 2), (1, 2), (2, 1)),
+}
+
+
+@pytest.mark.parametrize("split", sorted(SPLITS))
+def test_a_stage_without_a_pool_moves_a_room_byte_exact(cluster_factory, split):
+    spec, (pp_src, tp_src), (pp_dst, tp_dst) = SPLITS[split]
+    prefill = build_instance(spec, Role.PREFILL, tp_src, pp_src, kv_layout=Layout.NHD, **SMALL)
+    decode = build_instance(spec, Role.DECODE, tp_dst, pp_dst, kv_layout=Layout.NHD, **SMALL)
+    assert any(g.pools() != decode[0].pools() for g in prefill + decode)  # a stage lacks a pool
+    assert reconcile_instances(prefill, decode).ok
+    cluster = cluster_factory(prefill, decode)
+    requests = random_requests(prefill, decode, np.random.default_rng(7), pages=4)
+    cluster.expect(8, requests)  # each worker names only the pools its stage registers
+    cluster.send(8, requests, chunk_pages=2)
+    states = cluster.wait_decode(8)
+    assert all(s.status is RoomStatus.SUCCESS for s in states.values()), (states, cluster.logs())
+    assert cluster.verify(requests) == []
+    for geometry in prefill:
+        assert cluster.clients[geometry.rank_id].wait(8, 5).status is RoomStatus.SUCCESS
+
+
+def test_a_stage_naming_a_pool_it_holds_no_layer_of_is_told_so(cluster_factory):
+    spec, (pp_src, tp_src), (pp_dst, tp_dst) = SPLITS["state-on-decode-stage-2"]
+    prefill = build_instance(spec, Role.PREFILL, tp_src, pp_src, kv_layout=Layout.NHD, **SMALL)
+    decode = build_instance(spec, Role.DECODE, tp_dst, pp_dst, kv_layout=Layout.NHD, **SMALL)
+    cluster = cluster_factory(prefill, decode)
+    stage0 = cluster.clients[decode[0].rank_id]  # kv layers only: the model's state is on stage 2
+    with pytest.raises(Refused) as refused:
+        stage0.expect(3, cluster.bootstrap, [0, 1], state_slots=[0], aux_row=0)
+    assert refused.value.code is Reason.INDEX_OUT_OF_RANGE
+    assert "decode[pp0,tp0] registered no mamba pool (it holds no layer of it)" in str(refused.value)
+    assert "leave state_slots empty in decode[pp0,tp0]'s calls" in str(refused.value)
+    assert "for this model" not in str(refused.value)  # the model has state, on stage 2
+    with pytest.raises(Refused) as refused:  # and a prefill stage the same
+        cluster.clients[prefill[0].rank_id].send(3, [0, 1], state_slots=[0], aux_row=0)
+    assert "prefill[pp0,tp0] registered no mamba pool" in str(refused.value)
 
 
 def _without_layers(geometry, layers):
