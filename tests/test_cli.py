@@ -168,6 +168,20 @@ def test_check_names_the_side_and_the_file_of_an_invalid_config(capsys, tmp_path
     assert "- worker.model: unknown model preset 'llama-9'" in err
 
 
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_check_names_the_side_and_the_file_of_a_tp_size_the_model_cannot_split(capsys, tmp_path, side):
+    path = tmp_path / f"{side}-tp3.toml"  # llama-3.1-8b has 8 kv heads: 3 ranks cannot share them
+    path.write_text(
+        VALID_WORKER.replace('"prefill"', f'"{side}"').replace("attn_tp_size = 2", "attn_tp_size = 3")
+    )
+    pair = (str(path), DECODE_TP4) if side == "prefill" else (PREFILL_TP2, str(path))
+    code, out, err = _check(capsys, *pair)
+    assert code == EXIT_INVALID and out == ""
+    assert err.startswith(
+        f"pd-transfer: error: --{side} {path}: attention.num_kv_heads 8 is not divisible by attn_tp_size 3"
+    ), err
+
+
 def test_plan_for_a_decode_rank_the_config_lacks_is_a_usage_error_before_any_table():
     result = subprocess.run(
         [
