@@ -87,6 +87,40 @@ def test_check_shows_different_page_sizes_as_a_converted_verdict(capsys):
     assert all(row[6:8] == ["64", "64"] for row in kv_rows)
 
 
+SWA40_WORKER = """\
+[worker]
+role = "{role}"
+attn_tp_size = 1
+page_size = 16
+
+[model]
+name = "swa-40"
+num_layers = 2
+layer_cycle = ["sliding_attention", "attention"]
+
+[model.attention]
+num_kv_heads = 8
+head_dim = 64
+
+[model.sliding_attention]
+num_kv_heads = 8
+head_dim = 64
+window_tokens = 40
+"""
+
+
+def test_check_sizes_the_sample_requests_window_pages_by_the_models_window(capsys, tmp_path):
+    paths = []
+    for role in ("prefill", "decode"):
+        paths.append(tmp_path / f"{role}.toml")
+        paths[-1].write_text(SWA40_WORKER.format(role=role))
+    code = main(["check", "--prefill", str(paths[0]), "--decode", str(paths[1]), "--tokens", "256"])
+    out, _ = capsys.readouterr()
+    assert code == EXIT_OK
+    # 256 tokens: 16 kv pages; a 40-token window straddles ceil(40 / 16) + 1 = 4 pages of 16
+    assert "sample request: kv 16, swa 4, aux 1" in out.splitlines(), out
+
+
 def test_check_refuses_a_decode_config_passed_as_prefill(capsys):
     code, out, err = _check(capsys, DECODE_TP4, PREFILL_TP2)
     assert code == EXIT_INVALID and out == ""
