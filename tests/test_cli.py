@@ -171,7 +171,7 @@ MALFORMED = {
         + _problem_line(
             "worker",
             "unknown key(s) ['tp_size']; accepted: role, model, "
-            "attn_tp_size, pp_size, page_size, kv_layout, kv_dtype, "
+            "attn_tp_size, pp_size, pp_layers, page_size, kv_layout, kv_dtype, "
             "num_pages, num_slots, num_aux_rows",
         ),
     ),
