@@ -87,6 +87,39 @@ def test_check_shows_different_page_sizes_as_a_converted_verdict(capsys):
     assert all(row[6:8] == ["64", "64"] for row in kv_rows)
 
 
+def test_check_takes_an_uneven_pipeline_split_from_the_worker_config(capsys, tmp_path):
+    path = tmp_path / "prefill-pp2.toml"
+    path.write_text(VALID_WORKER + "pp_size = 2\npp_layers = [4, 28]\n")
+    code, out, err = _check(capsys, str(path), DECODE_TP4)
+    assert code == EXIT_OK and err == "", out
+    assert out.startswith("prefill: llama-3.1-8b attn_tp=2 pp=2 pp_layers=[4, 28] page_size=16")
+    kv_rows = [line.split() for line in out.splitlines() if line.startswith("decode[") and " kv " in line]
+    # 4 pages x 4 layers x K and V from stage 0, x 28 layers from stage 1
+    assert [(row[1], row[4]) for row in kv_rows[:2]] == [
+        ("prefill[pp0,tp0]", "32"),
+        ("prefill[pp1,tp0]", "224"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "layers,problem",
+    [
+        (
+            "[4, 4]",
+            "pp_layers [4, 4] must be 2 positive layer counts (one per stage) that add up to the model's 32 layers",
+        ),
+        ("[32]", "worker.pp_layers: 1 counts for pp_size 2"),
+        ("[0, 32]", "worker.pp_layers: must be positive layer counts, one per stage, got [0, 32]"),
+    ],
+)
+def test_check_names_the_file_of_a_split_that_does_not_cover_the_layers(capsys, tmp_path, layers, problem):
+    path = tmp_path / "prefill-pp2.toml"
+    path.write_text(VALID_WORKER + f"pp_size = 2\npp_layers = {layers}\n")
+    code, out, err = _check(capsys, str(path), DECODE_TP4)
+    assert code == EXIT_INVALID and out == ""
+    assert err.startswith(f"pd-transfer: error: --prefill {path}: ") and problem in err, err
+
+
 SWA40_WORKER = """\
 [worker]
 role = "{role}"

@@ -71,7 +71,8 @@ def _kinds(preset: str, name: str, kinds) -> object:
 
 
 A, G, W = LayerKind.ATTENTION, LayerKind.GDN, LayerKind.SLIDING_ATTENTION
-SPLITS = {  # model, prefill (pp, tp), decode (pp, tp): stages that hold no layer of a pool
+K, M = LayerKind.KDA, LayerKind.MLA
+SPLITS = {  # model, prefill (pp, tp[, pp_layers]), decode (pp, tp[, pp_layers])
     # the state layers all on decode stage 2, which holds no kv layer; stages 0-1 hold no state
     "state-on-decode-stage-2": (_kinds("qwen3-next-80b-a3b", "gdn-tail", [A] * 4 + [G] * 2), (2, 1), (3, 1)),
     # PP 2 -> PP 1: prefill stage 0 holds kv only, stage 1 the state only
@@ -82,14 +83,30 @@ SPLITS = {  # model, prefill (pp, tp), decode (pp, tp): stages that hold no laye
     ),
     # a decode stage of sliding-window layers only, the other of full attention only
     "swa-only-decode-stage": (_kinds("gpt-oss-20b", "swa-tail", [A] * 2 + [W] * 2), (1, 2), (2, 1)),
+    # uneven splits: 2 + 10 layers -> 7 + 1 + 4, decode stage 1 holds one MLA layer and no state
+    "uneven-kv-only-decode-stage": (
+        _kinds("kimi-linear-48b-a3b", "kda-12", [K, K, K, M] * 3),
+        (2, 1, (2, 10)),
+        (3, 1, (7, 1, 4)),
+    ),
 }
+
+
+def _split(split, decode_page_size=16):
+    spec, prefill_shape, decode_shape = SPLITS[split]
+    sides = []
+    for role, (pp, tp, *layers), page_size in (
+        (Role.PREFILL, prefill_shape, 16),
+        (Role.DECODE, decode_shape, decode_page_size),
+    ):
+        shape = {**SMALL, "page_size": page_size, "pp_layers": layers[0] if layers else None}
+        sides.append(build_instance(spec, role, tp, pp, kv_layout=Layout.NHD, **shape))
+    return sides
 
 
 @pytest.mark.parametrize("split", sorted(SPLITS))
 def test_a_stage_without_a_pool_moves_a_room_byte_exact(cluster_factory, split):
-    spec, (pp_src, tp_src), (pp_dst, tp_dst) = SPLITS[split]
-    prefill = build_instance(spec, Role.PREFILL, tp_src, pp_src, kv_layout=Layout.NHD, **SMALL)
-    decode = build_instance(spec, Role.DECODE, tp_dst, pp_dst, kv_layout=Layout.NHD, **SMALL)
+    prefill, decode = _split(split)
     assert any(g.pools() != decode[0].pools() for g in prefill + decode)  # a stage lacks a pool
     assert reconcile_instances(prefill, decode).ok
     cluster = cluster_factory(prefill, decode)
@@ -104,9 +121,7 @@ def test_a_stage_without_a_pool_moves_a_room_byte_exact(cluster_factory, split):
 
 
 def test_a_stage_naming_a_pool_it_holds_no_layer_of_is_told_so(cluster_factory):
-    spec, (pp_src, tp_src), (pp_dst, tp_dst) = SPLITS["state-on-decode-stage-2"]
-    prefill = build_instance(spec, Role.PREFILL, tp_src, pp_src, kv_layout=Layout.NHD, **SMALL)
-    decode = build_instance(spec, Role.DECODE, tp_dst, pp_dst, kv_layout=Layout.NHD, **SMALL)
+    prefill, decode = _split("state-on-decode-stage-2")
     cluster = cluster_factory(prefill, decode)
     stage0 = cluster.clients[decode[0].rank_id]  # kv layers only: the model's state is on stage 2
     with pytest.raises(Refused) as refused:
@@ -118,6 +133,24 @@ def test_a_stage_naming_a_pool_it_holds_no_layer_of_is_told_so(cluster_factory):
     with pytest.raises(Refused) as refused:  # and a prefill stage the same
         cluster.clients[prefill[0].rank_id].send(3, [0, 1], state_slots=[0], aux_row=0)
     assert "prefill[pp0,tp0] registered no mamba pool" in str(refused.value)
+
+
+def test_a_swa_only_stage_between_page_sizes_is_rejected_live_as_check_rejects_it(cluster_factory):
+    prefill, decode = _split("swa-only-decode-stage", decode_page_size=64)  # 16 -> 64 tokens a page
+    expected = reconcile_instances(prefill, decode)
+    line = (
+        "swa.window_pages: prefill=pages of 16 tokens decode=stages pp1 hold sliding-window "
+        "layers but no kv layer; pages of 64 tokens  [page_size_mismatch]"
+    )
+    assert f"  - {line}" in str(expected.error()).splitlines()
+    cluster = cluster_factory(prefill, decode)
+    for geometry in decode:
+        cluster.clients[geometry.rank_id].expect(5, cluster.bootstrap, [], aux_row=0)
+    for geometry in decode:  # every stage is told, with the lines check prints
+        state = cluster.clients[geometry.rank_id].wait(5, timeout_s=10)
+        assert state.status is RoomStatus.FAILED and state.code_text == "peer_rejected", state
+        for printed in str(expected.error()).splitlines()[1:]:
+            assert printed.strip() in state.reason, (printed, state.reason)
 
 
 def _without_layers(geometry, layers):
