@@ -104,12 +104,16 @@ def _split(split, decode_page_size=16):
     return sides
 
 
-@pytest.mark.parametrize("split", sorted(SPLITS))
-def test_a_stage_without_a_pool_moves_a_room_byte_exact(cluster_factory, split):
+@pytest.mark.parametrize(
+    "split,transport", [(split, "shm") for split in sorted(SPLITS)] + [("state-on-decode-stage-2", "tcp")]
+)
+def test_a_stage_without_a_pool_moves_a_room_byte_exact(cluster_factory, split, transport):
     prefill, decode = _split(split)
     assert any(g.pools() != decode[0].pools() for g in prefill + decode)  # a stage lacks a pool
     assert reconcile_instances(prefill, decode).ok
-    cluster = cluster_factory(prefill, decode)
+    # tcp: the decode receiver admits only the pools each stage expects, and checks the sums
+    config = {"integrity": True} if transport == "tcp" else {}
+    cluster = cluster_factory(prefill, decode, transport=transport, config=config)
     requests = random_requests(prefill, decode, np.random.default_rng(7), pages=4)
     cluster.expect(8, requests)  # each worker names only the pools its stage registers
     cluster.send(8, requests, chunk_pages=2)
