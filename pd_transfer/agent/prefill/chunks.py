@@ -9,7 +9,10 @@ ends: at most ``max_chunks_per_room`` of them (one more fails the room with
 Chunk ``i`` pairs its kv pages with the next pages the target allocated (a
 cursor per target); the last chunk adds SWA pages, state slots and the aux
 row, aux last (its arrival means everything before it landed). Counts that
-do not match are refused, never truncated.
+do not match are refused, never truncated. Only the pools the pair moves are
+paired and counted: with pipeline parallelism a stage may hold no layer of a
+pool (every state layer on decode stage 2), and then names none of its
+indices, while the stages that hold it do.
 
 Where the pair's page sizes differ (prefill 16 tokens a page, decode 64), the
 cursor still counts prefill pages, and chunk ``i`` is the
