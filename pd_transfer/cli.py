@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from pd_transfer import __version__
-from pd_transfer.errors import ConfigError, PdTransferError
+from pd_transfer.errors import ConfigError, GeometryError, PdTransferError
 from pd_transfer.layout.geometry import Role
 from pd_transfer.reports import check_report, plan_report
 from pd_transfer.worker_config import load_worker_config
@@ -280,11 +280,14 @@ def _load_pair(args: argparse.Namespace):
 
 
 def _load_side(path: str, role: Role):
-    """The worker config given as ``--prefill`` or ``--decode``; an invalid one is an error
-    naming the side and the file (``--decode configs/x.toml: worker.model: ...``)."""
+    """The worker config given as ``--prefill`` or ``--decode``; an invalid one, or one whose
+    ranks cannot be built (attn_tp_size 3 over 8 kv heads), is an error naming the side and
+    the file (``--decode configs/x.toml: worker.model: ...``)."""
     try:
-        return load_worker_config(path)
-    except ConfigError as err:
+        config = load_worker_config(path)
+        config.build_ranks()
+        return config
+    except (ConfigError, GeometryError) as err:
         message = err.message.removeprefix(f"{path}: ")
         raise ConfigError(f"--{role.value} {path}: {message}", code=err.code, hint=err.hint) from None
 

@@ -70,6 +70,12 @@ def sample_requests(
     return requests
 
 
+def _window(config: WorkerConfig) -> int | None:
+    """The model's sliding window in tokens (None without sliding-window layers)."""
+    sliding = config.model.sliding_attention
+    return None if sliding is None else sliding.window_tokens
+
+
 def _count(request: Request) -> str:
     src, dst = (request.src_pages, request.dst_pages) if isinstance(request, TokenSpan) else request
     return str(len(src)) if len(src) == len(dst) else f"{len(src)}->{len(dst)}"
@@ -114,9 +120,7 @@ def check_report(prefill: WorkerConfig, decode: WorkerConfig, tokens: int) -> tu
     lines = _header(prefill, decode) + verdict
     if not recon.ok:
         return "\n".join(lines), False
-    requests = sample_requests(
-        prefill_ranks, decode_ranks, tokens, prefill.page_size, getattr(prefill.model, "swa_window", None)
-    )
+    requests = sample_requests(prefill_ranks, decode_ranks, tokens, prefill.page_size, _window(prefill))
     modes = _modes_by_pool(recon)
     lines.append(
         "sample request: "
@@ -153,9 +157,7 @@ def plan_report(
     targets = [g for g in decode_ranks if g.tp_rank == decode_rank]
     if not targets:
         return text + f"\nno decode rank with attn_tp rank {decode_rank}", False
-    requests = sample_requests(
-        prefill_ranks, decode_ranks, tokens, prefill.page_size, getattr(prefill.model, "swa_window", None)
-    )
+    requests = sample_requests(prefill_ranks, decode_ranks, tokens, prefill.page_size, _window(prefill))
     lines = [text, ""]
     by_rank = {g.rank_id: g for g in prefill_ranks}
     for dst in targets:

@@ -30,6 +30,7 @@ _FIELDS: dict[str, tuple[type, Any]] = {
     "model": (str, ""),
     "attn_tp_size": (int, None),
     "pp_size": (int, 1),
+    "pp_layers": (list, []),  # layers per stage, first to last; [] splits evenly
     "page_size": (int, 16),
     "kv_layout": (str, "nhd"),
     "kv_dtype": (str, ""),
@@ -46,6 +47,7 @@ class WorkerConfig:
     model: ModelSpec
     attn_tp_size: int
     pp_size: int
+    pp_layers: tuple[int, ...] | None
     page_size: int
     kv_layout: Layout
     kv_dtype: str | None
@@ -55,8 +57,9 @@ class WorkerConfig:
 
     def describe(self) -> str:
         dtype = self.kv_dtype or "model default"
+        split = "" if self.pp_layers is None else f" pp_layers={list(self.pp_layers)}"
         return (
-            f"{self.model.name} attn_tp={self.attn_tp_size} pp={self.pp_size} "
+            f"{self.model.name} attn_tp={self.attn_tp_size} pp={self.pp_size}{split} "
             f"page_size={self.page_size} kv_layout={self.kv_layout.value} kv_dtype={dtype}"
         )
 
@@ -73,6 +76,7 @@ class WorkerConfig:
             num_slots=self.num_slots,
             num_aux_rows=self.num_aux_rows,
             kv_dtype=self.kv_dtype or None,
+            pp_layers=self.pp_layers,
         )
 
 
@@ -122,6 +126,7 @@ def worker_config_from_table(data: dict[str, Any], source: str) -> WorkerConfig:
         model=model,
         attn_tp_size=values["attn_tp_size"],
         pp_size=values["pp_size"],
+        pp_layers=tuple(values["pp_layers"]) or None,
         page_size=values["page_size"],
         kv_layout=Layout(values["kv_layout"]),
         kv_dtype=values["kv_dtype"] or None,
@@ -144,6 +149,11 @@ def _check_values(values: dict[str, Any]) -> list[str]:
     for name in ("attn_tp_size", "pp_size", "page_size", "num_pages", "num_slots", "num_aux_rows"):
         if name in values and values[name] <= 0:
             problems.append(f"worker.{name}: must be a positive integer, got {values[name]}")
+    layers = values.get("pp_layers", [])
+    if any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in layers):
+        problems.append(f"worker.pp_layers: must be positive layer counts, one per stage, got {layers}")
+    elif layers and len(layers) != values.get("pp_size", len(layers)):
+        problems.append(f"worker.pp_layers: {len(layers)} counts for pp_size {values.get('pp_size')}")
     return problems
 
 

@@ -87,6 +87,73 @@ def test_check_shows_different_page_sizes_as_a_converted_verdict(capsys):
     assert all(row[6:8] == ["64", "64"] for row in kv_rows)
 
 
+def test_check_takes_an_uneven_pipeline_split_from_the_worker_config(capsys, tmp_path):
+    path = tmp_path / "prefill-pp2.toml"
+    path.write_text(VALID_WORKER + "pp_size = 2\npp_layers = [4, 28]\n")
+    code, out, err = _check(capsys, str(path), DECODE_TP4)
+    assert code == EXIT_OK and err == "", out
+    assert out.startswith("prefill: llama-3.1-8b attn_tp=2 pp=2 pp_layers=[4, 28] page_size=16")
+    kv_rows = [line.split() for line in out.splitlines() if line.startswith("decode[") and " kv " in line]
+    # 4 pages x 4 layers x K and V from stage 0, x 28 layers from stage 1
+    assert [(row[1], row[4]) for row in kv_rows[:2]] == [
+        ("prefill[pp0,tp0]", "32"),
+        ("prefill[pp1,tp0]", "224"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "layers,problem",
+    [
+        (
+            "[4, 4]",
+            "pp_layers [4, 4] must be 2 positive layer counts (one per stage) that add up to the model's 32 layers",
+        ),
+        ("[32]", "worker.pp_layers: 1 counts for pp_size 2"),
+        ("[0, 32]", "worker.pp_layers: must be positive layer counts, one per stage, got [0, 32]"),
+    ],
+)
+def test_check_names_the_file_of_a_split_that_does_not_cover_the_layers(capsys, tmp_path, layers, problem):
+    path = tmp_path / "prefill-pp2.toml"
+    path.write_text(VALID_WORKER + f"pp_size = 2\npp_layers = {layers}\n")
+    code, out, err = _check(capsys, str(path), DECODE_TP4)
+    assert code == EXIT_INVALID and out == ""
+    assert err.startswith(f"pd-transfer: error: --prefill {path}: ") and problem in err, err
+
+
+SWA40_WORKER = """\
+[worker]
+role = "{role}"
+attn_tp_size = 1
+page_size = 16
+
+[model]
+name = "swa-40"
+num_layers = 2
+layer_cycle = ["sliding_attention", "attention"]
+
+[model.attention]
+num_kv_heads = 8
+head_dim = 64
+
+[model.sliding_attention]
+num_kv_heads = 8
+head_dim = 64
+window_tokens = 40
+"""
+
+
+def test_check_sizes_the_sample_requests_window_pages_by_the_models_window(capsys, tmp_path):
+    paths = []
+    for role in ("prefill", "decode"):
+        paths.append(tmp_path / f"{role}.toml")
+        paths[-1].write_text(SWA40_WORKER.format(role=role))
+    code = main(["check", "--prefill", str(paths[0]), "--decode", str(paths[1]), "--tokens", "256"])
+    out, _ = capsys.readouterr()
+    assert code == EXIT_OK
+    # 256 tokens: 16 kv pages; a 40-token window straddles ceil(40 / 16) + 1 = 4 pages of 16
+    assert "sample request: kv 16, swa 4, aux 1" in out.splitlines(), out
+
+
 def test_check_refuses_a_decode_config_passed_as_prefill(capsys):
     code, out, err = _check(capsys, DECODE_TP4, PREFILL_TP2)
     assert code == EXIT_INVALID and out == ""
@@ -137,7 +204,7 @@ MALFORMED = {
         + _problem_line(
             "worker",
             "unknown key(s) ['tp_size']; accepted: role, model, "
-            "attn_tp_size, pp_size, page_size, kv_layout, kv_dtype, "
+            "attn_tp_size, pp_size, pp_layers, page_size, kv_layout, kv_dtype, "
             "num_pages, num_slots, num_aux_rows",
         ),
     ),
@@ -166,6 +233,20 @@ def test_check_names_the_side_and_the_file_of_an_invalid_config(capsys, tmp_path
     assert code == EXIT_INVALID and out == ""
     assert err.startswith(f"pd-transfer: error: --decode {path}: invalid worker config"), err
     assert "- worker.model: unknown model preset 'llama-9'" in err
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_check_names_the_side_and_the_file_of_a_tp_size_the_model_cannot_split(capsys, tmp_path, side):
+    path = tmp_path / f"{side}-tp3.toml"  # llama-3.1-8b has 8 kv heads: 3 ranks cannot share them
+    path.write_text(
+        VALID_WORKER.replace('"prefill"', f'"{side}"').replace("attn_tp_size = 2", "attn_tp_size = 3")
+    )
+    pair = (str(path), DECODE_TP4) if side == "prefill" else (PREFILL_TP2, str(path))
+    code, out, err = _check(capsys, *pair)
+    assert code == EXIT_INVALID and out == ""
+    assert err.startswith(
+        f"pd-transfer: error: --{side} {path}: attention.num_kv_heads 8 is not divisible by attn_tp_size 3"
+    ), err
 
 
 def test_plan_for_a_decode_rank_the_config_lacks_is_a_usage_error_before_any_table():

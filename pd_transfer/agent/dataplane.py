@@ -78,7 +78,8 @@ class DataPlane:
         self.local_regions: dict = {}
         self.on_device = False
         self._segments: list[Segment] = []
-        self._local_truncated: SegmentTruncated | None = None  # sticky: its pages are zeros
+        # sticky while the worker's registration lasts (its pages are zeros), and /readyz says so
+        self._local_truncated: SegmentTruncated | None = None
         self._shm = ShmTransport(CopyEngine(num_workers=config.copy_threads))
         # test only (fault_corrupt_nth): shm flips a byte after landing, tcp in the payload
         self._corrupt = CorruptNth(config.fault_corrupt_nth) if config.fault_corrupt_nth else None
@@ -117,6 +118,7 @@ class DataPlane:
         first handle, takes long enough to starve the loop's heartbeats."""
         regions, segments, on_device = await asyncio.to_thread(_open_local, geometry, handles)
         self._segments, self.local_regions = segments, regions
+        self._local_truncated = None  # a new registration's pools: what shrank before is gone
         if segments and not shm_guard.available():
             log.warning(
                 "mapped segments are not watched for SIGBUS (%s): a segment truncated "
@@ -160,6 +162,7 @@ class DataPlane:
         for segment in self._segments:
             segment.close()
         self._segments, self.local_regions, self._geometry = [], {}, None
+        self._local_truncated = None  # it named the segments just let go
 
     async def fence(self, room: int, generation: int) -> None:
         """Refuse late tcp chunks of ``room`` up to ``generation`` (no-op without a receiver)."""
@@ -302,7 +305,7 @@ class DataPlane:
                 f"after registering them; what they held is lost here",
                 local=True,
                 hint="a worker must keep its pools' segments at their registered size; "
-                "restart the worker and its sidecar",
+                "restart the worker (its new registration maps new pools)",
             )
             log.error("%s", self._local_truncated.message)
             raise self._local_truncated

@@ -42,10 +42,11 @@ def check_indices(pools: dict[Pool, np.ndarray], geometry: RankGeometry, *, side
         extent = extents.get(pool)
         if extent is None:
             raise PdTransferError(
-                f"at $.{field}: {geometry.rank_id} registered no {pool.value} pool, but the "
-                f"request names {len(indices)} {side} index(es) in it",
+                f"at $.{field}: {geometry.rank_id} registered no {pool.value} pool (it holds "
+                f"no layer of it), but the request names {len(indices)} {side} index(es) in it",
                 code=Reason.INDEX_OUT_OF_RANGE,
-                hint=f"leave {field} empty for this model",
+                hint=f"leave {field} empty in {geometry.rank_id}'s calls: a rank names only the "
+                f"pools it registered (with pipeline parallelism, those of its own stage's layers)",
             )
         outside = np.flatnonzero((indices < 0) | (indices >= extent))
         if outside.size:

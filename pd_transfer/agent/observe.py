@@ -276,6 +276,11 @@ class Observer:
         reasons = []
         if sidecar.geometry is None:
             reasons.append(sidecar.worker.lost_reason or "the worker has not registered its pools")
+        elif (truncated := sidecar.dataplane.local_truncated()) is not None:
+            reasons.append(
+                f"{truncated.message}; every room fails segment_truncated until the worker "
+                f"registers new pools (it closes its client and registers again)"
+            )
         elif sidecar.config.role is Role.PREFILL and not sidecar.side.table_ready.is_set():
             reasons.append("the prefill rank table is incomplete (not every rank announced)")
         for address in sidecar.config.prefill_bootstraps:

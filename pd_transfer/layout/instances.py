@@ -7,7 +7,11 @@ the instance, not of one rank. Every layer id a prefill stage registers must
 be registered by a decode stage (and the other way round), and by exactly
 one stage on each side: a layer two stages register is a ``tensor_duplicate``
 naming the layers and the stages. A linear-attention layer's state moves with
-its layer, so it lives on the stage that owns the layer.
+its layer, so it lives on the stage that owns the layer, and a stage may hold
+no layer of a pool (every state layer on the last stage): it takes no part in
+that pool, on either side. Where the two sides' SWA pages differ in size, a
+stage holding sliding-window layers must hold a kv layer too
+(:func:`unplaceable_windows`).
 
 Aux rows carry no layer id: every rank that registers them receives them (one
 elected writer per decode rank, like any replicated tensor), so each decode
@@ -33,12 +37,14 @@ from collections import defaultdict
 from pd_transfer.errors import Mismatch, Reason
 from pd_transfer.layout.geometry import RankGeometry
 from pd_transfer.layout.reconcile import Reconciliation, reconcile
+from pd_transfer.layout.views import AxisRole, Pool
 
 
 def reconcile_instances(prefill: list[RankGeometry], decode: list[RankGeometry]) -> Reconciliation:
     """Whole prefill instance against whole decode instance; see the module docstring."""
     recon = reconcile(list(prefill), list(decode))
     overlaps = stage_overlaps(prefill, "prefill") + stage_overlaps(decode, "decode")
+    overlaps += unplaceable_windows(prefill, decode)
     if not overlaps:
         return recon
     return dataclasses.replace(recon, verdicts=(), mismatches=recon.mismatches + tuple(overlaps))
@@ -69,6 +75,50 @@ def stage_overlaps(ranks: list[RankGeometry], side: str) -> list[Mismatch]:
             )
         )
     return found
+
+
+def unplaceable_windows(prefill: list[RankGeometry], decode: list[RankGeometry]) -> list[Mismatch]:
+    """A mismatch per side with a stage that holds sliding-window layers but no kv layer,
+    where the two sides' SWA pages differ in size.
+
+    With equal page sizes window pages pair one to one. With different ones they
+    are placed by the request's kv pages (the window ends with each side's last
+    kv page, :mod:`pd_transfer.agent.prefill.chunks`), which such a stage does
+    not name: prefill 64, decode 16, a request of one prefill page ends in any
+    of decode pages 0 to 3.
+    """
+    sizes = [_token_extents(ranks, Pool.SWA) for ranks in (prefill, decode)]
+    if not all(sizes) or sizes[0] == sizes[1]:
+        return []
+    found = []
+    for side, ranks in (("prefill", prefill), ("decode", decode)):
+        stages = sorted({g.pp_rank for g in ranks if Pool.SWA in g.pools() and Pool.KV not in g.pools()})
+        if not stages:
+            continue
+        named = ", ".join(f"pp{p}" for p in stages)
+        text = f"stages {named} hold sliding-window layers but no kv layer"
+        pages = [f"pages of {'/'.join(map(str, sorted(e)))} tokens" for e in sizes]
+        found.append(
+            Mismatch(
+                "swa.window_pages",
+                Reason.PAGE_SIZE_MISMATCH,
+                f"{text}; {pages[0]}" if side == "prefill" else pages[0],
+                f"{text}; {pages[1]}" if side == "decode" else pages[1],
+                "window pages of different sizes are placed by the request's kv pages: give "
+                "both sides one page size, or split the layers so that every stage holding "
+                "sliding-window layers holds a full-attention layer too",
+            )
+        )
+    return found
+
+
+def _token_extents(ranks: list[RankGeometry], pool: Pool) -> set[int]:
+    return {
+        extent
+        for g in ranks
+        for v in g.views
+        if v.pool is pool and (extent := v.extent(AxisRole.TOKEN)) is not None
+    }
 
 
 def stage_representatives(ranks: list[RankGeometry], own: RankGeometry) -> list[RankGeometry]:

@@ -77,6 +77,12 @@ class PairPlanner:
         """``(prefill, decode)`` tokens per page where ``pool``'s page sizes differ, else None."""
         return self._page_sizes.get(pool)
 
+    @property
+    def pools(self) -> frozenset[Pool]:
+        """The pools this pair moves bytes of: a pipeline stage that holds no layer of a
+        pool (state layers all on another stage) neither sends nor receives its indices."""
+        return frozenset(self._groups)
+
     def plan(
         self,
         requests: Mapping[Pool, Request],

@@ -9,8 +9,12 @@ describe a worker without a GPU.
 
 Pipeline parallelism splits the layers into ``pp_size`` contiguous spans, the
 first stages taking one extra layer when the count does not divide: 61 layers
-over 4 stages are [0,16), [16,31), [31,46), [46,61). A rank registers only
-its span's layers and keeps their global ids.
+over 4 stages are [0,16), [16,31), [31,46), [46,61). An explicit partition
+(``pp_layers``, layers per stage, like vLLM's ``VLLM_PP_LAYER_PARTITION``)
+splits them unevenly: (10, 40, 11) is [0,10), [10,50), [50,61). A rank
+registers only its span's layers and keeps their global ids; a stage may hold
+no layer of a pool (all state layers on the last stage), and then registers
+none of it.
 
 Pure; imports the layout layer only.
 """
@@ -59,6 +63,7 @@ class WorkerShape:
     num_aux_rows: int = 64
     kv_dtype: str | None = None
     state_layout: Layout | None = None
+    pp_layers: tuple[int, ...] | None = None  # layers per stage; None: an even split
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, Role):
@@ -92,11 +97,27 @@ def _require_index(field_path: str, value: object, size: int, size_name: str) ->
         )
 
 
-def pp_layer_span(num_layers: int, pp_size: int, pp_rank: int) -> range:
-    """Global layer ids of PP stage ``pp_rank``; the first stages take the remainder."""
+def pp_layer_span(
+    num_layers: int, pp_size: int, pp_rank: int, pp_layers: tuple[int, ...] | None = None
+) -> range:
+    """Global layer ids of PP stage ``pp_rank``: ``pp_layers[pp_rank]`` of them after the
+    earlier stages' where given, else an even split whose first stages take the remainder."""
     if pp_size > num_layers:
         raise ConfigError(f"pp_size {pp_size} is larger than the model's {num_layers} layers")
     _require_index("pp_rank", pp_rank, pp_size, "pp_size")
+    if pp_layers is not None:
+        counts = list(pp_layers)
+        if (
+            len(counts) != pp_size
+            or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts)
+            or sum(counts) != num_layers
+        ):
+            raise ConfigError(
+                f"pp_layers {counts} must be {pp_size} positive layer counts (one per stage) "
+                f"that add up to the model's {num_layers} layers"
+            )
+        start = sum(counts[:pp_rank])
+        return range(start, start + counts[pp_rank])
     base, extra = divmod(num_layers, pp_size)
     start = pp_rank * base + min(pp_rank, extra)
     return range(start, start + base + (1 if pp_rank < extra else 0))
@@ -104,7 +125,7 @@ def pp_layer_span(num_layers: int, pp_size: int, pp_rank: int) -> range:
 
 def build_rank(spec: ModelSpec, shape: WorkerShape) -> RankGeometry:
     """Every pool of ``spec`` for the worker ``shape``, checked."""
-    span = pp_layer_span(spec.num_layers, shape.pp_size, shape.pp_rank)
+    span = pp_layer_span(spec.num_layers, shape.pp_size, shape.pp_rank, shape.pp_layers)
 
     def local(*kinds: LayerKind) -> tuple[int, ...]:
         return tuple(i for i in spec.layer_ids(*kinds) if i in span)

@@ -251,8 +251,8 @@ class Cluster:
 
     # -- driving rooms ------------------------------------------------------------
     def expect(self, room: int, requests: dict) -> None:
-        for geometry in self.decode:
-            dst = {pool: _sides(request)[1] for pool, request in requests.items()}
+        for geometry in self.decode:  # each worker names the pools its rank registers, no other
+            dst = {pool: _sides(r)[1] for pool, r in requests.items() if pool in geometry.pools()}
             self.clients[geometry.rank_id].expect(
                 room,
                 self.bootstrap,
@@ -263,14 +263,13 @@ class Cluster:
             )
 
     def send(self, room: int, requests: dict, chunk_pages: int = 0) -> None:
-        src = {pool: _sides(request)[0] for pool, request in requests.items()}
-        pages = list(src.get(Pool.KV, []))
-        chunks = (
-            [pages[i : i + chunk_pages] for i in range(0, len(pages), chunk_pages)]
-            if chunk_pages
-            else [pages]
-        )
-        for geometry in self.prefill:
+        every = {pool: _sides(request)[0] for pool, request in requests.items()}
+        for geometry in self.prefill:  # each worker names the pools its rank registers, no other
+            src = {pool: indices for pool, indices in every.items() if pool in geometry.pools()}
+            pages = list(src.get(Pool.KV, []))
+            chunks = [pages[i : i + chunk_pages] for i in range(0, len(pages), chunk_pages or 1)]
+            if not chunk_pages or not chunks:  # one chunk; a stage with no kv layer sends none
+                chunks = [pages]
             client = self.clients[geometry.rank_id]
             for chunk in chunks[:-1]:
                 client.send(room, chunk, last_chunk=False)

@@ -130,3 +130,28 @@ def test_prefill_shutdown_fails_live_rooms_with_a_reason_instead_of_a_hang(clust
     assert state.status is RoomStatus.FAILED
     assert state.code_text == "shutting_down"
     assert "shut down" in state.reason
+
+
+def test_a_room_id_an_earlier_decode_registration_used_is_refused_as_retired(cluster_factory):
+    prefill, decode = _ranks(Role.PREFILL, 1), _ranks(Role.DECODE, 1)
+    cluster = cluster_factory(prefill, decode, config={"room_ttl_s": 300.0})
+    rank = decode[0].rank_id
+    cluster.expect(1, _requests())
+    cluster.send(1, _requests())
+    assert cluster.clients[rank].wait(1, 10).status is RoomStatus.SUCCESS
+    cluster.clients[rank].close()  # the decode worker leaves; a new one registers
+    deadline = time.monotonic() + 10
+    while "register again" not in cluster.http(rank, "/readyz")[1]:
+        assert time.monotonic() < deadline, cluster.http(rank, "/readyz")
+        time.sleep(0.05)
+    cluster.pools[rank].close()
+    cluster._attach(decode[0], f"{cluster._tag}-again")
+    cluster.expect(1, _requests())  # the same room id again
+    state = cluster.clients[rank].wait(1, 10)
+    assert state.status is RoomStatus.FAILED and state.code_text == "duplicate_room", state
+    assert "another decode peer" not in state.reason  # it is the same rank, registered anew
+    assert "room 1 was used by an earlier registration of decode[pp0,tp0]" in state.reason, state.reason
+    assert "retired for room_ttl_s=300 s after it ended" in state.reason, state.reason
+    cluster.expect(2, _requests())  # a new id is served
+    cluster.send(2, _requests())
+    assert cluster.clients[rank].wait(2, 10).status is RoomStatus.SUCCESS

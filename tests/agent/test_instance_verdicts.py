@@ -1,32 +1,83 @@
 """``pd-transfer check`` and a live prefill sidecar reach the same verdict on any pair.
 
 Both call :func:`pd_transfer.layout.instances.reconcile_instances`; this
-property test drives generated instance pairs (any model preset kind, PP and
-TP on each side, layouts, dtypes, page sizes, and stages that leave layers
-out or register another stage's layers) through both entry points: the
-verdict lines ``check`` prints (:func:`pd_transfer.reports.verdict_report`)
-and the Verdict a prefill sidecar sends a decode rank (:func:`pd_transfer
-.agent.prefill.acceptance.instance_verdict` over that rank and one rank of every
-other stage), rendered as the decode side reports it.
+property test drives generated instance pairs (any model preset kind, and
+models whose layer kinds come in runs, so that a pipeline stage may hold no
+layer of a pool: state-only, kv-only, SWA-only or aux-only stages; PP and TP
+on each side, even and uneven layer splits, layouts, dtypes, page sizes, and
+stages that leave layers out or register another stage's layers) through both
+entry points: the verdict lines ``check`` prints
+(:func:`pd_transfer.reports.verdict_report`) and the Verdict a prefill
+sidecar sends a decode rank (:func:`pd_transfer.agent.prefill.acceptance
+.instance_verdict` over that rank and one rank of every other stage),
+rendered as the decode side reports it. A sample of the generated pairs runs
+through real sidecars: a pair check accepts moves a room byte-exact (the
+oracle checks it), a pair check rejects is rejected live with check's lines.
 """
 
 import dataclasses
+import shutil
+import sys
+import tempfile
+from pathlib import Path
 
+import numpy as np
 import pytest
+from cluster import Cluster
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from pd_transfer.agent.prefill.acceptance import instance_verdict
+from pd_transfer.client import RoomStatus
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.instances import reconcile_instances, stage_representatives
-from pd_transfer.layout.presets import load_preset
+from pd_transfer.layout.presets import load_preset, model_from_table
 from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.views import KV_LAYOUTS, Layout
 from pd_transfer.reports import verdict_report
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "layout"))
+from transfer_check import SMALL_MODELS, random_requests  # noqa: E402
+
 MODELS = ["llama-3.1-8b", "qwen3-next-80b-a3b", "deepseek-v3", "gpt-oss-20b", "kimi-linear-48b-a3b"]
 SMALL = dict(num_pages=4, num_slots=2, num_aux_rows=2)
+# the geometry of each layer kind, from the small models of tests/layout/transfer_check.py
+GEOMETRY = {
+    "attention": SMALL_MODELS["swa"]["attention"],
+    "sliding_attention": SMALL_MODELS["swa"]["sliding_attention"],
+    "mla": SMALL_MODELS["mla"]["mla"],
+    "gdn": SMALL_MODELS["gdn"]["gdn"],
+    "kda": SMALL_MODELS["kda"]["kda"],
+    "mamba2": SMALL_MODELS["mamba2"]["mamba2"],
+}
+
+
+@st.composite
+def layered_models(draw):
+    """A model whose layer kinds come in runs (``[attention x2, gdn x3, ...]``): split
+    over stages, some stage holds no layer of some pool."""
+    full = draw(st.sampled_from(["attention", "mla"]))
+    kinds = [full, "none"]
+    kinds += [draw(st.sampled_from(["gdn", "kda", "mamba2", None]))]
+    kinds = [kind for kind in kinds if kind is not None]
+    kinds += ["sliding_attention"] if full == "attention" and draw(st.booleans()) else []
+    runs = draw(st.lists(st.tuples(st.sampled_from(kinds), st.integers(1, 3)), min_size=1, max_size=4))
+    runs.insert(draw(st.integers(0, len(runs))), (full, draw(st.integers(1, 3))))  # one run at least
+    layers = [kind for kind, count in runs for _ in range(count)]
+    table = {"name": "runs", "num_layers": len(layers), "layer_kinds": layers}
+    table.update({kind: dict(GEOMETRY[kind]) for kind in set(layers) if kind in GEOMETRY})
+    return model_from_table(table, "<generated>")
+
+
+@st.composite
+def pp_splits(draw, num_layers: int):
+    """``(pp_size, pp_layers)``: an even split (None), or layers per stage cut anywhere."""
+    pp_size = draw(st.integers(1, min(4, num_layers)))
+    if pp_size == 1 or draw(st.booleans()):
+        return pp_size, None
+    cuts = sorted(draw(st.sets(st.integers(1, num_layers - 1), min_size=pp_size - 1, max_size=pp_size - 1)))
+    return pp_size, tuple(b - a for a, b in zip([0, *cuts], [*cuts, num_layers]))
 
 
 def _damaged(ranks, damage, stage, layers):
@@ -47,25 +98,30 @@ def _damaged(ranks, damage, stage, layers):
 
 
 @st.composite
-def instance_pairs(draw):
-    model = draw(st.sampled_from(MODELS))
-    spec = load_preset(model)
+def instance_pairs(
+    draw,
+    tp_sizes=(1, 2, 4),
+    damages=("none", "none", "hole", "overlap"),
+    dtypes=(None, None, "float8_e4m3fn"),
+):
+    presets = st.sampled_from(MODELS).map(load_preset)
+    spec = draw(st.one_of(presets, layered_models(), layered_models(), layered_models()))
     sides = []
     for role in (Role.PREFILL, Role.DECODE):
+        pp_size, pp_layers = draw(pp_splits(spec.num_layers))
         shape = dict(
-            tp_size=draw(st.sampled_from([1, 2, 4])),
-            pp_size=draw(st.integers(1, 4)),
             kv_layout=draw(st.sampled_from(sorted(KV_LAYOUTS, key=lambda x: x.value)))
             if role is Role.DECODE
             else Layout.NHD,
             page_size=draw(st.sampled_from([16, 64])),
-            kv_dtype=draw(st.sampled_from([None, None, "float8_e4m3fn"])),
+            kv_dtype=draw(st.sampled_from(dtypes)),
+            pp_layers=pp_layers,
         )
         try:
-            ranks = build_instance(spec, role, shape.pop("tp_size"), shape.pop("pp_size"), **shape, **SMALL)
+            ranks = build_instance(spec, role, draw(st.sampled_from(tp_sizes)), pp_size, **shape, **SMALL)
         except PdTransferError:
             assume(False)
-        damage = draw(st.sampled_from(["none", "none", "hole", "overlap"]))
+        damage = draw(st.sampled_from(damages))
         stage = draw(st.integers(0, max(g.pp_rank for g in ranks)))
         layers = set(draw(st.lists(st.integers(0, spec.num_layers - 1), max_size=4)))
         sides.append(_damaged(ranks, damage, stage, layers))
@@ -87,7 +143,7 @@ def _live_lines(prefill, decode, own) -> list[str]:
     )
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(instance_pairs())
 def test_check_prints_the_verdict_live_reconciliation_reaches(pair):
     prefill, decode, own = pair
@@ -95,12 +151,59 @@ def test_check_prints_the_verdict_live_reconciliation_reaches(pair):
     printed = "\n".join(printed).splitlines()
     live = _live_lines(prefill, decode, own)
     event(live[0])
+    for side, ranks in (("prefill", prefill), ("decode", decode)):
+        if len({frozenset(g.pools()) for g in ranks}) > 1:
+            event(f"a {side} stage without some pool")
     if live == ["verdict: ACCEPTED"]:
         assert printed == live
         return
     assert printed[0] == "verdict: REJECTED"
     assert printed[1].startswith(live[1] + ": ")  # check adds the count of mismatches
     assert printed[2:] == live[2:]
+
+
+@settings(
+    max_examples=4,
+    derandomize=True,  # the same sample every run
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+@given(instance_pairs(tp_sizes=(1, 2), damages=("none",), dtypes=(None,)))
+def test_live_sidecars_reach_checks_verdict_on_a_sample_of_the_pairs(pair):
+    prefill, decode, _ = pair
+    assume(len(prefill) + len(decode) <= 6)  # sidecar processes on a shared machine
+    assume(len({frozenset(g.pools()) for g in prefill + decode}) > 1)  # a stage lacks a pool
+    recon, printed = verdict_report(prefill, decode)
+    event(printed[0])
+    workdir = Path(tempfile.mkdtemp(prefix="pdt-"))
+    cluster = Cluster(workdir, prefill, decode)
+    try:
+        if recon.ok:
+            _moves_a_room_byte_exact(cluster)
+        else:
+            _is_rejected_with_checks_lines(cluster, printed)
+    finally:
+        cluster.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _moves_a_room_byte_exact(cluster: Cluster) -> None:
+    requests = random_requests(cluster.prefill, cluster.decode, np.random.default_rng(11))
+    cluster.expect(4, requests)  # each worker names only the pools its stage registers
+    cluster.send(4, requests, chunk_pages=2)
+    states = cluster.wait_decode(4)
+    assert all(s.status is RoomStatus.SUCCESS for s in states.values()), (states, cluster.logs())
+    assert cluster.verify(requests) == []
+
+
+def _is_rejected_with_checks_lines(cluster: Cluster, printed: list[str]) -> None:
+    for geometry in cluster.decode:
+        cluster.clients[geometry.rank_id].expect(4, cluster.bootstrap, [], aux_row=0)
+    for geometry in cluster.decode:
+        state = cluster.clients[geometry.rank_id].wait(4, timeout_s=15)
+        assert state.status is RoomStatus.FAILED and state.code_text == "peer_rejected", state
+        for line in "\n".join(printed).splitlines()[2:]:
+            assert line.strip() in state.reason, (line, state.reason)
 
 
 def _llama(role, tp, pp):

@@ -88,6 +88,33 @@ def test_a_prefill_pool_truncated_by_its_own_worker_fails_the_room_not_the_sidec
     assert prefill.poll(2).code_text == "segment_truncated"
 
 
+def test_a_prefill_worker_that_truncated_its_pool_is_unready_until_its_new_registration(deployment):
+    cluster, prefill, decode = _pair(deployment)
+    rank = cluster.prefill[0].rank_id
+    _room_lands(cluster, 1, [0, 1], [2, 3])
+    pools = cluster.pools[rank]
+    segment = next(iter(pools.handles.values()))
+    path = os.path.join(SEGMENT_DIR, segment)
+    size = os.path.getsize(path)
+    os.truncate(path, 0)
+    try:
+        requests = kv_requests([4, 5], [6, 7])
+        cluster.expect(2, requests)
+        cluster.send(2, requests)
+        assert decode.wait(2, timeout_s=10).code_text == "segment_truncated"
+    finally:
+        os.truncate(path, size)
+    status, body = cluster.http(rank, "/readyz")  # not ready, and why
+    assert status == 503 and segment in body and "registers new pools" in body, body
+    prefill.close()  # the worker lets go of its pools, then registers new ones
+    wait_for(lambda: "register again" in cluster.http(rank, "/readyz")[1], 10, "the pools released")
+    pools.close()
+    cluster._attach(cluster.prefill[0], f"{cluster._tag}-again")
+    fill_sim(cluster, SEED)
+    wait_for(lambda: cluster.http(rank, "/readyz")[0] == 200, 10, "prefill /readyz 200 again")
+    _room_lands(cluster, 3, [8, 9], [10, 11])  # not segment_truncated naming the old segment
+
+
 def test_a_decode_pool_truncated_by_its_worker_fails_tcp_rooms_not_the_decode_sidecar(deployment):
     """tcp: the decode sidecar itself writes into its worker's pools (its receiver)."""
     cluster, _, decode = _pair(deployment, transport="tcp")

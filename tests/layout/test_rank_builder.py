@@ -62,6 +62,31 @@ def test_pp_spans_give_the_first_stages_the_extra_layers():
     assert [(s.start, s.stop) for s in spans] == [(0, 16), (16, 31), (31, 46), (46, 61)]
 
 
+def test_an_explicit_partition_splits_the_layers_unevenly():
+    spans = [pp_layer_span(61, 3, r, (10, 40, 11)) for r in range(3)]
+    assert [(s.start, s.stop) for s in spans] == [(0, 10), (10, 50), (50, 61)]
+    ranks = build_instance(load_preset("qwen3-next-80b-a3b"), Role.DECODE, 1, 2, pp_layers=(45, 3), **SMALL)
+    assert ranks[1].layer_ids(Pool.KV) == {47} and ranks[1].layer_ids(Pool.MAMBA) == {45, 46}
+
+
+@pytest.mark.parametrize("pp_layers", [(30, 1), (16, 16, 0), (20, 13), (16.0, 16)])
+def test_a_partition_that_does_not_cover_the_layers_once_is_refused(pp_layers):
+    pp_size = len(pp_layers)
+    with pytest.raises(
+        ConfigError, match=r"pp_layers .* must be \d positive layer counts .* add up to the model's 32"
+    ):
+        build_instance(load_preset("llama-3.1-8b"), Role.PREFILL, 1, pp_size, pp_layers=pp_layers, **SMALL)
+
+
+def test_a_stage_without_a_pools_layers_registers_none_of_it():
+    spec = dataclasses.replace(
+        load_preset("qwen3-next-80b-a3b"), layer_kinds=(LayerKind.ATTENTION,) * 4 + (LayerKind.GDN,) * 2
+    )
+    stages = build_instance(spec, Role.DECODE, 1, 3, **SMALL)
+    assert [g.pools() for g in stages] == [{Pool.KV, Pool.AUX}, {Pool.KV, Pool.AUX}, {Pool.MAMBA, Pool.AUX}]
+    assert not any(r.id.startswith("mamba") for r in stages[0].regions)  # no empty state region
+
+
 def test_pp_ranks_register_only_their_span_with_global_layer_ids():
     spec = load_preset("nemotron-h-4b")
     ranks = build_instance(spec, Role.PREFILL, 2, pp_size=2, **SMALL)

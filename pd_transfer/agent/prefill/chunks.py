@@ -9,7 +9,10 @@ ends: at most ``max_chunks_per_room`` of them (one more fails the room with
 Chunk ``i`` pairs its kv pages with the next pages the target allocated (a
 cursor per target); the last chunk adds SWA pages, state slots and the aux
 row, aux last (its arrival means everything before it landed). Counts that
-do not match are refused, never truncated.
+do not match are refused, never truncated. Only the pools the pair moves are
+paired and counted: with pipeline parallelism a stage may hold no layer of a
+pool (every state layer on decode stage 2), and then names none of its
+indices, while the stages that hold it do.
 
 Where the pair's page sizes differ (prefill 16 tokens a page, decode 64), the
 cursor still counts prefill pages, and chunk ``i`` is the
@@ -50,43 +53,55 @@ def chunk_refusal(config: SidecarConfig, room: PrefillRoom) -> str:
 
 
 def chunk_requests(room: PrefillRoom, target: Target, index: int) -> ChunkRequests:
-    """``{pool: (src indices, dst indices)}`` of chunk ``index`` for ``target``."""
+    """``{pool: (src indices, dst indices)}`` of chunk ``index`` for ``target``.
+
+    Only the pools the pair moves (:attr:`PairPlanner.pools`) are paired and
+    counted: a stage without a pool's layers names none of its indices.
+    """
     chunk = room.chunks[index]
     last = room.last_received and index == len(room.chunks) - 1
-    requests = {}
-    src_kv = chunk.get(Pool.KV, np.zeros(0, np.int64))
-    dst_kv = target.dst.get(Pool.KV, np.zeros(0, np.int64))
     planner = target.peer.planner
-    kv_sizes = planner.page_sizes(Pool.KV) if planner is not None else None
-    if kv_sizes is not None:
-        if len(src_kv):
-            requests[Pool.KV] = _kv_span(target.kv_cursor, src_kv, dst_kv, kv_sizes, last)
-        if last:
-            requests.update(_last_pools(chunk, target, planner, len(src_kv)))
-        return requests
-    end = target.kv_cursor + len(src_kv)
-    if end > len(dst_kv) or (last and end != len(dst_kv)):
-        raise PdTransferError(
-            f"prefill sends {end if end > len(dst_kv) else end} kv page(s) but "
-            f"decode allocated {len(dst_kv)}; refused rather than truncated",
-            code=Reason.INDEX_COUNT_MISMATCH,
-        )
-    if len(src_kv):
-        requests[Pool.KV] = (src_kv, dst_kv[target.kv_cursor : end])
+    moved = planner.pools if planner is not None else frozenset(Pool)
+    requests: ChunkRequests = {}
+    src_kv = chunk.get(Pool.KV, np.zeros(0, np.int64))
+    if Pool.KV in moved:
+        requests.update(_kv_requests(target, src_kv, planner, last))
     if last:
-        requests.update(_last_pools(chunk, target, planner, len(src_kv)))
+        requests.update(_last_pools(chunk, target, planner, len(src_kv), moved))
     return requests
 
 
+def _kv_requests(
+    target: Target, src_kv: np.ndarray, planner: PairPlanner | None, last: bool
+) -> ChunkRequests:
+    """The chunk's kv pages paired with the next pages ``target`` allocated."""
+    dst_kv = target.dst.get(Pool.KV, np.zeros(0, np.int64))
+    kv_sizes = planner.page_sizes(Pool.KV) if planner is not None else None
+    if kv_sizes is not None:
+        return {Pool.KV: _kv_span(target.kv_cursor, src_kv, dst_kv, kv_sizes, last)} if len(src_kv) else {}
+    end = target.kv_cursor + len(src_kv)
+    if end > len(dst_kv) or (last and end != len(dst_kv)):
+        raise PdTransferError(
+            f"prefill sends {end} kv page(s) but decode allocated {len(dst_kv)}; refused rather "
+            f"than truncated",
+            code=Reason.INDEX_COUNT_MISMATCH,
+        )
+    return {Pool.KV: (src_kv, dst_kv[target.kv_cursor : end])} if len(src_kv) else {}
+
+
 def _last_pools(
-    chunk: dict[Pool, np.ndarray], target: Target, planner: PairPlanner | None, num_chunk_kv: int
+    chunk: dict[Pool, np.ndarray],
+    target: Target,
+    planner: PairPlanner | None,
+    num_chunk_kv: int,
+    moved: frozenset[Pool],
 ) -> ChunkRequests:
     """SWA pages, state slots and aux rows of the last chunk, aux last."""
     requests = {}
     swa_sizes = planner.page_sizes(Pool.SWA) if planner is not None else None
     for pool in (Pool.SWA, Pool.MAMBA, Pool.AUX):
         src, dst = chunk.get(pool), target.dst.get(pool)
-        if src is None and dst is None:
+        if pool not in moved or (src is None and dst is None):
             continue
         if pool is Pool.SWA and swa_sizes is not None and src is not None and dst is not None:
             requests[pool] = _swa_span(

@@ -24,6 +24,7 @@ docs/security.md for what that does and does not prove.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -105,6 +106,48 @@ async def admit_request(room: PrefillRoom, peer: DecodePeer, message: TransferRe
         return False
     room.contenders.append((peer, message))
     return False
+
+
+def duplicate(room: PrefillRoom, peer: DecodePeer, peers: dict[int, DecodePeer], ttl_s: float) -> str:
+    """Why ``peer``'s request for ``room`` is a duplicate ('' when it is not): another
+    session asked for it as the same decode rank, or every rank of the instance did.
+
+    A room id stays taken while the room is kept (``room_ttl_s`` after it ended):
+    a decode rank that registered again (a new session) asking for an id its
+    earlier registration used is told that, not that another peer owns it.
+    """
+    rank = peer.register.geometry.rank_id
+    earlier = next(
+        (t for t in room.targets.values() if t.peer is not peer and t.peer.register.geometry.rank_id == rank),
+        None,
+    )
+    if earlier is None:
+        if not room.expected_targets or len(room.targets) < room.expected_targets:
+            return ""
+        if id(peer.channel) in room.targets:
+            return ""
+        return (
+            f"room {room.room} already has a request from each of the {room.expected_targets} "
+            f"rank(s) of its decode instance; {peer.channel.label} is not one of them"
+        )
+    other = earlier.peer
+    if peers.get(id(other.channel)) is other and not other.channel.closed:
+        return (
+            f"room {room.room} already belongs to another live decode session as {rank}: "
+            f"{other.channel.label}, not {peer.channel.label}"
+        )
+    if not room.terminal:
+        return (
+            f"room {room.room} was used by an earlier registration of {rank}, now closed, and is still "
+            f"ending; a room id is retired for room_ttl_s={ttl_s:g} s after it ended: use a new id"
+        )
+    ago_s = time.monotonic() - room.finished_s
+    return (
+        f"room {room.room} was used by an earlier registration of {rank} (closed since; the decode "
+        f"worker or sidecar registered again) and ended {room.status.value} {ago_s:.1f} s ago; "
+        f"a room id is retired for room_ttl_s={ttl_s:g} s after it ended "
+        f"({max(ttl_s - ago_s, 0):.1f} s left): use a new room id"
+    )
 
 
 async def bind(room: PrefillRoom, decode: str, request: OnRequest) -> None:

@@ -258,17 +258,10 @@ class PrefillSide(PrefillWrites):
             return None
         if not await ownership.admit_request(room, peer, message):
             return None
-        rank = peer.register.geometry.rank_id
-        if any(
-            t.peer.register.geometry.rank_id == rank and t.peer is not peer for t in room.targets.values()
-        ) or (
-            room.expected_targets
-            and len(room.targets) >= room.expected_targets
-            and id(peer.channel) not in room.targets
-        ):
-            # another peer already asked for this room as that rank (or every rank did):
+        text = ownership.duplicate(room, peer, self.peers, self.config.room_ttl_s)
+        if text:
+            # another session already asked for this room as that rank (or every rank did):
             # a second decode instance must not receive this room's bytes
-            text = f"room {message.room} already belongs to another decode peer as {rank}"
             await _refuse(peer, message, Reason.DUPLICATE_ROOM, text)
             return None
         dst = {d.pool: np.asarray(d.indices, dtype=np.int64) for d in message.dst}
