@@ -8,7 +8,8 @@ descriptor that is a socket names an inode, and ``/proc/<pid>/net/tcp`` and
 ``tcp6`` list each socket's inode, local address and state (``0A``: LISTEN).
 A sidecar measures an engine's listeners this way at start, as the set it
 holds after starting the engine less the set before; the tests take the same
-census of a whole sidecar process.
+census of a whole sidecar process, Unix sockets too (:func:`unix_listening`,
+from ``/proc/<pid>/net/unix``).
 
 Standard library only; where ``/proc`` cannot be read the answer is empty.
 """
@@ -20,6 +21,7 @@ import socket
 from dataclasses import dataclass
 
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's "st" column
+_ACCEPTING = 0x10000  # __SO_ACCEPTCON in /proc/net/unix's "Flags": a listening socket
 WILDCARDS = ("0.0.0.0", "::")
 
 
@@ -51,6 +53,22 @@ def listening(pid: int | str = "self") -> set[Listener]:
             if len(fields) > 9 and fields[3] == _LISTEN and int(fields[9]) in inodes:
                 found.add(_decode(fields[1], family))
     return found
+
+
+def unix_listening(pid: int | str = "self") -> set[str]:
+    """The paths of the Unix stream sockets process ``pid`` listens on ("@name": abstract)."""
+    inodes = _socket_inodes(pid)
+    try:
+        with open(f"/proc/{pid}/net/unix") as handle:
+            rows = handle.read().splitlines()[1:]
+    except OSError:
+        return set()
+    # Num RefCount Protocol Flags Type St Inode [Path]
+    return {
+        fields[7] if len(fields) > 7 else ""
+        for fields in (row.split() for row in rows)
+        if len(fields) > 6 and int(fields[3], 16) & _ACCEPTING and int(fields[6]) in inodes
+    }
 
 
 def _socket_inodes(pid: int | str) -> set[int]:

@@ -197,6 +197,10 @@ class Doorman:
         self._unauthenticated_reply = unauthenticated_reply
         self._on_bad_frame = on_bad_frame
 
+    def authenticated(self, identity: bytes) -> bool:
+        """Whether ``identity`` may send frames past the gate (always, with authentication off)."""
+        return not self._gate.enabled or bool(self._gate.peer_of(identity))
+
     def proven_agent_id(self, identity: bytes) -> str:
         """The agent id ``identity`` proved in its handshake ('' with authentication off)."""
         return self._gate.peer_of(identity)
