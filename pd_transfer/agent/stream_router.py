@@ -153,7 +153,7 @@ class StreamRouter:
 
     def _admit_stranger(self, identity: bytes) -> None:
         """Arm its deadline; at ``max_pending`` strangers, cut the oldest off."""
-        pending = [i for i in self._pending if not self._trusted(i)]
+        pending = [i for i in list(self._pending) if not self._trusted(i)]
         for oldest in pending[: max(0, len(pending) - self._max_pending + 1)]:
             self._cut_off(
                 oldest,
