@@ -47,6 +47,7 @@ from benchmarks import room_floor  # noqa: E402
 from pd_transfer.client import Client, Refused, RoomStatus, allocate_pools  # noqa: E402
 from pd_transfer.client.cuda_pools import allocate_cuda_pools  # noqa: E402
 from pd_transfer.errors import Reason  # noqa: E402
+from pd_transfer.extras import ENGINES  # noqa: E402
 from pd_transfer.layout.geometry import Role  # noqa: E402
 from pd_transfer.layout.presets import load_preset  # noqa: E402
 from pd_transfer.layout.rank_builder import build_instance  # noqa: E402
@@ -157,6 +158,8 @@ class Deployment:
             ]
             if geometry.role is Role.PREFILL:
                 cmd += ["--bootstrap", self.bootstrap]
+            if transport in ENGINES:  # their own listeners authenticate nobody (docs/security.md)
+                cmd += ["--allow-unauthenticated-engine"]
             self.procs.append(subprocess.Popen(cmd))
         for geometry in self.prefill + self.decode:
             name = f"{geometry.role.value}{geometry.tp_rank}"

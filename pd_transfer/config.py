@@ -51,7 +51,7 @@ class SidecarConfig:
     host_id: str = field(default_factory=default_host_id)  # equal on two sidecars: shm possible
     control_host: str = "127.0.0.1"
     control_port: int = 0  # 0: any free port (see ready_file)
-    data_host: str = "127.0.0.1"  # decode: where the tcp receiver or mooncake engine listens
+    data_host: str = "127.0.0.1"  # where data listeners bind: decode's tcp receiver and staging port, both roles' nixl (UCX) listeners
     data_port: int = 0  # decode: tcp data port (0: any free port)
     worker_endpoint: str = (
         ""  # where the worker connects: unix://PATH (plain Unix socket, fastest) or ipc://PATH (ZeroMQ)
@@ -93,6 +93,7 @@ class SidecarConfig:
     )
     secret_file: str = ""  # shared secret of peers and workers (never the secret itself)
     allow_insecure: bool = False  # true: serve without a shared secret (anyone reaching the ports may use it)
+    allow_unauthenticated_engine: bool = False  # transport mooncake or nixl: accept that the engine's own listeners authenticate nobody (docs/security.md)
     curve_secret_key_file: str = ""  # CURVE secret key (Z85): encrypts the sockets this sidecar binds
     curve_server_key: str = ""  # CURVE public key of the sidecars it connects to (default: own)
     integrity: bool = False  # crc32 every block sent; decode verifies (when both sides enable it)

@@ -311,6 +311,14 @@ class SidecarMetrics:
             ["role"],
             registry=r,
         )
+        self.unauthenticated_engine = Gauge(
+            "pd_transfer_unauthenticated_engine",
+            "1 when this sidecar runs an engine transport (mooncake, nixl) whose own listeners "
+            "authenticate nobody, accepted with allow_unauthenticated_engine: anyone who reaches "
+            "them can read and write the registered memory; 0 otherwise.",
+            ["role"],
+            registry=r,
+        )
         self.build_info = Gauge(
             "pd_transfer_build_info", "Version of this sidecar.", ["version", "protocol_version"], registry=r
         )
@@ -382,5 +390,6 @@ METRIC_NAMES = (
     "pd_transfer_connections_closed_total",
     "pd_transfer_auth_failures_total",
     "pd_transfer_insecure",
+    "pd_transfer_unauthenticated_engine",
     "pd_transfer_build_info",
 )

@@ -59,7 +59,12 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
         "pool from the run sizes and a probe of the path",
         {"choices": ["auto", "direct", "staged"]},
     ),
-    ServeFlag("data_host", "decode: address the tcp receiver or mooncake engine binds"),
+    ServeFlag(
+        "data_host",
+        "address the data listeners bind: decode's tcp receiver and engine staging port, "
+        "and both roles' nixl (UCX) listeners (mooncake publishes it, but its engine "
+        "listens on every interface)",
+    ),
     ServeFlag("http_host", "address of /metrics /healthz /readyz /status"),
     ServeFlag("http_port", "HTTP port (0: any free port)", {"type": int}),
     ServeFlag(
@@ -101,6 +106,13 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
         "who reaches the ports may use this sidecar; for a trusted sandbox only",
         {"action": "store_true", "default": None},
         flag="--insecure",
+    ),
+    ServeFlag(
+        "allow_unauthenticated_engine",
+        "transport mooncake or nixl: accept that the engine's own listeners authenticate "
+        "nobody (anyone who reaches them can read and write the registered memory; "
+        "mooncake's listen on every interface); without it such a sidecar does not start",
+        {"action": "store_true", "default": None},
     ),
 )
 

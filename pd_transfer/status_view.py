@@ -38,6 +38,12 @@ def render_status(status: dict) -> str:
     )
     if status.get("insecure"):
         lines.append("security: INSECURE (allow_insecure): no authentication on this sidecar's ports")
+    if status.get("unauthenticated_engine"):
+        listeners = ", ".join(status.get("engine_listeners") or []) or "-"
+        lines.append(
+            f"security: UNAUTHENTICATED ENGINE (allow_unauthenticated_engine): the "
+            f"{status['unauthenticated_engine']} engine serves anyone on {listeners}"
+        )
     if status.get("copies"):  # absent from sidecars before it was reported
         lines.append(f"copies: {status['copies']}")
     if status.get("control_sessions") is not None:  # prefill only (and newer sidecars)

@@ -26,7 +26,15 @@ import zmq.asyncio
 
 from pd_transfer.errors import AuthError, PdTransferError, Reason
 from pd_transfer.protocol import Close, encode
-from pd_transfer.security import ClientHandshake, Decision, Gate, NonceBook, SecuritySettings, new_routing_id
+from pd_transfer.security import (
+    ClientHandshake,
+    Decision,
+    Gate,
+    NonceBook,
+    SecuritySettings,
+    engine_trust,
+    new_routing_id,
+)
 from pd_transfer.wire.fields import clip_text
 
 if TYPE_CHECKING:
@@ -61,7 +69,12 @@ class Security:
     def gate(self) -> Gate:
         return Gate(self.settings.secret, self.agent_id, self.nonces)
 
-    def log_mode(self) -> None:
+    def log_mode(self, engine_listeners: list[str] | None = None) -> None:
+        """The start log's security line; and a warning for an accepted engine transport whose
+        own listeners (``engine_listeners``, as measured) authenticate nobody."""
+        engine = self.settings.unauthenticated_engine
+        if engine:
+            log.warning(engine_trust.warning(engine, engine_listeners or []))
         if self.enabled:
             log.info("security: %s", self.settings.describe())
         else:
@@ -183,6 +196,10 @@ class Doorman:
         self._where = where
         self._unauthenticated_reply = unauthenticated_reply
         self._on_bad_frame = on_bad_frame
+
+    def authenticated(self, identity: bytes) -> bool:
+        """Whether ``identity`` may send frames past the gate (always, with authentication off)."""
+        return not self._gate.enabled or bool(self._gate.peer_of(identity))
 
     def proven_agent_id(self, identity: bytes) -> str:
         """The agent id ``identity`` proved in its handshake ('' with authentication off)."""

@@ -32,6 +32,7 @@ from pd_transfer.doorbell import AVAILABLE as DOORBELLS_AVAILABLE
 from pd_transfer.doorbell import Doorbells
 from pd_transfer.errors import PdTransferError, Reason, TransportError
 from pd_transfer.layout.geometry import RankGeometry, Role
+from pd_transfer.listeners import listening
 from pd_transfer.protocol import Register
 from pd_transfer.shm_segments import Segment, open_segment
 from pd_transfer.transport.base import Link, PeerEndpoint, Transport
@@ -89,17 +90,18 @@ class DataPlane:
         self._geometry: RankGeometry | None = None
         self._device = DeviceTransport()  # CUDA IPC handles of a same-host peer
         # transport mooncake or nixl: the engine writes (prefill) or receives (decode) everything
-        self._engine = (
-            make_transport(
+        self._engine: Transport | None = None
+        self.engine_listeners: list[str] = []  # what the engine listens on, measured at its start
+        if config.transport in ENGINES:
+            before = listening()
+            self._engine = make_transport(
                 config.transport,
                 host=config.data_host,
                 port=config.data_port,
                 protocol=config.mooncake_protocol,
                 staging=staging_options(config, context),
             )
-            if config.transport in ENGINES
-            else None
-        )
+            self.engine_listeners = [str(s) for s in sorted(listening() - before)]
         self._engine_receiver = None
 
     @property

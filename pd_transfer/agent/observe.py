@@ -57,6 +57,8 @@ class Observer:
         self.peers: dict[str, PeerRecord] = {}
         self.series = PeerSeries(sidecar.config.peer_series_grace_s)
         self.metrics.insecure.labels(self.role).set(0 if sidecar.security.enabled else 1)
+        accepted = bool(sidecar.security.settings.unauthenticated_engine)
+        self.metrics.unauthenticated_engine.labels(self.role).set(1 if accepted else 0)
 
     # -- events ---------------------------------------------------------------------
     def peer(
@@ -289,7 +291,12 @@ class Observer:
                 reasons.append(f"prefill instance {address}: {problem}")
         return (
             not reasons,
-            {"ready": not reasons, "reasons": reasons, "insecure": not sidecar.security.enabled},
+            {
+                "ready": not reasons,
+                "reasons": reasons,
+                "insecure": not sidecar.security.enabled,
+                "unauthenticated_engine": sidecar.security.settings.unauthenticated_engine or None,
+            },
         )
 
     def status(self) -> dict:
@@ -323,6 +330,8 @@ class Observer:
             "ready": ready,
             "reasons": readiness["reasons"],
             "insecure": not sidecar.security.enabled,
+            "unauthenticated_engine": readiness["unauthenticated_engine"],
+            "engine_listeners": sidecar.dataplane.engine_listeners,
             "copies": sidecar.dataplane.copies,
             "control_sessions": len(sidecar.control.channels) if sidecar.control else None,
             "peers": peers,

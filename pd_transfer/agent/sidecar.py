@@ -116,7 +116,7 @@ class Sidecar:
             await self._serve_http()
             self.spawn(self._timers())
             self._write_ready_file()
-            self.security.log_mode()
+            self.security.log_mode(self.dataplane.engine_listeners)
             if not self.dataplane.copies.startswith("native"):
                 log.warning(
                     "shm copies run through numpy, about half as fast as the native loop: %s",

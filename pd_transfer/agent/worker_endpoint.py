@@ -11,6 +11,9 @@ Bounded: at most ``max_requests`` requests are in progress at once (a
 ZeroMQ's receive queue, bounded by its high-water mark (1000 per worker
 connection by default), and then hold the worker's own send.
 
+An ``ipc://`` socket file has mode 0600 (:func:`bind_private`), like a
+``unix://`` one: only the sidecar's user (and root) may connect.
+
 A ``unix://PATH`` address serves the same frames on a plain Unix stream
 socket instead (:mod:`pd_transfer.agent.stream_router`): the same requests,
 limits and handshake, about a third of ZeroMQ's round trip on a small host.
@@ -73,14 +76,21 @@ class WorkerEndpoint:
         self.max_requests = max_requests
         self._on_over_limit = on_over_limit
         path = unix_path(address)
+        security = security_of(context)
         if path is not None:
-            self._socket = StreamRouter(path, on_bad_frame=self._count_bad_request, on_closed=on_closed)
+            self._socket = StreamRouter(
+                path,
+                on_bad_frame=self._count_bad_request,
+                on_closed=on_closed,
+                authenticated=lambda identity: self._doorman.authenticated(identity),
+                handshake_timeout_s=security.handshake_timeout_s,
+            )
             self._watch: ConnectionWatch | None = None
         else:
             self._socket = context.socket(zmq.ROUTER)
             self._socket.setsockopt(zmq.LINGER, 0)
             bound_frames(self._socket, worker_api.MAX_REQUEST_NBYTES)
-            self._socket.bind(address)
+            bind_private(self._socket, address)
             # counts every ended connection, and tells which descriptor's (the worker's registration)
             self._watch = ConnectionWatch(
                 self._socket,
@@ -97,7 +107,7 @@ class WorkerEndpoint:
         self.bad_requests = 0
         self._doorman = Doorman(
             self._socket,
-            security_of(context),
+            security,
             "worker endpoint",
             _refusal_reply,
             on_bad_frame=self._count_bad_request,
@@ -209,6 +219,26 @@ class WorkerEndpoint:
                 os.unlink(self.address[len("ipc://") :])
             except OSError:
                 pass
+
+
+def bind_private(socket: zmq.Socket, address: str) -> None:
+    """Bind ``address``; an ``ipc://`` socket file is made mode 0600, as ``unix://``'s is.
+
+    libzmq creates the file with the mode the umask leaves (0755 under the usual 022,
+    0777 under 000), and listens at once, so a chmod afterwards would leave a moment in
+    which any local user could connect: the umask is narrowed around the bind instead
+    (at startup, before the sidecar makes files on other threads), then the mode is set
+    again in case the file system ignored it.
+    """
+    if not address.startswith("ipc://"):
+        socket.bind(address)
+        return
+    umask = os.umask(0o177)
+    try:
+        socket.bind(address)
+    finally:
+        os.umask(umask)
+    os.chmod(address[len("ipc://") :], 0o600)
 
 
 def _refusal_reply(frame: bytes, error: AuthError | PdTransferError) -> bytes:

@@ -13,6 +13,8 @@ Optionally ZeroMQ CURVE encrypts the tcp sockets as well.
     gate.py        the listening side's per-identity state: pass, answer, refuse
     curve.py       CURVE key files and ``pd-transfer keygen``
     settings.py    SecuritySettings.from_config: everything resolved at startup
+    engine_trust.py  engine transports whose own listeners authenticate nobody:
+                   started only when the operator accepts that by name
 
 The agent drives these over its sockets (:mod:`pd_transfer.agent.auth`), the
 client library over its own (:mod:`pd_transfer.client.auth`).

@@ -6,7 +6,9 @@ keys the config points to, and turns every problem into a
 short secret, a malformed key, or no secret at all. Authentication is off
 only when the config says so (``allow_insecure = true``, ``--insecure``);
 the sidecar then warns at every start and shows it in ``/status``,
-``/readyz`` and the ``pd_transfer_insecure`` gauge.
+``/readyz`` and the ``pd_transfer_insecure`` gauge. An engine transport whose
+own listeners authenticate nobody starts only when the config accepts that
+(:mod:`pd_transfer.security.engine_trust`).
 
 Pure: reads files and the environment mapping it is given.
 """
@@ -20,6 +22,7 @@ from typing import Any
 
 from pd_transfer.errors import ConfigError
 from pd_transfer.security.curve import CurveKeypair, check_key, read_secret_key
+from pd_transfer.security.engine_trust import unauthenticated_engine
 from pd_transfer.security.secret import SECRET_FILE_ENV, SharedSecret, load_secret
 
 #: the one line a sidecar without a secret stops with
@@ -35,6 +38,7 @@ class SecuritySettings:
     secret: SharedSecret | None = None  # None: authentication off (allow_insecure)
     curve_keypair: CurveKeypair | None = None  # encrypts the sockets this sidecar binds
     curve_server_key: str = ""  # expected of the sockets it connects to
+    unauthenticated_engine: str = ""  # an engine transport with unauthenticated listeners, accepted
 
     @property
     def auth_enabled(self) -> bool:
@@ -47,13 +51,16 @@ class SecuritySettings:
         secret = load_secret(config.secret_file, environ)
         if secret is None and not config.allow_insecure:
             raise ConfigError(NO_SECRET)
+        engine = unauthenticated_engine(config)
         keypair = read_secret_key(config.curve_secret_key_file) if config.curve_secret_key_file else None
         server_key = (
             check_key(config.curve_server_key, "sidecar.curve_server_key") if config.curve_server_key else ""
         )
         if not server_key and keypair is not None:
             server_key = keypair.public  # one keypair for the whole deployment
-        return cls(secret=secret, curve_keypair=keypair, curve_server_key=server_key)
+        return cls(
+            secret=secret, curve_keypair=keypair, curve_server_key=server_key, unauthenticated_engine=engine
+        )
 
     def describe(self) -> str:
         """One line for the startup log: what is on, never any key material."""

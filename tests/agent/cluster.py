@@ -28,6 +28,7 @@ import torch
 from pd_transfer.client import Client, Refused, allocate_pools
 from pd_transfer.client.cuda_pools import allocate_cuda_pools
 from pd_transfer.errors import GeometryError, Reason
+from pd_transfer.extras import ENGINES
 from pd_transfer.layout.geometry import RankGeometry, Role
 from pd_transfer.layout.presets import load_preset
 from pd_transfer.layout.rank_builder import build_instance
@@ -177,6 +178,8 @@ class Cluster:
             "abort_drain_timeout_s": 3.0,
             **(config or {}),
         }
+        if transport in ENGINES:  # the engines' own listeners authenticate nobody: accepted here
+            base.setdefault("allow_unauthenticated_engine", True)
         self.insecure = bool(base.get("allow_insecure"))  # then workers hold no secret either
         self.sidecars: dict[str, Sidecar] = {}
         for geometry in prefill + decode:

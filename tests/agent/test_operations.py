@@ -120,7 +120,12 @@ def test_readyz_turns_ready_when_the_peer_is_accepted_and_back_when_it_is_lost(c
     assert json.loads(body)["reasons"][0] == "the worker has not registered its pools"
     cluster.attach_all()
     status, body = _wait_status(cluster, decode[0].rank_id, 200)
-    assert status == 200 and body == {"ready": True, "reasons": [], "insecure": False}
+    assert status == 200 and body == {
+        "ready": True,
+        "reasons": [],
+        "insecure": False,
+        "unauthenticated_engine": None,
+    }
     assert cluster.http(decode[0].rank_id, "/healthz")[0] == 200
     cluster.sidecars[prefill[0].rank_id].kill()
     status, body = _wait_status(cluster, decode[0].rank_id, 503)

@@ -98,6 +98,7 @@ class NixlTransport(Transport):
     def __init__(
         self,
         *,
+        host: str = "127.0.0.1",
         error_handling_mode: str = "none",
         timeout_s: float = 60.0,
         max_prepared_rows: int = 1 << 21,
@@ -106,6 +107,7 @@ class NixlTransport(Transport):
     ) -> None:
         super().__init__()
         self.staging = staging or StagingOptions()
+        self.host = host  # both agents' UCX listeners: the device holding it (NixlEngine)
         self.error_handling_mode = error_handling_mode
         self.timeout_s = timeout_s
         self.max_prepared_rows = max_prepared_rows
@@ -127,9 +129,11 @@ class NixlTransport(Transport):
         """
         with self._engine_lock:
             if self._engine is None:
-                self._engine = NixlEngine("side", self.error_handling_mode, progress_thread=False)
+                self._engine = NixlEngine(
+                    "side", self.error_handling_mode, progress_thread=False, host=self.host
+                )
             if self._target is None:
-                self._target = NixlEngine("recv", self.error_handling_mode)
+                self._target = NixlEngine("recv", self.error_handling_mode, host=self.host)
             return self._engine
 
     def engine(self) -> NixlEngine:

@@ -30,6 +30,7 @@ import numpy as np
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.engines.address import EngineAddress
+from pd_transfer.transport.engines.interfaces import device_of
 from pd_transfer.transport.engines.link import PROBE_LANDING
 from pd_transfer.transport.engines.runs import region_bases
 from pd_transfer.transport.engines.staging.engine import EngineReceiver, ReceiverStaging
@@ -162,10 +163,23 @@ class NixlEngine:
 
     ``progress_thread``: run NIXL's progress thread; an agent that is written
     into needs it, one that only initiates is faster without (see the module).
+    ``host``: UCX listens only on the network device holding it (``NET_DEVICES``;
+    "" or a wildcard: on every device, UCX's default).
     """
 
-    def __init__(self, role: str, error_handling_mode: str = "none", *, progress_thread: bool = True) -> None:
+    def __init__(
+        self,
+        role: str,
+        error_handling_mode: str = "none",
+        *,
+        progress_thread: bool = True,
+        host: str = "127.0.0.1",
+    ) -> None:
         api = load_api()
+        backend = {"ucx_error_handling_mode": error_handling_mode}
+        device = device_of(host)
+        if device:  # UCX's own config, as UCX_NET_DEVICES would set it, for this agent only
+            backend["engine_config"] = f"NET_DEVICES={device}"
         self.progress_thread = progress_thread
         self.name = f"pdt-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
@@ -177,7 +191,7 @@ class NixlEngine:
                 if progress_thread
                 else api.nixl_agent(self.name, config)
             )
-            self.agent.create_backend("UCX", {"ucx_error_handling_mode": error_handling_mode})
+            self.agent.create_backend("UCX", backend)
         except Exception as err:  # the bindings raise their own error types
             raise TransportError(f"nixl agent did not start: {err}", code=Reason.TRANSPORT_FAILED) from None
         self._registered: dict[int, tuple[int, object]] = {}  # address -> (nbytes, reg dlist)
@@ -277,6 +291,7 @@ class NixlReceiver(EngineReceiver):
 
     ``engine``: share a started agent (the sidecar's own transport's, see
     :meth:`NixlTransport.start`); stopping then only unregisters the regions.
+    ``host``: where an agent of its own listens (see :class:`NixlEngine`).
     """
 
     def __init__(
@@ -285,9 +300,11 @@ class NixlReceiver(EngineReceiver):
         error_handling_mode: str = "none",
         engine: NixlEngine | None = None,
         staging: ReceiverStaging | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         super().__init__()
         self.regions = regions
+        self.host = host
         self.error_handling_mode = error_handling_mode
         self.engine = engine
         self._owns_engine = engine is None
@@ -297,7 +314,9 @@ class NixlReceiver(EngineReceiver):
     async def start(self) -> str:
         self._bases = region_bases(self.regions, "destination")
         if self.engine is None:
-            self.engine = await asyncio.to_thread(NixlEngine, "recv", self.error_handling_mode)
+            self.engine = await asyncio.to_thread(
+                NixlEngine, "recv", self.error_handling_mode, host=self.host
+            )
         await asyncio.to_thread(self.engine.register, self._bases)
         # the staging area is registered before the metadata is taken: it has to be in it
         control, area = await self.staging.start(self.regions, self.engine.register, self.admission)

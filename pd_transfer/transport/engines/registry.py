@@ -73,7 +73,7 @@ def make_transport(
     elif kind == "nixl":
         from pd_transfer.transport.engines.nixl import NixlTransport
 
-        transport = NixlTransport(staging=staging)
+        transport = NixlTransport(host=host, staging=staging)
     else:
         raise TransportError(
             f"no engine transport {kind!r}; known: {list(ENGINES)}", code=Reason.INVALID_CONFIG
@@ -112,5 +112,5 @@ def make_receiver(
         from pd_transfer.transport.engines.nixl import NixlReceiver
 
         engine = transport.receiving_engine() if transport is not None else None
-        return NixlReceiver(regions, engine=engine, staging=staging)
+        return NixlReceiver(regions, engine=engine, staging=staging, host=host)
     raise TransportError(f"no engine receiver {kind!r}; known: {list(ENGINES)}", code=Reason.INVALID_CONFIG)
