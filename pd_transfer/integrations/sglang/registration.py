@@ -141,13 +141,31 @@ def _state_views(kv_args: Any, memory: EngineMemory, facts: EngineFacts, tp_rank
         elif kind == "swa":
             views += _swa_views(kv_args, c, memory, facts, tp_rank)
         else:
+            what = _STATE_COMPONENTS.get(kind, "")
             raise GeometryError(
-                f"kv_args.state_types[{c}]: state component {kind!r} is not supported by "
-                f"pd-transfer's SGLang backend",
+                f"kv_args.state_types[{c}]: state component {kind!r}{f' ({what})' if what else ''} "
+                f"is not supported by pd-transfer's SGLang backend: it registers no view of that "
+                f"component's buffers, and moving the model without them would leave decode "
+                f"without that state",
                 code=Reason.LAYOUT_UNSUPPORTED,
                 hint="use SGLang's mooncake or nixl backend for this model",
             )
     return views
+
+
+_STATE_COMPONENTS = {  # SGLang's StateType values registration refuses, by what uses them
+    "dsa": "DeepSeek-V3.2 sparse attention's indexer key cache, NSA/DSA",
+    "dsa_tail": "DeepSeek-V3.2 sparse attention's compressed-key ring",
+    "qsa_pending": "QSA sparse attention",
+    "qsa_compressed": "QSA sparse attention",
+    "swa_ring": "DeepSeek-V4",
+    "c128_state": "DeepSeek-V4",
+    "request_row": "DeepSeek-V4",
+    "block_scale": "MXFP8 KV block scales",
+    "block_scale_swa": "MXFP8 KV block scales",
+    "minimax_index_k": "MiniMax sparse attention",
+    "minimax_dense_kv": "MiniMax sparse attention",
+}
 
 
 def _swa_views(
