@@ -44,6 +44,7 @@ from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import RankGeometry, Role, check_geometry
 from pd_transfer.protocol import (
     CONFIRM_DONE,
+    ROOM_REFUSAL,
     Capabilities,
     Message,
     geometry_from_data,
@@ -357,7 +358,7 @@ class Sidecar:
     def capabilities(self) -> Capabilities:
         return Capabilities(
             transports=self.dataplane.transport_names(),
-            features=(*integrity.features(self.config, self.dataplane.on_device), CONFIRM_DONE),
+            features=(*integrity.features(self.config, self.dataplane.on_device), CONFIRM_DONE, ROOM_REFUSAL),
         )
 
     def next_generation(self) -> int:

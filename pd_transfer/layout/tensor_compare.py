@@ -69,7 +69,8 @@ def _compare_shard(src: TensorView, dst: TensorView, tp_src: int, tp_dst: int) -
                 Reason.GLOBAL_EXTENT_MISMATCH,
                 src.shard.global_extent,
                 dst.shard.global_extent,
-                "both sides must serve the same model (same global head/channel count)",
+                "both sides must serve the same model (same global head/channel count), each "
+                "registering the model's count, not one padded or replicated for its TP size",
             )
         ]
     sharded = not (src.shard.is_full and dst.shard.is_full)

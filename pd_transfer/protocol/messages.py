@@ -44,6 +44,8 @@ class Message:
 
 #: the Hello feature of agents that speak the decode -> prefill confirming Done
 CONFIRM_DONE = "confirm_done"
+#: the Hello feature of prefill agents that act on :class:`RoomRefused`
+ROOM_REFUSAL = "room_refusal"
 
 
 class DoneStatus(enum.Enum):
@@ -296,6 +298,17 @@ class Abort(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class RoomRefused(Message):
+    """Decode -> prefill (offering :data:`ROOM_REFUSAL`), on a rejected session: ``room`` was
+    to be this decode rank's; it fails with ``reason_text``, not at a bootstrap timeout."""
+
+    TAG: ClassVar[str] = "room_refused"
+    room: int
+    reason: Reason
+    reason_text: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class AbortAck(Message):
     """Answer to :class:`Abort`. ``drained`` True: no write of this generation is
     in flight, decode may reuse the destination pages. False: some write may
@@ -371,6 +384,7 @@ MESSAGE_TYPES: dict[str, MessageType] = {
         ),
         MessageType(Abort, "either side stops a room's generation, with a reason"),
         MessageType(AbortAck, "answer to Abort: whether no write of that generation can still land"),
+        MessageType(RoomRefused, "a rejected decode rank's room fails on prefill too, with its reason"),
         MessageType(Heartbeat, "liveness, both ways, in every live session state"),
         MessageType(Close, "the sender will send nothing more; a reason if it is an error"),
     )

@@ -44,6 +44,7 @@ from pd_transfer.protocol.messages import (
     RankTable,
     RegionHandle,
     Register,
+    RoomRefused,
     TableRequest,
     TransferRequest,
     Verdict,
@@ -272,6 +273,15 @@ RECORDS: dict[type[Message], Record] = {
         finish=_note_unknown_reason,
     ),
     AbortAck: Record(AbortAck, (*_ROOM, Field("drained", Bool()))),
+    RoomRefused: Record(
+        RoomRefused,
+        (
+            Field("room", U64),
+            Field("reason", ReasonCode()),
+            Field("reason_text", Str(max_len=MAX_TEXT_LEN, min_len=1)),
+        ),
+        finish=_note_unknown_reason,
+    ),
     Heartbeat: Record(
         Heartbeat,
         (

@@ -20,7 +20,8 @@ has exactly one legal sender, so no two handshake frames can cross::
 
 In ``accepted``: decode sends TransferRequest; prefill sends Progress and
 Done; decode answers a successful room with its own Done (success only: it
-has the bytes); either side sends Abort and AbortAck. Heartbeats go both ways in every
+has the bytes); either side sends Abort and AbortAck. In ``rejected``, decode
+sends RoomRefused for each room it would have asked for. Heartbeats go both ways in every
 state from ``greeted`` on. Either side may Close in any non-terminal state;
 ``closed`` and ``error`` have no way out.
 
@@ -44,6 +45,7 @@ from pd_transfer.protocol.messages import (
     Message,
     Progress,
     Register,
+    RoomRefused,
     TransferRequest,
     Verdict,
 )
@@ -56,7 +58,7 @@ class SessionState(enum.Enum):
     REGISTERING = "registering"  # decode sent its geometry
     REGISTERED = "registered"  # both sent their geometry; prefill owes a verdict
     ACCEPTED = "accepted"  # verdict accepted: rooms may flow
-    REJECTED = "rejected"  # verdict rejected: only heartbeats and close
+    REJECTED = "rejected"  # verdict rejected: heartbeats, decode's RoomRefused, close
     CLOSED = "closed"  # a Close went either way (terminal)
     ERROR = "error"  # the peer broke the protocol (terminal)
 
@@ -73,6 +75,7 @@ class Trigger(enum.Enum):
     DONE = "done"
     ABORT = "abort"
     ABORT_ACK = "abort_ack"
+    ROOM_REFUSED = "room_refused"
     HEARTBEAT = "heartbeat"
     CLOSE = "close"
 
@@ -85,6 +88,7 @@ _TRIGGER_BY_TYPE: dict[type[Message], Trigger] = {
     Done: Trigger.DONE,
     Abort: Trigger.ABORT,
     AbortAck: Trigger.ABORT_ACK,
+    RoomRefused: Trigger.ROOM_REFUSED,
     Heartbeat: Trigger.HEARTBEAT,
     Close: Trigger.CLOSE,
 }
@@ -124,6 +128,7 @@ def _transitions() -> dict[tuple[SessionState, Role, Trigger], SessionState]:
         (S.REGISTERING, P, T.REGISTER): S.REGISTERED,
         (S.REGISTERED, P, T.VERDICT_ACCEPTED): S.ACCEPTED,
         (S.REGISTERED, P, T.VERDICT_REJECTED): S.REJECTED,
+        (S.REJECTED, D, T.ROOM_REFUSED): S.REJECTED,  # decode's room fails on prefill too
         (S.ACCEPTED, D, T.TRANSFER_REQUEST): S.ACCEPTED,
         (S.ACCEPTED, P, T.PROGRESS): S.ACCEPTED,
         (S.ACCEPTED, P, T.DONE): S.ACCEPTED,

@@ -141,7 +141,8 @@ def test_global_head_count_mismatch_is_never_inferred_from_byte_lengths():
 cannot reconcile prefill (attn_tp=2) with decode (attn_tp=4): 2 mismatches
   - kv.layer[0-1].k.head.global_extent: prefill=4 decode=8  [global_extent_mismatch]
   - kv.layer[0-1].v.head.global_extent: prefill=4 decode=8  [global_extent_mismatch]
-  hint: both sides must serve the same model (same global head/channel count)"""
+  hint: both sides must serve the same model (same global head/channel count), each registering \
+the model's count, not one padded or replicated for its TP size"""
     )
     assert _codes(err) == [Reason.GLOBAL_EXTENT_MISMATCH] * 2
 

@@ -30,6 +30,7 @@ from pd_transfer.protocol import (
     RankTable,
     RegionHandle,
     Register,
+    RoomRefused,
     TableRequest,
     TransferRequest,
     Trigger,
@@ -166,6 +167,14 @@ def abort_ack(room: int = ROOM, generation: int = GENERATION) -> AbortAck:
     return AbortAck(room=room, generation=generation, drained=True)
 
 
+def room_refused(room: int = ROOM) -> RoomRefused:
+    return RoomRefused(
+        room=room,
+        reason=Reason.PEER_REJECTED,
+        reason_text="room 7: kv.layer[0].k.dtype: prefill=bfloat16 decode=float16",
+    )
+
+
 def heartbeat(role: Role) -> Heartbeat:
     return Heartbeat(agent_id=f"{role.value}-0", sequence=3, sent_unix_s=1_700_000_000.25)
 
@@ -182,6 +191,7 @@ def message_for(trigger: Trigger, sender: Role) -> Message:
         Trigger.DONE: done,
         Trigger.ABORT: abort,
         Trigger.ABORT_ACK: abort_ack,
+        Trigger.ROOM_REFUSED: room_refused,
         Trigger.HEARTBEAT: lambda: heartbeat(sender),
         Trigger.CLOSE: lambda: Close(),
     }
@@ -204,6 +214,7 @@ def every_message() -> list[Message]:
         failed_done(),
         abort(),
         abort_ack(),
+        room_refused(),
         heartbeat(Role.PREFILL),
         Close(),
         Close(reason=Reason.ILLEGAL_MESSAGE, reason_text="done sent twice"),

@@ -48,7 +48,7 @@ def test_unknown_message_type_is_rejected_with_reason():
     assert error.code is Reason.UNKNOWN_MESSAGE
     assert str(error) == (
         "at $.t: unknown message type 'teleport'; protocol 1.0 knows hello, register, verdict, "
-        "transfer_request, progress, done, abort, abort_ack, heartbeat, close, announce, "
+        "transfer_request, progress, done, abort, abort_ack, room_refused, heartbeat, close, announce, "
         "table_request, rank_table"
     )
 

@@ -29,6 +29,7 @@ from pd_transfer.agent.bootstrap import fetch_table
 from pd_transfer.agent.channels import OutgoingChannel
 from pd_transfer.agent.decode import retire
 from pd_transfer.agent.decode.bells import RoomBells
+from pd_transfer.agent.decode.rejections import RejectedSessions
 from pd_transfer.agent.retry import Backoff
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import Role
@@ -97,6 +98,9 @@ class PrefillInstances:
         self.instances: dict[str, asyncio.Task] = {}
         self.backoffs: dict[str, Backoff] = {}  # per address: its failed resolutions
         self.retired: list[PrefillInstance] = []  # lost: sessions to close once quiet
+        self.rejected = RejectedSessions(
+            sidecar.spawn, sidecar.config.bootstrap_timeout_s
+        )  # to tell prefill the rooms it refuses
         self._on_room_message = on_room_message
         self._on_peer_lost = on_peer_lost
 
@@ -211,6 +215,7 @@ class PrefillInstances:
                 "decode: prefill instance %s resolved after %d failed tries", bootstrap, backoff.failures
             )
         del self.backoffs[bootstrap]  # kept only while failing
+        self.rejected.drop(bootstrap)
         return instance
 
     async def _resolve_once(self, bootstrap: str) -> PrefillInstance:
@@ -227,8 +232,11 @@ class PrefillInstances:
         instance.sources = recon.sources_for(geometry) if recon.ok else []
         try:
             await self._connect_all(instance, table)
-        except BaseException:
-            self.sidecar.spawn(retire.close_sessions(instance))  # none left open behind
+        except BaseException as err:
+            if isinstance(err, PdTransferError) and err.code is Reason.PEER_REJECTED:
+                self.rejected.keep(bootstrap, instance)  # open until the next resolution
+            else:
+                self.sidecar.spawn(retire.close_sessions(instance))  # none left open behind
             raise
         finally:
             instance.resolving = False
@@ -277,6 +285,7 @@ class PrefillInstances:
                 instances.append(task.result())
         self.instances.clear()
         self.retired.clear()
+        self.rejected.drop_all()
         self.backoffs.clear()  # the next worker resolves its instances afresh
         for instance in instances:
             for peer in instance.peers.values():

@@ -141,7 +141,10 @@ class DecodeSide:
         try:
             instance = await self.prefill.usable(room.bootstrap)
         except PdTransferError as err:
-            self._fail(room, err.code, f"room {room.room}: {err.message}", drained=True)
+            text = f"room {room.room}: {err.message}"
+            if err.code is Reason.PEER_REJECTED:  # prefill's room fails with the same text
+                self.prefill.rejected.refuse_room(room.bootstrap, room.room, text)
+            self._fail(room, err.code, text, drained=True)
             return
         except Exception as err:  # e.g. a bad address: report it on the room
             self._fail(

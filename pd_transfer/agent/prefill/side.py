@@ -50,6 +50,7 @@ from pd_transfer.protocol import (
     RankEntry,
     RankTable,
     Register,
+    RoomRefused,
     RoomStatus,
     TransferRequest,
 )
@@ -173,6 +174,8 @@ class PrefillSide(PrefillWrites):
             await self._on_register(peer, message)
         elif isinstance(message, TransferRequest):
             await self.on_request(peer, message)
+        elif isinstance(message, RoomRefused):
+            await self._on_refusal(peer, message)
         elif isinstance(message, Abort):
             await self._on_abort(peer, message)
         elif isinstance(message, Done):
@@ -215,6 +218,25 @@ class PrefillSide(PrefillWrites):
             Register(agent_id=self.config.agent_id, host_id=self.config.host_id, geometry=geometry)
         )
         self.sidecar.spawn(send_verdict(self, peer), peer=peer.rank_id)
+
+    async def _on_refusal(self, peer: DecodePeer, message: RoomRefused) -> None:
+        """A decode rank this rank rejected says the room was to be its (a session allows
+        RoomRefused only after a rejection): the room fails now with decode's text
+        (agent/decode/rejections.py), not at its bootstrap timeout. A room another decode
+        instance claimed, or its worker bound to one, is not this rank's to end."""
+        room = self.sidecar.rooms.get(message.room)
+        instance = ownership.instance_of(peer)
+        others = isinstance(room, PrefillRoom) and (
+            (room.owner and room.owner != instance)
+            or any(not instance or ownership.instance_of(t.peer) != instance for t in room.targets.values())
+        )
+        if others or (room is not None and room.terminal):
+            log.debug("prefill: room %d is not %s's to refuse", message.room, peer.rank_id)
+            return
+        room = self._room(message.room)
+        room.refused = True  # the worker's send, when it comes, gets this failure
+        self.sidecar.observe.abort("decode", message.reason.value)
+        await self.fail_room(room, message.reason, message.reason_text)
 
     # -- rooms --------------------------------------------------------------------
     def _room(self, room_id: int) -> PrefillRoom:

@@ -137,6 +137,14 @@ def share_engine_memory(
     pool built at construction (``k_data_ptrs``) keep the old addresses,
     which only its GPU copy kernels read.
     """
+    if host_kv_pool is not None and hasattr(host_kv_pool, "kv_lora_rank"):  # before any segment
+        raise GeometryError(
+            f"host.kv: {type(host_kv_pool).__name__} (an MLA host pool) as decode's KV destination "
+            "is not supported by pd-transfer's SGLang backend: it addresses MHA host pools' K and V "
+            "heads, not an MLA latent",
+            code=Reason.LAYOUT_UNSUPPORTED,
+            hint="register decode's device pools (the plugin's queue hook does)",
+        )
     memory = EngineMemory()
     if host_kv_pool is not None:
         memory.host = HostKvPool(

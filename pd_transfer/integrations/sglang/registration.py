@@ -18,7 +18,6 @@ Pure translation: no sockets, no sidecar.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,25 +26,48 @@ from pd_transfer.integrations.sglang.host_views import host_kv_views
 from pd_transfer.integrations.sglang.kv_views import check_item, dtype_name, kv_view
 from pd_transfer.integrations.sglang.memory import EngineMemory, PoolTensor
 from pd_transfer.layout.geometry import RankGeometry, Region, Role
-from pd_transfer.layout.views import Axis, AxisRole, Layout, Pool, ShardSpec, TensorView
+from pd_transfer.layout.views import Axis, AxisRole, Layout, Pool, ShardSpec, TensorView, canonical_range
+
+
+@dataclass(frozen=True)
+class ConvGroups:
+    """A conv state's channel groups as the model has them, and which every rank holds whole.
+
+    A Mamba2 conv state is ``[x (d_inner) | B (n_groups*state) | C
+    (n_groups*state)]``, each group split over attention TP on its own. With
+    fewer B/C groups than ranks (``n_groups = 1``), SGLang's ``MambaMixer2``
+    gives every rank the whole group (``mamba_v2_sharded_weight_loader`` with
+    ``duplicate_groups``): ``replicated`` names those groups by position, and
+    their range is ``[0, group)`` on every rank instead of a slice.
+    """
+
+    groups: tuple[int, ...]
+    replicated: frozenset[int] = frozenset()
+
+    def shard(self, tp_size: int, tp_rank: int) -> ShardSpec:
+        """The groups and this rank's range of each."""
+        ranges = tuple(
+            (0, g) if i in self.replicated else canonical_range(g, tp_size, tp_rank)
+            for i, g in enumerate(self.groups)
+        )
+        return ShardSpec.grouped(self.groups, ranges)
 
 
 @dataclass(frozen=True)
 class EngineFacts:
     """What ``kv_args`` lacks, from SGLang's model config and server args.
 
-    ``mamba2_conv_groups`` is the full (unsharded) split of a Mamba2 conv
-    state's channels, ``(d_inner, n_groups*state, n_groups*state)``: SGLang
-    leaves it undeclared for Mamba2 models (NemotronH, FalconH1, Granite
-    hybrids), whose conv channels are nonetheless three independently
-    sharded groups.
+    ``mamba2_conv_groups`` is a Mamba2 conv state's channel split (see
+    :class:`ConvGroups`): SGLang leaves it undeclared for Mamba2 models
+    (NemotronH, FalconH1, Granite hybrids), whose conv channels are
+    nonetheless three independently sharded groups.
     """
 
     attn_tp_size: int
     pp_size: int = 1
     start_layer: int = 0
     total_kv_heads: int | None = None  # None for MLA
-    mamba2_conv_groups: tuple[int, ...] | None = None
+    mamba2_conv_groups: ConvGroups | None = None
     model: str = ""
 
 
@@ -119,13 +141,31 @@ def _state_views(kv_args: Any, memory: EngineMemory, facts: EngineFacts, tp_rank
         elif kind == "swa":
             views += _swa_views(kv_args, c, memory, facts, tp_rank)
         else:
+            what = _STATE_COMPONENTS.get(kind, "")
             raise GeometryError(
-                f"kv_args.state_types[{c}]: state component {kind!r} is not supported by "
-                f"pd-transfer's SGLang backend",
+                f"kv_args.state_types[{c}]: state component {kind!r}{f' ({what})' if what else ''} "
+                f"is not supported by pd-transfer's SGLang backend: it registers no view of that "
+                f"component's buffers, and moving the model without them would leave decode "
+                f"without that state",
                 code=Reason.LAYOUT_UNSUPPORTED,
                 hint="use SGLang's mooncake or nixl backend for this model",
             )
     return views
+
+
+_STATE_COMPONENTS = {  # SGLang's StateType values registration refuses, by what uses them
+    "dsa": "DeepSeek-V3.2 sparse attention's indexer key cache, NSA/DSA",
+    "dsa_tail": "DeepSeek-V3.2 sparse attention's compressed-key ring",
+    "qsa_pending": "QSA sparse attention",
+    "qsa_compressed": "QSA sparse attention",
+    "swa_ring": "DeepSeek-V4",
+    "c128_state": "DeepSeek-V4",
+    "request_row": "DeepSeek-V4",
+    "block_scale": "MXFP8 KV block scales",
+    "block_scale_swa": "MXFP8 KV block scales",
+    "minimax_index_k": "MiniMax sparse attention",
+    "minimax_dense_kv": "MiniMax sparse attention",
+}
 
 
 def _swa_views(
@@ -178,7 +218,9 @@ def _mamba_views(
         dim = _entry(kv_args, "state_dim_per_tensor", c, j, 0)
         outer = _entry(kv_args, "state_slice_outer_counts", c, j, 1)
         groups = _entry(kv_args, "state_conv_shard_groups", c, j, None)
-        if groups is None and entry.kind == "conv":
+        if groups is not None:
+            groups = ConvGroups(tuple(int(g) for g in groups))
+        elif entry.kind == "conv":
             groups = facts.mamba2_conv_groups
         axes, shard = _state_axes(path, entry.kind, slot_shape, dim, outer, groups, facts, tp_rank)
         where = (
@@ -244,7 +286,7 @@ def _state_axes(
     slot_shape: tuple[int, ...],
     dim: int,
     outer: int,
-    groups: Sequence[int] | None,
+    groups: ConvGroups | None,
     facts: EngineFacts,
     tp_rank: int,
 ) -> tuple[tuple[Axis, ...], ShardSpec | None]:
@@ -274,13 +316,13 @@ def _state_axes(
     if axis == 0 and kind == "conv" and len(slot_shape) == 2:
         axes = (Axis("channel", AxisRole.SHARD), Axis("tap", AxisRole.INNER))
     tp = facts.attn_tp_size
-    if groups:
-        shard = ShardSpec.for_rank(sum(groups), tp, tp_rank, tuple(int(g) for g in groups))
+    if groups is not None:
+        shard = groups.shard(tp, tp_rank)
     else:
         shard = ShardSpec.for_rank(dim * tp, tp, tp_rank)
     if shard.local_extent != dim:
         raise GeometryError(
-            f"{path}: groups {list(groups or [])} over attn_tp_size {tp} give "
+            f"{path}: groups {list(groups.groups if groups else [])} over attn_tp_size {tp} give "
             f"{shard.local_extent} channels on rank {tp_rank}, SGLang holds {dim}",
             code=Reason.BAD_VIEW,
         )

@@ -228,7 +228,7 @@ def mamba_pools():
     facts = EngineFacts(
         attn_tp_size=1,
         total_kv_heads=HEADS,
-        mamba2_conv_groups=mamba2_conv_groups(params),
+        mamba2_conv_groups=mamba2_conv_groups(params, 1, (4,)),
         model="tiny-nemotron-h",
     )
     return mamba, kv, facts

@@ -71,7 +71,7 @@ def hybrid_rank(role: str, tp_rank: int, tp_size: int, deployment, monkeypatch, 
     facts = EngineFacts(
         attn_tp_size=tp_size,
         total_kv_heads=KV_HEADS,
-        mamba2_conv_groups=mamba2_conv_groups(params),
+        mamba2_conv_groups=mamba2_conv_groups(params, tp_size, (N_GROUPS,)),
         model="tiny-nemotron-h",
     )
     return build_rank(

@@ -283,7 +283,7 @@ def test_a_refused_pair_aborts_the_request_in_sglangs_transfer_queue_with_the_re
     tmp_path, monkeypatch, sglang_backend
 ):
     deployment = Deployment(tmp_path, 1, 1)
-    monkeypatch.setenv("PD_TRANSFER_SGLANG_BOOTSTRAP_TIMEOUT_S", "3")
+    monkeypatch.setenv("PD_TRANSFER_SGLANG_BOOTSTRAP_TIMEOUT_S", "600")  # no timeout stands in
     ranks = []
     try:
         ranks = [
@@ -309,13 +309,13 @@ def test_a_refused_pair_aborts_the_request_in_sglangs_transfer_queue_with_the_re
             and transfer.released[0].req is d_req
         )
         assert transfer._deferred_releases == [] and decode.manager.deferred == {}
-        # prefill: the bootstrap queue hands the failure to the scheduler
-        # prefill: the refused decode never asked for the room, so its sender fails by the
-        # backend's bootstrap timeout and the bootstrap queue hands it to the scheduler
-        # without running its forward
+        # prefill: the refused decode's sidecar tells prefill's (RoomRefused), so the sender
+        # fails with decode's text and the bootstrap queue hands it to the scheduler without
+        # running its forward
         assert bootstrap.queue == [] and p_req.metadata_buffer_index == -1
         bootstrap.scheduler.handle_bootstrap_failure.assert_called_once_with(p_req)
-        assert "[timeout] room 4712 was not bootstrapped within 3 s" in p_req.disagg_kv_sender.failure
+        failure = p_req.disagg_kv_sender.failure
+        assert failure.startswith("[peer_rejected] room 4712: ") and "dtype_mismatch" in failure, failure
     finally:
         for rank in ranks:
             rank.close()
