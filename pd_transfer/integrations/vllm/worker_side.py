@@ -231,7 +231,9 @@ class WorkerSide:
         try:
             self.client.abort(room)
         except ClientError as err:
-            log.warning("request %s: abort of room %d failed (%s); waiting for the room to end", req_id, room, err)
+            log.warning(
+                "request %s: abort of room %d failed (%s); waiting for the room to end", req_id, room, err
+            )
             return
         self.failures[req_id] = f"room {room} aborted: the request ended without its one token"
 

@@ -169,7 +169,9 @@ def test_every_prompt_length_moves_the_pages_of_all_but_its_last_token(
     decode_config = vllm_config(model_dir, kv_role="kv_consumer", block_size=decode_block)
     decode = scheduler(decode_config)
     for n in range(1, 4 * max(prefill_block, decode_block) + 2):
-        first = request(n, kv_transfer_params={"do_remote_decode": True}, max_tokens=1, block_size=prefill_block)
+        first = request(
+            n, kv_transfer_params={"do_remote_decode": True}, max_tokens=1, block_size=prefill_block
+        )
         prefill.add_request(first)
         out, (finished,) = _step(prefill, [first])
         if n == 1:  # nothing to move: decode computes the one token itself
@@ -181,7 +183,9 @@ def test_every_prompt_length_moves_the_pages_of_all_but_its_last_token(
         assert params[NUM_TOKENS_KEY] == n - 1
         _step(prefill, [], finished_sending={first.request_id})
 
-        second = request(n, kv_transfer_params=dict(params), block_size=decode_block, prompt=first.prompt_token_ids)
+        second = request(
+            n, kv_transfer_params=dict(params), block_size=decode_block, prompt=first.prompt_token_ids
+        )
         decode.add_request(second)
         out, _ = _step(decode, [])
         (recv,) = out.kv_connector_metadata.step.recvs

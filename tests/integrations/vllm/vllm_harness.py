@@ -132,7 +132,9 @@ def request(
     params.update_from_generation_config({}, EOS_TOKEN_ID)
     req = Request(
         request_id=f"req-{n}",
-        prompt_token_ids=list(prompt) if prompt is not None else [3 + (i * n) % 200 for i in range(num_tokens)],
+        prompt_token_ids=list(prompt)
+        if prompt is not None
+        else [3 + (i * n) % 200 for i in range(num_tokens)],
         sampling_params=params,
         pooling_params=None,
         mm_features=None,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from vllm.v1.request import RequestStatus
 from vllm_harness import attention_cache_config, runner_output, scheduler, vllm_config
-from vllm_instances import HEAD_SIZE, LAYERS, TOTAL_HEADS, Instance, rank_heads, run_until
+from vllm_instances import HEAD_SIZE, LAYERS, TOTAL_HEADS, rank_heads, run_until
 
 MOD = 2**31 - 1
 
@@ -39,7 +39,7 @@ def oracle_rows(hashes: torch.Tensor, layer: int) -> torch.Tensor:
     return (x.float() / 65521 - 0.5).half().view(-1, TOTAL_HEADS, 2 * HEAD_SIZE)
 
 
-def cache_builder(block_size: int, num_blocks: int):
+def cache_builder(block_size: int, num_blocks: int, dtype=torch.float16):
     """``Instance(build=...)``: every layer a view into one storage, CPU-backend shaped, of this block size."""
 
     def build(tp_size: int, rank: int):
@@ -49,7 +49,7 @@ def cache_builder(block_size: int, num_blocks: int):
         )
         shape = (num_blocks, heads, block_size, 2 * HEAD_SIZE)
         per_layer = torch.Size(shape).numel()
-        storage = torch.randn(NUM_LAYERS * per_layer, generator=torch.Generator().manual_seed(rank)).half()
+        storage = torch.randn(NUM_LAYERS * per_layer, generator=torch.Generator().manual_seed(rank)).to(dtype)
         caches = {n: storage[i * per_layer : (i + 1) * per_layer].view(shape) for i, n in enumerate(LAYERS)}
         return config, caches
 
@@ -62,7 +62,21 @@ NUM_LAYERS = len(LAYERS)
 class Side:
     """One vLLM instance: its scheduler and its workers' connectors on real sidecars, stepped together."""
 
-    def __init__(self, instances, model_dir, role, tp_size, bootstrap, block_size, num_blocks, **cfg):
+    def __init__(
+        self,
+        instances,
+        model_dir,
+        role,
+        tp_size,
+        bootstrap,
+        block_size,
+        num_blocks,
+        *,
+        dtype=torch.float16,
+        sidecar=None,
+        **cfg,
+    ):
+        """``sidecar``: sidecar settings over the defaults; ``cfg``: :func:`vllm_config`'s keywords."""
         extra = {"bootstrap_addr": bootstrap} if role == "kv_producer" else {}
         self.block_size = block_size
         self.sched = scheduler(
@@ -70,7 +84,7 @@ class Side:
             num_blocks=num_blocks,
         )
         self.instance = instances(
-            role, tp_size, bootstrap, build=cache_builder(block_size, num_blocks)
+            role, tp_size, bootstrap, build=cache_builder(block_size, num_blocks, dtype), config=sidecar
         )
         self.free_at_start = self.sched.kv_cache_manager.block_pool.get_num_free_blocks()
         self.reported = {"sending": set(), "recving": set()}
@@ -114,7 +128,8 @@ class Side:
             for rank, caches in enumerate(self.instance.caches):
                 heads = rank_heads(self.instance.tp_size, rank)
                 for layer, name in enumerate(LAYERS):
-                    caches[name][blocks, :, slots] = oracle_rows(hashes, layer)[:, heads]
+                    cache = caches[name]
+                    cache[blocks, :, slots] = oracle_rows(hashes, layer)[:, heads].to(cache.dtype)
 
     def _connectors(self, out):
         errors = set()
@@ -176,8 +191,19 @@ def check_loaded_kv(side: Side, req_id: str, start: int) -> None:
             )
 
 
-def run_pd(prefill: Side, decode: Side, prompts: list[list[int]], max_tokens: int = 2, timeout_s=600):
-    """Every prompt prefilled then decoded, as a router does; returns {prompt index: decode request}."""
+def run_pd(
+    prefill: Side,
+    decode: Side,
+    prompts: list[list[int]],
+    max_tokens: int = 2,
+    timeout_s=600,
+    until_prefill_idle: bool = True,
+):
+    """Every prompt prefilled then decoded, as a router does; returns {prompt index: decode request}.
+
+    Runs until decode finished every request (and prefill returned every
+    block, unless ``until_prefill_idle`` is False).
+    """
     from vllm_harness import request
 
     first = {}
@@ -213,7 +239,7 @@ def run_pd(prefill: Side, decode: Side, prompts: list[list[int]], max_tokens: in
         prefill.step()
         forward_finished()
         decode.step(on_first_run=check_loaded_kv)
-        return len(second) == len(prompts) and prefill.idle() and decode.idle()
+        return len(second) == len(prompts) and decode.idle() and (prefill.idle() or not until_prefill_idle)
 
     run_until(step, timeout_s, "every request prefilled and decoded", lambda: _logs(prefill, decode))
     return second
