@@ -117,7 +117,7 @@ class Server(Process):
         cmd += ["--skip-tokenizer-init", "--max-num-seqs", "32", "--kv-transfer-config", json.dumps(transfer)]
         super().__init__(workdir, name, cmd, environ())
 
-    def wait_ready(self, timeout_s: float = 400) -> None:
+    def wait_ready(self, timeout_s: float = 900) -> None:
         def healthy() -> bool:
             if self.proc.poll() is not None:
                 raise AssertionError(f"{self.name} exited ({self.proc.returncode}):\n{self.tail()}")
@@ -133,11 +133,13 @@ class Server(Process):
         """The sum of one Prometheus metric's samples (e.g. ``vllm:num_requests_running``)."""
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as reply:
             text = reply.read().decode()
-        return sum(
+        samples = [
             float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()
             if line.startswith(name) and line[len(name)] in "{ "
-        )
+        ]
+        assert samples, f"{self.name} exports no {name}"
+        return sum(samples)
 
 
 def transfer_config(role: str, sidecar: Sidecar, secret: Path, bootstrap: str = "") -> dict:
@@ -187,7 +189,9 @@ def completion(url: str, model: str, prompt: list[int], max_tokens: int, timeout
         with urllib.request.urlopen(request, timeout=timeout_s) as reply:
             return json.loads(reply.read())
     except urllib.error.HTTPError as err:
-        return {"status": err.code, "error": json.loads(err.read() or b"{}").get("error", {})}
+        answer = json.loads(err.read() or b"{}")
+        error = answer.get("error") if isinstance(answer.get("error"), dict) else answer
+        return {"status": err.code, "error": error}
 
 
 def tokens(answer: dict) -> list[int] | None:

@@ -47,14 +47,18 @@ async def completions(request: web.Request) -> web.StreamResponse:
             await out.write_eof()
             return out
         answer = await reply.json(content_type=None)
-        if reply.status != 200 and isinstance(params, dict):
+        status = reply.status
+        if any(c.get("finish_reason") == "error" for c in answer.get("choices") or ()):
+            answer, status = {"error": {"message": "decode failed the request", "code": 500}}, 500
+        if status != 200 and isinstance(params, dict):
             await explain(app, answer, params.get(ROOM_KEY))
-        return web.json_response(answer, status=reply.status)
+        return web.json_response(answer, status=status)
 
 
 async def explain(app: web.Application, answer: dict, room: object) -> None:
     """Add the decode sidecar's reason for ``room`` to vLLM's error message."""
-    if not app["decode_sidecar"] or not isinstance(answer.get("error"), dict):
+    error = answer.get("error") if isinstance(answer.get("error"), dict) else answer
+    if not app["decode_sidecar"] or not isinstance(error.get("message"), str):
         return
     try:
         async with app["session"].get(f"{app['decode_sidecar']}/status") as reply:
@@ -63,7 +67,7 @@ async def explain(app: web.Application, answer: dict, room: object) -> None:
         return
     for entry in status.get("rooms", []):
         if entry.get("room") == room and entry.get("reason"):
-            answer["error"]["message"] += f" (pd-transfer room {room}: {entry['reason']})"
+            error["message"] += f" (pd-transfer room {room}: {entry['reason']})"
 
 
 async def main(args: argparse.Namespace) -> None:
