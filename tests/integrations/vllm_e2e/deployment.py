@@ -24,6 +24,7 @@ from pd_transfer.ports import spare_port
 HERE = Path(__file__).resolve().parent
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 1024
+SERVED_MODEL = "tiny-llama"
 # far beyond the tests' deadlines: a room must end because pd-transfer knew, never by a timeout
 SIDECAR_CONFIG = {"bootstrap_timeout_s": 900.0, "waiting_timeout_s": 900.0, "transfer_timeout_s": 900.0}
 
@@ -110,8 +111,9 @@ class Server(Process):
     def __init__(self, workdir: Path, name: str, model: Path, transfer: dict) -> None:
         self.port = spare_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.model = str(model)
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model]
+        self.model = SERVED_MODEL  # one name for every server: the router passes it through
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+        cmd += ["--served-model-name", SERVED_MODEL]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float16", "--seed", "0"]
         cmd += ["--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager"]
         cmd += ["--skip-tokenizer-init", "--max-num-seqs", "32", "--kv-transfer-config", json.dumps(transfer)]
