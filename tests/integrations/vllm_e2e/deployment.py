@@ -26,7 +26,13 @@ BLOCK_SIZE = 32
 MAX_MODEL_LEN = 1024
 SERVED_MODEL = "tiny-llama"
 # far beyond the tests' deadlines: a room must end because pd-transfer knew, never by a timeout
-SIDECAR_CONFIG = {"bootstrap_timeout_s": 900.0, "waiting_timeout_s": 900.0, "transfer_timeout_s": 900.0}
+# (terminal rooms are kept an hour: the tests count them)
+SIDECAR_CONFIG = {
+    "bootstrap_timeout_s": 900.0,
+    "waiting_timeout_s": 900.0,
+    "transfer_timeout_s": 900.0,
+    "room_ttl_s": 3600.0,
+}
 
 
 def environ() -> dict:

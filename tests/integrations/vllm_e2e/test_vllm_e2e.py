@@ -66,6 +66,14 @@ class Deployment:
         self.secret = new_secret(workdir)
         self.bootstrap = f"tcp://127.0.0.1:{spare_port()}"
         self.procs = []
+        try:
+            self._start()
+        except BaseException:
+            self.close()  # what a failed start-up had started
+            raise
+
+    def _start(self) -> None:
+        workdir = self.workdir
         self.prefill_sidecar = self._keep(Sidecar(workdir, "prefill", "prefill", self.secret, self.bootstrap))
         self.decode_sidecar = self._keep(Sidecar(workdir, "decode", "decode", self.secret))
         self.decode = self._keep(
