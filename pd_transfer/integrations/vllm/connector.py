@@ -225,7 +225,14 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
         return results.finished_sending or None, results.finished_recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.load_errors() if self._worker is not None else set()
+        """A failed receive's blocks, reported in the same pass as the request in ``failed_recving``.
+
+        Only with one KV-cache group: vLLM's block ids are unique per group, and
+        its scheduler refuses (RuntimeError) block-level errors for a model with
+        several groups; ``failed_recving`` alone then fails or recomputes the request.
+        """
+        errors = self._worker.load_errors() if self._worker is not None else set()
+        return errors if len(self._kv_cache_config.kv_cache_groups) == 1 else set()
 
     def shutdown(self) -> None:
         if self._worker is not None:

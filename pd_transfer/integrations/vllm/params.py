@@ -6,8 +6,8 @@ pd-transfer keeps NIXL's connector convention, so routers written for
 1. the router sends the prompt to prefill with ``{"do_remote_decode": true}``
    and ``max_tokens=1``; it may name the room with ``"pd_transfer_room"``;
 2. prefill's response carries the :func:`decode_params` below in
-   ``kv_transfer_params``: the room id, prefill's bootstrap address and the
-   number of pages sent;
+   ``kv_transfer_params``: the room id, prefill's bootstrap address, the
+   number of pages sent and the prompt tokens they hold;
 3. the router forwards them unchanged to decode (``do_remote_prefill`` is
    already true in them), which loads the KV from its sidecar.
 
@@ -27,6 +27,7 @@ from typing import Any
 ROOM_KEY = "pd_transfer_room"
 BOOTSTRAP_KEY = "pd_transfer_bootstrap_addr"
 NUM_PAGES_KEY = "pd_transfer_num_pages"
+NUM_TOKENS_KEY = "pd_transfer_num_tokens"
 MAX_ROOM = 2**63 - 1
 
 
@@ -37,6 +38,7 @@ class RemotePrefill:
     room: int
     bootstrap_addr: str
     num_pages: int | None
+    num_tokens: int | None = None
 
 
 def wants_remote_decode(params: dict[str, Any] | None) -> bool:
@@ -60,21 +62,26 @@ def room_for(request_id: str, params: dict[str, Any] | None) -> int:
     return int.from_bytes(digest, "big") & MAX_ROOM
 
 
-def decode_params(room: int, bootstrap_addr: str, num_pages: int) -> dict[str, Any]:
-    """Prefill's ``kv_transfer_params`` for the router to forward to decode."""
+def decode_params(room: int, bootstrap_addr: str, num_pages: int, num_tokens: int) -> dict[str, Any]:
+    """Prefill's ``kv_transfer_params`` for the router to forward to decode.
+
+    ``num_pages``: prefill's blocks sent; ``num_tokens``: the prompt tokens
+    their KV covers (all but the last), what decode checks its prompt against.
+    """
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         ROOM_KEY: room,
         BOOTSTRAP_KEY: bootstrap_addr,
         NUM_PAGES_KEY: num_pages,
+        NUM_TOKENS_KEY: num_tokens,
     }
 
 
 def parse_remote_prefill(params: dict[str, Any]) -> RemotePrefill | str:
     """The :class:`RemotePrefill` in decode's ``kv_transfer_params``, or why there is none."""
     room, bootstrap = params.get(ROOM_KEY), params.get(BOOTSTRAP_KEY)
-    num_pages = params.get(NUM_PAGES_KEY)
+    num_pages, num_tokens = params.get(NUM_PAGES_KEY), params.get(NUM_TOKENS_KEY)
     if not _is_room(room):
         return (
             f"kv_transfer_params.{ROOM_KEY} is {room!r}; expected the int in [0, 2**63) that "
@@ -85,11 +92,15 @@ def parse_remote_prefill(params: dict[str, Any]) -> RemotePrefill | str:
             f"kv_transfer_params.{BOOTSTRAP_KEY} is {bootstrap!r}; expected prefill's "
             f"bootstrap address 'tcp://host:port' (forward prefill's kv_transfer_params unchanged)"
         )
-    if num_pages is not None and (
-        isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0
-    ):
+    if num_pages is not None and not _is_count(num_pages):
         return f"kv_transfer_params.{NUM_PAGES_KEY} is {num_pages!r}; expected a page count"
-    return RemotePrefill(room, bootstrap, num_pages)
+    if num_tokens is not None and not _is_count(num_tokens):
+        return f"kv_transfer_params.{NUM_TOKENS_KEY} is {num_tokens!r}; expected a token count"
+    return RemotePrefill(room, bootstrap, num_pages, num_tokens)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _is_room(value: object) -> bool:

@@ -10,7 +10,7 @@ page count); a request that was not streamed (its last prefill step was not
 seen) is sent then, from the finished blocks. The blocks return to vLLM when
 every worker reports the room finished (sent or failed). A streamed request
 that finishes otherwise (stopped, aborted) still holds its blocks until the
-sidecar ends the room, which no decode will claim (``waiting_timeout_s``).
+workers abort the room at their sidecars (no decode will claim it) and it ended.
 
 Decode (``do_remote_prefill``): :meth:`get_num_new_matched_tokens` claims the
 prompt as loadable asynchronously; :meth:`update_state_after_alloc` turns the
@@ -22,7 +22,9 @@ KV is arriving keeps its blocks until the workers report the room drained.
 
 Pages sent = the blocks holding the prompt's first ``prompt_len - 1`` tokens:
 vLLM's decode loads all but the last prompt token and computes that one
-itself (a 49-token prompt in 16-token blocks: 48 tokens, 3 pages).
+itself (a 49-token prompt in 16-token blocks: 48 tokens, 3 pages), and
+expects the same tokens into its own blocks (of its own block size), never
+the block holding only the last token (:mod:`.accounting`).
 
 A model with a sliding-window group also moves the window's pages: the
 blocks from the one holding the first token decode's last prompt token
@@ -39,6 +41,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from pd_transfer.integrations.vllm import accounting
 from pd_transfer.integrations.vllm import params as kvparams
 from pd_transfer.integrations.vllm.specs import AbortSpec, RecvSpec, SendSpec, StepSpecs
 
@@ -47,7 +50,7 @@ log = logging.getLogger(__name__)
 
 def pages_to_send(num_prompt_tokens: int, block_size: int) -> int:
     """Blocks holding the first ``num_prompt_tokens - 1`` tokens (what decode loads)."""
-    return -(-max(num_prompt_tokens - 1, 0) // block_size)
+    return accounting.pages_for(accounting.tokens_loaded(num_prompt_tokens), block_size)
 
 
 def first_window_page(num_prompt_tokens: int, block_size: int, window: int) -> int:
@@ -77,16 +80,17 @@ class SchedulerSide:
     # -- decode --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
+        prompt_len = len(request.prompt_token_ids or ())
         if kvparams.wants_remote_decode(params) and request.request_id not in self._streamed:
             self._prefilling[request.request_id] = (
                 kvparams.room_for(request.request_id, params),
-                len(request.prompt_token_ids or ()),
+                prompt_len,
                 [],
                 [],
             )
-        if not kvparams.wants_remote_prefill(params):
-            return 0, False
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        if not kvparams.wants_remote_prefill(params) or accounting.tokens_loaded(prompt_len) == 0:
+            return 0, False  # a 1-token prompt: no room, decode computes it
+        count = prompt_len - num_computed_tokens
         if count <= 0:
             return 0, False
         self._local_tokens[request.request_id] = num_computed_tokens
@@ -100,23 +104,20 @@ class SchedulerSide:
             return
         req_id = request.request_id
         local_tokens = self._local_tokens.pop(req_id, 0)
+        prompt_len = len(request.prompt_token_ids or ())
         parsed = kvparams.parse_remote_prefill(params)
         error = parsed if isinstance(parsed, str) else ""
         room = 0 if error else parsed.room
-        if not error and parsed.num_pages is not None and parsed.num_pages != len(block_ids):
-            error = (
-                f"prefill sent {parsed.num_pages} pages for room {room}, decode allocated "
-                f"{len(block_ids)} blocks of {self.block_size} tokens for the same prompt; "
-                f"both instances need the same block size"
-            )
+        if not error:
+            error = accounting.token_count_error(parsed.num_tokens, prompt_len, room)
         # loaded once: a preempted request recomputes instead of loading again
         params["do_remote_prefill"] = False
-        first, window = self._window(len(request.prompt_token_ids or ()), swa_block_ids)
+        first, window = self._window(prompt_len, swa_block_ids)
         spec = RecvSpec(
             req_id,
             room,
             "" if error else parsed.bootstrap_addr,
-            tuple(block_ids),
+            tuple(accounting.room_blocks(block_ids, prompt_len, self.block_size)),
             local_tokens // self.block_size,
             error,
             swa_pages=window,
@@ -177,13 +178,8 @@ class SchedulerSide:
             room, num_pages = self._streamed.pop(req_id)
             self._sending[req_id] = room
             if kvparams.wants_remote_decode(request.kv_transfer_params) and length_capped:
-                return True, kvparams.decode_params(room, self.bootstrap_addr, num_pages)
-            log.warning(
-                "request %s finished without its one token; room %d was streamed and ends unclaimed",
-                req_id,
-                room,
-            )
-            return True, None
+                return True, self._decode_params(request, room, num_pages)
+            return True, self._abort_streamed(req_id, room)
         if req_id in self._loading:
             # decode: a write may still land in these blocks until the room is drained
             self._step.aborts.append(AbortSpec(req_id, self._loading[req_id]))
@@ -198,7 +194,21 @@ class SchedulerSide:
         _, window = self._window(len(request.prompt_token_ids or ()), swa_block_ids)
         self._step.sends.append(SendSpec(req_id, room, tuple(block_ids[:num_pages]), swa_pages=window))
         self._sending[req_id] = room
-        return True, kvparams.decode_params(room, self.bootstrap_addr, num_pages)
+        return True, self._decode_params(request, room, num_pages)
+
+    def _decode_params(self, request: Any, room: int, num_pages: int) -> dict[str, Any]:
+        tokens = accounting.tokens_loaded(len(request.prompt_token_ids or ()))
+        return kvparams.decode_params(room, self.bootstrap_addr, num_pages, tokens)
+
+    def _abort_streamed(self, req_id: str, room: int) -> None:
+        """A streamed request ended without its one token: no decode will claim the room.
+
+        Its workers abort it at their sidecars now (a decode that claims it
+        anyway fails at once), so the blocks return as soon as the room ended,
+        not after the sidecar's wait for an unclaimed room.
+        """
+        log.warning("request %s finished without its one token; room %d is aborted", req_id, room)
+        self._step.aborts.append(AbortSpec(req_id, room))
 
     def update_connector_output(self, finished_sending, finished_recving) -> None:
         for req_id in finished_sending or ():

@@ -19,9 +19,11 @@ vLLM calls, in order: :meth:`WorkerSide.start_step` (the scheduler's
   ``finished_recving``. A failed or refused room is reported finished AND its
   blocks returned by :meth:`load_errors` in the same pass, so vLLM never
   decodes from KV that did not arrive;
-- an :class:`AbortSpec` aborts the room; the request is reported finished
-  (its blocks freed) only once the sidecar answers drained or the room is
-  terminal, so no late write lands in a reused block.
+- an :class:`AbortSpec` aborts the room; on decode the request is reported
+  finished (its blocks freed) only once the sidecar answers drained or the
+  room is terminal, so no late write lands in a reused block; on prefill (a
+  streamed request that ended without its token) the room ends at once and
+  its blocks are reported sent.
 
 Imports torch, the client and this package's pure modules; never vLLM.
 """
@@ -204,6 +206,9 @@ class WorkerSide:
         self._receiving[spec.req_id] = spec
 
     def _abort(self, req_id: str, room: int) -> None:
+        if req_id in self._sending:
+            self._abort_send(req_id, room)
+            return
         spec = self._receiving.pop(req_id, None)
         if spec is None:
             return  # finished (or failed) before the abort arrived: already reported
@@ -219,6 +224,18 @@ class WorkerSide:
             self._draining[req_id] = -1  # reported at the next pass
         else:
             self._draining[req_id] = room
+
+    def _abort_send(self, req_id: str, room: int) -> None:
+        """Prefill: the request ended without its token; end its room now (a claim fails at once)."""
+        self._streaming.pop(req_id, None)
+        try:
+            self.client.abort(room)
+        except ClientError as err:
+            log.warning(
+                "request %s: abort of room %d failed (%s); waiting for the room to end", req_id, room, err
+            )
+            return
+        self.failures[req_id] = f"room {room} aborted: the request ended without its one token"
 
     def _fail(self, spec: RecvSpec, reason: str) -> None:
         self.failures[spec.req_id] = reason

@@ -24,7 +24,12 @@ from vllm_harness import (  # noqa: E402
 
 from pd_transfer.errors import ConfigError  # noqa: E402
 from pd_transfer.integrations.vllm.connector import PdTransferConnector  # noqa: E402
-from pd_transfer.integrations.vllm.params import BOOTSTRAP_KEY, NUM_PAGES_KEY, ROOM_KEY  # noqa: E402
+from pd_transfer.integrations.vllm.params import (  # noqa: E402
+    BOOTSTRAP_KEY,
+    NUM_PAGES_KEY,
+    NUM_TOKENS_KEY,
+    ROOM_KEY,
+)
 
 BOOTSTRAP = "tcp://127.0.0.1:7311"
 
@@ -141,13 +146,77 @@ def test_decode_with_bad_params_fails_that_request_through_the_worker(model_dir)
     assert ROOM_KEY in recv.error and "'not-a-room'" in recv.error
 
 
-def test_decode_refuses_a_page_count_that_differs_from_prefills(model_dir):
+def test_decode_refuses_kv_of_a_different_prompt_length_than_its_own(model_dir):
     sched = scheduler(vllm_config(model_dir, kv_role="kv_consumer"))
-    req = request(40, kv_transfer_params=_decode_params(num_pages=5))
+    req = request(40, kv_transfer_params={**_decode_params(), NUM_TOKENS_KEY: 44})
     sched.add_request(req)
     out, _ = _step(sched, [])
     (recv,) = out.kv_connector_metadata.step.recvs
-    assert "prefill sent 5 pages" in recv.error and "3 blocks" in recv.error
+    assert "KV of 44 prompt tokens" in recv.error and "has 40 tokens and loads 39" in recv.error
+
+
+@pytest.mark.parametrize(("prefill_block", "decode_block"), [(16, 16), (32, 32), (16, 32), (32, 16)])
+def test_every_prompt_length_moves_the_pages_of_all_but_its_last_token(
+    model_dir, prefill_block, decode_block
+):
+    """Prefill's pages and decode's expected blocks both hold the first n - 1 tokens; the
+    block holding only token n (n = k * B + 1) is decode's to compute, never part of the room."""
+    prefill = scheduler(
+        vllm_config(
+            model_dir, kv_role="kv_producer", extra={"bootstrap_addr": BOOTSTRAP}, block_size=prefill_block
+        )
+    )
+    decode_config = vllm_config(model_dir, kv_role="kv_consumer", block_size=decode_block)
+    decode = scheduler(decode_config)
+    for n in range(1, 4 * max(prefill_block, decode_block) + 2):
+        first = request(
+            n, kv_transfer_params={"do_remote_decode": True}, max_tokens=1, block_size=prefill_block
+        )
+        prefill.add_request(first)
+        out, (finished,) = _step(prefill, [first])
+        if n == 1:  # nothing to move: decode computes the one token itself
+            assert finished.kv_transfer_params is None and not out.kv_connector_metadata.step.sends
+            continue
+        (send,) = out.kv_connector_metadata.step.sends
+        params = finished.kv_transfer_params
+        assert len(send.block_ids) == params[NUM_PAGES_KEY] == -(-(n - 1) // prefill_block), n
+        assert params[NUM_TOKENS_KEY] == n - 1
+        _step(prefill, [], finished_sending={first.request_id})
+
+        second = request(
+            n, kv_transfer_params=dict(params), block_size=decode_block, prompt=first.prompt_token_ids
+        )
+        decode.add_request(second)
+        out, _ = _step(decode, [])
+        (recv,) = out.kv_connector_metadata.step.recvs
+        assert recv.error == "", (n, recv.error)
+        held = block_ids(decode, second.request_id)
+        assert list(recv.block_ids) == held[: -(-(n - 1) // decode_block)], n
+        _step(decode, [], finished_recving={second.request_id})
+        out, _ = _step(decode, [second])
+        assert out.num_scheduled_tokens == {second.request_id: 1}, n  # n - 1 loaded, the last computed
+        assert second.num_computed_tokens == n
+        decode.finish_requests(second.request_id, RequestStatus.FINISHED_ABORTED)
+
+
+def test_a_streamed_prefill_request_that_ends_without_its_token_aborts_its_room(model_dir):
+    sched = scheduler(vllm_config(model_dir, kv_role="kv_producer", extra={"bootstrap_addr": BOOTSTRAP}))
+    free_before = num_free_blocks(sched)
+    # 300 tokens in 256-token chunks: the first step does not complete the prompt
+    req = request(300, kv_transfer_params={"do_remote_decode": True}, max_tokens=1)
+    sched.add_request(req)
+    _step(sched, [req], partial={req.request_id})
+    out = sched.schedule()
+    (send,) = out.kv_connector_metadata.step.sends  # the step that completes the prompt streams it
+    # the client went away while that step ran
+    sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    sched.update_from_output(out, runner_output([]))
+    out, _ = _step(sched, [])
+    (abort,) = out.kv_connector_metadata.step.aborts  # no decode will claim it: ended now
+    assert (abort.req_id, abort.room) == (req.request_id, send.room)
+    assert num_free_blocks(sched) < free_before  # held until the workers report the room ended
+    _step(sched, [], finished_sending={req.request_id})
+    assert num_free_blocks(sched) == free_before
 
 
 def test_an_abort_during_the_load_keeps_the_blocks_until_the_room_drained(model_dir):

@@ -52,6 +52,7 @@ def vllm_config(
     policy: str = "fail",
     tp_size: int = 1,
     rank: int = 0,
+    block_size: int = BLOCK_SIZE,
 ) -> VllmConfig:
     model = ModelConfig(model=str(model_dir), dtype="float16", seed=0, skip_tokenizer_init=True)
     return VllmConfig(
@@ -65,7 +66,7 @@ def vllm_config(
             async_scheduling=False,
         ),
         cache_config=CacheConfig(
-            block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=True
+            block_size=block_size, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=True
         ),
         kv_transfer_config=KVTransferConfig(
             kv_connector=CONNECTOR,
@@ -87,10 +88,11 @@ def attention_cache_config(
     head_size: int = 16,
     mla: bool = False,
     tensors: list[KVCacheTensor] | None = None,
+    block_size: int = BLOCK_SIZE,
 ) -> KVCacheConfig:
     spec_type = MLAAttentionSpec if mla else FullAttentionSpec
     spec = spec_type(
-        block_size=BLOCK_SIZE, num_kv_heads=num_kv_heads, head_size=head_size, dtype=torch.float16
+        block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=torch.float16
     )
     return KVCacheConfig(
         num_blocks=num_blocks,
@@ -102,8 +104,9 @@ def attention_cache_config(
 def scheduler(
     config: VllmConfig, num_blocks: int = 1000, kv_cache_config: KVCacheConfig | None = None
 ) -> Scheduler:
+    block_size = config.cache_config.block_size
     kv_cache_config = kv_cache_config or attention_cache_config(
-        ["model.layers.0.self_attn.attn"], num_blocks=num_blocks
+        ["model.layers.0.self_attn.attn"], num_blocks=num_blocks, block_size=block_size
     )
     config.cache_config.num_gpu_blocks = num_blocks
     return Scheduler(
@@ -111,21 +114,31 @@ def scheduler(
         kv_cache_config=kv_cache_config,
         log_stats=True,
         structured_output_manager=StructuredOutputManager(config),
-        block_size=BLOCK_SIZE,
+        block_size=block_size,
     )
 
 
-def request(num_tokens: int, *, kv_transfer_params: dict | None, max_tokens: int = 16) -> Request:
+def request(
+    num_tokens: int,
+    *,
+    kv_transfer_params: dict | None,
+    max_tokens: int = 16,
+    block_size: int = BLOCK_SIZE,
+    prompt: list[int] | None = None,
+) -> Request:
+    """A request of ``num_tokens`` tokens (``prompt``: these tokens; else a pattern of its own)."""
     n = next(_ids)
     params = SamplingParams(max_tokens=max_tokens)
     params.update_from_generation_config({}, EOS_TOKEN_ID)
     req = Request(
         request_id=f"req-{n}",
-        prompt_token_ids=[3 + (i * n) % 200 for i in range(num_tokens)],
+        prompt_token_ids=list(prompt)
+        if prompt is not None
+        else [3 + (i * n) % 200 for i in range(num_tokens)],
         sampling_params=params,
         pooling_params=None,
         mm_features=None,
-        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+        block_hasher=get_request_block_hasher(block_size, sha256),
     )
     req.kv_transfer_params = kv_transfer_params
     return req
@@ -138,8 +151,10 @@ def runner_output(
     finished_recving=None,
     invalid_block_ids=None,
     token_id: int = 7,
+    partial: set[str] = frozenset(),
 ) -> ModelRunnerOutput:
-    """One model-runner step: a token for each of ``reqs`` and the connector's report."""
+    """One model-runner step: a token for each of ``reqs`` (none for a ``partial`` prefill chunk)
+    and the connector's report."""
     ids = [r.request_id for r in reqs]
     report = None
     if finished_sending is not None or finished_recving is not None or invalid_block_ids is not None:
@@ -151,7 +166,7 @@ def runner_output(
     return ModelRunnerOutput(
         req_ids=ids,
         req_id_to_index={r: i for i, r in enumerate(ids)},
-        sampled_token_ids=[[token_id] for _ in ids],
+        sampled_token_ids=[[] if r in partial else [token_id] for r in ids],
         logprobs=None,
         prompt_logprobs_dict={},
         pooler_output=None,
