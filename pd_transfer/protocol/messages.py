@@ -184,9 +184,7 @@ class Verdict(Message):
     integrity: bool = False
     # True: prefill mapped decode's doorbells and rings them (same host, shm; same release)
     doorbell: bool = False
-    # the transport prefill writes with ("shm", "tcp", "mooncake", ...; same release), so
-    # decode's /status and metrics name it too
-    transport: str = ""
+    transport: str = ""  # what prefill writes with ("shm", "tcp", ...), for decode's /status
 
 
 @dataclass(frozen=True, kw_only=True)
