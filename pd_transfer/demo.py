@@ -322,6 +322,9 @@ def _show_progress(args, workdir: Path, sidecars: list[Proc], workers: list[Proc
         if now - started > args.timeout_s:
             raise RuntimeError(f"the demo did not finish within {args.timeout_s:.0f} s")
         time.sleep(0.5)
+    done = sum(_count_lines(p) for p in decode_progress)  # the workers are done: the final count
+    if done != shown:
+        print(_progress_line(done, total, time.monotonic() - started), end="\r" if on_terminal else "\n")
     if on_terminal:
         print()
 
