@@ -12,7 +12,8 @@ The arguments are checked before any process starts (the model preset, and
 both instances built and reconciled as the sidecars would): invalid ones
 exit 2 with the reason. A child that fails stops the demo at once, with the
 end of that child's log. SIGINT and SIGTERM stop every child and remove the
-work directory, then exit 130 or 143 with one line.
+work directory, then exit 130 or 143 with one line; a demo killed outright
+(SIGKILL) takes its children along too (:mod:`pd_transfer.parent_death`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pd_transfer.layout.views import KV_LAYOUTS
+from pd_transfer.parent_death import tied_to_parent
 from pd_transfer.ports import spare_port
 from pd_transfer.security.secret import SECRET_ENV, SECRET_FILE_ENV, new_secret_file
 
@@ -98,6 +100,7 @@ def _spawn(name: str, args: list[str], workdir: Path) -> Proc:
         stderr=log_path.open("w"),
         env=env,
         start_new_session=True,
+        preexec_fn=tied_to_parent(),  # a demo killed with SIGKILL takes its children along
     )
     return Proc(name, popen, log_path)
 
