@@ -8,12 +8,10 @@ process of the run authenticates with a shared secret made for the run (mode
 truth (:mod:`pd_transfer.sim.content`); any failed room or differing byte
 makes the demo exit 1.
 
-The arguments are checked before any process starts (the model preset, and
-both instances built and reconciled as the sidecars would): invalid ones
-exit 2 with the reason. A child that fails stops the demo at once, with the
-end of that child's log. SIGINT and SIGTERM stop every child and remove the
-work directory, then exit 130 or 143 with one line; a demo killed outright
-(SIGKILL) takes its children along too (:mod:`pd_transfer.parent_death`).
+The arguments are checked before any process starts (the model preset, and both instances built and
+reconciled as the sidecars would): invalid ones exit 2 with the reason. A child that fails stops the
+demo at once, with the end of that child's log. SIGINT and SIGTERM stop every child and remove the work
+directory, then exit 130 or 143 with one line; SIGKILL stops them too (:mod:`pd_transfer.parent_death`).
 """
 
 from __future__ import annotations
@@ -100,7 +98,7 @@ def _spawn(name: str, args: list[str], workdir: Path) -> Proc:
         stderr=log_path.open("w"),
         env=env,
         start_new_session=True,
-        preexec_fn=tied_to_parent(),  # a demo killed with SIGKILL takes its children along
+        preexec_fn=tied_to_parent(),
     )
     return Proc(name, popen, log_path)
 
