@@ -74,6 +74,9 @@ class SidecarConfig:
     transfer_timeout_s: float = 60.0  # one room's bytes once sending started
     heartbeat_interval_s: float = 0.5  # between heartbeats on every peer session
     heartbeat_misses: int = 4  # silent intervals before a peer is lost
+    slow_peer_limit_s: float = (
+        30.0  # a peer on this host whose process runs (not stopped) is lost only once silent this long
+    )
     abort_drain_timeout_s: float = 10.0  # decode abort waits this long for drain acks
     room_ttl_s: float = 120.0  # terminal rooms kept for late polls
     max_rooms: int = 4096  # live rooms at most; more are refused at once

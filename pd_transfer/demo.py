@@ -13,7 +13,8 @@ both instances built and reconciled as the sidecars would): invalid ones
 exit 2 with the reason. A child that fails stops the demo at once, with the
 end of that child's log, and a failed run keeps its work directory (every
 log) and prints where. SIGINT and SIGTERM stop every child and remove the
-work directory, then exit 130 or 143 with one line.
+work directory, then exit 130 or 143 with one line; SIGKILL stops them too
+(:mod:`pd_transfer.parent_death`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pathlib import Path
 from pd_transfer import demo_summary
 from pd_transfer.demo_summary import log_tail
 from pd_transfer.layout.views import KV_LAYOUTS
+from pd_transfer.parent_death import tied_to_parent
 from pd_transfer.ports import spare_port
 from pd_transfer.security.secret import SECRET_ENV, SECRET_FILE_ENV, new_secret_file
 
@@ -109,6 +111,7 @@ def _spawn(name: str, args: list[str], workdir: Path) -> Proc:
         stderr=log_path.open("w"),
         env=env,
         start_new_session=True,
+        preexec_fn=tied_to_parent(),
     )
     return Proc(name, popen, log_path)
 

@@ -138,6 +138,19 @@ def test_a_signal_stops_every_child_cleans_the_work_directory_and_exits_with_one
     assert not workdir.exists()
 
 
+def test_a_killed_demo_takes_its_children_along():
+    # SIGKILL: the demo runs no cleanup; each child gets SIGTERM from the kernel
+    # (its parent-death signal) and stops as on any SIGTERM
+    demo, children, workdir = _running_demo()
+    demo.kill()
+    demo.communicate(timeout=60)
+    deadline = time.monotonic() + 60  # a generous bound: each child drains first
+    while [pid for pid in children if _alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in children if _alive(pid)], children
+    shutil.rmtree(workdir, ignore_errors=True)  # the demo's own cleanup did not run
+
+
 def test_a_child_that_dies_stops_the_demo_at_once_with_its_log():
     demo, children, workdir = _running_demo()
     sidecar = next(pid for pid, cmd in children.items() if "serve --role decode" in cmd)

@@ -26,10 +26,11 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from pd_transfer.agent.auth import REFUSAL_LINGER_MS, Doorman, authenticate, close_reply, security_of
+from pd_transfer.agent.peer_process import ProcessIdentity
 from pd_transfer.agent.zmq_bounds import CONTROL_QUEUED_FRAMES, ConnectionWatch, bound_frames
 from pd_transfer.errors import PdTransferError, ProtocolError, Reason, RemoteProtocolError
 from pd_transfer.layout.geometry import Role
-from pd_transfer.protocol import Close, Dropped, Message, Session, encode
+from pd_transfer.protocol import Close, Dropped, Heartbeat, Message, Session, encode
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,10 @@ class Channel:
         # since when (time.monotonic) ZeroMQ reports the connection down; None while it is
         # up, and always on the listening side (a ROUTER's events do not name the peer)
         self.disconnected_s: float | None = None
+        # the peer's process where it is on this host and visible here (agent/peer_process.py),
+        # and the longest stall of its loop that its last heartbeat reported
+        self.peer_process: ProcessIdentity | None = None
+        self.peer_stall_s = 0.0
         self.on_bad_frame: Callable[[str], None] = lambda reason: None
         # why this side ended the session (it sent the peer a Close), None otherwise;
         # on_refused(channel) is called then, once the session is dropped
@@ -120,6 +125,8 @@ class Channel:
         if isinstance(event, Dropped):
             log.info("peer %s: dropped %s: %s", self.label, event.code.value, event.text)
             return
+        if isinstance(event, Heartbeat):
+            self.peer_stall_s = event.stalled_s
         await on_message(self, event)
 
 

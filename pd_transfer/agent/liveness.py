@@ -1,12 +1,20 @@
 """When a peer counts as lost, and why a stall of our own never makes it so.
 
-A peer is lost when nothing was heard from it for ``heartbeat_misses``
-intervals, or when its connection closed and stayed closed for longer than
-one interval. Silence is measured in time this process could listen: while
-our own event loop was stalled (starved of CPU, or blocked by a long call),
-the peer's heartbeats wait unread in the socket, and that stretch is not
-counted against it. Without this, a sidecar that stalled for longer than the
-heartbeat limit declared every peer lost the moment it woke up.
+A peer is *gone* when its connection closed and stayed closed for longer
+than one interval, or, on this host, when its process ended
+(:mod:`~pd_transfer.agent.peer_process`): that is lost at once, whatever its
+heartbeats said. Otherwise only silence speaks, and silence may mean slow:
+
+- silence is measured in time this process could listen: while our own
+  event loop was stalled (starved of CPU, or blocked by a long call), the
+  peer's heartbeats wait unread in the socket, and that stretch is not
+  counted against it;
+- a peer on this host whose process is seen running is slow, not gone: it
+  is lost only once silent for ``slow_peer_limit_s``; one seen stopped
+  (SIGSTOP) is lost after the heartbeat limit, as is a peer not on this host;
+- a peer not on this host gets the longest stall of its own loop that its
+  last heartbeat reported on top of the heartbeat limit (at most up to
+  ``slow_peer_limit_s``): it was starved before, and may be again.
 """
 
 from __future__ import annotations
@@ -15,12 +23,16 @@ import logging
 from collections import deque
 from typing import Protocol
 
+from pd_transfer.agent.peer_process import ProcessIdentity, ProcessState
+
 log = logging.getLogger(__name__)
 
 
 class Heard(Protocol):
     last_heard_s: float
     disconnected_s: float | None
+    peer_process: ProcessIdentity | None  # on this host and visible here, else None
+    peer_stall_s: float  # the longest stall its last heartbeat reported
 
 
 class LoopStalls:
@@ -59,15 +71,28 @@ class LoopStalls:
         """Seconds of recorded stalls inside ``[start, end]``."""
         return sum(max(0.0, min(b, end) - max(a, start)) for a, b in self._stalls)
 
+    def longest_s(self) -> float:
+        """The longest stall kept (the last ``keep_s``): what heartbeats report to peers."""
+        return max((b - a for a, b in self._stalls), default=0.0)
+
 
 def why_lost(
-    peer: Heard, now: float, interval_s: float, limit_s: float, stalls: LoopStalls | None = None
+    peer: Heard,
+    now: float,
+    interval_s: float,
+    limit_s: float,
+    stalls: LoopStalls | None = None,
+    slow_limit_s: float = 0.0,
 ) -> str:
     """Why ``peer`` counts as lost now ("" while it does not)."""
 
     def unseen(since: float) -> float:  # seconds since ``since`` that this loop was awake
         return now - since - (stalls.within(since, now) if stalls is not None else 0.0)
 
+    process = peer.peer_process
+    state = process.state() if process is not None else None
+    if state is ProcessState.GONE:
+        return f"its process (pid {process.pid} on this host) ended"
     if peer.disconnected_s is not None and unseen(peer.disconnected_s) > interval_s:
         return (
             f"its connection closed {now - peer.disconnected_s:.1f} s ago and did not "
@@ -75,7 +100,21 @@ def why_lost(
         )
     quiet = now - peer.last_heard_s
     blind = quiet - unseen(peer.last_heard_s)
-    if quiet - blind > limit_s:
+    allowed_s, why = _allowed(peer, state, limit_s, max(slow_limit_s, limit_s))
+    if quiet - blind > allowed_s:
         stalled = f", {blind:.1f} s of it while this sidecar was stalled" if blind >= 0.05 else ""
-        return f"no heartbeat for {quiet:.1f} s{stalled}"
+        return f"no heartbeat for {quiet:.1f} s{stalled}{why}"
     return ""
+
+
+def _allowed(peer: Heard, state: ProcessState | None, limit_s: float, slow_s: float) -> tuple[float, str]:
+    """How long ``peer`` may stay silent, and what its loss reason adds about that."""
+    if state is ProcessState.RUNNING:
+        pid = peer.peer_process.pid
+        return slow_s, f", though its process (pid {pid} on this host) runs: hung or starved that long"
+    if state is ProcessState.STOPPED:
+        return limit_s, f", its process (pid {peer.peer_process.pid} on this host) is stopped"
+    credit_s = min(max(peer.peer_stall_s, 0.0), slow_s - limit_s)
+    if credit_s >= 0.05:
+        return limit_s + credit_s, f" ({credit_s:.1f} s more allowed for the stalls it reported)"
+    return limit_s, ""

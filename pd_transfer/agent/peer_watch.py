@@ -1,10 +1,11 @@
 """Heartbeats to every session, and the peers found lost.
 
 Each timer tick, a session in a state that heartbeats gets one once per
-``heartbeat_interval_s``; a peer silent for ``heartbeat_misses`` intervals,
-or whose connection stayed down longer than one interval, is lost
-(:func:`~pd_transfer.agent.liveness.why_lost`): its channel closes and the
-callback it was watched with learns why, once.
+``heartbeat_interval_s``, telling the peer the longest stall of this loop of
+late; a peer that is gone (its connection stayed down longer than one
+interval, or its process on this host ended) or silent for longer than it
+may be (:func:`~pd_transfer.agent.liveness.why_lost`) is lost: its channel
+closes and the callback it was watched with learns why, once.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class PeerWatch:
             if channel.closed:
                 self._watched.remove((channel, on_lost))
                 continue
-            why = why_lost(channel, now, interval, limit, self.stalls)
+            why = why_lost(channel, now, interval, limit, self.stalls, self.config.slow_peer_limit_s)
             if why:
                 self._watched.remove((channel, on_lost))
                 channel.close()
@@ -89,6 +90,7 @@ class PeerWatch:
                         agent_id=self.config.agent_id,
                         sequence=next(self._heartbeat_seq),
                         sent_unix_s=time.time(),
+                        stalled_s=self.stalls.longest_s(),
                     )
                 )
         except Exception as err:

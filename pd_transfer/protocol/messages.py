@@ -107,6 +107,9 @@ class Register(Message):
     ``pp_size`` (decode, optional, same release): its instance's pipeline
     stages; prefill answers once all ``attn_tp_size * pp_size`` ranks of the
     instance registered (:mod:`pd_transfer.agent.prefill.instances`).
+    ``pid`` and ``process_start_ticks`` (optional, same release; 0: not told):
+    the sender's process, which a peer on the same host watches directly
+    (``agent/peer_process.py``).
     """
 
     TAG: ClassVar[str] = "register"
@@ -118,6 +121,8 @@ class Register(Message):
     doorbell: str = ""
     instance: str = ""  # decode: the instance this rank belongs to (its rooms' owner name)
     pp_size: int = 1  # decode: its instance's pipeline stages
+    pid: int = 0  # the sender's process id
+    process_start_ticks: int = 0  # its start time (/proc/PID/stat field 22)
 
 
 @dataclass(frozen=True)
@@ -189,12 +194,15 @@ class Verdict(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class Heartbeat(Message):
-    """Liveness, both ways; ``sent_unix_s`` lets the receiver see clock skew and delay."""
+    """Liveness, both ways; ``sent_unix_s`` lets the receiver see clock skew and delay.
+    ``stalled_s`` (optional, same release as 1.0): the longest stall of the sender's
+    event loop over the recent past, which the receiver allows for in its silences."""
 
     TAG: ClassVar[str] = "heartbeat"
     agent_id: str
     sequence: int
     sent_unix_s: float
+    stalled_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

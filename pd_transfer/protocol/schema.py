@@ -217,6 +217,8 @@ RECORDS: dict[type[Message], Record] = {
             Field("doorbell", Str(max_len=MAX_ID_LEN), default=""),
             Field("instance", Str(max_len=MAX_ID_LEN), default=""),
             Field("pp_size", Int(lo=1, hi=1024), default=1),
+            Field("pid", Int(hi=2**32 - 1), default=0),
+            Field("process_start_ticks", U64, default=0),
         ),
     ),
     Verdict: Record(
@@ -288,6 +290,7 @@ RECORDS: dict[type[Message], Record] = {
             Field("agent_id", ID),
             Field("sequence", U64),
             Field("sent_unix_s", Float()),
+            Field("stalled_s", Float(), default=0.0),
         ),
     ),
     Close: Record(

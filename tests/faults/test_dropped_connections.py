@@ -30,7 +30,16 @@ def cluster(module_deployment):
     cluster = module_deployment(
         tiny_ranks(Role.PREFILL, 1, num_pages=NUM_PAGES),
         tiny_ranks(Role.DECODE, 1, num_pages=NUM_PAGES),
-        config={"heartbeat_interval_s": HEARTBEAT_S, "heartbeat_misses": MISSES, "bootstrap_timeout_s": 3.0},
+        # as on two hosts (tcp): the connection shows the death, not the process probe
+        # that watches a peer on the same host (test_process_loss.py)
+        config={
+            "heartbeat_interval_s": HEARTBEAT_S,
+            "heartbeat_misses": MISSES,
+            "bootstrap_timeout_s": 10.0,
+            "transport": "tcp",
+            "host_id": "prefill-host",
+        },
+        decode_config={"host_id": "decode-host"},
     )
     fill_sim(cluster, SEED)
     return cluster

@@ -30,6 +30,7 @@ from pd_transfer.agent.channels import OutgoingChannel
 from pd_transfer.agent.decode import retire
 from pd_transfer.agent.decode.bells import RoomBells
 from pd_transfer.agent.decode.rejections import RejectedSessions
+from pd_transfer.agent.peer_process import own_register_fields, peer_identity
 from pd_transfer.agent.retry import Backoff
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import Role
@@ -343,6 +344,7 @@ class PrefillInstances:
                     doorbell=self.bells.name,
                     instance=self.config.instance_id,
                     pp_size=sidecar.pp_size,
+                    **own_register_fields(),
                 )
             )
         elif isinstance(message, Verdict):
@@ -362,7 +364,11 @@ class PrefillInstances:
                 f"prefill peer {peer.channel.label} closed its session ({why})",
                 message.reason or Reason.SESSION_CLOSED,
             )
-        elif isinstance(message, (Register, Heartbeat)):
+        elif isinstance(message, Register):  # its process, watched where it is on this host
+            peer.channel.peer_process = peer_identity(
+                message.pid, message.process_start_ticks, message.host_id, self.config.host_id
+            )
+        elif isinstance(message, Heartbeat):
             pass
 
     def _on_lost(self, instance: PrefillInstance, peer: PrefillPeer, why: str) -> None:

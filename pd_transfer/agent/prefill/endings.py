@@ -3,8 +3,10 @@
 A room succeeds when every decode rank it feeds holds its bytes (each target
 :attr:`~pd_transfer.agent.prefill.records.Target.settled`). It fails once, with
 one reason: every target that still writes gets a failed Done, after its
-write in flight stopped (its lock). A decode peer lost or closed fails its
-rooms and its link closes once their writes stopped.
+write in flight stopped (its lock). A decode peer lost or closed fails the
+rooms that still need it (bytes to write to it, or its confirmation), not the
+rooms whose part on it is settled, and its link closes once their writes
+stopped.
 """
 
 from __future__ import annotations
@@ -161,15 +163,18 @@ class PrefillEndings:
         )
 
     def release_peer(self, channel: Channel, reason: Reason, text: str) -> None:
-        """Forget a decode peer's session: its rooms fail with ``text`` (``{}``: the peer),
-        and its link closes once their writes stopped."""
+        """Forget a decode peer's session: the rooms that still owe it bytes (or its
+        confirmation) fail with ``text`` (``{}``: the peer), and its link closes once their
+        writes stopped. A room whose target on it is settled goes on: a decode rank that
+        leaves after its part of a room is done (its worker finished and exited) takes
+        nothing from the other decode ranks' parts."""
         peer = self.peers.pop(id(channel), None)
         channel.close()
         text = text.format(peer.rank_id if peer else channel.label)
         fails = [
             self.sidecar.spawn(self.fail_room(room, reason, text), room=room.room)
             for room in self.sidecar.rooms.live()
-            if isinstance(room, PrefillRoom) and id(channel) in room.targets
+            if isinstance(room, PrefillRoom) and _still_needs(room, channel)
         ]
         if peer is not None and peer.link is not None:
             link, peer.link = peer.link, None
@@ -181,3 +186,11 @@ class PrefillEndings:
             bells, peer.bells = peer.bells, None
             bells.close()
         await self.sidecar.dataplane.release(link)
+
+
+def _still_needs(room: PrefillRoom, channel: Channel) -> bool:
+    """Whether ``room`` still needs something of the decode rank on ``channel``: bytes
+    to write to it, or its confirmation of bytes written. A target this rank writes
+    nothing to needs nothing (it ends with the room's last chunk)."""
+    target = room.targets.get(id(channel))
+    return target is not None and target.writes and not target.settled

@@ -26,6 +26,7 @@ import numpy as np
 
 from pd_transfer.agent.channels import CLOSE_SEND_TIMEOUT_S, Channel
 from pd_transfer.agent.indices import check_indices
+from pd_transfer.agent.peer_process import own_register_fields, peer_identity
 from pd_transfer.agent.prefill import ownership
 from pd_transfer.agent.prefill.acceptance import send_verdict
 from pd_transfer.agent.prefill.chunks import chunk_refusal
@@ -209,13 +210,21 @@ class PrefillSide(PrefillWrites):
         peer.register = message
         peer.channel.label = f"{message.geometry.rank_id} ({message.agent_id})"
         peer.channel.peer_rank = message.geometry.rank_id
+        peer.channel.peer_process = peer_identity(
+            message.pid, message.process_start_ticks, message.host_id, self.config.host_id
+        )
         self.sidecar.observe.peer(message.geometry.rank_id, "connecting", channel=peer.channel)
         geometry = self.sidecar.geometry
         if geometry is None:  # worker not registered yet: wait for it, bounded
             await self.sidecar.wait_registered(self.config.bootstrap_timeout_s)
             geometry = self.sidecar.geometry
         await peer.channel.send(
-            Register(agent_id=self.config.agent_id, host_id=self.config.host_id, geometry=geometry)
+            Register(
+                agent_id=self.config.agent_id,
+                host_id=self.config.host_id,
+                geometry=geometry,
+                **own_register_fields(),
+            )
         )
         self.sidecar.spawn(send_verdict(self, peer), peer=peer.rank_id)
 
