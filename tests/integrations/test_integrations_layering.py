@@ -14,6 +14,8 @@ PURE_VLLM_MODULES = [
     "pd_transfer.integrations.vllm.scheduler_side",
     "pd_transfer.integrations.vllm.staging",
     "pd_transfer.integrations.vllm.worker_side",
+    "pd_transfer.integrations.vllm.hybrid_state",
+    "pd_transfer.integrations.vllm.settings",
 ]
 
 

@@ -4,16 +4,19 @@ vLLM builds one instance with role SCHEDULER in its engine-core process and
 one with role WORKER in each worker process; they share only the
 :class:`PdTransferConnectorMetadata` vLLM passes each step. This module only
 translates between vLLM's objects and :mod:`.scheduler_side` /
-:mod:`.worker_side`, which hold the logic. The connector describes memory and
+:mod:`.worker_side`, which hold the logic; :mod:`.settings` refuses the
+vLLM settings it does not support, and :mod:`.hybrid_state` says which
+blocks hold a request's Mamba state and who computes the last prompt token. The connector describes memory and
 the request lifecycle; matching TP sizes, MLA and layouts between prefill and
 decode is the sidecars' verdict, made before any traffic.
 
 ``kv_connector_extra_config`` keys:
 
     worker_endpoint    (workers, required) this rank's sidecar, e.g.
-                       "unix:///run/pd/decode-tp{tp_rank}.sock" ({tp_rank} is filled in)
+                       "unix:///run/pd/decode-tp{tp_rank}.sock" ({tp_rank} and
+                       {dp_rank} are filled in)
     bootstrap_addr     (prefill scheduler, required) the prefill instance's bootstrap
-                       address, returned to the router for decode
+                       address, returned to the router for decode ({dp_rank} is filled in)
     secret_file        the sidecar's shared secret, if it requires one
     timeout_s          reply timeout of each sidecar call (default 10)
     register_timeout_s how long registration waits for the sidecar (default 60)
@@ -46,6 +49,8 @@ from vllm.v1.request import RequestStatus
 
 from pd_transfer.client import Client
 from pd_transfer.errors import ConfigError
+from pd_transfer.integrations.vllm import settings
+from pd_transfer.integrations.vllm.hybrid_state import drop_last_prompt_token
 from pd_transfer.integrations.vllm.memory import LayerSpec, describe_kv_caches
 from pd_transfer.integrations.vllm.scheduler_side import SchedulerSide
 from pd_transfer.integrations.vllm.specs import StepSpecs
@@ -79,14 +84,16 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
                 f"kv_transfer_config.kv_role is {config.kv_role!r}; the pd-transfer connector "
                 f"runs as 'kv_producer' (prefill) or 'kv_consumer' (decode)"
             )
+        settings.refuse_unsupported(vllm_config, self._extra, prefill=self._pd_role is Role.PREFILL)
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._groups, self._specs = _cache_groups(kv_cache_config, tp_size)
         self._group = self._groups[Pool.KV]
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role is KVConnectorRole.SCHEDULER:
-            _refuse_unscheduled_groups(self._groups, kv_cache_config)
-            bootstrap = self._extra.get("bootstrap_addr", "")
+            bootstrap = settings.fill_placeholders(
+                str(self._extra.get("bootstrap_addr", "")), tp_rank=0, dp_rank=settings.dp_rank(vllm_config)
+            )
             if self._pd_role is Role.PREFILL and not (
                 isinstance(bootstrap, str) and bootstrap.startswith("tcp://")
             ):
@@ -99,18 +106,39 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
             window = (
                 kv_cache_config.kv_cache_groups[swa].kv_cache_spec.sliding_window if swa is not None else None
             )
+            mamba = self._groups.get(Pool.MAMBA)
             self._scheduler = SchedulerSide(
-                block_size=block_size, bootstrap_addr=bootstrap, sliding_window=window
+                block_size=block_size,
+                bootstrap_addr=bootstrap,
+                sliding_window=window,
+                state_scratch_blocks=(
+                    kv_cache_config.kv_cache_groups[mamba].kv_cache_spec.num_speculative_blocks
+                    if mamba is not None
+                    else 0
+                ),
             )
 
     # -- scheduler side ---------------------------------------------------------------
+    def on_new_request(self, request) -> None:
+        """Prefill of a model with a Mamba group: decode computes the last prompt token (see .hybrid_state)."""
+        if self._pd_role is Role.PREFILL and Pool.MAMBA in self._groups:
+            drop_last_prompt_token(request)
+
+    def get_loaded_kv_cache_group_ids(self, request) -> tuple[int, ...]:
+        """A load writes every group pd-transfer moves (attention pages, window pages, state)."""
+        return tuple(self._groups.values())
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         ids = blocks.get_block_ids() if num_external_tokens > 0 else None
         self._scheduler.update_state_after_alloc(
-            request, self._ids(ids, Pool.KV), num_external_tokens, self._ids(ids, Pool.SWA)
+            request,
+            self._ids(ids, Pool.KV),
+            num_external_tokens,
+            self._ids(ids, Pool.SWA),
+            self._ids(ids, Pool.MAMBA),
         )
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
@@ -123,6 +151,7 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
                 new.num_computed_tokens,
                 scheduled.get(new.req_id, 0),
                 self._ids(new.block_ids, Pool.SWA),
+                self._ids(new.block_ids, Pool.MAMBA),
             )
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -134,6 +163,7 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
                 cached.num_computed_tokens[i],
                 scheduled.get(req_id, 0),
                 self._ids(new_ids, Pool.SWA),
+                self._ids(new_ids, Pool.MAMBA),
             )
         return PdTransferConnectorMetadata(self._scheduler.build_step())
 
@@ -144,7 +174,11 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
         capped = request.status == RequestStatus.FINISHED_LENGTH_CAPPED
         return self._scheduler.request_finished(
-            request, self._ids(block_ids, Pool.KV), capped, self._ids(block_ids, Pool.SWA)
+            request,
+            self._ids(block_ids, Pool.KV),
+            capped,
+            self._ids(block_ids, Pool.SWA),
+            self._ids(block_ids, Pool.MAMBA),
         )
 
     def _ids(self, per_group, pool: Pool) -> list[int]:
@@ -166,7 +200,9 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
                 "kv_connector_extra_config.worker_endpoint is missing: give each rank's "
                 "sidecar, e.g. 'unix:///run/pd/decode-tp{tp_rank}.sock'"
             )
-        endpoint = endpoint.replace("{tp_rank}", str(tp_rank))
+        endpoint = settings.fill_placeholders(
+            endpoint, tp_rank=tp_rank, dp_rank=settings.dp_rank(self._vllm_config)
+        )
         memory = describe_kv_caches(
             {name: t for name, t in kv_caches.items() if name in self._specs},
             self._specs,
@@ -253,8 +289,11 @@ def _cache_groups(kv_cache_config, tp_size: int) -> tuple[dict[Pool, int], dict[
         spec = group.kv_cache_spec
         pool, layer = _layer_spec(spec, tp_size)
         what = f"group {i} ({type(spec).__name__}: {', '.join(group.layer_names[:3])})"
+        mode = _refuse_mamba_cache_mode(spec, what) if pool is Pool.MAMBA else ""
         if pool is None:
             refused.append(f"{what} is not supported")
+        elif mode:
+            refused.append(mode)
         elif pool in pools:
             refused.append(f"{what} is a second {pool.value} group (group {pools[pool]} is the first)")
         else:
@@ -270,24 +309,20 @@ def _cache_groups(kv_cache_config, tp_size: int) -> tuple[dict[Pool, int], dict[
     return pools, specs
 
 
-def _refuse_unscheduled_groups(pools: dict[Pool, int], kv_cache_config) -> None:
-    """The scheduler side does not hand rooms a request's Mamba/GDN state: refuse those groups.
+def _refuse_mamba_cache_mode(spec, what: str) -> str:
+    """Why a Mamba group's ``mamba_cache_mode`` is refused ('' when it is not).
 
-    The workers describe them; which state block to send is not decided here
-    yet (prefill's state also holds the last prompt token, which vLLM's
-    decode computes again).
+    With ``"align"`` (vLLM's prefix caching of a hybrid model) a request's
+    Mamba group holds a state block per cached block boundary and moves the
+    running state between them; the connector moves one state block per
+    request (``"none"``).
     """
-    others = [
-        f"group {i} ({type(kv_cache_config.kv_cache_groups[i].kv_cache_spec).__name__})"
-        for pool, i in pools.items()
-        if pool is Pool.MAMBA
-    ]
-    if others:
-        raise ConfigError(
-            "the pd-transfer vLLM connector's scheduler side moves full-attention, MLA and "
-            f"sliding-window KV; this model also has {', '.join(others)}: Mamba/GDN "
-            "requests are not scheduled through pd-transfer yet"
-        )
+    if spec.mamba_cache_mode == "none":
+        return ""
+    return (
+        f"{what} has cache_config.mamba_cache_mode={spec.mamba_cache_mode!r} (prefix caching of a "
+        f"hybrid model): the connector moves one state block per request, as with 'none'"
+    )
 
 
 def _layer_spec(spec, tp_size: int) -> tuple[Pool | None, LayerSpec | StateSpec | None]:

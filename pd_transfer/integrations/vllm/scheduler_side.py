@@ -32,6 +32,12 @@ attends to (``prompt_len - sliding_window``) to the last page sent. Both
 instances compute the same positions; blocks before them are vLLM's null
 block on decode.
 
+A model with a Mamba/GDN group also moves each request's state block
+(:func:`.hybrid_state.state_slots`); its prefill requests are one token
+short of the prompt (the connector drops the last one when they arrive,
+see :mod:`.hybrid_state`), so the pages and the window are counted from
+the prompt's full length (:func:`.hybrid_state.full_prompt_len`).
+
 Works on duck-typed vLLM requests (``request_id``, ``prompt_token_ids``,
 ``kv_transfer_params``); no vLLM import.
 """
@@ -43,6 +49,7 @@ from typing import Any
 
 from pd_transfer.integrations.vllm import accounting
 from pd_transfer.integrations.vllm import params as kvparams
+from pd_transfer.integrations.vllm.hybrid_state import full_prompt_len, state_slots
 from pd_transfer.integrations.vllm.specs import AbortSpec, RecvSpec, SendSpec, StepSpecs
 
 log = logging.getLogger(__name__)
@@ -65,16 +72,24 @@ def first_window_page(num_prompt_tokens: int, block_size: int, window: int) -> i
 class SchedulerSide:
     """Per-request transfer state of one vLLM instance's scheduler. See the module docstring."""
 
-    def __init__(self, *, block_size: int, bootstrap_addr: str, sliding_window: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        bootstrap_addr: str,
+        sliding_window: int | None = None,
+        state_scratch_blocks: int = 0,
+    ) -> None:
         self.block_size = block_size
         self.bootstrap_addr = bootstrap_addr
         self.sliding_window = sliding_window  # a sliding-window group's window (tokens), if any
+        self.state_scratch_blocks = state_scratch_blocks  # a Mamba group's speculative blocks
         self._local_tokens: dict[str, int] = {}  # decode: prefix-cache hit at the last lookup
         self._step = StepSpecs()
         self._loading: dict[str, int] = {}  # decode: req id -> room, with the workers
         self._sending: dict[str, int] = {}  # prefill: req id -> room, blocks held
-        self._prefilling: dict[str, tuple[int, int, list[int], list[int]]] = {}
-        # req id -> room, prompt len, blocks, sliding-window blocks
+        self._prefilling: dict[str, tuple[int, int, int, list[int], list[int], list[int]]] = {}
+        # req id -> room, full prompt len, tokens prefill computes, blocks, sliding-window and Mamba blocks
         self._streamed: dict[str, tuple[int, int]] = {}  # req id -> room, pages: streamed, not finished
 
     # -- decode --------------------------------------------------------------------
@@ -84,7 +99,9 @@ class SchedulerSide:
         if kvparams.wants_remote_decode(params) and request.request_id not in self._streamed:
             self._prefilling[request.request_id] = (
                 kvparams.room_for(request.request_id, params),
-                prompt_len,
+                full_prompt_len(request),
+                len(request.prompt_token_ids or ()),
+                [],
                 [],
                 [],
             )
@@ -97,7 +114,12 @@ class SchedulerSide:
         return count, True
 
     def update_state_after_alloc(
-        self, request: Any, block_ids: list[int], num_external_tokens: int, swa_block_ids: list[int] = ()
+        self,
+        request: Any,
+        block_ids: list[int],
+        num_external_tokens: int,
+        swa_block_ids: list[int] = (),
+        state_block_ids: list[int] = (),
     ) -> None:
         params = request.kv_transfer_params
         if num_external_tokens <= 0 or not kvparams.wants_remote_prefill(params):
@@ -122,6 +144,7 @@ class SchedulerSide:
             error,
             swa_pages=window,
             swa_first=first,
+            state_slots=state_slots(state_block_ids, self.state_scratch_blocks),
         )
         if error:
             log.error("request %s cannot load its KV: %s", req_id, error)
@@ -137,6 +160,7 @@ class SchedulerSide:
         num_computed: int,
         num_scheduled: int,
         swa_block_ids: list[int] | None = None,
+        state_block_ids: list[int] | None = None,
     ) -> None:
         """One scheduled request of this step: its new blocks (all of them if ``replace``) and tokens.
 
@@ -145,13 +169,13 @@ class SchedulerSide:
         entry = self._prefilling.get(req_id)
         if entry is None:
             return
-        room, prompt_len, blocks, swa_blocks = entry
-        for held, new in ((blocks, block_ids), (swa_blocks, swa_block_ids)):
+        room, prompt_len, computed_len, blocks, swa_blocks, state_blocks = entry
+        for held, new in ((blocks, block_ids), (swa_blocks, swa_block_ids), (state_blocks, state_block_ids)):
             if replace:
                 held[:] = new or []
             else:
                 held += new or []
-        if num_computed + num_scheduled < prompt_len:
+        if num_computed + num_scheduled < computed_len:
             return
         del self._prefilling[req_id]
         num_pages = pages_to_send(prompt_len, self.block_size)
@@ -159,7 +183,14 @@ class SchedulerSide:
             return
         _, window = self._window(prompt_len, swa_blocks)
         self._step.sends.append(
-            SendSpec(req_id, room, tuple(blocks[:num_pages]), swa_pages=window, stream=True)
+            SendSpec(
+                req_id,
+                room,
+                tuple(blocks[:num_pages]),
+                state_slots=state_slots(state_blocks, self.state_scratch_blocks),
+                swa_pages=window,
+                stream=True,
+            )
         )
         self._streamed[req_id] = (room, num_pages)
 
@@ -169,7 +200,12 @@ class SchedulerSide:
         return step
 
     def request_finished(
-        self, request: Any, block_ids: list[int], length_capped: bool, swa_block_ids: list[int] = ()
+        self,
+        request: Any,
+        block_ids: list[int],
+        length_capped: bool,
+        swa_block_ids: list[int] = (),
+        state_block_ids: list[int] = (),
     ) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         self._local_tokens.pop(req_id, None)
@@ -187,17 +223,22 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if not kvparams.wants_remote_decode(params) or not length_capped:
             return False, None
-        num_pages = pages_to_send(len(request.prompt_token_ids or ()), self.block_size)
+        prompt_len = full_prompt_len(request)
+        num_pages = pages_to_send(prompt_len, self.block_size)
         if num_pages == 0 or len(block_ids) < num_pages:
             return False, None
         room = kvparams.room_for(req_id, params)
-        _, window = self._window(len(request.prompt_token_ids or ()), swa_block_ids)
-        self._step.sends.append(SendSpec(req_id, room, tuple(block_ids[:num_pages]), swa_pages=window))
+        _, window = self._window(prompt_len, swa_block_ids)
+        slots = state_slots(state_block_ids, self.state_scratch_blocks)
+        self._step.sends.append(
+            SendSpec(req_id, room, tuple(block_ids[:num_pages]), state_slots=slots, swa_pages=window)
+        )
         self._sending[req_id] = room
         return True, self._decode_params(request, room, num_pages)
 
     def _decode_params(self, request: Any, room: int, num_pages: int) -> dict[str, Any]:
-        tokens = accounting.tokens_loaded(len(request.prompt_token_ids or ()))
+        # the whole prompt's: a hybrid prefill computed one token less (hybrid_state)
+        tokens = accounting.tokens_loaded(full_prompt_len(request))
         return kvparams.decode_params(room, self.bootstrap_addr, num_pages, tokens)
 
     def _abort_streamed(self, req_id: str, room: int) -> None:
@@ -222,7 +263,3 @@ class SchedulerSide:
             return 0, ()
         first = first_window_page(prompt_len, self.block_size, self.sliding_window)
         return first, tuple(list(swa_block_ids)[first : pages_to_send(prompt_len, self.block_size)])
-
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._loading) + len(self._sending)

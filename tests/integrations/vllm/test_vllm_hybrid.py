@@ -154,7 +154,9 @@ def test_sliding_window_pages_land_byte_exact_from_tp1_to_tp2(instances):
         assert_same_bytes(flat_copy(caches), expected[rank], f"decode tp{rank}/2")
 
 
-def test_a_hybrid_scheduler_and_a_second_state_group_are_refused_naming_the_groups(model_dir):
+def test_a_second_state_group_and_mamba_align_mode_are_refused_naming_them(model_dir):
+    import dataclasses
+
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm_harness import vllm_config
 
@@ -163,9 +165,15 @@ def test_a_hybrid_scheduler_and_a_second_state_group_are_refused_naming_the_grou
 
     config = vllm_config(model_dir, kv_role="kv_producer", extra={"bootstrap_addr": _bootstrap()})
     cache_config, _ = gdn_hybrid(1, 0)
-    with pytest.raises(ConfigError, match=r"group 1 \(MambaSpec\).*not scheduled through pd-transfer"):
+    assert PdTransferConnector(config, KVConnectorRole.SCHEDULER, cache_config)._scheduler is not None
+    gdn = cache_config.kv_cache_groups[1].kv_cache_spec
+    cache_config.kv_cache_groups[1] = KVCacheGroupSpec(
+        cache_config.kv_cache_groups[1].layer_names, dataclasses.replace(gdn, mamba_cache_mode="align")
+    )
+    with pytest.raises(ConfigError, match=r"group 1 \(MambaSpec: .*mamba_cache_mode='align'"):
         PdTransferConnector(config, KVConnectorRole.SCHEDULER, cache_config)
-    second = KVCacheGroupSpec(["model.layers.4.linear_attn"], cache_config.kv_cache_groups[1].kv_cache_spec)
+    cache_config.kv_cache_groups[1] = KVCacheGroupSpec(cache_config.kv_cache_groups[1].layer_names, gdn)
+    second = KVCacheGroupSpec(["model.layers.4.linear_attn"], gdn)
     cache_config.kv_cache_groups.append(second)
     with pytest.raises(
         ConfigError,

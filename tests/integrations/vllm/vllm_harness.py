@@ -20,6 +20,7 @@ from vllm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     VllmConfig,
 )
 from vllm.utils.hashing import sha256
@@ -53,8 +54,12 @@ def vllm_config(
     tp_size: int = 1,
     rank: int = 0,
     block_size: int = BLOCK_SIZE,
+    parallel: dict[str, Any] | None = None,
+    speculative: dict[str, Any] | None = None,
 ) -> VllmConfig:
+    """``parallel``: more ``ParallelConfig`` fields; ``speculative``: a ``SpeculativeConfig``'s."""
     model = ModelConfig(model=str(model_dir), dtype="float16", seed=0, skip_tokenizer_init=True)
+    parallel_config = ParallelConfig(tensor_parallel_size=tp_size, rank=rank, **(parallel or {}))
     return VllmConfig(
         model_config=model,
         scheduler_config=SchedulerConfig(
@@ -76,7 +81,14 @@ def vllm_config(
             kv_load_failure_policy=policy,
         ),
         device_config=DeviceConfig("cpu"),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp_size, rank=rank),
+        parallel_config=parallel_config,
+        speculative_config=(
+            SpeculativeConfig(
+                **speculative, target_model_config=model, target_parallel_config=parallel_config
+            )
+            if speculative
+            else None
+        ),
     )
 
 

@@ -57,17 +57,19 @@ def _overlaid(groups: list[tuple[list[str], object]], page: int) -> tuple[KVCach
     return config, caches
 
 
-def gdn_hybrid(tp_size: int, rank: int):
+def gdn_hybrid(tp_size: int, rank: int, *, block_size: int = BLOCK_SIZE, mamba_block_size: int | None = None):
+    """``mamba_block_size``: the GDN group's block size; vLLM sets it to ``max_model_len``
+    without prefix caching (``mamba_cache_mode = "none"``: one state block per request)."""
     conv, temporal = MambaStateShapeCalculator.gated_delta_net_state_shape(
         tp_size, K_HEADS, V_HEADS, K_DIM, V_DIM, KERNEL
     )
     attn = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=TOTAL_HEADS // tp_size, head_size=HEAD_SIZE, dtype=torch.float16
+        block_size=block_size, num_kv_heads=TOTAL_HEADS // tp_size, head_size=HEAD_SIZE, dtype=torch.float16
     )
     gdn = MambaSpec(
         shapes=(conv, temporal),
         dtypes=STATE_DTYPES,
-        block_size=BLOCK_SIZE,
+        block_size=mamba_block_size or block_size,
         page_size_padded=attn.page_size_bytes,
         mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
     )

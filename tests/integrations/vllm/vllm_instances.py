@@ -169,6 +169,9 @@ def transfer(prefill: Instance, decode: Instance, send: SendSpec, recv: RecvSpec
     req = send.req_id
     decode.start(StepSpecs(recvs=[recv]))
     prefill.start(StepSpecs(sends=[send]))
+    if send.stream:  # the step's forward pass ran: vLLM calls wait_for_save, the layers are announced
+        for connector in prefill.connectors:
+            connector.wait_for_save()
     sent = [False] * len(prefill.connectors)
     results = [None] * len(decode.connectors)
     errors = [set() for _ in decode.connectors]
@@ -180,7 +183,7 @@ def transfer(prefill: Instance, decode: Instance, send: SendSpec, recv: RecvSpec
             if results[i] is None:
                 got = c.get_transfer_results(set())
                 errors[i] |= c.get_block_ids_with_load_errors()
-                if req in got.finished_recving:
+                if recv.req_id in got.finished_recving:
                     results[i] = got
         return all(sent) and all(r is not None for r in results)
 
