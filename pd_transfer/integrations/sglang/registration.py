@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pd_transfer.errors import GeometryError, Reason
@@ -45,6 +45,8 @@ class EngineFacts:
     pp_size: int = 1
     start_layer: int = 0
     total_kv_heads: int | None = None  # None for MLA
+    draft_total_kv_heads: int | None = None  # the speculative draft model's (None: no draft, or MLA)
+    dp_rank: int = 0  # the DP group (system DP replica, or attention-DP group) this rank serves
     mamba2_conv_groups: tuple[int, ...] | None = None
     model: str = ""
 
@@ -59,6 +61,7 @@ def describe_rank(kv_args: Any, memory: EngineMemory, facts: EngineFacts, role: 
         views += host_kv_views(memory, facts, page_size, tp_rank)
     else:
         views += _kv_views(kv_args, memory, facts, page_size, tp_rank)
+    views += _draft_views(kv_args, memory, facts, page_size, tp_rank)
     views += _state_views(kv_args, memory, facts, tp_rank)
     views += _aux_views(kv_args, memory)
     used = {v.region for v in views}
@@ -105,6 +108,56 @@ def _kv_views(
                 facts,
                 kv_args.kv_item_lens[i],
                 getattr(kv_args, "kv_head_num", None),
+            )
+        )
+    return views
+
+
+def _draft_views(
+    kv_args: Any, memory: EngineMemory, facts: EngineFacts, page_size: int, tp_rank: int
+) -> list[TensorView]:
+    """The speculative draft model's KV: ``kv_args``' last ``num_draft_entries`` entries.
+
+    SGLang appends the draft pool's buffers (``[draft K.., draft V..]``, or
+    the MTP latent) after the target's; they are addressed by the target's
+    page indices. Each becomes a KV view named ``draft_k``/``draft_v``/
+    ``draft_latent`` at its position in the draft pool, so a pair whose two
+    sides disagree on the draft (one runs none) is refused by name, never
+    sent without it. The draft's KV heads are the draft model's, split over
+    the same attention TP.
+    """
+    num_draft = int(getattr(kv_args, "num_draft_entries", 0) or 0)
+    num_target = len(kv_args.kv_data_ptrs) - num_draft
+    draft_facts = replace(facts, total_kv_heads=facts.draft_total_kv_heads)
+    views = []
+    for i in range(num_target, num_target + num_draft):
+        what = f"kv_args.kv_data_ptrs[{i}]"
+        entry, offset = memory.locate(kv_args.kv_data_ptrs[i], kv_args.kv_data_lens[i], what)
+        if entry.kind not in ("draft_k", "draft_v", "draft_kv"):
+            raise GeometryError(
+                f"{what}: one of kv_args' {num_draft} draft entries points into {entry.region}, "
+                f"not the draft model's KV pool",
+                code=Reason.BAD_VIEW,
+                hint="pass SGLang's draft_token_to_kv_pool to share_engine_memory",
+            )
+        if entry.kind != "draft_kv" and facts.draft_total_kv_heads is None:
+            raise GeometryError(
+                f"kv.layer[{entry.index}].draft_{entry.kind.removeprefix('draft_')}: the draft "
+                f"model's total KV head count is not known",
+                code=Reason.BAD_VIEW,
+                hint="pass draft_total_kv_heads from the draft model's config",
+            )
+        views.append(
+            kv_view(
+                entry,
+                offset,
+                entry.index,
+                Pool.KV,
+                page_size,
+                tp_rank,
+                draft_facts,
+                kv_args.kv_item_lens[i],
+                None,
             )
         )
     return views
