@@ -38,14 +38,10 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from pd_transfer.client import Client, ClientError, Refused, RoomState, RoomStatus
 from pd_transfer.errors import ConfigError, Reason
-from pd_transfer.integrations.sglang.dp_routing import bootstrap_address, refuse_unsupported
+from pd_transfer.integrations.sglang.dp_routing import bootstrap_address
 from pd_transfer.integrations.sglang.memory import EngineMemory
 from pd_transfer.integrations.sglang.registration import EngineFacts, describe_rank
-from pd_transfer.integrations.sglang.settings import (
-    BackendSettings,
-    deferred_release_enabled,
-    force_query_prefill_dp_rank,
-)
+from pd_transfer.integrations.sglang.settings import BackendSettings, deferred_release_enabled
 from pd_transfer.layout.geometry import Role
 
 log = logging.getLogger(__name__)
@@ -97,7 +93,6 @@ class PdTransferKVManager(BaseKVManager):
         self.state_types = [getattr(t, "value", t) for t in (getattr(args, "state_types", None) or [])]
         role = Role.PREFILL if disaggregation_mode == DisaggregationMode.PREFILL else Role.DECODE
         self.role = role
-        refuse_unsupported(server_args, role, force_query_prefill_dp_rank())
         # per prefill address, the DP layout SGLang's decode queue routes requests by
         self.prefill_info_table: dict[str, PrefillServerInfo] = {}
         # SGLang holds a failed or aborted room's pages until is_abort_release_safe (its

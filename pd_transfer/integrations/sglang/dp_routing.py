@@ -20,7 +20,7 @@ default). ``dp_size`` of the prefill instances comes from
 or ``/query_dp_ranks``, so prefill settings that need them are refused at
 start, by name, with the reason.
 
-Pure: reads SGLang's server args and parallel state it is handed.
+Pure: reads the SGLang parallel state it is handed.
 """
 
 from __future__ import annotations
@@ -43,10 +43,14 @@ def dp_group(parallel: Any) -> tuple[int, int]:
     return _int(parallel, "attn_dp_rank", 0), _int(parallel, "attn_dp_size", 1)
 
 
-def refuse_unsupported(server_args: Any, role: Role, environ_force_query: bool) -> None:
-    """Raise :class:`ConfigError` naming the first setting this backend cannot serve."""
-    system_dp, attn_dp = _int(server_args, "dp_size", 1), _int(server_args, "attn_dp_size", 1)
-    if getattr(server_args, "enable_dp_attention", False) and system_dp > 1:
+def refuse_unsupported(parallel: Any, role: Role, environ_force_query: bool) -> None:
+    """Raise :class:`ConfigError` naming the first setting this backend cannot serve.
+
+    ``parallel`` is SGLang's published parallel configuration (``get_parallel()``:
+    the resolved ``--dp-size``, ``--attn-dp-size``, ``--load-balance-method``, ...).
+    """
+    system_dp, attn_dp = _int(parallel, "dp_size", 1), _int(parallel, "attn_dp_size", 1)
+    if getattr(parallel, "enable_dp_attention", False) and system_dp > 1:
         system_dp, attn_dp = 1, system_dp  # the deprecated spelling of --attn-dp-size
     if system_dp > 1 and attn_dp > 1:
         raise ConfigError(
@@ -55,7 +59,7 @@ def refuse_unsupported(server_args: Any, role: Role, environ_force_query: bool) 
             hint="use either --dp-size or --attn-dp-size (--enable-dp-attention)",
         )
     for name, flag in (("attn_cp_size", "--attn-cp-size"), ("enable_kv_cache_sharding", None)):
-        value = getattr(server_args, name, None)
+        value = getattr(parallel, name, None)
         if value not in (None, False, 1):
             raise ConfigError(
                 f"{flag or '--' + name.replace('_', '-')} {value}: pd-transfer's SGLang backend "
@@ -63,7 +67,7 @@ def refuse_unsupported(server_args: Any, role: Role, environ_force_query: bool) 
                 f"context-parallel ranks are not described to it",
                 hint="run without attention context parallelism, or use SGLang's mooncake backend",
             )
-    method = str(getattr(server_args, "load_balance_method", "auto") or "auto")
+    method = str(getattr(parallel, "load_balance_method", "auto") or "auto")
     if role is Role.PREFILL and max(system_dp, attn_dp) > 1 and method not in _ROOM_FOLLOWING:
         raise ConfigError(
             f"--load-balance-method {method} with {max(system_dp, attn_dp)} DP groups: a request "

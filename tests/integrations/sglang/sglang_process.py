@@ -27,6 +27,7 @@ from sglang.srt.disaggregation.decode import DecodePreallocQueue
 from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
 from sglang.srt.disaggregation.utils import ReqToMetadataIdxAllocator, TransferBackend
 from sglang.srt.layers.dp_attention import compute_dp_attention_world_info
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.runtime_context import get_context, get_parallel
 from sglang_ranks import NUM_AUX_ROWS
 
@@ -107,6 +108,7 @@ def scheduler(server_args: Any, model_config: Any, pool: Any, page_size: int) ->
         model_config=model_config,
         rust_server=None,
         random_seed=0,
+        enable_hisparse=False,
         kv_shard_widening=1,
         token_to_kv_pool_allocator=allocator,
         tp_worker=SimpleNamespace(
@@ -137,7 +139,7 @@ def prefill_queue(stand_in: SimpleNamespace, pool: Any, metadata: Any, draft_poo
 def decode_queue(stand_in: SimpleNamespace, metadata: Any, draft_pool: Any = None):
     """SGLang's ``DecodePreallocQueue`` (its constructor builds the KV manager)."""
     return DecodePreallocQueue(
-        req_to_token_pool=MagicMock(),
+        req_to_token_pool=ReqToTokenPool(NUM_AUX_ROWS, 256, "cpu", False),
         token_to_kv_pool_allocator=stand_in.token_to_kv_pool_allocator,
         draft_token_to_kv_pool=draft_pool,
         req_to_metadata_buffer_idx_allocator=ReqToMetadataIdxAllocator(NUM_AUX_ROWS),

@@ -151,10 +151,10 @@ def model_dir(tmp_path):
 
 
 def test_each_request_lands_from_its_own_prefill_dp_group(tmp_path, monkeypatch, model_dir):
-    monkeypatch.setenv("PD_TRANSFER_SGLANG_PREFILL_DP_SIZE", "2")
     deployment = Deployment(tmp_path, prefill_tp=2, decode_tp=2, prefill_dp=2)
     prefill = decode = []
     try:
+        monkeypatch.setenv("PD_TRANSFER_SGLANG_PREFILL_DP_SIZE", "2")  # the SGLang processes' setting
         prefill = [build("prefill", PREFILL, r, deployment, monkeypatch, model_dir) for r in range(4)]
         decode = [build("decode", DECODE, r, deployment, monkeypatch, model_dir) for r in range(2)]
         # (room, router's prefill DP rank, decode rank, prefill pages, decode pages)
@@ -166,23 +166,26 @@ def test_each_request_lands_from_its_own_prefill_dp_group(tmp_path, monkeypatch,
         for rank in prefill:  # a decoy in group 0 where group 1 keeps room 1002
             write(rank, logical_kv(7, 2 * PAGE), [5, 6])
         senders, receivers = [], []
-        for room, routed, decode_rank, src, dst in plan:
+        for row, (room, routed, decode_rank, src, dst) in enumerate(plan):
             group = prefill_group_of(request(room, deployment, routed))
             assert group == (routed if routed is not None else room % 2)
             for rank in (r for r in prefill if r.group == group):
                 write(rank, logical_kv(room, len(src) * PAGE), src)
-                senders.append((PdTransferKVSender(rank.manager, deployment.sglang_bootstrap, room), src))
+                senders.append(
+                    (PdTransferKVSender(rank.manager, deployment.sglang_bootstrap, room), src, row)
+                )
             queue = decode[decode_rank].queue
             with sglang_rank("decode", DECODE, decode_rank, model_path=model_dir):
                 decode_req = queue._create_receiver_and_enqueue(request(room, deployment, routed))
                 queue.pending_reqs = [decode_req]
                 queue._resolve_pending_reqs()  # SGLang picks the prefill DP rank and inits the receiver
             assert queue.pending_reqs == [] and decode_req.kv_receiver.prefill_dp_rank == group
-            decode_req.kv_receiver.send_metadata(dst, 1, None)
+            decode_req.kv_receiver.send_metadata(dst, row, None)
             receivers.append(decode_req.kv_receiver)
-        assert wait_for([s for s, _ in senders], KVPoll.WaitingForInput) == [KVPoll.WaitingForInput] * 6
-        for sender, src in senders:
-            sender.init(len(src), 0)
+        states = wait_for([s for s, _, _ in senders], KVPoll.WaitingForInput)
+        assert states == [KVPoll.WaitingForInput] * 6, [s.failure for s, _, _ in senders]
+        for sender, src, row in senders:
+            sender.init(len(src), row)
             sender.send(src)
         assert wait_for(receivers, KVPoll.Success) == [KVPoll.Success] * 3, [r.failure for r in receivers]
         for room, _, decode_rank, src, dst in plan:
