@@ -23,6 +23,7 @@ from types import SimpleNamespace
 from typing import Any
 from unittest.mock import MagicMock
 
+from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.disaggregation.decode import DecodePreallocQueue
 from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
 from sglang.srt.disaggregation.utils import ReqToMetadataIdxAllocator, TransferBackend
@@ -153,3 +154,44 @@ def decode_queue(stand_in: SimpleNamespace, metadata: Any, draft_pool: Any = Non
         num_reserved_decode_tokens=0,
         transfer_backend=TransferBackend("pd_transfer"),
     )
+
+
+@dataclass
+class QueueRank:
+    """One scheduler rank built by SGLang's queue: its pools, metadata buffers and manager."""
+
+    role: str
+    tp_rank: int
+    pool: Any
+    metadata: Any
+    queue: Any
+    draft_pool: Any = None
+
+    @property
+    def manager(self) -> Any:
+        return self.queue.kv_manager
+
+    def close(self) -> None:
+        self.manager.close()
+        self.manager.memory.close()
+
+
+def queue_rank(
+    role: str,
+    topology: Topology,
+    tp_rank: int,
+    model_dir: str,
+    *,
+    pool: Any,
+    metadata: Any,
+    draft_pool: Any = None,
+    **server_fields: Any,
+) -> QueueRank:
+    """SGLang's queue for ``role`` built over ``pool`` (the endpoint comes from the environment)."""
+    with sglang_rank(role, topology, tp_rank, model_path=model_dir, **server_fields) as server_args:
+        stand_in = scheduler(server_args, ModelConfig(model_dir), pool, pool.page_size)
+        if role == "prefill":
+            queue = prefill_queue(stand_in, pool, metadata, draft_pool)
+        else:
+            queue = decode_queue(stand_in, metadata, draft_pool)
+    return QueueRank(role, tp_rank, pool, metadata, queue, draft_pool)
