@@ -23,31 +23,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.utils import MetadataBuffers
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.plugins import load_plugins
 from sglang_deployment import Deployment, run_room, wait_for
-from sglang_process import Topology, decode_queue, llama_dir, prefill_queue, scheduler, sglang_rank
+from sglang_process import QueueRank, Topology, llama_dir, queue_rank
 from sglang_ranks import NUM_AUX_ROWS
 
 PAGE, POOL_TOKENS, HIDDEN = 4, 64, 48
 TARGET = {"layers": 3, "kv_heads": 8, "head_dim": 16}
 DRAFT = {"layers": 1, "kv_heads": 4, "head_dim": 32}
-
-
-class Rank:
-    """One scheduler rank: SGLang's pools and the queue that built its manager."""
-
-    def __init__(self, queue, pools: dict, metadata, tp_rank: int, tp_size: int) -> None:
-        self.queue, self.pools, self.metadata = queue, pools, metadata
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.manager = queue.kv_manager
-
-    def close(self) -> None:
-        self.manager.close()
-        self.manager.memory.close()
 
 
 def pool(model: dict, tp_size: int) -> MHATokenToKVPool:
@@ -63,35 +49,35 @@ def pool(model: dict, tp_size: int) -> MHATokenToKVPool:
     )
 
 
-def build(role, tp_rank, tp_size, deployment, monkeypatch, dirs, *, with_draft=True) -> Rank:
+def build(role, tp_rank, tp_size, deployment, monkeypatch, dirs, *, with_draft=True) -> QueueRank:
     monkeypatch.setenv("PD_TRANSFER_SGLANG_WORKER_ENDPOINT", deployment.endpoint(role, tp_rank))
     spec = (
         {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": dirs["draft"]}
         if with_draft
         else {}
     )
-    with sglang_rank(role, Topology(tp_size), tp_rank, model_path=dirs["target"], **spec) as server_args:
-        pools = {"target": pool(TARGET, tp_size)}
-        if with_draft:
-            pools["draft"] = pool(DRAFT, tp_size)
-        metadata = MetadataBuffers(
-            size=NUM_AUX_ROWS,
-            hidden_size=HIDDEN,
-            hidden_states_dtype=torch.bfloat16,
-            max_sampling_mask_tokens=4,
-            max_top_logprobs_num=4,
-        )
-        stand_in = scheduler(server_args, ModelConfig(dirs["target"]), pools["target"], PAGE)
-        if role == "prefill":
-            queue = prefill_queue(stand_in, pools["target"], metadata, pools.get("draft"))
-        else:
-            queue = decode_queue(stand_in, metadata, pools.get("draft"))
-    return Rank(queue, pools, metadata, tp_rank, tp_size)
+    metadata = MetadataBuffers(
+        size=NUM_AUX_ROWS,
+        hidden_size=HIDDEN,
+        hidden_states_dtype=torch.bfloat16,
+        max_sampling_mask_tokens=4,
+        max_top_logprobs_num=4,
+    )
+    return queue_rank(
+        role,
+        Topology(tp_size),
+        tp_rank,
+        dirs["target"],
+        pool=pool(TARGET, tp_size),
+        metadata=metadata,
+        draft_pool=pool(DRAFT, tp_size) if with_draft else None,
+        **spec,
+    )
 
 
-def heads(model: dict, rank: Rank) -> slice:
-    per = model["kv_heads"] // rank.tp_size
-    return slice(rank.tp_rank * per, (rank.tp_rank + 1) * per)
+def heads(pool: MHATokenToKVPool, tp_rank: int) -> slice:
+    """The global KV heads rank ``tp_rank`` holds in ``pool`` (as many per rank as it has)."""
+    return slice(tp_rank * pool.head_num, (tp_rank + 1) * pool.head_num)
 
 
 def logical_kv(model: dict, num_tokens: int, rng) -> np.ndarray:
@@ -100,9 +86,9 @@ def logical_kv(model: dict, num_tokens: int, rng) -> np.ndarray:
     return rng.integers(1, 2**15, size=shape, dtype=np.int16)
 
 
-def write_prefill(rank: Rank, name: str, model: dict, kv: np.ndarray, pages: list[int]) -> None:
-    mine = heads(model, rank)
-    for which, buffers in enumerate((rank.pools[name].k_buffer, rank.pools[name].v_buffer)):
+def write_prefill(rank: QueueRank, pool: MHATokenToKVPool, kv: np.ndarray, pages: list[int]) -> None:
+    mine = heads(pool, rank.tp_rank)
+    for which, buffers in enumerate((pool.k_buffer, pool.v_buffer)):
         for layer, buf in enumerate(buffers):
             bits = buf.view(torch.int16)
             for i, page in enumerate(pages):
@@ -111,11 +97,13 @@ def write_prefill(rank: Rank, name: str, model: dict, kv: np.ndarray, pages: lis
                 )
 
 
-def check_decode(rank: Rank, name: str, model: dict, kv: np.ndarray, pages: list[int]) -> None:
-    mine = heads(model, rank)
-    for which, buffers in enumerate((rank.pools[name].k_buffer, rank.pools[name].v_buffer)):
+def check_decode(
+    rank: QueueRank, pool: MHATokenToKVPool, name: str, kv: np.ndarray, pages: list[int]
+) -> None:
+    mine = heads(pool, rank.tp_rank)
+    for which, buffers in enumerate((pool.k_buffer, pool.v_buffer)):
         for layer, buf in enumerate(buffers):
-            got = buf.view(torch.int16).numpy().reshape(-1, PAGE, mine.stop - mine.start, model["head_dim"])
+            got = buf.view(torch.int16).numpy().reshape(-1, PAGE, pool.head_num, pool.head_dim)
             for i, page in enumerate(pages):
                 want = kv[which, layer, i * PAGE : (i + 1) * PAGE, mine]
                 np.testing.assert_array_equal(
@@ -147,8 +135,8 @@ def test_eagle_draft_kv_and_hidden_state_land_byte_exact_across_tp(tmp_path, mon
         draft_kv = logical_kv(DRAFT, len(src_pages) * PAGE, rng)
         hidden = torch.from_numpy(rng.integers(1, 2**15, size=HIDDEN, dtype=np.int16)).view(torch.bfloat16)
         for rank in prefill:
-            write_prefill(rank, "target", TARGET, target_kv, src_pages)
-            write_prefill(rank, "draft", DRAFT, draft_kv, src_pages)
+            write_prefill(rank, rank.pool, target_kv, src_pages)
+            write_prefill(rank, rank.draft_pool, draft_kv, src_pages)
             rank.metadata.output_ids[2, 0] = 977
             rank.metadata.output_hidden_states[2] = hidden
             rank.metadata.output_topk_p[2, :4] = torch.tensor([0.5, 0.25, 0.125, 0.0625])
@@ -160,8 +148,8 @@ def test_eagle_draft_kv_and_hidden_state_land_byte_exact_across_tp(tmp_path, mon
         assert d_states == [KVPoll.Success] * 4, [r.failure for r in receivers]
         assert p_states == [KVPoll.Success] * 2
         for rank in decode:
-            check_decode(rank, "target", TARGET, target_kv, dst_pages)
-            check_decode(rank, "draft", DRAFT, draft_kv, dst_pages)
+            check_decode(rank, rank.pool, "target", target_kv, dst_pages)
+            check_decode(rank, rank.draft_pool, "draft", draft_kv, dst_pages)
             row = rank.metadata
             assert torch.equal(row.output_hidden_states[6].view(torch.int16), hidden.view(torch.int16))
             assert row.output_topk_p[6, :4].tolist() == [0.5, 0.25, 0.125, 0.0625]
