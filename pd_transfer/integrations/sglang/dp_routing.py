@@ -58,13 +58,15 @@ def refuse_unsupported(parallel: Any, role: Role, environ_force_query: bool) -> 
             f"addresses one level of DP groups, not attention-DP groups inside DP replicas",
             hint="use either --dp-size or --attn-dp-size (--enable-dp-attention)",
         )
-    for name, flag in (("attn_cp_size", "--attn-cp-size"), ("enable_kv_cache_sharding", None)):
-        value = getattr(parallel, name, None)
-        if value not in (None, False, 1):
+    cp_size = _int(parallel, "attn_cp_size", 1)
+    for flag, used in (
+        (f"--attn-cp-size {cp_size}", cp_size > 1),
+        ("--enable-kv-cache-sharding", bool(getattr(parallel, "enable_kv_cache_sharding", False))),
+    ):
+        if used:
             raise ConfigError(
-                f"{flag or '--' + name.replace('_', '-')} {value}: pd-transfer's SGLang backend "
-                f"registers each rank's whole KV pages per attention-TP rank; pages split across "
-                f"context-parallel ranks are not described to it",
+                f"{flag}: pd-transfer's SGLang backend registers each rank's whole KV pages per "
+                f"attention-TP rank; pages split across context-parallel ranks are not described to it",
                 hint="run without attention context parallelism, or use SGLang's mooncake backend",
             )
     method = str(getattr(parallel, "load_balance_method", "auto") or "auto")

@@ -41,6 +41,9 @@ from sglang_ranks import metadata_buffers
 
 from pd_transfer.errors import ConfigError
 from pd_transfer.integrations.sglang.conn import PdTransferKVSender
+from pd_transfer.integrations.sglang.dp_routing import refuse_unsupported
+from pd_transfer.integrations.sglang.settings import BackendSettings
+from pd_transfer.layout.geometry import Role
 
 LAYERS, KV_HEADS, HEAD_DIM, PAGE, POOL_TOKENS = 2, 4, 8, 4, 64
 PREFILL, DECODE = Topology(tp_size=4, attn_dp_size=2), Topology(tp_size=2, attn_dp_size=2)
@@ -220,3 +223,21 @@ def test_what_pd_transfer_cannot_route_is_refused_when_sglang_builds_the_queue(
     with pytest.raises(ConfigError) as refused:
         build(role, topology, 0, unused, monkeypatch, model_dir, **server_fields)
     assert named in str(refused.value) and "hint:" in str(refused.value), str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("parallel", "named"),
+    [
+        ({"attn_cp_size": 2}, "--attn-cp-size 2"),
+        ({"enable_kv_cache_sharding": True}, "--enable-kv-cache-sharding"),
+        ({"dp_size": 2, "attn_dp_size": 2}, "--dp-size 2 with --attn-dp-size 2"),
+    ],
+)
+def test_context_parallel_and_nested_dp_groups_are_refused_by_name(parallel, named):
+    with pytest.raises(ConfigError, match=named):
+        refuse_unsupported(SimpleNamespace(**parallel), Role.PREFILL, False)
+
+
+def test_a_prefill_dp_size_below_one_is_refused():
+    with pytest.raises(ConfigError, match="PD_TRANSFER_SGLANG_PREFILL_DP_SIZE=0"):
+        BackendSettings.from_environ({"PD_TRANSFER_SGLANG_PREFILL_DP_SIZE": "0"})
