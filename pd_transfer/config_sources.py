@@ -50,6 +50,7 @@ COMPONENT_VARIABLES = {
         "CALL_TIMEOUT_S",
         "REGISTER_TIMEOUT_S",
         "BOOTSTRAP_TIMEOUT_S",
+        "PREFILL_DP_SIZE",
     )
 }
 

@@ -36,7 +36,8 @@ from pd_transfer.docgen_markdown import github_anchor, markdown_table, readable_
 from pd_transfer.errors import Reason
 from pd_transfer.layout.geometry import Role
 from pd_transfer.protocol.generations import FRESHNESS_RULES, Freshness, Handling
-from pd_transfer.protocol.messages import BOOTSTRAP_MESSAGE_TYPES, MESSAGE_TYPES, PROTOCOL_VERSION
+from pd_transfer.protocol.messages import MESSAGE_TYPES, PROTOCOL_VERSION
+from pd_transfer.protocol.rank_table import BOOTSTRAP_MESSAGE_TYPES
 from pd_transfer.protocol.room_status import ROOM_TRANSITIONS, TERMINAL_STATUSES, RoomStatus
 from pd_transfer.protocol.schema import RECORDS
 from pd_transfer.protocol.transitions import TERMINAL_STATES, TRANSITIONS, SessionState, Trigger

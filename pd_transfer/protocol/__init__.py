@@ -27,14 +27,12 @@ from pd_transfer.protocol.codec import decode, encode
 from pd_transfer.protocol.generations import FRESHNESS_RULES, Freshness
 from pd_transfer.protocol.geometry_codec import geometry_from_data, geometry_to_data
 from pd_transfer.protocol.messages import (
-    BOOTSTRAP_MESSAGE_TYPES,
     CONFIRM_DONE,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     ROOM_REFUSAL,
     Abort,
     AbortAck,
-    Announce,
     Capabilities,
     Close,
     Done,
@@ -47,14 +45,18 @@ from pd_transfer.protocol.messages import (
     PoolIndices,
     PoolPlan,
     Progress,
-    RankEntry,
-    RankTable,
     RegionHandle,
     Register,
     RoomRefused,
-    TableRequest,
     TransferRequest,
     Verdict,
+)
+from pd_transfer.protocol.rank_table import (
+    BOOTSTRAP_MESSAGE_TYPES,
+    Announce,
+    RankEntry,
+    RankTable,
+    TableRequest,
 )
 from pd_transfer.protocol.room_status import ROOM_TRANSITIONS, RoomGeneration, RoomStatus
 from pd_transfer.protocol.session import Dropped, Session

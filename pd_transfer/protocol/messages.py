@@ -326,49 +326,6 @@ class AbortAck(Message):
     drained: bool
 
 
-# -- bootstrap (prefill rank 0's rank table; not part of a session) -----------
-
-
-@dataclass(frozen=True)
-class RankEntry:
-    """One prefill rank as the rank table lists it."""
-
-    agent_id: str
-    host_id: str
-    control_address: str
-    pp_size: int
-    geometry: RankGeometry
-
-
-@dataclass(frozen=True, kw_only=True)
-class Announce(Message):
-    """A prefill rank's sidecar -> rank 0's bootstrap: here I am."""
-
-    TAG: ClassVar[str] = "announce"
-    entry: RankEntry
-
-
-@dataclass(frozen=True, kw_only=True)
-class TableRequest(Message):
-    """Anyone -> rank 0's bootstrap: send me the rank table."""
-
-    TAG: ClassVar[str] = "table_request"
-    agent_id: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class RankTable(Message):
-    """The prefill instance's ranks so far; complete when ``expected`` are listed."""
-
-    TAG: ClassVar[str] = "rank_table"
-    expected: int
-    entries: tuple[RankEntry, ...] = ()
-
-    @property
-    def complete(self) -> bool:
-        return self.expected > 0 and len(self.entries) >= self.expected
-
-
 @dataclass(frozen=True)
 class MessageType:
     cls: type[Message]
@@ -393,15 +350,6 @@ MESSAGE_TYPES: dict[str, MessageType] = {
         MessageType(RoomRefused, "a rejected decode rank's room fails on prefill too, with its reason"),
         MessageType(Heartbeat, "liveness, both ways, in every live session state"),
         MessageType(Close, "the sender will send nothing more; a reason if it is an error"),
-    )
-}
-
-BOOTSTRAP_MESSAGE_TYPES: dict[str, MessageType] = {
-    t.cls.TAG: t
-    for t in (
-        MessageType(Announce, "a prefill rank announces itself to rank 0's bootstrap"),
-        MessageType(TableRequest, "ask rank 0's bootstrap for the prefill rank table"),
-        MessageType(RankTable, "the prefill ranks registered so far and how many are expected"),
     )
 }
 

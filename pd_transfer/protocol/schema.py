@@ -27,7 +27,6 @@ from pd_transfer.protocol.geometry_codec import GEOMETRY
 from pd_transfer.protocol.messages import (
     Abort,
     AbortAck,
-    Announce,
     Capabilities,
     Close,
     Done,
@@ -40,15 +39,13 @@ from pd_transfer.protocol.messages import (
     PoolIndices,
     PoolPlan,
     Progress,
-    RankEntry,
-    RankTable,
     RegionHandle,
     Register,
     RoomRefused,
-    TableRequest,
     TransferRequest,
     Verdict,
 )
+from pd_transfer.protocol.rank_table import Announce, RankEntry, RankTable, TableRequest
 from pd_transfer.wire.fields import (
     Bool,
     EnumOf,

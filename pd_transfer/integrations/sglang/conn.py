@@ -33,11 +33,12 @@ from sglang.srt.disaggregation.base.conn import (
     KVPoll,
     KVTransferMetric,
 )
-from sglang.srt.disaggregation.common.conn import KVTransferError
+from sglang.srt.disaggregation.common.conn import KVTransferError, PrefillServerInfo
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from pd_transfer.client import Client, ClientError, Refused, RoomState, RoomStatus
 from pd_transfer.errors import ConfigError, Reason
+from pd_transfer.integrations.sglang.dp_routing import bootstrap_address
 from pd_transfer.integrations.sglang.memory import EngineMemory
 from pd_transfer.integrations.sglang.registration import EngineFacts, describe_rank
 from pd_transfer.integrations.sglang.settings import BackendSettings, deferred_release_enabled
@@ -92,6 +93,8 @@ class PdTransferKVManager(BaseKVManager):
         self.state_types = [getattr(t, "value", t) for t in (getattr(args, "state_types", None) or [])]
         role = Role.PREFILL if disaggregation_mode == DisaggregationMode.PREFILL else Role.DECODE
         self.role = role
+        # per prefill address, the DP layout SGLang's decode queue routes requests by
+        self.prefill_info_table: dict[str, PrefillServerInfo] = {}
         # SGLang holds a failed or aborted room's pages until is_abort_release_safe (its
         # SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE switch); answered by the sidecar's drain
         self.enable_deferred_decode_kv_release = deferred_release_enabled()
@@ -99,7 +102,9 @@ class PdTransferKVManager(BaseKVManager):
         self.geometry = describe_rank(args, self.memory, self.facts, role)
         self.worker_id = f"sglang-{role.value}-pp{args.pp_rank}-tp{args.engine_rank}"
         self.client = Client(
-            self.settings.endpoint_for(args), self.worker_id, timeout_s=self.settings.call_timeout_s
+            self.settings.endpoint_for(args, self.facts.dp_rank),
+            self.worker_id,
+            timeout_s=self.settings.call_timeout_s,
         )
         handles = self.memory.handles  # only the regions a view uses (not a device pool a host pool replaces)
         handles = {region.id: handles[region.id] for region in self.geometry.regions}
@@ -115,12 +120,26 @@ class PdTransferKVManager(BaseKVManager):
     def register_to_bootstrap(self) -> None:
         """Nothing to do: prefill rank 0's sidecar serves the bootstrap."""
 
-    def bootstrap_address(self, sglang_addr: str) -> str:
-        """pd-transfer's bootstrap address for SGLang's ``host:port``."""
-        host, _, port = sglang_addr.rpartition(":")
-        if self.settings.bootstrap_port:
-            port = str(self.settings.bootstrap_port)
-        return f"tcp://{host}:{port}"
+    def bootstrap_address(self, sglang_addr: str, prefill_dp_rank: int = 0) -> str:
+        """pd-transfer's bootstrap address of prefill DP group ``prefill_dp_rank`` behind
+        SGLang's ``host:port`` (see :mod:`.dp_routing`)."""
+        return bootstrap_address(sglang_addr, self.settings.bootstrap_port, prefill_dp_rank)
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """SGLang's decode queue asks once per prefill address before it routes a request:
+        the prefill instances' DP size (``PD_TRANSFER_SGLANG_PREFILL_DP_SIZE``), their
+        requests placed by ``bootstrap_room`` (prefill refuses other placements at start)."""
+        if bootstrap_addr not in self.prefill_info_table:
+            self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
+                attn_tp_size=0,  # not known here and not needed: the sidecars reconcile TP sizes
+                attn_cp_size=1,
+                dp_size=self.settings.prefill_dp_size,
+                pp_size=1,
+                page_size=None,
+                kv_cache_dtype=None,
+                follow_bootstrap_room=True,
+            )
+        return True
 
     def split_state(self, state_indices: Any) -> tuple[list[int], list[int]]:
         """SGLang's per-component state indices as (state slots, SWA pages)."""
@@ -254,6 +273,7 @@ class PdTransferKVReceiver(_Room, BaseKVReceiver):
         self.aborted = False
         self.abort_notified = False
         self.bootstrap_infos = [bootstrap_addr]  # SGLang counts one acknowledgement per entry
+        self.prefill_dp_rank = 0
 
     @property
     def kv_mgr(self) -> PdTransferKVManager:
@@ -261,7 +281,15 @@ class PdTransferKVReceiver(_Room, BaseKVReceiver):
         return self.mgr
 
     def init(self, prefill_dp_rank: int) -> None:
-        """Nothing to resolve here: the sidecar resolves the prefill instance at expect."""
+        """The prefill DP group SGLang resolved for the request; its sidecars are asked at expect."""
+        groups = self.mgr.settings.prefill_dp_size
+        if not 0 <= int(prefill_dp_rank) < groups:
+            self._fail(
+                f"[invalid_config] room {self.room}: prefill DP rank {prefill_dp_rank} is not one "
+                f"of the {groups} DP groups PD_TRANSFER_SGLANG_PREFILL_DP_SIZE declares"
+            )
+            return
+        self.prefill_dp_rank = int(prefill_dp_rank)
 
     def send_metadata(
         self,
@@ -271,6 +299,8 @@ class PdTransferKVReceiver(_Room, BaseKVReceiver):
         decode_prefix_len: int | None = None,
         destination: Any = None,
     ) -> None:
+        if self.failure:
+            return
         if decode_prefix_len:
             self._fail(
                 "[layout_unsupported] a decode-side prefix hit (decode_prefix_len "
@@ -281,7 +311,7 @@ class PdTransferKVReceiver(_Room, BaseKVReceiver):
         try:
             self.mgr.client.expect(
                 self.room,
-                self.mgr.bootstrap_address(self.bootstrap_addr),
+                self.mgr.bootstrap_address(self.bootstrap_addr, self.prefill_dp_rank),
                 [int(p) for p in kv_indices],
                 state_slots=slots,
                 swa_pages=swa,

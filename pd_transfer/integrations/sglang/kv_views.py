@@ -35,8 +35,9 @@ def kv_view(
 ) -> TensorView:
     """The view of one device K, V or MLA latent buffer, cross-checked against ``item_nbytes``."""
     tensor = entry.tensor
-    name = entry.kind.removeprefix("swa_")
-    path = f"{pool.value}.layer[{layer_id}].{'latent' if name == 'kv' else name}"
+    prefix = "draft_" if entry.kind.startswith("draft_") else ""  # the speculative draft model's
+    name = entry.kind.removeprefix("swa_").removeprefix("draft_")
+    path = f"{pool.value}.layer[{layer_id}].{prefix}{'latent' if name == 'kv' else name}"
     if tensor.dim() != 3:
         raise GeometryError(
             f"{path}: expected a (tokens, heads, dim) pool tensor, got shape {tuple(tensor.shape)}",
@@ -56,7 +57,7 @@ def kv_view(
         return TensorView(
             pool=pool,
             layer_id=layer_id,
-            name="latent",
+            name=prefix + "latent",
             region=entry.region,
             offset_nbytes=offset,
             dtype=dtype,
@@ -70,7 +71,7 @@ def kv_view(
     return TensorView(
         pool=pool,
         layer_id=layer_id,
-        name=name,
+        name=prefix + name,
         region=entry.region,
         offset_nbytes=offset,
         dtype=dtype,

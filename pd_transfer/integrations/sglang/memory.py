@@ -16,6 +16,7 @@ given; never the agent.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ class PoolTensor:
     tensor: Any  # torch.Tensor (CPU in shared memory, or CUDA)
     kind: str  # "k", "v", "kv" (MLA latent), "swa_k", "swa_v", "conv", "temporal", "aux",
     # "host_kv" (a host pool's K and V), "host_k", "host_v", "host_conv",
-    # "host_temporal"
+    # "host_temporal", "draft_k", "draft_v", "draft_kv" (the speculative draft model's KV)
     index: int  # layer position in its pool (aux: position in MetadataBuffers)
     layer_id: int | None = None  # the model layer, where the pool maps positions to layers
 
@@ -124,6 +125,7 @@ def share_engine_memory(
     mamba_pool: Any | None = None,
     host_kv_pool: Any | None = None,
     host_mamba_pool: Any | None = None,
+    draft_kv_pool: Any | None = None,
 ) -> EngineMemory:
     """Collect (and on CPU, move into shared memory) every tensor a transfer touches.
 
@@ -135,7 +137,10 @@ def share_engine_memory(
     ``host_mamba_pool`` (a ``MambaPoolHost``) the Mamba state's. On CPU their
     buffers are re-pointed like the device pools'; pointer tables the host
     pool built at construction (``k_data_ptrs``) keep the old addresses,
-    which only its GPU copy kernels read.
+    which only its GPU copy kernels read. ``draft_kv_pool`` is the
+    speculative draft model's KV pool (SGLang's ``draft_token_to_kv_pool``:
+    EAGLE, EAGLE3 and standalone drafts keep an MHA pool, DeepSeek's MTP an
+    MLA pool); its pages share the target's page indices.
     """
     if host_kv_pool is not None and hasattr(host_kv_pool, "kv_lora_rank"):  # before any segment
         raise GeometryError(
@@ -154,9 +159,8 @@ def share_engine_memory(
     moved: dict[int, tuple[str, Any]] = {}  # old storage pointer -> (region, shared uint8 storage)
     try:
         layers = _global_layers(kv_pool)
-        for kind, index, holder, attr, position in _pool_tensors(
-            kv_pool, mamba_pool, metadata_buffers, host_kv_pool, host_mamba_pool
-        ):
+        tensors = _pool_tensors(kv_pool, mamba_pool, metadata_buffers, host_kv_pool, host_mamba_pool)
+        for kind, index, holder, attr, position in itertools.chain(tensors, _draft_tensors(draft_kv_pool)):
             tensor = _get(holder, attr, position)
             storage_ptr = tensor.untyped_storage().data_ptr()
             if storage_ptr not in moved:
@@ -187,6 +191,9 @@ _REGION_PREFIX = {
     "host_v": "host.v",
     "host_conv": "host.mamba.conv",
     "host_temporal": "host.mamba.temporal",
+    "draft_k": "draft.k",
+    "draft_v": "draft.v",
+    "draft_kv": "draft.latent",
 }
 
 
@@ -242,6 +249,32 @@ def _pool_tensors(
         yield "host_temporal", 0, host_mamba_pool, "temporal_buffer", None
     for position, name in enumerate(_aux_names(metadata_buffers)):
         yield "aux", position, metadata_buffers, name, None
+
+
+def _draft_tensors(draft_kv_pool: Any | None):
+    """The draft model's KV buffers, as :func:`_pool_tensors` yields the target's.
+
+    A hybrid draft pool keeps them in its full-attention sub-pool; a draft
+    with sliding-window layers is refused by name (its window pages are
+    indexed apart from the target's).
+    """
+    if draft_kv_pool is None:
+        return
+    if getattr(draft_kv_pool, "swa_kv_pool", None) is not None:
+        raise GeometryError(
+            f"draft KV pool: SGLang's {type(draft_kv_pool).__name__} (a draft model with "
+            f"sliding-window layers) is not supported by pd-transfer's SGLang backend",
+            code=Reason.LAYOUT_UNSUPPORTED,
+            hint="use a draft model without sliding-window attention, or SGLang's mooncake backend",
+        )
+    full = getattr(draft_kv_pool, "full_kv_pool", draft_kv_pool)
+    if hasattr(full, "kv_buffer"):  # MLA (DeepSeek MTP)
+        for i in range(len(full.kv_buffer)):
+            yield "draft_kv", i, full, "kv_buffer", i
+        return
+    for i in range(len(full.k_buffer)):
+        yield "draft_k", i, full, "k_buffer", i
+        yield "draft_v", i, full, "v_buffer", i
 
 
 def _aux_names(metadata_buffers: Any) -> list[str]:

@@ -21,7 +21,10 @@ from typing import Any
 
 from pd_transfer.errors import GeometryError, Reason
 from pd_transfer.integrations.sglang.backend_enum import add_backend_member
+from pd_transfer.integrations.sglang.dp_routing import dp_group, refuse_unsupported
 from pd_transfer.integrations.sglang.registration import ConvGroups, EngineFacts
+from pd_transfer.integrations.sglang.settings import force_query_prefill_dp_rank
+from pd_transfer.layout.geometry import Role
 
 log = logging.getLogger(__name__)
 
@@ -69,18 +72,22 @@ def _get_kv_class(original: Any, transfer_backend: Any, class_type: Any) -> Any:
 def _init_kv_manager(original: Any, queue: Any, *args: Any, **kwargs: Any) -> Any:
     if not _is_ours(queue.transfer_backend):
         return original(queue, *args, **kwargs)
+    from pd_transfer.integrations.sglang import refusals
     from pd_transfer.integrations.sglang.conn import ENGINE_MEMORY
     from pd_transfer.integrations.sglang.memory import share_engine_memory
-    from pd_transfer.integrations.sglang.refusals import refuse_unsupported
 
-    refuse_unsupported(_disagg(queue), decode=_is_decode(queue))
+    refusals.refuse_unsupported(_disagg(queue), decode=_is_decode(queue))
     scheduler = queue.scheduler
+    role = Role.PREFILL if queue.__class__.__name__.startswith("Prefill") else Role.DECODE
+    refuse_unsupported(_parallel(), role, force_query_prefill_dp_rank())  # before any memory moves
     mamba_pool = _mamba_pool(queue.token_to_kv_pool, getattr(scheduler, "req_to_token_pool", None))
+    draft_pool = queue.draft_token_to_kv_pool
     memory = share_engine_memory(
-        f"sglang-tp{queue.tp_rank}",
+        f"sglang-{role.value}-tp{queue.tp_rank}",
         kv_pool=queue.token_to_kv_pool,
         metadata_buffers=queue.metadata_buffers,
         mamba_pool=mamba_pool,
+        draft_kv_pool=draft_pool,
     )
     try:  # a start that fails leaves no shared-memory name behind (CPU)
         hf_config = getattr(scheduler.model_config, "hf_config", None)
@@ -90,6 +97,7 @@ def _init_kv_manager(original: Any, queue: Any, *args: Any, **kwargs: Any) -> An
             queue.token_to_kv_pool,
             getattr(hf_config, "mamba2_cache_params", None),
             is_mla=queue.is_mla_backend,
+            draft_model_config=_draft_model_config(scheduler) if _per_head(draft_pool) else None,
         )
         token = ENGINE_MEMORY.set((memory, facts))
         try:
@@ -123,6 +131,28 @@ def _is_decode(queue: Any) -> bool:
     return isinstance(queue, DecodePreallocQueue)
 
 
+def _per_head(draft_pool: Any) -> bool:
+    """Whether a draft pool keeps per-head K and V (EAGLE's MHA pool), whose sharding needs
+    the draft model's KV heads; an MTP latent pool is replicated."""
+    full = getattr(draft_pool, "full_kv_pool", draft_pool)
+    return draft_pool is not None and not hasattr(full, "kv_buffer")
+
+
+def _draft_model_config(scheduler: Any) -> Any:
+    """The speculative draft model's config, read as SGLang's scheduler reads it for the PD
+    metadata schema (``--speculative-draft-model-path``)."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.runtime_context import get_spec
+
+    spec = get_spec()
+    return ModelConfig.from_server_args(
+        scheduler.server_args,
+        model_path=spec.speculative_draft_model_path,
+        model_revision=spec.speculative_draft_model_revision,
+        is_draft_model=True,
+    )
+
+
 def _mamba_pool(kv_pool: Any, req_to_token_pool: Any) -> Any:
     for holder in (kv_pool, req_to_token_pool):
         pool = getattr(holder, "mamba_pool", None)
@@ -132,9 +162,16 @@ def _mamba_pool(kv_pool: Any, req_to_token_pool: Any) -> Any:
 
 
 def engine_facts(
-    model_config: Any, parallel: Any, kv_pool: Any, cache_params: Any = None, *, is_mla: bool = False
+    model_config: Any,
+    parallel: Any,
+    kv_pool: Any,
+    cache_params: Any = None,
+    *,
+    is_mla: bool = False,
+    draft_model_config: Any = None,
 ) -> EngineFacts:
-    """What ``kv_args`` lacks, from SGLang's model config, parallel state and pool."""
+    """What ``kv_args`` lacks, from SGLang's model config, parallel state and pool
+    (and the speculative draft model's config, where there is a draft)."""
     attn_tp_size = int(parallel.attn_tp_size)
     hf_config = getattr(model_config, "hf_config", None)
     return EngineFacts(
@@ -142,6 +179,10 @@ def engine_facts(
         pp_size=int(getattr(parallel, "pp_size", 1)),
         start_layer=int(getattr(kv_pool, "start_layer", 0) or 0),
         total_kv_heads=None if is_mla else int(model_config.get_total_num_kv_heads()),
+        draft_total_kv_heads=None
+        if draft_model_config is None
+        else int(draft_model_config.get_total_num_kv_heads()),
+        dp_rank=dp_group(parallel)[0],
         mamba2_conv_groups=mamba2_conv_groups(cache_params, attn_tp_size, model_n_groups(hf_config)),
         model=str(getattr(model_config, "model_path", "") or ""),
     )

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pd_transfer.errors import GeometryError, Reason
+from pd_transfer.integrations.sglang import kv_entries
 from pd_transfer.integrations.sglang.host_views import host_kv_views
 from pd_transfer.integrations.sglang.kv_views import check_item, dtype_name, kv_view
 from pd_transfer.integrations.sglang.memory import EngineMemory, PoolTensor
@@ -67,6 +68,8 @@ class EngineFacts:
     pp_size: int = 1
     start_layer: int = 0
     total_kv_heads: int | None = None  # None for MLA
+    draft_total_kv_heads: int | None = None  # the speculative draft model's (None: no draft, or MLA)
+    dp_rank: int = 0  # the DP group (system DP replica, or attention-DP group) this rank serves
     mamba2_conv_groups: ConvGroups | None = None
     model: str = ""
 
@@ -80,7 +83,8 @@ def describe_rank(kv_args: Any, memory: EngineMemory, facts: EngineFacts, role: 
     if memory.host is not None:
         views += host_kv_views(memory, facts, page_size, tp_rank)
     else:
-        views += _kv_views(kv_args, memory, facts, page_size, tp_rank)
+        views += kv_entries.target_kv_views(kv_args, memory, facts, page_size, tp_rank)
+    views += kv_entries.draft_kv_views(kv_args, memory, facts, page_size, tp_rank)
     views += _state_views(kv_args, memory, facts, tp_rank)
     views += _aux_views(kv_args, memory)
     used = {v.region for v in views}
@@ -96,40 +100,6 @@ def describe_rank(kv_args: Any, memory: EngineMemory, facts: EngineFacts, role: 
         pp_rank=int(kv_args.pp_rank),
         model=facts.model,
     )
-
-
-def _kv_views(
-    kv_args: Any, memory: EngineMemory, facts: EngineFacts, page_size: int, tp_rank: int
-) -> list[TensorView]:
-    num_entries = len(kv_args.kv_data_ptrs) - int(getattr(kv_args, "num_draft_entries", 0) or 0)
-    layer_ids = list(kv_args.kv_layer_ids or [])
-    views = []
-    for i in range(num_entries):
-        what = f"kv_args.kv_data_ptrs[{i}]"
-        entry, offset = memory.locate(kv_args.kv_data_ptrs[i], kv_args.kv_data_lens[i], what)
-        if entry.kind not in ("k", "v", "kv"):
-            raise GeometryError(f"{what} points into {entry.region}, not a KV buffer", code=Reason.BAD_VIEW)
-        layer_id = (
-            layer_ids[i]
-            if layer_ids
-            else entry.layer_id
-            if entry.layer_id is not None
-            else facts.start_layer + entry.index
-        )
-        views.append(
-            kv_view(
-                entry,
-                offset,
-                layer_id,
-                Pool.KV,
-                page_size,
-                tp_rank,
-                facts,
-                kv_args.kv_item_lens[i],
-                getattr(kv_args, "kv_head_num", None),
-            )
-        )
-    return views
 
 
 def _state_views(kv_args: Any, memory: EngineMemory, facts: EngineFacts, tp_rank: int) -> list[TensorView]:

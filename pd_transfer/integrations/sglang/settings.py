@@ -21,9 +21,11 @@ class BackendSettings:
     """The backend's settings, from ``PD_TRANSFER_SGLANG_*`` variables.
 
     ``worker_endpoint`` is this rank's sidecar; ``{gpu_id}``, ``{tp_rank}``,
-    ``{pp_rank}`` and ``{dp_rank}`` are filled in per rank.
+    ``{pp_rank}`` and ``{dp_rank}`` (its DP group) are filled in per rank.
     ``bootstrap_port`` (0: SGLang's ``--disaggregation-bootstrap-port``) is
-    where prefill rank 0's sidecar serves its bootstrap. The client's shared
+    where prefill rank 0's sidecar serves its bootstrap (DP group ``d``'s: that
+    port plus ``d``); ``prefill_dp_size`` (decode) is how many DP groups the
+    prefill instances have. The client's shared
     secret comes from ``PD_TRANSFER_SECRET_FILE`` / ``PD_TRANSFER_SECRET``.
     """
 
@@ -32,6 +34,7 @@ class BackendSettings:
     call_timeout_s: float = 10.0
     register_timeout_s: float = 60.0
     bootstrap_timeout_s: float = 300.0
+    prefill_dp_size: int = 1
 
     @classmethod
     def from_environ(cls, environ: Any = None) -> BackendSettings:
@@ -58,14 +61,16 @@ class BackendSettings:
                 raise ConfigError(f"{prefix}{name.upper()}={raw!r}: expected {kind.__name__}") from None
             if kind is not str and values[name] < 0:
                 raise ConfigError(f"{prefix}{name.upper()}={raw!r}: must not be negative")
+        if values.get("prefill_dp_size", 1) < 1:
+            raise ConfigError(f"{prefix}PREFILL_DP_SIZE={values['prefill_dp_size']}: must be at least 1")
         return cls(**values)
 
-    def endpoint_for(self, kv_args: Any) -> str:
+    def endpoint_for(self, kv_args: Any, dp_rank: int = 0) -> str:
         return self.worker_endpoint.format(
             gpu_id=getattr(kv_args, "gpu_id", 0),
             tp_rank=kv_args.engine_rank,
             pp_rank=kv_args.pp_rank,
-            dp_rank=getattr(kv_args, "system_dp_rank", 0) or 0,
+            dp_rank=dp_rank,
         )
 
 
@@ -75,5 +80,15 @@ def deferred_release_enabled() -> bool:
         from sglang.srt.environ import envs
 
         return bool(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get())
+    except (ImportError, AttributeError):
+        return False
+
+
+def force_query_prefill_dp_rank() -> bool:
+    """SGLang's ``SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK`` (False where unknown)."""
+    try:
+        from sglang.srt.environ import envs
+
+        return bool(envs.SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK.get())
     except (ImportError, AttributeError):
         return False

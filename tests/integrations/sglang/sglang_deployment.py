@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -30,20 +31,33 @@ SIDECAR_CONFIG = {
 
 
 class Deployment:
-    """Sidecars for ``prefill_tp`` + ``decode_tp`` ranks under ``workdir``."""
+    """Sidecars for ``prefill_tp`` + ``decode_tp`` ranks under ``workdir``.
 
-    def __init__(self, workdir: Path, prefill_tp: int, decode_tp: int, config: dict | None = None) -> None:
+    ``prefill_dp`` > 1: that many prefill DP groups of ``prefill_tp`` ranks each
+    (prefill rank ``d * prefill_tp + r`` is rank ``r`` of group ``d``), group
+    ``d``'s sidecars serving their bootstrap on SGLang's bootstrap port plus ``d``.
+    """
+
+    def __init__(
+        self,
+        workdir: Path,
+        prefill_tp: int,
+        decode_tp: int,
+        config: dict | None = None,
+        prefill_dp: int = 1,
+    ) -> None:
         self.workdir = workdir
-        self.port = spare_port()
+        self.port = _spare_ports(prefill_dp)
         self.sglang_bootstrap = f"127.0.0.1:{self.port}"  # what SGLang hands a sender/receiver
         tag = f"{os.getpid()}-{next(_tags)}"
         cfg = {**SIDECAR_CONFIG, **(config or {})}
         self.sidecars: dict[tuple[str, int], Sidecar] = {}
         try:
-            for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
-                for rank in range(tp):
+            for role, ranks in (("prefill", prefill_tp * prefill_dp), ("decode", decode_tp)):
+                for rank in range(ranks):
                     name = f"sgl-{role}-tp{rank}-{tag}"
-                    bootstrap = f"tcp://{self.sglang_bootstrap}" if role == "prefill" else ""
+                    port = self.port + rank // prefill_tp
+                    bootstrap = f"tcp://127.0.0.1:{port}" if role == "prefill" else ""
                     self.sidecars[(role, rank)] = Sidecar(workdir, role, name, cfg, bootstrap)
             for sidecar in self.sidecars.values():
                 sidecar.wait_ready()
@@ -59,6 +73,23 @@ class Deployment:
             sidecar.terminate()
         for sidecar in self.sidecars.values():
             sidecar.wait_stopped()
+
+
+def _spare_ports(count: int) -> int:
+    """The first of ``count`` consecutive loopback ports that are free now."""
+    while True:
+        first = spare_port()
+        if all(_bindable(first + i) for i in range(1, count)):
+            return first
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def wait_for(pollers, wanted: int, timeout_s: float = 30.0) -> list[int]:

@@ -1,8 +1,11 @@
 """Llama-style GQA KV through SGLang's interface and real sidecars, across TP sizes.
 
-Prefill and decode are SGLang ``MHATokenToKVPool`` pools on CPU (moved into
-shared memory by the backend), ``kv_args`` come from SGLang's own fill-in
-helpers, and every request runs through ``PdTransferKVSender`` /
+Prefill and decode are SGLang ``MHATokenToKVPool`` pools on CPU; every rank's
+manager is built by SGLang's real ``PrefillBootstrapQueue`` /
+``DecodePreallocQueue`` through the plugin's ``_init_kv_manager`` hook, which
+moves the pools into shared memory, lets SGLang fill ``kv_args`` and reads
+``engine_facts`` from the model's ``ModelConfig`` (:mod:`sglang_process`),
+and every request runs through ``PdTransferKVSender`` /
 ``PdTransferKVReceiver`` as SGLang's scheduler calls them. The oracle is the
 logical KV of the request, ``[layer, token, global head, dim]``: each rank
 holds the heads its TP position gives it, and after the room every
@@ -17,10 +20,10 @@ import pytest
 import torch
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.plugins import load_plugins
 from sglang_deployment import Deployment, run_room
-from sglang_ranks import build_rank
-
-from pd_transfer.integrations.sglang.registration import EngineFacts
+from sglang_process import Topology, llama_dir, queue_rank
+from sglang_ranks import metadata_buffers
 
 NUM_LAYERS, TOTAL_KV_HEADS, HEAD_DIM, PAGE_SIZE = 3, 8, 16, 4
 POOL_TOKENS = 64
@@ -39,20 +42,19 @@ def mha_pool(tp_size: int) -> MHATokenToKVPool:
     )
 
 
-def ranks(role: str, tp_size: int, deployment: Deployment, monkeypatch, tag: str):
+def ranks(role: str, tp_size: int, deployment: Deployment, monkeypatch, model_dir: str):
+    load_plugins()
     out = []
     for tp_rank in range(tp_size):
         monkeypatch.setenv("PD_TRANSFER_SGLANG_WORKER_ENDPOINT", deployment.endpoint(role, tp_rank))
-        facts = EngineFacts(attn_tp_size=tp_size, total_kv_heads=TOTAL_KV_HEADS, model="tiny-gqa")
         out.append(
-            build_rank(
+            queue_rank(
                 role,
+                Topology(tp_size),
                 tp_rank,
-                mha_pool(tp_size),
-                page_size=PAGE_SIZE,
-                num_layers=NUM_LAYERS,
-                facts=facts,
-                owner=f"{tag}-{role}{tp_rank}",
+                model_dir,
+                pool=mha_pool(tp_size),
+                metadata=metadata_buffers(),
             )
         )
     return out
@@ -96,11 +98,11 @@ def check_decode(rank, tp_size: int, kv: np.ndarray, pages: list[int]) -> None:
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 4), (4, 2)])
 def test_gqa_kv_lands_byte_exact_across_tp(tmp_path, monkeypatch, prefill_tp, decode_tp):
     deployment = Deployment(tmp_path, prefill_tp, decode_tp)
-    tag = f"gqa{prefill_tp}{decode_tp}"
+    model_dir = llama_dir(tmp_path, "tiny-gqa", layers=NUM_LAYERS, kv_heads=TOTAL_KV_HEADS, head_dim=HEAD_DIM)
     prefill = decode = []
     try:
-        prefill = ranks("prefill", prefill_tp, deployment, monkeypatch, tag)
-        decode = ranks("decode", decode_tp, deployment, monkeypatch, tag)
+        prefill = ranks("prefill", prefill_tp, deployment, monkeypatch, model_dir)
+        decode = ranks("decode", decode_tp, deployment, monkeypatch, model_dir)
         src_pages, dst_pages = [3, 1, 7, 5, 2], [9, 4, 11, 6, 13]
         kv = logical_kv(len(src_pages) * PAGE_SIZE, seed=prefill_tp * 10 + decode_tp)
         for rank in prefill:
