@@ -271,7 +271,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(render_toml(config), end="")  # secret_file is a path; the secret is never printed
         return EXIT_OK
     from pd_transfer.agent.auth import Security
+    from pd_transfer.agent.lobby import raise_fd_limit
 
+    raise_fd_limit()  # descriptors for peers, strangers and their reserve (agent/lobby.py)
     security = Security.from_config(config)  # an unusable secret or key is invalid config (2)
     configure_logging(args.log_level, args.log_format)
     return serve(config, security)

@@ -88,6 +88,11 @@ class SidecarConfig:
     max_chunks_per_room: int = 4096  # prefill: send() calls per room; more fail the room
     data_handshake_timeout_s: float = 10.0  # decode, tcp and engine staging: a data connection authenticates within this time of its accept, or is dropped
     max_pending_data_connections: int = 64  # decode, tcp and engine staging: data connections not yet authenticated; one more drops the oldest
+    control_handshake_timeout_s: float = 10.0  # control and bootstrap: a connection authenticates within this time of its accept, or is dropped
+    max_pending_control_connections: int = 32  # control and bootstrap, per port: connections not yet authenticated; one more drops the oldest idle one, or is refused when all are mid-handshake
+    max_pending_connections_total: int = (
+        64  # control and bootstrap together: connections not yet authenticated
+    )
     peer_series_grace_s: float = (
         300.0  # a peer's labelled metric series are removed this long after its last session ended
     )

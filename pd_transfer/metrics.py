@@ -72,6 +72,10 @@ ADMISSION_RESOURCES = ("rooms", "bytes")
 DOORBELL_EVENTS = {"prefill": ("rang", "stale"), "decode": ("rung", "closed")}
 # the sockets each role listens on (pd_transfer_connections_closed_total{socket})
 LISTENING_SOCKETS = {"prefill": ("control", "bootstrap", "worker"), "decode": ("worker", "data")}
+# the sockets whose strangers a sidecar bounds, and why it ends one (agent/lobby.py;
+# pd_transfer_connections_refused_total{socket,reason})
+STRANGER_SOCKETS = {"prefill": ("control", "bootstrap"), "decode": ()}
+STRANGER_REFUSALS = ("pending_limit", "fd_reserve", "handshake_timeout", "nbytes", "auth_refused")
 
 
 class SidecarMetrics:
@@ -295,6 +299,15 @@ class SidecarMetrics:
             ["role", "socket"],
             registry=r,
         )
+        self.connections_refused = Counter(
+            "pd_transfer_connections_refused",
+            "Unauthenticated connections to the control or bootstrap socket that this sidecar "
+            "ended, by socket and reason: pending_limit (too many strangers at once), fd_reserve "
+            "(file descriptors near the limit), handshake_timeout, nbytes (sent too much before "
+            "authenticating), auth_refused (its handshake or its name was refused).",
+            ["role", "socket", "reason"],
+            registry=r,
+        )
         self.auth_failures = Counter(
             "pd_transfer_auth_failures",
             "Refused or failed authentication handshakes, and frames sent before one, by reason.",
@@ -331,6 +344,9 @@ class SidecarMetrics:
         self.heartbeat_misses.labels(role)
         for socket in LISTENING_SOCKETS[role]:
             self.connections_closed.labels(role, socket)
+        for socket in STRANGER_SOCKETS[role]:
+            for reason in STRANGER_REFUSALS:
+                self.connections_refused.labels(role, socket, reason)
         self.loop_stalls.labels(role)
         self.verdicts.labels(role, "accepted", "none")
 
@@ -377,6 +393,7 @@ METRIC_NAMES = (
     "pd_transfer_loop_stall_seconds_total",
     "pd_transfer_bad_frames_total",
     "pd_transfer_connections_closed_total",
+    "pd_transfer_connections_refused_total",
     "pd_transfer_auth_failures_total",
     "pd_transfer_insecure",
     "pd_transfer_build_info",

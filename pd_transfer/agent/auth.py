@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import zmq
 import zmq.asyncio
 
+from pd_transfer.agent.lobby import Door, Lobby
 from pd_transfer.errors import AuthError, PdTransferError, Reason
 from pd_transfer.protocol import Close, encode
 from pd_transfer.security import ClientHandshake, Decision, Gate, NonceBook, SecuritySettings, new_routing_id
@@ -48,11 +49,19 @@ class Security:
     handshake_timeout_s: float = 10.0
     nonces: NonceBook = field(default_factory=NonceBook)
     on_failure: Callable[[str], None] = lambda reason: None  # reason code -> metrics
+    lobby: Lobby = field(default_factory=Lobby)  # strangers on the listening sockets
 
     @classmethod
     def from_config(cls, config: SidecarConfig) -> Security:
         """ConfigError (exit code 2) for an unusable secret or key; see SecuritySettings."""
-        return cls(SecuritySettings.from_config(config), config.agent_id, config.bootstrap_timeout_s)
+        lobby = Lobby(
+            max_pending=config.max_pending_control_connections,
+            max_total=config.max_pending_connections_total,
+            timeout_s=config.control_handshake_timeout_s,
+        )
+        return cls(
+            SecuritySettings.from_config(config), config.agent_id, config.bootstrap_timeout_s, lobby=lobby
+        )
 
     @property
     def enabled(self) -> bool:
@@ -176,6 +185,7 @@ class Doorman:
         unauthenticated_reply: UnauthenticatedReply,
         *,
         on_bad_frame: Callable[[str], None] = lambda reason: None,
+        door: Door | None = None,
     ) -> None:
         self._socket = socket
         self._security = security
@@ -183,28 +193,74 @@ class Doorman:
         self._where = where
         self._unauthenticated_reply = unauthenticated_reply
         self._on_bad_frame = on_bad_frame
+        # the socket's strangers (agent/lobby.py), told apart by descriptor: None where the
+        # owner cannot tell connections apart (then only the gate's own bounds apply)
+        self.door = door
+        self._pending: dict[int, bytes] = {}  # a stranger's descriptor -> its routing id
+        if door is not None:
+            door.on_gone = self._gone
 
     def proven_agent_id(self, identity: bytes) -> str:
         """The agent id ``identity`` proved in its handshake ('' with authentication off)."""
         return self._gate.peer_of(identity)
 
-    async def admit(self, identity: bytes, frame: bytes) -> bool:
+    async def admit(self, identity: bytes, frame: bytes, fd: int | None = None) -> bool:
+        """Whether ``frame`` from ``identity`` (on descriptor ``fd``, where known) may be handled."""
+        door = self.door
+        if door is not None and fd is not None and not self._gate.knows(identity):
+            if door.refused(fd) or door.stranger(fd) is None and fd not in door.members:
+                return False  # refused: cut once its refusal left; or no room for it at all
+            self._pending[fd] = identity
         admission = self._gate.admit(identity, frame)
         if admission.decision is Decision.PASS:
+            self._admitted(fd)
             return True
         reply = admission.reply
-        if admission.decision is not Decision.ANSWER:
+        if admission.decision is Decision.ANSWER:
+            if self._gate.knows(identity):
+                self._admitted(fd)  # its proof was accepted
+            elif door is not None:
+                door.hello(fd)
+        else:
             error = admission.error
             self._security.failed(error, f"{self._where}: peer {identity.hex()[:12]}")
             if admission.decision is Decision.UNAUTHENTICATED:
                 self._on_bad_frame(Reason.UNAUTHENTICATED.value)
                 reply = self._unauthenticated_reply(frame, error)
+            if door is not None:
+                door.refuse(fd, REFUSAL_LINGER_MS / 1000)  # one answer, then the connection ends
         if reply is not None:
             try:
                 await self._socket.send_multipart([identity, reply])
             except zmq.ZMQError as err:
                 log.debug("%s: cannot answer peer %s: %s", self._where, identity.hex()[:12], err)
         return False
+
+    def revoke(self, identity: bytes, fd: int | None) -> None:
+        """``identity`` proved the secret but broke the rules of the name it proved (it was
+        sent a Close): it must authenticate again, and its connection ends."""
+        self._gate.forget(identity)
+        if self.door is not None:
+            self.door.refuse(fd, REFUSAL_LINGER_MS / 1000)
+
+    def _admitted(self, fd: int | None) -> None:
+        if fd is not None:
+            self._pending.pop(fd, None)
+        if self.door is not None:
+            self.door.admitted(fd)
+
+    def _gone(self, fd: int) -> None:
+        identity = self._pending.pop(fd, None)
+        if identity is not None:
+            self._gate.forget_pending(identity)
+
+
+def source_fd(frame: zmq.Frame) -> int | None:
+    """The descriptor of the connection ``frame`` came on (None where ZeroMQ cannot say)."""
+    try:
+        return frame.get(zmq.SRCFD)
+    except zmq.ZMQError:
+        return None
 
 
 def close_reply(frame: bytes, error: AuthError) -> bytes:

@@ -29,6 +29,7 @@ from pd_transfer.agent.auth import (
     authenticate,
     close_reply,
     security_of,
+    source_fd,
 )
 from pd_transfer.agent.zmq_bounds import CONTROL_QUEUED_FRAMES, ConnectionWatch, bound_frames
 from pd_transfer.errors import AuthError, PdTransferError, ProtocolError, Reason
@@ -52,7 +53,9 @@ class BootstrapServer:
         security = security_of(context)
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        bound_frames(self.socket, queued_frames=CONTROL_QUEUED_FRAMES)
+        bound_frames(
+            self.socket, queued_frames=CONTROL_QUEUED_FRAMES, handshake_timeout_s=security.lobby.timeout_s
+        )
         security.listening(self.socket)
         try:
             self.socket.bind(address)
@@ -63,12 +66,14 @@ class BootstrapServer:
         self.entries: dict[tuple[int, int], RankEntry] = {}
         self.expected = 0
         self.bad_frames = 0
+        door = security.lobby.door("bootstrap")
         self._doorman = Doorman(
             self.socket,
             security,
             f"bootstrap {self.address}",
             close_reply,
             on_bad_frame=self._count_bad_frame,
+            door=door,
         )
         self.watch = ConnectionWatch(
             self.socket,
@@ -76,6 +81,8 @@ class BootstrapServer:
             f"bootstrap {self.address}",
             on_closed=on_closed,
             on_bad_frame=self._count_bad_frame,
+            on_accepted=door.accepted,
+            on_disconnected=door.disconnected,
         )
 
     def _count_bad_frame(self, reason: str) -> None:
@@ -116,12 +123,12 @@ class BootstrapServer:
 
     async def _serve(self) -> None:
         while True:
-            frames = await self.socket.recv_multipart()
-            if len(frames) != 2:
+            parts = await self.socket.recv_multipart(copy=False)
+            if len(parts) != 2:
                 self._count_bad_frame(Reason.BAD_FRAME.value)
                 continue
-            identity, frame = frames
-            if not await self._doorman.admit(identity, frame):
+            identity, frame = parts[0].bytes, parts[1].bytes
+            if not await self._doorman.admit(identity, frame, source_fd(parts[1])):
                 continue
             try:
                 message = decode(frame)

@@ -25,7 +25,14 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from pd_transfer.agent.auth import REFUSAL_LINGER_MS, Doorman, authenticate, close_reply, security_of
+from pd_transfer.agent.auth import (
+    REFUSAL_LINGER_MS,
+    Doorman,
+    authenticate,
+    close_reply,
+    security_of,
+    source_fd,
+)
 from pd_transfer.agent.zmq_bounds import CONTROL_QUEUED_FRAMES, ConnectionWatch, bound_frames
 from pd_transfer.errors import PdTransferError, ProtocolError, Reason, RemoteProtocolError
 from pd_transfer.layout.geometry import Role
@@ -88,6 +95,11 @@ class Channel:
     def close(self) -> None:
         """End the session on this side."""
         self.closed = True
+
+    def revoke(self) -> None:
+        """End the session and its connection for good: the peer proved the secret but
+        broke the rules of the name it proved (this side sent it a Close saying so)."""
+        self.close()
 
     async def receive(self, frame: bytes, on_message: OnMessage) -> None:
         self.last_heard_s = time.monotonic()
@@ -190,6 +202,9 @@ class OutgoingChannel(Channel):
             self.close(linger_ms=REFUSAL_LINGER_MS)
             self.on_refused(self)
 
+    def revoke(self) -> None:
+        self.close(linger_ms=REFUSAL_LINGER_MS)
+
     def close(self, linger_ms: int = 0) -> None:
         """Stop the session; ``linger_ms`` lets frames already sent (a Close) leave first."""
         self.closed = True
@@ -209,6 +224,7 @@ class IncomingChannel(Channel):
         super().__init__(Session(role), f"peer {identity.hex()[:8]}")
         self._router = router
         self.identity = identity
+        self.fd: int | None = None  # the descriptor its latest frame came on (SRCFD)
 
     async def _write(self, frame: bytes) -> None:
         await self._router.socket.send_multipart([self.identity, frame])
@@ -219,6 +235,10 @@ class IncomingChannel(Channel):
         self.closed = True
         if self._router.channels.get(self.identity) is self:
             del self._router.channels[self.identity]
+
+    def revoke(self) -> None:
+        self.close()
+        self._router.doorman.revoke(self.identity, self.fd)
 
 
 class IncomingChannels:
@@ -241,20 +261,34 @@ class IncomingChannels:
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        bound_frames(self.socket, queued_frames=CONTROL_QUEUED_FRAMES)
+        bound_frames(
+            self.socket, queued_frames=CONTROL_QUEUED_FRAMES, handshake_timeout_s=security.lobby.timeout_s
+        )
         security.listening(self.socket)
         if port:
             self.socket.bind(f"tcp://{host}:{port}")
         else:
             port = self.socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
-        self._doorman = Doorman(
-            self.socket, security, f"control {self.address}", close_reply, on_bad_frame=on_bad_frame
+        door = security.lobby.door("control")
+        self.doorman = Doorman(
+            self.socket,
+            security,
+            f"control {self.address}",
+            close_reply,
+            on_bad_frame=on_bad_frame,
+            door=door,
         )
         self._role = role
         self.channels: dict[bytes, IncomingChannel] = {}
         self.watch = ConnectionWatch(
-            self.socket, "control", f"control {self.address}", on_closed=on_closed, on_bad_frame=on_bad_frame
+            self.socket,
+            "control",
+            f"control {self.address}",
+            on_closed=on_closed,
+            on_bad_frame=on_bad_frame,
+            on_accepted=door.accepted,
+            on_disconnected=door.disconnected,
         )
 
     async def serve(self, on_message: OnMessage) -> None:
@@ -266,19 +300,20 @@ class IncomingChannels:
 
     async def _serve(self, on_message: OnMessage) -> None:
         while True:
-            frames = await self.socket.recv_multipart()
-            if len(frames) != 2:
+            parts = await self.socket.recv_multipart(copy=False)
+            if len(parts) != 2:
                 self._on_bad_frame(Reason.BAD_FRAME.value)
-                log.warning("control socket: dropped a message of %d frames", len(frames))
+                log.warning("control socket: dropped a message of %d frames", len(parts))
                 continue
-            identity, frame = frames
-            if not await self._doorman.admit(identity, frame):
+            identity, frame, fd = parts[0].bytes, parts[1].bytes, source_fd(parts[1])
+            if not await self.doorman.admit(identity, frame, fd):
                 continue
             channel = self.channels.get(identity)
             if channel is None or channel.closed:
                 channel = self.channels[identity] = IncomingChannel(self, identity, self._role)
-                channel.proven_agent_id = self._doorman.proven_agent_id(identity)
+                channel.proven_agent_id = self.doorman.proven_agent_id(identity)
                 channel.on_bad_frame, channel.on_refused = self._on_bad_frame, self._on_refused
+            channel.fd = fd
             try:
                 await channel.receive(frame, on_message)
             except Exception:

@@ -65,6 +65,7 @@ class Sidecar:
         self.observe = Observer(self)
         self.observe.watch_admission(self.admission)
         self.security.on_failure = self.observe.auth_failure
+        self.security.lobby.on_refused = self.observe.connection_refused
         self.geometry: RankGeometry | None = None
         self.handles: dict[str, str] = {}
         self.pp_size = 1

@@ -94,6 +94,19 @@ class Gate:
         """The agent id an authenticated identity proved itself as ('' if none)."""
         return self._peers.get(identity, "")
 
+    def knows(self, identity: bytes) -> bool:
+        """Whether ``identity`` completed the handshake (and was not forgotten since)."""
+        return identity in self._peers
+
+    def forget(self, identity: bytes) -> None:
+        """``identity`` must authenticate again before a frame of it passes."""
+        self._peers.pop(identity, None)
+        self._pending.pop(identity, None)
+
+    def forget_pending(self, identity: bytes) -> None:
+        """``identity``'s connection ended mid-handshake: drop its challenge."""
+        self._pending.pop(identity, None)
+
     def admit(self, identity: bytes, frame: bytes) -> GateAnswer:
         if self._key is None:
             return PASS
@@ -137,7 +150,11 @@ class Gate:
             return GateAnswer(Decision.REFUSE, err.reply, err)
 
     def _hello(self, identity: bytes, hello: AuthHello) -> bytes:
-        self._pending.pop(identity, None)
+        if self._pending.pop(identity, None) is not None:
+            raise refusal(
+                Reason.AUTH_FAILED,
+                f"{hello.agent_id}: a second hello on one connection (one handshake a connection)",
+            )
         if len(identity) < MIN_ROUTING_ID_NBYTES:
             raise refusal(
                 Reason.AUTH_FAILED,

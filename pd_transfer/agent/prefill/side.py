@@ -200,6 +200,7 @@ class PrefillSide(PrefillWrites):
                 Reason.AUTH_FAILED,
                 "decode peer {} registered under another name than it proved",
             )
+            peer.channel.revoke()  # it authenticates again, on a new connection, or not at all
             return
         peer.register = message
         peer.channel.label = f"{message.geometry.rank_id} ({message.agent_id})"
