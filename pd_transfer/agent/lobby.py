@@ -11,8 +11,10 @@ per port (a :class:`Door`) and in total:
 - **how many**: at most ``max_pending`` strangers per port and
   ``max_total`` over all ports. One more evicts the oldest stranger that has
   not started the handshake; when every one has (an ``AuthHello`` flood),
-  the newcomer is refused instead: a half-done handshake is never evicted, so
-  a flood cannot cut a real peer off between its hello and its proof;
+  it evicts the oldest of the address holding the most strangers, if that
+  address holds more than the newcomer's, and otherwise the newcomer is
+  refused: a flood cannot cut a real peer off between its hello and its
+  proof, and one host's flood leaves room for the peers of another;
 - **how long**: one deadline from the accept for the whole handshake
   (``timeout_s``; ZeroMQ's own handshake is bounded by ``HANDSHAKE_IVL``
   set to the same value, see :func:`pd_transfer.agent.zmq_bounds.bound_frames`);
@@ -105,6 +107,11 @@ class Stranger:
     refused: bool = False  # its handshake was refused: cut after the reply leaves
     timer: asyncio.TimerHandle | None = None
 
+    @property
+    def host(self) -> str:
+        """The peer's address, without its port."""
+        return str(self.ends[1][0]) if isinstance(self.ends[1], tuple) else str(self.ends[1])
+
     def probe(self, what: Callable[[socket.socket], object]) -> object | None:
         """``what(sock)`` on this connection's descriptor, None if it is no longer this
         connection (closed, or the number reused by another)."""
@@ -152,9 +159,23 @@ class Lobby:
     def num_strangers(self) -> int:
         return sum(len(door.strangers) for door in self.doors)
 
-    def _oldest_idle(self, doors: list[Door]) -> Stranger | None:
-        idle = [s for door in doors for s in door.strangers.values() if not s.hello and not s.refused]
-        return min(idle, key=lambda s: s.since_s, default=None)
+    def _victim(self, doors: list[Door], newcomer: Stranger) -> Stranger | None:
+        """Whom ``newcomer`` evicts: the oldest idle stranger; failing that, when one
+        address holds more strangers than the newcomer's does, that address's oldest
+        (one host's flood does not lock out another's peers); else nobody."""
+        live = [s for door in doors for s in door.strangers.values() if not s.refused]
+        idle = [s for s in live if not s.hello]
+        if idle:
+            return min(idle, key=lambda s: s.since_s)
+        held: dict[str, list[Stranger]] = {}
+        for stranger in live:
+            held.setdefault(stranger.host, []).append(stranger)
+        if not held:
+            return None
+        most = max(held.values(), key=len)
+        if len(most) <= len(held.get(newcomer.host, ())) + 1:
+            return None
+        return min(most, key=lambda s: s.since_s)
 
     def _count(self, name: str, reason: str) -> None:
         self.refused[(name, reason)] = self.refused.get((name, reason), 0) + 1
@@ -280,13 +301,13 @@ class Door:
             (lambda: lobby.num_strangers >= lobby.max_total, lobby.doors, "max_pending_total"),
         ):
             while over():
-                oldest = lobby._oldest_idle(doors)
-                if oldest is None:
+                victim = lobby._victim(doors, newcomer)
+                if victim is None:
                     self.cut(
                         newcomer, "pending_limit", f"every pending connection is mid-handshake ({limit})"
                     )
                     return False
-                oldest.door.cut(oldest, "pending_limit", f"the oldest idle one makes room ({limit})")
+                victim.door.cut(victim, "pending_limit", f"an older one makes room for a newer one ({limit})")
         return True
 
     def _expire(self, stranger: Stranger) -> None:

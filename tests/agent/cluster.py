@@ -13,9 +13,11 @@ and checked by the oracle.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -65,6 +67,11 @@ def worker_environ(insecure: bool):
         os.environ.update(saved)
 
 
+def _limit_files(nofile: int) -> None:
+    """In a sidecar's process before it runs: at most ``nofile`` descriptors (soft and hard)."""
+    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+
 class Sidecar:
     def __init__(
         self,
@@ -74,6 +81,7 @@ class Sidecar:
         config: dict,
         bootstrap: str = "",
         worker_scheme: str = "unix",
+        nofile: int | None = None,
     ) -> None:
         self.name, self.role = name, role
         self.endpoint = f"{worker_scheme}://{workdir}/{name}.sock"
@@ -103,7 +111,11 @@ class Sidecar:
         if bootstrap:
             cmd += ["--bootstrap", bootstrap]
         self.proc = subprocess.Popen(
-            cmd, stderr=self.log.open("w"), stdout=subprocess.DEVNULL, env=sidecar_environ(config)
+            cmd,
+            stderr=self.log.open("w"),
+            stdout=subprocess.DEVNULL,
+            env=sidecar_environ(config),
+            preexec_fn=None if nofile is None else functools.partial(_limit_files, nofile),
         )
 
     def wait_ready(self, timeout_s: float = 30.0) -> dict:
@@ -154,6 +166,7 @@ class Cluster:
         device: str = "cpu",
         decode_device: str | None = None,
         worker_scheme: str = "unix",
+        prefill_nofile: int | None = None,
     ) -> None:
         self.workdir = workdir
         # "cuda": pools are CUDA tensors shared through CUDA IPC handles
@@ -186,7 +199,13 @@ class Cluster:
             if role == "decode" and config_for.get("prefill_bootstraps") == "this":
                 config_for["prefill_bootstraps"] = [self.bootstrap]
             self.sidecars[geometry.rank_id] = Sidecar(
-                workdir, role, name, config_for, self.bootstrap if role == "prefill" else "", worker_scheme
+                workdir,
+                role,
+                name,
+                config_for,
+                self.bootstrap if role == "prefill" else "",
+                worker_scheme,
+                nofile=prefill_nofile if role == "prefill" else None,
             )
         self.pools, self.clients = {}, {}
         self._tag = tag
