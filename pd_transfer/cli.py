@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_demo(sub)
     _add_keygen(sub)
+    _add_identity(sub)
     _add_status(sub)
     return parser
 
@@ -288,6 +289,36 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
         raise ConfigError(f"keygen: cannot write to {args.out}: {err.strerror}") from None
     for path in paths:
         print(path)
+    return EXIT_OK
+
+
+def _add_identity(sub) -> None:
+    identity = sub.add_parser(
+        "identity",
+        help="write one sidecar's identity key and its allow-list line",
+        description="Write identity.key (a CURVE secret key of this sidecar's own, Z85, mode 0600: "
+        "its identity_key_file) and identity.allow (the line naming it: public key, role, agent "
+        "id, decode instance) into DIR, and print that line. Collect the lines of every sidecar "
+        "into the identity_allow_file of the sidecars they connect to (prefill).",
+        epilog="exit codes: 0 written, 2 a file exists (see --force) or DIR is unwritable",
+    )
+    identity.add_argument("--role", required=True, choices=("prefill", "decode"))
+    identity.add_argument("--agent-id", required=True, help="the sidecar's agent_id")
+    identity.add_argument("--instance-id", default="", help="decode: the instance_id it registers under")
+    identity.add_argument("--out", required=True, metavar="DIR", help="directory to write the key to")
+    identity.add_argument("--force", action="store_true", help="replace existing files")
+    identity.set_defaults(handler=_cmd_identity)
+
+
+def _cmd_identity(args: argparse.Namespace) -> int:
+    from pd_transfer.security.identity import Identity, write_identity
+
+    who = Identity(args.role, args.agent_id, args.instance_id)
+    try:
+        keypair, _ = write_identity(args.out, who, force=args.force)
+    except OSError as err:
+        raise ConfigError(f"identity: cannot write to {args.out}: {err.strerror}") from None
+    print(who.line(keypair.public))
     return EXIT_OK
 
 

@@ -56,9 +56,8 @@ BAD_FRAME_REASONS = tuple(
         Reason.TIMEOUT,
     )
 )
-AUTH_FAILURE_REASONS = tuple(
-    r.value for r in (Reason.AUTH_FAILED, Reason.AUTH_REPLAYED, Reason.UNAUTHENTICATED)
-)
+_AUTH_FAILURES = (Reason.AUTH_FAILED, Reason.AUTH_REPLAYED, Reason.UNAUTHENTICATED, Reason.IDENTITY_MISMATCH)
+AUTH_FAILURE_REASONS = tuple(r.value for r in _AUTH_FAILURES)
 # the config keys whose limits fail requests (pd_transfer_limit_rejections_total{limit})
 LIMITS = (
     "max_rooms",
@@ -72,8 +71,7 @@ ADMISSION_RESOURCES = ("rooms", "bytes")
 DOORBELL_EVENTS = {"prefill": ("rang", "stale"), "decode": ("rung", "closed")}
 # the sockets each role listens on (pd_transfer_connections_closed_total{socket})
 LISTENING_SOCKETS = {"prefill": ("control", "bootstrap", "worker"), "decode": ("worker", "data")}
-# the sockets whose strangers a sidecar bounds, and why it ends one (agent/lobby.py;
-# pd_transfer_connections_refused_total{socket,reason})
+# the sockets whose strangers a sidecar bounds, and why it ends one (agent/lobby.py)
 STRANGER_SOCKETS = {"prefill": ("control", "bootstrap"), "decode": ()}
 STRANGER_REFUSALS = ("pending_limit", "fd_reserve", "handshake_timeout", "nbytes", "auth_refused")
 

@@ -25,9 +25,11 @@ import zmq
 import zmq.asyncio
 
 from pd_transfer.agent.lobby import Door, Lobby
+from pd_transfer.agent.zap import ZapHandler
 from pd_transfer.errors import AuthError, PdTransferError, Reason
 from pd_transfer.protocol import Close, encode
 from pd_transfer.security import ClientHandshake, Decision, Gate, NonceBook, SecuritySettings, new_routing_id
+from pd_transfer.security.identity import IDENTITY_DOMAIN, Identity
 from pd_transfer.wire.fields import clip_text
 
 if TYPE_CHECKING:
@@ -68,7 +70,7 @@ class Security:
         return self.settings.auth_enabled
 
     def gate(self) -> Gate:
-        return Gate(self.settings.secret, self.agent_id, self.nonces)
+        return Gate(self.settings.secret, self.agent_id, self.nonces, identities=self.settings.identities)
 
     def log_mode(self) -> None:
         if self.enabled:
@@ -93,13 +95,16 @@ class Security:
         )
 
     # -- sockets ------------------------------------------------------------------------
-    def listening(self, socket: zmq.Socket) -> None:
-        """CURVE server options for a socket about to bind (no-op without a key)."""
+    def listening(self, socket: zmq.Socket, *, identified: bool = False) -> None:
+        """CURVE server options for a socket about to bind (no-op without a key);
+        ``identified``: its peers' identity keys are checked (control, bootstrap)."""
         keypair = self.settings.curve_keypair
         if keypair is not None:
             socket.curve_secretkey = keypair.secret.encode()
             socket.curve_publickey = keypair.public.encode()
             socket.curve_server = True
+        if identified and self.settings.identities is not None:
+            socket.zap_domain = IDENTITY_DOMAIN.encode()  # agent/zap.py answers for it
 
     def curve_client(self, socket: zmq.Socket) -> None:
         """CURVE client options only (data sockets: no HMAC handshake runs on them)."""
@@ -114,7 +119,11 @@ class Security:
         if self.enabled:
             socket.setsockopt(zmq.ROUTING_ID, new_routing_id())
         if self.settings.curve_server_key:
-            public, secret = zmq.curve_keypair()  # throwaway: CURVE does not say who connects
+            identity = self.settings.identity_keypair
+            if identity is not None:  # who this sidecar is (security/identity.py)
+                public, secret = identity.public.encode(), identity.secret.encode()
+            else:
+                public, secret = zmq.curve_keypair()  # throwaway: CURVE does not say who connects
             socket.curve_publickey, socket.curve_secretkey = public, secret
             socket.curve_serverkey = self.settings.curve_server_key.encode()
 
@@ -126,10 +135,14 @@ class SecureContext(zmq.asyncio.Context):
     """The sidecar's context: sockets made from it find the sidecar's :class:`Security`."""
 
     security: Security = DISABLED  # pyzmq contexts keep attributes declared on the class
+    zap: ZapHandler | None = None  # checks identity keys (identity_allow_file)
 
     def __init__(self, security: Security) -> None:
         super().__init__()
         self.security = security
+        identities = security.settings.identities
+        if identities is not None:  # bound before any socket that asks it
+            self.zap = ZapHandler(self, identities, lambda reason: security.on_failure(reason))
 
 
 def security_of(context: zmq.asyncio.Context) -> Security:
@@ -204,14 +217,19 @@ class Doorman:
         """The agent id ``identity`` proved in its handshake ('' with authentication off)."""
         return self._gate.peer_of(identity)
 
-    async def admit(self, identity: bytes, frame: bytes, fd: int | None = None) -> bool:
-        """Whether ``frame`` from ``identity`` (on descriptor ``fd``, where known) may be handled."""
+    def proven_identity(self, identity: bytes) -> Identity | None:
+        """The identity ``identity``'s key holds (None where names are not checked)."""
+        return self._gate.identity_of(identity)
+
+    async def admit(self, identity: bytes, frame: bytes, fd: int | None = None, user_id: str = "") -> bool:
+        """Whether ``frame`` from ``identity`` (on descriptor ``fd``, where known; presenting
+        the identity key ``user_id``, where checked) may be handled."""
         door = self.door
         if door is not None and fd is not None and not self._gate.knows(identity):
             if door.refused(fd) or door.stranger(fd) is None and fd not in door.members:
                 return False  # refused: cut once its refusal left; or no room for it at all
             self._pending[fd] = identity
-        admission = self._gate.admit(identity, frame)
+        admission = self._gate.admit(identity, frame, user_id)
         if admission.decision is Decision.PASS:
             self._admitted(fd)
             return True
@@ -261,6 +279,14 @@ def source_fd(frame: zmq.Frame) -> int | None:
         return frame.get(zmq.SRCFD)
     except zmq.ZMQError:
         return None
+
+
+def peer_key(frame: zmq.Frame) -> str:
+    """The identity key ZeroMQ's ZAP handler bound to ``frame``'s connection ('' if none)."""
+    try:
+        return frame.get("User-Id") or ""
+    except zmq.ZMQError:
+        return ""
 
 
 def close_reply(frame: bytes, error: AuthError) -> bytes:

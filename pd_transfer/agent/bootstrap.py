@@ -28,11 +28,13 @@ from pd_transfer.agent.auth import (
     Security,
     authenticate,
     close_reply,
+    peer_key,
     security_of,
     source_fd,
 )
 from pd_transfer.agent.zmq_bounds import CONTROL_QUEUED_FRAMES, ConnectionWatch, bound_frames
 from pd_transfer.errors import AuthError, PdTransferError, ProtocolError, Reason
+from pd_transfer.layout.geometry import Role
 from pd_transfer.protocol import Announce, Close, RankEntry, RankTable, TableRequest, decode, encode
 from pd_transfer.wire.fields import clip_text
 
@@ -56,7 +58,7 @@ class BootstrapServer:
         bound_frames(
             self.socket, queued_frames=CONTROL_QUEUED_FRAMES, handshake_timeout_s=security.lobby.timeout_s
         )
-        security.listening(self.socket)
+        security.listening(self.socket, identified=True)
         try:
             self.socket.bind(address)
         except zmq.ZMQError:
@@ -66,6 +68,7 @@ class BootstrapServer:
         self.entries: dict[tuple[int, int], RankEntry] = {}
         self.expected = 0
         self.bad_frames = 0
+        self._security = security
         door = security.lobby.door("bootstrap")
         self._doorman = Doorman(
             self.socket,
@@ -127,8 +130,8 @@ class BootstrapServer:
             if len(parts) != 2:
                 self._count_bad_frame(Reason.BAD_FRAME.value)
                 continue
-            identity, frame = parts[0].bytes, parts[1].bytes
-            if not await self._doorman.admit(identity, frame, source_fd(parts[1])):
+            identity, frame, fd = parts[0].bytes, parts[1].bytes, source_fd(parts[1])
+            if not await self._doorman.admit(identity, frame, fd, peer_key(parts[1])):
                 continue
             try:
                 message = decode(frame)
@@ -141,11 +144,29 @@ class BootstrapServer:
                     )
                 continue
             if isinstance(message, Announce):
+                if not await self._may_announce(identity, fd):
+                    continue
                 self._announced(message.entry)
             elif not isinstance(message, TableRequest):
                 self._count_bad_frame(Reason.ILLEGAL_MESSAGE.value)
                 continue
             await self.socket.send_multipart([identity, encode(self.table())])
+
+    async def _may_announce(self, identity: bytes, fd: int | None) -> bool:
+        """With identities checked, only a prefill's key may add a rank to the table."""
+        who = self._doorman.proven_identity(identity)
+        if who is None or who.role == Role.PREFILL.value:
+            return True
+        error = AuthError(
+            f"{who.agent_id}: a {who.role} identity announced a prefill rank",
+            code=Reason.IDENTITY_MISMATCH,
+        )
+        self._security.failed(error, f"bootstrap {self.address}")
+        await self.socket.send_multipart(
+            [identity, encode(Close(reason=error.code, reason_text=error.message))]
+        )
+        self._doorman.revoke(identity, fd)
+        return False
 
     def close(self) -> None:
         self.socket.close(linger=0)

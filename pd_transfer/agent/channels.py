@@ -30,6 +30,7 @@ from pd_transfer.agent.auth import (
     Doorman,
     authenticate,
     close_reply,
+    peer_key,
     security_of,
     source_fd,
 )
@@ -37,6 +38,7 @@ from pd_transfer.agent.zmq_bounds import CONTROL_QUEUED_FRAMES, ConnectionWatch,
 from pd_transfer.errors import PdTransferError, ProtocolError, Reason, RemoteProtocolError
 from pd_transfer.layout.geometry import Role
 from pd_transfer.protocol import Close, Dropped, Message, Session, encode
+from pd_transfer.security.identity import Identity
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class Channel:
         self.label = label  # who the peer is, for logs and reasons
         self.peer_agent_id = ""
         self.proven_agent_id = ""  # the agent id the peer's handshake proved ('' auth off)
+        self.proven_identity: Identity | None = None  # what its identity key holds (identity on)
         self.last_heard_s = time.monotonic()
         # when this side last sent the peer a frame: a peer that heard nothing from us for
         # longer than its heartbeat limit (this process was stopped) has dropped the session
@@ -264,7 +267,7 @@ class IncomingChannels:
         bound_frames(
             self.socket, queued_frames=CONTROL_QUEUED_FRAMES, handshake_timeout_s=security.lobby.timeout_s
         )
-        security.listening(self.socket)
+        security.listening(self.socket, identified=True)
         if port:
             self.socket.bind(f"tcp://{host}:{port}")
         else:
@@ -306,12 +309,13 @@ class IncomingChannels:
                 log.warning("control socket: dropped a message of %d frames", len(parts))
                 continue
             identity, frame, fd = parts[0].bytes, parts[1].bytes, source_fd(parts[1])
-            if not await self.doorman.admit(identity, frame, fd):
+            if not await self.doorman.admit(identity, frame, fd, peer_key(parts[1])):
                 continue
             channel = self.channels.get(identity)
             if channel is None or channel.closed:
                 channel = self.channels[identity] = IncomingChannel(self, identity, self._role)
                 channel.proven_agent_id = self.doorman.proven_agent_id(identity)
+                channel.proven_identity = self.doorman.proven_identity(identity)
                 channel.on_bad_frame, channel.on_refused = self._on_bad_frame, self._on_refused
             channel.fd = fd
             try:

@@ -111,6 +111,8 @@ class Sidecar:
 
     async def run(self) -> None:
         try:  # a failed start (an address in use) still removes what was made: doorbells
+            if self.context.zap is not None:  # identity keys checked (agent/zap.py)
+                self.spawn(self.context.zap.serve())
             self._serve_worker()
             if self.peer_server is not None:
                 self._serve_control(self.peer_server)

@@ -20,6 +20,7 @@ from typing import Any
 
 from pd_transfer.errors import ConfigError
 from pd_transfer.security.curve import CurveKeypair, check_key, read_secret_key
+from pd_transfer.security.identity import Identity, read_allow_list
 from pd_transfer.security.secret import SECRET_FILE_ENV, SharedSecret, load_secret
 
 #: the one line a sidecar without a secret stops with
@@ -35,6 +36,8 @@ class SecuritySettings:
     secret: SharedSecret | None = None  # None: authentication off (allow_insecure)
     curve_keypair: CurveKeypair | None = None  # encrypts the sockets this sidecar binds
     curve_server_key: str = ""  # expected of the sockets it connects to
+    identity_keypair: CurveKeypair | None = None  # presented when it connects (security/identity.py)
+    identities: Mapping[str, Identity] | None = None  # public key -> identity; None: names unchecked
 
     @property
     def auth_enabled(self) -> bool:
@@ -53,7 +56,23 @@ class SecuritySettings:
         )
         if not server_key and keypair is not None:
             server_key = keypair.public  # one keypair for the whole deployment
-        return cls(secret=secret, curve_keypair=keypair, curve_server_key=server_key)
+        identity = (
+            read_secret_key(config.identity_key_file, "identity_key_file")
+            if config.identity_key_file
+            else None
+        )
+        if identity is not None and not server_key:
+            raise ConfigError(
+                "identity_key_file is presented through CURVE, which is off: set curve_server_key "
+                "or curve_secret_key_file"
+            )
+        identities = read_allow_list(config.identity_allow_file) if config.identity_allow_file else None
+        if identities is not None and (keypair is None or secret is None):
+            raise ConfigError(
+                "identity_allow_file checks the CURVE keys of authenticated peers: it needs "
+                "curve_secret_key_file and a shared secret (secret_file)"
+            )
+        return cls(secret, keypair, server_key, identity, identities)
 
     def describe(self) -> str:
         """One line for the startup log: what is on, never any key material."""
@@ -63,4 +82,8 @@ class SecuritySettings:
             curve.append(f"CURVE server key {self.curve_keypair.public[:8]}...")
         if self.curve_server_key:
             curve.append(f"expects CURVE server key {self.curve_server_key[:8]}...")
+        if self.identity_keypair is not None:
+            curve.append(f"identity key {self.identity_keypair.public[:8]}...")
+        if self.identities is not None:
+            curve.append(f"identities checked ({len(self.identities)} listed)")
         return ", ".join([auth] + curve) if curve else f"{auth}, CURVE off"
