@@ -69,8 +69,10 @@ class Security:
     def enabled(self) -> bool:
         return self.settings.auth_enabled
 
-    def gate(self) -> Gate:
-        return Gate(self.settings.secret, self.agent_id, self.nonces, identities=self.settings.identities)
+    def gate(self, *, identified: bool = False) -> Gate:
+        """A listening socket's gate; ``identified``: it checks peers' identity keys."""
+        identities = self.settings.identities if identified else None
+        return Gate(self.settings.secret, self.agent_id, self.nonces, identities=identities)
 
     def log_mode(self) -> None:
         if self.enabled:
@@ -199,10 +201,11 @@ class Doorman:
         *,
         on_bad_frame: Callable[[str], None] = lambda reason: None,
         door: Door | None = None,
+        identified: bool = False,
     ) -> None:
         self._socket = socket
         self._security = security
-        self._gate = security.gate()
+        self._gate = security.gate(identified=identified)  # identified: control, bootstrap
         self._where = where
         self._unauthenticated_reply = unauthenticated_reply
         self._on_bad_frame = on_bad_frame

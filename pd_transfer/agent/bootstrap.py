@@ -77,6 +77,7 @@ class BootstrapServer:
             close_reply,
             on_bad_frame=self._count_bad_frame,
             door=door,
+            identified=True,
         )
         self.watch = ConnectionWatch(
             self.socket,

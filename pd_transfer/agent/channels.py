@@ -281,6 +281,7 @@ class IncomingChannels:
             close_reply,
             on_bad_frame=on_bad_frame,
             door=door,
+            identified=True,
         )
         self._role = role
         self.channels: dict[bytes, IncomingChannel] = {}

@@ -58,8 +58,8 @@ def parse_allow_list(text: str, source: str) -> dict[str, Identity]:
     identities: dict[str, Identity] = {}
     agents: dict[str, int] = {}
     for number, raw in enumerate(text.splitlines(), 1):
-        line = raw.split("#", 1)[0].strip() if not raw.lstrip().startswith("#") else ""
-        if not line:
+        line = raw.strip()
+        if not line or line.startswith("#"):  # a comment line ('#' is also a Z85 character)
             continue
         where = f"{source} line {number}"
         fields = line.split()

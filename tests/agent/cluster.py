@@ -167,6 +167,7 @@ class Cluster:
         decode_device: str | None = None,
         worker_scheme: str = "unix",
         prefill_nofile: int | None = None,
+        tag: str = "",
     ) -> None:
         self.workdir = workdir
         # "cuda": pools are CUDA tensors shared through CUDA IPC handles
@@ -178,7 +179,7 @@ class Cluster:
         except GeometryError:
             self.world = None  # a pair meant to be rejected: no ground truth to lay out
         self.landed: dict[int, dict] = {}  # room -> requests, for verify_landed
-        tag = f"{os.getpid()}-{next(_ids)}"
+        tag = tag or f"{os.getpid()}-{next(_ids)}"  # in every sidecar's agent id
         base = {
             "transport": transport,
             "http_port": 0,
