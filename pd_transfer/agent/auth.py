@@ -211,10 +211,10 @@ class Doorman:
         self._on_bad_frame = on_bad_frame
         # the socket's strangers (agent/lobby.py), told apart by descriptor: None where the
         # owner cannot tell connections apart (then only the gate's own bounds apply)
-        self.door = door
+        self.door = door if door is not None and door.active else None
         self._pending: dict[int, bytes] = {}  # a stranger's descriptor -> its routing id
-        if door is not None:
-            door.on_gone = self._gone
+        if self.door is not None:
+            self.door.on_gone = self._gone
 
     def proven_agent_id(self, identity: bytes) -> str:
         """The agent id ``identity`` proved in its handshake ('' with authentication off)."""

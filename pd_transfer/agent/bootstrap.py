@@ -69,7 +69,7 @@ class BootstrapServer:
         self.expected = 0
         self.bad_frames = 0
         self._security = security
-        door = security.lobby.door("bootstrap")
+        door = security.lobby.door("bootstrap", active=security.enabled)  # agent/lobby.py
         self._doorman = Doorman(
             self.socket,
             security,

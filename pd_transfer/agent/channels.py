@@ -273,7 +273,7 @@ class IncomingChannels:
         else:
             port = self.socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
-        door = security.lobby.door("control")
+        door = security.lobby.door("control", active=security.enabled)  # agent/lobby.py
         self.doorman = Doorman(
             self.socket,
             security,

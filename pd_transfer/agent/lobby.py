@@ -10,7 +10,8 @@ per port (a :class:`Door`) and in total:
 
 - **how many**: at most ``max_pending`` strangers per port and
   ``max_total`` over all ports. One more evicts the oldest stranger that has
-  not started the handshake; when every one has (an ``AuthHello`` flood),
+  not started the handshake (once a second old; a newer one is refused
+  meanwhile); when every one has (an ``AuthHello`` flood),
   it evicts the oldest of the address holding the most strangers, if that
   address holds more than the newcomer's, and otherwise the newcomer is
   refused: a flood cannot cut a real peer off between its hello and its
@@ -57,6 +58,10 @@ log = logging.getLogger(__name__)
 
 #: how often strangers' received bytes are checked while any are connected
 CHECK_INTERVAL_S = 0.05
+#: an idle stranger is evicted for a newcomer only this long after its accept: a real
+#: peer's hello may still wait unread in ZeroMQ's queue. A newcomer refused meanwhile is
+#: cut before the ZeroMQ handshake, so a ZeroMQ client keeps its hello and reconnects.
+IDLE_GRACE_S = 1.0
 #: what a stranger may send before it authenticates: the ZMTP and CURVE
 #: handshakes and three handshake frames of at most 2 KiB take under 4 KiB
 STRANGER_NBYTES = 256 * 1024
@@ -149,10 +154,12 @@ class Lobby:
         self.on_refused: Callable[[str, str], None] = lambda socket, reason: None
         self._checking: asyncio.Task | None = None
 
-    def door(self, name: str) -> Door:
-        """The strangers of one listening socket, named ``name`` in logs and metrics."""
-        door = Door(self, name, self.max_pending)
-        self.doors.append(door)
+    def door(self, name: str, *, active: bool = True) -> Door:
+        """The strangers of one listening socket, named ``name`` in logs and metrics.
+        Not ``active`` (authentication off: nobody is told apart), it bounds nothing."""
+        door = Door(self, name, self.max_pending, active=active)
+        if active:
+            self.doors.append(door)
         return door
 
     @property
@@ -160,13 +167,15 @@ class Lobby:
         return sum(len(door.strangers) for door in self.doors)
 
     def _victim(self, doors: list[Door], newcomer: Stranger) -> Stranger | None:
-        """Whom ``newcomer`` evicts: the oldest idle stranger; failing that, when one
+        """Whom ``newcomer`` evicts: the oldest idle stranger, once idle for
+        :data:`IDLE_GRACE_S`; with none idle, when one
         address holds more strangers than the newcomer's does, that address's oldest
         (one host's flood does not lock out another's peers); else nobody."""
         live = [s for door in doors for s in door.strangers.values() if not s.refused]
         idle = [s for s in live if not s.hello]
-        if idle:
-            return min(idle, key=lambda s: s.since_s)
+        if idle:  # one younger than IDLE_GRACE_S may have a hello ZeroMQ holds unread
+            oldest = min(idle, key=lambda s: s.since_s)
+            return oldest if time.monotonic() - oldest.since_s >= IDLE_GRACE_S else None
         held: dict[str, list[Stranger]] = {}
         for stranger in live:
             held.setdefault(stranger.host, []).append(stranger)
@@ -199,8 +208,9 @@ class Lobby:
 class Door:
     """One listening socket's strangers; its owner reports accepts, frames and ends."""
 
-    def __init__(self, lobby: Lobby, name: str, max_pending: int) -> None:
+    def __init__(self, lobby: Lobby, name: str, max_pending: int, *, active: bool = True) -> None:
         self.lobby = lobby
+        self.active = active
         self.name = name
         self.max_pending = max_pending
         self.strangers: dict[int, Stranger] = {}  # fd -> stranger
@@ -210,6 +220,8 @@ class Door:
     # -- what the socket's owner reports -------------------------------------------
     def accepted(self, fd: int) -> Stranger | None:
         """A connection was accepted on ``fd``: a stranger, unless there is no room."""
+        if not self.active:
+            return None
         if fd in self.strangers or fd in self.members:
             return self.strangers.get(fd)  # its frames were read before the accept event
         stranger = self._record(fd)
