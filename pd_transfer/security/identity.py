@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pd_transfer.errors import ConfigError
-from pd_transfer.security.curve import CurveKeypair, check_key, generate_keypair
+from pd_transfer.security.curve import Z85_KEY_LEN, CurveKeypair, check_key, generate_keypair
 
 IDENTITY_KEY_FILE = "identity.key"
 IDENTITY_LINE_FILE = "identity.allow"
@@ -53,13 +53,21 @@ class Identity:
         return " ".join(filter(None, (public_key, self.role, self.agent_id, self.instance_id)))
 
 
+def _is_comment(line: str) -> bool:
+    """A line starting with '#' that is not a key's line ('#' is a Z85 character too)."""
+    fields = line.split()
+    return line.startswith("#") and not (
+        len(fields) in (3, 4) and len(fields[0]) == Z85_KEY_LEN and fields[1] in ROLES
+    )
+
+
 def parse_allow_list(text: str, source: str) -> dict[str, Identity]:
     """``public key -> Identity`` from the allow-list's text; ConfigError naming the line."""
     identities: dict[str, Identity] = {}
     agents: dict[str, int] = {}
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
-        if not line or line.startswith("#"):  # a comment line ('#' is also a Z85 character)
+        if not line or _is_comment(line):
             continue
         where = f"{source} line {number}"
         fields = line.split()
