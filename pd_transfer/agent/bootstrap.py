@@ -145,7 +145,7 @@ class BootstrapServer:
                     )
                 continue
             if isinstance(message, Announce):
-                if not await self._may_announce(identity, fd):
+                if not await self._may_announce(identity, fd, message.entry):
                     continue
                 self._announced(message.entry)
             elif not isinstance(message, TableRequest):
@@ -153,13 +153,15 @@ class BootstrapServer:
                 continue
             await self.socket.send_multipart([identity, encode(self.table())])
 
-    async def _may_announce(self, identity: bytes, fd: int | None) -> bool:
-        """With identities checked, only a prefill's key may add a rank to the table."""
+    async def _may_announce(self, identity: bytes, fd: int | None, entry: RankEntry) -> bool:
+        """With identities checked, only a prefill's key may add a rank to the table, and
+        only under its own agent id."""
         who = self._doorman.proven_identity(identity)
-        if who is None or who.role == Role.PREFILL.value:
+        if who is None or (who.role == Role.PREFILL.value and entry.agent_id == who.agent_id):
             return True
         error = AuthError(
-            f"{who.agent_id}: a {who.role} identity announced a prefill rank",
+            f"{who.agent_id}: a {who.role} identity announced prefill rank "
+            f"{entry.geometry.rank_id} of agent {entry.agent_id!r}",
             code=Reason.IDENTITY_MISMATCH,
         )
         self._security.failed(error, f"bootstrap {self.address}")

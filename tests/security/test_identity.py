@@ -13,6 +13,8 @@ holding the secret and a listed key of its own (``decode-evil``, instance
 - it authenticates as itself and registers for the real decode's instance
   ``dec-A``, to take its rooms: refused with a Close ``identity_mismatch``,
   counted, and its connection ends;
+- it announces a prefill rank to the bootstrap with its decode key: refused
+  with ``identity_mismatch``, and the table is unchanged;
 - a secret holder presenting no listed key does not get through the CURVE
   handshake at all (counted by the ZAP handler).
 
@@ -32,11 +34,12 @@ import pytest
 from secure_cluster import metric, ranks, requests, run_with, start
 
 from pd_transfer.agent.auth import Security, authenticate
+from pd_transfer.agent.bootstrap import fetch_table
 from pd_transfer.agent.channels import OutgoingChannel
 from pd_transfer.client import RoomStatus
 from pd_transfer.errors import AuthError, PdTransferError, Reason
 from pd_transfer.layout.geometry import Role
-from pd_transfer.protocol import Close, Hello, Register
+from pd_transfer.protocol import Close, Hello, RankEntry, Register
 from pd_transfer.security import SecuritySettings, load_secret
 from pd_transfer.security.curve import read_secret_key, write_keys
 
@@ -159,6 +162,25 @@ def test_a_member_registering_for_another_decodes_instance_is_refused_and_counte
     # as itself, of its own instance, the same member is served
     accepted = _register_as(checked, evil, "decode-evil", "dec-B")
     assert isinstance(accepted, Register), accepted
+
+
+def test_a_decode_key_cannot_announce_a_prefill_rank(checked, keys):
+    before = metric(checked, P0, FAILURES, reason="identity_mismatch")
+    evil = _member(keys, "decode-evil", keys["evil"])
+    entry = RankEntry(
+        agent_id=PREFILL_ID,
+        host_id="h",
+        control_address="tcp://127.0.0.1:9",
+        pp_size=1,
+        geometry=ranks(Role.PREFILL, 1)[0],
+    )
+    with pytest.raises(PdTransferError) as refused:
+        run_with(evil, lambda context: fetch_table(context, checked.bootstrap, "decode-evil", 5.0, entry))
+    assert refused.value.code is Reason.IDENTITY_MISMATCH, refused.value
+    assert "a decode identity announced prefill rank" in refused.value.message
+    assert metric(checked, P0, FAILURES, reason="identity_mismatch") >= before + 1
+    table = run_with(evil, lambda context: fetch_table(context, checked.bootstrap, "decode-evil", 5.0))
+    assert [e.control_address for e in table.entries] == [checked.ready[P0]["control_address"]]
 
 
 def test_a_secret_holder_without_a_listed_key_does_not_get_in(checked, keys):
