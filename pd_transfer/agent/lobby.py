@@ -10,8 +10,8 @@ per port (a :class:`Door`) and in total:
 
 - **how many**: at most ``max_pending`` strangers per port and
   ``max_total`` over all ports. One more evicts the oldest stranger that has
-  not started the handshake (once a second old; a newer one is refused
-  meanwhile); when every one has (an ``AuthHello`` flood),
+  not started the handshake (a real peer does so at once: evicting the
+  oldest idle one leaves a newer one the time of its round trip); when every one has (an ``AuthHello`` flood),
   it evicts the oldest of the address holding the most strangers, if that
   address holds more than the newcomer's, and otherwise the newcomer is
   refused: a flood cannot cut a real peer off between its hello and its
@@ -58,10 +58,6 @@ log = logging.getLogger(__name__)
 
 #: how often strangers' received bytes are checked while any are connected
 CHECK_INTERVAL_S = 0.05
-#: an idle stranger is evicted for a newcomer only this long after its accept: a real
-#: peer's hello may still wait unread in ZeroMQ's queue. A newcomer refused meanwhile is
-#: cut before the ZeroMQ handshake, so a ZeroMQ client keeps its hello and reconnects.
-IDLE_GRACE_S = 1.0
 #: what a stranger may send before it authenticates: the ZMTP and CURVE
 #: handshakes and three handshake frames of at most 2 KiB take under 4 KiB
 STRANGER_NBYTES = 256 * 1024
@@ -167,15 +163,13 @@ class Lobby:
         return sum(len(door.strangers) for door in self.doors)
 
     def _victim(self, doors: list[Door], newcomer: Stranger) -> Stranger | None:
-        """Whom ``newcomer`` evicts: the oldest idle stranger, once idle for
-        :data:`IDLE_GRACE_S`; with none idle, when one
+        """Whom ``newcomer`` evicts: the oldest idle stranger; with none idle, when one
         address holds more strangers than the newcomer's does, that address's oldest
         (one host's flood does not lock out another's peers); else nobody."""
         live = [s for door in doors for s in door.strangers.values() if not s.refused]
         idle = [s for s in live if not s.hello]
-        if idle:  # one younger than IDLE_GRACE_S may have a hello ZeroMQ holds unread
-            oldest = min(idle, key=lambda s: s.since_s)
-            return oldest if time.monotonic() - oldest.since_s >= IDLE_GRACE_S else None
+        if idle:
+            return min(idle, key=lambda s: s.since_s)
         held: dict[str, list[Stranger]] = {}
         for stranger in live:
             held.setdefault(stranger.host, []).append(stranger)

@@ -7,7 +7,6 @@ import socket
 
 import pytest
 
-from pd_transfer.agent import lobby as lobby_module
 from pd_transfer.agent.lobby import Lobby
 
 
@@ -52,25 +51,20 @@ def _run(coroutine):
     return asyncio.run(coroutine)
 
 
-def test_a_full_port_evicts_its_oldest_idle_stranger_once_it_is_past_the_grace(pairs, monkeypatch):
+def test_a_full_port_evicts_its_oldest_idle_stranger(pairs):
     async def main():
         lobby = Lobby(max_pending=2, max_total=8)
         door = lobby.door("control")
-        for _ in range(2):
+        for _ in range(3):
             door.accepted(pairs.connect())
-        assert door.accepted(pairs.connect()) is None  # both idle but young: the newcomer goes
-        monkeypatch.setattr(lobby_module, "IDLE_GRACE_S", 0.0)
-        assert door.accepted(pairs.connect()) is not None  # now the oldest idle one goes
         return lobby
 
     lobby = _run(main())
-    assert [pairs.cut(i) for i in range(4)] == [True, False, True, False]
-    assert lobby.refused == {("control", "pending_limit"): 2}
+    assert [pairs.cut(i) for i in range(3)] == [True, False, False]
+    assert lobby.refused == {("control", "pending_limit"): 1}
 
 
-def test_a_half_done_handshake_is_not_evicted_by_a_newcomer_from_its_address(pairs, monkeypatch):
-    monkeypatch.setattr(lobby_module, "IDLE_GRACE_S", 0.0)
-
+def test_a_half_done_handshake_is_not_evicted_by_a_newcomer_from_its_address(pairs):
     async def main():
         lobby = Lobby(max_pending=2, max_total=8)
         door = lobby.door("control")
@@ -84,9 +78,7 @@ def test_a_half_done_handshake_is_not_evicted_by_a_newcomer_from_its_address(pai
     assert lobby.refused == {("control", "pending_limit"): 1}
 
 
-def test_the_total_cap_spans_ports_and_a_member_is_no_stranger(pairs, monkeypatch):
-    monkeypatch.setattr(lobby_module, "IDLE_GRACE_S", 0.0)
-
+def test_the_total_cap_spans_ports_and_a_member_is_no_stranger(pairs):
     async def main():
         lobby = Lobby(max_pending=8, max_total=2)
         control, bootstrap = lobby.door("control"), lobby.door("bootstrap")
