@@ -9,8 +9,13 @@ A plain context means security off, which is what unit tests use.
 Listening sockets (ROUTER) put a :class:`Doorman` in front of their loop: it
 answers handshake frames itself and lets a frame through only from an
 identity that completed the handshake; anything else is counted and
-answered in the socket's own protocol. Connecting sockets (DEALER) call
-:func:`authenticate` before their first frame.
+answered in the socket's own protocol, once: a refused connection is then
+ended. On the control and bootstrap sockets it also reports each
+connection's progress to the socket's :class:`~pd_transfer.agent.lobby.Door`,
+which bounds the connections that have not authenticated, and, with
+identities checked, compares the names claimed with the connection's
+identity key (:mod:`pd_transfer.agent.zap`). Connecting sockets (DEALER)
+call :func:`authenticate` before their first frame.
 """
 
 from __future__ import annotations
