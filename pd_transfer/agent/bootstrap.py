@@ -70,6 +70,7 @@ class BootstrapServer:
         self.bad_frames = 0
         self._security = security
         door = security.lobby.door("bootstrap", active=security.enabled)  # agent/lobby.py
+        door.bound(self.address)
         self._doorman = Doorman(
             self.socket,
             security,

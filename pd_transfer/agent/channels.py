@@ -274,6 +274,7 @@ class IncomingChannels:
             port = self.socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         door = security.lobby.door("control", active=security.enabled)  # agent/lobby.py
+        door.bound(self.address)
         self.doorman = Doorman(
             self.socket,
             security,

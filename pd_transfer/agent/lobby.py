@@ -207,6 +207,7 @@ class Door:
         self.active = active
         self.name = name
         self.max_pending = max_pending
+        self.local: object = None  # the listening address, as getsockname() gives it (bound())
         self.strangers: dict[int, Stranger] = {}  # fd -> stranger
         self.members: set[int] = set()  # fds past the handshake
         self.on_gone: Callable[[int], None] = lambda fd: None  # a connection ended
@@ -235,17 +236,31 @@ class Door:
         self.lobby._check_soon()
         return stranger
 
+    def bound(self, endpoint: str) -> None:
+        """The socket listens at ``endpoint`` (``tcp://HOST:PORT``, ``ipc://PATH``)."""
+        if endpoint.startswith("tcp://"):
+            self.local = int(endpoint.rsplit(":", 1)[1])
+        elif endpoint.startswith("ipc://"):
+            self.local = endpoint.removeprefix("ipc://")
+
     def _record(self, fd: int) -> Stranger | None:
+        """A stranger on ``fd``, if ``fd`` is a connection to this socket's address: an
+        accept or a frame heard late may name a descriptor since reused by another
+        socket of the process (the health port's), which is never touched."""
         try:
             sock = socket.socket(fileno=fd)
         except OSError:
             return None
         try:
-            return Stranger(self, fd, _ends(sock), time.monotonic())
+            ends = _ends(sock)
         except OSError:
             return None
         finally:
             sock.detach()
+        local = ends[0][1] if isinstance(ends[0], tuple) else ends[0]
+        if self.local is None or local != self.local:
+            return None
+        return Stranger(self, fd, ends, time.monotonic())
 
     def stranger(self, fd: int | None) -> Stranger | None:
         """The stranger on ``fd`` (accepted now if its accept event is still to come)."""

@@ -17,6 +17,7 @@ class Pairs:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.clients: list[socket.socket] = []
         self.accepted: list[socket.socket] = []
+        self.endpoint = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
 
     def connect(self) -> int:
         client = socket.create_connection(self.listener.getsockname())
@@ -55,6 +56,7 @@ def test_a_full_port_evicts_its_oldest_idle_stranger(pairs):
     async def main():
         lobby = Lobby(max_pending=2, max_total=8)
         door = lobby.door("control")
+        door.bound(pairs.endpoint)
         for _ in range(3):
             door.accepted(pairs.connect())
         return lobby
@@ -68,6 +70,7 @@ def test_a_half_done_handshake_is_not_evicted_by_a_newcomer_from_its_address(pai
     async def main():
         lobby = Lobby(max_pending=2, max_total=8)
         door = lobby.door("control")
+        door.bound(pairs.endpoint)
         for _ in range(2):
             door.hello(door.accepted(pairs.connect()).fd)  # both sent their AuthHello
         assert door.accepted(pairs.connect()) is None
@@ -82,6 +85,7 @@ def test_the_total_cap_spans_ports_and_a_member_is_no_stranger(pairs):
     async def main():
         lobby = Lobby(max_pending=8, max_total=2)
         control, bootstrap = lobby.door("control"), lobby.door("bootstrap")
+        control.bound(pairs.endpoint), bootstrap.bound(pairs.endpoint)
         member = pairs.connect()
         control.accepted(member)
         control.admitted(member)  # authenticated: no longer counted
@@ -99,12 +103,15 @@ def test_deadline_bytes_and_descriptor_reserve(pairs):
     async def main():
         lobby = Lobby(timeout_s=0.3, max_nbytes=64 * 1024)
         door = lobby.door("bootstrap")
+        door.bound(pairs.endpoint)
         door.accepted(pairs.connect())  # silent: the deadline
         door.accepted(pairs.connect())
         pairs.clients[1].sendall(b"\0" * (256 * 1024))  # over the byte budget
         await asyncio.sleep(1.0)
         tight = Lobby(fd_limit=1)  # every descriptor is within the reserve
-        tight.door("control").accepted(pairs.connect())
+        door = tight.door("control")
+        door.bound(pairs.endpoint)
+        door.accepted(pairs.connect())
         return lobby, tight
 
     lobby, tight = _run(main())
@@ -113,10 +120,22 @@ def test_deadline_bytes_and_descriptor_reserve(pairs):
     assert tight.refused == {("control", "fd_reserve"): 1}
 
 
+def test_a_descriptor_of_another_socket_is_never_taken_for_a_stranger(pairs):
+    async def main():
+        door = Lobby(timeout_s=0.2).door("control")
+        door.bound("tcp://127.0.0.1:9")  # another port than the connections'
+        assert door.accepted(pairs.connect()) is None
+        await asyncio.sleep(0.5)
+
+    _run(main())
+    assert not pairs.cut(0)
+
+
 def test_a_descriptor_that_now_joins_other_ends_is_left_alone(pairs):
     async def main():
         lobby = Lobby(timeout_s=0.2)
         door = lobby.door("control")
+        door.bound(pairs.endpoint)
         stranger = door.accepted(pairs.connect())
         stranger.ends = (("127.0.0.1", 1), ("127.0.0.1", 2))  # as if the number were reused
         await asyncio.sleep(0.5)
