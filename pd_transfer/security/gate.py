@@ -179,11 +179,7 @@ class Gate:
         return claimed
 
     def _hello(self, identity: bytes, hello: AuthHello, user_id: str) -> bytes:
-        if self._pending.pop(identity, None) is not None:
-            raise refusal(
-                Reason.AUTH_FAILED,
-                f"{hello.agent_id}: a second hello on one connection (one handshake a connection)",
-            )
+        self._pending.pop(identity, None)  # a hello again: a new handshake replaces it
         if len(identity) < MIN_ROUTING_ID_NBYTES:
             raise refusal(
                 Reason.AUTH_FAILED,

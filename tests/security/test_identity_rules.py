@@ -1,5 +1,5 @@
 """Identity keys, sans-IO: the allow-list's format, the gate's check of a claimed agent id,
-a second hello on one connection, and the settings that identities need."""
+and the settings that identities need."""
 
 import dataclasses
 
@@ -80,13 +80,6 @@ def test_without_identities_the_gate_takes_the_claimed_name_and_holds_no_identit
     proof = client.receive(gate.admit(identity, client.hello()).reply)
     assert decode(gate.admit(identity, proof).reply).accepted
     assert gate.peer_of(identity) == "anyone" and gate.identity_of(identity) is None
-
-
-def test_a_second_hello_on_one_connection_is_refused():
-    gate, identity = Gate(KEY, "prefill-0"), new_routing_id()
-    assert gate.admit(identity, ClientHandshake(KEY, "d").hello()).decision is Decision.ANSWER
-    again = gate.admit(identity, ClientHandshake(KEY, "d").hello())
-    assert again.decision is Decision.REFUSE and "a second hello on one connection" in again.error.message
 
 
 def test_identity_settings_need_curve_and_are_read_at_start(tmp_path):
