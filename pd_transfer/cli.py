@@ -14,7 +14,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pd_transfer import __version__
+from pd_transfer import __version__, shm_orphans
 from pd_transfer.errors import ConfigError, GeometryError, PdTransferError
 from pd_transfer.layout.geometry import Role
 from pd_transfer.reports import check_report, plan_report
@@ -47,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_demo(sub)
     _add_keygen(sub)
+    _add_identity(sub)
     _add_status(sub)
-    _add_shm_clean(sub)
+    shm_orphans.add_command(sub)
     return parser
 
 
@@ -122,54 +123,6 @@ def _add_status(sub) -> None:
     )
     status.add_argument("--json", action="store_true", help="print the raw JSON document")
     status.set_defaults(handler=_cmd_status)
-
-
-def _add_shm_clean(sub) -> None:
-    clean = sub.add_parser(
-        "shm-clean",
-        help="list (or remove) shared-memory segments a killed worker left behind",
-        description="List the pd-transfer segments in /dev/shm that no process on this host has "
-        "open or mapped: what a worker killed before it could unlink its pools leaves. "
-        "With --remove, unlink them. A segment any process holds is never touched.",
-        epilog="exit codes: 0 done (nothing orphaned, or removed), 1 orphans listed and left, "
-        "2 a process that could not be inspected may hold them (see --skip-uninspectable)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    clean.add_argument("--remove", action="store_true", help="unlink the orphaned segments")
-    clean.add_argument("--prefix", default="pdt-", help="only segments whose names start with this")
-    clean.add_argument(
-        "--skip-uninspectable",
-        action="store_true",
-        help="take processes this user cannot inspect as holding no segment (they are not workers "
-        "or sidecars, e.g. a sandbox's init)",
-    )
-    clean.set_defaults(handler=_cmd_shm_clean)
-
-
-def _cmd_shm_clean(args: argparse.Namespace) -> int:
-    from pd_transfer.shm_orphans import orphaned_segments, remove
-
-    scan = orphaned_segments(args.prefix)
-    if scan.uninspected and scan.orphaned and not args.skip_uninspectable:
-        print(
-            f"{len(scan.orphaned)} segments look unused, but these processes could not be "
-            f"inspected and may hold them: {', '.join(scan.uninspected)}. Run as root, or as the "
-            "user that runs the workers and sidecars; if none of them is a worker or a sidecar, "
-            "add --skip-uninspectable",
-            file=sys.stderr,
-        )
-        return EXIT_INVALID
-    for name in scan.orphaned:
-        print(name)
-    print(f"{len(scan.orphaned)} orphaned, {len(scan.in_use)} in use", file=sys.stderr)
-    if not scan.orphaned:
-        return EXIT_OK
-    if not args.remove:
-        print("run with --remove to unlink the orphaned segments", file=sys.stderr)
-        return EXIT_REJECTED
-    freed = remove(scan.orphaned)
-    print(f"removed {len(scan.orphaned)} segments, {freed / 2**20:.1f} MiB", file=sys.stderr)
-    return EXIT_OK
 
 
 def _add_serve(sub) -> None:
@@ -327,6 +280,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
         print(render_toml(config), end="")  # secret_file is a path; the secret is never printed
         return EXIT_OK
+    from pd_transfer.agent.lobby import raise_fd_limit
+
+    raise_fd_limit()  # descriptors for peers, strangers and their reserve (agent/lobby.py)
     configure_logging(args.log_level, args.log_format)
     return serve(config, security)
 
@@ -340,6 +296,36 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
         raise ConfigError(f"keygen: cannot write to {args.out}: {err.strerror}") from None
     for path in paths:
         print(path)
+    return EXIT_OK
+
+
+def _add_identity(sub) -> None:
+    identity = sub.add_parser(
+        "identity",
+        help="write one sidecar's identity key and its allow-list line",
+        description="Write identity.key (a CURVE secret key of this sidecar's own, Z85, mode 0600: "
+        "its identity_key_file) and identity.allow (the line naming it: public key, role, agent "
+        "id, decode instance) into DIR, and print that line. Collect the lines of every sidecar "
+        "into the identity_allow_file of the sidecars they connect to (prefill).",
+        epilog="exit codes: 0 written, 2 a file exists (see --force) or DIR is unwritable",
+    )
+    identity.add_argument("--role", required=True, choices=("prefill", "decode"))
+    identity.add_argument("--agent-id", required=True, help="the sidecar's agent_id")
+    identity.add_argument("--instance-id", default="", help="decode: the instance_id it registers under")
+    identity.add_argument("--out", required=True, metavar="DIR", help="directory to write the key to")
+    identity.add_argument("--force", action="store_true", help="replace existing files")
+    identity.set_defaults(handler=_cmd_identity)
+
+
+def _cmd_identity(args: argparse.Namespace) -> int:
+    from pd_transfer.security.identity import Identity, write_identity
+
+    who = Identity(args.role, args.agent_id, args.instance_id)
+    try:
+        keypair, _ = write_identity(args.out, who, force=args.force)
+    except OSError as err:
+        raise ConfigError(f"identity: cannot write to {args.out}: {err.strerror}") from None
+    print(who.line(keypair.public))
     return EXIT_OK
 
 

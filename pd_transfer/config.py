@@ -91,6 +91,11 @@ class SidecarConfig:
     max_chunks_per_room: int = 4096  # prefill: send() calls per room; more fail the room
     data_handshake_timeout_s: float = 10.0  # decode, tcp and engine staging: a data connection authenticates within this time of its accept, or is dropped
     max_pending_data_connections: int = 64  # decode, tcp and engine staging: data connections not yet authenticated; one more drops the oldest
+    control_handshake_timeout_s: float = 10.0  # control and bootstrap: a connection authenticates within this time of its accept, or is dropped
+    max_pending_control_connections: int = 32  # control and bootstrap, per port: connections not yet authenticated; one more drops the oldest idle one, or is refused when all are mid-handshake
+    max_pending_connections_total: int = (
+        64  # control and bootstrap together: connections not yet authenticated
+    )
     peer_series_grace_s: float = (
         300.0  # a peer's labelled metric series are removed this long after its last session ended
     )
@@ -99,6 +104,8 @@ class SidecarConfig:
     allow_unauthenticated_engine: bool = False  # transport mooncake or nixl: accept that the engine's own listeners authenticate nobody (docs/security.md)
     curve_secret_key_file: str = ""  # CURVE secret key (Z85): encrypts the sockets this sidecar binds
     curve_server_key: str = ""  # CURVE public key of the sidecars it connects to (default: own)
+    identity_key_file: str = ""  # this sidecar's own CURVE secret key (Z85), presented when it connects: its identity (pd-transfer identity)
+    identity_allow_file: str = ""  # public key -> role, agent id, decode instance each connecting sidecar may claim; unset: names are not checked
     integrity: bool = False  # crc32 every block sent; decode verifies (when both sides enable it)
     doorbell: bool = True  # same-host rooms also end through a shared-memory doorbell the worker's wait sleeps on (decode offers it, prefill rings it)
     copy_threads: int = field(

@@ -119,6 +119,7 @@ class Reason(enum.Enum):
     AUTH_FAILED = "auth_failed"  # a handshake proof did not verify (wrong key, tampered)
     AUTH_REPLAYED = "auth_replayed"  # a handshake nonce was used before
     UNAUTHENTICATED = "unauthenticated"  # a frame before the handshake finished (no key)
+    IDENTITY_MISMATCH = "identity_mismatch"  # a peer claimed another name than its identity key's
 
 
 @dataclass(frozen=True)

@@ -28,50 +28,22 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pd_transfer import __version__
-from pd_transfer.errors import Reason
+from pd_transfer.metric_labels import (
+    ADMISSION_RESOURCES,
+    AUTH_FAILURE_REASONS,
+    BAD_FRAME_REASONS,
+    DOORBELL_EVENTS,
+    LIMITS,
+    LISTENING_SOCKETS,
+    STRANGER_REFUSALS,
+    STRANGER_SOCKETS,
+)
 from pd_transfer.protocol import PROTOCOL_VERSION
 
 _DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 36, 2))
 _RATE_BUCKETS = tuple(float(x) * 1e9 for x in (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32))
 _COUNT_BUCKETS = tuple(float(1 << k) for k in range(0, 24, 2))
-
-# label values exported at 0 from the start (see the module docstring)
-BAD_FRAME_REASONS = tuple(
-    r.value
-    for r in (
-        Reason.BAD_FRAME,
-        Reason.FRAME_TOO_LARGE,
-        Reason.LIMIT_EXCEEDED,
-        Reason.BAD_FIELD,
-        Reason.UNKNOWN_MESSAGE,
-        Reason.VERSION_UNSUPPORTED,
-        Reason.ILLEGAL_MESSAGE,
-        Reason.ROLE_MISMATCH,
-        Reason.STALE_GENERATION,
-        Reason.BAD_GENERATION,
-        Reason.DUPLICATE_ROOM,
-        Reason.UNKNOWN_ROOM,
-        Reason.UNAUTHENTICATED,
-        Reason.TIMEOUT,
-    )
-)
-AUTH_FAILURE_REASONS = tuple(
-    r.value for r in (Reason.AUTH_FAILED, Reason.AUTH_REPLAYED, Reason.UNAUTHENTICATED)
-)
-# the config keys whose limits fail requests (pd_transfer_limit_rejections_total{limit})
-LIMITS = (
-    "max_rooms",
-    "max_rooms_per_peer",
-    "max_chunks_per_room",
-    "max_inflight_nbytes",
-    "max_inflight_nbytes_total",
-    "max_worker_requests",
-)
-ADMISSION_RESOURCES = ("rooms", "bytes")
-DOORBELL_EVENTS = {"prefill": ("rang", "stale"), "decode": ("rung", "closed")}
-# the sockets each role listens on (pd_transfer_connections_closed_total{socket})
-LISTENING_SOCKETS = {"prefill": ("control", "bootstrap", "worker"), "decode": ("worker", "data")}
 
 
 class SidecarMetrics:
@@ -298,6 +270,15 @@ class SidecarMetrics:
             ["role", "socket"],
             registry=r,
         )
+        self.connections_refused = Counter(
+            "pd_transfer_connections_refused",
+            "Unauthenticated connections to the control or bootstrap socket that this sidecar "
+            "ended, by socket and reason: pending_limit (too many strangers at once), fd_reserve "
+            "(file descriptors near the limit), handshake_timeout, nbytes (sent too much before "
+            "authenticating), auth_refused (its handshake or its name was refused).",
+            ["role", "socket", "reason"],
+            registry=r,
+        )
         self.auth_failures = Counter(
             "pd_transfer_auth_failures",
             "Refused or failed authentication handshakes, and frames sent before one, by reason.",
@@ -342,6 +323,9 @@ class SidecarMetrics:
         self.heartbeat_misses.labels(role)
         for socket in LISTENING_SOCKETS[role]:
             self.connections_closed.labels(role, socket)
+        for socket in STRANGER_SOCKETS[role]:
+            for reason in STRANGER_REFUSALS:
+                self.connections_refused.labels(role, socket, reason)
         self.loop_stalls.labels(role)
         self.verdicts.labels(role, "accepted", "none")
 
@@ -388,6 +372,7 @@ METRIC_NAMES = (
     "pd_transfer_loop_stall_seconds_total",
     "pd_transfer_bad_frames_total",
     "pd_transfer_connections_closed_total",
+    "pd_transfer_connections_refused_total",
     "pd_transfer_auth_failures_total",
     "pd_transfer_insecure",
     "pd_transfer_unauthenticated_engine",

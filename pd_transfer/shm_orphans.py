@@ -6,7 +6,7 @@ unlinks them. A segment is *orphaned* when no process on this host has it
 open or mapped: the worker that made it is gone, and every sidecar that
 mapped it let go. :func:`orphaned_segments` finds them by reading
 ``/proc/*/fd`` and ``/proc/*/maps``; :func:`remove` unlinks them
-(``pd-transfer shm-clean``).
+(``pd-transfer shm-clean``, :func:`add_command`).
 
 A process this user may not inspect (another user's without root, or a
 sandbox's own init) cannot be ruled out: it is named, and nothing is called
@@ -19,11 +19,17 @@ in a pod that shares its process namespace).
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pd_transfer.shm_segments import SEGMENT_DIR, SEGMENT_PREFIX
+
+# shm-clean's exit codes: done; orphans listed, left; a process that may hold them unseen
+EXIT_OK, EXIT_LISTED, EXIT_UNSURE = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -88,3 +94,50 @@ def remove(names: tuple[str, ...], directory: str = SEGMENT_DIR) -> int:
         except FileNotFoundError:
             continue
     return freed
+
+
+def add_command(sub: Any) -> None:
+    """``pd-transfer shm-clean``, on the CLI's subcommands."""
+    clean = sub.add_parser(
+        "shm-clean",
+        help="list (or remove) shared-memory segments a killed worker left behind",
+        description="List the pd-transfer segments in /dev/shm that no process on this host has "
+        "open or mapped: what a worker killed before it could unlink its pools leaves. "
+        "With --remove, unlink them. A segment any process holds is never touched.",
+        epilog="exit codes: 0 done (nothing orphaned, or removed), 1 orphans listed and left, "
+        "2 a process that could not be inspected may hold them (see --skip-uninspectable)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    clean.add_argument("--remove", action="store_true", help="unlink the orphaned segments")
+    clean.add_argument("--prefix", default="pdt-", help="only segments whose names start with this")
+    clean.add_argument(
+        "--skip-uninspectable",
+        action="store_true",
+        help="take processes this user cannot inspect as holding no segment (they are not workers "
+        "or sidecars, e.g. a sandbox's init)",
+    )
+    clean.set_defaults(handler=_shm_clean)
+
+
+def _shm_clean(args: argparse.Namespace) -> int:
+    scan = orphaned_segments(args.prefix)
+    if scan.uninspected and scan.orphaned and not args.skip_uninspectable:
+        print(
+            f"{len(scan.orphaned)} segments look unused, but these processes could not be "
+            f"inspected and may hold them: {', '.join(scan.uninspected)}. Run as root, or as the "
+            "user that runs the workers and sidecars; if none of them is a worker or a sidecar, "
+            "add --skip-uninspectable",
+            file=sys.stderr,
+        )
+        return EXIT_UNSURE
+    for name in scan.orphaned:
+        print(name)
+    print(f"{len(scan.orphaned)} orphaned, {len(scan.in_use)} in use", file=sys.stderr)
+    if not scan.orphaned:
+        return EXIT_OK
+    if not args.remove:
+        print("run with --remove to unlink the orphaned segments", file=sys.stderr)
+        return EXIT_LISTED
+    freed = remove(scan.orphaned)
+    print(f"removed {len(scan.orphaned)} segments, {freed / 2**20:.1f} MiB", file=sys.stderr)
+    return EXIT_OK

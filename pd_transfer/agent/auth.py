@@ -9,8 +9,13 @@ A plain context means security off, which is what unit tests use.
 Listening sockets (ROUTER) put a :class:`Doorman` in front of their loop: it
 answers handshake frames itself and lets a frame through only from an
 identity that completed the handshake; anything else is counted and
-answered in the socket's own protocol. Connecting sockets (DEALER) call
-:func:`authenticate` before their first frame.
+answered in the socket's own protocol, once: a refused connection is then
+ended. On the control and bootstrap sockets it also reports each
+connection's progress to the socket's :class:`~pd_transfer.agent.lobby.Door`,
+which bounds the connections that have not authenticated, and, with
+identities checked, compares the names claimed with the connection's
+identity key (:mod:`pd_transfer.agent.zap`). Connecting sockets (DEALER)
+call :func:`authenticate` before their first frame.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from typing import TYPE_CHECKING
 import zmq
 import zmq.asyncio
 
+from pd_transfer.agent.lobby import Door, Lobby
+from pd_transfer.agent.zap import ZapHandler
 from pd_transfer.errors import AuthError, PdTransferError, Reason
 from pd_transfer.protocol import Close, encode
 from pd_transfer.security import (
@@ -35,6 +42,7 @@ from pd_transfer.security import (
     engine_trust,
     new_routing_id,
 )
+from pd_transfer.security.identity import IDENTITY_DOMAIN, Identity
 from pd_transfer.wire.fields import clip_text
 
 if TYPE_CHECKING:
@@ -56,18 +64,28 @@ class Security:
     handshake_timeout_s: float = 10.0
     nonces: NonceBook = field(default_factory=NonceBook)
     on_failure: Callable[[str], None] = lambda reason: None  # reason code -> metrics
+    lobby: Lobby = field(default_factory=Lobby)  # strangers on the listening sockets
 
     @classmethod
     def from_config(cls, config: SidecarConfig) -> Security:
         """ConfigError (exit code 2) for an unusable secret or key; see SecuritySettings."""
-        return cls(SecuritySettings.from_config(config), config.agent_id, config.bootstrap_timeout_s)
+        lobby = Lobby(
+            max_pending=config.max_pending_control_connections,
+            max_total=config.max_pending_connections_total,
+            timeout_s=config.control_handshake_timeout_s,
+        )
+        return cls(
+            SecuritySettings.from_config(config), config.agent_id, config.bootstrap_timeout_s, lobby=lobby
+        )
 
     @property
     def enabled(self) -> bool:
         return self.settings.auth_enabled
 
-    def gate(self) -> Gate:
-        return Gate(self.settings.secret, self.agent_id, self.nonces)
+    def gate(self, *, identified: bool = False) -> Gate:
+        """A listening socket's gate; ``identified``: it checks peers' identity keys."""
+        identities = self.settings.identities if identified else None
+        return Gate(self.settings.secret, self.agent_id, self.nonces, identities=identities)
 
     def log_mode(self, engine_listeners: list[str] | None = None) -> None:
         """The start log's security line; and a warning for an accepted engine transport whose
@@ -97,13 +115,16 @@ class Security:
         )
 
     # -- sockets ------------------------------------------------------------------------
-    def listening(self, socket: zmq.Socket) -> None:
-        """CURVE server options for a socket about to bind (no-op without a key)."""
+    def listening(self, socket: zmq.Socket, *, identified: bool = False) -> None:
+        """CURVE server options for a socket about to bind (no-op without a key);
+        ``identified``: its peers' identity keys are checked (control, bootstrap)."""
         keypair = self.settings.curve_keypair
         if keypair is not None:
             socket.curve_secretkey = keypair.secret.encode()
             socket.curve_publickey = keypair.public.encode()
             socket.curve_server = True
+        if identified and self.settings.identities is not None:
+            socket.zap_domain = IDENTITY_DOMAIN.encode()  # agent/zap.py answers for it
 
     def curve_client(self, socket: zmq.Socket) -> None:
         """CURVE client options only (data sockets: no HMAC handshake runs on them)."""
@@ -118,7 +139,11 @@ class Security:
         if self.enabled:
             socket.setsockopt(zmq.ROUTING_ID, new_routing_id())
         if self.settings.curve_server_key:
-            public, secret = zmq.curve_keypair()  # throwaway: CURVE does not say who connects
+            identity = self.settings.identity_keypair
+            if identity is not None:  # who this sidecar is (security/identity.py)
+                public, secret = identity.public.encode(), identity.secret.encode()
+            else:
+                public, secret = zmq.curve_keypair()  # throwaway: CURVE does not say who connects
             socket.curve_publickey, socket.curve_secretkey = public, secret
             socket.curve_serverkey = self.settings.curve_server_key.encode()
 
@@ -130,10 +155,14 @@ class SecureContext(zmq.asyncio.Context):
     """The sidecar's context: sockets made from it find the sidecar's :class:`Security`."""
 
     security: Security = DISABLED  # pyzmq contexts keep attributes declared on the class
+    zap: ZapHandler | None = None  # checks identity keys (identity_allow_file)
 
     def __init__(self, security: Security) -> None:
         super().__init__()
         self.security = security
+        identities = security.settings.identities
+        if identities is not None:  # bound before any socket that asks it
+            self.zap = ZapHandler(self, identities, lambda reason: security.on_failure(reason))
 
 
 def security_of(context: zmq.asyncio.Context) -> Security:
@@ -189,13 +218,21 @@ class Doorman:
         unauthenticated_reply: UnauthenticatedReply,
         *,
         on_bad_frame: Callable[[str], None] = lambda reason: None,
+        door: Door | None = None,
+        identified: bool = False,
     ) -> None:
         self._socket = socket
         self._security = security
-        self._gate = security.gate()
+        self._gate = security.gate(identified=identified)  # identified: control, bootstrap
         self._where = where
         self._unauthenticated_reply = unauthenticated_reply
         self._on_bad_frame = on_bad_frame
+        # the socket's strangers (agent/lobby.py), told apart by descriptor: None where the
+        # owner cannot tell connections apart (then only the gate's own bounds apply)
+        self.door = door if door is not None and door.active else None
+        self._pending: dict[int, bytes] = {}  # a stranger's descriptor -> its routing id
+        if self.door is not None:
+            self.door.on_gone = self._gone
 
     def authenticated(self, identity: bytes) -> bool:
         """Whether ``identity`` may send frames past the gate (always, with authentication off)."""
@@ -205,23 +242,76 @@ class Doorman:
         """The agent id ``identity`` proved in its handshake ('' with authentication off)."""
         return self._gate.peer_of(identity)
 
-    async def admit(self, identity: bytes, frame: bytes) -> bool:
-        admission = self._gate.admit(identity, frame)
+    def proven_identity(self, identity: bytes) -> Identity | None:
+        """The identity ``identity``'s key holds (None where names are not checked)."""
+        return self._gate.identity_of(identity)
+
+    async def admit(self, identity: bytes, frame: bytes, fd: int | None = None, user_id: str = "") -> bool:
+        """Whether ``frame`` from ``identity`` (on descriptor ``fd``, where known; presenting
+        the identity key ``user_id``, where checked) may be handled."""
+        door = self.door
+        if door is not None and fd is not None and not self._gate.knows(identity):
+            if door.refused(fd) or door.stranger(fd) is None and fd not in door.members:
+                return False  # refused: cut once its refusal left; or no room for it at all
+            self._pending[fd] = identity
+        admission = self._gate.admit(identity, frame, user_id)
         if admission.decision is Decision.PASS:
+            self._admitted(fd)
             return True
         reply = admission.reply
-        if admission.decision is not Decision.ANSWER:
+        if admission.decision is Decision.ANSWER:
+            if self._gate.knows(identity):
+                self._admitted(fd)  # its proof was accepted
+            elif door is not None:
+                door.hello(fd)
+        else:
             error = admission.error
             self._security.failed(error, f"{self._where}: peer {identity.hex()[:12]}")
             if admission.decision is Decision.UNAUTHENTICATED:
                 self._on_bad_frame(Reason.UNAUTHENTICATED.value)
                 reply = self._unauthenticated_reply(frame, error)
+            if door is not None:
+                door.refuse(fd, REFUSAL_LINGER_MS / 1000)  # one answer, then the connection ends
         if reply is not None:
             try:
                 await self._socket.send_multipart([identity, reply])
             except zmq.ZMQError as err:
                 log.debug("%s: cannot answer peer %s: %s", self._where, identity.hex()[:12], err)
         return False
+
+    def revoke(self, identity: bytes, fd: int | None) -> None:
+        """``identity`` proved the secret but broke the rules of the name it proved (it was
+        sent a Close): it must authenticate again, and its connection ends."""
+        self._gate.forget(identity)
+        if self.door is not None:
+            self.door.refuse(fd, REFUSAL_LINGER_MS / 1000)
+
+    def _admitted(self, fd: int | None) -> None:
+        if fd is not None:
+            self._pending.pop(fd, None)
+        if self.door is not None:
+            self.door.admitted(fd)
+
+    def _gone(self, fd: int) -> None:
+        identity = self._pending.pop(fd, None)
+        if identity is not None:
+            self._gate.forget_pending(identity)
+
+
+def source_fd(frame: zmq.Frame) -> int | None:
+    """The descriptor of the connection ``frame`` came on (None where ZeroMQ cannot say)."""
+    try:
+        return frame.get(zmq.SRCFD)
+    except zmq.ZMQError:
+        return None
+
+
+def peer_key(frame: zmq.Frame) -> str:
+    """The identity key ZeroMQ's ZAP handler bound to ``frame``'s connection ('' if none)."""
+    try:
+        return frame.get("User-Id") or ""
+    except zmq.ZMQError:
+        return ""
 
 
 def close_reply(frame: bytes, error: AuthError) -> bytes:

@@ -28,10 +28,13 @@ from pd_transfer.agent.auth import (
     Security,
     authenticate,
     close_reply,
+    peer_key,
     security_of,
+    source_fd,
 )
 from pd_transfer.agent.zmq_bounds import CONTROL_QUEUED_FRAMES, ConnectionWatch, bound_frames
 from pd_transfer.errors import AuthError, PdTransferError, ProtocolError, Reason
+from pd_transfer.layout.geometry import Role
 from pd_transfer.protocol import Announce, Close, RankEntry, RankTable, TableRequest, decode, encode
 from pd_transfer.wire.fields import clip_text
 
@@ -52,8 +55,10 @@ class BootstrapServer:
         security = security_of(context)
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        bound_frames(self.socket, queued_frames=CONTROL_QUEUED_FRAMES)
-        security.listening(self.socket)
+        bound_frames(
+            self.socket, queued_frames=CONTROL_QUEUED_FRAMES, handshake_timeout_s=security.lobby.timeout_s
+        )
+        security.listening(self.socket, identified=True)
         try:
             self.socket.bind(address)
         except zmq.ZMQError:
@@ -63,12 +68,17 @@ class BootstrapServer:
         self.entries: dict[tuple[int, int], RankEntry] = {}
         self.expected = 0
         self.bad_frames = 0
+        self._security = security
+        door = security.lobby.door("bootstrap", active=security.enabled)  # agent/lobby.py
+        door.bound(self.address)
         self._doorman = Doorman(
             self.socket,
             security,
             f"bootstrap {self.address}",
             close_reply,
             on_bad_frame=self._count_bad_frame,
+            door=door,
+            identified=True,
         )
         self.watch = ConnectionWatch(
             self.socket,
@@ -76,6 +86,8 @@ class BootstrapServer:
             f"bootstrap {self.address}",
             on_closed=on_closed,
             on_bad_frame=self._count_bad_frame,
+            on_accepted=door.accepted,
+            on_disconnected=door.disconnected,
         )
 
     def _count_bad_frame(self, reason: str) -> None:
@@ -116,12 +128,12 @@ class BootstrapServer:
 
     async def _serve(self) -> None:
         while True:
-            frames = await self.socket.recv_multipart()
-            if len(frames) != 2:
+            parts = await self.socket.recv_multipart(copy=False)
+            if len(parts) != 2:
                 self._count_bad_frame(Reason.BAD_FRAME.value)
                 continue
-            identity, frame = frames
-            if not await self._doorman.admit(identity, frame):
+            identity, frame, fd = parts[0].bytes, parts[1].bytes, source_fd(parts[1])
+            if not await self._doorman.admit(identity, frame, fd, peer_key(parts[1])):
                 continue
             try:
                 message = decode(frame)
@@ -134,11 +146,31 @@ class BootstrapServer:
                     )
                 continue
             if isinstance(message, Announce):
+                if not await self._may_announce(identity, fd, message.entry):
+                    continue
                 self._announced(message.entry)
             elif not isinstance(message, TableRequest):
                 self._count_bad_frame(Reason.ILLEGAL_MESSAGE.value)
                 continue
             await self.socket.send_multipart([identity, encode(self.table())])
+
+    async def _may_announce(self, identity: bytes, fd: int | None, entry: RankEntry) -> bool:
+        """With identities checked, only a prefill's key may add a rank to the table, and
+        only under its own agent id."""
+        who = self._doorman.proven_identity(identity)
+        if who is None or (who.role == Role.PREFILL.value and entry.agent_id == who.agent_id):
+            return True
+        error = AuthError(
+            f"{who.agent_id}: a {who.role} identity announced prefill rank "
+            f"{entry.geometry.rank_id} of agent {entry.agent_id!r}",
+            code=Reason.IDENTITY_MISMATCH,
+        )
+        self._security.failed(error, f"bootstrap {self.address}")
+        await self.socket.send_multipart(
+            [identity, encode(Close(reason=error.code, reason_text=error.message))]
+        )
+        self._doorman.revoke(identity, fd)
+        return False
 
     def close(self) -> None:
         self.socket.close(linger=0)

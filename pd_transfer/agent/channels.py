@@ -25,12 +25,21 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from pd_transfer.agent.auth import REFUSAL_LINGER_MS, Doorman, authenticate, close_reply, security_of
+from pd_transfer.agent.auth import (
+    REFUSAL_LINGER_MS,
+    Doorman,
+    authenticate,
+    close_reply,
+    peer_key,
+    security_of,
+    source_fd,
+)
 from pd_transfer.agent.peer_process import ProcessIdentity
 from pd_transfer.agent.zmq_bounds import CONTROL_QUEUED_FRAMES, ConnectionWatch, bound_frames
 from pd_transfer.errors import PdTransferError, ProtocolError, Reason, RemoteProtocolError
 from pd_transfer.layout.geometry import Role
 from pd_transfer.protocol import Close, Dropped, Heartbeat, Message, Session, encode
+from pd_transfer.security.identity import Identity
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +63,7 @@ class Channel:
         self.label = label  # who the peer is, for logs and reasons
         self.peer_agent_id = ""
         self.proven_agent_id = ""  # the agent id the peer's handshake proved ('' auth off)
+        self.proven_identity: Identity | None = None  # what its identity key holds (identity on)
         self.last_heard_s = time.monotonic()
         # when this side last sent the peer a frame: a peer that heard nothing from us for
         # longer than its heartbeat limit (this process was stopped) has dropped the session
@@ -93,6 +103,11 @@ class Channel:
     def close(self) -> None:
         """End the session on this side."""
         self.closed = True
+
+    def revoke(self) -> None:
+        """End the session and its connection for good: the peer proved the secret but
+        broke the rules of the name it proved (this side sent it a Close saying so)."""
+        self.close()
 
     async def receive(self, frame: bytes, on_message: OnMessage) -> None:
         self.last_heard_s = time.monotonic()
@@ -197,6 +212,9 @@ class OutgoingChannel(Channel):
             self.close(linger_ms=REFUSAL_LINGER_MS)
             self.on_refused(self)
 
+    def revoke(self) -> None:
+        self.close(linger_ms=REFUSAL_LINGER_MS)
+
     def close(self, linger_ms: int = 0) -> None:
         """Stop the session; ``linger_ms`` lets frames already sent (a Close) leave first."""
         self.closed = True
@@ -216,6 +234,7 @@ class IncomingChannel(Channel):
         super().__init__(Session(role), f"peer {identity.hex()[:8]}")
         self._router = router
         self.identity = identity
+        self.fd: int | None = None  # the descriptor its latest frame came on (SRCFD)
 
     async def _write(self, frame: bytes) -> None:
         await self._router.socket.send_multipart([self.identity, frame])
@@ -226,6 +245,10 @@ class IncomingChannel(Channel):
         self.closed = True
         if self._router.channels.get(self.identity) is self:
             del self._router.channels[self.identity]
+
+    def revoke(self) -> None:
+        self.close()
+        self._router.doorman.revoke(self.identity, self.fd)
 
 
 class IncomingChannels:
@@ -248,20 +271,36 @@ class IncomingChannels:
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        bound_frames(self.socket, queued_frames=CONTROL_QUEUED_FRAMES)
-        security.listening(self.socket)
+        bound_frames(
+            self.socket, queued_frames=CONTROL_QUEUED_FRAMES, handshake_timeout_s=security.lobby.timeout_s
+        )
+        security.listening(self.socket, identified=True)
         if port:
             self.socket.bind(f"tcp://{host}:{port}")
         else:
             port = self.socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
-        self._doorman = Doorman(
-            self.socket, security, f"control {self.address}", close_reply, on_bad_frame=on_bad_frame
+        door = security.lobby.door("control", active=security.enabled)  # agent/lobby.py
+        door.bound(self.address)
+        self.doorman = Doorman(
+            self.socket,
+            security,
+            f"control {self.address}",
+            close_reply,
+            on_bad_frame=on_bad_frame,
+            door=door,
+            identified=True,
         )
         self._role = role
         self.channels: dict[bytes, IncomingChannel] = {}
         self.watch = ConnectionWatch(
-            self.socket, "control", f"control {self.address}", on_closed=on_closed, on_bad_frame=on_bad_frame
+            self.socket,
+            "control",
+            f"control {self.address}",
+            on_closed=on_closed,
+            on_bad_frame=on_bad_frame,
+            on_accepted=door.accepted,
+            on_disconnected=door.disconnected,
         )
 
     async def serve(self, on_message: OnMessage) -> None:
@@ -273,19 +312,21 @@ class IncomingChannels:
 
     async def _serve(self, on_message: OnMessage) -> None:
         while True:
-            frames = await self.socket.recv_multipart()
-            if len(frames) != 2:
+            parts = await self.socket.recv_multipart(copy=False)
+            if len(parts) != 2:
                 self._on_bad_frame(Reason.BAD_FRAME.value)
-                log.warning("control socket: dropped a message of %d frames", len(frames))
+                log.warning("control socket: dropped a message of %d frames", len(parts))
                 continue
-            identity, frame = frames
-            if not await self._doorman.admit(identity, frame):
+            identity, frame, fd = parts[0].bytes, parts[1].bytes, source_fd(parts[1])
+            if not await self.doorman.admit(identity, frame, fd, peer_key(parts[1])):
                 continue
             channel = self.channels.get(identity)
             if channel is None or channel.closed:
                 channel = self.channels[identity] = IncomingChannel(self, identity, self._role)
-                channel.proven_agent_id = self._doorman.proven_agent_id(identity)
+                channel.proven_agent_id = self.doorman.proven_agent_id(identity)
+                channel.proven_identity = self.doorman.proven_identity(identity)
                 channel.on_bad_frame, channel.on_refused = self._on_bad_frame, self._on_refused
+            channel.fd = fd
             try:
                 await channel.receive(frame, on_message)
             except Exception:

@@ -219,6 +219,10 @@ class Observer:
         """A connection to the listening socket ``socket`` ended (the peer left, or was dropped)."""
         self.metrics.connections_closed.labels(self.role, socket).inc()
 
+    def connection_refused(self, socket: str, reason: str) -> None:
+        """An unauthenticated connection to ``socket`` was ended (agent/lobby.py)."""
+        self.metrics.connections_refused.labels(self.role, socket, reason).inc()
+
     def loop_stalled(self, seconds: float) -> None:
         self.metrics.loop_stalls.labels(self.role).inc(seconds)
 

@@ -66,6 +66,7 @@ class Sidecar:
         self.observe = Observer(self)
         self.observe.watch_admission(self.admission)
         self.security.on_failure = self.observe.auth_failure
+        self.security.lobby.on_refused = self.observe.connection_refused
         self.geometry: RankGeometry | None = None
         self.handles: dict[str, str] = {}
         self.pp_size = 1
@@ -111,6 +112,8 @@ class Sidecar:
 
     async def run(self) -> None:
         try:  # a failed start (an address in use) still removes what was made: doorbells
+            if self.context.zap is not None:  # identity keys checked (agent/zap.py)
+                self.spawn(self.context.zap.serve())
             self._serve_worker()
             if self.peer_server is not None:
                 self._serve_control(self.peer_server)

@@ -43,21 +43,27 @@ CONTROL_FRAME_NBYTES = DEFAULT_LIMITS.max_frame_nbytes
 #: Past it ZeroMQ stops reading that connection, and TCP pushes back on the sender.
 CONTROL_QUEUED_FRAMES = 4
 
-_WATCHED = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+_WATCHED = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 
 def bound_frames(
-    socket: zmq.Socket, max_frame_nbytes: int = CONTROL_FRAME_NBYTES, queued_frames: int | None = None
+    socket: zmq.Socket,
+    max_frame_nbytes: int = CONTROL_FRAME_NBYTES,
+    queued_frames: int | None = None,
+    handshake_timeout_s: float | None = None,
 ) -> None:
     """ZeroMQ drops a connection whose next frame declares more than ``max_frame_nbytes``,
     and queues at most ``queued_frames`` received frames per connection (None: ZeroMQ's
     default; a listening socket passes :data:`CONTROL_QUEUED_FRAMES`; a connecting
     one keeps the default: a ROUTER drops what its peer's full queue cannot take, so
-    the sockets that connect to a prefill keep room for its replies). Set before the
-    socket binds or connects."""
+    the sockets that connect to a prefill keep room for its replies), and ends a
+    connection whose ZeroMQ handshake takes over ``handshake_timeout_s``. Set before
+    the socket binds or connects."""
     socket.setsockopt(zmq.MAXMSGSIZE, max_frame_nbytes)
     if queued_frames is not None:
         socket.setsockopt(zmq.RCVHWM, queued_frames)
+    if handshake_timeout_s is not None:  # ZeroMQ's own handshake (ZMTP, CURVE); default 30 s
+        socket.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(handshake_timeout_s * 1000)))
 
 
 class ConnectionWatch:
@@ -65,8 +71,8 @@ class ConnectionWatch:
 
     ``on_closed(socket_name)`` for every connection that ended (and
     ``on_disconnected(fd)`` with its file descriptor, for an owner that tells
-    connections apart), ``on_bad_frame(reason)`` for a failed ZeroMQ handshake
-    (not ZMTP on the port).
+    connections apart; ``on_accepted(fd)`` for every connection accepted),
+    ``on_bad_frame(reason)`` for a failed ZeroMQ handshake (not ZMTP on the port).
     """
 
     def __init__(
@@ -78,12 +84,14 @@ class ConnectionWatch:
         on_closed: Callable[[str], None] = lambda name: None,
         on_bad_frame: Callable[[str], None] = lambda reason: None,
         on_disconnected: Callable[[int], None] = lambda fd: None,
+        on_accepted: Callable[[int], None] = lambda fd: None,
     ) -> None:
         self.name = name
         self.where = where
         self.closed = 0
         self._on_closed = on_closed
         self._on_disconnected = on_disconnected
+        self._on_accepted = on_accepted
         self._on_bad_frame = on_bad_frame
         self._limit = socket.getsockopt(zmq.MAXMSGSIZE)  # -1: none
         self._monitor = socket.get_monitor_socket(_WATCHED)
@@ -96,7 +104,9 @@ class ConnectionWatch:
                 event = message["event"]
                 if event == zmq.EVENT_MONITOR_STOPPED:
                     return
-                if event == zmq.EVENT_DISCONNECTED:
+                if event == zmq.EVENT_ACCEPTED:
+                    self._on_accepted(int(message["value"]))
+                elif event == zmq.EVENT_DISCONNECTED:
                     self.closed += 1
                     self._on_closed(self.name)
                     self._on_disconnected(int(message["value"]))

@@ -12,6 +12,7 @@ Optionally ZeroMQ CURVE encrypts the tcp sockets as well.
     handshake.py   proofs, ClientHandshake, ServerHandshake, NonceBook (replays)
     gate.py        the listening side's per-identity state: pass, answer, refuse
     curve.py       CURVE key files and ``pd-transfer keygen``
+    identity.py    per-sidecar identity keys, their allow-list, ``pd-transfer identity``
     settings.py    SecuritySettings.from_config: everything resolved at startup
     engine_trust.py  engine transports whose own listeners authenticate nobody:
                    started only when the operator accepts that by name

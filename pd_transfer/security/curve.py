@@ -53,17 +53,18 @@ def check_key(text: str, source: str) -> str:
     return key
 
 
-def read_secret_key(path: str) -> CurveKeypair:
-    """The keypair whose secret half is in the file ``path`` (the public half is derived)."""
+def read_secret_key(path: str, setting: str = "curve_secret_key_file") -> CurveKeypair:
+    """The keypair whose secret half is in the file ``path`` (the public half is derived);
+    ``setting`` names the config key in errors."""
     import zmq
 
     try:
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(
-            f"curve_secret_key_file {path}: cannot read it: {getattr(err, 'strerror', None) or err}"
+            f"{setting} {path}: cannot read it: {getattr(err, 'strerror', None) or err}"
         ) from None
-    secret = check_key(text, f"curve_secret_key_file {path}")
+    secret = check_key(text, f"{setting} {path}")
     return CurveKeypair(public=zmq.curve_public(secret.encode()).decode(), secret=secret)
 
 

@@ -31,10 +31,12 @@ from __future__ import annotations
 import enum
 import os
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pd_transfer.errors import AuthError, ProtocolError, Reason
 from pd_transfer.security.handshake import NonceBook, ServerHandshake, derive_key, refusal
+from pd_transfer.security.identity import Identity, identity_of
 from pd_transfer.security.messages import AuthHello, AuthProof, AuthResult, decode
 from pd_transfer.security.secret import SharedSecret
 
@@ -78,13 +80,17 @@ class Gate:
         *,
         max_pending: int = 1024,
         max_peers: int = 65536,
+        identities: Mapping[str, Identity] | None = None,
     ) -> None:
         self._key = derive_key(secret) if secret is not None else None
         self.agent_id = agent_id
         self._nonces = nonces or NonceBook()
         self._max_pending, self._max_peers = max_pending, max_peers
-        self._pending: OrderedDict[bytes, ServerHandshake] = OrderedDict()
-        self._peers: OrderedDict[bytes, str] = OrderedDict()  # identity -> peer agent id
+        # public key -> who may claim it (security/identity.py); None: names are not checked
+        self._identities = identities
+        self._pending: OrderedDict[bytes, tuple[ServerHandshake, Identity | None]] = OrderedDict()
+        # identity -> the peer's agent id, and the identity its key holds (None: not checked)
+        self._peers: OrderedDict[bytes, tuple[str, Identity | None]] = OrderedDict()
 
     @property
     def enabled(self) -> bool:
@@ -92,9 +98,27 @@ class Gate:
 
     def peer_of(self, identity: bytes) -> str:
         """The agent id an authenticated identity proved itself as ('' if none)."""
-        return self._peers.get(identity, "")
+        return self._peers.get(identity, ("", None))[0]
 
-    def admit(self, identity: bytes, frame: bytes) -> GateAnswer:
+    def identity_of(self, identity: bytes) -> Identity | None:
+        """The identity an authenticated connection's key holds (None: names not checked)."""
+        return self._peers.get(identity, ("", None))[1]
+
+    def knows(self, identity: bytes) -> bool:
+        """Whether ``identity`` completed the handshake (and was not forgotten since)."""
+        return identity in self._peers
+
+    def forget(self, identity: bytes) -> None:
+        """``identity`` must authenticate again before a frame of it passes."""
+        self._peers.pop(identity, None)
+        self._pending.pop(identity, None)
+
+    def forget_pending(self, identity: bytes) -> None:
+        """``identity``'s connection ended mid-handshake: drop its challenge."""
+        self._pending.pop(identity, None)
+
+    def admit(self, identity: bytes, frame: bytes, user_id: str = "") -> GateAnswer:
+        """``user_id``: the key ZeroMQ's ZAP handler bound to the connection (identity on)."""
         if self._key is None:
             return PASS
         if identity in self._peers:
@@ -118,7 +142,7 @@ class Gate:
             )
         try:
             if isinstance(message, AuthHello):
-                return GateAnswer(Decision.ANSWER, self._hello(identity, message))
+                return GateAnswer(Decision.ANSWER, self._hello(identity, message, user_id))
             if isinstance(message, AuthProof):
                 return GateAnswer(Decision.ANSWER, self._proof(identity, message))
             if isinstance(message, AuthResult) and not message.accepted:
@@ -136,22 +160,41 @@ class Gate:
         except AuthError as err:
             return GateAnswer(Decision.REFUSE, err.reply, err)
 
-    def _hello(self, identity: bytes, hello: AuthHello) -> bytes:
-        self._pending.pop(identity, None)
+    def _claimed(self, hello: AuthHello, user_id: str) -> Identity | None:
+        """The identity the connection's key holds, which ``hello`` must claim."""
+        if self._identities is None:
+            return None
+        claimed = identity_of(self._identities, user_id)
+        if claimed is None:
+            raise refusal(
+                Reason.IDENTITY_MISMATCH,
+                f"{hello.agent_id}: the connection presented no listed identity key",
+                hint="set identity_key_file on the peer, and list its key in identity_allow_file here",
+            )
+        if hello.agent_id != claimed.agent_id:
+            raise refusal(
+                Reason.IDENTITY_MISMATCH,
+                f"claims agent id {hello.agent_id!r}, but its identity key is {claimed.agent_id!r}'s",
+            )
+        return claimed
+
+    def _hello(self, identity: bytes, hello: AuthHello, user_id: str) -> bytes:
+        self._pending.pop(identity, None)  # a hello again: a new handshake replaces it
         if len(identity) < MIN_ROUTING_ID_NBYTES:
             raise refusal(
                 Reason.AUTH_FAILED,
                 f"{hello.agent_id}: connect with a random routing id "
                 f"of at least {MIN_ROUTING_ID_NBYTES} bytes",
             )
+        claimed = self._claimed(hello, user_id)
         handshake = ServerHandshake(self._key, self.agent_id, hello, self._nonces)
-        self._pending[identity] = handshake
+        self._pending[identity] = (handshake, claimed)
         if len(self._pending) > self._max_pending:
             self._pending.popitem(last=False)
         return handshake.challenge()
 
     def _proof(self, identity: bytes, proof: AuthProof) -> bytes:
-        handshake = self._pending.pop(identity, None)
+        handshake, claimed = self._pending.pop(identity, (None, None))
         if handshake is None:
             if self._nonces.spent(proof.nonce):
                 raise refusal(
@@ -159,7 +202,7 @@ class Gate:
                 )
             raise refusal(Reason.AUTH_FAILED, "a proof without a hello on this connection")
         accepted = handshake.verify(proof)
-        self._peers[identity] = handshake.peer_agent_id
+        self._peers[identity] = (handshake.peer_agent_id, claimed)
         if len(self._peers) > self._max_peers:
             self._peers.popitem(last=False)
         return accepted

@@ -23,6 +23,7 @@ from typing import Any
 from pd_transfer.errors import ConfigError
 from pd_transfer.security.curve import CurveKeypair, check_key, read_secret_key
 from pd_transfer.security.engine_trust import unauthenticated_engine
+from pd_transfer.security.identity import Identity, read_allow_list
 from pd_transfer.security.secret import SECRET_FILE_ENV, SharedSecret, load_secret
 
 #: the one line a sidecar without a secret stops with
@@ -39,6 +40,8 @@ class SecuritySettings:
     curve_keypair: CurveKeypair | None = None  # encrypts the sockets this sidecar binds
     curve_server_key: str = ""  # expected of the sockets it connects to
     unauthenticated_engine: str = ""  # an engine transport with unauthenticated listeners, accepted
+    identity_keypair: CurveKeypair | None = None  # presented when it connects (security/identity.py)
+    identities: Mapping[str, Identity] | None = None  # public key -> identity; None: names unchecked
 
     @property
     def auth_enabled(self) -> bool:
@@ -58,8 +61,29 @@ class SecuritySettings:
         )
         if not server_key and keypair is not None:
             server_key = keypair.public  # one keypair for the whole deployment
+        identity = (
+            read_secret_key(config.identity_key_file, "identity_key_file")
+            if config.identity_key_file
+            else None
+        )
+        if identity is not None and not server_key:
+            raise ConfigError(
+                "identity_key_file is presented through CURVE, which is off: set curve_server_key "
+                "or curve_secret_key_file"
+            )
+        identities = read_allow_list(config.identity_allow_file) if config.identity_allow_file else None
+        if identities is not None and (keypair is None or secret is None):
+            raise ConfigError(
+                "identity_allow_file checks the CURVE keys of authenticated peers: it needs "
+                "curve_secret_key_file and a shared secret (secret_file)"
+            )
         return cls(
-            secret=secret, curve_keypair=keypair, curve_server_key=server_key, unauthenticated_engine=engine
+            secret=secret,
+            curve_keypair=keypair,
+            curve_server_key=server_key,
+            unauthenticated_engine=engine,
+            identity_keypair=identity,
+            identities=identities,
         )
 
     def describe(self) -> str:
@@ -70,4 +94,8 @@ class SecuritySettings:
             curve.append(f"CURVE server key {self.curve_keypair.public[:8]}...")
         if self.curve_server_key:
             curve.append(f"expects CURVE server key {self.curve_server_key[:8]}...")
+        if self.identity_keypair is not None:
+            curve.append(f"identity key {self.identity_keypair.public[:8]}...")
+        if self.identities is not None:
+            curve.append(f"identities checked ({len(self.identities)} listed)")
         return ", ".join([auth] + curve) if curve else f"{auth}, CURVE off"

@@ -13,9 +13,11 @@ and checked by the oracle.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -66,6 +68,11 @@ def worker_environ(insecure: bool):
         os.environ.update(saved)
 
 
+def _limit_files(nofile: int) -> None:
+    """In a sidecar's process before it runs: at most ``nofile`` descriptors (soft and hard)."""
+    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+
 class Sidecar:
     def __init__(
         self,
@@ -75,6 +82,7 @@ class Sidecar:
         config: dict,
         bootstrap: str = "",
         worker_scheme: str = "unix",
+        nofile: int | None = None,
     ) -> None:
         self.name, self.role = name, role
         self.endpoint = f"{worker_scheme}://{workdir}/{name}.sock"
@@ -104,7 +112,11 @@ class Sidecar:
         if bootstrap:
             cmd += ["--bootstrap", bootstrap]
         self.proc = subprocess.Popen(
-            cmd, stderr=self.log.open("w"), stdout=subprocess.DEVNULL, env=sidecar_environ(config)
+            cmd,
+            stderr=self.log.open("w"),
+            stdout=subprocess.DEVNULL,
+            env=sidecar_environ(config),
+            preexec_fn=None if nofile is None else functools.partial(_limit_files, nofile),
         )
 
     def wait_ready(self, timeout_s: float = 30.0) -> dict:
@@ -155,6 +167,8 @@ class Cluster:
         device: str = "cpu",
         decode_device: str | None = None,
         worker_scheme: str = "unix",
+        prefill_nofile: int | None = None,
+        tag: str = "",
     ) -> None:
         self.workdir = workdir
         # "cuda": pools are CUDA tensors shared through CUDA IPC handles
@@ -166,7 +180,7 @@ class Cluster:
         except GeometryError:
             self.world = None  # a pair meant to be rejected: no ground truth to lay out
         self.landed: dict[int, dict] = {}  # room -> requests, for verify_landed
-        tag = f"{os.getpid()}-{next(_ids)}"
+        tag = tag or f"{os.getpid()}-{next(_ids)}"  # in every sidecar's agent id
         base = {
             "transport": transport,
             "http_port": 0,
@@ -189,7 +203,13 @@ class Cluster:
             if role == "decode" and config_for.get("prefill_bootstraps") == "this":
                 config_for["prefill_bootstraps"] = [self.bootstrap]
             self.sidecars[geometry.rank_id] = Sidecar(
-                workdir, role, name, config_for, self.bootstrap if role == "prefill" else "", worker_scheme
+                workdir,
+                role,
+                name,
+                config_for,
+                self.bootstrap if role == "prefill" else "",
+                worker_scheme,
+                nofile=prefill_nofile if role == "prefill" else None,
             )
         self.pools, self.clients = {}, {}
         self._tag = tag

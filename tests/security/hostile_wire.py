@@ -25,20 +25,54 @@ def zmtp_greeting() -> bytes:
     )
 
 
-def zmtp_ready(socket_type: bytes = b"DEALER") -> bytes:
-    body = (
-        b"\x05READY"
-        + bytes([len(b"Socket-Type")])
-        + b"Socket-Type"
-        + struct.pack(">I", len(socket_type))
-        + socket_type
+def zmtp_ready(socket_type: bytes = b"DEALER", routing_id: bytes | None = None) -> bytes:
+    properties = {b"Socket-Type": socket_type}
+    if routing_id is not None:
+        properties[b"Identity"] = routing_id
+    body = b"\x05READY" + b"".join(
+        bytes([len(name)]) + name + struct.pack(">I", len(value)) + value
+        for name, value in properties.items()
     )
     return bytes([0x04, len(body)]) + body
 
 
-def zmtp_connect(address: tuple[str, int] | str) -> socket.socket:
+def zmtp_send(sock: socket.socket, body: bytes) -> None:
+    """One single-part ZMTP message."""
+    header = bytes([0x00, len(body)]) if len(body) < 256 else b"\x02" + struct.pack(">Q", len(body))
+    sock.sendall(header + body)
+
+
+def zmtp_read(sock: socket.socket, timeout_s: float) -> tuple[list[bytes], bool]:
+    """The messages that arrive within ``timeout_s``, and whether the peer closed."""
+    sock.settimeout(0.1)
+    buffer, deadline = b"", time.monotonic() + timeout_s
+    closed = False
+    while time.monotonic() < deadline and not closed:
+        try:
+            piece = sock.recv(65536)
+        except TimeoutError:
+            continue
+        except OSError:
+            piece = b""
+        closed = not piece
+        buffer += piece
+    messages = []
+    while len(buffer) >= 2:
+        long = buffer[0] & 0x02
+        size_nbytes = 8 if long else 1
+        size = struct.unpack(">Q", buffer[1:9])[0] if long else buffer[1]
+        if len(buffer) < 1 + size_nbytes + size:
+            break
+        body = buffer[1 + size_nbytes : 1 + size_nbytes + size]
+        if not buffer[0] & 0x04:  # a command (PING): not a message
+            messages.append(body)
+        buffer = buffer[1 + size_nbytes + size :]
+    return messages, closed
+
+
+def zmtp_connect(address: tuple[str, int] | str, routing_id: bytes | None = None) -> socket.socket:
     """A TCP (``(host, port)``) or Unix (a path: ``ipc://``) connection that completed
-    ZeroMQ's NULL handshake as a DEALER."""
+    ZeroMQ's NULL handshake as a DEALER (with ``routing_id``, if given)."""
     if isinstance(address, str):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(5)
@@ -52,7 +86,7 @@ def zmtp_connect(address: tuple[str, int] | str) -> socket.socket:
         if not piece:
             raise ConnectionError("the listener closed during the ZMTP greeting")
         greeting += piece
-    sock.sendall(zmtp_ready())
+    sock.sendall(zmtp_ready(routing_id=routing_id))
     return sock
 
 

@@ -170,14 +170,24 @@ def test_a_replayed_handshake_is_refused_and_counted(secured):
     try:
         refused = decode_auth(replayer.ask(hello))  # the captured hello, again
         assert isinstance(refused, AuthResult) and refused.reason is Reason.AUTH_REPLAYED
+        # a refused connection gets no further answer: it is ended
+        assert replayer.ask(encode(Hello(agent_id="replayer", role=Role.DECODE)), timeout_s=1.0) is None
+    finally:
+        replayer.close()
+    replayer = RawPeer(_control(secured), new_routing_id())
+    try:
         fresh = ClientHandshake(key, "decode-captured").hello()
         assert replayer.ask(fresh) is not None  # a new challenge ...
         refused = decode_auth(replayer.ask(proof))  # ... answered with the old proof
         assert refused.reason is Reason.AUTH_REPLAYED
-        closed = decode(replayer.ask(encode(Hello(agent_id="replayer", role=Role.DECODE))))
-        assert isinstance(closed, Close) and closed.reason is Reason.UNAUTHENTICATED
     finally:
         replayer.close()
+    stranger = RawPeer(_control(secured), new_routing_id())
+    try:
+        closed = decode(stranger.ask(encode(Hello(agent_id="replayer", role=Role.DECODE))))
+        assert isinstance(closed, Close) and closed.reason is Reason.UNAUTHENTICATED
+    finally:
+        stranger.close()
     assert metric(secured, P0, AUTH_FAILURES, reason="auth_replayed") >= before + 2
 
 

@@ -34,8 +34,9 @@ from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.protocol import Done, DoneStatus
 
 if TYPE_CHECKING:
+    from pd_transfer.agent.channels import Channel
     from pd_transfer.agent.prefill.records import DecodePeer, PrefillRoom
-    from pd_transfer.protocol import TransferRequest
+    from pd_transfer.protocol import Register, TransferRequest
 
 log = logging.getLogger(__name__)
 
@@ -193,3 +194,27 @@ class _Request:
 
     def __init__(self, room: int, generation: int) -> None:
         self.room, self.generation = room, generation
+
+
+def name_refusal(channel: Channel, register: Register) -> tuple[Reason, str] | None:
+    """Why a decode rank may not register under the names in ``register`` (a reason code
+    and text), or None. The agent id must be the one its handshake proved; with identities
+    checked, its key must be a decode's, of the decode instance it names."""
+    proven = channel.proven_agent_id
+    if proven and register.agent_id != proven:
+        return Reason.AUTH_FAILED, f"registered as {register.agent_id!r} but authenticated as {proven!r}"
+    who = channel.proven_identity
+    if who is None:
+        return None
+    if who.role != "decode":
+        return (
+            Reason.IDENTITY_MISMATCH,
+            f"registered as a decode rank, but its identity key is {who.agent_id!r}'s, a {who.role}",
+        )
+    if register.instance != who.instance_id:
+        return (
+            Reason.IDENTITY_MISMATCH,
+            f"registered for decode instance {register.instance!r}, but its identity key is "
+            f"{who.agent_id!r}'s, of instance {who.instance_id!r}",
+        )
+    return None

@@ -191,21 +191,16 @@ class PrefillSide(PrefillWrites):
             log.debug("prefill: ignoring %s from %s", type(message).__name__, peer.rank_id)
 
     async def _on_register(self, peer: DecodePeer, message: Register) -> None:
-        proven = peer.channel.proven_agent_id
-        if proven and message.agent_id != proven:  # its rooms are bound to the names it gives
-            await peer.channel.send(
-                Close(
-                    reason=Reason.AUTH_FAILED,
-                    reason_text=clip_text(
-                        f"registered as {message.agent_id!r} but authenticated as {proven!r}"
-                    ),
-                )
-            )
+        refusal = ownership.name_refusal(peer.channel, message)
+        if refusal is not None:  # its rooms are bound to the names it gives
+            code, text = refusal
+            await peer.channel.send(Close(reason=code, reason_text=clip_text(text)))
+            if code is Reason.IDENTITY_MISMATCH:
+                self.sidecar.security.failed(PdTransferError(text, code=code), "control")
             self.release_peer(
-                peer.channel,
-                Reason.AUTH_FAILED,
-                "decode peer {} registered under another name than it proved",
+                peer.channel, code, "decode peer {} registered under another name than it proved"
             )
+            peer.channel.revoke()  # it authenticates again, on a new connection, or not at all
             return
         peer.register = message
         peer.channel.label = f"{message.geometry.rank_id} ({message.agent_id})"

@@ -1,0 +1,145 @@
+"""The lobby's rules on real loopback connections: caps that evict idle strangers but
+never a half-done handshake from the same address, the deadline, the byte budget and
+the descriptor reserve; every connection ended is counted with its reason."""
+
+import asyncio
+import socket
+
+import pytest
+
+from pd_transfer.agent.lobby import Lobby
+
+
+class Pairs:
+    """Loopback TCP connections: the client ends, and the accepted descriptors."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.clients: list[socket.socket] = []
+        self.accepted: list[socket.socket] = []
+        self.endpoint = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+
+    def connect(self) -> int:
+        client = socket.create_connection(self.listener.getsockname())
+        server, _ = self.listener.accept()
+        self.clients.append(client)
+        self.accepted.append(server)
+        return server.fileno()
+
+    def cut(self, index: int) -> bool:
+        """Whether the client end of connection ``index`` sees the connection end."""
+        self.clients[index].settimeout(1.0)
+        try:
+            return self.clients[index].recv(1) == b""
+        except TimeoutError:
+            return False
+        except OSError:
+            return True
+
+    def close(self) -> None:
+        for sock in self.clients + self.accepted + [self.listener]:
+            sock.close()
+
+
+@pytest.fixture
+def pairs():
+    made = Pairs()
+    yield made
+    made.close()
+
+
+def _run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def test_a_full_port_evicts_its_oldest_idle_stranger(pairs):
+    async def main():
+        lobby = Lobby(max_pending=2, max_total=8)
+        door = lobby.door("control")
+        door.bound(pairs.endpoint)
+        for _ in range(3):
+            door.accepted(pairs.connect())
+        return lobby
+
+    lobby = _run(main())
+    assert [pairs.cut(i) for i in range(3)] == [True, False, False]
+    assert lobby.refused == {("control", "pending_limit"): 1}
+
+
+def test_a_half_done_handshake_is_not_evicted_by_a_newcomer_from_its_address(pairs):
+    async def main():
+        lobby = Lobby(max_pending=2, max_total=8)
+        door = lobby.door("control")
+        door.bound(pairs.endpoint)
+        for _ in range(2):
+            door.hello(door.accepted(pairs.connect()).fd)  # both sent their AuthHello
+        assert door.accepted(pairs.connect()) is None
+        return lobby
+
+    lobby = _run(main())
+    assert [pairs.cut(i) for i in range(3)] == [False, False, True]
+    assert lobby.refused == {("control", "pending_limit"): 1}
+
+
+def test_the_total_cap_spans_ports_and_a_member_is_no_stranger(pairs):
+    async def main():
+        lobby = Lobby(max_pending=8, max_total=2)
+        control, bootstrap = lobby.door("control"), lobby.door("bootstrap")
+        control.bound(pairs.endpoint), bootstrap.bound(pairs.endpoint)
+        member = pairs.connect()
+        control.accepted(member)
+        control.admitted(member)  # authenticated: no longer counted
+        control.accepted(pairs.connect())
+        bootstrap.accepted(pairs.connect())
+        bootstrap.accepted(pairs.connect())  # over the total: control's idle stranger goes
+        return lobby
+
+    lobby = _run(main())
+    assert [pairs.cut(i) for i in range(4)] == [False, True, False, False]
+    assert lobby.refused == {("control", "pending_limit"): 1}
+
+
+def test_deadline_bytes_and_descriptor_reserve(pairs):
+    async def main():
+        lobby = Lobby(timeout_s=0.3, max_nbytes=64 * 1024)
+        door = lobby.door("bootstrap")
+        door.bound(pairs.endpoint)
+        door.accepted(pairs.connect())  # silent: the deadline
+        door.accepted(pairs.connect())
+        pairs.clients[1].sendall(b"\0" * (256 * 1024))  # over the byte budget
+        await asyncio.sleep(1.0)
+        tight = Lobby(fd_limit=1)  # every descriptor is within the reserve
+        door = tight.door("control")
+        door.bound(pairs.endpoint)
+        door.accepted(pairs.connect())
+        return lobby, tight
+
+    lobby, tight = _run(main())
+    assert [pairs.cut(i) for i in range(3)] == [True, True, True]
+    assert lobby.refused == {("bootstrap", "handshake_timeout"): 1, ("bootstrap", "nbytes"): 1}
+    assert tight.refused == {("control", "fd_reserve"): 1}
+
+
+def test_a_descriptor_of_another_socket_is_never_taken_for_a_stranger(pairs):
+    async def main():
+        door = Lobby(timeout_s=0.2).door("control")
+        door.bound("tcp://127.0.0.1:9")  # another port than the connections'
+        assert door.accepted(pairs.connect()) is None
+        await asyncio.sleep(0.5)
+
+    _run(main())
+    assert not pairs.cut(0)
+
+
+def test_a_descriptor_that_now_joins_other_ends_is_left_alone(pairs):
+    async def main():
+        lobby = Lobby(timeout_s=0.2)
+        door = lobby.door("control")
+        door.bound(pairs.endpoint)
+        stranger = door.accepted(pairs.connect())
+        stranger.ends = (("127.0.0.1", 1), ("127.0.0.1", 2))  # as if the number were reused
+        await asyncio.sleep(0.5)
+        return lobby
+
+    lobby = _run(main())
+    assert not pairs.cut(0) and lobby.refused == {}
