@@ -70,7 +70,9 @@ def _until(check, timeout_s: float, what: str):
 
 def _send_garbage(control_address: str) -> None:
     socket = zmq.Context.instance().socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 1000)
+    # close() waits this long for the frame to leave: on a busy host the ZeroMQ handshake
+    # alone can take over a second, and a frame still queued then is dropped unsent
+    socket.setsockopt(zmq.LINGER, 30_000)
     socket.connect(control_address)
     socket.send(b"\xc1 this is not msgpack")
     socket.close()

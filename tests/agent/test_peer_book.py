@@ -12,7 +12,7 @@ def _observer() -> Observer:
     return Observer(
         SimpleNamespace(
             config=SimpleNamespace(role=Role.PREFILL, peer_series_grace_s=300.0),
-            security=SimpleNamespace(enabled=True),
+            security=SimpleNamespace(enabled=True, settings=SimpleNamespace(unauthenticated_engine="")),
         )
     )
 
