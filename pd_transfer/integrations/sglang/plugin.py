@@ -81,7 +81,7 @@ def _init_kv_manager(original: Any, queue: Any, *args: Any, **kwargs: Any) -> An
     role = Role.PREFILL if queue.__class__.__name__.startswith("Prefill") else Role.DECODE
     refuse_unsupported(_parallel(), role, force_query_prefill_dp_rank())  # before any memory moves
     mamba_pool = _mamba_pool(queue.token_to_kv_pool, getattr(scheduler, "req_to_token_pool", None))
-    draft_pool = queue.draft_token_to_kv_pool
+    draft_pool = getattr(queue, "draft_token_to_kv_pool", None)  # set by SGLang only with a draft model
     memory = share_engine_memory(
         f"sglang-{role.value}-tp{queue.tp_rank}",
         kv_pool=queue.token_to_kv_pool,

