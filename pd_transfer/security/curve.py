@@ -89,13 +89,24 @@ def write_keys(out_dir: str, *, force: bool = False) -> list[Path]:
         PUBLIC_KEY_FILE: keypair.public,
         SHARED_SECRET_FILE: secrets.token_hex(32),
     }
+    return write_private_files(
+        directory,
+        contents,
+        force=force,
+        what="keygen",
+        hint="pass --force to replace them (peers using the old keys are locked out)",
+    )
+
+
+def write_private_files(
+    directory: Path, contents: dict[str, str], *, force: bool, what: str, hint: str
+) -> list[Path]:
+    """Write each ``name: text`` of ``contents`` into ``directory`` with mode 0600; a
+    ConfigError naming ``what`` and the files if any exists and not ``force``."""
     paths = [directory / name for name in contents]
     existing = [str(p) for p in paths if p.exists()]
     if existing and not force:
-        raise ConfigError(
-            f"keygen: {', '.join(existing)} already exist(s)",
-            hint="pass --force to replace them (peers using the old keys are locked out)",
-        )
+        raise ConfigError(f"{what}: {', '.join(existing)} already exist(s)", hint=hint)
     for path in paths:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
         fd = os.open(path, flags, 0o600)

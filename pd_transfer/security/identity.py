@@ -26,13 +26,18 @@ functions only.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from pd_transfer.errors import ConfigError
-from pd_transfer.security.curve import Z85_KEY_LEN, CurveKeypair, check_key, generate_keypair
+from pd_transfer.security.curve import (
+    Z85_KEY_LEN,
+    CurveKeypair,
+    check_key,
+    generate_keypair,
+    write_private_files,
+)
 
 IDENTITY_KEY_FILE = "identity.key"
 IDENTITY_LINE_FILE = "identity.allow"
@@ -115,19 +120,13 @@ def write_identity(
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     keypair = generate_keypair()
     contents = {IDENTITY_KEY_FILE: keypair.secret, IDENTITY_LINE_FILE: identity.line(keypair.public)}
-    paths = [directory / name for name in contents]
-    existing = [str(p) for p in paths if p.exists()]
-    if existing and not force:
-        raise ConfigError(
-            f"identity: {', '.join(existing)} already exist(s)",
-            hint="pass --force to replace them (then replace the key's line on every listener)",
-        )
-    for path in paths:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
-        fd = os.open(path, flags, 0o600)
-        with os.fdopen(fd, "w") as file:
-            os.fchmod(fd, 0o600)
-            file.write(contents[path.name] + "\n")
+    paths = write_private_files(
+        directory,
+        contents,
+        force=force,
+        what="identity",
+        hint="pass --force to replace them (then replace the key's line on every listener)",
+    )
     return keypair, paths
 
 
