@@ -1,10 +1,13 @@
 """Prefill rank 0 whose worker left keeps its bootstrap port answering: a decode holding
 the wrong secret is refused with ``auth_failed`` and counted, one holding the right secret
-learns at once that the prefill's worker is gone, and the table is served again once a
-worker registers."""
+learns at once that the prefill's worker is gone (and looks again often), and the table is
+served again once a worker registers."""
 
 import json
+import re
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 from cluster import Sidecar
@@ -80,8 +83,11 @@ def test_a_wrong_secret_is_refused_and_counted_after_rank_0s_worker_left(worker_
 def test_the_right_secret_learns_the_worker_is_gone_and_the_table_comes_back(worker_left):
     state = _room_state(worker_left, "right", worker_left.secret, 4)
     assert state.status is RoomStatus.FAILED and state.code is Reason.WORKER_LOST, state
-    assert "prefill rank 0's worker is gone" in state.reason, state.reason
-    assert "until a worker registers with it again" in state.reason, state.reason
+    assert re.search(
+        rf"refused the request: prefill rank 0's worker {re.escape(P0)} is gone: its connection to "
+        r".* closed at .*; it serves no rank table until a worker registers with it again$",
+        state.reason,
+    ), state.reason
     before = metric(worker_left, P0, AUTH_FAILURES)
     # the worker registers again: the same port serves the complete table
     geometry = worker_left.prefill[0]
@@ -92,3 +98,48 @@ def test_the_right_secret_learns_the_worker_is_gone_and_the_table_comes_back(wor
     table = run_with(security(SECRET_HEX), lambda ctx: fetch_table(ctx, worker_left.bootstrap, "ok", 10.0))
     assert table.complete and [e.geometry.rank_id for e in table.entries] == [P0]
     assert metric(worker_left, P0, AUTH_FAILURES) == before
+
+
+def _readyz_reasons(address: str) -> str:
+    try:
+        with urllib.request.urlopen(address + "/readyz", timeout=5) as response:
+            body = response.read()
+    except urllib.error.HTTPError as err:  # 503: not ready
+        body = err.read()
+    return " ".join(json.loads(body)["reasons"])
+
+
+def test_a_decode_configured_with_the_instance_looks_again_often_while_its_worker_is_gone(worker_left):
+    """Its resolutions are refused with worker_lost at once; the waits between them stay
+    short (at most 2 s), so that rooms stop failing soon after a worker registers again.
+    Without that cap the 6th wait would be drawn between 8 and 16 s."""
+    sidecar = Sidecar(
+        worker_left.workdir,
+        "decode",
+        "decode-configured",
+        {
+            "http_port": 0,
+            "secret_file": str(worker_left.secret),
+            "prefill_bootstraps": [worker_left.bootstrap],
+        },
+    )
+    geometry = ranks(Role.DECODE, 1)[0]
+    pools = allocate_pools(geometry, "t-gone-configured")
+    try:
+        address = sidecar.wait_ready()["http_address"]
+        with Client(
+            sidecar.endpoint, "configured", timeout_s=30, secret_file=str(worker_left.secret)
+        ) as client:
+            client.register(geometry, pools.handles)
+
+            def six_tries():
+                reasons = _readyz_reasons(address)
+                match = re.search(r"next try in (\d+\.\d) s \((\d+) failed tries\): (.*)", reasons)
+                return match if match and int(match.group(2)) >= 6 else None
+
+            match = _until(six_tries, 90, "six refused resolutions")
+    finally:
+        sidecar.stop()
+        pools.close()
+    assert float(match.group(1)) <= 2.0, match.group(0)
+    assert f"prefill rank 0's worker {P0} is gone" in match.group(3), match.group(0)

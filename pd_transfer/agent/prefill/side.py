@@ -134,9 +134,8 @@ class PrefillSide(PrefillWrites):
         sidecar.worker_tasks.clear()
         if sidecar.bootstrap_server is not None:  # rank 0: no table until its worker is back,
             # and whoever asks (past authentication) hears why at once (agent/bootstrap.py)
-            sidecar.bootstrap_server.worker_lost(
-                f"prefill rank 0's worker is gone ({why}); this instance serves no rank table "
-                "until a worker registers with it again"
+            sidecar.bootstrap_server.worker_lost(  # why: "worker W is gone: its connection ..."
+                f"prefill rank 0's {why}; it serves no rank table until a worker registers with it again"
             )
         self.table = None
         self.table_ready.clear()
