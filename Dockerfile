@@ -25,6 +25,7 @@ ENV CC=gcc PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 WORKDIR /src
 COPY pyproject.toml hatch_build.py README.md ./
 COPY configs/models ./configs/models
+COPY docs/operations.md ./docs/operations.md
 COPY pd_transfer ./pd_transfer
 RUN python -m venv /opt/pd-transfer \
     && /opt/pd-transfer/bin/pip install "torch==${TORCH_VERSION}" \

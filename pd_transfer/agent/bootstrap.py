@@ -7,6 +7,13 @@ expected; callers retry until it is complete or their deadline passes.
 An announcement from a rank already listed replaces it (a restarted sidecar
 comes back with a new address), so nobody keeps a stale endpoint.
 
+When rank 0's worker is gone (:meth:`BootstrapServer.worker_lost`) the server
+keeps its socket and keeps authenticating, so a wrong secret is still refused
+and counted; whoever passes gets a Close with ``worker_lost`` saying so, at
+once, instead of no answer until its deadline. Announcements are still
+recorded, so the table is complete as soon as the worker registers again
+(:meth:`BootstrapServer.worker_back`).
+
 With authentication on, both ends run the handshake first
 (:mod:`pd_transfer.agent.auth`); the server answers a request sent without it
 with a Close, which :func:`fetch_table` turns into an error at once.
@@ -68,6 +75,7 @@ class BootstrapServer:
         self.entries: dict[tuple[int, int], RankEntry] = {}
         self.expected = 0
         self.bad_frames = 0
+        self.gone = ""  # while rank 0's worker is gone: why (the refusal's text)
         self._security = security
         door = security.lobby.door("bootstrap", active=security.enabled)  # agent/lobby.py
         door.bound(self.address)
@@ -115,6 +123,16 @@ class BootstrapServer:
             self.expected,
         )
 
+    def worker_lost(self, why: str) -> None:
+        """Rank 0's worker is gone: refuse the table with ``why`` until it is back, and
+        forget the ranks (they announce again; a rank restarted meanwhile is not kept)."""
+        self.gone = why
+        self.entries.clear()
+        self.expected = 0
+
+    def worker_back(self) -> None:
+        self.gone = ""
+
     def table(self) -> RankTable:
         entries = tuple(self.entries[k] for k in sorted(self.entries))
         return RankTable(expected=self.expected, entries=entries)
@@ -151,6 +169,10 @@ class BootstrapServer:
                 self._announced(message.entry)
             elif not isinstance(message, TableRequest):
                 self._count_bad_frame(Reason.ILLEGAL_MESSAGE.value)
+                continue
+            if self.gone:
+                refusal = Close(reason=Reason.WORKER_LOST, reason_text=clip_text(self.gone))
+                await self.socket.send_multipart([identity, encode(refusal)])
                 continue
             await self.socket.send_multipart([identity, encode(self.table())])
 

@@ -1,10 +1,13 @@
-"""The sidecar's HTTP port: ``/metrics``, ``/healthz``, ``/readyz``, ``/status``.
+"""The sidecar's HTTP port: ``/metrics``, ``/healthz``, ``/readyz``, ``/status``, and
+the operations runbook by section at ``/runbooks/<name>`` (what the alerts link to).
 
 A deliberately small HTTP/1.1 server on asyncio streams (GET only, one
 request per connection, bounded request size), so the sidecar needs no web
 framework. ``/healthz`` answers from the event loop itself: if it answers,
 the loop is responsive. ``/readyz`` is 200 only when the worker registered and
 every configured peer is accepted; otherwise 503 with the reasons as JSON.
+``/runbooks/`` lists the runbook's sections; a name that is not one of them is a
+404 (:mod:`pd_transfer.runbooks` looks names up, never turns them into paths).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from pd_transfer import __version__, runbooks
 from pd_transfer.config_addresses import dialable_host
 
 if TYPE_CHECKING:
@@ -79,7 +83,8 @@ class HttpServer:
         }[status]
         writer.write(
             f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            f"Content-Length: {len(body)}\r\nX-Content-Type-Options: nosniff\r\n"
+            "Connection: close\r\n\r\n".encode()
             + body
         )
         try:
@@ -101,7 +106,9 @@ class HttpServer:
             return (200 if ready else 503), "application/json", _json(detail)
         if path == "/status":
             return 200, "application/json", _json(self._status())
-        return 404, "text/plain", b"not found: try /metrics /healthz /readyz /status\n"
+        if path == "/runbooks" or path.startswith("/runbooks/"):
+            return _runbook(path.removeprefix("/runbooks").removeprefix("/"))
+        return 404, "text/plain", b"not found: try /metrics /healthz /readyz /status /runbooks/\n"
 
 
 def _request_line(head: bytes) -> tuple[str, str]:
@@ -110,6 +117,26 @@ def _request_line(head: bytes) -> tuple[str, str]:
     if len(parts) != 3 or not parts[2].startswith("HTTP/"):
         raise ValueError(line)
     return parts[0], parts[1]
+
+
+_TEXT = "text/plain; charset=utf-8"
+
+
+def _runbook(name: str) -> tuple[int, str, bytes]:
+    """Section ``name`` of the runbook, or (``name`` empty) the list of its sections."""
+    where = f"pd-transfer {__version__}, docs/operations.md"
+    if not name:
+        listing = [f"{where}: the runbook's sections\n"]
+        for section in runbooks.runbook().values():
+            listing.append(f"{'  ' * (section.level - 1)}/runbooks/{section.name}  {section.title}")
+        if len(listing) == 1:
+            listing.append("(docs/operations.md is not installed with this sidecar)")
+        return 200, _TEXT, ("\n".join(listing) + "\n").encode()
+    section = runbooks.lookup(name)
+    if section is None:
+        known = f" {name!r}" if runbooks.NAME.fullmatch(name) else ""
+        return 404, _TEXT, f"no runbook section{known}: see /runbooks/ for the list\n".encode()
+    return 200, _TEXT, f"{section.text}\n-- {where}#{section.name}\n".encode()
 
 
 def _json(value: dict) -> bytes:

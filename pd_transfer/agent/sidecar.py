@@ -295,13 +295,15 @@ class Sidecar:
         try:
             await self.dataplane.map_local(geometry, handles)
         except BaseException:
-            if table is not None:
+            if table is not None and table is not self.bootstrap_server:
                 table.close()
             raise
         self._write_ready_file(again=True)  # decode's data receiver listens from here on
-        if table is not None:
+        if table is not None and table is not self.bootstrap_server:
             self.bootstrap_server = table
-            self.worker_tasks.append(self.spawn(table.serve()))
+            self.spawn(table.serve())  # serves on after a worker loss (refusing, see bootstrap.py)
+        if table is not None:
+            table.worker_back()
         self.geometry, self.handles = geometry, handles
         self.pp_size = request["pp_size"]
         self.registered.set()
@@ -342,6 +344,8 @@ class Sidecar:
             or (geometry.tp_rank, geometry.pp_rank) != (0, 0)
         ):
             return None
+        if self.bootstrap_server is not None:  # bound for a worker that was lost: serve on
+            return self.bootstrap_server
         try:
             return BootstrapServer(
                 self.context,

@@ -15,7 +15,8 @@ of everything it held for it:
    finished and exited first), answers their new rooms with ``worker_lost``,
    and closes them when the worker registers again, so that each decode rank
    resolves the instance anew and gets a verdict on the new registration.
-   Prefill rank 0 stops serving the rank table until its worker is back;
+   Prefill rank 0 answers requests for the rank table with ``worker_lost``
+   (after authenticating them as ever) until its worker is back;
 3. the worker's regions are unmapped (the tcp receiver into them stops);
 4. ``/readyz`` answers 503 with the reason, and the next registration (the
    restarted worker) is taken like the first one.

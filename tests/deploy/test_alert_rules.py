@@ -2,11 +2,23 @@
 operators page on, and the scrape config finds the sidecars."""
 
 import re
+import shutil
+import subprocess
 
 import pytest
+import yaml
 from deploy_files import PROMETHEUS, ROOT
 
-RUNBOOK = re.compile(r"^docs/operations\.md#([a-z0-9-]+)$")  # relative to the source tree
+from pd_transfer import runbooks
+
+# a runbook link opens a section of docs/operations.md on a sidecar (GET /runbooks/<name>):
+# the alert's own sidecar, or the first one up where its labels name none
+OWN_SIDECAR = "http://{{ $labels.instance }}/runbooks/"
+FIRST_SIDECAR_UP = (
+    'http://{{ with query "pd_transfer_build_info and on (job, instance) (up == 1)" | sortByLabel "instance" }}'
+    '{{ . | first | label "instance" }}{{ end }}/runbooks/'
+)
+RUNBOOK = re.compile(rf"^(?:{re.escape(OWN_SIDECAR)}|{re.escape(FIRST_SIDECAR_UP)})([a-z0-9-]+)$")
 
 
 def _rules(alert_rules):
@@ -15,11 +27,6 @@ def _rules(alert_rules):
 
 def _by_name(alert_rules):
     return {rule["alert"]: rule for rule in _rules(alert_rules)}
-
-
-def _github_anchor(heading: str) -> str:
-    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
-    return text.replace(" ", "-")
 
 
 def test_every_rule_has_a_severity_and_summary_description_runbook(alert_rules):
@@ -78,15 +85,59 @@ def test_promql_brackets_and_quotes_balance(alert_rules):
         assert not stack, rule["alert"]
 
 
-def test_runbook_anchors_are_sections_of_the_operations_doc(alert_rules):
-    doc = ROOT / "docs" / "operations.md"
-    if not doc.exists():
-        pytest.skip("docs/operations.md is not written yet")
-    anchors = {
-        _github_anchor(line.lstrip("#")) for line in doc.read_text().splitlines() if line.startswith("#")
-    }
+def test_runbook_links_name_sections_of_the_operations_doc(alert_rules):
+    sections = runbooks.sections((ROOT / "docs" / "operations.md").read_text())
     wanted = {RUNBOOK.match(r["annotations"]["runbook_url"]).group(1) for r in _rules(alert_rules)}
-    assert wanted <= anchors, f"sections missing in docs/operations.md: {sorted(wanted - anchors)}"
+    assert wanted <= set(sections), (
+        f"sections missing in docs/operations.md: {sorted(wanted - set(sections))}"
+    )
+
+
+def test_alerts_that_keep_no_sidecar_instance_link_to_the_first_sidecar_up(alert_rules):
+    # these aggregate the instance away, or their instance is not a sidecar's HTTP port
+    # (a target that is down or not a sidecar, a probe URL, kube-state-metrics)
+    elsewhere = {
+        "PdTransferFailureRateHigh",
+        "PdTransferProtocolVersionSkew",
+        "PdTransferSidecarDown",
+        "PdTransferBuildInfoMissing",
+        "PdTransferSidecarNotReady",
+    }
+    for rule in _rules(alert_rules):
+        url = rule["annotations"]["runbook_url"]
+        own = url.startswith(OWN_SIDECAR)
+        assert own == (rule["alert"] not in elsewhere), rule["alert"]
+        if own:  # the expression keeps the instance label it links to
+            assert (
+                "sum by (" not in rule["expr"]
+                or "instance" in rule["expr"].split("sum by (")[1].split(")")[0]
+            )
+
+
+def _documented_substitution() -> str:
+    doc = (ROOT / "docs" / "operations.md").read_text()
+    (line,) = [line.strip() for line in doc.splitlines() if line.strip().startswith("sed -E -i ")]
+    return line
+
+
+@pytest.mark.skipif(shutil.which("sed") is None, reason="no sed")
+def test_the_documented_substitution_points_every_link_at_published_docs(tmp_path):
+    rules = tmp_path / "alerts.yml"
+    shutil.copy(PROMETHEUS / "alerts.yml", rules)
+    subprocess.run(["bash", "-c", _documented_substitution()], cwd=tmp_path, check=True, timeout=30)
+    before = {
+        r["alert"]: r
+        for g in yaml.safe_load((PROMETHEUS / "alerts.yml").read_text())["groups"]
+        for r in g["rules"]
+    }
+    after = [r for g in yaml.safe_load(rules.read_text())["groups"] for r in g["rules"]]
+    assert len(after) == len(before)
+    for rule in after:
+        name = RUNBOOK.match(before[rule["alert"]]["annotations"]["runbook_url"]).group(1)
+        assert rule["annotations"]["runbook_url"] == f"https://docs.example.com/pd-transfer/operations#{name}"
+        assert {k: v for k, v in rule.items() if k != "annotations"} == {
+            k: v for k, v in before[rule["alert"]].items() if k != "annotations"
+        }
 
 
 def test_scrape_config_loads_the_rules_and_finds_sidecars_both_ways(scrape_config):

@@ -68,6 +68,7 @@ class PrefillPeer:
 # past one heartbeat interval to wait for the timer tick that declares the rank lost
 _DOWN_POLL_S = 0.02
 _DOWN_SLACK_S = 0.25
+_WORKER_BACK_CAP_S = 2.0  # rank 0 refused: its worker is gone, and registers again any moment
 
 
 @dataclass
@@ -200,6 +201,8 @@ class PrefillInstances:
         try:
             instance = await self._resolve_once(bootstrap)
         except Exception as err:
+            if isinstance(err, PdTransferError) and err.code is Reason.WORKER_LOST:
+                backoff.cap_s = _WORKER_BACK_CAP_S  # rooms should not fail long after it is back
             backoff.failed(started, str(err))  # a try that timed out goes again at once
             log.log(
                 logging.DEBUG if backoff.same_error else logging.WARNING,

@@ -104,6 +104,10 @@ class PrefillSide(PrefillWrites):
     async def on_registered(self) -> None:
         sidecar = self.sidecar
         await self._close_stale_sessions()  # verdicts on a lost worker's registration
+        if sidecar.bootstrap_server is not None and sidecar.bootstrap_server.gone:
+            # rank 0's lost worker came back as another rank: its table is not this sidecar's
+            sidecar.bootstrap_server.close()  # (its serve task ends with the socket)
+            sidecar.bootstrap_server = None
         entry = RankEntry(
             agent_id=self.config.agent_id,
             host_id=self.config.host_id,
@@ -128,9 +132,11 @@ class PrefillSide(PrefillWrites):
         for task in sidecar.worker_tasks:
             task.cancel()
         sidecar.worker_tasks.clear()
-        if sidecar.bootstrap_server is not None:  # rank 0: no table until its worker is back
-            sidecar.bootstrap_server.close()
-            sidecar.bootstrap_server = None
+        if sidecar.bootstrap_server is not None:  # rank 0: no table until its worker is back,
+            # and whoever asks (past authentication) hears why at once (agent/bootstrap.py)
+            sidecar.bootstrap_server.worker_lost(  # why: "worker W is gone: its connection ..."
+                f"prefill rank 0's {why}; it serves no rank table until a worker registers with it again"
+            )
         self.table = None
         self.table_ready.clear()
         self.stale_peers = {key for key, peer in self.peers.items() if peer.accepted}
