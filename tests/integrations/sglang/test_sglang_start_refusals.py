@@ -11,6 +11,7 @@ registration with a sidecar that is not there) unlinks every segment it made.
 from __future__ import annotations
 
 import os
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -198,3 +199,40 @@ def test_sparse_attention_state_is_refused_by_name_at_registration():
         assert "'dsa'" in str(refused.value) and "DeepSeek-V3.2" in str(refused.value)
     finally:
         memory.close()
+
+
+def _sockets() -> set[str]:
+    """This process's open socket descriptors (``socket:[inode]``)."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own descriptor, closed by now
+            continue
+        if target.startswith("socket:"):
+            out.add(target)
+    return out
+
+
+def test_a_registration_the_sidecar_refuses_leaves_no_socket_thread_or_segment(tmp_path, monkeypatch):
+    # a real decode sidecar; SGLang's real PrefillBootstrapQueue registers a prefill rank with it,
+    # which the sidecar refuses (role_mismatch) after the pools moved and the client connected
+    from sglang.srt.plugins import load_plugins
+    from sglang_deployment import Deployment
+    from sglang_process import Topology, llama_dir, queue_rank
+
+    load_plugins()
+    model_dir = llama_dir(tmp_path, "tiny", layers=2, kv_heads=2, head_dim=8)
+    deployment = Deployment(tmp_path, 0, 1)
+    try:
+        monkeypatch.setenv("PD_TRANSFER_SGLANG_WORKER_ENDPOINT", deployment.endpoint("decode", 0))
+        sockets, threads, segments = _sockets(), set(threading.enumerate()), our_segments()
+        with pytest.raises(PdTransferError) as refused:
+            queue_rank("prefill", Topology(1), 0, model_dir, pool=mha_pool(), metadata=metadata_buffers())
+        assert refused.value.code is Reason.ROLE_MISMATCH, refused.value
+        # the traceback held by ``refused`` keeps the manager alive: what it opened must be closed
+        assert _sockets() == sockets, "the refused start left its sidecar connection open"
+        assert set(threading.enumerate()) == threads
+        assert our_segments() == segments
+    finally:
+        deployment.close()
