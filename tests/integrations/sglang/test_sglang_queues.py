@@ -210,6 +210,14 @@ def test_a_request_goes_through_sglangs_queues_byte_exact(tmp_path, monkeypatch,
         assert transfer.req_to_metadata_buffer_idx_allocator.available_size() == rows_free
         assert not decode.metadata.bootstrap_room.any()  # SGLang's clear_slot: the next owner sees room 0
         transfer.scheduler.output_streamer.stream_output.assert_not_called()
+        # a decode-side prefix hit (SGLang's decode radix cache, refused at start) fails the
+        # request by name, never moves a whole page list over pages decode kept
+        hit = decode.queue._create_receiver_and_enqueue(make_req(4713, deployment, 2 * PAGE))
+        decode.queue._init_receiver(hit, 0)
+        decode.queue._send_kv_metadata(hit, torch.arange(2 * PAGE), PAGE, decode_prefix_len=PAGE)
+        assert hit.kv_receiver.poll() == KVPoll.Failed and not hit.kv_receiver.expected
+        assert "decode_prefix_len 4" in hit.kv_receiver.failure, hit.kv_receiver.failure
+        assert hit.kv_receiver.failure.startswith("[layout_unsupported]")
     finally:
         for rank in ranks:
             rank.close()
