@@ -223,6 +223,25 @@ class QueueRank:
         self.manager.memory.close()
 
 
+@contextlib.contextmanager
+def host_destination(**host_pools: Any):
+    """Decode's KV (``host_kv_pool``) or Mamba state (``host_mamba_pool``) destination: SGLang's
+    host (HiCache) pools, handed to ``share_engine_memory`` when the plugin's hook calls it.
+
+    ``share_engine_memory`` is the one entry point for a host destination: SGLang's own
+    per-request host receive (``--disaggregation-decode-host-receive-threshold``) is refused
+    at start, so the hook itself never registers one.
+    """
+    from pd_transfer.integrations.sglang import memory
+
+    share = memory.share_engine_memory
+    memory.share_engine_memory = lambda owner, **pools: share(owner, **pools, **host_pools)
+    try:
+        yield
+    finally:
+        memory.share_engine_memory = share
+
+
 def queue_rank(
     role: str,
     topology: Topology,
