@@ -35,6 +35,7 @@ The seeds (``shared/seeds/``):
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -59,9 +60,17 @@ LAYERS, HEADS, PAGE, POOL_TOKENS = 3, 2, 4, 32
 FACTS = EngineFacts(attn_tp_size=1, total_kv_heads=HEADS, model="tiny-host")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def plugin_loaded():
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    """One prefill and one decode sidecar for the module: each test registers its ranks anew
+    (a worker whose connection closed may register again) and runs its own room."""
     load_plugins()
+    sidecars = Deployment(tmp_path_factory.mktemp("host"), 1, 1)
+    yield sidecars
+    sidecars.close()
+
+
+_rooms = itertools.count(61)
 
 
 def device_pool(k_dim: int, v_dim: int) -> MHATokenToKVPool:
@@ -119,9 +128,8 @@ def queue_side(role: str, deployment, monkeypatch, model_dir: str, pool, **host_
         return queue_rank(role, Topology(1), 0, model_dir, pool=pool, metadata=metadata_buffers())
 
 
-def run_to_host(tmp_path, monkeypatch, layout: str, k_dim: int, v_dim: int):
+def run_to_host(tmp_path, monkeypatch, deployment, layout: str, k_dim: int, v_dim: int):
     model_dir = llama_dir(tmp_path, "tiny-host", layers=LAYERS, kv_heads=HEADS, head_dim=k_dim)
-    deployment = Deployment(tmp_path, 1, 1)
     ranks = []
     try:
         ranks.append(queue_side("prefill", deployment, monkeypatch, model_dir, device_pool(k_dim, v_dim)))
@@ -138,7 +146,15 @@ def run_to_host(tmp_path, monkeypatch, layout: str, k_dim: int, v_dim: int):
                 torch.from_numpy(rng.integers(1, 2**15, size=tuple(buf.shape), dtype=np.int16))
             )
         p_states, d_states, _, receivers = run_room(
-            [prefill], [ranks[1]], deployment, 61, src_pages, dst_pages, src_aux=0, dst_aux=1, chunk_pages=2
+            [prefill],
+            [ranks[1]],
+            deployment,
+            next(_rooms),
+            src_pages,
+            dst_pages,
+            src_aux=0,
+            dst_aux=1,
+            chunk_pages=2,
         )
         assert d_states == [KVPoll.Success], [r.failure for r in receivers]
         assert p_states == [KVPoll.Success]
@@ -158,19 +174,18 @@ def run_to_host(tmp_path, monkeypatch, layout: str, k_dim: int, v_dim: int):
     finally:
         for rank in ranks:
             rank.close()
-        deployment.close()
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
-def test_kv_lands_byte_exact_in_sglangs_host_pool(tmp_path, monkeypatch, layout):
-    run_to_host(tmp_path, monkeypatch, layout, 16, 16)
+def test_kv_lands_byte_exact_in_sglangs_host_pool(tmp_path, monkeypatch, deployment, layout):
+    run_to_host(tmp_path, monkeypatch, deployment, layout, 16, 16)
 
 
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
 def test_seeds_002_004_asymmetric_head_dims_land_byte_exact_in_both_host_layouts(
-    tmp_path, monkeypatch, layout
+    tmp_path, monkeypatch, deployment, layout
 ):
-    run_to_host(tmp_path, monkeypatch, layout, 16, 8)
+    run_to_host(tmp_path, monkeypatch, deployment, layout, 16, 8)
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_head"])
@@ -256,9 +271,10 @@ def mamba_host(mamba: MambaPool, layout: str) -> MambaPoolHost:
 
 
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
-def test_seed_000_mamba_state_lands_byte_exact_in_sglangs_host_pool(tmp_path, monkeypatch, layout):
+def test_seed_000_mamba_state_lands_byte_exact_in_sglangs_host_pool(
+    tmp_path, monkeypatch, deployment, layout
+):
     model_dir = nemotron_h_dir(tmp_path)
-    deployment = Deployment(tmp_path, 1, 1)
     ranks = []
     try:
         mamba, kv = mamba_pools(model_dir)
@@ -275,7 +291,7 @@ def test_seed_000_mamba_state_lands_byte_exact_in_sglangs_host_pool(tmp_path, mo
             [ranks[0]],
             [ranks[1]],
             deployment,
-            62,
+            next(_rooms),
             [1, 3],
             [2, 5],
             src_aux=0,
@@ -299,7 +315,6 @@ def test_seed_000_mamba_state_lands_byte_exact_in_sglangs_host_pool(tmp_path, mo
     finally:
         for rank in ranks:
             rank.close()
-        deployment.close()
 
 
 def test_seed_000_sglang_itself_refuses_a_layer_first_mamba_host_pool(tmp_path):
