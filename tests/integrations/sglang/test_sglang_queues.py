@@ -59,6 +59,14 @@ def one_rank_gloo_group():
 
 
 @pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    """One prefill and one decode sidecar for the module; each test registers its ranks anew."""
+    sidecars = Deployment(tmp_path_factory.mktemp("queue-sidecars"), 1, 1)
+    yield sidecars
+    sidecars.close()
+
+
+@pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     load_plugins()
     return llama_dir(
@@ -164,8 +172,7 @@ def through_the_queues(prefill, decode, deployment, room, src_pages, dst_pages, 
     return p_req, d_req
 
 
-def test_a_request_goes_through_sglangs_queues_byte_exact(tmp_path, monkeypatch, model_dir):
-    deployment = Deployment(tmp_path, 1, 1)
+def test_a_request_goes_through_sglangs_queues_byte_exact(deployment, monkeypatch, model_dir):
     ranks = []
     try:
         ranks = [
@@ -221,13 +228,11 @@ def test_a_request_goes_through_sglangs_queues_byte_exact(tmp_path, monkeypatch,
     finally:
         for rank in ranks:
             rank.close()
-        deployment.close()
 
 
 def test_a_refused_pair_aborts_the_request_in_sglangs_transfer_queue_with_the_reason(
-    tmp_path, monkeypatch, model_dir
+    deployment, monkeypatch, model_dir
 ):
-    deployment = Deployment(tmp_path, 1, 1)
     monkeypatch.setenv("PD_TRANSFER_SGLANG_BOOTSTRAP_TIMEOUT_S", "600")  # no timeout stands in
     ranks = []
     try:
@@ -263,4 +268,3 @@ def test_a_refused_pair_aborts_the_request_in_sglangs_transfer_queue_with_the_re
     finally:
         for rank in ranks:
             rank.close()
-        deployment.close()
