@@ -21,14 +21,14 @@ from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
 from sglang.srt.disaggregation.base.conn import KVArgs, StateType
 from sglang.srt.disaggregation.decode import DecodePreallocQueue
 from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
-from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool, MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang_ranks import SglangRank, fill_kv_args, metadata_buffers
 
+from pd_transfer.client import ClientError
 from pd_transfer.errors import ConfigError, GeometryError, PdTransferError, Reason
 from pd_transfer.integrations.sglang import plugin
-from pd_transfer.integrations.sglang.conn import ENGINE_MEMORY, PdTransferKVManager
+from pd_transfer.integrations.sglang.conn import ENGINE_MEMORY
 from pd_transfer.integrations.sglang.memory import share_engine_memory
 from pd_transfer.integrations.sglang.registration import EngineFacts, describe_rank
 from pd_transfer.layout.geometry import Role
@@ -100,24 +100,32 @@ def test_decode_settings_the_backend_cannot_serve_are_refused_at_start(setting, 
 
 
 def test_a_start_failing_after_the_pools_moved_leaves_no_segment(monkeypatch, tmp_path):
-    monkeypatch.setattr(plugin, "_parallel", lambda: SimpleNamespace(attn_tp_size=1, pp_size=1))
+    # SGLang's real PrefillBootstrapQueue; nobody serves the rank's endpoint, so the registration
+    # (after the hook moved the pools and SGLang filled kv_args) times out
+    from sglang.srt.plugins import load_plugins
+    from sglang_process import Topology, llama_dir, queue_rank
+
+    from pd_transfer.integrations.sglang import memory
+
+    load_plugins()
+    model_dir = llama_dir(tmp_path, "tiny", layers=2, kv_heads=2, head_dim=8)
     monkeypatch.setenv("PD_TRANSFER_SGLANG_WORKER_ENDPOINT", f"unix://{tmp_path}/nobody.sock")
     monkeypatch.setenv("PD_TRANSFER_SGLANG_REGISTER_TIMEOUT_S", "2")
     monkeypatch.setenv("PD_TRANSFER_SGLANG_CALL_TIMEOUT_S", "2")
-    before = our_segments()
+    before, sockets = our_segments(), _sockets()
     held = []
+    share = memory.share_engine_memory
 
-    def init_kv_manager(q):  # SGLang's: kv_args from its helpers, then the backend's manager
+    def watched(owner, **pools):  # the hook's own call, watched: which segments it made
+        shared = share(owner, **pools)
         held.append(our_segments() - before)
-        rank = SglangRank("prefill", 0, q.token_to_kv_pool, q.metadata_buffers, None)
-        kv_args = fill_kv_args(rank, page_size=PAGE, num_layers=2, total_kv_heads=2)
-        return PdTransferKVManager(kv_args, DisaggregationMode.PREFILL, SimpleNamespace(), False)
+        return shared
 
-    q = queue(PrefillBootstrapQueue, mha_pool(), Disagg())
-    with pytest.raises(Exception):  # noqa: B017 - the client's error: nobody serves the endpoint
-        plugin._init_kv_manager(init_kv_manager, q)
-    assert held and held[0], "the pools had moved into /dev/shm when the registration failed"
-    assert our_segments() == before
+    monkeypatch.setattr(memory, "share_engine_memory", watched)
+    with pytest.raises(ClientError, match="nobody.sock"):
+        queue_rank("prefill", Topology(1), 0, model_dir, pool=mha_pool(), metadata=metadata_buffers())
+    assert held and held[0], "the pools had moved into /dev/shm before the registration failed"
+    assert our_segments() == before and _sockets() == sockets
 
 
 def test_a_start_refused_for_the_models_facts_leaves_no_segment(monkeypatch):
