@@ -107,9 +107,8 @@ class PdTransferKVManager(BaseKVManager):
             timeout_s=self.settings.call_timeout_s,
         )
         try:  # a start that fails leaves no connection (socket, doorbell mapping) behind
-            handles = (
-                self.memory.handles
-            )  # only the regions a view uses (not a device pool a host pool replaces)
+            # only the regions a view uses (not a device pool a host pool replaces)
+            handles = self.memory.handles
             handles = {region.id: handles[region.id] for region in self.geometry.regions}
             self.client.register(
                 self.geometry, handles, pp_size=self.facts.pp_size, timeout_s=self.settings.register_timeout_s
