@@ -106,11 +106,16 @@ class PdTransferKVManager(BaseKVManager):
             self.worker_id,
             timeout_s=self.settings.call_timeout_s,
         )
-        handles = self.memory.handles  # only the regions a view uses (not a device pool a host pool replaces)
-        handles = {region.id: handles[region.id] for region in self.geometry.regions}
-        self.client.register(
-            self.geometry, handles, pp_size=self.facts.pp_size, timeout_s=self.settings.register_timeout_s
-        )
+        try:  # a start that fails leaves no connection (socket, doorbell mapping) behind
+            # only the regions a view uses (not a device pool a host pool replaces)
+            handles = self.memory.handles
+            handles = {region.id: handles[region.id] for region in self.geometry.regions}
+            self.client.register(
+                self.geometry, handles, pp_size=self.facts.pp_size, timeout_s=self.settings.register_timeout_s
+            )
+        except BaseException:
+            self.client.close()
+            raise
         log.info(
             "pd-transfer: %s registered %d views with its sidecar",
             self.geometry.rank_id,

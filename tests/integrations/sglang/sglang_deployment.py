@@ -56,8 +56,8 @@ class Deployment:
             for role, ranks in (("prefill", prefill_tp * prefill_dp), ("decode", decode_tp)):
                 for rank in range(ranks):
                     name = f"sgl-{role}-tp{rank}-{tag}"
-                    port = self.port + rank // prefill_tp
-                    bootstrap = f"tcp://127.0.0.1:{port}" if role == "prefill" else ""
+                    port = self.port + rank // prefill_tp if role == "prefill" else 0
+                    bootstrap = f"tcp://127.0.0.1:{port}" if port else ""
                     self.sidecars[(role, rank)] = Sidecar(workdir, role, name, cfg, bootstrap)
             for sidecar in self.sidecars.values():
                 sidecar.wait_ready()

@@ -1,9 +1,9 @@
-"""SGLang ranks for the tests: SGLang's own pools and kv_args fill-ins, and the
-pd-transfer backend classes built over them as SGLang's scheduler builds them.
-
-Each :class:`SglangRank` is one scheduler rank: a pool of SGLang's classes on
-CPU, its ``MetadataBuffers``, the ``kv_args`` SGLang's own helpers fill in,
-and the backend's manager registered with a real sidecar.
+"""SGLang ranks without a sidecar, for the registration-level tests: a pool of
+SGLang's classes on CPU, its ``MetadataBuffers`` and the ``kv_args`` SGLang's
+own helpers fill in (``get_kv_transfer_buf_infos``, ``build_kv_layer_ids``,
+``setup_state_kv_args``), handed to ``describe_rank`` directly. Transfer tests
+build their ranks through SGLang's queues and the plugin's hook instead
+(:mod:`sglang_process`).
 """
 
 from __future__ import annotations
@@ -15,16 +15,11 @@ from typing import Any
 import torch
 from sglang.srt.disaggregation.base.conn import KVArgs
 from sglang.srt.disaggregation.utils import (
-    DisaggregationMode,
     MetadataBuffers,
     build_kv_layer_ids,
     get_kv_transfer_buf_infos,
     setup_state_kv_args,
 )
-
-from pd_transfer.integrations.sglang.conn import ENGINE_MEMORY, PdTransferKVManager
-from pd_transfer.integrations.sglang.memory import share_engine_memory
-from pd_transfer.integrations.sglang.registration import EngineFacts
 
 NUM_AUX_ROWS = 8
 
@@ -80,44 +75,3 @@ def fill_kv_args(rank: SglangRank, *, page_size: int, num_layers: int, total_kv_
     req_to_token_pool = SimpleNamespace(mamba_pool=rank.mamba_pool) if rank.mamba_pool is not None else None
     setup_state_kv_args(kv_args, pool, None, num_layers, req_to_token_pool=req_to_token_pool)
     return kv_args
-
-
-def build_rank(
-    role: str,
-    tp_rank: int,
-    pool: Any,
-    *,
-    page_size: int,
-    num_layers: int,
-    facts: EngineFacts,
-    owner: str,
-    mamba_pool: Any = None,
-    host_kv_pool: Any = None,
-    host_mamba_pool: Any = None,
-) -> SglangRank:
-    """Pools into shared memory, kv_args by SGLang's helpers, then the manager (registers).
-
-    ``host_kv_pool`` / ``host_mamba_pool`` (decode): SGLang's host pools, registered as the
-    KV / Mamba state destination.
-    """
-    rank = SglangRank(role, tp_rank, pool, metadata_buffers(), None, mamba_pool)
-    rank.memory = share_engine_memory(
-        owner,
-        kv_pool=pool,
-        metadata_buffers=rank.metadata,
-        mamba_pool=mamba_pool,
-        host_kv_pool=host_kv_pool,
-        host_mamba_pool=host_mamba_pool,
-    )
-    rank.kv_args = fill_kv_args(
-        rank, page_size=page_size, num_layers=num_layers, total_kv_heads=facts.total_kv_heads
-    )
-    mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
-    token = ENGINE_MEMORY.set((rank.memory, facts))
-    try:
-        rank.manager = PdTransferKVManager(
-            rank.kv_args, mode, SimpleNamespace(), facts.total_kv_heads is None
-        )
-    finally:
-        ENGINE_MEMORY.reset(token)
-    return rank

@@ -4,7 +4,12 @@ about them, through real sidecars.
 Decode registers SGLang's own host pool (``MHATokenToKVPoolHost``, or
 ``AsymmetricMHATokenToKVPoolHost`` for head_dim != v_head_dim, built by
 SGLang's ``get_mha_host_pool_cls`` on ``device="cpu"``) as its KV
-destination; prefill sends from its device ``MHATokenToKVPool``. The oracle
+destination; prefill sends from its device ``MHATokenToKVPool``. Both ranks
+are built by SGLang's real ``PrefillBootstrapQueue`` / ``DecodePreallocQueue``
+through the plugin's ``_init_kv_manager`` hook (:mod:`sglang_process`);
+decode's host pools reach ``share_engine_memory`` as the hook calls it
+(``host_destination``: the library entry point for a host destination, since
+SGLang's own per-request host receive is refused at start). The oracle
 reads the host buffer by SGLang's documented layout with plain tensor
 indexing (never pd-transfer's view math) and compares every token of every
 layer with the request's logical KV; everything else in the host buffer
@@ -30,25 +35,42 @@ The seeds (``shared/seeds/``):
 
 from __future__ import annotations
 
+import itertools
+import json
+
 import numpy as np
 import pytest
 import torch
-from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool, MHATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
+from sglang.srt.plugins import load_plugins
 from sglang_deployment import Deployment, run_room
-from sglang_ranks import build_rank, metadata_buffers
+from sglang_process import Topology, host_destination, llama_dir, queue_rank, sglang_rank
+from sglang_ranks import metadata_buffers
 
 from pd_transfer.errors import GeometryError
 from pd_transfer.integrations.sglang.host_views import host_kv_views
 from pd_transfer.integrations.sglang.memory import HostKvPool, share_engine_memory
-from pd_transfer.integrations.sglang.plugin import mamba2_conv_groups
 from pd_transfer.integrations.sglang.registration import EngineFacts
 
 LAYERS, HEADS, PAGE, POOL_TOKENS = 3, 2, 4, 32
 FACTS = EngineFacts(attn_tp_size=1, total_kv_heads=HEADS, model="tiny-host")
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    """One prefill and one decode sidecar for the module: each test registers its ranks anew
+    (a worker whose connection closed may register again) and runs its own room."""
+    load_plugins()
+    sidecars = Deployment(tmp_path_factory.mktemp("host"), 1, 1)
+    yield sidecars
+    sidecars.close()
+
+
+_rooms = itertools.count(61)
 
 
 def device_pool(k_dim: int, v_dim: int) -> MHATokenToKVPool:
@@ -98,36 +120,23 @@ def host_tokens(pool, which: int, layer: int, tokens: list[int]) -> np.ndarray:
     raise AssertionError(pool.layout)
 
 
-def run_to_host(tmp_path, monkeypatch, layout: str, k_dim: int, v_dim: int, tag: str):
-    deployment = Deployment(tmp_path, 1, 1)
+def queue_side(role: str, deployment, monkeypatch, model_dir: str, pool, **host_pools):
+    """SGLang's queue for ``role`` built over ``pool`` through the plugin's hook; ``host_pools``
+    (decode): the host pools registered as its destination."""
+    monkeypatch.setenv("PD_TRANSFER_SGLANG_WORKER_ENDPOINT", deployment.endpoint(role, 0))
+    with host_destination(**host_pools):
+        return queue_rank(role, Topology(1), 0, model_dir, pool=pool, metadata=metadata_buffers())
+
+
+def run_to_host(tmp_path, monkeypatch, deployment, layout: str, k_dim: int, v_dim: int):
+    model_dir = llama_dir(tmp_path, "tiny-host", layers=LAYERS, kv_heads=HEADS, head_dim=k_dim)
     ranks = []
     try:
-        monkeypatch.setenv("PD_TRANSFER_SGLANG_WORKER_ENDPOINT", deployment.endpoint("prefill", 0))
-        ranks.append(
-            build_rank(
-                "prefill",
-                0,
-                device_pool(k_dim, v_dim),
-                page_size=PAGE,
-                num_layers=LAYERS,
-                facts=FACTS,
-                owner=f"{tag}-p",
-            )
-        )
+        ranks.append(queue_side("prefill", deployment, monkeypatch, model_dir, device_pool(k_dim, v_dim)))
         decode_device = device_pool(k_dim, v_dim)
         host = host_pool(decode_device, layout)
-        monkeypatch.setenv("PD_TRANSFER_SGLANG_WORKER_ENDPOINT", deployment.endpoint("decode", 0))
         ranks.append(
-            build_rank(
-                "decode",
-                0,
-                decode_device,
-                page_size=PAGE,
-                num_layers=LAYERS,
-                facts=FACTS,
-                owner=f"{tag}-d",
-                host_kv_pool=host,
-            )
+            queue_side("decode", deployment, monkeypatch, model_dir, decode_device, host_kv_pool=host)
         )
         prefill = ranks[0]
         src_pages, dst_pages = [2, 5, 1], [7, 3, 10]
@@ -137,7 +146,15 @@ def run_to_host(tmp_path, monkeypatch, layout: str, k_dim: int, v_dim: int, tag:
                 torch.from_numpy(rng.integers(1, 2**15, size=tuple(buf.shape), dtype=np.int16))
             )
         p_states, d_states, _, receivers = run_room(
-            [prefill], [ranks[1]], deployment, 61, src_pages, dst_pages, src_aux=0, dst_aux=1, chunk_pages=2
+            [prefill],
+            [ranks[1]],
+            deployment,
+            next(_rooms),
+            src_pages,
+            dst_pages,
+            src_aux=0,
+            dst_aux=1,
+            chunk_pages=2,
         )
         assert d_states == [KVPoll.Success], [r.failure for r in receivers]
         assert p_states == [KVPoll.Success]
@@ -157,19 +174,18 @@ def run_to_host(tmp_path, monkeypatch, layout: str, k_dim: int, v_dim: int, tag:
     finally:
         for rank in ranks:
             rank.close()
-        deployment.close()
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
-def test_kv_lands_byte_exact_in_sglangs_host_pool(tmp_path, monkeypatch, layout):
-    run_to_host(tmp_path, monkeypatch, layout, 16, 16, f"h-{layout}")
+def test_kv_lands_byte_exact_in_sglangs_host_pool(tmp_path, monkeypatch, deployment, layout):
+    run_to_host(tmp_path, monkeypatch, deployment, layout, 16, 16)
 
 
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
 def test_seeds_002_004_asymmetric_head_dims_land_byte_exact_in_both_host_layouts(
-    tmp_path, monkeypatch, layout
+    tmp_path, monkeypatch, deployment, layout
 ):
-    run_to_host(tmp_path, monkeypatch, layout, 16, 8, f"a-{layout}")
+    run_to_host(tmp_path, monkeypatch, deployment, layout, 16, 8)
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_head"])
@@ -200,20 +216,39 @@ def test_a_host_layout_pd_transfer_cannot_address_is_refused_at_registration_nam
 MAMBA_LAYERS = [1, 3]
 
 
-def mamba_pools():
-    shape = Mamba2StateShape.create(
-        tp_world_size=1,
-        intermediate_size=16,
-        n_groups=4,
-        num_heads=4,
-        head_dim=4,
-        state_size=4,
-        conv_kernel=4,
-        conv_shard_groups=None,
-    )
-    params = Mamba2CacheParams(shape=shape, layers=MAMBA_LAYERS)
+def nemotron_h_dir(root) -> str:
+    """A local NemotronH ``config.json``: attention on layers 0, 2, Mamba2 on 1, 3 (no weights)."""
+    path = root / "tiny-nemotron-h"
+    path.mkdir(exist_ok=True)
+    config = {
+        "architectures": ["NemotronHForCausalLM"],
+        "model_type": "nemotron_h",
+        "hidden_size": 64,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": HEADS,
+        "head_dim": 8,
+        "hybrid_override_pattern": "*M*M",
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 4,
+        "n_groups": 4,
+        "ssm_state_size": 4,
+        "conv_kernel": 4,
+        "vocab_size": 128,
+        "max_position_embeddings": 256,
+        "torch_dtype": "bfloat16",
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def mamba_pools(model_dir: str):
+    """SGLang's hybrid pools, the state sized by its ``NemotronHConfig`` at TP 1."""
+    with sglang_rank("prefill", Topology(1), 0, model_path=model_dir):
+        params = ModelConfig(model_dir).hf_config.mamba2_cache_params
+    assert params.layers == MAMBA_LAYERS
     mamba = MambaPool(
-        size=4, spec_state_size=0, cache_params=params, mamba_layer_ids=MAMBA_LAYERS, device="cpu"
+        size=8, spec_state_size=0, cache_params=params, mamba_layer_ids=MAMBA_LAYERS, device="cpu"
     )
     kv = HybridLinearKVPool(
         size=POOL_TOKENS,
@@ -225,13 +260,7 @@ def mamba_pools():
         device="cpu",
         mamba_pool=mamba,
     )
-    facts = EngineFacts(
-        attn_tp_size=1,
-        total_kv_heads=HEADS,
-        mamba2_conv_groups=mamba2_conv_groups(params, 1, (4,)),
-        model="tiny-nemotron-h",
-    )
-    return mamba, kv, facts
+    return mamba, kv
 
 
 def mamba_host(mamba: MambaPool, layout: str) -> MambaPoolHost:
@@ -242,40 +271,17 @@ def mamba_host(mamba: MambaPool, layout: str) -> MambaPoolHost:
 
 
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
-def test_seed_000_mamba_state_lands_byte_exact_in_sglangs_host_pool(tmp_path, monkeypatch, layout):
-    deployment = Deployment(tmp_path, 1, 1)
+def test_seed_000_mamba_state_lands_byte_exact_in_sglangs_host_pool(
+    tmp_path, monkeypatch, deployment, layout
+):
+    model_dir = nemotron_h_dir(tmp_path)
     ranks = []
     try:
-        monkeypatch.setenv("PD_TRANSFER_SGLANG_WORKER_ENDPOINT", deployment.endpoint("prefill", 0))
-        mamba, kv, facts = mamba_pools()
-        ranks.append(
-            build_rank(
-                "prefill",
-                0,
-                kv,
-                page_size=PAGE,
-                num_layers=4,
-                facts=facts,
-                owner=f"m-{layout}-p",
-                mamba_pool=mamba,
-            )
-        )
-        monkeypatch.setenv("PD_TRANSFER_SGLANG_WORKER_ENDPOINT", deployment.endpoint("decode", 0))
-        d_mamba, d_kv, _ = mamba_pools()
+        mamba, kv = mamba_pools(model_dir)
+        ranks.append(queue_side("prefill", deployment, monkeypatch, model_dir, kv))
+        d_mamba, d_kv = mamba_pools(model_dir)
         host = mamba_host(d_mamba, layout)
-        ranks.append(
-            build_rank(
-                "decode",
-                0,
-                d_kv,
-                page_size=PAGE,
-                num_layers=4,
-                facts=facts,
-                owner=f"m-{layout}-d",
-                mamba_pool=d_mamba,
-                host_mamba_pool=host,
-            )
-        )
+        ranks.append(queue_side("decode", deployment, monkeypatch, model_dir, d_kv, host_mamba_pool=host))
         cache = mamba.mamba_cache
         rng = np.random.default_rng(0)
         for buf in [cache.temporal, *cache.conv]:
@@ -285,7 +291,7 @@ def test_seed_000_mamba_state_lands_byte_exact_in_sglangs_host_pool(tmp_path, mo
             [ranks[0]],
             [ranks[1]],
             deployment,
-            62,
+            next(_rooms),
             [1, 3],
             [2, 5],
             src_aux=0,
@@ -309,9 +315,8 @@ def test_seed_000_mamba_state_lands_byte_exact_in_sglangs_host_pool(tmp_path, mo
     finally:
         for rank in ranks:
             rank.close()
-        deployment.close()
 
 
-def test_seed_000_sglang_itself_refuses_a_layer_first_mamba_host_pool():
+def test_seed_000_sglang_itself_refuses_a_layer_first_mamba_host_pool(tmp_path):
     with pytest.raises(AssertionError, match="Unsupported layout: layer_first"):
-        mamba_host(mamba_pools()[0], "layer_first")
+        mamba_host(mamba_pools(nemotron_h_dir(tmp_path))[0], "layer_first")

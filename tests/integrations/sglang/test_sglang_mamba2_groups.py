@@ -10,25 +10,31 @@ group whole on every rank. The oracle is SGLang's own split:
 ``MergedColumnParallelLinear``), applied to the model's full conv state. Every
 TP pair of 1, 2, 4 and 8 with ``n_groups`` 1, 2 and 8 is registered as the
 backend registers it, reconciled, planned, its byte runs copied between the
-pools' memory and the landed slot compared with that split; two pairs run
-through real sidecars. ``n_groups`` 2 at TP 4 or 8, which ``MambaMixer2``
+pools' memory and the landed slot compared with that split. ``n_groups = 1``
+also runs through real sidecars (TP 1 -> 2, 2 -> 1), every rank built by
+SGLang's real queues through the plugin's hook from a local NemotronH
+``config.json``. ``n_groups`` 2 at TP 4 or 8, which ``MambaMixer2``
 refuses to build, is refused at start.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape, extra_groups_for_head_shards
+from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.layers.attention.mamba.mamba import mamba_v2_sharded_weight_loader
 from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool
+from sglang.srt.plugins import load_plugins
 from sglang_deployment import Deployment, run_room
-from sglang_ranks import SglangRank, build_rank, fill_kv_args, metadata_buffers
+from sglang_process import Topology, queue_rank, sglang_rank
+from sglang_ranks import SglangRank, fill_kv_args, metadata_buffers
 
 from pd_transfer.errors import GeometryError, Reason
 from pd_transfer.integrations.sglang.memory import share_engine_memory
@@ -245,33 +251,71 @@ def test_group_count_a_config_does_not_name_is_refused_where_ambiguous(monkeypat
     assert facts(1, 1, params, pool, named=False).mamba2_conv_groups.groups == (D_INNER, STATE, STATE)
 
 
-def sidecar_rank(role, tp_rank, tp, n_groups, deployment, monkeypatch, tag):
+def nemotron_h_dir(root, n_groups: int) -> str:
+    """A local NemotronH ``config.json`` with ``n_groups`` B/C groups (no weights)."""
+    path = root / f"tiny-nemotron-h-g{n_groups}"
+    path.mkdir(exist_ok=True)
+    config = {
+        "architectures": ["NemotronHForCausalLM"],
+        "model_type": "nemotron_h",
+        "hidden_size": 64,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "hybrid_override_pattern": "*M*M",  # attention on layers 0, 2; Mamba2 on 1, 3
+        "mamba_num_heads": M_HEADS,
+        "mamba_head_dim": M_HEAD_DIM,
+        "n_groups": n_groups,
+        "ssm_state_size": STATE,
+        "conv_kernel": KERNEL,
+        "vocab_size": 128,
+        "max_position_embeddings": 256,
+        "torch_dtype": "bfloat16",
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def sidecar_rank(role, tp_rank, tp, deployment, monkeypatch, model_dir):
+    """SGLang's queue over pools sized by its ``NemotronHConfig`` at TP ``tp``, through the
+    plugin's hook (which reads ``n_groups`` and the cache params from that config)."""
     monkeypatch.setenv("PD_TRANSFER_SGLANG_WORKER_ENDPOINT", deployment.endpoint(role, tp_rank))
-    params, mamba, pool = pools(tp, n_groups)
-    return build_rank(
-        role,
-        tp_rank,
-        pool,
+    with sglang_rank(role, Topology(tp), tp_rank, model_path=model_dir):
+        params = ModelConfig(model_dir).hf_config.mamba2_cache_params
+    assert params.layers == MAMBA_LAYERS
+    mamba = MambaPool(
+        size=4, spec_state_size=0, cache_params=params, mamba_layer_ids=MAMBA_LAYERS, device="cpu"
+    )
+    pool = HybridLinearKVPool(
+        size=POOL_TOKENS,
+        dtype=torch.bfloat16,
         page_size=PAGE_SIZE,
-        num_layers=4,
-        facts=facts(tp, n_groups, params, pool),
-        owner=f"{tag}-{role}{tp_rank}",
+        head_num=max(1, KV_HEADS // tp),
+        head_dim=HEAD_DIM,
+        full_attention_layer_ids=ATTN_LAYERS,
+        device="cpu",
         mamba_pool=mamba,
     )
+    rank = queue_rank(role, Topology(tp), tp_rank, model_dir, pool=pool, metadata=metadata_buffers())
+    rank.mamba_pool = mamba
+    return rank
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)])
 def test_one_group_replicated_moves_through_sidecars(tmp_path, monkeypatch, prefill_tp, decode_tp):
     monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
+    load_plugins()
+    model_dir = nemotron_h_dir(tmp_path, 1)
     deployment = Deployment(tmp_path, prefill_tp, decode_tp)
     prefill = decode = []
     try:
-        tag = f"ng1-{prefill_tp}{decode_tp}"
         prefill = [
-            sidecar_rank("prefill", r, prefill_tp, 1, deployment, monkeypatch, tag) for r in range(prefill_tp)
+            sidecar_rank("prefill", r, prefill_tp, deployment, monkeypatch, model_dir)
+            for r in range(prefill_tp)
         ]
         decode = [
-            sidecar_rank("decode", r, decode_tp, 1, deployment, monkeypatch, tag) for r in range(decode_tp)
+            sidecar_rank("decode", r, decode_tp, deployment, monkeypatch, model_dir) for r in range(decode_tp)
         ]
         state = model_state(1, seed=5)
         for rank in prefill:

@@ -20,11 +20,12 @@ import torch
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import KVTransferError
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.plugins import load_plugins
 from sglang_deployment import Deployment, wait_for
-from sglang_ranks import build_rank
+from sglang_process import Topology, llama_dir, queue_rank
+from sglang_ranks import metadata_buffers
 
 from pd_transfer.integrations.sglang import conn
-from pd_transfer.integrations.sglang.registration import EngineFacts
 
 
 def test_sglang_loads_the_plugin_and_routes_its_backend_to_pd_transfer():
@@ -68,7 +69,8 @@ def test_the_backend_enum_hack_refuses_an_sglang_it_does_not_know():
     assert "pd_transfer" not in FutureBackend._value2member_map_
 
 
-def _rank(role, deployment, monkeypatch, dtype, tag):
+def _rank(role, deployment, monkeypatch, dtype, model_dir):
+    """SGLang's queue for ``role`` (TP 1), its manager built through the plugin's hook."""
     monkeypatch.setenv("PD_TRANSFER_SGLANG_WORKER_ENDPOINT", deployment.endpoint(role, 0))
     pool = MHATokenToKVPool(
         size=32,
@@ -80,25 +82,19 @@ def _rank(role, deployment, monkeypatch, dtype, tag):
         device="cpu",
         enable_memory_saver=False,
     )
-    return build_rank(
-        role,
-        0,
-        pool,
-        page_size=4,
-        num_layers=2,
-        owner=f"{tag}-{role}",
-        facts=EngineFacts(attn_tp_size=1, total_kv_heads=2, model="tiny"),
-    )
+    return queue_rank(role, Topology(1), 0, model_dir, pool=pool, metadata=metadata_buffers())
 
 
 @contextlib.contextmanager
 def requested_room(tmp_path, monkeypatch, room: int, decode_dtype=torch.bfloat16):
     """A TP 1 pair with ``room`` requested by decode: ``(deployment, receiver, sender)``."""
+    load_plugins()
+    model_dir = llama_dir(tmp_path, "tiny", layers=2, kv_heads=2, head_dim=8)
     deployment = Deployment(tmp_path, 1, 1)
     ranks = []
     try:
-        ranks.append(_rank("prefill", deployment, monkeypatch, torch.bfloat16, f"r{room}"))
-        ranks.append(_rank("decode", deployment, monkeypatch, decode_dtype, f"r{room}"))
+        ranks.append(_rank("prefill", deployment, monkeypatch, torch.bfloat16, model_dir))
+        ranks.append(_rank("decode", deployment, monkeypatch, decode_dtype, model_dir))
         receiver = conn.PdTransferKVReceiver(ranks[1].manager, deployment.sglang_bootstrap, room)
         receiver.init(0)
         receiver.send_metadata([1, 2], 0, None)

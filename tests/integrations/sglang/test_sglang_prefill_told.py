@@ -14,14 +14,16 @@ from __future__ import annotations
 import torch
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.plugins import load_plugins
 from sglang_deployment import Deployment, wait_for
-from sglang_ranks import build_rank
+from sglang_process import Topology, llama_dir, queue_rank
+from sglang_ranks import metadata_buffers
 
 from pd_transfer.integrations.sglang import conn
-from pd_transfer.integrations.sglang.registration import EngineFacts
 
 
-def _rank(role, tp_rank, tp, deployment, monkeypatch, dtype):
+def _rank(role, tp_rank, tp, deployment, monkeypatch, dtype, model_dir):
+    """SGLang's queue for ``role``, its manager built through the plugin's hook."""
     monkeypatch.setenv("PD_TRANSFER_SGLANG_WORKER_ENDPOINT", deployment.endpoint(role, tp_rank))
     pool = MHATokenToKVPool(
         size=32,
@@ -33,24 +35,20 @@ def _rank(role, tp_rank, tp, deployment, monkeypatch, dtype):
         device="cpu",
         enable_memory_saver=False,
     )
-    return build_rank(
-        role,
-        tp_rank,
-        pool,
-        page_size=4,
-        num_layers=2,
-        owner=f"told-{role}{tp_rank}",
-        facts=EngineFacts(attn_tp_size=tp, total_kv_heads=4, model="tiny"),
-    )
+    return queue_rank(role, Topology(tp), tp_rank, model_dir, pool=pool, metadata=metadata_buffers())
 
 
 def test_the_prefill_request_of_a_refused_pair_fails_with_decodes_text(tmp_path, monkeypatch):
     deployment = Deployment(tmp_path, 2, 1, config={"bootstrap_timeout_s": 600.0})
     monkeypatch.setenv("PD_TRANSFER_SGLANG_BOOTSTRAP_TIMEOUT_S", "600")  # the backend's, not the sidecars'
+    load_plugins()
+    model_dir = llama_dir(tmp_path, "tiny", layers=2, kv_heads=4, head_dim=8)
     ranks = []
     try:
-        ranks += [_rank("prefill", r, 2, deployment, monkeypatch, torch.bfloat16) for r in range(2)]
-        ranks.append(_rank("decode", 0, 1, deployment, monkeypatch, torch.float16))
+        ranks += [
+            _rank("prefill", r, 2, deployment, monkeypatch, torch.bfloat16, model_dir) for r in range(2)
+        ]
+        ranks.append(_rank("decode", 0, 1, deployment, monkeypatch, torch.float16, model_dir))
         # SGLang's prefill creates its senders first (PrefillBootstrapQueue.create_sender)
         senders = [conn.PdTransferKVSender(r.manager, deployment.sglang_bootstrap, 31) for r in ranks[:2]]
         assert [s.poll() for s in senders] == [KVPoll.Bootstrapping] * 2

@@ -1,59 +1,53 @@
 """SGLang's own scheduler queues over pd-transfer's backend and real sidecars.
 
-The queues are driven the way SGLang's CPU unit tests drive them: a
-``MagicMock(spec=<Queue>)`` stands in for the scheduler-owned object and the
-queue's real methods run on it (``PrefillBootstrapQueue.create_sender`` /
-``pop_bootstrapped`` / ``finalize_bootstrap``, ``DecodePreallocQueue.
-_create_receiver_and_enqueue`` / ``_init_receiver`` / ``_send_kv_metadata``,
-``DecodeTransferQueue.pop_transferred`` / ``resolve_deferred_releases``).
-What stays a stand-in is what needs a running scheduler: the KV allocators
-and radix tree (page indices are given), the model forward (prefill's pages
-are written by the test, sent as ``send_kv_chunk`` sends them) and the output
-streamer. Poll results go through SGLang's all-reduce over a one-rank gloo
-group, as on a TP 1 server.
+Every queue is SGLang's real object, built by its constructor on CPU
+(:mod:`sglang_process`): ``PrefillBootstrapQueue`` and
+``DecodePreallocQueue``, whose constructors build the KV manager through the
+plugin's ``_init_kv_manager`` hook, and the ``DecodeTransferQueue`` decode's
+prealloc queue hands requests to. Their methods run as SGLang's scheduler
+calls them: ``create_sender`` / ``pop_bootstrapped`` (which runs
+``finalize_bootstrap``), ``_create_receiver_and_enqueue`` /
+``_init_receiver`` / ``_send_kv_metadata``, ``pop_transferred`` /
+``resolve_deferred_releases``. What stays a stand-in is what needs a running
+scheduler: the scheduler object, the KV allocators and radix tree (page
+indices are given; the tree records the rows SGLang's ``release_kv_cache``
+frees), the model forward (prefill's pages are written by the test, sent as
+``send_kv_chunk`` sends them) and the output streamer. Poll results go
+through SGLang's all-reduce over a one-rank gloo group, as on a TP 1 server.
 
 - A request goes bootstrap -> prealloc -> transfer -> done and decode's pages
   and metadata row hold prefill's bytes exactly; the request leaves the
-  transfer queue with prefill's first token committed.
+  transfer queue with prefill's first token committed, its metadata row
+  given back, and no KV row freed (decode keeps it).
 - A pair the sidecars refuse ends with decode's request aborted by
   ``pop_transferred``, whose abort message carries every mismatch; its pages
-  are held by SGLang's deferred release and freed once the sidecar drained.
-  Prefill's request, never asked for, fails in the bootstrap queue by the
-  backend's bootstrap timeout, before its forward runs.
+  are held by SGLang's deferred release and freed (the radix tree's
+  ``free_kv_row``) only once the sidecar drained. Prefill's request fails in
+  the bootstrap queue with decode's text (the sidecars tell prefill), handed
+  to the scheduler's ``handle_bootstrap_failure`` before its forward runs.
 """
 
 from __future__ import annotations
 
 import time
-import types
-from types import SimpleNamespace
+from dataclasses import dataclass
 from unittest.mock import MagicMock
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from sglang.srt.disaggregation import decode as sgl_decode
-from sglang.srt.disaggregation import prefill as sgl_prefill
 from sglang.srt.disaggregation.base.conn import KVPoll
-from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeTransferQueue
-from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
-from sglang.srt.disaggregation.utils import ReqToMetadataIdxAllocator, TransferBackend
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.plugins import load_plugins
 from sglang_deployment import Deployment
-from sglang_ranks import NUM_AUX_ROWS, build_rank
+from sglang_process import Topology, llama_dir, queue_rank, sglang_rank
+from sglang_ranks import metadata_buffers
 
-from pd_transfer.integrations.sglang.registration import EngineFacts
 from pd_transfer.ports import spare_port
 
 LAYERS, HEADS, HEAD_DIM, PAGE, POOL_TOKENS = 2, 2, 8, 4, 64
-# SGLang's server defaults for what its queues read from the published disagg config
-DISAGG_DEFAULTS = SimpleNamespace(
-    disaggregation_decode_allocation_policy="early",
-    optimistic_prefill_attempts=0,
-    disaggregation_decode_host_receive_threshold=1.0,
-)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -64,23 +58,46 @@ def one_rank_gloo_group():
     yield
 
 
-@pytest.fixture(autouse=True)
-def sglang_backend(monkeypatch):
-    from sglang.srt.plugins import load_plugins
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    """One prefill and one decode sidecar for the module; each test registers its ranks anew."""
+    sidecars = Deployment(tmp_path_factory.mktemp("queue-sidecars"), 1, 1)
+    yield sidecars
+    sidecars.close()
 
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
     load_plugins()
-    monkeypatch.setattr(sgl_prefill, "get_disagg", lambda: DISAGG_DEFAULTS)
-    monkeypatch.setattr(sgl_decode, "get_disagg", lambda: DISAGG_DEFAULTS)
-    return TransferBackend("pd_transfer")
+    return llama_dir(
+        tmp_path_factory.mktemp("queues"), "tiny", layers=LAYERS, kv_heads=HEADS, head_dim=HEAD_DIM
+    )
 
 
-def real(queue, cls, *names):
-    """Run ``cls``'s own methods on the stand-in queue."""
-    for name in names:
-        setattr(queue, name, types.MethodType(getattr(cls, name), queue))
+@pytest.fixture(autouse=True)
+def published(model_dir):
+    """What a running server publishes once at start and the queues' methods read
+    (``get_disagg``, ``get_spec``, ...): SGLang's server args with its defaults."""
+    with sglang_rank("decode", Topology(1), 0, model_path=model_dir):
+        yield
+
+
+@dataclass(eq=False)
+class KvRow:
+    """A request's KV record as SGLang's ``release_kv_cache`` reads and marks it."""
+
+    kv_allocated_len: int
+    kv_committed_len: int
+    cache_protected_len: int = 0
+    holds_kv: bool = True
+    is_kv_released: bool = False
+
+    def mark_kv_released(self) -> None:
+        self.holds_kv, self.is_kv_released = False, True
 
 
 def make_req(room: int, deployment: Deployment, num_tokens: int):
+    """A request as the queues read it (SGLang's ``Req`` needs a tokenizer manager to build)."""
     req = MagicMock()
     req.rid = f"req-{room}"
     req.bootstrap_room = room
@@ -95,89 +112,16 @@ def make_req(room: int, deployment: Deployment, num_tokens: int):
     req.is_retracted = False
     req.prefill_attempt_count = 0
     req.metadata_buffer_index = -1
+    req.skip_radix_cache_insert = False
+    req.finished_len = None
+    req.lock = None
+    # the KV row decode's allocator gave it (release_kv_cache frees it into the radix tree)
+    req.kv = KvRow(kv_allocated_len=num_tokens, kv_committed_len=num_tokens)
+    req.owned_kv_len.return_value = num_tokens
     return req
 
 
-def bootstrap_queue(rank, backend, port: int):
-    queue = MagicMock(spec=PrefillBootstrapQueue)
-    queue.queue = []
-    queue.kv_manager = rank.manager
-    queue.transfer_backend = backend
-    queue.bootstrap_port = port
-    queue.max_input_len = POOL_TOKENS
-    queue.pp_size = 1
-    queue.req_to_metadata_buffer_idx_allocator = ReqToMetadataIdxAllocator(NUM_AUX_ROWS)
-    queue.scheduler, queue.scheduler_stage_metrics = MagicMock(), None
-    queue.scheduler.attn_tp_cpu_group = queue.scheduler.attn_cp_cpu_group = None
-    queue.scheduler.token_to_kv_pool_allocator.page_size = PAGE
-    real(
-        queue,
-        PrefillBootstrapQueue,
-        "create_sender",
-        "pop_bootstrapped",
-        "finalize_bootstrap",
-        "ensure_metadata_buffer",
-        "_num_pages_to_send",
-        "_check_if_req_exceed_kv_capacity",
-        "_process_req",
-        "can_prefill_before_bootstrap",
-    )
-    return queue
-
-
-def decode_queues(rank, backend):
-    allocator = ReqToMetadataIdxAllocator(NUM_AUX_ROWS)
-    transfer = MagicMock(spec=DecodeTransferQueue)
-    transfer.queue = []
-    transfer.gloo_group, transfer.tp_rank = None, 0
-    transfer.metadata_buffers = rank.metadata
-    transfer.req_to_metadata_buffer_idx_allocator = allocator
-    transfer.enable_staging = transfer.enable_host_receive = False
-    transfer.enable_deferred_kv_release = True
-    transfer.deferred_kv_release_timeout = 30.0
-    transfer._deferred_releases = []
-    transfer.scheduler, transfer.spec_algorithm, transfer.scheduler_stage_metrics = (
-        MagicMock(),
-        MagicMock(),
-        None,
-    )
-    transfer.spec_algorithm.is_none.return_value = True
-    transfer.scheduler.enable_decode_hicache = False
-    transfer.scheduler.kv_checksum_computer = None
-    transfer.released = []
-    transfer._release_request = transfer.released.append  # the radix tree's part
-    real(
-        transfer,
-        DecodeTransferQueue,
-        "pop_transferred",
-        "_poll_with_metadata_gate",
-        "_pollers",
-        "_commit_transfer_to_req",
-        "_is_host_destination",
-        "_abort_failed_transfer",
-        "_defer_release",
-        "_do_release",
-        "resolve_deferred_releases",
-    )
-    prealloc = MagicMock(spec=DecodePreallocQueue)
-    prealloc.queue = []
-    prealloc.kv_manager = rank.manager
-    prealloc.transfer_backend = backend
-    prealloc.transfer_queue = transfer
-    prealloc.req_to_metadata_buffer_idx_allocator = allocator
-    prealloc._num_published_destinations = 0
-    real(
-        prealloc,
-        DecodePreallocQueue,
-        "_create_receiver_and_enqueue",
-        "_init_receiver",
-        "_send_kv_metadata",
-        "_transfer_page_indices",
-    )
-    return prealloc, transfer
-
-
-def mha_rank(role, deployment, monkeypatch, dtype, tag):
+def mha_rank(role, deployment, monkeypatch, dtype, model_dir):
     monkeypatch.setenv("PD_TRANSFER_SGLANG_WORKER_ENDPOINT", deployment.endpoint(role, 0))
     pool = MHATokenToKVPool(
         size=POOL_TOKENS,
@@ -189,14 +133,9 @@ def mha_rank(role, deployment, monkeypatch, dtype, tag):
         device="cpu",
         enable_memory_saver=False,
     )
-    return build_rank(
-        role,
-        0,
-        pool,
-        page_size=PAGE,
-        num_layers=LAYERS,
-        owner=f"{tag}-{role}",
-        facts=EngineFacts(attn_tp_size=1, total_kv_heads=HEADS, model="tiny-gqa"),
+    _, port = deployment.sglang_bootstrap.split(":")
+    return queue_rank(
+        role, Topology(1), 0, model_dir, pool=pool, metadata=metadata_buffers(), bootstrap_port=int(port)
     )
 
 
@@ -209,20 +148,20 @@ def poll_until(step, done, timeout_s: float = 30.0):
         time.sleep(0.005)
 
 
-def through_the_queues(prefill, decode, deployment, backend, room, src_pages, dst_pages, forward=None):
+def through_the_queues(prefill, decode, deployment, room, src_pages, dst_pages, forward=None):
     """Bootstrap -> prealloc -> transfer for one request; ``forward(req)`` stands for prefill's
-    forward pass (it writes the metadata row). ``(prefill req, decode req, bootstrap, transfer)``."""
+    forward pass (it writes the metadata row). ``(prefill req, decode req)``."""
     num_tokens = len(src_pages) * PAGE
     p_req, d_req = make_req(room, deployment, num_tokens), make_req(room, deployment, num_tokens)
-    bootstrap = bootstrap_queue(prefill, backend, d_req.bootstrap_port)
+    bootstrap, prealloc = prefill.queue, decode.queue
     assert bootstrap.create_sender(p_req, HEADS)
     bootstrap.queue.append(p_req)
-    prealloc, transfer = decode_queues(decode, backend)
     decode_req = prealloc._create_receiver_and_enqueue(d_req)
     prealloc._init_receiver(decode_req, 0)
     dst_tokens = torch.tensor([p * PAGE + t for p in dst_pages for t in range(PAGE)], dtype=torch.int64)
     prealloc._send_kv_metadata(decode_req, dst_tokens, PAGE)
-    transfer.queue.append(decode_req)
+    prealloc.queue.remove(decode_req)
+    prealloc.transfer_queue.queue.append(decode_req)
     popped = poll_until(bootstrap.pop_bootstrapped, lambda out: out or not bootstrap.queue)
     if popped:  # bootstrapped: the forward runs; sent as send_kv_chunk does
         if forward is not None:
@@ -230,18 +169,19 @@ def through_the_queues(prefill, decode, deployment, backend, room, src_pages, ds
         sender = p_req.disagg_kv_sender
         for start in range(0, len(src_pages), 2):
             sender.send(np.array(src_pages[start : start + 2], dtype=np.int64))
-    return p_req, d_req, bootstrap, transfer
+    return p_req, d_req
 
 
-def test_a_request_goes_through_sglangs_queues_byte_exact(tmp_path, monkeypatch, sglang_backend):
-    deployment = Deployment(tmp_path, 1, 1)
+def test_a_request_goes_through_sglangs_queues_byte_exact(deployment, monkeypatch, model_dir):
     ranks = []
     try:
         ranks = [
-            mha_rank("prefill", deployment, monkeypatch, torch.bfloat16, "q1"),
-            mha_rank("decode", deployment, monkeypatch, torch.bfloat16, "q1"),
+            mha_rank("prefill", deployment, monkeypatch, torch.bfloat16, model_dir),
+            mha_rank("decode", deployment, monkeypatch, torch.bfloat16, model_dir),
         ]
         prefill, decode = ranks
+        transfer = decode.queue.transfer_queue
+        rows_free = transfer.req_to_metadata_buffer_idx_allocator.available_size()
         src_pages, dst_pages = [5, 2, 9], [3, 11, 7]
         rng = np.random.default_rng(23)
         for buf in prefill.pool.k_buffer + prefill.pool.v_buffer:
@@ -253,10 +193,10 @@ def test_a_request_goes_through_sglangs_queues_byte_exact(tmp_path, monkeypatch,
             prefill.metadata.output_ids[req.metadata_buffer_index, 0] = 31337
             prefill.metadata.bootstrap_room[req.metadata_buffer_index, 0] = 4711
 
-        p_req, d_req, bootstrap, transfer = through_the_queues(
-            prefill, decode, deployment, sglang_backend, 4711, src_pages, dst_pages, forward
+        p_req, d_req = through_the_queues(prefill, decode, deployment, 4711, src_pages, dst_pages, forward)
+        assert prefill.queue.queue == [] and p_req.metadata_buffer_index >= 0, (
+            "the request never bootstrapped"
         )
-        assert bootstrap.queue == [] and p_req.metadata_buffer_index >= 0, "the request never bootstrapped"
         assert p_req.disagg_kv_sender.num_pages == len(src_pages)  # finalize_bootstrap's init
         done = poll_until(transfer.pop_transferred, lambda out: out or not transfer.queue)
         assert done == [d_req], [r.kv_receiver.failure for r in transfer.queue if r.kv_receiver]
@@ -272,51 +212,59 @@ def test_a_request_goes_through_sglangs_queues_byte_exact(tmp_path, monkeypatch,
             d = dst.view(torch.int16).numpy().reshape(-1, PAGE, HEADS, HEAD_DIM)
             np.testing.assert_array_equal(d[dst_pages], s[src_pages])
             assert not d[[p for p in range(d.shape[0]) if p not in dst_pages]].any()
-        assert transfer.released == [] and transfer.queue == []
+        # a transferred request keeps its KV row; its metadata row is given back, cleared
+        assert transfer.tree_cache.freed == [] and transfer.queue == []
+        assert transfer.req_to_metadata_buffer_idx_allocator.available_size() == rows_free
+        assert not decode.metadata.bootstrap_room.any()  # SGLang's clear_slot: the next owner sees room 0
+        transfer.scheduler.output_streamer.stream_output.assert_not_called()
+        # a decode-side prefix hit (SGLang's decode radix cache, refused at start) fails the
+        # request by name, never moves a whole page list over pages decode kept
+        hit = decode.queue._create_receiver_and_enqueue(make_req(4713, deployment, 2 * PAGE))
+        decode.queue._init_receiver(hit, 0)
+        decode.queue._send_kv_metadata(hit, torch.arange(2 * PAGE), PAGE, decode_prefix_len=PAGE)
+        assert hit.kv_receiver.poll() == KVPoll.Failed and not hit.kv_receiver.expected
+        assert "decode_prefix_len 4" in hit.kv_receiver.failure, hit.kv_receiver.failure
+        assert hit.kv_receiver.failure.startswith("[layout_unsupported]")
     finally:
         for rank in ranks:
             rank.close()
-        deployment.close()
 
 
 def test_a_refused_pair_aborts_the_request_in_sglangs_transfer_queue_with_the_reason(
-    tmp_path, monkeypatch, sglang_backend
+    deployment, monkeypatch, model_dir
 ):
-    deployment = Deployment(tmp_path, 1, 1)
     monkeypatch.setenv("PD_TRANSFER_SGLANG_BOOTSTRAP_TIMEOUT_S", "600")  # no timeout stands in
     ranks = []
     try:
         ranks = [
-            mha_rank("prefill", deployment, monkeypatch, torch.bfloat16, "q2"),
-            mha_rank("decode", deployment, monkeypatch, torch.float16, "q2"),
+            mha_rank("prefill", deployment, monkeypatch, torch.bfloat16, model_dir),
+            mha_rank("decode", deployment, monkeypatch, torch.float16, model_dir),
         ]
         prefill, decode = ranks
-        p_req, d_req, bootstrap, transfer = through_the_queues(
-            prefill, decode, deployment, sglang_backend, 4712, [1, 2], [3, 4]
-        )
+        transfer = decode.queue.transfer_queue
+        p_req, d_req = through_the_queues(prefill, decode, deployment, 4712, [1, 2], [3, 4])
         assert poll_until(transfer.pop_transferred, lambda out: out or not transfer.queue) == []
         assert isinstance(d_req.finished_reason, FINISH_ABORT), "the refused request was not aborted"
         message = d_req.finished_reason.message
         for name in ("k", "v"):
             assert f"kv.layer[0-1].{name}.dtype: prefill=bfloat16 decode=float16" in message, message
         assert "dtype_mismatch" in message and "hint: configure the same KV/state dtype" in message, message
-        transfer.scheduler.output_streamer.stream_output.assert_called()
+        transfer.scheduler.output_streamer.stream_output.assert_called_once_with([d_req], False)
         # SGLang holds the pages until the backend says no write can land; then frees them
         assert [entry[0].req for entry in transfer._deferred_releases] == [d_req]
-        assert (
-            poll_until(lambda: (transfer.resolve_deferred_releases(), transfer.released)[1], bool, 15)
-            == [transfer.released[0]]
-            and transfer.released[0].req is d_req
+        assert transfer.tree_cache.freed == [], "the pages were freed before the drain"
+        freed = poll_until(
+            lambda: (transfer.resolve_deferred_releases(), transfer.tree_cache.freed)[1], bool, 15
         )
+        assert freed == [(d_req.kv, [(0, 2 * PAGE)])] and d_req.kv.is_kv_released, freed
         assert transfer._deferred_releases == [] and decode.manager.deferred == {}
         # prefill: the refused decode's sidecar tells prefill's (RoomRefused), so the sender
         # fails with decode's text and the bootstrap queue hands it to the scheduler without
         # running its forward
-        assert bootstrap.queue == [] and p_req.metadata_buffer_index == -1
-        bootstrap.scheduler.handle_bootstrap_failure.assert_called_once_with(p_req)
+        assert prefill.queue.queue == [] and p_req.metadata_buffer_index == -1
+        prefill.queue.scheduler.handle_bootstrap_failure.assert_called_once_with(p_req)
         failure = p_req.disagg_kv_sender.failure
         assert failure.startswith("[peer_rejected] room 4712: ") and "dtype_mismatch" in failure, failure
     finally:
         for rank in ranks:
             rank.close()
-        deployment.close()

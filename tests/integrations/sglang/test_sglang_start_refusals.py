@@ -11,6 +11,7 @@ registration with a sidecar that is not there) unlinks every segment it made.
 from __future__ import annotations
 
 import os
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -20,14 +21,14 @@ from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
 from sglang.srt.disaggregation.base.conn import KVArgs, StateType
 from sglang.srt.disaggregation.decode import DecodePreallocQueue
 from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
-from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool, MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang_ranks import SglangRank, fill_kv_args, metadata_buffers
 
+from pd_transfer.client import ClientError
 from pd_transfer.errors import ConfigError, GeometryError, PdTransferError, Reason
 from pd_transfer.integrations.sglang import plugin
-from pd_transfer.integrations.sglang.conn import ENGINE_MEMORY, PdTransferKVManager
+from pd_transfer.integrations.sglang.conn import ENGINE_MEMORY
 from pd_transfer.integrations.sglang.memory import share_engine_memory
 from pd_transfer.integrations.sglang.registration import EngineFacts, describe_rank
 from pd_transfer.layout.geometry import Role
@@ -99,24 +100,32 @@ def test_decode_settings_the_backend_cannot_serve_are_refused_at_start(setting, 
 
 
 def test_a_start_failing_after_the_pools_moved_leaves_no_segment(monkeypatch, tmp_path):
-    monkeypatch.setattr(plugin, "_parallel", lambda: SimpleNamespace(attn_tp_size=1, pp_size=1))
+    # SGLang's real PrefillBootstrapQueue; nobody serves the rank's endpoint, so the registration
+    # (after the hook moved the pools and SGLang filled kv_args) times out
+    from sglang.srt.plugins import load_plugins
+    from sglang_process import Topology, llama_dir, queue_rank
+
+    from pd_transfer.integrations.sglang import memory
+
+    load_plugins()
+    model_dir = llama_dir(tmp_path, "tiny", layers=2, kv_heads=2, head_dim=8)
     monkeypatch.setenv("PD_TRANSFER_SGLANG_WORKER_ENDPOINT", f"unix://{tmp_path}/nobody.sock")
     monkeypatch.setenv("PD_TRANSFER_SGLANG_REGISTER_TIMEOUT_S", "2")
     monkeypatch.setenv("PD_TRANSFER_SGLANG_CALL_TIMEOUT_S", "2")
-    before = our_segments()
+    before, sockets = our_segments(), _sockets()
     held = []
+    share = memory.share_engine_memory
 
-    def init_kv_manager(q):  # SGLang's: kv_args from its helpers, then the backend's manager
+    def watched(owner, **pools):  # the hook's own call, watched: which segments it made
+        shared = share(owner, **pools)
         held.append(our_segments() - before)
-        rank = SglangRank("prefill", 0, q.token_to_kv_pool, q.metadata_buffers, None)
-        kv_args = fill_kv_args(rank, page_size=PAGE, num_layers=2, total_kv_heads=2)
-        return PdTransferKVManager(kv_args, DisaggregationMode.PREFILL, SimpleNamespace(), False)
+        return shared
 
-    q = queue(PrefillBootstrapQueue, mha_pool(), Disagg())
-    with pytest.raises(Exception):  # noqa: B017 - the client's error: nobody serves the endpoint
-        plugin._init_kv_manager(init_kv_manager, q)
-    assert held and held[0], "the pools had moved into /dev/shm when the registration failed"
-    assert our_segments() == before
+    monkeypatch.setattr(memory, "share_engine_memory", watched)
+    with pytest.raises(ClientError, match="nobody.sock"):
+        queue_rank("prefill", Topology(1), 0, model_dir, pool=mha_pool(), metadata=metadata_buffers())
+    assert held and held[0], "the pools had moved into /dev/shm before the registration failed"
+    assert our_segments() == before and _sockets() == sockets
 
 
 def test_a_start_refused_for_the_models_facts_leaves_no_segment(monkeypatch):
@@ -198,3 +207,40 @@ def test_sparse_attention_state_is_refused_by_name_at_registration():
         assert "'dsa'" in str(refused.value) and "DeepSeek-V3.2" in str(refused.value)
     finally:
         memory.close()
+
+
+def _sockets() -> set[str]:
+    """This process's open socket descriptors (``socket:[inode]``)."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own descriptor, closed by now
+            continue
+        if target.startswith("socket:"):
+            out.add(target)
+    return out
+
+
+def test_a_registration_the_sidecar_refuses_leaves_no_socket_thread_or_segment(tmp_path, monkeypatch):
+    # a real decode sidecar; SGLang's real PrefillBootstrapQueue registers a prefill rank with it,
+    # which the sidecar refuses (role_mismatch) after the pools moved and the client connected
+    from sglang.srt.plugins import load_plugins
+    from sglang_deployment import Deployment
+    from sglang_process import Topology, llama_dir, queue_rank
+
+    load_plugins()
+    model_dir = llama_dir(tmp_path, "tiny", layers=2, kv_heads=2, head_dim=8)
+    deployment = Deployment(tmp_path, 0, 1)
+    try:
+        monkeypatch.setenv("PD_TRANSFER_SGLANG_WORKER_ENDPOINT", deployment.endpoint("decode", 0))
+        sockets, threads, segments = _sockets(), set(threading.enumerate()), our_segments()
+        with pytest.raises(PdTransferError) as refused:
+            queue_rank("prefill", Topology(1), 0, model_dir, pool=mha_pool(), metadata=metadata_buffers())
+        assert refused.value.code is Reason.ROLE_MISMATCH, refused.value
+        # the traceback held by ``refused`` keeps the manager alive: what it opened must be closed
+        assert _sockets() == sockets, "the refused start left its sidecar connection open"
+        assert set(threading.enumerate()) == threads
+        assert our_segments() == segments
+    finally:
+        deployment.close()
