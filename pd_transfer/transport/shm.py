@@ -15,6 +15,7 @@ writes nothing.
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.layout.grids import GridPlan
@@ -23,6 +24,9 @@ from pd_transfer.transport.base import Link, PeerEndpoint, Transport, TransportK
 from pd_transfer.transport.copy.device import as_tensors
 from pd_transfer.transport.copy.engine import CopyEngine, default_engine
 from pd_transfer.transport.regions import Regions, map_one
+
+if TYPE_CHECKING:
+    from pd_transfer.layout.lowering import TransferPlan
 
 
 class ShmLink(Link):
@@ -85,7 +89,7 @@ class ShmTransport(Transport):
         return self._adopt(ShmLink(self, peer, segments))
 
     async def write(
-        self, link: Link, plan, src_regions: Regions, *, room: str = "", generation: int = 0
+        self, link: Link, plan: TransferPlan, src_regions: Regions, *, room: str = "", generation: int = 0
     ) -> int:
         link = self._own(link, ShmLink)
         where = f"room {room or '-'} gen {generation} plan {plan.src_rank} -> {link.peer.peer_id}"
