@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import TYPE_CHECKING
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.base import Link, PeerEndpoint, Transport, TransportKind
@@ -56,9 +55,6 @@ from pd_transfer.transport.engines.staging.engine import (
 )
 from pd_transfer.transport.engines.strategy import Strategy
 from pd_transfer.transport.regions import Regions
-
-if TYPE_CHECKING:
-    from pd_transfer.layout.lowering import TransferPlan
 
 PROTOCOLS = ("tcp", "rdma")
 QUEUE_LIMIT = 2048  # transfers the engine's tcp path queues per peer
@@ -259,7 +255,7 @@ class MooncakeTransport(Transport):
             )
 
     async def write(
-        self, link: Link, plan: TransferPlan, src_regions: Regions, *, room: str = "", generation: int = 0
+        self, link: Link, plan, src_regions: Regions, *, room: str = "", generation: int = 0
     ) -> int:
         link = self._own(link, MooncakeLink)
         link.check_usable()

@@ -37,7 +37,6 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -58,9 +57,6 @@ from pd_transfer.transport.engines.staging.engine import (
 )
 from pd_transfer.transport.engines.strategy import Strategy
 from pd_transfer.transport.regions import Regions
-
-if TYPE_CHECKING:
-    from pd_transfer.layout.lowering import TransferPlan
 
 __all__ = ["NixlEngine", "NixlLink", "NixlReceiver", "NixlTransport", "load_api"]
 
@@ -206,7 +202,7 @@ class NixlTransport(Transport):
             ) from None
 
     async def write(
-        self, link: Link, plan: TransferPlan, src_regions: Regions, *, room: str = "", generation: int = 0
+        self, link: Link, plan, src_regions: Regions, *, room: str = "", generation: int = 0
     ) -> int:
         link = self._own(link, NixlLink)
         link.check_usable()
