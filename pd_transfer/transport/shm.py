@@ -34,7 +34,7 @@ class ShmLink(Link):
     sizes, ``tensors`` the same as torch tensors (for torch's device copies; made on first
     use, so that a sidecar copying between host pools never loads torch)."""
 
-    def __init__(self, transport: Transport, peer: PeerEndpoint, segments: dict[str, Segment]) -> None:
+    def __init__(self, transport: ShmTransport, peer: PeerEndpoint, segments: dict[str, Segment]) -> None:
         super().__init__(transport, peer)
         self.segments = segments
         self.regions = {

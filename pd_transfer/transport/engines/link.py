@@ -28,6 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -35,6 +36,9 @@ from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.base import Link, PeerEndpoint, Transport
 from pd_transfer.transport.engines.address import EngineAddress
 from pd_transfer.transport.engines.strategy import Strategy
+
+if TYPE_CHECKING:
+    from pd_transfer.transport.engines.staging.engine import LinkStaging
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +68,7 @@ class EngineLink(Link):
         self.failed: TransportError | None = None
         self.num_batches = 0  # engine submissions so far
         self.max_batch_descriptors = 0  # the largest one
-        self.staging = None  # engine_staging.LinkStaging when the peer offers staging
+        self.staging: LinkStaging | None = None  # when the peer offers staging
         self.nbytes_by_strategy: Counter[Strategy] = Counter()  # bytes written each way
         self.last_strategies: frozenset[Strategy] = frozenset()  # the last write's
 

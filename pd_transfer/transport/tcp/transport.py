@@ -142,7 +142,8 @@ class TcpTransport(Transport):
         total = sum(layout.nbytes for layout in layouts + tail)
         shares = _stripe(layouts, link.lanes)
         if len(shares) == 1:
-            await _write_share(*shares[0], src, room, generation)
+            lane, share = shares[0]
+            await _write_share(lane, share, src, room, generation)
         else:
             await _all([_write_share(lane, share, src, room, generation) for lane, share in shares])
         if tail:  # the plan's last run lands after all the others, as on one connection

@@ -213,7 +213,7 @@ class ZmqTcpTransport(Transport):
                     # once the rest has landed
                     await link.wait_acked(xfer)
                 if self.corrupt_payload is not None:
-                    self.corrupt_payload(memoryview(payload))  # a fresh buffer: the source is intact
+                    self.corrupt_payload(payload.data)  # a fresh buffer: the source is intact
                 await link.acquire(layout.nbytes)
                 xfer.unacked[layout.seq] = layout.nbytes
                 header = ChunkHeader(xfer.xfer_id, room, generation, layout.seq, layout.wire)
