@@ -31,7 +31,8 @@ import asyncio
 import concurrent.futures
 import logging
 import socket
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
 from pd_transfer import shm_guard
 from pd_transfer.errors import Reason, TransportError
@@ -61,9 +62,6 @@ from pd_transfer.transport.tcp.sockets import (
 )
 from pd_transfer.transport.tcp.xfers import Incoming, check_complete
 
-if TYPE_CHECKING:
-    from pd_transfer.transport.tcp.receiver import LandedCallback, TcpReceiver
-
 log = logging.getLogger("pd_transfer.transport.tcp.transport")
 
 _ON_LANDED_TIMEOUT_S = 30.0
@@ -72,9 +70,9 @@ _ON_LANDED_TIMEOUT_S = 30.0
 class Connection(GatedConnection):
     """Serves one peer connection; :meth:`serve` is the thread's body."""
 
-    def __init__(self, receiver: TcpReceiver, sock: socket.socket, where: str) -> None:
+    def __init__(self, receiver: Any, sock: socket.socket, where: str) -> None:  # a TcpReceiver
         super().__init__(sock, where, pending=receiver.auth is not None)
-        self.receiver: TcpReceiver = receiver
+        self.receiver = receiver
         self.landing: Ticket | None = None  # the chunk being received (for fences)
         self._xfers = Incoming(log)
         self._staging = Staging()
@@ -194,7 +192,7 @@ class Connection(GatedConnection):
         self._reply(XferDone(header.xfer, header.nbytes))
 
     def _on_landed(
-        self, header: EndHeader, on_landed: LandedCallback, loop: asyncio.AbstractEventLoop
+        self, header: EndHeader, on_landed: Callable[[str, int, int], None], loop: asyncio.AbstractEventLoop
     ) -> None:
         """Run the receiver's callback on its event loop, and wait for it (before ``done``)."""
         done: concurrent.futures.Future = concurrent.futures.Future()

@@ -35,7 +35,7 @@ import asyncio
 import socket
 import threading
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import Any
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.tcp.sockets import (
@@ -49,16 +49,13 @@ from pd_transfer.transport.tcp.sockets import (
     shutdown,
 )
 
-if TYPE_CHECKING:
-    from pd_transfer.transport.tcp.serving import ThreadedReceiver
-
 
 class GatedConnection:
     """One accepted connection's standing: pending (``authenticated is None``) until
     it authenticates (True) or is refused or cut off (False). Served by its own
     thread; the receiver's event loop may cut it off meanwhile."""
 
-    receiver: ThreadedReceiver  # set by the subclass
+    receiver: Any  # the subclass's: tcp's ThreadedReceiver, or the engines' staging receiver
 
     def __init__(self, sock: socket.socket, where: str, *, pending: bool) -> None:
         self.sock = sock
