@@ -28,7 +28,7 @@ _HOST_NAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?\.?")
 _HOST_PORT = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^:/\[\]]+):(?P<port>\d+)")
 
 
-def port_problem(port: int) -> str:
+def port_problem(port: int | float) -> str:
     if 0 <= port <= 65535:
         return ""
     return f"must be a port number, 0-65535 (0: any free port), got {port}"

@@ -30,6 +30,7 @@ import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 from pd_transfer.docgen_fields import describe_kind, field_table, nested_records
 from pd_transfer.docgen_markdown import github_anchor, markdown_table, readable_number, source_comments
@@ -163,8 +164,8 @@ def render_limits() -> str:
     rows = [
         (
             f"`{f.name}`",
-            readable_number(f.default)
-            + ("" if readable_number(f.default) == str(f.default) else f" ({f.default})"),
+            readable_number(cast(float, f.default))  # every limit has a number as its default
+            + ("" if readable_number(cast(float, f.default)) == str(f.default) else f" ({f.default})"),
         )
         for f in dataclasses.fields(Limits)
     ]
@@ -246,7 +247,7 @@ def render_metrics() -> str:
     for wrapper in vars(metrics).values():
         if not isinstance(wrapper, MetricWrapperBase):
             continue
-        family = wrapper.describe()[0]
+        family = next(iter(wrapper.describe()))
         name = family.name + ("_total" if family.type == "counter" else "")
         labels = ", ".join(f"`{label}`" for label in wrapper._labelnames) or "-"
         rows.append((f"`{name}`", family.type, labels, family.documentation))
@@ -266,7 +267,8 @@ def render_sidecar_config() -> str:
         if f.default is not dataclasses.MISSING:
             default = f"`{json.dumps(f.default)}`"
         elif f.default_factory is not dataclasses.MISSING:
-            default = f"`{f.default_factory.__name__}()`"
+            factory: Callable[[], object] = f.default_factory
+            default = f"`{factory.__name__}()`"
         else:
             default = "required"
         meaning = (
@@ -274,7 +276,7 @@ def render_sidecar_config() -> str:
             or comments.get(f.name)
             or "-"
         )
-        row = (f"`{f.name}`", default, f"`{flag.name}`" if flag else "-")
+        row: tuple[str, ...] = (f"`{f.name}`", default, f"`{flag.name}`" if flag else "-")
         if env_prefix:
             row += (f"`{env_prefix}{f.name.upper()}`",)
         rows.append(row + (meaning,))
@@ -335,7 +337,7 @@ def generate(docs_dir: Path = DOCS_DIR) -> dict[Path, tuple[str, str]]:
 
 def check(docs_dir: Path = DOCS_DIR) -> str:
     """The unified diff between the docs and what the code generates ('' when in sync)."""
-    diff = []
+    diff: list[str] = []
     for path, (current, generated) in generate(docs_dir).items():
         diff += difflib.unified_diff(
             current.splitlines(keepends=True),

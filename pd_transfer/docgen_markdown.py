@@ -20,7 +20,7 @@ def github_anchor(heading: str) -> str:
     return text.replace(" ", "-")
 
 
-def source_comments(obj: object) -> dict[str, str]:
+def source_comments(obj: type) -> dict[str, str]:
     """``name -> comment`` of each ``name ... = value  # comment`` assignment in ``obj``'s
     body, the comment on its first line or, where the formatter wrapped a long line as
     ``name = (\n    value  # comment\n)``, inside the parentheses."""
@@ -31,13 +31,15 @@ def source_comments(obj: object) -> dict[str, str]:
             comments[token.start[0]] = token.string.lstrip("#").strip()
     found = {}
     for node in ast.walk(ast.parse(source)):
-        target = (
-            node.target
-            if isinstance(node, ast.AnnAssign)
-            else (node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
-        )
-        if isinstance(target, ast.Name) and node.value is not None:
-            lines = range(node.lineno, node.end_lineno + 1)
+        target: ast.expr
+        if isinstance(node, ast.AnnAssign):
+            target, value = node.target, node.value
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        else:
+            continue
+        if isinstance(target, ast.Name) and value is not None:
+            lines = range(node.lineno, (node.end_lineno or node.lineno) + 1)
             text = next((comments[n] for n in lines if n in comments), None)
             if text:
                 found[target.id] = text

@@ -72,7 +72,7 @@ def unix_listening(pid: int | str = "self") -> set[str]:
 
 
 def _socket_inodes(pid: int | str) -> set[int]:
-    inodes = set()
+    inodes: set[int] = set()
     try:
         descriptors = os.listdir(f"/proc/{pid}/fd")
     except OSError:

@@ -333,7 +333,7 @@ class SidecarMetrics:
         """Export ``peer``'s series at 0 once it is accepted: its first lost heartbeat and its
         first transfer, success or failure, are then a step from 0. Returns the per-peer
         series made, as ``(metric, labels)``: the caller removes them once the peer is gone."""
-        made = [(self.peer_heartbeat_misses, (self.role, peer))]
+        made: list[tuple[Counter, tuple[str, ...]]] = [(self.peer_heartbeat_misses, (self.role, peer))]
         for outcome in ("success", "failed"):
             self.transfers.labels(self.role, transport, mode, outcome)
             made.append((self.peer_transfers, (self.role, peer, outcome)))

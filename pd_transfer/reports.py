@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from pd_transfer.layout.geometry import RankGeometry
 from pd_transfer.layout.instances import reconcile_instances
+from pd_transfer.layout.lowering import RunBatch
 from pd_transfer.layout.planner import PairPlanner, Request, plan_pair
 from pd_transfer.layout.reconcile import Reconciliation
 from pd_transfer.layout.spans import TokenSpan
@@ -175,11 +177,11 @@ def plan_report(
     return "\n".join(lines), True
 
 
-def _descriptor_lines(batches: list, pool_of: dict[str, Pool], limit: int) -> list[str]:
+def _descriptor_lines(batches: Sequence[RunBatch], pool_of: dict[str, Pool], limit: int) -> list[str]:
     """Up to ``limit`` descriptors of each pool (a batch's pool is its destination
     region's), then how many more that pool has."""
     lines: list[str] = []
-    by_pool: dict[Pool, list] = {}
+    by_pool: dict[Pool, list[RunBatch]] = {}
     for batch in batches:
         by_pool.setdefault(pool_of[batch.dst_region], []).append(batch)
     for pool in _ordered(by_pool):
@@ -197,11 +199,11 @@ def _descriptor_lines(batches: list, pool_of: dict[str, Pool], limit: int) -> li
     return lines
 
 
-def _ordered(requests: dict[Pool, Request]) -> list[Pool]:
+def _ordered(requests: Mapping[Pool, object]) -> list[Pool]:
     return [pool for pool in Pool if pool in requests]
 
 
-def _human_bytes(n: int) -> str:
+def _human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

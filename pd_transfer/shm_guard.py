@@ -75,9 +75,10 @@ def why_unavailable() -> str:
 
 def watch(address: int, nbytes: int) -> int:
     """Watch the mapping ``[address, address + nbytes)``: the slot, or -1 when not watched."""
-    if not available():
+    lib = _load() if available() else None
+    if lib is None:
         return -1
-    return int(_lib.pdt_guard_watch(address, nbytes))
+    return int(lib.pdt_guard_watch(address, nbytes))
 
 
 def unwatch(slot: int) -> None:

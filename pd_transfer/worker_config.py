@@ -117,7 +117,7 @@ def worker_config_from_table(data: dict[str, Any], source: str) -> WorkerConfig:
             model = _model(values.get("model", ""), data.get("model"), source)
         except PdTransferError as err:
             problems.append(err.message)
-    if problems:
+    if problems or model is None:
         lines = "\n".join(f"  - {p}" for p in problems)
         raise ConfigError(f"{source}: invalid worker config: {len(problems)} problem(s)\n{lines}")
     return WorkerConfig(

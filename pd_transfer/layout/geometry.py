@@ -51,16 +51,20 @@ class RankGeometry:
     regions: tuple[Region, ...]
     pp_rank: int = 0
     model: str = ""
-    _by_key: dict = field(default=None, init=False, repr=False, compare=False)
+    _by_key: dict[tuple[object, ...], TensorView] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     @property
     def rank_id(self) -> str:
         return f"{self.role.value}[pp{self.pp_rank},tp{self.tp_rank}]"
 
     def view(self, key: tuple) -> TensorView | None:
-        if self._by_key is None:
-            object.__setattr__(self, "_by_key", {v.key: v for v in self.views})
-        return self._by_key.get(key)
+        by_key = self._by_key
+        if by_key is None:
+            by_key = {v.key: v for v in self.views}
+            object.__setattr__(self, "_by_key", by_key)
+        return by_key.get(key)
 
     def region(self, region_id: str) -> Region | None:
         for region in self.regions:

@@ -58,6 +58,8 @@ class Grid:
 class GridPlan(TransferPlan):
     """A plan of grids, in order (a room's aux row last); ``batches`` lowered on demand."""
 
+    grids: tuple[Grid, ...]
+
     def __init__(self, src_rank: str, dst_rank: str, grids: tuple[Grid, ...]) -> None:
         # TransferPlan is a frozen dataclass: set the fields as its own __init__ would,
         # but leave ``batches`` to the cached property below

@@ -22,9 +22,10 @@ computed pattern; each only adds its base offsets. Pure numpy.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -228,11 +229,27 @@ def lower(
 _new = object.__new__
 
 
+class GroupToLower(Protocol):
+    """What :func:`lower_groups` reads of a group: a :class:`UnitGroup`, or one that
+    ``grids.py`` keys by its grid's position instead of its pool."""
+
+    @property
+    def units(self) -> tuple[Unit, ...]: ...
+    @property
+    def src_base(self) -> np.ndarray: ...
+    @property
+    def dst_base(self) -> np.ndarray: ...
+    @property
+    def shape(self) -> _Shape: ...
+    @property
+    def pool(self) -> object: ...
+
+
 def lower_groups(
     src_rank: str,
     dst_rank: str,
-    groups: list[UnitGroup],
-    indices: dict[object, tuple[np.ndarray, np.ndarray]],
+    groups: Sequence[GroupToLower],
+    indices: Mapping[Any, tuple[np.ndarray, np.ndarray]],
 ) -> TransferPlan:
     batches: list[RunBatch] = []
     num_descriptors = num_runs = total_nbytes = 0
@@ -324,7 +341,7 @@ def _pattern(
 ) -> _Pattern:
     src_item = src_idx * shape.index_strides[0]
     dst_item = dst_idx * shape.index_strides[1]
-    if shape.sub_strides is not None and src_sub is not None:
+    if shape.sub_strides is not None and src_sub is not None and dst_sub is not None:
         # a granule of tokens inside a page (page sizes differ, see token_map)
         src_item = src_item + src_sub * shape.sub_strides[0]
         dst_item = dst_item + dst_sub * shape.sub_strides[1]

@@ -146,7 +146,7 @@ def model_from_table(table: dict, source: str) -> ModelSpec:
     kinds = _layer_kinds(top, num_layers)
     specs = {section: _section_spec(top, section) for section in SECTIONS if top.has(section)}
     side_states = _side_states(top)
-    if problems:
+    if problems or name is None or kv_dtype is None:  # a missing name or dtype is a problem
         raise _error(source, problems)
     try:
         return ModelSpec(
@@ -175,7 +175,9 @@ def _section_spec(top: _Reader, section: str) -> Any:
     if len(top.problems) > before:
         return None  # not a table: its fields would only repeat the problem
     reader.reject_unknown(tuple(required) + tuple(optional))
-    values = {key: reader.int(key, minimum) for key, (_, minimum) in required.items()}
+    values: dict[str, int | str | None] = {
+        key: reader.int(key, minimum) for key, (_, minimum) in required.items()
+    }
     for key, kind in optional.items():
         value = reader.int(key, 1, required=False) if kind == _INT else reader.dtype(key)
         if value is not None:
@@ -250,7 +252,7 @@ def _side_states(top: _Reader) -> tuple[SideStateSpec, ...]:
         dtype = reader.dtype("dtype") if reader.has("dtype") else None
         if dtype is None and not reader.has("dtype"):
             reader.missing("dtype")
-        if None not in (name, num_elems, dtype):
+        if name is not None and num_elems is not None and dtype is not None:
             try:
                 states.append(SideStateSpec(name, num_elems, dtype))
             except ConfigError as exc:

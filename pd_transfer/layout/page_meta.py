@@ -122,7 +122,7 @@ def _require_page_layout(views: Sequence[TensorView]) -> None:
 
 def _envelope(members: list[TensorView], name: str) -> tuple[int, int, int]:
     """``(base, page_stride, nbytes)`` of the group, checked byte by byte on page 0."""
-    strides = {v.strides_nbytes[v.axis_index(AxisRole.INDEX)] for v in members}
+    strides = {v.strides_nbytes[v.axis_of(AxisRole.INDEX)] for v in members}
     base = min(v.offset_nbytes for v in members)
     nbytes = sum(v.item_nbytes for v in members)
     covered = np.zeros(nbytes, dtype=np.int32)
@@ -166,6 +166,7 @@ def _item_contiguous(view: TensorView) -> bool:
 def _is_asymmetric(views: Sequence[TensorView]) -> bool:
     dims: dict[str, set[int]] = {}
     for view in views:
-        if view.name in ("k", "v") and view.extent(AxisRole.INNER):
-            dims.setdefault(view.name, set()).add(view.extent(AxisRole.INNER))
+        inner = view.extent(AxisRole.INNER)
+        if view.name in ("k", "v") and inner:
+            dims.setdefault(view.name, set()).add(inner)
     return bool(dims.get("k")) and bool(dims.get("v")) and dims["k"] != dims["v"]

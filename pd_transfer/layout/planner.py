@@ -18,6 +18,7 @@ Pure; no I/O.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from typing import cast
 
 import numpy as np
 
@@ -103,7 +104,7 @@ class PairPlanner:
             small = GridPlan(
                 self.src.rank_id,
                 self.dst.rank_id,
-                tuple(Grid(group, *indices[group.pool]) for group in groups),
+                tuple(Grid(group, *indices[cast(Pool, group.pool)]) for group in groups),  # by pool
             )
             if small.num_runs <= grid_max_runs:  # (cached: the writer reads it again)
                 return small
@@ -135,13 +136,13 @@ def converted_page_sizes(
     """
     sizes: dict[Pool, tuple[int, int]] = {}
     for pool in (Pool.KV, Pool.SWA):
-        per_side = []
+        per_side: list[int | None] = []
         for ranks in (prefill, decode):
             extents = {
-                v.extent(AxisRole.TOKEN)
+                extent
                 for g in ranks
                 for v in g.views
-                if v.pool is pool and v.extent(AxisRole.TOKEN) is not None
+                if v.pool is pool and (extent := v.extent(AxisRole.TOKEN)) is not None
             }
             if len(extents) > 1:
                 raise PlanError(
@@ -151,8 +152,9 @@ def converted_page_sizes(
                     hint="every tensor of one pool has the same tokens per page",
                 )
             per_side.append(extents.pop() if extents else None)
-        if None not in per_side and per_side[0] != per_side[1]:
-            sizes[pool] = (per_side[0], per_side[1])
+        prefill_size, decode_size = per_side
+        if prefill_size is not None and decode_size is not None and prefill_size != decode_size:
+            sizes[pool] = (prefill_size, decode_size)
     return sizes
 
 
@@ -263,9 +265,9 @@ def block_unit(src: TensorView, dst: TensorView, piece: Piece, granule: int | No
     src_shard = src.axis_index(AxisRole.SHARD)
     if src_shard is not None:
         src_base += piece.src_start * src.strides_nbytes[src_shard]
-        dst_base += piece.dst_start * dst.strides_nbytes[dst.axis_index(AxisRole.SHARD)]
+        dst_base += piece.dst_start * dst.strides_nbytes[dst.axis_of(AxisRole.SHARD)]
     axes = []
-    src_index = src.axis_index(AxisRole.INDEX)
+    src_index = src.axis_of(AxisRole.INDEX)
     for i, axis in enumerate(src.axes):
         if i == src_index:
             continue
@@ -274,10 +276,10 @@ def block_unit(src: TensorView, dst: TensorView, piece: Piece, granule: int | No
         if granule is not None and axis.role is AxisRole.TOKEN:
             extent = granule
         axes.append((extent, src.strides_nbytes[i], dst.strides_nbytes[j]))
-    index_strides = (src.strides_nbytes[src_index], dst.strides_nbytes[dst.axis_index(AxisRole.INDEX)])
+    index_strides = (src.strides_nbytes[src_index], dst.strides_nbytes[dst.axis_of(AxisRole.INDEX)])
     sub_strides = None
     if granule is not None:
-        src_token, dst_token = src.axis_index(AxisRole.TOKEN), dst.axis_index(AxisRole.TOKEN)
+        src_token, dst_token = src.axis_of(AxisRole.TOKEN), dst.axis_of(AxisRole.TOKEN)
         sub_strides = (granule * src.strides_nbytes[src_token], granule * dst.strides_nbytes[dst_token])
     return Unit(
         src.region,

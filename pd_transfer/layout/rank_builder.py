@@ -22,6 +22,7 @@ Pure; imports the layout layer only.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from pd_transfer.errors import ConfigError, Reason
 from pd_transfer.layout.geometry import RankGeometry, Role, check_geometry
@@ -132,17 +133,25 @@ def build_rank(spec: ModelSpec, shape: WorkerShape) -> RankGeometry:
 
     dtype = shape.kv_dtype or spec.kv_dtype
     grid = KvPoolShape(shape.num_pages, shape.page_size, shape.kv_layout, dtype)
-    tp = {"tp_size": shape.tp_size, "tp_rank": shape.tp_rank}
     parts: list[PoolViews] = []
     if spec.attention is not None:
-        parts.append(build_kv_pool(spec.attention, local(LayerKind.ATTENTION), grid, **tp))
+        parts.append(
+            build_kv_pool(
+                spec.attention, local(LayerKind.ATTENTION), grid, tp_size=shape.tp_size, tp_rank=shape.tp_rank
+            )
+        )
     if spec.sliding_attention is not None:
         swa_grid = KvPoolShape(
             shape.num_swa_pages or shape.num_pages, shape.page_size, shape.kv_layout, dtype
         )
         parts.append(
             build_kv_pool(
-                spec.sliding_attention, local(LayerKind.SLIDING_ATTENTION), swa_grid, pool=Pool.SWA, **tp
+                spec.sliding_attention,
+                local(LayerKind.SLIDING_ATTENTION),
+                swa_grid,
+                pool=Pool.SWA,
+                tp_size=shape.tp_size,
+                tp_rank=shape.tp_rank,
             )
         )
     if spec.mla is not None:
@@ -179,7 +188,7 @@ def _state_pool(spec: ModelSpec, shape: WorkerShape, layer_ids: tuple[int, ...])
 
 
 def build_instance(
-    spec: ModelSpec, role: Role, tp_size: int, pp_size: int = 1, **shape_kwargs: object
+    spec: ModelSpec, role: Role, tp_size: int, pp_size: int = 1, **shape_kwargs: Any
 ) -> list[RankGeometry]:
     """Every rank of an instance, PP stage major: ``[pp0 tp0, pp0 tp1, ..., pp1 tp0, ...]``.
 

@@ -118,35 +118,37 @@ def reconcile(
     tensor has a decode counterpart: a single decode rank of a pipelined
     decode instance registers only its own stage.
     """
-    prefill = (prefill,) if isinstance(prefill, RankGeometry) else tuple(prefill)
-    decode = (decode,) if isinstance(decode, RankGeometry) else tuple(decode)
-    mismatches = _geometry_mismatches(prefill, decode)
-    holders = _holders_by_key(prefill)
-    decode_views = _views_by_key(decode)
+    prefill_ranks = (prefill,) if isinstance(prefill, RankGeometry) else tuple(prefill)
+    decode_ranks = (decode,) if isinstance(decode, RankGeometry) else tuple(decode)
+    mismatches = _geometry_mismatches(prefill_ranks, decode_ranks)
+    holders = _holders_by_key(prefill_ranks)
+    decode_views = _views_by_key(decode_ranks)
     verdicts: list[TensorVerdict] = []
     for key, views in decode_views.items():
         if key not in holders:
             mismatches.append(_missing(views[0], Reason.LAYER_MISSING, decode_side=True))
             continue
-        src = _view_of(prefill, key, holders[key][0])
-        pair_mismatches = compare_tensors(src, views[0], _tp(prefill), _tp(decode))
-        pages = page_size_mismatches(src, views[0], prefill[0].page_size, decode[0].page_size)
+        src = _view_of(prefill_ranks, key, holders[key][0])
+        pair_mismatches = compare_tensors(src, views[0], _tp(prefill_ranks), _tp(decode_ranks))
+        pages = page_size_mismatches(src, views[0], prefill_ranks[0].page_size, decode_ranks[0].page_size)
         if pages:  # opaque pages of other sizes differ in bytes too: one cause, one line
             pair_mismatches = [
                 m for m in pair_mismatches if m.code is not Reason.INNER_SHAPE_MISMATCH
             ] + pages
         if not pair_mismatches:
-            pair_mismatches = _coverage(holders[key], views, decode, prefill)
+            pair_mismatches = _coverage(holders[key], views, decode_ranks, prefill_ranks)
         mismatches += pair_mismatches
         if not pair_mismatches:
-            verdicts.append(_verdict(src, views[0], _tp(prefill), _tp(decode)))
+            verdicts.append(_verdict(src, views[0], _tp(prefill_ranks), _tp(decode_ranks)))
     if require_all_prefill_layers:
         for key, key_holders in holders.items():
             if key not in decode_views:
                 mismatches.append(
-                    _missing(_view_of(prefill, key, key_holders[0]), Reason.LAYER_MISSING, decode_side=False)
+                    _missing(
+                        _view_of(prefill_ranks, key, key_holders[0]), Reason.LAYER_MISSING, decode_side=False
+                    )
                 )
-    return Reconciliation(prefill, decode, tuple(verdicts), tuple(mismatches), holders)
+    return Reconciliation(prefill_ranks, decode_ranks, tuple(verdicts), tuple(mismatches), holders)
 
 
 # -- helpers ------------------------------------------------------------------

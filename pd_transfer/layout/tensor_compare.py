@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pd_transfer.errors import GeometryError, Mismatch, Reason
 from pd_transfer.layout import diagnostics
-from pd_transfer.layout.views import AxisRole, TensorView, canonical_range
+from pd_transfer.layout.views import AxisRole, ShardSpec, TensorView, canonical_range
 
 
 def compare_tensors(src: TensorView, dst: TensorView, tp_src: int, tp_dst: int) -> list[Mismatch]:
@@ -59,7 +59,7 @@ def compare_tensors(src: TensorView, dst: TensorView, tp_src: int, tp_dst: int) 
 
 def _compare_shard(src: TensorView, dst: TensorView, tp_src: int, tp_dst: int) -> list[Mismatch]:
     """The sharded axis: metadata present where resliced, same model, splittable groups."""
-    axis = src.axes[src.axis_index(AxisRole.SHARD)].name
+    axis = src.axes[src.axis_of(AxisRole.SHARD)].name
     if src.shard is None or dst.shard is None:
         return _missing_shard_metadata(src, dst, tp_src, tp_dst, axis)
     if src.shard.global_extent != dst.shard.global_extent:
@@ -77,8 +77,8 @@ def _compare_shard(src: TensorView, dst: TensorView, tp_src: int, tp_dst: int) -
     if sharded and (
         src.shard.groups != dst.shard.groups or src.shard.declared_groups != dst.shard.declared_groups
     ):
-        return [_shard_groups_mismatch(src, dst, axis)]
-    return _indivisible_groups(src, dst, tp_src, tp_dst, axis)
+        return [_shard_groups_mismatch(src.path, src.shard, dst.shard, axis)]
+    return _indivisible_groups(src.path, src.shard, dst.shard, tp_src, tp_dst, axis)
 
 
 def _missing_shard_metadata(
@@ -105,33 +105,33 @@ def _missing_shard_metadata(
     ]
 
 
-def _shard_groups_mismatch(src: TensorView, dst: TensorView, axis: str) -> Mismatch:
+def _shard_groups_mismatch(path: str, src: ShardSpec, dst: ShardSpec, axis: str) -> Mismatch:
     """The sides disagree on the shard groups of a sharded axis (or one did not declare them)."""
     code = (
         Reason.SHARD_GROUPS_MISSING
-        if src.shard.declared_groups != dst.shard.declared_groups
+        if src.declared_groups != dst.declared_groups
         else Reason.SHARD_GROUPS_MISMATCH
     )
     return Mismatch(
-        f"{src.path}.{axis}.shard_groups",
+        f"{path}.{axis}.shard_groups",
         code,
-        list(src.shard.groups) if src.shard.declared_groups else None,
-        list(dst.shard.groups) if dst.shard.declared_groups else None,
+        list(src.groups) if src.declared_groups else None,
+        list(dst.groups) if dst.declared_groups else None,
         f"'{axis}' is a concatenation of independently sharded groups: both sides must "
         "register the same shard groups, or slicing would mix channels of different groups",
     )
 
 
 def _indivisible_groups(
-    src: TensorView, dst: TensorView, tp_src: int, tp_dst: int, axis: str
+    path: str, src: ShardSpec, dst: ShardSpec, tp_src: int, tp_dst: int, axis: str
 ) -> list[Mismatch]:
     """One mismatch per shard group that a side's attention TP cannot split."""
     found = []
-    for group in src.shard.groups:
+    for group in src.groups:
         # the same group on both sides (global extents and groups are equal here)
         splits = {
             side: spec.is_full or _splits(group, tp)
-            for side, spec, tp in (("prefill", src.shard, tp_src), ("decode", dst.shard, tp_dst))
+            for side, spec, tp in (("prefill", src, tp_src), ("decode", dst, tp_dst))
         }
         if all(splits.values()):
             continue
@@ -141,7 +141,7 @@ def _indivisible_groups(
         }
         found.append(
             Mismatch(
-                f"{src.path}.{axis}",
+                f"{path}.{axis}",
                 Reason.SHARD_NOT_DIVISIBLE,
                 values["prefill"],
                 values["decode"],

@@ -234,6 +234,14 @@ class TensorView:
                 return i
         return None
 
+    def axis_of(self, role: AxisRole) -> int:
+        """Position of the ``role`` axis, which the caller knows the view has (every view has
+        its one index axis); GeometryError where it has none."""
+        i = self.axis_index(role)
+        if i is None:
+            raise GeometryError(f"{self.path}: has no {role.value} axis", code=Reason.BAD_VIEW)
+        return i
+
     def extent(self, role: AxisRole) -> int | None:
         i = self.axis_index(role)
         return None if i is None else self.shape[i]
@@ -246,7 +254,7 @@ class TensorView:
 
     @property
     def index_count(self) -> int:
-        return self.shape[self.axis_index(AxisRole.INDEX)]
+        return self.shape[self.axis_of(AxisRole.INDEX)]
 
     @property
     def itemsize(self) -> int:

@@ -59,4 +59,5 @@ def decode(frame: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMIT
     opener = _ENVELOPE if limits is DEFAULT_LIMITS else envelope(limits)
     tag, raw = opener.open(frame, RECORDS_BY_TAG)
     _, record = RECORDS_BY_TAG[tag]
-    return record.decode(raw, f"$.{tag}")
+    message: Message = record.decode(raw, f"$.{tag}")
+    return message

@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 
 from pd_transfer.errors import Reason
-from pd_transfer.protocol.messages import Message, TransferRequest
+from pd_transfer.protocol.messages import Message, RoomMessage, TransferRequest
 
 
 class Freshness(enum.Enum):
@@ -52,9 +52,9 @@ class RoomGenerations:
     def current(self, room: int) -> int | None:
         return self._current.get(room)
 
-    def classify(self, message: Message) -> Freshness:
+    def classify(self, message: RoomMessage) -> Freshness:
         """Freshness of a room message; does not record anything."""
-        room, generation = message.room, message.generation  # type: ignore[attr-defined]
+        room, generation = message.room, message.generation
         current = self._current.get(room)
         if isinstance(message, TransferRequest):
             if current is None or generation > current:

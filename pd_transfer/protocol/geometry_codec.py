@@ -128,4 +128,5 @@ def geometry_to_data(geometry: RankGeometry) -> dict[str, Any]:
 
 def geometry_from_data(raw: Any, path: str = "$") -> RankGeometry:
     """The checked :class:`RankGeometry` of ``raw``, or :class:`ProtocolError` with the path."""
-    return GEOMETRY.decode(raw, path)
+    geometry: RankGeometry = GEOMETRY.decode(raw, path)
+    return geometry

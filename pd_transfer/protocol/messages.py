@@ -42,6 +42,14 @@ class Message:
     TAG: ClassVar[str] = ""
 
 
+class RoomMessage(Message):
+    """Base of the messages about one generation of a room (:data:`ROOM_MESSAGES`); the
+    session checks each against the room's current generation."""
+
+    room: int
+    generation: int
+
+
 #: the Hello feature of agents that speak the decode -> prefill confirming Done
 CONFIRM_DONE = "confirm_done"
 #: the Hello feature of prefill agents that act on :class:`RoomRefused`
@@ -227,7 +235,7 @@ class PoolIndices:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TransferRequest(Message):
+class TransferRequest(RoomMessage):
     """Decode -> prefill: write room ``room`` into these destination indices.
 
     ``src_ranks`` lists every prefill rank id (``prefill[pp0,tp1]``) decode
@@ -246,7 +254,7 @@ class TransferRequest(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Progress(Message):
+class Progress(RoomMessage):
     """Prefill -> decode: bytes of this room written so far."""
 
     TAG: ClassVar[str] = "progress"
@@ -271,7 +279,7 @@ class PoolChecksums:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Done(Message):
+class Done(RoomMessage):
     """Prefill -> decode: the room finished. A failure always carries a reason.
 
     ``checksums`` (success only, when the Verdict said ``integrity``) lets
@@ -292,7 +300,7 @@ class Done(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Abort(Message):
+class Abort(RoomMessage):
     """Either side: stop this generation of the room. The other side answers
     with :class:`AbortAck` once no write of the generation can still land."""
 
@@ -315,7 +323,7 @@ class RoomRefused(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
-class AbortAck(Message):
+class AbortAck(RoomMessage):
     """Answer to :class:`Abort`. ``drained`` True: no write of this generation is
     in flight, decode may reuse the destination pages. False: some write may
     still land (a transfer engine could not be cancelled); keep them fenced."""
@@ -353,4 +361,4 @@ MESSAGE_TYPES: dict[str, MessageType] = {
     )
 }
 
-ROOM_MESSAGES: tuple[type[Message], ...] = (TransferRequest, Progress, Done, Abort, AbortAck)
+ROOM_MESSAGES: tuple[type[RoomMessage], ...] = (TransferRequest, Progress, Done, Abort, AbortAck)

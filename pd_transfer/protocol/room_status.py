@@ -28,7 +28,7 @@ import enum
 from dataclasses import dataclass, replace
 
 from pd_transfer.errors import LocalProtocolError, Reason
-from pd_transfer.protocol.messages import Abort, Done, DoneStatus, Message, Progress
+from pd_transfer.protocol.messages import Abort, Done, DoneStatus, Progress, RoomMessage
 
 
 class RoomStatus(enum.Enum):
@@ -94,7 +94,7 @@ class RoomGeneration:
             return self
         return replace(self, status=RoomStatus.FAILED, reason=reason, reason_text=text)
 
-    def apply(self, message: Message) -> RoomGeneration:
+    def apply(self, message: RoomMessage) -> RoomGeneration:
         """The state after a Progress, Done or Abort of this room.
 
         A message of another generation is ignored (see the module docstring);

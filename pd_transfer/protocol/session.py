@@ -50,10 +50,10 @@ from pd_transfer.protocol.messages import (
     Hello,
     Message,
     Register,
+    RoomMessage,
     Verdict,
 )
 from pd_transfer.protocol.transitions import (
-    ROOM_TRIGGERS,
     TRANSITIONS,
     SessionState,
     allowed,
@@ -119,12 +119,14 @@ class Session:
                 f"cannot send {trigger_of(message).value}: the session is closed", code=Reason.SESSION_CLOSED
             )
         try:
-            next_state, freshness = self._judge(message, self.our_role)
+            next_state = self._judge(message, self.our_role)
         except _Violation as violation:
             raise LocalProtocolError(violation.text, code=violation.code) from None
-        if freshness not in (None, Freshness.FRESH):
-            _, code = FRESHNESS_RULES[freshness]
-            raise LocalProtocolError(self._freshness_text(message, freshness), code=code)
+        if isinstance(message, RoomMessage):
+            freshness = self.generations.classify(message)
+            if freshness is not Freshness.FRESH:
+                _, code = FRESHNESS_RULES[freshness]
+                raise LocalProtocolError(self._freshness_text(message, freshness), code=code)
         frame = self._encode_checked(message)
         self._commit(message, next_state, received=False)
         return frame
@@ -157,15 +159,17 @@ class Session:
                 f"{trigger_of(message).value} arrived after the session closed",
             )
         try:
-            next_state, freshness = self._judge(message, self.their_role)
+            next_state = self._judge(message, self.their_role)
         except _Violation as violation:
             raise self._fail_session(violation.code, violation.text) from None
-        if freshness is not None:
+        if isinstance(message, RoomMessage):
+            freshness = self.generations.classify(message)
             handling, code = FRESHNESS_RULES[freshness]
             text = self._freshness_text(message, freshness)
-            if handling is Handling.DROP:
+            # code is None only where the message is delivered (FRESH)
+            if handling is Handling.DROP and code is not None:
                 return Dropped(message, code, text)
-            if handling is Handling.VIOLATION:
+            if handling is Handling.VIOLATION and code is not None:
                 raise RemoteProtocolError(text, code=code, reply=self._room_reply(message, code, text))
         self._commit(message, next_state, received=True)
         return message
@@ -188,7 +192,8 @@ class Session:
             ) from None
         return frame
 
-    def _judge(self, message: Message, sender: Role) -> tuple[SessionState, Freshness | None]:
+    def _judge(self, message: Message, sender: Role) -> SessionState:
+        """The state ``message`` from ``sender`` leads to; :class:`_Violation` if it is illegal."""
         trigger = trigger_of(message)
         next_state = TRANSITIONS.get((self._state, sender, trigger))
         if next_state is None:
@@ -199,12 +204,10 @@ class Session:
                 f"{self._state.value}; allowed there: {legal}",
             )
         _check_content(message, sender)
-        if trigger in ROOM_TRIGGERS:
-            return next_state, self.generations.classify(message)
-        return next_state, None
+        return next_state
 
-    def _freshness_text(self, message: Message, freshness: Freshness) -> str:
-        room, generation = message.room, message.generation  # type: ignore[attr-defined]
+    def _freshness_text(self, message: RoomMessage, freshness: Freshness) -> str:
+        room, generation = message.room, message.generation
         current = self.generations.current(room)
         known = "no request" if current is None else f"current generation {current}"
         return (
@@ -212,10 +215,13 @@ class Session:
             f"{freshness.value} ({known} on this session)"
         )
 
-    def _room_reply(self, message: Message, code: Reason, text: str) -> Message:
+    def _room_reply(self, message: RoomMessage, code: Reason, text: str) -> Message:
         """Fail just this room, at the generation both sides agree on."""
-        room = message.room  # type: ignore[attr-defined]
+        room = message.room
+        # a duplicate or a future generation is judged against a current one, so there is one
         generation = self.generations.current(room)
+        if generation is None:
+            generation = message.generation
         text = clip_text(text)
         if self.our_role is Role.PREFILL:
             return Done(

@@ -34,6 +34,7 @@ def pack(frame: bytes) -> bytes:
 
 def frame_length(header: bytes) -> int:
     """The length a header announces; WorkerApiError ``frame_too_large`` over the bound."""
+    nbytes: int
     (nbytes,) = HEADER.unpack(header)
     if nbytes > MAX_FRAME_NBYTES:
         raise WorkerApiError(

@@ -143,8 +143,8 @@ def _validated(op: WorkerOp, message: dict[str, Any]) -> dict[str, Any]:
             message[field.name] = list(value) if isinstance(value, list) else value
     except ProtocolError as err:
         raise WorkerApiError(err.message, code=err.code) from None
-    timeout_s = message.get("timeout_s")
-    if op is WorkerOp.WAIT and timeout_s > MAX_WAIT_S:
+    timeout_s: float | None = message.get("timeout_s")  # a wait's is required: checked above
+    if op is WorkerOp.WAIT and timeout_s is not None and timeout_s > MAX_WAIT_S:
         raise WorkerApiError(
             f"at $.timeout_s: expected seconds in [0, {MAX_WAIT_S:.0f}], got {timeout_s!r}",
             code=Reason.BAD_FIELD,

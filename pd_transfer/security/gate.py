@@ -142,7 +142,7 @@ class Gate:
             )
         try:
             if isinstance(message, AuthHello):
-                return GateAnswer(Decision.ANSWER, self._hello(identity, message, user_id))
+                return GateAnswer(Decision.ANSWER, self._hello(identity, message, user_id, self._key))
             if isinstance(message, AuthProof):
                 return GateAnswer(Decision.ANSWER, self._proof(identity, message))
             if isinstance(message, AuthResult) and not message.accepted:
@@ -178,7 +178,7 @@ class Gate:
             )
         return claimed
 
-    def _hello(self, identity: bytes, hello: AuthHello, user_id: str) -> bytes:
+    def _hello(self, identity: bytes, hello: AuthHello, user_id: str, key: bytes) -> bytes:
         self._pending.pop(identity, None)  # a hello again: a new handshake replaces it
         if len(identity) < MIN_ROUTING_ID_NBYTES:
             raise refusal(
@@ -187,7 +187,7 @@ class Gate:
                 f"of at least {MIN_ROUTING_ID_NBYTES} bytes",
             )
         claimed = self._claimed(hello, user_id)
-        handshake = ServerHandshake(self._key, self.agent_id, hello, self._nonces)
+        handshake = ServerHandshake(key, self.agent_id, hello, self._nonces)
         self._pending[identity] = (handshake, claimed)
         if len(self._pending) > self._max_pending:
             self._pending.popitem(last=False)

@@ -20,7 +20,7 @@ import os
 import secrets
 import stat
 import string
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
 from pd_transfer.errors import ConfigError
@@ -115,7 +115,9 @@ def new_secret_file(path: str | os.PathLike, *, force: bool = False) -> Path:
     return path
 
 
-def use_ephemeral_secret(directory: str | os.PathLike, environ: dict[str, str] | None = None) -> Path | None:
+def use_ephemeral_secret(
+    directory: str | os.PathLike, environ: MutableMapping[str, str] | None = None
+) -> Path | None:
     """Unless ``environ`` (default ``os.environ``) already names a secret, write a
     fresh one to ``directory/secret`` and export it as ``PD_TRANSFER_SECRET_FILE``:
     the sidecars a benchmark or a harness starts, and its clients, then share it.

@@ -39,6 +39,7 @@ import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -57,7 +58,12 @@ _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 Requests = Mapping[Pool, tuple]  # pool -> (src_indices, dst_indices)
 
 # every dtype is 1, 2, 4 or 8 bytes; its content is handled as the unsigned int of that size
-_ELEMENT = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_ELEMENT: dict[int, np.dtype[np.unsignedinteger[Any]]] = {
+    1: np.dtype("u1"),
+    2: np.dtype("<u2"),
+    4: np.dtype("<u4"),
+    8: np.dtype("<u8"),
+}
 
 
 def key_seed(seed: int | str, key: tuple) -> np.uint64:
@@ -134,7 +140,7 @@ class ViewContent:
 
 @functools.lru_cache(maxsize=4096)
 def _content_of(view: TensorView) -> ViewContent:
-    index_axis = view.axis_index(AxisRole.INDEX)
+    index_axis = view.axis_of(AxisRole.INDEX)
     coords: dict[str, np.ndarray] = {}
     extents: dict[str, int] = {}
     for j, axis in enumerate(view.axes):
@@ -337,7 +343,7 @@ def _describe(
     i: int,
 ) -> str:
     """One line for one wrong item: its first wrong element, by axis name."""
-    position = list(np.unravel_index(int(np.argmax(diff)), diff.shape))
+    position: list[Any] = list(np.unravel_index(int(np.argmax(diff)), diff.shape))
     position.insert(content.index_axis, i)
     element = tuple(position)
     coords = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -49,7 +50,7 @@ def own_indices(
     return {pool: pair for pool, pair in request.transfer_indices().items() if pool in pools}
 
 
-def call_args(geometry: RankGeometry, request: ScheduledRequest, side: int) -> dict[str, object]:
+def call_args(geometry: RankGeometry, request: ScheduledRequest, side: int) -> dict[str, Any]:
     """Keyword arguments of send/expect for ``side`` (0 source, 1 destination), last chunk."""
     indices = own_indices(geometry, request)
     empty = np.empty(0, np.int64)

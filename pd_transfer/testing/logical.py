@@ -23,7 +23,7 @@ import numpy as np
 
 from pd_transfer.errors import GeometryError, Reason
 from pd_transfer.layout.views import AxisRole, TensorView
-from pd_transfer.testing.shards import shard_positions
+from pd_transfer.testing.shards import shard_positions, view_shard
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,7 +49,7 @@ class LogicalTensor:
 
     def token_axis(self, view: TensorView) -> int:
         """Position in ``axis_names`` of ``view``'s token axis (a token-paged view)."""
-        return self.axis_names.index(view.axes[view.axis_index(AxisRole.TOKEN)].name)
+        return self.axis_names.index(view.axes[view.axis_of(AxisRole.TOKEN)].name)
 
     def page_size(self, view: TensorView) -> int:
         """Tokens per page of the prefill tensor (its token axis' extent)."""
@@ -64,12 +64,12 @@ class LogicalTensor:
         data = self.data if indices is None else self.data[indices]
         if self.shard_axis is None:
             return data
-        return np.take(data, shard_positions(view.shard), axis=self.shard_axis)
+        return np.take(data, shard_positions(view_shard(view)), axis=self.shard_axis)
 
 
 def make_logical(view: TensorView, rng: np.random.Generator) -> LogicalTensor:
     """A random logical tensor shaped after the reference (prefill) view ``view``."""
-    index_axis = view.axis_index(AxisRole.INDEX)
+    index_axis = view.axis_of(AxisRole.INDEX)
     names = [view.axes[index_axis].name]
     shape = [view.shape[index_axis]]
     shard_axis = None
@@ -78,7 +78,7 @@ def make_logical(view: TensorView, rng: np.random.Generator) -> LogicalTensor:
             continue
         if axis.role is AxisRole.SHARD:
             shard_axis = len(names)
-            shape.append(view.shard.global_extent)
+            shape.append(view_shard(view).global_extent)
         else:
             shape.append(view.shape[j])
         names.append(axis.name)
@@ -106,7 +106,7 @@ def axis_order(
             f"axes {[a.name for a in view.axes]}, but the prefill tensor has {list(logical.axis_names)}"
         )
         _raise(view, rank_id, problems)
-    order = [view.axis_index(AxisRole.INDEX)]
+    order = [view.axis_of(AxisRole.INDEX)]
     if same_index_count and view.shape[order[0]] != logical.index_count:
         problems.append(f"{view.shape[order[0]]} index items, other prefill ranks have {logical.index_count}")
     for position, name in enumerate(logical.axis_names[1:], start=1):

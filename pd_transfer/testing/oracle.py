@@ -29,7 +29,7 @@ from pd_transfer.layout.spans import TokenSpan
 from pd_transfer.layout.views import AxisRole, Pool, TensorView
 from pd_transfer.testing.logical import LogicalTensor
 from pd_transfer.testing.placement import locate, window
-from pd_transfer.testing.shards import shard_positions
+from pd_transfer.testing.shards import shard_positions, view_shard
 
 MAX_LINES = 20
 
@@ -133,7 +133,7 @@ def compare_tokens(
     _check_range(rank_id, view, "destination", owed.dst, view.index_count)
     token_axis = logical.token_axis(view)
     src_page, src_slot, dst_page, dst_slot = owed_tokens(
-        owed, logical.page_size(view), view.extent(AxisRole.TOKEN)
+        owed, logical.page_size(view), view.shape[view.axis_of(AxisRole.TOKEN)]
     )
     if src_page.size == 0:
         return
@@ -153,7 +153,9 @@ def mark_tokens(
     mask: np.ndarray, view: TensorView, order: tuple[int, ...], logical: LogicalTensor, owed: Owed
 ) -> None:
     """Mark the bytes of the owed destination tokens of ``view``."""
-    _, _, dst_page, dst_slot = owed_tokens(owed, logical.page_size(view), view.extent(AxisRole.TOKEN))
+    _, _, dst_page, dst_slot = owed_tokens(
+        owed, logical.page_size(view), view.shape[view.axis_of(AxisRole.TOKEN)]
+    )
     if dst_page.size:
         np.moveaxis(window(mask, view, order), logical.token_axis(view), 1)[dst_page, dst_slot] = True
 
@@ -209,7 +211,7 @@ def _describe(view: TensorView, logical: LogicalTensor, position: tuple) -> str:
     for axis, coord in enumerate(position[:-1], start=1):
         name = logical.axis_names[axis]
         if axis == logical.shard_axis:
-            parts.append(f"{name}={int(shard_positions(view.shard)[coord])} (global)")
+            parts.append(f"{name}={int(shard_positions(view_shard(view))[coord])} (global)")
         else:
             parts.append(f"{name}={int(coord)}")
     parts.append(f"byte={int(position[-1])}")

@@ -49,6 +49,15 @@ def expected_range(group_size: int, tp_size: int, tp_rank: int) -> tuple[int, in
     return element, element + 1
 
 
+def view_shard(view: TensorView) -> ShardSpec:
+    """The shard spec of a view whose shard axis the oracle reads; GeometryError without one."""
+    if view.shard is None:
+        raise GeometryError(
+            f"{view.path}: a shard axis without its shard spec", code=Reason.SHARD_METADATA_MISSING
+        )
+    return view.shard
+
+
 def shard_positions(shard: ShardSpec) -> np.ndarray:
     """Global positions of each local element along the shard axis.
 

@@ -60,14 +60,18 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.receiver_rooms import ByteRanges, ReceiverRooms, RoomPolicy
 from pd_transfer.transport.regions import MappedCache, Regions
 
 if TYPE_CHECKING:
+    from pd_transfer.layout.lowering import TransferPlan
     from pd_transfer.shm_segments import Segment
+
+T = TypeVar("T")
+L = TypeVar("L", bound="Link")
 
 
 class TransportKind(enum.Enum):
@@ -141,7 +145,7 @@ class Link(ABC):
         self.nbytes_written = 0
         self.num_writes = 0
         self._closed = False
-        self._inflight: set[asyncio.Future] = set()
+        self._inflight: set[asyncio.Future[Any]] = set()
 
     @property
     def closed(self) -> bool:
@@ -161,14 +165,14 @@ class Link(ABC):
         while self._inflight:
             await asyncio.gather(*list(self._inflight), return_exceptions=True)
 
-    def run_background(self, work: Awaitable) -> asyncio.Future:
+    def run_background(self, work: Awaitable[T]) -> asyncio.Future[T]:
         """Run ``work`` so that cancelling its awaiter does not cancel it; :meth:`drain` waits."""
         future = asyncio.ensure_future(work)
         self._inflight.add(future)
         future.add_done_callback(self._settled)
         return asyncio.shield(future)
 
-    def _settled(self, future: asyncio.Future) -> None:
+    def _settled(self, future: asyncio.Future[Any]) -> None:
         self._inflight.discard(future)
         if not future.cancelled():
             future.exception()  # retrieved: the awaiter (if still there) re-raises it
@@ -214,7 +218,7 @@ class Transport(ABC):
 
     @abstractmethod
     async def write(
-        self, link: Link, plan, src_regions: Regions, *, room: str = "", generation: int = 0
+        self, link: Link, plan: TransferPlan, src_regions: Regions, *, room: str = "", generation: int = 0
     ) -> int:
         """Move every byte of ``plan`` from ``src_regions`` into the peer; return the count.
 
@@ -238,11 +242,11 @@ class Transport(ABC):
         for link in self._links:
             link.forget_sources()
 
-    def _adopt(self, link: Link) -> Link:
+    def _adopt(self, link: L) -> L:
         self._links.add(link)
         return link
 
-    def _own(self, link: Link, link_type: type) -> Link:
+    def _own(self, link: Link, link_type: type[L]) -> L:
         if not isinstance(link, link_type) or link.transport is not self:
             raise TransportError(
                 f"{link!r} was not opened by this {self.name} transport", code=Reason.LINK_CLOSED
@@ -310,7 +314,7 @@ class Receiver(ABC):
     async def close(self) -> None:
         await self.stop()
 
-    async def __aenter__(self):
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 

@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pd_transfer.transport.base import Link, PeerEndpoint, Transport, TransportKind
 from pd_transfer.transport.copy.device import execute_on_device
 from pd_transfer.transport.regions import Regions
+
+if TYPE_CHECKING:
+    from pd_transfer.layout.lowering import TransferPlan
 
 RegionOpener = Callable[[str, int], Any]  # (handle, nbytes) -> a tensor of at least nbytes bytes
 
@@ -64,7 +67,7 @@ class DeviceTransport(Transport):
         return self._adopt(DeviceLink(self, peer, regions))
 
     async def write(
-        self, link: Link, plan, src_regions: Regions, *, room: str = "", generation: int = 0
+        self, link: Link, plan: TransferPlan, src_regions: Regions, *, room: str = "", generation: int = 0
     ) -> int:
         link = self._own(link, DeviceLink)
         nbytes = await link.run_background(

@@ -143,7 +143,7 @@ class MockTransport(Transport):
         return self._adopt(MockLink(self, peer, regions))
 
     async def write(
-        self, link: Link, plan, src_regions: Regions, *, room: str = "", generation: int = 0
+        self, link: Link, plan: TransferPlan, src_regions: Regions, *, room: str = "", generation: int = 0
     ) -> int:
         link = self._own(link, MockLink)
         peer_id = link.peer.peer_id

@@ -257,7 +257,7 @@ def item_ranges(
         idx = arrays.get(view.pool)
         if idx is None or not len(idx):
             continue
-        axis = view.axis_index(AxisRole.INDEX)
+        axis = view.axis_of(AxisRole.INDEX)
         idx = idx[(idx >= 0) & (idx < view.shape[axis])]
         extent = view.itemsize + sum(
             (n - 1) * s for j, (n, s) in enumerate(zip(view.shape, view.strides_nbytes)) if j != axis

@@ -121,7 +121,7 @@ class MappedCache:
     """
 
     def __init__(self) -> None:
-        self._entries: dict[str, tuple[RegionMemory, Mapped]] = {}
+        self._entries: dict[str, tuple[RegionMemory | Mapped, Mapped]] = {}
 
     def map(self, regions: Regions, region_ids: Iterable[str], side: str) -> dict[str, Mapped]:
         out: dict[str, Mapped] = {}

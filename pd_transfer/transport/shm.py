@@ -15,6 +15,7 @@ writes nothing.
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.layout.grids import GridPlan
@@ -24,13 +25,16 @@ from pd_transfer.transport.copy.device import as_tensors
 from pd_transfer.transport.copy.engine import CopyEngine, default_engine
 from pd_transfer.transport.regions import Regions, map_one
 
+if TYPE_CHECKING:
+    from pd_transfer.layout.lowering import TransferPlan
+
 
 class ShmLink(Link):
     """The peer's segments, mapped; ``regions`` are numpy views of exactly the registered
     sizes, ``tensors`` the same as torch tensors (for torch's device copies; made on first
     use, so that a sidecar copying between host pools never loads torch)."""
 
-    def __init__(self, transport: Transport, peer: PeerEndpoint, segments: dict[str, Segment]) -> None:
+    def __init__(self, transport: ShmTransport, peer: PeerEndpoint, segments: dict[str, Segment]) -> None:
         super().__init__(transport, peer)
         self.segments = segments
         self.regions = {
@@ -85,7 +89,7 @@ class ShmTransport(Transport):
         return self._adopt(ShmLink(self, peer, segments))
 
     async def write(
-        self, link: Link, plan, src_regions: Regions, *, room: str = "", generation: int = 0
+        self, link: Link, plan: TransferPlan, src_regions: Regions, *, room: str = "", generation: int = 0
     ) -> int:
         link = self._own(link, ShmLink)
         where = f"room {room or '-'} gen {generation} plan {plan.src_rank} -> {link.peer.peer_id}"

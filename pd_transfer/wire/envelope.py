@@ -37,7 +37,8 @@ VERSION = TupleOf((Int(hi=65535), Int(hi=65535)))
 
 def pack(data: Any) -> bytes:
     """The msgpack bytes of plain data (bytes as bin, str as str; map key order kept)."""
-    return msgpack.packb(data, use_bin_type=True)
+    packed: bytes = msgpack.packb(data, use_bin_type=True)
+    return packed
 
 
 def unpack(frame: Any, limits: Limits, what: str = "frame") -> Any:
@@ -135,7 +136,7 @@ class Envelope:
                 f"version {_shown(version)} is not {ours}", code=Reason.VERSION_UNSUPPORTED, path="$.v"
             )
         tag = raw.get("t")
-        if tag not in tags:
+        if not isinstance(tag, str) or tag not in tags:
             raise ProtocolError(
                 f"{self.tag_noun} {_shown(tag)} is not one of {list(tags)}",
                 code=Reason.UNKNOWN_MESSAGE,

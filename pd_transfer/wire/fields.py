@@ -219,7 +219,7 @@ class ListOf(FieldKind):
     def encode(self, value: Any) -> Any:
         return [self.item.encode(v) for v in value]
 
-    def decode(self, raw: Any, path: str) -> tuple:
+    def decode(self, raw: Any, path: str) -> tuple[Any, ...]:
         if not isinstance(raw, list):
             raise self.expected(raw, path)
         if len(raw) > self.max_len:
@@ -239,7 +239,7 @@ class Map(FieldKind):
 
     description = "map"
 
-    def decode(self, raw: Any, path: str) -> dict:
+    def decode(self, raw: Any, path: str) -> dict[Any, Any]:
         if not isinstance(raw, dict):
             raise self.expected(raw, path)
         return raw
@@ -258,7 +258,7 @@ class TupleOf(FieldKind):
     def encode(self, value: Any) -> Any:
         return [k.encode(v) for k, v in zip(self.items, value)]
 
-    def decode(self, raw: Any, path: str) -> tuple:
+    def decode(self, raw: Any, path: str) -> tuple[Any, ...]:
         if not isinstance(raw, list) or len(raw) != len(self.items):
             raise bad_field(path, f"expected {self.description}, got {_shape_of(raw)}")
         return tuple(k.decode(v, f"{path}[{i}]") for i, (k, v) in enumerate(zip(self.items, raw)))

@@ -13,6 +13,7 @@ Pure; imports only the standard library and ``pd_transfer.errors``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,6 +194,7 @@ def check_depth(value: Any, max_depth: int) -> None:
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         item, depth = stack.pop()
+        children: Iterable[Any]
         if isinstance(item, dict):
             children = item.values()
         elif isinstance(item, list):

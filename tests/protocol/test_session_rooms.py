@@ -8,14 +8,19 @@ from pd_transfer.errors import LocalProtocolError, Reason, RemoteProtocolError
 from pd_transfer.layout.geometry import Role
 from pd_transfer.protocol import (
     FRESHNESS_RULES,
+    MESSAGE_TYPES,
     Abort,
     Done,
     DoneStatus,
     Dropped,
     Freshness,
+    RoomMessage,
     SessionState,
     encode,
+    trigger_of,
 )
+from pd_transfer.protocol.messages import ROOM_MESSAGES
+from pd_transfer.protocol.transitions import ROOM_TRIGGERS
 
 P, D = Role.PREFILL, Role.DECODE
 
@@ -27,6 +32,16 @@ def pair():
 
 def test_every_freshness_has_a_rule():
     assert set(FRESHNESS_RULES) == set(Freshness)
+
+
+def test_the_room_messages_are_the_messages_the_room_triggers_fire():
+    """The session judges generations on every RoomMessage; the transition table names
+    the same messages ROOM_TRIGGERS. The two lists must be one."""
+    room_types = {t.cls for t in MESSAGE_TYPES.values() if issubclass(t.cls, RoomMessage)}
+    assert room_types == set(ROOM_MESSAGES)
+    samples = [transfer_request(), progress(), done(), abort(), abort_ack()]
+    assert {type(m) for m in samples} == room_types
+    assert {trigger_of(m) for m in samples} == ROOM_TRIGGERS
 
 
 @pytest.mark.parametrize(

@@ -130,6 +130,9 @@ def kv_view(
     to element strides; the view lists them in logical order.
     """
     isz = grid.itemsize
+    names: tuple[str, ...]
+    axes: tuple[Axis, ...]
+    shape: tuple[int, ...]
     if tensor.shard is None:
         names = (PAGE, TOKEN, DIM)
         axes = (PAGE_AXIS, TOKEN_AXIS, LATENT_DIM_AXIS)

@@ -177,7 +177,7 @@ def _crc_blocks(
     region: Mapped, starts: np.ndarray, rel: np.ndarray, nbytes: np.ndarray, block_nbytes: int
 ) -> np.ndarray:
     if len(rel) == 1:  # one run per block: hash the memory in place
-        view = memoryview(region.array)
+        view = region.array.data
         first, n = int(rel[0]), int(nbytes[0])
         return np.fromiter(
             (zlib.crc32(view[s : s + n]) for s in (starts + first).tolist()), np.uint32, len(starts)
@@ -189,7 +189,7 @@ def _crc_blocks(
         offsets = (part[:, None] + rel[None, :]).ravel()
         lengths = np.tile(nbytes, len(part))
         row = row_nbytes_for(offsets, lengths, cap=_ROW_CAP_NBYTES)
-        packed = memoryview(np.take(region.void_rows(row), rows_of(offsets, lengths, row)).view(np.uint8))
+        packed = np.take(region.void_rows(row), rows_of(offsets, lengths, row)).view(np.uint8).data
         out[a : a + len(part)] = [
             zlib.crc32(packed[j * block_nbytes : (j + 1) * block_nbytes]) for j in range(len(part))
         ]
@@ -200,7 +200,7 @@ def _crc_rows(sums: np.ndarray) -> np.ndarray:
     """crc32 of each row of a 2-D uint32 array, as little-endian bytes."""
     packed = np.ascontiguousarray(sums, dtype="<u4")
     width = packed.shape[1] * 4
-    view = memoryview(packed.view(np.uint8).reshape(-1))
+    view = packed.view(np.uint8).reshape(-1).data
     return np.fromiter(
         (zlib.crc32(view[i * width : (i + 1) * width]) for i in range(len(packed))), np.uint32, len(packed)
     )

@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from pd_transfer.layout.grids import GridPlan
 from pd_transfer.transport.copy import grid, native_loop
@@ -196,7 +197,7 @@ def _small_copies(plan, src_regions: Regions, dst_regions: Regions, addresses: b
     with arrays, or with ``addresses`` as ``dst_address, src_address, nbytes`` flat; None
     when a piece is out of bounds or a region is missing (the caller's full check
     raises with the details)."""
-    copies = []
+    copies: list[Any] = []
     append = copies.extend if addresses else copies.append
     for batch in plan.batches:
         src, dst = src_regions.get(batch.src_region), dst_regions.get(batch.dst_region)
@@ -208,6 +209,7 @@ def _small_copies(plan, src_regions: Regions, dst_regions: Regions, addresses: b
             dst = map_one(batch.dst_region, dst, "destination")
         base = (dst.address, src.address) if addresses else None
         src, dst = src.array, dst.array
+        pieces: Iterable[tuple[int, int, int, int]]
         if len(batch.src_offset) == 1:  # one descriptor (a page of one layer): no lists
             pieces = (
                 (batch.src_offset.item(), batch.dst_offset.item(), batch.nbytes.item(), batch.count.item()),

@@ -62,9 +62,9 @@ def build_program(group, src_regions: Regions, dst_regions: Regions) -> Program 
     shape = group.shape
     src_ids = tuple(u.src_region for u in group.units)
     dst_ids = tuple(u.dst_region for u in group.units)
-    src_memory = tuple(src_regions.get(r) for r in src_ids)
-    dst_memory = tuple(dst_regions.get(r) for r in dst_ids)
-    if any(m is None for m in src_memory + dst_memory):
+    src_memory = tuple(m for r in src_ids if (m := src_regions.get(r)) is not None)
+    dst_memory = tuple(m for r in dst_ids if (m := dst_regions.get(r)) is not None)
+    if len(src_memory) != len(src_ids) or len(dst_memory) != len(dst_ids):
         return None
     mapped_src = [map_one(r, m, "source") for r, m in zip(src_ids, src_memory)]
     mapped_dst = [map_one(r, m, "destination") for r, m in zip(dst_ids, dst_memory)]
@@ -116,8 +116,8 @@ def copy(plan, src_regions: Regions, dst_regions: Regions, programs: dict) -> bo
             return False
         work.append((program, array("q", src_x), array("q", dst_x), grid.group.shape))
     total = plan.total_nbytes
-    for program, src_x, dst_x, shape in work:  # every grid checked before the first byte
-        native_loop.copy_grid(program.src_unit, program.dst_unit, src_x, dst_x, shape, total)
+    for program, src_at, dst_at, shape in work:  # every grid checked before the first byte
+        native_loop.copy_grid(program.src_unit, program.dst_unit, src_at, dst_at, shape, total)
     return True
 
 

@@ -49,7 +49,7 @@ class CopyRun(NamedTuple):  # NamedTuples: a plan makes thousands, and they buil
 
 class TakeInto(NamedTuple):
     src_rows: np.ndarray
-    index: np.ndarray
+    rows: np.ndarray  # which source rows, in order
     dst: np.ndarray  # the stretch, as rows of the source row size
 
     @property
@@ -57,12 +57,12 @@ class TakeInto(NamedTuple):
         return self.dst.nbytes
 
     def run(self, scratch: BounceBuffer) -> None:
-        np.take(self.src_rows, self.index, out=self.dst, mode="clip")
+        np.take(self.src_rows, self.rows, out=self.dst, mode="clip")
 
 
 class PutFrom(NamedTuple):
     dst_rows: np.ndarray
-    index: np.ndarray
+    rows: np.ndarray  # which destination rows, in order
     src: np.ndarray  # the source stretch, as rows of the destination row size
 
     @property
@@ -70,7 +70,7 @@ class PutFrom(NamedTuple):
         return self.src.nbytes
 
     def run(self, scratch: BounceBuffer) -> None:
-        np.put(self.dst_rows, self.index, self.src)
+        np.put(self.dst_rows, self.rows, self.src)
 
 
 class Bounce(NamedTuple):
@@ -102,13 +102,13 @@ def split_tasks(tasks: list, split_nbytes: int) -> list:
         elif isinstance(task, TakeInto):
             step = max(1, split_nbytes // task.dst.itemsize)
             out += [
-                TakeInto(task.src_rows, task.index[a : a + step], task.dst[a : a + step])
-                for a in range(0, len(task.index), step)
+                TakeInto(task.src_rows, task.rows[a : a + step], task.dst[a : a + step])
+                for a in range(0, len(task.rows), step)
             ]
         else:  # a put of a few hundred rows keeps the GIL (numpy 2.4: 256 rows did, 8,192 not)
             step = max(PUT_MIN_ROWS, split_nbytes // task.src.itemsize)
             out += [
-                PutFrom(task.dst_rows, task.index[a : a + step], task.src[a : a + step])
-                for a in range(0, len(task.index), step)
+                PutFrom(task.dst_rows, task.rows[a : a + step], task.src[a : a + step])
+                for a in range(0, len(task.rows), step)
             ]
     return out

@@ -24,6 +24,7 @@ import ctypes
 import os
 from array import array
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -79,6 +80,7 @@ def _load(path: Path = LIBRARY_PATH) -> tuple[ctypes.CDLL | None, str]:
     return lib, ""
 
 
+_LIB: Any  # a CDLL, or None; the copy functions below run only where AVAILABLE
 _LIB, UNAVAILABLE_WHY = _load()
 AVAILABLE = _LIB is not None
 STREAMS = bool(_LIB.pdt_streams()) if _LIB is not None else False

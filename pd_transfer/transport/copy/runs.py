@@ -81,19 +81,26 @@ def flatten(plan) -> Flat:
             "plan descriptor arrays are not 1-D arrays of one length per batch", code=Reason.BAD_FIELD
         )
     strides = np.array([(b.src_stride, b.dst_stride) for b in batches], np.int64)
+    src_offset, dst_offset, nbytes, count = columns
     if len(batches) == 1:  # read-only views, a stride of 0
         n = int(lengths[0])
         return Flat(
             batches,
             np.broadcast_to(np.int64(0), n),
-            *columns,
+            src_offset,
+            dst_offset,
+            nbytes,
+            count,
             np.broadcast_to(strides[0, 0], n),
             np.broadcast_to(strides[0, 1], n),
         )
     return Flat(
         batches,
         np.repeat(np.arange(len(batches)), lengths),
-        *columns,
+        src_offset,
+        dst_offset,
+        nbytes,
+        count,
         np.repeat(strides[:, 0], lengths),
         np.repeat(strides[:, 1], lengths),
     )
@@ -233,7 +240,7 @@ def dst_items(flat: Flat) -> Items:
     Sorting puts items that fill neighbouring destination bytes (consecutive
     decode pages) next to each other, where :func:`item_groups` joins them.
     """
-    arrays = (
+    arrays: tuple[np.ndarray, ...] = (
         flat.batch,
         flat.src_offset,
         flat.dst_offset,

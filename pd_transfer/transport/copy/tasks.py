@@ -251,7 +251,7 @@ def _stretch_tasks(
     row = capped_rows(np.gcd.reduceat(_source_gcd(mine), first), ROW_CAP_NBYTES)
     index = _source_rows(mine, np.repeat(row, counts))
     index_end = np.cumsum(nbytes // row).tolist()
-    tasks = []
+    tasks: list[CopyRun | TakeInto] = []
     for batch_index, at, n, count, pieces, offset, size, stop in zip(
         items.batch[starts].tolist(),
         items.dst_offset[starts].tolist(),

@@ -28,6 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -39,6 +40,14 @@ from pd_transfer.transport.engines.strategy import Strategy
 log = logging.getLogger(__name__)
 
 PROBE_LANDING = np.zeros(64, np.uint8)  # every engine's probe reads land here (module docstring)
+
+
+class StagingPath(Protocol):
+    """What a link keeps of its staging channel (``staging/engine.py``'s ``LinkStaging``)."""
+
+    by_region: dict[str, Strategy]  # destination region -> the strategy set for it
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -64,7 +73,7 @@ class EngineLink(Link):
         self.failed: TransportError | None = None
         self.num_batches = 0  # engine submissions so far
         self.max_batch_descriptors = 0  # the largest one
-        self.staging = None  # engine_staging.LinkStaging when the peer offers staging
+        self.staging: StagingPath | None = None  # when the peer offers staging
         self.nbytes_by_strategy: Counter[Strategy] = Counter()  # bytes written each way
         self.last_strategies: frozenset[Strategy] = frozenset()  # the last write's
 

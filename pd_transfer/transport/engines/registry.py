@@ -69,17 +69,16 @@ def make_transport(
     if kind == "mooncake":
         from pd_transfer.transport.engines.mooncake import MooncakeTransport
 
-        transport = MooncakeTransport(host=host, protocol=protocol, port=port, staging=staging)
-    elif kind == "nixl":
+        mooncake = MooncakeTransport(host=host, protocol=protocol, port=port, staging=staging)
+        mooncake.start()
+        return mooncake
+    if kind == "nixl":
         from pd_transfer.transport.engines.nixl import NixlTransport
 
-        transport = NixlTransport(host=host, staging=staging)
-    else:
-        raise TransportError(
-            f"no engine transport {kind!r}; known: {list(ENGINES)}", code=Reason.INVALID_CONFIG
-        )
-    transport.start()
-    return transport
+        nixl = NixlTransport(host=host, staging=staging)
+        nixl.start()
+        return nixl
+    raise TransportError(f"no engine transport {kind!r}; known: {list(ENGINES)}", code=Reason.INVALID_CONFIG)
 
 
 def make_receiver(
@@ -102,15 +101,15 @@ def make_receiver(
     """
     staging = staging if staging is not None else ReceiverStaging(bind_host=host)
     if kind == "mooncake":
-        from pd_transfer.transport.engines.mooncake import MooncakeReceiver
+        from pd_transfer.transport.engines.mooncake import MooncakeReceiver, MooncakeTransport
 
-        engine = transport.start() if transport is not None else None
+        engine = transport.start() if isinstance(transport, MooncakeTransport) else None
         return MooncakeReceiver(
             regions, host=host, port=port, protocol=protocol, engine=engine, staging=staging
         )
     if kind == "nixl":
-        from pd_transfer.transport.engines.nixl import NixlReceiver
+        from pd_transfer.transport.engines.nixl import NixlReceiver, NixlTransport
 
-        engine = transport.receiving_engine() if transport is not None else None
-        return NixlReceiver(regions, engine=engine, staging=staging, host=host)
+        nixl_engine = transport.receiving_engine() if isinstance(transport, NixlTransport) else None
+        return NixlReceiver(regions, engine=nixl_engine, staging=staging, host=host)
     raise TransportError(f"no engine receiver {kind!r}; known: {list(ENGINES)}", code=Reason.INVALID_CONFIG)

@@ -27,9 +27,12 @@ them is buffered.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import socket
+from collections.abc import Callable
+from typing import Any
 
 from pd_transfer import shm_guard
 from pd_transfer.errors import Reason, TransportError
@@ -67,7 +70,7 @@ _ON_LANDED_TIMEOUT_S = 30.0
 class Connection(GatedConnection):
     """Serves one peer connection; :meth:`serve` is the thread's body."""
 
-    def __init__(self, receiver, sock: socket.socket, where: str) -> None:
+    def __init__(self, receiver: Any, sock: socket.socket, where: str) -> None:  # a TcpReceiver
         super().__init__(sock, where, pending=receiver.auth is not None)
         self.receiver = receiver
         self.landing: Ticket | None = None  # the chunk being received (for fences)
@@ -104,7 +107,8 @@ class Connection(GatedConnection):
         small as a handshake frame (to name the transfer in the refusal)."""
         receiver = self.receiver
         receiver.bad_frame(Reason.UNAUTHENTICATED, "", self.where, logged=False)
-        receiver.auth.unauthenticated(f"{receiver.address}: {self.where}")
+        if receiver.auth is not None:  # (a connection is pending only where it is)
+            receiver.auth.unauthenticated(f"{receiver.address}: {self.where}")
         xfer = -1
         if head.kind is Kind.DATA and head.header_nbytes <= MAX_HANDSHAKE_NBYTES:
             try:
@@ -171,7 +175,7 @@ class Connection(GatedConnection):
     def _land(self, header: ChunkHeader, regions: dict, payload_nbytes: int) -> None:
         if payload_nbytes < self.receiver.inline_nbytes:  # small: one recv, one numpy scatter
             payload = self._staging.take(payload_nbytes)
-            recv_all_into(self.sock, [memoryview(payload)])
+            recv_all_into(self.sock, [payload.data])
             scatter_chunk(header.wire, payload, regions)
             return
         for part in destination_parts(header.wire, regions, self._staging, self.receiver.direct_min_nbytes):
@@ -183,23 +187,25 @@ class Connection(GatedConnection):
         receiver.admission.check_end(header.room, header.generation)
         check_complete(self._xfers.end(None, header.xfer), header)
         receiver.transfer_done()
-        if receiver.on_landed is not None:
-            self._on_landed(header)
+        if receiver.on_landed is not None and receiver.loop is not None:  # (the loop: once started)
+            self._on_landed(header, receiver.on_landed, receiver.loop)
         self._reply(XferDone(header.xfer, header.nbytes))
 
-    def _on_landed(self, header: EndHeader) -> None:
+    def _on_landed(
+        self, header: EndHeader, on_landed: Callable[[str, int, int], None], loop: asyncio.AbstractEventLoop
+    ) -> None:
         """Run the receiver's callback on its event loop, and wait for it (before ``done``)."""
         done: concurrent.futures.Future = concurrent.futures.Future()
 
         def run() -> None:
             try:
-                self.receiver.on_landed(header.room, header.generation, header.nbytes)
+                on_landed(header.room, header.generation, header.nbytes)
                 done.set_result(None)
             except Exception as err:  # the callback's bug: logged, the transfer still landed
                 done.set_exception(err)
 
         try:
-            self.receiver.loop.call_soon_threadsafe(run)
+            loop.call_soon_threadsafe(run)
             done.result(_ON_LANDED_TIMEOUT_S)
         except Exception:
             log.exception("tcp receiver %s: on_landed failed", self.receiver.address)

@@ -35,6 +35,7 @@ import asyncio
 import socket
 import threading
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.tcp.sockets import (
@@ -53,6 +54,8 @@ class GatedConnection:
     """One accepted connection's standing: pending (``authenticated is None``) until
     it authenticates (True) or is refused or cut off (False). Served by its own
     thread; the receiver's event loop may cut it off meanwhile."""
+
+    receiver: Any  # the subclass's: tcp's ThreadedReceiver, or the engines' staging receiver
 
     def __init__(self, sock: socket.socket, where: str, *, pending: bool) -> None:
         self.sock = sock

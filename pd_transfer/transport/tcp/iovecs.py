@@ -108,7 +108,7 @@ class Part:
     def views(self) -> list[memoryview]:
         views: list[memoryview] = []
         for base, offset, nbytes in self.segments:
-            views.extend(_slices(memoryview(base), offset, nbytes))
+            views.extend(_slices(base.data, offset, nbytes))
         return views
 
 

@@ -237,7 +237,7 @@ class TcpLink(Link):
         try:
             if job.end is not None:
                 send_frame(sock, Kind.DATA, encode(job.end))
-            else:
+            elif job.layout is not None and job.src is not None:  # (a job is an end or a chunk)
                 self._send_chunk(sock, xfer, job.layout, job.src, staging)
         except OSError as err:
             self._hear_out(sock)
@@ -267,7 +267,7 @@ class TcpLink(Link):
                 send_part(sock, part)
             return
         copy = gather_chunk(layout, src)  # test-only fault injection: a copy is damaged
-        corrupt(memoryview(copy))
+        corrupt(copy.data)
         part = Part()
         part.add_whole(head)
         part.add_whole(copy)

@@ -129,7 +129,7 @@ class TcpReceiver(ThreadedReceiver):
         if await asyncio.to_thread(self.admission.wait_idle, room, generation, self.fence_grace_s):
             return
         for connection in list(self._connections):  # a chunk stalled mid-payload: cut it off
-            ticket = connection.landing
+            ticket = connection.landing if isinstance(connection, Connection) else None  # (all are)
             if ticket is not None and ticket.room == room and ticket.generation <= generation:
                 log.warning(
                     "tcp receiver %s: closing %s: its chunk of fenced room %s is stalled",

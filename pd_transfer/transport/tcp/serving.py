@@ -107,7 +107,9 @@ class ThreadedReceiver(Receiver):
         listener.setblocking(False)
         self._listener = listener
         self.address = format_address(self.bind_host, listener.getsockname()[1])
-        self._accepting = asyncio.create_task(self._accept(), name=f"{self.task_prefix}-{self.address}")
+        self._accepting = asyncio.create_task(
+            self._accept(listener), name=f"{self.task_prefix}-{self.address}"
+        )
         return self.address
 
     async def stop(self) -> None:
@@ -159,11 +161,11 @@ class ThreadedReceiver(Receiver):
             self.stats.transfers_done += 1
 
     # -- accepting ----------------------------------------------------------------------
-    async def _accept(self) -> None:
+    async def _accept(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                sock, peer = await loop.sock_accept(self._listener)
+                sock, peer = await loop.sock_accept(listener)
             except OSError as err:  # e.g. out of descriptors: keep serving the others
                 self.log.warning("%s %s: accept failed: %s", self.label, self.address, err)
                 await asyncio.sleep(0.1)
@@ -202,6 +204,7 @@ class ThreadedReceiver(Receiver):
                 with self._stats_lock:
                     self._authenticated -= 1
             try:
-                self.loop.call_soon_threadsafe(self._ended, connection)
+                if self.loop is not None:  # set by start(), before any connection
+                    self.loop.call_soon_threadsafe(self._ended, connection)
             except RuntimeError:
                 pass  # the loop is gone

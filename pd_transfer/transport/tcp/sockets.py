@@ -32,7 +32,7 @@ import socket
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol, overload
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.tcp import native_io
@@ -143,9 +143,10 @@ def recv_all_into(sock: socket.socket, views: list[memoryview]) -> None:
     while i < n:
         group = views[i : i + IOV_MAX]
         got = sock.recvmsg_into(group, 0, socket.MSG_WAITALL)[0]
-        if got == 0 and sum(map(len, group)):
+        wanted = sum(len(view) for view in group)
+        if got == 0 and wanted:
             raise PeerClosed()
-        if got == sum(map(len, group)):
+        if got == wanted:
             i += len(group)
             continue
         i = _advance(views, i, got)
@@ -164,6 +165,10 @@ def _advance(views: list[memoryview], i: int, nbytes: int) -> int:
     return i
 
 
+@overload
+def recv_exact(sock: socket.socket, nbytes: int, *, at_boundary: Literal[False] = False) -> bytes: ...
+@overload
+def recv_exact(sock: socket.socket, nbytes: int, *, at_boundary: bool) -> bytes | None: ...
 def recv_exact(sock: socket.socket, nbytes: int, *, at_boundary: bool = False) -> bytes | None:
     """Exactly ``nbytes`` bytes; None for a clean end of stream before the first byte when
     ``at_boundary`` (between frames), :class:`PeerClosed` for any other end."""

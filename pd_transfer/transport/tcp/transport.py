@@ -55,6 +55,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.base import Link, PeerEndpoint, Transport, TransportKind
@@ -64,6 +65,9 @@ from pd_transfer.transport.tcp.frames import EndHeader
 from pd_transfer.transport.tcp.iovecs import DIRECT_MIN_NBYTES
 from pd_transfer.transport.tcp.link import LinkOptions, TcpLink
 from pd_transfer.transport.tcp.sockets import Authenticator, parse_address
+
+if TYPE_CHECKING:
+    from pd_transfer.layout.lowering import TransferPlan
 
 DEFAULT_CHUNK_NBYTES = 16 << 20
 DEFAULT_WINDOW_NBYTES = 64 << 20
@@ -123,7 +127,7 @@ class TcpTransport(Transport):
         return self._adopt(link)
 
     async def write(
-        self, link: Link, plan, src_regions: Regions, *, room: str = "", generation: int = 0
+        self, link: Link, plan: TransferPlan, src_regions: Regions, *, room: str = "", generation: int = 0
     ) -> int:
         link = self._own(link, TcpLink)
         src = self._sources.map(src_regions, (b.src_region for b in plan.batches), "source")
@@ -138,7 +142,8 @@ class TcpTransport(Transport):
         total = sum(layout.nbytes for layout in layouts + tail)
         shares = _stripe(layouts, link.lanes)
         if len(shares) == 1:
-            await _write_share(*shares[0], src, room, generation)
+            lane, share = shares[0]
+            await _write_share(lane, share, src, room, generation)
         else:
             await _all([_write_share(lane, share, src, room, generation) for lane, share in shares])
         if tail:  # the plan's last run lands after all the others, as on one connection

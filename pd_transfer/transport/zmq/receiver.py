@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any
 
 import numpy as np
 import zmq
@@ -79,7 +80,7 @@ class ZmqTcpReceiver(Receiver):
         on_landed: LandedCallback | None = None,
         socket_options: Callable[[zmq.Socket], None] | None = None,
         policy: RoomPolicy = RoomPolicy.ANY,
-        watch: Callable[[zmq.asyncio.Socket], Awaitable[None]] | None = None,
+        watch: Callable[[zmq.asyncio.Socket], Coroutine[Any, Any, None]] | None = None,
         on_bad_frame: Callable[[str], None] = lambda reason: None,
     ) -> None:
         super().__init__(policy)
@@ -121,7 +122,7 @@ class ZmqTcpReceiver(Receiver):
                 f"tcp receiver cannot bind {self.bind_host}:{self.port}: {err}", code=Reason.TRANSPORT_FAILED
             ) from None
         self._socket = socket
-        self.address = socket.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.address = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._task = asyncio.create_task(self._serve(), name=f"tcp-receiver-{self.address}")
         if self.watch is not None:
             self._watching = asyncio.create_task(
@@ -218,9 +219,13 @@ class ZmqTcpReceiver(Receiver):
         task = asyncio.ensure_future(self._land(identity, key, header, payload, regions, progress, ticket))
         progress.landing.add(task)
         self._landing.add(task)
-        task.add_done_callback(
-            lambda done: (progress.landing.discard(done), self._landing.discard(done), self._slots.release())
-        )
+
+        def settled(done: asyncio.Future[None]) -> None:
+            progress.landing.discard(done)
+            self._landing.discard(done)
+            self._slots.release()
+
+        task.add_done_callback(settled)
 
     def _admit(self, header: ChunkHeader) -> Ticket:
         return self.admission.admit(header.room, header.generation, header.wire.regions, header.wire.runs)

@@ -33,6 +33,7 @@ import itertools
 import logging
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import zmq
@@ -53,6 +54,9 @@ from pd_transfer.transport.tcp.frames import (
     encode,
 )
 from pd_transfer.transport.tcp.xfers import Xfer, settle
+
+if TYPE_CHECKING:
+    from pd_transfer.layout.lowering import TransferPlan
 
 log = logging.getLogger("pd_transfer.transport.zmq")
 
@@ -190,7 +194,7 @@ class ZmqTcpTransport(Transport):
         return self._adopt(ZmqTcpLink(self, peer, socket, self.window_nbytes))
 
     async def write(
-        self, link: Link, plan, src_regions: Regions, *, room: str = "", generation: int = 0
+        self, link: Link, plan: TransferPlan, src_regions: Regions, *, room: str = "", generation: int = 0
     ) -> int:
         link = self._own(link, ZmqTcpLink)
         src = self._sources.map(src_regions, (b.src_region for b in plan.batches), "source")
@@ -209,7 +213,7 @@ class ZmqTcpTransport(Transport):
                     # once the rest has landed
                     await link.wait_acked(xfer)
                 if self.corrupt_payload is not None:
-                    self.corrupt_payload(memoryview(payload))  # a fresh buffer: the source is intact
+                    self.corrupt_payload(payload.data)  # a fresh buffer: the source is intact
                 await link.acquire(layout.nbytes)
                 xfer.unacked[layout.seq] = layout.nbytes
                 header = ChunkHeader(xfer.xfer_id, room, generation, layout.seq, layout.wire)

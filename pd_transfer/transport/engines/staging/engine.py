@@ -110,7 +110,7 @@ async def attach(
     peer_id = link.peer.peer_id
     if options.mode is StrategyMode.DIRECT or not address.control or address.staging is None:
         return
-    channel = await _open(peer_id, address, options)
+    channel = await _open(peer_id, address.control, address.staging, options)
     if channel is None:
         return
     try:
@@ -143,14 +143,16 @@ async def attach(
     )
 
 
-async def _open(peer_id: str, address: EngineAddress, options: StagingOptions) -> StagingChannel | None:
+async def _open(
+    peer_id: str, control: str, staging: tuple[int, int, int], options: StagingOptions
+) -> StagingChannel | None:
     """The peer's staging channel, or None (logged) when it is unusable or has no slot
     free; a refused handshake raises (it is the peer's verdict, not a fallback)."""
     try:
         channel = await asyncio.to_thread(
             open_channel,
-            address.control,
-            address.staging,
+            control,
+            staging,
             peer_id,
             auth=options.auth,
             ring_slots=options.ring_slots,
@@ -187,13 +189,16 @@ def segments(plan, link, mode: StrategyMode) -> list[tuple[Strategy, TransferPla
     if mode is StrategyMode.STAGED:
         return [(Strategy.STAGED, plan)]
     chosen = [staging.by_region.get(b.dst_region) for b in plan.batches]
+    decided: list[Strategy]
     if any(c is None for c in chosen):
         auto = staged_batches(plan, staging.crossover_nbytes).tolist()
-        chosen = [
+        decided = [
             c if c is not None else (Strategy.STAGED if a else Strategy.DIRECT) for c, a in zip(chosen, auto)
         ]
+    else:
+        decided = [c for c in chosen if c is not None]  # (every one is)
     out: list[tuple[Strategy, list]] = []
-    for batch, strategy in zip(plan.batches, chosen):
+    for batch, strategy in zip(plan.batches, decided):
         if out and out[-1][0] is strategy:
             out[-1][1].append(batch)
         else:

@@ -194,7 +194,7 @@ class _Connection(GatedConnection):
 
     def __init__(self, receiver: StagingReceiver, sock: socket.socket, where: str) -> None:
         super().__init__(sock, where, pending=receiver.auth is not None)
-        self.receiver = receiver
+        self.receiver: StagingReceiver = receiver
         self.ring: tuple[int, ...] = ()
         self._failed: set[int] = set()  # transfers refused: their later chunks are too
 
@@ -224,7 +224,8 @@ class _Connection(GatedConnection):
         receiver.bad_frame(
             Reason.UNAUTHENTICATED, "a request before the authentication handshake", self.where
         )
-        receiver.auth.unauthenticated(f"{receiver.address}: {self.where}")
+        if receiver.auth is not None:  # (a connection is pending only where it is)
+            receiver.auth.unauthenticated(f"{receiver.address}: {self.where}")
         self._reply(
             encode_reply(
                 Fail(-1, Reason.UNAUTHENTICATED.value, "this staging channel requires authentication")

@@ -89,6 +89,7 @@ class Staged:
 
 
 def encode(message: OpenRing | Ring | Staged) -> bytes:
+    body: dict[str, Any]
     if isinstance(message, OpenRing):
         tag, body = "open", {"slots": message.slots}
     elif isinstance(message, Ring):
