@@ -66,7 +66,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import uuid
 from pathlib import Path
 
@@ -75,6 +74,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.engines_alone import answer_notifications, mooncake_alone, nixl_alone, timed  # noqa: E402
 from pd_transfer.shm_segments import create_segment, open_segment  # noqa: E402
 from pd_transfer.transport.tcp.transport import DEFAULT_STREAMS  # noqa: E402
 
@@ -85,6 +85,7 @@ CASES = {
     "b": ("(b) 16,384 x 16 KiB", 16 * 1024, 16384),
     "c": ("(c) 65,536 x 2 KiB", 2048, 65536),
 }
+W = 66  # the path column's width
 RAW_IOV_STREAMS = DEFAULT_STREAMS  # as many sockets as pd-transfer's tcp links have
 MOONCAKE_QUEUES = {
     "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
@@ -92,36 +93,62 @@ MOONCAKE_QUEUES = {
 }
 
 
-def _nixl_group(tls: str) -> tuple[dict, list]:
+MOONCAKE_ASYNC = 1024  # descriptors per posted batch (the engine's default per-peer queue: 2,048)
+
+
+def _nixl_group(tls: str) -> tuple[str, dict, list]:
+    def alone(name: str, **settings) -> tuple[str, str, dict]:
+        return (f"nixl UCX {tls}, {name}", "nixl-raw", settings)
+
     return (
+        f"nixl-{tls}",
         {"UCX_TLS": tls},
         [
-            (f"nixl UCX {tls}, progress thread", "nixl-raw", {"progress_thread": True}),
-            (f"nixl UCX {tls}, no progress thread", "nixl-raw", {"progress_thread": False}),
+            alone("progress thread", progress_thread=True),
+            alone("no progress thread", progress_thread=False),
+            alone("no progress thread, notif", progress_thread=False, notif=True),
+            alone("4 UCX threads, no progress thread", progress_thread=False, ucx_threads=4),
+            alone(
+                "vLLM's: 4 UCX threads, progress thread, notif",
+                progress_thread=True,
+                ucx_threads=4,
+                notif=True,
+            ),
             (f"pd-transfer nixl (UCX {tls})", "nixl-pd", {}),
         ],
     )
 
 
-# (the receiver's and its senders' env, [(row label, sender mode, that sender's settings)]):
-# one receiver per group; an engine's group lists its settings alone, then pd-transfer
+# (name, the receiver's and its senders' env, [(row label, sender mode, that sender's
+# settings)]): one receiver per group; an engine's group lists its settings alone, then
+# pd-transfer (the engine-alone settings: benchmarks/engines_alone.py)
 GROUPS = [
-    ({}, [("pd-transfer tcp", "builtin-tcp", {}), ("pd-transfer shm", "builtin-shm", {})]),
+    ("builtin", {}, [("pd-transfer tcp", "builtin-tcp", {}), ("pd-transfer shm", "builtin-shm", {})]),
     (
+        "mooncake",
         {},
         [
-            ("mooncake TE tcp, default queues", "mooncake-raw", {"batch": 1024}),
-            ("mooncake TE tcp, queues 65,535", "mooncake-raw", {"batch": 1 << 16, "env": MOONCAKE_QUEUES}),
+            ("mooncake TE tcp, sync batches of 1,024", "mooncake-raw", {"batch": 1024}),
+            (
+                "mooncake TE tcp, one sync batch, queues 65,535",
+                "mooncake-raw",
+                {"batch": 1 << 16, "env": MOONCAKE_QUEUES},
+            ),
+            (
+                "mooncake TE tcp, async batches of 1,024, queues 65,535",
+                "mooncake-raw",
+                {"batch": MOONCAKE_ASYNC, "submit": "async", "env": MOONCAKE_QUEUES},
+            ),
             ("pd-transfer mooncake (tcp)", "mooncake-pd", {}),
         ],
     ),
     _nixl_group("tcp"),
     _nixl_group("shm"),
 ]
-MODES = [row for _, rows in GROUPS for row in rows]
+MODES = [row for _, _, rows in GROUPS for row in rows]
 ALONE = {
     pd[0]: [label for label, mode, _ in rows if mode.endswith("-raw")]
-    for _, rows in GROUPS
+    for _, _, rows in GROUPS
     for pd in rows
     if "(" in pd[0]
 }  # pd-transfer row -> its peers
@@ -151,8 +178,14 @@ def receiver_main(args: dict) -> None:
         else:
             receiver = make_receiver(args["kind"], {"dst": segment.tensor})
             address = await receiver.start()
+        stop = threading.Event()
+        if args["kind"] == "nixl":  # the engine-alone rows that end on a notification
+            threading.Thread(
+                target=answer_notifications, args=(receiver.engine.agent, stop), daemon=True
+            ).start()
         print(json.dumps({"address": address}), flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        stop.set()
         await receiver.stop()
 
     asyncio.run(serve())
@@ -165,11 +198,14 @@ def sender_main(args: dict) -> None:
     states: dict[str, dict] = {"settings": args.get("settings", {})}
     for line in sys.stdin:
         case, mode = line.split()
-        run_case = {"mooncake-raw": _mooncake_raw, "nixl-raw": _nixl_raw}.get(mode, _pd_transport)
+        run_case = {"mooncake-raw": mooncake_alone, "nixl-raw": nixl_alone}.get(mode, _pd_transport)
         address = args["dst"] if mode == "builtin-shm" else args["address"]
         s, d, n = sets[f"{case}_src"], sets[f"{case}_dst"], sets[f"{case}_n"]
         state = states.setdefault(mode, {"settings": states["settings"]})
-        times = run_case(state, mode, address, src, s, d, n, repeats)
+        if run_case is _pd_transport:
+            times = run_case(state, mode, address, src, s, d, n, repeats)
+        else:
+            times = run_case(state, address, src, s, d, n, repeats)
         print(json.dumps({"seconds": statistics.median(times), **_chosen(state)}), flush=True)
     for state in states.values():
         if isinstance(state, dict) and "close" in state:
@@ -186,70 +222,6 @@ def _chosen(state: dict) -> dict:
     return {"strategy": chosen, "crossover": crossover}
 
 
-def _timed(fn, repeats: int, budget_s: float = 6.0) -> list[float]:
-    """Seconds of ``repeats`` runs after a warm-up (connections, registrations, prepared
-    lists); a slow path (mooncake with 65,536 small runs: seconds each) stops after the
-    first run past ``budget_s``, to keep the whole bench near three minutes."""
-    fn()
-    out: list[float] = []
-    while len(out) < repeats and sum(out) < budget_s:
-        start = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - start)
-    return out
-
-
-def _mooncake_raw(state, mode, address, src, s, d, n, repeats) -> list[float]:
-    from pd_transfer.transport.engines.address import EngineAddress
-    from pd_transfer.transport.engines.mooncake import MooncakeEngine
-
-    peer = EngineAddress.parse(address, "mooncake")
-    if "engine" not in state:
-        state["engine"] = MooncakeEngine()
-        state["engine"].register({"src": (src.data_ptr(), src.numel())})
-    engine, batch = state["engine"].engine, state["settings"]["batch"]
-    src_addr, dst_addr = (s + src.data_ptr()).tolist(), (d + peer.regions["dst"][0]).tolist()
-    lengths = n.tolist()
-
-    def once() -> None:
-        for i in range(0, len(lengths), batch):
-            if engine.batch_transfer_sync_write(
-                peer.session, src_addr[i : i + batch], dst_addr[i : i + batch], lengths[i : i + batch]
-            ):
-                raise SystemExit("mooncake engine failed a batch")
-
-    return _timed(once, repeats)
-
-
-def _nixl_raw(state, mode, address, src, s, d, n, repeats) -> list[float]:
-    from pd_transfer.transport.engines.address import EngineAddress
-    from pd_transfer.transport.engines.nixl import NixlEngine
-
-    peer = EngineAddress.parse(address, "nixl")
-    if "engine" not in state:
-        state["engine"] = NixlEngine("bench", progress_thread=state["settings"]["progress_thread"])
-        state["engine"].register({"src": (src.data_ptr(), src.numel())})
-        state["engine"].agent.add_remote_agent(peer.metadata)
-    engine = state["engine"]
-    agent = engine.agent
-    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", _table(s + src.data_ptr(), n), "DRAM")
-    remote = agent.prep_xfer_dlist(peer.session, _table(d + peer.regions["dst"][0], n), "DRAM")
-    index = np.arange(len(n), dtype=np.int32)
-
-    def once() -> None:
-        handle = agent.make_prepped_xfer("WRITE", local, index, remote, index)
-        if engine.run(handle, time.monotonic() + 120) != "DONE":
-            raise SystemExit("nixl transfer failed")
-
-    return _timed(once, repeats)
-
-
-def _table(addresses: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
-    table = np.zeros((len(nbytes), 3), np.uint64)
-    table[:, 0], table[:, 1] = addresses, nbytes
-    return table
-
-
 def _pd_transport(state, mode, address, src, s, d, n, repeats) -> list[float]:
     from pd_transfer.layout.lowering import RunBatch, TransferPlan
     from pd_transfer.transport.engines.registry import make_transport
@@ -261,7 +233,7 @@ def _pd_transport(state, mode, address, src, s, d, n, repeats) -> list[float]:
         state["close"] = lambda: loop.run_until_complete(state["transport"].close())
     plan = TransferPlan("p", "d", (RunBatch("src", "dst", s, d, n, np.ones(len(n), np.int64), 0, 0),))
     regions = {"src": src}
-    return _timed(
+    return timed(
         lambda: loop.run_until_complete(state["transport"].write(state["link"], plan, regions)), repeats
     )
 
@@ -311,7 +283,7 @@ def raw_tcp_seconds(sizes: list[int]) -> dict[int, list[float]]:
             if conn.recv(1) != b"k":
                 raise SystemExit("raw tcp receiver went away")
 
-        out[total] = _timed(once, FLOOR_REPEATS, budget_s=1e9)
+        out[total] = timed(once, FLOOR_REPEATS, budget_s=1e9)
     conn.close()
     child.join(10)
     return out
@@ -381,7 +353,7 @@ def raw_iov_seconds(names: dict, sets_path: str, src, dst) -> dict[str, list[flo
             if conns[0].recv(1) != b"k":
                 raise SystemExit("raw iovec receiver went away")
 
-        out[case] = _timed(once, FLOOR_REPEATS, budget_s=1e9)
+        out[case] = timed(once, FLOOR_REPEATS, budget_s=1e9)
         check(case, src, dst, sets)
     for conn in conns:
         conn.close()
@@ -391,7 +363,7 @@ def raw_iov_seconds(names: dict, sets_path: str, src, dst) -> dict[str, list[flo
 
 def copy_seconds(nbytes: int, repeats: int) -> float:
     a, b = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
-    return statistics.median(_timed(lambda: b.copy_(a), repeats))
+    return statistics.median(timed(lambda: b.copy_(a), repeats))
 
 
 # -- orchestration ---------------------------------------------------------------------------
@@ -491,6 +463,19 @@ def check(case: str, src, dst, sets) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every group this many times, rows in turn (reversed every other round), "
+        "and report the median of the rounds: an engine's settings and pd-transfer through "
+        "it then share the host's noise",
+    )
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated groups to run: " + ", ".join(name for name, _, _ in GROUPS),
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -512,24 +497,45 @@ def main() -> None:
             sets_path = os.path.join(tmp, "sets.npz")
             np.savez(sets_path, **sets)
             names = {"src": src.name, "dst": dst.name}
-            report(args.repeats, names, sets_path, src, dst, sets)
+            only = set(filter(None, args.only.split(",")))
+            groups = [group for group in GROUPS if not only or group[0] in only]
+            report(args.repeats, args.rounds, groups, names, sets_path, src, dst, sets)
     finally:
         for segment in (src, dst):
             segment.close()
             segment.unlink()
 
 
-def report(repeats: int, names: dict, sets_path: str, src, dst, sets) -> None:
+def run_rounds(groups: list, rounds: int, names: dict, sets_path: str, src, dst, sets, repeats: int):
+    """Every group ``rounds`` times, its rows in turn (reversed every other round); per row
+    and case the median of the rounds' medians (or why it was not measured)."""
+    per_round: dict[str, dict[str, list]] = {}
+    chosen: dict = {}
+    for i in range(rounds):
+        for _, env, rows in groups:
+            group = run_group(rows[:: -1 if i % 2 else 1], env, names, sets_path, dst, src, sets, repeats)
+            chosen.update(group.pop("chosen", {}))
+            for label, cases in group.items():
+                for case, seconds in cases.items():
+                    per_round.setdefault(label, {}).setdefault(case, []).append(seconds)
+    results = {
+        label: {
+            case: statistics.median(values)
+            if all(isinstance(v, float) for v in values)
+            else next(v for v in values if not isinstance(v, float))
+            for case, values in cases.items()
+        }
+        for label, cases in per_round.items()
+    }
+    return results, chosen
+
+
+def report(repeats: int, rounds: int, groups: list, names: dict, sets_path: str, src, dst, sets) -> None:
     totals = {case: int(sets[f"{case}_n"].sum()) for case in CASES}
     copy = {n: copy_seconds(n, repeats) for n in set(totals.values())}
     sizes = sorted(set(totals.values()))
     raw, raw_iov = raw_tcp_seconds(sizes), raw_iov_seconds(names, sets_path, src, dst)
-    results: dict[str, dict] = {}
-    chosen: dict = {}
-    for env, rows in GROUPS:
-        group = run_group(rows, env, names, sets_path, dst, src, sets, repeats)
-        chosen.update(group.pop("chosen", {}))
-        results.update(group)
+    results, chosen = run_rounds(groups, rounds, names, sets_path, src, dst, sets, repeats)
     # the floors once more, at the end: right after the set-up (768 MiB of pools written,
     # the copy floor's tensors freed) the first one ran at half speed in some runs
     raw_again, iov_again = raw_tcp_seconds(sizes), raw_iov_seconds(names, sets_path, src, dst)
@@ -537,35 +543,36 @@ def report(repeats: int, names: dict, sets_path: str, src, dst, sets) -> None:
     raw = {n: statistics.median(t + raw_again[n]) for n, t in raw.items()}
     raw_iov = {case: statistics.median(t + iov_again[case]) for case, t in raw_iov.items()}
     print(
-        f"engines bench: median of up to {repeats} (fewer past 6 s; raw tcp floors: median of "
+        f"engines bench: median of {rounds} round(s), each the median of up to {repeats} "
+        f"(fewer past 6 s; raw tcp floors: median of "
         f"{FLOOR_REPEATS} before and {FLOOR_REPEATS} after), {os.cpu_count()} CPUs, GB/s = 1e9 B/s; "
         f"ratios: x copy_ / x raw tcp / x the engine alone at its best (the fastest of its "
         f"settings, per case); pd-transfer rows: strategy auto, [the strategy it chose]; "
         f"machine shared with other work: figures are noisy"
     )
-    print(f"{'case':<22}{'path':<44}{'ms':>9}{'GB/s':>8}{'x copy':>8}{'x tcp':>7}{'x alone':>9}")
+    print(f"{'case':<22}{'path':<{W}}{'ms':>9}{'GB/s':>8}{'x copy':>8}{'x tcp':>7}{'x alone':>9}")
     for case, (title, _, _) in CASES.items():
         total = totals[case]
         rows = [("torch copy_ (contiguous)", copy[total]), ("raw tcp (1 MiB sendall)", raw[total])]
         if case in raw_iov:
             rows.append(("raw tcp, 2 sockets, the case's iovecs", raw_iov[case]))
-        rows += [(label, results[label][case]) for label, _, _ in MODES]
+        rows += [(label, results[label][case]) for label, _, _ in MODES if label in results]
         for i, (label, seconds) in enumerate(rows):
             first = title if i == 0 else ""
             shown = label + (f" [{chosen[(label, case)]['strategy']}]" if (label, case) in chosen else "")
             if not isinstance(seconds, float):
-                print(f"{first:<22}{shown:<44}  {seconds}")
+                print(f"{first:<22}{shown:<{W}}  {seconds}")
                 continue
             alone = ""
             if label in ALONE:
                 best = best_alone(results, label, case)
                 alone = f"{best[1] / seconds:.2f}" if best else "-"
             print(
-                f"{first:<22}{shown:<44}{seconds * 1e3:>9.1f}{total / seconds / 1e9:>8.2f}"
+                f"{first:<22}{shown:<{W}}{seconds * 1e3:>9.1f}{total / seconds / 1e9:>8.2f}"
                 f"{copy[total] / seconds:>8.2f}{raw[total] / seconds:>7.2f}{alone:>9}"
             )
     print("engine alone at its best, per case (what the x alone column divides by):")
-    for label in ALONE:
+    for label in (label for label in ALONE if label in results):
         picks = [(case, best_alone(results, label, case)) for case in CASES]
         print(
             f"  {label.removeprefix('pd-transfer '):<18}"
@@ -586,10 +593,14 @@ def report(repeats: int, names: dict, sets_path: str, src, dst, sets) -> None:
 def best_alone(results: dict, label: str, case: str) -> tuple[str, float] | None:
     """The fastest setting of the engine behind pd-transfer row ``label`` on ``case``:
     (its setting, seconds), or None where none was measured."""
-    timed = [(results[peer][case], peer) for peer in ALONE[label] if isinstance(results[peer][case], float)]
-    if not timed:
+    measured = [
+        (results[peer][case], peer)
+        for peer in ALONE[label]
+        if isinstance(results.get(peer, {}).get(case), float)
+    ]
+    if not measured:
         return None
-    seconds, peer = min(timed)
+    seconds, peer = min(measured)
     return peer.split(", ", 1)[-1], seconds
 
 
@@ -638,9 +649,9 @@ def targets(results: dict, copy: dict, raw: dict, raw_best: dict, raw_iov: dict,
     if peers and mine(tcp, "a"):
         checks.append(("tcp x best tcp engine, 256 MiB block", min(peers) / results[tcp]["a"], 0.8))
     checks += [
-        (f"pd nixl x nixl alone at best, UCX {tls}, case {c}", over_best(row, c, row), 0.9)
-        for row, tls in ((ntcp, "tcp"), (nshm, "shm"))
-        for c in ("a", "b")
+        (f"pd {name} x {name} alone at best, case {c}", over_best(row, c, row), 0.9)
+        for row, name in ((moon, "mooncake tcp"), (ntcp, "nixl UCX tcp"), (nshm, "nixl UCX shm"))
+        for c in CASES
     ]
     checks += [
         ("shm x nixl UCX shm at best, 16 KiB", over_best(shm, "b", nshm), 2.0),
