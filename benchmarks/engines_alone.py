@@ -76,27 +76,43 @@ def nixl_alone(state: dict, address: str, src, s, d, n, repeats: int) -> list[fl
         engine.register({"src": (src.data_ptr(), src.numel())})
         engine.agent.add_remote_agent(peer.metadata)
         state["engine"], state["close"] = engine, engine.close
-    engine = state["engine"]
+    once, done = nixl_request(
+        state["engine"],
+        peer.session,
+        src.data_ptr() + s,
+        peer.regions["dst"][0] + d,
+        n,
+        notif=settings.get("notif", False),
+    )
+    try:
+        return timed(once, repeats)
+    finally:
+        done()
+
+
+def nixl_request(engine, remote: str, src_addr, dst_addr, n, *, notif: bool = False):
+    """One case on a NIXL agent as its users drive it: both lists prepared once, a prepped
+    WRITE per request; returns (one request, release the lists)."""
     agent = engine.agent
-    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", _table(s + src.data_ptr(), n), "DRAM")
-    remote = agent.prep_xfer_dlist(peer.session, _table(d + peer.regions["dst"][0], n), "DRAM")
+    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", _table(src_addr, n), "DRAM")
+    remote_list = agent.prep_xfer_dlist(remote, _table(dst_addr, n), "DRAM")
     index = np.arange(len(n), dtype=np.int32)
-    notified = _NotifWaiter() if settings.get("notif") else None
+    notified = _NotifWaiter() if notif else None
 
     def once() -> float | None:
         tag = notified.next_tag() if notified else b""
-        handle = agent.make_prepped_xfer("WRITE", local, index, remote, index, notif_msg=tag)
+        handle = agent.make_prepped_xfer("WRITE", local, index, remote_list, index, notif_msg=tag)
         if engine.run(handle, time.monotonic() + 120) != "DONE":
             raise SystemExit("nixl transfer failed")
         return notified.wait(tag) if notified else None
 
-    try:
-        return timed(once, repeats)
-    finally:
+    def done() -> None:
         agent.release_dlist_handle(local)
-        agent.release_dlist_handle(remote)
+        agent.release_dlist_handle(remote_list)
         if notified:
             notified.close()
+
+    return once, done
 
 
 class _NotifWaiter:
@@ -157,22 +173,36 @@ def mooncake_alone(state: dict, address: str, src, s, d, n, repeats: int) -> lis
         state["engine"] = MooncakeEngine()
         state["engine"].register({"src": (src.data_ptr(), src.numel())})
         state["close"] = state["engine"].close
-    engine, batch = state["engine"].engine, state["settings"]["batch"]
-    src_addr, dst_addr = (s + src.data_ptr()).tolist(), (d + peer.regions["dst"][0]).tolist()
-    lengths = n.tolist()
+    settings = state["settings"]
+    once = mooncake_request(
+        state["engine"].engine,
+        peer.session,
+        src.data_ptr() + s,
+        peer.regions["dst"][0] + d,
+        n,
+        batch=settings["batch"],
+        posted=settings.get("submit") == "async",
+    )
+    return timed(once, repeats)
+
+
+def mooncake_request(engine, session: str, src_addr, dst_addr, n, *, batch: int, posted: bool):
+    """One case on a Mooncake TransferEngine: batches of ``batch`` descriptors, each
+    written synchronously in turn, or all posted and then waited for together."""
+    src_list, dst_list, lengths = src_addr.tolist(), dst_addr.tolist(), n.tolist()
     cuts = [slice(i, i + batch) for i in range(0, len(lengths), batch)]
 
     def sync() -> None:
         for cut in cuts:
-            if engine.batch_transfer_sync_write(peer.session, src_addr[cut], dst_addr[cut], lengths[cut]):
+            if engine.batch_transfer_sync_write(session, src_list[cut], dst_list[cut], lengths[cut]):
                 raise SystemExit("mooncake engine failed a batch")
 
-    def posted() -> None:
+    def post() -> None:
         ids = [
-            engine.batch_transfer_async_write(peer.session, src_addr[cut], dst_addr[cut], lengths[cut])
+            engine.batch_transfer_async_write(session, src_list[cut], dst_list[cut], lengths[cut])
             for cut in cuts
         ]
         if not all(ids) or engine.get_batch_transfer_status(ids) != 0:
             raise SystemExit("mooncake engine failed a batch")
 
-    return timed(posted if state["settings"].get("submit") == "async" else sync, repeats)
+    return post if posted else sync

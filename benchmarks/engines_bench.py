@@ -66,6 +66,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -74,7 +75,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engines_alone import answer_notifications, mooncake_alone, nixl_alone, timed  # noqa: E402
+from benchmarks.engines_alone import (  # noqa: E402
+    answer_notifications,
+    mooncake_alone,
+    mooncake_request,
+    nixl_alone,
+    nixl_request,
+    timed,
+)
 from pd_transfer.shm_segments import create_segment, open_segment  # noqa: E402
 from pd_transfer.transport.tcp.transport import DEFAULT_STREAMS  # noqa: E402
 
@@ -115,6 +123,7 @@ def _nixl_group(tls: str) -> tuple[str, dict, list]:
                 notif=True,
             ),
             (f"pd-transfer nixl (UCX {tls})", "nixl-pd", {}),
+            (f"pd-transfer nixl (UCX {tls}), turns with nixl alone", "nixl-pair", {}),
         ],
     )
 
@@ -140,6 +149,7 @@ GROUPS = [
                 {"batch": MOONCAKE_ASYNC, "submit": "async", "env": MOONCAKE_QUEUES},
             ),
             ("pd-transfer mooncake (tcp)", "mooncake-pd", {}),
+            ("pd-transfer mooncake (tcp), turns with mooncake alone", "mooncake-pair", {}),
         ],
     ),
     _nixl_group("tcp"),
@@ -150,7 +160,7 @@ ALONE = {
     pd[0]: [label for label, mode, _ in rows if mode.endswith("-raw")]
     for _, _, rows in GROUPS
     for pd in rows
-    if "(" in pd[0]
+    if pd[1].endswith("-pd")
 }  # pd-transfer row -> its peers
 
 
@@ -202,11 +212,13 @@ def sender_main(args: dict) -> None:
         address = args["dst"] if mode == "builtin-shm" else args["address"]
         s, d, n = sets[f"{case}_src"], sets[f"{case}_dst"], sets[f"{case}_n"]
         state = states.setdefault(mode, {"settings": states["settings"]})
-        if run_case is _pd_transport:
-            times = run_case(state, mode, address, src, s, d, n, repeats)
+        if mode.endswith("-pair"):
+            answer = _paired(state, mode, address, src, s, d, n, repeats)
+        elif run_case is _pd_transport:
+            answer = {"seconds": statistics.median(run_case(state, mode, address, src, s, d, n, repeats))}
         else:
-            times = run_case(state, address, src, s, d, n, repeats)
-        print(json.dumps({"seconds": statistics.median(times), **_chosen(state)}), flush=True)
+            answer = {"seconds": statistics.median(run_case(state, address, src, s, d, n, repeats))}
+        print(json.dumps({**answer, **_chosen(state)}), flush=True)
     for state in states.values():
         if isinstance(state, dict) and "close" in state:
             state["close"]()
@@ -223,6 +235,11 @@ def _chosen(state: dict) -> dict:
 
 
 def _pd_transport(state, mode, address, src, s, d, n, repeats) -> list[float]:
+    return timed(_pd_write(state, mode, address, src, s, d, n), repeats)
+
+
+def _pd_write(state, mode, address, src, s, d, n):
+    """One write of the case through pd-transfer's transport of ``mode`` (connected once)."""
     from pd_transfer.layout.lowering import RunBatch, TransferPlan
     from pd_transfer.transport.engines.registry import make_transport
 
@@ -233,9 +250,58 @@ def _pd_transport(state, mode, address, src, s, d, n, repeats) -> list[float]:
         state["close"] = lambda: loop.run_until_complete(state["transport"].close())
     plan = TransferPlan("p", "d", (RunBatch("src", "dst", s, d, n, np.ones(len(n), np.int64), 0, 0),))
     regions = {"src": src}
-    return timed(
-        lambda: loop.run_until_complete(state["transport"].write(state["link"], plan, regions)), repeats
-    )
+    return lambda: loop.run_until_complete(state["transport"].write(state["link"], plan, regions))
+
+
+def _paired(state, mode, address, src, s, d, n, repeats) -> dict:
+    """pd-transfer's write and the engine alone on pd-transfer's own engine (the same
+    agent or TransferEngine, its settings, its registrations), in turns, the order
+    swapped every turn: both see the same moment of a noisy host. Per turn the ratio
+    engine alone (its fastest way here) / pd-transfer; the median of those."""
+    kind = mode.split("-")[0]
+    pd_once = _pd_write(state, f"{kind}-pd", address, src, s, d, n)
+    pd_once()  # connects, registers the source, prepares pd-transfer's lists
+    link, transport = state["link"], state["transport"]
+    src_addr, dst_addr = src.data_ptr() + s, link.dst_bases["dst"][0] + d
+    if kind == "nixl":
+        once, done = nixl_request(transport.engine(), link.remote, src_addr, dst_addr, n)
+        alone = {"prepped, no progress thread": once}
+    else:
+        engine, session, done = transport._engine.engine, link.address.session, lambda: None
+        alone = {
+            f"sync batches of {b:,}": mooncake_request(
+                engine, session, src_addr, dst_addr, n, batch=b, posted=False
+            )
+            for b in (1024, 1 << 16)
+        }
+    for fn in alone.values():
+        fn()
+    turns: list[dict] = []
+    budget = time.monotonic() + 20.0
+    try:
+        while len(turns) < repeats and time.monotonic() < budget:
+            turn = {}
+            order = [("pd", pd_once), *alone.items()]
+            for name, fn in order[:: -1 if len(turns) % 2 else 1]:
+                turn[name] = _once(fn)
+            turns.append(turn)
+    finally:
+        done()
+    best = [min(turn[k] for k in alone) for turn in turns]
+    return {
+        "seconds": statistics.median(turn["pd"] for turn in turns),
+        "alone": statistics.median(best),
+        "ratio": statistics.median(b / turn["pd"] for b, turn in zip(best, turns)),
+        "turns": len(turns),
+        "ways": list(alone),
+    }
+
+
+def _once(fn) -> float:
+    start = time.monotonic()
+    ended = fn()
+    now = time.monotonic()
+    return (max(ended, start) if isinstance(ended, float) else now) - start
 
 
 def _pd_peer(mode: str, address: str, make_transport):
@@ -296,7 +362,7 @@ def _raw_iov_receiver(port_queue, names: dict, sets_path: str, repeats: int) -> 
     server = socket.create_server(("127.0.0.1", 0))
     port_queue.put(server.getsockname()[1])
     conns = [server.accept()[0] for _ in range(RAW_IOV_STREAMS)]
-    for case in CASES:
+    for case in (c for c in CASES if f"{c}_n" in sets):  # those the parent runs
         halves = _halves(_iov(dst.array, sets[f"{case}_dst"], sets[f"{case}_n"]))
         for _ in range(repeats + 1):
             _both(recv_iov, conns, halves)
@@ -438,6 +504,8 @@ def run_group(
                     out[label][case] = answer["seconds"]
                     if "strategy" in answer:
                         out.setdefault("chosen", {})[(label, case)] = answer
+                    if "ratio" in answer:
+                        out.setdefault("pairs", {})[(label, case)] = answer
                     check(case, src, dst, sets)
             finally:
                 sender.stdin.close()
@@ -476,12 +544,15 @@ def main() -> None:
         default="",
         help="comma-separated groups to run: " + ", ".join(name for name, _, _ in GROUPS),
     )
+    parser.add_argument("--cases", default="abc", help="which of the cases a, b, c to run")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child = json.loads(args.child)
         (receiver_main if child["role"] == "receiver" else sender_main)(child)
         return
+    for case in [case for case in CASES if case not in args.cases]:
+        del CASES[case]
     rng = np.random.default_rng(0)
     sets = {}
     for case in CASES:
@@ -511,10 +582,13 @@ def run_rounds(groups: list, rounds: int, names: dict, sets_path: str, src, dst,
     and case the median of the rounds' medians (or why it was not measured)."""
     per_round: dict[str, dict[str, list]] = {}
     chosen: dict = {}
+    pairs: dict = {}
     for i in range(rounds):
         for _, env, rows in groups:
             group = run_group(rows[:: -1 if i % 2 else 1], env, names, sets_path, dst, src, sets, repeats)
             chosen.update(group.pop("chosen", {}))
+            for key, answer in group.pop("pairs", {}).items():
+                pairs.setdefault(key, []).append(answer)
             for label, cases in group.items():
                 for case, seconds in cases.items():
                     per_round.setdefault(label, {}).setdefault(case, []).append(seconds)
@@ -527,6 +601,8 @@ def run_rounds(groups: list, rounds: int, names: dict, sets_path: str, src, dst,
         }
         for label, cases in per_round.items()
     }
+    ratios = {key: statistics.median(a["ratio"] for a in answers) for key, answers in pairs.items()}
+    chosen["ratios"] = ratios
     return results, chosen
 
 
@@ -536,6 +612,7 @@ def report(repeats: int, rounds: int, groups: list, names: dict, sets_path: str,
     sizes = sorted(set(totals.values()))
     raw, raw_iov = raw_tcp_seconds(sizes), raw_iov_seconds(names, sets_path, src, dst)
     results, chosen = run_rounds(groups, rounds, names, sets_path, src, dst, sets, repeats)
+    ratios = chosen.pop("ratios")
     # the floors once more, at the end: right after the set-up (768 MiB of pools written,
     # the copy floor's tensors freed) the first one ran at half speed in some runs
     raw_again, iov_again = raw_tcp_seconds(sizes), raw_iov_seconds(names, sets_path, src, dst)
@@ -563,7 +640,7 @@ def report(repeats: int, rounds: int, groups: list, names: dict, sets_path: str,
             if not isinstance(seconds, float):
                 print(f"{first:<22}{shown:<{W}}  {seconds}")
                 continue
-            alone = ""
+            alone = f"{ratios[(label, case)]:.2f}" if (label, case) in ratios else ""
             if label in ALONE:
                 best = best_alone(results, label, case)
                 alone = f"{best[1] / seconds:.2f}" if best else "-"
@@ -578,7 +655,15 @@ def report(repeats: int, rounds: int, groups: list, names: dict, sets_path: str,
             f"  {label.removeprefix('pd-transfer '):<18}"
             + "; ".join(f"({case}) {best[0]}" if best else f"({case}) -" for case, best in picks)
         )
+    print(
+        "turns rows: pd-transfer and the engine alone on pd-transfer's own engine in turns "
+        "(nixl: prepped lists, no progress thread; mooncake: sync batches of 1,024 and of "
+        "65,536, the faster per turn); x alone: the median of the per-turn ratios"
+    )
     targets(results, copy, raw, raw_best, raw_iov, totals)
+    for (label, case), ratio in sorted(ratios.items()):
+        verdict = "met" if ratio >= 0.9 else "MISSED"
+        print(f"target {label.removeprefix('pd-transfer ')}, case {case}: {ratio:.2f}x  >= 0.9x  {verdict}")
     crossovers = {label: answer["crossover"] for (label, _), answer in chosen.items() if "(" in label}
     print(
         "staged below a mean run of: "

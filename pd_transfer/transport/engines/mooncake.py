@@ -33,6 +33,7 @@ the package this module still imports and says which extra to install.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections import deque
 
@@ -60,7 +61,14 @@ from pd_transfer.transport.engines.strategy import Strategy
 from pd_transfer.transport.regions import Regions
 
 PROTOCOLS = ("tcp", "rdma")
-QUEUE_LIMIT = 2048  # transfers the engine's tcp path queues per peer
+QUEUE_LIMIT = 2048  # transfers the engine's tcp path queues per peer, by default
+# the engine's tcp path counts each slice of a descriptor against its per-peer queue:
+# one 256 MiB descriptor moved at 0.25x with the default queue (2,048). The engine
+# reads these when it starts; an operator's own values win.
+TCP_QUEUES = {
+    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
+    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
+}
 MAX_RUN_NBYTES = 64 << 20  # one descriptor at most (the engine slices it further)
 
 
@@ -87,6 +95,8 @@ class MooncakeEngine:
             raise TransportError(
                 f"mooncake protocol {protocol!r} is not one of {list(PROTOCOLS)}", code=Reason.INVALID_CONFIG
             )
+        for name, value in TCP_QUEUES.items():
+            os.environ.setdefault(name, value)
         self.engine = load_engine_class()()
         hostname = f"{host}:{port}" if port else host
         rc = self.engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
