@@ -62,9 +62,9 @@ from pd_transfer.transport.regions import Regions
 
 PROTOCOLS = ("tcp", "rdma")
 QUEUE_LIMIT = 2048  # transfers the engine's tcp path queues per peer, by default
-# the engine's tcp path counts each slice of a descriptor against its per-peer queue:
-# one 256 MiB descriptor moved at 0.25x with the default queue (2,048). The engine
-# reads these when it starts; an operator's own values win.
+# per-peer queues deep enough for every descriptor of a large plan, as the fastest
+# Mooncake-alone settings of benchmarks/engines_bench.py have them; the engine reads
+# these when it starts; an operator's own values win.
 TCP_QUEUES = {
     "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
     "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
