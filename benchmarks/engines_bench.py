@@ -18,16 +18,23 @@ and for each, in one run:
                     (1,024 iovecs a call), no framing or checks: what the
                     kernel alone charges for scattered pieces (not a target)
   mooncake TE       Mooncake's engine alone (tcp, P2P handshake), the same
-                    descriptors via ``batch_transfer_sync_write``, in two
-                    settings: its default per-peer queues, 1,024 descriptors a
-                    batch; and per-peer queues enlarged to 65,535
-                    (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``,
-                    ``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER``), all of the
-                    case's descriptors in one batch
-  nixl UCX tcp/shm  NIXL alone (UCX_TLS=tcp, then UCX_TLS=shm): descriptors
-                    prepared once, one prepped transfer per repeat, the
-                    initiating agent with NIXL's progress thread and without
-                    (the receiving agent keeps its own)
+                    descriptors in three ways: ``batch_transfer_sync_write`` in
+                    batches of 1,024 with its default per-peer queues; one
+                    sync batch of all of them, per-peer queues enlarged to
+                    65,535 (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``,
+                    ``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER``); batches of
+                    1,024 all posted with ``batch_transfer_async_write``, then
+                    one ``get_batch_transfer_status`` (queues 65,535)
+  nixl UCX tcp/shm  NIXL alone (UCX_TLS=tcp, then UCX_TLS=shm), as vLLM's
+                    NixlConnector drives it: descriptor lists prepared once
+                    (``prep_xfer_dlist``), one ``make_prepped_xfer("WRITE")`` per
+                    request; the initiating agent with NIXL's progress thread
+                    and without (the receiving agent keeps its own); without,
+                    and completion signalled by a NIXL notification that the
+                    receiving agent's ``get_new_notifs`` returns; the UCX
+                    backend's ``num_threads`` 4; and vLLM's own configuration
+                    (4 UCX threads, progress thread, notification). Settings:
+                    ``engines_alone.py``
   pd-transfer tcp/shm  the same descriptors as a plan through the built-in
                     transports: TcpTransport into a TcpReceiver in the
                     receiver process, ShmTransport mapping the destination
@@ -42,7 +49,12 @@ Each engine runs between fresh processes: a receiver that registers the
 destination (one per engine and UCX setting), and one sender process for each
 setting of the engine alone and another for pd-transfer, so none runs beside
 another's threads. Each pd-transfer engine row is compared with the fastest
-setting of its engine alone, per case, and names it. The parent
+setting of its engine alone, per case, and names it. A "turns" row runs
+pd-transfer's write and the engine alone on pd-transfer's own engine (the same
+agent or TransferEngine) in one process, one after the other, the order
+swapped every turn, and divides per turn: on a shared host the two then see the
+same moment. ``--rounds N`` runs every group N times, its rows in turn, and
+reports the median of the rounds. The parent
 checks the destination bytes after every case. Figures are medians of
 ``--repeats`` runs, the copy floor's too; the raw tcp floors are medians of 7
 runs before the engines and 7 after (on 2 vCPUs their speed swings by 2x with
@@ -50,7 +62,8 @@ where the scheduler puts the two processes and with what just ran, so a floor
 taken once, or its single best run, says more about the moment than about the
 path). The tcp targets compare medians with medians, and also print the ratio
 against the floor's best run; GB/s is 10^9 bytes per second. Rows whose engine is not
-installed say so. Run: ``python benchmarks/engines_bench.py [--repeats 3]``.
+installed say so. Run: ``python benchmarks/engines_bench.py [--repeats 3] [--rounds 2]
+[--only mooncake,nixl-tcp] [--cases ab]``.
 """
 
 from __future__ import annotations
