@@ -164,7 +164,8 @@ class NixlEngine:
     ``progress_thread``: run NIXL's progress thread; an agent that is written
     into needs it, one that only initiates is faster without (see the module).
     ``host``: UCX listens only on the network device holding it (``NET_DEVICES``;
-    "" or a wildcard: on every device, UCX's default).
+    "" or a wildcard: on every device, UCX's default). ``ucx_threads``: the UCX
+    backend's ``num_threads`` (0: NIXL's default, one worker).
     """
 
     def __init__(
@@ -174,9 +175,12 @@ class NixlEngine:
         *,
         progress_thread: bool = True,
         host: str = "127.0.0.1",
+        ucx_threads: int = 0,
     ) -> None:
         api = load_api()
         backend = {"ucx_error_handling_mode": error_handling_mode}
+        if ucx_threads:
+            backend["num_threads"] = str(ucx_threads)
         device = device_of(host)
         if device:  # UCX's own config, as UCX_NET_DEVICES would set it, for this agent only
             backend["engine_config"] = f"NET_DEVICES={device}"
