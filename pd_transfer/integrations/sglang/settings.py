@@ -54,7 +54,7 @@ class BackendSettings:
             raw = environ.get(prefix + name.upper())
             if raw is None:
                 continue
-            kind = type(default.default)
+            kind: type[Any] = type(default.default)  # every field has a default: int or str
             try:
                 values[name] = kind(raw)
             except ValueError:

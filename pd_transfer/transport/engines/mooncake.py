@@ -161,6 +161,8 @@ class MooncakeReceiver(EngineReceiver):
     receiver then unregisters its regions and leaves the engine running.
     """
 
+    engine: MooncakeEngine | None
+
     def __init__(
         self,
         regions: Regions,
@@ -233,7 +235,9 @@ class MooncakeTransport(Transport):
             return self._engine
 
     async def engine(self) -> MooncakeEngine:
-        return self._engine or await asyncio.to_thread(self.start)
+        if self._engine is not None:
+            return self._engine
+        return await asyncio.to_thread(self.start)
 
     async def connect(self, peer: PeerEndpoint) -> MooncakeLink:
         """Check what the peer published and that its engine answers; raises TransportError."""
@@ -306,11 +310,11 @@ class MooncakeTransport(Transport):
         written = {Strategy.DIRECT: 0, Strategy.STAGED: 0}
         with link.lock:
             link.check_usable()
-            for strategy, todo in work:
-                if strategy is Strategy.DIRECT:
-                    written[strategy] += self._submit(engine, link, todo, where)
+            for _, todo in work:
+                if isinstance(todo, AddressRuns):  # Strategy.DIRECT's, lowered
+                    written[Strategy.DIRECT] += self._submit(engine, link, todo, where)
                 else:
-                    written[strategy] += run_staged(
+                    written[Strategy.STAGED] += run_staged(
                         link, todo, src, self._bulk(engine, link, where), room=room, generation=generation
                     )
             link.wrote(written)
@@ -346,7 +350,8 @@ class MooncakeTransport(Transport):
         """Post ``runs`` batch after batch, up to ``QUEUE_LIMIT`` descriptors in flight
         (holding ``link.lock``); return the bytes written once all have ended."""
         link.check_usable()
-        session, inflight, done = link.address.session, deque(), 0
+        session, done = link.address.session, 0
+        inflight: deque[tuple[int, AddressRuns]] = deque()  # (batch id, its runs)
         failed = ""
         for batch in batches(runs, self.max_batch_descriptors):
             while inflight and sum(len(b) for _, b in inflight) + len(batch) > QUEUE_LIMIT:

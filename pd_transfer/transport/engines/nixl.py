@@ -80,7 +80,9 @@ class Prepared:
 
 
 class NixlLink(EngineLink):
-    def __init__(self, transport: Transport, peer: PeerEndpoint, address: EngineAddress) -> None:
+    transport: NixlTransport
+
+    def __init__(self, transport: NixlTransport, peer: PeerEndpoint, address: EngineAddress) -> None:
         super().__init__(transport, peer, address)
         self.remote = address.session
         # row_nbytes -> the peer's pools as rows; (row_nbytes, our source pools) -> ours
@@ -152,6 +154,10 @@ class NixlTransport(Transport):
         deadline). The receiving agent (:meth:`receiving_engine`) keeps its progress thread:
         a passive target calls nothing that would progress it.
         """
+        return self._agents()[0]
+
+    def _agents(self) -> tuple[NixlEngine, NixlEngine]:
+        """(initiating, receiving), each started once."""
         with self._engine_lock:
             if self._engine is None:
                 self._engine = NixlEngine(
@@ -159,15 +165,14 @@ class NixlTransport(Transport):
                 )
             if self._target is None:
                 self._target = NixlEngine("recv", self.error_handling_mode, host=self.host)
-            return self._engine
+            return self._engine, self._target
 
     def engine(self) -> NixlEngine:
         return self._engine or self.start()
 
     def receiving_engine(self) -> NixlEngine:
         """The agent a :class:`NixlReceiver` of this process shares (see :meth:`start`)."""
-        self.start()
-        return self._target
+        return self._agents()[1]
 
     async def connect(self, peer: PeerEndpoint) -> NixlLink:
         address = EngineAddress.parse(peer.data_address, "nixl")

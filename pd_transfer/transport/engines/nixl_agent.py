@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import uuid
+from typing import Any
 
 import numpy as np
 
@@ -96,8 +97,9 @@ def _new_agent(api, name: str, config, delay_us: int):
     the agent is made, that class is swapped for one that keeps our delay.
     """
     wrapper = sys.modules.get(getattr(api.nixl_agent, "__module__", ""))
-    bindings = getattr(wrapper, "nixlBind", None)
-    base = getattr(bindings, "nixlAgentConfig", None)
+    # NIXL's bindings, found at run time: untyped, hence Any (Paced subclasses one of them)
+    bindings: Any = getattr(wrapper, "nixlBind", None)
+    base: Any = getattr(bindings, "nixlAgentConfig", None)
     if base is None or not hasattr(base, "pthrDelay"):
         log.warning("this NIXL has no progress-thread delay to set; its agent may keep a core busy")
         return api.nixl_agent(name, config)
@@ -297,6 +299,8 @@ class NixlReceiver(EngineReceiver):
     :meth:`NixlTransport.start`); stopping then only unregisters the regions.
     ``host``: where an agent of its own listens (see :class:`NixlEngine`).
     """
+
+    engine: NixlEngine | None
 
     def __init__(
         self,

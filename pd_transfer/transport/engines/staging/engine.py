@@ -24,7 +24,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.layout.lowering import TransferPlan
@@ -302,6 +302,14 @@ async def write_parts(transport, link, engine, plan, src_regions, room: str, gen
     return nbytes
 
 
+class ReceiverEngine(Protocol):
+    """What :class:`EngineReceiver` calls on its engine (MooncakeEngine, NixlEngine)."""
+
+    def unregister(self, address: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class EngineReceiver(Receiver):
     """What the mooncake and nixl receivers share once started: fencing staged chunks,
     and stopping (unregistering their regions, closing the engine when they own it).
@@ -313,7 +321,7 @@ class EngineReceiver(Receiver):
     channel with :attr:`admission`.
     """
 
-    engine = None
+    engine: ReceiverEngine | None = None
     staging: ReceiverStaging
     _owns_engine: bool
     _bases: dict[str, tuple[int, int]]
