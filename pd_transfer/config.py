@@ -65,7 +65,7 @@ class SidecarConfig:
     )
     staging_slot_nbytes: int = 4 * 1024 * 1024  # decode, engine transports: bytes of one staging slot
     ready_file: str = ""  # JSON with the bound addresses, written when serving
-    http_host: str = "127.0.0.1"  # /metrics /healthz /readyz /status
+    http_host: str = "127.0.0.1"  # /metrics /healthz /readyz /status /runbooks/
     http_port: int = 9400  # 0: any free port (see ready_file)
     instance_id: str = ""  # decode: the decode instance this rank belongs to, as routers name it (the same on each of its ranks)
     prefill_bootstraps: tuple[str, ...] = ()  # decode: prefill instances to resolve eagerly (readyz)

@@ -65,7 +65,7 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
         "and both roles' nixl (UCX) listeners (mooncake publishes it, but its engine "
         "listens on every interface)",
     ),
-    ServeFlag("http_host", "address of /metrics /healthz /readyz /status"),
+    ServeFlag("http_host", "address of /metrics /healthz /readyz /status /runbooks/"),
     ServeFlag("http_port", "HTTP port (0: any free port)", {"type": int}),
     ServeFlag(
         "ready_file",
