@@ -12,6 +12,16 @@ runs the handshake before its first frame leaves, and the ROUTER lets a frame
 reach a session only from an identity that completed it: a frame sent before
 is dropped, counted (``bad_frames{reason="unauthenticated"}``) and answered
 with a Close, and no session is created for it.
+
+Each channel follows its peer's connection (``disconnected_s``): an outgoing
+one through its socket's monitor (down at a disconnect, up again at the next
+completed ZeroMQ handshake), an incoming one through the ROUTER's monitor,
+whose disconnect names the connection's descriptor: the session whose latest
+frame came on it is down, until a frame comes on a newer connection (the peer
+reconnected under the same routing id). With the sidecar's
+:class:`~pd_transfer.agent.zmq_bounds.PeerHeartbeats` on the context, ZeroMQ's
+I/O threads also close a connection whose peer stopped answering their
+heartbeats, and the channel says its connection is watched (``watched``).
 """
 
 from __future__ import annotations
@@ -35,7 +45,13 @@ from pd_transfer.agent.auth import (
     source_fd,
 )
 from pd_transfer.agent.peer_process import ProcessIdentity
-from pd_transfer.agent.zmq_bounds import CONTROL_QUEUED_FRAMES, ConnectionWatch, bound_frames
+from pd_transfer.agent.zmq_bounds import (
+    CONTROL_QUEUED_FRAMES,
+    ConnectionWatch,
+    PeerHeartbeats,
+    bound_frames,
+    watch_peers,
+)
 from pd_transfer.errors import PdTransferError, ProtocolError, Reason, RemoteProtocolError
 from pd_transfer.layout.geometry import Role
 from pd_transfer.protocol import Close, Dropped, Heartbeat, Message, Session, encode
@@ -45,6 +61,11 @@ log = logging.getLogger(__name__)
 
 OnMessage = Callable[["Channel", Message], Awaitable[None]]
 CLOSE_SEND_TIMEOUT_S = 1.0  # how long a Close that ends a session may wait to leave
+
+
+def heartbeats_of(context: zmq.asyncio.Context) -> PeerHeartbeats | None:
+    """The ZeroMQ heartbeats the sidecar's control sockets run (None: none)."""
+    return getattr(context, "peer_heartbeats", None)
 
 
 def _without_frames(err: PdTransferError) -> PdTransferError:
@@ -75,9 +96,11 @@ class Channel:
         self.bad_frames = 0
         self.closed = False
         self.peer_rank = ""  # the peer's rank id once known
-        # since when (time.monotonic) ZeroMQ reports the connection down; None while it is
-        # up, and always on the listening side (a ROUTER's events do not name the peer)
+        # since when (time.monotonic) ZeroMQ reports the connection down; None while it is up
         self.disconnected_s: float | None = None
+        # whether ZeroMQ's heartbeats watch the connection (a dead or stopped peer's
+        # connection closes even without a FIN): then a connection up means the peer is there
+        self.watched = False
         # the peer's process where it is on this host and visible here (agent/peer_process.py),
         # and the longest stall of its loop that its last heartbeat reported
         self.peer_process: ProcessIdentity | None = None
@@ -153,6 +176,9 @@ class OutgoingChannel(Channel):
         self._socket = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         bound_frames(self._socket)
+        heartbeats = heartbeats_of(context)
+        watch_peers(self._socket, heartbeats)
+        self.watched = heartbeats is not None
         self._security.connecting(self._socket)
         self._socket.connect(address)
         self._reader: asyncio.Task | None = None
@@ -179,14 +205,16 @@ class OutgoingChannel(Channel):
 
     async def _watch_connection(self) -> None:
         """Follow the connection's ups and downs (``disconnected_s``): a peer process that
-        dies closes its sockets, and the agent need not wait for its heartbeats to stop."""
-        monitor = self._socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        dies closes its sockets, and the agent need not wait for its heartbeats to stop.
+        Up is a completed ZeroMQ handshake, not a TCP connect: the kernel of a host whose
+        peer process is stopped still accepts connections that nobody answers."""
+        monitor = self._socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         try:
             while not self.closed:
                 event = parse_monitor_message(await monitor.recv_multipart())["event"]
                 if event == zmq.EVENT_DISCONNECTED:
                     self.disconnected_s = self.disconnected_s or time.monotonic()
-                elif event == zmq.EVENT_CONNECTED:
+                elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self.disconnected_s = None
         except zmq.ZMQError as err:  # the socket closed under the monitor
             log.debug("peer %s: connection monitor stopped: %s", self.label, err)
@@ -235,6 +263,8 @@ class IncomingChannel(Channel):
         self._router = router
         self.identity = identity
         self.fd: int | None = None  # the descriptor its latest frame came on (SRCFD)
+        self.down_event = 0  # the ROUTER's event count when its connection went down
+        self.watched = router.heartbeats is not None
 
     async def _write(self, frame: bytes) -> None:
         await self._router.socket.send_multipart([self.identity, frame])
@@ -274,6 +304,8 @@ class IncomingChannels:
         bound_frames(
             self.socket, queued_frames=CONTROL_QUEUED_FRAMES, handshake_timeout_s=security.lobby.timeout_s
         )
+        self.heartbeats = heartbeats_of(context)
+        watch_peers(self.socket, self.heartbeats)
         security.listening(self.socket, identified=True)
         if port:
             self.socket.bind(f"tcp://{host}:{port}")
@@ -293,15 +325,41 @@ class IncomingChannels:
         )
         self._role = role
         self.channels: dict[bytes, IncomingChannel] = {}
+        self._door = door
+        self._events = 0  # the monitor's accept and disconnect events handled so far
+        self._accepted: dict[int, int] = {}  # fd -> the event count at its latest accept
         self.watch = ConnectionWatch(
             self.socket,
             "control",
             f"control {self.address}",
             on_closed=on_closed,
             on_bad_frame=on_bad_frame,
-            on_accepted=door.accepted,
-            on_disconnected=door.disconnected,
+            on_accepted=self._connection_accepted,
+            on_disconnected=self._connection_ended,
         )
+
+    def _connection_accepted(self, fd: int) -> None:
+        self._events += 1
+        self._accepted[fd] = self._events
+        self._door.accepted(fd)
+
+    def _connection_ended(self, fd: int) -> None:
+        """The connection on ``fd`` closed: the sessions whose frames came on it are down."""
+        self._events += 1
+        self._accepted.pop(fd, None)
+        self._door.disconnected(fd)
+        now = time.monotonic()
+        for channel in self.channels.values():
+            if channel.fd == fd and channel.disconnected_s is None:
+                channel.disconnected_s, channel.down_event = now, self._events
+
+    def _heard_on(self, channel: IncomingChannel, fd: int | None) -> None:
+        """A frame of ``channel`` came on ``fd``: up again if that is a newer connection
+        than the one that ended (a frame the old one left queued is not)."""
+        if channel.disconnected_s is not None and fd is not None:
+            if fd != channel.fd or self._accepted.get(fd, 0) > channel.down_event:
+                channel.disconnected_s = None
+        channel.fd = fd
 
     async def serve(self, on_message: OnMessage) -> None:
         watching = asyncio.create_task(self.watch.run())
@@ -318,6 +376,7 @@ class IncomingChannels:
                 log.warning("control socket: dropped a message of %d frames", len(parts))
                 continue
             identity, frame, fd = parts[0].bytes, parts[1].bytes, source_fd(parts[1])
+            self.watch.drain()  # the connection events ZeroMQ queued before this frame
             if not await self.doorman.admit(identity, frame, fd, peer_key(parts[1])):
                 continue
             channel = self.channels.get(identity)
@@ -326,7 +385,7 @@ class IncomingChannels:
                 channel.proven_agent_id = self.doorman.proven_agent_id(identity)
                 channel.proven_identity = self.doorman.proven_identity(identity)
                 channel.on_bad_frame, channel.on_refused = self._on_bad_frame, self._on_refused
-            channel.fd = fd
+            self._heard_on(channel, fd)
             try:
                 await channel.receive(frame, on_message)
             except Exception:

@@ -1,19 +1,30 @@
 """When a peer counts as lost, and why a stall of our own never makes it so.
 
-A peer is *gone* when its connection closed and stayed closed for longer
-than one interval, or, on this host, when its process ended
-(:mod:`~pd_transfer.agent.peer_process`): that is lost at once, whatever its
-heartbeats said. Otherwise only silence speaks, and silence may mean slow:
+A peer is *gone*, and lost at once, when its connection closed and stayed
+closed for longer than one interval, or, on this host, when its process ended
+(:mod:`~pd_transfer.agent.peer_process`), whatever its heartbeats said. Its
+connection is followed by ZeroMQ's I/O threads, not by the Python loop
+(:mod:`~pd_transfer.agent.channels`): a process that dies closes it at once,
+and ZeroMQ's own heartbeats (:mod:`~pd_transfer.agent.zmq_bounds`) close it
+within ``peer_connection_timeout_s`` when the peer's host vanished or its
+process is stopped. Otherwise only the silence of the peer's own heartbeats
+speaks, and silence means slow while there is evidence that the peer is there:
 
 - silence is measured in time this process could listen: while our own
   event loop was stalled (starved of CPU, or blocked by a long call), the
   peer's heartbeats wait unread in the socket, and that stretch is not
   counted against it;
-- a peer on this host whose process is seen running is slow, not gone: it
-  is lost only once silent for ``slow_peer_limit_s``; one seen stopped
-  (SIGSTOP) is lost after the heartbeat limit, as is a peer not on this host;
-- a peer not on this host gets the longest stall of its own loop that its
-  last heartbeat reported on top of the heartbeat limit (at most up to
+- a peer on this host whose process is seen running is slow, not gone: it is
+  lost only once silent for ``slow_peer_limit_s``; one seen stopped (SIGSTOP)
+  is lost after the heartbeat limit;
+- a peer not on this host (or whose process this sidecar cannot see) whose
+  connection ZeroMQ's heartbeats watch and find up is slow, not gone, alike:
+  lost only once silent for ``slow_peer_limit_s``. Its I/O thread answers
+  ZeroMQ's heartbeats while its Python loop is starved; were it stopped or
+  its host gone, the connection would close;
+- any other peer (its connection unwatched, or down for less than one
+  interval) is lost after the heartbeat limit, plus the longest stall of its
+  own loop that its last heartbeat reported (at most up to
   ``slow_peer_limit_s``): it was starved before, and may be again.
 """
 
@@ -31,6 +42,7 @@ log = logging.getLogger(__name__)
 class Heard(Protocol):
     last_heard_s: float
     disconnected_s: float | None
+    watched: bool  # ZeroMQ's heartbeats watch its connection: up means the peer is there
     peer_process: ProcessIdentity | None  # on this host and visible here, else None
     peer_stall_s: float  # the longest stall its last heartbeat reported
 
@@ -96,7 +108,7 @@ def why_lost(
     if peer.disconnected_s is not None and unseen(peer.disconnected_s) > interval_s:
         return (
             f"its connection closed {now - peer.disconnected_s:.1f} s ago and did not "
-            f"come back (the peer process stopped or its host is unreachable)"
+            f"come back (the peer process ended or stopped, or its host is unreachable)"
         )
     quiet = now - peer.last_heard_s
     blind = quiet - unseen(peer.last_heard_s)
@@ -114,6 +126,11 @@ def _allowed(peer: Heard, state: ProcessState | None, limit_s: float, slow_s: fl
         return slow_s, f", though its process (pid {pid} on this host) runs: hung or starved that long"
     if state is ProcessState.STOPPED:
         return limit_s, f", its process (pid {peer.peer_process.pid} on this host) is stopped"
+    if peer.watched and peer.disconnected_s is None:
+        return (
+            slow_s,
+            ", though its connection is up (ZeroMQ's heartbeats answered): hung or starved that long",
+        )
     credit_s = min(max(peer.peer_stall_s, 0.0), slow_s - limit_s)
     if credit_s >= 0.05:
         return limit_s + credit_s, f" ({credit_s:.1f} s more allowed for the stalls it reported)"

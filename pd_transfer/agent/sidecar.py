@@ -39,6 +39,7 @@ from pd_transfer.agent.side import PeerServer, Side
 from pd_transfer.agent.startup import ReadyFile, binding, prepare_worker_endpoint
 from pd_transfer.agent.tasks import Tasks
 from pd_transfer.agent.worker_loss import WorkerBinding
+from pd_transfer.agent.zmq_bounds import PeerHeartbeats
 from pd_transfer.config import SidecarConfig
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import RankGeometry, Role, check_geometry
@@ -61,6 +62,7 @@ class Sidecar:
         # every socket made from this context finds the secret and keys (agent/auth.py)
         self.security = security or Security.from_config(config)
         self.context = SecureContext(self.security)
+        self.context.peer_heartbeats = PeerHeartbeats.of(config)  # on the control sockets
         self.rooms = RoomTable(config.room_ttl_s, config.max_rooms)
         self.admission = Admission(config)  # rooms per peer, bytes in flight (agent/admission.py)
         self.observe = Observer(self)

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.asyncio
@@ -33,6 +35,9 @@ from zmq.utils.monitor import parse_monitor_message
 
 from pd_transfer.errors import Reason
 from pd_transfer.wire.limits import DEFAULT_LIMITS
+
+if TYPE_CHECKING:
+    from pd_transfer.config import SidecarConfig
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +71,32 @@ def bound_frames(
         socket.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(handshake_timeout_s * 1000)))
 
 
+@dataclass(frozen=True)
+class PeerHeartbeats:
+    """ZeroMQ's heartbeats on a peer connection: a PING every ``interval_s``; no traffic
+    for ``timeout_s`` after one closes the connection (either side: ``HEARTBEAT_TTL``
+    tells the peer the same)."""
+
+    interval_s: float
+    timeout_s: float
+
+    @classmethod
+    def of(cls, config: SidecarConfig) -> PeerHeartbeats:
+        """A PING every heartbeat interval; closed after ``peer_connection_timeout_s``."""
+        return cls(config.heartbeat_interval_s, config.peer_connection_timeout_s)
+
+
+def watch_peers(socket: zmq.Socket, heartbeats: PeerHeartbeats | None) -> None:
+    """Turn ZeroMQ's heartbeats on for ``socket`` (nothing with None). Set before the
+    socket binds or connects."""
+    if heartbeats is None:
+        return
+    socket.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(heartbeats.interval_s * 1000)))
+    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(heartbeats.timeout_s * 1000)))
+    # the TTL travels in the PING in tenths of a second, at most 6553.5 s
+    socket.setsockopt(zmq.HEARTBEAT_TTL, min(int(heartbeats.timeout_s * 1000), 6_553_500))
+
+
 class ConnectionWatch:
     """Counts the ends of one listening socket's connections; :meth:`run` is its task.
 
@@ -73,6 +104,7 @@ class ConnectionWatch:
     ``on_disconnected(fd)`` with its file descriptor, for an owner that tells
     connections apart; ``on_accepted(fd)`` for every connection accepted),
     ``on_bad_frame(reason)`` for a failed ZeroMQ handshake (not ZMTP on the port).
+    The events are read in order by :meth:`run` and by whoever calls :meth:`drain`.
     """
 
     def __init__(
@@ -95,35 +127,53 @@ class ConnectionWatch:
         self._on_bad_frame = on_bad_frame
         self._limit = socket.getsockopt(zmq.MAXMSGSIZE)  # -1: none
         self._monitor = socket.get_monitor_socket(_WATCHED)
+        self._reader = zmq.Socket.shadow(self._monitor.underlying)  # reads it without waiting
+        self._stopped = False
 
     async def run(self) -> None:
         monitor = self._monitor
         try:
-            while True:
-                message = parse_monitor_message(await monitor.recv_multipart())
-                event = message["event"]
-                if event == zmq.EVENT_MONITOR_STOPPED:
-                    return
-                if event == zmq.EVENT_ACCEPTED:
-                    self._on_accepted(int(message["value"]))
-                elif event == zmq.EVENT_DISCONNECTED:
-                    self.closed += 1
-                    self._on_closed(self.name)
-                    self._on_disconnected(int(message["value"]))
-                    log.debug(  # every departing peer ends one: routine, so not at info
-                        "%s: a connection ended (%d so far): the peer left, or sent a "
-                        "frame over the %d-byte limit or one ZeroMQ could not parse",
-                        self.where,
-                        self.closed,
-                        self._limit,
-                    )
-                elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-                    self._on_bad_frame(Reason.BAD_FRAME.value)
-                    log.warning(
-                        "%s: dropped a connection that is not ZeroMQ (its handshake broke the protocol)",
-                        self.where,
-                    )
+            while not self._stopped:
+                await monitor.poll()
+                self.drain()
         except zmq.ZMQError as err:  # the socket closed under the monitor
             log.debug("%s: connection watch stopped: %s", self.where, err)
         finally:
+            self._stopped = True
             monitor.close(linger=0)
+
+    def drain(self) -> None:
+        """Handle every event queued so far (without waiting for more)."""
+        while not self._stopped:
+            try:
+                message = parse_monitor_message(self._reader.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            except zmq.ZMQError as err:  # closed: run() ends at its next poll
+                log.debug("%s: connection watch stopped: %s", self.where, err)
+                self._stopped = True
+                return
+            self._handle(message["event"], int(message["value"]))
+
+    def _handle(self, event: int, value: int) -> None:
+        if event == zmq.EVENT_MONITOR_STOPPED:
+            self._stopped = True
+        elif event == zmq.EVENT_ACCEPTED:
+            self._on_accepted(value)
+        elif event == zmq.EVENT_DISCONNECTED:
+            self.closed += 1
+            self._on_closed(self.name)
+            self._on_disconnected(value)
+            log.debug(  # every departing peer ends one: routine, so not at info
+                "%s: a connection ended (%d so far): the peer left or stopped answering "
+                "ZeroMQ's heartbeats, or sent a frame over the %d-byte limit or one ZeroMQ "
+                "could not parse",
+                self.where,
+                self.closed,
+                self._limit,
+            )
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            self._on_bad_frame(Reason.BAD_FRAME.value)
+            log.warning(
+                "%s: dropped a connection that is not ZeroMQ (its handshake broke the protocol)", self.where
+            )

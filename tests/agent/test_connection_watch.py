@@ -1,15 +1,27 @@
-"""An outgoing channel follows its ZeroMQ connection: down when the peer's socket closes,
-up again when a peer listens at the address once more (agent/channels.py)."""
+"""A channel follows its peer's ZeroMQ connection (agent/channels.py).
+
+An outgoing one: down when the peer's socket closes, up again when a peer
+listens at the address once more. An incoming one (prefill's control ROUTER):
+down when the connection its peer's frames came on ends, as the ROUTER's
+monitor names it; up again when the peer reconnects under its routing id;
+and down when the peer's process is stopped and cannot answer ZeroMQ's
+heartbeats, though its kernel keeps the TCP connection open.
+"""
 
 import asyncio
+import signal
+import sys
 
 import pytest
 import zmq
 import zmq.asyncio
 
-from pd_transfer.agent.channels import OutgoingChannel
+from pd_transfer.agent.auth import DISABLED, SecureContext
+from pd_transfer.agent.channels import IncomingChannels, OutgoingChannel
+from pd_transfer.agent.zmq_bounds import PeerHeartbeats
 from pd_transfer.layout.geometry import Role
 from pd_transfer.ports import spare_port
+from pd_transfer.protocol import Heartbeat, Hello, encode
 
 pytestmark = pytest.mark.asyncio
 
@@ -48,4 +60,103 @@ async def test_a_channel_is_down_while_its_peer_is_gone_and_up_when_it_is_back()
         channel.close()
         peer.close(linger=0)
         await asyncio.sleep(0)  # let the cancelled watcher close its monitor socket
+        context.destroy(linger=0)
+
+
+def _listening(heartbeats=None):
+    """A prefill's control ROUTER on a context that runs ``heartbeats`` (the sidecar's)."""
+    context = SecureContext(DISABLED)
+    context.peer_heartbeats = heartbeats
+    return context, IncomingChannels(context, "127.0.0.1", 0, Role.PREFILL)
+
+
+async def _session_from(router, send_hello) -> object:
+    """The incoming channel whose Hello ``send_hello()`` sent."""
+    heard = []
+
+    async def on_message(channel, message) -> None:
+        heard.append(channel)
+
+    serving = asyncio.create_task(router.serve(on_message))
+    send_hello()
+    await _until(lambda: heard, "the peer's Hello reached its session")
+    return serving, heard[0]
+
+
+HELLO = encode(Hello(agent_id="decode-0", role=Role.DECODE))
+
+
+async def test_an_incoming_session_is_down_once_its_peer_closed_its_connection():
+    context, router = _listening()
+    peer = context.socket(zmq.DEALER)
+    peer.connect(router.address)
+    serving, channel = await _session_from(router, lambda: peer.send(HELLO))
+    try:
+        await asyncio.sleep(0.2)
+        assert channel.disconnected_s is None
+        peer.close(linger=0)  # the peer process is gone: its socket closed
+        await _until(lambda: channel.disconnected_s is not None, "the ROUTER's monitor named its connection")
+        assert router.watch.closed == 1
+        assert channel.bad_frames == 0  # the connection's end is no frame of the peer's
+    finally:
+        serving.cancel()
+        router.close()
+        peer.close(linger=0)
+        await asyncio.sleep(0)
+        context.destroy(linger=0)
+
+
+async def test_a_session_that_reconnects_under_its_routing_id_is_up_again():
+    context, router = _listening()
+    first = context.socket(zmq.DEALER)
+    first.setsockopt(zmq.ROUTING_ID, b"decode-0")
+    first.connect(router.address)
+    serving, channel = await _session_from(router, lambda: first.send(HELLO))
+    second = context.socket(zmq.DEALER)
+    try:
+        first.close(linger=0)
+        await _until(lambda: channel.disconnected_s is not None, "its first connection is down")
+        second.setsockopt(zmq.ROUTING_ID, b"decode-0")  # the same peer, back (ROUTER_HANDOVER)
+        second.connect(router.address)
+        await second.send(encode(Heartbeat(agent_id="decode-0", sequence=1, sent_unix_s=0.0)))
+        await _until(lambda: channel.disconnected_s is None, "a frame on its new connection")
+    finally:
+        serving.cancel()
+        router.close()
+        second.close(linger=0)
+        await asyncio.sleep(0)
+        context.destroy(linger=0)
+
+
+_STOPPABLE_PEER = """
+import sys, time, zmq
+socket = zmq.Context().socket(zmq.DEALER)
+socket.connect(sys.argv[1])
+socket.send(bytes.fromhex(sys.argv[2]))
+print("sent", flush=True)
+time.sleep(600)
+"""
+
+
+async def test_a_stopped_peer_is_found_gone_by_zeromq_heartbeats_while_it_cannot_answer():
+    # the peer's process is stopped: its kernel keeps the TCP connection, no FIN comes; only
+    # ZeroMQ's heartbeats (sent by this side's I/O thread, unanswered by the stopped one) end it
+    context, router = _listening(PeerHeartbeats(interval_s=0.2, timeout_s=1.0))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _STOPPABLE_PEER, router.address, HELLO.hex(), stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        serving, channel = await _session_from(router, lambda: None)
+        assert channel.watched
+        await asyncio.sleep(1.5)  # past the timeout, answered all along: still up
+        assert channel.disconnected_s is None
+        proc.send_signal(signal.SIGSTOP)
+        await _until(lambda: channel.disconnected_s is not None, "the unanswered heartbeats closed it", 30)
+        serving.cancel()
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        await proc.wait()
+        router.close()
+        await asyncio.sleep(0)
         context.destroy(linger=0)
