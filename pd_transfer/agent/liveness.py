@@ -115,6 +115,8 @@ def why_lost(
     allowed_s, why = _allowed(peer, state, limit_s, max(slow_limit_s, limit_s))
     if quiet - blind > allowed_s:
         stalled = f", {blind:.1f} s of it while this sidecar was stalled" if blind >= 0.05 else ""
+        if peer.disconnected_s is not None:  # down for less than an interval so far
+            why += f"; its connection closed {now - peer.disconnected_s:.1f} s ago"
         return f"no heartbeat for {quiet:.1f} s{stalled}{why}"
     return ""
 

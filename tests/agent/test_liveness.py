@@ -182,7 +182,9 @@ def test_a_remote_peer_whose_watched_connection_is_up_is_slow_not_gone_until_the
 def test_a_remote_peer_whose_watched_connection_went_down_is_lost_one_interval_later():
     peer = Peer(last_heard_s=0.0, watched=True, disconnected_s=4.0)
     # down for less than an interval: no longer slow, the heartbeat limit holds
-    assert why_lost(peer, 4.1, 0.2, 1.0, slow_limit_s=30.0) == "no heartbeat for 4.1 s"
+    assert why_lost(peer, 4.1, 0.2, 1.0, slow_limit_s=30.0) == (
+        "no heartbeat for 4.1 s; its connection closed 0.1 s ago"
+    )
     assert why_lost(peer, 4.1, 0.2, 5.0, slow_limit_s=30.0) == ""
     assert why_lost(peer, 4.3, 0.2, 5.0, slow_limit_s=30.0).startswith("its connection closed 0.3 s ago")
 
