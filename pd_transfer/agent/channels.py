@@ -176,9 +176,8 @@ class OutgoingChannel(Channel):
         self._socket = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         bound_frames(self._socket)
-        heartbeats = heartbeats_of(context)
-        watch_peers(self._socket, heartbeats)
-        self.watched = heartbeats is not None
+        self._heartbeats = heartbeats_of(context)
+        watch_peers(self._socket, self._heartbeats)
         self._security.connecting(self._socket)
         self._socket.connect(address)
         self._reader: asyncio.Task | None = None
@@ -214,8 +213,8 @@ class OutgoingChannel(Channel):
                 event = parse_monitor_message(await monitor.recv_multipart())["event"]
                 if event == zmq.EVENT_DISCONNECTED:
                     self.disconnected_s = self.disconnected_s or time.monotonic()
-                elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    self.disconnected_s = None
+                elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:  # watched once it was up
+                    self.disconnected_s, self.watched = None, self._heartbeats is not None
         except zmq.ZMQError as err:  # the socket closed under the monitor
             log.debug("peer %s: connection monitor stopped: %s", self.label, err)
         finally:

@@ -160,3 +160,41 @@ async def test_a_stopped_peer_is_found_gone_by_zeromq_heartbeats_while_it_cannot
         router.close()
         await asyncio.sleep(0)
         context.destroy(linger=0)
+
+
+_STOPPABLE_LISTENER = """
+import sys, time, zmq
+socket = zmq.Context().socket(zmq.ROUTER)
+socket.bind(sys.argv[1])
+print("bound", flush=True)
+time.sleep(600)
+"""
+
+
+async def test_an_outgoing_channel_to_a_stopped_peer_is_down_though_its_kernel_accepts_reconnects():
+    # ZeroMQ's heartbeats close the connection; the stopped peer's kernel still accepts
+    # ZeroMQ's reconnects, but no handshake completes: the channel stays down
+    context = SecureContext(DISABLED)
+    context.peer_heartbeats = PeerHeartbeats(interval_s=0.2, timeout_s=1.0)
+    address = f"tcp://127.0.0.1:{spare_port()}"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _STOPPABLE_LISTENER, address, stdout=asyncio.subprocess.PIPE
+    )
+    channel = OutgoingChannel(context, address, Role.DECODE, "prefill 0")
+    try:
+        assert await proc.stdout.readline() == b"bound\n"
+        channel.start(_nothing)
+        await _until(lambda: channel.watched, "the handshake completed", 30)
+        assert channel.disconnected_s is None
+        proc.send_signal(signal.SIGSTOP)
+        await _until(lambda: channel.disconnected_s is not None, "the unanswered heartbeats closed it", 30)
+        since = channel.disconnected_s
+        await asyncio.sleep(2.0)  # ZeroMQ reconnects (100 ms apart): TCP connects, no handshake
+        assert channel.disconnected_s == since
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        await proc.wait()
+        channel.close()
+        await asyncio.sleep(0)
+        context.destroy(linger=0)
