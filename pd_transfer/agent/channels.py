@@ -14,14 +14,11 @@ is dropped, counted (``bad_frames{reason="unauthenticated"}``) and answered
 with a Close, and no session is created for it.
 
 Each channel follows its peer's connection (``disconnected_s``): an outgoing
-one through its socket's monitor (down at a disconnect, up again at the next
-completed ZeroMQ handshake), an incoming one through the ROUTER's monitor,
-whose disconnect names the connection's descriptor: the session whose latest
-frame came on it is down, until a frame comes on a newer connection (the peer
-reconnected under the same routing id). With the sidecar's
-:class:`~pd_transfer.agent.zmq_bounds.PeerHeartbeats` on the context, ZeroMQ's
-I/O threads also close a connection whose peer stopped answering their
-heartbeats, and the channel says its connection is watched (``watched``).
+one through its socket's monitor (down at a disconnect, up at a completed
+ZeroMQ handshake), an incoming one through the ROUTER's, whose disconnect
+names the descriptor the session's frames came on (up again at a frame on a
+newer connection). ZeroMQ's heartbeats (the context's ``peer_heartbeats``)
+close a connection whose peer stopped answering: such a channel is ``watched``.
 """
 
 from __future__ import annotations
@@ -179,6 +176,10 @@ class OutgoingChannel(Channel):
         self._heartbeats = heartbeats_of(context)
         watch_peers(self._socket, self._heartbeats)
         self._security.connecting(self._socket)
+        # watched before it connects: the handshake may complete before start() runs
+        self._monitor = self._socket.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        )
         self._socket.connect(address)
         self._reader: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
@@ -207,7 +208,7 @@ class OutgoingChannel(Channel):
         dies closes its sockets, and the agent need not wait for its heartbeats to stop.
         Up is a completed ZeroMQ handshake, not a TCP connect: the kernel of a host whose
         peer process is stopped still accepts connections that nobody answers."""
-        monitor = self._socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        monitor = self._monitor
         try:
             while not self.closed:
                 event = parse_monitor_message(await monitor.recv_multipart())["event"]
@@ -253,6 +254,7 @@ class OutgoingChannel(Channel):
         for task in (self._reader, self._watcher):
             if task is not None:
                 task.cancel()
+        self._monitor.close(linger=0)  # (a watcher cancelled before it ran closes nothing)
         self._socket.close(linger=linger_ms)
 
 

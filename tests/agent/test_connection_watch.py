@@ -63,11 +63,12 @@ async def test_a_channel_is_down_while_its_peer_is_gone_and_up_when_it_is_back()
         context.destroy(linger=0)
 
 
-def _listening(heartbeats=None):
+def _listening(heartbeats=None, bad_frames=None):
     """A prefill's control ROUTER on a context that runs ``heartbeats`` (the sidecar's)."""
     context = SecureContext(DISABLED)
     context.peer_heartbeats = heartbeats
-    return context, IncomingChannels(context, "127.0.0.1", 0, Role.PREFILL)
+    on_bad_frame = (bad_frames if bad_frames is not None else []).append
+    return context, IncomingChannels(context, "127.0.0.1", 0, Role.PREFILL, on_bad_frame=on_bad_frame)
 
 
 async def _session_from(router, send_hello) -> object:
@@ -87,7 +88,8 @@ HELLO = encode(Hello(agent_id="decode-0", role=Role.DECODE))
 
 
 async def test_an_incoming_session_is_down_once_its_peer_closed_its_connection():
-    context, router = _listening()
+    bad_frames = []
+    context, router = _listening(bad_frames=bad_frames)
     peer = context.socket(zmq.DEALER)
     peer.connect(router.address)
     serving, channel = await _session_from(router, lambda: peer.send(HELLO))
@@ -97,7 +99,7 @@ async def test_an_incoming_session_is_down_once_its_peer_closed_its_connection()
         peer.close(linger=0)  # the peer process is gone: its socket closed
         await _until(lambda: channel.disconnected_s is not None, "the ROUTER's monitor named its connection")
         assert router.watch.closed == 1
-        assert channel.bad_frames == 0  # the connection's end is no frame of the peer's
+        assert channel.bad_frames == 0 and bad_frames == []  # its end is no frame of the peer's
     finally:
         serving.cancel()
         router.close()

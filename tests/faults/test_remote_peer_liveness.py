@@ -70,6 +70,9 @@ def test_a_killed_remote_decode_sidecar_is_lost_when_its_connection_closes(deplo
     assert state.status is RoomStatus.FAILED and state.code_text == "peer_lost", state.reason
     assert "lost decode peer decode[pp0,tp0]" in state.reason, state.reason
     assert "its connection closed" in state.reason, state.reason
+    prefill_rank = cluster.prefill[0].rank_id  # the connection's end is no bad frame
+    assert cluster.metric(prefill_rank, "pd_transfer_bad_frames_total") == 0, cluster.logs()
+    assert cluster.metric(prefill_rank, "pd_transfer_connections_closed_total", socket="control") >= 1
 
 
 def test_a_stopped_remote_decode_sidecar_whose_connection_is_up_is_slow_not_lost(deployment):
