@@ -42,13 +42,7 @@ from pd_transfer.agent.auth import (
     source_fd,
 )
 from pd_transfer.agent.peer_process import ProcessIdentity
-from pd_transfer.agent.zmq_bounds import (
-    CONTROL_QUEUED_FRAMES,
-    ConnectionWatch,
-    PeerHeartbeats,
-    bound_frames,
-    watch_peers,
-)
+from pd_transfer.agent.zmq_bounds import CONTROL_QUEUED_FRAMES, ConnectionWatch, bound_frames, watch_peers
 from pd_transfer.errors import PdTransferError, ProtocolError, Reason, RemoteProtocolError
 from pd_transfer.layout.geometry import Role
 from pd_transfer.protocol import Close, Dropped, Heartbeat, Message, Session, encode
@@ -58,11 +52,6 @@ log = logging.getLogger(__name__)
 
 OnMessage = Callable[["Channel", Message], Awaitable[None]]
 CLOSE_SEND_TIMEOUT_S = 1.0  # how long a Close that ends a session may wait to leave
-
-
-def heartbeats_of(context: zmq.asyncio.Context) -> PeerHeartbeats | None:
-    """The ZeroMQ heartbeats the sidecar's control sockets run (None: none)."""
-    return getattr(context, "peer_heartbeats", None)
 
 
 def _without_frames(err: PdTransferError) -> PdTransferError:
@@ -173,8 +162,7 @@ class OutgoingChannel(Channel):
         self._socket = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         bound_frames(self._socket)
-        self._heartbeats = heartbeats_of(context)
-        watch_peers(self._socket, self._heartbeats)
+        self._heartbeats = watch_peers(self._socket, context)
         self._security.connecting(self._socket)
         # watched before it connects: the handshake may complete before start() runs
         self._monitor = self._socket.get_monitor_socket(
@@ -305,8 +293,7 @@ class IncomingChannels:
         bound_frames(
             self.socket, queued_frames=CONTROL_QUEUED_FRAMES, handshake_timeout_s=security.lobby.timeout_s
         )
-        self.heartbeats = heartbeats_of(context)
-        watch_peers(self.socket, self.heartbeats)
+        self.heartbeats = watch_peers(self.socket, context)
         security.listening(self.socket, identified=True)
         if port:
             self.socket.bind(f"tcp://{host}:{port}")

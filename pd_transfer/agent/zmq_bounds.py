@@ -86,15 +86,17 @@ class PeerHeartbeats:
         return cls(config.heartbeat_interval_s, config.peer_connection_timeout_s)
 
 
-def watch_peers(socket: zmq.Socket, heartbeats: PeerHeartbeats | None) -> None:
-    """Turn ZeroMQ's heartbeats on for ``socket`` (nothing with None). Set before the
-    socket binds or connects."""
+def watch_peers(socket: zmq.Socket, context: zmq.Context) -> PeerHeartbeats | None:
+    """Turn on for ``socket`` the heartbeats the sidecar's ``context`` names for its control
+    sockets (its ``peer_heartbeats``); they, or None. Set before the socket binds or connects."""
+    heartbeats = getattr(context, "peer_heartbeats", None)
     if heartbeats is None:
-        return
+        return None
     socket.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(heartbeats.interval_s * 1000)))
     socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(heartbeats.timeout_s * 1000)))
     # the TTL travels in the PING in tenths of a second, at most 6553.5 s
     socket.setsockopt(zmq.HEARTBEAT_TTL, min(int(heartbeats.timeout_s * 1000), 6_553_500))
+    return heartbeats
 
 
 class ConnectionWatch:
