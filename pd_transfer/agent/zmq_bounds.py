@@ -20,6 +20,25 @@ every connection that ends (``pd_transfer_connections_closed_total{socket}``:
 a peer leaving, and a peer dropped for an oversized or malformed frame, end a
 connection alike), and every connection whose ZeroMQ handshake failed on a
 protocol error (something that is not ZeroMQ on the port) as a bad frame.
+It also names the connection that ended (``on_disconnected(fd)``): the
+control ROUTER marks the session whose frames came on it as down
+(agent/channels.py). :meth:`ConnectionWatch.drain` handles the events already
+queued, so that the ROUTER attributes a frame only after every event ZeroMQ
+queued before it: a descriptor reused by a new connection is then never
+mistaken for the one that ended.
+
+:func:`watch_peers` turns on ZeroMQ's own heartbeats (ZMTP PING/PONG,
+``HEARTBEAT_IVL``/``HEARTBEAT_TIMEOUT``/``HEARTBEAT_TTL``) on the control
+sockets. ZeroMQ's I/O thread sends and answers them, not the Python event
+loop: a peer starved of CPU still answers, while a peer whose host vanished
+(no FIN, no RST) or whose process is stopped does not, and its connection is
+closed after ``peer_connection_timeout_s``. So a connection that is up says
+the peer is there, however late its own heartbeats (agent/liveness.py).
+(TCP keepalive would see a vanished host too, but not a stopped process,
+whose kernel answers its probes; and it probes only an idle connection.)
+One limit: ZeroMQ stops reading a connection whose :data:`CONTROL_QUEUED_FRAMES`
+the sidecar has not read, heartbeats included, so a listening sidecar whose
+own loop reads nothing for that long closes its peers' connections itself.
 """
 
 from __future__ import annotations
