@@ -36,9 +36,10 @@ closed after ``peer_connection_timeout_s``. So a connection that is up says
 the peer is there, however late its own heartbeats (agent/liveness.py).
 (TCP keepalive would see a vanished host too, but not a stopped process,
 whose kernel answers its probes; and it probes only an idle connection.)
-One limit: ZeroMQ stops reading a connection whose :data:`CONTROL_QUEUED_FRAMES`
-the sidecar has not read, heartbeats included, so a listening sidecar whose
-own loop reads nothing for that long closes its peers' connections itself.
+One limit: ZeroMQ stops reading a connection once the sidecar left
+:data:`CONTROL_QUEUED_FRAMES` of its frames unread, heartbeats included, so a
+listening sidecar whose loop reads nothing for ``peer_connection_timeout_s``
+beyond that closes its peers' connections itself.
 """
 
 from __future__ import annotations
