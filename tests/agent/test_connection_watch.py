@@ -200,3 +200,30 @@ async def test_an_outgoing_channel_to_a_stopped_peer_is_down_though_its_kernel_a
         channel.close()
         await asyncio.sleep(0)
         context.destroy(linger=0)
+
+
+async def test_a_new_peer_on_the_descriptor_of_one_that_left_is_not_taken_for_it():
+    # the first peer leaves and a second connects at once, likely on the same descriptor;
+    # the ROUTER reads the second's Hello and the first's disconnect in whichever order
+    # they come: the disconnect is still the first's alone
+    context, router = _listening()
+    first = context.socket(zmq.DEALER)
+    first.connect(router.address)
+    serving, gone = await _session_from(router, lambda: first.send(HELLO))
+    second = context.socket(zmq.DEALER)
+    try:
+        heard_before = set(router.channels)
+        first.close(linger=0)
+        second.connect(router.address)
+        await second.send(encode(Hello(agent_id="decode-1", role=Role.DECODE)))
+        await _until(lambda: set(router.channels) - heard_before, "the second peer's session")
+        (new,) = [router.channels[i] for i in set(router.channels) - heard_before]
+        await _until(lambda: gone.disconnected_s is not None, "the first peer's connection is down")
+        await asyncio.sleep(0.3)
+        assert new.disconnected_s is None, (new.fd, gone.fd)
+    finally:
+        serving.cancel()
+        router.close()
+        second.close(linger=0)
+        await asyncio.sleep(0)
+        context.destroy(linger=0)
