@@ -10,6 +10,7 @@ heartbeats, though its kernel keeps the TCP connection open.
 
 import asyncio
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -202,28 +203,51 @@ async def test_an_outgoing_channel_to_a_stopped_peer_is_down_though_its_kernel_a
         context.destroy(linger=0)
 
 
+_TWO_PEERS = """
+import sys, time, zmq
+context = zmq.Context()
+first = context.socket(zmq.DEALER)
+first.connect(sys.argv[1])
+first.send(bytes.fromhex(sys.argv[2]))
+sys.stdin.readline()
+first.close(linger=0)
+time.sleep(0.5)
+second = context.socket(zmq.DEALER)
+second.connect(sys.argv[1])
+second.send(bytes.fromhex(sys.argv[3]))
+time.sleep(0.5)
+print("sent", flush=True)
+time.sleep(600)
+"""
+
+
 async def test_a_new_peer_on_the_descriptor_of_one_that_left_is_not_taken_for_it():
-    # the first peer leaves and a second connects at once, likely on the same descriptor;
-    # the ROUTER reads the second's Hello and the first's disconnect in whichever order
-    # they come: the disconnect is still the first's alone
+    # the first peer leaves and a second connects, on the descriptor the first had, while
+    # this loop is blocked: the ROUTER then finds the second's Hello and the first's
+    # disconnect both waiting; the disconnect is still the first's alone
     context, router = _listening()
-    first = context.socket(zmq.DEALER)
-    first.connect(router.address)
-    serving, gone = await _session_from(router, lambda: first.send(HELLO))
-    second = context.socket(zmq.DEALER)
+    second_hello = encode(Hello(agent_id="decode-1", role=Role.DECODE))
+    peers = subprocess.Popen(
+        [sys.executable, "-c", _TWO_PEERS, router.address, HELLO.hex(), second_hello.hex()],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     try:
+        serving, gone = await _session_from(router, lambda: None)
         heard_before = set(router.channels)
-        first.close(linger=0)
-        second.connect(router.address)
-        await second.send(encode(Hello(agent_id="decode-1", role=Role.DECODE)))
+        peers.stdin.write(b"go\n")
+        peers.stdin.flush()
+        assert peers.stdout.readline() == b"sent\n"  # (blocking: this loop reads nothing meanwhile)
         await _until(lambda: set(router.channels) - heard_before, "the second peer's session")
         (new,) = [router.channels[i] for i in set(router.channels) - heard_before]
+        assert new.fd == gone.fd  # the descriptor was reused: what this test is about
         await _until(lambda: gone.disconnected_s is not None, "the first peer's connection is down")
         await asyncio.sleep(0.3)
-        assert new.disconnected_s is None, (new.fd, gone.fd)
-    finally:
+        assert new.disconnected_s is None
         serving.cancel()
+    finally:
+        peers.kill()
+        peers.wait()
         router.close()
-        second.close(linger=0)
         await asyncio.sleep(0)
         context.destroy(linger=0)
