@@ -13,7 +13,8 @@ for its decode peers, has only the connection and the heartbeats to go by.
 - With ZeroMQ's heartbeats given 1 s, the stopped sidecar, whose I/O thread
   cannot answer them, loses its connection: the prefill's room in flight fails
   with ``peer_lost`` saying the connection closed, long before the 30 s that
-  a slow peer is allowed.
+  a slow peer is allowed; and so does the decode's room waiting on a stopped
+  prefill sidecar (the decode side connects, and follows its own socket).
 """
 
 import os
@@ -105,4 +106,20 @@ def test_a_stopped_remote_decode_sidecar_is_lost_when_zeromq_heartbeats_close_it
     finally:
         os.kill(proc.pid, signal.SIGCONT)
     assert state.status is RoomStatus.FAILED and state.code_text == "peer_lost", state.reason
+    assert "its connection closed" in state.reason, state.reason
+
+
+def test_a_stopped_remote_prefill_sidecar_is_lost_when_zeromq_heartbeats_close_its_connection(deployment):
+    cluster = _two_hosts(deployment, heartbeat_s=0.2, misses=5, connection_timeout_s=1.0)
+    decode = cluster.clients[cluster.decode[0].rank_id]
+    decode.expect(1, cluster.bootstrap, list(range(16, 24)))
+    wait_status(decode, 1, [RoomStatus.WAITING_FOR_INPUT], timeout_s=60)
+    proc = cluster.sidecars[cluster.prefill[0].rank_id].proc
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:  # waited on for less than the slow limit: only the closed connection can end it
+        state = decode.wait(1, timeout_s=SLOW_PEER_LIMIT_S - 10)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    assert state.status is RoomStatus.FAILED and state.code_text == "peer_lost", state.reason
+    assert "lost prefill peer prefill[pp0,tp0]" in state.reason, state.reason
     assert "its connection closed" in state.reason, state.reason
