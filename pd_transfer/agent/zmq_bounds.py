@@ -47,7 +47,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from pd_transfer.config import SidecarConfig
 
 log = logging.getLogger(__name__)
+ContextT = TypeVar("ContextT", bound=zmq.Context)
 
 #: the largest frame a peer may send on a control or bootstrap socket
 CONTROL_FRAME_NBYTES = DEFAULT_LIMITS.max_frame_nbytes
@@ -100,10 +101,12 @@ class PeerHeartbeats:
     interval_s: float
     timeout_s: float
 
-    @classmethod
-    def of(cls, config: SidecarConfig) -> PeerHeartbeats:
-        """A PING every heartbeat interval; closed after ``peer_connection_timeout_s``."""
-        return cls(config.heartbeat_interval_s, config.peer_connection_timeout_s)
+
+def watching_peers(context: ContextT, config: SidecarConfig) -> ContextT:
+    """``context`` (the sidecar's), naming the heartbeats its control sockets run: a PING
+    every ``heartbeat_interval_s``, closed after ``peer_connection_timeout_s``."""
+    context.peer_heartbeats = PeerHeartbeats(config.heartbeat_interval_s, config.peer_connection_timeout_s)
+    return context
 
 
 def watch_peers(socket: zmq.Socket, context: zmq.Context) -> PeerHeartbeats | None:
