@@ -17,8 +17,9 @@ Each channel follows its peer's connection (``disconnected_s``): an outgoing
 one through its socket's monitor (down at a disconnect, up at a completed
 ZeroMQ handshake), an incoming one through the ROUTER's, whose disconnect
 names the descriptor the session's frames came on (up again at a frame on a
-newer connection). ZeroMQ's heartbeats (the context's ``peer_heartbeats``)
-close a connection whose peer stopped answering: such a channel is ``watched``.
+newer connection). With the context's ``peer_keepalive``, the kernel also
+closes a connection whose peer's host stopped answering: such a channel is
+``watched``, and its connection being up says the peer's process is there.
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ class Channel:
         self.peer_rank = ""  # the peer's rank id once known
         # since when (time.monotonic) ZeroMQ reports the connection down; None while it is up
         self.disconnected_s: float | None = None
-        # whether ZeroMQ's heartbeats watch the connection (a dead or stopped peer's
-        # connection closes even without a FIN): then a connection up means the peer is there
+        # whether the kernel's keepalive watches the connection (a vanished host's closes
+        # even without a FIN): then a connection up means the peer's process is there
         self.watched = False
         # the peer's process where it is on this host and visible here (agent/peer_process.py),
         # and the longest stall of its loop that its last heartbeat reported
@@ -162,7 +163,7 @@ class OutgoingChannel(Channel):
         self._socket = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         bound_frames(self._socket)
-        self._heartbeats = watch_peers(self._socket, context)
+        self._keepalive = watch_peers(self._socket, context)
         self._security.connecting(self._socket)
         # watched before it connects: the handshake may complete before start() runs
         self._monitor = self._socket.get_monitor_socket(
@@ -203,7 +204,7 @@ class OutgoingChannel(Channel):
                 if event == zmq.EVENT_DISCONNECTED:
                     self.disconnected_s = self.disconnected_s or time.monotonic()
                 elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:  # watched once it was up
-                    self.disconnected_s, self.watched = None, self._heartbeats is not None
+                    self.disconnected_s, self.watched = None, self._keepalive is not None
         except zmq.ZMQError as err:  # the socket closed under the monitor
             log.debug("peer %s: connection monitor stopped: %s", self.label, err)
         finally:
@@ -253,7 +254,7 @@ class IncomingChannel(Channel):
         self.identity = identity
         self.fd: int | None = None  # the descriptor its latest frame came on (SRCFD)
         self.down_event = 0  # the ROUTER's event count when its connection went down
-        self.watched = router.heartbeats is not None
+        self.watched = router.keepalive is not None
 
     async def _write(self, frame: bytes) -> None:
         await self._router.socket.send_multipart([self.identity, frame])
@@ -293,7 +294,7 @@ class IncomingChannels:
         bound_frames(
             self.socket, queued_frames=CONTROL_QUEUED_FRAMES, handshake_timeout_s=security.lobby.timeout_s
         )
-        self.heartbeats = watch_peers(self.socket, context)
+        self.keepalive = watch_peers(self.socket, context)
         security.listening(self.socket, identified=True)
         if port:
             self.socket.bind(f"tcp://{host}:{port}")

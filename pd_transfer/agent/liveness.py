@@ -3,12 +3,12 @@
 A peer is *gone*, and lost at once, when its connection closed and stayed
 closed for longer than one interval, or, on this host, when its process ended
 (:mod:`~pd_transfer.agent.peer_process`), whatever its heartbeats said. Its
-connection is followed by ZeroMQ's I/O threads, not by the Python loop
+connection is watched by ZeroMQ and the kernel, not by the Python loop
 (:mod:`~pd_transfer.agent.channels`): a process that dies closes it at once,
-and ZeroMQ's own heartbeats (:mod:`~pd_transfer.agent.zmq_bounds`) close it
-within ``peer_connection_timeout_s`` when the peer's host vanished or its
-process is stopped. Otherwise only the silence of the peer's own heartbeats
-speaks, and silence means slow while there is evidence that the peer is there:
+and the kernel's keepalive (:mod:`~pd_transfer.agent.zmq_bounds`) closes it
+within ``peer_connection_timeout_s`` when the peer's host vanished.
+Otherwise only the silence of the peer's own heartbeats speaks, and silence
+means slow while there is evidence that the peer is there:
 
 - silence is measured in time this process could listen: while our own
   event loop was stalled (starved of CPU, or blocked by a long call), the
@@ -18,10 +18,10 @@ speaks, and silence means slow while there is evidence that the peer is there:
   lost only once silent for ``slow_peer_limit_s``; one seen stopped (SIGSTOP)
   is lost after the heartbeat limit;
 - a peer not on this host (or whose process this sidecar cannot see) whose
-  connection ZeroMQ's heartbeats watch and find up is slow, not gone, alike:
-  lost only once silent for ``slow_peer_limit_s``. Its I/O thread answers
-  ZeroMQ's heartbeats while its Python loop is starved; were it stopped or
-  its host gone, the connection would close;
+  watched connection is up is slow, not gone, alike: lost only once silent
+  for ``slow_peer_limit_s``. Its process holds the connection open (it would
+  close were the process to end, or after the keepalive's timeout were its
+  host gone), so it is there, starved, hung or stopped;
 - any other peer (its connection unwatched, or down for less than one
   interval) is lost after the heartbeat limit, plus the longest stall of its
   own loop that its last heartbeat reported (at most up to
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 class Heard(Protocol):
     last_heard_s: float
     disconnected_s: float | None
-    watched: bool  # ZeroMQ's heartbeats watch its connection: up means the peer is there
+    watched: bool  # the kernel's keepalive watches its connection: up, its process is there
     peer_process: ProcessIdentity | None  # on this host and visible here, else None
     peer_stall_s: float  # the longest stall its last heartbeat reported
 
@@ -131,7 +131,7 @@ def _allowed(peer: Heard, state: ProcessState | None, limit_s: float, slow_s: fl
     if peer.watched and peer.disconnected_s is None:
         return (
             slow_s,
-            ", though its connection is up (ZeroMQ's heartbeats answered): hung or starved that long",
+            ", though its connection is up (its process is there): hung, stopped or starved that long",
         )
     credit_s = min(max(peer.peer_stall_s, 0.0), slow_s - limit_s)
     if credit_s >= 0.05:

@@ -2,9 +2,9 @@
 
 Each timer tick, a session in a state that heartbeats gets one once per
 ``heartbeat_interval_s``, telling the peer the longest stall of this loop of
-late; a peer that is gone (its connection, which ZeroMQ's I/O threads watch
-with heartbeats of their own, stayed down longer than one interval, or its
-process on this host ended) or silent for longer than it may be (the
+late; a peer that is gone (its connection, which ZeroMQ and the kernel's
+keepalive watch, stayed down longer than one interval, or its process on
+this host ended) or silent for longer than it may be (the
 heartbeat limit, or ``slow_peer_limit_s`` where its process on this host
 runs or its watched connection is up:
 :func:`~pd_transfer.agent.liveness.why_lost`) is lost: its channel closes and

@@ -27,24 +27,25 @@ queued, so that the ROUTER attributes a frame only after every event ZeroMQ
 queued before it: a descriptor reused by a new connection is then never
 mistaken for the one that ended.
 
-:func:`watch_peers` turns on ZeroMQ's own heartbeats (ZMTP PING/PONG,
-``HEARTBEAT_IVL``/``HEARTBEAT_TIMEOUT``/``HEARTBEAT_TTL``) on the control
-sockets. ZeroMQ's I/O thread sends and answers them, not the Python event
-loop: a peer starved of CPU still answers, while a peer whose host vanished
-(no FIN, no RST) or whose process is stopped does not, and its connection is
-closed after ``peer_connection_timeout_s``. So a connection that is up says
-the peer is there, however late its own heartbeats (agent/liveness.py).
-(TCP keepalive would see a vanished host too, but not a stopped process,
-whose kernel answers its probes; and it probes only an idle connection.)
-One limit: ZeroMQ stops reading a connection once the sidecar left
-:data:`CONTROL_QUEUED_FRAMES` of its frames unread, heartbeats included, so a
-listening sidecar whose loop reads nothing for ``peer_connection_timeout_s``
-beyond that closes its peers' connections itself.
+:func:`watch_peers` has the kernel watch the control connections: TCP
+keepalive probes an idle connection every second, and ``TCP_USER_TIMEOUT``
+closes a connection whose data or probes go unacknowledged for
+``peer_connection_timeout_s``. The peer's kernel answers, not its Python loop
+nor even its process: a peer starved of CPU, or stopped, keeps its
+connection, while a peer whose host vanished (no FIN, no RST) loses it. So a
+connection that is up says the peer's process is there, however late its own
+heartbeats (agent/liveness.py); a process that dies closes it at once.
+ZeroMQ's own heartbeats (ZMTP PING/PONG) would also see a stopped process,
+but libzmq 4.3 aborts the process on an assertion (``!_io_error``,
+stream_engine_base.cpp) when a heartbeating connection whose received frames
+wait unread (the :data:`CONTROL_QUEUED_FRAMES` of a listening socket) is hung
+up by its peer: a starved prefill whose decode peer dies. They stay off.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
@@ -93,33 +94,31 @@ def bound_frames(
 
 
 @dataclass(frozen=True)
-class PeerHeartbeats:
-    """ZeroMQ's heartbeats on a peer connection: a PING every ``interval_s``; no traffic
-    for ``timeout_s`` after one closes the connection (either side: ``HEARTBEAT_TTL``
-    tells the peer the same)."""
+class PeerKeepalive:
+    """The kernel's watch on a peer connection: ``timeout_s`` without an acknowledgement
+    (of data, or of keepalive probes sent each second once it is idle) closes it."""
 
-    interval_s: float
     timeout_s: float
 
 
 def watching_peers(context: ContextT, config: SidecarConfig) -> ContextT:
-    """``context`` (the sidecar's), naming the heartbeats its control sockets run: a PING
-    every ``heartbeat_interval_s``, closed after ``peer_connection_timeout_s``."""
-    context.peer_heartbeats = PeerHeartbeats(config.heartbeat_interval_s, config.peer_connection_timeout_s)
+    """``context`` (the sidecar's), naming the keepalive its control sockets run."""
+    context.peer_keepalive = PeerKeepalive(config.peer_connection_timeout_s)
     return context
 
 
-def watch_peers(socket: zmq.Socket, context: zmq.Context) -> PeerHeartbeats | None:
-    """Turn on for ``socket`` the heartbeats the sidecar's ``context`` names for its control
-    sockets (its ``peer_heartbeats``); they, or None. Set before the socket binds or connects."""
-    heartbeats = getattr(context, "peer_heartbeats", None)
-    if heartbeats is None:
+def watch_peers(socket: zmq.Socket, context: zmq.Context) -> PeerKeepalive | None:
+    """Turn on for ``socket`` the keepalive the sidecar's ``context`` names for its control
+    sockets (its ``peer_keepalive``); it, or None. Set before the socket binds or connects."""
+    keepalive = getattr(context, "peer_keepalive", None)
+    if keepalive is None:
         return None
-    socket.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(heartbeats.interval_s * 1000)))
-    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(heartbeats.timeout_s * 1000)))
-    # the TTL travels in the PING in tenths of a second, at most 6553.5 s
-    socket.setsockopt(zmq.HEARTBEAT_TTL, min(int(heartbeats.timeout_s * 1000), 6_553_500))
-    return heartbeats
+    socket.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    socket.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 1)  # seconds idle before the first probe
+    socket.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 1)
+    socket.setsockopt(zmq.TCP_KEEPALIVE_CNT, max(1, math.ceil(keepalive.timeout_s)))
+    socket.setsockopt(zmq.TCP_MAXRT, max(1, int(keepalive.timeout_s * 1000)))  # TCP_USER_TIMEOUT
+    return keepalive
 
 
 class ConnectionWatch:
@@ -190,9 +189,9 @@ class ConnectionWatch:
             self._on_closed(self.name)
             self._on_disconnected(value)
             log.debug(  # every departing peer ends one: routine, so not at info
-                "%s: a connection ended (%d so far): the peer left or stopped answering "
-                "ZeroMQ's heartbeats, or sent a frame over the %d-byte limit or one ZeroMQ "
-                "could not parse",
+                "%s: a connection ended (%d so far): the peer left or its host stopped "
+                "answering, or it sent a frame over the %d-byte limit or one ZeroMQ could "
+                "not parse",
                 self.where,
                 self.closed,
                 self._limit,

@@ -9,7 +9,8 @@ heartbeats, though its kernel keeps the TCP connection open.
 """
 
 import asyncio
-import signal
+import os
+import socket
 import subprocess
 import sys
 
@@ -19,7 +20,7 @@ import zmq.asyncio
 
 from pd_transfer.agent.auth import DISABLED, SecureContext
 from pd_transfer.agent.channels import IncomingChannels, OutgoingChannel
-from pd_transfer.agent.zmq_bounds import PeerHeartbeats
+from pd_transfer.agent.zmq_bounds import PeerKeepalive
 from pd_transfer.layout.geometry import Role
 from pd_transfer.ports import spare_port
 from pd_transfer.protocol import Heartbeat, Hello, encode
@@ -64,10 +65,10 @@ async def test_a_channel_is_down_while_its_peer_is_gone_and_up_when_it_is_back()
         context.destroy(linger=0)
 
 
-def _listening(heartbeats=None, bad_frames=None):
-    """A prefill's control ROUTER on a context that runs ``heartbeats`` (the sidecar's)."""
+def _listening(keepalive=None, bad_frames=None):
+    """A prefill's control ROUTER on a context that runs ``keepalive`` (the sidecar's)."""
     context = SecureContext(DISABLED)
-    context.peer_heartbeats = heartbeats
+    context.peer_keepalive = keepalive
     on_bad_frame = (bad_frames if bad_frames is not None else []).append
     return context, IncomingChannels(context, "127.0.0.1", 0, Role.PREFILL, on_bad_frame=on_bad_frame)
 
@@ -131,74 +132,89 @@ async def test_a_session_that_reconnects_under_its_routing_id_is_up_again():
         context.destroy(linger=0)
 
 
-_STOPPABLE_PEER = """
-import sys, time, zmq
-socket = zmq.Context().socket(zmq.DEALER)
-socket.connect(sys.argv[1])
-socket.send(bytes.fromhex(sys.argv[2]))
-print("sent", flush=True)
-time.sleep(600)
-"""
-
-
-async def test_a_stopped_peer_is_found_gone_by_zeromq_heartbeats_while_it_cannot_answer():
-    # the peer's process is stopped: its kernel keeps the TCP connection, no FIN comes; only
-    # ZeroMQ's heartbeats (sent by this side's I/O thread, unanswered by the stopped one) end it
-    context, router = _listening(PeerHeartbeats(interval_s=0.2, timeout_s=1.0))
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _STOPPABLE_PEER, router.address, HELLO.hex(), stdout=asyncio.subprocess.PIPE
-    )
+def _watch_of(fd: int) -> tuple[int, int, int]:
+    """(SO_KEEPALIVE, TCP_KEEPIDLE, TCP_USER_TIMEOUT) of the connection on ``fd``."""
+    sock = socket.socket(fileno=os.dup(fd))
     try:
-        serving, channel = await _session_from(router, lambda: None)
-        assert channel.watched
-        await asyncio.sleep(1.5)  # past the timeout, answered all along: still up
-        assert channel.disconnected_s is None
-        proc.send_signal(signal.SIGSTOP)
-        await _until(lambda: channel.disconnected_s is not None, "the unanswered heartbeats closed it", 30)
-        serving.cancel()
+        return (
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+            sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+            sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT),
+        )
     finally:
-        proc.send_signal(signal.SIGCONT)
-        proc.kill()
-        await proc.wait()
+        sock.close()
+
+
+def _connections_to(port: int) -> list[int]:
+    """This process's descriptors of TCP connections to or from ``port``."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue
+        try:
+            ends = (sock.getsockname(), sock.getpeername())
+            if sock.family == socket.AF_INET and port in (ends[0][1], ends[1][1]):
+                found.append(int(name))
+        except OSError:  # not a socket, or not connected
+            pass
+        finally:
+            sock.close()
+    return found
+
+
+async def test_the_kernel_watches_both_ends_of_a_control_connection():
+    # a host that vanishes sends no FIN: keepalive probes (after 1 s idle) and the user
+    # timeout close the connection within the timeout, on the listening and connecting side
+    context, router = _listening(PeerKeepalive(timeout_s=7.0))
+    channel = OutgoingChannel(context, router.address, Role.DECODE, "prefill 0")
+    serving = None
+    try:
+        channel.start(_nothing)
+        hello = Hello(agent_id="decode-0", role=Role.DECODE)
+        serving, incoming = await _session_from(router, lambda: asyncio.ensure_future(channel.send(hello)))
+        await _until(lambda: channel.watched, "the outgoing connection is up")
+        assert incoming.watched
+        port = int(router.address.rsplit(":", 1)[1])
+        ends = _connections_to(port)
+        assert len(ends) == 2, ends  # the ROUTER's accepted end, the DEALER's connected end
+        assert [_watch_of(fd) for fd in ends] == [(1, 1, 7000)] * 2
+    finally:
+        if serving is not None:
+            serving.cancel()
+        channel.close()
         router.close()
         await asyncio.sleep(0)
         context.destroy(linger=0)
 
 
-_STOPPABLE_LISTENER = """
-import sys, time, zmq
-socket = zmq.Context().socket(zmq.ROUTER)
-socket.bind(sys.argv[1])
-print("bound", flush=True)
-time.sleep(600)
-"""
-
-
-async def test_an_outgoing_channel_to_a_stopped_peer_is_down_though_its_kernel_accepts_reconnects():
-    # ZeroMQ's heartbeats close the connection; the stopped peer's kernel still accepts
-    # ZeroMQ's reconnects, but no handshake completes: the channel stays down
+async def test_an_outgoing_channel_is_down_until_a_zeromq_handshake_completes():
+    # the peer's socket closed, and something that is not its ZeroMQ (a stopped process's
+    # backlog, a stranger) accepts the reconnects at the TCP level: still down
     context = SecureContext(DISABLED)
-    context.peer_heartbeats = PeerHeartbeats(interval_s=0.2, timeout_s=1.0)
+    context.peer_keepalive = PeerKeepalive(timeout_s=10.0)
     address = f"tcp://127.0.0.1:{spare_port()}"
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _STOPPABLE_LISTENER, address, stdout=asyncio.subprocess.PIPE
-    )
+    peer = context.socket(zmq.ROUTER)
+    peer.bind(address)
     channel = OutgoingChannel(context, address, Role.DECODE, "prefill 0")
+    mute = socket.socket()
     try:
-        assert await proc.stdout.readline() == b"bound\n"
         channel.start(_nothing)
-        await _until(lambda: channel.watched, "the handshake completed", 30)
+        await _until(lambda: channel.watched, "the handshake completed")
         assert channel.disconnected_s is None
-        proc.send_signal(signal.SIGSTOP)
-        await _until(lambda: channel.disconnected_s is not None, "the unanswered heartbeats closed it", 30)
+        peer.close(linger=0)
+        await _until(lambda: channel.disconnected_s is not None, "the channel saw it drop")
         since = channel.disconnected_s
-        await asyncio.sleep(2.0)  # ZeroMQ reconnects (100 ms apart): TCP connects, no handshake
+        mute.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        mute.bind(("127.0.0.1", int(address.rsplit(":", 1)[1])))
+        mute.listen(16)  # the kernel completes TCP connects; nobody speaks ZeroMQ
+        await asyncio.sleep(1.0)  # ZeroMQ reconnects (100 ms apart): TCP connects, no handshake
         assert channel.disconnected_s == since
     finally:
-        proc.send_signal(signal.SIGCONT)
-        proc.kill()
-        await proc.wait()
+        mute.close()
         channel.close()
+        peer.close(linger=0)
         await asyncio.sleep(0)
         context.destroy(linger=0)
 

@@ -174,8 +174,8 @@ def test_a_remote_peer_whose_watched_connection_is_up_is_slow_not_gone_until_the
     peer = Peer(last_heard_s=0.0, watched=True)
     assert why_lost(peer, 5.0, 0.2, 1.0, slow_limit_s=30.0) == ""  # 5 x the heartbeat limit
     assert why_lost(peer, 30.5, 0.2, 1.0, slow_limit_s=30.0) == (
-        "no heartbeat for 30.5 s, though its connection is up (ZeroMQ's heartbeats answered): "
-        "hung or starved that long"
+        "no heartbeat for 30.5 s, though its connection is up (its process is there): "
+        "hung, stopped or starved that long"
     )
 
 
