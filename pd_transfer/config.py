@@ -77,6 +77,7 @@ class SidecarConfig:
     slow_peer_limit_s: float = (
         30.0  # a peer on this host whose process runs (not stopped) is lost only once silent this long
     )
+    peer_connection_timeout_s: float = 10.0  # a control connection whose data or keepalive probes the peer's host does not acknowledge this long closes, and the peer is lost: its host vanished (its kernel answers for a starved or stopped process)
     abort_drain_timeout_s: float = 10.0  # decode abort waits this long for drain acks
     room_ttl_s: float = 120.0  # terminal rooms kept for late polls
     max_rooms: int = 4096  # live rooms at most; more are refused at once

@@ -46,6 +46,7 @@ from pd_transfer.security.identity import IDENTITY_DOMAIN, Identity
 from pd_transfer.wire.fields import clip_text
 
 if TYPE_CHECKING:
+    from pd_transfer.agent.zmq_bounds import PeerKeepalive
     from pd_transfer.config import SidecarConfig
 
 log = logging.getLogger(__name__)
@@ -156,6 +157,7 @@ class SecureContext(zmq.asyncio.Context):
 
     security: Security = DISABLED  # pyzmq contexts keep attributes declared on the class
     zap: ZapHandler | None = None  # checks identity keys (identity_allow_file)
+    peer_keepalive: PeerKeepalive | None = None  # the kernel's, on control sockets (agent/zmq_bounds.py)
 
     def __init__(self, security: Security) -> None:
         super().__init__()

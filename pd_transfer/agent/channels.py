@@ -12,6 +12,14 @@ runs the handshake before its first frame leaves, and the ROUTER lets a frame
 reach a session only from an identity that completed it: a frame sent before
 is dropped, counted (``bad_frames{reason="unauthenticated"}``) and answered
 with a Close, and no session is created for it.
+
+Each channel follows its peer's connection (``disconnected_s``): an outgoing
+one through its socket's monitor (down at a disconnect, up at a completed
+ZeroMQ handshake), an incoming one through the ROUTER's, whose disconnect
+names the descriptor the session's frames came on (up again at a frame on a
+newer connection). With the context's ``peer_keepalive``, the kernel also
+closes a connection whose peer's host stopped answering: such a channel is
+``watched``, and its connection being up says the peer's process is there.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from pd_transfer.agent.auth import (
     source_fd,
 )
 from pd_transfer.agent.peer_process import ProcessIdentity
-from pd_transfer.agent.zmq_bounds import CONTROL_QUEUED_FRAMES, ConnectionWatch, bound_frames
+from pd_transfer.agent.zmq_bounds import CONTROL_QUEUED_FRAMES, ConnectionWatch, bound_frames, watch_peers
 from pd_transfer.errors import PdTransferError, ProtocolError, Reason, RemoteProtocolError
 from pd_transfer.layout.geometry import Role
 from pd_transfer.protocol import Close, Dropped, Heartbeat, Message, Session, encode
@@ -75,9 +83,11 @@ class Channel:
         self.bad_frames = 0
         self.closed = False
         self.peer_rank = ""  # the peer's rank id once known
-        # since when (time.monotonic) ZeroMQ reports the connection down; None while it is
-        # up, and always on the listening side (a ROUTER's events do not name the peer)
+        # since when (time.monotonic) ZeroMQ reports the connection down; None while it is up
         self.disconnected_s: float | None = None
+        # whether the kernel's keepalive watches the connection (a vanished host's closes
+        # even without a FIN): then a connection up means the peer's process is there
+        self.watched = False
         # the peer's process where it is on this host and visible here (agent/peer_process.py),
         # and the longest stall of its loop that its last heartbeat reported
         self.peer_process: ProcessIdentity | None = None
@@ -153,7 +163,12 @@ class OutgoingChannel(Channel):
         self._socket = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         bound_frames(self._socket)
+        self._keepalive = watch_peers(self._socket, context)
         self._security.connecting(self._socket)
+        # watched before it connects: the handshake may complete before start() runs
+        self._monitor = self._socket.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        )
         self._socket.connect(address)
         self._reader: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
@@ -179,15 +194,17 @@ class OutgoingChannel(Channel):
 
     async def _watch_connection(self) -> None:
         """Follow the connection's ups and downs (``disconnected_s``): a peer process that
-        dies closes its sockets, and the agent need not wait for its heartbeats to stop."""
-        monitor = self._socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        dies closes its sockets, and the agent need not wait for its heartbeats to stop.
+        Up is a completed ZeroMQ handshake, not a TCP connect: the kernel of a host whose
+        peer process is stopped still accepts connections that nobody answers."""
+        monitor = self._monitor
         try:
             while not self.closed:
                 event = parse_monitor_message(await monitor.recv_multipart())["event"]
                 if event == zmq.EVENT_DISCONNECTED:
                     self.disconnected_s = self.disconnected_s or time.monotonic()
-                elif event == zmq.EVENT_CONNECTED:
-                    self.disconnected_s = None
+                elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:  # watched once it was up
+                    self.disconnected_s, self.watched = None, self._keepalive is not None
         except zmq.ZMQError as err:  # the socket closed under the monitor
             log.debug("peer %s: connection monitor stopped: %s", self.label, err)
         finally:
@@ -226,6 +243,7 @@ class OutgoingChannel(Channel):
         for task in (self._reader, self._watcher):
             if task is not None:
                 task.cancel()
+        self._monitor.close(linger=0)  # (a watcher cancelled before it ran closes nothing)
         self._socket.close(linger=linger_ms)
 
 
@@ -235,6 +253,8 @@ class IncomingChannel(Channel):
         self._router = router
         self.identity = identity
         self.fd: int | None = None  # the descriptor its latest frame came on (SRCFD)
+        self.down_event = 0  # the ROUTER's event count when its connection went down
+        self.watched = router.keepalive is not None
 
     async def _write(self, frame: bytes) -> None:
         await self._router.socket.send_multipart([self.identity, frame])
@@ -274,6 +294,7 @@ class IncomingChannels:
         bound_frames(
             self.socket, queued_frames=CONTROL_QUEUED_FRAMES, handshake_timeout_s=security.lobby.timeout_s
         )
+        self.keepalive = watch_peers(self.socket, context)
         security.listening(self.socket, identified=True)
         if port:
             self.socket.bind(f"tcp://{host}:{port}")
@@ -293,15 +314,45 @@ class IncomingChannels:
         )
         self._role = role
         self.channels: dict[bytes, IncomingChannel] = {}
+        self._door = door
+        self._events = 0  # the monitor's accept and disconnect events handled so far
+        self._accepted: dict[int, int] = {}  # fd -> the event count at its latest accept
         self.watch = ConnectionWatch(
             self.socket,
             "control",
             f"control {self.address}",
             on_closed=on_closed,
             on_bad_frame=on_bad_frame,
-            on_accepted=door.accepted,
-            on_disconnected=door.disconnected,
+            on_accepted=self._connection_accepted,
+            on_disconnected=self._connection_ended,
         )
+
+    def _connection_accepted(self, fd: int) -> None:
+        self._events += 1
+        self._accepted[fd] = self._events
+        self._door.accepted(fd)
+
+    def _connection_ended(self, fd: int) -> None:
+        """The connection on ``fd`` closed: the sessions whose frames came on it are down."""
+        self._events += 1
+        self._accepted.pop(fd, None)
+        self._door.disconnected(fd)
+        now = time.monotonic()
+        for channel in self.channels.values():
+            if channel.fd == fd and channel.disconnected_s is None:
+                channel.disconnected_s, channel.down_event = now, self._events
+
+    def _heard_on(self, channel: IncomingChannel, fd: int | None) -> None:
+        """A frame of ``channel`` came on ``fd``: up again if that is a newer connection
+        than the one that ended (a frame the old one left queued is not). The connection
+        events ZeroMQ queued before the frame are handled first: a descriptor that another
+        session's connection left is not taken for this one's (after the doorman, whose
+        frame of a connection that ended since is counted as it was sent)."""
+        self.watch.drain()
+        if channel.disconnected_s is not None and fd is not None:
+            if fd != channel.fd or self._accepted.get(fd, 0) > channel.down_event:
+                channel.disconnected_s = None
+        channel.fd = fd
 
     async def serve(self, on_message: OnMessage) -> None:
         watching = asyncio.create_task(self.watch.run())
@@ -326,7 +377,7 @@ class IncomingChannels:
                 channel.proven_agent_id = self.doorman.proven_agent_id(identity)
                 channel.proven_identity = self.doorman.proven_identity(identity)
                 channel.on_bad_frame, channel.on_refused = self._on_bad_frame, self._on_refused
-            channel.fd = fd
+            self._heard_on(channel, fd)
             try:
                 await channel.receive(frame, on_message)
             except Exception:

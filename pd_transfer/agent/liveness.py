@@ -1,19 +1,30 @@
 """When a peer counts as lost, and why a stall of our own never makes it so.
 
-A peer is *gone* when its connection closed and stayed closed for longer
-than one interval, or, on this host, when its process ended
-(:mod:`~pd_transfer.agent.peer_process`): that is lost at once, whatever its
-heartbeats said. Otherwise only silence speaks, and silence may mean slow:
+A peer is *gone*, and lost at once, when its connection closed and stayed
+closed for longer than one interval, or, on this host, when its process ended
+(:mod:`~pd_transfer.agent.peer_process`), whatever its heartbeats said. Its
+connection is watched by ZeroMQ and the kernel, not by the Python loop
+(:mod:`~pd_transfer.agent.channels`): a process that dies closes it at once,
+and the kernel's keepalive (:mod:`~pd_transfer.agent.zmq_bounds`) closes it
+within ``peer_connection_timeout_s`` when the peer's host vanished.
+Otherwise only the silence of the peer's own heartbeats speaks, and silence
+means slow while there is evidence that the peer is there:
 
 - silence is measured in time this process could listen: while our own
   event loop was stalled (starved of CPU, or blocked by a long call), the
   peer's heartbeats wait unread in the socket, and that stretch is not
   counted against it;
-- a peer on this host whose process is seen running is slow, not gone: it
-  is lost only once silent for ``slow_peer_limit_s``; one seen stopped
-  (SIGSTOP) is lost after the heartbeat limit, as is a peer not on this host;
-- a peer not on this host gets the longest stall of its own loop that its
-  last heartbeat reported on top of the heartbeat limit (at most up to
+- a peer on this host whose process is seen running is slow, not gone: it is
+  lost only once silent for ``slow_peer_limit_s``; one seen stopped (SIGSTOP)
+  is lost after the heartbeat limit;
+- a peer not on this host (or whose process this sidecar cannot see) whose
+  watched connection is up is slow, not gone, alike: lost only once silent
+  for ``slow_peer_limit_s``. Its process holds the connection open (it would
+  close were the process to end, or after the keepalive's timeout were its
+  host gone), so it is there, starved, hung or stopped;
+- any other peer (its connection unwatched, or down for less than one
+  interval) is lost after the heartbeat limit, plus the longest stall of its
+  own loop that its last heartbeat reported (at most up to
   ``slow_peer_limit_s``): it was starved before, and may be again.
 """
 
@@ -31,6 +42,7 @@ log = logging.getLogger(__name__)
 class Heard(Protocol):
     last_heard_s: float
     disconnected_s: float | None
+    watched: bool  # the kernel's keepalive watches its connection: up, its process is there
     peer_process: ProcessIdentity | None  # on this host and visible here, else None
     peer_stall_s: float  # the longest stall its last heartbeat reported
 
@@ -96,13 +108,15 @@ def why_lost(
     if peer.disconnected_s is not None and unseen(peer.disconnected_s) > interval_s:
         return (
             f"its connection closed {now - peer.disconnected_s:.1f} s ago and did not "
-            f"come back (the peer process stopped or its host is unreachable)"
+            f"come back (the peer process ended or stopped, or its host is unreachable)"
         )
     quiet = now - peer.last_heard_s
     blind = quiet - unseen(peer.last_heard_s)
     allowed_s, why = _allowed(peer, state, limit_s, max(slow_limit_s, limit_s))
     if quiet - blind > allowed_s:
         stalled = f", {blind:.1f} s of it while this sidecar was stalled" if blind >= 0.05 else ""
+        if peer.disconnected_s is not None:  # down for less than an interval so far
+            why += f"; its connection closed {now - peer.disconnected_s:.1f} s ago"
         return f"no heartbeat for {quiet:.1f} s{stalled}{why}"
     return ""
 
@@ -114,6 +128,11 @@ def _allowed(peer: Heard, state: ProcessState | None, limit_s: float, slow_s: fl
         return slow_s, f", though its process (pid {pid} on this host) runs: hung or starved that long"
     if state is ProcessState.STOPPED:
         return limit_s, f", its process (pid {peer.peer_process.pid} on this host) is stopped"
+    if peer.watched and peer.disconnected_s is None:
+        return (
+            slow_s,
+            ", though its connection is up (its process is there): hung, stopped or starved that long",
+        )
     credit_s = min(max(peer.peer_stall_s, 0.0), slow_s - limit_s)
     if credit_s >= 0.05:
         return limit_s + credit_s, f" ({credit_s:.1f} s more allowed for the stalls it reported)"

@@ -2,10 +2,13 @@
 
 Each timer tick, a session in a state that heartbeats gets one once per
 ``heartbeat_interval_s``, telling the peer the longest stall of this loop of
-late; a peer that is gone (its connection stayed down longer than one
-interval, or its process on this host ended) or silent for longer than it
-may be (:func:`~pd_transfer.agent.liveness.why_lost`) is lost: its channel
-closes and the callback it was watched with learns why, once.
+late; a peer that is gone (its connection, which ZeroMQ and the kernel's
+keepalive watch, stayed down longer than one interval, or its process on
+this host ended) or silent for longer than it may be (the
+heartbeat limit, or ``slow_peer_limit_s`` where its process on this host
+runs or its watched connection is up:
+:func:`~pd_transfer.agent.liveness.why_lost`) is lost: its channel closes and
+the callback it was watched with learns why, once.
 """
 
 from __future__ import annotations
@@ -47,9 +50,9 @@ class PeerWatch:
         self._heartbeat_seq = itertools.count(1)
 
     def watch(self, channel: Channel, on_lost: Callable[[str], None]) -> None:
-        """Call ``on_lost(why)`` once ``channel``'s peer is lost: silent for
-        ``heartbeat_misses`` heartbeat intervals, or its connection down (a peer process
-        that died closed it) for longer than one interval without coming back."""
+        """Call ``on_lost(why)`` once ``channel``'s peer is lost: silent for longer than
+        it may be (:func:`~pd_transfer.agent.liveness.why_lost`), or its connection down
+        (a peer process that died closed it) for longer than one interval."""
         self._watched.append((channel, on_lost))
 
     def watch_once(self, channel: Channel, on_lost: Callable[[str], None]) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import zmq
 
-from pd_transfer.agent import integrity
+from pd_transfer.agent import integrity, zmq_bounds
 from pd_transfer.agent.admission import Admission
 from pd_transfer.agent.auth import SecureContext, Security
 from pd_transfer.agent.bootstrap import BootstrapServer
@@ -60,7 +60,7 @@ class Sidecar:
         self.drain_s = drain_s
         # every socket made from this context finds the secret and keys (agent/auth.py)
         self.security = security or Security.from_config(config)
-        self.context = SecureContext(self.security)
+        self.context = zmq_bounds.watching_peers(SecureContext(self.security), config)
         self.rooms = RoomTable(config.room_ttl_s, config.max_rooms)
         self.admission = Admission(config)  # rooms per peer, bytes in flight (agent/admission.py)
         self.observe = Observer(self)

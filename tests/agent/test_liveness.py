@@ -18,6 +18,7 @@ from pd_transfer.agent.peer_process import ProcessIdentity, ProcessState, own_id
 class Peer:
     last_heard_s: float
     disconnected_s: float | None = None
+    watched: bool = False
     peer_process: ProcessIdentity | None = None
     peer_stall_s: float = 0.0
 
@@ -167,6 +168,25 @@ def test_a_remote_peer_gets_the_stalls_its_heartbeats_reported_up_to_the_slow_li
     )
     boasting = Peer(last_heard_s=0.0, peer_stall_s=1e9)  # a report is capped by the slow limit
     assert why_lost(boasting, 5.0, 0.2, 1.0, slow_limit_s=4.0).startswith("no heartbeat for 5.0 s")
+
+
+def test_a_remote_peer_whose_watched_connection_is_up_is_slow_not_gone_until_the_slow_limit():
+    peer = Peer(last_heard_s=0.0, watched=True)
+    assert why_lost(peer, 5.0, 0.2, 1.0, slow_limit_s=30.0) == ""  # 5 x the heartbeat limit
+    assert why_lost(peer, 30.5, 0.2, 1.0, slow_limit_s=30.0) == (
+        "no heartbeat for 30.5 s, though its connection is up (its process is there): "
+        "hung, stopped or starved that long"
+    )
+
+
+def test_a_remote_peer_whose_watched_connection_went_down_is_lost_one_interval_later():
+    peer = Peer(last_heard_s=0.0, watched=True, disconnected_s=4.0)
+    # down for less than an interval: no longer slow, the heartbeat limit holds
+    assert why_lost(peer, 4.1, 0.2, 1.0, slow_limit_s=30.0) == (
+        "no heartbeat for 4.1 s; its connection closed 0.1 s ago"
+    )
+    assert why_lost(peer, 4.1, 0.2, 5.0, slow_limit_s=30.0) == ""
+    assert why_lost(peer, 4.3, 0.2, 5.0, slow_limit_s=30.0).startswith("its connection closed 0.3 s ago")
 
 
 def test_the_longest_stall_kept_is_what_heartbeats_report():

@@ -4,9 +4,9 @@ Heartbeats here are 0.5 s with 20 misses: by heartbeats alone a dead peer
 would be declared lost after 10 s, and a slow one (a sidecar starved of CPU)
 is lost only after ``slow_peer_limit_s``. Each sidecar watches the process
 of a peer on its host (``agent/peer_process.py``): a decode sidecar killed
-with SIGKILL makes the prefill rank, which listens on one ROUTER for all its
-decode peers and has no per-peer connection events, fail the room in flight
-with ``peer_lost`` at its next timer tick, saying the process ended.
+with SIGKILL makes the prefill rank fail the room in flight with
+``peer_lost`` at its next timer tick, saying the process ended (before its
+closed connection, which counts after one interval: test_remote_peer_liveness.py).
 """
 
 import time
