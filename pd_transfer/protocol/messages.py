@@ -46,6 +46,9 @@ class Message:
 CONFIRM_DONE = "confirm_done"
 #: the Hello feature of prefill agents that act on :class:`RoomRefused`
 ROOM_REFUSAL = "room_refusal"
+#: the Hello feature of prefill agents that also act on :class:`RoomRefused` from an accepted
+#: decode rank: a room decode gave up before claiming it (its request ended, or was unloadable)
+ROOM_ABANDON = "room_abandon"
 
 
 class DoneStatus(enum.Enum):
@@ -306,7 +309,9 @@ class Abort(Message):
 @dataclass(frozen=True, kw_only=True)
 class RoomRefused(Message):
     """Decode -> prefill (offering :data:`ROOM_REFUSAL`), on a rejected session: ``room`` was
-    to be this decode rank's; it fails with ``reason_text``, not at a bootstrap timeout."""
+    to be this decode rank's; it fails with ``reason_text``, not at a bootstrap timeout.
+    On an accepted session (to a prefill offering :data:`ROOM_ABANDON`): decode will never
+    claim ``room`` (its request ended first, or cannot load); it fails the same way."""
 
     TAG: ClassVar[str] = "room_refused"
     room: int

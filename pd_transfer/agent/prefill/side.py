@@ -224,10 +224,11 @@ class PrefillSide(PrefillWrites):
         self.sidecar.spawn(send_verdict(self, peer), peer=peer.rank_id)
 
     async def _on_refusal(self, peer: DecodePeer, message: RoomRefused) -> None:
-        """A decode rank this rank rejected says the room was to be its (a session allows
-        RoomRefused only after a rejection): the room fails now with decode's text
-        (agent/decode/rejections.py), not at its bootstrap timeout. A room another decode
-        instance claimed, or its worker bound to one, is not this rank's to end."""
+        """A decode rank this rank rejected says the room was to be its
+        (agent/decode/rejections.py), or an accepted one says it will never claim it
+        (agent/decode/abandon.py): the room fails now with decode's text, not at its
+        bootstrap timeout. A room another decode instance claimed, or its worker bound to
+        one, is not this rank's to end."""
         room = self.sidecar.rooms.get(message.room)
         instance = ownership.instance_of(peer)
         others = isinstance(room, PrefillRoom) and (
