@@ -129,10 +129,17 @@ class AsyncClient:
         state_slots=(),
         aux_row: int | None = None,
         swa_pages=(),
+        held_pages: int = 0,
     ) -> None:
         reply = await self._call(
             wire.expect_request(
-                room, bootstrap_addr, pages, state_slots=state_slots, aux_row=aux_row, swa_pages=swa_pages
+                room,
+                bootstrap_addr,
+                pages,
+                state_slots=state_slots,
+                aux_row=aux_row,
+                swa_pages=swa_pages,
+                held_pages=held_pages,
             )
         )
         self._bells.note(room, reply)

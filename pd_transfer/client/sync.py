@@ -153,16 +153,25 @@ class Client:
         state_slots=(),
         aux_row: int | None = None,
         swa_pages=(),
+        held_pages: int = 0,
     ) -> None:
         """Decode: announce ``room`` and the destination pages, slots and aux row it fills.
 
         ``bootstrap_addr`` is the prefill instance's bootstrap address
         (``tcp://host:port``). The pages must stay reserved until the room is
-        terminal, or until :meth:`abort` returns True.
+        terminal, or until :meth:`abort` returns True. ``held_pages``: the
+        first pages of ``pages`` already hold the room's tokens (a prefix-cache
+        hit); nothing is written into them.
         """
         reply = self._call(
             wire.expect_request(
-                room, bootstrap_addr, pages, state_slots=state_slots, aux_row=aux_row, swa_pages=swa_pages
+                room,
+                bootstrap_addr,
+                pages,
+                state_slots=state_slots,
+                aux_row=aux_row,
+                swa_pages=swa_pages,
+                held_pages=held_pages,
             )
         )
         self._bells.note(room, reply)

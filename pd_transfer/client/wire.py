@@ -145,7 +145,14 @@ def send_request(
 
 
 def expect_request(
-    room: int, bootstrap_addr: str, pages, *, state_slots=(), aux_row: int | None = None, swa_pages=()
+    room: int,
+    bootstrap_addr: str,
+    pages,
+    *,
+    state_slots=(),
+    aux_row: int | None = None,
+    swa_pages=(),
+    held_pages: int = 0,
 ) -> Request:
     if not isinstance(bootstrap_addr, str) or not bootstrap_addr:
         raise ValueError(f"bootstrap_addr: expected an address like tcp://host:port, got {bootstrap_addr!r}")
@@ -157,6 +164,7 @@ def expect_request(
         "swa_pages": index_list("swa_pages", swa_pages),
         "state_slots": index_list("state_slots", state_slots),
         "aux_row": optional_index("aux_row", aux_row),
+        "held_pages": optional_index("held_pages", held_pages),
     }
 
 

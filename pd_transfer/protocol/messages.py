@@ -238,6 +238,9 @@ class TransferRequest(Message):
     ``doorbell`` ``(slot, token, writer)``: ring that doorbell as writer
     number ``writer`` once every byte of the room has landed, before Done
     (optional; only to a rank whose Verdict said it rings).
+    ``held_pages`` (optional, same release): the first ``held_pages`` kv
+    pages of ``dst`` already hold the room's tokens (decode's prefix cache);
+    prefill writes nothing into them.
     """
 
     TAG: ClassVar[str] = "transfer_request"
@@ -246,6 +249,7 @@ class TransferRequest(Message):
     dst: tuple[PoolIndices, ...]
     src_ranks: tuple[str, ...] = ()
     doorbell: tuple[int, int, int] | None = None
+    held_pages: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,7 +19,10 @@ Requests (fields beyond ``op`` and ``id``):
               (optional: the decode instance the room is bound to)
                                                      (prefill)
     expect    room, bootstrap "tcp://host:port", pages, swa_pages,
-              state_slots, aux_row                   (decode)
+              state_slots, aux_row, held_pages int (optional, default
+              0: the first held_pages of pages already hold the room's
+              tokens, a prefix-cache hit; nothing is written into them)
+                                                     (decode)
     layer_ready room, layer_id                       (prefill, streaming)
     poll      room
     wait      room, timeout_s   (replies when terminal or on timeout)
@@ -110,6 +113,7 @@ _OPTIONAL: tuple[Field, ...] = (
     Field("decode", Str(max_len=MAX_INSTANCE_LEN), default=""),
     Field("aux_row", Optional(Int(hi=MAX_INDEX)), default=None),
     Field("reason", Str(max_len=MAX_FAIL_TEXT_LEN), default=""),
+    Field("held_pages", Int(hi=MAX_INDICES), default=0),
 )
 
 

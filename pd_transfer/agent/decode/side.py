@@ -103,6 +103,12 @@ class DecodeSide:
             raise PdTransferError(f"room {request['room']} is already expected", code=Reason.DUPLICATE_ROOM)
         # refused here, with the field: never accepted to fail later at its timeout
         check_indices(pools, self.sidecar.geometry, side="destination", unique=True)
+        held = request["held_pages"]
+        if held > len(pools.get(Pool.KV, ())):
+            raise PdTransferError(
+                f"at $.held_pages: {held} held pages, but the room names {len(pools.get(Pool.KV, ()))} kv pages",
+                code=Reason.BAD_FIELD,
+            )
         # a room whose writers all rang has succeeded, and its worker may have seen the
         # doorbell (and reused the pages) before this sidecar saw the Done: settle it first
         for holder in self.claims.holders(pools):
@@ -111,7 +117,11 @@ class DecodeSide:
                 self._succeed(other)
         self.claims.claim(request["room"], pools)
         room = DecodeRoom(
-            request["room"], self.sidecar.next_generation(), bootstrap=request["bootstrap"], dst=pools
+            request["room"],
+            self.sidecar.next_generation(),
+            bootstrap=request["bootstrap"],
+            dst=pools,
+            held_pages=held,
         )
         room.on_end.append(lambda ended: self.claims.release(ended.room, ended.dst))
         # a little longer than resolving may take, so its own, more precise error wins
@@ -193,6 +203,7 @@ class DecodeSide:
             generation=room.generation,
             dst=tuple(PoolIndices(p, tuple(int(i) for i in idx)) for p, idx in room.dst.items()),
             src_ranks=tuple(room.sources),
+            held_pages=room.held_pages,
         )
         writers = self.bells.writers(room, [instance.peers.get(rank) for rank in room.sources])
         room.requested = True

@@ -297,9 +297,15 @@ class PrefillSide(PrefillWrites):
         except PdTransferError as err:
             await _refuse(peer, message, err.code, f"room {message.room}: {err.message}"[:4000])
             return None
+        if message.held_pages > len(dst.get(Pool.KV, ())):
+            text = f"room {message.room}: {message.held_pages} held pages of {len(dst.get(Pool.KV, ()))} kv pages"
+            await _refuse(peer, message, Reason.BAD_FIELD, text)
+            return None
         writes = sidecar.geometry.rank_id in message.src_ranks
         bell = message.doorbell if writes and peer.bells is not None else None
-        return room, Target(peer, message.generation, dst, writes=writes, bell=bell)
+        # with integrity checks the checksums cover every page: held pages are written too
+        held = message.held_pages if peer.integrity is None else 0
+        return room, Target(peer, message.generation, dst, writes=writes, bell=bell, held=held)
 
     async def on_send(self, request: dict[str, Any], pools: dict[Pool, np.ndarray]) -> dict[str, Any]:
         try:  # against this rank's own pools, before a byte moves

@@ -35,9 +35,8 @@ class RecvSpec:
     """Decode: expect ``room`` from ``bootstrap_addr`` into ``block_ids``.
 
     The first ``num_local_blocks`` blocks hold tokens decode already had in
-    its own prefix cache: the transfer still fills their pages (the sidecars
-    map pages positionally), but the connector leaves vLLM's copy of them
-    alone. ``error`` set: the request cannot be loaded (bad parameters); the
+    its own prefix cache: they are expected as held pages (prefill writes
+    nothing into them), and the connector leaves vLLM's copy of them alone. ``error`` set: the request cannot be loaded (bad parameters); the
     worker reports it failed, with the reason, without expecting the room, and
     abandons it (its prefill instance is told) when ``bootstrap_addr`` is known.
     ``state_slots`` and ``swa_pages``: as in :class:`SendSpec`, decode's;

@@ -204,6 +204,7 @@ class WorkerSide:
                 list(spec.block_ids),
                 state_slots=list(spec.state_slots),
                 swa_pages=list(spec.swa_pages),
+                held_pages=min(spec.num_local_blocks, len(spec.block_ids)),
             )
         except ClientError as err:
             self._fail(spec, f"room {spec.room}: expect refused: {err}")
