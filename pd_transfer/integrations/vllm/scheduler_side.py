@@ -19,6 +19,10 @@ allocated blocks into a :class:`RecvSpec`; vLLM parks the request in
 failed (the blocks then come back through ``get_block_ids_with_load_errors``
 and vLLM's ``kv_load_failure_policy`` decides). A request aborted while its
 KV is arriving keeps its blocks until the workers report the room drained.
+A request that ends before it claimed its room (aborted while it queued), or
+whose parameters do not fit its prompt, has its room abandoned: the workers
+tell their sidecars, which tell the prefill instance, so prefill's blocks
+return at once instead of at its wait for a claim.
 
 Pages sent = the blocks holding the prompt's first ``prompt_len - 1`` tokens:
 vLLM's decode loads all but the last prompt token and computes that one
@@ -251,7 +255,8 @@ class SchedulerSide:
         parsed = kvparams.parse_remote_prefill(request.kv_transfer_params)
         if isinstance(parsed, str):
             return  # no room to name: prefill's waits for its claim
-        why = f"request {request.request_id} ended on decode ({request.status.name.lower()}) before its claim"
+        status = getattr(getattr(request, "status", None), "name", "finished").lower()
+        why = f"request {request.request_id} ended on decode ({status}) before its claim"
         log.info("room %d: %s; prefill is told", parsed.room, why)
         self._step.abandons.append(AbandonSpec(request.request_id, parsed.room, parsed.bootstrap_addr, why))
 
