@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 import pytest
-from cluster import Cluster
+from cluster import Cluster, Sidecar
 
 from pd_transfer.client import Refused
 from pd_transfer.layout.geometry import Role
@@ -142,3 +142,18 @@ def test_a_room_of_a_lost_prefill_fails_within_a_heartbeat_limit(cluster_factory
     assert state.status is RoomStatus.FAILED and state.code_text == "peer_lost", cluster.logs()
     assert f"prefill instance {cluster.bootstrap} was lost" in state.reason
     assert "its rooms were lost with it" in state.reason
+    # a prefill sidecar back at the address: its rooms are served, the loss is not held against it
+    rank = prefill[0].rank_id
+    cluster.clients.pop(rank).close()
+    cluster.pools.pop(rank).close()
+    old = cluster.sidecars[rank]
+    config = {"transport": "shm", "http_port": 0, "heartbeat_interval_s": 0.2, "heartbeat_misses": 5, **SLOW}
+    cluster.sidecars[rank] = Sidecar(
+        cluster.workdir, "prefill", f"{old.name}-again", config, cluster.bootstrap
+    )
+    cluster.sidecars[rank].wait_ready()
+    cluster._attach(prefill[0], "again")
+    cluster.expect(3, _requests([4, 5]))
+    cluster.send(3, _requests([4, 5]))
+    assert cluster.wait_decode(3, WAIT_S)[decode[0].rank_id].status is RoomStatus.SUCCESS, cluster.logs()
+    assert cluster.verify([_requests([0, 1]), _requests([4, 5])]) == []

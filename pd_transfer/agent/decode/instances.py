@@ -136,7 +136,7 @@ class PrefillInstances:
         waits for the outcome instead (polled, at most an interval and a tick) and,
         if the instance was lost, goes to its new resolution.
         """
-        instance = await self.gone.wait(bootstrap, asyncio.shield(self.resolved(bootstrap)))
+        instance = await self.gone.wait(bootstrap, self.resolved(bootstrap))
         self._end_if_forgotten(instance)
         deadline = time.monotonic() + self.config.heartbeat_interval_s + _DOWN_SLACK_S
         while (
@@ -146,7 +146,7 @@ class PrefillInstances:
         ):
             await asyncio.sleep(_DOWN_POLL_S)
         if instance.lost:  # bounded while the address is known lost (.gone)
-            instance = await self.gone.wait(bootstrap, asyncio.shield(self.resolved(bootstrap)))
+            instance = await self.gone.wait(bootstrap, self.resolved(bootstrap))
         return instance
 
     def _end_if_forgotten(self, instance: PrefillInstance) -> None:
@@ -218,7 +218,6 @@ class PrefillInstances:
                 "decode: prefill instance %s resolved after %d failed tries", bootstrap, backoff.failures
             )
         del self.backoffs[bootstrap]  # kept only while failing
-        self.gone.back(bootstrap)
         self.rejected.drop(bootstrap)
         return instance
 
@@ -227,6 +226,7 @@ class PrefillInstances:
         table = await fetch_table(
             sidecar.context, bootstrap, self.config.agent_id, self.config.bootstrap_timeout_s
         )
+        self.gone.back(bootstrap)  # it answers: claims wait for the rest of the resolution
         geometry = sidecar.geometry
         # this rank's stage only: the decode instance's coverage is prefill's verdict
         recon = reconcile([e.geometry for e in table.entries], [geometry], require_all_prefill_layers=False)
