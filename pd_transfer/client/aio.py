@@ -129,10 +129,17 @@ class AsyncClient:
         state_slots=(),
         aux_row: int | None = None,
         swa_pages=(),
+        held_pages: int = 0,
     ) -> None:
         reply = await self._call(
             wire.expect_request(
-                room, bootstrap_addr, pages, state_slots=state_slots, aux_row=aux_row, swa_pages=swa_pages
+                room,
+                bootstrap_addr,
+                pages,
+                state_slots=state_slots,
+                aux_row=aux_row,
+                swa_pages=swa_pages,
+                held_pages=held_pages,
             )
         )
         self._bells.note(room, reply)
@@ -160,6 +167,12 @@ class AsyncClient:
         request = wire.wait_request(room, timeout_s)
         reply = await self._call(request, timeout_s=timeout_s + self.timeout_s)
         return self._bells.seen(room, wire.room_state(request["op"], reply))
+
+    async def abandon(self, room: int, bootstrap_addr: str, reason: str) -> None:
+        """Decode: ``room`` from ``bootstrap_addr`` will never be expected (its request ended
+        first, or cannot be loaded). The sidecar tells that prefill instance, whose room fails
+        with ``reason`` at once instead of waiting for a claim until its bootstrap timeout."""
+        await self._call(wire.abandon_request(room, bootstrap_addr, reason))
 
     async def abort(self, room: int) -> bool:
         request = wire.abort_request(room)

@@ -153,16 +153,25 @@ class Client:
         state_slots=(),
         aux_row: int | None = None,
         swa_pages=(),
+        held_pages: int = 0,
     ) -> None:
         """Decode: announce ``room`` and the destination pages, slots and aux row it fills.
 
         ``bootstrap_addr`` is the prefill instance's bootstrap address
         (``tcp://host:port``). The pages must stay reserved until the room is
-        terminal, or until :meth:`abort` returns True.
+        terminal, or until :meth:`abort` returns True. ``held_pages``: the
+        first pages of ``pages`` already hold the room's tokens (a prefix-cache
+        hit); nothing is written into them.
         """
         reply = self._call(
             wire.expect_request(
-                room, bootstrap_addr, pages, state_slots=state_slots, aux_row=aux_row, swa_pages=swa_pages
+                room,
+                bootstrap_addr,
+                pages,
+                state_slots=state_slots,
+                aux_row=aux_row,
+                swa_pages=swa_pages,
+                held_pages=held_pages,
             )
         )
         self._bells.note(room, reply)
@@ -216,6 +225,12 @@ class Client:
         request = wire.wait_request(room, timeout_s)
         reply = self._call(request, timeout_s=timeout_s + self.timeout_s)
         return self._bells.seen(room, wire.room_state(request["op"], reply))
+
+    def abandon(self, room: int, bootstrap_addr: str, reason: str) -> None:
+        """Decode: ``room`` from ``bootstrap_addr`` will never be expected (its request ended
+        first, or cannot be loaded). The sidecar tells that prefill instance, whose room fails
+        with ``reason`` at once instead of waiting for a claim until its bootstrap timeout."""
+        self._call(wire.abandon_request(room, bootstrap_addr, reason))
 
     def abort(self, room: int) -> bool:
         """Abort ``room``. True (drained): no write can land any more, the pages are free."""

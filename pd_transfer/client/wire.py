@@ -23,7 +23,8 @@ from pd_transfer.layout.geometry import RankGeometry
 from pd_transfer.protocol.geometry_codec import geometry_to_data
 from pd_transfer.protocol.worker_api import MAX_INDEX, MAX_INSTANCE_LEN, MAX_WAIT_S, WorkerOp
 from pd_transfer.wire.envelope import unpack
-from pd_transfer.wire.limits import WORKER_LIMITS
+from pd_transfer.wire.fields import clip_text
+from pd_transfer.wire.limits import MAX_FAIL_TEXT_LEN, WORKER_LIMITS
 
 Request = dict[str, Any]
 
@@ -144,7 +145,14 @@ def send_request(
 
 
 def expect_request(
-    room: int, bootstrap_addr: str, pages, *, state_slots=(), aux_row: int | None = None, swa_pages=()
+    room: int,
+    bootstrap_addr: str,
+    pages,
+    *,
+    state_slots=(),
+    aux_row: int | None = None,
+    swa_pages=(),
+    held_pages: int = 0,
 ) -> Request:
     if not isinstance(bootstrap_addr, str) or not bootstrap_addr:
         raise ValueError(f"bootstrap_addr: expected an address like tcp://host:port, got {bootstrap_addr!r}")
@@ -156,6 +164,7 @@ def expect_request(
         "swa_pages": index_list("swa_pages", swa_pages),
         "state_slots": index_list("state_slots", state_slots),
         "aux_row": optional_index("aux_row", aux_row),
+        "held_pages": optional_index("held_pages", held_pages),
     }
 
 
@@ -183,6 +192,17 @@ def wait_request(room: int, timeout_s: float) -> Request:
 
 def abort_request(room: int) -> Request:
     return {"op": WorkerOp.ABORT.value, "room": room_id(room)}
+
+
+def abandon_request(room: int, bootstrap_addr: str, reason: str) -> Request:
+    if not isinstance(bootstrap_addr, str) or not bootstrap_addr:
+        raise ValueError(f"bootstrap_addr: expected an address like tcp://host:port, got {bootstrap_addr!r}")
+    return {
+        "op": WorkerOp.ABANDON.value,
+        "room": room_id(room),
+        "bootstrap": bootstrap_addr,
+        "reason": clip_text(str(reason), MAX_FAIL_TEXT_LEN),
+    }
 
 
 # -- replies ------------------------------------------------------------------------
@@ -245,6 +265,7 @@ def drained(op: str, reply: dict[str, Any]) -> bool:
 
 __all__ = [
     "Request",
+    "abandon_request",
     "abort_request",
     "checked",
     "drained",

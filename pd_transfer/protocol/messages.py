@@ -54,6 +54,9 @@ class RoomMessage(Message):
 CONFIRM_DONE = "confirm_done"
 #: the Hello feature of prefill agents that act on :class:`RoomRefused`
 ROOM_REFUSAL = "room_refusal"
+#: the Hello feature of prefill agents that also act on :class:`RoomRefused` from an accepted
+#: decode rank: a room decode gave up before claiming it (its request ended, or was unloadable)
+ROOM_ABANDON = "room_abandon"
 
 
 class DoneStatus(enum.Enum):
@@ -243,6 +246,9 @@ class TransferRequest(RoomMessage):
     ``doorbell`` ``(slot, token, writer)``: ring that doorbell as writer
     number ``writer`` once every byte of the room has landed, before Done
     (optional; only to a rank whose Verdict said it rings).
+    ``held_pages`` (optional, same release): the first ``held_pages`` kv
+    pages of ``dst`` already hold the room's tokens (decode's prefix cache);
+    prefill writes nothing into them.
     """
 
     TAG: ClassVar[str] = "transfer_request"
@@ -251,6 +257,7 @@ class TransferRequest(RoomMessage):
     dst: tuple[PoolIndices, ...]
     src_ranks: tuple[str, ...] = ()
     doorbell: tuple[int, int, int] | None = None
+    held_pages: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -314,7 +321,9 @@ class Abort(RoomMessage):
 @dataclass(frozen=True, kw_only=True)
 class RoomRefused(Message):
     """Decode -> prefill (offering :data:`ROOM_REFUSAL`), on a rejected session: ``room`` was
-    to be this decode rank's; it fails with ``reason_text``, not at a bootstrap timeout."""
+    to be this decode rank's; it fails with ``reason_text``, not at a bootstrap timeout.
+    On an accepted session (to a prefill offering :data:`ROOM_ABANDON`): decode will never
+    claim ``room`` (its request ended first, or cannot load); it fails the same way."""
 
     TAG: ClassVar[str] = "room_refused"
     room: int

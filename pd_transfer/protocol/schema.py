@@ -239,6 +239,7 @@ RECORDS: dict[type[Message], Record] = {
             Field("src_ranks", ListOf(ID, MAX_SRC_RANKS), default=()),
             # (slot, token, writer); tokens start at 1: a zeroed word is never a room's
             Field("doorbell", Optional(TupleOf((U32, Int(lo=1, hi=2**32 - 1), Int(hi=255)))), default=None),
+            Field("held_pages", U32, default=0),
         ),
         finish=_check_request,
     ),

@@ -20,7 +20,8 @@ has exactly one legal sender, so no two handshake frames can cross::
 
 In ``accepted``: decode sends TransferRequest; prefill sends Progress and
 Done; decode answers a successful room with its own Done (success only: it
-has the bytes); either side sends Abort and AbortAck. In ``rejected``, decode
+has the bytes); either side sends Abort and AbortAck; decode sends RoomRefused for a room it gave up
+before claiming it (to a prefill offering ``room_abandon``). In ``rejected``, decode
 sends RoomRefused for each room it would have asked for. Heartbeats go both ways in every
 state from ``greeted`` on. Either side may Close in any non-terminal state;
 ``closed`` and ``error`` have no way out.
@@ -130,6 +131,7 @@ def _transitions() -> dict[tuple[SessionState, Role, Trigger], SessionState]:
         (S.REGISTERED, P, T.VERDICT_REJECTED): S.REJECTED,
         (S.REJECTED, D, T.ROOM_REFUSED): S.REJECTED,  # decode's room fails on prefill too
         (S.ACCEPTED, D, T.TRANSFER_REQUEST): S.ACCEPTED,
+        (S.ACCEPTED, D, T.ROOM_REFUSED): S.ACCEPTED,  # a room decode gave up before claiming it
         (S.ACCEPTED, P, T.PROGRESS): S.ACCEPTED,
         (S.ACCEPTED, P, T.DONE): S.ACCEPTED,
         (S.ACCEPTED, D, T.DONE): S.ACCEPTED,  # decode confirms it has the room's bytes

@@ -19,11 +19,18 @@ Requests (fields beyond ``op`` and ``id``):
               (optional: the decode instance the room is bound to)
                                                      (prefill)
     expect    room, bootstrap "tcp://host:port", pages, swa_pages,
-              state_slots, aux_row                   (decode)
+              state_slots, aux_row, held_pages int (optional, default
+              0: the first held_pages of pages already hold the room's
+              tokens, a prefix-cache hit; nothing is written into them)
+                                                     (decode)
     layer_ready room, layer_id                       (prefill, streaming)
     poll      room
     wait      room, timeout_s   (replies when terminal or on timeout)
     abort     room              (decode: replies once no write can land)
+    abandon   room, bootstrap, reason str (optional)  (decode: a room this
+              rank will never expect, e.g. its request ended first; the
+              sidecar tells the prefill instance, whose room fails with
+              ``reason`` at once)
 
 Replies: ``{"id": n, "ok": True, ...}`` or ``{"id": n, "ok": False,
 "code": reason code, "reason": text}``. ``poll``/``wait`` replies carry
@@ -45,6 +52,7 @@ from pd_transfer.wire.envelope import pack, translated, unpack
 from pd_transfer.wire.fields import INT64_MAX, Bool, Field, Float, Int, ListOf, Map, Optional, Str, read_field
 from pd_transfer.wire.limits import (
     MAX_ADDRESS_LEN,
+    MAX_FAIL_TEXT_LEN,
     MAX_ID_LEN,
     MAX_INDICES,
     MAX_WORKER_REQUEST_NBYTES,
@@ -66,6 +74,7 @@ class WorkerOp(enum.Enum):
     POLL = "poll"
     WAIT = "wait"
     ABORT = "abort"
+    ABANDON = "abandon"
 
 
 class WorkerApiError(PdTransferError):
@@ -91,6 +100,7 @@ _REQUIRED: dict[WorkerOp, tuple[Field, ...]] = {
     WorkerOp.POLL: (Field("room", _ROOM),),
     WorkerOp.WAIT: (Field("room", _ROOM), Field("timeout_s", Float())),
     WorkerOp.ABORT: (Field("room", _ROOM),),
+    WorkerOp.ABANDON: (Field("room", _ROOM), Field("bootstrap", Str(max_len=MAX_ADDRESS_LEN))),
 }
 
 #: fields every request may carry, with their defaults
@@ -102,6 +112,8 @@ _OPTIONAL: tuple[Field, ...] = (
     Field("stream", Bool(), default=False),
     Field("decode", Str(max_len=MAX_INSTANCE_LEN), default=""),
     Field("aux_row", Optional(Int(hi=MAX_INDEX)), default=None),
+    Field("reason", Str(max_len=MAX_FAIL_TEXT_LEN), default=""),
+    Field("held_pages", Int(hi=MAX_INDICES), default=0),
 )
 
 

@@ -45,7 +45,7 @@ def _room(chunks, last=True):
 
 
 def _target(planner, dst):
-    return SimpleNamespace(peer=SimpleNamespace(planner=planner), dst=dst, kv_cursor=0)
+    return SimpleNamespace(peer=SimpleNamespace(planner=planner), dst=dst, kv_cursor=0, held=0)
 
 
 def test_chunks_of_prefill_pages_land_at_their_tokens_in_larger_decode_pages():

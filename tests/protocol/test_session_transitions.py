@@ -49,6 +49,8 @@ GOLDEN_LEGAL = {
     (S.ACCEPTED, D, T.ABORT): S.ACCEPTED,
     (S.ACCEPTED, P, T.ABORT_ACK): S.ACCEPTED,
     (S.ACCEPTED, D, T.ABORT_ACK): S.ACCEPTED,
+    # An accepted decode tells prefill of a room it gave up before claiming it.
+    (S.ACCEPTED, D, T.ROOM_REFUSED): S.ACCEPTED,
     # Rejected: decode tells prefill each room it would have asked for, which fails too.
     (S.REJECTED, D, T.ROOM_REFUSED): S.REJECTED,
     # Heartbeats both ways once both agents know each other (from greeted on).
@@ -104,7 +106,7 @@ GOLDEN_ILLEGAL = [
     (S.REJECTED, P, T.PROGRESS),
     (S.REJECTED, P, T.DONE),
     (S.REJECTED, D, T.ABORT),
-    (S.ACCEPTED, D, T.ROOM_REFUSED),  # an accepted decode asks for its rooms instead
+    (S.ACCEPTED, P, T.ROOM_REFUSED),  # only decode knows the rooms it gives up
     (S.REJECTED, P, T.ROOM_REFUSED),  # only decode knows the rooms it would have claimed
     (S.REJECTED, P, T.VERDICT_ACCEPTED),
 ]

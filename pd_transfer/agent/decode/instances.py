@@ -29,6 +29,7 @@ from pd_transfer.agent.bootstrap import fetch_table
 from pd_transfer.agent.channels import OutgoingChannel
 from pd_transfer.agent.decode import retire
 from pd_transfer.agent.decode.bells import RoomBells
+from pd_transfer.agent.decode.gone import LostAddresses
 from pd_transfer.agent.decode.rejections import RejectedSessions
 from pd_transfer.agent.peer_process import own_register_fields, peer_identity
 from pd_transfer.agent.retry import Backoff
@@ -100,6 +101,7 @@ class PrefillInstances:
         self.instances: dict[str, asyncio.Task] = {}
         self.backoffs: dict[str, Backoff] = {}  # per address: its failed resolutions
         self.retired: list[PrefillInstance] = []  # lost: sessions to close once quiet
+        self.gone = LostAddresses(sidecar.config.heartbeat_interval_s * sidecar.config.heartbeat_misses)
         self.rejected = RejectedSessions(
             sidecar.spawn, sidecar.config.bootstrap_timeout_s
         )  # to tell prefill the rooms it refuses
@@ -135,7 +137,7 @@ class PrefillInstances:
         waits for the outcome instead (polled, at most an interval and a tick) and,
         if the instance was lost, goes to its new resolution.
         """
-        instance = await asyncio.shield(self.resolved(bootstrap))
+        instance = await self.gone.wait(bootstrap, self.resolved(bootstrap))
         self._end_if_forgotten(instance)
         deadline = time.monotonic() + self.config.heartbeat_interval_s + _DOWN_SLACK_S
         while (
@@ -144,8 +146,8 @@ class PrefillInstances:
             and any(p.channel.disconnected_s is not None for p in instance.peers.values())
         ):
             await asyncio.sleep(_DOWN_POLL_S)
-        if instance.lost:
-            instance = await asyncio.shield(self.resolved(bootstrap))
+        if instance.lost:  # bounded while the address is known lost (.gone)
+            instance = await self.gone.wait(bootstrap, self.resolved(bootstrap))
         return instance
 
     def _end_if_forgotten(self, instance: PrefillInstance) -> None:
@@ -227,6 +229,7 @@ class PrefillInstances:
         table = await fetch_table(
             sidecar.context, bootstrap, self.config.agent_id, self.config.bootstrap_timeout_s
         )
+        self.gone.back(bootstrap)  # it answers: claims wait for the rest of the resolution
         geometry = sidecar.geometry
         # this rank's stage only: the decode instance's coverage is prefill's verdict
         recon = reconcile([e.geometry for e in table.entries], [geometry], require_all_prefill_layers=False)
@@ -392,6 +395,7 @@ class PrefillInstances:
         if not instance.lost:
             instance.lost, instance.lost_s = True, time.monotonic()
             self.retired.append(instance)
+            self.gone.lost(instance.bootstrap, text, code)
         instance.lost_ranks.add(peer.rank_id)
         if not peer.verdict.done():
             peer.verdict.set_exception(PdTransferError(text, code=code))

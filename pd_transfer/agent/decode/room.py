@@ -30,3 +30,4 @@ class DecodeRoom(Room):
     instance: PrefillInstance | None = None
     bell: tuple[int, int] | None = None  # doorbell (slot, token)
     requested: bool = False  # a TransferRequest went to a prefill rank
+    held_pages: int = 0  # leading kv pages decode already holds: nothing is written into them

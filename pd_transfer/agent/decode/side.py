@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pd_transfer.agent import integrity
+from pd_transfer.agent.decode import abandon
 from pd_transfer.agent.decode.bells import RoomBells
 from pd_transfer.agent.decode.instances import PrefillInstance, PrefillInstances, PrefillPeer
 from pd_transfer.agent.decode.room import DecodeRoom
@@ -71,6 +72,8 @@ class DecodeSide:
     async def on_worker_op(self, op: WorkerOp, request: dict, pools: dict[Pool, np.ndarray]) -> dict:
         if op is WorkerOp.EXPECT:
             return await self.on_expect(request, pools)
+        if op is WorkerOp.ABANDON:
+            return self.on_abandon(request)
         raise PdTransferError(f"{op.value} is not available on a decode sidecar", code=Reason.BAD_FRAME)
 
     async def end_room(self, room: DecodeRoom, reason: Reason, text: str) -> None:
@@ -100,6 +103,12 @@ class DecodeSide:
             raise PdTransferError(f"room {request['room']} is already expected", code=Reason.DUPLICATE_ROOM)
         # refused here, with the field: never accepted to fail later at its timeout
         check_indices(pools, self.sidecar.geometry, side="destination", unique=True)
+        held = request["held_pages"]
+        if held > len(pools.get(Pool.KV, ())):
+            raise PdTransferError(
+                f"at $.held_pages: {held} held pages, but the room names {len(pools.get(Pool.KV, ()))} kv pages",
+                code=Reason.BAD_FIELD,
+            )
         # a room whose writers all rang has succeeded, and its worker may have seen the
         # doorbell (and reused the pages) before this sidecar saw the Done: settle it first
         for holder in self.claims.holders(pools):
@@ -108,7 +117,11 @@ class DecodeSide:
                 self._succeed(other)
         self.claims.claim(request["room"], pools)
         room = DecodeRoom(
-            request["room"], self.sidecar.next_generation(), bootstrap=request["bootstrap"], dst=pools
+            request["room"],
+            self.sidecar.next_generation(),
+            bootstrap=request["bootstrap"],
+            dst=pools,
+            held_pages=held,
         )
         room.on_end.append(lambda ended: self.claims.release(ended.room, ended.dst))
         # a little longer than resolving may take, so its own, more precise error wins
@@ -120,6 +133,24 @@ class DecodeSide:
             reply["doorbell"] = doorbell
         self.sidecar.spawn(self._start(room), room=room.room)
         return reply
+
+    def on_abandon(self, request: dict) -> dict:
+        """The worker will never expect this room: its prefill instance is told (:mod:`.abandon`)."""
+        room_id = request["room"]
+        existing = self.sidecar.rooms.get(room_id)
+        if existing is not None and not existing.terminal:
+            raise PdTransferError(
+                f"room {room_id} is expected here; abort it instead of abandoning it",
+                code=Reason.DUPLICATE_ROOM,
+            )
+        why = request["reason"] or "no reason given"
+        text = f"room {room_id}: decode {self.config.agent_id} will never claim it: {why}"
+        log.info("decode: %s", text, extra={"room": room_id, "peer": request["bootstrap"]})
+        self.sidecar.observe.abort("decode", Reason.ABORTED.value)
+        self.sidecar.spawn(
+            abandon.tell_prefill(self.prefill, request["bootstrap"], room_id, text), room=room_id
+        )
+        return {}
 
     async def _start(self, room: DecodeRoom) -> None:
         """Resolve, admit and request the room; whatever goes wrong ends it at once with
@@ -172,6 +203,7 @@ class DecodeSide:
             generation=room.generation,
             dst=tuple(PoolIndices(p, tuple(int(i) for i in idx)) for p, idx in room.dst.items()),
             src_ranks=tuple(room.sources),
+            held_pages=room.held_pages,
         )
         writers = self.bells.writers(room, [instance.peers.get(rank) for rank in room.sources])
         room.requested = True

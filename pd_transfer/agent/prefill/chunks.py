@@ -19,7 +19,12 @@ cursor still counts prefill pages, and chunk ``i`` is the
 :class:`~pd_transfer.layout.spans.TokenSpan` of its tokens: they start at
 ``cursor * prefill page size`` and land in the decode pages that hold those
 tokens. SWA window pages are the request's last pages on each side, so each
-list is placed to end with its side's last KV page. Pure: no I/O.
+list is placed to end with its side's last KV page.
+
+A decode that already holds the room's first kv pages (a prefix-cache hit,
+the TransferRequest's ``held_pages``) is written nothing into them: the
+pairs (or, where page sizes differ, the tokens) of those pages are left out
+of each chunk. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -78,7 +83,8 @@ def _kv_requests(
     dst_kv = target.dst.get(Pool.KV, np.zeros(0, np.int64))
     kv_sizes = planner.page_sizes(Pool.KV) if planner is not None else None
     if kv_sizes is not None:
-        return {Pool.KV: _kv_span(target.kv_cursor, src_kv, dst_kv, kv_sizes, last)} if len(src_kv) else {}
+        span = _kv_span(target.kv_cursor, src_kv, dst_kv, kv_sizes, last, target.held)
+        return {Pool.KV: span} if len(src_kv) and len(span.dst_pages) else {}
     end = target.kv_cursor + len(src_kv)
     if end > len(dst_kv) or (last and end != len(dst_kv)):
         raise PdTransferError(
@@ -86,7 +92,8 @@ def _kv_requests(
             f"than truncated",
             code=Reason.INDEX_COUNT_MISMATCH,
         )
-    return {Pool.KV: (src_kv, dst_kv[target.kv_cursor : end])} if len(src_kv) else {}
+    skip = min(max(target.held - target.kv_cursor, 0), len(src_kv))  # pages decode holds
+    return {Pool.KV: (src_kv[skip:], dst_kv[target.kv_cursor + skip : end])} if len(src_kv) > skip else {}
 
 
 def _last_pools(
@@ -122,12 +129,13 @@ def _last_pools(
 
 
 def _kv_span(
-    cursor: int, src_kv: np.ndarray, dst_kv: np.ndarray, sizes: tuple[int, int], last: bool
+    cursor: int, src_kv: np.ndarray, dst_kv: np.ndarray, sizes: tuple[int, int], last: bool, held: int = 0
 ) -> TokenSpan:
     """The tokens of one chunk when page sizes differ (see the module docstring).
 
     prefill 16, decode 64, a chunk of 3 pages after 5: tokens 80-127, decode
-    pages 1 (slots 16-63) and nothing of page 2.
+    pages 1 (slots 16-63) and nothing of page 2. Decode's first ``held``
+    pages are left out (their tokens are not owed): the span may be empty.
     """
     src_size, dst_size = sizes
     first, end = cursor * src_size, (cursor + len(src_kv)) * src_size
@@ -145,7 +153,8 @@ def _kv_span(
             f"tokens); refused rather than truncated",
             code=Reason.INDEX_COUNT_MISMATCH,
         )
-    low, high = first // dst_size, min(len(dst_kv), -(-end // dst_size))
+    high = min(len(dst_kv), -(-end // dst_size))
+    low = min(max(first // dst_size, held), high)
     return TokenSpan(src_kv, dst_kv[low:high], first, low * dst_size)
 
 

@@ -71,6 +71,7 @@ class Target:
     generation: int
     dst: dict[Pool, np.ndarray]
     writes: bool = True  # False: this rank writes nothing to that decode rank
+    held: int = 0  # leading kv pages of dst decode already holds: nothing is written into them
     kv_cursor: int = 0
     chunks_done: int = 0
     nbytes: int = 0

@@ -230,10 +230,11 @@ class PrefillSide(PrefillWrites):
         self.sidecar.spawn(send_verdict(self, peer), peer=peer.rank_id)
 
     async def _on_refusal(self, peer: DecodePeer, message: RoomRefused) -> None:
-        """A decode rank this rank rejected says the room was to be its (a session allows
-        RoomRefused only after a rejection): the room fails now with decode's text
-        (agent/decode/rejections.py), not at its bootstrap timeout. A room another decode
-        instance claimed, or its worker bound to one, is not this rank's to end."""
+        """A decode rank this rank rejected says the room was to be its
+        (agent/decode/rejections.py), or an accepted one says it will never claim it
+        (agent/decode/abandon.py): the room fails now with decode's text, not at its
+        bootstrap timeout. A room another decode instance claimed, or its worker bound to
+        one, is not this rank's to end."""
         room = self.sidecar.rooms.get(message.room)
         instance = ownership.instance_of(peer)
         others = isinstance(room, PrefillRoom) and (
@@ -302,9 +303,15 @@ class PrefillSide(PrefillWrites):
         except PdTransferError as err:
             await _refuse(peer, message, err.code, f"room {message.room}: {err.message}"[:4000])
             return None
+        if message.held_pages > len(dst.get(Pool.KV, ())):
+            text = f"room {message.room}: {message.held_pages} held pages of {len(dst.get(Pool.KV, ()))} kv pages"
+            await _refuse(peer, message, Reason.BAD_FIELD, text)
+            return None
         writes = sidecar.geometry.rank_id in message.src_ranks
         bell = message.doorbell if writes and peer.bells is not None else None
-        return room, Target(peer, message.generation, dst, writes=writes, bell=bell)
+        # with integrity checks the checksums cover every page: held pages are written too
+        held = message.held_pages if peer.integrity is None else 0
+        return room, Target(peer, message.generation, dst, writes=writes, bell=bell, held=held)
 
     async def on_send(self, request: dict[str, Any], pools: dict[Pool, np.ndarray]) -> dict[str, Any]:
         try:  # against this rank's own pools, before a byte moves

@@ -19,6 +19,10 @@ allocated blocks into a :class:`RecvSpec`; vLLM parks the request in
 failed (the blocks then come back through ``get_block_ids_with_load_errors``
 and vLLM's ``kv_load_failure_policy`` decides). A request aborted while its
 KV is arriving keeps its blocks until the workers report the room drained.
+A request that ends before it claimed its room (aborted while it queued), or
+whose parameters do not fit its prompt, has its room abandoned: the workers
+tell their sidecars, which tell the prefill instance, so prefill's blocks
+return at once instead of at its wait for a claim.
 
 Pages sent = the blocks holding the prompt's first ``prompt_len - 1`` tokens:
 vLLM's decode loads all but the last prompt token and computes that one
@@ -50,7 +54,7 @@ from typing import Any
 from pd_transfer.integrations.vllm import accounting
 from pd_transfer.integrations.vllm import params as kvparams
 from pd_transfer.integrations.vllm.hybrid_state import full_prompt_len, state_slots
-from pd_transfer.integrations.vllm.specs import AbortSpec, RecvSpec, SendSpec, StepSpecs
+from pd_transfer.integrations.vllm.specs import AbandonSpec, AbortSpec, RecvSpec, SendSpec, StepSpecs
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +142,7 @@ class SchedulerSide:
         spec = RecvSpec(
             req_id,
             room,
-            "" if error else parsed.bootstrap_addr,
+            "" if isinstance(parsed, str) else parsed.bootstrap_addr,
             tuple(accounting.room_blocks(block_ids, prompt_len, self.block_size)),
             local_tokens // self.block_size,
             error,
@@ -221,6 +225,9 @@ class SchedulerSide:
             self._step.aborts.append(AbortSpec(req_id, self._loading[req_id]))
             return True, None
         params = request.kv_transfer_params
+        if kvparams.wants_remote_prefill(params):
+            self._abandon(request)
+            return False, None
         if not kvparams.wants_remote_decode(params) or not length_capped:
             return False, None
         prompt_len = full_prompt_len(request)
@@ -240,6 +247,18 @@ class SchedulerSide:
         # the whole prompt's: a hybrid prefill computed one token less (hybrid_state)
         tokens = accounting.tokens_loaded(full_prompt_len(request))
         return kvparams.decode_params(room, self.bootstrap_addr, num_pages, tokens)
+
+    def _abandon(self, request: Any) -> None:
+        """Decode: the request ended before it claimed its room (aborted while it queued, or
+        its whole prompt was in the prefix cache): the prefill instance is told, and frees
+        the room's blocks now rather than at its wait for a claim."""
+        parsed = kvparams.parse_remote_prefill(request.kv_transfer_params)
+        if isinstance(parsed, str):
+            return  # no room to name: prefill's waits for its claim
+        status = getattr(getattr(request, "status", None), "name", "finished").lower()
+        why = f"request {request.request_id} ended on decode ({status}) before its claim"
+        log.info("room %d: %s; prefill is told", parsed.room, why)
+        self._step.abandons.append(AbandonSpec(request.request_id, parsed.room, parsed.bootstrap_addr, why))
 
     def _abort_streamed(self, req_id: str, room: int) -> None:
         """A streamed request ended without its one token: no decode will claim the room.

@@ -35,10 +35,10 @@ class RecvSpec:
     """Decode: expect ``room`` from ``bootstrap_addr`` into ``block_ids``.
 
     The first ``num_local_blocks`` blocks hold tokens decode already had in
-    its own prefix cache: the transfer still fills their pages (the sidecars
-    map pages positionally), but the connector leaves vLLM's copy of them
-    alone. ``error`` set: the request cannot be loaded (bad parameters); the
-    worker reports it failed, with the reason, without calling the sidecar.
+    its own prefix cache: they are expected as held pages (prefill writes
+    nothing into them), and the connector leaves vLLM's copy of them alone. ``error`` set: the request cannot be loaded (bad parameters); the
+    worker reports it failed, with the reason, without expecting the room, and
+    abandons it (its prefill instance is told) when ``bootstrap_addr`` is known.
     ``state_slots`` and ``swa_pages``: as in :class:`SendSpec`, decode's;
     ``swa_first`` is the position of ``swa_pages[0]`` among the prompt's blocks.
     """
@@ -62,8 +62,20 @@ class AbortSpec:
     room: int
 
 
+@dataclass(frozen=True)
+class AbandonSpec:
+    """Decode: ``room`` of ``bootstrap_addr`` will never be expected (the request ended before
+    its claim, or cannot load: ``reason``); the prefill instance is told, its room ends now."""
+
+    req_id: str
+    room: int
+    bootstrap_addr: str
+    reason: str
+
+
 @dataclass
 class StepSpecs:
     sends: list[SendSpec] = field(default_factory=list)
     recvs: list[RecvSpec] = field(default_factory=list)
     aborts: list[AbortSpec] = field(default_factory=list)
+    abandons: list[AbandonSpec] = field(default_factory=list)

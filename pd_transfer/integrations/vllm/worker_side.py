@@ -19,6 +19,8 @@ vLLM calls, in order: :meth:`WorkerSide.start_step` (the scheduler's
   ``finished_recving``. A failed or refused room is reported finished AND its
   blocks returned by :meth:`load_errors` in the same pass, so vLLM never
   decodes from KV that did not arrive;
+- an :class:`AbandonSpec` (decode: a room the request gave up before its
+  claim) tells the sidecar, which tells the prefill instance;
 - an :class:`AbortSpec` aborts the room; on decode the request is reported
   finished (its blocks freed) only once the sidecar answers drained or the
   room is terminal, so no late write lands in a reused block; on prefill (a
@@ -80,6 +82,8 @@ class WorkerSide:
             self._expect(spec)
         for spec in step.aborts:
             self._abort(spec.req_id, spec.room)
+        for spec in step.abandons:
+            self._abandon(spec.req_id, spec.room, spec.bootstrap_addr, spec.reason)
 
     def save_layer(self, layer_name: str) -> None:
         """The forward pass wrote ``layer_name``: hand it to the sidecar for every streamed room."""
@@ -190,6 +194,8 @@ class WorkerSide:
         if spec.error:
             self._fail(spec, spec.error)
             self._failed_now.add(spec.req_id)
+            if spec.bootstrap_addr:  # the room is named: prefill need not wait for a claim
+                self._abandon(spec.req_id, spec.room, spec.bootstrap_addr, spec.error)
             return
         try:
             self.client.expect(
@@ -198,6 +204,7 @@ class WorkerSide:
                 list(spec.block_ids),
                 state_slots=list(spec.state_slots),
                 swa_pages=list(spec.swa_pages),
+                held_pages=min(spec.num_local_blocks, len(spec.block_ids)),
             )
         except ClientError as err:
             self._fail(spec, f"room {spec.room}: expect refused: {err}")
@@ -224,6 +231,13 @@ class WorkerSide:
             self._draining[req_id] = -1  # reported at the next pass
         else:
             self._draining[req_id] = room
+
+    def _abandon(self, req_id: str, room: int, bootstrap_addr: str, reason: str) -> None:
+        """Decode: this room will never be expected; the sidecar tells its prefill instance."""
+        try:
+            self.client.abandon(room, bootstrap_addr, reason)
+        except ClientError as err:  # prefill's room then ends at its own wait for a claim
+            log.warning("request %s: room %d could not be abandoned: %s", req_id, room, err)
 
     def _abort_send(self, req_id: str, room: int) -> None:
         """Prefill: the request ended without its token; end its room now (a claim fails at once)."""

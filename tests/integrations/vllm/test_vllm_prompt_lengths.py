@@ -19,7 +19,8 @@ pytest.importorskip(
     "python printed by .ci/engine-venv-vllm",
 )
 
-from vllm_traffic import Side, assert_loaded_then_ran_one_token, run_pd  # noqa: E402
+import torch  # noqa: E402
+from vllm_traffic import Side, assert_loaded_then_ran_one_token, check_loaded_kv, run_pd  # noqa: E402
 
 from pd_transfer.ports import spare_port  # noqa: E402
 
@@ -87,4 +88,46 @@ def test_prefix_cache_hits_on_prefill_and_on_decode_keep_the_kv_exact(instances,
     assert local == [3, 2, 3, 2], local
     hits = [prefill.first_runs[r][0] for r in list(prefill.first_runs)[len(first) :]]
     assert hits == [48, 32, 48, 32], hits  # prefill computed from its hit (whole blocks)
+    assert_all_blocks_returned(prefill, decode)
+
+
+SENTINEL = 0x5A
+
+
+def test_decode_prefix_cache_hits_are_not_written_over(instances, model_dir):
+    """Decode's prefix-cache hit pages are expected as held: prefill writes nothing into them.
+
+    Every byte of the memory each decode rank registered with its sidecar
+    (the shared-memory twin of its KV cache) is set to a sentinel before the
+    second requests; when decode first runs each of them, its held pages
+    still hold the sentinel there (nothing was written into them) while
+    every loaded position of vLLM's blocks, held ones from vLLM's own cache
+    and the rest from the room, equals the oracle.
+    """
+    prefill, decode = pair(instances, model_dir, 16, 16, decode_tp=2)
+    first = [prompt(n, seed) for seed, n in enumerate([48, 40, 70])]
+    run_pd(prefill, decode, first)
+    for connector in decode.instance.connectors:
+        for twin in connector._worker.pages.pools.tensors.values():
+            twin.view(torch.uint8).fill_(SENTINEL)
+    second = [
+        first[0] + [9],  # 49 tokens: decode holds all 3 pages it loads, nothing is written
+        first[1] + [11] * 30,  # decode holds 2 of its 4 loaded pages
+        first[2][:50] + [5] * 17,  # 3 held pages, then 1 from prefill
+    ]
+    held = {}
+
+    def check(side, req_id, start):
+        check_loaded_kv(side, req_id, start)
+        recv = side.recvs[req_id]
+        held[req_id] = recv.block_ids[: recv.num_local_blocks]
+        blocks = torch.tensor(held[req_id], dtype=torch.long)
+        for rank, connector in enumerate(side.instance.connectors):
+            for _, twin, axis, _ in connector._worker.pages._pairs:
+                got = twin.index_select(axis, blocks).contiguous().view(torch.uint8)
+                assert bool((got == SENTINEL).all()), f"{req_id} rank {rank}: a held page was written"
+
+    reqs = run_pd(prefill, decode, second, on_first_run=check)
+    assert_loaded_then_ran_one_token(decode, reqs)
+    assert [len(held[reqs[i].request_id]) for i in range(len(second))] == [3, 2, 3]
     assert_all_blocks_returned(prefill, decode)

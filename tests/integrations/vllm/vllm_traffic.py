@@ -198,11 +198,13 @@ def run_pd(
     max_tokens: int = 2,
     timeout_s=600,
     until_prefill_idle: bool = True,
+    on_first_run=check_loaded_kv,
 ):
     """Every prompt prefilled then decoded, as a router does; returns {prompt index: decode request}.
 
     Runs until decode finished every request (and prefill returned every
-    block, unless ``until_prefill_idle`` is False).
+    block, unless ``until_prefill_idle`` is False). ``on_first_run(side, req_id,
+    start)``: the check when decode first runs a request.
     """
     from vllm_harness import request
 
@@ -238,7 +240,7 @@ def run_pd(
     def step() -> bool:
         prefill.step()
         forward_finished()
-        decode.step(on_first_run=check_loaded_kv)
+        decode.step(on_first_run=on_first_run)
         return len(second) == len(prompts) and decode.idle() and (prefill.idle() or not until_prefill_idle)
 
     run_until(step, timeout_s, "every request prefilled and decoded", lambda: _logs(prefill, decode))

@@ -114,7 +114,10 @@ class Sidecar(Process):
 class Server(Process):
     """vLLM's OpenAI api_server with the pd-transfer connector."""
 
-    def __init__(self, workdir: Path, name: str, model: Path, transfer: dict) -> None:
+    def __init__(
+        self, workdir: Path, name: str, model: Path, transfer: dict, env: dict | None = None
+    ) -> None:
+        """``env``: variables over :func:`environ`'s (the benchmark's NixlConnector servers)."""
         self.port = spare_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = SERVED_MODEL  # one name for every server: the router passes it through
@@ -123,7 +126,7 @@ class Server(Process):
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float16", "--seed", "0"]
         cmd += ["--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager"]
         cmd += ["--skip-tokenizer-init", "--max-num-seqs", "32", "--kv-transfer-config", json.dumps(transfer)]
-        super().__init__(workdir, name, cmd, environ())
+        super().__init__(workdir, name, cmd, {**environ(), **(env or {})})
 
     def wait_ready(self, timeout_s: float = 900) -> None:
         def healthy() -> bool:
