@@ -43,9 +43,7 @@ from pd_transfer.config import SidecarConfig
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import RankGeometry, Role, check_geometry
 from pd_transfer.protocol import (
-    CONFIRM_DONE,
-    ROOM_ABANDON,
-    ROOM_REFUSAL,
+    ROOM_FEATURES,
     Capabilities,
     Message,
     geometry_from_data,
@@ -53,8 +51,6 @@ from pd_transfer.protocol import (
 from pd_transfer.protocol.worker_api import WorkerOp
 
 log = logging.getLogger(__name__)
-#: the room behaviours every sidecar speaks (the Hello features of protocol/messages.py)
-_ROOM_FEATURES = (CONFIRM_DONE, ROOM_REFUSAL, ROOM_ABANDON)
 
 
 class Sidecar:
@@ -368,7 +364,7 @@ class Sidecar:
     def capabilities(self) -> Capabilities:
         return Capabilities(
             transports=self.dataplane.transport_names(),
-            features=(*integrity.features(self.config, self.dataplane.on_device), *_ROOM_FEATURES),
+            features=(*integrity.features(self.config, self.dataplane.on_device), *ROOM_FEATURES),
         )
 
     def next_generation(self) -> int:

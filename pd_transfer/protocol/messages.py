@@ -57,6 +57,8 @@ ROOM_REFUSAL = "room_refusal"
 #: the Hello feature of prefill agents that also act on :class:`RoomRefused` from an accepted
 #: decode rank: a room decode gave up before claiming it (its request ended, or was unloadable)
 ROOM_ABANDON = "room_abandon"
+#: the room features every agent of this version offers in its Hello
+ROOM_FEATURES = (CONFIRM_DONE, ROOM_REFUSAL, ROOM_ABANDON)
 
 
 class DoneStatus(enum.Enum):

@@ -1,15 +1,14 @@
 """Decode: the prefill instances this rank takes rooms from, one per bootstrap address.
 
-Resolving an instance: fetch its rank table, reconcile it with this rank,
-open a session to every prefill rank (each hears about every room, writing
-or not), register, and wait for each one's Verdict. A rejection fails with
-the full diagnostic, never after a timeout. A resolved instance is reused
-by every room with its address until one of its ranks is lost; the next
-room then resolves it anew, and the lost one's sessions are retired
-(:mod:`.retire`). A resolution that failed (rejected, or no rank table) is
-tried again after a backoff (:mod:`pd_transfer.agent.retry`), not at every timer tick or room:
-until then rooms fail with its error, and the readiness reason says when the
-next try is.
+Resolving an instance: fetch its rank table, reconcile it with this rank, open a session to
+every prefill rank (each hears about every room, writing or not), register, and wait for each
+one's Verdict. A rejection fails with the full diagnostic, never after a timeout. A resolved
+instance is reused by every room with its address until one of its ranks is lost; the next room
+then resolves it anew, and the lost one's sessions are retired (:mod:`.retire`); while the
+address has not answered since, a claim waits at most one heartbeat limit (:mod:`.gone`). A
+resolution that failed (rejected, or no rank table) is tried again after a backoff
+(:mod:`pd_transfer.agent.retry`), not at every timer tick or room: until then rooms fail with its
+error, and the readiness reason says when the next try is.
 
 Room messages (Done, Progress, AbortAck) and a lost rank's rooms are the
 decode side's (:mod:`.side`), handed over through two callbacks.
@@ -102,9 +101,8 @@ class PrefillInstances:
         self.backoffs: dict[str, Backoff] = {}  # per address: its failed resolutions
         self.retired: list[PrefillInstance] = []  # lost: sessions to close once quiet
         self.gone = LostAddresses(sidecar.config.heartbeat_interval_s * sidecar.config.heartbeat_misses)
-        self.rejected = RejectedSessions(
-            sidecar.spawn, sidecar.config.bootstrap_timeout_s
-        )  # to tell prefill the rooms it refuses
+        # to tell prefill the rooms it refuses
+        self.rejected = RejectedSessions(sidecar.spawn, sidecar.config.bootstrap_timeout_s)
         self._on_room_message = on_room_message
         self._on_peer_lost = on_peer_lost
 
