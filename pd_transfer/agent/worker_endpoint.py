@@ -42,7 +42,8 @@ import zmq
 import zmq.asyncio
 
 from pd_transfer.agent.auth import Doorman, security_of
-from pd_transfer.agent.stream_router import StreamRouter
+from pd_transfer.agent.lobby import Door
+from pd_transfer.agent.stream_router import MAX_PENDING, StreamRouter
 from pd_transfer.agent.zmq_bounds import ConnectionWatch, bound_frames
 from pd_transfer.errors import AuthError, PdTransferError, Reason
 from pd_transfer.protocol import worker_api
@@ -86,11 +87,25 @@ class WorkerEndpoint:
                 handshake_timeout_s=security.handshake_timeout_s,
             )
             self._watch: ConnectionWatch | None = None
+            self._door = None
         else:
             self._socket = context.socket(zmq.ROUTER)
             self._socket.setsockopt(zmq.LINGER, 0)
-            bound_frames(self._socket, worker_api.MAX_REQUEST_NBYTES)
+            bound_frames(
+                self._socket,
+                worker_api.MAX_REQUEST_NBYTES,
+                handshake_timeout_s=security.handshake_timeout_s,
+            )
             bind_private(self._socket, address)
+            # strangers until their handshake (agent/lobby.py): how many, how long, how many bytes
+            door = security.lobby.door(
+                "worker",
+                active=security.enabled,
+                max_pending=MAX_PENDING,
+                timeout_s=security.handshake_timeout_s,
+                local=True,
+            )
+            door.bound(self._socket.getsockopt(zmq.LAST_ENDPOINT).decode())
             # counts every ended connection, and tells which descriptor's (the worker's registration)
             self._watch = ConnectionWatch(
                 self._socket,
@@ -98,8 +113,10 @@ class WorkerEndpoint:
                 f"worker endpoint {address}",
                 on_closed=on_connection_closed,
                 on_bad_frame=self._count_bad_request,
-                on_disconnected=self._closed_descriptor,
+                on_accepted=door.accepted,
+                on_disconnected=lambda fd: (door.disconnected(fd), self._closed_descriptor(fd)),
             )
+            self._door: Door | None = door
         self.address = address
         self._handler = handler
         self._tasks: set[asyncio.Task] = set()
@@ -111,6 +128,7 @@ class WorkerEndpoint:
             "worker endpoint",
             _refusal_reply,
             on_bad_frame=self._count_bad_request,
+            door=self._door,
         )
 
     def _count_bad_request(self, reason: str) -> None:
@@ -130,7 +148,8 @@ class WorkerEndpoint:
                 log.warning("worker endpoint: dropped a request of %d frames", len(frames))
                 continue
             identity, frame = frames
-            if not await self._doorman.admit(identity, frame):
+            fd = connection[0] if isinstance(connection, tuple) else None
+            if not await self._doorman.admit(identity, frame, fd):
                 continue
             if len(self._tasks) >= self.max_requests:
                 await self._refuse_busy(identity, frame)
