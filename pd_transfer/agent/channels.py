@@ -146,14 +146,16 @@ class Channel:
 
 
 class OutgoingChannel(Channel):
-    def __init__(self, context: zmq.asyncio.Context, address: str, role: Role, label: str) -> None:
+    def __init__(
+        self, context: zmq.asyncio.Context, address: str, role: Role, label: str, server_key: str = ""
+    ) -> None:
         super().__init__(Session(role), label)
         self.address = address
         self._security = security_of(context)
         self._socket = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         bound_frames(self._socket)
-        self._security.connecting(self._socket)
+        self._security.connecting(self._socket, server_key)  # the listener's own key, if known
         self._socket.connect(address)
         self._reader: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
@@ -274,7 +276,7 @@ class IncomingChannels:
         bound_frames(
             self.socket, queued_frames=CONTROL_QUEUED_FRAMES, handshake_timeout_s=security.lobby.timeout_s
         )
-        security.listening(self.socket, identified=True)
+        security.listening(self.socket, identified=True, as_self=True)  # its identity key, if any
         if port:
             self.socket.bind(f"tcp://{host}:{port}")
         else:

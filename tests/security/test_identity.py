@@ -109,7 +109,13 @@ def _member(keys, agent_id: str, identity_key: Path | None) -> Security:
     return Security(settings, agent_id, handshake_timeout_s=3.0)
 
 
-def _register_as(cluster, security_: Security, agent_id: str, instance: str):
+def _control_key(keys) -> str:
+    """The key the identified prefill's control port serves with (its identity key's
+    public half: public, as the rank table shows it to every member)."""
+    return read_secret_key(str(keys["prefill"]), "identity_key_file").public
+
+
+def _register_as(cluster, security_: Security, agent_id: str, instance: str, server_key: str = ""):
     """Open a control session as ``security_``'s agent and register as ``agent_id`` of
     ``instance``: the first reply to the Register (a Register back, or a Close)."""
     address = cluster.ready[P0]["control_address"]
@@ -117,7 +123,7 @@ def _register_as(cluster, security_: Security, agent_id: str, instance: str):
 
     async def attempt(context):
         got = asyncio.Queue()
-        channel = OutgoingChannel(context, address, Role.DECODE, "prefill 0")
+        channel = OutgoingChannel(context, address, Role.DECODE, "prefill 0", server_key)
         channel.start(lambda ch, message: got.put_nowait(message))
         try:
             await channel.send(Hello(agent_id=security_.agent_id, role=Role.DECODE))
@@ -145,7 +151,7 @@ def test_a_member_claiming_another_decodes_agent_id_is_refused_and_counted(check
     before = metric(checked, P0, FAILURES, reason="identity_mismatch")
     impostor = _member(keys, DECODE_ID, keys["evil"])  # evil's key, the real decode's name
     with pytest.raises(AuthError) as refused:
-        _register_as(checked, impostor, DECODE_ID, "dec-A")
+        _register_as(checked, impostor, DECODE_ID, "dec-A", _control_key(keys))
     assert refused.value.code is Reason.IDENTITY_MISMATCH
     assert f"claims agent id '{DECODE_ID}', but its identity key is 'decode-evil''s" in refused.value.message
     assert metric(checked, P0, FAILURES, reason="identity_mismatch") >= before + 1
@@ -154,13 +160,13 @@ def test_a_member_claiming_another_decodes_agent_id_is_refused_and_counted(check
 def test_a_member_registering_for_another_decodes_instance_is_refused_and_counted(checked, keys):
     before = metric(checked, P0, FAILURES, reason="identity_mismatch")
     evil = _member(keys, "decode-evil", keys["evil"])
-    closed = _register_as(checked, evil, "decode-evil", "dec-A")  # the real decode's instance
+    closed = _register_as(checked, evil, "decode-evil", "dec-A", _control_key(keys))  # dec-A: the real one's
     assert isinstance(closed, Close) and closed.reason is Reason.IDENTITY_MISMATCH, closed
     assert "registered for decode instance 'dec-A'" in closed.reason_text
     assert "of instance 'dec-B'" in closed.reason_text
     assert metric(checked, P0, FAILURES, reason="identity_mismatch") >= before + 1
     # as itself, of its own instance, the same member is served
-    accepted = _register_as(checked, evil, "decode-evil", "dec-B")
+    accepted = _register_as(checked, evil, "decode-evil", "dec-B", _control_key(keys))
     assert isinstance(accepted, Register), accepted
 
 
@@ -192,7 +198,7 @@ def test_a_secret_holder_without_a_listed_key_does_not_get_in(checked, keys):
 
         socket = context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
-        stranger.connecting(socket)
+        stranger.connecting(socket, _control_key(keys))
         socket.connect(checked.ready[P0]["control_address"])
         try:
             await authenticate(socket, stranger, "prefill 0", timeout_s=2.0)

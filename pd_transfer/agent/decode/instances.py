@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pd_transfer.agent import integrity
+from pd_transfer.agent.auth import security_of
 from pd_transfer.agent.bootstrap import fetch_table
 from pd_transfer.agent.channels import OutgoingChannel
 from pd_transfer.agent.decode import retire
@@ -257,7 +258,11 @@ class PrefillInstances:
         for entry in table.entries:
             rank_id = entry.geometry.rank_id
             channel = OutgoingChannel(
-                sidecar.context, entry.control_address, Role.DECODE, f"{rank_id} ({entry.control_address})"
+                sidecar.context,
+                entry.control_address,
+                Role.DECODE,
+                f"{rank_id} ({entry.control_address})",
+                security_of(sidecar.context).listener_key(entry),  # AuthError: not that prefill
             )
             channel.peer_rank = rank_id
             # this side's own heartbeat limit stands for the peer's (one deployment's config)
