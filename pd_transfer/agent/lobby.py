@@ -1,6 +1,6 @@
 """Strangers on the ZeroMQ listening ports: how many, for how long, how many bytes.
 
-A connection to the control or bootstrap port is a *stranger's* from its
+A connection to the control, bootstrap or ZeroMQ worker port is a *stranger's* from its
 accept until it proves the shared secret (:mod:`pd_transfer.agent.auth`).
 ZeroMQ accepts and buffers for the application, so without a bound a few
 thousand idle connections exhaust the sidecar's file descriptors (its own
@@ -20,8 +20,9 @@ per port (a :class:`Door`) and in total:
   (``timeout_s``; ZeroMQ's own handshake is bounded by ``HANDSHAKE_IVL``
   set to the same value, see :func:`pd_transfer.agent.zmq_bounds.bound_frames`);
 - **how many bytes**: a stranger that has sent more than ``max_nbytes``
-  (the kernel's count, ``TCP_INFO``) is dropped at the next check, every
-  :data:`CHECK_INTERVAL_S`; handshake frames are at most 2 KiB;
+  (the kernel's count, ``TCP_INFO``: none on ``ipc://``) is dropped at the next check,
+  every :data:`CHECK_INTERVAL_S`; handshake frames are at most 2 KiB. Once ZeroMQ
+  reports a cut stranger gone, the heap pages its frames held go back to the system;
 - **file descriptors in reserve**: a stranger accepted on a descriptor
   within ``fd_reserve`` of the soft ``RLIMIT_NOFILE`` is refused at once
   (descriptors are allocated lowest first, so such a number means that many
@@ -170,14 +171,9 @@ class Lobby:
         worker endpoint) is its own: its strangers count neither towards ``max_total``
         nor against the other doors', and the descriptor reserve, kept for the worker
         among others, does not apply to it (its own cap bounds what it holds)."""
-        door = Door(
-            self,
-            name,
-            self.max_pending if max_pending is None else max_pending,
-            active=active,
-            timeout_s=self.timeout_s if timeout_s is None else timeout_s,
-            local=local,
-        )
+        door = Door(self, name, self.max_pending if max_pending is None else max_pending, active=active)
+        door.timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        door.local = local
         if active:
             self.doors.append(door)
         return door
@@ -238,22 +234,13 @@ class Lobby:
 class Door:
     """One listening socket's strangers; its owner reports accepts, frames and ends."""
 
-    def __init__(
-        self,
-        lobby: Lobby,
-        name: str,
-        max_pending: int,
-        *,
-        active: bool = True,
-        timeout_s: float = 10.0,
-        local: bool = False,
-    ) -> None:
+    def __init__(self, lobby: Lobby, name: str, max_pending: int, *, active: bool = True) -> None:
         self.lobby = lobby
         self.active = active
         self.name = name
         self.max_pending = max_pending
-        self.timeout_s = timeout_s
-        self.local = local
+        self.timeout_s = lobby.timeout_s  # the handshake deadline (Lobby.door sets it)
+        self.local = False  # see Lobby.door
         self.address: object = None  # the listening address, as getsockname() gives it (bound())
         self.strangers: dict[int, Stranger] = {}  # fd -> stranger
         self.members: set[int] = set()  # fds past the handshake
