@@ -87,36 +87,9 @@ class WorkerEndpoint:
                 handshake_timeout_s=security.handshake_timeout_s,
             )
             self._watch: ConnectionWatch | None = None
-            self._door = None
+            self._door: Door | None = None
         else:
-            self._socket = context.socket(zmq.ROUTER)
-            self._socket.setsockopt(zmq.LINGER, 0)
-            bound_frames(
-                self._socket,
-                worker_api.MAX_REQUEST_NBYTES,
-                handshake_timeout_s=security.handshake_timeout_s,
-            )
-            bind_private(self._socket, address)
-            # strangers until their handshake (agent/lobby.py): how many, how long, how many bytes
-            door = security.lobby.door(
-                "worker",
-                active=security.enabled,
-                max_pending=MAX_PENDING,
-                timeout_s=security.handshake_timeout_s,
-                local=True,
-            )
-            door.bound(self._socket.getsockopt(zmq.LAST_ENDPOINT).decode())
-            # counts every ended connection, and tells which descriptor's (the worker's registration)
-            self._watch = ConnectionWatch(
-                self._socket,
-                "worker",
-                f"worker endpoint {address}",
-                on_closed=on_connection_closed,
-                on_bad_frame=self._count_bad_request,
-                on_accepted=door.accepted,
-                on_disconnected=lambda fd: (door.disconnected(fd), self._closed_descriptor(fd)),
-            )
-            self._door: Door | None = door
+            self._socket, self._door, self._watch = self._zmq_router(context, address, on_connection_closed)
         self.address = address
         self._handler = handler
         self._tasks: set[asyncio.Task] = set()
@@ -130,6 +103,37 @@ class WorkerEndpoint:
             on_bad_frame=self._count_bad_request,
             door=self._door,
         )
+
+    def _zmq_router(
+        self, context: zmq.asyncio.Context, address: str, on_connection_closed: Callable[[str], None]
+    ) -> tuple[zmq.asyncio.Socket, Door, ConnectionWatch]:
+        """The ROUTER of an ``ipc://`` or ``tcp://`` endpoint, the :class:`Door` that bounds its
+        strangers until their handshake (how many, how long, how many bytes: agent/lobby.py),
+        and the watch that counts every ended connection and tells which descriptor's (the
+        worker's registration)."""
+        security = security_of(context)
+        socket = context.socket(zmq.ROUTER)
+        socket.setsockopt(zmq.LINGER, 0)
+        bound_frames(socket, worker_api.MAX_REQUEST_NBYTES, handshake_timeout_s=security.handshake_timeout_s)
+        bind_private(socket, address)
+        door = security.lobby.door(
+            "worker",
+            active=security.enabled,
+            max_pending=MAX_PENDING,
+            timeout_s=security.handshake_timeout_s,
+            local=True,
+        )
+        door.bound(socket.getsockopt(zmq.LAST_ENDPOINT).decode())
+        watch = ConnectionWatch(
+            socket,
+            "worker",
+            f"worker endpoint {address}",
+            on_closed=on_connection_closed,
+            on_bad_frame=self._count_bad_request,
+            on_accepted=door.accepted,
+            on_disconnected=lambda fd: (door.disconnected(fd), self._closed_descriptor(fd)),
+        )
+        return socket, door, watch
 
     def _count_bad_request(self, reason: str) -> None:
         self.bad_requests += 1

@@ -24,6 +24,7 @@ protocol error (something that is not ZeroMQ on the port) as a bad frame.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 
@@ -42,6 +43,9 @@ CONTROL_FRAME_NBYTES = DEFAULT_LIMITS.max_frame_nbytes
 #: ZeroMQ's default is 1,000): with the frame cap, at most 4 x 16 MiB per peer connection.
 #: Past it ZeroMQ stops reading that connection, and TCP pushes back on the sender.
 CONTROL_QUEUED_FRAMES = 4
+
+#: monitor events read at once before the loop serves anything else
+_DRAINED = 256
 
 _WATCHED = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
@@ -94,36 +98,64 @@ class ConnectionWatch:
         self._on_accepted = on_accepted
         self._on_bad_frame = on_bad_frame
         self._limit = socket.getsockopt(zmq.MAXMSGSIZE)  # -1: none
-        self._monitor = socket.get_monitor_socket(_WATCHED)
+        self._monitor = _monitor_socket(socket)
 
     async def run(self) -> None:
         monitor = self._monitor
         try:
             while True:
-                message = parse_monitor_message(await monitor.recv_multipart())
-                event = message["event"]
-                if event == zmq.EVENT_MONITOR_STOPPED:
-                    return
-                if event == zmq.EVENT_ACCEPTED:
-                    self._on_accepted(int(message["value"]))
-                elif event == zmq.EVENT_DISCONNECTED:
-                    self.closed += 1
-                    self._on_closed(self.name)
-                    self._on_disconnected(int(message["value"]))
-                    log.debug(  # every departing peer ends one: routine, so not at info
-                        "%s: a connection ended (%d so far): the peer left, or sent a "
-                        "frame over the %d-byte limit or one ZeroMQ could not parse",
-                        self.where,
-                        self.closed,
-                        self._limit,
-                    )
-                elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-                    self._on_bad_frame(Reason.BAD_FRAME.value)
-                    log.warning(
-                        "%s: dropped a connection that is not ZeroMQ (its handshake broke the protocol)",
-                        self.where,
-                    )
+                events = [await monitor.recv_multipart()]
+                while len(events) < _DRAINED:  # a burst's events at once: its strangers cut sooner
+                    try:
+                        events.append(await monitor.recv_multipart(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+                for frames in events:
+                    if not self._handle(parse_monitor_message(frames)):
+                        return
         except zmq.ZMQError as err:  # the socket closed under the monitor
             log.debug("%s: connection watch stopped: %s", self.where, err)
         finally:
             monitor.close(linger=0)
+
+    def _handle(self, message: dict) -> bool:
+        """One monitor event; False once the monitor stopped."""
+        event = message["event"]
+        if event == zmq.EVENT_MONITOR_STOPPED:
+            return False
+        if event == zmq.EVENT_ACCEPTED:
+            self._on_accepted(int(message["value"]))
+        elif event == zmq.EVENT_DISCONNECTED:
+            self.closed += 1
+            self._on_closed(self.name)
+            self._on_disconnected(int(message["value"]))
+            log.debug(  # every departing peer ends one: routine, so not at info
+                "%s: a connection ended (%d so far): the peer left, or sent a "
+                "frame over the %d-byte limit or one ZeroMQ could not parse",
+                self.where,
+                self.closed,
+                self._limit,
+            )
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            self._on_bad_frame(Reason.BAD_FRAME.value)
+            log.warning(
+                "%s: dropped a connection that is not ZeroMQ (its handshake broke the protocol)",
+                self.where,
+            )
+        return True
+
+
+def _monitor_socket(socket: zmq.Socket) -> zmq.Socket:
+    """``socket``'s monitor, read by the watch, holding as few events unread as ZeroMQ
+    allows. ZeroMQ's I/O thread waits when the watch has not read them: it accepts at most
+    that many connections (about 1,000, the monitor's own queue) before the lobby hears of
+    them, instead of twice as many with the default queue on the reading side too."""
+    address = f"inproc://pd-transfer.watch-{next(_monitors)}"
+    socket.monitor(address, _WATCHED)
+    monitor = socket.context.socket(zmq.PAIR)
+    monitor.setsockopt(zmq.RCVHWM, 1)
+    monitor.connect(address)
+    return monitor
+
+
+_monitors = itertools.count()
