@@ -27,7 +27,10 @@ ties the worker's registration to its connection this way
 
 With authentication on, a worker's client runs the handshake first
 (:mod:`pd_transfer.agent.auth`); a request sent without it gets an error
-reply with the code ``unauthenticated`` and never reaches the handler.
+reply with the code ``unauthenticated`` and never reaches the handler. Until
+then a ZeroMQ connection is a stranger of the lobby's ``worker`` door
+(:mod:`pd_transfer.agent.lobby`): at most 64 of them, one handshake deadline,
+256 KiB received on ``tcp://``; ``unix://`` has its own bounds (4 KiB a frame).
 """
 
 from __future__ import annotations
