@@ -84,12 +84,14 @@ def _idle(address):
         return None
 
 
-def _room_lands(cluster, room: int) -> None:
-    cluster.expect(room, requests(room))
-    cluster.send(room, requests(room))
+def _room_lands(cluster, room: int, pages: int = 0) -> None:
+    """Room ``room`` moves the pages of the oracle's room ``pages`` (``room``'s own by default)."""
+    moved = requests(pages or room)
+    cluster.expect(room, moved)
+    cluster.send(room, moved)
     states = cluster.wait_decode(room, timeout_s=30)
     assert all(s.status is RoomStatus.SUCCESS for s in states.values()), (states, cluster.logs())
-    assert cluster.verify_landed(room, requests(room)) == []
+    assert cluster.verify_landed(room, moved) == []
 
 
 def test_1100_idle_connections_leave_health_rooms_and_memory_intact(cluster):
@@ -263,7 +265,7 @@ def test_a_burst_of_connections_leaves_descriptors_health_and_rooms(cluster):
     ]
     try:
         time.sleep(5)  # the burst, and the sidecar cutting it down
-        _room_lands(cluster, 2)  # while the flooders still hold what they opened
+        _room_lands(cluster, 3, pages=2)  # while the flooders still hold what they opened
     finally:
         for flood in floods:
             flood.wait(timeout=60)
