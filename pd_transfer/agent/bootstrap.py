@@ -164,10 +164,11 @@ class BootstrapServer:
             and (not entry.control_key or self._security.settings.identities.get(entry.control_key) is who)
         ):
             return True
+        wrong_key = who.role == Role.PREFILL.value and entry.agent_id == who.agent_id  # all else right
         error = AuthError(
             f"{who.agent_id}: a {who.role} identity announced prefill rank "
             f"{entry.geometry.rank_id} of agent {entry.agent_id!r}"
-            + ("" if entry.agent_id != who.agent_id else " with another key than its own"),
+            + (" naming another control key than its own" if wrong_key else ""),
             code=Reason.IDENTITY_MISMATCH,
         )
         self._security.failed(error, f"bootstrap {self.address}")
