@@ -14,7 +14,8 @@ holding the secret and a listed key of its own (``decode-evil``, instance
   ``dec-A``, to take its rooms: refused with a Close ``identity_mismatch``,
   counted, and its connection ends;
 - it announces a prefill rank to the bootstrap with its decode key: refused
-  with ``identity_mismatch``, and the table is unchanged;
+  with ``identity_mismatch``, and the table is unchanged; so is a prefill's
+  announcement naming another key than its own for its control port;
 - a secret holder presenting no listed key does not get through the CURVE
   handshake at all (counted by the ZAP handler).
 
@@ -187,6 +188,27 @@ def test_a_decode_key_cannot_announce_a_prefill_rank(checked, keys):
     assert metric(checked, P0, FAILURES, reason="identity_mismatch") >= before + 1
     table = run_with(evil, lambda context: fetch_table(context, checked.bootstrap, "decode-evil", 5.0))
     assert [e.control_address for e in table.entries] == [checked.ready[P0]["control_address"]]
+
+
+def test_a_prefill_cannot_announce_another_key_for_its_control_port(checked, keys):
+    before = metric(checked, P0, FAILURES, reason="identity_mismatch")
+    prefill = _member(keys, PREFILL_ID, keys["prefill"])  # the prefill's own key and name
+    entry = RankEntry(
+        agent_id=PREFILL_ID,
+        host_id="h",
+        control_address="tcp://127.0.0.1:9",
+        pp_size=1,
+        geometry=ranks(Role.PREFILL, 1)[0],
+        control_key=read_secret_key(str(keys["evil"]), "identity_key_file").public,
+    )
+    with pytest.raises(PdTransferError) as refused:
+        run_with(prefill, lambda context: fetch_table(context, checked.bootstrap, PREFILL_ID, 5.0, entry))
+    assert refused.value.code is Reason.IDENTITY_MISMATCH, refused.value
+    assert "naming another control key than its own" in refused.value.message
+    assert metric(checked, P0, FAILURES, reason="identity_mismatch") >= before + 1
+    table = run_with(prefill, lambda context: fetch_table(context, checked.bootstrap, PREFILL_ID, 5.0))
+    assert [e.control_address for e in table.entries] == [checked.ready[P0]["control_address"]]
+    assert [e.control_key for e in table.entries] == [_control_key(keys)]
 
 
 def test_a_secret_holder_without_a_listed_key_does_not_get_in(checked, keys):
