@@ -106,7 +106,7 @@ class SidecarConfig:
     curve_secret_key_file: str = ""  # CURVE secret key (Z85): encrypts the sockets this sidecar binds
     curve_server_key: str = ""  # CURVE public key of the sidecars it connects to (default: own)
     identity_key_file: str = ""  # this sidecar's own CURVE secret key (Z85), presented when it connects: its identity (pd-transfer identity)
-    identity_allow_file: str = ""  # public key -> role, agent id, decode instance each connecting sidecar may claim; unset: names are not checked
+    identity_allow_file: str = ""  # public key -> role, agent id, decode instance each sidecar may claim (checked of connecting sidecars, and of the prefills a decode connects to); unset: names are not checked
     integrity: bool = False  # crc32 every block sent; decode verifies (when both sides enable it)
     doorbell: bool = True  # same-host rooms also end through a shared-memory doorbell the worker's wait sleeps on (decode offers it, prefill rings it)
     copy_threads: int = field(

@@ -32,7 +32,8 @@ import zmq.asyncio
 from pd_transfer.agent.lobby import Door, Lobby
 from pd_transfer.agent.zap import ZapHandler
 from pd_transfer.errors import AuthError, PdTransferError, Reason
-from pd_transfer.protocol import Close, encode
+from pd_transfer.layout.geometry import Role
+from pd_transfer.protocol import Close, RankEntry, encode
 from pd_transfer.security import (
     ClientHandshake,
     Decision,
@@ -42,6 +43,7 @@ from pd_transfer.security import (
     engine_trust,
     new_routing_id,
 )
+from pd_transfer.security.curve import Z85_ALPHABET, Z85_KEY_LEN
 from pd_transfer.security.identity import IDENTITY_DOMAIN, Identity
 from pd_transfer.wire.fields import clip_text
 
@@ -116,16 +118,52 @@ class Security:
         )
 
     # -- sockets ------------------------------------------------------------------------
-    def listening(self, socket: zmq.Socket, *, identified: bool = False) -> None:
+    def listening(self, socket: zmq.Socket, *, identified: bool = False, as_self: bool = False) -> None:
         """CURVE server options for a socket about to bind (no-op without a key);
-        ``identified``: its peers' identity keys are checked (control, bootstrap)."""
+        ``identified``: its peers' identity keys are checked (control, bootstrap);
+        ``as_self``: it serves with this sidecar's identity key where it has one (the
+        control port: whoever connects then knows it reached this sidecar, see
+        :attr:`control_key`)."""
         keypair = self.settings.curve_keypair
+        if keypair is not None and as_self and self.settings.identity_keypair is not None:
+            keypair = self.settings.identity_keypair
         if keypair is not None:
             socket.curve_secretkey = keypair.secret.encode()
             socket.curve_publickey = keypair.public.encode()
             socket.curve_server = True
         if identified and self.settings.identities is not None:
             socket.zap_domain = IDENTITY_DOMAIN.encode()  # agent/zap.py answers for it
+
+    @property
+    def control_key(self) -> str:
+        """The public key this sidecar's control port serves with when it is its own identity
+        key (announced in its rank entry); '' where it serves with the deployment's key."""
+        identity = self.settings.identity_keypair
+        return identity.public if identity is not None and self.settings.curve_keypair else ""
+
+    def listener_key(self, entry: RankEntry) -> str:
+        """The CURVE server key to expect of ``entry``'s control port ('' : the deployment's).
+
+        With an allow-list (``identity_allow_file``), the rank must serve with the key listed
+        for its agent id as a prefill: only the holder of that key's secret half completes
+        the CURVE handshake, so a member posing as that prefill, or a listener at its address
+        that is not it, is never talked to. AuthError ``identity_mismatch`` (counted) if the
+        table names another key or none."""
+        key = entry.control_key
+        if self.settings.identities is None:
+            return key if key and check_key_text(key) else ""
+        who = self.settings.identities.get(key) if key else None
+        if who is not None and who.role == Role.PREFILL.value and who.agent_id == entry.agent_id:
+            return key
+        listed = "another agent's key" if who is not None else "a key not in identity_allow_file"
+        error = AuthError(
+            f"prefill rank {entry.geometry.rank_id} of agent {entry.agent_id!r} at "
+            f"{entry.control_address} serves its control port with "
+            f"{listed if key else 'no identity key'}: not talking to it",
+            code=Reason.IDENTITY_MISMATCH,
+        )
+        self.failed(error)
+        raise error
 
     def curve_client(self, socket: zmq.Socket) -> None:
         """CURVE client options only (data sockets: no HMAC handshake runs on them)."""
@@ -134,9 +172,10 @@ class Security:
             socket.curve_publickey, socket.curve_secretkey = public, secret
             socket.curve_serverkey = self.settings.curve_server_key.encode()
 
-    def connecting(self, socket: zmq.Socket) -> None:
+    def connecting(self, socket: zmq.Socket, server_key: str = "") -> None:
         """A random routing id (see :mod:`pd_transfer.security.gate`) and CURVE client
-        options for a socket about to connect (no-op with both off)."""
+        options for a socket about to connect (no-op with both off); ``server_key``: the
+        listener's own key (:meth:`listener_key`), else the deployment's is expected."""
         if self.enabled:
             socket.setsockopt(zmq.ROUTING_ID, new_routing_id())
         if self.settings.curve_server_key:
@@ -146,7 +185,12 @@ class Security:
             else:
                 public, secret = zmq.curve_keypair()  # throwaway: CURVE does not say who connects
             socket.curve_publickey, socket.curve_secretkey = public, secret
-            socket.curve_serverkey = self.settings.curve_server_key.encode()
+            socket.curve_serverkey = (server_key or self.settings.curve_server_key).encode()
+
+
+def check_key_text(key: str) -> bool:
+    """Whether ``key`` (from the wire) is a Z85 CURVE key ZeroMQ would take."""
+    return len(key) == Z85_KEY_LEN and set(key) <= Z85_ALPHABET
 
 
 DISABLED = Security()

@@ -177,14 +177,20 @@ class BootstrapServer:
             await self.socket.send_multipart([identity, encode(self.table())])
 
     async def _may_announce(self, identity: bytes, fd: int | None, entry: RankEntry) -> bool:
-        """With identities checked, only a prefill's key may add a rank to the table, and
-        only under its own agent id."""
+        """With identities checked, only a prefill's key may add a rank to the table, only
+        under its own agent id, and naming no other key than its own for its control port."""
         who = self._doorman.proven_identity(identity)
-        if who is None or (who.role == Role.PREFILL.value and entry.agent_id == who.agent_id):
+        if who is None or (
+            who.role == Role.PREFILL.value
+            and entry.agent_id == who.agent_id
+            and (not entry.control_key or self._security.settings.identities.get(entry.control_key) is who)
+        ):
             return True
+        wrong_key = who.role == Role.PREFILL.value and entry.agent_id == who.agent_id  # all else right
         error = AuthError(
             f"{who.agent_id}: a {who.role} identity announced prefill rank "
-            f"{entry.geometry.rank_id} of agent {entry.agent_id!r}",
+            f"{entry.geometry.rank_id} of agent {entry.agent_id!r}"
+            + (" naming another control key than its own" if wrong_key else ""),
             code=Reason.IDENTITY_MISMATCH,
         )
         self._security.failed(error, f"bootstrap {self.address}")

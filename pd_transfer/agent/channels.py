@@ -156,7 +156,9 @@ class Channel:
 
 
 class OutgoingChannel(Channel):
-    def __init__(self, context: zmq.asyncio.Context, address: str, role: Role, label: str) -> None:
+    def __init__(
+        self, context: zmq.asyncio.Context, address: str, role: Role, label: str, server_key: str = ""
+    ) -> None:
         super().__init__(Session(role), label)
         self.address = address
         self._security = security_of(context)
@@ -164,7 +166,7 @@ class OutgoingChannel(Channel):
         self._socket.setsockopt(zmq.LINGER, 0)
         bound_frames(self._socket)
         self._keepalive = watch_peers(self._socket, context)
-        self._security.connecting(self._socket)
+        self._security.connecting(self._socket, server_key)  # the listener's own key, if known
         # watched before it connects: the handshake may complete before start() runs
         self._monitor = self._socket.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
@@ -295,7 +297,7 @@ class IncomingChannels:
             self.socket, queued_frames=CONTROL_QUEUED_FRAMES, handshake_timeout_s=security.lobby.timeout_s
         )
         self.keepalive = watch_peers(self.socket, context)
-        security.listening(self.socket, identified=True)
+        security.listening(self.socket, identified=True, as_self=True)  # its identity key, if any
         if port:
             self.socket.bind(f"tcp://{host}:{port}")
         else:

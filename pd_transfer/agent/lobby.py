@@ -1,6 +1,6 @@
 """Strangers on the ZeroMQ listening ports: how many, for how long, how many bytes.
 
-A connection to the control or bootstrap port is a *stranger's* from its
+A connection to the control, bootstrap or ZeroMQ worker port is a *stranger's* from its
 accept until it proves the shared secret (:mod:`pd_transfer.agent.auth`).
 ZeroMQ accepts and buffers for the application, so without a bound a few
 thousand idle connections exhaust the sidecar's file descriptors (its own
@@ -20,8 +20,9 @@ per port (a :class:`Door`) and in total:
   (``timeout_s``; ZeroMQ's own handshake is bounded by ``HANDSHAKE_IVL``
   set to the same value, see :func:`pd_transfer.agent.zmq_bounds.bound_frames`);
 - **how many bytes**: a stranger that has sent more than ``max_nbytes``
-  (the kernel's count, ``TCP_INFO``) is dropped at the next check, every
-  :data:`CHECK_INTERVAL_S`; handshake frames are at most 2 KiB;
+  (the kernel's count, ``TCP_INFO``: none on ``ipc://``) is dropped at the next check,
+  every :data:`CHECK_INTERVAL_S`; handshake frames are at most 2 KiB. Once ZeroMQ
+  reports a cut stranger gone, the heap pages its frames held go back to the system;
 - **file descriptors in reserve**: a stranger accepted on a descriptor
   within ``fd_reserve`` of the soft ``RLIMIT_NOFILE`` is refused at once
   (descriptors are allocated lowest first, so such a number means that many
@@ -54,10 +55,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pd_transfer.agent.stream_router import return_freed_memory
+
 log = logging.getLogger(__name__)
 
 #: how often strangers' received bytes are checked while any are connected
 CHECK_INTERVAL_S = 0.05
+#: after a stranger's connection ended, when the heap pages its frames held go back
+TRIM_DELAY_S = 0.1
 #: what a stranger may send before it authenticates: the ZMTP and CURVE
 #: handshakes and three handshake frames of at most 2 KiB take under 4 KiB
 STRANGER_NBYTES = 256 * 1024
@@ -149,24 +154,41 @@ class Lobby:
         self.refused: dict[tuple[str, str], int] = {}  # (socket, reason) -> connections ended
         self.on_refused: Callable[[str, str], None] = lambda socket, reason: None
         self._checking: asyncio.Task | None = None
+        self._trim: asyncio.TimerHandle | None = None
 
-    def door(self, name: str, *, active: bool = True) -> Door:
+    def door(
+        self,
+        name: str,
+        *,
+        active: bool = True,
+        max_pending: int | None = None,
+        timeout_s: float | None = None,
+        local: bool = False,
+    ) -> Door:
         """The strangers of one listening socket, named ``name`` in logs and metrics.
-        Not ``active`` (authentication off: nobody is told apart), it bounds nothing."""
-        door = Door(self, name, self.max_pending, active=active)
+        Not ``active`` (authentication off: nobody is told apart), it bounds nothing.
+        ``max_pending`` and ``timeout_s`` default to the lobby's. A ``local`` door (the
+        worker endpoint) is its own: its strangers count neither towards ``max_total``
+        nor against the other doors', and the descriptor reserve, kept for the worker
+        among others, does not apply to it (its own cap bounds what it holds)."""
+        door = Door(self, name, self.max_pending if max_pending is None else max_pending, active=active)
+        door.timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        door.local = local
         if active:
             self.doors.append(door)
         return door
 
     @property
     def num_strangers(self) -> int:
-        return sum(len(door.strangers) for door in self.doors)
+        """Strangers under ``max_total``: those of every door but the local ones."""
+        return sum(len(door.strangers) for door in self.doors if not door.local)
 
     def _victim(self, doors: list[Door], newcomer: Stranger) -> Stranger | None:
         """Whom ``newcomer`` evicts: the oldest idle stranger; with none idle, when one
         address holds more strangers than the newcomer's does, that address's oldest
         (one host's flood does not lock out another's peers); else nobody."""
-        live = [s for door in doors for s in door.strangers.values() if not s.refused]
+        live = [s for door in doors if door.local == newcomer.door.local for s in door.strangers.values()]
+        live = [s for s in live if not s.refused]
         idle = [s for s in live if not s.hello]
         if idle:
             return min(idle, key=lambda s: s.since_s)
@@ -188,9 +210,19 @@ class Lobby:
         if self._checking is None or self._checking.done():
             self._checking = asyncio.get_running_loop().create_task(self._check_bytes())
 
+    def _trim_soon(self) -> None:
+        """Hand the memory strangers' frames held back to the system, once their
+        connections are gone (ZeroMQ frees it on its own thread, then reports)."""
+        if self._trim is None:
+            self._trim = asyncio.get_running_loop().call_later(TRIM_DELAY_S, self._trimmed)
+
+    def _trimmed(self) -> None:
+        self._trim = None
+        return_freed_memory()
+
     async def _check_bytes(self) -> None:
         """While strangers are connected: drop any that sent more than ``max_nbytes``."""
-        while self.num_strangers:
+        while any(door.strangers for door in self.doors):
             await asyncio.sleep(CHECK_INTERVAL_S)
             for door in list(self.doors):
                 for stranger in list(door.strangers.values()):
@@ -207,10 +239,13 @@ class Door:
         self.active = active
         self.name = name
         self.max_pending = max_pending
-        self.local: object = None  # the listening address, as getsockname() gives it (bound())
+        self.timeout_s = lobby.timeout_s  # the handshake deadline (Lobby.door sets it)
+        self.local = False  # see Lobby.door
+        self.address: object = None  # the listening address, as getsockname() gives it (bound())
         self.strangers: dict[int, Stranger] = {}  # fd -> stranger
         self.members: set[int] = set()  # fds past the handshake
         self.on_gone: Callable[[int], None] = lambda fd: None  # a connection ended
+        self._cut: set[int] = set()  # strangers' fds cut, until ZeroMQ reports them gone
 
     # -- what the socket's owner reports -------------------------------------------
     def accepted(self, fd: int) -> Stranger | None:
@@ -222,14 +257,14 @@ class Door:
         stranger = self._record(fd)
         if stranger is None:
             return None  # gone already
-        if fd >= self.lobby.fd_ceiling:
+        if fd >= self.lobby.fd_ceiling and not self.local:
             self.cut(stranger, "fd_reserve", f"descriptor {fd} is within the reserve")
             return None
         if not self._make_room(stranger):
             return None
         self.strangers[fd] = stranger
         stranger.timer = asyncio.get_running_loop().call_later(
-            self.lobby.timeout_s,
+            self.timeout_s,
             self._expire,
             stranger,
         )
@@ -239,9 +274,9 @@ class Door:
     def bound(self, endpoint: str) -> None:
         """The socket listens at ``endpoint`` (``tcp://HOST:PORT``, ``ipc://PATH``)."""
         if endpoint.startswith("tcp://"):
-            self.local = int(endpoint.rsplit(":", 1)[1])
+            self.address = int(endpoint.rsplit(":", 1)[1])
         elif endpoint.startswith("ipc://"):
-            self.local = endpoint.removeprefix("ipc://")
+            self.address = endpoint.removeprefix("ipc://")
 
     def _record(self, fd: int) -> Stranger | None:
         """A stranger on ``fd``, if ``fd`` is a connection to this socket's address: an
@@ -258,7 +293,7 @@ class Door:
         finally:
             sock.detach()
         local = ends[0][1] if isinstance(ends[0], tuple) else ends[0]
-        if self.local is None or local != self.local:
+        if self.address is None or local != self.address:
             return None
         return Stranger(self, fd, ends, time.monotonic())
 
@@ -310,6 +345,9 @@ class Door:
         stranger = self.strangers.pop(fd, None)
         if stranger is not None and stranger.timer is not None:
             stranger.timer.cancel()
+        if stranger is not None or fd in self._cut:
+            self._cut.discard(fd)
+            self.lobby._trim_soon()  # what its frames held goes back
         self.on_gone(fd)
 
     # -- bounds --------------------------------------------------------------------------
@@ -319,7 +357,11 @@ class Door:
         lobby = self.lobby
         for over, doors, limit in (
             (lambda: len(self.strangers) >= self.max_pending, [self], "max_pending"),
-            (lambda: lobby.num_strangers >= lobby.max_total, lobby.doors, "max_pending_total"),
+            (
+                lambda: not self.local and lobby.num_strangers >= lobby.max_total,
+                lobby.doors,
+                "max_pending_total",
+            ),
         ):
             while over():
                 victim = lobby._victim(doors, newcomer)
@@ -333,7 +375,7 @@ class Door:
 
     def _expire(self, stranger: Stranger) -> None:
         if self.strangers.get(stranger.fd) is stranger:
-            self.cut(stranger, "handshake_timeout", f"no handshake within {self.lobby.timeout_s:g} s")
+            self.cut(stranger, "handshake_timeout", f"no handshake within {self.timeout_s:g} s")
 
     def cut(self, stranger: Stranger, reason: str, why: str) -> None:
         """End ``stranger``'s connection and count it."""
@@ -344,6 +386,7 @@ class Door:
         shut = stranger.probe(lambda sock: sock.shutdown(socket.SHUT_RDWR) or True)
         if not shut:
             return  # it ended on its own meanwhile
+        self._cut.add(stranger.fd)
         self.lobby._count(self.name, reason)
         log.info(
             "%s: dropped an unauthenticated connection (descriptor %d, %s): %s",

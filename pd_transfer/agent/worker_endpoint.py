@@ -27,7 +27,10 @@ ties the worker's registration to its connection this way
 
 With authentication on, a worker's client runs the handshake first
 (:mod:`pd_transfer.agent.auth`); a request sent without it gets an error
-reply with the code ``unauthenticated`` and never reaches the handler.
+reply with the code ``unauthenticated`` and never reaches the handler. Until
+then a ZeroMQ connection is a stranger of the lobby's ``worker`` door
+(:mod:`pd_transfer.agent.lobby`): at most 64 of them, one handshake deadline,
+256 KiB received on ``tcp://``; ``unix://`` has its own bounds (4 KiB a frame).
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ import zmq
 import zmq.asyncio
 
 from pd_transfer.agent.auth import Doorman, security_of
-from pd_transfer.agent.stream_router import StreamRouter
+from pd_transfer.agent.lobby import Door
+from pd_transfer.agent.stream_router import MAX_PENDING, StreamRouter
 from pd_transfer.agent.zmq_bounds import ConnectionWatch, bound_frames
 from pd_transfer.errors import AuthError, PdTransferError, Reason
 from pd_transfer.protocol import worker_api
@@ -86,20 +90,9 @@ class WorkerEndpoint:
                 handshake_timeout_s=security.handshake_timeout_s,
             )
             self._watch: ConnectionWatch | None = None
+            self._door: Door | None = None
         else:
-            self._socket = context.socket(zmq.ROUTER)
-            self._socket.setsockopt(zmq.LINGER, 0)
-            bound_frames(self._socket, worker_api.MAX_REQUEST_NBYTES)
-            bind_private(self._socket, address)
-            # counts every ended connection, and tells which descriptor's (the worker's registration)
-            self._watch = ConnectionWatch(
-                self._socket,
-                "worker",
-                f"worker endpoint {address}",
-                on_closed=on_connection_closed,
-                on_bad_frame=self._count_bad_request,
-                on_disconnected=self._closed_descriptor,
-            )
+            self._socket, self._door, self._watch = self._zmq_router(context, address, on_connection_closed)
         self.address = address
         self._handler = handler
         self._tasks: set[asyncio.Task] = set()
@@ -111,7 +104,39 @@ class WorkerEndpoint:
             "worker endpoint",
             _refusal_reply,
             on_bad_frame=self._count_bad_request,
+            door=self._door,
         )
+
+    def _zmq_router(
+        self, context: zmq.asyncio.Context, address: str, on_connection_closed: Callable[[str], None]
+    ) -> tuple[zmq.asyncio.Socket, Door, ConnectionWatch]:
+        """The ROUTER of an ``ipc://`` or ``tcp://`` endpoint, the :class:`Door` that bounds its
+        strangers until their handshake (how many, how long, how many bytes: agent/lobby.py),
+        and the watch that counts every ended connection and tells which descriptor's (the
+        worker's registration)."""
+        security = security_of(context)
+        socket = context.socket(zmq.ROUTER)
+        socket.setsockopt(zmq.LINGER, 0)
+        bound_frames(socket, worker_api.MAX_REQUEST_NBYTES, handshake_timeout_s=security.handshake_timeout_s)
+        bind_private(socket, address)
+        door = security.lobby.door(
+            "worker",
+            active=security.enabled,
+            max_pending=MAX_PENDING,
+            timeout_s=security.handshake_timeout_s,
+            local=True,
+        )
+        door.bound(socket.getsockopt(zmq.LAST_ENDPOINT).decode())
+        watch = ConnectionWatch(
+            socket,
+            "worker",
+            f"worker endpoint {address}",
+            on_closed=on_connection_closed,
+            on_bad_frame=self._count_bad_request,
+            on_accepted=door.accepted,
+            on_disconnected=lambda fd: (door.disconnected(fd), self._closed_descriptor(fd)),
+        )
+        return socket, door, watch
 
     def _count_bad_request(self, reason: str) -> None:
         self.bad_requests += 1
@@ -130,7 +155,8 @@ class WorkerEndpoint:
                 log.warning("worker endpoint: dropped a request of %d frames", len(frames))
                 continue
             identity, frame = frames
-            if not await self._doorman.admit(identity, frame):
+            fd = connection[0] if isinstance(connection, tuple) else None
+            if not await self._doorman.admit(identity, frame, fd):
                 continue
             if len(self._tasks) >= self.max_requests:
                 await self._refuse_busy(identity, frame)

@@ -44,6 +44,7 @@ up by its peer: a starved prefill whose decode peer dies. They stay off.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Callable
@@ -150,7 +151,7 @@ class ConnectionWatch:
         self._on_accepted = on_accepted
         self._on_bad_frame = on_bad_frame
         self._limit = socket.getsockopt(zmq.MAXMSGSIZE)  # -1: none
-        self._monitor = socket.get_monitor_socket(_WATCHED)
+        self._monitor = _monitor_socket(socket)
         self._reader = zmq.Socket.shadow(self._monitor.underlying)  # reads it without waiting
         self._stopped = False
 
@@ -201,3 +202,19 @@ class ConnectionWatch:
             log.warning(
                 "%s: dropped a connection that is not ZeroMQ (its handshake broke the protocol)", self.where
             )
+
+
+def _monitor_socket(socket: zmq.Socket) -> zmq.Socket:
+    """``socket``'s monitor, read by the watch, holding as few events unread as ZeroMQ
+    allows. ZeroMQ's I/O thread waits when the watch has not read them: it accepts at most
+    that many connections (about 1,000, the monitor's own queue) before the lobby hears of
+    them, instead of twice as many with the default queue on the reading side too."""
+    address = f"inproc://pd-transfer.watch-{next(_monitors)}"
+    socket.monitor(address, _WATCHED)
+    monitor = socket.context.socket(zmq.PAIR)
+    monitor.setsockopt(zmq.RCVHWM, 1)
+    monitor.connect(address)
+    return monitor
+
+
+_monitors = itertools.count()

@@ -23,6 +23,9 @@ class RankEntry:
     control_address: str
     pp_size: int
     geometry: RankGeometry
+    # the CURVE public key the rank's control port serves with, when it is the rank's own
+    # identity key (security/identity.py); '' = the deployment's shared key
+    control_key: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

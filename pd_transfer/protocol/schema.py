@@ -177,6 +177,7 @@ POOL_INDICES = Record(PoolIndices, (Field("pool", EnumOf(Pool)), Field("indices"
 _ROOM = (Field("room", U64), Field("generation", U64))
 
 ADDRESS = Str(max_len=MAX_ADDRESS_LEN)
+CURVE_KEY_LEN = 40  # a Z85 CURVE public key
 REGION_HANDLE = Record(
     RegionHandle,
     (Field("region", ID), Field("handle", Str(max_len=MAX_HANDLE_LEN, min_len=1))),
@@ -189,6 +190,7 @@ RANK_ENTRY = Record(
         Field("control_address", Str(max_len=MAX_ADDRESS_LEN, min_len=1)),
         Field("pp_size", Int(lo=1, hi=1024)),
         Field("geometry", GEOMETRY),
+        Field("control_key", Str(max_len=CURVE_KEY_LEN), default=""),
     ),
 )
 

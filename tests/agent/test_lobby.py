@@ -3,11 +3,18 @@ never a half-done handshake from the same address, the deadline, the byte budget
 the descriptor reserve; every connection ended is counted with its reason."""
 
 import asyncio
+import contextlib
+import os
+import resource
 import socket
+import time
 
 import pytest
+import zmq
+import zmq.asyncio
 
 from pd_transfer.agent.lobby import Lobby
+from pd_transfer.agent.zmq_bounds import ConnectionWatch
 
 
 class Pairs:
@@ -143,3 +150,65 @@ def test_a_descriptor_that_now_joins_other_ends_is_left_alone(pairs):
 
     lobby = _run(main())
     assert not pairs.cut(0) and lobby.refused == {}
+
+
+def _server_ends(port: int) -> int:
+    """Descriptors of this process that are accepted connections on ``port``."""
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            sock = socket.socket(fileno=int(name))
+        except OSError:
+            continue
+        try:
+            count += sock.getsockname()[1] == port and bool(sock.getpeername())
+        except (OSError, TypeError, IndexError):
+            pass
+        finally:
+            sock.detach()
+    return count
+
+
+def test_zeromq_accepts_no_further_ahead_of_an_unread_watch_than_its_monitor_queue():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 8192:
+        pytest.skip(f"needs 8,192 descriptors, the hard limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (8192, hard))
+    clients: list[socket.socket] = []
+
+    async def main():
+        context = zmq.asyncio.Context()
+        router = context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        accepted: list[int] = []
+        watch = ConnectionWatch(router, "control", "test", on_accepted=accepted.append)
+        for _ in range(2500):  # a burst while the sidecar's loop is busy: nobody reads the watch
+            client = socket.socket()
+            client.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                client.connect(("127.0.0.1", port))
+            clients.append(client)
+        time.sleep(3)  # the loop is blocked: ZeroMQ's thread accepts what it may meanwhile
+        ahead = _server_ends(port)
+        reading = asyncio.create_task(watch.run())
+        deadline = time.monotonic() + 60
+        while len(accepted) < ahead + 200 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        reading.cancel()
+        await asyncio.gather(reading, return_exceptions=True)  # it closes the monitor
+        router.disable_monitor()
+        router.close(linger=0)
+        context.term()
+        return ahead, len(accepted)
+
+    try:
+        ahead, heard = asyncio.run(main())
+    finally:
+        for client in clients:
+            client.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    # ZeroMQ waited on the monitor's queue (1,000 events and one), and accepted more once
+    # the watch read it: held back, not lost (the kernel drops what its backlog cannot hold)
+    assert 900 <= ahead <= 1001 + 16, ahead
+    assert heard > ahead + 100, (ahead, heard)

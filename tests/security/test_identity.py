@@ -14,7 +14,8 @@ holding the secret and a listed key of its own (``decode-evil``, instance
   ``dec-A``, to take its rooms: refused with a Close ``identity_mismatch``,
   counted, and its connection ends;
 - it announces a prefill rank to the bootstrap with its decode key: refused
-  with ``identity_mismatch``, and the table is unchanged;
+  with ``identity_mismatch``, and the table is unchanged; so is a prefill's
+  announcement naming another key than its own for its control port;
 - a secret holder presenting no listed key does not get through the CURVE
   handshake at all (counted by the ZAP handler).
 
@@ -109,7 +110,13 @@ def _member(keys, agent_id: str, identity_key: Path | None) -> Security:
     return Security(settings, agent_id, handshake_timeout_s=3.0)
 
 
-def _register_as(cluster, security_: Security, agent_id: str, instance: str):
+def _control_key(keys) -> str:
+    """The key the identified prefill's control port serves with (its identity key's
+    public half: public, as the rank table shows it to every member)."""
+    return read_secret_key(str(keys["prefill"]), "identity_key_file").public
+
+
+def _register_as(cluster, security_: Security, agent_id: str, instance: str, server_key: str = ""):
     """Open a control session as ``security_``'s agent and register as ``agent_id`` of
     ``instance``: the first reply to the Register (a Register back, or a Close)."""
     address = cluster.ready[P0]["control_address"]
@@ -117,7 +124,7 @@ def _register_as(cluster, security_: Security, agent_id: str, instance: str):
 
     async def attempt(context):
         got = asyncio.Queue()
-        channel = OutgoingChannel(context, address, Role.DECODE, "prefill 0")
+        channel = OutgoingChannel(context, address, Role.DECODE, "prefill 0", server_key)
         channel.start(lambda ch, message: got.put_nowait(message))
         try:
             await channel.send(Hello(agent_id=security_.agent_id, role=Role.DECODE))
@@ -145,7 +152,7 @@ def test_a_member_claiming_another_decodes_agent_id_is_refused_and_counted(check
     before = metric(checked, P0, FAILURES, reason="identity_mismatch")
     impostor = _member(keys, DECODE_ID, keys["evil"])  # evil's key, the real decode's name
     with pytest.raises(AuthError) as refused:
-        _register_as(checked, impostor, DECODE_ID, "dec-A")
+        _register_as(checked, impostor, DECODE_ID, "dec-A", _control_key(keys))
     assert refused.value.code is Reason.IDENTITY_MISMATCH
     assert f"claims agent id '{DECODE_ID}', but its identity key is 'decode-evil''s" in refused.value.message
     assert metric(checked, P0, FAILURES, reason="identity_mismatch") >= before + 1
@@ -154,13 +161,13 @@ def test_a_member_claiming_another_decodes_agent_id_is_refused_and_counted(check
 def test_a_member_registering_for_another_decodes_instance_is_refused_and_counted(checked, keys):
     before = metric(checked, P0, FAILURES, reason="identity_mismatch")
     evil = _member(keys, "decode-evil", keys["evil"])
-    closed = _register_as(checked, evil, "decode-evil", "dec-A")  # the real decode's instance
+    closed = _register_as(checked, evil, "decode-evil", "dec-A", _control_key(keys))  # dec-A: the real one's
     assert isinstance(closed, Close) and closed.reason is Reason.IDENTITY_MISMATCH, closed
     assert "registered for decode instance 'dec-A'" in closed.reason_text
     assert "of instance 'dec-B'" in closed.reason_text
     assert metric(checked, P0, FAILURES, reason="identity_mismatch") >= before + 1
     # as itself, of its own instance, the same member is served
-    accepted = _register_as(checked, evil, "decode-evil", "dec-B")
+    accepted = _register_as(checked, evil, "decode-evil", "dec-B", _control_key(keys))
     assert isinstance(accepted, Register), accepted
 
 
@@ -183,6 +190,27 @@ def test_a_decode_key_cannot_announce_a_prefill_rank(checked, keys):
     assert [e.control_address for e in table.entries] == [checked.ready[P0]["control_address"]]
 
 
+def test_a_prefill_cannot_announce_another_key_for_its_control_port(checked, keys):
+    before = metric(checked, P0, FAILURES, reason="identity_mismatch")
+    prefill = _member(keys, PREFILL_ID, keys["prefill"])  # the prefill's own key and name
+    entry = RankEntry(
+        agent_id=PREFILL_ID,
+        host_id="h",
+        control_address="tcp://127.0.0.1:9",
+        pp_size=1,
+        geometry=ranks(Role.PREFILL, 1)[0],
+        control_key=read_secret_key(str(keys["evil"]), "identity_key_file").public,
+    )
+    with pytest.raises(PdTransferError) as refused:
+        run_with(prefill, lambda context: fetch_table(context, checked.bootstrap, PREFILL_ID, 5.0, entry))
+    assert refused.value.code is Reason.IDENTITY_MISMATCH, refused.value
+    assert "naming another control key than its own" in refused.value.message
+    assert metric(checked, P0, FAILURES, reason="identity_mismatch") >= before + 1
+    table = run_with(prefill, lambda context: fetch_table(context, checked.bootstrap, PREFILL_ID, 5.0))
+    assert [e.control_address for e in table.entries] == [checked.ready[P0]["control_address"]]
+    assert [e.control_key for e in table.entries] == [_control_key(keys)]
+
+
 def test_a_secret_holder_without_a_listed_key_does_not_get_in(checked, keys):
     before = metric(checked, P0, FAILURES, reason="identity_mismatch")
     stranger = _member(keys, "decode-unlisted", None)  # the secret, a throwaway CURVE key
@@ -192,7 +220,7 @@ def test_a_secret_holder_without_a_listed_key_does_not_get_in(checked, keys):
 
         socket = context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
-        stranger.connecting(socket)
+        stranger.connecting(socket, _control_key(keys))
         socket.connect(checked.ready[P0]["control_address"])
         try:
             await authenticate(socket, stranger, "prefill 0", timeout_s=2.0)

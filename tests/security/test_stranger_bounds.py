@@ -10,6 +10,10 @@ default host) faces connections that never authenticate:
   counted in ``pd_transfer_connections_refused_total{reason="pending_limit"}``;
 - 16 connections each holding 15 MiB of a frame under the 16 MiB cap: each
   is dropped, and the memory returns;
+- a burst of 8,000 connections from four processes at once: the descriptors
+  it holds stay below its limit (ZeroMQ accepts no further ahead of the
+  sidecar than its monitor's queue), its health port answers throughout, and
+  a real decode completes a room beside them;
 - 1,100 ``AuthHello`` frames, each from its own connection, arriving between a
   real peer's hello and its proof: the real handshake still completes;
 - a refused handshake, and a member refused for registering under another
@@ -19,6 +23,9 @@ default host) faces connections that never authenticate:
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -36,6 +43,7 @@ from hostile_wire import (
 )
 from secure_cluster import SECRET_HEX, WRONG_HEX, RawPeer, metric, ranks, requests, start, write_secret
 
+from pd_transfer.agent.lobby import fd_reserve_for
 from pd_transfer.client import RoomStatus
 from pd_transfer.errors import Reason
 from pd_transfer.layout.geometry import Role
@@ -76,12 +84,14 @@ def _idle(address):
         return None
 
 
-def _room_lands(cluster, room: int) -> None:
-    cluster.expect(room, requests(room))
-    cluster.send(room, requests(room))
+def _room_lands(cluster, room: int, pages: int = 0) -> None:
+    """Room ``room`` moves the pages of the oracle's room ``pages`` (``room``'s own by default)."""
+    moved = requests(pages or room)
+    cluster.expect(room, moved)
+    cluster.send(room, moved)
     states = cluster.wait_decode(room, timeout_s=30)
     assert all(s.status is RoomStatus.SUCCESS for s in states.values()), (states, cluster.logs())
-    assert cluster.verify_landed(room, requests(room)) == []
+    assert cluster.verify_landed(room, moved) == []
 
 
 def test_1100_idle_connections_leave_health_rooms_and_memory_intact(cluster):
@@ -207,3 +217,63 @@ def test_a_member_refused_for_its_name_gets_one_close_and_the_connection_ends(cl
     closes = [r for r in replies if isinstance(r, Close)]
     assert len(closes) == 1 and closes[0].reason is Reason.AUTH_FAILED, replies
     assert replies[-1] is closes[0] and closed, replies
+
+
+_FLOOD = """
+import resource, socket, sys, time
+resource.setrlimit(resource.RLIMIT_NOFILE, (4096, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+held = []
+time.sleep(max(0.0, float(sys.argv[5]) - time.time()))  # all flooders at once
+for _ in range(int(sys.argv[3])):
+    sock = socket.socket()
+    sock.setblocking(False)
+    try:
+        sock.connect((sys.argv[1], int(sys.argv[2])))
+    except BlockingIOError:
+        pass
+    held.append(sock)
+time.sleep(float(sys.argv[4]))
+"""
+
+
+def test_a_burst_of_connections_leaves_descriptors_health_and_rooms(cluster):
+    pid = cluster.sidecars[P0].proc.pid
+    host, port = host_port(_control(cluster))
+    peak, answers, done = [0], [], threading.Event()
+
+    def count() -> None:  # the prefill's descriptors, all through the burst
+        while not done.is_set():
+            try:
+                peak[0] = max(peak[0], len(os.listdir(f"/proc/{pid}/fd")))
+            except OSError:
+                pass
+
+    def health() -> None:  # and its health port
+        while not done.wait(0.05):
+            try:
+                answers.append(cluster.http(P0, "/healthz")[0])
+            except OSError as err:  # unreachable: what this test rules out
+                answers.append(repr(err))
+
+    watchers = [threading.Thread(target=count), threading.Thread(target=health)]
+    for watcher in watchers:
+        watcher.start()
+    start_at = str(time.time() + 2)
+    floods = [
+        subprocess.Popen([sys.executable, "-c", _FLOOD, host, str(port), "2000", "8", start_at])
+        for _ in range(4)
+    ]
+    try:
+        time.sleep(5)  # the burst, and the sidecar cutting it down
+        _room_lands(cluster, 3, pages=2)  # while the flooders still hold what they opened
+    finally:
+        for flood in floods:
+            flood.wait(timeout=60)
+        done.set()
+        for watcher in watchers:
+            watcher.join()
+    # strangers never reached the descriptors kept in reserve for peers, the worker and health
+    ceiling = NOFILE - fd_reserve_for(NOFILE)
+    assert peak[0] < ceiling, f"the prefill held {peak[0]} descriptors in the burst (reserve from {ceiling})"
+    assert answers and set(answers) == {200}, answers
+    assert cluster.sidecars[P0].proc.poll() is None

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pd_transfer.agent import integrity
+from pd_transfer.agent.auth import security_of
 from pd_transfer.agent.bootstrap import fetch_table
 from pd_transfer.agent.channels import OutgoingChannel
 from pd_transfer.agent.decode import retire
@@ -260,12 +261,11 @@ class PrefillInstances:
         # writes nothing to this decode rank still learns the room is done
         for entry in table.entries:
             rank_id = entry.geometry.rank_id
-            channel = OutgoingChannel(
-                sidecar.context, entry.control_address, Role.DECODE, f"{rank_id} ({entry.control_address})"
-            )
+            key = security_of(sidecar.context).listener_key(entry)  # AuthError: not that prefill
+            where = f"{rank_id} ({entry.control_address})"
+            channel = OutgoingChannel(sidecar.context, entry.control_address, Role.DECODE, where, key)
             channel.peer_rank = rank_id
-            # this side's own heartbeat limit stands for the peer's (one deployment's config)
-            channel.peer_limit_s = self.config.heartbeat_interval_s * self.config.heartbeat_misses
+            channel.peer_limit_s = self.gone.grace_s  # this side's heartbeat limit stands for the peer's
             channel.on_bad_frame = sidecar.observe.bad_frame
             sidecar.observe.peer(rank_id, "connecting", channel=channel)
             peer = PrefillPeer(rank_id, channel, asyncio.get_running_loop().create_future())

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pd_transfer.agent.auth import security_of
 from pd_transfer.agent.channels import CLOSE_SEND_TIMEOUT_S, Channel
 from pd_transfer.agent.indices import check_indices
 from pd_transfer.agent.peer_process import own_register_fields, peer_identity
@@ -114,6 +115,7 @@ class PrefillSide(PrefillWrites):
             control_address=sidecar.control.address,
             pp_size=sidecar.pp_size,
             geometry=sidecar.geometry,
+            control_key=security_of(sidecar.context).control_key,
         )
         await announce_first(sidecar.context, self.config, entry)
         sidecar.worker_tasks.append(sidecar.spawn(join_instance(sidecar.context, self.config, entry, self)))
