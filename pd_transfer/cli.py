@@ -280,9 +280,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
         print(render_toml(config), end="")  # secret_file is a path; the secret is never printed
         return EXIT_OK
-    from pd_transfer.agent.lobby import raise_fd_limit
+    from pd_transfer.agent.descriptors import raise_fd_limit
 
-    raise_fd_limit()  # descriptors for peers, strangers and their reserve (agent/lobby.py)
+    raise_fd_limit()  # descriptors for peers, strangers and their reserve (agent/descriptors.py)
     configure_logging(args.log_level, args.log_format)
     return serve(config, security)
 

@@ -298,6 +298,8 @@ class Doorman:
         door = self.door
         if door is not None and fd is not None and not self._gate.knows(identity):
             if door.refused(fd) or door.stranger(fd) is None and fd not in door.members:
+                if door.ended(fd):  # its connection ended before this frame was read
+                    self._judge_late(identity, frame, user_id)
                 return False  # refused: cut once its refusal left; or no room for it at all
             self._pending[fd] = identity
         admission = self._gate.admit(identity, frame, user_id)
@@ -324,6 +326,17 @@ class Doorman:
             except zmq.ZMQError as err:
                 log.debug("%s: cannot answer peer %s: %s", self._where, identity.hex()[:12], err)
         return False
+
+    def _judge_late(self, identity: bytes, frame: bytes, user_id: str) -> None:
+        """A frame of a stranger whose connection has ended: judged and counted as if read in
+        time (a garbage frame is a bad frame, a wrong proof an authentication failure), with
+        no answer to send and no handshake state kept."""
+        admission = self._gate.admit(identity, frame, user_id)
+        self._gate.forget_pending(identity)
+        if admission.error is not None:
+            self._security.failed(admission.error, f"{self._where}: peer {identity.hex()[:12]} (gone)")
+        if admission.decision is Decision.UNAUTHENTICATED:
+            self._on_bad_frame(Reason.UNAUTHENTICATED.value)
 
     def revoke(self, identity: bytes, fd: int | None) -> None:
         """``identity`` proved the secret but broke the rules of the name it proved (it was

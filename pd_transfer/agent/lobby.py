@@ -27,7 +27,7 @@ per port (a :class:`Door`) and in total:
   within ``fd_reserve`` of the soft ``RLIMIT_NOFILE`` is refused at once
   (descriptors are allocated lowest first, so such a number means that many
   are open), keeping room for authenticated peers, the worker and the
-  health port. :func:`raise_fd_limit` lifts the soft limit to the hard one
+  health port. :func:`~pd_transfer.agent.descriptors.raise_fd_limit` lifts the soft limit to the hard one
   at start.
 
 A refused handshake ends the connection too: after its reply has had
@@ -55,6 +55,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pd_transfer.agent.descriptors import fd_reserve_for
 from pd_transfer.agent.stream_router import return_freed_memory
 
 log = logging.getLogger(__name__)
@@ -67,24 +68,9 @@ TRIM_DELAY_S = 0.1
 #: handshakes and three handshake frames of at most 2 KiB take under 4 KiB
 STRANGER_NBYTES = 256 * 1024
 
+#: ended strangers' descriptors remembered, for frames read after their end (Door.ended)
+_ENDED_KEPT = 256
 _TCP_INFO_BYTES_RECEIVED = 128  # offset of tcpi_bytes_received (u64) in struct tcp_info (Linux >= 4.1)
-
-
-def raise_fd_limit() -> int:
-    """Lift the soft ``RLIMIT_NOFILE`` to the hard limit; returns the soft limit in force."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and soft < hard or soft == resource.RLIM_INFINITY:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (ValueError, OSError) as err:
-            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, hard, err)
-    return soft
-
-
-def fd_reserve_for(limit: int) -> int:
-    """Descriptors kept from strangers: an eighth of the limit, at least 64."""
-    return max(64, limit // 8)
 
 
 def _ends(sock: socket.socket) -> tuple:
@@ -246,6 +232,7 @@ class Door:
         self.members: set[int] = set()  # fds past the handshake
         self.on_gone: Callable[[int], None] = lambda fd: None  # a connection ended
         self._cut: set[int] = set()  # strangers' fds cut, until ZeroMQ reports them gone
+        self._ended: dict[int, None] = {}  # the latest strangers' fds whose connection ended
 
     # -- what the socket's owner reports -------------------------------------------
     def accepted(self, fd: int) -> Stranger | None:
@@ -257,17 +244,14 @@ class Door:
         stranger = self._record(fd)
         if stranger is None:
             return None  # gone already
+        self._ended.pop(fd, None)  # a new connection on the descriptor
         if fd >= self.lobby.fd_ceiling and not self.local:
             self.cut(stranger, "fd_reserve", f"descriptor {fd} is within the reserve")
             return None
         if not self._make_room(stranger):
             return None
         self.strangers[fd] = stranger
-        stranger.timer = asyncio.get_running_loop().call_later(
-            self.timeout_s,
-            self._expire,
-            stranger,
-        )
+        stranger.timer = asyncio.get_running_loop().call_later(self.timeout_s, self._expire, stranger)
         self.lobby._check_soon()
         return stranger
 
@@ -341,14 +325,24 @@ class Door:
         return stranger is not None and stranger.refused
 
     def disconnected(self, fd: int) -> None:
+        member, cut = fd in self.members, fd in self._cut
         self.members.discard(fd)
         stranger = self.strangers.pop(fd, None)
         if stranger is not None and stranger.timer is not None:
             stranger.timer.cancel()
-        if stranger is not None or fd in self._cut:
+        if stranger is not None or cut:
             self._cut.discard(fd)
             self.lobby._trim_soon()  # what its frames held goes back
+        if not (member or cut or stranger is not None and stranger.refused):  # a stranger, or gone
+            self._ended[fd] = None  # before it was recorded (its accept was heard after its end)
+            if len(self._ended) > _ENDED_KEPT:
+                del self._ended[next(iter(self._ended))]
         self.on_gone(fd)
+
+    def ended(self, fd: int) -> bool:
+        """Whether ``fd``'s stranger left before all its frames were read (a busy host reads
+        them after ZeroMQ reported the end): they are judged and counted, not kept."""
+        return fd in self._ended
 
     # -- bounds --------------------------------------------------------------------------
     def _make_room(self, newcomer: Stranger) -> bool:

@@ -189,8 +189,15 @@ def test_zeromq_accepts_no_further_ahead_of_an_unread_watch_than_its_monitor_que
             with contextlib.suppress(BlockingIOError):
                 client.connect(("127.0.0.1", port))
             clients.append(client)
-        time.sleep(3)  # the loop is blocked: ZeroMQ's thread accepts what it may meanwhile
-        ahead = _server_ends(port)
+        # the loop is blocked: ZeroMQ's thread accepts what it may meanwhile (on a busy host
+        # it may take long to get there: wait until the count holds still, a while past 900)
+        ahead, settle = _server_ends(port), time.monotonic() + 120
+        while time.monotonic() < settle:
+            time.sleep(1.5)
+            now = _server_ends(port)
+            if now == ahead and now >= 900:
+                break
+            ahead = now
         reading = asyncio.create_task(watch.run())
         deadline = time.monotonic() + 60
         while len(accepted) < ahead + 200 and time.monotonic() < deadline:

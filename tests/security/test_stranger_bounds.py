@@ -43,7 +43,7 @@ from hostile_wire import (
 )
 from secure_cluster import SECRET_HEX, WRONG_HEX, RawPeer, metric, ranks, requests, start, write_secret
 
-from pd_transfer.agent.lobby import fd_reserve_for
+from pd_transfer.agent.descriptors import fd_reserve_for
 from pd_transfer.client import RoomStatus
 from pd_transfer.errors import Reason
 from pd_transfer.layout.geometry import Role
