@@ -35,7 +35,7 @@ from pd_transfer.doorbell import Outcome
 from pd_transfer.errors import AuthError, Reason
 from pd_transfer.layout.geometry import RankGeometry
 from pd_transfer.protocol.worker_api import encode
-from pd_transfer.security import ClientHandshake
+from pd_transfer.security import ClientHandshake, SharedSecret
 
 log = logging.getLogger(__name__)
 
@@ -218,8 +218,8 @@ class AsyncClient:
         self._pending[request_id] = future
         try:
             async with asyncio.timeout(timeout_s):
-                if not self._authenticated:
-                    await self._authenticate(op)
+                if not self._authenticated and self._secret is not None:
+                    await self._authenticate(self._secret, op)
                 await self._link.send(encode({**request, "id": request_id}))
                 reply = await future
         except TimeoutError:
@@ -234,14 +234,14 @@ class AsyncClient:
             self._authenticated = False  # the sidecar restarted: the next call proves again
         return wire.checked(op, reply)
 
-    async def _authenticate(self, op: str) -> None:
+    async def _authenticate(self, secret: SharedSecret, op: str) -> None:
         async with self._auth_lock:
             if self._authenticated:
                 return  # another call did it while this one waited
-            handshake = ClientHandshake(self._secret, self.worker_id, peer=f"the sidecar at {self.endpoint}")
+            handshake = ClientHandshake(secret, self.worker_id, peer=f"the sidecar at {self.endpoint}")
             self._handshake_frames = asyncio.Queue()
             try:
-                outgoing = handshake.hello()
+                outgoing: bytes | None = handshake.hello()
                 while not handshake.done:
                     if outgoing is not None:
                         await self._link.send(outgoing)
@@ -275,9 +275,9 @@ class AsyncClient:
                 self._authenticated = self._secret is None  # a new connection proves itself again
                 if self._gone is not None and not self._gone.done():
                     self._gone.set_result(err)
-                for future in list(self._pending.values()):
-                    if not future.done():
-                        future.set_exception(err)
+                for pending in list(self._pending.values()):
+                    if not pending.done():
+                        pending.set_exception(err)
                 break
             got_id, reply = wire.reply_id(frame)
             if self._handshake_frames is not None and (got_id is None or got_id < 0):

@@ -90,7 +90,7 @@ class WorkerBells:
             outcome = segment.wait(slot, token, left if alive is None else min(left, LIVENESS_CHECK_S))
             if outcome is not Outcome.TIMEOUT or time.monotonic() >= deadline:
                 break
-            if not alive():
+            if alive is not None and not alive():
                 raise ConnectionError(
                     f"the sidecar closed the connection while room {room} waited on its doorbell"
                 )

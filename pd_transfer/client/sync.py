@@ -40,7 +40,7 @@ from pd_transfer.doorbell import Outcome
 from pd_transfer.errors import AuthError, Reason
 from pd_transfer.layout.geometry import RankGeometry
 from pd_transfer.protocol.worker_api import encode
-from pd_transfer.security import ClientHandshake
+from pd_transfer.security import ClientHandshake, SharedSecret
 
 log = logging.getLogger(__name__)
 
@@ -262,12 +262,12 @@ class Client:
         request_id = self._next_id
         self._next_id += 1
         self._prepare(op, deadline, timeout_s)
-        if not self._authenticated:
-            self._authenticate(op, deadline, timeout_s)
+        if not self._authenticated and self._secret is not None:
+            self._authenticate(self._secret, op, deadline, timeout_s)
         self._send(encode({**request, "id": request_id}), op, deadline, timeout_s)
         while True:
             got_id, reply = wire.reply_id(self._receive(op, deadline, timeout_s))
-            if got_id == request_id:
+            if got_id == request_id and reply is not None:
                 if self._secret is not None and reply.get("code") == Reason.UNAUTHENTICATED.value:
                     self._authenticated = False  # the sidecar restarted: the next call proves again
                 return wire.checked(op, reply)
@@ -280,9 +280,9 @@ class Client:
                 request_id,
             )
 
-    def _authenticate(self, op: str, deadline: float, timeout_s: float) -> None:
-        handshake = ClientHandshake(self._secret, self.worker_id, peer=f"the sidecar at {self.endpoint}")
-        outgoing = handshake.hello()
+    def _authenticate(self, secret: SharedSecret, op: str, deadline: float, timeout_s: float) -> None:
+        handshake = ClientHandshake(secret, self.worker_id, peer=f"the sidecar at {self.endpoint}")
+        outgoing: bytes | None = handshake.hello()
         try:
             while not handshake.done:
                 if outgoing is not None:

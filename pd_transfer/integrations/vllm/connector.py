@@ -78,13 +78,14 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         config = self._kv_transfer_config
         self._extra = dict(config.kv_connector_extra_config or {})
-        self._pd_role = _ROLES.get(config.kv_role)
-        if self._pd_role is None:
+        pd_role = _ROLES.get(config.kv_role)
+        if pd_role is None:
             raise ConfigError(
                 f"kv_transfer_config.kv_role is {config.kv_role!r}; the pd-transfer connector "
                 f"runs as 'kv_producer' (prefill) or 'kv_consumer' (decode)"
             )
-        settings.refuse_unsupported(vllm_config, self._extra, prefill=self._pd_role is Role.PREFILL)
+        self._pd_role = pd_role
+        settings.refuse_unsupported(vllm_config, self._extra, prefill=pd_role is Role.PREFILL)
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._groups, self._specs = _cache_groups(kv_cache_config, tp_size)
         self._group = self._groups[Pool.KV]
@@ -119,6 +120,12 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
             )
 
     # -- scheduler side ---------------------------------------------------------------
+    @property
+    def _side(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("a scheduler-side call on a worker's pd-transfer connector")
+        return self._scheduler
+
     def on_new_request(self, request) -> None:
         """Prefill of a model with a Mamba group: decode computes the last prompt token (see .hybrid_state)."""
         if self._pd_role is Role.PREFILL and Pool.MAMBA in self._groups:
@@ -129,11 +136,11 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
         return tuple(self._groups.values())
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._side.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         ids = blocks.get_block_ids() if num_external_tokens > 0 else None
-        self._scheduler.update_state_after_alloc(
+        self._side.update_state_after_alloc(
             request,
             self._ids(ids, Pool.KV),
             num_external_tokens,
@@ -144,7 +151,7 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            self._scheduler.scheduled(
+            self._side.scheduled(
                 new.req_id,
                 self._ids(new.block_ids, Pool.KV),
                 True,
@@ -156,7 +163,7 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
-            self._scheduler.scheduled(
+            self._side.scheduled(
                 req_id,
                 self._ids(new_ids, Pool.KV),
                 req_id in cached.resumed_req_ids,
@@ -165,15 +172,15 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
                 self._ids(new_ids, Pool.SWA),
                 self._ids(new_ids, Pool.MAMBA),
             )
-        return PdTransferConnectorMetadata(self._scheduler.build_step())
+        return PdTransferConnectorMetadata(self._side.build_step())
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         capped = request.status == RequestStatus.FINISHED_LENGTH_CAPPED
-        return self._scheduler.request_finished(request, list(block_ids), capped)
+        return self._side.request_finished(request, list(block_ids), capped)
 
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
         capped = request.status == RequestStatus.FINISHED_LENGTH_CAPPED
-        return self._scheduler.request_finished(
+        return self._side.request_finished(
             request,
             self._ids(block_ids, Pool.KV),
             capped,
@@ -187,13 +194,13 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
         return list(per_group[group]) if per_group and group is not None else []
 
     def update_connector_output(self, connector_output) -> None:
-        self._scheduler.update_connector_output(
+        self._side.update_connector_output(
             connector_output.finished_sending, connector_output.finished_recving
         )
 
     # -- worker side ------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict) -> None:
-        tp_size, tp_rank = _tp_position(self._vllm_config)
+        tp_size, tp_rank = settings.tp_position(self._vllm_config)
         endpoint = self._extra.get("worker_endpoint")
         if not isinstance(endpoint, str) or not endpoint:
             raise ConfigError(
@@ -290,7 +297,7 @@ def _cache_groups(kv_cache_config, tp_size: int) -> tuple[dict[Pool, int], dict[
         pool, layer = _layer_spec(spec, tp_size)
         what = f"group {i} ({type(spec).__name__}: {', '.join(group.layer_names[:3])})"
         mode = _refuse_mamba_cache_mode(spec, what) if pool is Pool.MAMBA else ""
-        if pool is None:
+        if pool is None or layer is None:
             refused.append(f"{what} is not supported")
         elif mode:
             refused.append(mode)
@@ -383,13 +390,3 @@ def mamba_state_spec(spec: MambaSpec, tp_size: int) -> StateSpec:
         conv_dim_first=dim_first,
         tp_replicated=spec.tp_replicated,
     )
-
-
-def _tp_position(vllm_config) -> tuple[int, int]:
-    """(tp_size, tp_rank) of this worker process."""
-    from vllm.distributed import parallel_state
-
-    tp_size = vllm_config.parallel_config.tensor_parallel_size
-    if parallel_state.model_parallel_is_initialized():
-        return tp_size, parallel_state.get_tensor_model_parallel_rank()
-    return tp_size, vllm_config.parallel_config.rank % tp_size

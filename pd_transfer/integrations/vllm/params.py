@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 ROOM_KEY = "pd_transfer_room"
 BOOTSTRAP_KEY = "pd_transfer_bootstrap_addr"
@@ -103,5 +103,5 @@ def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _is_room(value: object) -> bool:
+def _is_room(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_ROOM

@@ -49,6 +49,7 @@ Works on duck-typed vLLM requests (``request_id``, ``prompt_token_ids``,
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from pd_transfer.integrations.vllm import accounting
@@ -122,8 +123,8 @@ class SchedulerSide:
         request: Any,
         block_ids: list[int],
         num_external_tokens: int,
-        swa_block_ids: list[int] = (),
-        state_block_ids: list[int] = (),
+        swa_block_ids: Sequence[int] = (),
+        state_block_ids: Sequence[int] = (),
     ) -> None:
         params = request.kv_transfer_params
         if num_external_tokens <= 0 or not kvparams.wants_remote_prefill(params):
@@ -132,9 +133,10 @@ class SchedulerSide:
         local_tokens = self._local_tokens.pop(req_id, 0)
         prompt_len = len(request.prompt_token_ids or ())
         parsed = kvparams.parse_remote_prefill(params)
-        error = parsed if isinstance(parsed, str) else ""
-        room = 0 if error else parsed.room
-        if not error:
+        if isinstance(parsed, str):
+            error, room = parsed, 0
+        else:
+            room = parsed.room
             error = accounting.token_count_error(parsed.num_tokens, prompt_len, room)
         # loaded once: a preempted request recomputes instead of loading again
         params["do_remote_prefill"] = False
@@ -208,8 +210,8 @@ class SchedulerSide:
         request: Any,
         block_ids: list[int],
         length_capped: bool,
-        swa_block_ids: list[int] = (),
-        state_block_ids: list[int] = (),
+        swa_block_ids: Sequence[int] = (),
+        state_block_ids: Sequence[int] = (),
     ) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         self._local_tokens.pop(req_id, None)
@@ -219,7 +221,8 @@ class SchedulerSide:
             self._sending[req_id] = room
             if kvparams.wants_remote_decode(request.kv_transfer_params) and length_capped:
                 return True, self._decode_params(request, room, num_pages)
-            return True, self._abort_streamed(req_id, room)
+            self._abort_streamed(req_id, room)
+            return True, None
         if req_id in self._loading:
             # decode: a write may still land in these blocks until the room is drained
             self._step.aborts.append(AbortSpec(req_id, self._loading[req_id]))
@@ -276,7 +279,7 @@ class SchedulerSide:
         for req_id in finished_recving or ():
             self._loading.pop(req_id, None)
 
-    def _window(self, prompt_len: int, swa_block_ids) -> tuple[int, tuple[int, ...]]:
+    def _window(self, prompt_len: int, swa_block_ids: Sequence[int]) -> tuple[int, tuple[int, ...]]:
         """(first position, blocks) of the window's pages among a request's sliding-window blocks."""
         if self.sliding_window is None:
             return 0, ()

@@ -76,6 +76,16 @@ def dp_rank(vllm_config: Any) -> int:
     return vllm_config.parallel_config.data_parallel_rank
 
 
+def tp_position(vllm_config: Any) -> tuple[int, int]:
+    """(tp_size, tp_rank) of this worker process."""
+    from vllm.distributed import parallel_state
+
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    if parallel_state.model_parallel_is_initialized():
+        return tp_size, parallel_state.get_tensor_model_parallel_rank()
+    return tp_size, vllm_config.parallel_config.rank % tp_size
+
+
 def _data_parallel(parallel: Any, extra: dict[str, Any], *, prefill: bool) -> list[str]:
     size = parallel.data_parallel_size
     if size == 1:

@@ -120,7 +120,7 @@ def _state_axes(
         axis = 0 if spec.conv_dim_first else 1
         # "tap" is an INNER axis in either order, as SGLang's (channels, taps) conv state names it:
         # the sidecars match axes by name and role, so the two engines' layouts reconcile
-        axes = (
+        axes: tuple[Axis, ...] = (
             (Axis("channel", AxisRole.SHARD), Axis("tap", AxisRole.INNER))
             if axis == 0
             else (Axis("tap", AxisRole.INNER), Axis("channel", AxisRole.SHARD))

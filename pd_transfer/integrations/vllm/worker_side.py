@@ -76,14 +76,14 @@ class WorkerSide:
 
     # -- per step ------------------------------------------------------------------
     def start_step(self, step: StepSpecs) -> None:
-        for spec in step.sends:
-            self._send(spec)
-        for spec in step.recvs:
-            self._expect(spec)
-        for spec in step.aborts:
-            self._abort(spec.req_id, spec.room)
-        for spec in step.abandons:
-            self._abandon(spec.req_id, spec.room, spec.bootstrap_addr, spec.reason)
+        for send in step.sends:
+            self._send(send)
+        for recv in step.recvs:
+            self._expect(recv)
+        for abort in step.aborts:
+            self._abort(abort.req_id, abort.room)
+        for abandon in step.abandons:
+            self._abandon(abandon.req_id, abandon.room, abandon.bootstrap_addr, abandon.reason)
 
     def save_layer(self, layer_name: str) -> None:
         """The forward pass wrote ``layer_name``: hand it to the sidecar for every streamed room."""
@@ -123,7 +123,7 @@ class WorkerSide:
             del self._receiving[req_id]
             if state is not None and state.succeeded:
                 local_swa = max(0, spec.num_local_blocks - spec.swa_first)
-                self.pages.unstage(
+                self._pages.unstage(
                     {
                         Pool.KV: spec.block_ids[spec.num_local_blocks :],
                         Pool.SWA: spec.swa_pages[local_swa:],
@@ -151,11 +151,17 @@ class WorkerSide:
         self.client.close()
 
     # -- plumbing ------------------------------------------------------------------
+    @property
+    def _pages(self) -> StagedPages | DirectPages:
+        if self.pages is None:
+            raise RuntimeError("a transfer before the connector registered its KV caches")
+        return self.pages
+
     def _send(self, spec: SendSpec) -> None:
         self._sending[spec.req_id] = spec
         try:
             if not spec.stream:
-                self.pages.stage(_blocks(spec))
+                self._pages.stage(_blocks(spec))
             self.client.send(
                 spec.room,
                 list(spec.block_ids),
@@ -176,7 +182,7 @@ class WorkerSide:
         if spec is None or req_id in self.failures:
             return False
         try:
-            self.pages.stage(_blocks(spec), layer_id=layer_id)
+            self._pages.stage(_blocks(spec), layer_id=layer_id)
             self.client.layer_ready(spec.room, layer_id)
         except ClientError as err:
             self._streaming.pop(req_id, None)
