@@ -151,6 +151,7 @@ class BootstrapServer:
                 self._count_bad_frame(Reason.BAD_FRAME.value)
                 continue
             identity, frame, fd = parts[0].bytes, parts[1].bytes, source_fd(parts[1])
+            self.watch.drain()  # the connection's ends heard first: a late frame is still judged
             if not await self._doorman.admit(identity, frame, fd, peer_key(parts[1])):
                 continue
             try:

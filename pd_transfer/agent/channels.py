@@ -348,8 +348,8 @@ class IncomingChannels:
         """A frame of ``channel`` came on ``fd``: up again if that is a newer connection
         than the one that ended (a frame the old one left queued is not). The connection
         events ZeroMQ queued before the frame are handled first: a descriptor that another
-        session's connection left is not taken for this one's (after the doorman, whose
-        frame of a connection that ended since is counted as it was sent)."""
+        session's connection left is not taken for this one's (they were drained before the
+        doorman too, which judges a frame of a connection that ended since as it was sent)."""
         self.watch.drain()
         if channel.disconnected_s is not None and fd is not None:
             if fd != channel.fd or self._accepted.get(fd, 0) > channel.down_event:
@@ -371,6 +371,7 @@ class IncomingChannels:
                 log.warning("control socket: dropped a message of %d frames", len(parts))
                 continue
             identity, frame, fd = parts[0].bytes, parts[1].bytes, source_fd(parts[1])
+            self.watch.drain()  # the connection's ends heard first: a late frame is still judged
             if not await self.doorman.admit(identity, frame, fd, peer_key(parts[1])):
                 continue
             channel = self.channels.get(identity)

@@ -144,6 +144,12 @@ def send_request(
     return request
 
 
+def bootstrap_address(value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"bootstrap_addr: expected an address like tcp://host:port, got {value!r}")
+    return value
+
+
 def expect_request(
     room: int,
     bootstrap_addr: str,
@@ -154,12 +160,10 @@ def expect_request(
     swa_pages=(),
     held_pages: int = 0,
 ) -> Request:
-    if not isinstance(bootstrap_addr, str) or not bootstrap_addr:
-        raise ValueError(f"bootstrap_addr: expected an address like tcp://host:port, got {bootstrap_addr!r}")
     return {
         "op": WorkerOp.EXPECT.value,
         "room": room_id(room),
-        "bootstrap": bootstrap_addr,
+        "bootstrap": bootstrap_address(bootstrap_addr),
         "pages": index_list("pages", pages),
         "swa_pages": index_list("swa_pages", swa_pages),
         "state_slots": index_list("state_slots", state_slots),
@@ -195,12 +199,10 @@ def abort_request(room: int) -> Request:
 
 
 def abandon_request(room: int, bootstrap_addr: str, reason: str) -> Request:
-    if not isinstance(bootstrap_addr, str) or not bootstrap_addr:
-        raise ValueError(f"bootstrap_addr: expected an address like tcp://host:port, got {bootstrap_addr!r}")
     return {
         "op": WorkerOp.ABANDON.value,
         "room": room_id(room),
-        "bootstrap": bootstrap_addr,
+        "bootstrap": bootstrap_address(bootstrap_addr),
         "reason": clip_text(str(reason), MAX_FAIL_TEXT_LEN),
     }
 

@@ -18,6 +18,7 @@ import pytest
 import zmq
 from cluster import Cluster
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_server import start_prometheus
 
 from pd_transfer.client import Client
 from pd_transfer.client.errors import AuthFailed
@@ -26,7 +27,6 @@ from pd_transfer.layout.presets import model_from_table
 from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.views import Layout
 from pd_transfer.metrics import BAD_FRAME_REASONS, LIMITS
-from pd_transfer.ports import spare_port
 
 TINY = {
     "name": "tiny",
@@ -132,34 +132,6 @@ def _prometheus_json(base: str, path: str, **params) -> dict:
         return json.loads(response.read())
 
 
-def _start_prometheus(tmp_path: Path, target: str) -> tuple[subprocess.Popen, str]:
-    config = tmp_path / "prometheus.yml"
-    config.write_text(
-        json.dumps(
-            {  # JSON is YAML
-                "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-                "rule_files": [str(ALERTS)],
-                "scrape_configs": [
-                    {"job_name": "pd-transfer-static", "static_configs": [{"targets": [target]}]}
-                ],
-            }
-        )
-    )
-    port = spare_port()
-    log = (tmp_path / "prometheus.log").open("w")
-    proc = subprocess.Popen(
-        [
-            shutil.which("prometheus"),
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    return proc, f"http://127.0.0.1:{port}"
-
-
 @pytest.mark.skipif(
     shutil.which("prometheus") is None,
     reason="the prometheus binary is not installed (Debian: apt-get install prometheus)",
@@ -171,7 +143,7 @@ def test_a_real_prometheus_fires_on_the_first_garbage_frame_and_the_first_refuse
     cluster = cluster_factory(prefill, [], attach=False)
     rank = prefill[0].rank_id
     target = cluster.ready[rank]["http_address"].removeprefix("http://")
-    proc, base = _start_prometheus(tmp_path, target)
+    proc, base = start_prometheus(tmp_path, ALERTS, target)
     try:
 
         def scraped_at_zero():

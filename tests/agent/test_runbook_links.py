@@ -11,7 +11,6 @@ path traversal included, are a 404.
 import json
 import shutil
 import socket
-import subprocess
 import time
 import urllib.error
 import urllib.parse
@@ -20,13 +19,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prometheus_server import start_prometheus
 
 from pd_transfer import runbooks
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.presets import model_from_table
 from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.views import Layout
-from pd_transfer.ports import spare_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
@@ -78,34 +77,6 @@ def _fired_rules(tmp_path: Path) -> Path:
     return path
 
 
-def _start_prometheus(tmp_path: Path, rules: Path, target: str) -> tuple[subprocess.Popen, str]:
-    config = tmp_path / "prometheus.yml"
-    config.write_text(
-        json.dumps(
-            {
-                "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-                "rule_files": [str(rules)],
-                "scrape_configs": [
-                    {"job_name": "pd-transfer-static", "static_configs": [{"targets": [target]}]}
-                ],
-            }
-        )
-    )
-    port = spare_port()
-    log = (tmp_path / "prometheus.log").open("w")
-    proc = subprocess.Popen(
-        [
-            shutil.which("prometheus"),
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    return proc, f"http://127.0.0.1:{port}"
-
-
 def _alerts(base: str) -> list[dict]:
     try:
         with urllib.request.urlopen(base + "/api/v1/alerts", timeout=5) as response:
@@ -128,7 +99,7 @@ def test_every_alerts_rendered_runbook_link_opens_its_section_on_a_real_sidecar(
         for rule in group["rules"]
     }
     sections = runbooks.sections((ROOT / "docs" / "operations.md").read_text())
-    proc, base = _start_prometheus(tmp_path, _fired_rules(tmp_path), target)
+    proc, base = start_prometheus(tmp_path, _fired_rules(tmp_path), target)
     try:
         deadline = time.monotonic() + 90
         while {a["labels"]["alertname"] for a in _alerts(base) if a["state"] == "firing"} != set(shipped):
