@@ -206,7 +206,7 @@ def test_zeromq_accepts_no_further_ahead_of_an_unread_watch_than_its_monitor_que
         await asyncio.gather(reading, return_exceptions=True)  # it closes the monitor
         router.disable_monitor()
         router.close(linger=0)
-        context.term()
+        context.destroy(linger=0)  # every socket, the watch's monitor too, closed
         return ahead, len(accepted)
 
     try:
