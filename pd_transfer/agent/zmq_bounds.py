@@ -170,6 +170,9 @@ class ConnectionWatch:
     def drain(self) -> None:
         """Handle every event queued so far (without waiting for more)."""
         while not self._stopped:
+            if self._monitor.closed:  # closed under the watch (its context destroyed): the
+                self._stopped = True  # shadow's handle is freed memory, never to be read
+                return
             try:
                 message = parse_monitor_message(self._reader.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
