@@ -19,7 +19,7 @@ but the page; the sidecars reconcile them. The oracle is the request's
 logical KV and state, written on the SGLang side and expected on the vLLM
 side by plain torch indexing.
 
-SGLang's python: ``PD_TRANSFER_SGLANG_PYTHON``, else the environment
+SGLang's python: ``PDT_TEST_SGLANG_PYTHON``, else the environment
 ``.ci/engine-venv-sglang`` caches under ``~/.cache/pd-transfer``; without one
 the test skips, saying so.
 """
@@ -82,7 +82,7 @@ SERVER = REPO / "tests" / "integrations" / "sglang" / "sglang_prefill_server.py"
 
 
 def _sglang_python() -> str | None:
-    named = os.environ.get("PD_TRANSFER_SGLANG_PYTHON", "")
+    named = os.environ.get("PDT_TEST_SGLANG_PYTHON", "")
     if named:
         return named
     cached = sorted(
@@ -148,7 +148,7 @@ class SglangPrefill:
 def sglang_prefill():
     python = _sglang_python()
     if python is None or not Path(python).exists():
-        pytest.skip("no SGLang environment: set PD_TRANSFER_SGLANG_PYTHON or build .ci/engine-venv-sglang")
+        pytest.skip("no SGLang environment: set PDT_TEST_SGLANG_PYTHON or build .ci/engine-venv-sglang")
     prefill = SglangPrefill(python)
     yield prefill
     prefill.close()
