@@ -210,8 +210,10 @@ def test_async_clients_authenticate_once_for_concurrent_calls_or_fail_with_the_r
         ) as client:
             return await asyncio.gather(*(client.poll(1) for _ in range(4)), return_exceptions=True)
 
+    # decode reports room 1 landed before prefill hears the acknowledgement: wait for P0's own word
+    assert own.clients[P0].wait(1, timeout_s=30).status is RoomStatus.SUCCESS
     served = asyncio.run(calls(SECRET_HEX))
-    assert [s.status for s in served] == [RoomStatus.SUCCESS] * 4  # room 1 landed in the fixture
+    assert [s.status for s in served] == [RoomStatus.SUCCESS] * 4
     assert all(
         isinstance(e, AuthFailed) and e.code is Reason.AUTH_FAILED for e in asyncio.run(calls(WRONG_HEX))
     )
