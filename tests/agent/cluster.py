@@ -83,7 +83,10 @@ class Sidecar:
         bootstrap: str = "",
         worker_scheme: str = "unix",
         nofile: int | None = None,
+        prefix: tuple[str, ...] = (),
     ) -> None:
+        """``prefix`` runs the sidecar through another command that execs it (``nsenter``
+        into a network namespace), so that ``proc`` is still the sidecar."""
         self.name, self.role = name, role
         self.endpoint = f"{worker_scheme}://{workdir}/{name}.sock"
         self.ready = workdir / f"{name}.ready.json"
@@ -92,6 +95,7 @@ class Sidecar:
         lines = ["[sidecar]"] + [f"{k} = {json.dumps(v)}" for k, v in config.items()]
         config_path.write_text("\n".join(lines) + "\n")
         cmd = [
+            *prefix,
             sys.executable,
             "-m",
             "pd_transfer.cli",
@@ -169,6 +173,7 @@ class Cluster:
         worker_scheme: str = "unix",
         prefill_nofile: int | None = None,
         tag: str = "",
+        command_prefix: tuple[str, ...] = (),
     ) -> None:
         self.workdir = workdir
         # "cuda": pools are CUDA tensors shared through CUDA IPC handles
@@ -210,6 +215,7 @@ class Cluster:
                 self.bootstrap if role == "prefill" else "",
                 worker_scheme,
                 nofile=prefill_nofile if role == "prefill" else None,
+                prefix=command_prefix,
             )
         self.pools, self.clients = {}, {}
         self._tag = tag
