@@ -39,6 +39,7 @@ from pd_transfer.agent.auth import (
     security_of,
     source_fd,
 )
+from pd_transfer.agent.refusals import first_answer_or_refusal, watch_refusals
 from pd_transfer.agent.zmq_bounds import CONTROL_QUEUED_FRAMES, ConnectionWatch, bound_frames
 from pd_transfer.errors import AuthError, PdTransferError, ProtocolError, Reason
 from pd_transfer.layout.geometry import Role
@@ -213,51 +214,70 @@ async def fetch_table(
     announce: RankEntry | None = None,
     poll_interval_s: float = 0.05,
     until_complete: bool = True,
+    refused_after_s: float = 0.0,
 ) -> RankTable:
     """Ask ``address`` for the rank table until it is complete or ``timeout_s`` passes.
 
     ``until_complete`` False returns the first table: with ``announce``, proof
-    that rank 0 has recorded this rank.
+    that rank 0 has recorded this rank. ``refused_after_s`` > 0 fails sooner when
+    every connection to ``address`` was refused that long (:mod:`.refusals`).
     """
-    deadline = time.monotonic() + timeout_s
-    security = security_of(context)
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     bound_frames(socket)
+    security = security_of(context)
     security.connecting(socket)
+    monitor = watch_refusals(socket) if refused_after_s > 0 else None
     socket.connect(address)
-    last = RankTable(expected=0)
+    asked = _ask(socket, security, address, agent_id, timeout_s, announce, poll_interval_s, until_complete)
     try:
-        if security.enabled:
-            await _authenticate(socket, security, address, deadline, timeout_s)
-        request = Announce(entry=announce) if announce else TableRequest(agent_id=agent_id)
-        while True:
-            await socket.send(encode(request))
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            if await socket.poll(min(remaining, 1.0) * 1000):
-                try:
-                    reply = decode(await socket.recv())
-                except ProtocolError as err:
-                    raise PdTransferError(
-                        f"bootstrap {address} sent a bad frame: {err}", code=Reason.BOOTSTRAP_FAILED
-                    ) from None
-                if isinstance(reply, Close):
-                    raise PdTransferError(
-                        f"bootstrap {address} refused the request: {reply.reason_text or 'no reason given'}",
-                        code=reply.reason or Reason.BOOTSTRAP_FAILED,
-                    )
-                if isinstance(reply, RankTable):
-                    last = reply
-                    if reply.complete or not until_complete:
-                        return reply
-                request = TableRequest(agent_id=agent_id)
-            await asyncio.sleep(min(poll_interval_s, max(0.0, deadline - time.monotonic())))
-            if time.monotonic() >= deadline:
-                break
+        if monitor is None:
+            return await asked
+        return await first_answer_or_refusal(asked, monitor, address, refused_after_s, "bootstrap")
     finally:
         socket.close(linger=0)
+
+
+async def _ask(
+    socket: zmq.asyncio.Socket,
+    security: Security,
+    address: str,
+    agent_id: str,
+    timeout_s: float,
+    announce: RankEntry | None,
+    poll_interval_s: float,
+    until_complete: bool,
+) -> RankTable:
+    deadline = time.monotonic() + timeout_s
+    last = RankTable(expected=0)
+    if security.enabled:
+        await _authenticate(socket, security, address, deadline, timeout_s)
+    request = Announce(entry=announce) if announce else TableRequest(agent_id=agent_id)
+    while True:
+        await socket.send(encode(request))
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        if await socket.poll(min(remaining, 1.0) * 1000):
+            try:
+                reply = decode(await socket.recv())
+            except ProtocolError as err:
+                raise PdTransferError(
+                    f"bootstrap {address} sent a bad frame: {err}", code=Reason.BOOTSTRAP_FAILED
+                ) from None
+            if isinstance(reply, Close):
+                raise PdTransferError(
+                    f"bootstrap {address} refused the request: {reply.reason_text or 'no reason given'}",
+                    code=reply.reason or Reason.BOOTSTRAP_FAILED,
+                )
+            if isinstance(reply, RankTable):
+                last = reply
+                if reply.complete or not until_complete:
+                    return reply
+            request = TableRequest(agent_id=agent_id)
+        await asyncio.sleep(min(poll_interval_s, max(0.0, deadline - time.monotonic())))
+        if time.monotonic() >= deadline:
+            break
     raise _incomplete(address, timeout_s, last)
 
 

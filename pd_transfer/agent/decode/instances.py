@@ -2,13 +2,13 @@
 
 Resolving an instance: fetch its rank table, reconcile it with this rank, open a session to
 every prefill rank (each hears about every room, writing or not), register, and wait for each
-one's Verdict. A rejection fails with the full diagnostic, never after a timeout. A resolved
-instance is reused by every room with its address until one of its ranks is lost; the next room
-then resolves it anew, and the lost one's sessions are retired (:mod:`.retire`); while the
-address has not answered since, a claim waits at most one heartbeat limit (:mod:`.gone`). A
-resolution that failed (rejected, or no rank table) is tried again after a backoff
-(:mod:`pd_transfer.agent.retry`), not at every timer tick or room: until then rooms fail with its
-error, and the readiness reason says when the next try is.
+one's Verdict. A rejection fails with the full diagnostic, never after a timeout; an address
+where nothing listens (every connection refused for a heartbeat limit) fails then. A resolved
+instance is reused by its address's rooms until one of its ranks is lost; the next room
+resolves it anew, the lost one's sessions are retired (:mod:`.retire`), and while the address
+has not answered since, a claim waits at most one heartbeat limit (:mod:`.gone`). A failed
+resolution is tried again after a backoff (:mod:`pd_transfer.agent.retry`); until then rooms
+fail with its error, and the readiness reason says when the next try is.
 
 Room messages (Done, Progress, AbortAck) and a lost rank's rooms are the
 decode side's (:mod:`.side`), handed over through two callbacks.
@@ -128,14 +128,10 @@ class PrefillInstances:
         return task
 
     async def usable(self, bootstrap: str) -> PrefillInstance:
-        """The resolved instance for a new room, never one with a connection known to be down.
-
-        A connection to a prefill rank that closed (its process died, say) makes
-        the rank lost after ``heartbeat_interval_s`` unless it comes back. A room
-        started meanwhile would be sent into the dead session and fail with it; it
-        waits for the outcome instead (polled, at most an interval and a tick) and,
-        if the instance was lost, goes to its new resolution.
-        """
+        """The resolved instance for a new room, never one with a connection known to be down:
+        a rank whose connection closed (its process died) is lost one ``heartbeat_interval_s``
+        later unless it comes back; a room waits for that outcome rather than go into the dead
+        session (polled, an interval and a tick at most), then to a new resolution if lost."""
         instance = await self.gone.wait(bootstrap, self.resolved(bootstrap))
         self._end_if_forgotten(instance)
         deadline = time.monotonic() + self.config.heartbeat_interval_s + _DOWN_SLACK_S
@@ -226,7 +222,11 @@ class PrefillInstances:
     async def _resolve_once(self, bootstrap: str) -> PrefillInstance:
         sidecar = self.sidecar
         table = await fetch_table(
-            sidecar.context, bootstrap, self.config.agent_id, self.config.bootstrap_timeout_s
+            sidecar.context,
+            bootstrap,
+            self.config.agent_id,
+            self.config.bootstrap_timeout_s,
+            refused_after_s=self.gone.grace_s,
         )
         self.gone.back(bootstrap)  # it answers: claims wait for the rest of the resolution
         geometry = sidecar.geometry
@@ -249,7 +249,6 @@ class PrefillInstances:
         if not recon.ok:  # every prefill rank accepted what this side cannot plan: a bug
             self.sidecar.spawn(retire.close_sessions(instance))
             raise PdTransferError(str(recon.error()), code=Reason.PEER_REJECTED)
-        sidecar = self.sidecar
         integrity.attach_decode(
             sidecar.config, sidecar.dataplane.on_device, sidecar.geometry, instance, recon, table
         )
