@@ -230,6 +230,8 @@ class AsyncClient:
             raise ClientClosed(op) from None
         finally:
             self._pending.pop(request_id, None)
+            if future.done() and not future.cancelled():
+                future.exception()  # failed by the reader after this call failed itself: seen
         if self._secret is not None and reply.get("code") == Reason.UNAUTHENTICATED.value:
             self._authenticated = False  # the sidecar restarted: the next call proves again
         return wire.checked(op, reply)

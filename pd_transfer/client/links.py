@@ -17,7 +17,9 @@ endpoint's scheme:
     that is not up yet is connected to again every 20 ms until the call's
     deadline (a sleep, not a spin); a connection the sidecar closes raises
     ``ConnectionError`` in the call that sees it, and the next call connects
-    afresh (and authenticates again).
+    afresh (and authenticates again). A path that still refuses connections
+    :data:`~pd_transfer.client.absence.GONE_AFTER_S` after such a loss fails
+    calls at once: the sidecar is gone (:mod:`pd_transfer.client.absence`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from pd_transfer.client.absence import Absence
 from pd_transfer.protocol.stream_frames import HEADER, frame_length, pack, unix_path
 from pd_transfer.protocol.worker_api import WorkerApiError
 from pd_transfer.security import new_routing_id
@@ -171,6 +174,7 @@ class StreamLink:
         self.path = path
         self._sock: socket.socket | None = None
         self._buffer = bytearray()
+        self.absence = Absence(path)
 
     def _connected(self, deadline: float) -> socket.socket | None:
         while self._sock is None:
@@ -178,7 +182,8 @@ class StreamLink:
             try:
                 sock.connect(self.path)
             except (FileNotFoundError, ConnectionRefusedError):
-                sock.close()  # not serving (yet): try again until the deadline
+                sock.close()  # not serving (yet): try again until the deadline, unless gone
+                self.absence.check_refused()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
@@ -189,6 +194,7 @@ class StreamLink:
                 raise ConnectionError(f"cannot connect to {self.path}: {err.strerror}") from None
             sock.setblocking(False)
             self._sock, self._buffer = sock, bytearray()
+            self.absence.back()
         return self._sock
 
     def _ready(self, sock: socket.socket, event: int, deadline: float) -> bool:
@@ -201,6 +207,7 @@ class StreamLink:
         idle (it restarted, say), then connect. True: a new connection (authenticate
         again); None: none before ``deadline``. Nothing is sent yet, so nothing is lost."""
         if self._sock is not None and self._closed_by_peer(self._sock):
+            self.absence.lost()
             self.reset()
         fresh = self._sock is None
         return None if self._connected(deadline) is None else fresh
@@ -235,7 +242,7 @@ class StreamLink:
                     self.reset()  # part of a frame left: the stream cannot carry another
                     return None
             except OSError as err:
-                self.reset()
+                self._lose()
                 raise _broken(self.path, err) from None
         return True
 
@@ -261,10 +268,10 @@ class StreamLink:
             except BlockingIOError:
                 continue
             except OSError as err:
-                self.reset()
+                self._lose()
                 raise _broken(self.path, err) from None
             if not chunk:
-                self.reset()
+                self._lose()
                 raise _broken(self.path)
             self._buffer += chunk
 
@@ -282,6 +289,10 @@ class StreamLink:
         frame = bytes(self._buffer[HEADER.size : end])
         del self._buffer[:end]
         return frame
+
+    def _lose(self) -> None:
+        self.absence.lost()
+        self.reset()
 
     def reset(self) -> None:
         if self._sock is not None:
@@ -321,6 +332,7 @@ class AsyncStreamLink:
         self.path = path
         self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._connecting: asyncio.Lock | None = None
+        self.absence = Absence(path)
 
     async def _connected(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """Connect if needed, trying again every 20 ms (the caller's timeout bounds it)."""
@@ -331,9 +343,11 @@ class AsyncStreamLink:
                 try:
                     self._streams = await asyncio.open_unix_connection(self.path)
                 except (FileNotFoundError, ConnectionRefusedError):
+                    self.absence.check_refused()  # not serving (yet), unless gone
                     await asyncio.sleep(CONNECT_RETRY_S)
                 except OSError as err:
                     raise ConnectionError(f"cannot connect to {self.path}: {err.strerror}") from None
+            self.absence.back()
             return self._streams
 
     async def send(self, frame: bytes) -> None:
@@ -342,7 +356,7 @@ class AsyncStreamLink:
         try:
             await streams[1].drain()
         except OSError as err:
-            self._drop(streams)
+            self._drop(streams, lost=True)
             raise _broken(self.path, err) from None
 
     async def receive(self) -> bytes:
@@ -351,11 +365,14 @@ class AsyncStreamLink:
         try:
             return await reader.readexactly(frame_length(await reader.readexactly(HEADER.size)))
         except (asyncio.IncompleteReadError, WorkerApiError, OSError) as err:
-            self._drop(streams)
+            self._drop(streams, lost=not isinstance(err, WorkerApiError))
             raise _broken(self.path, err) from None
 
-    def _drop(self, streams) -> None:
-        """Forget ``streams`` unless a newer connection replaced them already."""
+    def _drop(self, streams, lost: bool = False) -> None:
+        """Forget ``streams`` unless a newer connection replaced them already (``lost``: the
+        sidecar closed them, or they broke)."""
+        if lost:
+            self.absence.lost()
         try:
             streams[1].close()
         except RuntimeError:  # closed after its event loop: the socket goes with the transport

@@ -382,3 +382,43 @@ def test_an_asyncio_client_closed_after_its_event_loop_closes_quietly(lone):
         loop.run_until_complete(client.poll(1))  # connected: there is a transport to close
     loop.close()
     client.close()
+
+
+def test_calls_to_a_sidecar_that_died_fail_as_gone_instead_of_each_waiting_its_timeout(cluster_factory):
+    """An engine polling its rooms every step must not stall ``timeout_s`` (20 s here)
+    per room on a dead sidecar: its path refused connections since it died."""
+    cluster, _ = _pair(cluster_factory)
+    rank = cluster.decode[0].rank_id
+    sync_client = cluster.clients[rank]
+    endpoint = cluster.sidecars[rank].endpoint
+
+    async def async_polls(killed: asyncio.Event) -> list[str]:
+        async with AsyncClient(endpoint, "async-worker", timeout_s=20) as client:
+            with pytest.raises(Refused):  # connected: the sidecar answers (no registration)
+                await client.poll(1)
+            await killed.wait()
+            errors = []
+            for room in range(1, 4):
+                with pytest.raises(SidecarLost) as caught:
+                    await client.poll(room)
+                errors.append(str(caught.value))
+            return errors
+
+    async def main() -> list[str]:
+        killed = asyncio.Event()
+        polls = asyncio.create_task(async_polls(killed))
+        await asyncio.sleep(0.5)
+        cluster.sidecars[rank].kill()
+        cluster.sidecars[rank].proc.wait()
+        killed.set()
+        return await polls
+
+    errors = asyncio.run(main())
+    for room in range(1, 4):
+        with pytest.raises(SidecarLost) as caught:
+            sync_client.poll(room)
+        errors.append(str(caught.value))
+    path = endpoint.removeprefix("unix://")
+    # each client's first call may see the connection break; the later ones find the path refusing
+    for error in errors[1:3] + errors[4:]:
+        assert f"the sidecar at {path} is gone" in error and "refuses connections since" in error, error
