@@ -143,7 +143,7 @@ def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.02):
         time.sleep(interval_s)
 
 
-def wait_status(client, room: int, statuses, timeout_s: float = 10.0):
+def wait_status(client, room: int, statuses, timeout_s: float = 60.0):
     """Poll until ``room`` is in one of ``statuses``; a room the sidecar does not know
     yet (its request still on the way, over another socket) is polled again."""
     statuses = tuple(statuses)

@@ -107,11 +107,11 @@ def test_a_prefill_worker_that_truncated_its_pool_is_unready_until_its_new_regis
     status, body = cluster.http(rank, "/readyz")  # not ready, and why
     assert status == 503 and segment in body and "registers new pools" in body, body
     prefill.close()  # the worker lets go of its pools, then registers new ones
-    wait_for(lambda: "register again" in cluster.http(rank, "/readyz")[1], 10, "the pools released")
+    wait_for(lambda: "register again" in cluster.http(rank, "/readyz")[1], 60, "the pools released")
     pools.close()
     cluster._attach(cluster.prefill[0], f"{cluster._tag}-again")
     fill_sim(cluster, SEED)
-    wait_for(lambda: cluster.http(rank, "/readyz")[0] == 200, 10, "prefill /readyz 200 again")
+    wait_for(lambda: cluster.http(rank, "/readyz")[0] == 200, 60, "prefill /readyz 200 again")
     _room_lands(cluster, 3, [8, 9], [10, 11])  # not segment_truncated naming the old segment
 
 

@@ -148,12 +148,12 @@ def test_a_killed_prefill_worker_is_let_go_and_its_restart_moves_a_room(deployme
     assert state.status is RoomStatus.FAILED and state.code_text == "worker_lost", state.reason
     assert "the prefill worker is gone" in state.reason and "connection" in state.reason
     status, body = wait_for(
-        lambda: (r := cluster.http(prefill.rank_id, "/readyz"))[0] == 503 and r, 10, "prefill /readyz 503"
+        lambda: (r := cluster.http(prefill.rank_id, "/readyz"))[0] == 503 and r, 60, "prefill /readyz 503"
     )
     assert "worker child is gone" in body and "register again" in body, body
     wait_for(
         lambda: not _mapped_segments(pid, pools[prefill.rank_id]),
-        10,
+        60,
         "the prefill sidecar unmapping the pools",
     )
     # its RssShmem drops by the pools' size (it keeps the decode peer's pools mapped)
@@ -164,12 +164,12 @@ def test_a_killed_prefill_worker_is_let_go_and_its_restart_moves_a_room(deployme
     child = _worker(cluster, prefill, pools[prefill.rank_id], kind, [["register"]])
     try:
         assert wait_for(
-            lambda: cluster.http(prefill.rank_id, "/readyz")[0] == 200, 10, "prefill /readyz 200 again"
+            lambda: cluster.http(prefill.rank_id, "/readyz")[0] == 200, 60, "prefill /readyz 200 again"
         )
         cluster.expect(2, requests)
         wait_status(decode_client, 2, [RoomStatus.WAITING_FOR_INPUT])  # prefill has room 2
         kill(child)  # the room below is sent by a second restart, after this one died idle
-        wait_for(lambda: not _mapped_segments(pid, pools[prefill.rank_id]), 10, "released again")
+        wait_for(lambda: not _mapped_segments(pid, pools[prefill.rank_id]), 60, "released again")
         child = _worker(
             cluster,
             prefill,
@@ -221,7 +221,7 @@ def test_a_killed_decode_worker_is_let_go_on_both_sides_and_its_restart_moves_a_
     state = wait_status(cluster.clients[prefill.rank_id], 1, [RoomStatus.FAILED])
     assert state.code_text == "aborted" and "the decode worker is gone" in state.reason, state.reason
     status, body = wait_for(
-        lambda: (r := cluster.http(decode.rank_id, "/readyz"))[0] == 503 and r, 10, "decode /readyz 503"
+        lambda: (r := cluster.http(decode.rank_id, "/readyz"))[0] == 503 and r, 60, "decode /readyz 503"
     )
     assert "worker child is gone" in body, body
     peers = json.loads(cluster.http(decode.rank_id, "/status")[1])["peers"]
@@ -229,10 +229,10 @@ def test_a_killed_decode_worker_is_let_go_on_both_sides_and_its_restart_moves_a_
         peers
     )
     # both sidecars let go of the decode pools: decode its own mapping, prefill its link's
-    wait_for(lambda: not _mapped_segments(decode_pid, pools[decode.rank_id]), 10, "decode unmapped")
+    wait_for(lambda: not _mapped_segments(decode_pid, pools[decode.rank_id]), 60, "decode unmapped")
     wait_for(
         lambda: not _mapped_segments(prefill_pid, pools[decode.rank_id]),
-        10,
+        60,
         "prefill unmapped the decode pools",
     )
 
@@ -247,7 +247,7 @@ def test_a_killed_decode_worker_is_let_go_on_both_sides_and_its_restart_moves_a_
             cluster.clients[prefill.rank_id], 2, [RoomStatus.SUCCESS, RoomStatus.FAILED], timeout_s=15
         )
         assert state.status is RoomStatus.SUCCESS, state.reason
-        wait_for(lambda: cluster.http(decode.rank_id, "/readyz")[0] == 200, 10, "decode ready")
+        wait_for(lambda: cluster.http(decode.rank_id, "/readyz")[0] == 200, 60, "decode ready")
     finally:
         kill(child)
     assert cluster.verify(requests) == []
