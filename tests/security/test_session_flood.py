@@ -26,7 +26,11 @@ from pd_transfer.security.messages import decode as decode_auth
 
 FRAMES = 96
 FRAME_NBYTES = 15 * MiB
-BOUND_KIB = 160 * 1024  # the most the sidecar's peak RSS may grow meanwhile
+# the most the sidecar's peak RSS may grow meanwhile: 16 frames' worth, a sixth of the flood.
+# ZeroMQ holds 4 queued (RCVHWM) and 1 being read, the kernel a socket buffer, Python the one
+# it refuses, and the allocator keeps some of the freed ones (about 100-180 MiB measured,
+# the high end with the CPUs busy); every frame held would be 1,440 MiB
+BOUND_KIB = 16 * FRAME_NBYTES // 1024
 P0 = "prefill[pp0,tp0]"
 
 
