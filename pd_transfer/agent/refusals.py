@@ -30,6 +30,10 @@ from pd_transfer.errors import PdTransferError, Reason
 
 T = TypeVar("T")
 
+#: the shortest refusal taken for "nothing listens": a prefill rank 0 binds its bootstrap
+#: address when its worker first registers, and a decode's claim may come a moment before
+MIN_REFUSED_S = 5.0
+
 _EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
 
 
@@ -63,9 +67,10 @@ async def first_answer_or_refusal(
     request: Awaitable[T], monitor: zmq.asyncio.Socket, address: str, limit_s: float, what: str
 ) -> T:
     """``request``'s result, or the refusal error once ``address`` refused every try for
-    ``limit_s`` (``request`` is then cancelled). Closes ``monitor``."""
+    ``limit_s`` (at least :data:`MIN_REFUSED_S`; ``request`` is then cancelled). Closes
+    ``monitor``."""
     asked = asyncio.ensure_future(request)
-    watch = asyncio.ensure_future(_refused(monitor, address, limit_s, what))
+    watch = asyncio.ensure_future(_refused(monitor, address, max(limit_s, MIN_REFUSED_S), what))
     try:
         await asyncio.wait({asked, watch}, return_when=asyncio.FIRST_COMPLETED)
         if not asked.done():

@@ -3,7 +3,7 @@
 Resolving an instance: fetch its rank table, reconcile it with this rank, open a session to
 every prefill rank (each hears about every room, writing or not), register, and wait for each
 one's Verdict. A rejection fails with the full diagnostic, never after a timeout; an address
-where nothing listens (every connection refused for a heartbeat limit) fails then. A resolved
+where nothing listens (every connection refused for a heartbeat limit, 5 s at least) fails then. A resolved
 instance is reused by its address's rooms until one of its ranks is lost; the next room
 resolves it anew, the lost one's sessions are retired (:mod:`.retire`), and while the address
 has not answered since, a claim waits at most one heartbeat limit (:mod:`.gone`). A failed

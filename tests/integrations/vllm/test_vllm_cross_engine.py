@@ -36,8 +36,10 @@ pytest.importorskip(
 
 import json  # noqa: E402
 import os  # noqa: E402
+import socket  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -187,6 +189,7 @@ def test_sglang_prefill_to_vllm_decode_lands_byte_exact(sglang_prefill, instance
         kv = logical_kv(seed=26)
         src, dst = [4, 1, 9], [7, 2, 10]
         sglang_prefill.send(_job(sidecars, bootstrap, 84, src, model_dir), {"kv": _bits(kv)})
+        _registered(bootstrap, sglang_prefill)
         before = [{n: t.clone() for n, t in caches.items()} for caches in decode.caches]
         decode.start(StepSpecs(recvs=[RecvSpec("req-x", 84, bootstrap, tuple(dst))]))
         _wait_received(decode, "req-x", sidecars, sglang_prefill)
@@ -227,6 +230,7 @@ def test_sglang_gdn_hybrid_prefill_to_vllm_decode_lands_byte_exact(
             gdn={**gdn, "groups": list(CONV_GROUPS)},
         )
         sglang_prefill.send(job, {"kv": _bits(kv), "conv": _bits(conv), "temporal": temporal.numpy()})
+        _registered(bootstrap, sglang_prefill)
         expected = []
         for tp_rank, caches in enumerate(decode.caches):
             flat = flat_copy(caches)
@@ -252,6 +256,20 @@ def test_sglang_gdn_hybrid_prefill_to_vllm_decode_lands_byte_exact(
             sidecar.terminate()
         for sidecar in sidecars:
             sidecar.wait_stopped()
+
+
+def _registered(bootstrap: str, prefill: SglangPrefill) -> None:
+    """Wait until prefill rank 0 serves its rank table (bound when its worker registers):
+    SGLang's router sends a request to a prefill server that is up, never before."""
+    host, port = bootstrap.removeprefix("tcp://").rsplit(":", 1)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, f"the SGLang prefill never registered: {prefill.logs()}"
+            time.sleep(0.1)
 
 
 def _wait_received(decode, req_id: str, sidecars, prefill: SglangPrefill) -> None:
