@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
@@ -23,8 +23,14 @@ from pd_transfer.protocol import RoomStatus
 
 if TYPE_CHECKING:
     from pd_transfer.agent.admission import Admission
-    from pd_transfer.agent.channels import Channel
-    from pd_transfer.agent.sidecar import Sidecar
+    from pd_transfer.agent.auth import Security
+    from pd_transfer.agent.channels import Channel, IncomingChannels
+    from pd_transfer.agent.dataplane import DataPlane
+    from pd_transfer.agent.rooms import Room, RoomView
+    from pd_transfer.agent.side import Readiness
+    from pd_transfer.agent.worker_loss import WorkerBinding
+    from pd_transfer.config import SidecarConfig
+    from pd_transfer.layout.geometry import RankGeometry
     from pd_transfer.protocol.messages import PoolPlan
 
 # lost: the peer went silent or its connection broke; left: its session ended in order
@@ -43,13 +49,36 @@ class PeerRecord:
     key: str = ""  # rank id and agent id: two sidecars may claim one rank id
     state: str = "connecting"
     reason: str = ""
-    channel: object = None
+    channel: Channel | None = None
     transport: str = ""
     mode: str = ""
 
 
+class Observed(Protocol):
+    """What the observer reads of its sidecar (agent/sidecar.py), of either role."""
+
+    @property
+    def config(self) -> SidecarConfig: ...
+    @property
+    def security(self) -> Security: ...
+    @property
+    def geometry(self) -> RankGeometry | None: ...
+    @property
+    def worker(self) -> WorkerBinding: ...
+    @property
+    def dataplane(self) -> DataPlane: ...
+    @property
+    def side(self) -> Readiness: ...
+    @property
+    def rooms(self) -> RoomView[Room]: ...
+    @property
+    def control(self) -> IncomingChannels | None: ...
+    @property
+    def admission(self) -> Admission: ...
+
+
 class Observer:
-    def __init__(self, sidecar: Sidecar) -> None:
+    def __init__(self, sidecar: Observed) -> None:
         self.sidecar = sidecar
         self.role = sidecar.config.role.value
         self.registry = CollectorRegistry()

@@ -9,6 +9,10 @@ lost peers) run here.
 Shutdown: the first stop request drains (new rooms are refused, live rooms
 get ``drain_s`` to finish, then fail with ``shutting_down``); a second one
 stops at once.
+
+A sidecar is generic over its side's room type: :func:`sidecar_for` builds a
+``Sidecar[PrefillRoom]`` or a ``Sidecar[DecodeRoom]`` by the configured role, and
+the side and the room table it holds agree on that type.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Hashable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic
 
 import zmq
 
@@ -28,13 +32,15 @@ from pd_transfer.agent.auth import SecureContext, Security
 from pd_transfer.agent.bootstrap import BootstrapServer
 from pd_transfer.agent.channels import Channel, IncomingChannels
 from pd_transfer.agent.dataplane import DataPlane
+from pd_transfer.agent.decode.room import DecodeRoom
 from pd_transfer.agent.decode.side import DecodeSide
 from pd_transfer.agent.http import HttpServer
 from pd_transfer.agent.liveness import LoopStalls
 from pd_transfer.agent.observe import Observer
 from pd_transfer.agent.peer_watch import PeerWatch
+from pd_transfer.agent.prefill.records import PrefillRoom
 from pd_transfer.agent.prefill.side import PrefillSide
-from pd_transfer.agent.rooms import Room, RoomTable, pool_requests
+from pd_transfer.agent.rooms import Room, RoomT, RoomTable, pool_requests
 from pd_transfer.agent.side import PeerServer, Side
 from pd_transfer.agent.startup import ReadyFile, binding, prepare_worker_endpoint
 from pd_transfer.agent.tasks import Tasks
@@ -50,19 +56,46 @@ from pd_transfer.protocol import (
 )
 from pd_transfer.protocol.worker_api import WorkerOp
 
+if TYPE_CHECKING:
+    from pd_transfer.agent.worker_endpoint import WorkerEndpoint
+
 log = logging.getLogger(__name__)
 
 
-class Sidecar:
-    def __init__(self, config: SidecarConfig, drain_s: float = 5.0, security: Security | None = None) -> None:
+def sidecar_for(
+    config: SidecarConfig, drain_s: float = 5.0, security: Security | None = None
+) -> Sidecar[PrefillRoom] | Sidecar[DecodeRoom]:
+    """The sidecar of ``config``'s role."""
+    if config.role is Role.PREFILL:
+        return Sidecar(config, _prefill_side, drain_s, security)
+    return Sidecar(config, _decode_side, drain_s, security)
+
+
+def _prefill_side(sidecar: Sidecar[PrefillRoom]) -> tuple[Side[PrefillRoom], PeerServer | None]:
+    side = PrefillSide(sidecar)
+    return side, side  # the control port serves its decode peers' sessions
+
+
+def _decode_side(sidecar: Sidecar[DecodeRoom]) -> tuple[Side[DecodeRoom], PeerServer | None]:
+    return DecodeSide(sidecar), None
+
+
+class Sidecar(Generic[RoomT]):
+    def __init__(
+        self,
+        config: SidecarConfig,
+        make_side: Callable[[Sidecar[RoomT]], tuple[Side[RoomT], PeerServer | None]],
+        drain_s: float = 5.0,
+        security: Security | None = None,
+    ) -> None:
         self.config = config
         self.drain_s = drain_s
         # every socket made from this context finds the secret and keys (agent/auth.py)
         self.security = security or Security.from_config(config)
         self.context = zmq_bounds.watching_peers(SecureContext(self.security), config)
-        self.rooms = RoomTable(config.room_ttl_s, config.max_rooms)
+        self.rooms: RoomTable[RoomT] = RoomTable(config.room_ttl_s, config.max_rooms)
         self.admission = Admission(config)  # rooms per peer, bytes in flight (agent/admission.py)
-        self.observe = Observer(self)
+        self.observe: Observer = Observer(self)
         self.observe.watch_admission(self.admission)
         self.security.on_failure = self.observe.auth_failure
         self.security.lobby.on_refused = self.observe.connection_refused
@@ -71,17 +104,16 @@ class Sidecar:
         self.pp_size = 1
         # the registration's connection (agent/worker_loss.py)
         self.worker = WorkerBinding(self, config.worker_endpoint)
-        self.worker_tasks: list[asyncio.Task] = []  # what lives only while the worker is registered
-        self.endpoint = None
+        self.worker_tasks: list[asyncio.Task[Any]] = []  # what lives only while the worker is registered
+        self.endpoint: WorkerEndpoint | None = None
         self.dataplane = DataPlane(
             config,
             self.context,
             on_bad_frame=self.observe.bad_frame,
             on_connection_closed=self.observe.connection_closed,
         )
-        prefill = PrefillSide(self) if config.role is Role.PREFILL else None
-        self.side: Side = prefill or DecodeSide(self)
-        self.peer_server: PeerServer | None = prefill  # the control port serves its sessions
+        # the control port serves the peer server's sessions (prefill's)
+        self.side, self.peer_server = make_side(self)
         self.control: IncomingChannels | None = None
         self.bootstrap_server: BootstrapServer | None = None
         self.registered = asyncio.Event()
@@ -170,7 +202,7 @@ class Sidecar:
             )
 
         async def on_message(channel: Channel, message: Message) -> None:
-            self.peer_watch.watch_once(channel, lambda why, ch=channel: server.on_peer_lost(ch, why))
+            self.peer_watch.watch_once(channel, lambda why: server.on_peer_lost(channel, why))
             await server.on_peer_message(channel, message)
 
         self.spawn(self.control.serve(on_message))
@@ -215,7 +247,9 @@ class Sidecar:
             )
         await asyncio.sleep(0.05)  # let the failure notices leave
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], *, room: str = "", peer: str = "") -> asyncio.Task:
+    def spawn(
+        self, coro: Coroutine[Any, Any, Any], *, room: int | str = "", peer: str = ""
+    ) -> asyncio.Task[Any]:
         """Run ``coro`` in the background, owned by this sidecar (see :class:`Tasks`)."""
         return self.tasks.spawn(coro, room=room, peer=peer)
 

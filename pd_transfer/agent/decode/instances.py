@@ -49,6 +49,7 @@ from pd_transfer.protocol import (
 )
 
 if TYPE_CHECKING:
+    from pd_transfer.agent.decode.room import DecodeRoom
     from pd_transfer.agent.sidecar import Sidecar
     from pd_transfer.config import SidecarConfig
     from pd_transfer.protocol import Message, RankTable
@@ -91,7 +92,7 @@ class PrefillInstances:
 
     def __init__(
         self,
-        sidecar: Sidecar,
+        sidecar: Sidecar[DecodeRoom],
         bells: RoomBells,
         on_room_message: Callable[[PrefillPeer, Message], None],
         on_peer_lost: Callable[[PrefillInstance, PrefillPeer, str, Reason], None],

@@ -23,7 +23,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -58,18 +58,22 @@ log = logging.getLogger(__package__)
 
 
 class DecodeSide:
-    def __init__(self, sidecar: Sidecar) -> None:
+    def __init__(self, sidecar: Sidecar[DecodeRoom]) -> None:
         self.sidecar = sidecar
         self.bells = RoomBells(sidecar.config, sidecar.observe)
         self.prefill = PrefillInstances(sidecar, self.bells, self._on_room_message, self._on_peer_lost)
         self.claims = Claims()  # the destination pages and slots of the live rooms
+        self.table_ready = asyncio.Event()  # decode serves no rank table (the Side protocol)
+        self.table_ready.set()
 
     @property
     def config(self) -> SidecarConfig:
         return self.sidecar.config
 
     # -- the Side protocol (agent/side.py) ------------------------------------------
-    async def on_worker_op(self, op: WorkerOp, request: dict, pools: dict[Pool, np.ndarray]) -> dict:
+    async def on_worker_op(
+        self, op: WorkerOp, request: dict[str, Any], pools: dict[Pool, np.ndarray]
+    ) -> dict[str, Any]:
         if op is WorkerOp.EXPECT:
             return await self.on_expect(request, pools)
         if op is WorkerOp.ABANDON:

@@ -34,7 +34,7 @@ class PrefillEndings:
     """The prefill side's decode peers and how its rooms end (the base of
     :class:`~pd_transfer.agent.prefill.side.PrefillSide`)."""
 
-    def __init__(self, sidecar: Sidecar) -> None:
+    def __init__(self, sidecar: Sidecar[PrefillRoom]) -> None:
         self.sidecar = sidecar
         self.peers: dict[int, DecodePeer] = {}
 

@@ -68,7 +68,7 @@ log = logging.getLogger(__package__)
 
 
 class PrefillSide(PrefillWrites):
-    def __init__(self, sidecar: Sidecar) -> None:
+    def __init__(self, sidecar: Sidecar[PrefillRoom]) -> None:
         super().__init__(sidecar)
         self.table: RankTable | None = None
         self.table_ready = asyncio.Event()
@@ -142,6 +142,9 @@ class PrefillSide(PrefillWrites):
         self.table = None
         self.table_ready.clear()
         self.stale_peers = {key for key, peer in self.peers.items() if peer.accepted}
+
+    def instance_problem(self, address: str) -> str:
+        return ""  # prefill resolves no prefill instance (prefill_bootstraps is decode's)
 
     def on_tick(self, now_s: float) -> None:
         pass  # prefill's periodic work is the sidecar's: heartbeats and room deadlines
