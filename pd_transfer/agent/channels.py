@@ -284,7 +284,7 @@ class IncomingChannels:
         role: Role,
         *,
         on_bad_frame: Callable[[str], None] = lambda reason: None,
-        on_refused: Callable[[IncomingChannel], None] = lambda channel: None,
+        on_refused: Callable[[Channel], None] = lambda channel: None,
         on_closed: Callable[[str], None] = lambda socket: None,
     ) -> None:
         self._on_bad_frame = on_bad_frame

@@ -35,7 +35,7 @@ from pd_transfer.layout.geometry import RankGeometry, Role
 from pd_transfer.listeners import listening
 from pd_transfer.protocol import Register
 from pd_transfer.shm_segments import Segment, open_segment
-from pd_transfer.transport.base import Link, PeerEndpoint, Transport
+from pd_transfer.transport.base import Link, PeerEndpoint, Receiver, Transport
 from pd_transfer.transport.copy import native_loop
 from pd_transfer.transport.copy.device import execute_on_device
 from pd_transfer.transport.copy.engine import CopyEngine
@@ -86,7 +86,7 @@ class DataPlane:
         self._corrupt = CorruptNth(config.fault_corrupt_nth) if config.fault_corrupt_nth else None
         # plain sockets, or ZeroMQ when CURVE is configured (it encrypts): see tcp_plane
         self._tcp = tcp_transport(config, context, self._corrupt.payload if self._corrupt else None)
-        self._receiver = None  # TcpReceiver or ZmqTcpReceiver (decode)
+        self._receiver: Receiver | None = None  # TcpReceiver or ZmqTcpReceiver (decode)
         self._geometry: RankGeometry | None = None
         self._device = DeviceTransport()  # CUDA IPC handles of a same-host peer
         # transport mooncake or nixl: the engine writes (prefill) or receives (decode) everything
@@ -102,7 +102,7 @@ class DataPlane:
                 staging=staging_options(config, context),
             )
             self.engine_listeners = [str(s) for s in sorted(listening() - before)]
-        self._engine_receiver = None
+        self._engine_receiver: Receiver | None = None
 
     @property
     def copies(self) -> str:

@@ -127,8 +127,8 @@ def _runbook(name: str) -> tuple[int, str, bytes]:
     where = f"pd-transfer {__version__}, docs/operations.md"
     if not name:
         listing = [f"{where}: the runbook's sections\n"]
-        for section in runbooks.runbook().values():
-            listing.append(f"{'  ' * (section.level - 1)}/runbooks/{section.name}  {section.title}")
+        for entry in runbooks.runbook().values():
+            listing.append(f"{'  ' * (entry.level - 1)}/runbooks/{entry.name}  {entry.title}")
         if len(listing) == 1:
             listing.append("(docs/operations.md is not installed with this sidecar)")
         return 200, _TEXT, ("\n".join(listing) + "\n").encode()

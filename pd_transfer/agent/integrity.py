@@ -32,7 +32,7 @@ from pd_transfer.errors import TransportError
 from pd_transfer.layout.planner import PairPlanner
 from pd_transfer.layout.views import Pool
 from pd_transfer.protocol import PoolChecksums
-from pd_transfer.transport.copy.checksums import BlockLayout, RoomDigest, compare, landed_digest
+from pd_transfer.transport.copy.checksums import BlockLayout, IndexPair, RoomDigest, compare, landed_digest
 
 if TYPE_CHECKING:
     from pd_transfer.agent.decode.instances import PrefillInstance
@@ -92,7 +92,12 @@ async def sum_chunk(target: Target, requests: ChunkRequests, regions: dict) -> N
         return
     if target.sums is None:
         target.sums = RoomDigest(layout, {pool: len(idx) for pool, idx in target.dst.items()})
-    await asyncio.to_thread(target.sums.add_sent, requests, {Pool.KV: target.kv_cursor}, regions)
+    pairs: dict[Pool, IndexPair] = {}
+    for pool, request in requests.items():
+        if not isinstance(request, tuple):  # a span: prefill_layout checks no such pair
+            raise ValueError(f"{pool.value}: a span of converted pages is not summed")
+        pairs[pool] = request
+    await asyncio.to_thread(target.sums.add_sent, pairs, {Pool.KV: target.kv_cursor}, regions)
 
 
 def checksums(target: Target) -> tuple[PoolChecksums, ...]:

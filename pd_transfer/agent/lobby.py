@@ -227,7 +227,8 @@ class Door:
         self.max_pending = max_pending
         self.timeout_s = lobby.timeout_s  # the handshake deadline (Lobby.door sets it)
         self.local = False  # see Lobby.door
-        self.address: object = None  # the listening address, as getsockname() gives it (bound())
+        # the listening address, as getsockname() gives it (bound()): a port, or a socket path
+        self.address: int | str | None = None
         self.strangers: dict[int, Stranger] = {}  # fd -> stranger
         self.members: set[int] = set()  # fds past the handshake
         self.on_gone: Callable[[int], None] = lambda fd: None  # a connection ended
@@ -377,7 +378,7 @@ class Door:
             del self.strangers[stranger.fd]
         if stranger.timer is not None:
             stranger.timer.cancel()
-        shut = stranger.probe(lambda sock: sock.shutdown(socket.SHUT_RDWR) or True)
+        shut = stranger.probe(_shut_down)
         if not shut:
             return  # it ended on its own meanwhile
         self._cut.add(stranger.fd)
@@ -390,3 +391,9 @@ class Door:
             why,
             extra={"reason": reason},
         )
+
+
+def _shut_down(sock: socket.socket) -> bool:
+    """End both directions of ``sock``'s connection (True: it was still there to end)."""
+    sock.shutdown(socket.SHUT_RDWR)
+    return True

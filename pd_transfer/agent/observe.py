@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics import Gauge
 
 from pd_transfer.agent.peer_series import PeerSeries
 from pd_transfer.layout.geometry import Role
@@ -179,7 +179,7 @@ class Observer:
                 1 if strategy == chosen else 0
             )
 
-    def inflight(self, peer: str) -> MetricWrapperBase:
+    def inflight(self, peer: str) -> Gauge:
         """The gauge of bytes being written to ``peer`` (prefill)."""
         return self.series.child(self.metrics.inflight_bytes, self.role, peer, peer=peer)
 

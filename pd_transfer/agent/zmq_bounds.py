@@ -140,8 +140,8 @@ class ConnectionWatch:
         *,
         on_closed: Callable[[str], None] = lambda name: None,
         on_bad_frame: Callable[[str], None] = lambda reason: None,
-        on_disconnected: Callable[[int], None] = lambda fd: None,
-        on_accepted: Callable[[int], None] = lambda fd: None,
+        on_disconnected: Callable[[int], object] = lambda fd: None,
+        on_accepted: Callable[[int], object] = lambda fd: None,
     ) -> None:
         self.name = name
         self.where = where
@@ -152,7 +152,9 @@ class ConnectionWatch:
         self._on_bad_frame = on_bad_frame
         self._limit = socket.getsockopt(zmq.MAXMSGSIZE)  # -1: none
         self._monitor = _monitor_socket(socket)
-        self._reader = zmq.Socket.shadow(self._monitor.underlying)  # reads it without waiting
+        self._reader: zmq.Socket[bytes] = zmq.Socket.shadow(
+            self._monitor.underlying
+        )  # reads it without waiting
         self._stopped = False
 
     async def run(self) -> None:
@@ -207,7 +209,7 @@ class ConnectionWatch:
             )
 
 
-def _monitor_socket(socket: zmq.Socket) -> zmq.Socket:
+def _monitor_socket(socket: zmq.asyncio.Socket) -> zmq.asyncio.Socket:
     """``socket``'s monitor, read by the watch, holding as few events unread as ZeroMQ
     allows. ZeroMQ's I/O thread waits when the watch has not read them: it accepts at most
     that many connections (about 1,000, the monitor's own queue) before the lobby hears of

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from pd_transfer.agent.sidecar import Sidecar
     from pd_transfer.config import SidecarConfig
     from pd_transfer.protocol import Message, RankTable
+    from pd_transfer.transport.copy.checksums import BlockLayout
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class PrefillPeer:
     rank_id: str
     channel: OutgoingChannel
     verdict: asyncio.Future
-    integrity: object = None  # BlockLayout when its Done checksums are verified
+    integrity: BlockLayout | None = None  # when its Done checksums are verified
     rings: bool = False  # its verdict: it rings this rank's doorbells
 
 

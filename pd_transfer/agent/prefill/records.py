@@ -12,6 +12,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,6 +25,10 @@ from pd_transfer.layout.reconcile import Reconciliation
 from pd_transfer.layout.views import Pool
 from pd_transfer.protocol import CONFIRM_DONE, Register
 
+if TYPE_CHECKING:
+    from pd_transfer.transport.base import Link
+    from pd_transfer.transport.copy.checksums import BlockLayout, RoomDigest
+
 
 @dataclass
 class DecodePeer:
@@ -31,11 +36,11 @@ class DecodePeer:
     register: Register | None = None
     reconciliation: Reconciliation | None = None
     fed: list[int] = field(default_factory=list)
-    link: object = None
+    link: Link | None = None
     planner: PairPlanner | None = None
     accepted: bool = False
     features: tuple[str, ...] = ()  # decode's Hello features
-    integrity: object = None  # BlockLayout when both sides check integrity
+    integrity: BlockLayout | None = None  # when both sides check integrity
     bells: Doorbells | None = None  # its doorbells, mapped (same host, shm)
 
     @property
@@ -79,9 +84,9 @@ class Target:
     started_s: float = field(default_factory=time.monotonic)
     state: TargetState = TargetState.OPEN
     admitted: bool = False  # holds a room slot with the peer (agent/prefill/flow.py)
-    layers_sent: set = field(default_factory=set)  # of the streamed chunk being written
+    layers_sent: set[int] = field(default_factory=set)  # of the streamed chunk being written
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    sums: object = None  # RoomDigest of what was sent, when the pair checks integrity
+    sums: RoomDigest | None = None  # of what was sent, when the pair checks integrity
     bell: tuple[int, int, int] | None = None  # (slot, token, writer) to ring once all landed
     confirmed: bool = False  # decode confirmed it has the bytes (its own Done)
 
