@@ -11,8 +11,8 @@ import logging
 import zmq
 
 from pd_transfer.agent.auth import Security
+from pd_transfer.agent.roles import sidecar_for
 from pd_transfer.agent.runner import run_until_stopped
-from pd_transfer.agent.sidecar import sidecar_for
 from pd_transfer.config import SidecarConfig
 from pd_transfer.logs import configure_logging  # noqa: F401  (re-exported for the CLI)
 

@@ -35,7 +35,7 @@ from pd_transfer.protocol import PoolChecksums
 from pd_transfer.transport.copy.checksums import BlockLayout, IndexPair, RoomDigest, compare, landed_digest
 
 if TYPE_CHECKING:
-    from pd_transfer.agent.decode.instances import PrefillInstance
+    from pd_transfer.agent.decode.room import PrefillInstance
     from pd_transfer.agent.prefill.chunks import ChunkRequests
     from pd_transfer.agent.prefill.records import Target
     from pd_transfer.layout.geometry import RankGeometry

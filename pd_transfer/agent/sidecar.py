@@ -3,16 +3,13 @@
 Owns the event loop's tasks (one task group), the sockets (worker endpoint,
 control ROUTER, bootstrap on prefill rank 0), the room table, the worker's
 registration and mapped regions, and the data plane; the role's logic lives
-in :mod:`.prefill` and :mod:`.decode`. Timers (room deadlines, heartbeats,
+in :mod:`.prefill` and :mod:`.decode` (:mod:`.roles` gives a sidecar its side:
+it is generic over that side's room type). Timers (room deadlines, heartbeats,
 lost peers) run here.
 
 Shutdown: the first stop request drains (new rooms are refused, live rooms
 get ``drain_s`` to finish, then fail with ``shutting_down``); a second one
 stops at once.
-
-A sidecar is generic over its side's room type: :func:`sidecar_for` builds a
-``Sidecar[PrefillRoom]`` or a ``Sidecar[DecodeRoom]`` by the configured role, and
-the side and the room table it holds agree on that type.
 """
 
 from __future__ import annotations
@@ -21,8 +18,8 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Hashable
-from typing import TYPE_CHECKING, Any, Generic
+from collections.abc import Callable, Coroutine, Hashable
+from typing import Any, Generic
 
 import zmq
 
@@ -32,18 +29,15 @@ from pd_transfer.agent.auth import SecureContext, Security
 from pd_transfer.agent.bootstrap import BootstrapServer
 from pd_transfer.agent.channels import Channel, IncomingChannels
 from pd_transfer.agent.dataplane import DataPlane
-from pd_transfer.agent.decode.room import DecodeRoom
-from pd_transfer.agent.decode.side import DecodeSide
 from pd_transfer.agent.http import HttpServer
 from pd_transfer.agent.liveness import LoopStalls
 from pd_transfer.agent.observe import Observer
 from pd_transfer.agent.peer_watch import PeerWatch
-from pd_transfer.agent.prefill.records import PrefillRoom
-from pd_transfer.agent.prefill.side import PrefillSide
 from pd_transfer.agent.rooms import Room, RoomT, RoomTable, pool_requests
 from pd_transfer.agent.side import PeerServer, Side
 from pd_transfer.agent.startup import ReadyFile, binding, prepare_worker_endpoint
-from pd_transfer.agent.tasks import Tasks
+from pd_transfer.agent.tasks import Tasks, bounded
+from pd_transfer.agent.worker_endpoint import WorkerEndpoint
 from pd_transfer.agent.worker_loss import WorkerBinding
 from pd_transfer.config import SidecarConfig
 from pd_transfer.errors import PdTransferError, Reason
@@ -56,28 +50,7 @@ from pd_transfer.protocol import (
 )
 from pd_transfer.protocol.worker_api import WorkerOp
 
-if TYPE_CHECKING:
-    from pd_transfer.agent.worker_endpoint import WorkerEndpoint
-
 log = logging.getLogger(__name__)
-
-
-def sidecar_for(
-    config: SidecarConfig, drain_s: float = 5.0, security: Security | None = None
-) -> Sidecar[PrefillRoom] | Sidecar[DecodeRoom]:
-    """The sidecar of ``config``'s role."""
-    if config.role is Role.PREFILL:
-        return Sidecar(config, _prefill_side, drain_s, security)
-    return Sidecar(config, _decode_side, drain_s, security)
-
-
-def _prefill_side(sidecar: Sidecar[PrefillRoom]) -> tuple[Side[PrefillRoom], PeerServer | None]:
-    side = PrefillSide(sidecar)
-    return side, side  # the control port serves its decode peers' sessions
-
-
-def _decode_side(sidecar: Sidecar[DecodeRoom]) -> tuple[Side[DecodeRoom], PeerServer | None]:
-    return DecodeSide(sidecar), None
 
 
 class Sidecar(Generic[RoomT]):
@@ -112,7 +85,6 @@ class Sidecar(Generic[RoomT]):
             on_bad_frame=self.observe.bad_frame,
             on_connection_closed=self.observe.connection_closed,
         )
-        # the control port serves the peer server's sessions (prefill's)
         self.side, self.peer_server = make_side(self)
         self.control: IncomingChannels | None = None
         self.bootstrap_server: BootstrapServer | None = None
@@ -131,6 +103,13 @@ class Sidecar(Generic[RoomT]):
         self._generations = itertools.count(1)
         self.tasks = Tasks()  # every background task, owned (agent/tasks.py)
         self.ready_file = ReadyFile(config.ready_file)
+
+    @property
+    def registered_geometry(self) -> RankGeometry:
+        """The registered worker's geometry; refused (``not_registered``) while none is."""
+        if self.geometry is None:
+            raise PdTransferError("the worker has not registered its pools yet", code=Reason.NOT_REGISTERED)
+        return self.geometry
 
     # -- lifecycle ---------------------------------------------------------------
     @property
@@ -171,8 +150,6 @@ class Sidecar(Generic[RoomT]):
             await self._close()
 
     def _serve_worker(self) -> None:
-        from pd_transfer.agent.worker_endpoint import WorkerEndpoint
-
         config = self.config
         prepare_worker_endpoint(config.worker_endpoint)
         self.endpoint = WorkerEndpoint(
@@ -221,16 +198,16 @@ class Sidecar(Generic[RoomT]):
 
     async def _close(self) -> None:
         """Stop every task, then close what :meth:`run` opened, each step bounded."""
-        await _bounded(self.tasks.close(), "stopping tasks")
+        await bounded(self.tasks.close(), "stopping tasks")
         if self.endpoint is not None:
             self.endpoint.close()
         if self.http:
-            await _bounded(self.http.close(), "closing the http server")
+            await bounded(self.http.close(), "closing the http server")
         if self.control:
             self.control.close()
         if self.bootstrap_server:
             self.bootstrap_server.close()
-        await _bounded(self.dataplane.close(), "closing the data plane")
+        await bounded(self.dataplane.close(), "closing the data plane")
         self.side.close()
         self.context.destroy(linger=0)
         self.ready_file.remove()
@@ -421,12 +398,3 @@ class Sidecar(Generic[RoomT]):
             if self.geometry is not None:
                 self.side.on_tick(now)
             await self.peer_watch.tick(now)
-
-
-async def _bounded(step: Awaitable[Any], what: str, timeout_s: float = 5.0) -> None:
-    """Shutdown never hangs on one step: past ``timeout_s`` it is logged and left behind."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            await step
-    except TimeoutError:
-        log.warning("shutdown: %s did not finish within %.0f s; exiting anyway", what, timeout_s)

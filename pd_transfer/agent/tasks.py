@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from typing import Any
 
 log = logging.getLogger("pd_transfer.agent")
@@ -62,3 +62,12 @@ class Tasks:
             for task in running:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
+
+
+async def bounded(step: Awaitable[Any], what: str, timeout_s: float = 5.0) -> None:
+    """Shutdown never hangs on one step: past ``timeout_s`` it is logged and left behind."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await step
+    except TimeoutError:
+        log.warning("shutdown: %s did not finish within %.0f s; exiting anyway", what, timeout_s)

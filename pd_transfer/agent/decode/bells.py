@@ -52,13 +52,13 @@ class RoomBells:
         if self.segment is None:
             return None
         room.bell = self.segment.arm()
-        room.on_end.append(self.ended)
+        room.on_end.append(lambda ended: self.ended(room))  # called with the room itself
         return {"segment": self.segment.name, "slot": room.bell[0], "token": room.bell[1]}
 
     def writers(self, room: DecodeRoom, peers: list) -> dict[str, int]:
         """``{rank id: writer number}`` for ``room``'s source ``peers`` (PrefillPeer) when
         every one rings; otherwise none, and the slot closes at once."""
-        if room.bell is None:
+        if room.bell is None or self.segment is None:
             return {}
         if not 0 < len(peers) <= MAX_WRITERS or not all(
             p is not None and p.rings and p.integrity is None for p in peers
@@ -71,17 +71,22 @@ class RoomBells:
     def landed(self, room: DecodeRoom) -> bool:
         """This sidecar is about to fail ``room``: close its slot; True when every writer
         had rung first (the bytes landed, the worker may know it: the room succeeded)."""
-        return self._live(room) and self.segment.close_slot(*room.bell)
+        live = self._live(room)
+        return live is not None and live[0].close_slot(*live[1])
 
     def rung(self, room: DecodeRoom) -> bool:
         """Every writer of live ``room`` rang (it succeeded, Done or not)."""
-        return self._live(room) and self.segment.rung(*room.bell)
+        live = self._live(room)
+        return live is not None and live[0].rung(*live[1])
 
-    def _live(self, room: DecodeRoom) -> bool:
-        return room.bell is not None and not room.terminal and self.segment is not None
+    def _live(self, room: DecodeRoom) -> tuple[Doorbells, tuple[int, int]] | None:
+        """The segment and slot of live ``room``, None when it has none."""
+        if room.bell is None or room.terminal or self.segment is None:
+            return None
+        return self.segment, room.bell
 
     def ended(self, room: DecodeRoom) -> None:
-        if self.segment is None:
+        if self.segment is None or room.bell is None:  # an armed room has a slot
             return
         if room.status is RoomStatus.SUCCESS and self.segment.rung(*room.bell):
             self.observe.doorbell("rung")  # the worker sees the ring itself

@@ -28,7 +28,7 @@ from pd_transfer.agent.decode.room import DecodeRoom
 from pd_transfer.protocol import Close
 
 if TYPE_CHECKING:
-    from pd_transfer.agent.decode.instances import PrefillInstance
+    from pd_transfer.agent.decode.room import PrefillInstance
     from pd_transfer.agent.retry import Backoff
     from pd_transfer.agent.rooms import Room
     from pd_transfer.config import SidecarConfig

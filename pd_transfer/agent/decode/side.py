@@ -30,8 +30,8 @@ import numpy as np
 from pd_transfer.agent import integrity
 from pd_transfer.agent.decode import abandon
 from pd_transfer.agent.decode.bells import RoomBells
-from pd_transfer.agent.decode.instances import PrefillInstance, PrefillInstances, PrefillPeer
-from pd_transfer.agent.decode.room import DecodeRoom
+from pd_transfer.agent.decode.instances import PrefillInstances
+from pd_transfer.agent.decode.room import DecodeRoom, PrefillInstance, PrefillPeer
 from pd_transfer.agent.indices import Claims, check_indices
 from pd_transfer.agent.rooms import Room
 from pd_transfer.errors import PdTransferError, Reason
@@ -52,7 +52,7 @@ from pd_transfer.protocol.worker_api import WorkerOp
 if TYPE_CHECKING:
     from pd_transfer.agent.sidecar import Sidecar
     from pd_transfer.config import SidecarConfig
-    from pd_transfer.protocol import Message
+    from pd_transfer.transport.copy.checksums import BlockLayout
 
 log = logging.getLogger(__package__)
 
@@ -106,7 +106,7 @@ class DecodeSide:
         if existing is not None and not existing.terminal:
             raise PdTransferError(f"room {request['room']} is already expected", code=Reason.DUPLICATE_ROOM)
         # refused here, with the field: never accepted to fail later at its timeout
-        check_indices(pools, self.sidecar.geometry, side="destination", unique=True)
+        check_indices(pools, self.sidecar.registered_geometry, side="destination", unique=True)
         held = request["held_pages"]
         if held > len(pools.get(Pool.KV, ())):
             raise PdTransferError(
@@ -127,7 +127,7 @@ class DecodeSide:
             dst=pools,
             held_pages=held,
         )
-        room.on_end.append(lambda ended: self.claims.release(ended.room, ended.dst))
+        room.on_end.append(lambda ended: self.claims.release(room.room, room.dst))  # ended is room
         # a little longer than resolving may take, so its own, more precise error wins
         room.deadline_s = time.monotonic() + self.config.bootstrap_timeout_s * 1.25 + 0.5
         self.sidecar.rooms.add(room)
@@ -214,11 +214,13 @@ class DecodeSide:
         for peer in instance.peers.values():
             writer = writers.get(peer.rank_id)
             await peer.channel.send(
-                request if writer is None else dataclasses.replace(request, doorbell=(*room.bell, writer))
+                request
+                if writer is None or room.bell is None  # writers come only with the room's bell
+                else dataclasses.replace(request, doorbell=(*room.bell, writer))
             )
         room.advance(RoomStatus.WAITING_FOR_INPUT, time.monotonic() + self.config.waiting_timeout_s)
 
-    def _on_room_message(self, peer: PrefillPeer, message: Message) -> None:
+    def _on_room_message(self, peer: PrefillPeer, message: Done | Progress | AbortAck) -> None:
         room = self.sidecar.rooms.get(message.room)
         if not isinstance(room, DecodeRoom) or message.generation != room.generation:
             return  # stale: an earlier generation of the room
@@ -229,14 +231,18 @@ class DecodeSide:
             if room.acks >= set(room.sources):
                 room.drained.set()
         elif message.status is DoneStatus.SUCCESS and peer.integrity is not None:
-            self.sidecar.spawn(self._verify(room, peer, message), room=room.room, peer=peer.rank_id)
+            verify = self._verify(room, peer, peer.integrity, message)
+            self.sidecar.spawn(verify, room=room.room, peer=peer.rank_id)
         elif message.status is DoneStatus.SUCCESS:
             self._source_done(room, peer.rank_id)
         else:
             # this prefill rank wrote nothing more; the others may still be writing
             room.done_from.add(peer.rank_id)
             room.acks.add(peer.rank_id)
-            self._fail(room, message.reason, f"room {room.room}: {peer.rank_id}: {message.reason_text}")
+            reason = (
+                message.reason or Reason.UNRECOGNIZED_REASON
+            )  # a failed Done has one (protocol/schema.py)
+            self._fail(room, reason, f"room {room.room}: {peer.rank_id}: {message.reason_text}")
 
     def _source_done(self, room: DecodeRoom, rank_id: str) -> None:
         room.done_from.add(rank_id)
@@ -265,7 +271,7 @@ class DecodeSide:
         for rank_id in room.sources:
             peer = peers.get(rank_id)
             hello = peer.channel.session.their_hello if peer is not None else None
-            if hello is None or CONFIRM_DONE not in hello.capabilities.features:
+            if peer is None or hello is None or CONFIRM_DONE not in hello.capabilities.features:
                 continue
             try:
                 await peer.channel.send(message)
@@ -280,11 +286,11 @@ class DecodeSide:
     def close(self) -> None:
         self.bells.close()
 
-    async def _verify(self, room: DecodeRoom, peer: PrefillPeer, message: Done) -> None:
-        """Count a source done only once what it wrote matches its checksums."""
+    async def _verify(self, room: DecodeRoom, peer: PrefillPeer, layout: BlockLayout, message: Done) -> None:
+        """Count a source done only once what it wrote matches its checksums (``layout``'s)."""
         try:
             problem = await integrity.verify(
-                peer.integrity, room.dst, message.checksums, self.sidecar.dataplane.local_regions
+                layout, room.dst, message.checksums, self.sidecar.dataplane.local_regions
             )
         except Exception as err:  # the room ends now, with why, not at its timeout
             log.exception("decode: room %s: verifying %s failed", room.room, peer.rank_id)
@@ -337,7 +343,7 @@ class DecodeSide:
         """Fence the room: every prefill rank not yet finished must ack the abort."""
         pending = [
             p
-            for p in room.instance.peers.values()
+            for p in (room.instance.peers if room.instance is not None else {}).values()
             if p.rank_id in room.sources and p.rank_id not in room.acks
         ]
         for peer in pending:

@@ -52,7 +52,7 @@ class PrefillEndings:
         """Decode has the room's bytes: what this side's Success waits for."""
         room = self.sidecar.rooms.get(message.room)
         target = room.targets.get(id(peer.channel)) if isinstance(room, PrefillRoom) else None
-        if target is None or target.generation != message.generation:
+        if room is None or target is None or target.generation != message.generation:
             log.info(
                 "prefill: confirmation of room %d from %s for no write of it", message.room, peer.rank_id
             )
@@ -108,7 +108,7 @@ class PrefillEndings:
     async def _on_abort(self, peer: DecodePeer, message: Abort) -> None:
         room = self.sidecar.rooms.get(message.room)
         target = room.targets.get(id(peer.channel)) if room else None
-        if target is not None:
+        if room is not None and target is not None:
             self.sidecar.observe.abort("decode", message.reason.value)
             target.abort()
             self.sidecar.admission.withdraw(room, peer_key(target))  # a queued write gives up now
@@ -148,9 +148,9 @@ class PrefillEndings:
     def on_peer_refused(self, channel: Channel) -> None:
         """This sidecar closed a decode peer's session over a bad frame: its rooms fail
         with that reason now (not at their timeout), and nothing of it is kept."""
-        if id(channel) not in self.peers:
+        refusal = channel.refusal  # set: the channel calls this once it refused (agent/channels.py)
+        if id(channel) not in self.peers or refusal is None:
             return  # refused at its first frame: it holds nothing (and rooms need no scan)
-        refusal = channel.refusal
         self.sidecar.observe.lost(
             channel.peer_rank or channel.label,
             f"session closed after a bad frame: {refusal}",

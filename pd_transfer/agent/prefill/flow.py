@@ -73,7 +73,7 @@ async def write_chunk(plane: FlowPlane, room: PrefillRoom, target: Target, plan:
     gauge = plane.observe.inflight(target.peer.rank_id)
     gauge.inc(plan.total_nbytes)
     try:
-        return await plane.dataplane.write(target.peer.link, plan, room.room, target.generation)
+        return await plane.dataplane.write(target.peer.data_link, plan, room.room, target.generation)
     finally:
         gauge.dec(plan.total_nbytes)
         grant.release()

@@ -20,6 +20,7 @@ from pd_transfer.agent.channels import Channel
 from pd_transfer.agent.prefill.streaming import ChunkLayers
 from pd_transfer.agent.rooms import Room
 from pd_transfer.doorbell import Doorbells
+from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.planner import PairPlanner
 from pd_transfer.layout.reconcile import Reconciliation
 from pd_transfer.layout.views import Pool
@@ -46,6 +47,29 @@ class DecodePeer:
     @property
     def rank_id(self) -> str:
         return self.register.geometry.rank_id if self.register else self.channel.label
+
+    @property
+    def registered(self) -> Register:
+        """Its Register: what its session does after registering reads it."""
+        if self.register is None:
+            raise PdTransferError(
+                f"decode peer {self.rank_id} has not registered", code=Reason.ILLEGAL_MESSAGE
+            )
+        return self.register
+
+    @property
+    def data_link(self) -> Link:
+        """The link its accepted verdict connected: what writes to it go through."""
+        if self.link is None:
+            raise PdTransferError(f"decode peer {self.rank_id} has no data link", code=Reason.PEER_REJECTED)
+        return self.link
+
+    @property
+    def pair_planner(self) -> PairPlanner:
+        """The planner its accepted verdict made: what writes to it are planned with."""
+        if self.planner is None:
+            raise PdTransferError(f"decode peer {self.rank_id} has no plan", code=Reason.PEER_REJECTED)
+        return self.planner
 
 
 class TargetState(Enum):
