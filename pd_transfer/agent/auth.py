@@ -118,7 +118,9 @@ class Security:
         )
 
     # -- sockets ------------------------------------------------------------------------
-    def listening(self, socket: zmq.Socket, *, identified: bool = False, as_self: bool = False) -> None:
+    def listening(
+        self, socket: zmq.Socket[object], *, identified: bool = False, as_self: bool = False
+    ) -> None:
         """CURVE server options for a socket about to bind (no-op without a key);
         ``identified``: its peers' identity keys are checked (control, bootstrap);
         ``as_self``: it serves with this sidecar's identity key where it has one (the
@@ -165,14 +167,14 @@ class Security:
         self.failed(error)
         raise error
 
-    def curve_client(self, socket: zmq.Socket) -> None:
+    def curve_client(self, socket: zmq.Socket[object]) -> None:
         """CURVE client options only (data sockets: no HMAC handshake runs on them)."""
         if self.settings.curve_server_key:
             public, secret = zmq.curve_keypair()
             socket.curve_publickey, socket.curve_secretkey = public, secret
             socket.curve_serverkey = self.settings.curve_server_key.encode()
 
-    def connecting(self, socket: zmq.Socket, server_key: str = "") -> None:
+    def connecting(self, socket: zmq.Socket[object], server_key: str = "") -> None:
         """A random routing id (see :mod:`pd_transfer.security.gate`) and CURVE client
         options for a socket about to connect (no-op with both off); ``server_key``: the
         listener's own key (:meth:`listener_key`), else the deployment's is expected."""

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from pd_transfer.layout.geometry import RankGeometry
     from pd_transfer.layout.reconcile import Reconciliation
     from pd_transfer.protocol import RankTable
+    from pd_transfer.transport.regions import Regions
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ def prefill_layout(
     return None
 
 
-async def sum_chunk(target: Target, requests: ChunkRequests, regions: dict) -> None:
+async def sum_chunk(target: Target, requests: ChunkRequests, regions: Regions) -> None:
     """Fold one chunk's source bytes into the target's digest (before ``kv_cursor`` moves)."""
     layout = target.peer.integrity
     if layout is None:
@@ -145,7 +146,9 @@ def attach_decode(
             )
 
 
-async def verify(layout: BlockLayout, dst: dict, sent: tuple[PoolChecksums, ...], regions: dict) -> str:
+async def verify(
+    layout: BlockLayout, dst: dict[Pool, np.ndarray], sent: tuple[PoolChecksums, ...], regions: Regions
+) -> str:
     """'' when what landed matches ``sent``; otherwise what differs."""
     if not sent:
         return "the Done carries no checksums although the Verdict promised them"

@@ -9,9 +9,9 @@ live state (rooms by status, heartbeat ages) are refreshed at scrape time.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics import Gauge
@@ -31,7 +31,9 @@ if TYPE_CHECKING:
     from pd_transfer.agent.worker_loss import WorkerBinding
     from pd_transfer.config import SidecarConfig
     from pd_transfer.layout.geometry import RankGeometry
+    from pd_transfer.layout.views import Pool
     from pd_transfer.protocol.messages import PoolPlan
+    from pd_transfer.transport.engines.strategy import StrategyChoice
 
 # lost: the peer went silent or its connection broke; left: its session ended in order
 # (a Close from either side, its worker or this side's gone), which pages nobody
@@ -161,7 +163,7 @@ class Observer:
         for mode, count in modes.items():
             self.metrics.verdict_modes.labels(self.role, mode).inc(count)
 
-    def strategies(self, peer: str, decisions: dict) -> None:
+    def strategies(self, peer: str, decisions: Mapping[Pool, StrategyChoice]) -> None:
         """``{pool: StrategyChoice}`` chosen for ``peer`` (agent/strategies.py): 1 for the one in use."""
         for pool, decision in decisions.items():
             self._strategy(peer, pool.value, decision.strategy.value)
@@ -306,7 +308,7 @@ class Observer:
             for pool, nbytes in by_pool.items():
                 m.registered_bytes.labels(role, pool).set(nbytes)
 
-    def ready(self) -> tuple[bool, dict]:
+    def ready(self) -> tuple[bool, dict[str, Any]]:
         sidecar = self.sidecar
         reasons = []
         if sidecar.geometry is None:
@@ -332,7 +334,7 @@ class Observer:
             },
         )
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         sidecar, now = self.sidecar, time.monotonic()
         geometry = sidecar.geometry
         rooms = [

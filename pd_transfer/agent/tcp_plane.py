@@ -46,6 +46,7 @@ from pd_transfer.transport.zmq.transport import ZmqTcpTransport
 
 if TYPE_CHECKING:
     from pd_transfer.config import SidecarConfig
+    from pd_transfer.transport.regions import RegionMemory
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def tcp_transport(
 
 def tcp_receiver(
     config: SidecarConfig,
-    regions: Mapping,
+    regions: Mapping[str, RegionMemory],
     context: zmq.asyncio.Context,
     on_bad_frame: Callable[[str], None] = lambda reason: None,
     on_closed: Callable[[str], None] = lambda socket: None,

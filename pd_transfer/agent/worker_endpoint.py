@@ -95,8 +95,8 @@ class WorkerEndpoint:
             self._socket, self._door, self._watch = self._zmq_router(context, address, on_connection_closed)
         self.address = address
         self._handler = handler
-        self._tasks: set[asyncio.Task] = set()
-        self._watcher: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._watcher: asyncio.Task[None] | None = None
         self.bad_requests = 0
         self._doorman = Doorman(
             self._socket,
@@ -192,7 +192,7 @@ class WorkerEndpoint:
         if not isinstance(connection, tuple):  # ZeroMQ's: (descriptor, closes on it then)
             return True
         fd, closed = connection
-        return self._closed_on.get(fd, 0) == closed
+        return bool(self._closed_on.get(fd, 0) == closed)
 
     def _closed_descriptor(self, fd: int) -> None:
         """ZeroMQ: the ROUTER's monitor says the connection on ``fd`` closed."""
@@ -254,7 +254,7 @@ class WorkerEndpoint:
                 pass
 
 
-def bind_private(socket: zmq.Socket, address: str) -> None:
+def bind_private(socket: zmq.Socket[object], address: str) -> None:
     """Bind ``address``; an ``ipc://`` socket file is made mode 0600, as ``unix://``'s is.
 
     libzmq creates the file with the mode the umask leaves (0755 under the usual 022,

@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from pd_transfer.config import SidecarConfig
 
 log = logging.getLogger(__name__)
-ContextT = TypeVar("ContextT", bound=zmq.Context)
+ContextT = TypeVar("ContextT", bound=zmq.Context[zmq.Socket[object]])
 
 #: the largest frame a peer may send on a control or bootstrap socket
 CONTROL_FRAME_NBYTES = DEFAULT_LIMITS.max_frame_nbytes
@@ -75,7 +75,7 @@ _WATCHED = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAI
 
 
 def bound_frames(
-    socket: zmq.Socket,
+    socket: zmq.Socket[object],
     max_frame_nbytes: int = CONTROL_FRAME_NBYTES,
     queued_frames: int | None = None,
     handshake_timeout_s: float | None = None,
@@ -108,10 +108,10 @@ def watching_peers(context: ContextT, config: SidecarConfig) -> ContextT:
     return context
 
 
-def watch_peers(socket: zmq.Socket, context: zmq.Context) -> PeerKeepalive | None:
+def watch_peers(socket: zmq.Socket[object], context: zmq.Context[zmq.Socket[object]]) -> PeerKeepalive | None:
     """Turn on for ``socket`` the keepalive the sidecar's ``context`` names for its control
     sockets (its ``peer_keepalive``); it, or None. Set before the socket binds or connects."""
-    keepalive = getattr(context, "peer_keepalive", None)
+    keepalive: PeerKeepalive | None = getattr(context, "peer_keepalive", None)
     if keepalive is None:
         return None
     socket.setsockopt(zmq.TCP_KEEPALIVE, 1)
@@ -216,7 +216,7 @@ def _monitor_socket(socket: zmq.asyncio.Socket) -> zmq.asyncio.Socket:
     them, instead of twice as many with the default queue on the reading side too."""
     address = f"inproc://pd-transfer.watch-{next(_monitors)}"
     socket.monitor(address, _WATCHED)
-    monitor = socket.context.socket(zmq.PAIR)
+    monitor: zmq.asyncio.Socket = socket.context.socket(zmq.PAIR)
     monitor.setsockopt(zmq.RCVHWM, 1)
     monitor.connect(address)
     return monitor

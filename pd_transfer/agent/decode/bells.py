@@ -25,7 +25,7 @@ from pd_transfer.errors import PdTransferError
 from pd_transfer.protocol import RoomStatus
 
 if TYPE_CHECKING:
-    from pd_transfer.agent.decode.room import DecodeRoom
+    from pd_transfer.agent.decode.room import DecodeRoom, PrefillPeer
     from pd_transfer.agent.observe import Observer
     from pd_transfer.config import SidecarConfig
 
@@ -47,7 +47,7 @@ class RoomBells:
         """The segment's name, for Register ('' without doorbells)."""
         return self.segment.name if self.segment is not None else ""
 
-    def arm(self, room: DecodeRoom) -> dict | None:
+    def arm(self, room: DecodeRoom) -> dict[str, str | int] | None:
         """Give ``room`` a slot; the ``doorbell`` entry of the worker's expect reply."""
         if self.segment is None:
             return None
@@ -55,7 +55,7 @@ class RoomBells:
         room.on_end.append(lambda ended: self.ended(room))  # called with the room itself
         return {"segment": self.segment.name, "slot": room.bell[0], "token": room.bell[1]}
 
-    def writers(self, room: DecodeRoom, peers: list) -> dict[str, int]:
+    def writers(self, room: DecodeRoom, peers: list[PrefillPeer | None]) -> dict[str, int]:
         """``{rank id: writer number}`` for ``room``'s source ``peers`` (PrefillPeer) when
         every one rings; otherwise none, and the slot closes at once."""
         if room.bell is None or self.segment is None:
@@ -66,7 +66,7 @@ class RoomBells:
             self.segment.close_slot(*room.bell)
             return {}
         self.segment.set_writers(*room.bell, len(peers))
-        return {p.rank_id: k for k, p in enumerate(peers)}
+        return {p.rank_id: k for k, p in enumerate(peers) if p is not None}  # all are
 
     def landed(self, room: DecodeRoom) -> bool:
         """This sidecar is about to fail ``room``: close its slot; True when every writer

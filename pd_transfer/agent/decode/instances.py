@@ -75,7 +75,7 @@ class PrefillInstances:
     ) -> None:
         self.sidecar = sidecar
         self.bells = bells
-        self.instances: dict[str, asyncio.Task] = {}
+        self.instances: dict[str, asyncio.Task[PrefillInstance]] = {}
         self.backoffs: dict[str, Backoff] = {}  # per address: its failed resolutions
         self.retired: list[PrefillInstance] = []  # lost: sessions to close once quiet
         self.gone = LostAddresses(sidecar.config.heartbeat_interval_s * sidecar.config.heartbeat_misses)
@@ -88,7 +88,7 @@ class PrefillInstances:
     def config(self) -> SidecarConfig:
         return self.sidecar.config
 
-    def resolved(self, bootstrap: str) -> asyncio.Task:
+    def resolved(self, bootstrap: str) -> asyncio.Task[PrefillInstance]:
         """The resolution of ``bootstrap``: started, running or done (a lost one is started
         again, and a failed one once its backoff has passed)."""
         task = self.instances.get(bootstrap)

@@ -19,6 +19,7 @@ from pd_transfer.agent.channels import OutgoingChannel
 from pd_transfer.agent.rooms import Room
 from pd_transfer.errors import PdTransferError
 from pd_transfer.layout.views import Pool
+from pd_transfer.protocol import Verdict
 
 if TYPE_CHECKING:
     from pd_transfer.transport.copy.checksums import BlockLayout
@@ -41,7 +42,7 @@ class DecodeRoom(Room):
 class PrefillPeer:
     rank_id: str
     channel: OutgoingChannel
-    verdict: asyncio.Future
+    verdict: asyncio.Future[Verdict]
     integrity: BlockLayout | None = None  # when its Done checksums are verified
     rings: bool = False  # its verdict: it rings this rank's doorbells
 

@@ -101,7 +101,7 @@ class DecodeSide:
         return self.prefill.problem(address)
 
     # -- rooms --------------------------------------------------------------------
-    async def on_expect(self, request: dict, pools: dict[Pool, np.ndarray]) -> dict:
+    async def on_expect(self, request: dict[str, Any], pools: dict[Pool, np.ndarray]) -> dict[str, Any]:
         existing = self.sidecar.rooms.get(request["room"])
         if existing is not None and not existing.terminal:
             raise PdTransferError(f"room {request['room']} is already expected", code=Reason.DUPLICATE_ROOM)
@@ -138,7 +138,7 @@ class DecodeSide:
         self.sidecar.spawn(self._start(room), room=room.room)
         return reply
 
-    def on_abandon(self, request: dict) -> dict:
+    def on_abandon(self, request: dict[str, Any]) -> dict[str, Any]:
         """The worker will never expect this room: its prefill instance is told (:mod:`.abandon`)."""
         room_id = request["room"]
         existing = self.sidecar.rooms.get(room_id)
@@ -356,7 +356,7 @@ class DecodeSide:
         if room.acks >= set(room.sources):
             room.drained.set()
 
-    async def on_worker_abort(self, room_id: int) -> dict:
+    async def on_worker_abort(self, room_id: int) -> dict[str, Any]:
         room = self.sidecar.rooms.get(room_id)
         if not isinstance(room, DecodeRoom):
             raise PdTransferError(f"room {room_id} is unknown", code=Reason.UNKNOWN_ROOM)

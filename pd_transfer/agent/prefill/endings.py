@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pd_transfer.agent.prefill import ownership
 from pd_transfer.agent.prefill.flow import peer_key
@@ -120,7 +120,7 @@ class PrefillEndings:
                 )
         await peer.channel.send(AbortAck(room=message.room, generation=message.generation, drained=True))
 
-    async def on_worker_abort(self, room_id: int) -> dict:
+    async def on_worker_abort(self, room_id: int) -> dict[str, Any]:
         room = self.sidecar.rooms.get(room_id)
         if room is None:
             raise PdTransferError(f"room {room_id} is unknown", code=Reason.UNKNOWN_ROOM)
@@ -180,7 +180,7 @@ class PrefillEndings:
             link, peer.link = peer.link, None
             self.sidecar.spawn(self._close_link(link, fails, peer), peer=peer.rank_id)
 
-    async def _close_link(self, link: Link, fails: list[asyncio.Task], peer: DecodePeer) -> None:
+    async def _close_link(self, link: Link, fails: list[asyncio.Task[Any]], peer: DecodePeer) -> None:
         await asyncio.gather(*fails, return_exceptions=True)
         if peer.bells is not None:  # no write of its rooms is left to ring
             bells, peer.bells = peer.bells, None

@@ -80,7 +80,11 @@ async def write_chunk(plane: FlowPlane, room: PrefillRoom, target: Target, plan:
 
 
 async def refuse_new_room(
-    rooms: RoomTable, observe: Observer, agent_id: str, channel: Channel, message: TransferRequest
+    rooms: RoomTable[PrefillRoom],
+    observe: Observer,
+    agent_id: str,
+    channel: Channel,
+    message: TransferRequest,
 ) -> bool:
     """A decode peer's TransferRequest creates a room here: over ``max_rooms`` it is
     answered with a failed Done instead (True), like the worker's own send."""

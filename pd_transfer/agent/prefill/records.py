@@ -24,7 +24,7 @@ from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.planner import PairPlanner
 from pd_transfer.layout.reconcile import Reconciliation
 from pd_transfer.layout.views import Pool
-from pd_transfer.protocol import CONFIRM_DONE, Register
+from pd_transfer.protocol import CONFIRM_DONE, Register, TransferRequest
 
 if TYPE_CHECKING:
     from pd_transfer.transport.base import Link
@@ -158,4 +158,6 @@ class PrefillRoom(Room):
     refused: bool = False  # a send of it was refused: requests still arriving get its failure
     nbytes: int = 0
     owner: str = ""  # the decode instance the room is bound to (agent/prefill/ownership.py)
-    contenders: list = field(default_factory=list)  # other instances' requests, until bound
+    contenders: list[tuple[DecodePeer, TransferRequest]] = field(
+        default_factory=list
+    )  # other instances' requests, until bound
