@@ -239,9 +239,8 @@ class DecodeSide:
             # this prefill rank wrote nothing more; the others may still be writing
             room.done_from.add(peer.rank_id)
             room.acks.add(peer.rank_id)
-            reason = (
-                message.reason or Reason.UNRECOGNIZED_REASON
-            )  # a failed Done has one (protocol/schema.py)
+            # a failed Done carries its reason (the wire checks it: protocol/schema.py)
+            reason = message.reason or Reason.UNRECOGNIZED_REASON
             self._fail(room, reason, f"room {room.room}: {peer.rank_id}: {message.reason_text}")
 
     def _source_done(self, room: DecodeRoom, rank_id: str) -> None:
