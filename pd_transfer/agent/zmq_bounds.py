@@ -152,9 +152,8 @@ class ConnectionWatch:
         self._on_bad_frame = on_bad_frame
         self._limit = socket.getsockopt(zmq.MAXMSGSIZE)  # -1: none
         self._monitor = _monitor_socket(socket)
-        self._reader: zmq.Socket[bytes] = zmq.Socket.shadow(
-            self._monitor.underlying
-        )  # reads it without waiting
+        # reads it without waiting
+        self._reader: zmq.Socket[bytes] = zmq.Socket.shadow(self._monitor.underlying)
         self._stopped = False
 
     async def run(self) -> None:

@@ -158,6 +158,5 @@ class PrefillRoom(Room):
     refused: bool = False  # a send of it was refused: requests still arriving get its failure
     nbytes: int = 0
     owner: str = ""  # the decode instance the room is bound to (agent/prefill/ownership.py)
-    contenders: list[tuple[DecodePeer, TransferRequest]] = field(
-        default_factory=list
-    )  # other instances' requests, until bound
+    # other instances' requests, until bound
+    contenders: list[tuple[DecodePeer, TransferRequest]] = field(default_factory=list)
