@@ -11,8 +11,8 @@ import logging
 import zmq
 
 from pd_transfer.agent.auth import Security
+from pd_transfer.agent.roles import sidecar_for
 from pd_transfer.agent.runner import run_until_stopped
-from pd_transfer.agent.sidecar import Sidecar
 from pd_transfer.config import SidecarConfig
 from pd_transfer.logs import configure_logging  # noqa: F401  (re-exported for the CLI)
 
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 def serve(config: SidecarConfig, security: Security | None = None) -> int:
-    sidecar = Sidecar(config, security=security)
+    sidecar = sidecar_for(config, security=security)
     try:
         run_until_stopped(sidecar)
     except (zmq.ZMQError, OSError) as err:

@@ -64,7 +64,7 @@ class _Waiter:
     amount: int
     room: int
     what: str
-    future: asyncio.Future
+    future: asyncio.Future[Grant]
     since_s: float = field(default_factory=time.monotonic)
     timer: asyncio.TimerHandle | None = None
     grant: Grant | None = None

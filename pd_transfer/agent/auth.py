@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import zmq
 import zmq.asyncio
@@ -118,7 +118,9 @@ class Security:
         )
 
     # -- sockets ------------------------------------------------------------------------
-    def listening(self, socket: zmq.Socket, *, identified: bool = False, as_self: bool = False) -> None:
+    def listening(
+        self, socket: zmq.Socket[object], *, identified: bool = False, as_self: bool = False
+    ) -> None:
         """CURVE server options for a socket about to bind (no-op without a key);
         ``identified``: its peers' identity keys are checked (control, bootstrap);
         ``as_self``: it serves with this sidecar's identity key where it has one (the
@@ -165,14 +167,14 @@ class Security:
         self.failed(error)
         raise error
 
-    def curve_client(self, socket: zmq.Socket) -> None:
+    def curve_client(self, socket: zmq.Socket[object]) -> None:
         """CURVE client options only (data sockets: no HMAC handshake runs on them)."""
         if self.settings.curve_server_key:
             public, secret = zmq.curve_keypair()
             socket.curve_publickey, socket.curve_secretkey = public, secret
             socket.curve_serverkey = self.settings.curve_server_key.encode()
 
-    def connecting(self, socket: zmq.Socket, server_key: str = "") -> None:
+    def connecting(self, socket: zmq.Socket[object], server_key: str = "") -> None:
         """A random routing id (see :mod:`pd_transfer.security.gate`) and CURVE client
         options for a socket about to connect (no-op with both off); ``server_key``: the
         listener's own key (:meth:`listener_key`), else the deployment's is expected."""
@@ -224,6 +226,8 @@ async def authenticate(
     ``timeout`` when no answer comes within ``timeout_s``.
     """
     timeout_s = security.handshake_timeout_s if timeout_s is None else timeout_s
+    if security.settings.secret is None:
+        raise ValueError("the handshake needs a shared secret")
     handshake = ClientHandshake(security.settings.secret, security.agent_id, peer=peer)
     deadline = time.monotonic() + timeout_s
     await socket.send(handshake.hello())
@@ -248,6 +252,13 @@ async def authenticate(
 UnauthenticatedReply = Callable[[bytes, AuthError], bytes]
 
 
+class Answering(Protocol):
+    """The listening socket a doorman answers on: a ZeroMQ ROUTER, or a
+    :class:`~pd_transfer.agent.stream_router.StreamRouter`."""
+
+    def send_multipart(self, msg_parts: list[bytes], /) -> Awaitable[object]: ...
+
+
 class Doorman:
     """Stands before one listening socket: ``await admit(identity, frame)`` says
     whether the frame may be handled; everything else it answers itself.
@@ -258,7 +269,7 @@ class Doorman:
 
     def __init__(
         self,
-        socket: zmq.asyncio.Socket,
+        socket: Answering,
         security: Security,
         where: str,
         unauthenticated_reply: UnauthenticatedReply,
@@ -314,6 +325,8 @@ class Doorman:
                 door.hello(fd)
         else:
             error = admission.error
+            if error is None:  # the gate gives every refusal its error (security/gate.py)
+                raise RuntimeError(f"{self._where}: a refusal without its error")
             self._security.failed(error, f"{self._where}: peer {identity.hex()[:12]}")
             if admission.decision is Decision.UNAUTHENTICATED:
                 self._on_bad_frame(Reason.UNAUTHENTICATED.value)
@@ -368,7 +381,8 @@ def source_fd(frame: zmq.Frame) -> int | None:
 def peer_key(frame: zmq.Frame) -> str:
     """The identity key ZeroMQ's ZAP handler bound to ``frame``'s connection ('' if none)."""
     try:
-        return frame.get("User-Id") or ""
+        key = frame.get("User-Id")  # a string property: ZeroMQ gives it as str
+        return key if isinstance(key, str) else ""
     except zmq.ZMQError:
         return ""
 

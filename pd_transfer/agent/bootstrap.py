@@ -72,7 +72,7 @@ class BootstrapServer:
         except zmq.ZMQError:
             self.socket.close(linger=0)
             raise
-        self.address = self.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.entries: dict[tuple[int, int], RankEntry] = {}
         self.expected = 0
         self.bad_frames = 0
@@ -185,7 +185,10 @@ class BootstrapServer:
         if who is None or (
             who.role == Role.PREFILL.value
             and entry.agent_id == who.agent_id
-            and (not entry.control_key or self._security.settings.identities.get(entry.control_key) is who)
+            and (
+                not entry.control_key
+                or (self._security.settings.identities or {}).get(entry.control_key) is who
+            )
         ):
             return True
         wrong_key = who.role == Role.PREFILL.value and entry.agent_id == who.agent_id  # all else right

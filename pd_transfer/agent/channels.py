@@ -172,8 +172,8 @@ class OutgoingChannel(Channel):
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
         )
         self._socket.connect(address)
-        self._reader: asyncio.Task | None = None
-        self._watcher: asyncio.Task | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
         # set when frames may flow: at once without authentication, else once
         # the handshake (run by the reader) succeeded or failed (auth_error)
         self._authenticated = asyncio.Event()
@@ -284,7 +284,7 @@ class IncomingChannels:
         role: Role,
         *,
         on_bad_frame: Callable[[str], None] = lambda reason: None,
-        on_refused: Callable[[IncomingChannel], None] = lambda channel: None,
+        on_refused: Callable[[Channel], None] = lambda channel: None,
         on_closed: Callable[[str], None] = lambda socket: None,
     ) -> None:
         self._on_bad_frame = on_bad_frame

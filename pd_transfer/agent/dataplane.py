@@ -22,6 +22,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import zmq.asyncio
 
 from pd_transfer import cuda_ipc, shm_guard
@@ -32,10 +33,11 @@ from pd_transfer.doorbell import AVAILABLE as DOORBELLS_AVAILABLE
 from pd_transfer.doorbell import Doorbells
 from pd_transfer.errors import PdTransferError, Reason, TransportError
 from pd_transfer.layout.geometry import RankGeometry, Role
+from pd_transfer.layout.views import Pool
 from pd_transfer.listeners import listening
 from pd_transfer.protocol import Register
 from pd_transfer.shm_segments import Segment, open_segment
-from pd_transfer.transport.base import Link, PeerEndpoint, Transport
+from pd_transfer.transport.base import Link, PeerEndpoint, Receiver, Transport
 from pd_transfer.transport.copy import native_loop
 from pd_transfer.transport.copy.device import execute_on_device
 from pd_transfer.transport.copy.engine import CopyEngine
@@ -49,6 +51,8 @@ from pd_transfer.transport.shm import ShmLink, ShmTransport
 if TYPE_CHECKING:
     from pd_transfer.layout.lowering import TransferPlan
     from pd_transfer.layout.planner import PairPlanner
+    from pd_transfer.transport.engines.strategy import StrategyChoice
+    from pd_transfer.transport.regions import RegionMemory
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +80,7 @@ class DataPlane:
         self.context = context
         self._on_bad_frame = on_bad_frame  # frames the tcp receiver refused unread
         self._on_connection_closed = on_connection_closed  # the tcp receiver's ended connections
-        self.local_regions: dict = {}
+        self.local_regions: dict[str, RegionMemory] = {}
         self.on_device = False
         self._segments: list[Segment] = []
         # sticky while the worker's registration lasts (its pages are zeros), and /readyz says so
@@ -86,7 +90,7 @@ class DataPlane:
         self._corrupt = CorruptNth(config.fault_corrupt_nth) if config.fault_corrupt_nth else None
         # plain sockets, or ZeroMQ when CURVE is configured (it encrypts): see tcp_plane
         self._tcp = tcp_transport(config, context, self._corrupt.payload if self._corrupt else None)
-        self._receiver = None  # TcpReceiver or ZmqTcpReceiver (decode)
+        self._receiver: Receiver | None = None  # TcpReceiver or ZmqTcpReceiver (decode)
         self._geometry: RankGeometry | None = None
         self._device = DeviceTransport()  # CUDA IPC handles of a same-host peer
         # transport mooncake or nixl: the engine writes (prefill) or receives (decode) everything
@@ -102,7 +106,7 @@ class DataPlane:
                 staging=staging_options(config, context),
             )
             self.engine_listeners = [str(s) for s in sorted(listening() - before)]
-        self._engine_receiver = None
+        self._engine_receiver: Receiver | None = None
 
     @property
     def copies(self) -> str:
@@ -173,7 +177,7 @@ class DataPlane:
         if self._engine_receiver is not None:  # staged chunks (engine writes: prefill drains)
             await self._engine_receiver.fence(str(room), generation)
 
-    async def expect(self, room: int, generation: int, dst: dict) -> None:
+    async def expect(self, room: int, generation: int, dst: dict[Pool, np.ndarray]) -> None:
         """Tell the tcp receiver ``room`` may write its pages ``dst`` (no-op without one);
         a chunk of a room it was not told about, or outside them, is refused."""
         if self._receiver is None or self._geometry is None:
@@ -248,7 +252,7 @@ class DataPlane:
             log.warning("cannot map the doorbells of %s: %s", link.peer.peer_id, err.message)
             return None
 
-    def strategies(self, link: Link, planner: PairPlanner) -> dict:
+    def strategies(self, link: Link, planner: PairPlanner) -> dict[Pool, StrategyChoice]:
         """``{pool: StrategyChoice}``: how each pool moves over ``link`` (set on engine links);
         see :mod:`.strategies`. Report it in the verdict, metrics and log."""
         kind = link.transport.name
@@ -358,10 +362,13 @@ class DataPlane:
         self.local_regions = {}
 
 
-def _open_local(geometry: RankGeometry, handles: dict[str, str]) -> tuple[dict, list, bool]:
+def _open_local(
+    geometry: RankGeometry, handles: dict[str, str]
+) -> tuple[dict[str, RegionMemory], list[Segment], bool]:
     """``(regions, segments, on_device)``: each region opened from its handle (a CUDA IPC
     handle or a shared-memory segment); on a failure the segments opened so far close."""
-    regions, segments = {}, []
+    regions: dict[str, RegionMemory] = {}
+    segments: list[Segment] = []
     # host regions are numpy views; torch tensors only beside CUDA ones (torch copies them)
     on_device = any(cuda_ipc.is_cuda_handle(handles[region.id]) for region in geometry.regions)
     try:

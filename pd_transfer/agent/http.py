@@ -16,7 +16,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -38,8 +38,8 @@ class HttpServer:
         port: int,
         *,
         metrics: Callable[[], bytes],
-        ready: Callable[[], tuple[bool, dict]],
-        status: Callable[[], dict],
+        ready: Callable[[], tuple[bool, dict[str, Any]]],
+        status: Callable[[], dict[str, Any]],
     ) -> None:
         self.host, self.port = host, port
         self._metrics, self._ready, self._status = metrics, ready, status
@@ -127,8 +127,8 @@ def _runbook(name: str) -> tuple[int, str, bytes]:
     where = f"pd-transfer {__version__}, docs/operations.md"
     if not name:
         listing = [f"{where}: the runbook's sections\n"]
-        for section in runbooks.runbook().values():
-            listing.append(f"{'  ' * (section.level - 1)}/runbooks/{section.name}  {section.title}")
+        for entry in runbooks.runbook().values():
+            listing.append(f"{'  ' * (entry.level - 1)}/runbooks/{entry.name}  {entry.title}")
         if len(listing) == 1:
             listing.append("(docs/operations.md is not installed with this sidecar)")
         return 200, _TEXT, ("\n".join(listing) + "\n").encode()
@@ -139,7 +139,7 @@ def _runbook(name: str) -> tuple[int, str, bytes]:
     return 200, _TEXT, f"{section.text}\n-- {where}#{section.name}\n".encode()
 
 
-def _json(value: dict) -> bytes:
+def _json(value: dict[str, Any]) -> bytes:
     return (json.dumps(value, indent=1, sort_keys=True) + "\n").encode()
 
 

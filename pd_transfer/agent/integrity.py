@@ -32,15 +32,16 @@ from pd_transfer.errors import TransportError
 from pd_transfer.layout.planner import PairPlanner
 from pd_transfer.layout.views import Pool
 from pd_transfer.protocol import PoolChecksums
-from pd_transfer.transport.copy.checksums import BlockLayout, RoomDigest, compare, landed_digest
+from pd_transfer.transport.copy.checksums import BlockLayout, IndexPair, RoomDigest, compare, landed_digest
 
 if TYPE_CHECKING:
-    from pd_transfer.agent.decode.instances import PrefillInstance
+    from pd_transfer.agent.decode.room import PrefillInstance
     from pd_transfer.agent.prefill.chunks import ChunkRequests
     from pd_transfer.agent.prefill.records import Target
     from pd_transfer.layout.geometry import RankGeometry
     from pd_transfer.layout.reconcile import Reconciliation
     from pd_transfer.protocol import RankTable
+    from pd_transfer.transport.regions import Regions
 
 log = logging.getLogger(__name__)
 
@@ -85,14 +86,19 @@ def prefill_layout(
     return None
 
 
-async def sum_chunk(target: Target, requests: ChunkRequests, regions: dict) -> None:
+async def sum_chunk(target: Target, requests: ChunkRequests, regions: Regions) -> None:
     """Fold one chunk's source bytes into the target's digest (before ``kv_cursor`` moves)."""
     layout = target.peer.integrity
     if layout is None:
         return
     if target.sums is None:
         target.sums = RoomDigest(layout, {pool: len(idx) for pool, idx in target.dst.items()})
-    await asyncio.to_thread(target.sums.add_sent, requests, {Pool.KV: target.kv_cursor}, regions)
+    pairs: dict[Pool, IndexPair] = {}
+    for pool, request in requests.items():
+        if not isinstance(request, tuple):  # a span: prefill_layout checks no such pair
+            raise ValueError(f"{pool.value}: a span of converted pages is not summed")
+        pairs[pool] = request
+    await asyncio.to_thread(target.sums.add_sent, pairs, {Pool.KV: target.kv_cursor}, regions)
 
 
 def checksums(target: Target) -> tuple[PoolChecksums, ...]:
@@ -140,7 +146,9 @@ def attach_decode(
             )
 
 
-async def verify(layout: BlockLayout, dst: dict, sent: tuple[PoolChecksums, ...], regions: dict) -> str:
+async def verify(
+    layout: BlockLayout, dst: dict[Pool, np.ndarray], sent: tuple[PoolChecksums, ...], regions: Regions
+) -> str:
     """'' when what landed matches ``sent``; otherwise what differs."""
     if not sent:
         return "the Done carries no checksums although the Verdict promised them"

@@ -103,7 +103,7 @@ def why_lost(
 
     process = peer.peer_process
     state = process.state() if process is not None else None
-    if state is ProcessState.GONE:
+    if process is not None and state is ProcessState.GONE:
         return f"its process (pid {process.pid} on this host) ended"
     if peer.disconnected_s is not None and unseen(peer.disconnected_s) > interval_s:
         return (
@@ -123,11 +123,12 @@ def why_lost(
 
 def _allowed(peer: Heard, state: ProcessState | None, limit_s: float, slow_s: float) -> tuple[float, str]:
     """How long ``peer`` may stay silent, and what its loss reason adds about that."""
-    if state is ProcessState.RUNNING:
-        pid = peer.peer_process.pid
+    process = peer.peer_process  # a state is its process's
+    if process is not None and state is ProcessState.RUNNING:
+        pid = process.pid
         return slow_s, f", though its process (pid {pid} on this host) runs: hung or starved that long"
-    if state is ProcessState.STOPPED:
-        return limit_s, f", its process (pid {peer.peer_process.pid} on this host) is stopped"
+    if process is not None and state is ProcessState.STOPPED:
+        return limit_s, f", its process (pid {process.pid} on this host) is stopped"
     if peer.watched and peer.disconnected_s is None:
         return (
             slow_s,

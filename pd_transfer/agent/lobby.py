@@ -73,7 +73,7 @@ _ENDED_KEPT = 256
 _TCP_INFO_BYTES_RECEIVED = 128  # offset of tcpi_bytes_received (u64) in struct tcp_info (Linux >= 4.1)
 
 
-def _ends(sock: socket.socket) -> tuple:
+def _ends(sock: socket.socket) -> tuple[object, object]:
     return sock.getsockname(), sock.getpeername()
 
 
@@ -84,7 +84,7 @@ def _bytes_received(sock: socket.socket) -> int | None:
         return None  # not TCP (ipc://)
     if len(info) < _TCP_INFO_BYTES_RECEIVED + 8:
         return None
-    return struct.unpack_from("=Q", info, _TCP_INFO_BYTES_RECEIVED)[0]
+    return int(struct.unpack_from("=Q", info, _TCP_INFO_BYTES_RECEIVED)[0])
 
 
 @dataclass(eq=False)
@@ -93,7 +93,7 @@ class Stranger:
 
     door: Door
     fd: int
-    ends: tuple  # (local, peer) addresses at the accept
+    ends: tuple[object, object]  # (local, peer) addresses at the accept
     since_s: float
     hello: bool = False  # it started the handshake (its AuthHello was answered)
     refused: bool = False  # its handshake was refused: cut after the reply leaves
@@ -139,7 +139,7 @@ class Lobby:
         self.doors: list[Door] = []
         self.refused: dict[tuple[str, str], int] = {}  # (socket, reason) -> connections ended
         self.on_refused: Callable[[str, str], None] = lambda socket, reason: None
-        self._checking: asyncio.Task | None = None
+        self._checking: asyncio.Task[None] | None = None
         self._trim: asyncio.TimerHandle | None = None
 
     def door(
@@ -227,7 +227,8 @@ class Door:
         self.max_pending = max_pending
         self.timeout_s = lobby.timeout_s  # the handshake deadline (Lobby.door sets it)
         self.local = False  # see Lobby.door
-        self.address: object = None  # the listening address, as getsockname() gives it (bound())
+        # the listening address, as getsockname() gives it (bound()): a port, or a socket path
+        self.address: int | str | None = None
         self.strangers: dict[int, Stranger] = {}  # fd -> stranger
         self.members: set[int] = set()  # fds past the handshake
         self.on_gone: Callable[[int], None] = lambda fd: None  # a connection ended
@@ -349,14 +350,15 @@ class Door:
         """Room for ``newcomer`` under both caps: evict the oldest idle stranger (this
         port's, then anyone's), or refuse the newcomer when all started the handshake."""
         lobby = self.lobby
-        for over, doors, limit in (
+        bounds: list[tuple[Callable[[], bool], list[Door], str]] = [
             (lambda: len(self.strangers) >= self.max_pending, [self], "max_pending"),
             (
                 lambda: not self.local and lobby.num_strangers >= lobby.max_total,
                 lobby.doors,
                 "max_pending_total",
             ),
-        ):
+        ]
+        for over, doors, limit in bounds:
             while over():
                 victim = lobby._victim(doors, newcomer)
                 if victim is None:
@@ -377,7 +379,7 @@ class Door:
             del self.strangers[stranger.fd]
         if stranger.timer is not None:
             stranger.timer.cancel()
-        shut = stranger.probe(lambda sock: sock.shutdown(socket.SHUT_RDWR) or True)
+        shut = stranger.probe(_shut_down)
         if not shut:
             return  # it ended on its own meanwhile
         self._cut.add(stranger.fd)
@@ -390,3 +392,9 @@ class Door:
             why,
             extra={"reason": reason},
         )
+
+
+def _shut_down(sock: socket.socket) -> bool:
+    """End both directions of ``sock``'s connection (True: it was still there to end)."""
+    sock.shutdown(socket.SHUT_RDWR)
+    return True

@@ -9,12 +9,12 @@ live state (rooms by status, heartbeat ages) are refreshed at scrape time.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics import Gauge
 
 from pd_transfer.agent.peer_series import PeerSeries
 from pd_transfer.layout.geometry import Role
@@ -23,9 +23,17 @@ from pd_transfer.protocol import RoomStatus
 
 if TYPE_CHECKING:
     from pd_transfer.agent.admission import Admission
-    from pd_transfer.agent.channels import Channel
-    from pd_transfer.agent.sidecar import Sidecar
+    from pd_transfer.agent.auth import Security
+    from pd_transfer.agent.channels import Channel, IncomingChannels
+    from pd_transfer.agent.dataplane import DataPlane
+    from pd_transfer.agent.rooms import Room, RoomView
+    from pd_transfer.agent.side import Readiness
+    from pd_transfer.agent.worker_loss import WorkerBinding
+    from pd_transfer.config import SidecarConfig
+    from pd_transfer.layout.geometry import RankGeometry
+    from pd_transfer.layout.views import Pool
     from pd_transfer.protocol.messages import PoolPlan
+    from pd_transfer.transport.engines.strategy import StrategyChoice
 
 # lost: the peer went silent or its connection broke; left: its session ended in order
 # (a Close from either side, its worker or this side's gone), which pages nobody
@@ -43,13 +51,36 @@ class PeerRecord:
     key: str = ""  # rank id and agent id: two sidecars may claim one rank id
     state: str = "connecting"
     reason: str = ""
-    channel: object = None
+    channel: Channel | None = None
     transport: str = ""
     mode: str = ""
 
 
+class Observed(Protocol):
+    """What the observer reads of its sidecar (agent/sidecar.py), of either role."""
+
+    @property
+    def config(self) -> SidecarConfig: ...
+    @property
+    def security(self) -> Security: ...
+    @property
+    def geometry(self) -> RankGeometry | None: ...
+    @property
+    def worker(self) -> WorkerBinding: ...
+    @property
+    def dataplane(self) -> DataPlane: ...
+    @property
+    def side(self) -> Readiness: ...
+    @property
+    def rooms(self) -> RoomView[Room]: ...
+    @property
+    def control(self) -> IncomingChannels | None: ...
+    @property
+    def admission(self) -> Admission: ...
+
+
 class Observer:
-    def __init__(self, sidecar: Sidecar) -> None:
+    def __init__(self, sidecar: Observed) -> None:
         self.sidecar = sidecar
         self.role = sidecar.config.role.value
         self.registry = CollectorRegistry()
@@ -132,7 +163,7 @@ class Observer:
         for mode, count in modes.items():
             self.metrics.verdict_modes.labels(self.role, mode).inc(count)
 
-    def strategies(self, peer: str, decisions: dict) -> None:
+    def strategies(self, peer: str, decisions: Mapping[Pool, StrategyChoice]) -> None:
         """``{pool: StrategyChoice}`` chosen for ``peer`` (agent/strategies.py): 1 for the one in use."""
         for pool, decision in decisions.items():
             self._strategy(peer, pool.value, decision.strategy.value)
@@ -150,7 +181,7 @@ class Observer:
                 1 if strategy == chosen else 0
             )
 
-    def inflight(self, peer: str) -> MetricWrapperBase:
+    def inflight(self, peer: str) -> Gauge:
         """The gauge of bytes being written to ``peer`` (prefill)."""
         return self.series.child(self.metrics.inflight_bytes, self.role, peer, peer=peer)
 
@@ -277,7 +308,7 @@ class Observer:
             for pool, nbytes in by_pool.items():
                 m.registered_bytes.labels(role, pool).set(nbytes)
 
-    def ready(self) -> tuple[bool, dict]:
+    def ready(self) -> tuple[bool, dict[str, Any]]:
         sidecar = self.sidecar
         reasons = []
         if sidecar.geometry is None:
@@ -303,7 +334,7 @@ class Observer:
             },
         )
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         sidecar, now = self.sidecar, time.monotonic()
         geometry = sidecar.geometry
         rooms = [

@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import TypedDict
 
 
 class ProcessState(Enum):
@@ -64,7 +65,14 @@ def own_identity() -> ProcessIdentity | None:
     return ProcessIdentity(os.getpid(), fields[1]) if fields is not None else None
 
 
-def own_register_fields() -> dict[str, int]:
+class ProcessFields(TypedDict, total=False):
+    """A Register's fields that name the sending process."""
+
+    pid: int
+    process_start_ticks: int
+
+
+def own_register_fields() -> ProcessFields:
     """This process's ``pid`` and ``process_start_ticks`` for a Register (none without /proc)."""
     me = own_identity()
     return {"pid": me.pid, "process_start_ticks": me.start_ticks} if me is not None else {}

@@ -17,8 +17,11 @@ period keeps its series; one that comes back later starts them afresh.
 from __future__ import annotations
 
 import time
+from typing import TypeVar
 
 from prometheus_client.metrics import MetricWrapperBase
+
+MetricT = TypeVar("MetricT", bound=MetricWrapperBase)
 
 
 class PeerSeries:
@@ -28,7 +31,7 @@ class PeerSeries:
         self._gone_since: dict[str, float] = {}
         self._live: set[str] = set()
 
-    def child(self, metric: MetricWrapperBase, *labels: str, peer: str) -> MetricWrapperBase:
+    def child(self, metric: MetricT, *labels: str, peer: str) -> MetricT:
         """``metric.labels(*labels)``, remembered as a series of ``peer`` (one of ``labels``).
         A series of a peer not live (a room failing after its peer was lost) goes with the
         peer's others, or ``grace_s`` from now."""

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -32,7 +33,7 @@ class Room:
     created_s: float = field(default_factory=time.monotonic)
     deadline_s: float = float("inf")
     finished_s: float = 0.0
-    waiters: list[asyncio.Future] = field(default_factory=list)
+    waiters: list[asyncio.Future[None]] = field(default_factory=list)
     drained: asyncio.Event = field(default_factory=asyncio.Event)
     on_end: list[Callable[[Room], None]] = field(default_factory=list)  # called once, when terminal
 
@@ -74,9 +75,9 @@ class Room:
             for hook in hooks:  # e.g. admission slots go back (agent/admission.py)
                 hook(self)
 
-    def reply(self) -> dict:
-        reply = {"status": self.state.status.value}
-        if self.state.status is RoomStatus.FAILED:
+    def reply(self) -> dict[str, Any]:
+        reply: dict[str, Any] = {"status": self.state.status.value}
+        if self.state.status is RoomStatus.FAILED and self.state.reason is not None:
             reply.update(code=self.state.reason.value, reason=self.state.reason_text)
         return reply
 
@@ -97,13 +98,30 @@ class Room:
                 self.waiters.remove(waiter)
 
 
-def _answer(waiter: asyncio.Future) -> None:
+def _answer(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_result(None)
 
 
-class RoomTable:
-    """Live and recently finished rooms; terminal ones are forgotten after ``ttl_s``.
+RoomT = TypeVar("RoomT", bound=Room)
+RoomT_co = TypeVar("RoomT_co", bound=Room, covariant=True)
+
+
+class RoomView(Protocol[RoomT_co]):
+    """A room table read, not changed (``/status``, a lost worker's count): either
+    role's table is a ``RoomView[Room]``."""
+
+    @property
+    def rooms(self) -> Mapping[int, RoomT_co]: ...
+
+    def live(self) -> Sequence[RoomT_co]: ...
+
+    def counts(self) -> dict[str, int]: ...
+
+
+class RoomTable(Generic[RoomT]):
+    """Live and recently finished rooms, of one side's room type; terminal ones are
+    forgotten after ``ttl_s``.
 
     Bounded: at most ``max_rooms`` live rooms (the sidecar refuses more), and
     at most ``max_rooms`` terminal ones (the oldest finished are forgotten
@@ -113,18 +131,18 @@ class RoomTable:
     def __init__(self, ttl_s: float, max_rooms: int) -> None:
         self.ttl_s = ttl_s
         self.max_rooms = max_rooms
-        self.rooms: dict[int, Room] = {}
+        self.rooms: dict[int, RoomT] = {}
         # the live rooms, kept as they start and end: the limit check on every send or
         # expect must not scan the whole table (up to 2 x max_rooms rooms)
-        self._live: dict[int, Room] = {}
+        self._live: dict[int, RoomT] = {}
         # the terminal ones in the order they finished (oldest first): the sweep every
         # 100 ms and the eviction over the bound take them from the front, never scan
-        self._finished: dict[int, Room] = {}
+        self._finished: dict[int, RoomT] = {}
 
-    def get(self, room: int) -> Room | None:
+    def get(self, room: int) -> RoomT | None:
         return self.rooms.get(room)
 
-    def add(self, room: Room) -> None:
+    def add(self, room: RoomT) -> None:
         replaced = self.rooms.get(room.room)
         if replaced is not None:
             if self._live.get(room.room) is replaced:
@@ -141,16 +159,17 @@ class RoomTable:
             self._forget_oldest(len(self.rooms) - 2 * self.max_rooms + self.max_rooms // 8 + 1)
 
     def _ended(self, room: Room) -> None:
-        if self._live.get(room.room) is room:
+        live = self._live.get(room.room)
+        if live is not None and live is room:
             del self._live[room.room]
-            self._finished[room.room] = room
+            self._finished[room.room] = live
 
     def _forget_oldest(self, count: int) -> None:
         for room_id in list(itertools.islice(self._finished, count)):
             del self._finished[room_id]
             del self.rooms[room_id]
 
-    def live(self) -> list[Room]:
+    def live(self) -> list[RoomT]:
         return list(self._live.values())
 
     def refusal(self, room: int) -> str:
@@ -162,7 +181,7 @@ class RoomTable:
             "" if live < self.max_rooms else f"{live} rooms are live, the limit is max_rooms={self.max_rooms}"
         )
 
-    def expire(self, now_s: float, on_timeout: Callable[[Room], None]) -> None:
+    def expire(self, now_s: float, on_timeout: Callable[[RoomT], None]) -> None:
         """Time out live rooms past their deadline; forget rooms finished over ``ttl_s`` ago.
 
         Costs the live rooms plus the expired ones, not the whole table.
@@ -184,7 +203,7 @@ class RoomTable:
         return counts
 
 
-def pool_requests(request: dict) -> dict[Pool, np.ndarray]:
+def pool_requests(request: dict[str, Any]) -> dict[Pool, np.ndarray]:
     """Index lists of a worker send/expect request, by pool (empty pools left out)."""
     lists = {
         Pool.KV: request.get("pages", []),

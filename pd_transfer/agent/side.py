@@ -9,11 +9,17 @@ through this protocol and never asks which role it has. A side that serves
 peers' sessions on the control port (prefill: decode ranks connect to it)
 is also a :class:`PeerServer`; the sidecar listens on that port only for
 such a side.
+
+A side is generic over its room type (:class:`~pd_transfer.agent.prefill.records.PrefillRoom`,
+:class:`~pd_transfer.agent.decode.room.DecodeRoom`): the sidecar it serves holds a
+room table of that type (``Sidecar[RoomT]``), so the rooms the sidecar hands back
+(timed out, ended at shutdown) are the side's own.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import asyncio
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -24,8 +30,24 @@ from pd_transfer.layout.views import Pool
 from pd_transfer.protocol import Message
 from pd_transfer.protocol.worker_api import WorkerOp
 
+RoomT_contra = TypeVar("RoomT_contra", bound=Room, contravariant=True)
 
-class Side(Protocol):
+
+class Readiness(Protocol):
+    """What ``/readyz`` asks of a side (agent/observe.py)."""
+
+    @property
+    def table_ready(self) -> asyncio.Event:
+        """Set once this side's rank table is complete (prefill: every rank of its
+        instance announced); always set on decode, which serves none. ``/readyz``
+        reports a prefill sidecar unready until then."""
+
+    def instance_problem(self, address: str) -> str:
+        """Why the prefill instance at ``address`` (one of ``prefill_bootstraps``) is not
+        usable yet, for ``/readyz``; '' once it is. Decode only: prefill resolves none."""
+
+
+class Side(Readiness, Protocol[RoomT_contra]):
     async def on_worker_op(
         self, op: WorkerOp, request: dict[str, Any], pools: dict[Pool, np.ndarray]
     ) -> dict[str, Any]:
@@ -37,11 +59,11 @@ class Side(Protocol):
         """The worker aborts ``room_id``. Returns once this side may tell the worker
         whether the room's pages are safe to reuse (``drained`` in the reply)."""
 
-    def on_timeout(self, room: Room) -> None:
+    def on_timeout(self, room: RoomT_contra) -> None:
         """``room`` passed its deadline in its current state: fail it with ``timeout``
         and a reason saying what it was waiting for."""
 
-    async def end_room(self, room: Room, reason: Reason, text: str) -> None:
+    async def end_room(self, room: RoomT_contra, reason: Reason, text: str) -> None:
         """Fail a live room the sidecar will not finish (it is shutting down): the
         worker and the peers learn ``reason`` and ``text``."""
 

@@ -3,7 +3,8 @@
 Owns the event loop's tasks (one task group), the sockets (worker endpoint,
 control ROUTER, bootstrap on prefill rank 0), the room table, the worker's
 registration and mapped regions, and the data plane; the role's logic lives
-in :mod:`.prefill` and :mod:`.decode`. Timers (room deadlines, heartbeats,
+in :mod:`.prefill` and :mod:`.decode` (:mod:`.roles` gives a sidecar its side:
+it is generic over that side's room type). Timers (room deadlines, heartbeats,
 lost peers) run here.
 
 Shutdown: the first stop request drains (new rooms are refused, live rooms
@@ -17,8 +18,8 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Hashable
-from typing import Any
+from collections.abc import Callable, Coroutine, Hashable
+from typing import Any, Generic
 
 import zmq
 
@@ -28,16 +29,15 @@ from pd_transfer.agent.auth import SecureContext, Security
 from pd_transfer.agent.bootstrap import BootstrapServer
 from pd_transfer.agent.channels import Channel, IncomingChannels
 from pd_transfer.agent.dataplane import DataPlane
-from pd_transfer.agent.decode.side import DecodeSide
 from pd_transfer.agent.http import HttpServer
 from pd_transfer.agent.liveness import LoopStalls
 from pd_transfer.agent.observe import Observer
 from pd_transfer.agent.peer_watch import PeerWatch
-from pd_transfer.agent.prefill.side import PrefillSide
-from pd_transfer.agent.rooms import Room, RoomTable, pool_requests
+from pd_transfer.agent.rooms import Room, RoomT, RoomTable, pool_requests
 from pd_transfer.agent.side import PeerServer, Side
 from pd_transfer.agent.startup import ReadyFile, binding, prepare_worker_endpoint
-from pd_transfer.agent.tasks import Tasks
+from pd_transfer.agent.tasks import Tasks, bounded
+from pd_transfer.agent.worker_endpoint import WorkerEndpoint
 from pd_transfer.agent.worker_loss import WorkerBinding
 from pd_transfer.config import SidecarConfig
 from pd_transfer.errors import PdTransferError, Reason
@@ -53,16 +53,22 @@ from pd_transfer.protocol.worker_api import WorkerOp
 log = logging.getLogger(__name__)
 
 
-class Sidecar:
-    def __init__(self, config: SidecarConfig, drain_s: float = 5.0, security: Security | None = None) -> None:
+class Sidecar(Generic[RoomT]):
+    def __init__(
+        self,
+        config: SidecarConfig,
+        make_side: Callable[[Sidecar[RoomT]], tuple[Side[RoomT], PeerServer | None]],
+        drain_s: float = 5.0,
+        security: Security | None = None,
+    ) -> None:
         self.config = config
         self.drain_s = drain_s
         # every socket made from this context finds the secret and keys (agent/auth.py)
         self.security = security or Security.from_config(config)
         self.context = zmq_bounds.watching_peers(SecureContext(self.security), config)
-        self.rooms = RoomTable(config.room_ttl_s, config.max_rooms)
+        self.rooms: RoomTable[RoomT] = RoomTable(config.room_ttl_s, config.max_rooms)
         self.admission = Admission(config)  # rooms per peer, bytes in flight (agent/admission.py)
-        self.observe = Observer(self)
+        self.observe: Observer = Observer(self)
         self.observe.watch_admission(self.admission)
         self.security.on_failure = self.observe.auth_failure
         self.security.lobby.on_refused = self.observe.connection_refused
@@ -71,17 +77,15 @@ class Sidecar:
         self.pp_size = 1
         # the registration's connection (agent/worker_loss.py)
         self.worker = WorkerBinding(self, config.worker_endpoint)
-        self.worker_tasks: list[asyncio.Task] = []  # what lives only while the worker is registered
-        self.endpoint = None
+        self.worker_tasks: list[asyncio.Task[Any]] = []  # what lives only while the worker is registered
+        self.endpoint: WorkerEndpoint | None = None
         self.dataplane = DataPlane(
             config,
             self.context,
             on_bad_frame=self.observe.bad_frame,
             on_connection_closed=self.observe.connection_closed,
         )
-        prefill = PrefillSide(self) if config.role is Role.PREFILL else None
-        self.side: Side = prefill or DecodeSide(self)
-        self.peer_server: PeerServer | None = prefill  # the control port serves its sessions
+        self.side, self.peer_server = make_side(self)
         self.control: IncomingChannels | None = None
         self.bootstrap_server: BootstrapServer | None = None
         self.registered = asyncio.Event()
@@ -99,6 +103,13 @@ class Sidecar:
         self._generations = itertools.count(1)
         self.tasks = Tasks()  # every background task, owned (agent/tasks.py)
         self.ready_file = ReadyFile(config.ready_file)
+
+    @property
+    def registered_geometry(self) -> RankGeometry:
+        """The registered worker's geometry; refused (``not_registered``) while none is."""
+        if self.geometry is None:
+            raise PdTransferError("the worker has not registered its pools yet", code=Reason.NOT_REGISTERED)
+        return self.geometry
 
     # -- lifecycle ---------------------------------------------------------------
     @property
@@ -139,8 +150,6 @@ class Sidecar:
             await self._close()
 
     def _serve_worker(self) -> None:
-        from pd_transfer.agent.worker_endpoint import WorkerEndpoint
-
         config = self.config
         prepare_worker_endpoint(config.worker_endpoint)
         self.endpoint = WorkerEndpoint(
@@ -170,7 +179,7 @@ class Sidecar:
             )
 
         async def on_message(channel: Channel, message: Message) -> None:
-            self.peer_watch.watch_once(channel, lambda why, ch=channel: server.on_peer_lost(ch, why))
+            self.peer_watch.watch_once(channel, lambda why: server.on_peer_lost(channel, why))
             await server.on_peer_message(channel, message)
 
         self.spawn(self.control.serve(on_message))
@@ -189,16 +198,16 @@ class Sidecar:
 
     async def _close(self) -> None:
         """Stop every task, then close what :meth:`run` opened, each step bounded."""
-        await _bounded(self.tasks.close(), "stopping tasks")
+        await bounded(self.tasks.close(), "stopping tasks")
         if self.endpoint is not None:
             self.endpoint.close()
         if self.http:
-            await _bounded(self.http.close(), "closing the http server")
+            await bounded(self.http.close(), "closing the http server")
         if self.control:
             self.control.close()
         if self.bootstrap_server:
             self.bootstrap_server.close()
-        await _bounded(self.dataplane.close(), "closing the data plane")
+        await bounded(self.dataplane.close(), "closing the data plane")
         self.side.close()
         self.context.destroy(linger=0)
         self.ready_file.remove()
@@ -215,7 +224,9 @@ class Sidecar:
             )
         await asyncio.sleep(0.05)  # let the failure notices leave
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], *, room: str = "", peer: str = "") -> asyncio.Task:
+    def spawn(
+        self, coro: Coroutine[Any, Any, Any], *, room: int | str = "", peer: str = ""
+    ) -> asyncio.Task[Any]:
         """Run ``coro`` in the background, owned by this sidecar (see :class:`Tasks`)."""
         return self.tasks.spawn(coro, room=room, peer=peer)
 
@@ -387,12 +398,3 @@ class Sidecar:
             if self.geometry is not None:
                 self.side.on_tick(now)
             await self.peer_watch.tick(now)
-
-
-async def _bounded(step: Awaitable[Any], what: str, timeout_s: float = 5.0) -> None:
-    """Shutdown never hangs on one step: past ``timeout_s`` it is logged and left behind."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            await step
-    except TimeoutError:
-        log.warning("shutdown: %s did not finish within %.0f s; exiting anyway", what, timeout_s)

@@ -44,6 +44,7 @@ from pd_transfer.transport.engines.strategy import (
 
 if TYPE_CHECKING:
     from pd_transfer.config import SidecarConfig
+    from pd_transfer.layout.lowering import TransferPlan
     from pd_transfer.transport.base import Link
 
 log = logging.getLogger(__name__)
@@ -86,10 +87,10 @@ def receiver_staging(
     )
 
 
-def sample_plans(planner: PairPlanner) -> dict:
+def sample_plans(planner: PairPlanner) -> dict[Pool, TransferPlan]:
     """One item of every pool this pair moves, planned: ``{pool: TransferPlan}``."""
     one_item = (np.zeros(1, np.int64), np.zeros(1, np.int64))
-    plans = {}
+    plans: dict[Pool, TransferPlan] = {}
     for pool in Pool:
         if planner.unit_groups(pool):
             try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from typing import Any
 
 log = logging.getLogger("pd_transfer.agent")
@@ -23,25 +23,28 @@ class Tasks:
     all cancelled and awaited by :meth:`close`."""
 
     def __init__(self) -> None:
-        self._running: set[asyncio.Task] = set()
+        self._running: set[asyncio.Task[Any]] = set()
 
     def __len__(self) -> int:
         return len(self._running)
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], *, room: str = "", peer: str = "") -> asyncio.Task:
+    def spawn(
+        self, coro: Coroutine[Any, Any, Any], *, room: int | str = "", peer: str = ""
+    ) -> asyncio.Task[Any]:
         """Run ``coro`` in the background; ``room`` and ``peer`` name it in a failure's log."""
         task = asyncio.create_task(coro)
         self._running.add(task)
         task.add_done_callback(lambda done: self._ended(done, room, peer))
         return task
 
-    def _ended(self, task: asyncio.Task, room: str, peer: str) -> None:
+    def _ended(self, task: asyncio.Task[Any], room: int | str, peer: str) -> None:
         self._running.discard(task)
         if task.cancelled():
             return
         error = task.exception()
         if error is not None:
-            name = task.get_coro().__qualname__ if task.get_coro() else task.get_name()
+            # a coroutine's qualified name (typeshed's get_coro() may also give a generator)
+            name = getattr(task.get_coro(), "__qualname__", None) or task.get_name()
             log.error(
                 "background task %s failed (room %s, peer %s): %s",
                 name,
@@ -59,3 +62,12 @@ class Tasks:
             for task in running:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
+
+
+async def bounded(step: Awaitable[Any], what: str, timeout_s: float = 5.0) -> None:
+    """Shutdown never hangs on one step: past ``timeout_s`` it is logged and left behind."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await step
+    except TimeoutError:
+        log.warning("shutdown: %s did not finish within %.0f s; exiting anyway", what, timeout_s)

@@ -35,7 +35,7 @@ from pd_transfer.agent.zmq_bounds import ConnectionWatch
 from pd_transfer.errors import AuthError, ProtocolError, Reason, TransportError
 from pd_transfer.security import ClientHandshake, ServerHandshake
 from pd_transfer.security.handshake import derive_key, refusal
-from pd_transfer.security.messages import AuthHello, AuthProof, AuthResult, decode
+from pd_transfer.security.messages import AuthHello, AuthMessage, AuthProof, AuthResult, decode
 from pd_transfer.transport.base import Transport
 from pd_transfer.transport.receiver_rooms import RoomPolicy
 from pd_transfer.transport.tcp.receiver import TcpReceiver
@@ -46,7 +46,7 @@ from pd_transfer.transport.zmq.transport import ZmqTcpTransport
 
 if TYPE_CHECKING:
     from pd_transfer.config import SidecarConfig
-    from pd_transfer.protocol import Message
+    from pd_transfer.transport.regions import RegionMemory
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def tcp_transport(
 
 def tcp_receiver(
     config: SidecarConfig,
-    regions: Mapping,
+    regions: Mapping[str, RegionMemory],
     context: zmq.asyncio.Context,
     on_bad_frame: Callable[[str], None] = lambda reason: None,
     on_closed: Callable[[str], None] = lambda socket: None,
@@ -91,7 +91,7 @@ def tcp_receiver(
     if security.settings.curve_keypair is not None:
 
         async def watch(socket: zmq.asyncio.Socket) -> None:
-            address = socket.getsockopt(zmq.LAST_ENDPOINT).decode()
+            address = socket.getsockopt_string(zmq.LAST_ENDPOINT)
             await ConnectionWatch(
                 socket,
                 DATA_SOCKET,
@@ -127,14 +127,16 @@ class DataAuth:
     """:class:`~pd_transfer.transport.tcp.sockets.Authenticator` over a sidecar's secret."""
 
     def __init__(self, security: Security) -> None:
-        if security.settings.secret is None:
+        secret = security.settings.secret
+        if secret is None:
             raise ValueError("DataAuth needs a shared secret")
         self.security = security
-        self._key = derive_key(security.settings.secret)
+        self._secret = secret
+        self._key = derive_key(secret)
 
     def client(self, channel: FrameChannel, peer: str) -> None:
         security = self.security
-        handshake = ClientHandshake(security.settings.secret, security.agent_id, peer=f"data receiver {peer}")
+        handshake = ClientHandshake(self._secret, security.agent_id, peer=f"data receiver {peer}")
         channel.send(handshake.hello())
         while not handshake.done:
             try:
@@ -184,7 +186,7 @@ class DataAuth:
             where,
         )
 
-    def _decode(self, frame: bytes) -> Message:
+    def _decode(self, frame: bytes) -> AuthMessage:
         try:
             return decode(frame)
         except ProtocolError as err:

@@ -82,7 +82,7 @@ class WorkerEndpoint:
         path = unix_path(address)
         security = security_of(context)
         if path is not None:
-            self._socket = StreamRouter(
+            self._socket: StreamRouter | zmq.asyncio.Socket = StreamRouter(
                 path,
                 on_bad_frame=self._count_bad_request,
                 on_closed=on_closed,
@@ -95,8 +95,8 @@ class WorkerEndpoint:
             self._socket, self._door, self._watch = self._zmq_router(context, address, on_connection_closed)
         self.address = address
         self._handler = handler
-        self._tasks: set[asyncio.Task] = set()
-        self._watcher: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._watcher: asyncio.Task[None] | None = None
         self.bad_requests = 0
         self._doorman = Doorman(
             self._socket,
@@ -126,7 +126,12 @@ class WorkerEndpoint:
             timeout_s=security.handshake_timeout_s,
             local=True,
         )
-        door.bound(socket.getsockopt(zmq.LAST_ENDPOINT).decode())
+        door.bound(socket.getsockopt_string(zmq.LAST_ENDPOINT))
+
+        def disconnected(fd: int) -> None:
+            door.disconnected(fd)
+            self._closed_descriptor(fd)
+
         watch = ConnectionWatch(
             socket,
             "worker",
@@ -134,7 +139,7 @@ class WorkerEndpoint:
             on_closed=on_connection_closed,
             on_bad_frame=self._count_bad_request,
             on_accepted=door.accepted,
-            on_disconnected=lambda fd: (door.disconnected(fd), self._closed_descriptor(fd)),
+            on_disconnected=disconnected,
         )
         return socket, door, watch
 
@@ -145,7 +150,7 @@ class WorkerEndpoint:
     async def serve(self) -> None:
         if isinstance(self._socket, StreamRouter):
             await self._socket.start()
-        else:
+        elif self._watch is not None:  # ZeroMQ's endpoints are watched
             self._watcher = asyncio.create_task(self._watch.run())
         while True:
             frames, connection = await self._receive()
@@ -182,10 +187,12 @@ class WorkerEndpoint:
         """Whether ``connection`` is still open (True when it cannot be told)."""
         if connection is None:
             return True
-        if isinstance(self._socket, StreamRouter):
-            return self._socket.is_open(connection)
+        if isinstance(self._socket, StreamRouter):  # the connection is the stream's identity
+            return not isinstance(connection, bytes) or self._socket.is_open(connection)
+        if not isinstance(connection, tuple):  # ZeroMQ's: (descriptor, closes on it then)
+            return True
         fd, closed = connection
-        return self._closed_on.get(fd, 0) == closed
+        return bool(self._closed_on.get(fd, 0) == closed)
 
     def _closed_descriptor(self, fd: int) -> None:
         """ZeroMQ: the ROUTER's monitor says the connection on ``fd`` closed."""
@@ -247,7 +254,7 @@ class WorkerEndpoint:
                 pass
 
 
-def bind_private(socket: zmq.Socket, address: str) -> None:
+def bind_private(socket: zmq.Socket[object], address: str) -> None:
     """Bind ``address``; an ``ipc://`` socket file is made mode 0600, as ``unix://``'s is.
 
     libzmq creates the file with the mode the umask leaves (0755 under the usual 022,

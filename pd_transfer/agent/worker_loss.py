@@ -34,7 +34,7 @@ from collections.abc import Coroutine, Hashable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from pd_transfer.agent.rooms import RoomTable
+    from pd_transfer.agent.rooms import Room, RoomView
     from pd_transfer.agent.worker_endpoint import WorkerEndpoint
     from pd_transfer.layout.geometry import RankGeometry
 
@@ -45,12 +45,16 @@ class WorkerHost(Protocol):
     """What the binding asks of its sidecar."""
 
     geometry: RankGeometry | None
-    rooms: RoomTable
+
+    @property
+    def rooms(self) -> RoomView[Room]: ...
 
     @property
     def stopping(self) -> bool: ...
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], *, room: str = "", peer: str = "") -> asyncio.Task: ...
+    def spawn(
+        self, coro: Coroutine[Any, Any, Any], *, room: int | str = "", peer: str = ""
+    ) -> asyncio.Task[Any]: ...
 
     async def unregister(self, why: str) -> None:
         """Fail the worker's rooms (its side's ``on_worker_lost``) and release its pools."""

@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from pd_transfer.config import SidecarConfig
 
 log = logging.getLogger(__name__)
-ContextT = TypeVar("ContextT", bound=zmq.Context)
+ContextT = TypeVar("ContextT", bound=zmq.Context[zmq.Socket[object]])
 
 #: the largest frame a peer may send on a control or bootstrap socket
 CONTROL_FRAME_NBYTES = DEFAULT_LIMITS.max_frame_nbytes
@@ -75,7 +75,7 @@ _WATCHED = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAI
 
 
 def bound_frames(
-    socket: zmq.Socket,
+    socket: zmq.Socket[object],
     max_frame_nbytes: int = CONTROL_FRAME_NBYTES,
     queued_frames: int | None = None,
     handshake_timeout_s: float | None = None,
@@ -108,10 +108,10 @@ def watching_peers(context: ContextT, config: SidecarConfig) -> ContextT:
     return context
 
 
-def watch_peers(socket: zmq.Socket, context: zmq.Context) -> PeerKeepalive | None:
+def watch_peers(socket: zmq.Socket[object], context: zmq.Context[zmq.Socket[object]]) -> PeerKeepalive | None:
     """Turn on for ``socket`` the keepalive the sidecar's ``context`` names for its control
     sockets (its ``peer_keepalive``); it, or None. Set before the socket binds or connects."""
-    keepalive = getattr(context, "peer_keepalive", None)
+    keepalive: PeerKeepalive | None = getattr(context, "peer_keepalive", None)
     if keepalive is None:
         return None
     socket.setsockopt(zmq.TCP_KEEPALIVE, 1)
@@ -140,8 +140,8 @@ class ConnectionWatch:
         *,
         on_closed: Callable[[str], None] = lambda name: None,
         on_bad_frame: Callable[[str], None] = lambda reason: None,
-        on_disconnected: Callable[[int], None] = lambda fd: None,
-        on_accepted: Callable[[int], None] = lambda fd: None,
+        on_disconnected: Callable[[int], object] = lambda fd: None,
+        on_accepted: Callable[[int], object] = lambda fd: None,
     ) -> None:
         self.name = name
         self.where = where
@@ -152,7 +152,8 @@ class ConnectionWatch:
         self._on_bad_frame = on_bad_frame
         self._limit = socket.getsockopt(zmq.MAXMSGSIZE)  # -1: none
         self._monitor = _monitor_socket(socket)
-        self._reader = zmq.Socket.shadow(self._monitor.underlying)  # reads it without waiting
+        # reads it without waiting
+        self._reader: zmq.Socket[bytes] = zmq.Socket.shadow(self._monitor.underlying)
         self._stopped = False
 
     async def run(self) -> None:
@@ -207,14 +208,14 @@ class ConnectionWatch:
             )
 
 
-def _monitor_socket(socket: zmq.Socket) -> zmq.Socket:
+def _monitor_socket(socket: zmq.asyncio.Socket) -> zmq.asyncio.Socket:
     """``socket``'s monitor, read by the watch, holding as few events unread as ZeroMQ
     allows. ZeroMQ's I/O thread waits when the watch has not read them: it accepts at most
     that many connections (about 1,000, the monitor's own queue) before the lobby hears of
     them, instead of twice as many with the default queue on the reading side too."""
     address = f"inproc://pd-transfer.watch-{next(_monitors)}"
     socket.monitor(address, _WATCHED)
-    monitor = socket.context.socket(zmq.PAIR)
+    monitor: zmq.asyncio.Socket = socket.context.socket(zmq.PAIR)
     monitor.setsockopt(zmq.RCVHWM, 1)
     monitor.connect(address)
     return monitor

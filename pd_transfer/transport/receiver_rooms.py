@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pd_transfer.errors import Reason, TransportError
-from pd_transfer.layout.views import AxisRole, TensorView
+from pd_transfer.layout.views import AxisRole, Pool, TensorView
 
 _MAX_EXPECTED = 65536
 _MAX_FENCES = 65536
@@ -237,7 +237,7 @@ def _check_ranges(
 
 
 def item_ranges(
-    views: Iterable[TensorView], indices: Mapping[object, Iterable[int] | np.ndarray]
+    views: Iterable[TensorView], indices: Mapping[Pool, Iterable[int] | np.ndarray]
 ) -> dict[str, ByteRanges]:
     """The byte ranges of the items ``indices[view.pool]`` of every view, per region.
 

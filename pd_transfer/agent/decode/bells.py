@@ -25,7 +25,7 @@ from pd_transfer.errors import PdTransferError
 from pd_transfer.protocol import RoomStatus
 
 if TYPE_CHECKING:
-    from pd_transfer.agent.decode.room import DecodeRoom
+    from pd_transfer.agent.decode.room import DecodeRoom, PrefillPeer
     from pd_transfer.agent.observe import Observer
     from pd_transfer.config import SidecarConfig
 
@@ -47,18 +47,18 @@ class RoomBells:
         """The segment's name, for Register ('' without doorbells)."""
         return self.segment.name if self.segment is not None else ""
 
-    def arm(self, room: DecodeRoom) -> dict | None:
+    def arm(self, room: DecodeRoom) -> dict[str, str | int] | None:
         """Give ``room`` a slot; the ``doorbell`` entry of the worker's expect reply."""
         if self.segment is None:
             return None
         room.bell = self.segment.arm()
-        room.on_end.append(self.ended)
+        room.on_end.append(lambda ended: self.ended(room))  # called with the room itself
         return {"segment": self.segment.name, "slot": room.bell[0], "token": room.bell[1]}
 
-    def writers(self, room: DecodeRoom, peers: list) -> dict[str, int]:
+    def writers(self, room: DecodeRoom, peers: list[PrefillPeer | None]) -> dict[str, int]:
         """``{rank id: writer number}`` for ``room``'s source ``peers`` (PrefillPeer) when
         every one rings; otherwise none, and the slot closes at once."""
-        if room.bell is None:
+        if room.bell is None or self.segment is None:
             return {}
         if not 0 < len(peers) <= MAX_WRITERS or not all(
             p is not None and p.rings and p.integrity is None for p in peers
@@ -66,22 +66,27 @@ class RoomBells:
             self.segment.close_slot(*room.bell)
             return {}
         self.segment.set_writers(*room.bell, len(peers))
-        return {p.rank_id: k for k, p in enumerate(peers)}
+        return {p.rank_id: k for k, p in enumerate(peers) if p is not None}  # all are
 
     def landed(self, room: DecodeRoom) -> bool:
         """This sidecar is about to fail ``room``: close its slot; True when every writer
         had rung first (the bytes landed, the worker may know it: the room succeeded)."""
-        return self._live(room) and self.segment.close_slot(*room.bell)
+        live = self._live(room)
+        return live is not None and live[0].close_slot(*live[1])
 
     def rung(self, room: DecodeRoom) -> bool:
         """Every writer of live ``room`` rang (it succeeded, Done or not)."""
-        return self._live(room) and self.segment.rung(*room.bell)
+        live = self._live(room)
+        return live is not None and live[0].rung(*live[1])
 
-    def _live(self, room: DecodeRoom) -> bool:
-        return room.bell is not None and not room.terminal and self.segment is not None
+    def _live(self, room: DecodeRoom) -> tuple[Doorbells, tuple[int, int]] | None:
+        """The segment and slot of live ``room``, None when it has none."""
+        if room.bell is None or room.terminal or self.segment is None:
+            return None
+        return self.segment, room.bell
 
     def ended(self, room: DecodeRoom) -> None:
-        if self.segment is None:
+        if self.segment is None or room.bell is None:  # an armed room has a slot
             return
         if room.status is RoomStatus.SUCCESS and self.segment.rung(*room.bell):
             self.observe.doorbell("rung")  # the worker sees the ring itself

@@ -20,7 +20,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pd_transfer.agent import integrity
@@ -31,6 +30,7 @@ from pd_transfer.agent.decode import retire
 from pd_transfer.agent.decode.bells import RoomBells
 from pd_transfer.agent.decode.gone import LostAddresses
 from pd_transfer.agent.decode.rejections import RejectedSessions
+from pd_transfer.agent.decode.room import DecodeRoom, PrefillInstance, PrefillPeer
 from pd_transfer.agent.peer_process import own_register_fields, peer_identity
 from pd_transfer.agent.retry import Backoff
 from pd_transfer.errors import PdTransferError, Reason
@@ -51,18 +51,9 @@ from pd_transfer.protocol import (
 if TYPE_CHECKING:
     from pd_transfer.agent.sidecar import Sidecar
     from pd_transfer.config import SidecarConfig
-    from pd_transfer.protocol import Message, RankTable
+    from pd_transfer.protocol import Message, RankEntry, RankTable
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class PrefillPeer:
-    rank_id: str
-    channel: OutgoingChannel
-    verdict: asyncio.Future
-    integrity: object = None  # BlockLayout when its Done checksums are verified
-    rings: bool = False  # its verdict: it rings this rank's doorbells
 
 
 # a new room and a prefill connection that is down: how often to look, and how long
@@ -72,33 +63,19 @@ _DOWN_SLACK_S = 0.25
 _WORKER_BACK_CAP_S = 2.0  # rank 0 refused: its worker is gone, and registers again any moment
 
 
-@dataclass
-class PrefillInstance:
-    """One bootstrap address resolved: the prefill ranks this decode rank needs."""
-
-    bootstrap: str
-    peers: dict[str, PrefillPeer] = field(default_factory=dict)
-    sources: list[str] = field(default_factory=list)  # the ranks that write to this rank
-    error: PdTransferError | None = None
-    lost: bool = False
-    lost_s: float = 0.0  # when the first rank was lost
-    lost_ranks: set[str] = field(default_factory=set)
-    resolving: bool = True  # its resolution owns the sessions until it ends
-
-
 class PrefillInstances:
     """Every bootstrap address this rank was asked about, resolved or resolving."""
 
     def __init__(
         self,
-        sidecar: Sidecar,
+        sidecar: Sidecar[DecodeRoom],
         bells: RoomBells,
-        on_room_message: Callable[[PrefillPeer, Message], None],
+        on_room_message: Callable[[PrefillPeer, Done | Progress | AbortAck], None],
         on_peer_lost: Callable[[PrefillInstance, PrefillPeer, str, Reason], None],
     ) -> None:
         self.sidecar = sidecar
         self.bells = bells
-        self.instances: dict[str, asyncio.Task] = {}
+        self.instances: dict[str, asyncio.Task[PrefillInstance]] = {}
         self.backoffs: dict[str, Backoff] = {}  # per address: its failed resolutions
         self.retired: list[PrefillInstance] = []  # lost: sessions to close once quiet
         self.gone = LostAddresses(sidecar.config.heartbeat_interval_s * sidecar.config.heartbeat_misses)
@@ -111,7 +88,7 @@ class PrefillInstances:
     def config(self) -> SidecarConfig:
         return self.sidecar.config
 
-    def resolved(self, bootstrap: str) -> asyncio.Task:
+    def resolved(self, bootstrap: str) -> asyncio.Task[PrefillInstance]:
         """The resolution of ``bootstrap``: started, running or done (a lost one is started
         again, and a failed one once its backoff has passed)."""
         task = self.instances.get(bootstrap)
@@ -229,7 +206,7 @@ class PrefillInstances:
             refused_after_s=self.gone.grace_s,
         )
         self.gone.back(bootstrap)  # it answers: claims wait for the rest of the resolution
-        geometry = sidecar.geometry
+        geometry = sidecar.registered_geometry
         # this rank's stage only: the decode instance's coverage is prefill's verdict
         recon = reconcile([e.geometry for e in table.entries], [geometry], require_all_prefill_layers=False)
         instance = PrefillInstance(bootstrap)
@@ -250,33 +227,37 @@ class PrefillInstances:
             self.sidecar.spawn(retire.close_sessions(instance))
             raise PdTransferError(str(recon.error()), code=Reason.PEER_REJECTED)
         integrity.attach_decode(
-            sidecar.config, sidecar.dataplane.on_device, sidecar.geometry, instance, recon, table
+            sidecar.config, sidecar.dataplane.on_device, sidecar.registered_geometry, instance, recon, table
         )
         return instance
 
     async def _connect_all(self, instance: PrefillInstance, table: RankTable) -> None:
-        sidecar = self.sidecar
         # every prefill rank hears about every room, sources or not: a rank that
         # writes nothing to this decode rank still learns the room is done
         for entry in table.entries:
-            rank_id = entry.geometry.rank_id
-            key = security_of(sidecar.context).listener_key(entry)  # AuthError: not that prefill
-            where = f"{rank_id} ({entry.control_address})"
-            channel = OutgoingChannel(sidecar.context, entry.control_address, Role.DECODE, where, key)
-            channel.peer_rank = rank_id
-            channel.peer_limit_s = self.gone.grace_s  # this side's heartbeat limit stands for the peer's
-            channel.on_bad_frame = sidecar.observe.bad_frame
-            sidecar.observe.peer(rank_id, "connecting", channel=channel)
-            peer = PrefillPeer(rank_id, channel, asyncio.get_running_loop().create_future())
-            instance.peers[rank_id] = peer
-            channel.on_refused = lambda ch, i=instance, p=peer: self._on_refused(i, p)
-            channel.start(lambda ch, msg, p=peer, i=instance: self._on_message(i, p, msg))
-            await channel.send(
-                Hello(agent_id=self.config.agent_id, role=Role.DECODE, capabilities=sidecar.capabilities())
-            )
-            sidecar.watch(channel, lambda why, i=instance, p=peer: self._on_lost(i, p, why))
+            await self._open_session(instance, entry)
         for peer in instance.peers.values():
             await self._await_verdict(peer)
+
+    async def _open_session(self, instance: PrefillInstance, entry: RankEntry) -> None:
+        """A session to the prefill rank of ``entry``, said hello to, watched."""
+        sidecar = self.sidecar
+        rank_id = entry.geometry.rank_id
+        key = security_of(sidecar.context).listener_key(entry)  # AuthError: not that prefill
+        where = f"{rank_id} ({entry.control_address})"
+        channel = OutgoingChannel(sidecar.context, entry.control_address, Role.DECODE, where, key)
+        channel.peer_rank = rank_id
+        channel.peer_limit_s = self.gone.grace_s  # this side's heartbeat limit stands for the peer's
+        channel.on_bad_frame = sidecar.observe.bad_frame
+        sidecar.observe.peer(rank_id, "connecting", channel=channel)
+        peer = PrefillPeer(rank_id, channel, asyncio.get_running_loop().create_future())
+        instance.peers[rank_id] = peer
+        channel.on_refused = lambda ch: self._on_refused(instance, peer)
+        channel.start(lambda ch, msg: self._on_message(instance, peer, msg))
+        await channel.send(
+            Hello(agent_id=self.config.agent_id, role=Role.DECODE, capabilities=sidecar.capabilities())
+        )
+        sidecar.watch(channel, lambda why: self._on_lost(instance, peer, why))
 
     async def release_all(self, text: str) -> None:
         """The worker is gone: close every session of every instance, resolved, resolving or
@@ -341,7 +322,7 @@ class PrefillInstances:
                 Register(
                     agent_id=self.config.agent_id,
                     host_id=self.config.host_id,
-                    geometry=sidecar.geometry,
+                    geometry=sidecar.registered_geometry,
                     data_address=sidecar.dataplane.receive_address(),
                     region_handles=tuple(RegionHandle(r, h) for r, h in sidecar.handles.items()),
                     doorbell=self.bells.name,
@@ -381,7 +362,9 @@ class PrefillInstances:
         """This side closed the session over a bad frame from ``peer``: its rooms (and a
         verdict still awaited) fail now with that reason, and the instance is resolved
         afresh for the next room, as for a lost peer."""
-        refusal = peer.channel.refusal
+        refusal = peer.channel.refusal  # set: the channel calls this once it refused (agent/channels.py)
+        if refusal is None:
+            return
         why = f"session closed after a bad frame from it: {refusal}"
         self.sidecar.observe.lost(peer.rank_id, why, peer.channel, missed=False)
         self._end(instance, peer, f"prefill peer {peer.channel.label}: {why}", refusal.code)

@@ -25,7 +25,7 @@ from pd_transfer.protocol import ROOM_REFUSAL, RoomRefused
 from pd_transfer.wire.fields import clip_text
 
 if TYPE_CHECKING:
-    from pd_transfer.agent.decode.instances import PrefillInstance, PrefillPeer
+    from pd_transfer.agent.decode.room import PrefillInstance, PrefillPeer
 
 log = logging.getLogger(__name__)
 

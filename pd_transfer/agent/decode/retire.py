@@ -28,21 +28,21 @@ from pd_transfer.agent.decode.room import DecodeRoom
 from pd_transfer.protocol import Close
 
 if TYPE_CHECKING:
-    from pd_transfer.agent.decode.instances import PrefillInstance
+    from pd_transfer.agent.decode.room import PrefillInstance
     from pd_transfer.agent.retry import Backoff
     from pd_transfer.agent.rooms import Room
     from pd_transfer.config import SidecarConfig
 
 log = logging.getLogger(__name__)
 
-Spawn = Callable[[Coroutine[Any, Any, Any]], asyncio.Task]
+Spawn = Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]]
 
 
 class Resolutions(Protocol):
     """What retiring reads and prunes of the decode side's prefill instances."""
 
     retired: list[PrefillInstance]  # lost: sessions to close once quiet
-    instances: dict[str, asyncio.Task]  # by bootstrap address, resolved or resolving
+    instances: dict[str, asyncio.Task[PrefillInstance]]  # by bootstrap address, resolved or resolving
     backoffs: dict[str, Backoff]  # by bootstrap address
 
     @property
@@ -87,7 +87,7 @@ def release_retired(side: Resolutions, rooms: Collection[Room], spawn: Spawn, no
             del side.instances[address]
 
 
-def _over(side: Resolutions, address: str, task: asyncio.Task, now_s: float) -> bool:
+def _over(side: Resolutions, address: str, task: asyncio.Task[PrefillInstance], now_s: float) -> bool:
     if task.cancelled():
         return True
     if task.exception() is not None:

@@ -23,15 +23,15 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pd_transfer.agent import integrity
 from pd_transfer.agent.decode import abandon
 from pd_transfer.agent.decode.bells import RoomBells
-from pd_transfer.agent.decode.instances import PrefillInstance, PrefillInstances, PrefillPeer
-from pd_transfer.agent.decode.room import DecodeRoom
+from pd_transfer.agent.decode.instances import PrefillInstances
+from pd_transfer.agent.decode.room import DecodeRoom, PrefillInstance, PrefillPeer
 from pd_transfer.agent.indices import Claims, check_indices
 from pd_transfer.agent.rooms import Room
 from pd_transfer.errors import PdTransferError, Reason
@@ -52,24 +52,28 @@ from pd_transfer.protocol.worker_api import WorkerOp
 if TYPE_CHECKING:
     from pd_transfer.agent.sidecar import Sidecar
     from pd_transfer.config import SidecarConfig
-    from pd_transfer.protocol import Message
+    from pd_transfer.transport.copy.checksums import BlockLayout
 
 log = logging.getLogger(__package__)
 
 
 class DecodeSide:
-    def __init__(self, sidecar: Sidecar) -> None:
+    def __init__(self, sidecar: Sidecar[DecodeRoom]) -> None:
         self.sidecar = sidecar
         self.bells = RoomBells(sidecar.config, sidecar.observe)
         self.prefill = PrefillInstances(sidecar, self.bells, self._on_room_message, self._on_peer_lost)
         self.claims = Claims()  # the destination pages and slots of the live rooms
+        self.table_ready = asyncio.Event()  # decode serves no rank table (the Side protocol)
+        self.table_ready.set()
 
     @property
     def config(self) -> SidecarConfig:
         return self.sidecar.config
 
     # -- the Side protocol (agent/side.py) ------------------------------------------
-    async def on_worker_op(self, op: WorkerOp, request: dict, pools: dict[Pool, np.ndarray]) -> dict:
+    async def on_worker_op(
+        self, op: WorkerOp, request: dict[str, Any], pools: dict[Pool, np.ndarray]
+    ) -> dict[str, Any]:
         if op is WorkerOp.EXPECT:
             return await self.on_expect(request, pools)
         if op is WorkerOp.ABANDON:
@@ -97,12 +101,12 @@ class DecodeSide:
         return self.prefill.problem(address)
 
     # -- rooms --------------------------------------------------------------------
-    async def on_expect(self, request: dict, pools: dict[Pool, np.ndarray]) -> dict:
+    async def on_expect(self, request: dict[str, Any], pools: dict[Pool, np.ndarray]) -> dict[str, Any]:
         existing = self.sidecar.rooms.get(request["room"])
         if existing is not None and not existing.terminal:
             raise PdTransferError(f"room {request['room']} is already expected", code=Reason.DUPLICATE_ROOM)
         # refused here, with the field: never accepted to fail later at its timeout
-        check_indices(pools, self.sidecar.geometry, side="destination", unique=True)
+        check_indices(pools, self.sidecar.registered_geometry, side="destination", unique=True)
         held = request["held_pages"]
         if held > len(pools.get(Pool.KV, ())):
             raise PdTransferError(
@@ -123,7 +127,7 @@ class DecodeSide:
             dst=pools,
             held_pages=held,
         )
-        room.on_end.append(lambda ended: self.claims.release(ended.room, ended.dst))
+        room.on_end.append(lambda ended: self.claims.release(room.room, room.dst))  # ended is room
         # a little longer than resolving may take, so its own, more precise error wins
         room.deadline_s = time.monotonic() + self.config.bootstrap_timeout_s * 1.25 + 0.5
         self.sidecar.rooms.add(room)
@@ -134,7 +138,7 @@ class DecodeSide:
         self.sidecar.spawn(self._start(room), room=room.room)
         return reply
 
-    def on_abandon(self, request: dict) -> dict:
+    def on_abandon(self, request: dict[str, Any]) -> dict[str, Any]:
         """The worker will never expect this room: its prefill instance is told (:mod:`.abandon`)."""
         room_id = request["room"]
         existing = self.sidecar.rooms.get(room_id)
@@ -210,11 +214,13 @@ class DecodeSide:
         for peer in instance.peers.values():
             writer = writers.get(peer.rank_id)
             await peer.channel.send(
-                request if writer is None else dataclasses.replace(request, doorbell=(*room.bell, writer))
+                request
+                if writer is None or room.bell is None  # writers come only with the room's bell
+                else dataclasses.replace(request, doorbell=(*room.bell, writer))
             )
         room.advance(RoomStatus.WAITING_FOR_INPUT, time.monotonic() + self.config.waiting_timeout_s)
 
-    def _on_room_message(self, peer: PrefillPeer, message: Message) -> None:
+    def _on_room_message(self, peer: PrefillPeer, message: Done | Progress | AbortAck) -> None:
         room = self.sidecar.rooms.get(message.room)
         if not isinstance(room, DecodeRoom) or message.generation != room.generation:
             return  # stale: an earlier generation of the room
@@ -225,14 +231,17 @@ class DecodeSide:
             if room.acks >= set(room.sources):
                 room.drained.set()
         elif message.status is DoneStatus.SUCCESS and peer.integrity is not None:
-            self.sidecar.spawn(self._verify(room, peer, message), room=room.room, peer=peer.rank_id)
+            verify = self._verify(room, peer, peer.integrity, message)
+            self.sidecar.spawn(verify, room=room.room, peer=peer.rank_id)
         elif message.status is DoneStatus.SUCCESS:
             self._source_done(room, peer.rank_id)
         else:
             # this prefill rank wrote nothing more; the others may still be writing
             room.done_from.add(peer.rank_id)
             room.acks.add(peer.rank_id)
-            self._fail(room, message.reason, f"room {room.room}: {peer.rank_id}: {message.reason_text}")
+            # a failed Done carries its reason (the wire checks it: protocol/schema.py)
+            reason = message.reason or Reason.UNRECOGNIZED_REASON
+            self._fail(room, reason, f"room {room.room}: {peer.rank_id}: {message.reason_text}")
 
     def _source_done(self, room: DecodeRoom, rank_id: str) -> None:
         room.done_from.add(rank_id)
@@ -261,7 +270,7 @@ class DecodeSide:
         for rank_id in room.sources:
             peer = peers.get(rank_id)
             hello = peer.channel.session.their_hello if peer is not None else None
-            if hello is None or CONFIRM_DONE not in hello.capabilities.features:
+            if peer is None or hello is None or CONFIRM_DONE not in hello.capabilities.features:
                 continue
             try:
                 await peer.channel.send(message)
@@ -276,11 +285,11 @@ class DecodeSide:
     def close(self) -> None:
         self.bells.close()
 
-    async def _verify(self, room: DecodeRoom, peer: PrefillPeer, message: Done) -> None:
-        """Count a source done only once what it wrote matches its checksums."""
+    async def _verify(self, room: DecodeRoom, peer: PrefillPeer, layout: BlockLayout, message: Done) -> None:
+        """Count a source done only once what it wrote matches its checksums (``layout``'s)."""
         try:
             problem = await integrity.verify(
-                peer.integrity, room.dst, message.checksums, self.sidecar.dataplane.local_regions
+                layout, room.dst, message.checksums, self.sidecar.dataplane.local_regions
             )
         except Exception as err:  # the room ends now, with why, not at its timeout
             log.exception("decode: room %s: verifying %s failed", room.room, peer.rank_id)
@@ -333,7 +342,7 @@ class DecodeSide:
         """Fence the room: every prefill rank not yet finished must ack the abort."""
         pending = [
             p
-            for p in room.instance.peers.values()
+            for p in (room.instance.peers if room.instance is not None else {}).values()
             if p.rank_id in room.sources and p.rank_id not in room.acks
         ]
         for peer in pending:
@@ -346,7 +355,7 @@ class DecodeSide:
         if room.acks >= set(room.sources):
             room.drained.set()
 
-    async def on_worker_abort(self, room_id: int) -> dict:
+    async def on_worker_abort(self, room_id: int) -> dict[str, Any]:
         room = self.sidecar.rooms.get(room_id)
         if not isinstance(room, DecodeRoom):
             raise PdTransferError(f"room {room_id} is unknown", code=Reason.UNKNOWN_ROOM)

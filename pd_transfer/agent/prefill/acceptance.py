@@ -69,16 +69,21 @@ async def send_verdict(side: Acceptor, peer: DecodePeer) -> None:
     decode = await _decode_instance(side, peer)
     if decode is None:
         return
-    recon, headline, mismatches = instance_verdict([e.geometry for e in side.table.entries], decode)
+    table, geometry = side.table, side.geometry
+    if table is None or geometry is None:  # cleared with its worker (PrefillSide.on_worker_lost)
+        raise PdTransferError(
+            f"no verdict for {peer.rank_id}: the prefill worker is gone", code=Reason.WORKER_LOST
+        )
+    recon, headline, mismatches = instance_verdict([e.geometry for e in table.entries], decode)
     if not recon.ok:
         await _reject(side, peer, headline, mismatches)
         return
-    decode_geometry = peer.register.geometry
+    decode_geometry = peer.registered.geometry
     peer.reconciliation = recon
-    peer.planner = PairPlanner(recon, side.geometry, decode_geometry)
-    peer.fed = decode_ranks_fed(recon, side.geometry.rank_id, decode_geometry)
+    peer.planner = PairPlanner(recon, geometry, decode_geometry)
+    peer.fed = decode_ranks_fed(recon, geometry.rank_id, decode_geometry)
     try:
-        peer.link = await side.dataplane.connect(peer.register)
+        peer.link = await side.dataplane.connect(peer.registered)
     except PdTransferError as err:
         await _reject(
             side,
@@ -89,7 +94,7 @@ async def send_verdict(side: Acceptor, peer: DecodePeer) -> None:
                     path="transport",
                     code=err.code,
                     prefill=side.config.transport,
-                    decode=peer.register.data_address or "<no data address>",
+                    decode=peer.registered.data_address or "<no data address>",
                     hint=str(err),
                 )
             ],
@@ -124,8 +129,8 @@ async def _table_ready(side: Acceptor, peer: DecodePeer) -> bool:
 
 async def _registration_rejected(side: Acceptor, peer: DecodePeer) -> bool:
     """Reject ``peer`` (True) when its region handles are invalid."""
-    handles = {h.region: h.handle for h in peer.register.region_handles}
-    problems = handle_problems(peer.register.geometry, handles) if handles else []
+    handles = {h.region: h.handle for h in peer.registered.region_handles}
+    problems = handle_problems(peer.registered.geometry, handles) if handles else []
     if problems:
         await _reject(
             side,
@@ -159,7 +164,7 @@ async def _accept(side: Acceptor, peer: DecodePeer, recon: Reconciliation) -> No
     observe.peer(peer.rank_id, "accepted", channel=peer.channel, transport=link_transport(peer), modes=modes)
     observe.verdict(True)
     observe.verdict_modes({m: modes.count(m) for m in set(modes)})
-    strategies = side.dataplane.strategies(peer.link, peer.planner)
+    strategies = side.dataplane.strategies(peer.data_link, peer.pair_planner)
     observe.strategies(peer.rank_id, strategies)
     log.info(
         "prefill: accepted %s (feeds decode tp ranks %s)",
@@ -168,15 +173,15 @@ async def _accept(side: Acceptor, peer: DecodePeer, recon: Reconciliation) -> No
         extra={"peer": peer.rank_id},
     )
     peer.integrity = integrity.prefill_layout(
-        side.config, side.dataplane.on_device, peer.planner, peer.features, peer.rank_id
+        side.config, side.dataplane.on_device, peer.pair_planner, peer.features, peer.rank_id
     )
-    peer.bells = side.dataplane.doorbells(peer.link, peer.register.doorbell)
+    peer.bells = side.dataplane.doorbells(peer.data_link, peer.registered.doorbell)
     await peer.channel.send(
         Verdict(
             accepted=True,
             integrity=peer.integrity is not None,
             doorbell=peer.bells is not None,
-            plan=plan_summary(recon, peer.planner, strategies),
+            plan=plan_summary(recon, peer.pair_planner, strategies),
             transport=link_transport(peer),
         )
     )
@@ -197,7 +202,7 @@ def instance_verdict(
 async def _decode_instance(side: Acceptor, peer: DecodePeer) -> list[RankGeometry] | None:
     """``peer``'s rank and one rank of every other stage of its decode instance, or None
     once ``peer`` was rejected (an impossible stage, or a stage that never registered)."""
-    register = peer.register
+    register = peer.registered
     geometry = register.geometry
     if geometry.pp_rank >= register.pp_size:
         await _reject(

@@ -104,7 +104,7 @@ def _last_pools(
     moved: frozenset[Pool],
 ) -> ChunkRequests:
     """SWA pages, state slots and aux rows of the last chunk, aux last."""
-    requests = {}
+    requests: ChunkRequests = {}
     swa_sizes = planner.page_sizes(Pool.SWA) if planner is not None else None
     for pool in (Pool.SWA, Pool.MAMBA, Pool.AUX):
         src, dst = chunk.get(pool), target.dst.get(pool)

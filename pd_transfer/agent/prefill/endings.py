@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pd_transfer.agent.prefill import ownership
 from pd_transfer.agent.prefill.flow import peer_key
@@ -34,7 +34,7 @@ class PrefillEndings:
     """The prefill side's decode peers and how its rooms end (the base of
     :class:`~pd_transfer.agent.prefill.side.PrefillSide`)."""
 
-    def __init__(self, sidecar: Sidecar) -> None:
+    def __init__(self, sidecar: Sidecar[PrefillRoom]) -> None:
         self.sidecar = sidecar
         self.peers: dict[int, DecodePeer] = {}
 
@@ -52,7 +52,7 @@ class PrefillEndings:
         """Decode has the room's bytes: what this side's Success waits for."""
         room = self.sidecar.rooms.get(message.room)
         target = room.targets.get(id(peer.channel)) if isinstance(room, PrefillRoom) else None
-        if target is None or target.generation != message.generation:
+        if room is None or target is None or target.generation != message.generation:
             log.info(
                 "prefill: confirmation of room %d from %s for no write of it", message.room, peer.rank_id
             )
@@ -108,7 +108,7 @@ class PrefillEndings:
     async def _on_abort(self, peer: DecodePeer, message: Abort) -> None:
         room = self.sidecar.rooms.get(message.room)
         target = room.targets.get(id(peer.channel)) if room else None
-        if target is not None:
+        if room is not None and target is not None:
             self.sidecar.observe.abort("decode", message.reason.value)
             target.abort()
             self.sidecar.admission.withdraw(room, peer_key(target))  # a queued write gives up now
@@ -120,7 +120,7 @@ class PrefillEndings:
                 )
         await peer.channel.send(AbortAck(room=message.room, generation=message.generation, drained=True))
 
-    async def on_worker_abort(self, room_id: int) -> dict:
+    async def on_worker_abort(self, room_id: int) -> dict[str, Any]:
         room = self.sidecar.rooms.get(room_id)
         if room is None:
             raise PdTransferError(f"room {room_id} is unknown", code=Reason.UNKNOWN_ROOM)
@@ -148,9 +148,9 @@ class PrefillEndings:
     def on_peer_refused(self, channel: Channel) -> None:
         """This sidecar closed a decode peer's session over a bad frame: its rooms fail
         with that reason now (not at their timeout), and nothing of it is kept."""
-        if id(channel) not in self.peers:
+        refusal = channel.refusal  # set: the channel calls this once it refused (agent/channels.py)
+        if id(channel) not in self.peers or refusal is None:
             return  # refused at its first frame: it holds nothing (and rooms need no scan)
-        refusal = channel.refusal
         self.sidecar.observe.lost(
             channel.peer_rank or channel.label,
             f"session closed after a bad frame: {refusal}",
@@ -180,7 +180,7 @@ class PrefillEndings:
             link, peer.link = peer.link, None
             self.sidecar.spawn(self._close_link(link, fails, peer), peer=peer.rank_id)
 
-    async def _close_link(self, link: Link, fails: list[asyncio.Task], peer: DecodePeer) -> None:
+    async def _close_link(self, link: Link, fails: list[asyncio.Task[Any]], peer: DecodePeer) -> None:
         await asyncio.gather(*fails, return_exceptions=True)
         if peer.bells is not None:  # no write of its rooms is left to ring
             bells, peer.bells = peer.bells, None

@@ -73,14 +73,18 @@ async def write_chunk(plane: FlowPlane, room: PrefillRoom, target: Target, plan:
     gauge = plane.observe.inflight(target.peer.rank_id)
     gauge.inc(plan.total_nbytes)
     try:
-        return await plane.dataplane.write(target.peer.link, plan, room.room, target.generation)
+        return await plane.dataplane.write(target.peer.data_link, plan, room.room, target.generation)
     finally:
         gauge.dec(plan.total_nbytes)
         grant.release()
 
 
 async def refuse_new_room(
-    rooms: RoomTable, observe: Observer, agent_id: str, channel: Channel, message: TransferRequest
+    rooms: RoomTable[PrefillRoom],
+    observe: Observer,
+    agent_id: str,
+    channel: Channel,
+    message: TransferRequest,
 ) -> bool:
     """A decode peer's TransferRequest creates a room here: over ``max_rooms`` it is
     answered with a failed Done instead (True), like the worker's own send."""

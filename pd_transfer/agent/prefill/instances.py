@@ -33,7 +33,10 @@ def instance_size(register: Register) -> int:
     return register.geometry.tp_size * register.pp_size
 
 
-def _key(register: Register) -> tuple:
+InstanceKey = tuple[str, int, int]  # a decode instance: its name, tp_size, pp_size
+
+
+def _key(register: Register) -> InstanceKey:
     return register.instance, register.geometry.tp_size, register.pp_size
 
 
@@ -41,8 +44,8 @@ class DecodeInstances:
     """The decode ranks that registered with this prefill rank, per decode instance."""
 
     def __init__(self) -> None:
-        self._ranks: OrderedDict[tuple, dict[tuple[int, int], RankGeometry]] = OrderedDict()
-        self._changed: dict[tuple, asyncio.Event] = {}
+        self._ranks: OrderedDict[InstanceKey, dict[tuple[int, int], RankGeometry]] = OrderedDict()
+        self._changed: dict[InstanceKey, asyncio.Event] = {}
 
     def add(self, register: Register) -> None:
         key = _key(register)

@@ -46,7 +46,7 @@ MAX_CONTENDERS = 16  # requests from other instances parked per room before its 
 
 def instance_of(peer: DecodePeer) -> str:
     """The decode instance a registered peer belongs to ('' if it names none)."""
-    return peer.register.instance
+    return peer.registered.instance
 
 
 def claimant(room: PrefillRoom) -> str:
@@ -117,9 +117,13 @@ def duplicate(room: PrefillRoom, peer: DecodePeer, peers: dict[int, DecodePeer],
     a decode rank that registered again (a new session) asking for an id its
     earlier registration used is told that, not that another peer owns it.
     """
-    rank = peer.register.geometry.rank_id
+    rank = peer.registered.geometry.rank_id
     earlier = next(
-        (t for t in room.targets.values() if t.peer is not peer and t.peer.register.geometry.rank_id == rank),
+        (
+            t
+            for t in room.targets.values()
+            if t.peer is not peer and t.peer.registered.geometry.rank_id == rank
+        ),
         None,
     )
     if earlier is None:
@@ -176,7 +180,7 @@ async def bind(room: PrefillRoom, decode: str, request: OnRequest) -> None:
                 f"room {room.room} belongs to decode instance {room.owner!r}, as its "
                 f"prefill worker says, not to {instance_of(target.peer)!r}",
             )
-    room.expected_targets = max((instance_size(t.peer.register) for t in room.targets.values()), default=0)
+    room.expected_targets = max((instance_size(t.peer.registered) for t in room.targets.values()), default=0)
     contenders, room.contenders = room.contenders, []
     for peer, message in contenders:
         await request(peer, message)

@@ -12,6 +12,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -19,10 +20,15 @@ from pd_transfer.agent.channels import Channel
 from pd_transfer.agent.prefill.streaming import ChunkLayers
 from pd_transfer.agent.rooms import Room
 from pd_transfer.doorbell import Doorbells
+from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.planner import PairPlanner
 from pd_transfer.layout.reconcile import Reconciliation
 from pd_transfer.layout.views import Pool
-from pd_transfer.protocol import CONFIRM_DONE, Register
+from pd_transfer.protocol import CONFIRM_DONE, Register, TransferRequest
+
+if TYPE_CHECKING:
+    from pd_transfer.transport.base import Link
+    from pd_transfer.transport.copy.checksums import BlockLayout, RoomDigest
 
 
 @dataclass
@@ -31,16 +37,39 @@ class DecodePeer:
     register: Register | None = None
     reconciliation: Reconciliation | None = None
     fed: list[int] = field(default_factory=list)
-    link: object = None
+    link: Link | None = None
     planner: PairPlanner | None = None
     accepted: bool = False
     features: tuple[str, ...] = ()  # decode's Hello features
-    integrity: object = None  # BlockLayout when both sides check integrity
+    integrity: BlockLayout | None = None  # when both sides check integrity
     bells: Doorbells | None = None  # its doorbells, mapped (same host, shm)
 
     @property
     def rank_id(self) -> str:
         return self.register.geometry.rank_id if self.register else self.channel.label
+
+    @property
+    def registered(self) -> Register:
+        """Its Register: what its session does after registering reads it."""
+        if self.register is None:
+            raise PdTransferError(
+                f"decode peer {self.rank_id} has not registered", code=Reason.ILLEGAL_MESSAGE
+            )
+        return self.register
+
+    @property
+    def data_link(self) -> Link:
+        """The link its accepted verdict connected: what writes to it go through."""
+        if self.link is None:
+            raise PdTransferError(f"decode peer {self.rank_id} has no data link", code=Reason.PEER_REJECTED)
+        return self.link
+
+    @property
+    def pair_planner(self) -> PairPlanner:
+        """The planner its accepted verdict made: what writes to it are planned with."""
+        if self.planner is None:
+            raise PdTransferError(f"decode peer {self.rank_id} has no plan", code=Reason.PEER_REJECTED)
+        return self.planner
 
 
 class TargetState(Enum):
@@ -79,9 +108,9 @@ class Target:
     started_s: float = field(default_factory=time.monotonic)
     state: TargetState = TargetState.OPEN
     admitted: bool = False  # holds a room slot with the peer (agent/prefill/flow.py)
-    layers_sent: set = field(default_factory=set)  # of the streamed chunk being written
+    layers_sent: set[int] = field(default_factory=set)  # of the streamed chunk being written
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    sums: object = None  # RoomDigest of what was sent, when the pair checks integrity
+    sums: RoomDigest | None = None  # of what was sent, when the pair checks integrity
     bell: tuple[int, int, int] | None = None  # (slot, token, writer) to ring once all landed
     confirmed: bool = False  # decode confirmed it has the bytes (its own Done)
 
@@ -129,4 +158,5 @@ class PrefillRoom(Room):
     refused: bool = False  # a send of it was refused: requests still arriving get its failure
     nbytes: int = 0
     owner: str = ""  # the decode instance the room is bound to (agent/prefill/ownership.py)
-    contenders: list = field(default_factory=list)  # other instances' requests, until bound
+    # other instances' requests, until bound
+    contenders: list[tuple[DecodePeer, TransferRequest]] = field(default_factory=list)

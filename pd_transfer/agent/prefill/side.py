@@ -68,7 +68,7 @@ log = logging.getLogger(__package__)
 
 
 class PrefillSide(PrefillWrites):
-    def __init__(self, sidecar: Sidecar) -> None:
+    def __init__(self, sidecar: Sidecar[PrefillRoom]) -> None:
         super().__init__(sidecar)
         self.table: RankTable | None = None
         self.table_ready = asyncio.Event()
@@ -109,12 +109,14 @@ class PrefillSide(PrefillWrites):
             # rank 0's lost worker came back as another rank: its table is not this sidecar's
             sidecar.bootstrap_server.close()  # (its serve task ends with the socket)
             sidecar.bootstrap_server = None
+        if sidecar.control is None:  # a prefill sidecar serves its control port before its worker
+            raise PdTransferError("the control port is not served", code=Reason.NOT_REGISTERED)
         entry = RankEntry(
             agent_id=self.config.agent_id,
             host_id=self.config.host_id,
             control_address=sidecar.control.address,
             pp_size=sidecar.pp_size,
-            geometry=sidecar.geometry,
+            geometry=sidecar.registered_geometry,
             control_key=security_of(sidecar.context).control_key,
         )
         await announce_first(sidecar.context, self.config, entry)
@@ -142,6 +144,9 @@ class PrefillSide(PrefillWrites):
         self.table = None
         self.table_ready.clear()
         self.stale_peers = {key for key, peer in self.peers.items() if peer.accepted}
+
+    def instance_problem(self, address: str) -> str:
+        return ""  # prefill resolves no prefill instance (prefill_bootstraps is decode's)
 
     def on_tick(self, now_s: float) -> None:
         pass  # prefill's periodic work is the sidecar's: heartbeats and room deadlines
@@ -220,7 +225,7 @@ class PrefillSide(PrefillWrites):
         geometry = self.sidecar.geometry
         if geometry is None:  # worker not registered yet: wait for it, bounded
             await self.sidecar.wait_registered(self.config.bootstrap_timeout_s)
-            geometry = self.sidecar.geometry
+            geometry = self.sidecar.registered_geometry
         await peer.channel.send(
             Register(
                 agent_id=self.config.agent_id,
@@ -267,7 +272,7 @@ class PrefillSide(PrefillWrites):
         room, target = admitted
         room.targets[id(peer.channel)] = target
         # every rank of the decode instance (every stage) sends each room's request to every prefill rank
-        room.expected_targets = max(room.expected_targets, instance_size(peer.register))
+        room.expected_targets = max(room.expected_targets, instance_size(peer.registered))
         if room.terminal:
             await self._finish_target(room, target)
             return
@@ -301,7 +306,7 @@ class PrefillSide(PrefillWrites):
             return None
         dst = {d.pool: np.asarray(d.indices, dtype=np.int64) for d in message.dst}
         try:  # against the pools the peer registered: refused before any byte moves
-            check_indices(dst, peer.register.geometry, side="destination", unique=True)
+            check_indices(dst, peer.registered.geometry, side="destination", unique=True)
         except PdTransferError as err:
             await _refuse(peer, message, err.code, f"room {message.room}: {err.message}"[:4000])
             return None
@@ -317,7 +322,7 @@ class PrefillSide(PrefillWrites):
 
     async def on_send(self, request: dict[str, Any], pools: dict[Pool, np.ndarray]) -> dict[str, Any]:
         try:  # against this rank's own pools, before a byte moves
-            check_indices(pools, self.sidecar.geometry, side="source", unique=False)
+            check_indices(pools, self.sidecar.registered_geometry, side="source", unique=False)
         except PdTransferError as err:
             # refused to the worker, and the room fails with it, so decode learns at once
             room = self._room(request["room"])
@@ -335,7 +340,9 @@ class PrefillSide(PrefillWrites):
             await self.fail_room(room, Reason.OVER_LIMIT, chunk_refusal(self.config, room))
             return room.reply()
         room.chunks.append(pools)
-        room.layers.append(ChunkLayers(span_of(self.sidecar.geometry)) if request["stream"] else None)
+        room.layers.append(
+            ChunkLayers(span_of(self.sidecar.registered_geometry)) if request["stream"] else None
+        )
         room.last_received = request["last"]
         self._pump_all(room)
         # the writes start before the reply goes: a small room (copied on the loop) is

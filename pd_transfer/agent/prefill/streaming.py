@@ -97,7 +97,7 @@ async def write_ready_layers(
     """
     while pending := layers.pending(target.layers_sent):
         if Pool.KV in requests:
-            plan = target.peer.planner.plan({Pool.KV: requests[Pool.KV]}, layers=pending)
+            plan = target.peer.pair_planner.plan({Pool.KV: requests[Pool.KV]}, layers=pending)
             room.advance(RoomStatus.TRANSFERRING, time.monotonic() + writes.transfer_timeout_s)
             nbytes = await write_chunk(writes.plane, room, target, plan)
             target.nbytes += nbytes
@@ -130,7 +130,7 @@ async def chunk_plan(
     layers = room.layers[index]
     if layers is None:
         # a link that copies small plans as grids (shm, native loop) gets them unlowered
-        return target.peer.planner.plan(requests, grid_max_runs=target.peer.link.grid_max_runs)
+        return target.peer.pair_planner.plan(requests, grid_max_runs=target.peer.data_link.grid_max_runs)
     if not await write_ready_layers(writes, room, target, requests, layers):
         return None
-    return target.peer.planner.plan({p: r for p, r in requests.items() if p is not Pool.KV})
+    return target.peer.pair_planner.plan({p: r for p, r in requests.items() if p is not Pool.KV})

@@ -37,7 +37,7 @@ log = logging.getLogger(__package__)
 class PrefillWrites(PrefillEndings):
     """The prefill side's pumps (the base of :class:`~pd_transfer.agent.prefill.side.PrefillSide`)."""
 
-    def __init__(self, sidecar: Sidecar) -> None:
+    def __init__(self, sidecar: Sidecar[PrefillRoom]) -> None:
         super().__init__(sidecar)
         self.writes = ChunkWrites(sidecar, sidecar.config.transfer_timeout_s, self.send_quietly)
 

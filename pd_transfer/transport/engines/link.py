@@ -28,14 +28,17 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.base import Link, PeerEndpoint, Transport
 from pd_transfer.transport.engines.address import EngineAddress
-from pd_transfer.transport.engines.strategy import Strategy
+from pd_transfer.transport.engines.strategy import PathCost, Strategy
+
+if TYPE_CHECKING:
+    from pd_transfer.transport.engines.staging.sender import StagingChannel
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,8 @@ class StagingPath(Protocol):
     """What a link keeps of its staging channel (``staging/engine.py``'s ``LinkStaging``)."""
 
     by_region: dict[str, Strategy]  # destination region -> the strategy set for it
+    channel: StagingChannel  # its ring: how many slots, how large (the strategy's choice)
+    cost: PathCost | None  # the probed path, None when unmeasured
 
     def close(self) -> None: ...
 
