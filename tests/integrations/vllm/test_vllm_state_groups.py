@@ -241,3 +241,11 @@ def test_a_state_group_whose_layers_are_not_the_first_groups_memory_is_refused_a
     ):
         connector.register_kv_caches(shifted)
     assert connector._worker is None  # refused before any sidecar was asked
+
+
+def test_each_groups_state_block_is_the_last_before_its_speculative_scratch_blocks():
+    from pd_transfer.integrations.vllm.hybrid_state import state_slots
+
+    assert state_slots([[7], [3], [11]], 0) == (7, 3, 11)  # group order, one block each
+    assert state_slots([[7, 8, 9], [3, 4, 5]], 2) == (7, 3)  # vLLM's scratch blocks follow the state block
+    assert state_slots([], 0) == () and state_slots([[], []], 0) == ()  # no blocks yet: nothing to move
