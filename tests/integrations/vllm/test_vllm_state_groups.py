@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import MambaSpec  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm_harness import request, runner_output, vllm_config  # noqa: E402
@@ -62,7 +63,12 @@ UNEVEN = _layers([0, 1, 2], [3, 4])  # GDN groups [0, 2], [1]: the second has no
 
 
 def _build(model_dir, layers, block_size: int):
-    return gdn_groups(model_dir, *layers, block_size=block_size, mamba_block_size=MAX_MODEL_LEN)
+    """Layer-outermost for the even groups, block-outermost (every block holds a page of each
+    position) for the uneven ones: vLLM overlays the groups from byte 0 in both."""
+    layout = KVCacheLayout.LBHNC if layers is EVEN else KVCacheLayout.BLHNC
+    return gdn_groups(
+        model_dir, *layers, block_size=block_size, mamba_block_size=MAX_MODEL_LEN, layout=layout
+    )
 
 
 def _state_groups(kv_config) -> list[list[str]]:
@@ -196,7 +202,13 @@ def _move_and_check(prefill, decode, send, recv, model, block_sizes, num_tokens)
     [
         pytest.param(EVEN, 33, (2, 16), (4, 16), id="3-groups-of-2-33-tokens-tp2-to-tp4"),
         pytest.param(EVEN, 32, (2, 16), (1, 32), id="3-groups-of-2-32-tokens-bs16-to-bs32-tp2-to-tp1"),
-        pytest.param(UNEVEN, 17, (1, 32), (2, 16), id="groups-of-2-and-1-17-tokens-bs32-to-bs16-tp1-to-tp2"),
+        pytest.param(
+            UNEVEN,
+            17,
+            (1, 32),
+            (2, 16),
+            id="groups-of-2-and-1-block-outermost-17-tokens-bs32-to-bs16-tp1-to-tp2",
+        ),
     ],
 )
 def test_each_gdn_groups_state_block_moves_with_the_kv_byte_exact(

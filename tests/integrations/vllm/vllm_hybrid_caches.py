@@ -84,14 +84,23 @@ def gdn_hybrid(tp_size: int, rank: int, *, block_size: int = BLOCK_SIZE, mamba_b
     return _overlaid([(ATTN, attn), (GDN, gdn)], attn.page_size_bytes)
 
 
-def gdn_groups(model_dir, gdn: list[str], attn: list[str], *, block_size: int, mamba_block_size: int):
+def gdn_groups(
+    model_dir,
+    gdn: list[str],
+    attn: list[str],
+    *,
+    block_size: int,
+    mamba_block_size: int,
+    layout: KVCacheLayout = KVCacheLayout.LBHNC,
+):
     """``build(tp_size, rank)`` of a GDN hybrid whose KV-cache groups vLLM makes and places itself.
 
     vLLM's ``get_kv_cache_groups`` splits the layers (6 GDN + 2 attention:
     three GDN groups of 2 and an attention group; 3 GDN + 2 attention: GDN
     groups of 2 and 1), ``get_kv_cache_config_from_groups`` overlays them
-    (layer-outermost, ``NUM_BLOCKS`` blocks) and ``allocate_kv_cache`` makes
-    the tensors, with stale random bytes everywhere.
+    (``layout``: layer-outermost ``LBHNC`` or block-outermost ``BLHNC``;
+    ``NUM_BLOCKS`` blocks) and ``allocate_kv_cache`` makes the tensors, with
+    stale random bytes everywhere.
     """
 
     def build(tp_size: int, rank: int):
@@ -99,13 +108,13 @@ def gdn_groups(model_dir, gdn: list[str], attn: list[str], *, block_size: int, m
             model_dir, kv_role="kv_consumer", tp_size=tp_size, rank=rank, block_size=block_size
         )
         config.scheduler_config.disable_hybrid_kv_cache_manager = False  # the harness's Llama turns it off
-        config.cache_config.kv_cache_layout = KVCacheLayout.LBHNC.name
+        config.cache_config.kv_cache_layout = layout.name
         config.cache_config.num_gpu_blocks_override = NUM_BLOCKS
         attn_spec, gdn_spec = _gdn_specs(tp_size, block_size, mamba_block_size)
         names = sorted(gdn + attn, key=lambda n: int(n.split(".")[2]))
         groups = get_kv_cache_groups(config, {n: gdn_spec if n in gdn else attn_spec for n in names})
         kv_config = get_kv_cache_config_from_groups(config, groups, 1 << 30)
-        caches = allocate_kv_cache(kv_config, torch.device("cpu"), KVCacheLayout.LBHNC)
+        caches = allocate_kv_cache(kv_config, torch.device("cpu"), layout)
         torch.manual_seed(tp_size * 10 + rank)
         storage = next(iter(caches.values())).untyped_storage()
         storage.copy_(torch.randint(-128, 127, (storage.nbytes(),), dtype=torch.int8).untyped_storage())
