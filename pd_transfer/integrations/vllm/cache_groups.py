@@ -109,14 +109,18 @@ class CacheGroups:
 
 
 def _alias_mismatch(mine, theirs) -> str:
+    """Why ``theirs`` is not the very tensor ``mine`` is ('' when it is)."""
     if mine is None or theirs is None:
         return "one of them has no KV-cache tensor"
+    if mine.device != theirs.device:
+        return f"it is on {theirs.device}, the other on {mine.device}"
+    if mine.untyped_storage().data_ptr() != theirs.untyped_storage().data_ptr():
+        return "it lies in another allocation"
+    if mine.data_ptr() != theirs.data_ptr():
+        return f"it starts {theirs.data_ptr() - mine.data_ptr():+d} bytes from the other in their allocation"
     for what, a, b in (
-        ("device", mine.device, theirs.device),
-        ("storage", mine.untyped_storage().data_ptr(), theirs.untyped_storage().data_ptr()),
-        ("address", mine.data_ptr(), theirs.data_ptr()),
-        ("shape", tuple(mine.shape), tuple(theirs.shape)),
-        ("strides", tuple(mine.stride()), tuple(theirs.stride())),
+        ("shape", list(mine.shape), list(theirs.shape)),
+        ("strides", list(mine.stride()), list(theirs.stride())),
         ("dtype", mine.dtype, theirs.dtype),
     ):
         if a != b:
