@@ -49,6 +49,7 @@ from vllm_instances import HEAD_SIZE, NUM_BLOCKS, TOTAL_HEADS, transfer  # noqa:
 
 from pd_transfer.errors import ConfigError  # noqa: E402
 from pd_transfer.integrations.vllm.connector import PdTransferConnector  # noqa: E402
+from pd_transfer.integrations.vllm.specs import RecvSpec, SendSpec  # noqa: E402
 from pd_transfer.ports import spare_port  # noqa: E402
 
 MAX_MODEL_LEN = 4096  # the harness's; vLLM's GDN block size without prefix caching
@@ -169,7 +170,7 @@ def _fill(caches, tp, rank, blocks, slots, data, block_size, model):
             page, at = blocks[t // block_size], t % block_size
             caches[n][page, :, at, :HEAD_SIZE] = kv[n][0, t][heads]
             caches[n][page, :, at, HEAD_SIZE:] = kv[n][1, t][heads]
-    longest = max(groups, key=len)
+    longest = max(groups, key=len, default=[])
     for g, (names, slot) in enumerate(zip(groups, slots)):
         for j in range(len(longest)):
             # past a shorter group's last layer: the bytes at that position of its block
@@ -229,6 +230,36 @@ def test_each_gdn_groups_state_block_moves_with_the_kv_byte_exact(
     assert len(recv.block_ids) * d_bs <= len(send.block_ids) * p_bs
     num_tokens = len(send.block_ids) * p_bs
     _move_and_check(p, d, send, recv, (layers[1], groups), (p_bs, d_bs), num_tokens)
+
+
+def test_a_saved_state_layer_waits_for_the_end_of_the_pass_which_writes_the_other_groups_later(
+    model_dir, instances
+):
+    """A registered GDN view also carries the other groups' layers at its position, which the
+    forward pass computes later (model layer 1 after layer 0): saving it must not ship them early."""
+    bootstrap = f"tcp://127.0.0.1:{spare_port()}"
+    build = _build(model_dir, EVEN, 16)
+    groups = _state_groups(build(1, 0)[0])
+    model = (EVEN[1], groups)
+    prefill = instances("kv_producer", 1, bootstrap, build=build)
+    decode = instances("kv_consumer", 1, bootstrap, build=build)
+    send = SendSpec("req-save", 84, (2, 5), state_slots=(7, 1, 9), stream=True)
+    recv = RecvSpec("req-save", 84, bootstrap, (4, 10), state_slots=(3, 8, 6))
+    before, after = _request_data(51, *model, 32), _request_data(52, *model, 32)
+    _fill(prefill.caches[0], 1, 0, send.block_ids, send.state_slots, before, 16, model)
+
+    def forward():  # every registered layer saved, then the state written as the pass goes on
+        for name in [*EVEN[1], *groups[0]]:
+            prefill.connectors[0].save_kv_layer(name, None, None)
+        _fill(prefill.caches[0], 1, 0, send.block_ids, send.state_slots, after, 16, ([], groups))
+
+    flat = flat_copy(decode.caches[0])
+    view = twin(decode.caches[0], flat)
+    _fill(view, 1, 0, recv.block_ids, recv.state_slots, before, 16, (EVEN[1], []))
+    _fill(view, 1, 0, recv.block_ids, recv.state_slots, after, 16, ([], groups))
+    results, errors = transfer(prefill, decode, send, recv, forward)
+    assert not results[0].failed_recving and not errors[0], decode.connectors[0]._worker.failures
+    assert_same_bytes(flat_copy(decode.caches[0]), flat, "decode tp0/1")
 
 
 def test_a_state_group_whose_layers_are_not_the_first_groups_memory_is_refused_at_registration(model_dir):
