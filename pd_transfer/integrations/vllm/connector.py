@@ -5,8 +5,10 @@ one with role WORKER in each worker process; they share only the
 :class:`PdTransferConnectorMetadata` vLLM passes each step. This module only
 translates between vLLM's objects and :mod:`.scheduler_side` /
 :mod:`.worker_side`, which hold the logic; :mod:`.settings` refuses the
-vLLM settings it does not support, and :mod:`.hybrid_state` says which
-blocks hold a request's Mamba state and who computes the last prompt token. The connector describes memory and
+vLLM settings it does not support, :mod:`.cache_groups` picks the KV-cache
+groups it moves (several Mamba/GDN groups through one group's layers), and
+:mod:`.hybrid_state` says which blocks hold a request's Mamba state and who
+computes the last prompt token. The connector describes memory and
 the request lifecycle; matching TP sizes, MLA and layouts between prefill and
 decode is the sidecars' verdict, made before any traffic.
 
@@ -38,23 +40,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    MambaSpec,
-    MLAAttentionSpec,
-    SlidingWindowMLASpec,
-    SlidingWindowSpec,
-)
 from vllm.v1.request import RequestStatus
 
 from pd_transfer.client import Client
 from pd_transfer.errors import ConfigError
 from pd_transfer.integrations.vllm import settings
+from pd_transfer.integrations.vllm.cache_groups import cache_groups
 from pd_transfer.integrations.vllm.hybrid_state import drop_last_prompt_token
-from pd_transfer.integrations.vllm.memory import LayerSpec, describe_kv_caches
+from pd_transfer.integrations.vllm.memory import describe_kv_caches
 from pd_transfer.integrations.vllm.scheduler_side import SchedulerSide
 from pd_transfer.integrations.vllm.specs import StepSpecs
-from pd_transfer.integrations.vllm.states import StateSpec
 from pd_transfer.integrations.vllm.worker_side import WorkerSide
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.views import Pool
@@ -87,8 +82,8 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
         self._pd_role = pd_role
         settings.refuse_unsupported(vllm_config, self._extra, prefill=pd_role is Role.PREFILL)
         tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self._groups, self._specs = _cache_groups(kv_cache_config, tp_size)
-        self._group = self._groups[Pool.KV]
+        self._groups = cache_groups(kv_cache_config, tp_size)
+        self._specs = self._groups.specs
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role is KVConnectorRole.SCHEDULER:
@@ -102,21 +97,16 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
                     f"kv_connector_extra_config.bootstrap_addr is {bootstrap!r}; a prefill "
                     f"instance needs its sidecars' bootstrap address 'tcp://host:port'"
                 )
-            block_size = kv_cache_config.kv_cache_groups[self._group].kv_cache_spec.block_size
-            swa = self._groups.get(Pool.SWA)
-            window = (
-                kv_cache_config.kv_cache_groups[swa].kv_cache_spec.sliding_window if swa is not None else None
-            )
-            mamba = self._groups.get(Pool.MAMBA)
+            specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+            block_size = specs[self._groups.first(Pool.KV)].block_size
+            swa = self._groups.first(Pool.SWA)
+            window = specs[swa].sliding_window if swa is not None else None
+            mamba = self._groups.first(Pool.MAMBA)
             self._scheduler = SchedulerSide(
                 block_size=block_size,
                 bootstrap_addr=bootstrap,
                 sliding_window=window,
-                state_scratch_blocks=(
-                    kv_cache_config.kv_cache_groups[mamba].kv_cache_spec.num_speculative_blocks
-                    if mamba is not None
-                    else 0
-                ),
+                state_scratch_blocks=specs[mamba].num_speculative_blocks if mamba is not None else 0,
             )
 
     # -- scheduler side ---------------------------------------------------------------
@@ -128,12 +118,12 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
 
     def on_new_request(self, request) -> None:
         """Prefill of a model with a Mamba group: decode computes the last prompt token (see .hybrid_state)."""
-        if self._pd_role is Role.PREFILL and Pool.MAMBA in self._groups:
+        if self._pd_role is Role.PREFILL and Pool.MAMBA in self._groups.pools:
             drop_last_prompt_token(request)
 
     def get_loaded_kv_cache_group_ids(self, request) -> tuple[int, ...]:
-        """A load writes every group pd-transfer moves (attention pages, window pages, state)."""
-        return tuple(self._groups.values())
+        """A load writes every group pd-transfer moves (attention pages, window pages, every state group)."""
+        return tuple(sorted(g for groups in self._groups.pools.values() for g in groups))
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._side.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -145,7 +135,7 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
             self._ids(ids, Pool.KV),
             num_external_tokens,
             self._ids(ids, Pool.SWA),
-            self._ids(ids, Pool.MAMBA),
+            self._groups.state_ids(ids),
         )
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
@@ -158,7 +148,7 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
                 new.num_computed_tokens,
                 scheduled.get(new.req_id, 0),
                 self._ids(new.block_ids, Pool.SWA),
-                self._ids(new.block_ids, Pool.MAMBA),
+                self._groups.state_ids(new.block_ids),
             )
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -170,7 +160,7 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
                 cached.num_computed_tokens[i],
                 scheduled.get(req_id, 0),
                 self._ids(new_ids, Pool.SWA),
-                self._ids(new_ids, Pool.MAMBA),
+                self._groups.state_ids(new_ids),
             )
         return PdTransferConnectorMetadata(self._side.build_step())
 
@@ -185,13 +175,12 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
             self._ids(block_ids, Pool.KV),
             capped,
             self._ids(block_ids, Pool.SWA),
-            self._ids(block_ids, Pool.MAMBA),
+            self._groups.state_ids(block_ids),
         )
 
     def _ids(self, per_group, pool: Pool) -> list[int]:
-        """One pool's block ids out of vLLM's per-group tuple (empty without that group or tuple)."""
-        group = self._groups.get(pool)
-        return list(per_group[group]) if per_group and group is not None else []
+        """The KV or SWA pool's block ids out of vLLM's per-group tuple (empty without either)."""
+        return self._groups.ids(per_group, pool)
 
     def update_connector_output(self, connector_output) -> None:
         self._side.update_connector_output(
@@ -210,6 +199,7 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
         endpoint = settings.fill_placeholders(
             endpoint, tp_rank=tp_rank, dp_rank=settings.dp_rank(self._vllm_config)
         )
+        self._groups.check_state_aliases(kv_caches)
         memory = describe_kv_caches(
             {name: t for name, t in kv_caches.items() if name in self._specs},
             self._specs,
@@ -281,112 +271,3 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.close()
             self._worker = None
-
-
-def _cache_groups(kv_cache_config, tp_size: int) -> tuple[dict[Pool, int], dict[str, LayerSpec | StateSpec]]:
-    """Each pool's KV-cache group (full attention or MLA, sliding window, Mamba/GDN) and every layer's spec.
-
-    One group per pool: a request's blocks in a second group of the same
-    kind would need their own page list, which a room does not carry yet.
-    """
-    pools: dict[Pool, int] = {}
-    specs: dict[str, LayerSpec | StateSpec] = {}
-    refused = []
-    for i, group in enumerate(kv_cache_config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        pool, layer = _layer_spec(spec, tp_size)
-        what = f"group {i} ({type(spec).__name__}: {', '.join(group.layer_names[:3])})"
-        mode = _refuse_mamba_cache_mode(spec, what) if pool is Pool.MAMBA else ""
-        if pool is None or layer is None:
-            refused.append(f"{what} is not supported")
-        elif mode:
-            refused.append(mode)
-        elif pool in pools:
-            refused.append(f"{what} is a second {pool.value} group (group {pools[pool]} is the first)")
-        else:
-            pools[pool] = i
-            specs.update((name, layer) for name in group.layer_names)
-    if Pool.KV not in pools and not refused:
-        refused.append("no full-attention or MLA group")
-    if refused:
-        raise ConfigError(
-            "the pd-transfer vLLM connector moves one full-attention or MLA group and at most "
-            "one sliding-window and one Mamba/GDN group; this model's KV-cache groups: " + "; ".join(refused)
-        )
-    return pools, specs
-
-
-def _refuse_mamba_cache_mode(spec, what: str) -> str:
-    """Why a Mamba group's ``mamba_cache_mode`` is refused ('' when it is not).
-
-    With ``"align"`` (vLLM's prefix caching of a hybrid model) a request's
-    Mamba group holds a state block per cached block boundary and moves the
-    running state between them; the connector moves one state block per
-    request (``"none"``).
-    """
-    if spec.mamba_cache_mode == "none":
-        return ""
-    return (
-        f"{what} has cache_config.mamba_cache_mode={spec.mamba_cache_mode!r} (prefix caching of a "
-        f"hybrid model): the connector moves one state block per request, as with 'none'"
-    )
-
-
-def _layer_spec(spec, tp_size: int) -> tuple[Pool | None, LayerSpec | StateSpec | None]:
-    if isinstance(spec, FullAttentionSpec):
-        return Pool.KV, LayerSpec(
-            block_size=spec.block_size,
-            num_kv_heads=spec.num_kv_heads,
-            head_size=spec.head_size,
-            mla=isinstance(spec, MLAAttentionSpec),
-        )
-    if isinstance(spec, SlidingWindowSpec) and not isinstance(spec, SlidingWindowMLASpec):
-        return Pool.SWA, LayerSpec(
-            block_size=spec.block_size,
-            num_kv_heads=spec.num_kv_heads,
-            head_size=spec.head_size,
-            pool=Pool.SWA,
-        )
-    if isinstance(spec, MambaSpec):
-        return Pool.MAMBA, mamba_state_spec(spec, tp_size)
-    return None, None
-
-
-def mamba_state_spec(spec: MambaSpec, tp_size: int) -> StateSpec:
-    """A ``MambaSpec`` as a :class:`StateSpec`, with the global split of its conv channels.
-
-    GDN's conv channels are ``q | k | v`` (key, key, value dims) and
-    Mamba2's ``x | B | C``; vLLM's spec holds only this rank's shapes, so the
-    groups are rebuilt from them: the temporal state gives the value (GDN:
-    v_heads x v_dim) or x (Mamba2: heads x head_dim) share, the rest of the
-    conv channels split evenly in two. A Mamba2 model whose ``n_groups`` TP
-    does not divide has its B/C groups replicated by vLLM, so the rebuilt
-    groups are not the model's: such a model across TP sizes is not supported.
-    """
-    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
-
-    dim_first = is_conv_state_dim_first()
-    groups = None
-    kind = getattr(spec.mamba_type, "name", str(spec.mamba_type))
-    if kind in ("GDN_ATTN", "MAMBA2") and len(spec.shapes) >= 2 and not spec.tp_replicated:
-        conv, temporal = spec.shapes[0], spec.shapes[1]
-        channels = conv[0] if dim_first else conv[-1]
-        first = temporal[0] * temporal[1]  # GDN: value dim; Mamba2: x (d_inner)
-        rest = channels - first
-        if rest <= 0 or rest % 2:
-            raise ConfigError(
-                f"MambaSpec {kind}: {channels} conv channels on this rank do not split into "
-                f"{first} (from the temporal state {list(temporal)}) and two equal groups"
-            )
-        groups = (
-            (rest // 2 * tp_size,) * 2 + (first * tp_size,)
-            if kind == "GDN_ATTN"
-            else (first * tp_size,) + (rest // 2 * tp_size,) * 2
-        )
-    return StateSpec(
-        shapes=tuple(tuple(s) for s in spec.shapes),
-        dtypes=tuple(spec.dtypes),
-        conv_groups=groups,
-        conv_dim_first=dim_first,
-        tp_replicated=spec.tp_replicated,
-    )

@@ -4,8 +4,11 @@ vLLM gives a linear-attention (Mamba1, Mamba2, gated delta net) group one
 block per request for its running state, plus, with speculative decoding,
 ``num_speculative_blocks`` scratch blocks after it (vLLM's
 ``mamba_cache_mode = "none"``). :func:`state_slots` picks the state block
-out of the group's block list: the last one before the scratch blocks, as
-vLLM's own NixlConnector does (``clip_ssm_state_blocks``).
+out of each state group's block list: the last one before the scratch
+blocks, as vLLM's own NixlConnector does (``clip_ssm_state_blocks``). A
+model whose state layers vLLM splits into several groups (Qwen3-Next: three
+GDN groups) has one state block per group, listed in group order (see
+:mod:`.cache_groups` for why one list of slots carries them all).
 
 The last prompt token belongs to decode. Decode loads the first
 ``prompt_len - 1`` tokens and computes the last one itself (its forward pass
@@ -63,13 +66,15 @@ def full_prompt_len(request: Any) -> int:
     return len(request.prompt_token_ids or ()) + int(dropped)
 
 
-def state_slots(block_ids: Sequence[int], num_speculative_blocks: int) -> tuple[int, ...]:
-    """The request's state block in one Mamba group: the last block before the scratch blocks.
+def state_slots(per_group: Sequence[Sequence[int]], num_speculative_blocks: int) -> tuple[int, ...]:
+    """The request's state block in each state group, in group order: the last block before
+    the scratch blocks.
 
-    ``[7]`` -> ``(7,)``; with 2 speculative blocks ``[7, 8, 9]`` -> ``(7,)``;
-    no blocks -> ``()``.
+    ``[[7]]`` -> ``(7,)``; with 2 speculative blocks ``[[7, 8, 9], [3, 4, 5]]`` -> ``(7, 3)``;
+    no groups, or a request without blocks yet (vLLM allocates every group's at once) -> ``()``.
     """
-    if not block_ids:
+    if not per_group or not all(per_group):
         return ()
-    scratch = min(num_speculative_blocks, len(block_ids) - 1)
-    return (block_ids[len(block_ids) - 1 - scratch],)
+    return tuple(
+        blocks[len(blocks) - 1 - min(num_speculative_blocks, len(blocks) - 1)] for blocks in per_group
+    )

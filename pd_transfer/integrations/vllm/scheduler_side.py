@@ -36,10 +36,10 @@ attends to (``prompt_len - sliding_window``) to the last page sent. Both
 instances compute the same positions; blocks before them are vLLM's null
 block on decode.
 
-A model with a Mamba/GDN group also moves each request's state block
-(:func:`.hybrid_state.state_slots`); its prefill requests are one token
-short of the prompt (the connector drops the last one when they arrive,
-see :mod:`.hybrid_state`), so the pages and the window are counted from
+A model with Mamba/GDN groups also moves the request's state block of
+every state group, in group order (:func:`.hybrid_state.state_slots`);
+its prefill requests are one token short of the prompt (the connector
+drops the last one when they arrive, see :mod:`.hybrid_state`), so the pages and the window are counted from
 the prompt's full length (:func:`.hybrid_state.full_prompt_len`).
 
 Works on duck-typed vLLM requests (``request_id``, ``prompt_token_ids``,
@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from pd_transfer.integrations.vllm import accounting
@@ -74,6 +75,29 @@ def first_window_page(num_prompt_tokens: int, block_size: int, window: int) -> i
     return max(0, num_prompt_tokens - window) // block_size
 
 
+@dataclass
+class _Prefilling:
+    """Prefill: a remote-decode request whose prompt is not computed yet, and its blocks so far."""
+
+    room: int
+    prompt_len: int  # the prompt as the router sent it
+    computed_len: int  # the tokens prefill computes (one less for a hybrid model)
+    blocks: list[int] = field(default_factory=list)
+    swa_blocks: list[int] = field(default_factory=list)
+    state_blocks: list[list[int]] = field(default_factory=list)  # per state group, in group order
+
+    def add(self, blocks, swa_blocks, state_blocks, replace: bool) -> None:
+        """A step's new blocks of each group (all of them when ``replace``: a resumed request)."""
+        if replace:
+            self.blocks, self.swa_blocks, self.state_blocks = [], [], []
+        self.blocks += blocks or []
+        self.swa_blocks += swa_blocks or []
+        for i, new in enumerate(state_blocks or ()):
+            if i == len(self.state_blocks):
+                self.state_blocks.append([])
+            self.state_blocks[i] += new
+
+
 class SchedulerSide:
     """Per-request transfer state of one vLLM instance's scheduler. See the module docstring."""
 
@@ -88,13 +112,12 @@ class SchedulerSide:
         self.block_size = block_size
         self.bootstrap_addr = bootstrap_addr
         self.sliding_window = sliding_window  # a sliding-window group's window (tokens), if any
-        self.state_scratch_blocks = state_scratch_blocks  # a Mamba group's speculative blocks
+        self.state_scratch_blocks = state_scratch_blocks  # each state group's speculative blocks
         self._local_tokens: dict[str, int] = {}  # decode: prefix-cache hit at the last lookup
         self._step = StepSpecs()
         self._loading: dict[str, int] = {}  # decode: req id -> room, with the workers
         self._sending: dict[str, int] = {}  # prefill: req id -> room, blocks held
-        self._prefilling: dict[str, tuple[int, int, int, list[int], list[int], list[int]]] = {}
-        # req id -> room, full prompt len, tokens prefill computes, blocks, sliding-window and Mamba blocks
+        self._prefilling: dict[str, _Prefilling] = {}  # prefill: remote-decode requests not yet streamed
         self._streamed: dict[str, tuple[int, int]] = {}  # req id -> room, pages: streamed, not finished
 
     # -- decode --------------------------------------------------------------------
@@ -102,13 +125,10 @@ class SchedulerSide:
         params = request.kv_transfer_params
         prompt_len = len(request.prompt_token_ids or ())
         if kvparams.wants_remote_decode(params) and request.request_id not in self._streamed:
-            self._prefilling[request.request_id] = (
+            self._prefilling[request.request_id] = _Prefilling(
                 kvparams.room_for(request.request_id, params),
                 full_prompt_len(request),
                 len(request.prompt_token_ids or ()),
-                [],
-                [],
-                [],
             )
         if not kvparams.wants_remote_prefill(params) or accounting.tokens_loaded(prompt_len) == 0:
             return 0, False  # a 1-token prompt: no room, decode computes it
@@ -124,8 +144,9 @@ class SchedulerSide:
         block_ids: list[int],
         num_external_tokens: int,
         swa_block_ids: Sequence[int] = (),
-        state_block_ids: Sequence[int] = (),
+        state_block_ids: Sequence[Sequence[int]] = (),
     ) -> None:
+        """Decode: the request's blocks (``state_block_ids``: each state group's, in group order)."""
         params = request.kv_transfer_params
         if num_external_tokens <= 0 or not kvparams.wants_remote_prefill(params):
             return
@@ -166,39 +187,35 @@ class SchedulerSide:
         num_computed: int,
         num_scheduled: int,
         swa_block_ids: list[int] | None = None,
-        state_block_ids: list[int] | None = None,
+        state_block_ids: Sequence[Sequence[int]] | None = None,
     ) -> None:
         """One scheduled request of this step: its new blocks (all of them if ``replace``) and tokens.
 
+        ``state_block_ids``: each state group's new blocks, in group order.
         A remote-decode request whose prompt this step completes is streamed.
         """
         entry = self._prefilling.get(req_id)
         if entry is None:
             return
-        room, prompt_len, computed_len, blocks, swa_blocks, state_blocks = entry
-        for held, new in ((blocks, block_ids), (swa_blocks, swa_block_ids), (state_blocks, state_block_ids)):
-            if replace:
-                held[:] = new or []
-            else:
-                held += new or []
-        if num_computed + num_scheduled < computed_len:
+        entry.add(block_ids, swa_block_ids, state_block_ids, replace)
+        if num_computed + num_scheduled < entry.computed_len:
             return
         del self._prefilling[req_id]
-        num_pages = pages_to_send(prompt_len, self.block_size)
-        if num_pages == 0 or len(blocks) < num_pages:
+        num_pages = pages_to_send(entry.prompt_len, self.block_size)
+        if num_pages == 0 or len(entry.blocks) < num_pages:
             return
-        _, window = self._window(prompt_len, swa_blocks)
+        _, window = self._window(entry.prompt_len, entry.swa_blocks)
         self._step.sends.append(
             SendSpec(
                 req_id,
-                room,
-                tuple(blocks[:num_pages]),
-                state_slots=state_slots(state_blocks, self.state_scratch_blocks),
+                entry.room,
+                tuple(entry.blocks[:num_pages]),
+                state_slots=state_slots(entry.state_blocks, self.state_scratch_blocks),
                 swa_pages=window,
                 stream=True,
             )
         )
-        self._streamed[req_id] = (room, num_pages)
+        self._streamed[req_id] = (entry.room, num_pages)
 
     # -- both ------------------------------------------------------------------------
     def build_step(self) -> StepSpecs:
@@ -211,7 +228,7 @@ class SchedulerSide:
         block_ids: list[int],
         length_capped: bool,
         swa_block_ids: Sequence[int] = (),
-        state_block_ids: Sequence[int] = (),
+        state_block_ids: Sequence[Sequence[int]] = (),
     ) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         self._local_tokens.pop(req_id, None)

@@ -61,6 +61,7 @@ class WorkerSide:
         self._sending: dict[str, SendSpec] = {}
         self._streaming: dict[str, set[int]] = {}  # req id -> layers still to announce this step
         self._layer_ids: dict[str, int] = {}  # vLLM layer name -> layer id
+        self._state_layers: set[str] = set()  # the registered Mamba/GDN layers
         self._receiving: dict[str, RecvSpec] = {}
         self._draining: dict[str, int] = {}  # aborted req id -> room
         self._finished_reqs: set[str] = set()  # vLLM's finished_req_ids, seen so far
@@ -72,6 +73,7 @@ class WorkerSide:
         on_gpu = next(iter(memory.storages.values())).is_cuda
         self.pages = DirectPages(memory) if on_gpu else StagedPages(memory, owner_id)
         self._layer_ids = {layer.name: layer.layer_id for layer in memory.layers}
+        self._state_layers = {layer.name for layer in memory.layers if layer.pool is Pool.MAMBA}
         self.client.register(memory.geometry, self.pages.handles, timeout_s=timeout_s)
 
     # -- per step ------------------------------------------------------------------
@@ -86,9 +88,14 @@ class WorkerSide:
             self._abandon(abandon.req_id, abandon.room, abandon.bootstrap_addr, abandon.reason)
 
     def save_layer(self, layer_name: str) -> None:
-        """The forward pass wrote ``layer_name``: hand it to the sidecar for every streamed room."""
+        """The forward pass wrote ``layer_name``: hand it to the sidecar for every streamed room.
+
+        A state layer waits for :meth:`end_step`: its view also carries the
+        layers of the other state groups at its position (:mod:`.cache_groups`),
+        which the pass may compute later.
+        """
         layer_id = self._layer_ids.get(layer_name)
-        if layer_id is None:
+        if layer_id is None or layer_name in self._state_layers:
             return
         for req_id, pending in list(self._streaming.items()):
             if layer_id in pending:

@@ -154,7 +154,7 @@ def test_sliding_window_pages_land_byte_exact_from_tp1_to_tp2(instances):
         assert_same_bytes(flat_copy(caches), expected[rank], f"decode tp{rank}/2")
 
 
-def test_a_second_state_group_and_mamba_align_mode_are_refused_naming_them(model_dir):
+def test_mamba_align_mode_and_a_second_attention_or_window_group_are_refused_naming_them(model_dir):
     import dataclasses
 
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -166,21 +166,39 @@ def test_a_second_state_group_and_mamba_align_mode_are_refused_naming_them(model
     config = vllm_config(model_dir, kv_role="kv_producer", extra={"bootstrap_addr": _bootstrap()})
     cache_config, _ = gdn_hybrid(1, 0)
     assert PdTransferConnector(config, KVConnectorRole.SCHEDULER, cache_config)._scheduler is not None
-    gdn = cache_config.kv_cache_groups[1].kv_cache_spec
-    cache_config.kv_cache_groups[1] = KVCacheGroupSpec(
-        cache_config.kv_cache_groups[1].layer_names, dataclasses.replace(gdn, mamba_cache_mode="align")
-    )
+    groups = cache_config.kv_cache_groups
+    attn, gdn = groups[0].kv_cache_spec, groups[1].kv_cache_spec
+    groups[1] = KVCacheGroupSpec(groups[1].layer_names, dataclasses.replace(gdn, mamba_cache_mode="align"))
     with pytest.raises(ConfigError, match=r"group 1 \(MambaSpec: .*mamba_cache_mode='align'"):
         PdTransferConnector(config, KVConnectorRole.SCHEDULER, cache_config)
-    cache_config.kv_cache_groups[1] = KVCacheGroupSpec(cache_config.kv_cache_groups[1].layer_names, gdn)
-    second = KVCacheGroupSpec(["model.layers.4.linear_attn"], gdn)
-    cache_config.kv_cache_groups.append(second)
+    groups[1] = KVCacheGroupSpec(groups[1].layer_names, gdn)
+    # a second GDN group of the same spec is one more state slot per request (test_vllm_state_groups.py)
+    groups.append(KVCacheGroupSpec(["model.layers.4.linear_attn"], gdn))
+    connector = PdTransferConnector(config, KVConnectorRole.WORKER, cache_config)
+    assert connector._groups.state_aliases == ((2, ("model.layers.4.linear_attn",)),)
+    # ... of another spec, it is refused: the groups are moved through one group's layers
+    groups[2] = KVCacheGroupSpec(["model.layers.4.linear_attn"], dataclasses.replace(gdn, block_size=64))
     with pytest.raises(
         ConfigError,
-        match=r"group 2 \(MambaSpec: model.layers.4.linear_attn\) is a second "
-        r"mamba group \(group 1 is the first\)",
+        match=r"group 2 \(MambaSpec: .*\) has another spec than state group 1 \(block_size 64 against 16\)",
     ):
         PdTransferConnector(config, KVConnectorRole.WORKER, cache_config)
+    groups[2] = KVCacheGroupSpec(["model.layers.5.self_attn.attn"], attn)
+    with pytest.raises(
+        ConfigError,
+        match=r"group 2 \(FullAttentionSpec: model.layers.5.self_attn.attn\) is a second full-attention or "
+        r"MLA group \(group 0 is the first\)",
+    ):
+        PdTransferConnector(config, KVConnectorRole.WORKER, cache_config)
+    swa_config, _ = gpt_oss_like(1, 0)
+    window = swa_config.kv_cache_groups[1]
+    swa_config.kv_cache_groups.append(
+        KVCacheGroupSpec(["model.layers.2.self_attn.attn"], window.kv_cache_spec)
+    )
+    with pytest.raises(
+        ConfigError, match=r"group 2 \(SlidingWindowSpec: .*\) is a second sliding-window group .*Gemma-style"
+    ):
+        PdTransferConnector(config, KVConnectorRole.SCHEDULER, swa_config)
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])
@@ -189,7 +207,7 @@ def test_conv_groups_are_rebuilt_from_vllms_own_state_shapes(tp_size):
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    from pd_transfer.integrations.vllm.connector import mamba_state_spec
+    from pd_transfer.integrations.vllm.cache_groups import mamba_state_spec
 
     def spec(kind, shapes):
         return MambaSpec(

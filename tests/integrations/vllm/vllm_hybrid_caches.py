@@ -3,7 +3,8 @@
 ``gdn_hybrid`` (full-attention layers 1, 3; gated delta net layers 0, 2) and
 ``gpt_oss_like`` (full-attention layer 0, sliding-window layer 1) build a
 rank's ``KVCacheConfig`` and the tensors vLLM's ``allocate_kv_cache`` makes
-of it. The oracle writes through plain torch views of a copy of the backing
+of it; ``gdn_groups`` has vLLM itself group and place a hybrid's layers
+(several GDN groups). The oracle writes through plain torch views of a copy of the backing
 buffer. Imported only by test modules that already skipped without vLLM.
 """
 
@@ -14,6 +15,7 @@ import math
 import torch
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -24,7 +26,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
-from vllm_harness import BLOCK_SIZE
+from vllm_harness import BLOCK_SIZE, vllm_config
 from vllm_instances import HEAD_SIZE, NUM_BLOCKS, TOTAL_HEADS
 
 K_HEADS, V_HEADS, K_DIM, V_DIM, KERNEL = 2, 4, 4, 4, 4
@@ -57,9 +59,8 @@ def _overlaid(groups: list[tuple[list[str], object]], page: int) -> tuple[KVCach
     return config, caches
 
 
-def gdn_hybrid(tp_size: int, rank: int, *, block_size: int = BLOCK_SIZE, mamba_block_size: int | None = None):
-    """``mamba_block_size``: the GDN group's block size; vLLM sets it to ``max_model_len``
-    without prefix caching (``mamba_cache_mode = "none"``: one state block per request)."""
+def _gdn_specs(tp_size: int, block_size: int, mamba_block_size: int | None) -> tuple:
+    """(full-attention spec, GDN spec padded to its page) of one rank."""
     conv, temporal = MambaStateShapeCalculator.gated_delta_net_state_shape(
         tp_size, K_HEADS, V_HEADS, K_DIM, V_DIM, KERNEL
     )
@@ -73,7 +74,53 @@ def gdn_hybrid(tp_size: int, rank: int, *, block_size: int = BLOCK_SIZE, mamba_b
         page_size_padded=attn.page_size_bytes,
         mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
     )
+    return attn, gdn
+
+
+def gdn_hybrid(tp_size: int, rank: int, *, block_size: int = BLOCK_SIZE, mamba_block_size: int | None = None):
+    """``mamba_block_size``: the GDN group's block size; vLLM sets it to ``max_model_len``
+    without prefix caching (``mamba_cache_mode = "none"``: one state block per request)."""
+    attn, gdn = _gdn_specs(tp_size, block_size, mamba_block_size)
     return _overlaid([(ATTN, attn), (GDN, gdn)], attn.page_size_bytes)
+
+
+def gdn_groups(
+    model_dir,
+    gdn: list[str],
+    attn: list[str],
+    *,
+    block_size: int,
+    mamba_block_size: int,
+    layout: KVCacheLayout = KVCacheLayout.LBHNC,
+):
+    """``build(tp_size, rank)`` of a GDN hybrid whose KV-cache groups vLLM makes and places itself.
+
+    vLLM's ``get_kv_cache_groups`` splits the layers (6 GDN + 2 attention:
+    three GDN groups of 2 and an attention group; 3 GDN + 2 attention: GDN
+    groups of 2 and 1), ``get_kv_cache_config_from_groups`` overlays them
+    (``layout``: layer-outermost ``LBHNC`` or block-outermost ``BLHNC``;
+    ``NUM_BLOCKS`` blocks) and ``allocate_kv_cache`` makes the tensors, with
+    stale random bytes everywhere.
+    """
+
+    def build(tp_size: int, rank: int):
+        config = vllm_config(
+            model_dir, kv_role="kv_consumer", tp_size=tp_size, rank=rank, block_size=block_size
+        )
+        config.scheduler_config.disable_hybrid_kv_cache_manager = False  # the harness's Llama turns it off
+        config.cache_config.kv_cache_layout = layout.name
+        config.cache_config.num_gpu_blocks_override = NUM_BLOCKS
+        attn_spec, gdn_spec = _gdn_specs(tp_size, block_size, mamba_block_size)
+        names = sorted(gdn + attn, key=lambda n: int(n.split(".")[2]))
+        groups = get_kv_cache_groups(config, {n: gdn_spec if n in gdn else attn_spec for n in names})
+        kv_config = get_kv_cache_config_from_groups(config, groups, 1 << 30)
+        caches = allocate_kv_cache(kv_config, torch.device("cpu"), layout)
+        torch.manual_seed(tp_size * 10 + rank)
+        storage = next(iter(caches.values())).untyped_storage()
+        storage.copy_(torch.randint(-128, 127, (storage.nbytes(),), dtype=torch.int8).untyped_storage())
+        return kv_config, caches
+
+    return build
 
 
 def gpt_oss_like(tp_size: int, rank: int):

@@ -164,11 +164,16 @@ def assert_bit_equal(got: dict, want: dict, where: str) -> None:
         assert bad.numel() == 0, f"{where} {name}: {bad.shape[0]} elements differ, first at {bad[0].tolist()}"
 
 
-def transfer(prefill: Instance, decode: Instance, send: SendSpec, recv: RecvSpec):
-    """Drive one request through both instances' worker connectors, as vLLM steps them."""
+def transfer(prefill: Instance, decode: Instance, send: SendSpec, recv: RecvSpec, forward=None):
+    """Drive one request through both instances' worker connectors, as vLLM steps them.
+
+    ``forward()``: the streamed step's forward pass, run between the send and ``wait_for_save``.
+    """
     req = send.req_id
     decode.start(StepSpecs(recvs=[recv]))
     prefill.start(StepSpecs(sends=[send]))
+    if forward is not None:
+        forward()
     if send.stream:  # the step's forward pass ran: vLLM calls wait_for_save, the layers are announced
         for connector in prefill.connectors:
             connector.wait_for_save()

