@@ -80,6 +80,11 @@ class CacheGroups:
         groups = self.pools.get(pool)
         return groups[0] if groups else None
 
+    @property
+    def kv_group(self) -> int:
+        """The full-attention or MLA group (every accepted model has one)."""
+        return self.pools[Pool.KV][0]
+
     def ids(self, per_group, pool: Pool) -> list[int]:
         """One KV or SWA pool's block ids out of vLLM's per-group tuple (empty without either)."""
         group = self.first(pool)

@@ -98,7 +98,7 @@ class PdTransferConnector(KVConnectorBase_V1, SupportsHMA):
                     f"instance needs its sidecars' bootstrap address 'tcp://host:port'"
                 )
             specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
-            block_size = specs[self._groups.first(Pool.KV)].block_size
+            block_size = specs[self._groups.kv_group].block_size
             swa = self._groups.first(Pool.SWA)
             window = specs[swa].sliding_window if swa is not None else None
             mamba = self._groups.first(Pool.MAMBA)
