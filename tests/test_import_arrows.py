@@ -74,6 +74,18 @@ FORBIDDEN: dict[str, list[str]] = {
     "pd_transfer.client": ["pd_transfer.agent", "pd_transfer.transport", "pd_transfer.integrations", *ENTRY],
     # engine adapters sit on the client
     "pd_transfer.integrations": ["pd_transfer.agent", "pd_transfer.transport", *ENTRY],
+    # the simulated worker is a worker: the client, never the sidecar or its transports
+    "pd_transfer.sim": ["pd_transfer.agent", "pd_transfer.transport", "pd_transfer.integrations", *ENTRY],
+    # sans-I/O authentication, below the transports and the sidecar
+    "pd_transfer.security": ["pd_transfer.transport", *ABOVE_TRANSPORT, *ENTRY],
+    # the oracle checks the planner's work without the layers that carry it
+    "pd_transfer.testing": [
+        "zmq",
+        "pd_transfer.protocol",
+        "pd_transfer.transport",
+        *ABOVE_TRANSPORT,
+        *ENTRY,
+    ],
 }
 
 
