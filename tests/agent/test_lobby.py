@@ -180,6 +180,9 @@ def test_zeromq_accepts_no_further_ahead_of_an_unread_watch_than_its_monitor_que
         context = zmq.asyncio.Context()
         router = context.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
+        # the kernel completes the whole burst into the accept queue: on a starved host, a
+        # backlog of ZeroMQ's default 100 drops SYNs that come back seconds later, one by one
+        router.setsockopt(zmq.BACKLOG, 4096)
         port = router.bind_to_random_port("tcp://127.0.0.1")
         accepted: list[int] = []
         watch = ConnectionWatch(router, "control", "test", on_accepted=accepted.append)
