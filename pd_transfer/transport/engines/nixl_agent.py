@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import uuid
+from typing import Any
 
 import numpy as np
 
@@ -96,8 +97,9 @@ def _new_agent(api, name: str, config, delay_us: int):
     the agent is made, that class is swapped for one that keeps our delay.
     """
     wrapper = sys.modules.get(getattr(api.nixl_agent, "__module__", ""))
-    bindings = getattr(wrapper, "nixlBind", None)
-    base = getattr(bindings, "nixlAgentConfig", None)
+    # NIXL's bindings, found at run time: untyped, hence Any (Paced subclasses one of them)
+    bindings: Any = getattr(wrapper, "nixlBind", None)
+    base: Any = getattr(bindings, "nixlAgentConfig", None)
     if base is None or not hasattr(base, "pthrDelay"):
         log.warning("this NIXL has no progress-thread delay to set; its agent may keep a core busy")
         return api.nixl_agent(name, config)
@@ -164,7 +166,8 @@ class NixlEngine:
     ``progress_thread``: run NIXL's progress thread; an agent that is written
     into needs it, one that only initiates is faster without (see the module).
     ``host``: UCX listens only on the network device holding it (``NET_DEVICES``;
-    "" or a wildcard: on every device, UCX's default).
+    "" or a wildcard: on every device, UCX's default). ``ucx_threads``: the UCX
+    backend's ``num_threads`` (0: NIXL's default, one worker).
     """
 
     def __init__(
@@ -174,9 +177,12 @@ class NixlEngine:
         *,
         progress_thread: bool = True,
         host: str = "127.0.0.1",
+        ucx_threads: int = 0,
     ) -> None:
         api = load_api()
         backend = {"ucx_error_handling_mode": error_handling_mode}
+        if ucx_threads:
+            backend["num_threads"] = str(ucx_threads)
         device = device_of(host)
         if device:  # UCX's own config, as UCX_NET_DEVICES would set it, for this agent only
             backend["engine_config"] = f"NET_DEVICES={device}"
@@ -293,6 +299,8 @@ class NixlReceiver(EngineReceiver):
     :meth:`NixlTransport.start`); stopping then only unregisters the regions.
     ``host``: where an agent of its own listens (see :class:`NixlEngine`).
     """
+
+    engine: NixlEngine | None
 
     def __init__(
         self,
