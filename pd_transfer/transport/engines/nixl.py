@@ -52,7 +52,7 @@ from pd_transfer.transport.copy.bounds import check_bounds
 from pd_transfer.transport.copy.runs import expand, flatten, row_nbytes_for, rows_of
 from pd_transfer.transport.engines.address import EngineAddress
 from pd_transfer.transport.engines.link import EngineLink, Recovery, check_published, recover
-from pd_transfer.transport.engines.nixl_agent import NixlEngine, NixlReceiver, load_api
+from pd_transfer.transport.engines.nixl_agent import NixlEngine, NixlReceiver, load_api, release
 from pd_transfer.transport.engines.runs import lower_to_addresses
 from pd_transfer.transport.engines.staging.engine import (
     StagingOptions,
@@ -102,21 +102,23 @@ class NixlLink(EngineLink):
             self._drop(old)
         return made
 
-    def _drop(self, prepared: Prepared | None) -> None:
-        engine = self.transport._engine
-        if prepared is not None and engine is not None:
-            engine.agent.release_dlist_handle(prepared.handle)
+    @staticmethod
+    def _drop(prepared: Prepared | None) -> None:
+        """Release a prepared list now; its handle then lets go of the agent (``release``)."""
+        if prepared is not None:
+            release(prepared.handle)
 
     async def _release(self) -> None:
+        lists = [*self.prepared.values(), *self.local.values()]
+        self.prepared, self.local = OrderedDict(), OrderedDict()
+        for prepared in lists:  # before the peer's metadata goes: its lists refer to it
+            self._drop(prepared)
         engine = self.transport._engine
         if engine is not None:
-            for prepared in [*self.prepared.values(), *self.local.values()]:
-                self._drop(prepared)
             try:
                 engine.agent.remove_remote_agent(self.remote)
             except Exception:  # already gone with the peer: nothing left to free
                 pass
-        self.prepared, self.local = OrderedDict(), OrderedDict()
         await super()._release()
 
 

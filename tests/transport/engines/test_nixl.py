@@ -6,11 +6,13 @@ Runs only where NIXL is installed
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -137,6 +139,33 @@ async def test_a_request_nixl_refuses_fails_the_write_and_the_link_stays_usable(
     assert np.array_equal(segs["a"].array, expected_scatter(plan_a, src, np.zeros_like(segs["a"].array)))
     assert not segs["b"].array.any()
     await transport.close()
+
+
+async def test_close_destroys_both_native_agents_at_once_after_a_refused_write(segments, receivers):
+    # the refused write's traceback keeps frames of NIXL's wrapper and of the request with
+    # its prepared lists; close still destroys both native agents on the closing call, with
+    # the garbage collector off (left to a collection, they went at any later moment)
+    plan = scattered_plan("kv", 64, 512)
+    src = np.random.default_rng(8).integers(0, 256, 2 * 64 * 512, np.uint8)
+    peer = await receivers({"d0": segments({"kv": np.zeros(4 * 64 * 512, np.uint8)})})
+    transport = _transport(recovery=FAST)
+    link = await transport.connect(peer.endpoint("d0"))
+    assert await transport.write(link, plan, {"kv": src}) == 64 * 512  # lists prepared
+    address, nbytes = link.dst_bases["kv"]
+    link.dst_bases["kv"] = (address + (1 << 30), nbytes)
+    natives = [
+        weakref.ref(transport.engine().agent.agent),
+        weakref.ref(transport.receiving_engine().agent.agent),
+    ]
+    gc.disable()
+    try:
+        with pytest.raises(TransportError) as info:
+            await transport.write(link, scattered_plan("kv", 32, 1024), {"kv": src})
+        assert "nixl refused" in str(info.value)
+        await transport.close()
+        assert [native() for native in natives] == [None, None]
+    finally:
+        gc.enable()
 
 
 async def test_a_dead_peer_fails_the_write_and_the_link_is_then_refused(segments, receivers):
