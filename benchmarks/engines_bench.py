@@ -18,16 +18,23 @@ and for each, in one run:
                     (1,024 iovecs a call), no framing or checks: what the
                     kernel alone charges for scattered pieces (not a target)
   mooncake TE       Mooncake's engine alone (tcp, P2P handshake), the same
-                    descriptors via ``batch_transfer_sync_write``, in two
-                    settings: its default per-peer queues, 1,024 descriptors a
-                    batch; and per-peer queues enlarged to 65,535
-                    (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``,
-                    ``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER``), all of the
-                    case's descriptors in one batch
-  nixl UCX tcp/shm  NIXL alone (UCX_TLS=tcp, then UCX_TLS=shm): descriptors
-                    prepared once, one prepped transfer per repeat, the
-                    initiating agent with NIXL's progress thread and without
-                    (the receiving agent keeps its own)
+                    descriptors in three ways: ``batch_transfer_sync_write`` in
+                    batches of 1,024 with its default per-peer queues; one
+                    sync batch of all of them, per-peer queues enlarged to
+                    65,535 (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``,
+                    ``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER``); batches of
+                    1,024 all posted with ``batch_transfer_async_write``, then
+                    one ``get_batch_transfer_status`` (queues 65,535)
+  nixl UCX tcp/shm  NIXL alone (UCX_TLS=tcp, then UCX_TLS=shm), as vLLM's
+                    NixlConnector drives it: descriptor lists prepared once
+                    (``prep_xfer_dlist``), one ``make_prepped_xfer("WRITE")`` per
+                    request; the initiating agent with NIXL's progress thread
+                    and without (the receiving agent keeps its own); without,
+                    and completion signalled by a NIXL notification that the
+                    receiving agent's ``get_new_notifs`` returns; the UCX
+                    backend's ``num_threads`` 4; and vLLM's own configuration
+                    (4 UCX threads, progress thread, notification). Settings:
+                    ``engines_alone.py``
   pd-transfer tcp/shm  the same descriptors as a plan through the built-in
                     transports: TcpTransport into a TcpReceiver in the
                     receiver process, ShmTransport mapping the destination
@@ -42,7 +49,12 @@ Each engine runs between fresh processes: a receiver that registers the
 destination (one per engine and UCX setting), and one sender process for each
 setting of the engine alone and another for pd-transfer, so none runs beside
 another's threads. Each pd-transfer engine row is compared with the fastest
-setting of its engine alone, per case, and names it. The parent
+setting of its engine alone, per case, and names it. A "turns" row runs
+pd-transfer's write and the engine alone on pd-transfer's own engine (the same
+agent or TransferEngine) in one process, one after the other, the order
+swapped every turn, and divides per turn: on a shared host the two then see the
+same moment. ``--rounds N`` runs every group N times, its rows in turn, and
+reports the median of the rounds. The parent
 checks the destination bytes after every case. Figures are medians of
 ``--repeats`` runs, the copy floor's too; the raw tcp floors are medians of 7
 runs before the engines and 7 after (on 2 vCPUs their speed swings by 2x with
@@ -50,7 +62,8 @@ where the scheduler puts the two processes and with what just ran, so a floor
 taken once, or its single best run, says more about the moment than about the
 path). The tcp targets compare medians with medians, and also print the ratio
 against the floor's best run; GB/s is 10^9 bytes per second. Rows whose engine is not
-installed say so. Run: ``python benchmarks/engines_bench.py [--repeats 3]``.
+installed say so. Run: ``python benchmarks/engines_bench.py [--repeats 3] [--rounds 2]
+[--only mooncake,nixl-tcp] [--cases ab]``.
 """
 
 from __future__ import annotations
@@ -75,6 +88,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.engines_alone import (  # noqa: E402
+    answer_notifications,
+    mooncake_alone,
+    mooncake_request,
+    nixl_alone,
+    nixl_request,
+    timed,
+)
 from pd_transfer.shm_segments import create_segment, open_segment  # noqa: E402
 from pd_transfer.transport.tcp.transport import DEFAULT_STREAMS  # noqa: E402
 
@@ -85,6 +106,7 @@ CASES = {
     "b": ("(b) 16,384 x 16 KiB", 16 * 1024, 16384),
     "c": ("(c) 65,536 x 2 KiB", 2048, 65536),
 }
+W = 66  # the path column's width
 RAW_IOV_STREAMS = DEFAULT_STREAMS  # as many sockets as pd-transfer's tcp links have
 MOONCAKE_QUEUES = {
     "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
@@ -92,38 +114,66 @@ MOONCAKE_QUEUES = {
 }
 
 
-def _nixl_group(tls: str) -> tuple[dict, list]:
+MOONCAKE_ASYNC = 1024  # descriptors per posted batch (the engine's default per-peer queue: 2,048)
+
+
+def _nixl_group(tls: str) -> tuple[str, dict, list]:
+    def alone(name: str, **settings) -> tuple[str, str, dict]:
+        return (f"nixl UCX {tls}, {name}", "nixl-raw", settings)
+
     return (
+        f"nixl-{tls}",
         {"UCX_TLS": tls},
         [
-            (f"nixl UCX {tls}, progress thread", "nixl-raw", {"progress_thread": True}),
-            (f"nixl UCX {tls}, no progress thread", "nixl-raw", {"progress_thread": False}),
+            alone("progress thread", progress_thread=True),
+            alone("no progress thread", progress_thread=False),
+            alone("no progress thread, notif", progress_thread=False, notif=True),
+            alone("4 UCX threads, no progress thread", progress_thread=False, ucx_threads=4),
+            alone(
+                "vLLM's: 4 UCX threads, progress thread, notif",
+                progress_thread=True,
+                ucx_threads=4,
+                notif=True,
+            ),
             (f"pd-transfer nixl (UCX {tls})", "nixl-pd", {}),
+            (f"pd-transfer nixl (UCX {tls}), turns with nixl alone", "nixl-pair", {}),
         ],
     )
 
 
-# (the receiver's and its senders' env, [(row label, sender mode, that sender's settings)]):
-# one receiver per group; an engine's group lists its settings alone, then pd-transfer
+# (name, the receiver's and its senders' env, [(row label, sender mode, that sender's
+# settings)]): one receiver per group; an engine's group lists its settings alone, then
+# pd-transfer (the engine-alone settings: benchmarks/engines_alone.py)
 GROUPS = [
-    ({}, [("pd-transfer tcp", "builtin-tcp", {}), ("pd-transfer shm", "builtin-shm", {})]),
+    ("builtin", {}, [("pd-transfer tcp", "builtin-tcp", {}), ("pd-transfer shm", "builtin-shm", {})]),
     (
+        "mooncake",
         {},
         [
-            ("mooncake TE tcp, default queues", "mooncake-raw", {"batch": 1024}),
-            ("mooncake TE tcp, queues 65,535", "mooncake-raw", {"batch": 1 << 16, "env": MOONCAKE_QUEUES}),
+            ("mooncake TE tcp, sync batches of 1,024", "mooncake-raw", {"batch": 1024}),
+            (
+                "mooncake TE tcp, one sync batch, queues 65,535",
+                "mooncake-raw",
+                {"batch": 1 << 16, "env": MOONCAKE_QUEUES},
+            ),
+            (
+                "mooncake TE tcp, async batches of 1,024, queues 65,535",
+                "mooncake-raw",
+                {"batch": MOONCAKE_ASYNC, "submit": "async", "env": MOONCAKE_QUEUES},
+            ),
             ("pd-transfer mooncake (tcp)", "mooncake-pd", {}),
+            ("pd-transfer mooncake (tcp), turns with mooncake alone", "mooncake-pair", {}),
         ],
     ),
     _nixl_group("tcp"),
     _nixl_group("shm"),
 ]
-MODES = [row for _, rows in GROUPS for row in rows]
+MODES = [row for _, _, rows in GROUPS for row in rows]
 ALONE = {
     pd[0]: [label for label, mode, _ in rows if mode.endswith("-raw")]
-    for _, rows in GROUPS
+    for _, _, rows in GROUPS
     for pd in rows
-    if "(" in pd[0]
+    if pd[1].endswith("-pd")
 }  # pd-transfer row -> its peers
 
 
@@ -151,8 +201,14 @@ def receiver_main(args: dict) -> None:
         else:
             receiver = make_receiver(args["kind"], {"dst": segment.tensor})
             address = await receiver.start()
+        stop = threading.Event()
+        if args["kind"] == "nixl":  # the engine-alone rows that end on a notification
+            threading.Thread(
+                target=answer_notifications, args=(receiver.engine.agent, stop), daemon=True
+            ).start()
         print(json.dumps({"address": address}), flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        stop.set()
         await receiver.stop()
 
     asyncio.run(serve())
@@ -165,12 +221,17 @@ def sender_main(args: dict) -> None:
     states: dict[str, dict] = {"settings": args.get("settings", {})}
     for line in sys.stdin:
         case, mode = line.split()
-        run_case = {"mooncake-raw": _mooncake_raw, "nixl-raw": _nixl_raw}.get(mode, _pd_transport)
+        run_case = {"mooncake-raw": mooncake_alone, "nixl-raw": nixl_alone}.get(mode, _pd_transport)
         address = args["dst"] if mode == "builtin-shm" else args["address"]
         s, d, n = sets[f"{case}_src"], sets[f"{case}_dst"], sets[f"{case}_n"]
         state = states.setdefault(mode, {"settings": states["settings"]})
-        times = run_case(state, mode, address, src, s, d, n, repeats)
-        print(json.dumps({"seconds": statistics.median(times), **_chosen(state)}), flush=True)
+        if mode.endswith("-pair"):
+            answer = _paired(state, mode, address, src, s, d, n, repeats)
+        elif run_case is _pd_transport:
+            answer = {"seconds": statistics.median(run_case(state, mode, address, src, s, d, n, repeats))}
+        else:
+            answer = {"seconds": statistics.median(run_case(state, address, src, s, d, n, repeats))}
+        print(json.dumps({**answer, **_chosen(state)}), flush=True)
     for state in states.values():
         if isinstance(state, dict) and "close" in state:
             state["close"]()
@@ -186,71 +247,12 @@ def _chosen(state: dict) -> dict:
     return {"strategy": chosen, "crossover": crossover}
 
 
-def _timed(fn, repeats: int, budget_s: float = 6.0) -> list[float]:
-    """Seconds of ``repeats`` runs after a warm-up (connections, registrations, prepared
-    lists); a slow path (mooncake with 65,536 small runs: seconds each) stops after the
-    first run past ``budget_s``, to keep the whole bench near three minutes."""
-    fn()
-    out: list[float] = []
-    while len(out) < repeats and sum(out) < budget_s:
-        start = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - start)
-    return out
-
-
-def _mooncake_raw(state, mode, address, src, s, d, n, repeats) -> list[float]:
-    from pd_transfer.transport.engines.address import EngineAddress
-    from pd_transfer.transport.engines.mooncake import MooncakeEngine
-
-    peer = EngineAddress.parse(address, "mooncake")
-    if "engine" not in state:
-        state["engine"] = MooncakeEngine()
-        state["engine"].register({"src": (src.data_ptr(), src.numel())})
-    engine, batch = state["engine"].engine, state["settings"]["batch"]
-    src_addr, dst_addr = (s + src.data_ptr()).tolist(), (d + peer.regions["dst"][0]).tolist()
-    lengths = n.tolist()
-
-    def once() -> None:
-        for i in range(0, len(lengths), batch):
-            if engine.batch_transfer_sync_write(
-                peer.session, src_addr[i : i + batch], dst_addr[i : i + batch], lengths[i : i + batch]
-            ):
-                raise SystemExit("mooncake engine failed a batch")
-
-    return _timed(once, repeats)
-
-
-def _nixl_raw(state, mode, address, src, s, d, n, repeats) -> list[float]:
-    from pd_transfer.transport.engines.address import EngineAddress
-    from pd_transfer.transport.engines.nixl import NixlEngine
-
-    peer = EngineAddress.parse(address, "nixl")
-    if "engine" not in state:
-        state["engine"] = NixlEngine("bench", progress_thread=state["settings"]["progress_thread"])
-        state["engine"].register({"src": (src.data_ptr(), src.numel())})
-        state["engine"].agent.add_remote_agent(peer.metadata)
-    engine = state["engine"]
-    agent = engine.agent
-    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", _table(s + src.data_ptr(), n), "DRAM")
-    remote = agent.prep_xfer_dlist(peer.session, _table(d + peer.regions["dst"][0], n), "DRAM")
-    index = np.arange(len(n), dtype=np.int32)
-
-    def once() -> None:
-        handle = agent.make_prepped_xfer("WRITE", local, index, remote, index)
-        if engine.run(handle, time.monotonic() + 120) != "DONE":
-            raise SystemExit("nixl transfer failed")
-
-    return _timed(once, repeats)
-
-
-def _table(addresses: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
-    table = np.zeros((len(nbytes), 3), np.uint64)
-    table[:, 0], table[:, 1] = addresses, nbytes
-    return table
-
-
 def _pd_transport(state, mode, address, src, s, d, n, repeats) -> list[float]:
+    return timed(_pd_write(state, mode, address, src, s, d, n), repeats)
+
+
+def _pd_write(state, mode, address, src, s, d, n):
+    """One write of the case through pd-transfer's transport of ``mode`` (connected once)."""
     from pd_transfer.layout.lowering import RunBatch, TransferPlan
     from pd_transfer.transport.engines.registry import make_transport
 
@@ -261,9 +263,58 @@ def _pd_transport(state, mode, address, src, s, d, n, repeats) -> list[float]:
         state["close"] = lambda: loop.run_until_complete(state["transport"].close())
     plan = TransferPlan("p", "d", (RunBatch("src", "dst", s, d, n, np.ones(len(n), np.int64), 0, 0),))
     regions = {"src": src}
-    return _timed(
-        lambda: loop.run_until_complete(state["transport"].write(state["link"], plan, regions)), repeats
-    )
+    return lambda: loop.run_until_complete(state["transport"].write(state["link"], plan, regions))
+
+
+def _paired(state, mode, address, src, s, d, n, repeats) -> dict:
+    """pd-transfer's write and the engine alone on pd-transfer's own engine (the same
+    agent or TransferEngine, its settings, its registrations), in turns, the order
+    swapped every turn: both see the same moment of a noisy host. Per turn the ratio
+    engine alone (its fastest way here) / pd-transfer; the median of those."""
+    kind = mode.split("-")[0]
+    pd_once = _pd_write(state, f"{kind}-pd", address, src, s, d, n)
+    pd_once()  # connects, registers the source, prepares pd-transfer's lists
+    link, transport = state["link"], state["transport"]
+    src_addr, dst_addr = src.data_ptr() + s, link.dst_bases["dst"][0] + d
+    if kind == "nixl":
+        once, done = nixl_request(transport.engine(), link.remote, src_addr, dst_addr, n)
+        alone = {"prepped, no progress thread": once}
+    else:
+        engine, session, done = transport._engine.engine, link.address.session, lambda: None
+        alone = {
+            f"sync batches of {b:,}": mooncake_request(
+                engine, session, src_addr, dst_addr, n, batch=b, posted=False
+            )
+            for b in (1024, 1 << 16)
+        }
+    for fn in alone.values():
+        fn()
+    turns: list[dict] = []
+    budget = time.monotonic() + 20.0
+    try:
+        while len(turns) < repeats and time.monotonic() < budget:
+            turn = {}
+            order = [("pd", pd_once), *alone.items()]
+            for name, fn in order[:: -1 if len(turns) % 2 else 1]:
+                turn[name] = _once(fn)
+            turns.append(turn)
+    finally:
+        done()
+    best = [min(turn[k] for k in alone) for turn in turns]
+    return {
+        "seconds": statistics.median(turn["pd"] for turn in turns),
+        "alone": statistics.median(best),
+        "ratio": statistics.median(b / turn["pd"] for b, turn in zip(best, turns)),
+        "turns": len(turns),
+        "ways": list(alone),
+    }
+
+
+def _once(fn) -> float:
+    start = time.monotonic()
+    ended = fn()
+    now = time.monotonic()
+    return (max(ended, start) if isinstance(ended, float) else now) - start
 
 
 def _pd_peer(mode: str, address: str, make_transport):
@@ -311,7 +362,7 @@ def raw_tcp_seconds(sizes: list[int]) -> dict[int, list[float]]:
             if conn.recv(1) != b"k":
                 raise SystemExit("raw tcp receiver went away")
 
-        out[total] = _timed(once, FLOOR_REPEATS, budget_s=1e9)
+        out[total] = timed(once, FLOOR_REPEATS, budget_s=1e9)
     conn.close()
     child.join(10)
     return out
@@ -324,7 +375,7 @@ def _raw_iov_receiver(port_queue, names: dict, sets_path: str, repeats: int) -> 
     server = socket.create_server(("127.0.0.1", 0))
     port_queue.put(server.getsockname()[1])
     conns = [server.accept()[0] for _ in range(RAW_IOV_STREAMS)]
-    for case in CASES:
+    for case in (c for c in CASES if f"{c}_n" in sets):  # those the parent runs
         halves = _halves(_iov(dst.array, sets[f"{case}_dst"], sets[f"{case}_n"]))
         for _ in range(repeats + 1):
             _both(recv_iov, conns, halves)
@@ -381,7 +432,7 @@ def raw_iov_seconds(names: dict, sets_path: str, src, dst) -> dict[str, list[flo
             if conns[0].recv(1) != b"k":
                 raise SystemExit("raw iovec receiver went away")
 
-        out[case] = _timed(once, FLOOR_REPEATS, budget_s=1e9)
+        out[case] = timed(once, FLOOR_REPEATS, budget_s=1e9)
         check(case, src, dst, sets)
     for conn in conns:
         conn.close()
@@ -391,7 +442,7 @@ def raw_iov_seconds(names: dict, sets_path: str, src, dst) -> dict[str, list[flo
 
 def copy_seconds(nbytes: int, repeats: int) -> float:
     a, b = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
-    return statistics.median(_timed(lambda: b.copy_(a), repeats))
+    return statistics.median(timed(lambda: b.copy_(a), repeats))
 
 
 # -- orchestration ---------------------------------------------------------------------------
@@ -466,6 +517,8 @@ def run_group(
                     out[label][case] = answer["seconds"]
                     if "strategy" in answer:
                         out.setdefault("chosen", {})[(label, case)] = answer
+                    if "ratio" in answer:
+                        out.setdefault("pairs", {})[(label, case)] = answer
                     check(case, src, dst, sets)
             finally:
                 sender.stdin.close()
@@ -491,12 +544,28 @@ def check(case: str, src, dst, sets) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every group this many times, rows in turn (reversed every other round), "
+        "and report the median of the rounds: an engine's settings and pd-transfer through "
+        "it then share the host's noise",
+    )
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated groups to run: " + ", ".join(name for name, _, _ in GROUPS),
+    )
+    parser.add_argument("--cases", default="abc", help="which of the cases a, b, c to run")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child = json.loads(args.child)
         (receiver_main if child["role"] == "receiver" else sender_main)(child)
         return
+    for case in [case for case in CASES if case not in args.cases]:
+        del CASES[case]
     rng = np.random.default_rng(0)
     sets = {}
     for case in CASES:
@@ -512,24 +581,51 @@ def main() -> None:
             sets_path = os.path.join(tmp, "sets.npz")
             np.savez(sets_path, **sets)
             names = {"src": src.name, "dst": dst.name}
-            report(args.repeats, names, sets_path, src, dst, sets)
+            only = set(filter(None, args.only.split(",")))
+            groups = [group for group in GROUPS if not only or group[0] in only]
+            report(args.repeats, args.rounds, groups, names, sets_path, src, dst, sets)
     finally:
         for segment in (src, dst):
             segment.close()
             segment.unlink()
 
 
-def report(repeats: int, names: dict, sets_path: str, src, dst, sets) -> None:
+def run_rounds(groups: list, rounds: int, names: dict, sets_path: str, src, dst, sets, repeats: int):
+    """Every group ``rounds`` times, its rows in turn (reversed every other round); per row
+    and case the median of the rounds' medians (or why it was not measured)."""
+    per_round: dict[str, dict[str, list]] = {}
+    chosen: dict = {}
+    pairs: dict = {}
+    for i in range(rounds):
+        for _, env, rows in groups:
+            group = run_group(rows[:: -1 if i % 2 else 1], env, names, sets_path, dst, src, sets, repeats)
+            chosen.update(group.pop("chosen", {}))
+            for key, answer in group.pop("pairs", {}).items():
+                pairs.setdefault(key, []).append(answer)
+            for label, cases in group.items():
+                for case, seconds in cases.items():
+                    per_round.setdefault(label, {}).setdefault(case, []).append(seconds)
+    results = {
+        label: {
+            case: statistics.median(values)
+            if all(isinstance(v, float) for v in values)
+            else next(v for v in values if not isinstance(v, float))
+            for case, values in cases.items()
+        }
+        for label, cases in per_round.items()
+    }
+    ratios = {key: statistics.median(a["ratio"] for a in answers) for key, answers in pairs.items()}
+    chosen["ratios"] = ratios
+    return results, chosen
+
+
+def report(repeats: int, rounds: int, groups: list, names: dict, sets_path: str, src, dst, sets) -> None:
     totals = {case: int(sets[f"{case}_n"].sum()) for case in CASES}
     copy = {n: copy_seconds(n, repeats) for n in set(totals.values())}
     sizes = sorted(set(totals.values()))
     raw, raw_iov = raw_tcp_seconds(sizes), raw_iov_seconds(names, sets_path, src, dst)
-    results: dict[str, dict] = {}
-    chosen: dict = {}
-    for env, rows in GROUPS:
-        group = run_group(rows, env, names, sets_path, dst, src, sets, repeats)
-        chosen.update(group.pop("chosen", {}))
-        results.update(group)
+    results, chosen = run_rounds(groups, rounds, names, sets_path, src, dst, sets, repeats)
+    ratios = chosen.pop("ratios")
     # the floors once more, at the end: right after the set-up (768 MiB of pools written,
     # the copy floor's tensors freed) the first one ran at half speed in some runs
     raw_again, iov_again = raw_tcp_seconds(sizes), raw_iov_seconds(names, sets_path, src, dst)
@@ -537,41 +633,50 @@ def report(repeats: int, names: dict, sets_path: str, src, dst, sets) -> None:
     raw = {n: statistics.median(t + raw_again[n]) for n, t in raw.items()}
     raw_iov = {case: statistics.median(t + iov_again[case]) for case, t in raw_iov.items()}
     print(
-        f"engines bench: median of up to {repeats} (fewer past 6 s; raw tcp floors: median of "
+        f"engines bench: median of {rounds} round(s), each the median of up to {repeats} "
+        f"(fewer past 6 s; raw tcp floors: median of "
         f"{FLOOR_REPEATS} before and {FLOOR_REPEATS} after), {os.cpu_count()} CPUs, GB/s = 1e9 B/s; "
         f"ratios: x copy_ / x raw tcp / x the engine alone at its best (the fastest of its "
         f"settings, per case); pd-transfer rows: strategy auto, [the strategy it chose]; "
         f"machine shared with other work: figures are noisy"
     )
-    print(f"{'case':<22}{'path':<44}{'ms':>9}{'GB/s':>8}{'x copy':>8}{'x tcp':>7}{'x alone':>9}")
+    print(f"{'case':<22}{'path':<{W}}{'ms':>9}{'GB/s':>8}{'x copy':>8}{'x tcp':>7}{'x alone':>9}")
     for case, (title, _, _) in CASES.items():
         total = totals[case]
         rows = [("torch copy_ (contiguous)", copy[total]), ("raw tcp (1 MiB sendall)", raw[total])]
         if case in raw_iov:
             rows.append(("raw tcp, 2 sockets, the case's iovecs", raw_iov[case]))
-        rows += [(label, results[label][case]) for label, _, _ in MODES]
+        rows += [(label, results[label][case]) for label, _, _ in MODES if label in results]
         for i, (label, seconds) in enumerate(rows):
             first = title if i == 0 else ""
             shown = label + (f" [{chosen[(label, case)]['strategy']}]" if (label, case) in chosen else "")
             if not isinstance(seconds, float):
-                print(f"{first:<22}{shown:<44}  {seconds}")
+                print(f"{first:<22}{shown:<{W}}  {seconds}")
                 continue
-            alone = ""
+            alone = f"{ratios[(label, case)]:.2f}" if (label, case) in ratios else ""
             if label in ALONE:
                 best = best_alone(results, label, case)
                 alone = f"{best[1] / seconds:.2f}" if best else "-"
             print(
-                f"{first:<22}{shown:<44}{seconds * 1e3:>9.1f}{total / seconds / 1e9:>8.2f}"
+                f"{first:<22}{shown:<{W}}{seconds * 1e3:>9.1f}{total / seconds / 1e9:>8.2f}"
                 f"{copy[total] / seconds:>8.2f}{raw[total] / seconds:>7.2f}{alone:>9}"
             )
     print("engine alone at its best, per case (what the x alone column divides by):")
-    for label in ALONE:
+    for label in (label for label in ALONE if label in results):
         picks = [(case, best_alone(results, label, case)) for case in CASES]
         print(
             f"  {label.removeprefix('pd-transfer '):<18}"
             + "; ".join(f"({case}) {best[0]}" if best else f"({case}) -" for case, best in picks)
         )
+    print(
+        "turns rows: pd-transfer and the engine alone on pd-transfer's own engine in turns "
+        "(nixl: prepped lists, no progress thread; mooncake: sync batches of 1,024 and of "
+        "65,536, the faster per turn); x alone: the median of the per-turn ratios"
+    )
     targets(results, copy, raw, raw_best, raw_iov, totals)
+    for (label, case), ratio in sorted(ratios.items()):
+        verdict = "met" if ratio >= 0.9 else "MISSED"
+        print(f"target {label.removeprefix('pd-transfer ')}, case {case}: {ratio:.2f}x  >= 0.9x  {verdict}")
     crossovers = {label: answer["crossover"] for (label, _), answer in chosen.items() if "(" in label}
     print(
         "staged below a mean run of: "
@@ -586,10 +691,14 @@ def report(repeats: int, names: dict, sets_path: str, src, dst, sets) -> None:
 def best_alone(results: dict, label: str, case: str) -> tuple[str, float] | None:
     """The fastest setting of the engine behind pd-transfer row ``label`` on ``case``:
     (its setting, seconds), or None where none was measured."""
-    timed = [(results[peer][case], peer) for peer in ALONE[label] if isinstance(results[peer][case], float)]
-    if not timed:
+    measured = [
+        (results[peer][case], peer)
+        for peer in ALONE[label]
+        if isinstance(results.get(peer, {}).get(case), float)
+    ]
+    if not measured:
         return None
-    seconds, peer = min(timed)
+    seconds, peer = min(measured)
     return peer.split(", ", 1)[-1], seconds
 
 
@@ -638,9 +747,9 @@ def targets(results: dict, copy: dict, raw: dict, raw_best: dict, raw_iov: dict,
     if peers and mine(tcp, "a"):
         checks.append(("tcp x best tcp engine, 256 MiB block", min(peers) / results[tcp]["a"], 0.8))
     checks += [
-        (f"pd nixl x nixl alone at best, UCX {tls}, case {c}", over_best(row, c, row), 0.9)
-        for row, tls in ((ntcp, "tcp"), (nshm, "shm"))
-        for c in ("a", "b")
+        (f"pd {name} x {name} alone at best, case {c}", over_best(row, c, row), 0.9)
+        for row, name in ((moon, "mooncake tcp"), (ntcp, "nixl UCX tcp"), (nshm, "nixl UCX shm"))
+        for c in CASES
     ]
     checks += [
         ("shm x nixl UCX shm at best, 16 KiB", over_best(shm, "b", nshm), 2.0),

@@ -15,11 +15,13 @@ protocol, or ``rdma`` where RDMA NICs exist::
 
 A write lowers the plan to absolute addresses (bounds-checked against the
 smaller of the peer's geometry and what its engine registered, before
-anything is submitted), joins neighbouring runs, and submits them with
-``batch_transfer_sync_write`` in batches of at most ``max_batch_descriptors``
-(default 1,024), one batch at a time per link: the engine's tcp path refuses
-a batch once about 2,048 transfers are queued for a peer, and what it had
-already accepted of that batch keeps writing. After an engine error the link
+anything is submitted), joins neighbouring runs, and posts them with
+``batch_transfer_async_write`` in batches of at most ``max_batch_descriptors``
+(default 1,024), keeping at most ``QUEUE_LIMIT`` descriptors in flight per
+link: the engine's tcp path refuses a batch once about 2,048 transfers are
+queued for a peer, and what it had already accepted of that batch keeps
+writing. A write returns once every batch it posted has ended (an error
+included), so no byte of it lands later. After an engine error the link
 settles and probes (:mod:`~pd_transfer.transport.engines.link`). Plans of small runs go staged
 instead where the peer offers a staging area (:mod:`~pd_transfer.transport.engines.staging.engine`):
 gathered into 4 MiB slots, one descriptor each, scattered by decode.
@@ -31,7 +33,9 @@ the package this module still imports and says which extra to install.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
+from collections import deque
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.base import Link, PeerEndpoint, Transport, TransportKind
@@ -57,7 +61,14 @@ from pd_transfer.transport.engines.strategy import Strategy
 from pd_transfer.transport.regions import Regions
 
 PROTOCOLS = ("tcp", "rdma")
-QUEUE_LIMIT = 2048  # transfers the engine's tcp path queues per peer
+QUEUE_LIMIT = 2048  # transfers the engine's tcp path queues per peer, by default
+# per-peer queues deep enough for every descriptor of a large plan, as the fastest
+# Mooncake-alone settings of benchmarks/engines_bench.py have them; the engine reads
+# these when it starts; an operator's own values win.
+TCP_QUEUES = {
+    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
+    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
+}
 MAX_RUN_NBYTES = 64 << 20  # one descriptor at most (the engine slices it further)
 
 
@@ -84,6 +95,8 @@ class MooncakeEngine:
             raise TransportError(
                 f"mooncake protocol {protocol!r} is not one of {list(PROTOCOLS)}", code=Reason.INVALID_CONFIG
             )
+        for name, value in TCP_QUEUES.items():
+            os.environ.setdefault(name, value)
         self.engine = load_engine_class()()
         hostname = f"{host}:{port}" if port else host
         rc = self.engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
@@ -147,6 +160,8 @@ class MooncakeReceiver(EngineReceiver):
     :meth:`MooncakeTransport.start`) instead of starting one; stopping the
     receiver then unregisters its regions and leaves the engine running.
     """
+
+    engine: MooncakeEngine | None
 
     def __init__(
         self,
@@ -220,7 +235,9 @@ class MooncakeTransport(Transport):
             return self._engine
 
     async def engine(self) -> MooncakeEngine:
-        return self._engine or await asyncio.to_thread(self.start)
+        if self._engine is not None:
+            return self._engine
+        return await asyncio.to_thread(self.start)
 
     async def connect(self, peer: PeerEndpoint) -> MooncakeLink:
         """Check what the peer published and that its engine answers; raises TransportError."""
@@ -293,11 +310,11 @@ class MooncakeTransport(Transport):
         written = {Strategy.DIRECT: 0, Strategy.STAGED: 0}
         with link.lock:
             link.check_usable()
-            for strategy, todo in work:
-                if strategy is Strategy.DIRECT:
-                    written[strategy] += self._submit(engine, link, todo, where)
+            for _, todo in work:
+                if isinstance(todo, AddressRuns):  # Strategy.DIRECT's, lowered
+                    written[Strategy.DIRECT] += self._submit(engine, link, todo, where)
                 else:
-                    written[strategy] += run_staged(
+                    written[Strategy.STAGED] += run_staged(
                         link, todo, src, self._bulk(engine, link, where), room=room, generation=generation
                     )
             link.wrote(written)
@@ -330,25 +347,44 @@ class MooncakeTransport(Transport):
         return bulk
 
     def _submit(self, engine: MooncakeEngine, link: MooncakeLink, runs: AddressRuns, where: str) -> int:
-        """Submit ``runs`` batch after batch (holding ``link.lock``); return the bytes written."""
+        """Post ``runs`` batch after batch, up to ``QUEUE_LIMIT`` descriptors in flight
+        (holding ``link.lock``); return the bytes written once all have ended."""
         link.check_usable()
-        done = 0
+        session, done = link.address.session, 0
+        inflight: deque[tuple[int, AddressRuns]] = deque()  # (batch id, its runs)
+        failed = ""
         for batch in batches(runs, self.max_batch_descriptors):
-            rc = engine.engine.batch_transfer_sync_write(
-                link.address.session, batch.src_addr.tolist(), batch.dst_addr.tolist(), batch.nbytes.tolist()
+            while inflight and sum(len(b) for _, b in inflight) + len(batch) > QUEUE_LIMIT:
+                failed = failed or self._ended(engine, *inflight.popleft())
+            if failed:
+                break
+            posted = engine.engine.batch_transfer_async_write(
+                session, batch.src_addr.tolist(), batch.dst_addr.tolist(), batch.nbytes.tolist()
             )
             link.counted(len(batch))
-            if rc != 0:
-                first = next(iter(link.dst_bases.values()))[0]
-                recover(
-                    link,
-                    self.recovery,
-                    lambda first=first: engine.probe(link.address.session, first),
-                    f"{where}: mooncake engine failed a batch of {len(batch)} "
-                    f"descriptors (rc {rc}) after {done} of {runs.total_nbytes} bytes",
-                )
+            if not posted:
+                failed = "the engine refused a batch"
+                break
+            inflight.append((posted, batch))
             done += batch.total_nbytes
+        while inflight:  # every posted batch ends before the write does, failed or not
+            failed = self._ended(engine, *inflight.popleft()) or failed
+        if failed:
+            first = next(iter(link.dst_bases.values()))[0]
+            recover(
+                link,
+                self.recovery,
+                lambda: engine.probe(session, first),
+                f"{where}: mooncake engine failed a write of {runs.total_nbytes} bytes in "
+                f"{len(runs)} descriptors ({failed})",
+            )
         return done
+
+    @staticmethod
+    def _ended(engine: MooncakeEngine, posted: int, batch: AddressRuns) -> str:
+        """Wait for one posted batch (which frees it): "" if every byte landed, else why not."""
+        rc = engine.engine.get_batch_transfer_status([posted])
+        return "" if rc == 0 else f"a batch of {len(batch)} descriptors ended with rc {rc}"
 
     async def close(self) -> None:
         await super().close()

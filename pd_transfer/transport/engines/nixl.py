@@ -20,10 +20,15 @@ metadata travels, inside the registration. ::
 Prepared descriptor lists, reused across rooms: a plan's runs all start and
 end on multiples of some row size ``g`` (a 16 KiB page row for a direct
 Llama pair, a 512-byte head slice for TP 2 -> 4). The first write with a
-given ``g`` prepares, once per link, every region of both sides as rows of
-``g`` bytes (``prep_xfer_dlist``); each write then only picks row indices
-(``make_prepped_xfer``). Where rows would be too many
-(``max_prepared_rows``), a write describes its runs directly.
+given ``g`` prepares every pool of both sides as rows of ``g`` bytes
+(``prep_xfer_dlist``); each write then only picks row indices
+(``make_prepped_xfer``, one WRITE request). The lists live on the link (the
+peer): its pools per ``g``, ours per ``g`` and the set of source pools with
+their addresses, so pools registered again at other addresses get lists of
+their own and a lost peer takes its lists with it. A link keeps at most
+``MAX_PREPARED_LISTS`` of each, dropping (and releasing) the least recently
+used. Where rows would be too many (``max_prepared_rows``), a write
+describes its runs directly.
 
 Plans of small runs go staged instead where the peer offers a staging area
 (:mod:`~pd_transfer.transport.engines.staging.engine`): gathered into 4 MiB slots, one descriptor each,
@@ -36,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,7 +52,7 @@ from pd_transfer.transport.copy.bounds import check_bounds
 from pd_transfer.transport.copy.runs import expand, flatten, row_nbytes_for, rows_of
 from pd_transfer.transport.engines.address import EngineAddress
 from pd_transfer.transport.engines.link import EngineLink, Recovery, check_published, recover
-from pd_transfer.transport.engines.nixl_agent import NixlEngine, NixlReceiver, load_api
+from pd_transfer.transport.engines.nixl_agent import NixlEngine, NixlReceiver, load_api, release
 from pd_transfer.transport.engines.runs import lower_to_addresses
 from pd_transfer.transport.engines.staging.engine import (
     StagingOptions,
@@ -61,6 +67,7 @@ from pd_transfer.transport.regions import Regions
 __all__ = ["NixlEngine", "NixlLink", "NixlReceiver", "NixlTransport", "load_api"]
 
 MAX_ROW_NBYTES = 64 << 20  # rows of one prepared list; a plan of 256 MiB blocks: 4 rows each
+MAX_PREPARED_LISTS = 4  # per link and side: row sizes (and source pool sets) kept prepared
 
 
 @dataclass
@@ -73,22 +80,45 @@ class Prepared:
 
 
 class NixlLink(EngineLink):
-    def __init__(self, transport: Transport, peer: PeerEndpoint, address: EngineAddress) -> None:
+    transport: NixlTransport
+
+    def __init__(self, transport: NixlTransport, peer: PeerEndpoint, address: EngineAddress) -> None:
         super().__init__(transport, peer, address)
         self.remote = address.session
-        self.prepared: dict[int, Prepared | None] = {}  # row_nbytes -> the peer's regions as rows
+        # row_nbytes -> the peer's pools as rows; (row_nbytes, our source pools) -> ours
+        self.prepared: OrderedDict[int, Prepared | None] = OrderedDict()
+        self.local: OrderedDict[tuple, Prepared | None] = OrderedDict()
+
+    def cached(self, cache: OrderedDict, key, make):
+        """``cache[key]``, made by ``make()`` if missing; the least recently used beyond
+        ``MAX_PREPARED_LISTS`` is released (under ``link.lock``: no request of this link
+        is being built)."""
+        if key in cache:
+            cache.move_to_end(key)
+            return cache[key]
+        cache[key] = made = make()
+        while len(cache) > MAX_PREPARED_LISTS:
+            _, old = cache.popitem(last=False)
+            self._drop(old)
+        return made
+
+    @staticmethod
+    def _drop(prepared: Prepared | None) -> None:
+        """Release a prepared list now; its handle then lets go of the agent (``release``)."""
+        if prepared is not None:
+            release(prepared.handle)
 
     async def _release(self) -> None:
+        lists = [*self.prepared.values(), *self.local.values()]
+        self.prepared, self.local = OrderedDict(), OrderedDict()
+        for prepared in lists:  # before the peer's metadata goes: its lists refer to it
+            self._drop(prepared)
         engine = self.transport._engine
         if engine is not None:
-            for prepared in self.prepared.values():
-                if prepared is not None:
-                    engine.agent.release_dlist_handle(prepared.handle)
             try:
                 engine.agent.remove_remote_agent(self.remote)
             except Exception:  # already gone with the peer: nothing left to free
                 pass
-        self.prepared = {}
         await super()._release()
 
 
@@ -115,7 +145,6 @@ class NixlTransport(Transport):
         self._engine: NixlEngine | None = None  # initiating: writes, no progress thread
         self._target: NixlEngine | None = None  # receiving: the peers' writes land here
         self._engine_lock = threading.Lock()
-        self._local: dict[int, Prepared] = {}  # row_nbytes -> our source regions as rows
 
     def start(self) -> NixlEngine:
         """Start this process's two agents now (blocking, seconds: loading NIXL and UCX holds
@@ -127,6 +156,10 @@ class NixlTransport(Transport):
         deadline). The receiving agent (:meth:`receiving_engine`) keeps its progress thread:
         a passive target calls nothing that would progress it.
         """
+        return self._agents()[0]
+
+    def _agents(self) -> tuple[NixlEngine, NixlEngine]:
+        """(initiating, receiving), each started once."""
         with self._engine_lock:
             if self._engine is None:
                 self._engine = NixlEngine(
@@ -134,15 +167,14 @@ class NixlTransport(Transport):
                 )
             if self._target is None:
                 self._target = NixlEngine("recv", self.error_handling_mode, host=self.host)
-            return self._engine
+            return self._engine, self._target
 
     def engine(self) -> NixlEngine:
         return self._engine or self.start()
 
     def receiving_engine(self) -> NixlEngine:
         """The agent a :class:`NixlReceiver` of this process shares (see :meth:`start`)."""
-        self.start()
-        return self._target
+        return self._agents()[1]
 
     async def connect(self, peer: PeerEndpoint) -> NixlLink:
         address = EngineAddress.parse(peer.data_address, "nixl")
@@ -306,8 +338,11 @@ class NixlTransport(Transport):
         total = int(runs.nbytes.sum())
         row = row_nbytes_for(runs.src_offset, runs.dst_offset, runs.nbytes, cap=MAX_ROW_NBYTES)
         try:
-            local = self._prepared_local(engine, row, bases)
-            remote = self._prepared_remote(engine, link, row)
+            key = (row, tuple(sorted(bases.items())))
+            local = link.cached(link.local, key, lambda: self._prepare(engine, "NIXL_INIT_AGENT", bases, row))
+            remote = link.cached(
+                link.prepared, row, lambda: self._prepare(engine, link.remote, link.dst_bases, row)
+            )
             if local is None or remote is None:  # too many rows to prepare: describe the runs
                 direct = lower_to_addresses(plan, bases, link.dst_bases, where, dst_sizes=dst_sizes)
                 return engine.agent.initialize_xfer(
@@ -332,25 +367,6 @@ class NixlTransport(Transport):
                 f"{where}: nixl refused the request: {err}", code=Reason.TRANSPORT_FAILED
             ) from None
 
-    def _prepared_local(self, engine: NixlEngine, row: int, bases: dict) -> Prepared | None:
-        prepared = self._local.get(row)
-        if prepared is not None and all(prepared.bases.get(r) == b for r, b in bases.items()):
-            return prepared
-        if prepared is not None:  # new or moved source regions: prepare again, with all of them
-            engine.agent.release_dlist_handle(prepared.handle)
-            bases = {**prepared.bases, **bases}
-        made = self._prepare(engine, "NIXL_INIT_AGENT", bases, row)
-        if made is not None:
-            self._local[row] = made
-        else:
-            self._local.pop(row, None)
-        return made
-
-    def _prepared_remote(self, engine: NixlEngine, link: NixlLink, row: int) -> Prepared | None:
-        if row not in link.prepared:
-            link.prepared[row] = self._prepare(engine, link.remote, link.dst_bases, row)
-        return link.prepared[row]
-
     def _prepare(self, engine: NixlEngine, agent: str, bases: dict, row: int) -> Prepared | None:
         counts = {r: n // row for r, (_, n) in bases.items()}
         if sum(counts.values()) > self.max_prepared_rows:
@@ -374,9 +390,6 @@ class NixlTransport(Transport):
         engine, self._engine = self._engine, None
         target, self._target = self._target, None
         if engine is not None:
-            for prepared in self._local.values():
-                engine.agent.release_dlist_handle(prepared.handle)
-            self._local.clear()
             await asyncio.to_thread(engine.close)
         if target is not None:
             await asyncio.to_thread(target.close)

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import uuid
+from typing import Any
 
 import numpy as np
 
@@ -96,8 +97,9 @@ def _new_agent(api, name: str, config, delay_us: int):
     the agent is made, that class is swapped for one that keeps our delay.
     """
     wrapper = sys.modules.get(getattr(api.nixl_agent, "__module__", ""))
-    bindings = getattr(wrapper, "nixlBind", None)
-    base = getattr(bindings, "nixlAgentConfig", None)
+    # NIXL's bindings, found at run time: untyped, hence Any (Paced subclasses one of them)
+    bindings: Any = getattr(wrapper, "nixlBind", None)
+    base: Any = getattr(bindings, "nixlAgentConfig", None)
     if base is None or not hasattr(base, "pthrDelay"):
         log.warning("this NIXL has no progress-thread delay to set; its agent may keep a core busy")
         return api.nixl_agent(name, config)
@@ -119,6 +121,28 @@ def _new_agent(api, name: str, config, delay_us: int):
             bindings.nixlAgentConfig = base
 
 
+def _detach(handle) -> None:
+    """Drop what a released handle of NIXL's wrapper still holds of its agent's bindings.
+
+    NIXL's handle objects keep the native agent (``_agent``) for as long as they live,
+    released or not, and a handle can live on in a traceback's frame. The native agent,
+    with its UCX workers, would then be destroyed whenever garbage collection reaches that
+    frame, on whichever thread, in the middle of unrelated work. Released, a handle needs
+    nothing of its agent.
+    """
+    try:
+        handle._agent = None
+    except AttributeError:  # a NIXL whose handles keep no agent
+        pass
+
+
+def release(handle) -> None:
+    """Release a prepared list or a transfer now and let go of its agent (:func:`_detach`);
+    raises what NIXL raises (a transfer it cannot cancel)."""
+    handle.release()
+    _detach(handle)
+
+
 class _Unreleased:
     """Transfer handles NIXL could not release when their wait ended, kept until it can.
 
@@ -135,7 +159,7 @@ class _Unreleased:
 
     def release(self, handle) -> None:
         try:
-            handle.release()
+            release(handle)
         except Exception:  # NIXL cannot cancel it yet
             log.warning("a nixl transfer could not be cancelled; its release is retried later")
             with self._lock:
@@ -147,7 +171,7 @@ class _Unreleased:
         kept = []
         for handle in handles:
             try:
-                handle.release()
+                release(handle)
             except Exception:
                 kept.append(handle)
         if kept:
@@ -164,7 +188,8 @@ class NixlEngine:
     ``progress_thread``: run NIXL's progress thread; an agent that is written
     into needs it, one that only initiates is faster without (see the module).
     ``host``: UCX listens only on the network device holding it (``NET_DEVICES``;
-    "" or a wildcard: on every device, UCX's default).
+    "" or a wildcard: on every device, UCX's default). ``ucx_threads``: the UCX
+    backend's ``num_threads`` (0: NIXL's default, one worker).
     """
 
     def __init__(
@@ -174,9 +199,12 @@ class NixlEngine:
         *,
         progress_thread: bool = True,
         host: str = "127.0.0.1",
+        ucx_threads: int = 0,
     ) -> None:
         api = load_api()
         backend = {"ucx_error_handling_mode": error_handling_mode}
+        if ucx_threads:
+            backend["num_threads"] = str(ucx_threads)
         device = device_of(host)
         if device:  # UCX's own config, as UCX_NET_DEVICES would set it, for this agent only
             backend["engine_config"] = f"NET_DEVICES={device}"
@@ -273,17 +301,21 @@ class NixlEngine:
         return self.agent.get_agent_metadata()
 
     def close(self) -> None:
-        """Unregister every region and drop the agent now, on the closing thread.
+        """Unregister every region and destroy the native agent now, on the closing thread.
 
-        Left to garbage collection, the agent's UCX worker would be destroyed at some later
-        moment, on whichever thread collects. A transfer NIXL could not cancel keeps its
-        agent alive until it can (:class:`_Unreleased`), never the other way round.
+        The wrapper may outlive this call (a traceback's frame of one of its methods keeps
+        it), so the native agent is taken from it here: left to garbage collection, its UCX
+        workers would be destroyed at some later moment, on whichever thread collects. Only
+        a transfer NIXL could not cancel keeps the native agent alive, until it can
+        (:class:`_Unreleased`); every other handle let go of it when released (:func:`release`).
         """
         _UNRELEASED.retry()
         for address in list(self._registered):
             self.unregister(address)
         self._registered.clear()
-        self.agent = None
+        agent, self.agent = self.agent, None
+        if agent is not None:
+            agent.agent = None  # the wrapper's native agent: destroyed here if nothing kept it
 
 
 class NixlReceiver(EngineReceiver):
@@ -293,6 +325,8 @@ class NixlReceiver(EngineReceiver):
     :meth:`NixlTransport.start`); stopping then only unregisters the regions.
     ``host``: where an agent of its own listens (see :class:`NixlEngine`).
     """
+
+    engine: NixlEngine | None
 
     def __init__(
         self,

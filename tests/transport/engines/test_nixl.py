@@ -6,11 +6,13 @@ Runs only where NIXL is installed
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +34,7 @@ from engine_harness import (
 )
 
 from pd_transfer.errors import Reason, TransportError
+from pd_transfer.transport.engines.nixl import MAX_PREPARED_LISTS
 
 pytestmark = engine_marks("nixl")
 receivers = receivers_fixture("nixl")
@@ -64,6 +67,38 @@ async def test_many_scattered_runs_land_and_prepared_rows_are_reused(segments, r
     assert (list(prepared.values())[0] is None) == (max_prepared_rows == 16)
     assert np.array_equal(segs["kv"].array, expected_scatter(plan, src, before))
     await transport.close()
+
+
+async def test_prepared_lists_are_kept_per_row_and_source_pools_up_to_a_bound(segments, receivers):
+    # six row sizes, then the source pool at another address: every write lands
+    # byte-exact; the link keeps the most recent MAX_PREPARED_LISTS lists of each side,
+    # and the moved source pool gets a list of its own
+    rng = np.random.default_rng(11)
+    before = rng.integers(0, 256, 4 * 64 * 16384, np.uint8)
+    src = rng.integers(0, 256, 2 * 64 * 16384, np.uint8)
+    segs = segments({"kv": before})
+    peer = await receivers({"d0": segs})
+    transport = _transport()
+    link = await transport.connect(peer.endpoint("d0"))
+    expected = before
+    rows = [512 << i for i in range(6)]
+    for run in rows:
+        plan = scattered_plan("kv", 64, run, seed=run)
+        assert await transport.write(link, plan, {"kv": src}) == 64 * run
+        expected = expected_scatter(plan, src, expected)
+    assert list(link.prepared) == rows[-MAX_PREPARED_LISTS:]
+    assert [row for row, _ in link.local] == rows[-MAX_PREPARED_LISTS:]
+    moved = rng.integers(0, 256, src.size, np.uint8)
+    plan = scattered_plan("kv", 64, rows[-1], seed=1)
+    assert await transport.write(link, plan, {"kv": moved}) == 64 * rows[-1]
+    expected = expected_scatter(plan, moved, expected)
+    (row, pools), (row_again, moved_pools) = list(link.local)[-2:]
+    assert row == row_again == rows[-1] and dict(pools)["kv"][0] == src.ctypes.data
+    assert dict(moved_pools)["kv"][0] == moved.ctypes.data
+    assert len(link.local) == MAX_PREPARED_LISTS
+    assert np.array_equal(segs["kv"].array, expected)
+    await transport.close()
+    assert not link.prepared and not link.local
 
 
 async def test_a_run_out_of_bounds_is_refused_before_submission(scenario, segments, receivers):
@@ -104,6 +139,33 @@ async def test_a_request_nixl_refuses_fails_the_write_and_the_link_stays_usable(
     assert np.array_equal(segs["a"].array, expected_scatter(plan_a, src, np.zeros_like(segs["a"].array)))
     assert not segs["b"].array.any()
     await transport.close()
+
+
+async def test_close_destroys_both_native_agents_at_once_after_a_refused_write(segments, receivers):
+    # the refused write's traceback keeps frames of NIXL's wrapper and of the request with
+    # its prepared lists; close still destroys both native agents on the closing call, with
+    # the garbage collector off (left to a collection, they went at any later moment)
+    plan = scattered_plan("kv", 64, 512)
+    src = np.random.default_rng(8).integers(0, 256, 2 * 64 * 512, np.uint8)
+    peer = await receivers({"d0": segments({"kv": np.zeros(4 * 64 * 512, np.uint8)})})
+    transport = _transport(recovery=FAST)
+    link = await transport.connect(peer.endpoint("d0"))
+    assert await transport.write(link, plan, {"kv": src}) == 64 * 512  # lists prepared
+    address, nbytes = link.dst_bases["kv"]
+    link.dst_bases["kv"] = (address + (1 << 30), nbytes)
+    natives = [
+        weakref.ref(transport.engine().agent.agent),
+        weakref.ref(transport.receiving_engine().agent.agent),
+    ]
+    gc.disable()
+    try:
+        with pytest.raises(TransportError) as info:
+            await transport.write(link, scattered_plan("kv", 32, 1024), {"kv": src})
+        assert "nixl refused" in str(info.value)
+        await transport.close()
+        assert [native() for native in natives] == [None, None]
+    finally:
+        gc.enable()
 
 
 async def test_a_dead_peer_fails_the_write_and_the_link_is_then_refused(segments, receivers):
