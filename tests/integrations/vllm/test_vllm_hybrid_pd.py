@@ -21,11 +21,9 @@ pytest.importorskip(
 )
 
 import torch  # noqa: E402
-from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
-from vllm_harness import BLOCK_SIZE, request, runner_output, vllm_config  # noqa: E402
+from vllm_harness import BLOCK_SIZE, hybrid_scheduler, request, step, vllm_config  # noqa: E402
 from vllm_hybrid_caches import (  # noqa: E402
     ATTN,
     CONV_GROUPS,
@@ -34,15 +32,15 @@ from vllm_hybrid_caches import (  # noqa: E402
     KERNEL,
     V_DIM,
     V_HEADS,
-    assert_same_bytes,
     flat_copy,
     gdn_hybrid,
     gdn_states,
     heads_of,
     local_channels,
+    transfer_exactly,
     twin,
 )
-from vllm_instances import HEAD_SIZE, NUM_BLOCKS, TOTAL_HEADS, transfer  # noqa: E402
+from vllm_instances import HEAD_SIZE, NUM_BLOCKS, TOTAL_HEADS  # noqa: E402
 
 from pd_transfer.integrations.vllm.hybrid_state import DROPPED_KEY  # noqa: E402
 from pd_transfer.integrations.vllm.params import NUM_PAGES_KEY, ROOM_KEY  # noqa: E402
@@ -53,28 +51,9 @@ MAX_MODEL_LEN = 4096  # the harness's; vLLM's GDN block size without prefix cach
 
 
 def _hybrid_scheduler(model_dir, role: str, extra: dict, tp_size: int) -> Scheduler:
-    """vLLM's Scheduler as its engine core builds it for a GDN hybrid (block sizes resolved by vLLM)."""
     config = vllm_config(model_dir, kv_role=role, extra=extra, tp_size=tp_size)
-    config.cache_config.enable_prefix_caching = (
-        False  # vLLM caches a hybrid model's prefixes only in "align" mode
-    )
-    config.cache_config.num_gpu_blocks = NUM_BLOCKS
     cache_config, _ = gdn_hybrid(tp_size, 0, mamba_block_size=MAX_MODEL_LEN)
-    scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(cache_config, config)
-    return Scheduler(
-        vllm_config=config,
-        kv_cache_config=cache_config,
-        log_stats=True,
-        structured_output_manager=StructuredOutputManager(config),
-        block_size=scheduler_block_size,
-        hash_block_size=hash_block_size,
-    )
-
-
-def _step(sched, reqs, **report):
-    out = sched.schedule()
-    outputs = sched.update_from_output(out, runner_output(reqs, **report))
-    return out, [o for outs in outputs.values() for o in outs.outputs]
+    return hybrid_scheduler(config, cache_config, NUM_BLOCKS)
 
 
 def _group_blocks(sched, req_id: str) -> tuple[list[int], list[int]]:
@@ -88,7 +67,7 @@ def _prefill_then_decode(model_dir, bootstrap: str, prompt_len: int, prefill_tp:
     first = request(prompt_len, kv_transfer_params={"do_remote_decode": True}, max_tokens=1)
     prompt = list(first.prompt_token_ids)
     prefill.add_request(first)
-    prefill_out, outputs = _step(prefill, [first])
+    prefill_out, outputs = step(prefill, [first])
     (send,) = prefill_out.kv_connector_metadata.step.sends
     attn, gdn = _group_blocks(prefill, first.request_id)
     (finished,) = [o for o in outputs if o.request_id == first.request_id]
@@ -99,7 +78,7 @@ def _prefill_then_decode(model_dir, bootstrap: str, prompt_len: int, prefill_tp:
     second.prompt_token_ids[:] = prompt
     second._all_token_ids[:] = prompt
     decode.add_request(second)
-    out, _ = _step(decode, [])
+    out, _ = step(decode, [])
     (recv,) = out.kv_connector_metadata.step.recvs
     return send, recv, (prefill, first, prefill_out, attn, gdn), (decode, second, params)
 
@@ -119,8 +98,8 @@ def test_prefill_computes_all_but_the_last_prompt_token_and_decode_computes_it_f
     d_attn, d_gdn = _group_blocks(decode, second.request_id)
     assert (list(recv.block_ids), list(recv.state_slots), recv.error) == (d_attn, d_gdn, "")
     assert decode.connector.get_loaded_kv_cache_group_ids(second) == (0, 1)
-    _step(decode, [], finished_recving={second.request_id})
-    out, _ = _step(decode, [second])
+    step(decode, [], finished_recving={second.request_id})
+    out, _ = step(decode, [second])
     # decode computes token 39 itself, from the state after tokens 0..38
     assert out.num_scheduled_tokens == {second.request_id: 1} and second.num_computed_tokens == 40
 
@@ -129,7 +108,7 @@ def test_a_one_token_prompt_is_not_cut_and_decode_computes_it_all(model_dir):
     prefill = _hybrid_scheduler(model_dir, "kv_producer", {"bootstrap_addr": "tcp://127.0.0.1:7412"}, 1)
     req = request(1, kv_transfer_params={"do_remote_decode": True}, max_tokens=1)
     prefill.add_request(req)
-    out, (finished,) = _step(prefill, [req])
+    out, (finished,) = step(prefill, [req])
     assert req.num_prompt_tokens == 1 and DROPPED_KEY not in req.kv_transfer_params
     assert not out.kv_connector_metadata.step.sends and finished.kv_transfer_params is None
 
@@ -186,12 +165,7 @@ def _move_and_check(prefill, decode, send, recv, data, block_sizes):
             block_sizes[1],
         )
         expected.append(flat)
-    results, errors = transfer(prefill, decode, send, recv)
-    assert all(not r.failed_recving for r in results) and all(not e for e in errors), [
-        c._worker.failures for c in decode.connectors
-    ]
-    for rank, caches in enumerate(decode.caches):
-        assert_same_bytes(flat_copy(caches), expected[rank], f"decode tp{rank}/{decode.tp_size}")
+    transfer_exactly(prefill, decode, send, recv, expected)
 
 
 def test_the_blocks_both_schedulers_chose_carry_kv_and_gdn_state_byte_exact_from_tp2_to_tp4(

@@ -24,13 +24,11 @@ pytest.importorskip(
 
 import torch  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import MambaSpec  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
-from vllm_harness import request, runner_output, vllm_config  # noqa: E402
+from vllm_harness import hybrid_scheduler, request, step, vllm_config  # noqa: E402
 from vllm_hybrid_caches import (  # noqa: E402
     CONV_GROUPS,
     K_DIM,
@@ -43,6 +41,7 @@ from vllm_hybrid_caches import (  # noqa: E402
     gdn_states,
     heads_of,
     local_channels,
+    transfer_exactly,
     twin,
 )
 from vllm_instances import HEAD_SIZE, NUM_BLOCKS, TOTAL_HEADS, transfer  # noqa: E402
@@ -78,23 +77,7 @@ def _state_groups(kv_config) -> list[list[str]]:
 
 def _scheduler(model_dir, role: str, extra: dict, tp_size: int, block_size: int, kv_config) -> Scheduler:
     config = vllm_config(model_dir, kv_role=role, extra=extra, tp_size=tp_size, block_size=block_size)
-    config.cache_config.enable_prefix_caching = False  # vLLM caches a hybrid's prefixes only in "align" mode
-    config.cache_config.num_gpu_blocks = NUM_BLOCKS
-    scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_config, config)
-    return Scheduler(
-        vllm_config=config,
-        kv_cache_config=kv_config,
-        log_stats=True,
-        structured_output_manager=StructuredOutputManager(config),
-        block_size=scheduler_block_size,
-        hash_block_size=hash_block_size,
-    )
-
-
-def _step(sched, reqs, **report):
-    out = sched.schedule()
-    outputs = sched.update_from_output(out, runner_output(reqs, **report))
-    return out, [o for outs in outputs.values() for o in outs.outputs]
+    return hybrid_scheduler(config, kv_config, NUM_BLOCKS)
 
 
 def _blocks(sched, req_id: str, kv_config) -> tuple[list[int], list[list[int]]]:
@@ -118,7 +101,7 @@ def _schedulers_pick(model_dir, bootstrap, prompt_len, prefill, decode):
     first = request(prompt_len, kv_transfer_params={"do_remote_decode": True}, max_tokens=1)
     prompt = list(first.prompt_token_ids)
     sched.add_request(first)
-    out, outputs = _step(sched, [first])
+    out, outputs = step(sched, [first])
     assert first.num_prompt_tokens == prompt_len - 1  # decode computes the last prompt token
     (send,) = out.kv_connector_metadata.step.sends
     attn, states = _blocks(sched, first.request_id, p_config)
@@ -133,7 +116,7 @@ def _schedulers_pick(model_dir, bootstrap, prompt_len, prefill, decode):
     second.prompt_token_ids[:] = prompt
     second._all_token_ids[:] = prompt
     sched.add_request(second)
-    out, _ = _step(sched, [])
+    out, _ = step(sched, [])
     assert second.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     (recv,) = out.kv_connector_metadata.step.recvs
     attn, states = _blocks(sched, second.request_id, d_config)
@@ -142,8 +125,8 @@ def _schedulers_pick(model_dir, bootstrap, prompt_len, prefill, decode):
     assert sched.connector.get_loaded_kv_cache_group_ids(second) == tuple(
         range(len(d_config.kv_cache_groups))
     )
-    _step(sched, [], finished_recving={second.request_id})
-    out, _ = _step(sched, [second])
+    step(sched, [], finished_recving={second.request_id})
+    out, _ = step(sched, [second])
     assert out.num_scheduled_tokens == {second.request_id: 1}  # decode computes token n - 1 from the state
     return send, recv
 
@@ -190,12 +173,7 @@ def _move_and_check(prefill, decode, send, recv, model, block_sizes, num_tokens)
         view = twin(caches, flat)
         _fill(view, decode.tp_size, rank, recv.block_ids, recv.state_slots, data, block_sizes[1], model)
         expected.append(flat)
-    results, errors = transfer(prefill, decode, send, recv)
-    assert all(not r.failed_recving for r in results) and all(not e for e in errors), [
-        c._worker.failures for c in decode.connectors
-    ]
-    for rank, caches in enumerate(decode.caches):
-        assert_same_bytes(flat_copy(caches), expected[rank], f"decode tp{rank}/{decode.tp_size}")
+    transfer_exactly(prefill, decode, send, recv, expected)
 
 
 @pytest.mark.parametrize(

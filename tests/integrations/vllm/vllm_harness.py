@@ -24,7 +24,7 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -121,13 +121,35 @@ def scheduler(
         ["model.layers.0.self_attn.attn"], num_blocks=num_blocks, block_size=block_size
     )
     config.cache_config.num_gpu_blocks = num_blocks
+    return _scheduler(config, kv_cache_config, block_size)
+
+
+def _scheduler(
+    config: VllmConfig, kv_cache_config: KVCacheConfig, block_size: int, hash_block_size: int | None = None
+) -> Scheduler:
     return Scheduler(
         vllm_config=config,
         kv_cache_config=kv_cache_config,
         log_stats=True,
         structured_output_manager=StructuredOutputManager(config),
         block_size=block_size,
+        hash_block_size=hash_block_size,
     )
+
+
+def hybrid_scheduler(config: VllmConfig, kv_cache_config: KVCacheConfig, num_blocks: int) -> Scheduler:
+    """vLLM's Scheduler as its engine core builds it for a hybrid model: block sizes resolved
+    by vLLM, no prefix caching (vLLM caches a hybrid model's prefixes only in "align" mode)."""
+    config.cache_config.enable_prefix_caching = False
+    config.cache_config.num_gpu_blocks = num_blocks
+    return _scheduler(config, kv_cache_config, *resolve_kv_cache_block_sizes(kv_cache_config, config))
+
+
+def step(sched: Scheduler, reqs: list[Request], **report: Any) -> tuple[Any, list[Any]]:
+    """One scheduler step and the model runner's answer: the schedule and the requests' outputs."""
+    out = sched.schedule()
+    outputs = sched.update_from_output(out, runner_output(reqs, **report))
+    return out, [o for outs in outputs.values() for o in outs.outputs]
 
 
 def request(

@@ -27,7 +27,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 from vllm_harness import BLOCK_SIZE, vllm_config
-from vllm_instances import HEAD_SIZE, NUM_BLOCKS, TOTAL_HEADS
+from vllm_instances import HEAD_SIZE, NUM_BLOCKS, TOTAL_HEADS, transfer
 
 K_HEADS, V_HEADS, K_DIM, V_DIM, KERNEL = 2, 4, 4, 4, 4
 KEY_DIM, VALUE_DIM = K_HEADS * K_DIM, V_HEADS * V_DIM
@@ -191,3 +191,14 @@ def heads_of(tp_size: int, rank: int, total: int) -> slice:
 def assert_same_bytes(got: torch.Tensor, want: torch.Tensor, where: str) -> None:
     bad = (got != want).nonzero()
     assert bad.numel() == 0, f"{where}: {bad.shape[0]} bytes differ, first at byte {bad[0].item()}"
+
+
+def transfer_exactly(prefill, decode, send, recv, expected: list[torch.Tensor]) -> None:
+    """Move ``send`` into ``recv`` through the connectors; each decode rank's whole buffer
+    must then equal ``expected`` (the oracle's), byte for byte."""
+    results, errors = transfer(prefill, decode, send, recv)
+    assert all(not r.failed_recving for r in results) and all(not e for e in errors), [
+        c._worker.failures for c in decode.connectors
+    ]
+    for rank, caches in enumerate(decode.caches):
+        assert_same_bytes(flat_copy(caches), expected[rank], f"decode tp{rank}/{decode.tp_size}")
