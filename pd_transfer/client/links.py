@@ -207,8 +207,7 @@ class StreamLink:
         idle (it restarted, say), then connect. True: a new connection (authenticate
         again); None: none before ``deadline``. Nothing is sent yet, so nothing is lost."""
         if self._sock is not None and self._closed_by_peer(self._sock):
-            self.absence.lost()
-            self.reset()
+            self._lose()
         fresh = self._sock is None
         return None if self._connected(deadline) is None else fresh
 
@@ -347,7 +346,8 @@ class AsyncStreamLink:
                     await asyncio.sleep(CONNECT_RETRY_S)
                 except OSError as err:
                     raise ConnectionError(f"cannot connect to {self.path}: {err.strerror}") from None
-            self.absence.back()
+                else:
+                    self.absence.back()
             return self._streams
 
     async def send(self, frame: bytes) -> None:
