@@ -43,13 +43,17 @@ and for each, in one run:
                     with ``strategy = auto``: each write goes as direct runs or
                     staged (gathered into 4 MiB slots, one descriptor each,
                     scattered by the receiver) by the crossover the link
-                    measured at connect; the row says which was chosen
+                    measured at connect; the row says which was chosen.
+                    The nixl transport runs once per UCX thread count its
+                    engine-alone rows try (``nixl_ucx_threads`` 1 and 4); a
+                    row of its own takes the faster per case and names it
 
 Each engine runs between fresh processes: a receiver that registers the
 destination (one per engine and UCX setting), and one sender process for each
 setting of the engine alone and another for pd-transfer, so none runs beside
 another's threads. Each pd-transfer engine row is compared with the fastest
-setting of its engine alone, per case, and names it. A "turns" row runs
+setting of its engine alone, per case, and names it (nixl: pd-transfer at
+its best too). A "turns" row runs
 pd-transfer's write and the engine alone on pd-transfer's own engine (the same
 agent or TransferEngine) in one process, one after the other, the order
 swapped every turn, and divides per turn: on a shared host the two then see the
@@ -115,11 +119,19 @@ MOONCAKE_QUEUES = {
 
 
 MOONCAKE_ASYNC = 1024  # descriptors per posted batch (the engine's default per-peer queue: 2,048)
+UCX_THREADS = (1, 4)  # pd-transfer nixl's settings tried: the UCX threads its alone rows try
+
+
+def _threads(n: int) -> str:
+    return f"{n} UCX thread" + ("s" if n > 1 else "")
 
 
 def _nixl_group(tls: str) -> tuple[str, dict, list]:
     def alone(name: str, **settings) -> tuple[str, str, dict]:
         return (f"nixl UCX {tls}, {name}", "nixl-raw", settings)
+
+    def pd(n: int) -> tuple[str, str, dict]:
+        return (f"pd-transfer nixl (UCX {tls}), {_threads(n)}", "nixl-pd", {"ucx_threads": n})
 
     return (
         f"nixl-{tls}",
@@ -135,7 +147,7 @@ def _nixl_group(tls: str) -> tuple[str, dict, list]:
                 ucx_threads=4,
                 notif=True,
             ),
-            (f"pd-transfer nixl (UCX {tls})", "nixl-pd", {}),
+            *(pd(n) for n in UCX_THREADS),
             (f"pd-transfer nixl (UCX {tls}), turns with nixl alone", "nixl-pair", {}),
         ],
     )
@@ -175,6 +187,20 @@ ALONE = {
     for pd in rows
     if pd[1].endswith("-pd")
 }  # pd-transfer row -> its peers
+# pd-transfer at its best -> its rows of one setting each (nixl: per UCX thread count);
+# the best row is the fastest of them per case, and compares with the engine's best
+BEST_OF = {
+    label.split(", ")[0]: [pd for pd in ALONE if pd.startswith(label.split(", ")[0] + ", ")]
+    for label in ALONE
+    if ", " in label
+}
+ALONE.update({best: ALONE[variants[0]] for best, variants in BEST_OF.items()})
+VARIANTS = {label for variants in BEST_OF.values() for label in variants}
+PRINTED = [  # the rows in print order: each best row after its settings' rows
+    shown
+    for label, _, _ in MODES
+    for shown in [label, *(best for best, variants in BEST_OF.items() if label == variants[-1])]
+]
 
 
 def descriptors(case: str, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -258,7 +284,7 @@ def _pd_write(state, mode, address, src, s, d, n):
 
     loop = state.setdefault("loop", asyncio.new_event_loop())
     if "transport" not in state:
-        state["transport"], peer = _pd_peer(mode, address, make_transport)
+        state["transport"], peer = _pd_peer(mode, address, make_transport, state["settings"])
         state["link"] = loop.run_until_complete(state["transport"].connect(peer))
         state["close"] = lambda: loop.run_until_complete(state["transport"].close())
     plan = TransferPlan("p", "d", (RunBatch("src", "dst", s, d, n, np.ones(len(n), np.int64), 0, 0),))
@@ -317,13 +343,16 @@ def _once(fn) -> float:
     return (max(ended, start) if isinstance(ended, float) else now) - start
 
 
-def _pd_peer(mode: str, address: str, make_transport):
-    """The transport of ``mode`` and the destination it connects to (shm: the segment)."""
+def _pd_peer(mode: str, address: str, make_transport, settings: dict):
+    """The transport of ``mode`` (nixl: with ``settings``' UCX threads) and the destination
+    it connects to (shm: the segment)."""
     from pd_transfer.transport import PeerEndpoint, ShmTransport, TcpTransport
 
     if mode == "builtin-shm":
         return ShmTransport(), PeerEndpoint.from_maps("d", {"dst": DST_NBYTES}, {"dst": address})
-    transport = TcpTransport() if mode == "builtin-tcp" else make_transport(mode.split("-")[0])
+    kind = mode.split("-")[0]
+    threads = {"ucx_threads": settings["ucx_threads"]} if "ucx_threads" in settings else {}
+    transport = TcpTransport() if mode == "builtin-tcp" else make_transport(kind, **threads)
     return transport, PeerEndpoint.from_maps("d", {"dst": DST_NBYTES}, data_address=address)
 
 
@@ -626,6 +655,7 @@ def report(repeats: int, rounds: int, groups: list, names: dict, sets_path: str,
     raw, raw_iov = raw_tcp_seconds(sizes), raw_iov_seconds(names, sets_path, src, dst)
     results, chosen = run_rounds(groups, rounds, names, sets_path, src, dst, sets, repeats)
     ratios = chosen.pop("ratios")
+    fold_best(results, chosen)
     # the floors once more, at the end: right after the set-up (768 MiB of pools written,
     # the copy floor's tensors freed) the first one ran at half speed in some runs
     raw_again, iov_again = raw_tcp_seconds(sizes), raw_iov_seconds(names, sets_path, src, dst)
@@ -646,7 +676,7 @@ def report(repeats: int, rounds: int, groups: list, names: dict, sets_path: str,
         rows = [("torch copy_ (contiguous)", copy[total]), ("raw tcp (1 MiB sendall)", raw[total])]
         if case in raw_iov:
             rows.append(("raw tcp, 2 sockets, the case's iovecs", raw_iov[case]))
-        rows += [(label, results[label][case]) for label, _, _ in MODES if label in results]
+        rows += [(label, results[label][case]) for label in PRINTED if label in results]
         for i, (label, seconds) in enumerate(rows):
             first = title if i == 0 else ""
             shown = label + (f" [{chosen[(label, case)]['strategy']}]" if (label, case) in chosen else "")
@@ -662,7 +692,7 @@ def report(repeats: int, rounds: int, groups: list, names: dict, sets_path: str,
                 f"{copy[total] / seconds:>8.2f}{raw[total] / seconds:>7.2f}{alone:>9}"
             )
     print("engine alone at its best, per case (what the x alone column divides by):")
-    for label in (label for label in ALONE if label in results):
+    for label in (label for label in ALONE if label in results and label not in VARIANTS):
         picks = [(case, best_alone(results, label, case)) for case in CASES]
         print(
             f"  {label.removeprefix('pd-transfer '):<18}"
@@ -677,7 +707,11 @@ def report(repeats: int, rounds: int, groups: list, names: dict, sets_path: str,
     for (label, case), ratio in sorted(ratios.items()):
         verdict = "met" if ratio >= 0.9 else "MISSED"
         print(f"target {label.removeprefix('pd-transfer ')}, case {case}: {ratio:.2f}x  >= 0.9x  {verdict}")
-    crossovers = {label: answer["crossover"] for (label, _), answer in chosen.items() if "(" in label}
+    crossovers = {
+        label: answer["crossover"]
+        for (label, _), answer in chosen.items()
+        if "(" in label and label not in VARIANTS
+    }
     print(
         "staged below a mean run of: "
         + ", ".join(
@@ -686,6 +720,25 @@ def report(repeats: int, rounds: int, groups: list, names: dict, sets_path: str,
         )
         + " (measured by each link at connect)"
     )
+
+
+def fold_best(results: dict, chosen: dict) -> None:
+    """Each row of ``BEST_OF``: per case the fastest of its settings' rows, its strategy
+    naming that setting (pd-transfer at its best, as the engine alone is taken at its)."""
+    for best, variants in BEST_OF.items():
+        measured = [label for label in variants if label in results]
+        if not measured:
+            continue
+        results[best] = {}
+        for case in CASES:
+            timed_ = [(results[v][case], v) for v in measured if isinstance(results[v].get(case), float)]
+            if not timed_:  # why it was not measured
+                results[best][case] = results[measured[0]].get(case, "not measured")
+                continue
+            results[best][case], pick = min(timed_)
+            answer = chosen.get((pick, case), {"strategy": "-", "crossover": 0.0})
+            setting = pick.split(", ", 1)[1]
+            chosen[(best, case)] = {**answer, "strategy": f"{answer['strategy']}, {setting}"}
 
 
 def best_alone(results: dict, label: str, case: str) -> tuple[str, float] | None:

@@ -27,6 +27,7 @@ from pd_transfer.protocol.stream_frames import unix_path
 
 TRANSPORTS = ("auto", "shm", "tcp", *ENGINES)
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
+MAX_NIXL_UCX_THREADS = 64
 STRATEGIES = ("auto", "direct", "staged")  # transport.strategy.StrategyMode's values
 
 
@@ -59,6 +60,7 @@ class SidecarConfig:
     bootstrap: str = ""  # prefill: rank 0 binds its rank table here, others announce
     transport: str = "auto"  # auto: shm on the same host, tcp across hosts; mooncake, nixl: engine extras
     mooncake_protocol: str = "tcp"  # transport mooncake: tcp, or rdma where RDMA NICs exist
+    nixl_ucx_threads: int = 1  # prefill, transport nixl: UCX threads posting each write (1: the writing thread alone; more: NIXL's num_threads, a write's descriptors split among them)
     strategy: str = "auto"  # engine transports: direct runs, staged, or auto (chosen per peer and pool)
     staging_slots: int = (
         16  # decode, engine transports: staging slots registered with the engine (4 a prefill peer)
@@ -200,6 +202,7 @@ def sidecar_config_from(settings: dict[str, Setting], problems: list[str] | None
         else:
             clean[name] = tuple(setting.value) if isinstance(setting.value, list) else setting.value
     problems += _role_problems(settings, clean.get("role"))
+    problems += _transport_problems(settings, clean.get("transport", "auto"))
     if "role" not in settings:
         problems.append(
             f"sidecar.role: required (prefill or decode): --role, role in [sidecar], or {ENV_PREFIX}ROLE"
@@ -211,7 +214,11 @@ def sidecar_config_from(settings: dict[str, Setting], problems: list[str] | None
 
 
 # settings only one role reads: given to the other, they would be ignored without a word
-_ONE_ROLE_ONLY = {"instance_id": Role.DECODE, "prefill_bootstraps": Role.DECODE}
+_ONE_ROLE_ONLY = {
+    "instance_id": Role.DECODE,
+    "prefill_bootstraps": Role.DECODE,
+    "nixl_ucx_threads": Role.PREFILL,
+}
 
 
 def _role_problems(settings: dict[str, Setting], role: Role | None) -> list[str]:
@@ -222,7 +229,18 @@ def _role_problems(settings: dict[str, Setting], role: Role | None) -> list[str]
         if role is not None
         and role is not only
         and name in settings
-        and settings[name].value not in ("", [], ())
+        and settings[name].value not in ("", [], (), _FIELDS[name].default)
+    ]
+
+
+def _transport_problems(settings: dict[str, Setting], transport: str) -> list[str]:
+    """A nixl setting given away from its default on a sidecar of another transport."""
+    threads = settings.get("nixl_ucx_threads")
+    if threads is None or threads.value == 1 or transport == "nixl":
+        return []
+    return [
+        f"{threads.origin}: a transport nixl setting, which transport {transport!r} does not "
+        f'read: remove it, or set transport = "nixl"'
     ]
 
 
@@ -264,6 +282,11 @@ def _check(name: str, value: Any) -> str:
         return _endpoint_problem(value)
     if name == "mooncake_protocol":
         return "" if value in MOONCAKE_PROTOCOLS else f"{value!r} is not one of {list(MOONCAKE_PROTOCOLS)}"
+    if name == "nixl_ucx_threads" and type(value) is int and not 1 <= value <= MAX_NIXL_UCX_THREADS:
+        return (
+            f"must be 1 to {MAX_NIXL_UCX_THREADS}, got {value}: 1 posts each write from the "
+            "writing thread, more gives UCX that many worker threads (4 is vLLM's setting)"
+        )
     kind = _FIELDS[name].type
     if kind == "bool":
         return "" if isinstance(value, bool) else f"expected true or false, got {value!r}"

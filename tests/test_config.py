@@ -88,6 +88,45 @@ def test_copy_threads_default_to_two_and_reach_the_shm_copy_engine():
     assert "sidecar.copy_threads: must be positive, got 0" in str(err.value)
 
 
+def test_nixl_ucx_threads_reach_the_writing_agent_and_bad_values_are_refused_by_name():
+    import asyncio
+
+    import zmq.asyncio
+
+    from pd_transfer.agent.dataplane import DataPlane
+    from pd_transfer.transport.engines.registry import engine_unusable
+
+    assert load_sidecar_config(None, {"role": "prefill"}, {}).nixl_ucx_threads == 1
+    with pytest.raises(ConfigError) as err:
+        load_sidecar_config(
+            None, {"role": "prefill", "transport": "tcp"}, {"PD_TRANSFER_NIXL_UCX_THREADS": "4"}
+        )
+    assert (
+        "PD_TRANSFER_NIXL_UCX_THREADS: a transport nixl setting, which transport 'tcp' does not read: "
+        'remove it, or set transport = "nixl"'
+    ) in str(err.value)
+    with pytest.raises(ConfigError) as err:  # decode's agents write nothing but probes
+        load_sidecar_config(None, {"role": "decode", "nixl_ucx_threads": 4}, {})
+    assert (
+        "sidecar.nixl_ucx_threads: a prefill setting, which a decode sidecar does not read: "
+        "remove it here, or set it on the prefill sidecars"
+    ) in str(err.value)
+    if engine_unusable("nixl"):
+        pytest.skip(engine_unusable("nixl"))
+    for bad in (0, 65):
+        with pytest.raises(ConfigError) as err:
+            load_sidecar_config(None, {"role": "prefill", "transport": "nixl", "nixl_ucx_threads": bad}, {})
+        assert f"sidecar.nixl_ucx_threads: must be 1 to 64, got {bad}: 1 posts each write" in str(err.value)
+    config = load_sidecar_config(None, {"role": "prefill", "transport": "nixl", "nixl_ucx_threads": 4}, {})
+    context = zmq.asyncio.Context()
+    plane = DataPlane(config, context)
+    try:
+        assert plane._engine.engine().agent.get_backend_params("UCX")["num_threads"] == "4"
+    finally:
+        asyncio.run(plane._engine.close())
+        context.term()
+
+
 def test_mooncake_protocol_is_tcp_or_rdma():
     with pytest.raises(ConfigError) as err:
         load_sidecar_config(None, {"role": "decode"}, {"PD_TRANSFER_MOONCAKE_PROTOCOL": "ib"})

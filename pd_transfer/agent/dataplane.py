@@ -104,6 +104,7 @@ class DataPlane:
                 port=config.data_port,
                 protocol=config.mooncake_protocol,
                 staging=staging_options(config, context),
+                ucx_threads=config.nixl_ucx_threads,
             )
             self.engine_listeners = [str(s) for s in sorted(listening() - before)]
         self._engine_receiver: Receiver | None = None

@@ -95,3 +95,17 @@ def test_tcp_reports_staged_and_shm_direct(cluster_factory):
         cluster = cluster_factory(prefill, decode, transport=transport)
         _move_a_room(cluster, prefill, decode, 23)
         assert set(_strategies(cluster, decode[0].rank_id).values()) == {expected}
+
+
+@pytest.mark.skipif(bool(engine_unusable("nixl")), reason=engine_unusable("nixl") or "-")
+def test_prefill_sidecars_with_four_ucx_threads_move_a_room_through_nixl(cluster_factory):
+    # nixl_ucx_threads is a prefill setting: the decode sidecars keep the default
+    prefill, decode = _sliced_pair()
+    cluster = cluster_factory(
+        prefill,
+        decode,
+        transport="nixl",
+        config={"nixl_ucx_threads": 4},
+        decode_config={"nixl_ucx_threads": 1},
+    )
+    _move_a_room(cluster, prefill, decode, 24)

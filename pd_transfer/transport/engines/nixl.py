@@ -17,18 +17,8 @@ metadata travels, inside the registration. ::
     link = await transport.connect(PeerEndpoint.from_maps(rank, sizes, data_address=address))
     await transport.write(link, plan, prefill_regions)
 
-Prepared descriptor lists, reused across rooms: a plan's runs all start and
-end on multiples of some row size ``g`` (a 16 KiB page row for a direct
-Llama pair, a 512-byte head slice for TP 2 -> 4). The first write with a
-given ``g`` prepares every pool of both sides as rows of ``g`` bytes
-(``prep_xfer_dlist``); each write then only picks row indices
-(``make_prepped_xfer``, one WRITE request). The lists live on the link (the
-peer): its pools per ``g``, ours per ``g`` and the set of source pools with
-their addresses, so pools registered again at other addresses get lists of
-their own and a lost peer takes its lists with it. A link keeps at most
-``MAX_PREPARED_LISTS`` of each, dropping (and releasing) the least recently
-used. Where rows would be too many (``max_prepared_rows``), a write
-describes its runs directly.
+Each write is one prepared WRITE request: both sides' pools prepared once as rows
+(:mod:`~pd_transfer.transport.engines.nixl_prepared`), kept on the link.
 
 Plans of small runs go staged instead where the peer offers a staging area
 (:mod:`~pd_transfer.transport.engines.staging.engine`): gathered into 4 MiB slots, one descriptor each,
@@ -42,17 +32,25 @@ import asyncio
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import numpy as np
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.base import Link, PeerEndpoint, Transport, TransportKind
 from pd_transfer.transport.copy.bounds import check_bounds
-from pd_transfer.transport.copy.runs import expand, flatten, row_nbytes_for, rows_of
+from pd_transfer.transport.copy.runs import expand, flatten, row_nbytes_for
 from pd_transfer.transport.engines.address import EngineAddress
 from pd_transfer.transport.engines.link import EngineLink, Recovery, check_published, recover
-from pd_transfer.transport.engines.nixl_agent import NixlEngine, NixlReceiver, load_api, release
+from pd_transfer.transport.engines.nixl_agent import NixlEngine, NixlReceiver, load_api
+from pd_transfer.transport.engines.nixl_prepared import (
+    MAX_PREPARED_LISTS,
+    MAX_ROW_NBYTES,
+    Prepared,
+    cached,
+    drop,
+    prepare,
+    prepped_write,
+)
 from pd_transfer.transport.engines.runs import lower_to_addresses
 from pd_transfer.transport.engines.staging.engine import (
     StagingOptions,
@@ -64,19 +62,7 @@ from pd_transfer.transport.engines.staging.engine import (
 from pd_transfer.transport.engines.strategy import Strategy
 from pd_transfer.transport.regions import Regions
 
-__all__ = ["NixlEngine", "NixlLink", "NixlReceiver", "NixlTransport", "load_api"]
-
-MAX_ROW_NBYTES = 64 << 20  # rows of one prepared list; a plan of 256 MiB blocks: 4 rows each
-MAX_PREPARED_LISTS = 4  # per link and side: row sizes (and source pool sets) kept prepared
-
-
-@dataclass
-class Prepared:
-    """One side's regions prepared as rows of ``row_nbytes``; region -> first row index."""
-
-    handle: object
-    first_row: dict[str, int]
-    bases: dict[str, tuple[int, int]]
+__all__ = ["MAX_PREPARED_LISTS", "NixlEngine", "NixlLink", "NixlReceiver", "NixlTransport", "load_api"]
 
 
 class NixlLink(EngineLink):
@@ -89,30 +75,11 @@ class NixlLink(EngineLink):
         self.prepared: OrderedDict[int, Prepared | None] = OrderedDict()
         self.local: OrderedDict[tuple, Prepared | None] = OrderedDict()
 
-    def cached(self, cache: OrderedDict, key, make):
-        """``cache[key]``, made by ``make()`` if missing; the least recently used beyond
-        ``MAX_PREPARED_LISTS`` is released (under ``link.lock``: no request of this link
-        is being built)."""
-        if key in cache:
-            cache.move_to_end(key)
-            return cache[key]
-        cache[key] = made = make()
-        while len(cache) > MAX_PREPARED_LISTS:
-            _, old = cache.popitem(last=False)
-            self._drop(old)
-        return made
-
-    @staticmethod
-    def _drop(prepared: Prepared | None) -> None:
-        """Release a prepared list now; its handle then lets go of the agent (``release``)."""
-        if prepared is not None:
-            release(prepared.handle)
-
     async def _release(self) -> None:
         lists = [*self.prepared.values(), *self.local.values()]
         self.prepared, self.local = OrderedDict(), OrderedDict()
         for prepared in lists:  # before the peer's metadata goes: its lists refer to it
-            self._drop(prepared)
+            drop(prepared)
         engine = self.transport._engine
         if engine is not None:
             try:
@@ -134,6 +101,7 @@ class NixlTransport(Transport):
         max_prepared_rows: int = 1 << 21,
         recovery: Recovery | None = None,
         staging: StagingOptions | None = None,
+        ucx_threads: int = 1,
     ) -> None:
         super().__init__()
         self.staging = staging or StagingOptions()
@@ -141,6 +109,7 @@ class NixlTransport(Transport):
         self.error_handling_mode = error_handling_mode
         self.timeout_s = timeout_s
         self.max_prepared_rows = max_prepared_rows
+        self.ucx_threads = ucx_threads  # the writing agent's (:meth:`start`)
         self.recovery = recovery or Recovery()
         self._engine: NixlEngine | None = None  # initiating: writes, no progress thread
         self._target: NixlEngine | None = None  # receiving: the peers' writes land here
@@ -163,7 +132,11 @@ class NixlTransport(Transport):
         with self._engine_lock:
             if self._engine is None:
                 self._engine = NixlEngine(
-                    "side", self.error_handling_mode, progress_thread=False, host=self.host
+                    "side",
+                    self.error_handling_mode,
+                    progress_thread=False,
+                    host=self.host,
+                    ucx_threads=self.ucx_threads,
                 )
             if self._target is None:
                 self._target = NixlEngine("recv", self.error_handling_mode, host=self.host)
@@ -339,8 +312,8 @@ class NixlTransport(Transport):
         row = row_nbytes_for(runs.src_offset, runs.dst_offset, runs.nbytes, cap=MAX_ROW_NBYTES)
         try:
             key = (row, tuple(sorted(bases.items())))
-            local = link.cached(link.local, key, lambda: self._prepare(engine, "NIXL_INIT_AGENT", bases, row))
-            remote = link.cached(
+            local = cached(link.local, key, lambda: self._prepare(engine, "NIXL_INIT_AGENT", bases, row))
+            remote = cached(
                 link.prepared, row, lambda: self._prepare(engine, link.remote, link.dst_bases, row)
             )
             if local is None or remote is None:  # too many rows to prepare: describe the runs
@@ -351,39 +324,14 @@ class NixlTransport(Transport):
                     engine.descs(direct.dst_addr, direct.nbytes),
                     link.remote,
                 ), total
-            src_first = np.array([local.first_row[b.src_region] for b in flat.batches], np.int64)
-            dst_first = np.array([remote.first_row[b.dst_region] for b in flat.batches], np.int64)
-            src_rows = rows_of(runs.src_offset, runs.nbytes, row) + np.repeat(
-                src_first[runs.batch], runs.nbytes // row
-            )
-            dst_rows = rows_of(runs.dst_offset, runs.nbytes, row) + np.repeat(
-                dst_first[runs.batch], runs.nbytes // row
-            )
-            return engine.agent.make_prepped_xfer(
-                "WRITE", local.handle, src_rows.astype(np.int32), remote.handle, dst_rows.astype(np.int32)
-            ), total
+            return prepped_write(engine, flat, runs, row, local, remote), total
         except Exception as err:
             raise TransportError(
                 f"{where}: nixl refused the request: {err}", code=Reason.TRANSPORT_FAILED
             ) from None
 
     def _prepare(self, engine: NixlEngine, agent: str, bases: dict, row: int) -> Prepared | None:
-        counts = {r: n // row for r, (_, n) in bases.items()}
-        if sum(counts.values()) > self.max_prepared_rows:
-            return None
-        first_row, start = {}, 0
-        for region_id, count in counts.items():
-            first_row[region_id], start = start, start + count
-        addresses = np.concatenate(
-            [
-                np.uint64(a) + np.arange(counts[r], dtype=np.uint64) * np.uint64(row)
-                for r, (a, _) in bases.items()
-            ]
-        )
-        table = np.empty((len(addresses), 3), np.uint64)
-        table[:, 0], table[:, 1], table[:, 2] = addresses, row, 0
-        handle = engine.agent.prep_xfer_dlist(agent, table, "DRAM")
-        return Prepared(handle, first_row, dict(bases))
+        return prepare(engine, agent, bases, row, self.max_prepared_rows)
 
     async def close(self) -> None:
         await super().close()

@@ -188,8 +188,10 @@ class NixlEngine:
     ``progress_thread``: run NIXL's progress thread; an agent that is written
     into needs it, one that only initiates is faster without (see the module).
     ``host``: UCX listens only on the network device holding it (``NET_DEVICES``;
-    "" or a wildcard: on every device, UCX's default). ``ucx_threads``: the UCX
-    backend's ``num_threads`` (0: NIXL's default, one worker).
+    "" or a wildcard: on every device, UCX's default). ``ucx_threads``: 0 or 1, the
+    caller's thread posts each request on the agent's one worker (NIXL's default);
+    more, the UCX backend's ``num_threads``: that many workers with a thread each,
+    a request's descriptors split among them in batches (NIXL's ``split_batch_size``).
     """
 
     def __init__(
@@ -203,7 +205,7 @@ class NixlEngine:
     ) -> None:
         api = load_api()
         backend = {"ucx_error_handling_mode": error_handling_mode}
-        if ucx_threads:
+        if ucx_threads > 1:
             backend["num_threads"] = str(ucx_threads)
         device = device_of(host)
         if device:  # UCX's own config, as UCX_NET_DEVICES would set it, for this agent only

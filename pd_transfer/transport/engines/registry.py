@@ -59,12 +59,14 @@ def make_transport(
     port: int = 0,
     protocol: str = "tcp",
     staging: StagingOptions | None = None,
+    ucx_threads: int = 1,
 ) -> Transport:
     """The writing half of engine ``kind``, its engine started (blocking, seconds).
 
     Starting it here, before a sidecar serves, keeps the seconds the engine
     takes to load (holding the GIL) off the event loop and its heartbeats.
     ``staging``: the strategy mode and the staging channel's authentication.
+    ``ucx_threads``: nixl's writing agent's UCX threads (``nixl_ucx_threads``).
     """
     if kind == "mooncake":
         from pd_transfer.transport.engines.mooncake import MooncakeTransport
@@ -75,7 +77,7 @@ def make_transport(
     if kind == "nixl":
         from pd_transfer.transport.engines.nixl import NixlTransport
 
-        nixl = NixlTransport(host=host, staging=staging)
+        nixl = NixlTransport(host=host, staging=staging, ucx_threads=ucx_threads)
         nixl.start()
         return nixl
     raise TransportError(f"no engine transport {kind!r}; known: {list(ENGINES)}", code=Reason.INVALID_CONFIG)

@@ -231,6 +231,24 @@ async def test_a_writer_without_a_progress_thread_fills_a_passive_receiver_over_
     await transport.close()
 
 
+@pytest.mark.parametrize("tls", ["shm", "tcp"])
+async def test_a_writer_with_four_ucx_threads_lands_pages_byte_exact(segments, receivers, monkeypatch, tls):
+    # NIXL's num_threads 4 on the writing agent (nixl_ucx_threads): the 2,048 descriptors
+    # of one write split among four UCX workers; the default agent has none of its own
+    monkeypatch.setenv("UCX_TLS", tls)
+    plan, src, before = _pages(6)
+    segs = segments(before)
+    peer = await receivers({"d0": segs})
+    transport = _transport(ucx_threads=4)
+    link = await transport.connect(peer.endpoint("d0"))
+    assert transport.engine().agent.get_backend_params("UCX")["num_threads"] == "4"
+    assert "num_threads" not in transport.receiving_engine().agent.get_backend_params("UCX")
+    for _ in range(2):
+        assert await transport.write(link, plan, {"kv": src}) == 2048 * 16384
+    assert np.array_equal(segs["kv"].array, expected_scatter(plan, src, before["kv"]))
+    await transport.close()
+
+
 async def test_a_stopped_receiver_ends_the_write_at_its_deadline(segments, receivers, monkeypatch):
     # the receiver process stopped after connect: the writer, polling the transfer's
     # state itself (no progress thread), gives up at its deadline; the link is then refused
