@@ -234,9 +234,9 @@ class DataPlane:
             return await self._tcp.connect(
                 PeerEndpoint.from_maps(peer_id, sizes, None, register.data_address)
             )
-        except TransportError as err:
-            raise PdTransferError(
-                f"cannot reach {peer_id}: {err.message}", code=Reason.TRANSPORT_FAILED, hint=err.hint
+        except TransportError as err:  # its code kept: the verdict's mismatch record says it
+            raise TransportError(
+                f"cannot reach {peer_id}: {err.message}", code=err.code, hint=err.hint
             ) from None
 
     def doorbells(self, link: Link, name: str) -> Doorbells | None:
@@ -327,20 +327,16 @@ class DataPlane:
             )
 
     async def _write(self, link: Link, plan: TransferPlan, room: int, generation: int) -> int:
-        try:
-            if self.on_device and isinstance(link, ShmLink):
-                # CUDA here, shared memory there: torch copies into the peer's segments,
-                # which a ShmLink also offers as host tensors
-                return await asyncio.to_thread(execute_on_device, plan, self.local_regions, link.tensors)
-            transport = link.transport
-            nbytes = await transport.write(
-                link, plan, self.local_regions, room=str(room), generation=generation
-            )
-            if self._corrupt is not None and isinstance(link, ShmLink):
-                self._corrupt.landed(plan, link.mapped)
-            return nbytes
-        except TransportError as err:
-            raise PdTransferError(err.message, code=err.code, hint=err.hint) from None
+        """A transport's TransportError goes to the caller as it is (its code says why)."""
+        if self.on_device and isinstance(link, ShmLink):
+            # CUDA here, shared memory there: torch copies into the peer's segments,
+            # which a ShmLink also offers as host tensors
+            return await asyncio.to_thread(execute_on_device, plan, self.local_regions, link.tensors)
+        transport = link.transport
+        nbytes = await transport.write(link, plan, self.local_regions, room=str(room), generation=generation)
+        if self._corrupt is not None and isinstance(link, ShmLink):
+            self._corrupt.landed(plan, link.mapped)
+        return nbytes
 
     async def release(self, link: Link) -> None:
         """Close one peer's link (its session was lost or closed): unmaps what it mapped,
