@@ -50,7 +50,7 @@ from pd_transfer.transport.copy.engine import CopyEngine
 from pd_transfer.transport.device import DeviceLink, DeviceTransport
 from pd_transfer.transport.engines.registry import make_receiver, make_transport
 from pd_transfer.transport.engines.strategy import StrategyMode
-from pd_transfer.transport.mock import CorruptNth
+from pd_transfer.transport.fault_injection import CorruptingTransport, CorruptNth
 from pd_transfer.transport.receiver_rooms import item_ranges
 from pd_transfer.transport.shm import ShmLink, ShmTransport
 from pd_transfer.transport.tcp.receiver import TcpReceiver
@@ -97,16 +97,16 @@ class DataPlane:
         # sticky while the worker's registration lasts (its pages are zeros), and /readyz says so
         self._local_truncated: SegmentTruncated | None = None
         self._copies = CopyEngine(num_workers=config.copy_threads)
-        # test only (fault_corrupt_nth): shm flips a byte after landing, tcp in the payload
-        self._corrupt = CorruptNth(config.fault_corrupt_nth) if config.fault_corrupt_nth else None
         self._transports: dict[TransportKind, Transport] = {
             TransportKind.SHM: ShmTransport(self._copies),
             # plain sockets, or ZeroMQ when CURVE is configured (it encrypts): see tcp_plane
-            TransportKind.TCP: tcp_transport(
-                config, context, self._corrupt.payload if self._corrupt else None
-            ),
+            TransportKind.TCP: tcp_transport(config, context),
             TransportKind.DEVICE: DeviceTransport(),  # CUDA IPC handles of a same-host peer
         }
+        if config.fault_corrupt_nth:  # TEST ONLY: the sidecar's nth shm or tcp write lands one byte wrong
+            fault = CorruptNth(config.fault_corrupt_nth)
+            for kind in (TransportKind.SHM, TransportKind.TCP):
+                self._transports[kind] = CorruptingTransport(self._transports[kind], fault)
         # transport mooncake or nixl: the engine writes (prefill) or receives (decode) everything
         self._engine = ENGINE_KINDS.get(config.transport)
         self.engine_listeners: list[str] = []  # what the engine listens on, measured at its start
@@ -330,11 +330,8 @@ class DataPlane:
 
     async def _write(self, link: Link, plan: TransferPlan, room: int, generation: int) -> int:
         """A transport's TransportError goes to the caller as it is (its code says why)."""
-        transport = link.transport
-        nbytes = await transport.write(link, plan, self.local_regions, room=str(room), generation=generation)
-        if self._corrupt is not None and isinstance(link, ShmLink):
-            self._corrupt.landed(plan, link.mapped)
-        return nbytes
+        transport = self._transports[link.transport.kind]  # the one that opened it, or its wrapper
+        return await transport.write(link, plan, self.local_regions, room=str(room), generation=generation)
 
     async def release(self, link: Link) -> None:
         """Close one peer's link (its session was lost or closed): unmaps what it mapped,

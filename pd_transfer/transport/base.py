@@ -60,7 +60,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.receiver_rooms import ByteRanges, ReceiverRooms, RoomPolicy
@@ -202,7 +202,7 @@ class Link(ABC):
 class Transport(ABC):
     """A data plane. One instance per sidecar; one :class:`Link` per peer."""
 
-    kind: ClassVar[TransportKind]
+    kind: TransportKind  # a class's own (a wrapper takes the kind of what it wraps)
 
     def __init__(self) -> None:
         self._links: set[Link] = set()

@@ -191,33 +191,6 @@ class MockTransport(Transport):
         return nbytes
 
 
-class CorruptNth:
-    """Test-only fault for the real data planes: flip one byte of the ``nth`` write, once.
-
-    A sidecar configured with ``fault_corrupt_nth`` counts its data writes:
-    shm writes through :meth:`landed` (the byte is flipped in the peer's
-    memory after the copy), tcp payload chunks through :meth:`payload`
-    (the transport's ``corrupt_payload`` hook, before the chunk is sent).
-    """
-
-    def __init__(self, nth: int) -> None:
-        self.nth = nth
-        self.count = 0
-
-    def _due(self) -> bool:
-        self.count += 1
-        return self.count == self.nth
-
-    def payload(self, payload: memoryview) -> None:
-        if self._due() and payload.nbytes:
-            array = np.frombuffer(payload, np.uint8)  # a view of the same bytes, any format
-            array[len(array) // 2] ^= 0xFF
-
-    def landed(self, plan, dst_regions: Regions) -> None:
-        if self._due():
-            flip_byte(plan, dst_regions, plan.total_nbytes // 2)
-
-
 def truncate_plan(plan, prefix_nbytes: int) -> TransferPlan:
     """The first ``prefix_nbytes`` of ``plan``'s byte stream (runs in plan order) as a plan."""
     flat = flatten(plan)

@@ -32,6 +32,7 @@ from pd_transfer.layout.lowering import RunBatch, TransferPlan
 from pd_transfer.shm_segments import create_segment
 from pd_transfer.transport import MockTransport, PeerEndpoint, ShmTransport, TcpReceiver, TcpTransport
 from pd_transfer.transport.engines.registry import engine_unusable
+from pd_transfer.transport.fault_injection import CorruptingTransport, CorruptNth
 from pd_transfer.transport.zmq.receiver import ZmqTcpReceiver
 from pd_transfer.transport.zmq.transport import ZmqTcpTransport
 
@@ -43,7 +44,7 @@ KV_NBYTES = 2 * NUM_RUNS * RUN_NBYTES
 AUX_NBYTES = 256
 GUARD_NBYTES = 4096
 GUARD_BYTE = 0xA5
-KINDS = ["mock", "shm", "tcp", "zmq-curve", "device", "mooncake", "nixl"]
+KINDS = ["mock", "shm", "tcp", "zmq-curve", "device", "mooncake", "nixl", "wrapped-shm"]
 RECEIVING = {"tcp", "zmq-curve"}
 
 
@@ -136,9 +137,12 @@ async def _rig(kind: str) -> Rig:
         rig.transport = direct_transport(kind, recovery=FAST)
         rig.link = await rig.transport.connect(process.endpoint("d0", _sizes()))
         return rig
-    if kind == "shm":
+    if kind in ("shm", "wrapped-shm"):
         segments = _segment_backing(rig)
-        rig.transport = ShmTransport()
+        # the test-only fault wrapper, its fault never due: it adds nothing to what it wraps
+        rig.transport = (
+            ShmTransport() if kind == "shm" else CorruptingTransport(ShmTransport(), CorruptNth(0))
+        )
         handles = {r: s.name for r, s in segments.items()}
         rig.link = await rig.transport.connect(PeerEndpoint.from_maps("d0", _sizes(), handles))
         return rig

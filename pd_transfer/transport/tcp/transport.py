@@ -53,7 +53,6 @@ heartbeat's job. OS errors are translated to TransportError here.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -79,9 +78,6 @@ class TcpTransport(Transport):
     """Plain-socket tcp data plane.
 
     ``auth``: the connection handshake (None: authentication off).
-    ``corrupt_payload``: test-only fault injection, called with a copy of
-    each outgoing chunk's payload to damage (the source is never touched);
-    None costs nothing.
     """
 
     kind = TransportKind.TCP
@@ -96,7 +92,6 @@ class TcpTransport(Transport):
         direct_min_nbytes: int = DIRECT_MIN_NBYTES,
         connect_timeout_s: float = 5.0,
         handshake_timeout_s: float = 10.0,
-        corrupt_payload: Callable[[memoryview], None] | None = None,
     ) -> None:
         super().__init__()
         if chunk_nbytes <= 0 or window_nbytes <= 0 or streams <= 0:
@@ -109,7 +104,6 @@ class TcpTransport(Transport):
             handshake_timeout_s=handshake_timeout_s,
             direct_min_nbytes=direct_min_nbytes,
             auth=auth,
-            corrupt_payload=corrupt_payload,
         )
 
     async def connect(self, peer: PeerEndpoint) -> TcpLink:

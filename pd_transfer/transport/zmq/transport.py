@@ -161,10 +161,8 @@ class ZmqTcpTransport(Transport):
         chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
         window_nbytes: int = DEFAULT_WINDOW_NBYTES,
         socket_options: Callable[[zmq.Socket], None] | None = None,
-        corrupt_payload: Callable[[memoryview], None] | None = None,
     ) -> None:
         super().__init__()
-        self.corrupt_payload = corrupt_payload  # test-only: damages each (fresh) gathered payload
         # e.g. CURVE client keys: the agent knows them, this layer does not
         self.socket_options = socket_options
         self.context = context or zmq.asyncio.Context.instance()
@@ -212,8 +210,6 @@ class ZmqTcpTransport(Transport):
                     # could land first: the plan's last run (a room's aux row) goes only
                     # once the rest has landed
                     await link.wait_acked(xfer)
-                if self.corrupt_payload is not None:
-                    self.corrupt_payload(payload.data)  # a fresh buffer: the source is intact
                 await link.acquire(layout.nbytes)
                 xfer.unacked[layout.seq] = layout.nbytes
                 header = ChunkHeader(xfer.xfer_id, room, generation, layout.seq, layout.wire)
