@@ -187,9 +187,9 @@ class DataPlane:
     async def fence(self, room: int, generation: int) -> None:
         """Refuse late tcp chunks of ``room`` up to ``generation`` (no-op without a receiver)."""
         if self._tcp_receiver is not None:
-            await self._tcp_receiver.fence(str(room), generation)
+            await self._tcp_receiver.fence(room, generation)
         if self._engine_receiver is not None:  # staged chunks (engine writes: prefill drains)
-            await self._engine_receiver.fence(str(room), generation)
+            await self._engine_receiver.fence(room, generation)
 
     async def expect(self, room: int, generation: int, dst: dict[Pool, np.ndarray]) -> None:
         """Tell the tcp receiver ``room`` may write its pages ``dst`` (no-op without one);
@@ -201,12 +201,12 @@ class DataPlane:
             ranges = await asyncio.to_thread(item_ranges, views, dst)
         else:
             ranges = item_ranges(views, dst)
-        self._tcp_receiver.expect(str(room), generation, ranges)
+        self._tcp_receiver.expect(room, generation, ranges)
 
     def forget(self, room: int) -> None:
         """``room`` landed: the tcp receiver refuses its later chunks."""
         if self._tcp_receiver is not None:
-            self._tcp_receiver.forget(str(room))
+            self._tcp_receiver.forget(room)
 
     def receive_address(self) -> str:
         if self._engine_receiver is not None:  # the engine's address and region table
@@ -331,7 +331,7 @@ class DataPlane:
     async def _write(self, link: Link, plan: TransferPlan, room: int, generation: int) -> int:
         """A transport's TransportError goes to the caller as it is (its code says why)."""
         transport = self._transports[link.transport.kind]  # the one that opened it, or its wrapper
-        return await transport.write(link, plan, self.local_regions, room=str(room), generation=generation)
+        return await transport.write(link, plan, self.local_regions, room=room, generation=generation)
 
     async def release(self, link: Link) -> None:
         """Close one peer's link (its session was lost or closed): unmaps what it mapped,

@@ -8,7 +8,7 @@ sidecar's data writes. The Nth write lands with one byte flipped, once::
     fault = CorruptNth(3)
     transport = CorruptingTransport(ShmTransport(), fault)   # or around a TcpTransport
     link = await transport.connect(peer)                     # the wrapped transport's link
-    await transport.write(link, plan, regions, room="7", generation=0)
+    await transport.write(link, plan, regions, room=7, generation=0)
 
 The wrapper writes the plan through the transport it wraps, then, on the
 Nth write, writes one more byte through it: the byte in the middle of the
@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from pd_transfer.layout.lowering import RunBatch, TransferPlan
-from pd_transfer.transport.base import Link, PeerEndpoint, Transport
+from pd_transfer.transport.base import Link, PeerEndpoint, RoomId, Transport
 from pd_transfer.transport.copy.runs import expand, flatten
 from pd_transfer.transport.regions import Mapped, Regions
 
@@ -60,7 +60,7 @@ class CorruptingTransport(Transport):
         return await self.inner.connect(peer)
 
     async def write(
-        self, link: Link, plan: TransferPlan, src_regions: Regions, *, room: str = "", generation: int = 0
+        self, link: Link, plan: TransferPlan, src_regions: Regions, *, room: RoomId = 0, generation: int = 0
     ) -> int:
         nbytes = await self.inner.write(link, plan, src_regions, room=room, generation=generation)
         if nbytes and self.fault.due():

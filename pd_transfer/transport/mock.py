@@ -29,7 +29,7 @@ import numpy as np
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.layout.lowering import RunBatch, TransferPlan
-from pd_transfer.transport.base import Link, PeerEndpoint, Transport, TransportKind
+from pd_transfer.transport.base import Link, PeerEndpoint, RoomId, Transport, TransportKind
 from pd_transfer.transport.copy.engine import CopyEngine, default_engine
 from pd_transfer.transport.copy.runs import expand, flatten
 from pd_transfer.transport.regions import Regions, map_one
@@ -83,7 +83,7 @@ class Fault:
 @dataclass(frozen=True)
 class WriteRecord:
     peer_id: str
-    room: str
+    room: RoomId
     generation: int
     nbytes: int  # bytes that landed
     faults: tuple[FaultKind, ...]
@@ -143,7 +143,7 @@ class MockTransport(Transport):
         return self._adopt(MockLink(self, peer, regions))
 
     async def write(
-        self, link: Link, plan: TransferPlan, src_regions: Regions, *, room: str = "", generation: int = 0
+        self, link: Link, plan: TransferPlan, src_regions: Regions, *, room: RoomId = 0, generation: int = 0
     ) -> int:
         link = self._own(link, MockLink)
         peer_id = link.peer.peer_id

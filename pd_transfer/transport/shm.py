@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.layout.grids import GridPlan
 from pd_transfer.shm_segments import Segment, open_segment
-from pd_transfer.transport.base import Link, PeerEndpoint, Transport, TransportKind
+from pd_transfer.transport.base import Link, PeerEndpoint, RoomId, Transport, TransportKind
 from pd_transfer.transport.copy.device import as_tensors, execute_on_device
 from pd_transfer.transport.copy.engine import CopyEngine, default_engine
 from pd_transfer.transport.regions import Regions, map_one, on_device
@@ -95,7 +95,7 @@ class ShmTransport(Transport):
         return self._adopt(ShmLink(self, peer, segments))
 
     async def write(
-        self, link: Link, plan: TransferPlan, src_regions: Regions, *, room: str = "", generation: int = 0
+        self, link: Link, plan: TransferPlan, src_regions: Regions, *, room: RoomId = 0, generation: int = 0
     ) -> int:
         link = self._own(link, ShmLink)
         if self._on_device(src_regions):  # torch copies from the device into the mapped segments
@@ -105,7 +105,7 @@ class ShmTransport(Transport):
             link.nbytes_written += nbytes
             link.num_writes += 1
             return nbytes
-        where = f"room {room or '-'} gen {generation} plan {plan.src_rank} -> {link.peer.peer_id}"
+        where = f"room {room} gen {generation} plan {plan.src_rank} -> {link.peer.peer_id}"
         if plan.num_runs <= self.inline_max_runs:
             # a few pages (a 1-page Llama room is 64 runs, 2 MiB): copying on the loop
             # takes less time than the thread hop would; a grid plan needs no source

@@ -35,7 +35,7 @@ async def _move(kind: str, sc, transport: Transport, segments) -> None:
         }
         for room, plan in enumerate(sc.plans):
             assert (
-                await transport.write(links[plan.dst_rank], plan, sc.src(plan), room=str(room))
+                await transport.write(links[plan.dst_rank], plan, sc.src(plan), room=room)
                 == plan.total_nbytes
             )
         await transport.close()
@@ -50,7 +50,7 @@ async def _move(kind: str, sc, transport: Transport, segments) -> None:
             links[rank] = await transport.connect(PeerEndpoint(rank, data_address=await receiver.start()))
         for room, plan in enumerate(sc.plans):
             assert (
-                await transport.write(links[plan.dst_rank], plan, sc.src(plan), room=str(room))
+                await transport.write(links[plan.dst_rank], plan, sc.src(plan), room=room)
                 == plan.total_nbytes
             )
         await transport.close()

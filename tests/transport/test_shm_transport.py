@@ -38,7 +38,7 @@ async def test_shm_write_lands_exactly_the_oracle_bytes(scenario, segments, case
     transport = ShmTransport()
     links = {rank: await transport.connect(_endpoint(rank, segs)) for rank, segs in placed.items()}
     for plan in sc.plans:
-        assert await transport.write(links[plan.dst_rank], plan, sc.src(plan), room="r") == plan.total_nbytes
+        assert await transport.write(links[plan.dst_rank], plan, sc.src(plan), room=1) == plan.total_nbytes
     await transport.close()
     assert all(link.closed for link in links.values())
     _copy_back(sc, placed)
@@ -81,7 +81,7 @@ async def test_shm_write_from_cuda_sources_lands_the_oracle_bytes(scenario, segm
     links = {rank: await transport.connect(_endpoint(rank, segs)) for rank, segs in placed.items()}
     for plan in sc.plans:
         src = {r: torch.from_numpy(a.copy()).cuda() for r, a in sc.src(plan).items()}
-        assert await transport.write(links[plan.dst_rank], plan, src, room="r") == plan.total_nbytes
+        assert await transport.write(links[plan.dst_rank], plan, src, room=1) == plan.total_nbytes
     assert sum(link.nbytes_written for link in links.values()) == sum(p.total_nbytes for p in sc.plans)
     await transport.close()
     _copy_back(sc, placed)
