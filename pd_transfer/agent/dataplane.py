@@ -3,10 +3,13 @@
 At worker registration the sidecar maps its own worker's regions (shared
 memory segments, or CUDA IPC handles on a GPU). A decode sidecar also starts
 a tcp receiver for peers on other hosts. When prefill accepts a decode peer it
-picks the transport for the pair: ``shm`` when both sidecars are on the same
-host (equal ``host_id``) and the peer published its region handles, ``tcp``
-otherwise or when configured. Device (CUDA) regions are copied with torch on
-the device. With an engine transport (mooncake, nixl) the pair's link also
+picks the transport for the pair with
+:func:`~pd_transfer.transport.choice.choose_transport` (policy only): ``shm``
+when both sidecars are on the same host (equal ``host_id``) and the peer
+published its region handles, ``tcp`` otherwise or when configured; then it
+opens a link of that kind, from its transports held by kind. Device (CUDA)
+regions are copied with torch on the device (the shm and device transports
+take device sources). With an engine transport (mooncake, nixl) the pair's link also
 decides per pool between direct runs and staging (:mod:`.strategies`), and a
 decode sidecar publishes a staging area with its engine address.
 
