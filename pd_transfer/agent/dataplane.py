@@ -40,7 +40,7 @@ from pd_transfer.layout.views import Pool
 from pd_transfer.listeners import listening
 from pd_transfer.protocol import Register
 from pd_transfer.shm_segments import Segment, open_segment
-from pd_transfer.transport.base import Link, PeerEndpoint, Receiver, Transport, TransportKind
+from pd_transfer.transport.base import Link, PeerEndpoint, Receiver, RoomId, Transport, TransportKind
 from pd_transfer.transport.choice import (
     ENGINE_KINDS,
     LocalPlane,
@@ -187,14 +187,14 @@ class DataPlane:
         self._segments, self.local_regions, self._geometry = [], {}, None
         self._local_truncated = None  # it named the segments just let go
 
-    async def fence(self, room: int, generation: int) -> None:
+    async def fence(self, room: RoomId, generation: int) -> None:
         """Refuse late tcp chunks of ``room`` up to ``generation`` (no-op without a receiver)."""
         if self._tcp_receiver is not None:
             await self._tcp_receiver.fence(room, generation)
         if self._engine_receiver is not None:  # staged chunks (engine writes: prefill drains)
             await self._engine_receiver.fence(room, generation)
 
-    async def expect(self, room: int, generation: int, dst: dict[Pool, np.ndarray]) -> None:
+    async def expect(self, room: RoomId, generation: int, dst: dict[Pool, np.ndarray]) -> None:
         """Tell the tcp receiver ``room`` may write its pages ``dst`` (no-op without one);
         a chunk of a room it was not told about, or outside them, is refused."""
         if self._tcp_receiver is None or self._geometry is None:
@@ -206,7 +206,7 @@ class DataPlane:
             ranges = item_ranges(views, dst)
         self._tcp_receiver.expect(room, generation, ranges)
 
-    def forget(self, room: int) -> None:
+    def forget(self, room: RoomId) -> None:
         """``room`` landed: the tcp receiver refuses its later chunks."""
         if self._tcp_receiver is not None:
             self._tcp_receiver.forget(room)
@@ -263,7 +263,7 @@ class DataPlane:
         kind = link.transport.name
         return choose_strategies(link, planner, StrategyMode(self.config.strategy), kind)
 
-    async def write(self, link: Link, plan: TransferPlan, room: int, generation: int) -> int:
+    async def write(self, link: Link, plan: TransferPlan, room: RoomId, generation: int) -> int:
         """Move every byte of ``plan``; returns only when all of it landed.
 
         A segment truncated under its mapping meanwhile (on either side) fails the
@@ -331,7 +331,7 @@ class DataPlane:
                 hint="the peer must keep its segments at their registered size; its session is closed",
             )
 
-    async def _write(self, link: Link, plan: TransferPlan, room: int, generation: int) -> int:
+    async def _write(self, link: Link, plan: TransferPlan, room: RoomId, generation: int) -> int:
         """A transport's TransportError goes to the caller as it is (its code says why)."""
         transport = self._transports[link.transport.kind]  # the one that opened it, or its wrapper
         return await transport.write(link, plan, self.local_regions, room=room, generation=generation)
