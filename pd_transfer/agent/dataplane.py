@@ -50,12 +50,12 @@ from pd_transfer.transport.choice import (
 )
 from pd_transfer.transport.copy import native_loop
 from pd_transfer.transport.copy.engine import CopyEngine
-from pd_transfer.transport.device import DeviceLink, DeviceTransport
+from pd_transfer.transport.device import DeviceTransport
 from pd_transfer.transport.engines.registry import make_receiver, make_transport
 from pd_transfer.transport.engines.strategy import StrategyMode
 from pd_transfer.transport.fault_injection import CorruptingTransport, CorruptNth
 from pd_transfer.transport.receiver_rooms import item_ranges
-from pd_transfer.transport.shm import ShmLink, ShmTransport
+from pd_transfer.transport.shm import ShmTransport
 from pd_transfer.transport.tcp.receiver import TcpReceiver
 from pd_transfer.transport.zmq.receiver import ZmqTcpReceiver
 
@@ -247,9 +247,7 @@ class DataPlane:
     def doorbells(self, link: Link, name: str) -> Doorbells | None:
         """The decode peer's doorbells (named in its Register), mapped when this link writes
         into its memory in place (shm, CUDA IPC) and doorbells are on; else None."""
-        if not (
-            name and self.config.doorbell and DOORBELLS_AVAILABLE and isinstance(link, (ShmLink, DeviceLink))
-        ):
+        if not (name and self.config.doorbell and DOORBELLS_AVAILABLE and link.in_place):
             return None
         try:
             return Doorbells.open(name)

@@ -60,7 +60,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Self, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeAlias, TypeVar
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.receiver_rooms import ByteRanges, ReceiverRooms, RoomPolicy
@@ -149,6 +149,9 @@ class Link(ABC):
     #: a plan of at most this many runs may come as a grid plan (copied by the native
     #: loop in one call); 0: this link takes none
     grid_max_runs: int = 0
+    #: the link writes straight into the peer's memory on this host (shm, CUDA IPC), so
+    #: the peer's doorbells may be rung once a write returned
+    in_place: ClassVar[bool] = False
 
     def __init__(self, transport: Transport, peer: PeerEndpoint) -> None:
         self.transport = transport

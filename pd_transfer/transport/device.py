@@ -37,6 +37,8 @@ RegionOpener = Callable[[str, int], Any]  # (handle, nbytes) -> a tensor of at l
 class DeviceLink(Link):
     """A peer's regions opened as tensors (``regions``: region id -> uint8 tensor)."""
 
+    in_place = True
+
     def __init__(self, transport: Transport, peer: PeerEndpoint, regions: dict) -> None:
         super().__init__(transport, peer)
         self.regions = regions

@@ -39,6 +39,8 @@ class ShmLink(Link):
     sizes, ``tensors`` the same as torch tensors (for torch's device copies; made on first
     use, so that a sidecar copying between host pools never loads torch)."""
 
+    in_place = True
+
     def __init__(self, transport: ShmTransport, peer: PeerEndpoint, segments: dict[str, Segment]) -> None:
         super().__init__(transport, peer)
         self.segments = segments
