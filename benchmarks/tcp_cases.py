@@ -174,7 +174,8 @@ class Bench:
             endpoint = PeerEndpoint.from_maps("d0", {"dst": case.dst_nbytes}, data_address=address)
             self.links[key] = (transport, self.loop.run_until_complete(transport.connect(endpoint)))
         transport, link = self.links[key]
-        self.loop.run_until_complete(transport.write(link, case.plan, {"src": self.src[name]}, room=name))
+        room = list(self.cases).index(name)
+        self.loop.run_until_complete(transport.write(link, case.plan, {"src": self.src[name]}, room=room))
 
     def alternate(self, name: str, repeats: int, variant: str = "tcp") -> tuple[float, float, float]:
         """Median seconds of the raw floor and of the case, timed in turns, and the median

@@ -3,10 +3,13 @@
 At worker registration the sidecar maps its own worker's regions (shared
 memory segments, or CUDA IPC handles on a GPU). A decode sidecar also starts
 a tcp receiver for peers on other hosts. When prefill accepts a decode peer it
-picks the transport for the pair: ``shm`` when both sidecars are on the same
-host (equal ``host_id``) and the peer published its region handles, ``tcp``
-otherwise or when configured. Device (CUDA) regions are copied with torch on
-the device. With an engine transport (mooncake, nixl) the pair's link also
+picks the transport for the pair with
+:func:`~pd_transfer.transport.choice.choose_transport` (policy only): ``shm``
+when both sidecars are on the same host (equal ``host_id``) and the peer
+published its region handles, ``tcp`` otherwise or when configured; then it
+opens a link of that kind, from its transports held by kind. Device (CUDA)
+regions are copied with torch on the device (the shm and device transports
+take device sources). With an engine transport (mooncake, nixl) the pair's link also
 decides per pool between direct runs and staging (:mod:`.strategies`), and a
 decode sidecar publishes a staging area with its engine address.
 
@@ -37,16 +40,24 @@ from pd_transfer.layout.views import Pool
 from pd_transfer.listeners import listening
 from pd_transfer.protocol import Register
 from pd_transfer.shm_segments import Segment, open_segment
-from pd_transfer.transport.base import Link, PeerEndpoint, Receiver, Transport
+from pd_transfer.transport.base import Link, PeerEndpoint, Receiver, RoomId, Transport, TransportKind
+from pd_transfer.transport.choice import (
+    ENGINE_KINDS,
+    LocalPlane,
+    PeerOffer,
+    TransportRefusal,
+    choose_transport,
+)
 from pd_transfer.transport.copy import native_loop
-from pd_transfer.transport.copy.device import execute_on_device
 from pd_transfer.transport.copy.engine import CopyEngine
-from pd_transfer.transport.device import DeviceLink, DeviceTransport
-from pd_transfer.transport.engines.registry import ENGINES, make_receiver, make_transport
+from pd_transfer.transport.device import DeviceTransport
+from pd_transfer.transport.engines.registry import make_receiver, make_transport
 from pd_transfer.transport.engines.strategy import StrategyMode
-from pd_transfer.transport.mock import CorruptNth
+from pd_transfer.transport.fault_injection import CorruptingTransport, CorruptNth
 from pd_transfer.transport.receiver_rooms import item_ranges
-from pd_transfer.transport.shm import ShmLink, ShmTransport
+from pd_transfer.transport.shm import ShmTransport
+from pd_transfer.transport.tcp.receiver import TcpReceiver
+from pd_transfer.transport.zmq.receiver import ZmqTcpReceiver
 
 if TYPE_CHECKING:
     from pd_transfer.layout.lowering import TransferPlan
@@ -69,6 +80,9 @@ class SegmentTruncated(PdTransferError):
 
 
 class DataPlane:
+    """This sidecar's transports, one per kind (shm, tcp, device and the configured engine),
+    the receivers a decode rank serves (tcp, and the engine's) and its worker's regions."""
+
     def __init__(
         self,
         config: SidecarConfig,
@@ -85,20 +99,23 @@ class DataPlane:
         self._segments: list[Segment] = []
         # sticky while the worker's registration lasts (its pages are zeros), and /readyz says so
         self._local_truncated: SegmentTruncated | None = None
-        self._shm = ShmTransport(CopyEngine(num_workers=config.copy_threads))
-        # test only (fault_corrupt_nth): shm flips a byte after landing, tcp in the payload
-        self._corrupt = CorruptNth(config.fault_corrupt_nth) if config.fault_corrupt_nth else None
-        # plain sockets, or ZeroMQ when CURVE is configured (it encrypts): see tcp_plane
-        self._tcp = tcp_transport(config, context, self._corrupt.payload if self._corrupt else None)
-        self._receiver: Receiver | None = None  # TcpReceiver or ZmqTcpReceiver (decode)
-        self._geometry: RankGeometry | None = None
-        self._device = DeviceTransport()  # CUDA IPC handles of a same-host peer
+        self._copies = CopyEngine(num_workers=config.copy_threads)
+        self._transports: dict[TransportKind, Transport] = {
+            TransportKind.SHM: ShmTransport(self._copies),
+            # plain sockets, or ZeroMQ when CURVE is configured (it encrypts): see tcp_plane
+            TransportKind.TCP: tcp_transport(config, context),
+            TransportKind.DEVICE: DeviceTransport(),  # CUDA IPC handles of a same-host peer
+        }
+        if config.fault_corrupt_nth:  # TEST ONLY: the sidecar's nth shm or tcp write lands one byte wrong
+            fault = CorruptNth(config.fault_corrupt_nth)
+            for kind in (TransportKind.SHM, TransportKind.TCP):
+                self._transports[kind] = CorruptingTransport(self._transports[kind], fault)
         # transport mooncake or nixl: the engine writes (prefill) or receives (decode) everything
-        self._engine: Transport | None = None
+        self._engine = ENGINE_KINDS.get(config.transport)
         self.engine_listeners: list[str] = []  # what the engine listens on, measured at its start
-        if config.transport in ENGINES:
+        if self._engine is not None:
             before = listening()
-            self._engine = make_transport(
+            self._transports[self._engine] = make_transport(
                 config.transport,
                 host=config.data_host,
                 port=config.data_port,
@@ -107,12 +124,14 @@ class DataPlane:
                 ucx_threads=config.nixl_ucx_threads,
             )
             self.engine_listeners = [str(s) for s in sorted(listening() - before)]
-        self._engine_receiver: Receiver | None = None
+        self._tcp_receiver: TcpReceiver | ZmqTcpReceiver | None = None  # decode, tcp
+        self._engine_receiver: Receiver | None = None  # decode, an engine transport
+        self._geometry: RankGeometry | None = None
 
     @property
     def copies(self) -> str:
         """How shm copies run here: the native loop, or numpy and why."""
-        return native_loop.describe(self._shm.engine.native)
+        return native_loop.describe(self._copies.native)
 
     def transport_names(self) -> tuple[str, ...]:
         return ("shm", "tcp") + ((self.config.transport,) if self._engine is not None else ())
@@ -134,11 +153,11 @@ class DataPlane:
             )
         self.on_device = self.on_device or on_device
         if geometry.role is Role.DECODE and self.config.transport in ("auto", "tcp") and not self.on_device:
-            self._receiver = tcp_receiver(
+            self._tcp_receiver = tcp_receiver(
                 self.config, self.local_regions, self.context, self._on_bad_frame, self._on_connection_closed
             )
             self._geometry = geometry
-            await self._receiver.start()
+            await self._tcp_receiver.start()
         if geometry.role is Role.DECODE and self._engine is not None and not self.on_device:
             if self._engine_receiver is not None:  # re-registered: the old regions go
                 await self._engine_receiver.stop()
@@ -148,7 +167,7 @@ class DataPlane:
                 host=self.config.data_host,
                 port=self.config.data_port,
                 protocol=self.config.mooncake_protocol,
-                transport=self._engine,  # one engine per sidecar, started before serving
+                transport=self._transports[self._engine],  # one engine per sidecar, started before serving
                 staging=receiver_staging(self.config, self.context, self._on_bad_frame),
             )
             await self._engine_receiver.start()
@@ -156,96 +175,80 @@ class DataPlane:
     async def unmap_local(self) -> None:
         """The worker is gone: stop receiving into its regions, then unmap them (the
         pages go back to the kernel once the worker and the peers unmapped them too)."""
-        if self._receiver is not None:
-            await self._receiver.stop()
-            self._receiver = None
+        if self._tcp_receiver is not None:
+            await self._tcp_receiver.stop()
+            self._tcp_receiver = None
         if self._engine_receiver is not None:
             await self._engine_receiver.stop()
             self._engine_receiver = None
-        self._shm.forget_sources()
-        self._tcp.forget_sources()
-        if isinstance(self._engine, Transport):
-            self._engine.forget_sources()
+        for transport in self._transports.values():
+            transport.forget_sources()
         for segment in self._segments:
             segment.close()
         self._segments, self.local_regions, self._geometry = [], {}, None
         self._local_truncated = None  # it named the segments just let go
 
-    async def fence(self, room: int, generation: int) -> None:
+    async def fence(self, room: RoomId, generation: int) -> None:
         """Refuse late tcp chunks of ``room`` up to ``generation`` (no-op without a receiver)."""
-        if self._receiver is not None:
-            await self._receiver.fence(str(room), generation)
+        if self._tcp_receiver is not None:
+            await self._tcp_receiver.fence(room, generation)
         if self._engine_receiver is not None:  # staged chunks (engine writes: prefill drains)
-            await self._engine_receiver.fence(str(room), generation)
+            await self._engine_receiver.fence(room, generation)
 
-    async def expect(self, room: int, generation: int, dst: dict[Pool, np.ndarray]) -> None:
+    async def expect(self, room: RoomId, generation: int, dst: dict[Pool, np.ndarray]) -> None:
         """Tell the tcp receiver ``room`` may write its pages ``dst`` (no-op without one);
         a chunk of a room it was not told about, or outside them, is refused."""
-        if self._receiver is None or self._geometry is None:
+        if self._tcp_receiver is None or self._geometry is None:
             return
         views = self._geometry.views
         if sum(len(i) for i in dst.values()) * len(views) > 100_000:  # big rooms: off the loop
             ranges = await asyncio.to_thread(item_ranges, views, dst)
         else:
             ranges = item_ranges(views, dst)
-        self._receiver.expect(str(room), generation, ranges)
+        self._tcp_receiver.expect(room, generation, ranges)
 
-    def forget(self, room: int) -> None:
+    def forget(self, room: RoomId) -> None:
         """``room`` landed: the tcp receiver refuses its later chunks."""
-        if self._receiver is not None:
-            self._receiver.forget(str(room))
+        if self._tcp_receiver is not None:
+            self._tcp_receiver.forget(room)
 
     def receive_address(self) -> str:
         if self._engine_receiver is not None:  # the engine's address and region table
             return self._engine_receiver.address
-        return self._receiver.address if self._receiver is not None else ""
+        return self._tcp_receiver.address if self._tcp_receiver is not None else ""
 
     # -- links ----------------------------------------------------------------------
     async def connect(self, register: Register) -> Link:
+        """A link to the decode peer of ``register``, of the kind :func:`choose_transport`
+        picks (a refusal raises TransportError with its code); a failure to reach or map
+        the peer raises the transport's own TransportError, its code kept."""
         handles = {h.region: h.handle for h in register.region_handles}
-        same_host = register.host_id == self.config.host_id and bool(handles)
-        wanted = self.config.transport
-        use_shm = wanted == "shm" or (wanted == "auto" and same_host)
-        if use_shm and not same_host:
-            raise PdTransferError(
-                f"transport shm needs the decode peer on this host with published region handles "
-                f"(peer host {register.host_id!r}, this host {self.config.host_id!r})",
-                code=Reason.TRANSPORT_FAILED,
-                hint="use --transport tcp or auto across hosts",
-            )
-        sizes = {r.id: r.nbytes for r in register.geometry.regions}
         peer_id = register.geometry.rank_id
-        if self.on_device and (self._engine is not None or not use_shm):
-            raise PdTransferError(
-                f"this sidecar's regions are CUDA memory, which only same-host copies move "
-                f"(peer {peer_id}: transport {'shm' if use_shm else wanted}, "
-                f"peer host {register.host_id!r}, this host {self.config.host_id!r})",
-                code=Reason.TRANSPORT_UNSUPPORTED,
-                hint="run the peers on one host with transport shm or auto, or register host pools",
-            )
+        offer = PeerOffer(
+            peer_id,
+            register.host_id,
+            bool(handles),
+            any(cuda_ipc.is_cuda_handle(h) for h in handles.values()),
+        )
+        kind = choose_transport(offer, LocalPlane(self.config.transport, self.config.host_id, self.on_device))
+        if isinstance(kind, TransportRefusal):
+            raise kind.error()
+        sizes = {r.id: r.nbytes for r in register.geometry.regions}
+        if kind in (TransportKind.SHM, TransportKind.DEVICE):  # the peer's memory, mapped here
+            endpoint = PeerEndpoint.from_maps(peer_id, sizes, handles)
+        else:
+            endpoint = PeerEndpoint.from_maps(peer_id, sizes, None, register.data_address)
         try:
-            if self._engine is not None:
-                return await self._engine.connect(
-                    PeerEndpoint.from_maps(peer_id, sizes, None, register.data_address)
-                )
-            if use_shm and any(cuda_ipc.is_cuda_handle(h) for h in handles.values()):
-                return await self._device.connect(PeerEndpoint.from_maps(peer_id, sizes, handles))
-            if use_shm:
-                return await self._shm.connect(PeerEndpoint.from_maps(peer_id, sizes, handles))
-            return await self._tcp.connect(
-                PeerEndpoint.from_maps(peer_id, sizes, None, register.data_address)
-            )
-        except TransportError as err:
-            raise PdTransferError(
-                f"cannot reach {peer_id}: {err.message}", code=Reason.TRANSPORT_FAILED, hint=err.hint
+            return await self._transports[kind].connect(endpoint)
+        except TransportError as err:  # its code kept: the verdict's mismatch record says it
+            raise TransportError(
+                f"cannot reach {peer_id}: {err.message}", code=err.code, hint=err.hint
             ) from None
 
     def doorbells(self, link: Link, name: str) -> Doorbells | None:
         """The decode peer's doorbells (named in its Register), mapped when this link writes
         into its memory in place (shm, CUDA IPC) and doorbells are on; else None."""
-        if not (
-            name and self.config.doorbell and DOORBELLS_AVAILABLE and isinstance(link, (ShmLink, DeviceLink))
-        ):
+        if not (name and self.config.doorbell and DOORBELLS_AVAILABLE and link.in_place):
             return None
         try:
             return Doorbells.open(name)
@@ -259,7 +262,7 @@ class DataPlane:
         kind = link.transport.name
         return choose_strategies(link, planner, StrategyMode(self.config.strategy), kind)
 
-    async def write(self, link: Link, plan: TransferPlan, room: int, generation: int) -> int:
+    async def write(self, link: Link, plan: TransferPlan, room: RoomId, generation: int) -> int:
         """Move every byte of ``plan``; returns only when all of it landed.
 
         A segment truncated under its mapping meanwhile (on either side) fails the
@@ -327,21 +330,10 @@ class DataPlane:
                 hint="the peer must keep its segments at their registered size; its session is closed",
             )
 
-    async def _write(self, link: Link, plan: TransferPlan, room: int, generation: int) -> int:
-        try:
-            if self.on_device and isinstance(link, ShmLink):
-                # CUDA here, shared memory there: torch copies into the peer's segments,
-                # which a ShmLink also offers as host tensors
-                return await asyncio.to_thread(execute_on_device, plan, self.local_regions, link.tensors)
-            transport = link.transport
-            nbytes = await transport.write(
-                link, plan, self.local_regions, room=str(room), generation=generation
-            )
-            if self._corrupt is not None and isinstance(link, ShmLink):
-                self._corrupt.landed(plan, link.mapped)
-            return nbytes
-        except TransportError as err:
-            raise PdTransferError(err.message, code=err.code, hint=err.hint) from None
+    async def _write(self, link: Link, plan: TransferPlan, room: RoomId, generation: int) -> int:
+        """A transport's TransportError goes to the caller as it is (its code says why)."""
+        transport = self._transports[link.transport.kind]  # the one that opened it, or its wrapper
+        return await transport.write(link, plan, self.local_regions, room=room, generation=generation)
 
     async def release(self, link: Link) -> None:
         """Close one peer's link (its session was lost or closed): unmaps what it mapped,
@@ -349,15 +341,12 @@ class DataPlane:
         await link.close()
 
     async def close(self) -> None:
-        await self._shm.close()
-        await self._tcp.close()
-        if self._engine is not None:
-            await self._engine.close()
+        for transport in self._transports.values():
+            await transport.close()
         if self._engine_receiver is not None:
             await self._engine_receiver.stop()
-        await self._device.close()
-        if self._receiver is not None:
-            await self._receiver.stop()
+        if self._tcp_receiver is not None:
+            await self._tcp_receiver.stop()
         for segment in self._segments:
             segment.close()
         self.local_regions = {}

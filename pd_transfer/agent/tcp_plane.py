@@ -54,11 +54,7 @@ log = logging.getLogger(__name__)
 DATA_SOCKET = "data"
 
 
-def tcp_transport(
-    config: SidecarConfig,
-    context: zmq.asyncio.Context,
-    corrupt_payload: Callable[[memoryview], None] | None = None,
-) -> Transport:
+def tcp_transport(config: SidecarConfig, context: zmq.asyncio.Context) -> Transport:
     """The sending side: ZeroMQ with CURVE when a CURVE server key is expected, else plain."""
     security = security_of(context)
     if security.settings.curve_server_key:
@@ -66,14 +62,12 @@ def tcp_transport(
             context,
             window_nbytes=config.max_inflight_nbytes,
             socket_options=security.curve_client,
-            corrupt_payload=corrupt_payload,
         )
     return TcpTransport(
         window_nbytes=config.max_inflight_nbytes,
         streams=config.tcp_streams,
         auth=DataAuth(security) if security.enabled else None,
         handshake_timeout_s=security.handshake_timeout_s,
-        corrupt_payload=corrupt_payload,
     )
 
 

@@ -6,7 +6,7 @@ regions into a peer's registered regions. The agent uses it like this::
 
     transport = ShmTransport()                      # or TcpTransport(), MockTransport(...)
     link = await transport.connect(peer_endpoint)   # once per peer pair, after the verdict
-    nbytes = await transport.write(link, plan, my_regions, room="r1", generation=0)
+    nbytes = await transport.write(link, plan, my_regions, room=7, generation=0)
     ...
     await transport.close()                         # closes every link
 
@@ -60,7 +60,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeAlias, TypeVar
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.receiver_rooms import ByteRanges, ReceiverRooms, RoomPolicy
@@ -71,6 +71,17 @@ if TYPE_CHECKING:
     from pd_transfer.shm_segments import Segment
 
 T = TypeVar("T")
+
+#: a room's id: the int the worker API and the protocol carry, through this interface too
+RoomId: TypeAlias = int
+
+
+def wire_room(room: RoomId) -> str:
+    """``room`` as the data plane's frames and a receiver's room book key it (decimal text):
+    the one place a room id becomes a string."""
+    return str(room)
+
+
 L = TypeVar("L", bound="Link")
 
 
@@ -138,6 +149,9 @@ class Link(ABC):
     #: a plan of at most this many runs may come as a grid plan (copied by the native
     #: loop in one call); 0: this link takes none
     grid_max_runs: int = 0
+    #: the link writes straight into the peer's memory on this host (shm, CUDA IPC), so
+    #: the peer's doorbells may be rung once a write returned
+    in_place: ClassVar[bool] = False
 
     def __init__(self, transport: Transport, peer: PeerEndpoint) -> None:
         self.transport = transport
@@ -202,7 +216,7 @@ class Link(ABC):
 class Transport(ABC):
     """A data plane. One instance per sidecar; one :class:`Link` per peer."""
 
-    kind: ClassVar[TransportKind]
+    kind: TransportKind  # a class's own (a wrapper takes the kind of what it wraps)
 
     def __init__(self) -> None:
         self._links: set[Link] = set()
@@ -218,7 +232,7 @@ class Transport(ABC):
 
     @abstractmethod
     async def write(
-        self, link: Link, plan: TransferPlan, src_regions: Regions, *, room: str = "", generation: int = 0
+        self, link: Link, plan: TransferPlan, src_regions: Regions, *, room: RoomId = 0, generation: int = 0
     ) -> int:
         """Move every byte of ``plan`` from ``src_regions`` into the peer; return the count.
 
@@ -264,10 +278,10 @@ class Receiver(ABC):
 
         receiver = TcpReceiver(host, regions, policy=RoomPolicy.EXPECTED)
         address = await receiver.start()        # published to prefill peers
-        receiver.expect("r1", 0, ranges)         # before asking prefill for the room
+        receiver.expect(7, 0, ranges)            # before asking prefill for the room
         ...                                      # chunks land; the room completes
-        receiver.forget("r1")                    # its later chunks are refused
-        await receiver.fence("r2", 3)            # abort: no byte of r2 <= 3 lands after this
+        receiver.forget(7)                       # its later chunks are refused
+        await receiver.fence(8, 3)               # abort: no byte of room 8 <= 3 lands after this
         await receiver.stop()
 
     Which chunk may land where is one book, :attr:`admission`
@@ -322,28 +336,29 @@ class Receiver(ABC):
         await self.stop()
 
     # -- rooms (see ReceiverRooms; event loop, never blocking) -----------------------------
-    def expect(self, room: str, generation: int, ranges: Mapping[str, ByteRanges]) -> None:
+    def expect(self, room: RoomId, generation: int, ranges: Mapping[str, ByteRanges]) -> None:
         """Admit chunks of ``room`` at ``generation``, only inside ``ranges`` (per region)."""
-        self.admission.expect(room, generation, ranges)
+        self.admission.expect(wire_room(room), generation, ranges)
 
-    def forget(self, room: str) -> None:
+    def forget(self, room: RoomId) -> None:
         """The room is finished: refuse its later chunks."""
-        self.admission.forget(room)
+        self.admission.forget(wire_room(room))
 
-    def forget_room(self, room: str) -> None:
+    def forget_room(self, room: RoomId) -> None:
         """Drop the fence and expectation of a room that is finished for good."""
-        self.admission.forget_room(room)
+        self.admission.forget_room(wire_room(room))
 
-    async def fence(self, room: str, generation: int) -> None:
+    async def fence(self, room: RoomId, generation: int) -> None:
         """Refuse every later chunk of ``room`` with a generation <= ``generation``.
 
         Returns once no chunk of it can still be written.
         """
-        self.admission.fence(room, generation)
-        await self._settle(room, generation)
+        key = wire_room(room)
+        self.admission.fence(key, generation)
+        await self._settle(key, generation)
 
     async def _settle(self, room: str, generation: int) -> None:
-        """Wait until no chunk of ``room`` up to ``generation`` admitted before the fence
-        is still landing (off the event loop)."""
+        """Wait until no chunk of ``room`` (its :func:`wire_room` key) up to ``generation``
+        admitted before the fence is still landing (off the event loop)."""
         if self.admission.busy(room, generation):
             await asyncio.to_thread(self.admission.wait_idle, room, generation, None)

@@ -24,7 +24,7 @@ import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from pd_transfer.transport.base import Link, PeerEndpoint, Transport, TransportKind
+from pd_transfer.transport.base import Link, PeerEndpoint, RoomId, Transport, TransportKind
 from pd_transfer.transport.copy.device import execute_on_device
 from pd_transfer.transport.regions import Regions
 
@@ -36,6 +36,8 @@ RegionOpener = Callable[[str, int], Any]  # (handle, nbytes) -> a tensor of at l
 
 class DeviceLink(Link):
     """A peer's regions opened as tensors (``regions``: region id -> uint8 tensor)."""
+
+    in_place = True
 
     def __init__(self, transport: Transport, peer: PeerEndpoint, regions: dict) -> None:
         super().__init__(transport, peer)
@@ -67,7 +69,7 @@ class DeviceTransport(Transport):
         return self._adopt(DeviceLink(self, peer, regions))
 
     async def write(
-        self, link: Link, plan: TransferPlan, src_regions: Regions, *, room: str = "", generation: int = 0
+        self, link: Link, plan: TransferPlan, src_regions: Regions, *, room: RoomId = 0, generation: int = 0
     ) -> int:
         link = self._own(link, DeviceLink)
         nbytes = await link.run_background(

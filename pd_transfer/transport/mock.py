@@ -29,7 +29,7 @@ import numpy as np
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.layout.lowering import RunBatch, TransferPlan
-from pd_transfer.transport.base import Link, PeerEndpoint, Transport, TransportKind
+from pd_transfer.transport.base import Link, PeerEndpoint, RoomId, Transport, TransportKind
 from pd_transfer.transport.copy.engine import CopyEngine, default_engine
 from pd_transfer.transport.copy.runs import expand, flatten
 from pd_transfer.transport.regions import Regions, map_one
@@ -83,7 +83,7 @@ class Fault:
 @dataclass(frozen=True)
 class WriteRecord:
     peer_id: str
-    room: str
+    room: RoomId
     generation: int
     nbytes: int  # bytes that landed
     faults: tuple[FaultKind, ...]
@@ -143,7 +143,7 @@ class MockTransport(Transport):
         return self._adopt(MockLink(self, peer, regions))
 
     async def write(
-        self, link: Link, plan: TransferPlan, src_regions: Regions, *, room: str = "", generation: int = 0
+        self, link: Link, plan: TransferPlan, src_regions: Regions, *, room: RoomId = 0, generation: int = 0
     ) -> int:
         link = self._own(link, MockLink)
         peer_id = link.peer.peer_id
@@ -189,33 +189,6 @@ class MockTransport(Transport):
             if fault.kind is FaultKind.CORRUPT:
                 flip_byte(plan, link.regions, fault.byte_index)
         return nbytes
-
-
-class CorruptNth:
-    """Test-only fault for the real data planes: flip one byte of the ``nth`` write, once.
-
-    A sidecar configured with ``fault_corrupt_nth`` counts its data writes:
-    shm writes through :meth:`landed` (the byte is flipped in the peer's
-    memory after the copy), tcp payload chunks through :meth:`payload`
-    (the transport's ``corrupt_payload`` hook, before the chunk is sent).
-    """
-
-    def __init__(self, nth: int) -> None:
-        self.nth = nth
-        self.count = 0
-
-    def _due(self) -> bool:
-        self.count += 1
-        return self.count == self.nth
-
-    def payload(self, payload: memoryview) -> None:
-        if self._due() and payload.nbytes:
-            array = np.frombuffer(payload, np.uint8)  # a view of the same bytes, any format
-            array[len(array) // 2] ^= 0xFF
-
-    def landed(self, plan, dst_regions: Regions) -> None:
-        if self._due():
-            flip_byte(plan, dst_regions, plan.total_nbytes // 2)
 
 
 def truncate_plan(plan, prefix_nbytes: int) -> TransferPlan:

@@ -57,6 +57,12 @@ class Mapped:
         return view
 
 
+def on_device(memory: RegionMemory | Mapped) -> bool:
+    """Whether ``memory`` is a torch tensor outside host memory (CUDA)."""
+    torch = sys.modules.get("torch")  # a torch tensor exists only once torch is loaded
+    return torch is not None and isinstance(memory, torch.Tensor) and memory.device.type != "cpu"
+
+
 def map_one(region_id: str, memory: RegionMemory | Mapped, side: str) -> Mapped:
     """Validate one region and view it as numpy (a Mapped passes through)."""
     if isinstance(memory, Mapped):

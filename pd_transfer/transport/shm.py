@@ -10,6 +10,11 @@ intermediate buffer, no receiver process involved.
 The engine bounds-checks every run against the mapped sizes first, so a plan
 that disagrees with the peer's segments fails with RUN_OUT_OF_REGION and
 writes nothing.
+
+Source regions in device (CUDA) memory are copied by torch into the mapped
+segments, viewed as host tensors (:func:`~pd_transfer.transport.copy.device.execute_on_device`,
+which bounds-checks the same way): a GPU prefill worker writes to a decode
+worker whose pools are shared memory through this same transport.
 """
 
 from __future__ import annotations
@@ -20,10 +25,10 @@ from typing import TYPE_CHECKING
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.layout.grids import GridPlan
 from pd_transfer.shm_segments import Segment, open_segment
-from pd_transfer.transport.base import Link, PeerEndpoint, Transport, TransportKind
-from pd_transfer.transport.copy.device import as_tensors
+from pd_transfer.transport.base import Link, PeerEndpoint, RoomId, Transport, TransportKind
+from pd_transfer.transport.copy.device import as_tensors, execute_on_device
 from pd_transfer.transport.copy.engine import CopyEngine, default_engine
-from pd_transfer.transport.regions import Regions, map_one
+from pd_transfer.transport.regions import Regions, map_one, on_device
 
 if TYPE_CHECKING:
     from pd_transfer.layout.lowering import TransferPlan
@@ -33,6 +38,8 @@ class ShmLink(Link):
     """The peer's segments, mapped; ``regions`` are numpy views of exactly the registered
     sizes, ``tensors`` the same as torch tensors (for torch's device copies; made on first
     use, so that a sidecar copying between host pools never loads torch)."""
+
+    in_place = True
 
     def __init__(self, transport: ShmTransport, peer: PeerEndpoint, segments: dict[str, Segment]) -> None:
         super().__init__(transport, peer)
@@ -75,6 +82,7 @@ class ShmTransport(Transport):
         super().__init__()
         self.engine = engine or default_engine()
         self.inline_max_runs = inline_max_runs
+        self._device_sources: tuple[Regions, bool] | None = None  # the last sources seen, and if on a device
 
     async def connect(self, peer: PeerEndpoint) -> ShmLink:
         """Map every region of ``peer``; raises if one has no segment or a short one."""
@@ -89,10 +97,17 @@ class ShmTransport(Transport):
         return self._adopt(ShmLink(self, peer, segments))
 
     async def write(
-        self, link: Link, plan: TransferPlan, src_regions: Regions, *, room: str = "", generation: int = 0
+        self, link: Link, plan: TransferPlan, src_regions: Regions, *, room: RoomId = 0, generation: int = 0
     ) -> int:
         link = self._own(link, ShmLink)
-        where = f"room {room or '-'} gen {generation} plan {plan.src_rank} -> {link.peer.peer_id}"
+        if self._on_device(src_regions):  # torch copies from the device into the mapped segments
+            nbytes = await link.run_background(
+                asyncio.to_thread(execute_on_device, plan, dict(src_regions), link.tensors)
+            )
+            link.nbytes_written += nbytes
+            link.num_writes += 1
+            return nbytes
+        where = f"room {room} gen {generation} plan {plan.src_rank} -> {link.peer.peer_id}"
         if plan.num_runs <= self.inline_max_runs:
             # a few pages (a 1-page Llama room is 64 runs, 2 MiB): copying on the loop
             # takes less time than the thread hop would; a grid plan needs no source
@@ -113,6 +128,17 @@ class ShmTransport(Transport):
         link.nbytes_written += nbytes
         link.num_writes += 1
         return nbytes
+
+    def _on_device(self, src_regions: Regions) -> bool:
+        """Whether a region of ``src_regions`` is device memory (looked at once per mapping:
+        a sidecar passes the same one with every write)."""
+        if self._device_sources is None or self._device_sources[0] is not src_regions:
+            self._device_sources = (src_regions, any(on_device(m) for m in src_regions.values()))
+        return self._device_sources[1]
+
+    def forget_sources(self) -> None:
+        super().forget_sources()
+        self._device_sources = None
 
 
 def _open_all(peer: PeerEndpoint) -> dict[str, Segment]:

@@ -21,8 +21,8 @@ SITECUSTOMIZE = textwrap.dedent(f"""
 
     _write = shm.ShmTransport.write
 
-    async def write(self, link, plan, src_regions, *, room="", generation=0):
-        if room == "{BUGGY_ROOM}":
+    async def write(self, link, plan, src_regions, *, room=0, generation=0):
+        if room == {BUGGY_ROOM}:
             raise KeyError("a bug planted by the test")
         return await _write(self, link, plan, src_regions, room=room, generation=generation)
 

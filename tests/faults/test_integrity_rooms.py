@@ -3,18 +3,16 @@
 Deployments of the tiny GQA model (tests/faults/fault_tools.py) with
 ``integrity = true``. Corruption comes from the test-only
 ``fault_corrupt_nth``: each prefill sidecar flips one byte of its Nth data
-write (shm: in the decode segment right after the copy; tcp: in the payload
-chunk before it is sent), once. With prefill TP 2 and decode TP 4 every
+write, once (:mod:`pd_transfer.transport.fault_injection`: a wrapping transport
+writes the inverse of the write's middle byte over it, through shm or tcp
+alike). With prefill TP 2 and decode TP 4 every
 prefill rank writes a head slice to two decode ranks per room, so with N = 3
 the first room is clean, the second carries one bad write per prefill rank
 and the third is clean again. Bytes are checked against the sim's content
 (pd_transfer.sim.content) item by item.
 """
 
-import inspect
-
 import numpy as np
-import pytest
 from fault_tools import check_sim, fill_sim, metric_total, tiny_ranks
 
 from pd_transfer.client import RoomStatus
@@ -22,7 +20,6 @@ from pd_transfer.errors import Reason
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.views import Pool
 from pd_transfer.sim.content import check_destination
-from pd_transfer.transport.tcp.transport import TcpTransport
 
 NUM_PAGES = 32
 SEED = 5
@@ -96,10 +93,6 @@ def test_one_sided_integrity_moves_rooms_unchecked(deployment):
     ) in decode_log
 
 
-@pytest.mark.skipif(
-    "corrupt_payload" not in inspect.signature(TcpTransport).parameters,
-    reason="waits for the tcp transport rewrite: TcpTransport(corrupt_payload=...)",
-)
 def test_tcp_corrupted_payload_fails_its_room_with_integrity_mismatch(deployment):
     cluster = deployment(
         tiny_ranks(Role.PREFILL, 1, num_pages=NUM_PAGES),

@@ -76,7 +76,7 @@ async def write_and_verify(transport, scenario, segments, receivers, case) -> No
     peer = await receivers(placed)
     links = {rank: await transport.connect(peer.endpoint(rank)) for rank in placed}
     for plan in sc.plans:
-        assert await transport.write(links[plan.dst_rank], plan, sc.src(plan), room="r") == plan.total_nbytes
+        assert await transport.write(links[plan.dst_rank], plan, sc.src(plan), room=1) == plan.total_nbytes
     await transport.close()
     copy_back(sc, placed)
     assert sc.world.verify(sc.requests) == []

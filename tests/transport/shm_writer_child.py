@@ -24,7 +24,7 @@ async def main(args: dict) -> None:
         names = args["segments"][plan.dst_rank]
         sizes = {region_id: buf.size for region_id, buf in sc.dst(plan).items()}
         link = await transport.connect(PeerEndpoint.from_maps(plan.dst_rank, sizes, names))
-        written = await transport.write(link, plan, sc.src(plan), room="child")
+        written = await transport.write(link, plan, sc.src(plan), room=1)
         assert written == plan.total_nbytes
     await transport.close()
 

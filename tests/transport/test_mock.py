@@ -27,11 +27,11 @@ async def test_mock_write_lands_exactly_the_oracle_bytes(scenario):
     transport, links = await _setup(sc)
     for plan in sc.plans:
         assert (
-            await transport.write(links[plan.dst_rank], plan, sc.src(plan), room="r", generation=2)
+            await transport.write(links[plan.dst_rank], plan, sc.src(plan), room=1, generation=2)
             == plan.total_nbytes
         )
     assert sc.world.verify(sc.requests) == []
-    assert [(w.room, w.generation, w.faults) for w in transport.writes] == [("r", 2, ())] * len(sc.plans)
+    assert [(w.room, w.generation, w.faults) for w in transport.writes] == [(1, 2, ())] * len(sc.plans)
 
 
 async def test_nth_write_fails_with_the_scripted_reason_and_writes_nothing(scenario):

@@ -38,7 +38,7 @@ async def test_shm_write_lands_exactly_the_oracle_bytes(scenario, segments, case
     transport = ShmTransport()
     links = {rank: await transport.connect(_endpoint(rank, segs)) for rank, segs in placed.items()}
     for plan in sc.plans:
-        assert await transport.write(links[plan.dst_rank], plan, sc.src(plan), room="r") == plan.total_nbytes
+        assert await transport.write(links[plan.dst_rank], plan, sc.src(plan), room=1) == plan.total_nbytes
     await transport.close()
     assert all(link.closed for link in links.values())
     _copy_back(sc, placed)
@@ -63,6 +63,26 @@ async def test_torch_copies_land_through_the_links_tensor_views(scenario, segmen
         src = {r: torch.from_numpy(a.copy()) for r, a in sc.src(plan).items()}
         assert execute_on_device(plan, src, link.tensors) == plan.total_nbytes
         assert all(t.data_ptr() == link.regions[r].ctypes.data for r, t in link.tensors.items())
+    await transport.close()
+    _copy_back(sc, placed)
+    assert sc.world.verify(sc.requests) == []
+
+
+@pytest.mark.gpu
+async def test_shm_write_from_cuda_sources_lands_the_oracle_bytes(scenario, segments):
+    """A CUDA prefill writing into host pools goes through the transport's own write:
+    torch copies from the device into the mapped segments, byte-exact, counted, drained."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device on this machine")
+    sc = scenario("llama", 2, 4)
+    placed = {rank: segments(regions) for rank, regions in sc.world.decode_buffers.items()}
+    transport = ShmTransport()
+    links = {rank: await transport.connect(_endpoint(rank, segs)) for rank, segs in placed.items()}
+    for plan in sc.plans:
+        src = {r: torch.from_numpy(a.copy()).cuda() for r, a in sc.src(plan).items()}
+        assert await transport.write(links[plan.dst_rank], plan, src, room=1) == plan.total_nbytes
+    assert sum(link.nbytes_written for link in links.values()) == sum(p.total_nbytes for p in sc.plans)
     await transport.close()
     _copy_back(sc, placed)
     assert sc.world.verify(sc.requests) == []

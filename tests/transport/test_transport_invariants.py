@@ -32,6 +32,7 @@ from pd_transfer.layout.lowering import RunBatch, TransferPlan
 from pd_transfer.shm_segments import create_segment
 from pd_transfer.transport import MockTransport, PeerEndpoint, ShmTransport, TcpReceiver, TcpTransport
 from pd_transfer.transport.engines.registry import engine_unusable
+from pd_transfer.transport.fault_injection import CorruptingTransport, CorruptNth
 from pd_transfer.transport.zmq.receiver import ZmqTcpReceiver
 from pd_transfer.transport.zmq.transport import ZmqTcpTransport
 
@@ -43,7 +44,7 @@ KV_NBYTES = 2 * NUM_RUNS * RUN_NBYTES
 AUX_NBYTES = 256
 GUARD_NBYTES = 4096
 GUARD_BYTE = 0xA5
-KINDS = ["mock", "shm", "tcp", "zmq-curve", "device", "mooncake", "nixl"]
+KINDS = ["mock", "shm", "tcp", "zmq-curve", "device", "mooncake", "nixl", "wrapped-shm"]
 RECEIVING = {"tcp", "zmq-curve"}
 
 
@@ -136,9 +137,12 @@ async def _rig(kind: str) -> Rig:
         rig.transport = direct_transport(kind, recovery=FAST)
         rig.link = await rig.transport.connect(process.endpoint("d0", _sizes()))
         return rig
-    if kind == "shm":
+    if kind in ("shm", "wrapped-shm"):
         segments = _segment_backing(rig)
-        rig.transport = ShmTransport()
+        # the test-only fault wrapper, its fault never due: it adds nothing to what it wraps
+        rig.transport = (
+            ShmTransport() if kind == "shm" else CorruptingTransport(ShmTransport(), CorruptNth(0))
+        )
         handles = {r: s.name for r, s in segments.items()}
         rig.link = await rig.transport.connect(PeerEndpoint.from_maps("d0", _sizes(), handles))
         return rig
@@ -234,7 +238,7 @@ async def test_the_aux_row_lands_after_every_other_byte(rig):
     watcher = threading.Thread(target=_watch_aux, args=(rig, sources["aux"], stop, seen), daemon=True)
     watcher.start()
     try:
-        assert await rig.transport.write(rig.link, plan, sources, room="a") == plan.total_nbytes
+        assert await rig.transport.write(rig.link, plan, sources, room=1) == plan.total_nbytes
     finally:
         await asyncio.sleep(0.05)
         stop.set()
@@ -246,7 +250,7 @@ async def test_the_aux_row_lands_after_every_other_byte(rig):
 
 async def test_no_byte_lands_outside_the_registered_regions(rig):
     plan, sources, expected = _room_plan(seed=2)
-    assert await rig.transport.write(rig.link, plan, sources, room="b") == plan.total_nbytes
+    assert await rig.transport.write(rig.link, plan, sources, room=2) == plan.total_nbytes
     assert np.array_equal(rig.dst("kv"), expected["kv"]) and rig.guards_intact()
 
 
@@ -257,7 +261,7 @@ async def test_a_plan_out_of_bounds_is_refused_before_any_byte_moves(rig):
     bad = TransferPlan("p0", "d0", (plan.batches[0], past, plan.batches[1]))
     before = {r: rig.dst(r).copy() for r in ("kv", "aux")}
     with pytest.raises(TransportError) as info:
-        await rig.transport.write(rig.link, bad, sources, room="c")
+        await rig.transport.write(rig.link, bad, sources, room=3)
     assert info.value.code is Reason.RUN_OUT_OF_REGION, info.value
     for region, was in before.items():
         assert np.array_equal(rig.dst(region), was), f"{region} changed"
@@ -268,16 +272,16 @@ async def test_a_fenced_room_takes_no_late_byte(rig):
     if rig.kind not in RECEIVING:
         pytest.skip(f"{rig.kind} writes in place with no receiver: an abort waits for Link.drain")
     plan, sources, expected = _room_plan(seed=4)
-    assert await rig.transport.write(rig.link, plan, sources, room="d", generation=1) == plan.total_nbytes
+    assert await rig.transport.write(rig.link, plan, sources, room=4, generation=1) == plan.total_nbytes
     landed = {r: rig.dst(r).copy() for r in ("kv", "aux")}
-    await rig.receiver.fence("e", 2)
+    await rig.receiver.fence(5, 2)
     late, late_sources, _ = _room_plan(seed=5)
     for generation in (1, 2):
         with pytest.raises(TransportError) as info:
-            await rig.transport.write(rig.link, late, late_sources, room="e", generation=generation)
+            await rig.transport.write(rig.link, late, late_sources, room=5, generation=generation)
         assert info.value.code is Reason.STALE_GENERATION, info.value
     for region, was in landed.items():
         assert np.array_equal(rig.dst(region), was), f"a fenced write changed {region}"
     assert np.array_equal(rig.dst("kv"), expected["kv"]) and rig.guards_intact()
     # a later generation of the room is not fenced
-    assert await rig.transport.write(rig.link, late, late_sources, room="e", generation=3) > 0
+    assert await rig.transport.write(rig.link, late, late_sources, room=5, generation=3) > 0

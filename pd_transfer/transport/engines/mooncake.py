@@ -38,7 +38,7 @@ import threading
 from collections import deque
 
 from pd_transfer.errors import Reason, TransportError
-from pd_transfer.transport.base import Link, PeerEndpoint, Transport, TransportKind
+from pd_transfer.transport.base import Link, PeerEndpoint, RoomId, Transport, TransportKind
 from pd_transfer.transport.engines.address import EngineAddress
 from pd_transfer.transport.engines.link import PROBE_LANDING, EngineLink, Recovery, check_published, recover
 from pd_transfer.transport.engines.runs import (
@@ -272,7 +272,7 @@ class MooncakeTransport(Transport):
             )
 
     async def write(
-        self, link: Link, plan, src_regions: Regions, *, room: str = "", generation: int = 0
+        self, link: Link, plan, src_regions: Regions, *, room: RoomId = 0, generation: int = 0
     ) -> int:
         link = self._own(link, MooncakeLink)
         link.check_usable()

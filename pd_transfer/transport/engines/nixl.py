@@ -36,7 +36,7 @@ from collections import OrderedDict
 import numpy as np
 
 from pd_transfer.errors import Reason, TransportError
-from pd_transfer.transport.base import Link, PeerEndpoint, Transport, TransportKind
+from pd_transfer.transport.base import Link, PeerEndpoint, RoomId, Transport, TransportKind
 from pd_transfer.transport.copy.bounds import check_bounds
 from pd_transfer.transport.copy.runs import expand, flatten, row_nbytes_for
 from pd_transfer.transport.engines.address import EngineAddress
@@ -207,7 +207,7 @@ class NixlTransport(Transport):
             ) from None
 
     async def write(
-        self, link: Link, plan, src_regions: Regions, *, room: str = "", generation: int = 0
+        self, link: Link, plan, src_regions: Regions, *, room: RoomId = 0, generation: int = 0
     ) -> int:
         link = self._own(link, NixlLink)
         link.check_usable()

@@ -13,7 +13,7 @@ import functools
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.extras import ENGINES, engine_missing
-from pd_transfer.transport.base import Transport
+from pd_transfer.transport.base import Receiver, Transport
 from pd_transfer.transport.engines.staging.engine import ReceiverStaging, StagingOptions
 from pd_transfer.transport.regions import Regions
 
@@ -92,7 +92,7 @@ def make_receiver(
     protocol: str = "tcp",
     transport: Transport | None = None,
     staging: ReceiverStaging | None = None,
-):
+) -> Receiver:
     """The receiving half: ``await receiver.start()`` returns the address to publish.
 
     With ``transport`` (this process's :func:`make_transport`), the receiver

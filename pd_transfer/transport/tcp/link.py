@@ -33,17 +33,17 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.base import Link, PeerEndpoint
-from pd_transfer.transport.copy.packing import ChunkLayout, gather_chunk
+from pd_transfer.transport.copy.packing import ChunkLayout
 from pd_transfer.transport.regions import Mapped
 from pd_transfer.transport.tcp.frames import Ack, ChunkHeader, EndHeader, Fail, XferDone, decode_reply, encode
-from pd_transfer.transport.tcp.iovecs import DIRECT_MIN_NBYTES, Part, Staging, source_parts
+from pd_transfer.transport.tcp.iovecs import DIRECT_MIN_NBYTES, Staging, source_parts
 from pd_transfer.transport.tcp.sockets import (
     Authenticator,
     FrameChannel,
@@ -72,7 +72,6 @@ class LinkOptions:
     handshake_timeout_s: float = 10.0
     direct_min_nbytes: int = DIRECT_MIN_NBYTES
     auth: Authenticator | None = None
-    corrupt_payload: Callable[[memoryview], None] | None = None
 
 
 @dataclass
@@ -261,17 +260,9 @@ class TcpLink(Link):
     ) -> None:
         header = encode(ChunkHeader(xfer.xfer_id, xfer.room, xfer.generation, layout.seq, layout.wire))
         head = np.frombuffer(prefix(Kind.DATA, len(header), layout.nbytes) + header, np.uint8)
-        corrupt = self.options.corrupt_payload
-        if corrupt is None:  # the prefix and header go with the first part: one system call
-            for part in source_parts(layout, src, staging, self.options.direct_min_nbytes, head=head):
-                send_part(sock, part)
-            return
-        copy = gather_chunk(layout, src)  # test-only fault injection: a copy is damaged
-        corrupt(copy.data)
-        part = Part()
-        part.add_whole(head)
-        part.add_whole(copy)
-        send_part(sock, part)
+        # the prefix and header go with the first part: one system call
+        for part in source_parts(layout, src, staging, self.options.direct_min_nbytes, head=head):
+            send_part(sock, part)
 
     def _connection(self, xfer: Xfer) -> socket.socket | None:
         """The live connection, connecting (and retrying) first; None to skip the job."""

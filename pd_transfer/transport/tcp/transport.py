@@ -53,12 +53,11 @@ heartbeat's job. OS errors are translated to TransportError here.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from pd_transfer.errors import Reason, TransportError
-from pd_transfer.transport.base import Link, PeerEndpoint, Transport, TransportKind
+from pd_transfer.transport.base import Link, PeerEndpoint, RoomId, Transport, TransportKind, wire_room
 from pd_transfer.transport.copy.packing import ChunkLayout, layout_chunks
 from pd_transfer.transport.regions import Regions
 from pd_transfer.transport.tcp.frames import EndHeader
@@ -79,9 +78,6 @@ class TcpTransport(Transport):
     """Plain-socket tcp data plane.
 
     ``auth``: the connection handshake (None: authentication off).
-    ``corrupt_payload``: test-only fault injection, called with a copy of
-    each outgoing chunk's payload to damage (the source is never touched);
-    None costs nothing.
     """
 
     kind = TransportKind.TCP
@@ -96,7 +92,6 @@ class TcpTransport(Transport):
         direct_min_nbytes: int = DIRECT_MIN_NBYTES,
         connect_timeout_s: float = 5.0,
         handshake_timeout_s: float = 10.0,
-        corrupt_payload: Callable[[memoryview], None] | None = None,
     ) -> None:
         super().__init__()
         if chunk_nbytes <= 0 or window_nbytes <= 0 or streams <= 0:
@@ -109,7 +104,6 @@ class TcpTransport(Transport):
             handshake_timeout_s=handshake_timeout_s,
             direct_min_nbytes=direct_min_nbytes,
             auth=auth,
-            corrupt_payload=corrupt_payload,
         )
 
     async def connect(self, peer: PeerEndpoint) -> TcpLink:
@@ -127,7 +121,7 @@ class TcpTransport(Transport):
         return self._adopt(link)
 
     async def write(
-        self, link: Link, plan: TransferPlan, src_regions: Regions, *, room: str = "", generation: int = 0
+        self, link: Link, plan: TransferPlan, src_regions: Regions, *, room: RoomId = 0, generation: int = 0
     ) -> int:
         link = self._own(link, TcpLink)
         src = self._sources.map(src_regions, (b.src_region for b in plan.batches), "source")
@@ -173,10 +167,10 @@ def _least_busy(lanes: list[TcpLink]) -> TcpLink:
     return min(lanes, key=lambda lane: lane.in_flight_nbytes)
 
 
-async def _write_share(lane: TcpLink, layouts: list[ChunkLayout], src, room: str, generation: int) -> int:
+async def _write_share(lane: TcpLink, layouts: list[ChunkLayout], src, room: RoomId, generation: int) -> int:
     """One transfer on one lane: its chunks, then its end; returns once all of it landed."""
     total = sum(layout.nbytes for layout in layouts)
-    xfer = lane.open_xfer(room, generation)
+    xfer = lane.open_xfer(wire_room(room), generation)
     try:
         for layout in layouts:
             if xfer.result.done():
@@ -184,13 +178,13 @@ async def _write_share(lane: TcpLink, layouts: list[ChunkLayout], src, room: str
             await lane.acquire(layout.nbytes)
             lane.submit_chunk(xfer, layout, src)
         if not xfer.result.done():
-            lane.submit_end(xfer, EndHeader(xfer.xfer_id, room, generation, len(layouts), total))
+            lane.submit_end(xfer, EndHeader(xfer.xfer_id, xfer.room, generation, len(layouts), total))
         landed = await xfer.result
     finally:
         lane.close_xfer(xfer)
     if landed != total:
         raise TransportError(
-            f"{lane.peer.peer_id} acknowledged {landed} of {total} bytes of room {room or '-'}",
+            f"{lane.peer.peer_id} acknowledged {landed} of {total} bytes of room {room}",
             code=Reason.TRANSFER_INCOMPLETE,
         )
     return total

@@ -40,7 +40,7 @@ import zmq
 import zmq.asyncio
 
 from pd_transfer.errors import Reason, TransportError
-from pd_transfer.transport.base import Link, PeerEndpoint, Transport, TransportKind
+from pd_transfer.transport.base import Link, PeerEndpoint, RoomId, Transport, TransportKind, wire_room
 from pd_transfer.transport.copy.packing import gather_chunk, layout_chunks
 from pd_transfer.transport.regions import Regions
 from pd_transfer.transport.tcp.frames import (
@@ -161,10 +161,8 @@ class ZmqTcpTransport(Transport):
         chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
         window_nbytes: int = DEFAULT_WINDOW_NBYTES,
         socket_options: Callable[[zmq.Socket], None] | None = None,
-        corrupt_payload: Callable[[memoryview], None] | None = None,
     ) -> None:
         super().__init__()
-        self.corrupt_payload = corrupt_payload  # test-only: damages each (fresh) gathered payload
         # e.g. CURVE client keys: the agent knows them, this layer does not
         self.socket_options = socket_options
         self.context = context or zmq.asyncio.Context.instance()
@@ -194,14 +192,14 @@ class ZmqTcpTransport(Transport):
         return self._adopt(ZmqTcpLink(self, peer, socket, self.window_nbytes))
 
     async def write(
-        self, link: Link, plan: TransferPlan, src_regions: Regions, *, room: str = "", generation: int = 0
+        self, link: Link, plan: TransferPlan, src_regions: Regions, *, room: RoomId = 0, generation: int = 0
     ) -> int:
         link = self._own(link, ZmqTcpLink)
         src = self._sources.map(src_regions, (b.src_region for b in plan.batches), "source")
         sizes = {region_id: mapped.nbytes for region_id, mapped in src.items()}
         dst_sizes = link.peer.region_nbytes or None  # checked again by the receiver
         layouts = await asyncio.to_thread(layout_chunks, plan, sizes, self.chunk_nbytes, dst_sizes=dst_sizes)
-        xfer = link.open_xfer(room)
+        xfer = link.open_xfer(wire_room(room))
         gathered = _Prefetch(layouts, src, depth=2)  # gathers run ahead while chunks are on the wire
         total = sum(layout.nbytes for layout in layouts)
         try:
@@ -212,23 +210,23 @@ class ZmqTcpTransport(Transport):
                     # could land first: the plan's last run (a room's aux row) goes only
                     # once the rest has landed
                     await link.wait_acked(xfer)
-                if self.corrupt_payload is not None:
-                    self.corrupt_payload(payload.data)  # a fresh buffer: the source is intact
                 await link.acquire(layout.nbytes)
                 xfer.unacked[layout.seq] = layout.nbytes
-                header = ChunkHeader(xfer.xfer_id, room, generation, layout.seq, layout.wire)
+                header = ChunkHeader(xfer.xfer_id, xfer.room, generation, layout.seq, layout.wire)
                 await _send(link, [encode(header), payload])
                 if xfer.result.done():
                     break  # refused mid-way: stop sending, report the receiver's reason
             if not xfer.result.done():
-                await _send(link, [encode(EndHeader(xfer.xfer_id, room, generation, len(layouts), total))])
+                await _send(
+                    link, [encode(EndHeader(xfer.xfer_id, xfer.room, generation, len(layouts), total))]
+                )
             landed = await xfer.result
         finally:
             gathered.cancel()
             await link.close_xfer(xfer)
         if landed != total:
             raise TransportError(
-                f"{link.peer.peer_id} acknowledged {landed} of {total} bytes of room {room or '-'}",
+                f"{link.peer.peer_id} acknowledged {landed} of {total} bytes of room {room}",
                 code=Reason.TRANSFER_INCOMPLETE,
             )
         link.nbytes_written += total

@@ -72,7 +72,7 @@ async def test_staged_writes_land_exactly_the_oracle_bytes(scenario, segments, r
     assert all(link.staging is not None for link in links.values())
     for plan in sc.plans:
         link = links[plan.dst_rank]
-        assert await transport.write(link, plan, sc.src(plan), room="r") == plan.total_nbytes
+        assert await transport.write(link, plan, sc.src(plan), room=1) == plan.total_nbytes
         assert link.last_strategies == {Strategy.STAGED}
     await transport.close()
     copy_back(sc, placed)

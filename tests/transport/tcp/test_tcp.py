@@ -61,7 +61,7 @@ async def test_tcp_write_lands_exactly_the_oracle_bytes(scenario, case, inline_n
     async with Decode(sc, inline_nbytes=inline_nbytes) as decode:
         links = {rank: await transport.connect(decode.endpoint(rank)) for rank in decode.receivers}
         results = await asyncio.gather(
-            *(transport.write(links[p.dst_rank], p, sc.src(p), room="r1") for p in sc.plans)
+            *(transport.write(links[p.dst_rank], p, sc.src(p), room=1) for p in sc.plans)
         )
         assert results == [p.total_nbytes for p in sc.plans]
         assert sum(r.stats.nbytes_landed for r in decode.receivers.values()) == sum(results)
@@ -88,8 +88,8 @@ async def test_bytes_in_flight_never_exceed_the_window(scenario):
         plan = sc.plans[0]
         # two rooms writing the same pages (same bytes) on one link share its window
         await asyncio.gather(
-            transport.write(link, plan, sc.src(plan), room="a"),
-            transport.write(link, plan, sc.src(plan), room="b"),
+            transport.write(link, plan, sc.src(plan), room=1),
+            transport.write(link, plan, sc.src(plan), room=2),
             *(transport.write(links[p.dst_rank], p, sc.src(p)) for p in sc.plans[1:]),
         )
         assert plan.total_nbytes > 8 * window  # the window really had to bind
@@ -126,7 +126,7 @@ async def test_a_long_write_is_striped_over_the_streams_within_one_window(scenar
 
             watch()
         results = await asyncio.gather(
-            *(transport.write(links[p.dst_rank], p, sc.src(p), room="r") for p in sc.plans)
+            *(transport.write(links[p.dst_rank], p, sc.src(p), room=1) for p in sc.plans)
         )
         assert results == [p.total_nbytes for p in sc.plans]
         receiver = decode.receivers[plan.dst_rank]
@@ -179,7 +179,7 @@ async def test_a_striped_write_lands_its_last_run_last(tail_nbytes, alone):
         "127.0.0.1", {"kv": region}, on_landed=lambda room, gen, n: landed.append(n)
     ) as receiver:
         link = await transport.connect(PeerEndpoint("d0", data_address=receiver.address))
-        assert await transport.write(link, plan, src, room="r") == plan.total_nbytes
+        assert await transport.write(link, plan, src, room=1) == plan.total_nbytes
         await transport.close()
     last_chunk = plan.total_nbytes - (plan.total_nbytes - 1) // chunk * chunk
     assert landed[-1] == (tail_nbytes if alone else last_chunk)
@@ -202,7 +202,7 @@ async def test_a_one_chunk_write_takes_the_least_busy_stream():
         first, second = link.lanes
         first.in_flight_nbytes = 1  # as if another write's chunk were out on it
         try:
-            assert await transport.write(link, plan, src, room="small") == 4096
+            assert await transport.write(link, plan, src, room=1) == 4096
         finally:
             first.in_flight_nbytes = 0
         assert (first._conn_id, second._conn_id) == (0, 1)  # only the idle lane connected
@@ -280,7 +280,7 @@ async def test_receiver_refusal_fails_the_write_with_its_reason(scenario):
         # an endpoint without sizes: the sender cannot pre-check, the receiver must
         link = await transport.connect(_endpoint(plan.dst_rank, small, receiver.address, sizes=False))
         with pytest.raises(TransportError) as info:
-            await asyncio.wait_for(transport.write(link, plan, sc.src(plan), room="r"), 10)
+            await asyncio.wait_for(transport.write(link, plan, sc.src(plan), room=1), 10)
         assert info.value.code is Reason.RUN_OUT_OF_REGION
         assert receiver.stats.refused[Reason.RUN_OUT_OF_REGION] >= 1
         await transport.close()
@@ -307,11 +307,11 @@ async def test_fenced_generation_is_refused_and_the_next_one_lands(scenario):
     async with Decode(sc, inline_nbytes=0) as decode:
         receiver = decode.receivers[plan.dst_rank]
         link = await transport.connect(decode.endpoint(plan.dst_rank))
-        await receiver.fence("r", 0)
+        await receiver.fence(3, 0)
         with pytest.raises(TransportError) as info:
-            await transport.write(link, plan, sc.src(plan), room="r", generation=0)
+            await transport.write(link, plan, sc.src(plan), room=3, generation=0)
         assert info.value.code is Reason.STALE_GENERATION
-        assert await transport.write(link, plan, sc.src(plan), room="r", generation=1) == plan.total_nbytes
+        assert await transport.write(link, plan, sc.src(plan), room=3, generation=1) == plan.total_nbytes
         await transport.close()
 
 
@@ -352,7 +352,7 @@ async def test_receiver_in_another_process(scenario, segments):
         for plan in sc.plans:
             link = await transport.connect(_endpoint(plan.dst_rank, sc.dst(plan), addresses[plan.dst_rank]))
             assert (
-                await asyncio.wait_for(transport.write(link, plan, sc.src(plan), room="x"), 30)
+                await asyncio.wait_for(transport.write(link, plan, sc.src(plan), room=1), 30)
                 == plan.total_nbytes
             )
         await transport.close()
@@ -375,8 +375,8 @@ async def test_receiver_reports_each_completed_transfer(scenario):
     transport = TcpTransport(chunk_nbytes=1024, streams=1)  # one transfer: one report
     async with receiver:
         link = await transport.connect(_endpoint(plan.dst_rank, sc.dst(plan), receiver.address))
-        await transport.write(link, plan, sc.src(plan), room="room-9", generation=4)
+        await transport.write(link, plan, sc.src(plan), room=9, generation=4)
         await transport.close()
-    assert landed == [("room-9", 4, plan.total_nbytes)]
+    assert landed == [("9", 4, plan.total_nbytes)]  # the room as its frames carry it
     assert receiver.stats.transfers_done == 1
     assert receiver.stats.chunks_landed == -(-plan.total_nbytes // 1024)

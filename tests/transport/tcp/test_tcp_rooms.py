@@ -86,7 +86,7 @@ async def test_only_expected_rooms_write_and_only_into_their_pages():
     region = np.zeros(4096, np.uint8)
     receiver = TcpReceiver("127.0.0.1", {"kv": region}, policy=RoomPolicy.EXPECTED)
     async with receiver:
-        receiver.expect("7", 3, _ranges(kv=[(1024, 2048)]))
+        receiver.expect(7, 3, _ranges(kv=[(1024, 2048)]))
         replies = await _exchange(
             receiver.address,
             [
@@ -106,7 +106,7 @@ async def test_only_expected_rooms_write_and_only_into_their_pages():
         assert "outside the pages this room expects" in replies[1].text
         assert (replies[4].xfer, replies[4].nbytes) == (5, 32)
         assert int(np.count_nonzero(region)) == 32 and region[1024:1040].tolist() == [2] * 16
-        receiver.forget("7")  # landed: its later chunks are refused
+        receiver.forget(7)  # landed: its later chunks are refused
         late = await _exchange(
             receiver.address, [(_chunk(6, [[0, 1024, 16]], room="7", gen=3), b"\x03" * 16)]
         )
@@ -120,10 +120,10 @@ async def test_fence_drops_the_expectation_and_refuses_the_generation():
     region = np.zeros(4096, np.uint8)
     receiver = TcpReceiver("127.0.0.1", {"kv": region}, policy=RoomPolicy.EXPECTED)
     async with receiver:
-        receiver.expect("r", 1, _ranges(kv=[(0, 4096)]))
-        await receiver.fence("r", 1)
+        receiver.expect(5, 1, _ranges(kv=[(0, 4096)]))
+        await receiver.fence(5, 1)
         reply = (
-            await _exchange(receiver.address, [(_chunk(1, [[0, 0, 16]], room="r", gen=1), b"\x01" * 16)])
+            await _exchange(receiver.address, [(_chunk(1, [[0, 0, 16]], room="5", gen=1), b"\x01" * 16)])
         )[0]
         assert reply.reason() is Reason.STALE_GENERATION and "was aborted" in reply.text
         assert not region.any()
@@ -135,16 +135,16 @@ async def test_a_fence_cuts_off_a_chunk_stalled_mid_payload():
     receiver = TcpReceiver("127.0.0.1", {"kv": region}, fence_grace_s=0.2, inline_nbytes=0)
     async with receiver:
         reader, writer = await asyncio.open_connection(*parse_address(receiver.address))
-        header = _chunk(1, [[0, 0, 1 << 20]], room="r")
+        header = _chunk(1, [[0, 0, 1 << 20]], room="5")
         writer.write(prefix(Kind.DATA, len(header), 1 << 20) + header + b"\x01" * 4096)
         await writer.drain()
         for _ in range(100):  # until the receiver admitted the chunk and waits for the rest
-            if receiver.admission.busy("r", 0):
+            if receiver.admission.busy("5", 0):
                 break
             await asyncio.sleep(0.02)
-        assert receiver.admission.busy("r", 0)
-        await asyncio.wait_for(receiver.fence("r", 0), 5)
-        assert not receiver.admission.busy("r", 0)
+        assert receiver.admission.busy("5", 0)
+        await asyncio.wait_for(receiver.fence(5, 0), 5)
+        assert not receiver.admission.busy("5", 0)
         assert await asyncio.wait_for(reader.read(), 5) == b""  # its connection was closed
         writer.close()
 
@@ -233,7 +233,7 @@ async def test_the_link_reconnects_when_the_receiver_is_back(caplog):
     port = int(receiver.address.rsplit(":", 1)[1])
     transport = TcpTransport(chunk_nbytes=4096)
     link = await transport.connect(PeerEndpoint("d0", data_address=receiver.address))
-    assert await transport.write(link, plan, src, room="a") == 1 << 16
+    assert await transport.write(link, plan, src, room=1) == 1 << 16
     await receiver.stop()
     for _ in range(100):  # the idle connection, closed by the receiver: news, not an alarm
         if _lost_records(caplog, logging.INFO):
@@ -241,35 +241,14 @@ async def test_the_link_reconnects_when_the_receiver_is_back(caplog):
         await asyncio.sleep(0.02)
     assert _lost_records(caplog, logging.INFO) and not _lost_records(caplog, logging.WARNING)
     with pytest.raises(asyncio.TimeoutError):  # nobody listens: it waits, as for a silent peer
-        await asyncio.wait_for(transport.write(link, plan, src, room="b"), 0.5)
+        await asyncio.wait_for(transport.write(link, plan, src, room=2), 0.5)
     region[:] = 0
     receiver = TcpReceiver("127.0.0.1", {"kv": region}, port=port)
     await receiver.start()
-    assert await asyncio.wait_for(transport.write(link, plan, src, room="c"), 10) == 1 << 16
+    assert await asyncio.wait_for(transport.write(link, plan, src, room=3), 10) == 1 << 16
     assert np.array_equal(region, src["s"])
     await transport.close()
     await receiver.stop()
-
-
-@pytest.mark.asyncio
-async def test_corrupt_payload_damages_a_copy_never_the_source(scenario):
-    sc = scenario("llama", 2, 2)
-    plan = sc.plans[0]
-    before = {r: b.copy() for r, b in sc.src(plan).items()}
-    seen = []
-
-    def corrupt(payload: memoryview) -> None:
-        seen.append(len(payload))
-        payload[0] ^= 0xFF
-
-    transport = TcpTransport(chunk_nbytes=64 << 10, corrupt_payload=corrupt)
-    async with TcpReceiver("127.0.0.1", sc.dst(plan)) as receiver:
-        link = await transport.connect(PeerEndpoint("d", data_address=receiver.address))
-        assert await transport.write(link, plan, sc.src(plan)) == plan.total_nbytes
-        await transport.close()
-    assert sum(seen) == plan.total_nbytes
-    assert all(np.array_equal(before[r], b) for r, b in sc.src(plan).items())
-    assert sc.world.verify(sc.requests) != []  # the damage landed at the destination
 
 
 @pytest.mark.asyncio

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.layout.lowering import TransferPlan
-from pd_transfer.transport.base import Receiver
+from pd_transfer.transport.base import Receiver, RoomId, wire_room
 from pd_transfer.transport.copy.packing import layout_chunks
 from pd_transfer.transport.engines.address import EngineAddress
 from pd_transfer.transport.engines.probe import measure_path
@@ -283,19 +283,21 @@ class ReceiverStaging:
         self.area = None
 
 
-async def write_parts(transport, link, engine, plan, src_regions, room: str, generation: int) -> int:
+async def write_parts(transport, link, engine, plan, src_regions, room: RoomId, generation: int) -> int:
     """An engine transport's write: its source regions registered with the engine once,
     the plan cut into direct and staged parts (:func:`segments`), and every part submitted
     in plan order by ``transport._submit_all`` in a worker thread that ``Link.drain``
     waits for; returns the bytes written."""
-    where = f"room {room or '-'} gen {generation} plan {plan.src_rank} -> {link.peer.peer_id}"
+    where = f"room {room} gen {generation} plan {plan.src_rank} -> {link.peer.peer_id}"
     src = transport._sources.map(src_regions, (b.src_region for b in plan.batches), "source")
     bases = {r: (int(m.array.ctypes.data), m.nbytes) for r, m in src.items()}
     if engine.unregistered(bases):  # first write from these regions: pinning may take a while
         await asyncio.to_thread(engine.register, bases)
     parts = segments(plan, link, transport.staging.mode)
     nbytes = await link.run_background(
-        asyncio.to_thread(transport._submit_all, engine, link, parts, bases, src, where, room, generation)
+        asyncio.to_thread(
+            transport._submit_all, engine, link, parts, bases, src, where, wire_room(room), generation
+        )
     )
     link.nbytes_written += nbytes
     link.num_writes += 1
