@@ -74,13 +74,14 @@ def test_copy_threads_default_to_two_and_reach_the_shm_copy_engine():
     import zmq.asyncio
 
     from pd_transfer.agent.dataplane import DataPlane
+    from pd_transfer.transport.base import TransportKind
 
     default = load_sidecar_config(None, {"role": "prefill"}, {})
     assert default.copy_threads == min(2, len(os.sched_getaffinity(0)))
     config = load_sidecar_config(None, {"role": "prefill"}, {"PD_TRANSFER_COPY_THREADS": "6"})
     context = zmq.asyncio.Context()
     try:
-        assert DataPlane(config, context)._shm.engine.num_workers == 6
+        assert DataPlane(config, context)._transports[TransportKind.SHM].engine.num_workers == 6
     finally:
         context.term()
     with pytest.raises(ConfigError) as err:
@@ -94,6 +95,7 @@ def test_nixl_ucx_threads_reach_the_writing_agent_and_bad_values_are_refused_by_
     import zmq.asyncio
 
     from pd_transfer.agent.dataplane import DataPlane
+    from pd_transfer.transport.base import TransportKind
     from pd_transfer.transport.engines.registry import engine_unusable
 
     assert load_sidecar_config(None, {"role": "prefill"}, {}).nixl_ucx_threads == 1
@@ -119,11 +121,11 @@ def test_nixl_ucx_threads_reach_the_writing_agent_and_bad_values_are_refused_by_
         assert f"sidecar.nixl_ucx_threads: must be 1 to 64, got {bad}: 1 posts each write" in str(err.value)
     config = load_sidecar_config(None, {"role": "prefill", "transport": "nixl", "nixl_ucx_threads": 4}, {})
     context = zmq.asyncio.Context()
-    plane = DataPlane(config, context)
+    nixl = DataPlane(config, context)._transports[TransportKind.NIXL]
     try:
-        assert plane._engine.engine().agent.get_backend_params("UCX")["num_threads"] == "4"
+        assert nixl.engine().agent.get_backend_params("UCX")["num_threads"] == "4"
     finally:
-        asyncio.run(plane._engine.close())
+        asyncio.run(nixl.close())
         context.term()
 
 
