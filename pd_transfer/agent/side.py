@@ -19,6 +19,7 @@ room table of that type (``Sidecar[RoomT]``), so the rooms the sidecar hands bac
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -26,6 +27,7 @@ import numpy as np
 from pd_transfer.agent.channels import Channel
 from pd_transfer.agent.rooms import Room
 from pd_transfer.errors import Reason
+from pd_transfer.layout.geometry import RankGeometry
 from pd_transfer.layout.views import Pool
 from pd_transfer.protocol import Message
 from pd_transfer.protocol.worker_api import WorkerOp
@@ -63,9 +65,19 @@ class Side(Readiness, Protocol[RoomT_contra]):
         """``room`` passed its deadline in its current state: fail it with ``timeout``
         and a reason saying what it was waiting for."""
 
-    async def end_room(self, room: RoomT_contra, reason: Reason, text: str) -> None:
-        """Fail a live room the sidecar will not finish (it is shutting down): the
-        worker and the peers learn ``reason`` and ``text``."""
+    def fail_room(self, room: RoomT_contra, reason: Reason, text: str) -> Awaitable[None] | None:
+        """Fail a live room with ``reason`` and ``text``, which the worker and the peers
+        learn (the sidecar calls it for the rooms it will not finish as it shuts down).
+        Prefill's failure returns an awaitable, done once no write of the room is in
+        flight; decode's is settled when it returns (None)."""
+
+    def before_registering(self, geometry: RankGeometry) -> None:
+        """A worker's registration of ``geometry`` is checked and its regions are about to
+        be mapped: bind what must be bound before it is committed (prefill rank 0: its
+        rank table's address). Raises PdTransferError to refuse the registration."""
+
+    def registration_failed(self) -> None:
+        """The registration :meth:`before_registering` saw failed: release what it bound."""
 
     async def on_registered(self) -> None:
         """The worker registered (the sidecar holds its geometry and mapped its
@@ -83,7 +95,8 @@ class Side(Readiness, Protocol[RoomT_contra]):
         """Before answering a poll or wait on ``room``: settle it if its doorbell rang."""
 
     def close(self) -> None:
-        """The sidecar stopped: release what the side holds (doorbells)."""
+        """The sidecar stopped: release what the side holds (doorbells, prefill rank 0's
+        rank table server)."""
 
 
 class PeerServer(Protocol):
