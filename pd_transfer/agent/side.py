@@ -26,11 +26,12 @@ import numpy as np
 
 from pd_transfer.agent.channels import Channel
 from pd_transfer.agent.rooms import Room
-from pd_transfer.errors import Reason
+from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import RankGeometry
 from pd_transfer.layout.views import Pool
 from pd_transfer.protocol import Message
 from pd_transfer.protocol.worker_api import WorkerOp
+from pd_transfer.protocol.worker_requests import AbandonRequest, ExpectRequest, LayerReadyRequest, SendRequest
 
 RoomT_contra = TypeVar("RoomT_contra", bound=Room, contravariant=True)
 
@@ -50,12 +51,22 @@ class Readiness(Protocol):
 
 
 class Side(Readiness, Protocol[RoomT_contra]):
-    async def on_worker_op(
-        self, op: WorkerOp, request: dict[str, Any], pools: dict[Pool, np.ndarray]
-    ) -> dict[str, Any]:
-        """A room operation of the worker (send, expect, layer_ready), already checked
-        against the room table's bounds. Returns the reply; an operation this side does
-        not serve raises PdTransferError (``bad_frame``) naming the role."""
+    # The worker's room operations, each a record read at the edge
+    # (protocol/worker_requests.py); a send or expect is already checked against the
+    # room table's bounds, and ``pools`` holds its indices by pool. Each returns the
+    # reply; an operation this side does not serve raises PdTransferError
+    # (``bad_frame``) naming the role (not_served below).
+    async def on_send(self, request: SendRequest, pools: dict[Pool, np.ndarray]) -> dict[str, Any]:
+        """A chunk of a room to send (prefill)."""
+
+    async def on_expect(self, request: ExpectRequest, pools: dict[Pool, np.ndarray]) -> dict[str, Any]:
+        """A room to receive (decode)."""
+
+    async def on_layer_ready(self, request: LayerReadyRequest) -> dict[str, Any]:
+        """A layer of a streamed chunk is computed (prefill)."""
+
+    def on_abandon(self, request: AbandonRequest) -> dict[str, Any]:
+        """A room this rank will never expect (decode)."""
 
     async def on_worker_abort(self, room_id: int) -> dict[str, Any]:
         """The worker aborts ``room_id``. Returns once this side may tell the worker
@@ -114,3 +125,8 @@ class PeerServer(Protocol):
         """This sidecar closed ``channel``'s session over a bad frame
         (``channel.refusal``): its rooms fail with that reason now, not at their
         timeout, and nothing of it is kept."""
+
+
+def not_served(op: WorkerOp, role: str) -> PdTransferError:
+    """The refusal of a worker operation the side of ``role`` does not serve."""
+    return PdTransferError(f"{op.value} is not available on a {role} sidecar", code=Reason.BAD_FRAME)

@@ -48,7 +48,16 @@ from pd_transfer.protocol import (
     Message,
     geometry_from_data,
 )
-from pd_transfer.protocol.worker_api import WorkerOp
+from pd_transfer.protocol.worker_requests import (
+    AbandonRequest,
+    AbortRequest,
+    LayerReadyRequest,
+    PollRequest,
+    RegisterRequest,
+    SendRequest,
+    WaitRequest,
+    WorkerRequest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -262,33 +271,37 @@ class Sidecar(Generic[RoomT]):
 
     # -- worker API ----------------------------------------------------------------
     async def handle_worker(
-        self, op: WorkerOp, request: dict[str, Any], connection: Hashable | None = None
+        self, request: WorkerRequest, connection: Hashable | None = None
     ) -> dict[str, Any]:
-        if op is WorkerOp.REGISTER:
+        """One worker request, read at the edge into its record (protocol/worker_requests.py)."""
+        if isinstance(request, RegisterRequest):
             async with self.worker.lock:
                 return await self._register(request, connection)
         if self.geometry is None:
             raise PdTransferError("the worker has not registered its pools yet", code=Reason.NOT_REGISTERED)
-        if op is WorkerOp.POLL:
-            room = self._room(request["room"])
+        if isinstance(request, (PollRequest, WaitRequest)):
+            room = self._room(request.room)
             self.side.check_bell(room)
+            if isinstance(request, WaitRequest):
+                await room.wait(request.timeout_s)
             return room.reply()
-        if op is WorkerOp.WAIT:
-            room = self._room(request["room"])
-            self.side.check_bell(room)
-            await room.wait(float(request["timeout_s"]))
-            return room.reply()
-        if op is WorkerOp.ABORT:
-            return await self.side.on_worker_abort(request["room"])
+        if isinstance(request, AbortRequest):
+            return await self.side.on_worker_abort(request.room)
         if self._stopping:
             raise PdTransferError("the sidecar is shutting down", code=Reason.SHUTTING_DOWN)
-        refusal = self.rooms.refusal(request["room"]) if op in (WorkerOp.SEND, WorkerOp.EXPECT) else ""
+        if isinstance(request, LayerReadyRequest):
+            return await self.side.on_layer_ready(request)
+        if isinstance(request, AbandonRequest):
+            return self.side.on_abandon(request)
+        refusal = self.rooms.refusal(request.room)
         if refusal:  # the hard bound of the room table: refused at once, never queued
             self.observe.limit_refused("max_rooms")
             raise PdTransferError(
                 refusal, code=Reason.TOO_MANY_ROOMS, hint="finish or abort rooms, or raise max_rooms"
             )
-        return await self.side.on_worker_op(op, request, pool_requests(request))
+        if isinstance(request, SendRequest):
+            return await self.side.on_send(request, pool_requests(request))
+        return await self.side.on_expect(request, pool_requests(request))
 
     def _room(self, room_id: int) -> Room:
         room = self.rooms.get(room_id)
@@ -296,7 +309,7 @@ class Sidecar(Generic[RoomT]):
             raise PdTransferError(f"room {room_id} is unknown", code=Reason.UNKNOWN_ROOM)
         return room
 
-    async def _register(self, request: dict[str, Any], connection: Hashable | None) -> dict[str, Any]:
+    async def _register(self, request: RegisterRequest, connection: Hashable | None) -> dict[str, Any]:
         if self.registration is not None:
             raise PdTransferError(
                 f"worker {self.worker.worker_id} is registered, and the connection it registered "
@@ -305,13 +318,13 @@ class Sidecar(Generic[RoomT]):
                 hint="a worker registers once per sidecar; a restarted worker registers again "
                 "once the old one's connection closed (it exited, or closed that client)",
             )
-        geometry = geometry_from_data(request["geometry"])
+        geometry = geometry_from_data(request.geometry)
         if geometry.role is not self.config.role:
             raise PdTransferError(
                 f"a {geometry.role.value} worker registered with a {self.config.role.value} sidecar",
                 code=Reason.ROLE_MISMATCH,
             )
-        handles = {str(k): str(v) for k, v in request["handles"].items()}
+        handles = {str(k): str(v) for k, v in request.handles.items()}
         # the whole registration, handles included: a missing or shared segment is refused
         # here, with the field at fault, before a single segment is mapped
         check_geometry(geometry, handles)
@@ -322,12 +335,12 @@ class Sidecar(Generic[RoomT]):
             self.side.registration_failed()
             raise
         self._write_ready_file(again=True)  # decode's data receiver listens from here on
-        self.registration = Registration(request["worker_id"], geometry, handles, request["pp_size"])
+        self.registration = Registration(request.worker_id, geometry, handles, request.pp_size)
         self.registered.set()
-        self.worker.bind(request["worker_id"], connection, self.endpoint)
+        self.worker.bind(request.worker_id, connection, self.endpoint)
         log.info(
             "worker %s registered %s: %d views in %d regions",
-            request["worker_id"],
+            request.worker_id,
             geometry.rank_id,
             len(geometry.views),
             len(geometry.regions),

@@ -34,6 +34,7 @@ from pd_transfer.agent.decode.instances import PrefillInstances
 from pd_transfer.agent.decode.room import DecodeRoom, PrefillInstance, PrefillPeer
 from pd_transfer.agent.indices import Claims, check_indices
 from pd_transfer.agent.rooms import Room
+from pd_transfer.agent.side import not_served
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.views import Pool
 from pd_transfer.protocol import (
@@ -48,6 +49,7 @@ from pd_transfer.protocol import (
     TransferRequest,
 )
 from pd_transfer.protocol.worker_api import WorkerOp
+from pd_transfer.protocol.worker_requests import AbandonRequest, ExpectRequest, LayerReadyRequest, SendRequest
 
 if TYPE_CHECKING:
     from pd_transfer.agent.side_context import SideContext
@@ -72,14 +74,11 @@ class DecodeSide:
         return self.ctx.config
 
     # -- the Side protocol (agent/side.py) ------------------------------------------
-    async def on_worker_op(
-        self, op: WorkerOp, request: dict[str, Any], pools: dict[Pool, np.ndarray]
-    ) -> dict[str, Any]:
-        if op is WorkerOp.EXPECT:
-            return await self.on_expect(request, pools)
-        if op is WorkerOp.ABANDON:
-            return self.on_abandon(request)
-        raise PdTransferError(f"{op.value} is not available on a decode sidecar", code=Reason.BAD_FRAME)
+    async def on_send(self, request: SendRequest, pools: dict[Pool, np.ndarray]) -> dict[str, Any]:
+        raise not_served(WorkerOp.SEND, "decode")
+
+    async def on_layer_ready(self, request: LayerReadyRequest) -> dict[str, Any]:
+        raise not_served(WorkerOp.LAYER_READY, "decode")
 
     def before_registering(self, geometry: RankGeometry) -> None:
         pass  # decode binds nothing for a registration before it is committed
@@ -105,13 +104,13 @@ class DecodeSide:
         return self.prefill.problem(address)
 
     # -- rooms --------------------------------------------------------------------
-    async def on_expect(self, request: dict[str, Any], pools: dict[Pool, np.ndarray]) -> dict[str, Any]:
-        existing = self.ctx.rooms.get(request["room"])
+    async def on_expect(self, request: ExpectRequest, pools: dict[Pool, np.ndarray]) -> dict[str, Any]:
+        existing = self.ctx.rooms.get(request.room)
         if existing is not None and not existing.terminal:
-            raise PdTransferError(f"room {request['room']} is already expected", code=Reason.DUPLICATE_ROOM)
+            raise PdTransferError(f"room {request.room} is already expected", code=Reason.DUPLICATE_ROOM)
         # refused here, with the field: never accepted to fail later at its timeout
         check_indices(pools, self.ctx.registered().geometry, side="destination", unique=True)
-        held = request["held_pages"]
+        held = request.held_pages
         if held > len(pools.get(Pool.KV, ())):
             raise PdTransferError(
                 f"at $.held_pages: {held} held pages, but the room names {len(pools.get(Pool.KV, ()))} kv pages",
@@ -123,11 +122,11 @@ class DecodeSide:
             other = self.ctx.rooms.get(holder)
             if isinstance(other, DecodeRoom) and self.bells.rung(other):
                 self._succeed(other)
-        self.claims.claim(request["room"], pools)
+        self.claims.claim(request.room, pools)
         room = DecodeRoom(
-            request["room"],
+            request.room,
             self.ctx.next_generation(),
-            bootstrap=request["bootstrap"],
+            bootstrap=request.bootstrap,
             dst=pools,
             held_pages=held,
         )
@@ -142,20 +141,20 @@ class DecodeSide:
         self.ctx.spawn(self._start(room), room=room.room)
         return reply
 
-    def on_abandon(self, request: dict[str, Any]) -> dict[str, Any]:
+    def on_abandon(self, request: AbandonRequest) -> dict[str, Any]:
         """The worker will never expect this room: its prefill instance is told (:mod:`.abandon`)."""
-        room_id = request["room"]
+        room_id = request.room
         existing = self.ctx.rooms.get(room_id)
         if existing is not None and not existing.terminal:
             raise PdTransferError(
                 f"room {room_id} is expected here; abort it instead of abandoning it",
                 code=Reason.DUPLICATE_ROOM,
             )
-        why = request["reason"] or "no reason given"
+        why = request.reason or "no reason given"
         text = f"room {room_id}: decode {self.config.agent_id} will never claim it: {why}"
-        log.info("decode: %s", text, extra={"room": room_id, "peer": request["bootstrap"]})
+        log.info("decode: %s", text, extra={"room": room_id, "peer": request.bootstrap})
         self.ctx.observe.abort("decode", Reason.ABORTED.value)
-        self.ctx.spawn(abandon.tell_prefill(self.prefill, request["bootstrap"], room_id, text), room=room_id)
+        self.ctx.spawn(abandon.tell_prefill(self.prefill, request.bootstrap, room_id, text), room=room_id)
         return {}
 
     async def _start(self, room: DecodeRoom) -> None:

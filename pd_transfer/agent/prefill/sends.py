@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from pd_transfer.agent.prefill.ownership import OnRequest
     from pd_transfer.agent.prefill.writes import PrefillWrites
     from pd_transfer.agent.side_context import SideContext
+    from pd_transfer.protocol.worker_requests import LayerReadyRequest, SendRequest
 
 
 def open_room(ctx: SideContext[PrefillRoom], room_id: int) -> PrefillRoom:
@@ -55,29 +56,29 @@ class PrefillSends:
         self.pumps = pumps
         self.request = request  # the side's on_request: admits a bound room's contenders
 
-    async def on_send(self, request: dict[str, Any], pools: dict[Pool, np.ndarray]) -> dict[str, Any]:
+    async def on_send(self, request: SendRequest, pools: dict[Pool, np.ndarray]) -> dict[str, Any]:
         ctx, config = self.ctx, self.ctx.config
         try:  # against this rank's own pools, before a byte moves
             check_indices(pools, ctx.registered().geometry, side="source", unique=False)
         except PdTransferError as err:
             # refused to the worker, and the room fails with it, so decode learns at once
-            room = open_room(ctx, request["room"])
+            room = open_room(ctx, request.room)
             room.refused = True
             await self.endings.fail_room(room, err.code, f"room {room.room}: {err.message}")
             raise
-        room = open_room(ctx, request["room"])
+        room = open_room(ctx, request.room)
         if room.last_received:
             raise PdTransferError(f"room {room.room}: send after the last chunk", code=Reason.DUPLICATE_ROOM)
         if room.terminal:
             return room.reply()
-        await ownership.bind(room, request["decode"], self.request)
+        await ownership.bind(room, request.decode, self.request)
         if chunk_refusal(config, room):
             ctx.observe.limit_refused("max_chunks_per_room")
             await self.endings.fail_room(room, Reason.OVER_LIMIT, chunk_refusal(config, room))
             return room.reply()
         room.chunks.append(pools)
-        room.layers.append(ChunkLayers(span_of(ctx.registered().geometry)) if request["stream"] else None)
-        room.last_received = request["last"]
+        room.layers.append(ChunkLayers(span_of(ctx.registered().geometry)) if request.stream else None)
+        room.last_received = request.last
         self.pumps.pump_all(room)
         # the writes start before the reply goes: a small room (copied on the loop) is
         # copied and rung first. Replying first woke the worker, which on a busy host
@@ -86,11 +87,11 @@ class PrefillSends:
         await asyncio.sleep(0)
         return room.reply()
 
-    async def on_layer_ready(self, request: dict[str, Any]) -> dict[str, Any]:
-        room = self.ctx.rooms.get(request["room"])
+    async def on_layer_ready(self, request: LayerReadyRequest) -> dict[str, Any]:
+        room = self.ctx.rooms.get(request.room)
         if not isinstance(room, PrefillRoom):
-            raise PdTransferError(f"room {request['room']} is unknown", code=Reason.UNKNOWN_ROOM)
+            raise PdTransferError(f"room {request.room} is unknown", code=Reason.UNKNOWN_ROOM)
         if not room.terminal:
-            latest_streamed(room.layers, room.room).announce(room.room, request["layer_id"])
+            latest_streamed(room.layers, room.room).announce(room.room, request.layer_id)
             self.pumps.pump_all(room)
         return room.reply()

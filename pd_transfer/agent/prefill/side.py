@@ -42,6 +42,7 @@ from pd_transfer.agent.prefill.records import DecodePeer, PrefillRoom, Target
 from pd_transfer.agent.prefill.sends import PrefillSends, open_room
 from pd_transfer.agent.prefill.writes import PrefillWrites
 from pd_transfer.agent.rooms import Room
+from pd_transfer.agent.side import not_served
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import RankGeometry, Role
 from pd_transfer.layout.views import Pool
@@ -61,6 +62,7 @@ from pd_transfer.protocol import (
     TransferRequest,
 )
 from pd_transfer.protocol.worker_api import WorkerOp
+from pd_transfer.protocol.worker_requests import AbandonRequest, ExpectRequest, LayerReadyRequest, SendRequest
 from pd_transfer.wire.fields import clip_text
 
 if TYPE_CHECKING:
@@ -110,14 +112,17 @@ class PrefillSide:
         return self.ctx.observe
 
     # -- the Side protocol (agent/side.py) ------------------------------------------
-    async def on_worker_op(
-        self, op: WorkerOp, request: dict[str, Any], pools: dict[Pool, np.ndarray]
-    ) -> dict[str, Any]:
-        if op is WorkerOp.SEND:
-            return await self.sends.on_send(request, pools)
-        if op is WorkerOp.LAYER_READY:
-            return await self.sends.on_layer_ready(request)
-        raise PdTransferError(f"{op.value} is not available on a prefill sidecar", code=Reason.BAD_FRAME)
+    async def on_send(self, request: SendRequest, pools: dict[Pool, np.ndarray]) -> dict[str, Any]:
+        return await self.sends.on_send(request, pools)
+
+    async def on_layer_ready(self, request: LayerReadyRequest) -> dict[str, Any]:
+        return await self.sends.on_layer_ready(request)
+
+    async def on_expect(self, request: ExpectRequest, pools: dict[Pool, np.ndarray]) -> dict[str, Any]:
+        raise not_served(WorkerOp.EXPECT, "prefill")
+
+    def on_abandon(self, request: AbandonRequest) -> dict[str, Any]:
+        raise not_served(WorkerOp.ABANDON, "prefill")
 
     def fail_room(self, room: PrefillRoom, reason: Reason, text: str) -> Awaitable[None]:
         return self.endings.fail_room(room, reason, text)
