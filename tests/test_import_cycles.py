@@ -22,7 +22,6 @@ ROOT = Path(__file__).resolve().parents[1] / "pd_transfer"
 
 #: package -> why it still has a loop; a loop must stay inside one of these
 KNOWN_LOOPS: dict[str, str] = {
-    "pd_transfer.agent": "the sides and their helpers take the whole Sidecar (TYPE_CHECKING)",
     "pd_transfer.integrations.sglang": "the view builders name registration's EngineFacts (TYPE_CHECKING)",
 }
 

@@ -4,7 +4,8 @@
 :func:`sidecar_for` builds a ``Sidecar[PrefillRoom]`` (a :class:`PrefillSide`,
 which also serves the decode peers' sessions on the control port) or a
 ``Sidecar[DecodeRoom]`` (a :class:`DecodeSide`) by the configured role, so the side
-and the room table it shares with the sidecar agree on that type. The entry
+and the room table it shares with the sidecar agree on that type. A side is built
+from the :class:`~pd_transfer.agent.side_context.SideContext` its sidecar gives it. The entry
 point (``pd_transfer/server.py``) starts sidecars through here; nothing below
 it names a role's side.
 """
@@ -17,6 +18,7 @@ from pd_transfer.agent.decode.side import DecodeSide
 from pd_transfer.agent.prefill.records import PrefillRoom
 from pd_transfer.agent.prefill.side import PrefillSide
 from pd_transfer.agent.side import PeerServer, Side
+from pd_transfer.agent.side_context import SideContext
 from pd_transfer.agent.sidecar import Sidecar
 from pd_transfer.config import SidecarConfig
 from pd_transfer.layout.geometry import Role
@@ -31,10 +33,10 @@ def sidecar_for(
     return Sidecar(config, _decode_side, drain_s, security)
 
 
-def _prefill_side(sidecar: Sidecar[PrefillRoom]) -> tuple[Side[PrefillRoom], PeerServer | None]:
-    side = PrefillSide(sidecar)
+def _prefill_side(ctx: SideContext[PrefillRoom]) -> tuple[Side[PrefillRoom], PeerServer | None]:
+    side = PrefillSide(ctx)
     return side, side  # the control port serves its decode peers' sessions
 
 
-def _decode_side(sidecar: Sidecar[DecodeRoom]) -> tuple[Side[DecodeRoom], PeerServer | None]:
-    return DecodeSide(sidecar), None
+def _decode_side(ctx: SideContext[DecodeRoom]) -> tuple[Side[DecodeRoom], PeerServer | None]:
+    return DecodeSide(ctx), None

@@ -21,6 +21,7 @@ import numpy as np
 from pd_transfer.errors import Reason
 from pd_transfer.layout.views import Pool
 from pd_transfer.protocol import RoomGeneration, RoomStatus
+from pd_transfer.protocol.worker_requests import RoomPages
 
 
 @dataclass
@@ -203,13 +204,13 @@ class RoomTable(Generic[RoomT]):
         return counts
 
 
-def pool_requests(request: dict[str, Any]) -> dict[Pool, np.ndarray]:
+def pool_requests(request: RoomPages) -> dict[Pool, np.ndarray]:
     """Index lists of a worker send/expect request, by pool (empty pools left out)."""
-    lists = {
-        Pool.KV: request.get("pages", []),
-        Pool.SWA: request.get("swa_pages", []),
-        Pool.MAMBA: request.get("state_slots", []),
+    lists: dict[Pool, Sequence[int]] = {
+        Pool.KV: request.pages,
+        Pool.SWA: request.swa_pages,
+        Pool.MAMBA: request.state_slots,
     }
-    if request.get("aux_row") is not None:
-        lists[Pool.AUX] = [request["aux_row"]]
+    if request.aux_row is not None:
+        lists[Pool.AUX] = [request.aux_row]
     return {pool: np.asarray(values, dtype=np.int64) for pool, values in lists.items() if len(values)}

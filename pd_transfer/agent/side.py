@@ -19,16 +19,19 @@ room table of that type (``Sidecar[RoomT]``), so the rooms the sidecar hands bac
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from pd_transfer.agent.channels import Channel
 from pd_transfer.agent.rooms import Room
-from pd_transfer.errors import Reason
+from pd_transfer.errors import PdTransferError, Reason
+from pd_transfer.layout.geometry import RankGeometry
 from pd_transfer.layout.views import Pool
 from pd_transfer.protocol import Message
 from pd_transfer.protocol.worker_api import WorkerOp
+from pd_transfer.protocol.worker_requests import AbandonRequest, ExpectRequest, LayerReadyRequest, SendRequest
 
 RoomT_contra = TypeVar("RoomT_contra", bound=Room, contravariant=True)
 
@@ -48,12 +51,22 @@ class Readiness(Protocol):
 
 
 class Side(Readiness, Protocol[RoomT_contra]):
-    async def on_worker_op(
-        self, op: WorkerOp, request: dict[str, Any], pools: dict[Pool, np.ndarray]
-    ) -> dict[str, Any]:
-        """A room operation of the worker (send, expect, layer_ready), already checked
-        against the room table's bounds. Returns the reply; an operation this side does
-        not serve raises PdTransferError (``bad_frame``) naming the role."""
+    # The worker's room operations, each a record read at the edge
+    # (protocol/worker_requests.py); a send or expect is already checked against the
+    # room table's bounds, and ``pools`` holds its indices by pool. Each returns the
+    # reply; an operation this side does not serve raises PdTransferError
+    # (``bad_frame``) naming the role (not_served below).
+    async def on_send(self, request: SendRequest, pools: dict[Pool, np.ndarray]) -> dict[str, Any]:
+        """A chunk of a room to send (prefill)."""
+
+    async def on_expect(self, request: ExpectRequest, pools: dict[Pool, np.ndarray]) -> dict[str, Any]:
+        """A room to receive (decode)."""
+
+    async def on_layer_ready(self, request: LayerReadyRequest) -> dict[str, Any]:
+        """A layer of a streamed chunk is computed (prefill)."""
+
+    def on_abandon(self, request: AbandonRequest) -> dict[str, Any]:
+        """A room this rank will never expect (decode)."""
 
     async def on_worker_abort(self, room_id: int) -> dict[str, Any]:
         """The worker aborts ``room_id``. Returns once this side may tell the worker
@@ -63,9 +76,19 @@ class Side(Readiness, Protocol[RoomT_contra]):
         """``room`` passed its deadline in its current state: fail it with ``timeout``
         and a reason saying what it was waiting for."""
 
-    async def end_room(self, room: RoomT_contra, reason: Reason, text: str) -> None:
-        """Fail a live room the sidecar will not finish (it is shutting down): the
-        worker and the peers learn ``reason`` and ``text``."""
+    def fail_room(self, room: RoomT_contra, reason: Reason, text: str) -> Awaitable[None] | None:
+        """Fail a live room with ``reason`` and ``text``, which the worker and the peers
+        learn (the sidecar calls it for the rooms it will not finish as it shuts down).
+        Prefill's failure returns an awaitable, done once no write of the room is in
+        flight; decode's is settled when it returns (None)."""
+
+    def before_registering(self, geometry: RankGeometry) -> None:
+        """A worker's registration of ``geometry`` is checked and its regions are about to
+        be mapped: bind what must be bound before it is committed (prefill rank 0: its
+        rank table's address). Raises PdTransferError to refuse the registration."""
+
+    def registration_failed(self) -> None:
+        """The registration :meth:`before_registering` saw failed: release what it bound."""
 
     async def on_registered(self) -> None:
         """The worker registered (the sidecar holds its geometry and mapped its
@@ -83,7 +106,8 @@ class Side(Readiness, Protocol[RoomT_contra]):
         """Before answering a poll or wait on ``room``: settle it if its doorbell rang."""
 
     def close(self) -> None:
-        """The sidecar stopped: release what the side holds (doorbells)."""
+        """The sidecar stopped: release what the side holds (doorbells, prefill rank 0's
+        rank table server)."""
 
 
 class PeerServer(Protocol):
@@ -101,3 +125,8 @@ class PeerServer(Protocol):
         """This sidecar closed ``channel``'s session over a bad frame
         (``channel.refusal``): its rooms fail with that reason now, not at their
         timeout, and nothing of it is kept."""
+
+
+def not_served(op: WorkerOp, role: str) -> PdTransferError:
+    """The refusal of a worker operation the side of ``role`` does not serve."""
+    return PdTransferError(f"{op.value} is not available on a {role} sidecar", code=Reason.BAD_FRAME)

@@ -1,11 +1,13 @@
 """The sidecar: one per GPU worker, prefill or decode.
 
 Owns the event loop's tasks (one task group), the sockets (worker endpoint,
-control ROUTER, bootstrap on prefill rank 0), the room table, the worker's
-registration and mapped regions, and the data plane; the role's logic lives
-in :mod:`.prefill` and :mod:`.decode` (:mod:`.roles` gives a sidecar its side:
-it is generic over that side's room type). Timers (room deadlines, heartbeats,
-lost peers) run here.
+control ROUTER), the room table, the worker's registration and mapped regions,
+and the data plane; the role's logic lives in :mod:`.prefill` and
+:mod:`.decode` (:mod:`.roles` gives a sidecar its side: it is generic over that
+side's room type). A side is handed a :class:`~.side_context.SideContext`, never
+the sidecar; what only one role serves (prefill rank 0's rank table) is that
+side's, from bind to close. Timers (room deadlines, heartbeats, lost peers) run
+here.
 
 Shutdown: the first stop request drains (new rooms are refused, live rooms
 get ``drain_s`` to finish, then fail with ``shutting_down``); a second one
@@ -21,12 +23,9 @@ import time
 from collections.abc import Callable, Coroutine, Hashable
 from typing import Any, Generic
 
-import zmq
-
 from pd_transfer.agent import integrity, zmq_bounds
 from pd_transfer.agent.admission import Admission
 from pd_transfer.agent.auth import SecureContext, Security
-from pd_transfer.agent.bootstrap import BootstrapServer
 from pd_transfer.agent.channels import Channel, IncomingChannels
 from pd_transfer.agent.dataplane import DataPlane
 from pd_transfer.agent.http import HttpServer
@@ -35,6 +34,7 @@ from pd_transfer.agent.observe import Observer
 from pd_transfer.agent.peer_watch import PeerWatch
 from pd_transfer.agent.rooms import Room, RoomT, RoomTable, pool_requests
 from pd_transfer.agent.side import PeerServer, Side
+from pd_transfer.agent.side_context import Registration, SideContext
 from pd_transfer.agent.startup import ReadyFile, binding, prepare_worker_endpoint
 from pd_transfer.agent.tasks import Tasks, bounded
 from pd_transfer.agent.worker_endpoint import WorkerEndpoint
@@ -48,7 +48,16 @@ from pd_transfer.protocol import (
     Message,
     geometry_from_data,
 )
-from pd_transfer.protocol.worker_api import WorkerOp
+from pd_transfer.protocol.worker_requests import (
+    AbandonRequest,
+    AbortRequest,
+    LayerReadyRequest,
+    PollRequest,
+    RegisterRequest,
+    SendRequest,
+    WaitRequest,
+    WorkerRequest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +66,7 @@ class Sidecar(Generic[RoomT]):
     def __init__(
         self,
         config: SidecarConfig,
-        make_side: Callable[[Sidecar[RoomT]], tuple[Side[RoomT], PeerServer | None]],
+        make_side: Callable[[SideContext[RoomT]], tuple[Side[RoomT], PeerServer | None]],
         drain_s: float = 5.0,
         security: Security | None = None,
     ) -> None:
@@ -72,12 +81,9 @@ class Sidecar(Generic[RoomT]):
         self.observe.watch_admission(self.admission)
         self.security.on_failure = self.observe.auth_failure
         self.security.lobby.on_refused = self.observe.connection_refused
-        self.geometry: RankGeometry | None = None
-        self.handles: dict[str, str] = {}
-        self.pp_size = 1
+        self.registration: Registration | None = None  # the registered worker
         # the registration's connection (agent/worker_loss.py)
         self.worker = WorkerBinding(self, config.worker_endpoint)
-        self.worker_tasks: list[asyncio.Task[Any]] = []  # what lives only while the worker is registered
         self.endpoint: WorkerEndpoint | None = None
         self.dataplane = DataPlane(
             config,
@@ -85,9 +91,10 @@ class Sidecar(Generic[RoomT]):
             on_bad_frame=self.observe.bad_frame,
             on_connection_closed=self.observe.connection_closed,
         )
-        self.side, self.peer_server = make_side(self)
+        self.tasks = Tasks()  # every background task, owned (agent/tasks.py)
+        self._generations = itertools.count(1)
         self.control: IncomingChannels | None = None
-        self.bootstrap_server: BootstrapServer | None = None
+        self.side, self.peer_server = make_side(self._side_context())
         self.registered = asyncio.Event()
         self._stop = asyncio.Event()
         self._force = False
@@ -100,16 +107,32 @@ class Sidecar(Generic[RoomT]):
             keep_s=2 * interval * config.heartbeat_misses + 1.0,
         )
         self.peer_watch = PeerWatch(config, self.stalls, self.observe)  # heartbeats, lost peers
-        self._generations = itertools.count(1)
-        self.tasks = Tasks()  # every background task, owned (agent/tasks.py)
         self.ready_file = ReadyFile(config.ready_file)
 
+    def _side_context(self) -> SideContext[RoomT]:
+        """What this sidecar's side uses of it (agent/side_context.py)."""
+        return SideContext(
+            config=self.config,
+            context=self.context,
+            security=self.security,
+            rooms=self.rooms,
+            observe=self.observe,
+            admission=self.admission,
+            dataplane=self.dataplane,
+            spawn=self.spawn,
+            next_generation=lambda: next(self._generations),
+            capabilities=self.capabilities,
+            watch=self.watch,
+            registration=lambda: self.registration,
+            wait_registered=self.wait_registered,
+            worker_lost_reason=lambda: self.worker.lost_reason,
+            control_address=lambda: self.control.address if self.control else "",
+        )
+
     @property
-    def registered_geometry(self) -> RankGeometry:
-        """The registered worker's geometry; refused (``not_registered``) while none is."""
-        if self.geometry is None:
-            raise PdTransferError("the worker has not registered its pools yet", code=Reason.NOT_REGISTERED)
-        return self.geometry
+    def geometry(self) -> RankGeometry | None:
+        """The registered worker's geometry, or None while no worker is registered."""
+        return self.registration.geometry if self.registration is not None else None
 
     # -- lifecycle ---------------------------------------------------------------
     @property
@@ -205,8 +228,6 @@ class Sidecar(Generic[RoomT]):
             await bounded(self.http.close(), "closing the http server")
         if self.control:
             self.control.close()
-        if self.bootstrap_server:
-            self.bootstrap_server.close()
         await bounded(self.dataplane.close(), "closing the data plane")
         self.side.close()
         self.context.destroy(linger=0)
@@ -219,9 +240,11 @@ class Sidecar(Generic[RoomT]):
         while self.rooms.live() and time.monotonic() < deadline and not self._force:
             await asyncio.sleep(0.02)
         for room in self.rooms.live():
-            await self.side.end_room(
+            ending = self.side.fail_room(
                 room, Reason.SHUTTING_DOWN, f"room {room.room}: the sidecar shut down before it finished"
             )
+            if ending is not None:
+                await ending
         await asyncio.sleep(0.05)  # let the failure notices leave
 
     def spawn(
@@ -248,33 +271,37 @@ class Sidecar(Generic[RoomT]):
 
     # -- worker API ----------------------------------------------------------------
     async def handle_worker(
-        self, op: WorkerOp, request: dict[str, Any], connection: Hashable | None = None
+        self, request: WorkerRequest, connection: Hashable | None = None
     ) -> dict[str, Any]:
-        if op is WorkerOp.REGISTER:
+        """One worker request, read at the edge into its record (protocol/worker_requests.py)."""
+        if isinstance(request, RegisterRequest):
             async with self.worker.lock:
                 return await self._register(request, connection)
         if self.geometry is None:
             raise PdTransferError("the worker has not registered its pools yet", code=Reason.NOT_REGISTERED)
-        if op is WorkerOp.POLL:
-            room = self._room(request["room"])
+        if isinstance(request, (PollRequest, WaitRequest)):
+            room = self._room(request.room)
             self.side.check_bell(room)
+            if isinstance(request, WaitRequest):
+                await room.wait(request.timeout_s)
             return room.reply()
-        if op is WorkerOp.WAIT:
-            room = self._room(request["room"])
-            self.side.check_bell(room)
-            await room.wait(float(request["timeout_s"]))
-            return room.reply()
-        if op is WorkerOp.ABORT:
-            return await self.side.on_worker_abort(request["room"])
+        if isinstance(request, AbortRequest):
+            return await self.side.on_worker_abort(request.room)
         if self._stopping:
             raise PdTransferError("the sidecar is shutting down", code=Reason.SHUTTING_DOWN)
-        refusal = self.rooms.refusal(request["room"]) if op in (WorkerOp.SEND, WorkerOp.EXPECT) else ""
+        if isinstance(request, LayerReadyRequest):
+            return await self.side.on_layer_ready(request)
+        if isinstance(request, AbandonRequest):
+            return self.side.on_abandon(request)
+        refusal = self.rooms.refusal(request.room)
         if refusal:  # the hard bound of the room table: refused at once, never queued
             self.observe.limit_refused("max_rooms")
             raise PdTransferError(
                 refusal, code=Reason.TOO_MANY_ROOMS, hint="finish or abort rooms, or raise max_rooms"
             )
-        return await self.side.on_worker_op(op, request, pool_requests(request))
+        if isinstance(request, SendRequest):
+            return await self.side.on_send(request, pool_requests(request))
+        return await self.side.on_expect(request, pool_requests(request))
 
     def _room(self, room_id: int) -> Room:
         room = self.rooms.get(room_id)
@@ -282,8 +309,8 @@ class Sidecar(Generic[RoomT]):
             raise PdTransferError(f"room {room_id} is unknown", code=Reason.UNKNOWN_ROOM)
         return room
 
-    async def _register(self, request: dict[str, Any], connection: Hashable | None) -> dict[str, Any]:
-        if self.geometry is not None:
+    async def _register(self, request: RegisterRequest, connection: Hashable | None) -> dict[str, Any]:
+        if self.registration is not None:
             raise PdTransferError(
                 f"worker {self.worker.worker_id} is registered, and the connection it registered "
                 f"through is open",
@@ -291,36 +318,29 @@ class Sidecar(Generic[RoomT]):
                 hint="a worker registers once per sidecar; a restarted worker registers again "
                 "once the old one's connection closed (it exited, or closed that client)",
             )
-        geometry = geometry_from_data(request["geometry"])
+        geometry = geometry_from_data(request.geometry)
         if geometry.role is not self.config.role:
             raise PdTransferError(
                 f"a {geometry.role.value} worker registered with a {self.config.role.value} sidecar",
                 code=Reason.ROLE_MISMATCH,
             )
-        handles = {str(k): str(v) for k, v in request["handles"].items()}
+        handles = {str(k): str(v) for k, v in request.handles.items()}
         # the whole registration, handles included: a missing or shared segment is refused
         # here, with the field at fault, before a single segment is mapped
         check_geometry(geometry, handles)
-        table = self._rank_table_server(geometry)  # bound before anything is committed
+        self.side.before_registering(geometry)  # binds what must be bound before anything is committed
         try:
             await self.dataplane.map_local(geometry, handles)
         except BaseException:
-            if table is not None and table is not self.bootstrap_server:
-                table.close()
+            self.side.registration_failed()
             raise
         self._write_ready_file(again=True)  # decode's data receiver listens from here on
-        if table is not None and table is not self.bootstrap_server:
-            self.bootstrap_server = table
-            self.spawn(table.serve())  # serves on after a worker loss (refusing, see bootstrap.py)
-        if table is not None:
-            table.worker_back()
-        self.geometry, self.handles = geometry, handles
-        self.pp_size = request["pp_size"]
+        self.registration = Registration(request.worker_id, geometry, handles, request.pp_size)
         self.registered.set()
-        self.worker.bind(request["worker_id"], connection, self.endpoint)
+        self.worker.bind(request.worker_id, connection, self.endpoint)
         log.info(
             "worker %s registered %s: %d views in %d regions",
-            request["worker_id"],
+            request.worker_id,
             geometry.rank_id,
             len(geometry.views),
             len(geometry.regions),
@@ -341,35 +361,8 @@ class Sidecar(Generic[RoomT]):
         self.registered.clear()
         await self.side.on_worker_lost(why)
         await self.dataplane.unmap_local()
-        self.geometry, self.handles, self.pp_size = None, {}, 1
+        self.registration = None
         self._write_ready_file(again=True)
-
-    def _rank_table_server(self, geometry: RankGeometry) -> BootstrapServer | None:
-        """Prefill rank 0 serves its instance's rank table at the bootstrap address. A
-        bind that fails refuses the registration (the worker may try again), rather
-        than leaving a registered rank 0 whose instance no decode can find."""
-        if (
-            self.config.role is not Role.PREFILL
-            or not self.config.bootstrap
-            or (geometry.tp_rank, geometry.pp_rank) != (0, 0)
-        ):
-            return None
-        if self.bootstrap_server is not None:  # bound for a worker that was lost: serve on
-            return self.bootstrap_server
-        try:
-            return BootstrapServer(
-                self.context,
-                self.config.bootstrap,
-                on_bad_frame=self.observe.bad_frame,
-                on_closed=self.observe.connection_closed,
-            )
-        except zmq.ZMQError as err:
-            raise PdTransferError(
-                f"prefill rank 0 cannot serve the rank table at {self.config.bootstrap}: {err.strerror}",
-                code=Reason.BOOTSTRAP_FAILED,
-                hint="another process holds that address (another instance's rank 0?); give "
-                "each prefill instance its own bootstrap address",
-            ) from None
 
     # -- peers and timers ----------------------------------------------------------
     def capabilities(self) -> Capabilities:
@@ -377,9 +370,6 @@ class Sidecar(Generic[RoomT]):
             transports=self.dataplane.transport_names(),
             features=(*integrity.features(self.config, self.dataplane.on_device), *ROOM_FEATURES),
         )
-
-    def next_generation(self) -> int:
-        return next(self._generations)
 
     def watch(self, channel: Channel, on_lost: Callable[[str], None]) -> None:
         """Call ``on_lost(why)`` once ``channel``'s peer is lost (see :class:`PeerWatch`)."""

@@ -51,12 +51,13 @@ from pd_transfer.agent.zmq_bounds import ConnectionWatch, bound_frames
 from pd_transfer.errors import AuthError, PdTransferError, Reason
 from pd_transfer.protocol import worker_api
 from pd_transfer.protocol.stream_frames import unix_path
-from pd_transfer.protocol.worker_api import WorkerApiError, WorkerOp
+from pd_transfer.protocol.worker_api import WorkerApiError
+from pd_transfer.protocol.worker_requests import WorkerRequest, read_request
 
 log = logging.getLogger(__name__)
 
 # (op, request, connection): ``connection`` is None where it cannot be told (no SRCFD)
-Handler = Callable[[WorkerOp, dict[str, Any], Hashable | None], Awaitable[dict[str, Any]]]
+Handler = Callable[[WorkerRequest, Hashable | None], Awaitable[dict[str, Any]]]
 
 
 class WorkerEndpoint:
@@ -203,9 +204,9 @@ class WorkerEndpoint:
     async def _answer(self, identity: bytes, frame: bytes, connection: Hashable | None) -> None:
         request_id = -1
         try:
-            op, request = worker_api.decode_request(frame)
-            request_id = request["id"]
-            reply = worker_api.ok_reply(request_id, **(await self._handler(op, request, connection)))
+            request = read_request(frame)  # one record per operation (protocol/worker_requests.py)
+            request_id = request.id
+            reply = worker_api.ok_reply(request_id, **(await self._handler(request, connection)))
         except WorkerApiError as err:
             self.bad_requests += 1
             self._on_bad_request(err.code.value)

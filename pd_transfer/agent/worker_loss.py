@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 class WorkerHost(Protocol):
     """What the binding asks of its sidecar."""
 
-    geometry: RankGeometry | None
+    @property
+    def geometry(self) -> RankGeometry | None: ...
 
     @property
     def rooms(self) -> RoomView[Room]: ...

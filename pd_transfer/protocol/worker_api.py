@@ -38,6 +38,9 @@ Replies: ``{"id": n, "ok": True, ...}`` or ``{"id": n, "ok": False,
 ``reason``; ``abort`` replies carry ``drained`` (True: the destination pages
 are safe to reuse).
 
+The sidecar reads each request into its operation's record
+(:mod:`.worker_requests`); clients and test doubles may read the checked map.
+
 Sans-IO: no sockets here.
 """
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from cluster import random_requests
 
-from pd_transfer.agent.prefill.streaming import span_of
+from pd_transfer.agent.prefill.layers import span_of
 from pd_transfer.client import Refused, RoomStatus
 from pd_transfer.errors import Reason
 from pd_transfer.layout.geometry import Role

@@ -19,7 +19,7 @@ async def test_a_request_over_max_worker_requests_is_refused_with_over_limit_and
     release = asyncio.Event()
     refused = []
 
-    async def handler(op, request, connection):
+    async def handler(request, connection):
         await release.wait()  # e.g. a worker's wait() that has not returned yet
         return {"status": "success"}
 
@@ -50,8 +50,8 @@ async def test_a_malformed_request_is_answered_with_its_own_id_and_the_endpoint_
     context = SecureContext(Security())
     bad = []
 
-    async def handler(op, request, connection):
-        if request["room"] == 8:  # a refusal of the handler's own, after the id was read
+    async def handler(request, connection):
+        if request.room == 8:  # a refusal of the handler's own, after the id was read
             raise worker_api.WorkerApiError("at $.room: not expected here")
         return {"status": "success"}
 

@@ -49,7 +49,7 @@ from pd_transfer.protocol import (
 )
 
 if TYPE_CHECKING:
-    from pd_transfer.agent.sidecar import Sidecar
+    from pd_transfer.agent.side_context import SideContext
     from pd_transfer.config import SidecarConfig
     from pd_transfer.protocol import Message, RankEntry, RankTable
 
@@ -68,25 +68,25 @@ class PrefillInstances:
 
     def __init__(
         self,
-        sidecar: Sidecar[DecodeRoom],
+        ctx: SideContext[DecodeRoom],
         bells: RoomBells,
         on_room_message: Callable[[PrefillPeer, Done | Progress | AbortAck], None],
         on_peer_lost: Callable[[PrefillInstance, PrefillPeer, str, Reason], None],
     ) -> None:
-        self.sidecar = sidecar
+        self.ctx = ctx
         self.bells = bells
         self.instances: dict[str, asyncio.Task[PrefillInstance]] = {}
         self.backoffs: dict[str, Backoff] = {}  # per address: its failed resolutions
         self.retired: list[PrefillInstance] = []  # lost: sessions to close once quiet
-        self.gone = LostAddresses(sidecar.config.heartbeat_interval_s * sidecar.config.heartbeat_misses)
+        self.gone = LostAddresses(ctx.config.heartbeat_interval_s * ctx.config.heartbeat_misses)
         # to tell prefill the rooms it refuses
-        self.rejected = RejectedSessions(sidecar.spawn, sidecar.config.bootstrap_timeout_s)
+        self.rejected = RejectedSessions(ctx.spawn, ctx.config.bootstrap_timeout_s)
         self._on_room_message = on_room_message
         self._on_peer_lost = on_peer_lost
 
     @property
     def config(self) -> SidecarConfig:
-        return self.sidecar.config
+        return self.ctx.config
 
     def resolved(self, bootstrap: str) -> asyncio.Task[PrefillInstance]:
         """The resolution of ``bootstrap``: started, running or done (a lost one is started
@@ -187,7 +187,7 @@ class PrefillInstances:
             )
             raise
         finally:
-            self.sidecar.observe.bootstrap(time.monotonic() - started)
+            self.ctx.observe.bootstrap(time.monotonic() - started)
         if backoff.failures:
             log.info(
                 "decode: prefill instance %s resolved after %d failed tries", bootstrap, backoff.failures
@@ -197,16 +197,16 @@ class PrefillInstances:
         return instance
 
     async def _resolve_once(self, bootstrap: str) -> PrefillInstance:
-        sidecar = self.sidecar
+        ctx = self.ctx
         table = await fetch_table(
-            sidecar.context,
+            ctx.context,
             bootstrap,
             self.config.agent_id,
             self.config.bootstrap_timeout_s,
             refused_after_s=self.gone.grace_s,
         )
         self.gone.back(bootstrap)  # it answers: claims wait for the rest of the resolution
-        geometry = sidecar.registered_geometry
+        geometry = ctx.registered().geometry
         # this rank's stage only: the decode instance's coverage is prefill's verdict
         recon = reconcile([e.geometry for e in table.entries], [geometry], require_all_prefill_layers=False)
         instance = PrefillInstance(bootstrap)
@@ -219,15 +219,15 @@ class PrefillInstances:
             if isinstance(err, PdTransferError) and err.code is Reason.PEER_REJECTED:
                 self.rejected.keep(bootstrap, instance)  # open until the next resolution
             else:
-                self.sidecar.spawn(retire.close_sessions(instance))  # none left open behind
+                self.ctx.spawn(retire.close_sessions(instance))  # none left open behind
             raise
         finally:
             instance.resolving = False
         if not recon.ok:  # every prefill rank accepted what this side cannot plan: a bug
-            self.sidecar.spawn(retire.close_sessions(instance))
+            self.ctx.spawn(retire.close_sessions(instance))
             raise PdTransferError(str(recon.error()), code=Reason.PEER_REJECTED)
         integrity.attach_decode(
-            sidecar.config, sidecar.dataplane.on_device, sidecar.registered_geometry, instance, recon, table
+            ctx.config, ctx.dataplane.on_device, ctx.registered().geometry, instance, recon, table
         )
         return instance
 
@@ -241,23 +241,23 @@ class PrefillInstances:
 
     async def _open_session(self, instance: PrefillInstance, entry: RankEntry) -> None:
         """A session to the prefill rank of ``entry``, said hello to, watched."""
-        sidecar = self.sidecar
+        ctx = self.ctx
         rank_id = entry.geometry.rank_id
-        key = security_of(sidecar.context).listener_key(entry)  # AuthError: not that prefill
+        key = security_of(ctx.context).listener_key(entry)  # AuthError: not that prefill
         where = f"{rank_id} ({entry.control_address})"
-        channel = OutgoingChannel(sidecar.context, entry.control_address, Role.DECODE, where, key)
+        channel = OutgoingChannel(ctx.context, entry.control_address, Role.DECODE, where, key)
         channel.peer_rank = rank_id
         channel.peer_limit_s = self.gone.grace_s  # this side's heartbeat limit stands for the peer's
-        channel.on_bad_frame = sidecar.observe.bad_frame
-        sidecar.observe.peer(rank_id, "connecting", channel=channel)
+        channel.on_bad_frame = ctx.observe.bad_frame
+        ctx.observe.peer(rank_id, "connecting", channel=channel)
         peer = PrefillPeer(rank_id, channel, asyncio.get_running_loop().create_future())
         instance.peers[rank_id] = peer
         channel.on_refused = lambda ch: self._on_refused(instance, peer)
         channel.start(lambda ch, msg: self._on_message(instance, peer, msg))
         await channel.send(
-            Hello(agent_id=self.config.agent_id, role=Role.DECODE, capabilities=sidecar.capabilities())
+            Hello(agent_id=self.config.agent_id, role=Role.DECODE, capabilities=ctx.capabilities())
         )
-        sidecar.watch(channel, lambda why: self._on_lost(instance, peer, why))
+        ctx.watch(channel, lambda why: self._on_lost(instance, peer, why))
 
     async def release_all(self, text: str) -> None:
         """The worker is gone: close every session of every instance, resolved, resolving or
@@ -275,59 +275,60 @@ class PrefillInstances:
         for instance in instances:
             for peer in instance.peers.values():
                 if not peer.channel.closed:
-                    self.sidecar.observe.left(peer.rank_id, f"session closed: {text}", peer.channel)
+                    self.ctx.observe.left(peer.rank_id, f"session closed: {text}", peer.channel)
         await asyncio.gather(
             *(retire.close_sessions(instance) for instance in instances), return_exceptions=True
         )
 
     def release_retired(self, now_s: float) -> None:
         """Close the sessions of lost instances once quiet (timer tick; agent/decode/retire.py)."""
-        retire.release_retired(self, self.sidecar.rooms.rooms.values(), self.sidecar.spawn, now_s)
+        retire.release_retired(self, self.ctx.rooms.rooms.values(), self.ctx.spawn, now_s)
 
     async def _await_verdict(self, peer: PrefillPeer) -> None:
         try:
             async with asyncio.timeout(self.config.bootstrap_timeout_s):
                 verdict = await asyncio.shield(peer.verdict)
         except TimeoutError:
-            self.sidecar.observe.peer(peer.rank_id, "rejected", "no verdict in time", peer.channel)
+            self.ctx.observe.peer(peer.rank_id, "rejected", "no verdict in time", peer.channel)
             raise PdTransferError(
                 f"no verdict from {peer.rank_id} within {self.config.bootstrap_timeout_s:.1f} s",
                 code=Reason.BOOTSTRAP_FAILED,
             ) from None
-        self.sidecar.observe.verdict(
+        self.ctx.observe.verdict(
             verdict.accepted, verdict.mismatches[0].code.value if verdict.mismatches else ""
         )
         if verdict.accepted:
-            self.sidecar.observe.peer(
+            self.ctx.observe.peer(
                 peer.rank_id,
                 "accepted",
                 channel=peer.channel,
                 transport=verdict.transport or "-",
                 modes=[p.mode.value for p in verdict.plan],
             )
-            self.sidecar.observe.verdict_strategies(peer.rank_id, verdict.plan)
+            self.ctx.observe.verdict_strategies(peer.rank_id, verdict.plan)
         if not verdict.accepted:
             lines = [verdict.headline or f"{peer.rank_id} rejected this decode rank"]
             lines += [f"  - {m.render()}" for m in verdict.mismatches]
             hints = dict.fromkeys(m.hint for m in verdict.mismatches if m.hint)
             lines += [f"  hint: {h}" for h in hints]
             # the whole diagnostic, every mismatch (status shows it; the headline alone hides it)
-            self.sidecar.observe.peer(peer.rank_id, "rejected", "\n".join(lines), peer.channel)
+            self.ctx.observe.peer(peer.rank_id, "rejected", "\n".join(lines), peer.channel)
             raise PdTransferError("\n".join(lines), code=Reason.PEER_REJECTED)
 
     async def _on_message(self, instance: PrefillInstance, peer: PrefillPeer, message: Message) -> None:
-        sidecar = self.sidecar
+        ctx = self.ctx
         if isinstance(message, Hello):
+            registration = ctx.registered()
             await peer.channel.send(
                 Register(
                     agent_id=self.config.agent_id,
                     host_id=self.config.host_id,
-                    geometry=sidecar.registered_geometry,
-                    data_address=sidecar.dataplane.receive_address(),
-                    region_handles=tuple(RegionHandle(r, h) for r, h in sidecar.handles.items()),
+                    geometry=registration.geometry,
+                    data_address=ctx.dataplane.receive_address(),
+                    region_handles=tuple(RegionHandle(r, h) for r, h in registration.handles.items()),
                     doorbell=self.bells.name,
                     instance=self.config.instance_id,
-                    pp_size=sidecar.pp_size,
+                    pp_size=registration.pp_size,
                     **own_register_fields(),
                 )
             )
@@ -341,7 +342,7 @@ class PrefillInstances:
             # the prefill rank ended the session (it lost this rank or its worker, or is shutting
             # down): the instance is resolved anew for the next room, and its rooms fail now
             why = f"{message.reason.value}: {message.reason_text}" if message.reason else "no reason given"
-            self.sidecar.observe.left(peer.rank_id, f"it closed its session ({why})", peer.channel)
+            self.ctx.observe.left(peer.rank_id, f"it closed its session ({why})", peer.channel)
             self._end(
                 instance,
                 peer,
@@ -366,7 +367,7 @@ class PrefillInstances:
         if refusal is None:
             return
         why = f"session closed after a bad frame from it: {refusal}"
-        self.sidecar.observe.lost(peer.rank_id, why, peer.channel, missed=False)
+        self.ctx.observe.lost(peer.rank_id, why, peer.channel, missed=False)
         self._end(instance, peer, f"prefill peer {peer.channel.label}: {why}", refusal.code)
 
     def _end(self, instance: PrefillInstance, peer: PrefillPeer, text: str, code: Reason) -> None:

@@ -34,6 +34,7 @@ from pd_transfer.agent.decode.instances import PrefillInstances
 from pd_transfer.agent.decode.room import DecodeRoom, PrefillInstance, PrefillPeer
 from pd_transfer.agent.indices import Claims, check_indices
 from pd_transfer.agent.rooms import Room
+from pd_transfer.agent.side import not_served
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.views import Pool
 from pd_transfer.protocol import (
@@ -48,48 +49,50 @@ from pd_transfer.protocol import (
     TransferRequest,
 )
 from pd_transfer.protocol.worker_api import WorkerOp
+from pd_transfer.protocol.worker_requests import AbandonRequest, ExpectRequest, LayerReadyRequest, SendRequest
 
 if TYPE_CHECKING:
-    from pd_transfer.agent.sidecar import Sidecar
+    from pd_transfer.agent.side_context import SideContext
     from pd_transfer.config import SidecarConfig
+    from pd_transfer.layout.geometry import RankGeometry
     from pd_transfer.transport.copy.checksums import BlockLayout
 
 log = logging.getLogger(__package__)
 
 
 class DecodeSide:
-    def __init__(self, sidecar: Sidecar[DecodeRoom]) -> None:
-        self.sidecar = sidecar
-        self.bells = RoomBells(sidecar.config, sidecar.observe)
-        self.prefill = PrefillInstances(sidecar, self.bells, self._on_room_message, self._on_peer_lost)
+    def __init__(self, ctx: SideContext[DecodeRoom]) -> None:
+        self.ctx = ctx
+        self.bells = RoomBells(ctx.config, ctx.observe)
+        self.prefill = PrefillInstances(ctx, self.bells, self._on_room_message, self._on_peer_lost)
         self.claims = Claims()  # the destination pages and slots of the live rooms
         self.table_ready = asyncio.Event()  # decode serves no rank table (the Side protocol)
         self.table_ready.set()
 
     @property
     def config(self) -> SidecarConfig:
-        return self.sidecar.config
+        return self.ctx.config
 
     # -- the Side protocol (agent/side.py) ------------------------------------------
-    async def on_worker_op(
-        self, op: WorkerOp, request: dict[str, Any], pools: dict[Pool, np.ndarray]
-    ) -> dict[str, Any]:
-        if op is WorkerOp.EXPECT:
-            return await self.on_expect(request, pools)
-        if op is WorkerOp.ABANDON:
-            return self.on_abandon(request)
-        raise PdTransferError(f"{op.value} is not available on a decode sidecar", code=Reason.BAD_FRAME)
+    async def on_send(self, request: SendRequest, pools: dict[Pool, np.ndarray]) -> dict[str, Any]:
+        raise not_served(WorkerOp.SEND, "decode")
 
-    async def end_room(self, room: DecodeRoom, reason: Reason, text: str) -> None:
-        self._fail(room, reason, text)
+    async def on_layer_ready(self, request: LayerReadyRequest) -> dict[str, Any]:
+        raise not_served(WorkerOp.LAYER_READY, "decode")
+
+    def before_registering(self, geometry: RankGeometry) -> None:
+        pass  # decode binds nothing for a registration before it is committed
+
+    def registration_failed(self) -> None:
+        pass
 
     async def on_registered(self) -> None:
         self.prefill.resolve_configured()
 
     async def on_worker_lost(self, why: str) -> None:
         text = f"the decode worker is gone ({why})"
-        for room in self.sidecar.rooms.live():
-            self._fail(room, Reason.WORKER_LOST, f"room {room.room}: {text}")
+        for room in self.ctx.rooms.live():
+            self.fail_room(room, Reason.WORKER_LOST, f"room {room.room}: {text}")
         await self.prefill.release_all(text)
 
     def on_tick(self, now_s: float) -> None:
@@ -101,13 +104,13 @@ class DecodeSide:
         return self.prefill.problem(address)
 
     # -- rooms --------------------------------------------------------------------
-    async def on_expect(self, request: dict[str, Any], pools: dict[Pool, np.ndarray]) -> dict[str, Any]:
-        existing = self.sidecar.rooms.get(request["room"])
+    async def on_expect(self, request: ExpectRequest, pools: dict[Pool, np.ndarray]) -> dict[str, Any]:
+        existing = self.ctx.rooms.get(request.room)
         if existing is not None and not existing.terminal:
-            raise PdTransferError(f"room {request['room']} is already expected", code=Reason.DUPLICATE_ROOM)
+            raise PdTransferError(f"room {request.room} is already expected", code=Reason.DUPLICATE_ROOM)
         # refused here, with the field: never accepted to fail later at its timeout
-        check_indices(pools, self.sidecar.registered_geometry, side="destination", unique=True)
-        held = request["held_pages"]
+        check_indices(pools, self.ctx.registered().geometry, side="destination", unique=True)
+        held = request.held_pages
         if held > len(pools.get(Pool.KV, ())):
             raise PdTransferError(
                 f"at $.held_pages: {held} held pages, but the room names {len(pools.get(Pool.KV, ()))} kv pages",
@@ -116,44 +119,42 @@ class DecodeSide:
         # a room whose writers all rang has succeeded, and its worker may have seen the
         # doorbell (and reused the pages) before this sidecar saw the Done: settle it first
         for holder in self.claims.holders(pools):
-            other = self.sidecar.rooms.get(holder)
+            other = self.ctx.rooms.get(holder)
             if isinstance(other, DecodeRoom) and self.bells.rung(other):
                 self._succeed(other)
-        self.claims.claim(request["room"], pools)
+        self.claims.claim(request.room, pools)
         room = DecodeRoom(
-            request["room"],
-            self.sidecar.next_generation(),
-            bootstrap=request["bootstrap"],
+            request.room,
+            self.ctx.next_generation(),
+            bootstrap=request.bootstrap,
             dst=pools,
             held_pages=held,
         )
         room.on_end.append(lambda ended: self.claims.release(room.room, room.dst))  # ended is room
         # a little longer than resolving may take, so its own, more precise error wins
         room.deadline_s = time.monotonic() + self.config.bootstrap_timeout_s * 1.25 + 0.5
-        self.sidecar.rooms.add(room)
+        self.ctx.rooms.add(room)
         reply = room.reply()
         doorbell = self.bells.arm(room)
         if doorbell is not None:
             reply["doorbell"] = doorbell
-        self.sidecar.spawn(self._start(room), room=room.room)
+        self.ctx.spawn(self._start(room), room=room.room)
         return reply
 
-    def on_abandon(self, request: dict[str, Any]) -> dict[str, Any]:
+    def on_abandon(self, request: AbandonRequest) -> dict[str, Any]:
         """The worker will never expect this room: its prefill instance is told (:mod:`.abandon`)."""
-        room_id = request["room"]
-        existing = self.sidecar.rooms.get(room_id)
+        room_id = request.room
+        existing = self.ctx.rooms.get(room_id)
         if existing is not None and not existing.terminal:
             raise PdTransferError(
                 f"room {room_id} is expected here; abort it instead of abandoning it",
                 code=Reason.DUPLICATE_ROOM,
             )
-        why = request["reason"] or "no reason given"
+        why = request.reason or "no reason given"
         text = f"room {room_id}: decode {self.config.agent_id} will never claim it: {why}"
-        log.info("decode: %s", text, extra={"room": room_id, "peer": request["bootstrap"]})
-        self.sidecar.observe.abort("decode", Reason.ABORTED.value)
-        self.sidecar.spawn(
-            abandon.tell_prefill(self.prefill, request["bootstrap"], room_id, text), room=room_id
-        )
+        log.info("decode: %s", text, extra={"room": room_id, "peer": request.bootstrap})
+        self.ctx.observe.abort("decode", Reason.ABORTED.value)
+        self.ctx.spawn(abandon.tell_prefill(self.prefill, request.bootstrap, room_id, text), room=room_id)
         return {}
 
     async def _start(self, room: DecodeRoom) -> None:
@@ -162,10 +163,10 @@ class DecodeSide:
         try:
             await self._request(room)
         except PdTransferError as err:
-            self._fail(room, err.code, f"room {room.room}: {err.message}", drained=not room.requested)
+            self.fail_room(room, err.code, f"room {room.room}: {err.message}", drained=not room.requested)
         except Exception as err:  # a bug here: the room still ends now, with what it was
             log.exception("decode: room %s: internal error", room.room)
-            self._fail(
+            self.fail_room(
                 room,
                 Reason.TRANSPORT_FAILED,
                 f"room {room.room}: internal error in the decode sidecar: {err!r}",
@@ -179,10 +180,10 @@ class DecodeSide:
             text = f"room {room.room}: {err.message}"
             if err.code is Reason.PEER_REJECTED:  # prefill's room fails with the same text
                 self.prefill.rejected.refuse_room(room.bootstrap, room.room, text)
-            self._fail(room, err.code, text, drained=True)
+            self.fail_room(room, err.code, text, drained=True)
             return
         except Exception as err:  # e.g. a bad address: report it on the room
-            self._fail(
+            self.fail_room(
                 room,
                 Reason.BOOTSTRAP_FAILED,
                 f"room {room.room}: bootstrap {room.bootstrap} failed: {err!r}",
@@ -194,12 +195,12 @@ class DecodeSide:
         room.instance = instance
         room.sources = list(instance.sources)
         try:  # nothing was requested yet: a room that cannot get a slot fails drained
-            await self.sidecar.admission.admit_room(f"prefill instance {room.bootstrap}", room)
+            await self.ctx.admission.admit_room(f"prefill instance {room.bootstrap}", room)
         except PdTransferError as err:
-            self._fail(room, err.code, f"room {room.room}: {err.message}", drained=True)
+            self.fail_room(room, err.code, f"room {room.room}: {err.message}", drained=True)
             return
         # tcp: the receiver admits this room's chunks, only into its pages, before prefill hears
-        await self.sidecar.dataplane.expect(room.room, room.generation, room.dst)
+        await self.ctx.dataplane.expect(room.room, room.generation, room.dst)
         if room.terminal:
             return
         request = TransferRequest(
@@ -221,7 +222,7 @@ class DecodeSide:
         room.advance(RoomStatus.WAITING_FOR_INPUT, time.monotonic() + self.config.waiting_timeout_s)
 
     def _on_room_message(self, peer: PrefillPeer, message: Done | Progress | AbortAck) -> None:
-        room = self.sidecar.rooms.get(message.room)
+        room = self.ctx.rooms.get(message.room)
         if not isinstance(room, DecodeRoom) or message.generation != room.generation:
             return  # stale: an earlier generation of the room
         if isinstance(message, Progress):
@@ -232,7 +233,7 @@ class DecodeSide:
                 room.drained.set()
         elif message.status is DoneStatus.SUCCESS and peer.integrity is not None:
             verify = self._verify(room, peer, peer.integrity, message)
-            self.sidecar.spawn(verify, room=room.room, peer=peer.rank_id)
+            self.ctx.spawn(verify, room=room.room, peer=peer.rank_id)
         elif message.status is DoneStatus.SUCCESS:
             self._source_done(room, peer.rank_id)
         else:
@@ -241,7 +242,7 @@ class DecodeSide:
             room.acks.add(peer.rank_id)
             # a failed Done carries its reason (the wire checks it: protocol/schema.py)
             reason = message.reason or Reason.UNRECOGNIZED_REASON
-            self._fail(room, reason, f"room {room.room}: {peer.rank_id}: {message.reason_text}")
+            self.fail_room(room, reason, f"room {room.room}: {peer.rank_id}: {message.reason_text}")
 
     def _source_done(self, room: DecodeRoom, rank_id: str) -> None:
         room.done_from.add(rank_id)
@@ -251,16 +252,16 @@ class DecodeSide:
     def _succeed(self, room: DecodeRoom) -> None:
         if room.terminal:
             return
-        truncated = self.sidecar.dataplane.local_truncated()
+        truncated = self.ctx.dataplane.local_truncated()
         if truncated is not None:  # the pages it landed in are zeros here, not the worker's
             self._fail_truncated(room, truncated)
             return
         room.advance(RoomStatus.SUCCESS)
-        self.sidecar.dataplane.forget(room.room)  # tcp: its later chunks are refused
+        self.ctx.dataplane.forget(room.room)  # tcp: its later chunks are refused
         room.drained.set()
-        self.sidecar.spawn(self._confirm(room), room=room.room)
+        self.ctx.spawn(self._confirm(room), room=room.room)
         for source in room.sources:
-            self.sidecar.observe.transfer_done(source, 0, 0, time.monotonic() - room.created_s)
+            self.ctx.observe.transfer_done(source, 0, 0, time.monotonic() - room.created_s)
 
     async def _confirm(self, room: DecodeRoom) -> None:
         """Tell each source this rank has the room's bytes: prefill's Success waits for it
@@ -289,7 +290,7 @@ class DecodeSide:
         """Count a source done only once what it wrote matches its checksums (``layout``'s)."""
         try:
             problem = await integrity.verify(
-                layout, room.dst, message.checksums, self.sidecar.dataplane.local_regions
+                layout, room.dst, message.checksums, self.ctx.dataplane.local_regions
             )
         except Exception as err:  # the room ends now, with why, not at its timeout
             log.exception("decode: room %s: verifying %s failed", room.room, peer.rank_id)
@@ -299,7 +300,7 @@ class DecodeSide:
             return
         room.done_from.add(peer.rank_id)
         room.acks.add(peer.rank_id)  # it wrote all it will: nothing of it to drain
-        self._fail(
+        self.fail_room(
             room,
             Reason.INTEGRITY_MISMATCH,
             f"room {room.room}: integrity mismatch in what {peer.rank_id} wrote: {problem}",
@@ -314,10 +315,10 @@ class DecodeSide:
                 extra={"room": room.room, "peer": ",".join(room.sources) or "-"},
             )
             for source in room.sources or ["-"]:
-                self.sidecar.observe.transfer_failed(source, truncated.code.value)
+                self.ctx.observe.transfer_failed(source, truncated.code.value)
             room.drained.set()  # every source finished: nothing of it is left to land
 
-    def _fail(self, room: DecodeRoom, reason: Reason, text: str, *, drained: bool = False) -> None:
+    def fail_room(self, room: DecodeRoom, reason: Reason, text: str, *, drained: bool = False) -> None:
         if self.bells.landed(room):
             # every writer rang before this verdict: the bytes landed, and the worker
             # may have been told so already
@@ -330,13 +331,13 @@ class DecodeSide:
         )
         for source in room.sources or ["-"]:
             if source not in room.done_from or reason is not Reason.ABORTED:
-                self.sidecar.observe.transfer_failed(source, reason.value)
+                self.ctx.observe.transfer_failed(source, reason.value)
         # tcp: refuse any chunk of this generation that is still on its way
-        self.sidecar.spawn(self.sidecar.dataplane.fence(room.room, room.generation), room=room.room)
+        self.ctx.spawn(self.ctx.dataplane.fence(room.room, room.generation), room=room.room)
         if drained or not room.sources:
             room.drained.set()
             return
-        self.sidecar.spawn(self._abort_sources(room, reason, text), room=room.room)
+        self.ctx.spawn(self._abort_sources(room, reason, text), room=room.room)
 
     async def _abort_sources(self, room: DecodeRoom, reason: Reason, text: str) -> None:
         """Fence the room: every prefill rank not yet finished must ack the abort."""
@@ -356,18 +357,18 @@ class DecodeSide:
             room.drained.set()
 
     async def on_worker_abort(self, room_id: int) -> dict[str, Any]:
-        room = self.sidecar.rooms.get(room_id)
+        room = self.ctx.rooms.get(room_id)
         if not isinstance(room, DecodeRoom):
             raise PdTransferError(f"room {room_id} is unknown", code=Reason.UNKNOWN_ROOM)
         if not room.terminal:
-            self.sidecar.observe.abort("decode", Reason.ABORTED.value)
-        self._fail(room, Reason.ABORTED, f"room {room_id} aborted by the decode worker")
+            self.ctx.observe.abort("decode", Reason.ABORTED.value)
+        self.fail_room(room, Reason.ABORTED, f"room {room_id} aborted by the decode worker")
         try:
             async with asyncio.timeout(self.config.abort_drain_timeout_s):
                 await room.drained.wait()
             # tcp chunks zmq had already queued must not land after we say "drained"
             async with asyncio.timeout(self.config.abort_drain_timeout_s):
-                await self.sidecar.dataplane.fence(room.room, room.generation)
+                await self.ctx.dataplane.fence(room.room, room.generation)
             drained = True
         except TimeoutError:
             drained = False  # some prefill rank never confirmed: keep the pages fenced
@@ -379,12 +380,12 @@ class DecodeSide:
             RoomStatus.WAITING_FOR_INPUT: "prefill sent no data",
             RoomStatus.TRANSFERRING: "the transfer did not finish",
         }[room.status]
-        self._fail(room, Reason.TIMEOUT, f"room {room.room} timed out in {room.status.value}: {waiting}")
+        self.fail_room(room, Reason.TIMEOUT, f"room {room.room} timed out in {room.status.value}: {waiting}")
 
     def _on_peer_lost(
         self, instance: PrefillInstance, peer: PrefillPeer, text: str, code: Reason = Reason.PEER_LOST
     ) -> None:
-        for room in self.sidecar.rooms.live():
+        for room in self.ctx.rooms.live():
             if isinstance(room, DecodeRoom) and room.instance is instance and peer.rank_id in room.sources:
                 # not counted as drained: a silent peer might still write (fail closed)
-                self._fail(room, code, f"room {room.room}: {text}")
+                self.fail_room(room, code, f"room {room.room}: {text}")

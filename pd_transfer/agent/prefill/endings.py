@@ -23,24 +23,20 @@ from pd_transfer.protocol import Abort, AbortAck, Done, DoneStatus, Message, Roo
 
 if TYPE_CHECKING:
     from pd_transfer.agent.channels import Channel
-    from pd_transfer.agent.sidecar import Sidecar
-    from pd_transfer.config import SidecarConfig
+    from pd_transfer.agent.side_context import SideContext
     from pd_transfer.transport.base import Link
 
 log = logging.getLogger(__package__)
 
 
 class PrefillEndings:
-    """The prefill side's decode peers and how its rooms end (the base of
-    :class:`~pd_transfer.agent.prefill.side.PrefillSide`)."""
+    """How the prefill side's rooms end, and its decode peers' sessions with them
+    (a collaborator of :class:`~pd_transfer.agent.prefill.side.PrefillSide`, which
+    shares ``peers`` with it)."""
 
-    def __init__(self, sidecar: Sidecar[PrefillRoom]) -> None:
-        self.sidecar = sidecar
-        self.peers: dict[int, DecodePeer] = {}
-
-    @property
-    def config(self) -> SidecarConfig:
-        return self.sidecar.config
+    def __init__(self, ctx: SideContext[PrefillRoom], peers: dict[int, DecodePeer]) -> None:
+        self.ctx = ctx
+        self.peers = peers
 
     async def send_quietly(self, target: Target, message: Message) -> None:
         try:
@@ -48,9 +44,9 @@ class PrefillEndings:
         except Exception as err:
             log.warning("prefill: cannot send %s to %s: %s", type(message).__name__, target.peer.rank_id, err)
 
-    def _on_confirm(self, peer: DecodePeer, message: Done) -> None:
+    def on_confirm(self, peer: DecodePeer, message: Done) -> None:
         """Decode has the room's bytes: what this side's Success waits for."""
-        room = self.sidecar.rooms.get(message.room)
+        room = self.ctx.rooms.get(message.room)
         target = room.targets.get(id(peer.channel)) if isinstance(room, PrefillRoom) else None
         if room is None or target is None or target.generation != message.generation:
             log.info(
@@ -58,9 +54,9 @@ class PrefillEndings:
             )
             return
         target.confirmed = True
-        self._maybe_succeed(room)
+        self.maybe_succeed(room)
 
-    def _maybe_succeed(self, room: PrefillRoom) -> None:
+    def maybe_succeed(self, room: PrefillRoom) -> None:
         # Success: every decode rank fed has the bytes (it confirmed), so the worker may
         # free its pages; bytes written but unconfirmed are not yet a success
         if (
@@ -80,16 +76,16 @@ class PrefillEndings:
         log.warning("prefill: room %d failed: %s", room.room, text, extra={"room": room.room, "peer": peers})
         for target in room.targets.values():
             if target.writes and not target.succeeded:
-                self.sidecar.observe.transfer_failed(target.peer.rank_id, reason.value)
+                self.ctx.observe.transfer_failed(target.peer.rank_id, reason.value)
         for target in list(room.targets.values()):
             if target is lock_held:
-                await self._finish_target(room, target)
+                await self.finish_target(room, target)
             else:
                 async with target.lock:  # no write of this target in flight afterwards
-                    await self._finish_target(room, target)
+                    await self.finish_target(room, target)
         room.drained.set()
 
-    async def _finish_target(self, room: PrefillRoom, target: Target) -> None:
+    async def finish_target(self, room: PrefillRoom, target: Target) -> None:
         if target.done or not target.writes:
             target.end()
             return
@@ -105,13 +101,13 @@ class PrefillEndings:
             ),
         )
 
-    async def _on_abort(self, peer: DecodePeer, message: Abort) -> None:
-        room = self.sidecar.rooms.get(message.room)
+    async def on_abort(self, peer: DecodePeer, message: Abort) -> None:
+        room = self.ctx.rooms.get(message.room)
         target = room.targets.get(id(peer.channel)) if room else None
         if room is not None and target is not None:
-            self.sidecar.observe.abort("decode", message.reason.value)
+            self.ctx.observe.abort("decode", message.reason.value)
             target.abort()
-            self.sidecar.admission.withdraw(room, peer_key(target))  # a queued write gives up now
+            self.ctx.admission.withdraw(room, peer_key(target))  # a queued write gives up now
             async with target.lock:  # wait for the write in flight, if any
                 target.end()
             if isinstance(room, PrefillRoom):
@@ -121,10 +117,10 @@ class PrefillEndings:
         await peer.channel.send(AbortAck(room=message.room, generation=message.generation, drained=True))
 
     async def on_worker_abort(self, room_id: int) -> dict[str, Any]:
-        room = self.sidecar.rooms.get(room_id)
+        room = self.ctx.rooms.get(room_id)
         if room is None:
             raise PdTransferError(f"room {room_id} is unknown", code=Reason.UNKNOWN_ROOM)
-        self.sidecar.observe.abort("prefill", Reason.ABORTED.value)
+        self.ctx.observe.abort("prefill", Reason.ABORTED.value)
         await self.fail_room(room, Reason.ABORTED, f"room {room_id} aborted by the prefill worker")
         return {"drained": True, **room.reply()}
 
@@ -136,7 +132,7 @@ class PrefillEndings:
         }[room.status]
         if room.targets and all(t.done for t in room.targets.values()):
             waiting = "every byte was written, but decode did not confirm it has them"
-        self.sidecar.spawn(
+        self.ctx.spawn(
             self.fail_room(
                 room, Reason.TIMEOUT, f"room {room.room} timed out in {room.status.value}: {waiting}"
             )
@@ -151,7 +147,7 @@ class PrefillEndings:
         refusal = channel.refusal  # set: the channel calls this once it refused (agent/channels.py)
         if id(channel) not in self.peers or refusal is None:
             return  # refused at its first frame: it holds nothing (and rooms need no scan)
-        self.sidecar.observe.lost(
+        self.ctx.observe.lost(
             channel.peer_rank or channel.label,
             f"session closed after a bad frame: {refusal}",
             channel,
@@ -172,20 +168,20 @@ class PrefillEndings:
         channel.close()
         text = text.format(peer.rank_id if peer else channel.label)
         fails = [
-            self.sidecar.spawn(self.fail_room(room, reason, text), room=room.room)
-            for room in self.sidecar.rooms.live()
+            self.ctx.spawn(self.fail_room(room, reason, text), room=room.room)
+            for room in self.ctx.rooms.live()
             if isinstance(room, PrefillRoom) and _still_needs(room, channel)
         ]
         if peer is not None and peer.link is not None:
             link, peer.link = peer.link, None
-            self.sidecar.spawn(self._close_link(link, fails, peer), peer=peer.rank_id)
+            self.ctx.spawn(self._close_link(link, fails, peer), peer=peer.rank_id)
 
     async def _close_link(self, link: Link, fails: list[asyncio.Task[Any]], peer: DecodePeer) -> None:
         await asyncio.gather(*fails, return_exceptions=True)
         if peer.bells is not None:  # no write of its rooms is left to ring
             bells, peer.bells = peer.bells, None
             bells.close()
-        await self.sidecar.dataplane.release(link)
+        await self.ctx.dataplane.release(link)
 
 
 def _still_needs(room: PrefillRoom, channel: Channel) -> bool:

@@ -37,9 +37,14 @@ if TYPE_CHECKING:
 class FlowPlane(Protocol):
     """What a write uses of the sidecar: admission, the data plane, the in-flight gauge."""
 
-    admission: Admission
-    dataplane: DataPlane
-    observe: Observer
+    @property
+    def admission(self) -> Admission: ...
+
+    @property
+    def dataplane(self) -> DataPlane: ...
+
+    @property
+    def observe(self) -> Observer: ...
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pd_transfer.agent.channels import Channel
-from pd_transfer.agent.prefill.streaming import ChunkLayers
+from pd_transfer.agent.prefill.layers import ChunkLayers
 from pd_transfer.agent.rooms import Room
 from pd_transfer.doorbell import Doorbells
 from pd_transfer.errors import PdTransferError, Reason

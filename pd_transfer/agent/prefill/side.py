@@ -10,9 +10,11 @@ last chunk carries state slots, SWA pages and the aux row (written last: its
 arrival means everything before it landed), then a Done goes out.
 
 Prefill rooms have deadlines in every status, including after
-WaitingForInput, where SGLang waits forever. Writes are admitted by :mod:`.flow`
-and made by the pumps of :mod:`.writes`; rooms end as :mod:`.endings` says.
-A decode peer lost or sending Close fails its rooms and its link is closed.
+WaitingForInput, where SGLang waits forever. The side is composed of its
+collaborators: writes are admitted by :mod:`.flow` and made by the pumps of
+:mod:`.writes`; rooms end as :mod:`.endings` says; rank 0's rank table server
+is :mod:`.rank_table`'s, from bind to close. A decode peer lost or sending
+Close fails its rooms and its link is closed.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -30,14 +33,16 @@ from pd_transfer.agent.indices import check_indices
 from pd_transfer.agent.peer_process import own_register_fields, peer_identity
 from pd_transfer.agent.prefill import ownership
 from pd_transfer.agent.prefill.acceptance import send_verdict
-from pd_transfer.agent.prefill.chunks import chunk_refusal
+from pd_transfer.agent.prefill.endings import PrefillEndings
 from pd_transfer.agent.prefill.flow import refuse_new_room
 from pd_transfer.agent.prefill.instances import DecodeInstances, instance_size
 from pd_transfer.agent.prefill.membership import announce_first, join_instance
+from pd_transfer.agent.prefill.rank_table import RankTableHost
 from pd_transfer.agent.prefill.records import DecodePeer, PrefillRoom, Target
-from pd_transfer.agent.prefill.streaming import ChunkLayers, latest_streamed, span_of
+from pd_transfer.agent.prefill.sends import PrefillSends, open_room
 from pd_transfer.agent.prefill.writes import PrefillWrites
 from pd_transfer.agent.rooms import Room
+from pd_transfer.agent.side import not_served
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import RankGeometry, Role
 from pd_transfer.layout.views import Pool
@@ -57,19 +62,32 @@ from pd_transfer.protocol import (
     TransferRequest,
 )
 from pd_transfer.protocol.worker_api import WorkerOp
+from pd_transfer.protocol.worker_requests import AbandonRequest, ExpectRequest, LayerReadyRequest, SendRequest
 from pd_transfer.wire.fields import clip_text
 
 if TYPE_CHECKING:
     from pd_transfer.agent.dataplane import DataPlane
     from pd_transfer.agent.observe import Observer
-    from pd_transfer.agent.sidecar import Sidecar
+    from pd_transfer.agent.side_context import SideContext
+    from pd_transfer.config import SidecarConfig
 
 log = logging.getLogger(__package__)
 
 
-class PrefillSide(PrefillWrites):
-    def __init__(self, sidecar: Sidecar[PrefillRoom]) -> None:
-        super().__init__(sidecar)
+class PrefillSide:
+    """The prefill role's :class:`~pd_transfer.agent.side.Side` and
+    :class:`~pd_transfer.agent.side.PeerServer`: decode sessions, verdicts and the
+    worker's sends here; its collaborators end rooms (``endings``), write them
+    (``pumps``) and serve rank 0's rank table (``rank_table``)."""
+
+    def __init__(self, ctx: SideContext[PrefillRoom]) -> None:
+        self.ctx = ctx
+        self.peers: dict[int, DecodePeer] = {}  # decode sessions, by id(channel)
+        self.endings = PrefillEndings(ctx, self.peers)
+        self.pumps = PrefillWrites(ctx, self.endings)
+        self.sends = PrefillSends(ctx, self.endings, self.pumps, self.on_request)
+        self.rank_table = RankTableHost(ctx)
+        self.worker_tasks: list[asyncio.Task[Any]] = []  # what lives only while the worker is registered
         self.table: RankTable | None = None
         self.table_ready = asyncio.Event()
         self.decode_instances = DecodeInstances()  # registrations per decode instance
@@ -78,72 +96,92 @@ class PrefillSide(PrefillWrites):
 
     # what the verdicts use of the sidecar (acceptance.Acceptor)
     @property
+    def config(self) -> SidecarConfig:
+        return self.ctx.config
+
+    @property
     def geometry(self) -> RankGeometry | None:
-        return self.sidecar.geometry
+        return self.ctx.geometry
 
     @property
     def dataplane(self) -> DataPlane:
-        return self.sidecar.dataplane
+        return self.ctx.dataplane
 
     @property
     def observe(self) -> Observer:
-        return self.sidecar.observe
+        return self.ctx.observe
 
     # -- the Side protocol (agent/side.py) ------------------------------------------
-    async def on_worker_op(
-        self, op: WorkerOp, request: dict[str, Any], pools: dict[Pool, np.ndarray]
-    ) -> dict[str, Any]:
-        if op is WorkerOp.SEND:
-            return await self.on_send(request, pools)
-        if op is WorkerOp.LAYER_READY:
-            return await self.on_layer_ready(request)
-        raise PdTransferError(f"{op.value} is not available on a prefill sidecar", code=Reason.BAD_FRAME)
+    async def on_send(self, request: SendRequest, pools: dict[Pool, np.ndarray]) -> dict[str, Any]:
+        return await self.sends.on_send(request, pools)
 
-    async def end_room(self, room: PrefillRoom, reason: Reason, text: str) -> None:
-        await self.fail_room(room, reason, text)
+    async def on_layer_ready(self, request: LayerReadyRequest) -> dict[str, Any]:
+        return await self.sends.on_layer_ready(request)
+
+    async def on_expect(self, request: ExpectRequest, pools: dict[Pool, np.ndarray]) -> dict[str, Any]:
+        raise not_served(WorkerOp.EXPECT, "prefill")
+
+    def on_abandon(self, request: AbandonRequest) -> dict[str, Any]:
+        raise not_served(WorkerOp.ABANDON, "prefill")
+
+    def fail_room(self, room: PrefillRoom, reason: Reason, text: str) -> Awaitable[None]:
+        return self.endings.fail_room(room, reason, text)
+
+    async def on_worker_abort(self, room_id: int) -> dict[str, Any]:
+        return await self.endings.on_worker_abort(room_id)
+
+    def on_timeout(self, room: PrefillRoom) -> None:
+        self.endings.on_timeout(room)
+
+    def before_registering(self, geometry: RankGeometry) -> None:
+        self.rank_table.bind(geometry)
+
+    def registration_failed(self) -> None:
+        self.rank_table.unbind()
 
     async def on_registered(self) -> None:
-        sidecar = self.sidecar
+        ctx = self.ctx
+        self.rank_table.registered()
         await self._close_stale_sessions()  # verdicts on a lost worker's registration
-        if sidecar.bootstrap_server is not None and sidecar.bootstrap_server.gone:
-            # rank 0's lost worker came back as another rank: its table is not this sidecar's
-            sidecar.bootstrap_server.close()  # (its serve task ends with the socket)
-            sidecar.bootstrap_server = None
-        if sidecar.control is None:  # a prefill sidecar serves its control port before its worker
+        self.rank_table.drop_if_gone()
+        control_address = ctx.control_address()
+        if not control_address:  # a prefill sidecar serves its control port before its worker
             raise PdTransferError("the control port is not served", code=Reason.NOT_REGISTERED)
+        registration = ctx.registered()
         entry = RankEntry(
             agent_id=self.config.agent_id,
             host_id=self.config.host_id,
-            control_address=sidecar.control.address,
-            pp_size=sidecar.pp_size,
-            geometry=sidecar.registered_geometry,
-            control_key=security_of(sidecar.context).control_key,
+            control_address=control_address,
+            pp_size=registration.pp_size,
+            geometry=registration.geometry,
+            control_key=security_of(ctx.context).control_key,
         )
-        await announce_first(sidecar.context, self.config, entry)
-        sidecar.worker_tasks.append(sidecar.spawn(join_instance(sidecar.context, self.config, entry, self)))
+        await announce_first(ctx.context, self.config, entry)
+        self.worker_tasks.append(ctx.spawn(join_instance(ctx.context, self.config, entry, self)))
 
     async def on_worker_lost(self, why: str) -> None:
-        sidecar = self.sidecar
         text = f"the prefill worker is gone ({why})"
         # fail_room waits for each target's write in flight: no copy reads the regions after
         await asyncio.gather(
             *(
-                self.fail_room(room, Reason.WORKER_LOST, f"room {room.room}: {text}")
-                for room in sidecar.rooms.live()
+                self.endings.fail_room(room, Reason.WORKER_LOST, f"room {room.room}: {text}")
+                for room in self.ctx.rooms.live()
             ),
             return_exceptions=True,
         )
-        for task in sidecar.worker_tasks:
+        for task in self.worker_tasks:
             task.cancel()
-        sidecar.worker_tasks.clear()
-        if sidecar.bootstrap_server is not None:  # rank 0: no table until its worker is back,
-            # and whoever asks (past authentication) hears why at once (agent/bootstrap.py)
-            sidecar.bootstrap_server.worker_lost(  # why: "worker W is gone: its connection ..."
-                f"prefill rank 0's {why}; it serves no rank table until a worker registers with it again"
-            )
+        self.worker_tasks.clear()
+        self.rank_table.worker_lost(why)
         self.table = None
         self.table_ready.clear()
         self.stale_peers = {key for key, peer in self.peers.items() if peer.accepted}
+
+    def on_peer_lost(self, channel: Channel, why: str) -> None:
+        self.endings.on_peer_lost(channel, why)
+
+    def on_peer_refused(self, channel: Channel) -> None:
+        self.endings.on_peer_refused(channel)
 
     def instance_problem(self, address: str) -> str:
         return ""  # prefill resolves no prefill instance (prefill_bootstraps is decode's)
@@ -155,7 +193,7 @@ class PrefillSide(PrefillWrites):
         pass  # prefill rings doorbells; it has none to read
 
     def close(self) -> None:
-        pass
+        self.rank_table.close()
 
     async def _close_stale_sessions(self) -> None:
         """Once a new registration is committed: the decode sessions verdicted on the lost
@@ -172,7 +210,7 @@ class PrefillSide(PrefillWrites):
             except Exception as err:  # a peer already gone: released all the same
                 log.debug("prefill: no Close to %s: %s", peer.rank_id, err)
             self.observe.left(peer.rank_id, f"session closed: {text}", peer.channel)
-            self.release_peer(peer.channel, Reason.WORKER_LOST, f"decode peer {{}}: {text}")
+            self.endings.release_peer(peer.channel, Reason.WORKER_LOST, f"decode peer {{}}: {text}")
 
     # -- decode sessions ----------------------------------------------------------
     async def on_peer_message(self, channel: Channel, message: Message) -> None:
@@ -180,9 +218,7 @@ class PrefillSide(PrefillWrites):
         if isinstance(message, Hello):
             channel.peer_agent_id, peer.features = message.agent_id, message.capabilities.features
             await channel.send(
-                Hello(
-                    agent_id=self.config.agent_id, role=Role.PREFILL, capabilities=self.sidecar.capabilities()
-                )
+                Hello(agent_id=self.config.agent_id, role=Role.PREFILL, capabilities=self.ctx.capabilities())
             )
         elif isinstance(message, Register):
             await self._on_register(peer, message)
@@ -191,15 +227,15 @@ class PrefillSide(PrefillWrites):
         elif isinstance(message, RoomRefused):
             await self._on_refusal(peer, message)
         elif isinstance(message, Abort):
-            await self._on_abort(peer, message)
+            await self.endings.on_abort(peer, message)
         elif isinstance(message, Done):
-            self._on_confirm(peer, message)
+            self.endings.on_confirm(peer, message)
         elif isinstance(message, Heartbeat):
             pass  # last_heard_s is updated by the channel
         elif isinstance(message, Close):
             why = f"{message.reason.value}: {message.reason_text}" if message.reason else "no reason given"
             self.observe.left(peer.rank_id, f"it closed its session ({why})", channel)
-            self.release_peer(channel, Reason.SESSION_CLOSED, "decode peer {} closed its session")
+            self.endings.release_peer(channel, Reason.SESSION_CLOSED, "decode peer {} closed its session")
         else:
             log.debug("prefill: ignoring %s from %s", type(message).__name__, peer.rank_id)
 
@@ -209,8 +245,8 @@ class PrefillSide(PrefillWrites):
             code, text = refusal
             await peer.channel.send(Close(reason=code, reason_text=clip_text(text)))
             if code is Reason.IDENTITY_MISMATCH:
-                self.sidecar.security.failed(PdTransferError(text, code=code), "control")
-            self.release_peer(
+                self.ctx.security.failed(PdTransferError(text, code=code), "control")
+            self.endings.release_peer(
                 peer.channel, code, "decode peer {} registered under another name than it proved"
             )
             peer.channel.revoke()  # it authenticates again, on a new connection, or not at all
@@ -221,11 +257,11 @@ class PrefillSide(PrefillWrites):
         peer.channel.peer_process = peer_identity(
             message.pid, message.process_start_ticks, message.host_id, self.config.host_id
         )
-        self.sidecar.observe.peer(message.geometry.rank_id, "connecting", channel=peer.channel)
-        geometry = self.sidecar.geometry
+        self.ctx.observe.peer(message.geometry.rank_id, "connecting", channel=peer.channel)
+        geometry = self.ctx.geometry
         if geometry is None:  # worker not registered yet: wait for it, bounded
-            await self.sidecar.wait_registered(self.config.bootstrap_timeout_s)
-            geometry = self.sidecar.registered_geometry
+            await self.ctx.wait_registered(self.config.bootstrap_timeout_s)
+            geometry = self.ctx.registered().geometry
         await peer.channel.send(
             Register(
                 agent_id=self.config.agent_id,
@@ -234,7 +270,7 @@ class PrefillSide(PrefillWrites):
                 **own_register_fields(),
             )
         )
-        self.sidecar.spawn(send_verdict(self, peer), peer=peer.rank_id)
+        self.ctx.spawn(send_verdict(self, peer), peer=peer.rank_id)
 
     async def _on_refusal(self, peer: DecodePeer, message: RoomRefused) -> None:
         """A decode rank this rank rejected says the room was to be its
@@ -242,7 +278,7 @@ class PrefillSide(PrefillWrites):
         (agent/decode/abandon.py): the room fails now with decode's text, not at its
         bootstrap timeout. A room another decode instance claimed, or its worker bound to
         one, is not this rank's to end."""
-        room = self.sidecar.rooms.get(message.room)
+        room = self.ctx.rooms.get(message.room)
         instance = ownership.instance_of(peer)
         others = isinstance(room, PrefillRoom) and (
             (room.owner and room.owner != instance)
@@ -251,20 +287,12 @@ class PrefillSide(PrefillWrites):
         if others or (room is not None and room.terminal):
             log.debug("prefill: room %d is not %s's to refuse", message.room, peer.rank_id)
             return
-        room = self._room(message.room)
+        room = open_room(self.ctx, message.room)
         room.refused = True  # the worker's send, when it comes, gets this failure
-        self.sidecar.observe.abort("decode", message.reason.value)
-        await self.fail_room(room, message.reason, message.reason_text)
+        self.ctx.observe.abort("decode", message.reason.value)
+        await self.endings.fail_room(room, message.reason, message.reason_text)
 
     # -- rooms --------------------------------------------------------------------
-    def _room(self, room_id: int) -> PrefillRoom:
-        room = self.sidecar.rooms.get(room_id)
-        if room is None or (room.terminal and not room.targets and not room.chunks and not room.refused):
-            room = PrefillRoom(room_id, 0)
-            room.deadline_s = time.monotonic() + self.config.bootstrap_timeout_s
-            self.sidecar.rooms.add(room)
-        return room
-
     async def on_request(self, peer: DecodePeer, message: TransferRequest) -> None:
         admitted = await self._admit_request(peer, message)
         if admitted is None:
@@ -274,25 +302,26 @@ class PrefillSide(PrefillWrites):
         # every rank of the decode instance (every stage) sends each room's request to every prefill rank
         room.expected_targets = max(room.expected_targets, instance_size(peer.registered))
         if room.terminal:
-            await self._finish_target(room, target)
+            await self.endings.finish_target(room, target)
             return
         if len(room.targets) >= room.expected_targets:
             room.advance(RoomStatus.WAITING_FOR_INPUT, time.monotonic() + self.config.waiting_timeout_s)
-        self._pump_all(room)
+        self.pumps.pump_all(room)
 
     async def _admit_request(
         self, peer: DecodePeer, message: TransferRequest
     ) -> tuple[PrefillRoom, Target] | None:
         """The room and the new target ``message`` asks for, or None once it was refused
         (a failed Done to ``peer`` says why)."""
-        sidecar = self.sidecar
-        if await refuse_new_room(sidecar.rooms, sidecar.observe, self.config.agent_id, peer.channel, message):
+        ctx = self.ctx
+        if await refuse_new_room(ctx.rooms, ctx.observe, self.config.agent_id, peer.channel, message):
             return None
-        if sidecar.geometry is None:  # its worker is gone (agent/worker_loss.py)
-            why = sidecar.worker.lost_reason or "the prefill worker is not registered"
+        geometry = ctx.geometry
+        if geometry is None:  # its worker is gone (agent/worker_loss.py)
+            why = ctx.worker_lost_reason() or "the prefill worker is not registered"
             await _refuse(peer, message, Reason.WORKER_LOST, why)
             return None
-        room = self._room(message.room)
+        room = open_room(self.ctx, message.room)
         if not peer.accepted:
             await _refuse(peer, message, Reason.PEER_REJECTED, "transfer request before an accepted verdict")
             return None
@@ -314,52 +343,11 @@ class PrefillSide(PrefillWrites):
             text = f"room {message.room}: {message.held_pages} held pages of {len(dst.get(Pool.KV, ()))} kv pages"
             await _refuse(peer, message, Reason.BAD_FIELD, text)
             return None
-        writes = sidecar.geometry.rank_id in message.src_ranks
+        writes = geometry.rank_id in message.src_ranks
         bell = message.doorbell if writes and peer.bells is not None else None
         # with integrity checks the checksums cover every page: held pages are written too
         held = message.held_pages if peer.integrity is None else 0
         return room, Target(peer, message.generation, dst, writes=writes, bell=bell, held=held)
-
-    async def on_send(self, request: dict[str, Any], pools: dict[Pool, np.ndarray]) -> dict[str, Any]:
-        try:  # against this rank's own pools, before a byte moves
-            check_indices(pools, self.sidecar.registered_geometry, side="source", unique=False)
-        except PdTransferError as err:
-            # refused to the worker, and the room fails with it, so decode learns at once
-            room = self._room(request["room"])
-            room.refused = True
-            await self.fail_room(room, err.code, f"room {room.room}: {err.message}")
-            raise
-        room = self._room(request["room"])
-        if room.last_received:
-            raise PdTransferError(f"room {room.room}: send after the last chunk", code=Reason.DUPLICATE_ROOM)
-        if room.terminal:
-            return room.reply()
-        await ownership.bind(room, request["decode"], self.on_request)
-        if chunk_refusal(self.config, room):
-            self.sidecar.observe.limit_refused("max_chunks_per_room")
-            await self.fail_room(room, Reason.OVER_LIMIT, chunk_refusal(self.config, room))
-            return room.reply()
-        room.chunks.append(pools)
-        room.layers.append(
-            ChunkLayers(span_of(self.sidecar.registered_geometry)) if request["stream"] else None
-        )
-        room.last_received = request["last"]
-        self._pump_all(room)
-        # the writes start before the reply goes: a small room (copied on the loop) is
-        # copied and rung first. Replying first woke the worker, which on a busy host
-        # took the CPU from this loop for a few hundred microseconds mid-room. A large
-        # room's copy leaves for its thread at once, and the reply follows.
-        await asyncio.sleep(0)
-        return room.reply()
-
-    async def on_layer_ready(self, request: dict[str, Any]) -> dict[str, Any]:
-        room = self.sidecar.rooms.get(request["room"])
-        if not isinstance(room, PrefillRoom):
-            raise PdTransferError(f"room {request['room']} is unknown", code=Reason.UNKNOWN_ROOM)
-        if not room.terminal:
-            latest_streamed(room.layers, room.room).announce(room.room, request["layer_id"])
-            self._pump_all(room)
-        return room.reply()
 
 
 async def _refuse(peer: DecodePeer, message: TransferRequest, reason: Reason, text: str) -> None:
