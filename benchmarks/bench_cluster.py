@@ -19,7 +19,7 @@ from pd_transfer.layout.geometry import RankGeometry, Role
 from pd_transfer.layout.presets import load_preset
 from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.views import Layout
-from pd_transfer.ports import spare_port
+from pd_transfer.processes.ports import spare_port
 from pd_transfer.security.secret import use_ephemeral_secret
 
 PAGE = 16

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pd_transfer.layout.lowering import RunBatch, TransferPlan  # noqa: E402
 from pd_transfer.transport.copy import native_loop  # noqa: E402
-from pd_transfer.transport.copy.engine import CopyEngine  # noqa: E402
+from pd_transfer.transport.copy.copy_engine import CopyEngine  # noqa: E402
 from pd_transfer.transport.regions import Mapped  # noqa: E402
 
 MIB = 1 << 20

@@ -100,7 +100,7 @@ from benchmarks.engines_alone import (  # noqa: E402
     nixl_request,
     timed,
 )
-from pd_transfer.shm_segments import create_segment, open_segment  # noqa: E402
+from pd_transfer.memory.segments import create_segment, open_segment  # noqa: E402
 from pd_transfer.transport.tcp.transport import DEFAULT_STREAMS  # noqa: E402
 
 MIB = 1 << 20

@@ -9,7 +9,7 @@ worker's doorbell (a futex); the decode worker's waiting thread wakes. This
 measures exactly that, between real processes: a relay process (uvloop, as
 the sidecar) reading a 32-byte request, copying the pieces with pd-transfer's
 native loop between two shared-memory segments of the sidecar bench's size,
-ringing a :class:`~pd_transfer.doorbell.Doorbells` slot and replying (numpy
+ringing a :class:`~pd_transfer.memory.doorbell.Doorbells` slot and replying (numpy
 copies where the native loop is not built, as the sidecars then copy). No
 protocol, no validation, no planning, no bounds check, no metrics: what is
 left is what the host charges for the hops and the bytes.
@@ -39,9 +39,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pd_transfer import doorbell  # noqa: E402
-from pd_transfer.doorbell import Doorbells, Outcome  # noqa: E402
-from pd_transfer.shm_segments import create_segment, open_segment, segment_name  # noqa: E402
+from pd_transfer.memory import doorbell  # noqa: E402
+from pd_transfer.memory.doorbell import Doorbells, Outcome  # noqa: E402
+from pd_transfer.memory.segments import create_segment, open_segment, segment_name  # noqa: E402
 from pd_transfer.transport.copy import native_loop  # noqa: E402
 
 MODES = ("wait after send", "wait in flight", "back to back")

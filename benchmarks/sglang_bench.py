@@ -53,7 +53,7 @@ from pd_transfer.integrations.sglang.conn import (
 )
 from pd_transfer.integrations.sglang.memory import share_engine_memory
 from pd_transfer.integrations.sglang.registration import EngineFacts
-from pd_transfer.ports import spare_port
+from pd_transfer.processes.ports import spare_port
 from pd_transfer.security.secret import use_ephemeral_secret
 
 LAYERS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16

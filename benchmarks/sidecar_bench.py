@@ -46,13 +46,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import room_floor  # noqa: E402
 from pd_transfer.client import Client, Refused, RoomStatus, allocate_pools  # noqa: E402
 from pd_transfer.client.cuda_pools import allocate_cuda_pools  # noqa: E402
+from pd_transfer.config.extras import ENGINES  # noqa: E402
 from pd_transfer.errors import Reason  # noqa: E402
-from pd_transfer.extras import ENGINES  # noqa: E402
 from pd_transfer.layout.geometry import Role  # noqa: E402
 from pd_transfer.layout.presets import load_preset  # noqa: E402
 from pd_transfer.layout.rank_builder import build_instance  # noqa: E402
 from pd_transfer.layout.views import Layout, Pool  # noqa: E402
-from pd_transfer.ports import spare_port  # noqa: E402
+from pd_transfer.processes.ports import spare_port  # noqa: E402
 from pd_transfer.security.secret import use_ephemeral_secret  # noqa: E402
 
 PAGE = 16

@@ -55,9 +55,9 @@ from pd_transfer.layout.geometry import Role  # noqa: E402
 from pd_transfer.layout.presets import load_preset  # noqa: E402
 from pd_transfer.layout.rank_builder import build_instance  # noqa: E402
 from pd_transfer.layout.views import Layout, Pool  # noqa: E402
-from pd_transfer.ports import spare_port  # noqa: E402
+from pd_transfer.memory.segments import SEGMENT_DIR  # noqa: E402
+from pd_transfer.processes.ports import spare_port  # noqa: E402
 from pd_transfer.security.secret import use_ephemeral_secret  # noqa: E402
-from pd_transfer.shm_segments import SEGMENT_DIR  # noqa: E402
 from pd_transfer.sim.content import fill_source, verify_destination  # noqa: E402
 
 TERMINAL = (RoomStatus.SUCCESS, RoomStatus.FAILED)

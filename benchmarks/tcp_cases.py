@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pd_transfer.layout.lowering import RunBatch, TransferPlan
-from pd_transfer.shm_segments import Segment, create_segment, open_segment
+from pd_transfer.memory.segments import Segment, create_segment, open_segment
 from pd_transfer.transport import (
     PeerEndpoint,
     TcpReceiver,

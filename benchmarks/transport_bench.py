@@ -49,7 +49,7 @@ from pd_transfer.layout.presets import load_preset  # noqa: E402
 from pd_transfer.layout.rank_builder import build_instance  # noqa: E402
 from pd_transfer.layout.reconcile import reconcile  # noqa: E402
 from pd_transfer.layout.views import Layout, Pool  # noqa: E402
-from pd_transfer.shm_segments import Segment, create_segment  # noqa: E402
+from pd_transfer.memory.segments import Segment, create_segment  # noqa: E402
 from pd_transfer.transport import PeerEndpoint, ShmTransport  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

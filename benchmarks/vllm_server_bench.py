@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "tests" / "integrations" / "vllm_e2e"))
 
 from deployment import Server, Sidecar, new_secret, transfer_config, write_model  # noqa: E402
 
-from pd_transfer.ports import spare_port  # noqa: E402
+from pd_transfer.processes.ports import spare_port  # noqa: E402
 
 
 def post(url: str, body: dict, stream: bool = False):

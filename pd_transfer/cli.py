@@ -14,11 +14,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pd_transfer import __version__, shm_orphans
+from pd_transfer import __version__
+from pd_transfer.commands.reports import check_report, plan_report
+from pd_transfer.config.worker_geometry import load_worker_config
 from pd_transfer.errors import ConfigError, GeometryError, PdTransferError
 from pd_transfer.layout.geometry import Role
-from pd_transfer.reports import check_report, plan_report
-from pd_transfer.worker_config import load_worker_config
+from pd_transfer.memory import orphans as shm_orphans
 
 EXIT_OK = 0
 EXIT_REJECTED = 1
@@ -143,7 +144,7 @@ def _add_serve(sub) -> None:
         "reports it in /status, /readyz and the pd_transfer_insecure metric.",
         epilog="exit codes: 0 stopped, 2 invalid config, 3 could not start",
     )
-    from pd_transfer.serve_flags import add_serve_flags
+    from pd_transfer.config.serve_flags import add_serve_flags
 
     serve.add_argument("--config", metavar="FILE", help="TOML file with a [sidecar] table")
     add_serve_flags(serve)
@@ -163,7 +164,7 @@ def _add_serve(sub) -> None:
 
 
 def _add_demo(sub) -> None:
-    from pd_transfer.demo import add_arguments
+    from pd_transfer.commands.demo import add_arguments
 
     demo = sub.add_parser(
         "demo",
@@ -196,7 +197,7 @@ def _add_pair_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _default_http_address() -> str:
-    from pd_transfer.config import SidecarConfig
+    from pd_transfer.config.sidecar import SidecarConfig
 
     return f"{SidecarConfig.http_host}:{SidecarConfig.http_port}"
 
@@ -267,16 +268,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from pd_transfer.agent.auth import Security
-    from pd_transfer.config import load_sidecar_config
-    from pd_transfer.serve_flags import FLAG_OF, flag_overrides
-    from pd_transfer.server import configure_logging, serve
+    from pd_transfer.commands.serve import configure_logging, serve
+    from pd_transfer.config.serve_flags import FLAG_OF, flag_overrides
+    from pd_transfer.config.sidecar import load_sidecar_config
 
     config = load_sidecar_config(args.config, flag_overrides(args), flags=FLAG_OF)
     # an unusable or missing secret or key is invalid config (2), for --print-config too:
     # a config it prints is one serve starts with
     security = Security.from_config(config)
     if args.print_config:
-        from pd_transfer.config import render_toml
+        from pd_transfer.config.sidecar import render_toml
 
         print(render_toml(config), end="")  # secret_file is a path; the secret is never printed
         return EXIT_OK
@@ -332,7 +333,7 @@ def _cmd_identity(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     import json
 
-    from pd_transfer.status_view import fetch_status, render_status
+    from pd_transfer.commands.status_view import fetch_status, render_status
 
     status = fetch_status(args.addr)
     print(json.dumps(status, indent=1) if args.json else render_status(status))
@@ -340,7 +341,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from pd_transfer.demo import run_demo
+    from pd_transfer.commands.demo import run_demo
 
     return run_demo(args)
 

@@ -103,7 +103,7 @@ class Reason(enum.Enum):
     BOOTSTRAP_FAILED = "bootstrap_failed"  # the prefill instance could not be resolved (rank table, verdicts)
     SHUTTING_DOWN = "shutting_down"  # the sidecar stopped before the room finished
     WORKER_LOST = "worker_lost"  # the worker's connection closed: it exited
-    # data plane (pd_transfer.transport, pd_transfer.shm_segments)
+    # data plane (pd_transfer.transport, pd_transfer.memory.segments)
     RUN_OUT_OF_REGION = "run_out_of_region"  # a byte run outside its region
     REGION_INVALID = "region_invalid"  # not a contiguous 1-D uint8 CPU tensor
     SEGMENT_NAME_INVALID = "segment_name_invalid"  # '/', '..' or other unsafe characters

@@ -14,7 +14,7 @@ Every process a test starts ends with the test run, however the run ends:
 
 - each child started through :class:`subprocess.Popen` from the main thread
   gets SIGTERM from the kernel once this process is gone
-  (:mod:`pd_transfer.parent_death`), which covers a runner killed outright;
+  (:mod:`pd_transfer.processes.parent_death`), which covers a runner killed outright;
 - SIGTERM to the runner stops it as SIGINT does (KeyboardInterrupt): the
   fixtures' teardown stops their sidecars;
 - at the end of the run, descendants still running (a child a test left
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from pd_transfer.parent_death import tied_to_parent
+from pd_transfer.processes.parent_death import tied_to_parent
 from pd_transfer.security.secret import SECRET_ENV, SECRET_FILE_ENV, new_secret_file
 
 DESCENDANTS_STOP_S = 10.0  # at the end of the run: SIGTERM, then SIGKILL after this long
@@ -147,7 +147,7 @@ def no_secret(monkeypatch):
 @pytest.fixture
 def owned_doorbells():
     """``make(name, slots)``: a doorbell segment this test owns, unlinked and closed after it."""
-    from pd_transfer.doorbell import Doorbells
+    from pd_transfer.memory.doorbell import Doorbells
 
     made = []
 

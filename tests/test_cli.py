@@ -365,8 +365,8 @@ def test_serve_flags_are_sidecar_fields_and_state_their_defaults():
     """Each serve flag sets a SidecarConfig field, and --help states that field's default."""
     import dataclasses
 
-    from pd_transfer.config import SidecarConfig
-    from pd_transfer.serve_flags import SERVE_FLAGS, _help
+    from pd_transfer.config.serve_flags import SERVE_FLAGS, _help
+    from pd_transfer.config.sidecar import SidecarConfig
 
     fields = {f.name: f for f in dataclasses.fields(SidecarConfig)}
     for entry in SERVE_FLAGS:

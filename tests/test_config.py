@@ -2,8 +2,8 @@
 
 import pytest
 
-from pd_transfer import extras
-from pd_transfer.config import load_sidecar_config, render_toml
+from pd_transfer.config import extras
+from pd_transfer.config.sidecar import load_sidecar_config, render_toml
 from pd_transfer.errors import ConfigError
 from pd_transfer.layout.geometry import Role
 

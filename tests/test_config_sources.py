@@ -17,10 +17,10 @@ import urllib.request
 
 import pytest
 
-from pd_transfer.config import load_sidecar_config
-from pd_transfer.config_sources import SERVICE_LINK
+from pd_transfer.config.sidecar import load_sidecar_config
+from pd_transfer.config.sources import SERVICE_LINK
 from pd_transfer.errors import ConfigError
-from pd_transfer.ports import spare_port
+from pd_transfer.processes.ports import spare_port
 
 
 def _serve(*args, env=None, timeout=60):
@@ -284,7 +284,7 @@ def test_a_bad_flag_is_named_as_the_flag(tmp_path):
 
 
 def test_the_sglang_backends_variables_are_the_ones_the_sidecar_leaves_alone():
-    from pd_transfer.config_sources import COMPONENT_VARIABLES
+    from pd_transfer.config.sources import COMPONENT_VARIABLES
     from pd_transfer.integrations.sglang.settings import BackendSettings
 
     backend = {f"PD_TRANSFER_SGLANG_{name.upper()}" for name in BackendSettings.__dataclass_fields__}

@@ -21,9 +21,9 @@ ABOVE_TRANSPORT = [
     "pd_transfer.agent",
     "pd_transfer.client",
     "pd_transfer.integrations",
-    "pd_transfer.server",
+    "pd_transfer.commands.serve",
 ]
-ENTRY = ["pd_transfer.cli", "pd_transfer.server", "pd_transfer.demo"]
+ENTRY = ["pd_transfer.cli", "pd_transfer.commands.serve", "pd_transfer.commands.demo"]
 
 FORBIDDEN: dict[str, list[str]] = {
     # pure: tensor views, planning; numpy only

@@ -3,7 +3,7 @@
 import json
 import logging
 
-from pd_transfer.logs import JsonFormatter, KeyValueFormatter, RepeatLimiter
+from pd_transfer.observability.logs import JsonFormatter, KeyValueFormatter, RepeatLimiter
 
 
 def _record(msg, *args, **extra):

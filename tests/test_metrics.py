@@ -1,4 +1,4 @@
-"""pd_transfer.metrics: the series whose labels are known ahead exist at 0 before any event,
+"""pd_transfer.observability.metrics: the series whose labels are known ahead exist at 0 before any event,
 so an alert's increase() sees the first event and a panel shows 0, not "No data"."""
 
 import re
@@ -9,10 +9,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pd_transfer.agent.admission import Admission
-from pd_transfer.config import SidecarConfig
+from pd_transfer.config.sidecar import SidecarConfig
 from pd_transfer.errors import Reason
 from pd_transfer.layout.geometry import Role
-from pd_transfer.metrics import (
+from pd_transfer.observability.metrics import (
     BAD_FRAME_REASONS,
     DOORBELL_EVENTS,
     LIMITS,

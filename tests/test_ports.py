@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from pd_transfer import ports
+from pd_transfer.processes import ports
 
 
 @pytest.fixture

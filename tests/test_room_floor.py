@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from benchmarks import room_floor
-from pd_transfer import doorbell
+from pd_transfer.memory import doorbell
 
 pytestmark = pytest.mark.skipif(not doorbell.AVAILABLE, reason="doorbells need futexes (Linux x86-64)")
 

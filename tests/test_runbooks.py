@@ -1,11 +1,11 @@
-"""The runbook served at /runbooks/ (pd_transfer/runbooks.py): sections by their headings'
+"""The runbook served at /runbooks/ (pd_transfer/observability/runbooks.py): sections by their headings'
 GitHub anchors, each up to the next heading of its level or above; headings inside code
 blocks are not sections; only those anchors are names."""
 
 import tomllib
 from pathlib import Path
 
-from pd_transfer import runbooks
+from pd_transfer.observability import runbooks
 
 DOC = """# Operations
 

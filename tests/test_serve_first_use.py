@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from pd_transfer.ports import spare_port
+from pd_transfer.processes.ports import spare_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "configs" / "sidecars"

@@ -7,11 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pd_transfer.shm_segments import SEGMENT_DIR, create_segment
+from pd_transfer.memory.segments import SEGMENT_DIR, create_segment
 
 CHILD = """
 import sys, time
-from pd_transfer.shm_segments import create_segment
+from pd_transfer.memory.segments import create_segment
 segments = [create_segment(sys.argv[1] + name, 1 << 20) for name in ("kv", "aux")]
 for s in segments:
     s.array[:] = 7  # the pages exist: memory a leak would keep

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pd_transfer.shm_segments import SEGMENT_DIR, SEGMENT_PREFIX
+from pd_transfer.memory.segments import SEGMENT_DIR, SEGMENT_PREFIX
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/faults/test_killed_sidecars.py"]

@@ -8,7 +8,7 @@ with ``backpressure_timeout`` and a text naming the limit, its value and the
 fix. A room that ends while waiting (aborted, timed out, its peer lost)
 leaves the queue at once.
 
-The limits (``pd_transfer.config.SidecarConfig``):
+The limits (``pd_transfer.config.sidecar.SidecarConfig``):
 
     max_rooms_per_peer          rooms live with one peer at once (both roles;
                                 decode: a peer is a prefill instance)
@@ -41,7 +41,7 @@ from pd_transfer.errors import PdTransferError, Reason
 
 if TYPE_CHECKING:
     from pd_transfer.agent.rooms import Room
-    from pd_transfer.config import SidecarConfig
+    from pd_transfer.config.sidecar import SidecarConfig
 
 
 @dataclass(eq=False)

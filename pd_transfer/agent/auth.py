@@ -49,7 +49,7 @@ from pd_transfer.wire.fields import clip_text
 
 if TYPE_CHECKING:
     from pd_transfer.agent.zmq_bounds import PeerKeepalive
-    from pd_transfer.config import SidecarConfig
+    from pd_transfer.config.sidecar import SidecarConfig
 
 log = logging.getLogger(__name__)
 

@@ -28,18 +28,19 @@ from typing import TYPE_CHECKING
 import numpy as np
 import zmq.asyncio
 
-from pd_transfer import cuda_ipc, shm_guard
 from pd_transfer.agent.strategies import choose_strategies, receiver_staging, staging_options
 from pd_transfer.agent.tcp_plane import tcp_receiver, tcp_transport
-from pd_transfer.config import SidecarConfig
-from pd_transfer.doorbell import AVAILABLE as DOORBELLS_AVAILABLE
-from pd_transfer.doorbell import Doorbells
+from pd_transfer.config.sidecar import SidecarConfig
 from pd_transfer.errors import PdTransferError, Reason, TransportError
 from pd_transfer.layout.geometry import RankGeometry, Role
 from pd_transfer.layout.views import Pool
-from pd_transfer.listeners import listening
+from pd_transfer.memory import cuda_ipc
+from pd_transfer.memory import segment_guard as shm_guard
+from pd_transfer.memory.doorbell import AVAILABLE as DOORBELLS_AVAILABLE
+from pd_transfer.memory.doorbell import Doorbells
+from pd_transfer.memory.segments import Segment, open_segment
+from pd_transfer.observability.listeners import listening
 from pd_transfer.protocol import Register
-from pd_transfer.shm_segments import Segment, open_segment
 from pd_transfer.transport.base import Link, PeerEndpoint, Receiver, RoomId, Transport, TransportKind
 from pd_transfer.transport.choice import (
     ENGINE_KINDS,
@@ -49,7 +50,7 @@ from pd_transfer.transport.choice import (
     choose_transport,
 )
 from pd_transfer.transport.copy import native_loop
-from pd_transfer.transport.copy.engine import CopyEngine
+from pd_transfer.transport.copy.copy_engine import CopyEngine
 from pd_transfer.transport.device import DeviceTransport
 from pd_transfer.transport.engines.registry import make_receiver, make_transport
 from pd_transfer.transport.engines.strategy import StrategyMode
@@ -69,7 +70,7 @@ log = logging.getLogger(__name__)
 
 
 class SegmentTruncated(PdTransferError):
-    """A mapped segment shrank under its mapping during a write (:mod:`pd_transfer.shm_guard`):
+    """A mapped segment shrank under its mapping during a write (:mod:`pd_transfer.memory.segment_guard`):
     ``local`` when it is this sidecar's worker's, else the peer's (the peer is dropped)."""
 
     default_code = Reason.SEGMENT_TRUNCATED
@@ -266,7 +267,7 @@ class DataPlane:
         """Move every byte of ``plan``; returns only when all of it landed.
 
         A segment truncated under its mapping meanwhile (on either side) fails the
-        write with :class:`SegmentTruncated`, never the process (:mod:`pd_transfer.shm_guard`)."""
+        write with :class:`SegmentTruncated`, never the process (:mod:`pd_transfer.memory.segment_guard`)."""
         if self._local_truncated is not None:
             raise self._local_truncated
         if not shm_guard.available():

@@ -7,7 +7,7 @@ framework. ``/healthz`` answers from the event loop itself: if it answers,
 the loop is responsive. ``/readyz`` is 200 only when the worker registered and
 every configured peer is accepted; otherwise 503 with the reasons as JSON.
 ``/runbooks/`` lists the runbook's sections; a name that is not one of them is a
-404 (:mod:`pd_transfer.runbooks` looks names up, never turns them into paths).
+404 (:mod:`pd_transfer.observability.runbooks` looks names up, never turns them into paths).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pd_transfer import __version__, runbooks
-from pd_transfer.config_addresses import dialable_host
+from pd_transfer import __version__
+from pd_transfer.config.addresses import dialable_host
+from pd_transfer.observability import runbooks
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pd_transfer.config import SidecarConfig
+from pd_transfer.config.sidecar import SidecarConfig
 from pd_transfer.errors import TransportError
 from pd_transfer.layout.planner import PairPlanner
 from pd_transfer.layout.views import Pool

@@ -18,7 +18,7 @@ from prometheus_client.metrics import Gauge
 
 from pd_transfer.agent.peer_series import PeerSeries
 from pd_transfer.layout.geometry import Role
-from pd_transfer.metrics import SidecarMetrics
+from pd_transfer.observability.metrics import SidecarMetrics
 from pd_transfer.protocol import RoomStatus
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from pd_transfer.agent.rooms import Room, RoomView
     from pd_transfer.agent.side import Readiness
     from pd_transfer.agent.worker_loss import WorkerBinding
-    from pd_transfer.config import SidecarConfig
+    from pd_transfer.config.sidecar import SidecarConfig
     from pd_transfer.layout.geometry import RankGeometry
     from pd_transfer.layout.views import Pool
     from pd_transfer.protocol.messages import PoolPlan

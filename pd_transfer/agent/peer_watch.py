@@ -26,7 +26,7 @@ from pd_transfer.protocol import Heartbeat, SessionState
 if TYPE_CHECKING:
     from pd_transfer.agent.channels import Channel
     from pd_transfer.agent.observe import Observer
-    from pd_transfer.config import SidecarConfig
+    from pd_transfer.config.sidecar import SidecarConfig
 
 log = logging.getLogger("pd_transfer.agent.sidecar")
 

@@ -6,7 +6,7 @@ which also serves the decode peers' sessions on the control port) or a
 ``Sidecar[DecodeRoom]`` (a :class:`DecodeSide`) by the configured role, so the side
 and the room table it shares with the sidecar agree on that type. A side is built
 from the :class:`~pd_transfer.agent.side_context.SideContext` its sidecar gives it. The entry
-point (``pd_transfer/server.py``) starts sidecars through here; nothing below
+point (``pd_transfer/commands/serve.py``) starts sidecars through here; nothing below
 it names a role's side.
 """
 
@@ -20,7 +20,7 @@ from pd_transfer.agent.prefill.side import PrefillSide
 from pd_transfer.agent.side import PeerServer, Side
 from pd_transfer.agent.side_context import SideContext
 from pd_transfer.agent.sidecar import Sidecar
-from pd_transfer.config import SidecarConfig
+from pd_transfer.config.sidecar import SidecarConfig
 from pd_transfer.layout.geometry import Role
 
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from pd_transfer.agent.channels import Channel
     from pd_transfer.agent.dataplane import DataPlane
     from pd_transfer.agent.observe import Observer
-    from pd_transfer.config import SidecarConfig
+    from pd_transfer.config.sidecar import SidecarConfig
     from pd_transfer.layout.geometry import RankGeometry
     from pd_transfer.protocol import Capabilities
 

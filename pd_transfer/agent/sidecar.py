@@ -39,7 +39,7 @@ from pd_transfer.agent.startup import ReadyFile, binding, prepare_worker_endpoin
 from pd_transfer.agent.tasks import Tasks, bounded
 from pd_transfer.agent.worker_endpoint import WorkerEndpoint
 from pd_transfer.agent.worker_loss import WorkerBinding
-from pd_transfer.config import SidecarConfig
+from pd_transfer.config.sidecar import SidecarConfig
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import RankGeometry, Role, check_geometry
 from pd_transfer.protocol import (

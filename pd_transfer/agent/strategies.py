@@ -31,7 +31,7 @@ from pd_transfer.errors import PdTransferError
 from pd_transfer.layout.planner import PairPlanner
 from pd_transfer.layout.views import Pool
 from pd_transfer.transport.engines.link import EngineLink
-from pd_transfer.transport.engines.staging.engine import ReceiverStaging, StagingOptions
+from pd_transfer.transport.engines.staging.link_staging import ReceiverStaging, StagingOptions
 from pd_transfer.transport.engines.staging.receiver import DEFAULT_SLOT_NBYTES
 from pd_transfer.transport.engines.strategy import (
     INHERENT,
@@ -43,7 +43,7 @@ from pd_transfer.transport.engines.strategy import (
 )
 
 if TYPE_CHECKING:
-    from pd_transfer.config import SidecarConfig
+    from pd_transfer.config.sidecar import SidecarConfig
     from pd_transfer.layout.lowering import TransferPlan
     from pd_transfer.transport.base import Link
 

@@ -45,7 +45,7 @@ from pd_transfer.transport.zmq.receiver import ZmqTcpReceiver
 from pd_transfer.transport.zmq.transport import ZmqTcpTransport
 
 if TYPE_CHECKING:
-    from pd_transfer.config import SidecarConfig
+    from pd_transfer.config.sidecar import SidecarConfig
     from pd_transfer.transport.regions import RegionMemory
 
 log = logging.getLogger(__name__)

@@ -59,7 +59,7 @@ from pd_transfer.errors import Reason
 from pd_transfer.wire.limits import DEFAULT_LIMITS
 
 if TYPE_CHECKING:
-    from pd_transfer.config import SidecarConfig
+    from pd_transfer.config.sidecar import SidecarConfig
 
 log = logging.getLogger(__name__)
 ContextT = TypeVar("ContextT", bound=zmq.Context[zmq.Socket[object]])

@@ -25,15 +25,16 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from pd_transfer.client import auth, wire
+from pd_transfer.client import auth
+from pd_transfer.client import calls as wire
 from pd_transfer.client.bells import WorkerBells
 from pd_transfer.client.errors import ClientClosed, ReplyTimeout, SidecarLost
 from pd_transfer.client.links import open_async_link
 from pd_transfer.client.status import RoomState, RoomStatus
 from pd_transfer.client.sync import DEFAULT_TIMEOUT_S
-from pd_transfer.doorbell import Outcome
 from pd_transfer.errors import AuthError, Reason
 from pd_transfer.layout.geometry import RankGeometry
+from pd_transfer.memory.doorbell import Outcome
 from pd_transfer.protocol.worker_api import encode
 from pd_transfer.security import ClientHandshake, SharedSecret
 

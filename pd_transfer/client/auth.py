@@ -11,7 +11,7 @@ Sans-IO: the blocking and the asyncio client move the frames.
 
 from __future__ import annotations
 
-from pd_transfer.client import wire
+from pd_transfer.client import calls as wire
 from pd_transfer.client.errors import AuthFailed
 from pd_transfer.errors import AuthError
 from pd_transfer.security import ClientHandshake, SharedSecret, load_secret, parse_secret

@@ -1,6 +1,6 @@
 """The worker's side of doorbells: which room rings where, and waiting on it.
 
-A decode sidecar with doorbells (:mod:`pd_transfer.doorbell`) answers
+A decode sidecar with doorbells (:mod:`pd_transfer.memory.doorbell`) answers
 ``expect`` with the room's slot; the client maps the sidecar's segment once
 and, in ``wait``, sleeps on the slot first. A ring means every byte of the
 room has landed: ``wait`` returns Success without a message. Anything else
@@ -27,8 +27,8 @@ from collections.abc import Callable
 from typing import Any
 
 from pd_transfer.client.status import RoomState
-from pd_transfer.doorbell import AVAILABLE, Doorbells, Outcome
 from pd_transfer.errors import PdTransferError
+from pd_transfer.memory.doorbell import AVAILABLE, Doorbells, Outcome
 
 log = logging.getLogger(__name__)
 

@@ -3,12 +3,12 @@
 :func:`allocate_cuda_pools` allocates, for every region of a rank's
 geometry, one zero-filled uint8 CUDA tensor of exactly the region's size.
 :attr:`CudaPools.handles` is what ``register`` sends: region id -> a
-``cuda-ipc:`` handle string (:mod:`pd_transfer.cuda_ipc`), which the sidecar
+``cuda-ipc:`` handle string (:mod:`pd_transfer.memory.cuda_ipc`), which the sidecar
 opens to read or write the same device memory in place; a same-host peer
 sidecar opens it too and copies device to device.
 
 An engine that already owns its KV tensors registers them with
-:func:`pd_transfer.cuda_ipc.share` directly (one handle per tensor's
+:func:`pd_transfer.memory.cuda_ipc.share` directly (one handle per tensor's
 storage); this class is what the tests and simulated workers use.
 
 The tensors belong to the worker and must outlive every sidecar mapping of
@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pd_transfer import cuda_ipc
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import RankGeometry
+from pd_transfer.memory import cuda_ipc
 
 
 @dataclass(eq=False)

@@ -2,7 +2,7 @@
 
 :func:`allocate_pools` creates, for every region of a rank's geometry, a
 zero-filled segment of exactly the region's size, named with
-:func:`pd_transfer.shm_segments.segment_name`. :attr:`Pools.handles` is what
+:func:`pd_transfer.memory.segments.segment_name`. :attr:`Pools.handles` is what
 ``register`` sends (region id -> segment name); :attr:`Pools.arrays` and
 :attr:`Pools.tensors` are the worker's own numpy / torch uint8 views of the
 same memory, which the sidecar maps and reads or writes in place.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pd_transfer.layout.geometry import RankGeometry
-from pd_transfer.shm_segments import Segment, create_segment, segment_name
+from pd_transfer.memory.segments import Segment, create_segment, segment_name
 
 
 @dataclass(eq=False)

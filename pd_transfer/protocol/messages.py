@@ -113,13 +113,13 @@ class Register(Message):
     ``region_handles`` let a writer on the same host (``host_id``) map the
     regions directly. Both optional (added in 1.0, before any release).
     ``doorbell`` (decode, optional, same release): the shared-memory segment
-    of its doorbells (:mod:`pd_transfer.doorbell`), which a writer on the same
+    of its doorbells (:mod:`pd_transfer.memory.doorbell`), which a writer on the same
     host rings when a room's bytes have landed. ``instance`` (decode, optional,
     same release): the name of the decode instance this rank belongs to; a
     prefill worker's ``send(..., decode=NAME)`` binds a room to it.
     ``pp_size`` (decode, optional, same release): its instance's pipeline
     stages; prefill answers once all ``attn_tp_size * pp_size`` ranks of the
-    instance registered (:mod:`pd_transfer.agent.prefill.instances`).
+    instance registered (:mod:`pd_transfer.agent.prefill.decode_instances`).
     ``pid`` and ``process_start_ticks`` (optional, same release; 0: not told):
     the sender's process, which a peer on the same host watches directly
     (``agent/peer_process.py``).

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pd_transfer.config.extras import ENGINES
 from pd_transfer.errors import ConfigError
-from pd_transfer.extras import ENGINES
 
 FIELD = "allow_unauthenticated_engine"
 FLAG = "--allow-unauthenticated-engine"
@@ -71,7 +71,7 @@ def unauthenticated_engine(config: Any) -> str:
     """The engine whose listeners authenticate nobody that ``config`` runs, accepted
     ("" for none); ConfigError (exit code 2) when it runs one without accepting it.
 
-    ``config`` is a :class:`~pd_transfer.config.SidecarConfig` (``transport`` and
+    ``config`` is a :class:`~pd_transfer.config.sidecar.SidecarConfig` (``transport`` and
     ``allow_unauthenticated_engine``).
     """
     engine = config.transport if config.transport in ENGINES else ""

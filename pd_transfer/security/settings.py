@@ -49,7 +49,7 @@ class SecuritySettings:
 
     @classmethod
     def from_config(cls, config: Any, environ: Mapping[str, str] | None = None) -> SecuritySettings:
-        """``config`` is a :class:`~pd_transfer.config.SidecarConfig` (its auth fields)."""
+        """``config`` is a :class:`~pd_transfer.config.sidecar.SidecarConfig` (its auth fields)."""
         environ = os.environ if environ is None else environ
         secret = load_secret(config.secret_file, environ)
         if secret is None and not config.allow_insecure:

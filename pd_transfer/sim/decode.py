@@ -34,8 +34,7 @@ import numpy as np
 from pd_transfer.client import AsyncClient, ClientError, Refused
 from pd_transfer.layout.geometry import RankGeometry
 from pd_transfer.layout.views import Pool
-from pd_transfer.sim.content import verify_destination
-from pd_transfer.sim.engine import (
+from pd_transfer.sim.bookkeeping import (
     EngineOptions,
     ProgressLog,
     call_args,
@@ -43,6 +42,7 @@ from pd_transfer.sim.engine import (
     refused_outcome,
     state_outcome,
 )
+from pd_transfer.sim.content import verify_destination
 from pd_transfer.sim.report import RoomOutcome, WorkerReport
 from pd_transfer.sim.schedule import ScheduledRequest
 

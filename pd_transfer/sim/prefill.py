@@ -22,8 +22,7 @@ import numpy as np
 from pd_transfer.client import Client, Refused
 from pd_transfer.layout.geometry import RankGeometry
 from pd_transfer.layout.views import Pool
-from pd_transfer.sim.content import fill_source
-from pd_transfer.sim.engine import (
+from pd_transfer.sim.bookkeeping import (
     EngineOptions,
     ProgressLog,
     call_args,
@@ -32,6 +31,7 @@ from pd_transfer.sim.engine import (
     refused_outcome,
     state_outcome,
 )
+from pd_transfer.sim.content import fill_source
 from pd_transfer.sim.report import WorkerReport
 from pd_transfer.sim.schedule import ScheduledRequest
 

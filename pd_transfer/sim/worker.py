@@ -40,8 +40,8 @@ from pd_transfer.layout.model_spec import ModelSpec
 from pd_transfer.layout.presets import load_preset, model_from_table
 from pd_transfer.layout.rank_builder import WorkerShape, build_rank
 from pd_transfer.layout.views import KV_LAYOUTS, Layout
+from pd_transfer.sim.bookkeeping import EngineOptions
 from pd_transfer.sim.decode import run_decode
-from pd_transfer.sim.engine import EngineOptions
 from pd_transfer.sim.prefill import run_prefill
 from pd_transfer.sim.report import WorkerReport, write_report
 from pd_transfer.sim.schedule import PoolSizes, ScheduledRequest, ScheduleSpec, build_schedule

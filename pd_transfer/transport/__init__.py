@@ -8,17 +8,17 @@ sides: :class:`Receiver`).
     device same host, CUDA memory: the peer's IPC handles opened, torch copies
     mock   in-process, scripted faults, for tests
 
-Every transport runs plans through :mod:`~pd_transfer.transport.copy.engine` (or its gather and
+Every transport runs plans through :mod:`~pd_transfer.transport.copy.copy_engine` (or its gather and
 scatter halves in :mod:`~pd_transfer.transport.copy.packing`), which bounds-checks every run against the
 destination region before a byte moves.
 
 Layering: may import ``pd_transfer.wire`` (its frames' codec), ``pd_transfer.layout``,
-``pd_transfer.shm_segments``, numpy, torch, zmq and asyncio; never
+``pd_transfer.memory.segments``, numpy, torch, zmq and asyncio; never
 ``pd_transfer.agent`` or ``pd_transfer.protocol``.
 """
 
 from pd_transfer.transport.base import Link, PeerEndpoint, PeerRegion, Receiver, Transport, TransportKind
-from pd_transfer.transport.copy.engine import CopyEngine, default_engine
+from pd_transfer.transport.copy.copy_engine import CopyEngine, default_engine
 from pd_transfer.transport.copy.packing import WireRuns, check_wire, gather, scatter, scatter_chunk
 from pd_transfer.transport.device import DeviceTransport
 from pd_transfer.transport.mock import Fault, FaultKind, MockTransport

@@ -68,7 +68,7 @@ from pd_transfer.transport.regions import MappedCache, Regions
 
 if TYPE_CHECKING:
     from pd_transfer.layout.lowering import TransferPlan
-    from pd_transfer.shm_segments import Segment
+    from pd_transfer.memory.segments import Segment
 
 T = TypeVar("T")
 

@@ -1,7 +1,7 @@
 """Same host, device memory: the peer's regions opened as torch tensors, copied with torch.
 
 A decode worker whose pools are CUDA memory publishes a CUDA IPC handle per
-region (:mod:`pd_transfer.cuda_ipc`) where a host worker publishes a shared
+region (:mod:`pd_transfer.memory.cuda_ipc`) where a host worker publishes a shared
 memory segment name. :meth:`DeviceTransport.connect` opens those handles
 (``open_region(handle, nbytes)``, in a thread: the first one initializes
 CUDA) and :meth:`DeviceTransport.write` runs each plan with
@@ -14,7 +14,7 @@ arrays, viewed as tensors).
 Nothing runs on the receiving side (as for shm): the writer writes in place,
 so an abort is fenced by the writer draining (:meth:`Link.drain`).
 
-``open_region`` defaults to :func:`pd_transfer.cuda_ipc.open_handle`; tests
+``open_region`` defaults to :func:`pd_transfer.memory.cuda_ipc.open_handle`; tests
 pass one that returns CPU tensors, which the same copies move.
 """
 
@@ -48,7 +48,7 @@ class DeviceLink(Link):
 
 
 def _open_cuda(handle: str, nbytes: int) -> Any:
-    from pd_transfer import cuda_ipc
+    from pd_transfer.memory import cuda_ipc
 
     return cuda_ipc.open_handle(handle, nbytes)
 

@@ -30,7 +30,7 @@ import numpy as np
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.layout.lowering import RunBatch, TransferPlan
 from pd_transfer.transport.base import Link, PeerEndpoint, RoomId, Transport, TransportKind
-from pd_transfer.transport.copy.engine import CopyEngine, default_engine
+from pd_transfer.transport.copy.copy_engine import CopyEngine, default_engine
 from pd_transfer.transport.copy.runs import expand, flatten
 from pd_transfer.transport.regions import Regions, map_one
 

@@ -1,7 +1,7 @@
 """Same-host transport: map the peer's shared-memory segments and copy into them.
 
 The decode worker allocates its regions as POSIX shared-memory segments
-(:mod:`pd_transfer.shm_segments`) and publishes one segment name per region. On
+(:mod:`pd_transfer.memory.segments`) and publishes one segment name per region. On
 :meth:`ShmTransport.connect` the writer maps each (refusing a segment smaller
 than the region the peer registered); :meth:`ShmTransport.write` then runs
 the copy engine straight from its own regions into the mapped destination: no
@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.layout.grids import GridPlan
-from pd_transfer.shm_segments import Segment, open_segment
+from pd_transfer.memory.segments import Segment, open_segment
 from pd_transfer.transport.base import Link, PeerEndpoint, RoomId, Transport, TransportKind
+from pd_transfer.transport.copy.copy_engine import CopyEngine, default_engine
 from pd_transfer.transport.copy.device import as_tensors, execute_on_device
-from pd_transfer.transport.copy.engine import CopyEngine, default_engine
 from pd_transfer.transport.regions import Regions, map_one, on_device
 
 if TYPE_CHECKING:

@@ -29,16 +29,16 @@ import torch
 
 from pd_transfer.client import Client, Refused, allocate_pools
 from pd_transfer.client.cuda_pools import allocate_cuda_pools
+from pd_transfer.config.extras import ENGINES
 from pd_transfer.errors import GeometryError, Reason
-from pd_transfer.extras import ENGINES
 from pd_transfer.layout.geometry import RankGeometry, Role
 from pd_transfer.layout.presets import load_preset
 from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.spans import TokenSpan
 from pd_transfer.layout.views import Layout, Pool
-from pd_transfer.ports import spare_port
+from pd_transfer.memory.segments import SEGMENT_DIR, SEGMENT_PREFIX
+from pd_transfer.processes.ports import spare_port
 from pd_transfer.security.secret import SECRET_ENV, SECRET_FILE_ENV
-from pd_transfer.shm_segments import SEGMENT_DIR, SEGMENT_PREFIX
 from pd_transfer.testing import World
 
 _ids = itertools.count()

@@ -5,7 +5,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from pd_transfer.ports import spare_port
+from pd_transfer.processes.ports import spare_port
 
 
 def start_prometheus(tmp_path: Path, rules: Path, target: str) -> tuple[subprocess.Popen, str]:

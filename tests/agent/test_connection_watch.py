@@ -22,7 +22,7 @@ from pd_transfer.agent.auth import DISABLED, SecureContext
 from pd_transfer.agent.channels import IncomingChannels, OutgoingChannel
 from pd_transfer.agent.zmq_bounds import PeerKeepalive
 from pd_transfer.layout.geometry import Role
-from pd_transfer.ports import spare_port
+from pd_transfer.processes.ports import spare_port
 from pd_transfer.protocol import Heartbeat, Hello, encode
 
 pytestmark = pytest.mark.asyncio

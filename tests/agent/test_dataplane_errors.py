@@ -14,7 +14,7 @@ import pytest
 import zmq.asyncio
 
 from pd_transfer.agent.dataplane import DataPlane
-from pd_transfer.config import SidecarConfig
+from pd_transfer.config.sidecar import SidecarConfig
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.layout.geometry import RankGeometry, Role
 from pd_transfer.layout.lowering import RunBatch, TransferPlan

@@ -11,8 +11,8 @@ import pytest
 from cluster import random_requests, small_instances
 
 from pd_transfer.client import RoomStatus
-from pd_transfer.cuda_ipc import cuda_available
 from pd_transfer.layout.views import Layout
+from pd_transfer.memory.cuda_ipc import cuda_available
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from cluster import poll_known, random_requests, small_instances
 
-from pd_transfer import doorbell
 from pd_transfer.client import AsyncClient, RoomStatus
 from pd_transfer.errors import Reason
 from pd_transfer.layout.views import Pool
+from pd_transfer.memory import doorbell
 
 pytestmark = pytest.mark.skipif(not doorbell.AVAILABLE, reason="doorbells need Linux on x86-64")
 

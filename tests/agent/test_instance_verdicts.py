@@ -1,13 +1,13 @@
 """``pd-transfer check`` and a live prefill sidecar reach the same verdict on any pair.
 
-Both call :func:`pd_transfer.layout.instances.reconcile_instances`; this
+Both call :func:`pd_transfer.layout.instance_reconcile.reconcile_instances`; this
 property test drives generated instance pairs (any model preset kind, and
 models whose layer kinds come in runs, so that a pipeline stage may hold no
 layer of a pool: state-only, kv-only, SWA-only or aux-only stages; PP and TP
 on each side, even and uneven layer splits, layouts, dtypes, page sizes, and
 stages that leave layers out or register another stage's layers) through both
 entry points: the verdict lines ``check`` prints
-(:func:`pd_transfer.reports.verdict_report`) and the Verdict a prefill
+(:func:`pd_transfer.commands.reports.verdict_report`) and the Verdict a prefill
 sidecar sends a decode rank (:func:`pd_transfer.agent.prefill.acceptance
 .instance_verdict` over that rank and one rank of every other stage),
 rendered as the decode side reports it. A sample of the generated pairs runs
@@ -29,13 +29,13 @@ from hypothesis import strategies as st
 
 from pd_transfer.agent.prefill.acceptance import instance_verdict
 from pd_transfer.client import RoomStatus
+from pd_transfer.commands.reports import verdict_report
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import Role
-from pd_transfer.layout.instances import reconcile_instances, stage_representatives
+from pd_transfer.layout.instance_reconcile import reconcile_instances, stage_representatives
 from pd_transfer.layout.presets import load_preset, model_from_table
 from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.views import KV_LAYOUTS, Layout
-from pd_transfer.reports import verdict_report
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "layout"))
 from transfer_check import SMALL_MODELS, random_requests  # noqa: E402
@@ -265,7 +265,7 @@ def test_a_hole_on_either_side_names_the_layers_and_the_side(side):
 def test_prefill_answers_a_decode_stage_once_every_stage_has_a_rank_registered():
     import asyncio
 
-    from pd_transfer.agent.prefill.instances import DecodeInstances, instance_size
+    from pd_transfer.agent.prefill.decode_instances import DecodeInstances, instance_size
     from pd_transfer.protocol import Register
 
     decode = _llama(Role.DECODE, 2, 2)  # stage major: pp0 tp0, pp0 tp1, pp1 tp0, pp1 tp1

@@ -12,7 +12,7 @@ from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.presets import model_from_table
 from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.views import Layout, Pool
-from pd_transfer.metrics import METRIC_NAMES
+from pd_transfer.observability.metrics import METRIC_NAMES
 
 TINY = {
     "name": "tiny",

@@ -26,7 +26,7 @@ from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.presets import model_from_table
 from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.views import Layout
-from pd_transfer.metrics import BAD_FRAME_REASONS, LIMITS
+from pd_transfer.observability.metrics import BAD_FRAME_REASONS, LIMITS
 
 TINY = {
     "name": "tiny",

@@ -15,7 +15,7 @@ from cluster import random_requests
 from pd_transfer.client import Refused, RoomStatus
 from pd_transfer.errors import Reason
 from pd_transfer.layout.geometry import Role
-from pd_transfer.layout.instances import reconcile_instances
+from pd_transfer.layout.instance_reconcile import reconcile_instances
 from pd_transfer.layout.model_spec import LayerKind
 from pd_transfer.layout.presets import load_preset
 from pd_transfer.layout.rank_builder import build_instance

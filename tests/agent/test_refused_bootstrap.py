@@ -21,7 +21,7 @@ from cluster import Cluster, small_instances
 from pd_transfer.agent.bootstrap import fetch_table
 from pd_transfer.client import RoomStatus
 from pd_transfer.errors import PdTransferError, Reason
-from pd_transfer.ports import spare_port
+from pd_transfer.processes.ports import spare_port
 
 PATIENCE_S = 600.0  # the request's own deadline: far beyond every wait below
 

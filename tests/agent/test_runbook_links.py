@@ -21,11 +21,11 @@ import pytest
 import yaml
 from prometheus_server import start_prometheus
 
-from pd_transfer import runbooks
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.presets import model_from_table
 from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.views import Layout
+from pd_transfer.observability import runbooks
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"

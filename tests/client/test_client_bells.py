@@ -4,9 +4,9 @@ import logging
 
 import pytest
 
-from pd_transfer import doorbell
 from pd_transfer.client.bells import WorkerBells as RoomBells
-from pd_transfer.doorbell import Outcome
+from pd_transfer.memory import doorbell
+from pd_transfer.memory.doorbell import Outcome
 
 pytestmark = pytest.mark.skipif(not doorbell.AVAILABLE, reason="doorbells need Linux on x86-64")
 

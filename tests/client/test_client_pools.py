@@ -14,7 +14,7 @@ from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.presets import model_from_table
 from pd_transfer.layout.rank_builder import WorkerShape, build_rank
 from pd_transfer.layout.views import Layout
-from pd_transfer.shm_segments import SEGMENT_DIR, open_segment
+from pd_transfer.memory.segments import SEGMENT_DIR, open_segment
 
 MODEL = model_from_table(
     {

@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 from prometheus_client import CollectorRegistry
 
-from pd_transfer.metrics import SidecarMetrics
+from pd_transfer.observability.metrics import SidecarMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

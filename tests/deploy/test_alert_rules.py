@@ -9,7 +9,7 @@ import pytest
 import yaml
 from deploy_files import PROMETHEUS, ROOT
 
-from pd_transfer import runbooks
+from pd_transfer.observability import runbooks
 
 # a runbook link opens a section of docs/operations.md on a sidecar (GET /runbooks/<name>):
 # the alert's own sidecar, or the first one up where its labels name none

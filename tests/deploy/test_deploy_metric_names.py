@@ -8,7 +8,7 @@ selects nothing), counters only with ``_total``.
 import yaml
 from deploy_files import KUBERNETES, PROMETHEUS, metric_names_in, unexported
 
-from pd_transfer.metrics import METRIC_NAMES
+from pd_transfer.observability.metrics import METRIC_NAMES
 
 
 def test_metric_names_list_every_family_the_registry_exports(families):

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from deploy_files import KUBERNETES, PROMETHEUS
 
-from pd_transfer.config import SidecarConfig, load_sidecar_config
+from pd_transfer.config.sidecar import SidecarConfig, load_sidecar_config
 
 SIDECAR_IMAGE = "pd-transfer:0.1.0"  # the Dockerfile's (test_dockerfile.py)
 CONFIG_PATH = "/etc/pd-transfer/sidecar.toml"

@@ -7,7 +7,7 @@ from urllib.parse import urlsplit
 import pytest
 from deploy_files import ROOT, SIDECARS
 
-from pd_transfer.config import load_sidecar_config
+from pd_transfer.config.sidecar import load_sidecar_config
 
 PRESETS = sorted(p.stem for p in (ROOT / "configs" / "models").glob("*.toml"))
 EXAMPLES = sorted(SIDECARS.glob("*.toml"))

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pd_transfer import docgen
+from pd_transfer.docgen import generate as docgen
 from pd_transfer.errors import Reason
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.planner import plan_pair
@@ -18,7 +18,7 @@ from pd_transfer.layout.presets import load_preset
 from pd_transfer.layout.rank_builder import WorkerShape, build_instance, build_rank
 from pd_transfer.layout.reconcile import Mode, reconcile
 from pd_transfer.layout.views import Layout, Pool
-from pd_transfer.metrics import METRIC_NAMES
+from pd_transfer.observability.metrics import METRIC_NAMES
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 SHAPE = {"page_size": 16, "kv_layout": Layout.NHD, "num_pages": 64, "num_slots": 8}
@@ -55,7 +55,7 @@ def _rank(ranks, rank_id: str):
 
 def test_generated_tables_match_the_code():
     diff = docgen.check(DOCS)
-    assert diff == "", f"docs are stale; run `python -m pd_transfer.docgen`:\n{diff[:4000]}"
+    assert diff == "", f"docs are stale; run `python -m pd_transfer.docgen.generate`:\n{diff[:4000]}"
 
 
 def test_docgen_check_reports_a_stale_table_and_exits_1(tmp_path):
@@ -117,7 +117,7 @@ def test_runbook_has_the_anchors_alert_rules_link_to():
 
 
 def test_docs_state_the_default_http_port():
-    from pd_transfer.config import SidecarConfig
+    from pd_transfer.config.sidecar import SidecarConfig
 
     port = SidecarConfig(role=Role.DECODE).http_port
     assert f"default port {port}" in _doc("architecture.md")

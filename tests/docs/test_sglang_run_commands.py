@@ -18,8 +18,8 @@ import pytest
 
 from pd_transfer.agent.auth import Security
 from pd_transfer.cli import build_parser, main
-from pd_transfer.config import load_sidecar_config
-from pd_transfer.serve_flags import FLAG_OF, flag_overrides
+from pd_transfer.config.serve_flags import FLAG_OF, flag_overrides
+from pd_transfer.config.sidecar import load_sidecar_config
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "sglang.md"
 DOC_KEYS = "/etc/pd-transfer/keys"

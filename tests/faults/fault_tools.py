@@ -27,7 +27,7 @@ from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.presets import model_from_table
 from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.views import Layout, Pool
-from pd_transfer.shm_segments import SEGMENT_DIR
+from pd_transfer.memory.segments import SEGMENT_DIR
 from pd_transfer.sim.content import check_destination, fill_source
 
 TINY = {

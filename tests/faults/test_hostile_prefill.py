@@ -17,7 +17,7 @@ import zmq
 from fault_tools import tiny_ranks, wait_for
 
 from pd_transfer.client import RoomStatus
-from pd_transfer.config import default_host_id
+from pd_transfer.config.sidecar import default_host_id
 from pd_transfer.layout.geometry import Role
 from pd_transfer.protocol import Hello, RankEntry, RankTable, Register, Verdict, decode, encode
 

@@ -22,10 +22,11 @@ import zmq
 from fault_tools import TERMINAL, changed_regions, kv_requests, snapshot, tiny_ranks, wait_status
 
 from pd_transfer.client import Refused, RoomStatus, allocate_pools
-from pd_transfer.config import default_host_id
+from pd_transfer.config.sidecar import default_host_id
 from pd_transfer.errors import Reason
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.views import Pool
+from pd_transfer.memory.segments import create_segment
 from pd_transfer.protocol import (
     Done,
     Heartbeat,
@@ -38,7 +39,6 @@ from pd_transfer.protocol import (
     decode,
     encode,
 )
-from pd_transfer.shm_segments import create_segment
 
 NUM_PAGES = 16
 

@@ -19,7 +19,7 @@ from fault_tools import changed_regions, kv_requests, segments_of, snapshot, tin
 
 from pd_transfer.client import RoomStatus
 from pd_transfer.layout.geometry import Role
-from pd_transfer.ports import spare_port
+from pd_transfer.processes.ports import spare_port
 from pd_transfer.transport.copy.packing import WireRuns
 from pd_transfer.transport.tcp.frames import ChunkHeader, Fail, decode_reply, encode
 from pd_transfer.transport.tcp.sockets import PREFIX, Kind, parse_address, prefix

@@ -16,7 +16,7 @@ from fault_tools import check_sim, fill_sim, kv_requests, tiny_ranks, wait_for, 
 
 from pd_transfer.client import Refused, RoomStatus
 from pd_transfer.layout.geometry import Role
-from pd_transfer.shm_segments import SEGMENT_DIR
+from pd_transfer.memory.segments import SEGMENT_DIR
 
 SEED = 5
 

@@ -17,7 +17,7 @@ from cluster import worker_environ
 from fault_tools import kill, kv_requests, start_child_worker, tiny_ranks, wait_status
 
 from pd_transfer.client import Client, Refused, RoomStatus, allocate_pools
-from pd_transfer.client.wire import register_request, send_request
+from pd_transfer.client.calls import register_request, send_request
 from pd_transfer.layout.geometry import Region, Role
 
 NUM_PAGES = 64

@@ -50,7 +50,7 @@ def bootstrap_seeds(entry) -> list[bytes]:
 
 def worker_seeds(geometry: RankGeometry, handles: dict[str, str]) -> list[bytes]:
     """One request of every worker op, with small values (``wait`` for 10 ms)."""
-    from pd_transfer.client import wire
+    from pd_transfer.client import calls as wire
 
     requests = [
         wire.register_request(geometry, handles, "fuzz-worker"),

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from pd_transfer.cuda_ipc import cuda_available, open_handle, share
+from pd_transfer.memory.cuda_ipc import cuda_available, open_handle, share
 
 needs_gpu = [
     pytest.mark.gpu,
@@ -21,7 +21,7 @@ def test_cuda_ipc_handle_opens_the_same_memory_in_another_process():
     tensor = torch.arange(256, dtype=torch.uint8, device="cuda")
     handle = share(tensor)
     code = (
-        "import sys, torch; from pd_transfer.cuda_ipc import open_handle\n"
+        "import sys, torch; from pd_transfer.memory.cuda_ipc import open_handle\n"
         "t = open_handle(sys.argv[1], 256)\n"
         "assert t.is_cuda and int(t[:256].sum()) == sum(range(256)) % (1 << 64)\n"
         "t[:4] = 7; torch.cuda.synchronize()\n"

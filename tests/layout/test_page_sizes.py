@@ -23,7 +23,7 @@ from pd_transfer.layout.reconcile import Mode, reconcile
 from pd_transfer.layout.spans import TokenSpan, request_lengths_agree
 from pd_transfer.layout.views import KV_LAYOUTS, Axis, AxisRole, Layout, Pool, TensorView
 from pd_transfer.testing import World
-from pd_transfer.transport.copy.engine import CopyEngine
+from pd_transfer.transport.copy.copy_engine import CopyEngine
 
 PAGE_SIZES = (1, 16, 64)
 PAGE_PAIRS = [p for p in itertools.product(PAGE_SIZES, PAGE_SIZES) if p[0] != p[1]]

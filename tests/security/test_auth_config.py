@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from pd_transfer.cli import build_parser, main
-from pd_transfer.config import load_sidecar_config
+from pd_transfer.config.sidecar import load_sidecar_config
 from pd_transfer.errors import ConfigError
 from pd_transfer.security import SecuritySettings, load_secret, parse_secret
 from pd_transfer.security.curve import PUBLIC_KEY_FILE, SECRET_KEY_FILE, SHARED_SECRET_FILE

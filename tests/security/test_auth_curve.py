@@ -21,7 +21,7 @@ from pd_transfer.agent.bootstrap import fetch_table
 from pd_transfer.client import RoomStatus
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.geometry import Role
-from pd_transfer.ports import spare_port
+from pd_transfer.processes.ports import spare_port
 from pd_transfer.protocol import Hello, encode
 from pd_transfer.security.curve import PUBLIC_KEY_FILE, SECRET_KEY_FILE, write_keys
 

@@ -22,13 +22,13 @@ import pytest
 from cluster import Cluster
 
 from pd_transfer.cli import EXIT_INVALID
+from pd_transfer.commands.status_view import render_status
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.presets import load_preset
 from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.views import Layout
-from pd_transfer.listeners import listening
+from pd_transfer.observability.listeners import listening
 from pd_transfer.security.secret import SECRET_ENV, SECRET_FILE_ENV
-from pd_transfer.status_view import render_status
 from pd_transfer.transport.engines.registry import engine_unusable
 
 

@@ -29,7 +29,7 @@ from secure_cluster import SECRET_HEX, metric, ranks, requests, security, write_
 from pd_transfer.agent.tcp_plane import DataAuth
 from pd_transfer.client import RoomStatus
 from pd_transfer.layout.geometry import Role
-from pd_transfer.ports import spare_port
+from pd_transfer.processes.ports import spare_port
 from pd_transfer.transport.tcp.sockets import FrameChannel, Kind, prefix
 
 DECODE = "decode[pp0,tp0]"

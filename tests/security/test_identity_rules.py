@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from pd_transfer.config import SidecarConfig
+from pd_transfer.config.sidecar import SidecarConfig
 from pd_transfer.errors import ConfigError, Reason
 from pd_transfer.layout.geometry import Role
 from pd_transfer.security import (

@@ -4,7 +4,7 @@ import pytest
 
 from pd_transfer.agent.integrity import FEATURE, features
 from pd_transfer.cli import build_parser
-from pd_transfer.config import load_sidecar_config
+from pd_transfer.config.sidecar import load_sidecar_config
 from pd_transfer.errors import ConfigError
 
 

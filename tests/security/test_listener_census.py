@@ -29,7 +29,7 @@ from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.presets import load_preset
 from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.views import Layout
-from pd_transfer.listeners import Listener, listening, unix_listening
+from pd_transfer.observability.listeners import Listener, listening, unix_listening
 from pd_transfer.security.curve import SECRET_KEY_FILE, write_keys
 from pd_transfer.transport.engines.interfaces import device_of
 from pd_transfer.transport.engines.registry import engine_unusable

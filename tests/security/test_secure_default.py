@@ -117,7 +117,7 @@ def test_an_insecure_sidecar_says_so_in_log_status_readyz_and_metrics(tmp_path, 
 
 
 def test_the_status_command_shows_an_insecure_sidecar(tmp_path, no_secret):
-    from pd_transfer.status_view import render_status
+    from pd_transfer.commands.status_view import render_status
 
     proc = _serve(tmp_path, "--insecure")
     try:

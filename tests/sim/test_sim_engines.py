@@ -15,8 +15,8 @@ from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.rank_builder import WorkerShape, build_rank
 from pd_transfer.layout.views import Layout
 from pd_transfer.protocol.worker_api import WorkerOp
+from pd_transfer.sim.bookkeeping import EngineOptions
 from pd_transfer.sim.decode import run_decode
-from pd_transfer.sim.engine import EngineOptions
 from pd_transfer.sim.prefill import run_prefill
 from pd_transfer.sim.report import WorkerReport
 from pd_transfer.sim.schedule import PoolSizes, ScheduleSpec, build_schedule

@@ -16,7 +16,7 @@ import pytest
 from fake_pair import FakePair
 from sim_models import TINY
 
-from pd_transfer.shm_segments import SEGMENT_DIR, open_segment
+from pd_transfer.memory.segments import SEGMENT_DIR, open_segment
 from pd_transfer.sim import worker
 from pd_transfer.sim.schedule import ROOM_STRIDE
 

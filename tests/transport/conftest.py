@@ -21,7 +21,7 @@ from pd_transfer.layout.presets import model_from_table
 from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.reconcile import reconcile
 from pd_transfer.layout.views import Layout, Pool
-from pd_transfer.shm_segments import SEGMENT_DIR, create_segment
+from pd_transfer.memory.segments import SEGMENT_DIR, create_segment
 from pd_transfer.testing import World
 
 MODELS = {

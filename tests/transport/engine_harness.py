@@ -21,7 +21,7 @@ from pd_transfer.layout.lowering import RunBatch, TransferPlan
 from pd_transfer.transport import PeerEndpoint
 from pd_transfer.transport.engines.link import PROBE_LANDING, Recovery
 from pd_transfer.transport.engines.registry import engine_unusable
-from pd_transfer.transport.engines.staging.engine import StagingOptions
+from pd_transfer.transport.engines.staging.link_staging import StagingOptions
 from pd_transfer.transport.engines.strategy import StrategyMode
 
 FAST = Recovery(settle_s=0.05, probe_attempts=2, probe_backoff_s=0.05)

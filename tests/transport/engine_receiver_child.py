@@ -18,7 +18,7 @@ import asyncio
 import json
 import sys
 
-from pd_transfer.shm_segments import open_segment
+from pd_transfer.memory.segments import open_segment
 from pd_transfer.transport.engines.registry import make_receiver, make_transport
 
 

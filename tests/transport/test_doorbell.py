@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from pd_transfer import doorbell
-from pd_transfer.doorbell import MAX_WRITERS, Doorbells, Outcome
 from pd_transfer.errors import Reason, TransportError
-from pd_transfer.shm_segments import create_segment, segment_name
+from pd_transfer.memory import doorbell
+from pd_transfer.memory.doorbell import MAX_WRITERS, Doorbells, Outcome
+from pd_transfer.memory.segments import create_segment, segment_name
 
 pytestmark = pytest.mark.skipif(not doorbell.AVAILABLE, reason="doorbells need Linux on x86-64")
 
@@ -22,7 +22,7 @@ def bells(owned_doorbells):
 
 def _ring_from_another_process(name: str, slot: int, token: int, writer: int, delay_s: float = 0.0):
     code = (
-        "import sys, time; from pd_transfer.doorbell import Doorbells\n"
+        "import sys, time; from pd_transfer.memory.doorbell import Doorbells\n"
         f"time.sleep({delay_s}); b = Doorbells.open({name!r})\n"
         f"sys.exit(0 if b.ring({slot}, {token}, {writer}) else 3)"
     )

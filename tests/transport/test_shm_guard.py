@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from pd_transfer import shm_guard
+from pd_transfer.memory import segment_guard as shm_guard
 
 pytestmark = pytest.mark.skipif(
     not shm_guard.available(), reason=f"no SIGBUS guard: {shm_guard.why_unavailable()}"
@@ -21,9 +21,9 @@ pytestmark = pytest.mark.skipif(
 _PRELUDE = """
 import mmap, os, threading
 import numpy as np
-from pd_transfer import shm_guard
+from pd_transfer.memory import segment_guard as shm_guard
 from pd_transfer.errors import TransportError
-from pd_transfer.shm_segments import create_segment, open_segment
+from pd_transfer.memory.segments import create_segment, open_segment
 from pd_transfer.transport.copy import native_loop as native_copy
 name = f"pdt-guardtest-{os.getpid()}"
 owner = create_segment(name, 1 << 20)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pd_transfer.errors import Reason, TransportError
-from pd_transfer.shm_segments import SEGMENT_DIR, check_name, create_segment, open_segment, segment_name
+from pd_transfer.memory.segments import SEGMENT_DIR, check_name, create_segment, open_segment, segment_name
 
 
 @pytest.fixture
@@ -85,7 +85,7 @@ def test_close_with_live_views_keeps_them_readable(name):
 def test_a_second_process_writes_into_the_segment_by_name(name):
     with create_segment(name, 1 << 20) as segment:
         child = textwrap.dedent(f"""
-            from pd_transfer.shm_segments import open_segment
+            from pd_transfer.memory.segments import open_segment
             with open_segment({name!r}, 1 << 20) as seg:
                 seg.array[:] = 0
                 seg.array[::4096] = 42

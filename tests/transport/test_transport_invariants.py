@@ -29,7 +29,7 @@ from engine_harness import FAST, ReceiverProcess, direct_transport
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.layout.lowering import RunBatch, TransferPlan
-from pd_transfer.shm_segments import create_segment
+from pd_transfer.memory.segments import create_segment
 from pd_transfer.transport import MockTransport, PeerEndpoint, ShmTransport, TcpReceiver, TcpTransport
 from pd_transfer.transport.engines.registry import engine_unusable
 from pd_transfer.transport.fault_injection import CorruptingTransport, CorruptNth

@@ -5,9 +5,7 @@ import sys
 
 
 def test_transport_imports_neither_agent_nor_protocol():
-    code = (
-        "import sys, pd_transfer.transport, pd_transfer.shm_segments\nprint('\\n'.join(sorted(sys.modules)))"
-    )
+    code = "import sys, pd_transfer.transport, pd_transfer.memory.segments\nprint('\\n'.join(sorted(sys.modules)))"
     loaded = set(
         subprocess.run(
             [sys.executable, "-c", code], check=True, capture_output=True, text=True
@@ -20,7 +18,7 @@ def test_transport_imports_neither_agent_nor_protocol():
 
 def test_shm_module_needs_no_sockets():
     # (torch itself imports asyncio, so only zmq and the upper layers are checked)
-    code = "import sys, pd_transfer.shm_segments\nprint('\\n'.join(sorted(sys.modules)))"
+    code = "import sys, pd_transfer.memory.segments\nprint('\\n'.join(sorted(sys.modules)))"
     loaded = set(
         subprocess.run(
             [sys.executable, "-c", code], check=True, capture_output=True, text=True

@@ -9,7 +9,7 @@ import pytest
 from pd_transfer.errors import ProtocolError, Reason, TransportError
 from pd_transfer.protocol import Close, decode, encode
 from pd_transfer.security import messages as handshake
-from pd_transfer.transport.engines.staging import wire as staging
+from pd_transfer.transport.engines.staging import channel_requests as staging
 from pd_transfer.transport.tcp import frames
 from pd_transfer.wire.envelope import unpack
 from pd_transfer.wire.limits import (

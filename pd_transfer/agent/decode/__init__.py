@@ -2,7 +2,7 @@
 
 ``side`` (:class:`~pd_transfer.agent.decode.side.DecodeSide`, the ``Side``
 the sidecar calls) registers the worker's rooms and checks what landed;
-``instances`` resolves each prefill instance (rank table, sessions, verdicts);
+``prefill_instances`` resolves each prefill instance (rank table, sessions, verdicts);
 ``retire`` closes the sessions of a lost instance once quiet; ``bells`` rings
 the room doorbells a worker's ``wait`` sleeps on.
 

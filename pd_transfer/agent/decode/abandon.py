@@ -25,7 +25,7 @@ from pd_transfer.wire.fields import clip_text
 from pd_transfer.wire.limits import MAX_FAIL_TEXT_LEN
 
 if TYPE_CHECKING:
-    from pd_transfer.agent.decode.instances import PrefillInstances
+    from pd_transfer.agent.decode.prefill_instances import PrefillInstances
 
 log = logging.getLogger(__name__)
 

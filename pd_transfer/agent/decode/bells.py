@@ -12,7 +12,7 @@ worker and this sidecar agreeing on how the room ended.
 - ``rung``: a poll or wait that reaches the sidecar counts a rung room
   successful before its Done arrives.
 
-See :mod:`pd_transfer.doorbell` for the slot and its memory order.
+See :mod:`pd_transfer.memory.doorbell` for the slot and its memory order.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from pd_transfer.doorbell import AVAILABLE, MAX_WRITERS, Doorbells
 from pd_transfer.errors import PdTransferError
+from pd_transfer.memory.doorbell import AVAILABLE, MAX_WRITERS, Doorbells
 from pd_transfer.protocol import RoomStatus
 
 if TYPE_CHECKING:
     from pd_transfer.agent.decode.room import DecodeRoom, PrefillPeer
     from pd_transfer.agent.observe import Observer
-    from pd_transfer.config import SidecarConfig
+    from pd_transfer.config.sidecar import SidecarConfig
 
 log = logging.getLogger(__package__)
 

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from pd_transfer.agent.decode.room import PrefillInstance
     from pd_transfer.agent.retry import Backoff
     from pd_transfer.agent.rooms import Room
-    from pd_transfer.config import SidecarConfig
+    from pd_transfer.config.sidecar import SidecarConfig
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Beside the common :class:`~pd_transfer.agent.rooms.Room` record: the prefill
 instance it comes from (``bootstrap``, ``instance``), the destination indices
 per pool, the prefill ranks that write it and which of them reported Done or
 acknowledged an abort, and its doorbell slot (:mod:`.bells`). And the records of
-those prefill instances (resolved by :mod:`.instances`): their ranks' sessions.
+those prefill instances (resolved by :mod:`.prefill_instances`): their ranks' sessions.
 """
 
 from __future__ import annotations

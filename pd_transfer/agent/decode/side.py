@@ -1,7 +1,7 @@
 """The decode side: request rooms from prefill instances, end them, drain aborts.
 
 ``expect(room, bootstrap, ...)`` takes the prefill instance of ``bootstrap``,
-resolved once per address (:mod:`.instances`: rank table, reconciled
+resolved once per address (:mod:`.prefill_instances`: rank table, reconciled
 with this rank, a session and a Verdict per prefill rank; a rejected pair
 fails its rooms at once with the full diagnostic, never after a timeout).
 Then each needed prefill rank gets a TransferRequest; the room succeeds when
@@ -30,7 +30,7 @@ import numpy as np
 from pd_transfer.agent import integrity
 from pd_transfer.agent.decode import abandon
 from pd_transfer.agent.decode.bells import RoomBells
-from pd_transfer.agent.decode.instances import PrefillInstances
+from pd_transfer.agent.decode.prefill_instances import PrefillInstances
 from pd_transfer.agent.decode.room import DecodeRoom, PrefillInstance, PrefillPeer
 from pd_transfer.agent.indices import Claims, check_indices
 from pd_transfer.agent.rooms import Room
@@ -53,7 +53,7 @@ from pd_transfer.protocol.worker_requests import AbandonRequest, ExpectRequest, 
 
 if TYPE_CHECKING:
     from pd_transfer.agent.side_context import SideContext
-    from pd_transfer.config import SidecarConfig
+    from pd_transfer.config.sidecar import SidecarConfig
     from pd_transfer.layout.geometry import RankGeometry
     from pd_transfer.transport.copy.checksums import BlockLayout
 

@@ -5,7 +5,7 @@ the sidecar calls) serves the decode sessions and is composed of the rest:
 ``sends`` takes the worker's sends and layer announcements; ``writes`` pumps
 each room to its targets, ``endings`` ends rooms and releases peers;
 ``rank_table`` serves rank 0's rank table; ``acceptance`` and ``verdicts``
-answer a decode rank's Register with a Verdict; ``instances`` gathers the
+answer a decode rank's Register with a Verdict; ``decode_instances`` gathers the
 ranks of each decode instance and ``ownership`` binds rooms to one of them;
 ``chunks``, ``streaming``, ``layers`` and ``flow`` cut a send into chunks and
 write them to their targets; ``records`` holds the rooms, targets and peers.

@@ -1,9 +1,9 @@
 """The prefill side's verdict on a decode peer, decided before any traffic.
 
 Once the rank table is complete and every PP stage of the decode instance
-has a rank registered (:mod:`.instances`), the whole prefill instance
+has a rank registered (:mod:`.decode_instances`), the whole prefill instance
 is reconciled with the decode instance by the function ``pd-transfer check``
-calls (:func:`~pd_transfer.layout.instances.reconcile_instances`);
+calls (:func:`~pd_transfer.layout.instance_reconcile.reconcile_instances`);
 the registering rank's region handles are checked, its data plane is
 connected, and the transfer strategy per pool is chosen
 (:mod:`.strategies`). The Verdict says accepted (with the plan summary) or
@@ -22,7 +22,7 @@ from pd_transfer.agent.prefill.verdicts import plan_summary
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.fanout import decode_ranks_fed
 from pd_transfer.layout.geometry import handle_problems
-from pd_transfer.layout.instances import reconcile_instances
+from pd_transfer.layout.instance_reconcile import reconcile_instances
 from pd_transfer.layout.planner import PairPlanner
 from pd_transfer.layout.reconcile import Reconciliation
 from pd_transfer.protocol import MismatchRecord, Verdict
@@ -30,9 +30,9 @@ from pd_transfer.protocol import MismatchRecord, Verdict
 if TYPE_CHECKING:
     from pd_transfer.agent.dataplane import DataPlane
     from pd_transfer.agent.observe import Observer
-    from pd_transfer.agent.prefill.instances import DecodeInstances
+    from pd_transfer.agent.prefill.decode_instances import DecodeInstances
     from pd_transfer.agent.prefill.records import DecodePeer
-    from pd_transfer.config import SidecarConfig
+    from pd_transfer.config.sidecar import SidecarConfig
     from pd_transfer.layout.geometry import RankGeometry
     from pd_transfer.protocol import RankTable
 

@@ -39,7 +39,7 @@ from pd_transfer.layout.views import Pool
 
 if TYPE_CHECKING:
     from pd_transfer.agent.prefill.records import PrefillRoom, Target
-    from pd_transfer.config import SidecarConfig
+    from pd_transfer.config.sidecar import SidecarConfig
     from pd_transfer.layout.planner import PairPlanner
 
 ChunkRequests: TypeAlias = "dict[Pool, tuple[np.ndarray, np.ndarray] | TokenSpan]"

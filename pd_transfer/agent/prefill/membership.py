@@ -21,7 +21,7 @@ from pd_transfer.errors import PdTransferError
 if TYPE_CHECKING:
     import zmq.asyncio
 
-    from pd_transfer.config import SidecarConfig
+    from pd_transfer.config.sidecar import SidecarConfig
     from pd_transfer.protocol import RankEntry, RankTable
 
 log = logging.getLogger(__package__)

@@ -28,7 +28,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from pd_transfer.agent.prefill.instances import instance_size
+from pd_transfer.agent.prefill.decode_instances import instance_size
 from pd_transfer.agent.prefill.records import TargetState
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.protocol import Done, DoneStatus

@@ -19,11 +19,11 @@ import numpy as np
 from pd_transfer.agent.channels import Channel
 from pd_transfer.agent.prefill.layers import ChunkLayers
 from pd_transfer.agent.rooms import Room
-from pd_transfer.doorbell import Doorbells
 from pd_transfer.errors import PdTransferError, Reason
 from pd_transfer.layout.planner import PairPlanner
 from pd_transfer.layout.reconcile import Reconciliation
 from pd_transfer.layout.views import Pool
+from pd_transfer.memory.doorbell import Doorbells
 from pd_transfer.protocol import CONFIRM_DONE, Register, TransferRequest
 
 if TYPE_CHECKING:

@@ -33,9 +33,9 @@ from pd_transfer.agent.indices import check_indices
 from pd_transfer.agent.peer_process import own_register_fields, peer_identity
 from pd_transfer.agent.prefill import ownership
 from pd_transfer.agent.prefill.acceptance import send_verdict
+from pd_transfer.agent.prefill.decode_instances import DecodeInstances, instance_size
 from pd_transfer.agent.prefill.endings import PrefillEndings
 from pd_transfer.agent.prefill.flow import refuse_new_room
-from pd_transfer.agent.prefill.instances import DecodeInstances, instance_size
 from pd_transfer.agent.prefill.membership import announce_first, join_instance
 from pd_transfer.agent.prefill.rank_table import RankTableHost
 from pd_transfer.agent.prefill.records import DecodePeer, PrefillRoom, Target
@@ -69,7 +69,7 @@ if TYPE_CHECKING:
     from pd_transfer.agent.dataplane import DataPlane
     from pd_transfer.agent.observe import Observer
     from pd_transfer.agent.side_context import SideContext
-    from pd_transfer.config import SidecarConfig
+    from pd_transfer.config.sidecar import SidecarConfig
 
 log = logging.getLogger(__package__)
 

@@ -22,9 +22,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from pd_transfer import cuda_ipc
 from pd_transfer.errors import GeometryError, Reason
-from pd_transfer.shm_segments import Segment, create_segment, segment_name
+from pd_transfer.memory import cuda_ipc
+from pd_transfer.memory.segments import Segment, create_segment, segment_name
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from pd_transfer import cuda_ipc
 from pd_transfer.client import allocate_pools
 from pd_transfer.integrations.vllm.memory import KvMemory
 from pd_transfer.layout.views import Pool
+from pd_transfer.memory import cuda_ipc
 
 Blocks = Mapping[Pool, Sequence[int]]  # a request's blocks per pool (KV pages, SWA pages, state slots)
 

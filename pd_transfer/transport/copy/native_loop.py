@@ -192,7 +192,7 @@ def copy_grid(
 
 
 def _check_landed(done: int) -> None:
-    """-1: a piece met a SIGBUS in a watched segment (:mod:`pd_transfer.shm_guard`)."""
+    """-1: a piece met a SIGBUS in a watched segment (:mod:`pd_transfer.memory.segment_guard`)."""
     if done == -1:
         raise TransportError(
             "a shared-memory segment was truncated under its mapping during the copy",

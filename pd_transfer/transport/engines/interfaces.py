@@ -18,7 +18,7 @@ import ipaddress
 import socket
 
 from pd_transfer.errors import Reason, TransportError
-from pd_transfer.listeners import WILDCARDS
+from pd_transfer.observability.listeners import WILDCARDS
 
 
 class _Sockaddr(ctypes.Structure):

@@ -46,7 +46,7 @@ PROBE_LANDING = np.zeros(64, np.uint8)  # every engine's probe reads land here (
 
 
 class StagingPath(Protocol):
-    """What a link keeps of its staging channel (``staging/engine.py``'s ``LinkStaging``)."""
+    """What a link keeps of its staging channel (``staging/link_staging.py``'s ``LinkStaging``)."""
 
     by_region: dict[str, Strategy]  # destination region -> the strategy set for it
     channel: StagingChannel  # its ring: how many slots, how large (the strategy's choice)

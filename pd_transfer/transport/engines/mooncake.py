@@ -23,7 +23,7 @@ queued for a peer, and what it had already accepted of that batch keeps
 writing. A write returns once every batch it posted has ended (an error
 included), so no byte of it lands later. After an engine error the link
 settles and probes (:mod:`~pd_transfer.transport.engines.link`). Plans of small runs go staged
-instead where the peer offers a staging area (:mod:`~pd_transfer.transport.engines.staging.engine`):
+instead where the peer offers a staging area (:mod:`~pd_transfer.transport.engines.staging.link_staging`):
 gathered into 4 MiB slots, one descriptor each, scattered by decode.
 
 The engine is imported only when a transport or receiver is built; without
@@ -48,7 +48,7 @@ from pd_transfer.transport.engines.runs import (
     region_bases,
     split_long,
 )
-from pd_transfer.transport.engines.staging.engine import (
+from pd_transfer.transport.engines.staging.link_staging import (
     EngineReceiver,
     ReceiverStaging,
     StagingOptions,

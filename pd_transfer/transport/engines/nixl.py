@@ -21,7 +21,7 @@ Each write is one prepared WRITE request: both sides' pools prepared once as row
 (:mod:`~pd_transfer.transport.engines.nixl_prepared`), kept on the link.
 
 Plans of small runs go staged instead where the peer offers a staging area
-(:mod:`~pd_transfer.transport.engines.staging.engine`): gathered into 4 MiB slots, one descriptor each,
+(:mod:`~pd_transfer.transport.engines.staging.link_staging`): gathered into 4 MiB slots, one descriptor each,
 scattered by decode. The agent itself (loading NIXL, UCX settings,
 registration, the receiver) lives in :mod:`~pd_transfer.transport.engines.nixl_agent`.
 """
@@ -52,7 +52,7 @@ from pd_transfer.transport.engines.nixl_prepared import (
     prepped_write,
 )
 from pd_transfer.transport.engines.runs import lower_to_addresses
-from pd_transfer.transport.engines.staging.engine import (
+from pd_transfer.transport.engines.staging.link_staging import (
     StagingOptions,
     attach,
     run_staged,

@@ -34,7 +34,7 @@ from pd_transfer.transport.engines.address import EngineAddress
 from pd_transfer.transport.engines.interfaces import device_of
 from pd_transfer.transport.engines.link import PROBE_LANDING
 from pd_transfer.transport.engines.runs import region_bases
-from pd_transfer.transport.engines.staging.engine import EngineReceiver, ReceiverStaging
+from pd_transfer.transport.engines.staging.link_staging import EngineReceiver, ReceiverStaging
 from pd_transfer.transport.regions import Regions
 
 log = logging.getLogger(__name__)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import functools
 
+from pd_transfer.config.extras import ENGINES, engine_missing
 from pd_transfer.errors import Reason, TransportError
-from pd_transfer.extras import ENGINES, engine_missing
 from pd_transfer.transport.base import Receiver, Transport
-from pd_transfer.transport.engines.staging.engine import ReceiverStaging, StagingOptions
+from pd_transfer.transport.engines.staging.link_staging import ReceiverStaging, StagingOptions
 from pd_transfer.transport.regions import Regions
 
 __all__ = [

@@ -34,8 +34,8 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from pd_transfer import shm_guard
 from pd_transfer.errors import Reason, TransportError
+from pd_transfer.memory import segment_guard as shm_guard
 from pd_transfer.transport.copy.packing import check_wire, scatter_chunk
 from pd_transfer.transport.receiver_rooms import Ticket
 from pd_transfer.transport.tcp.frames import (

@@ -31,8 +31,8 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from pd_transfer import shm_guard
 from pd_transfer.errors import Reason, TransportError
+from pd_transfer.memory import segment_guard as shm_guard
 from pd_transfer.transport.base import Receiver
 from pd_transfer.transport.copy.packing import check_wire, scatter_chunk
 from pd_transfer.transport.receiver_rooms import RoomPolicy, Ticket

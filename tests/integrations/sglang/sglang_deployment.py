@@ -15,7 +15,7 @@ from cluster import Sidecar
 from sglang.srt.disaggregation.base.conn import KVPoll
 
 from pd_transfer.integrations.sglang.conn import PdTransferKVReceiver, PdTransferKVSender
-from pd_transfer.ports import spare_port
+from pd_transfer.processes.ports import spare_port
 
 _tags = itertools.count()
 SIDECAR_CONFIG = {

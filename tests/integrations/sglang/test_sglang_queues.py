@@ -45,7 +45,7 @@ from sglang_deployment import Deployment
 from sglang_process import Topology, llama_dir, queue_rank, sglang_rank
 from sglang_ranks import metadata_buffers
 
-from pd_transfer.ports import spare_port
+from pd_transfer.processes.ports import spare_port
 
 LAYERS, HEADS, HEAD_DIM, PAGE, POOL_TOKENS = 2, 2, 8, 4, 64
 

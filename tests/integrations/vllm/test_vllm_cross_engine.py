@@ -77,7 +77,7 @@ from vllm_instances import (  # noqa: E402
 )
 
 from pd_transfer.integrations.vllm.specs import RecvSpec, StepSpecs  # noqa: E402
-from pd_transfer.ports import spare_port  # noqa: E402
+from pd_transfer.processes.ports import spare_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
 SERVER = REPO / "tests" / "integrations" / "sglang" / "sglang_prefill_server.py"

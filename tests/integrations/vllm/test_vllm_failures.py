@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm_traffic import Side, run_pd  # noqa: E402
 
-from pd_transfer.ports import spare_port  # noqa: E402
+from pd_transfer.processes.ports import spare_port  # noqa: E402
 
 NUM_BLOCKS = 200
 # far beyond run_pd's deadline below: a request ended by a timeout would fail the test

@@ -35,7 +35,7 @@ from vllm_instances import run_until  # noqa: E402
 from vllm_traffic import Side, check_loaded_kv, run_pd  # noqa: E402
 
 from pd_transfer.integrations.vllm import params as kvparams  # noqa: E402
-from pd_transfer.ports import spare_port  # noqa: E402
+from pd_transfer.processes.ports import spare_port  # noqa: E402
 
 NUM_BLOCKS = 64
 BLOCK = 16

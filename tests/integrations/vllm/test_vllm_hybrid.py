@@ -56,7 +56,7 @@ from vllm_hybrid_caches import (  # noqa: E402
 from vllm_instances import HEAD_SIZE, TOTAL_HEADS, transfer  # noqa: E402
 
 from pd_transfer.integrations.vllm.specs import RecvSpec, SendSpec  # noqa: E402
-from pd_transfer.ports import spare_port  # noqa: E402
+from pd_transfer.processes.ports import spare_port  # noqa: E402
 
 
 def _bootstrap():

@@ -45,7 +45,7 @@ from vllm_instances import HEAD_SIZE, NUM_BLOCKS, TOTAL_HEADS  # noqa: E402
 from pd_transfer.integrations.vllm.hybrid_state import DROPPED_KEY  # noqa: E402
 from pd_transfer.integrations.vllm.params import NUM_PAGES_KEY, ROOM_KEY  # noqa: E402
 from pd_transfer.integrations.vllm.specs import RecvSpec, SendSpec  # noqa: E402
-from pd_transfer.ports import spare_port  # noqa: E402
+from pd_transfer.processes.ports import spare_port  # noqa: E402
 
 MAX_MODEL_LEN = 4096  # the harness's; vLLM's GDN block size without prefix caching
 

@@ -34,7 +34,7 @@ from vllm_instances import (  # noqa: E402
     run_until,
 )
 
-from pd_transfer.ports import spare_port  # noqa: E402
+from pd_transfer.processes.ports import spare_port  # noqa: E402
 
 
 class Engine:

@@ -22,7 +22,7 @@ pytest.importorskip(
 import torch  # noqa: E402
 from vllm_traffic import Side, assert_loaded_then_ran_one_token, check_loaded_kv, run_pd  # noqa: E402
 
-from pd_transfer.ports import spare_port  # noqa: E402
+from pd_transfer.processes.ports import spare_port  # noqa: E402
 
 NUM_BLOCKS = 1200
 LONG = 3000  # tokens: 188 pages of 16, 94 of 32

@@ -49,7 +49,7 @@ from vllm_instances import HEAD_SIZE, NUM_BLOCKS, TOTAL_HEADS, transfer  # noqa:
 from pd_transfer.errors import ConfigError  # noqa: E402
 from pd_transfer.integrations.vllm.connector import PdTransferConnector  # noqa: E402
 from pd_transfer.integrations.vllm.specs import RecvSpec, SendSpec  # noqa: E402
-from pd_transfer.ports import spare_port  # noqa: E402
+from pd_transfer.processes.ports import spare_port  # noqa: E402
 
 MAX_MODEL_LEN = 4096  # the harness's; vLLM's GDN block size without prefix caching
 

@@ -32,7 +32,7 @@ from vllm_instances import (  # noqa: E402
 from vllm_instances import transfer as transfer_specs  # noqa: E402
 
 from pd_transfer.integrations.vllm.specs import RecvSpec, SendSpec, StepSpecs  # noqa: E402
-from pd_transfer.ports import spare_port  # noqa: E402
+from pd_transfer.processes.ports import spare_port  # noqa: E402
 
 
 def transfer(prefill: Instance, decode: Instance, req: str, room: int, src: list[int], dst: list[int]):

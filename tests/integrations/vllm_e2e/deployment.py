@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from pd_transfer.ports import spare_port
+from pd_transfer.processes.ports import spare_port
 
 HERE = Path(__file__).resolve().parent
 BLOCK_SIZE = 32

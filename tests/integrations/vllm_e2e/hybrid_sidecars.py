@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from pd_transfer.ports import spare_port
+from pd_transfer.processes.ports import spare_port
 
 
 def engine_env() -> dict:

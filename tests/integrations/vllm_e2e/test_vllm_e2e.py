@@ -49,7 +49,7 @@ from deployment import (  # noqa: E402
     write_model,
 )
 
-from pd_transfer.ports import spare_port  # noqa: E402
+from pd_transfer.processes.ports import spare_port  # noqa: E402
 
 # 32 prompts: around every block boundary of 32 (k*B, k*B+1), single tokens, a long one
 LENGTHS = [1, 2, 5, 17, 31, 32, 33, 34, 63, 64, 65, 66, 96, 97, 100, 127, 128, 129]

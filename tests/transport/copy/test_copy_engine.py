@@ -12,7 +12,7 @@ from pd_transfer.errors import Reason, TransportError
 from pd_transfer.layout.lowering import RunBatch, TransferPlan
 from pd_transfer.layout.views import Layout
 from pd_transfer.transport.copy import native_loop as native_copy
-from pd_transfer.transport.copy.engine import CopyEngine
+from pd_transfer.transport.copy.copy_engine import CopyEngine
 from pd_transfer.transport.copy.runs import row_nbytes_for, rows_of
 
 # Each engine configuration forces one copy path through the same plans: numpy's
@@ -539,7 +539,7 @@ def test_the_last_small_run_is_copied_after_every_other_task(monkeypatch):
     aux row) back until every other task has finished, then copies it."""
     import time as clock
 
-    import pd_transfer.transport.copy.engine as engine_module
+    import pd_transfer.transport.copy.copy_engine as engine_module
 
     spans, compiled = [], []
 

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 import torch
 
-from pd_transfer.cuda_ipc import cuda_available
 from pd_transfer.errors import TransportError
 from pd_transfer.layout.geometry import Role
 from pd_transfer.layout.planner import plan_pair
@@ -12,6 +11,7 @@ from pd_transfer.layout.presets import load_preset
 from pd_transfer.layout.rank_builder import build_instance
 from pd_transfer.layout.reconcile import reconcile
 from pd_transfer.layout.views import Layout, Pool
+from pd_transfer.memory.cuda_ipc import cuda_available
 from pd_transfer.testing import World
 from pd_transfer.transport.copy.device import execute_on_device
 

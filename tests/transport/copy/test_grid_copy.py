@@ -14,7 +14,7 @@ from pd_transfer.layout.reconcile import reconcile
 from pd_transfer.layout.views import Layout, Pool
 from pd_transfer.testing import World
 from pd_transfer.transport.copy import native_loop as native_copy
-from pd_transfer.transport.copy.engine import CopyEngine
+from pd_transfer.transport.copy.copy_engine import CopyEngine
 
 CASES = {
     "direct tp2->2": dict(kind="llama", prefill_tp=2, decode_tp=2),

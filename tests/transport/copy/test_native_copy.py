@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from pd_transfer.layout.lowering import RunBatch, TransferPlan
 from pd_transfer.transport.copy import native_loop as native_copy
-from pd_transfer.transport.copy.engine import CopyEngine
+from pd_transfer.transport.copy.copy_engine import CopyEngine
 from pd_transfer.transport.copy.runs import flatten
 from pd_transfer.transport.regions import map_one
 
@@ -165,7 +165,7 @@ def test_turned_off_the_engine_copies_with_numpy_and_refuses_native():
     code = (
         "import numpy as np\n"
         "from pd_transfer.transport.copy import native_loop as native_copy\n"
-        "from pd_transfer.transport.copy.engine import CopyEngine\n"
+        "from pd_transfer.transport.copy.copy_engine import CopyEngine\n"
         "from pd_transfer.layout.lowering import RunBatch, TransferPlan\n"
         "assert not native_copy.AVAILABLE, native_copy.UNAVAILABLE_WHY\n"
         "print(native_copy.UNAVAILABLE_WHY)\n"

@@ -23,7 +23,7 @@ from pd_transfer.errors import Reason, TransportError
 from pd_transfer.layout.lowering import RunBatch, TransferPlan
 from pd_transfer.transport.engines.link import Recovery
 from pd_transfer.transport.engines.registry import ENGINES, engine_unusable
-from pd_transfer.transport.engines.staging.engine import StagingOptions
+from pd_transfer.transport.engines.staging.link_staging import StagingOptions
 from pd_transfer.transport.engines.strategy import Strategy, StrategyMode
 
 pytestmark = pytest.mark.asyncio

@@ -348,7 +348,7 @@ async def test_a_garbled_request_is_answered_and_refused():
 async def test_a_plan_is_cut_into_parts_written_in_plan_order():
     from types import SimpleNamespace
 
-    from pd_transfer.transport.engines.staging.engine import LinkStaging, segments
+    from pd_transfer.transport.engines.staging.link_staging import LinkStaging, segments
     from pd_transfer.transport.engines.strategy import Strategy, StrategyMode
 
     def batch(region: str, run_nbytes: int) -> RunBatch:

@@ -157,7 +157,7 @@ def test_runs_that_continue_on_both_sides_are_joined_before_profiling():
 
 def test_the_config_and_the_metrics_name_the_same_strategies():
     from pd_transfer.agent.observe import STRATEGIES as reported
-    from pd_transfer.config import STRATEGIES as configurable
+    from pd_transfer.config.sidecar import STRATEGIES as configurable
 
     assert configurable == tuple(m.value for m in StrategyMode)
     assert reported == tuple(s.value for s in Strategy)

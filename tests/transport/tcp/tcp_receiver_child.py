@@ -9,7 +9,7 @@ import asyncio
 import json
 import sys
 
-from pd_transfer.shm_segments import open_segment
+from pd_transfer.memory.segments import open_segment
 from pd_transfer.transport import TcpReceiver
 
 

@@ -5,7 +5,7 @@ A decode rank running an engine transport registers, besides its regions, one
 publishes it with its engine address. Prefill writes gathered chunks into
 slots of it with the engine and then says, on a control connection served by
 :class:`StagingReceiver`, which slot holds which destination runs
-(:mod:`~pd_transfer.transport.engines.staging.wire`). For each such request the receiver
+(:mod:`~pd_transfer.transport.engines.staging.channel_requests`). For each such request the receiver
 
 - checks that the slot belongs to this connection's ring and the byte count
   fits the slot,
@@ -43,14 +43,14 @@ import numpy as np
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.copy.packing import check_wire, scatter_chunk
-from pd_transfer.transport.engines.staging.wire import (
+from pd_transfer.transport.engines.staging.channel_requests import (
     MAX_HEADER_NBYTES,
     OpenRing,
     Ring,
     Staged,
     decode_request,
 )
-from pd_transfer.transport.engines.staging.wire import encode as encode_staging
+from pd_transfer.transport.engines.staging.channel_requests import encode as encode_staging
 from pd_transfer.transport.receiver_rooms import ReceiverRooms
 from pd_transfer.transport.regions import Mapped, Regions, map_one
 from pd_transfer.transport.tcp.frames import Ack, Fail

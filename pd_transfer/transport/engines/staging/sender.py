@@ -46,7 +46,7 @@ import numpy as np
 
 from pd_transfer.errors import Reason, TransportError
 from pd_transfer.transport.copy.packing import ChunkLayout, WireRuns, gather_chunk
-from pd_transfer.transport.engines.staging.wire import OpenRing, Staged, decode_ring, encode
+from pd_transfer.transport.engines.staging.channel_requests import OpenRing, Staged, decode_ring, encode
 from pd_transfer.transport.regions import Mapped
 from pd_transfer.transport.tcp.frames import Ack, ChunkHeader, Fail, decode_reply
 from pd_transfer.transport.tcp.sockets import (

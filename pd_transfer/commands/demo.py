@@ -14,7 +14,7 @@ exit 2 with the reason. A child that fails stops the demo at once, with the
 end of that child's log, and a failed run keeps its work directory (every
 log) and prints where. SIGINT and SIGTERM stop every child and remove the
 work directory, then exit 130 or 143 with one line; SIGKILL stops them too
-(:mod:`pd_transfer.parent_death`).
+(:mod:`pd_transfer.processes.parent_death`).
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pd_transfer import demo_summary
-from pd_transfer.demo_summary import log_tail
+from pd_transfer.commands import demo_summary
+from pd_transfer.commands.demo_summary import log_tail
 from pd_transfer.layout.views import KV_LAYOUTS
-from pd_transfer.parent_death import tied_to_parent
-from pd_transfer.ports import spare_port
+from pd_transfer.processes.parent_death import tied_to_parent
+from pd_transfer.processes.ports import spare_port
 from pd_transfer.security.secret import SECRET_ENV, SECRET_FILE_ENV, new_secret_file
 
 EXIT_OK, EXIT_FAILED = 0, 1

@@ -22,7 +22,7 @@ from collections import OrderedDict
 
 from pd_transfer.layout.diagnostics import format_ranges
 from pd_transfer.layout.geometry import RankGeometry
-from pd_transfer.layout.instances import stage_representatives
+from pd_transfer.layout.instance_reconcile import stage_representatives
 from pd_transfer.protocol import Register
 
 MAX_INSTANCES = 64  # decode instances remembered (least recently registered forgotten)

@@ -13,14 +13,14 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from pd_transfer.config.worker_geometry import WorkerConfig
 from pd_transfer.layout.geometry import RankGeometry
-from pd_transfer.layout.instances import reconcile_instances
+from pd_transfer.layout.instance_reconcile import reconcile_instances
 from pd_transfer.layout.lowering import RunBatch
 from pd_transfer.layout.planner import PairPlanner, Request, plan_pair
 from pd_transfer.layout.reconcile import Reconciliation
 from pd_transfer.layout.spans import TokenSpan
 from pd_transfer.layout.views import Pool
-from pd_transfer.worker_config import WorkerConfig
 
 
 def sample_requests(

@@ -50,7 +50,7 @@ from pd_transfer.protocol import (
 
 if TYPE_CHECKING:
     from pd_transfer.agent.side_context import SideContext
-    from pd_transfer.config import SidecarConfig
+    from pd_transfer.config.sidecar import SidecarConfig
     from pd_transfer.protocol import Message, RankEntry, RankTable
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ import ctypes
 import os
 from pathlib import Path
 
-LIBRARY_PATH = Path(__file__).resolve().parent / "transport" / "native" / "_copy_runs.so"
+LIBRARY_PATH = Path(__file__).resolve().parents[1] / "transport" / "native" / "_copy_runs.so"
 ABI = 5
 
 _lib: ctypes.CDLL | None = None

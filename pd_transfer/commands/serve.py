@@ -13,8 +13,8 @@ import zmq
 from pd_transfer.agent.auth import Security
 from pd_transfer.agent.roles import sidecar_for
 from pd_transfer.agent.runner import run_until_stopped
-from pd_transfer.config import SidecarConfig
-from pd_transfer.logs import configure_logging  # noqa: F401  (re-exported for the CLI)
+from pd_transfer.config.sidecar import SidecarConfig
+from pd_transfer.observability.logs import configure_logging  # noqa: F401  (re-exported for the CLI)
 
 EXIT_STARTUP_FAILED = 3
 

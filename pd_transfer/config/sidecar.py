@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pd_transfer import config_addresses as addresses
-from pd_transfer.config_sources import ENV_PREFIX, Setting, environ_settings, file_settings
+from pd_transfer.config import addresses
+from pd_transfer.config.extras import ENGINES, engine_missing
+from pd_transfer.config.sources import ENV_PREFIX, Setting, environ_settings, file_settings
 from pd_transfer.errors import ConfigError
-from pd_transfer.extras import ENGINES, engine_missing
 from pd_transfer.layout.geometry import Role
 from pd_transfer.protocol.stream_frames import unix_path
 
@@ -142,7 +142,7 @@ def load_sidecar_config(
     ``overrides`` are CLI flags by field (None meaning unset; ``flags``: field -> the flag
     that set it, which a problem then names). A variable names a field in upper case: ``PD_TRANSFER_CONTROL_PORT=5600``;
     lists are comma-separated. Every key of the file and every ``PD_TRANSFER_*`` variable is
-    applied or reported (:mod:`pd_transfer.config_sources`).
+    applied or reported (:mod:`pd_transfer.config.sources`).
     """
     settings: dict[str, Setting] = {}
     problems: list[str] = []

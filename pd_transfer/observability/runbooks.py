@@ -23,8 +23,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-_PACKAGE_DOC = Path(__file__).resolve().parent / "_docs" / "operations.md"
-_REPO_DOC = Path(__file__).resolve().parents[1] / "docs" / "operations.md"
+_PACKAGE_DOC = Path(__file__).resolve().parents[1] / "_docs" / "operations.md"
+_REPO_DOC = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
 _HEADING = re.compile(r"^(#{1,6})\s+(.+?)\s*#*\s*$")
 _FENCE = re.compile(r"^\s*(```|~~~)")
 NAME = re.compile(r"[a-z0-9_-]{1,100}")  # what a runbook name can look like at all

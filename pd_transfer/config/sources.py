@@ -3,7 +3,7 @@
 A TOML file's ``[sidecar]`` table, ``PD_TRANSFER_*`` variables and flags all
 become :class:`Setting` values whose ``origin`` is what a problem names:
 ``sidecar.toml: sidecar.http_port``, ``PD_TRANSFER_HTTP_PORT``, ``--http-port``.
-Pure reading: the values are checked in :mod:`pd_transfer.config`.
+Pure reading: the values are checked in :mod:`pd_transfer.config.sidecar`.
 
 Nothing is ignored without a word. In a file, a key outside ``[sidecar]`` and
 a table of any other name are problems. A ``PD_TRANSFER_*`` variable is a

@@ -28,7 +28,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pd_transfer import __version__
-from pd_transfer.metric_labels import (
+from pd_transfer.observability.metric_labels import (
     ADMISSION_RESOURCES,
     AUTH_FAILURE_REASONS,
     BAD_FRAME_REASONS,

@@ -25,7 +25,7 @@ KV). A sparse segment is mapped lazily: populating it would allocate all of
 it, charged to the sidecar.
 
 A segment mapped from another process (:func:`open_segment`) is watched for
-SIGBUS (:mod:`pd_transfer.shm_guard`): its owner can truncate it under the
+SIGBUS (:mod:`pd_transfer.memory.segment_guard`): its owner can truncate it under the
 mapping, and a copy into the lost part then fails the room
 (:attr:`Segment.truncated`) instead of killing this process.
 
@@ -45,8 +45,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pd_transfer import shm_guard
 from pd_transfer.errors import Reason, TransportError
+from pd_transfer.memory import segment_guard as shm_guard
 
 if TYPE_CHECKING:
     import torch
@@ -89,7 +89,7 @@ def check_name(name: str) -> str:
             f"segment name {name!r} is refused: only letters, digits, '_', '-' and '.' "
             f"(no '/', no '..', no leading '.', at most {_MAX_NAME_LEN} characters)",
             code=Reason.SEGMENT_NAME_INVALID,
-            hint="build names with pd_transfer.shm_segments.segment_name",
+            hint="build names with pd_transfer.memory.segments.segment_name",
         )
     return name
 
@@ -124,7 +124,7 @@ class Segment:
 
     @property
     def watched(self) -> bool:
-        """Whether a SIGBUS in this mapping is caught (:mod:`pd_transfer.shm_guard`)."""
+        """Whether a SIGBUS in this mapping is caught (:mod:`pd_transfer.memory.segment_guard`)."""
         return self._slot >= 0 and self._unwatch is not None and self._unwatch.alive
 
     @property

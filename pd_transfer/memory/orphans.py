@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pd_transfer.shm_segments import SEGMENT_DIR, SEGMENT_PREFIX
+from pd_transfer.memory.segments import SEGMENT_DIR, SEGMENT_PREFIX
 
 # shm-clean's exit codes: done; orphans listed, left; a process that may hold them unseen
 EXIT_OK, EXIT_LISTED, EXIT_UNSURE = 0, 1, 2

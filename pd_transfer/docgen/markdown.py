@@ -1,7 +1,7 @@
 """Markdown pieces of the generated docs: tables, heading anchors, readable
 bounds, and the comments the code writes beside its own definitions.
 
-Used by :mod:`pd_transfer.docgen`; no imports from the package.
+Used by :mod:`pd_transfer.docgen.generate`; no imports from the package.
 """
 
 from __future__ import annotations

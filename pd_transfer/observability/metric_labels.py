@@ -1,8 +1,8 @@
 """The label values every sidecar exports at 0 from its start, per metric family.
 
 A labelled counter has no series until its first increment, which alerts
-and panels cannot see (:mod:`pd_transfer.metrics` says why): these bounded
-sets name the series :class:`~pd_transfer.metrics.SidecarMetrics` exports
+and panels cannot see (:mod:`pd_transfer.observability.metrics` says why): these bounded
+sets name the series :class:`~pd_transfer.observability.metrics.SidecarMetrics` exports
 ahead. Pure data; the reason codes are :class:`~pd_transfer.errors.Reason`
 values.
 """

@@ -12,8 +12,8 @@ A doc marks where a table goes::
     (anything here is replaced)
     <!-- END GENERATED: transitions -->
 
-    python -m pd_transfer.docgen          rewrite every generated block
-    python -m pd_transfer.docgen --check  print the diff and exit 1 if a doc is stale
+    python -m pd_transfer.docgen.generate          rewrite every generated block
+    python -m pd_transfer.docgen.generate --check  print the diff and exit 1 if a doc is stale
 
 A top-level tool: it may import every layer, and runs no I/O but reading and
 writing the docs.
@@ -32,8 +32,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import cast
 
-from pd_transfer.docgen_fields import describe_kind, field_table, nested_records
-from pd_transfer.docgen_markdown import github_anchor, markdown_table, readable_number, source_comments
+from pd_transfer.docgen.fields import describe_kind, field_table, nested_records
+from pd_transfer.docgen.markdown import github_anchor, markdown_table, readable_number, source_comments
 from pd_transfer.errors import Reason
 from pd_transfer.layout.geometry import Role
 from pd_transfer.protocol.generations import FRESHNESS_RULES, Freshness, Handling
@@ -45,7 +45,7 @@ from pd_transfer.protocol.transitions import TERMINAL_STATES, TRANSITIONS, Sessi
 from pd_transfer.wire import limits as wire_limits
 from pd_transfer.wire.limits import Limits
 
-DOCS_DIR = Path(__file__).resolve().parents[1] / "docs"
+DOCS_DIR = Path(__file__).resolve().parents[2] / "docs"
 _BLOCK = re.compile(r"<!-- BEGIN GENERATED: ([\w-]+) -->\n.*?<!-- END GENERATED: \1 -->", re.DOTALL)
 
 #: who sends each bootstrap message (they are outside the session table)
@@ -240,7 +240,7 @@ def render_metrics() -> str:
     from prometheus_client import CollectorRegistry
     from prometheus_client.metrics import MetricWrapperBase
 
-    from pd_transfer.metrics import SidecarMetrics
+    from pd_transfer.observability.metrics import SidecarMetrics
 
     metrics = SidecarMetrics(CollectorRegistry(), "prefill")
     rows = []
@@ -255,8 +255,8 @@ def render_metrics() -> str:
 
 
 def render_sidecar_config() -> str:
-    from pd_transfer import config
-    from pd_transfer.serve_flags import SERVE_FLAGS
+    from pd_transfer.config import sidecar as config
+    from pd_transfer.config.serve_flags import SERVE_FLAGS
 
     env_prefix = getattr(config, "ENV_PREFIX", "")
     flags = {entry.field: entry for entry in SERVE_FLAGS}
@@ -317,7 +317,7 @@ def fill(text: str, renderers: dict[str, Renderer], where: str) -> str:
     def replace(match: re.Match) -> str:
         name = match.group(1)
         return (
-            f"<!-- BEGIN GENERATED: {name} -->\n<!-- by `python -m pd_transfer.docgen`; "
+            f"<!-- BEGIN GENERATED: {name} -->\n<!-- by `python -m pd_transfer.docgen.generate`; "
             f"edit the code, not this block -->\n\n{renderers[name]().strip()}\n\n"
             f"<!-- END GENERATED: {name} -->"
         )
@@ -349,7 +349,9 @@ def check(docs_dir: Path = DOCS_DIR) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pd_transfer.docgen", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m pd_transfer.docgen.generate", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--check", action="store_true", help="exit 1 if a doc differs from the code")
     parser.add_argument("--docs", type=Path, default=DOCS_DIR, help=f"docs directory ({DOCS_DIR})")
     args = parser.parse_args(argv)
@@ -357,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         diff = check(args.docs)
         if diff:
             sys.stdout.write(diff)
-            print("docs are stale: run `python -m pd_transfer.docgen`", file=sys.stderr)
+            print("docs are stale: run `python -m pd_transfer.docgen.generate`", file=sys.stderr)
             return 1
         return 0
     for path, (current, generated) in generate(args.docs).items():

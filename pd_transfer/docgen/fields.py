@@ -1,7 +1,7 @@
 """How the generated docs describe the wire's field kinds: one phrase per kind
 (``int in [0, 2^64-1]``, ``list (at most 4096) of str``), one table per record.
 
-Used by :mod:`pd_transfer.docgen`; reads the kinds themselves
+Used by :mod:`pd_transfer.docgen.generate`; reads the kinds themselves
 (:mod:`pd_transfer.wire.fields`, :mod:`pd_transfer.wire.packed`), never a copy.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
-from pd_transfer.docgen_markdown import github_anchor, markdown_table, readable_number
+from pd_transfer.docgen.markdown import github_anchor, markdown_table, readable_number
 from pd_transfer.wire import fields as kinds
 from pd_transfer.wire import packed
 

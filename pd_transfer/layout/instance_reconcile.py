@@ -22,7 +22,7 @@ does is rejected like a missing layer.
 ``pd-transfer check`` calls it with both instances built from worker
 configs; a prefill sidecar calls it with its rank table and, for the decode
 side, :func:`stage_representatives`: the registering rank and one registered
-rank of every other stage (:mod:`pd_transfer.agent.prefill.instances` waits
+rank of every other stage (:mod:`pd_transfer.agent.prefill.decode_instances` waits
 until each stage has one). The TP ranks of one stage register the same
 tensors (each rank's shard ranges are reconciled when it registers), so
 layer coverage and every per-tensor verdict are the instance's: the same

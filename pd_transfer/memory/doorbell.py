@@ -35,7 +35,7 @@ polling. Linux on x86-64 only (its stores are seen in order, which the read
 orders above rely on); elsewhere :data:`AVAILABLE` is False and rooms end
 through the sidecar's messages, as before.
 
-Imports numpy, ctypes and :mod:`pd_transfer.shm_segments`; no asyncio, no zmq.
+Imports numpy, ctypes and :mod:`pd_transfer.memory.segments`; no asyncio, no zmq.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ import time
 import numpy as np
 
 from pd_transfer.errors import Reason, TransportError
-from pd_transfer.shm_segments import Segment, create_segment, open_segment, segment_name
+from pd_transfer.memory.segments import Segment, create_segment, open_segment, segment_name
 
 SLOT_WORDS = 16  # 64 bytes a slot
 MAX_WRITERS = SLOT_WORDS - 4  # prefill ranks writing one decode rank's room
@@ -125,7 +125,7 @@ class Doorbells:
     def open(cls, name: str) -> Doorbells:
         """Map the segment a decode sidecar published.
 
-        Refuses unsafe names and short files (:func:`~pd_transfer.shm_segments.open_segment`),
+        Refuses unsafe names and short files (:func:`~pd_transfer.memory.segments.open_segment`),
         and any name :meth:`create` would not have made: a peer must not get a
         pool segment of some worker of this host taken for its doorbells."""
         if not isinstance(name, str) or _DOORBELL_NAME not in name:

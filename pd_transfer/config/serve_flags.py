@@ -1,6 +1,6 @@
 """The flags of ``pd-transfer serve`` that set a ``[sidecar]`` field, declared once.
 
-Each entry names the :class:`~pd_transfer.config.SidecarConfig` field it sets
+Each entry names the :class:`~pd_transfer.config.sidecar.SidecarConfig` field it sets
 (the flag is the field's name with dashes, unless the entry spells another),
 its argparse options and its help. The help's default is read from
 ``SidecarConfig`` itself, so ``--help`` cannot drift from what the sidecar
@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from pd_transfer.config import SidecarConfig
+from pd_transfer.config.sidecar import SidecarConfig
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""Docs generated from the code, so the tables in ``docs/`` cannot drift from it."""

@@ -1,0 +1,1 @@
+"""Observability: Prometheus metrics and their label sets, structured logs, the served runbooks, listening sockets."""
