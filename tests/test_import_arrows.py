@@ -21,9 +21,9 @@ ABOVE_TRANSPORT = [
     "pd_transfer.agent",
     "pd_transfer.client",
     "pd_transfer.integrations",
-    "pd_transfer.commands.serve",
+    "pd_transfer.commands",
 ]
-ENTRY = ["pd_transfer.cli", "pd_transfer.commands.serve", "pd_transfer.commands.demo"]
+ENTRY = ["pd_transfer.cli", "pd_transfer.commands"]
 
 FORBIDDEN: dict[str, list[str]] = {
     # pure: tensor views, planning; numpy only
@@ -78,6 +78,71 @@ FORBIDDEN: dict[str, list[str]] = {
     "pd_transfer.sim": ["pd_transfer.agent", "pd_transfer.transport", "pd_transfer.integrations", *ENTRY],
     # sans-I/O authentication, below the transports and the sidecar
     "pd_transfer.security": ["pd_transfer.transport", *ABOVE_TRANSPORT, *ENTRY],
+    # shared-memory segments, the SIGBUS guard, CUDA IPC handles, doorbells: below the transports
+    "pd_transfer.memory": [
+        *IO,
+        "pd_transfer.layout",
+        "pd_transfer.protocol",
+        "pd_transfer.security",
+        "pd_transfer.transport",
+        "pd_transfer.config",
+        "pd_transfer.observability",
+        *ABOVE_TRANSPORT,
+        *ENTRY,
+    ],
+    # the sidecar's record and where its values came from: read, checked, never acted on
+    "pd_transfer.config": [
+        "asyncio",
+        "zmq",
+        "uvloop",
+        "prometheus_client",
+        "torch",
+        "pd_transfer.transport",
+        "pd_transfer.memory",
+        "pd_transfer.observability",
+        *ABOVE_TRANSPORT,
+        *ENTRY,
+    ],
+    # metrics, logs, runbooks, listening sockets: what the sidecar reports, not what it does
+    "pd_transfer.observability": [
+        "asyncio",
+        "zmq",
+        "uvloop",
+        "torch",
+        "pd_transfer.transport",
+        "pd_transfer.memory",
+        "pd_transfer.config",
+        *ABOVE_TRANSPORT,
+        *ENTRY,
+    ],
+    # docs generated from the tables of the layers below the sidecar, never from running it
+    "pd_transfer.docgen": [
+        "asyncio",
+        "zmq",
+        "socket",
+        "uvloop",
+        "torch",
+        "pd_transfer.transport",
+        "pd_transfer.memory",
+        *ABOVE_TRANSPORT,
+        *ENTRY,
+    ],
+    # process helpers: the standard library only
+    "pd_transfer.processes": [
+        "pd_transfer.errors",
+        "pd_transfer.wire",
+        "pd_transfer.layout",
+        "pd_transfer.protocol",
+        "pd_transfer.security",
+        "pd_transfer.transport",
+        "pd_transfer.config",
+        "pd_transfer.memory",
+        "pd_transfer.observability",
+        *ABOVE_TRANSPORT,
+        *ENTRY,
+    ],
+    # what the subcommands run: never a worker's library or an engine adapter
+    "pd_transfer.commands": ["pd_transfer.client", "pd_transfer.integrations", "pd_transfer.cli"],
     # the oracle checks the planner's work without the layers that carry it
     "pd_transfer.testing": [
         "zmq",

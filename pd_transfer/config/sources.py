@@ -35,7 +35,7 @@ OTHER_VARIABLES = {
     "PD_TRANSFER_SECRET": "the shared secret itself (security/secret.py)",
     "PD_TRANSFER_NATIVE_COPY": "0 turns the native copy loop off (transport/copy/native_loop.py)",
     "PD_TRANSFER_NO_NATIVE_IO": "set: socket reads without the native helper (transport/tcp/native_io.py)",
-    "PD_TRANSFER_SIGBUS_GUARD": "0 turns the mapped-segment fault guard off (shm_guard.py)",
+    "PD_TRANSFER_SIGBUS_GUARD": "0 turns the mapped-segment fault guard off (memory/segment_guard.py)",
 }
 
 # read by pd-transfer's components in the engine's process, which often shares the

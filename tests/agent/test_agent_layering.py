@@ -12,7 +12,7 @@ import pd_transfer
 
 PACKAGE = Path(pd_transfer.__file__).resolve().parent
 AGENT = PACKAGE / "agent"
-STARTS_A_SIDECAR = {"cli.py", "server.py", "demo.py"}
+STARTS_A_SIDECAR = {"cli.py", "commands/serve.py", "commands/demo.py"}
 
 
 def _module_name(path: Path, root: Path) -> str:

@@ -126,10 +126,17 @@ def _owner(name: str) -> str | None:
 
 
 def _needed(modules: list[Path], home: list[str]) -> set[str]:
+    """What ``modules`` import; ``from package import module`` needs the module, not the package."""
     needed = set()
     for path in modules:
-        for _, name in ARROWS._imports(path):
+        imports = ARROWS._imports(path)
+        for line, name in imports:
             owner = _owner(name)
+            submodules = {
+                _owner(other) for at, other in imports if at == line and other.startswith(f"{name}.")
+            }
+            if owner == name and submodules - {owner}:
+                continue
             if owner and not any(ARROWS._under(owner, own) for own in home):
                 needed.add(owner)
     return needed
@@ -215,3 +222,11 @@ def test_the_checks_see_a_missing_folder_an_unknown_one_and_a_forbidden_name():
     assert _uncovered({"pd_transfer.transport.tcp.frames"}, _allowed(cell)) == [
         "pd_transfer.transport.tcp.frames"
     ]
+
+
+def test_a_module_imported_from_its_package_needs_that_module_only(tmp_path):
+    source = tmp_path / "probe.py"
+    source.write_text(
+        "from pd_transfer.memory import orphans\nfrom pd_transfer.protocol import PROTOCOL_VERSION\n"
+    )
+    assert _needed([source], ["pd_transfer.cli"]) == {"pd_transfer.memory.orphans", "pd_transfer.protocol"}
