@@ -51,8 +51,8 @@ from pd_transfer.integrations.sglang.conn import (
     PdTransferKVReceiver,
     PdTransferKVSender,
 )
+from pd_transfer.integrations.sglang.facts import EngineFacts
 from pd_transfer.integrations.sglang.memory import share_engine_memory
-from pd_transfer.integrations.sglang.registration import EngineFacts
 from pd_transfer.processes.ports import spare_port
 from pd_transfer.security.secret import use_ephemeral_secret
 

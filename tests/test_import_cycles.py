@@ -6,8 +6,7 @@ the ones under ``if TYPE_CHECKING:`` (a loop of types is still two modules that
 cannot be read, or changed, one without the other). ``from pkg import name``
 is an import of ``pkg.name`` where that is a module, else of ``pkg``.
 
-The loops that exist are listed in ``KNOWN_LOOPS``, each with the package it
-stays inside; every other package has none, and this test keeps it so.
+The package has none, and this test keeps it so.
 """
 
 from __future__ import annotations
@@ -16,14 +15,7 @@ import ast
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1] / "pd_transfer"
-
-#: package -> why it still has a loop; a loop must stay inside one of these
-KNOWN_LOOPS: dict[str, str] = {
-    "pd_transfer.integrations.sglang": "the view builders name registration's EngineFacts (TYPE_CHECKING)",
-}
 
 
 def module_names(root: Path) -> dict[str, Path]:
@@ -108,23 +100,10 @@ def package_graph(root: Path) -> dict[str, set[str]]:
     return {name: imported_modules(name, path, modules) for name, path in modules.items()}
 
 
-def _inside(module: str, package: str) -> bool:
-    return module == package or module.startswith(package + ".")
-
-
-def test_no_import_loop_outside_the_known_ones():
-    outside = [
-        loop
-        for loop in import_loops(package_graph(ROOT))
-        if not any(all(_inside(m, package) for m in loop) for package in KNOWN_LOOPS)
-    ]
-    assert outside == [], "import loops (each a set of modules that import one another)"
-
-
-@pytest.mark.parametrize("package", sorted(KNOWN_LOOPS))
-def test_each_known_loop_is_still_there(package):
-    loops = [loop for loop in import_loops(package_graph(ROOT)) if all(_inside(m, package) for m in loop)]
-    assert loops, f"{package} has no import loop left: drop it from KNOWN_LOOPS"
+def test_the_package_has_no_import_loop():
+    assert import_loops(package_graph(ROOT)) == [], (
+        "import loops (each a set of modules that import one another)"
+    )
 
 
 def _write(root: Path, files: dict[str, str]) -> Path:

@@ -39,8 +39,9 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from pd_transfer.client import Client, ClientError, Refused, RoomState, RoomStatus
 from pd_transfer.errors import ConfigError, Reason
 from pd_transfer.integrations.sglang.dp_routing import bootstrap_address
+from pd_transfer.integrations.sglang.facts import EngineFacts
 from pd_transfer.integrations.sglang.memory import EngineMemory
-from pd_transfer.integrations.sglang.registration import EngineFacts, describe_rank
+from pd_transfer.integrations.sglang.registration import describe_rank
 from pd_transfer.integrations.sglang.settings import BackendSettings, deferred_release_enabled
 from pd_transfer.layout.geometry import Role
 

@@ -18,7 +18,7 @@ from pd_transfer.integrations.sglang.memory import EngineMemory
 from pd_transfer.layout.views import Pool, TensorView
 
 if TYPE_CHECKING:
-    from pd_transfer.integrations.sglang.registration import EngineFacts
+    from pd_transfer.integrations.sglang.facts import EngineFacts
 
 
 def target_kv_views(

@@ -17,7 +17,7 @@ from pd_transfer.integrations.sglang.memory import PoolTensor
 from pd_transfer.layout.views import Axis, AxisRole, Layout, Pool, ShardSpec, TensorView
 
 if TYPE_CHECKING:
-    from pd_transfer.integrations.sglang.registration import EngineFacts
+    from pd_transfer.integrations.sglang.facts import EngineFacts
 
 _DTYPE_NAMES = {"uint64": "int64", "bool": "uint8"}  # same bytes; the planner only moves bytes
 

@@ -22,7 +22,7 @@ from typing import Any
 from pd_transfer.errors import GeometryError, Reason
 from pd_transfer.integrations.sglang.backend_enum import add_backend_member
 from pd_transfer.integrations.sglang.dp_routing import dp_group, refuse_unsupported
-from pd_transfer.integrations.sglang.registration import ConvGroups, EngineFacts
+from pd_transfer.integrations.sglang.facts import ConvGroups, EngineFacts
 from pd_transfer.integrations.sglang.settings import force_query_prefill_dp_rank
 from pd_transfer.layout.geometry import Role
 

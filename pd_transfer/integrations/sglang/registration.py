@@ -7,7 +7,7 @@ conv groups. That is not enough to move bytes into a differently shaped pool:
 head_dim, the state shapes and dtypes, Mamba2's conv groups and the TP size
 are missing. :func:`describe_rank` takes them from the pool tensors
 themselves (located from each pointer, see :mod:`.memory`) and from
-:class:`EngineFacts` (SGLang's model config and server args), and
+:class:`~.facts.EngineFacts` (SGLang's model config and server args), and
 cross-checks every view against SGLang's own item lengths: a disagreement is
 a :class:`~pd_transfer.errors.GeometryError` naming the buffer and both
 values, never a guess.
@@ -18,60 +18,16 @@ Pure translation: no sockets, no sidecar.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 from pd_transfer.errors import GeometryError, Reason
 from pd_transfer.integrations.sglang import kv_entries
+from pd_transfer.integrations.sglang.facts import ConvGroups, EngineFacts
 from pd_transfer.integrations.sglang.host_views import host_kv_views
 from pd_transfer.integrations.sglang.kv_views import check_item, dtype_name, kv_view
 from pd_transfer.integrations.sglang.memory import EngineMemory, PoolTensor
 from pd_transfer.layout.geometry import RankGeometry, Region, Role
-from pd_transfer.layout.views import Axis, AxisRole, Layout, Pool, ShardSpec, TensorView, canonical_range
-
-
-@dataclass(frozen=True)
-class ConvGroups:
-    """A conv state's channel groups as the model has them, and which every rank holds whole.
-
-    A Mamba2 conv state is ``[x (d_inner) | B (n_groups*state) | C
-    (n_groups*state)]``, each group split over attention TP on its own. With
-    fewer B/C groups than ranks (``n_groups = 1``), SGLang's ``MambaMixer2``
-    gives every rank the whole group (``mamba_v2_sharded_weight_loader`` with
-    ``duplicate_groups``): ``replicated`` names those groups by position, and
-    their range is ``[0, group)`` on every rank instead of a slice.
-    """
-
-    groups: tuple[int, ...]
-    replicated: frozenset[int] = frozenset()
-
-    def shard(self, tp_size: int, tp_rank: int) -> ShardSpec:
-        """The groups and this rank's range of each."""
-        ranges = tuple(
-            (0, g) if i in self.replicated else canonical_range(g, tp_size, tp_rank)
-            for i, g in enumerate(self.groups)
-        )
-        return ShardSpec.grouped(self.groups, ranges)
-
-
-@dataclass(frozen=True)
-class EngineFacts:
-    """What ``kv_args`` lacks, from SGLang's model config and server args.
-
-    ``mamba2_conv_groups`` is a Mamba2 conv state's channel split (see
-    :class:`ConvGroups`): SGLang leaves it undeclared for Mamba2 models
-    (NemotronH, FalconH1, Granite hybrids), whose conv channels are
-    nonetheless three independently sharded groups.
-    """
-
-    attn_tp_size: int
-    pp_size: int = 1
-    start_layer: int = 0
-    total_kv_heads: int | None = None  # None for MLA
-    draft_total_kv_heads: int | None = None  # the speculative draft model's (None: no draft, or MLA)
-    dp_rank: int = 0  # the DP group (system DP replica, or attention-DP group) this rank serves
-    mamba2_conv_groups: ConvGroups | None = None
-    model: str = ""
+from pd_transfer.layout.views import Axis, AxisRole, Layout, Pool, ShardSpec, TensorView
 
 
 def describe_rank(kv_args: Any, memory: EngineMemory, facts: EngineFacts, role: Role) -> RankGeometry:

@@ -52,9 +52,9 @@ from sglang_process import Topology, host_destination, llama_dir, queue_rank, sg
 from sglang_ranks import metadata_buffers
 
 from pd_transfer.errors import GeometryError
+from pd_transfer.integrations.sglang.facts import EngineFacts
 from pd_transfer.integrations.sglang.host_views import host_kv_views
 from pd_transfer.integrations.sglang.memory import HostKvPool, share_engine_memory
-from pd_transfer.integrations.sglang.registration import EngineFacts
 
 LAYERS, HEADS, PAGE, POOL_TOKENS = 3, 2, 4, 32
 FACTS = EngineFacts(attn_tp_size=1, total_kv_heads=HEADS, model="tiny-host")

@@ -29,8 +29,9 @@ from pd_transfer.client import ClientError
 from pd_transfer.errors import ConfigError, GeometryError, PdTransferError, Reason
 from pd_transfer.integrations.sglang import plugin
 from pd_transfer.integrations.sglang.conn import ENGINE_MEMORY
+from pd_transfer.integrations.sglang.facts import EngineFacts
 from pd_transfer.integrations.sglang.memory import share_engine_memory
-from pd_transfer.integrations.sglang.registration import EngineFacts, describe_rank
+from pd_transfer.integrations.sglang.registration import describe_rank
 from pd_transfer.layout.geometry import Role
 
 PAGE = 4
