@@ -20,7 +20,6 @@ from pd_transfer.testing import World
 from pd_transfer.transport import Fault, MockTransport, PeerEndpoint
 from pd_transfer.transport.copy.checksums import BlockLayout, RoomDigest, compare, landed_digest
 from pd_transfer.transport.copy.checksums import CopySide as Side
-from pd_transfer.transport.mock import CorruptNth
 
 CASES = {
     "llama-tp2to4-sliced": ("llama-3.1-8b", 2, 4, Layout.NHD),
@@ -210,23 +209,3 @@ def test_positions_must_arrive_in_order():
     chunk = {Pool.KV: (np.array([1]), np.array([2]))}
     with pytest.raises(ValueError, match="positions"):
         digest.add_sent(chunk, {Pool.KV: 2}, world.prefill_buffers[src_geometry.rank_id])
-
-
-def test_the_test_only_fault_flips_one_byte_of_the_nth_write_once():
-    prefill, decode, world, requests = _setup("llama-tp2to4-sliced", seed=5)
-    _, [(src_geometry, planner)] = _pairs(prefill, decode, decode[0])
-    layout = BlockLayout(planner)
-    buffers = world.decode_buffers[decode[0].rank_id]
-    fault = CorruptNth(2)
-    sent = _sent_digest(layout, planner, requests, world, src_geometry.rank_id)
-    plan = planner.plan({Pool.KV: requests[Pool.KV]})
-    fault.landed(plan, buffers)  # write 1: untouched
-    assert compare(layout, _dst(requests), sent, landed_digest(layout, _dst(requests), buffers)) == ""
-    fault.landed(plan, buffers)  # write 2: one byte flipped in what the plan wrote
-    assert "1 of 4 page(s)" in compare(
-        layout, _dst(requests), sent, landed_digest(layout, _dst(requests), buffers)
-    )
-    payload = np.zeros(64, np.uint8)
-    fault.payload(memoryview(payload))  # write 3: never again
-    assert not payload.any()
-    assert CorruptNth(1).payload(memoryview(payload)) is None and payload[32] == 0xFF
