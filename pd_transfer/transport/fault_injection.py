@@ -28,7 +28,7 @@ import numpy as np
 
 from pd_transfer.layout.lowering import RunBatch, TransferPlan
 from pd_transfer.transport.base import Link, PeerEndpoint, RoomId, Transport
-from pd_transfer.transport.copy.runs import expand, flatten
+from pd_transfer.transport.mock import stream_byte
 from pd_transfer.transport.regions import Mapped, Regions
 
 #: the source region of the one-byte write that flips a landed byte
@@ -65,7 +65,8 @@ class CorruptingTransport(Transport):
         nbytes = await self.inner.write(link, plan, src_regions, room=room, generation=generation)
         if nbytes and self.fault.due():
             flip = flip_plan(plan, src_regions, nbytes // 2)
-            await self.inner.write(link, flip[0], flip[1], room=room, generation=generation)
+            if flip is not None:
+                await self.inner.write(link, flip[0], flip[1], room=room, generation=generation)
         return nbytes
 
     async def close(self) -> None:
@@ -75,24 +76,24 @@ class CorruptingTransport(Transport):
         self.inner.forget_sources()
 
 
-def flip_plan(plan: TransferPlan, src_regions: Regions, byte_index: int) -> tuple[TransferPlan, Regions]:
+def flip_plan(
+    plan: TransferPlan, src_regions: Regions, byte_index: int
+) -> tuple[TransferPlan, Regions] | None:
     """A one-byte plan (and its source) that writes the inverse of the byte that byte
-    ``byte_index`` of ``plan``'s stream carried, where that byte landed."""
-    flat = flatten(plan)
-    runs = expand(flat)
-    end = np.cumsum(runs.nbytes)
-    index = min(max(byte_index, 0), int(end[-1]) - 1)
-    i = int(np.searchsorted(end, index, side="right"))
-    into = index - (int(end[i]) - int(runs.nbytes[i]))
-    batch = flat.batches[int(runs.batch[i])]
+    ``byte_index`` of ``plan``'s stream carried, where that byte landed; None for a plan
+    of no bytes."""
+    found = stream_byte(plan, byte_index)
+    if found is None:
+        return None
+    batch, src_offset, dst_offset = found
     memory = src_regions[batch.src_region]
     source = memory.array if isinstance(memory, Mapped) else memory
-    value = int(source[int(runs.src_offset[i]) + into])  # numpy or a torch tensor, any device
+    value = int(source[src_offset])  # numpy or a torch tensor, any device
     one = RunBatch(
         FLIP_REGION,
         batch.dst_region,
         np.zeros(1, np.int64),
-        np.array([int(runs.dst_offset[i]) + into], np.int64),
+        np.array([dst_offset], np.int64),
         np.ones(1, np.int64),
         np.ones(1, np.int64),
         0,

@@ -220,16 +220,25 @@ def truncate_plan(plan, prefix_nbytes: int) -> TransferPlan:
     return TransferPlan(plan.src_rank, plan.dst_rank, tuple(batches))
 
 
-def flip_byte(plan, dst_regions: Regions, byte_index: int) -> None:
-    """XOR 0xFF into the destination byte that byte ``byte_index`` of the stream landed on."""
+def stream_byte(plan: TransferPlan, byte_index: int) -> tuple[RunBatch, int, int] | None:
+    """Where byte ``byte_index`` of ``plan``'s stream (clamped into it) comes from and lands:
+    its batch, source offset and destination offset; None for a plan of no bytes."""
     flat = flatten(plan)
     runs = expand(flat)
     if not len(runs):
-        return
+        return None
     end = np.cumsum(runs.nbytes)
     index = min(max(byte_index, 0), int(end[-1]) - 1)
     i = int(np.searchsorted(end, index, side="right"))
-    offset = int(runs.dst_offset[i]) + index - (int(end[i]) - int(runs.nbytes[i]))
-    region_id = flat.batches[int(runs.batch[i])].dst_region
-    array = map_one(region_id, dst_regions[region_id], "destination").array
+    into = index - (int(end[i]) - int(runs.nbytes[i]))
+    return flat.batches[int(runs.batch[i])], int(runs.src_offset[i]) + into, int(runs.dst_offset[i]) + into
+
+
+def flip_byte(plan: TransferPlan, dst_regions: Regions, byte_index: int) -> None:
+    """XOR 0xFF into the destination byte that byte ``byte_index`` of the stream landed on."""
+    found = stream_byte(plan, byte_index)
+    if found is None:
+        return
+    batch, _, offset = found
+    array = map_one(batch.dst_region, dst_regions[batch.dst_region], "destination").array
     array[offset] ^= 0xFF
